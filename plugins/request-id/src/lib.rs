@@ -1,0 +1,172 @@
+//! The `request_id` plugin: every request gets an id that follows it upstream, back to the
+//! client and into the access log.
+//!
+//! The id is the client's own `x-request-id` when it sends a sane one (visible ASCII, at
+//! most 128 bytes), otherwise a fresh one: 32 hex digits, unique per process and start.
+//!
+//! ```yaml
+//! plugins:
+//!   request_id:
+//!     enabled: true
+//!     header: x-request-id   # the header to read, send upstream and return
+//! ```
+
+use http::HeaderValue;
+use serde::Deserialize;
+use sluice_sdk::{
+    async_trait, ErrorReply, Plugin, RequestCtx, RequestHeader, ResponseHeader, Result, Session,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The plugin's config section.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RequestIdConfig {
+    #[serde(default = "default_enabled")]
+    pub enabled: bool,
+    #[serde(default = "default_header")]
+    pub header: String,
+}
+
+fn default_enabled() -> bool {
+    true
+}
+
+fn default_header() -> String {
+    "x-request-id".into()
+}
+
+impl Default for RequestIdConfig {
+    fn default() -> Self {
+        Self {
+            enabled: default_enabled(),
+            header: default_header(),
+        }
+    }
+}
+
+/// Longest client-supplied id kept as is; longer ones are replaced.
+const MAX_CLIENT_ID_LEN: usize = 128;
+
+pub struct RequestId {
+    header: http::HeaderName,
+    /// Ids are `<start time><counter>`: unique without a random source or a lock.
+    prefix: u64,
+    counter: AtomicU64,
+}
+
+impl RequestId {
+    /// Builds the plugin. Fails on a header name that is not a valid HTTP header name.
+    pub fn new(config: &RequestIdConfig) -> std::result::Result<Self, String> {
+        let header = http::HeaderName::from_bytes(config.header.as_bytes())
+            .map_err(|_| format!("`{}` is not a valid header name", config.header))?;
+        let prefix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ (u64::from(std::process::id()) << 48);
+        Ok(Self {
+            header,
+            prefix,
+            counter: AtomicU64::new(0),
+        })
+    }
+
+    fn next_id(&self) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!("{:016x}{:016x}", self.prefix, n)
+    }
+
+    fn header_value(ctx: &RequestCtx) -> Option<HeaderValue> {
+        ctx.request_id
+            .as_deref()
+            .and_then(|id| HeaderValue::from_str(id).ok())
+    }
+}
+
+fn is_acceptable(id: &[u8]) -> bool {
+    !id.is_empty() && id.len() <= MAX_CLIENT_ID_LEN && id.iter().all(|b| b.is_ascii_graphic())
+}
+
+#[async_trait]
+impl Plugin for RequestId {
+    fn name(&self) -> &'static str {
+        "request_id"
+    }
+
+    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+        let from_client = session
+            .req_header()
+            .headers
+            .get(&self.header)
+            .map(HeaderValue::as_bytes)
+            .filter(|v| is_acceptable(v))
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .map(str::to_owned);
+        ctx.request_id = Some(from_client.unwrap_or_else(|| self.next_id()));
+        Ok(())
+    }
+
+    fn upstream_request(&self, request: &mut RequestHeader, ctx: &mut RequestCtx) -> Result<()> {
+        if let Some(value) = Self::header_value(ctx) {
+            request
+                .insert_header(self.header.clone(), value)
+                .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+        }
+        Ok(())
+    }
+
+    fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+        if let Some(value) = Self::header_value(ctx) {
+            response
+                .insert_header(self.header.clone(), value)
+                .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_ids_are_unique_hex() {
+        let p = RequestId::new(&RequestIdConfig::default()).unwrap();
+        let a = p.next_id();
+        let b = p.next_id();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn client_ids_are_kept_only_when_sane() {
+        assert!(is_acceptable(b"abc-123"));
+        assert!(!is_acceptable(b""));
+        assert!(!is_acceptable(b"has space"));
+        assert!(!is_acceptable(&[b'a'; MAX_CLIENT_ID_LEN + 1]));
+    }
+
+    #[test]
+    fn sets_the_header_on_the_upstream_request_and_the_response() {
+        let p = RequestId::new(&RequestIdConfig::default()).unwrap();
+        let mut ctx = RequestCtx::new();
+        ctx.request_id = Some("rid-1".into());
+        let mut req = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
+        p.upstream_request(&mut req, &mut ctx).unwrap();
+        assert_eq!(req.headers.get("x-request-id").unwrap(), "rid-1");
+        let mut resp = ResponseHeader::build(200, None).unwrap();
+        p.response_header(&mut resp, &mut ctx).unwrap();
+        assert_eq!(resp.headers.get("x-request-id").unwrap(), "rid-1");
+    }
+
+    #[test]
+    fn rejects_an_invalid_header_name() {
+        let bad = RequestIdConfig {
+            header: "bad header".into(),
+            ..RequestIdConfig::default()
+        };
+        assert!(RequestId::new(&bad).is_err());
+    }
+}

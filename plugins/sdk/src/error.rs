@@ -1,0 +1,240 @@
+//! Errors that Sluice answers itself.
+//!
+//! A hook that wants to refuse a request returns `Err(ErrorReply::...into_error())`. The
+//! reply travels inside Pingora's `Error` as its cause, and the core turns it into the HTTP
+//! answer in exactly one place (`fail_to_proxy`): the status, the OpenAI error body and, for
+//! 429 and 503, `retry-after`. Errors that carry no `ErrorReply` (a refused connection, a
+//! timeout) are mapped there too, with [`ErrorReply::from_error`].
+
+use bytes::Bytes;
+use pingora_error::{Error, ErrorType};
+use serde::Serialize;
+use std::fmt;
+
+use crate::llm::InvalidRequest;
+
+/// An answer that Sluice makes itself, in OpenAI's error shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorReply {
+    pub status: u16,
+    pub message: String,
+    /// The request parameter at fault, if any (OpenAI's `param`).
+    pub param: Option<String>,
+    /// Seconds for `retry-after`; always set on 429 and 503.
+    pub retry_after: Option<u32>,
+    /// A short token for `router_rejections_total{reason}` and the access log.
+    pub reason: &'static str,
+}
+
+/// `retry-after` when nothing better is known.
+pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
+
+impl ErrorReply {
+    pub fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        let retry_after = matches!(status, 429 | 503).then_some(DEFAULT_RETRY_AFTER_SECS);
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+            retry_after,
+            reason,
+        }
+    }
+
+    pub fn bad_request(invalid: InvalidRequest) -> Self {
+        Self {
+            param: invalid.param,
+            ..Self::new(400, "bad-request", invalid.message)
+        }
+    }
+
+    pub fn not_found(reason: &'static str, message: impl Into<String>) -> Self {
+        Self::new(404, reason, message)
+    }
+
+    pub fn unknown_model(model: &str) -> Self {
+        Self {
+            param: Some("model".into()),
+            ..Self::new(
+                404,
+                "unknown-model",
+                format!("The model `{model}` does not exist."),
+            )
+        }
+    }
+
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(
+            413,
+            "body-too-large",
+            format!("The request body is larger than the limit of {limit} bytes."),
+        )
+    }
+
+    /// 503 with `retry-after`: shed, or nothing healthy to send to.
+    pub fn unavailable(reason: &'static str, message: impl Into<String>, retry_after: u32) -> Self {
+        Self {
+            retry_after: Some(retry_after.max(1)),
+            ..Self::new(503, reason, message)
+        }
+    }
+
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(502, "upstream-error", message)
+    }
+
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        Self::new(504, "upstream-timeout", message)
+    }
+
+    /// Wraps the reply in a Pingora error, so hooks can return it with `?`.
+    pub fn into_error(self) -> Box<Error> {
+        let context = format!("{} {}", self.status, self.reason);
+        Error::because(ErrorType::HTTPStatus(self.status), context, self)
+    }
+
+    /// The reply a Pingora error should produce: the `ErrorReply` it carries, or one mapped
+    /// from its type (connect failures are 502, timeouts 504, a client gone is 499).
+    pub fn from_error(e: &Error) -> Self {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = e
+            .cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static));
+        while let Some(c) = cause {
+            if let Some(reply) = c.downcast_ref::<ErrorReply>() {
+                return reply.clone();
+            }
+            if let Some(inner) = c.downcast_ref::<Error>() {
+                return Self::from_error(inner);
+            }
+            cause = c.source();
+        }
+        use ErrorType::*;
+        match &e.etype {
+            ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError
+            | ConnectProxyFailure | TLSHandshakeFailure | TLSHandshakeTimedout | InvalidCert
+            | HandshakeError => Self::bad_gateway(format!(
+                "The upstream could not be reached: {}.",
+                e.etype.as_str()
+            )),
+            ReadTimedout | WriteTimedout => {
+                Self::gateway_timeout("The upstream did not answer in time.")
+            }
+            HTTPStatus(code) if (400..600).contains(code) => {
+                Self::new(*code, "http-status", e.to_string())
+            }
+            InvalidHTTPHeader | H1Error | H2Error
+                if e.esource == pingora_error::ErrorSource::Downstream =>
+            {
+                Self::new(400, "bad-request", "The request is not valid HTTP.")
+            }
+            ConnectionClosed | ReadError | WriteError
+                if e.esource == pingora_error::ErrorSource::Downstream =>
+            {
+                // Nobody is left to read this; 499 is what nginx logs for it.
+                Self::new(499, "client-closed", "The client closed the connection.")
+            }
+            _ if e.esource == pingora_error::ErrorSource::Upstream => {
+                Self::bad_gateway(format!("The upstream failed: {}.", e.etype.as_str()))
+            }
+            _ => Self::new(500, "internal", "Internal error in the proxy."),
+        }
+    }
+
+    /// The OpenAI error type for the status, as vLLM names them.
+    pub fn openai_type(&self) -> &'static str {
+        match self.status {
+            400 | 413 => "BadRequestError",
+            401 => "AuthenticationError",
+            403 => "PermissionDeniedError",
+            404 => "NotFoundError",
+            408 => "RequestTimeoutError",
+            429 => "RateLimitError",
+            503 => "ServiceUnavailableError",
+            502 | 504 => "APIConnectionError",
+            _ => "InternalServerError",
+        }
+    }
+
+    /// `{"error": {"message", "type", "param", "code"}}` with the status as `code`, as vLLM does.
+    pub fn body(&self) -> Bytes {
+        #[derive(Serialize)]
+        struct Body<'a> {
+            error: Inner<'a>,
+        }
+        #[derive(Serialize)]
+        struct Inner<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: u16,
+        }
+        let body = Body {
+            error: Inner {
+                message: &self.message,
+                kind: self.openai_type(),
+                param: self.param.as_deref(),
+                code: self.status,
+            },
+        };
+        // Serializing plain strings and integers cannot fail.
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+    }
+
+    /// The same error as one SSE event, for a stream that has already started.
+    pub fn sse_event(&self) -> Bytes {
+        let body = self.body();
+        let mut event = Vec::with_capacity(body.len() + 24);
+        event.extend_from_slice(b"data: ");
+        event.extend_from_slice(&body);
+        event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        Bytes::from(event)
+    }
+}
+
+impl fmt::Display for ErrorReply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.status, self.reason, self.message)
+    }
+}
+
+impl std::error::Error for ErrorReply {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_survives_the_trip_through_a_pingora_error() {
+        let reply = ErrorReply::unavailable("kv-pressure", "shed", 3);
+        let e = reply.clone().into_error();
+        assert_eq!(ErrorReply::from_error(&e), reply);
+        // Wrapped once more by Pingora's `more_context`, it is still found.
+        let e = e.more_context("while filtering");
+        assert_eq!(ErrorReply::from_error(&e).retry_after, Some(3));
+    }
+
+    #[test]
+    fn plain_errors_map_to_statuses() {
+        let refused = Error::new_up(ErrorType::ConnectRefused);
+        assert_eq!(ErrorReply::from_error(&refused).status, 502);
+        let timeout = Error::new_up(ErrorType::ReadTimedout);
+        assert_eq!(ErrorReply::from_error(&timeout).status, 504);
+    }
+
+    #[test]
+    fn body_is_the_openai_shape() {
+        let r = ErrorReply::bad_request(InvalidRequest {
+            message: "bad".into(),
+            param: Some("stream".into()),
+        });
+        let v: serde_json::Value = serde_json::from_slice(&r.body()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error":{"message":"bad","type":"BadRequestError","param":"stream","code":400}})
+        );
+        assert_eq!(ErrorReply::new(503, "x", "y").retry_after, Some(1));
+        assert!(r.sse_event().ends_with(b"data: [DONE]\n\n"));
+    }
+}

@@ -1,0 +1,29 @@
+//! The Sluice plugin SDK: what every plugin depends on.
+//!
+//! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.
+//! - [`RequestCtx`]: the per-request state the core fills and plugins read.
+//! - [`LlmCall`] / [`LlmRequest`]: the parsed OpenAI request, with its raw bytes.
+//! - [`Pool`] / [`Pools`]: the upstream pools as plugins see them.
+//! - [`ErrorReply`]: how a hook refuses a request (status, OpenAI body, `retry-after`).
+//!
+//! A plugin crate also owns its config type (serde, `deny_unknown_fields`, with an `enabled`
+//! key) and a constructor that the core calls once at start-up.
+
+pub mod ctx;
+pub mod error;
+pub mod llm;
+pub mod plugin;
+pub mod pool;
+
+pub use ctx::{RequestCtx, Route};
+pub use error::ErrorReply;
+pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
+pub use plugin::Plugin;
+pub use pool::{BackendSpec, Pool, Pools, Timeouts, TokensPerSecond};
+
+// Re-exported so that plugins use the exact Pingora types the core uses.
+pub use async_trait::async_trait;
+pub use bytes::Bytes;
+pub use pingora_error::{Error, ErrorType, Result};
+pub use pingora_http::{RequestHeader, ResponseHeader};
+pub use pingora_proxy::Session;

@@ -1,0 +1,95 @@
+//! The plugin trait.
+//!
+//! A plugin is built once from its config section, shared behind an `Arc`, and called for
+//! every request at the phases it implements. Every hook has a no-op default, so a plugin
+//! implements only what it needs. The core calls the hooks of the enabled plugins in the
+//! chain's order (see `conf/README.md`); a disabled plugin is not in the chain at all.
+//!
+//! Phases, in the order a request meets them (and the Pingora phase each mirrors):
+//!
+//! | hook               | Pingora phase                 | sync? |
+//! |--------------------|-------------------------------|-------|
+//! | `early_request`    | `early_request_filter`        | async |
+//! | `request`          | `request_filter`              | async |
+//! | `upstream_select`  | `upstream_peer`               | sync  |
+//! | `upstream_request` | `upstream_request_filter`     | sync  |
+//! | `response_header`  | `response_filter`             | sync  |
+//! | `response_body`    | `response_body_filter`        | sync  |
+//! | `error`            | `fail_to_proxy`               | sync  |
+//! | `logging`          | `logging`                     | sync  |
+//!
+//! On LLM routes the client's request runs `request`, then the core drives one Pingora
+//! subrequest per upstream attempt and runs the response hooks itself as the attempt's
+//! response passes to the client; the hooks see the same things in the same order as on
+//! plain routes. Body hooks run per chunk and must be incremental: anything slow or async
+//! (a Redis write) is spawned, or done from `logging`.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use pingora_error::{Error, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+
+use crate::ctx::RequestCtx;
+use crate::error::ErrorReply;
+
+#[async_trait]
+pub trait Plugin: Send + Sync + 'static {
+    /// The plugin's name, as its config section is named (`request_id`, `cache`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Runs first, for every request on the proxy listener, before routing and before any
+    /// body is read: for what every answer needs, errors included (a request id).
+    /// `Err(e)` fails the request.
+    async fn early_request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs once the request is routed; on LLM routes the body has been read and parsed
+    /// (`ctx.llm` is set).
+    ///
+    /// - `Ok(false)`: go on to the next plugin, then to the upstream.
+    /// - `Ok(true)`: this plugin has written a complete response (a cache hit); the chain
+    ///   stops and no upstream is contacted.
+    /// - `Err(e)`: the request fails; `ErrorReply::...into_error()` chooses the answer.
+    async fn request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Runs before each upstream attempt, before a backend is chosen. It may replace
+    /// `ctx.pool`. `Err` fails the request.
+    fn upstream_select(&self, _ctx: &mut RequestCtx) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs on the request header about to be sent upstream, for each attempt.
+    fn upstream_request(&self, _request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs on the response header before it is sent to the client. `Err` fails the request
+    /// (only sensible before any byte was sent, which is always the case here).
+    fn response_header(&self, _response: &mut ResponseHeader, _ctx: &mut RequestCtx) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs on each response body chunk before it is sent to the client. `end_of_stream`
+    /// is true on the last call. The plugin may read the chunk (cloning `Bytes` is a
+    /// reference count) or replace it. Must not block.
+    fn response_body(
+        &self,
+        _body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs when Sluice answers the request with an error of its own (or ends a started
+    /// stream with an error event).
+    fn error(&self, _reply: &ErrorReply, _ctx: &mut RequestCtx) {}
+
+    /// Runs once at the end of every request, whatever happened. `error` is the failure, if
+    /// any. Spawn async work from here; do not block.
+    fn logging(&self, _error: Option<&Error>, _ctx: &mut RequestCtx) {}
+}

@@ -1,0 +1,101 @@
+//! The plugin chain: built once from config in a fixed order, then driven hook by hook.
+//!
+//! The order is part of the product (documented in `conf/README.md`): plugins that identify a
+//! request come first, then those that may answer it without an upstream, then those that
+//! choose where it goes. A disabled plugin is not in the chain and costs nothing.
+
+use crate::config::file::PluginsFile;
+use bytes::Bytes;
+use pingora_error::{Error, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+use sluice_sdk::{ErrorReply, Plugin, RequestCtx};
+use std::sync::Arc;
+
+pub struct Chain {
+    plugins: Vec<Arc<dyn Plugin>>,
+}
+
+impl Chain {
+    /// Builds the enabled plugins, in chain order. The config was validated at load, so an
+    /// error here names the plugin and what its constructor refused.
+    pub fn build(config: &PluginsFile) -> Result<Self, String> {
+        let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
+        if config.request_id.enabled {
+            let p = sluice_plugin_request_id::RequestId::new(&config.request_id)
+                .map_err(|e| format!("plugins.request_id: {e}"))?;
+            plugins.push(Arc::new(p));
+        }
+        Ok(Self { plugins })
+    }
+
+    /// A chain with the given plugins, for tests.
+    pub fn from_plugins(plugins: Vec<Arc<dyn Plugin>>) -> Self {
+        Self { plugins }
+    }
+
+    /// The plugin names in chain order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.plugins.iter().map(|p| p.name()).collect()
+    }
+
+    pub async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+        for p in &self.plugins {
+            p.early_request(session, ctx).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs `request` hooks until one answers (`Ok(true)`) or fails.
+    pub async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        for p in &self.plugins {
+            if p.request(session, ctx).await? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    pub fn upstream_select(&self, ctx: &mut RequestCtx) -> Result<()> {
+        self.plugins.iter().try_for_each(|p| p.upstream_select(ctx))
+    }
+
+    pub fn upstream_request(
+        &self,
+        request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        self.plugins
+            .iter()
+            .try_for_each(|p| p.upstream_request(request, ctx))
+    }
+
+    pub fn response_header(
+        &self,
+        response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        self.plugins
+            .iter()
+            .try_for_each(|p| p.response_header(response, ctx))
+    }
+
+    pub fn response_body(
+        &self,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        self.plugins
+            .iter()
+            .try_for_each(|p| p.response_body(body, end_of_stream, ctx))
+    }
+
+    pub fn error(&self, reply: &ErrorReply, ctx: &mut RequestCtx) {
+        self.plugins.iter().for_each(|p| p.error(reply, ctx));
+    }
+
+    pub fn logging(&self, error: Option<&Error>, ctx: &mut RequestCtx) {
+        self.plugins.iter().for_each(|p| p.logging(error, ctx));
+    }
+}

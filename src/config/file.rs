@@ -1,0 +1,238 @@
+//! The config file as written: serde types that mirror the YAML, with defaults, and that refuse
+//! unknown keys. Nothing here is validated beyond types; `super::validate` does the rest.
+
+use serde::{Deserialize, Deserializer};
+use sluice_plugin_request_id::RequestIdConfig;
+use std::time::Duration;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub pingora: PingoraFile,
+    #[serde(default = "default_listeners")]
+    pub listeners: Vec<ListenerFile>,
+    #[serde(default)]
+    pub admin: AdminFile,
+    #[serde(default)]
+    pub limits: LimitsFile,
+    #[serde(default)]
+    pub log: LogFile,
+    pub pools: Vec<PoolFile>,
+    #[serde(default)]
+    pub routes: Vec<RouteFile>,
+    #[serde(default)]
+    pub plugins: PluginsFile,
+}
+
+/// Pingora's own `ServerConf` keys that Sluice supports (the rest keep Pingora's defaults).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PingoraFile {
+    pub threads: usize,
+    pub work_stealing: bool,
+    pub pid_file: String,
+    pub upgrade_sock: String,
+    pub error_log: Option<String>,
+    pub user: Option<String>,
+    pub group: Option<String>,
+    pub daemon: bool,
+    pub grace_period_seconds: Option<u64>,
+    pub graceful_shutdown_timeout_seconds: Option<u64>,
+    pub upstream_keepalive_pool_size: usize,
+    pub listener_tasks_per_fd: usize,
+    pub ca_file: Option<String>,
+}
+
+impl Default for PingoraFile {
+    fn default() -> Self {
+        let d = pingora_core::server::configuration::ServerConf::default();
+        Self {
+            threads: d.threads,
+            work_stealing: d.work_stealing,
+            pid_file: "/tmp/sluice.pid".into(),
+            upgrade_sock: "/tmp/sluice_upgrade.sock".into(),
+            error_log: None,
+            user: None,
+            group: None,
+            daemon: false,
+            grace_period_seconds: Some(5),
+            graceful_shutdown_timeout_seconds: Some(5),
+            upstream_keepalive_pool_size: d.upstream_keepalive_pool_size,
+            listener_tasks_per_fd: d.listener_tasks_per_fd,
+            ca_file: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerFile {
+    pub address: String,
+    pub tls: Option<TlsFile>,
+}
+
+fn default_listeners() -> Vec<ListenerFile> {
+    vec![ListenerFile {
+        address: "0.0.0.0:8080".into(),
+        tls: None,
+    }]
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFile {
+    pub cert: String,
+    pub key: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminFile {
+    pub enabled: bool,
+    pub address: String,
+}
+
+impl Default for AdminFile {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            address: "127.0.0.1:9090".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsFile {
+    pub max_request_body_bytes: usize,
+    #[serde(deserialize_with = "duration")]
+    pub client_body_timeout: Duration,
+}
+
+impl Default for LimitsFile {
+    fn default() -> Self {
+        Self {
+            max_request_body_bytes: 8 * 1024 * 1024,
+            client_body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogFile {
+    pub level: String,
+    pub format: LogFormat,
+    pub access_log: bool,
+}
+
+impl Default for LogFile {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+            format: LogFormat::Text,
+            access_log: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolFile {
+    pub name: String,
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
+    pub backends: Vec<BackendFile>,
+    #[serde(default)]
+    pub timeouts: TimeoutsFile,
+    #[serde(default)]
+    pub tls: Option<UpstreamTlsFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendFile {
+    pub address: String,
+    #[serde(default = "default_weight")]
+    pub weight: usize,
+}
+
+fn default_weight() -> usize {
+    1
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamTlsFile {
+    /// The name to send as SNI and to verify the certificate against.
+    pub sni: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsFile {
+    #[serde(deserialize_with = "duration")]
+    pub connect: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub first_byte: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub total: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub keepalive_idle: Duration,
+    pub min_tokens_per_second: Option<f64>,
+    #[serde(deserialize_with = "duration")]
+    pub margin: Duration,
+}
+
+impl Default for TimeoutsFile {
+    fn default() -> Self {
+        let d = sluice_sdk::Timeouts::default();
+        Self {
+            connect: d.connect,
+            first_byte: d.first_byte,
+            total: d.total,
+            keepalive_idle: d.keepalive_idle,
+            min_tokens_per_second: None,
+            margin: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteFile {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub path_prefix: String,
+    #[serde(default)]
+    pub host: Option<String>,
+    pub pool: String,
+}
+
+/// One optional section per plugin. An absent section means the plugin's defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsFile {
+    #[serde(default)]
+    pub request_id: RequestIdConfig,
+}
+
+/// Durations as people write them: `250ms`, `2s`, `5m`, `1h 30m`.
+pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "`{text}` is not a duration ({e}); write it like 250ms, 2s or 5m"
+        ))
+    })
+}

@@ -1,0 +1,422 @@
+//! Configuration in two tiers: [`file`] mirrors the YAML and refuses unknown keys; this module
+//! validates it once, at load, into the runtime [`Config`]. Every error names the file, the key
+//! path and the rule broken, e.g.
+//! `conf/sluice.yaml: pools[0].timeouts.first_byte: must not be longer than pools[0].timeouts.total (90s > 60s)`.
+
+pub mod file;
+
+use pingora_core::server::configuration::ServerConf;
+use sluice_sdk::{BackendSpec, Pool, Pools, Timeouts, TokensPerSecond};
+use std::collections::HashSet;
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use file::LogFormat;
+use file::{FileConfig, PluginsFile};
+
+/// A config that cannot be used: where, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// The key path, e.g. `pools[0].backends[1].address`; empty for the whole file.
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}: {}: {}",
+                self.file.display(),
+                self.path,
+                self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The validated, runtime configuration.
+#[derive(Debug)]
+pub struct Config {
+    pub source: PathBuf,
+    /// Pingora's own settings.
+    pub server: ServerConf,
+    pub listeners: Vec<Listener>,
+    pub admin: Option<SocketAddr>,
+    pub limits: Limits,
+    pub log: LogSettings,
+    pub pools: Pools,
+    pub routes: Vec<RouteRule>,
+    /// Plugin sections, already checked; the chain is built from them.
+    pub plugins: PluginsFile,
+}
+
+#[derive(Debug, Clone)]
+pub struct Listener {
+    pub address: SocketAddr,
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_request_body_bytes: usize,
+    pub client_body_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct LogSettings {
+    pub level: String,
+    pub format: LogFormat,
+    pub access_log: bool,
+}
+
+/// A plain-HTTP route: requests whose path starts with `path_prefix` (and whose `Host` is
+/// `host`, when set) are proxied to `pool`.
+#[derive(Debug, Clone)]
+pub struct RouteRule {
+    pub name: Arc<str>,
+    pub path_prefix: String,
+    pub host: Option<String>,
+    pub pool: Arc<Pool>,
+}
+
+/// The largest request body limit accepted: bodies are held in memory whole.
+const MAX_BODY_LIMIT: usize = 1 << 30;
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_path_buf(),
+            path: String::new(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Validates `text` as if it were the file at `path` (relative paths inside the config,
+    /// like TLS certificates, are resolved against that file's folder).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let at = |key: &str, message: String| ConfigError {
+            file: path.to_path_buf(),
+            path: key.to_string(),
+            message,
+        };
+        let deserializer = serde_yaml_ng::Deserializer::from_str(text);
+        let raw: FileConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            let key = e.path().to_string();
+            let key = if key == "." { String::new() } else { key };
+            let message = e.into_inner().to_string();
+            // The YAML parser starts its message with the (shorter) path it knew: drop it.
+            let message = match message.split_once(": ") {
+                Some((head, rest)) if !head.contains(' ') && key.starts_with(head) => {
+                    rest.to_string()
+                }
+                _ => message,
+            };
+            at(&key, message)
+        })?;
+        validate(raw, path).map_err(|(key, message)| at(&key, message))
+    }
+}
+
+type Invalid = (String, String);
+
+fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
+    let base = path.parent().unwrap_or(Path::new("."));
+    let server = server_conf(&raw)?;
+
+    if raw.listeners.is_empty() {
+        return Err(("listeners".into(), "at least one listener is needed".into()));
+    }
+    let mut addresses = HashSet::new();
+    let mut listeners = Vec::new();
+    for (i, l) in raw.listeners.iter().enumerate() {
+        let key = format!("listeners[{i}]");
+        let address = socket_address(&l.address).map_err(|m| (format!("{key}.address"), m))?;
+        if !addresses.insert(address) {
+            return Err((format!("{key}.address"), format!("{address} is used twice")));
+        }
+        let tls = match &l.tls {
+            None => None,
+            Some(t) => Some(TlsFiles {
+                cert: existing_file(base, &t.cert).map_err(|m| (format!("{key}.tls.cert"), m))?,
+                key: existing_file(base, &t.key).map_err(|m| (format!("{key}.tls.key"), m))?,
+            }),
+        };
+        listeners.push(Listener { address, tls });
+    }
+
+    let admin = if raw.admin.enabled {
+        let address =
+            socket_address(&raw.admin.address).map_err(|m| ("admin.address".to_string(), m))?;
+        if !addresses.insert(address) {
+            return Err((
+                "admin.address".into(),
+                format!("{address} is also a proxy listener"),
+            ));
+        }
+        Some(address)
+    } else {
+        None
+    };
+
+    let limits = &raw.limits;
+    if limits.max_request_body_bytes == 0 || limits.max_request_body_bytes > MAX_BODY_LIMIT {
+        return Err((
+            "limits.max_request_body_bytes".into(),
+            format!("must be between 1 and {MAX_BODY_LIMIT}"),
+        ));
+    }
+    if limits.client_body_timeout.is_zero() {
+        return Err((
+            "limits.client_body_timeout".into(),
+            "must be longer than 0".into(),
+        ));
+    }
+
+    if tracing_subscriber::EnvFilter::try_new(&raw.log.level).is_err() {
+        return Err((
+            "log.level".into(),
+            format!(
+                "`{}` is not a log level or filter (try info, debug, warn)",
+                raw.log.level
+            ),
+        ));
+    }
+
+    let pools = pools(&raw)?;
+    let routes = routes(&raw, &pools)?;
+    check_plugins(&raw.plugins)?;
+
+    Ok(Config {
+        source: path.to_path_buf(),
+        server,
+        listeners,
+        admin,
+        limits: Limits {
+            max_request_body_bytes: limits.max_request_body_bytes,
+            client_body_timeout: limits.client_body_timeout,
+        },
+        log: LogSettings {
+            level: raw.log.level.clone(),
+            format: raw.log.format,
+            access_log: raw.log.access_log,
+        },
+        pools,
+        routes,
+        plugins: raw.plugins,
+    })
+}
+
+fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
+    let p = &raw.pingora;
+    if p.threads == 0 {
+        return Err(("pingora.threads".into(), "must be at least 1".into()));
+    }
+    if p.daemon && p.error_log.is_none() {
+        return Err((
+            "pingora.error_log".into(),
+            "a daemon has no terminal: set error_log to a file".into(),
+        ));
+    }
+    Ok(ServerConf {
+        threads: p.threads,
+        work_stealing: p.work_stealing,
+        pid_file: p.pid_file.clone(),
+        upgrade_sock: p.upgrade_sock.clone(),
+        error_log: p.error_log.clone(),
+        user: p.user.clone(),
+        group: p.group.clone(),
+        daemon: p.daemon,
+        grace_period_seconds: p.grace_period_seconds,
+        graceful_shutdown_timeout_seconds: p.graceful_shutdown_timeout_seconds,
+        upstream_keepalive_pool_size: p.upstream_keepalive_pool_size,
+        listener_tasks_per_fd: p.listener_tasks_per_fd.max(1),
+        ca_file: p.ca_file.clone(),
+        ..ServerConf::default()
+    })
+}
+
+fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
+    if raw.pools.is_empty() {
+        return Err(("pools".into(), "at least one pool is needed".into()));
+    }
+    let mut names = HashSet::new();
+    let mut pools = Vec::new();
+    for (i, p) in raw.pools.iter().enumerate() {
+        let key = format!("pools[{i}]");
+        if p.name.is_empty()
+            || !p
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
+        {
+            return Err((
+                format!("{key}.name"),
+                format!("`{}` is not a name: use letters, digits, - and _", p.name),
+            ));
+        }
+        if !names.insert(p.name.as_str()) {
+            return Err((
+                format!("{key}.name"),
+                format!("pool `{}` is defined twice", p.name),
+            ));
+        }
+        if p.backends.is_empty() {
+            return Err((
+                format!("{key}.backends"),
+                "at least one backend is needed".into(),
+            ));
+        }
+        let mut backends = Vec::new();
+        for (j, b) in p.backends.iter().enumerate() {
+            let bkey = format!("{key}.backends[{j}]");
+            if b.weight == 0 {
+                return Err((format!("{bkey}.weight"), "must be at least 1".into()));
+            }
+            let resolved =
+                socket_address(&b.address).map_err(|m| (format!("{bkey}.address"), m))?;
+            if backends
+                .iter()
+                .any(|x: &BackendSpec| x.resolved == resolved)
+            {
+                return Err((
+                    format!("{bkey}.address"),
+                    format!("{resolved} is listed twice in this pool"),
+                ));
+            }
+            backends.push(BackendSpec {
+                address: b.address.clone(),
+                resolved,
+                weight: b.weight,
+            });
+        }
+        let t = &p.timeouts;
+        let tkey = format!("{key}.timeouts");
+        for (name, d) in [
+            ("connect", t.connect),
+            ("first_byte", t.first_byte),
+            ("total", t.total),
+        ] {
+            if d.is_zero() {
+                return Err((format!("{tkey}.{name}"), "must be longer than 0".into()));
+            }
+        }
+        if t.first_byte > t.total {
+            return Err((
+                format!("{tkey}.first_byte"),
+                format!(
+                    "must not be longer than {tkey}.total ({} > {})",
+                    humantime::format_duration(t.first_byte),
+                    humantime::format_duration(t.total)
+                ),
+            ));
+        }
+        if t.connect > t.total {
+            return Err((
+                format!("{tkey}.connect"),
+                format!("must not be longer than {tkey}.total"),
+            ));
+        }
+        let sized_by_max_tokens = match t.min_tokens_per_second {
+            None => None,
+            Some(rate) if rate.is_finite() && rate > 0.0 => Some(TokensPerSecond {
+                min_tokens_per_second: rate,
+                margin: t.margin,
+            }),
+            Some(rate) => {
+                return Err((
+                    format!("{tkey}.min_tokens_per_second"),
+                    format!("must be a number above 0 (got {rate})"),
+                ))
+            }
+        };
+        if p.max_model_len == Some(0) {
+            return Err((format!("{key}.max_model_len"), "must be at least 1".into()));
+        }
+        let timeouts = Timeouts {
+            connect: t.connect,
+            first_byte: t.first_byte,
+            total: t.total,
+            keepalive_idle: t.keepalive_idle,
+            sized_by_max_tokens,
+        };
+        pools.push(Arc::new(Pool::new(
+            &p.name,
+            p.models.clone(),
+            p.max_model_len,
+            timeouts,
+            backends,
+            p.tls.as_ref().map(|t| t.sni.clone()),
+        )));
+    }
+    Ok(Pools::new(pools))
+}
+
+fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
+    let mut routes = Vec::new();
+    for (i, r) in raw.routes.iter().enumerate() {
+        let key = format!("routes[{i}]");
+        if !r.path_prefix.starts_with('/') {
+            return Err((format!("{key}.path_prefix"), "must start with /".into()));
+        }
+        let pool = pools.get(&r.pool).ok_or_else(|| {
+            (
+                format!("{key}.pool"),
+                format!("no pool is named `{}`", r.pool),
+            )
+        })?;
+        let name = r.name.clone().unwrap_or_else(|| r.path_prefix.clone());
+        routes.push(RouteRule {
+            name: Arc::from(name),
+            path_prefix: r.path_prefix.clone(),
+            host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+            pool: pool.clone(),
+        });
+    }
+    Ok(routes)
+}
+
+fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
+    sluice_plugin_request_id::RequestId::new(&plugins.request_id)
+        .map(|_| ())
+        .map_err(|m| ("plugins.request_id.header".into(), m))
+}
+
+/// `host:port` → one socket address (host names are resolved once, at load).
+fn socket_address(text: &str) -> Result<SocketAddr, String> {
+    let mut addrs = text
+        .to_socket_addrs()
+        .map_err(|e| format!("`{text}` is not a host:port address ({e})"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("`{text}` resolves to no address"))
+}
+
+fn existing_file(base: &Path, name: &str) -> Result<PathBuf, String> {
+    let path = base.join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!("no file at {}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,20 @@
+//! Sluice: an edge proxy for LLM traffic, built on Pingora.
+//!
+//! - [`config`]: the YAML file, validated into runtime types.
+//! - [`router`]: which pipeline a request takes.
+//! - [`proxy`]: the one `ProxyHttp` implementation that drives the plugin chain.
+//! - [`chain`]: the plugins, in their defined order.
+//! - [`admin`], [`metrics`], [`accounting`]: what operators see.
+//! - [`demo`]: the proxy with simulated vLLM pools, in one process.
+
+pub mod accounting;
+pub mod admin;
+pub mod chain;
+pub mod config;
+pub mod demo;
+pub mod logging;
+pub mod metrics;
+pub mod models;
+pub mod proxy;
+pub mod router;
+pub mod server;

@@ -1,0 +1,71 @@
+//! The `sluice` command: Pingora's standard options (`-c`, `-t`, `-u`, `-d`), and `demo`.
+
+use clap::{Parser, Subcommand};
+use pingora_core::server::configuration::Opt;
+use sluice::config::Config;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "An edge proxy for LLM traffic, on Pingora"
+)]
+struct Cli {
+    #[command(flatten)]
+    opt: Opt,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy and simulated vLLM pools (draft and target) in one process.
+    Demo(sluice::demo::DemoArgs),
+}
+
+/// Where the config is looked for when `-c` is not given.
+const DEFAULT_CONFIG: &str = "conf/sluice.yaml";
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Demo(args)) = cli.command {
+        return match sluice::demo::run(cli.opt, args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("sluice demo: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+
+    let path = PathBuf::from(
+        cli.opt
+            .conf
+            .clone()
+            .unwrap_or_else(|| DEFAULT_CONFIG.into()),
+    );
+    let config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sluice: invalid config: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if cli.opt.test {
+        println!("sluice: the configuration file {} is valid", path.display());
+        return ExitCode::SUCCESS;
+    }
+    sluice::logging::init(&config.log);
+    let mut opt = cli.opt;
+    // Pingora would read `-c` as its own YAML; Sluice has already turned it into ServerConf.
+    opt.conf = None;
+    match sluice::server::build(config, opt) {
+        Ok(server) => server.run_forever(),
+        Err(e) => {
+            eprintln!("sluice: cannot start: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

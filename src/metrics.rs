@@ -1,0 +1,126 @@
+//! The core's Prometheus series. Names the seeds' dashboards use are kept as SPEC.md fixes them;
+//! all others are `sluice_*`. They live in `prometheus`' default registry, which the admin
+//! listener's `/metrics` serves.
+//!
+//! Label values come from config (pool, route) or from a fixed set, never from raw client
+//! input, so a client cannot blow up cardinality: an unknown model is `-`.
+
+use prometheus::{
+    register_histogram_vec, register_int_counter_vec, Encoder, HistogramVec, IntCounterVec,
+    TextEncoder,
+};
+use std::sync::LazyLock;
+
+/// Buckets for whole LLM requests: from a cache hit (sub-millisecond) to long generations.
+const REQUEST_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+];
+
+/// Buckets for time to first byte.
+const TTFB_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+macro_rules! metric {
+    ($name:ident: $ty:ty = $init:expr) => {
+        pub static $name: LazyLock<Option<$ty>> = LazyLock::new(|| match $init {
+            Ok(m) => Some(m),
+            Err(e) => {
+                // Only a duplicate registration can fail; metrics must never stop the proxy.
+                tracing::error!("cannot register a metric: {e}");
+                None
+            }
+        });
+    };
+}
+
+metric!(LLM_REQUEST_DURATION: HistogramVec = register_histogram_vec!(
+    "llm_request_duration_seconds",
+    "Duration of LLM requests, from the request to the last byte of the answer.",
+    &["cache_hit", "model"],
+    REQUEST_BUCKETS.to_vec()
+));
+
+metric!(ROUTER_REQUEST_DURATION: HistogramVec = register_histogram_vec!(
+    "router_request_duration_seconds",
+    "Duration of proxied requests by the pool that served them.",
+    &["pool"],
+    REQUEST_BUCKETS.to_vec()
+));
+
+metric!(STREAM_FIRST_BYTE: HistogramVec = register_histogram_vec!(
+    "sluice_stream_first_byte_seconds",
+    "Time from a streaming request's arrival to its first response byte sent to the client.",
+    &["pool"],
+    TTFB_BUCKETS.to_vec()
+));
+
+metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
+    "sluice_requests_total",
+    "Requests on the proxy listener by route and status class.",
+    &["route", "status"]
+));
+
+metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
+    "router_rejections_total",
+    "Requests answered with an error made by Sluice, by reason.",
+    &["reason"]
+));
+
+metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
+    "sluice_upstream_attempts_total",
+    "Upstream attempts by pool and outcome (response, connect_error, timeout, error).",
+    &["pool", "outcome"]
+));
+
+/// Forces registration, so every series exists (at zero) from start-up.
+pub fn init() {
+    for m in [
+        &*LLM_REQUEST_DURATION,
+        &*ROUTER_REQUEST_DURATION,
+        &*STREAM_FIRST_BYTE,
+    ] {
+        let _ = m.as_ref();
+    }
+    let _ = REQUESTS.as_ref();
+    let _ = REJECTIONS.as_ref();
+    let _ = UPSTREAM_ATTEMPTS.as_ref();
+}
+
+pub fn observe(h: &LazyLock<Option<HistogramVec>>, labels: &[&str], value: f64) {
+    if let Some(h) = h.as_ref() {
+        if let Ok(h) = h.get_metric_with_label_values(labels) {
+            h.observe(value);
+        }
+    }
+}
+
+pub fn inc(c: &LazyLock<Option<IntCounterVec>>, labels: &[&str]) {
+    if let Some(c) = c.as_ref() {
+        if let Ok(c) = c.get_metric_with_label_values(labels) {
+            c.inc();
+        }
+    }
+}
+
+/// The status class label: `2xx`, `4xx`, ...; 499 (client gone) is kept as is.
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        499 => "499",
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// Everything in the default registry, in the Prometheus text format.
+pub fn render() -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 * 1024);
+    if let Err(e) = TextEncoder::new().encode(&prometheus::gather(), &mut out) {
+        tracing::error!("cannot encode metrics: {e}");
+    }
+    out
+}

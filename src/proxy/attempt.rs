@@ -1,0 +1,278 @@
+//! One upstream attempt of an LLM request: a Pingora subrequest of the client's request,
+//! sent to one backend, whose response this module pipes to the client.
+//!
+//! Why subrequests: the client request has read its whole body (the cache key needs it),
+//! and Pingora replays a body that was read only from its 64 KiB retry buffer. A subrequest
+//! gets the body handed over as one reference-counted chunk, so every attempt, the first or
+//! a fallback, sends the full body whatever its size, while Pingora still does the upstream
+//! side: connection pool, HTTP/1 framing, timeouts, TLS.
+//!
+//! The pipe here, rather than Pingora's `pipe_subrequest`, because it must (a) decide before
+//! the first byte reaches the client whether to try elsewhere, (b) run the plugins' response
+//! hooks on the client request's context, (c) end a broken stream with an SSE error event,
+//! and (d) notice a client that leaves while the upstream is still silent.
+
+use super::{count_sent, prepare_client_response, Sluice};
+use crate::metrics;
+use bytes::Bytes;
+use pingora_core::protocols::http::HttpTask;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::{Error, ErrorType, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::subrequest::{BodyMode, Ctx as SubrequestCtx};
+use pingora_proxy::Session;
+use sluice_sdk::{ErrorReply, RequestCtx};
+use tokio::time::{sleep_until, Instant};
+
+/// What an attempt subrequest needs: where to connect, and the exact request header.
+pub struct Attempt {
+    pub peer: HttpPeer,
+    pub header: RequestHeader,
+}
+
+/// In an attempt subrequest: takes the attempt its client request put there.
+pub fn take(session: &mut Session) -> Option<Attempt> {
+    session
+        .subrequest_ctx
+        .as_mut()?
+        .user_ctx_mut()?
+        .downcast_mut::<Option<Attempt>>()?
+        .take()
+}
+
+/// How an attempt ended.
+pub enum Outcome {
+    /// The response went to the client, whole.
+    Complete,
+    /// Nothing reached the client: another attempt may be made.
+    NotStarted(Box<Error>),
+    /// The response had started and then failed; it was ended as cleanly as the format
+    /// allows (an SSE error event), or cut. Nothing more can be sent.
+    Broken(Box<Error>),
+    /// The client went away.
+    ClientGone(Box<Error>),
+}
+
+/// The deadlines of one attempt.
+pub struct Deadlines {
+    pub first_byte: Instant,
+    pub total: Instant,
+}
+
+/// Sends `body` with `attempt` and pipes the answer to the client.
+pub async fn run(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    attempt: Attempt,
+    body: Bytes,
+    deadlines: Deadlines,
+) -> Outcome {
+    let Some(spawner) = session.subrequest_spawner.as_ref() else {
+        return Outcome::NotStarted(Error::explain(
+            ErrorType::InternalError,
+            "this session cannot spawn subrequests",
+        ));
+    };
+    let sub_ctx = SubrequestCtx::builder()
+        .body_mode(BodyMode::ExpectBody)
+        .user_ctx(Box::new(Some(attempt)))
+        .build();
+    let (subrequest, handle) = spawner.create_subrequest(session.as_downstream(), sub_ctx);
+    let mut rx = handle.rx;
+    let mut proxy_error = handle.subreq_proxy_error;
+    // The whole body as one task: the channel has room for it, so this never waits.
+    if handle
+        .tx
+        .try_send(HttpTask::Body(Some(body), true))
+        .is_err()
+    {
+        return Outcome::NotStarted(Error::explain(
+            ErrorType::InternalError,
+            "cannot hand the body to the attempt",
+        ));
+    }
+    let mut task = AbortOnDrop(Some(tokio::spawn(subrequest.run())));
+    let _tx = handle.tx;
+    let outcome = pipe(sluice, session, ctx, &mut rx, &mut proxy_error, deadlines).await;
+    if matches!(outcome, Outcome::Complete) {
+        // Let it finish on its own: it still has to return the connection to the pool.
+        task.detach();
+    }
+    outcome
+}
+
+type ProxyErrorRx = tokio::sync::oneshot::Receiver<Box<Error>>;
+
+async fn pipe(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
+    proxy_error: &mut ProxyErrorRx,
+    deadlines: Deadlines,
+) -> Outcome {
+    // Until the response header: nothing has reached the client, so failures are retryable.
+    let mut header = loop {
+        tokio::select! {
+            task = rx.recv() => match task {
+                Some(HttpTask::Header(h, _)) => break h,
+                Some(HttpTask::Failed(e)) => return Outcome::NotStarted(e),
+                Some(_) => continue,
+                None => return Outcome::NotStarted(ended_early(proxy_error)),
+            },
+            _ = sleep_until(deadlines.first_byte.min(deadlines.total)) => {
+                return Outcome::NotStarted(Error::explain(
+                    ErrorType::ReadTimedout,
+                    "no response header before the first-byte timeout",
+                ).into_up());
+            }
+            gone = session.downstream_session.read_body_or_idle(true) => {
+                return Outcome::ClientGone(client_gone(gone));
+            }
+        }
+    };
+
+    let is_sse = is_event_stream(&header);
+    let declared_len = content_length(&header);
+    let sent_before = ctx.response_bytes;
+    if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
+        return Outcome::NotStarted(e);
+    }
+    if let Err(e) = session.write_response_header(header, false).await {
+        return Outcome::ClientGone(e);
+    }
+
+    loop {
+        tokio::select! {
+            task = rx.recv() => match task {
+                Some(HttpTask::Body(data, end)) => {
+                    if let Err(e) = forward(sluice, session, ctx, data, end).await {
+                        return Outcome::ClientGone(e);
+                    }
+                    if end {
+                        return Outcome::Complete;
+                    }
+                }
+                Some(HttpTask::Done) => {
+                    return match forward(sluice, session, ctx, None, true).await {
+                        Ok(()) => Outcome::Complete,
+                        Err(e) => Outcome::ClientGone(e),
+                    };
+                }
+                Some(HttpTask::Failed(e)) => return broken(sluice, session, ctx, is_sse, e).await,
+                Some(_) => continue,
+                None => {
+                    let e = ended_early(proxy_error);
+                    return broken(sluice, session, ctx, is_sse, e).await;
+                }
+            },
+            _ = sleep_until(deadlines.total) => {
+                let e = Error::explain(ErrorType::ReadTimedout, "the total timeout ran out mid-response").into_up();
+                return broken(sluice, session, ctx, is_sse, e).await;
+            }
+            gone = session.downstream_session.read_body_or_idle(true) => {
+                // A client may close as soon as it has the declared length, before the
+                // attempt has reported its end: that response is complete.
+                if declared_len.is_some_and(|len| ctx.response_bytes - sent_before >= len) {
+                    return Outcome::Complete;
+                }
+                ctx.response_incomplete = true;
+                return Outcome::ClientGone(client_gone(gone));
+            }
+        }
+    }
+}
+
+/// Runs the body hooks on a chunk and writes it to the client.
+async fn forward(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut data: Option<Bytes>,
+    end: bool,
+) -> Result<()> {
+    sluice.chain.response_body(&mut data, end, ctx)?;
+    count_sent(ctx, data.as_ref());
+    session.write_response_body(data, end).await
+}
+
+/// The response started and then failed. An event stream ends with an error event and
+/// `[DONE]`, as vLLM ends its own failed streams; any other body can only be cut, which the
+/// client sees as a short body.
+async fn broken(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    is_sse: bool,
+    error: Box<Error>,
+) -> Outcome {
+    ctx.response_incomplete = true;
+    metrics::inc(&metrics::UPSTREAM_ATTEMPTS, &[ctx.pool_name(), "broken"]);
+    let reply = ErrorReply::from_error(&error);
+    sluice.chain.error(&reply, ctx);
+    if is_sse {
+        let event = Some(reply.sse_event());
+        if let Err(e) = forward(sluice, session, ctx, event, true).await {
+            return Outcome::ClientGone(e);
+        }
+    }
+    Outcome::Broken(error)
+}
+
+/// The attempt's channel closed without a complete response: the error it reported.
+fn ended_early(proxy_error: &mut ProxyErrorRx) -> Box<Error> {
+    proxy_error.try_recv().unwrap_or_else(|_| {
+        Error::explain(
+            ErrorType::ConnectionClosed,
+            "the upstream attempt ended early",
+        )
+        .into_up()
+    })
+}
+
+fn client_gone(read: Result<Option<Bytes>>) -> Box<Error> {
+    match read {
+        Err(e) => e,
+        Ok(_) => Error::explain(
+            ErrorType::ConnectionClosed,
+            "the client sent data after its request",
+        ),
+    }
+    .into_down()
+}
+
+fn content_length(header: &ResponseHeader) -> Option<usize> {
+    header
+        .headers
+        .get(http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn is_event_stream(header: &ResponseHeader) -> bool {
+    header
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+/// Stops the attempt when the client request gives up on it (client gone, deadline, error),
+/// so it frees its upstream connection at once.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl AbortOnDrop {
+    fn detach(&mut self) {
+        self.0.take();
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}

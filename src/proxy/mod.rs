@@ -1,0 +1,279 @@
+//! The one `ProxyHttp` implementation. It knows nothing of caching, pressure or pools'
+//! policies: it routes, drives the plugin chain through Pingora's phases, and hands LLM
+//! requests to [`llm`], which runs their upstream attempts as subrequests of this same app.
+//!
+//! A session is one of two kinds:
+//! - a *client request*, from a real client: routed, plugins run, answers written;
+//! - an *attempt*, a subrequest spawned by [`llm`] to send an LLM request to one backend: it
+//!   carries an [`attempt::Attempt`] and only moves bytes; the client request that spawned it
+//!   runs the plugins and decides about retries.
+
+mod attempt;
+mod body;
+mod llm;
+mod reply;
+
+use crate::chain::Chain;
+use crate::config::Limits;
+use crate::metrics;
+use crate::router::{Decision, Router};
+use async_trait::async_trait;
+use bytes::Bytes;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::{Error, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use sluice_sdk::{ErrorReply, Pools, RequestCtx, Route};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use attempt::Attempt;
+
+/// Everything the proxy needs at run time, built once from config.
+pub struct Sluice {
+    pub limits: Limits,
+    pub pools: Arc<Pools>,
+    /// The `/v1/models` answer, built once: pools do not change while running.
+    pub models: Bytes,
+    pub router: Router,
+    pub chain: Chain,
+    pub access_log: bool,
+}
+
+/// Per-session state: the plugins' view, plus what only the core uses.
+#[derive(Default)]
+pub struct ProxyCtx {
+    pub req: RequestCtx,
+    /// Set in attempt subrequests: where to send what. `None` in client requests.
+    attempt: Option<Attempt>,
+    /// Plain routes: the backends already tried, for connect-failure retries.
+    tried: Vec<SocketAddr>,
+}
+
+/// The header that names the pool that produced an answer.
+pub const POOL_HEADER: &str = "x-sluice-pool";
+
+#[async_trait]
+impl ProxyHttp for Sluice {
+    type CTX = ProxyCtx;
+
+    fn new_ctx(&self) -> ProxyCtx {
+        ProxyCtx::default()
+    }
+
+    fn allow_spawning_subrequest(&self, session: &Session, _ctx: &ProxyCtx) -> bool {
+        // Client requests spawn attempts; attempts spawn nothing.
+        session.subrequest_ctx.is_none()
+    }
+
+    async fn early_request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<()> {
+        if let Some(attempt) = attempt::take(session) {
+            ctx.attempt = Some(attempt);
+            return Ok(());
+        }
+        self.chain.early_request(session, &mut ctx.req).await
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<bool> {
+        if ctx.attempt.is_some() {
+            return Ok(false);
+        }
+        let decision = self.router.route(session.req_header());
+        ctx.req.route = decision.route();
+        match decision {
+            Decision::Llm(endpoint) => {
+                llm::serve(self, session, ctx, endpoint).await?;
+                Ok(true)
+            }
+            Decision::Models => {
+                if self.chain.request(session, &mut ctx.req).await? {
+                    return Ok(true);
+                }
+                let body = self.models.clone();
+                reply::send(self, session, &mut ctx.req, 200, "application/json", body).await?;
+                Ok(true)
+            }
+            Decision::Plain(rule) => {
+                ctx.req.pool = Some(rule.pool.clone());
+                self.chain.request(session, &mut ctx.req).await
+            }
+            Decision::NotFound => {
+                if self.chain.request(session, &mut ctx.req).await? {
+                    return Ok(true);
+                }
+                let path = session.req_header().uri.path().to_string();
+                Err(ErrorReply::not_found("no-route", format!("No route for {path}.")).into_error())
+            }
+            Decision::MethodNotAllowed(allowed) => Err(ErrorReply::new(
+                405,
+                "method-not-allowed",
+                format!("Only {allowed} is allowed here."),
+            )
+            .into_error()),
+        }
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut ProxyCtx,
+    ) -> Result<Box<HttpPeer>> {
+        if let Some(attempt) = &ctx.attempt {
+            return Ok(Box::new(attempt.peer.clone()));
+        }
+        // A plain route: Pingora's own proxy loop, one backend per try.
+        self.chain.upstream_select(&mut ctx.req)?;
+        let pool = ctx
+            .req
+            .pool
+            .clone()
+            .ok_or_else(|| ErrorReply::new(500, "internal", "No pool chosen.").into_error())?;
+        let backend = pool.select(&ctx.tried).ok_or_else(|| {
+            ErrorReply::unavailable(
+                "no-backend",
+                format!("No backend of pool `{}` is available.", pool.name),
+                1,
+            )
+            .into_error()
+        })?;
+        ctx.tried.push(backend);
+        ctx.req.backend = Some(backend);
+        ctx.req.attempts += 1;
+        Ok(Box::new(pool.peer(backend)))
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut ProxyCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        metrics::inc(
+            &metrics::UPSTREAM_ATTEMPTS,
+            &[ctx.req.pool_name(), "connect_error"],
+        );
+        if ctx.attempt.is_some() {
+            // The client request that spawned this attempt decides about retries.
+            e.set_retry(false);
+        } else {
+            // Nothing was sent, so another backend of the pool is safe to try.
+            let left = ctx
+                .req
+                .pool
+                .as_ref()
+                .is_some_and(|p| ctx.tried.len() < p.backends.len());
+            e.set_retry(left);
+        }
+        e
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut ProxyCtx,
+    ) -> Result<()> {
+        if let Some(attempt) = &ctx.attempt {
+            // Prepared by the client request, plugins' changes included.
+            *upstream_request = attempt.header.clone();
+            return Ok(());
+        }
+        self.chain.upstream_request(upstream_request, &mut ctx.req)
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        response: &mut ResponseHeader,
+        ctx: &mut ProxyCtx,
+    ) -> Result<()> {
+        if ctx.attempt.is_some() {
+            return Ok(());
+        }
+        metrics::inc(
+            &metrics::UPSTREAM_ATTEMPTS,
+            &[ctx.req.pool_name(), "response"],
+        );
+        prepare_client_response(self, response, &mut ctx.req)
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut ProxyCtx,
+    ) -> Result<Option<Duration>> {
+        if ctx.attempt.is_none() {
+            self.chain
+                .response_body(body, end_of_stream, &mut ctx.req)?;
+            count_sent(&mut ctx.req, body.as_ref());
+        }
+        Ok(None)
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut ProxyCtx,
+    ) -> FailToProxy {
+        if ctx.attempt.is_some() {
+            // An attempt answers nobody: its error goes back to the client request.
+            return FailToProxy {
+                error_code: 0,
+                can_reuse_downstream: false,
+            };
+        }
+        reply::error(self, session, &mut ctx.req, ErrorReply::from_error(e)).await
+    }
+
+    fn suppress_error_log(&self, _session: &Session, ctx: &ProxyCtx, e: &Error) -> bool {
+        // Attempts are reported by their client request; refusals Sluice chose are not errors.
+        ctx.attempt.is_some() || ErrorReply::from_error(e).status < 500
+    }
+
+    async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut ProxyCtx) {
+        if ctx.attempt.is_some() {
+            return;
+        }
+        self.chain.logging(e, &mut ctx.req);
+        crate::accounting::record(self.access_log, &ctx.req, e);
+    }
+}
+
+/// Turns an upstream response header into the client's: hop-by-hop headers out, the pool
+/// named, plugins' `response_header` hooks run. Used by plain routes and LLM attempts alike.
+fn prepare_client_response(
+    sluice: &Sluice,
+    response: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let status = response.status.as_u16();
+    ctx.upstream_status = Some(status);
+    ctx.status = Some(status);
+    for name in ["connection", "keep-alive", "proxy-connection"] {
+        response.remove_header(name);
+    }
+    if let Some(pool) = &ctx.pool {
+        if matches!(ctx.route, Route::Llm(_)) {
+            let name = pool.name.clone();
+            response
+                .insert_header(POOL_HEADER, &*name)
+                .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+        }
+    }
+    sluice.chain.response_header(response, ctx)
+}
+
+/// Book-keeping for bytes that reach the client.
+fn count_sent(ctx: &mut RequestCtx, chunk: Option<&Bytes>) {
+    if let Some(chunk) = chunk {
+        if !chunk.is_empty() && ctx.first_byte.is_none() {
+            ctx.first_byte = Some(ctx.started.elapsed());
+        }
+        ctx.response_bytes += chunk.len();
+    }
+}

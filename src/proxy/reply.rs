@@ -1,0 +1,98 @@
+//! Answers that Sluice writes itself: its JSON documents and its errors. Error statuses,
+//! bodies and `retry-after` are decided here and only here.
+
+use super::Sluice;
+use crate::metrics;
+use bytes::Bytes;
+use pingora_error::Result;
+use pingora_http::ResponseHeader;
+use pingora_proxy::{FailToProxy, Session};
+use sluice_sdk::{ErrorReply, RequestCtx};
+
+/// Sends a complete response, after the plugins' `response_header` hooks.
+pub async fn send(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+) -> Result<()> {
+    let header = header(status, content_type, body.len(), None)?;
+    write(sluice, session, ctx, header, body).await
+}
+
+/// Answers with `reply` if nothing was sent yet. Returns what Pingora needs to know.
+pub async fn error(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    reply: ErrorReply,
+) -> FailToProxy {
+    if reply.status != 499 {
+        metrics::inc(&metrics::REJECTIONS, &[reply.reason]);
+    }
+    sluice.chain.error(&reply, ctx);
+    // A connection is reusable only if the request was read to its end.
+    let can_reuse_downstream = session.as_downstream_mut().is_body_done();
+    let already_answered = session.response_written().is_some();
+    if reply.status == 499 || already_answered {
+        if !already_answered {
+            ctx.status = Some(499);
+        }
+        return FailToProxy {
+            error_code: reply.status,
+            can_reuse_downstream: false,
+        };
+    }
+    let body = reply.body();
+    let written = match header(
+        reply.status,
+        "application/json",
+        body.len(),
+        reply.retry_after,
+    ) {
+        Ok(h) => write(sluice, session, ctx, h, body).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = written {
+        tracing::debug!("could not send the error response: {e}");
+    }
+    ctx.status = Some(reply.status);
+    FailToProxy {
+        error_code: reply.status,
+        can_reuse_downstream,
+    }
+}
+
+fn header(
+    status: u16,
+    content_type: &str,
+    len: usize,
+    retry_after: Option<u32>,
+) -> Result<Box<ResponseHeader>> {
+    let mut h = ResponseHeader::build(status, Some(4))?;
+    h.insert_header(http::header::CONTENT_TYPE, content_type)?;
+    h.insert_header(http::header::CONTENT_LENGTH, len)?;
+    if let Some(seconds) = retry_after {
+        h.insert_header(http::header::RETRY_AFTER, seconds)?;
+    }
+    Ok(Box::new(h))
+}
+
+async fn write(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut header: Box<ResponseHeader>,
+    body: Bytes,
+) -> Result<()> {
+    // Plugins decorate Sluice's own answers too (request id, cache status).
+    sluice.chain.response_header(&mut header, ctx)?;
+    ctx.status = Some(header.status.as_u16());
+    session.write_response_header(header, false).await?;
+    let mut body = Some(body);
+    sluice.chain.response_body(&mut body, true, ctx)?;
+    super::count_sent(ctx, body.as_ref());
+    session.write_response_body(body, true).await
+}

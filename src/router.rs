@@ -1,0 +1,183 @@
+//! Which pipeline a request takes.
+//!
+//! The OpenAI endpoints are built in: `POST /v1/chat/completions` and `POST /v1/completions`
+//! go through the LLM pipeline, `GET /v1/models` is answered by Sluice. Any other request is
+//! matched against the configured routes as nginx matches `location` prefixes: a route with a
+//! `host` beats one without, then the longest `path_prefix` wins. No match: 404.
+
+use crate::config::RouteRule;
+use pingora_http::RequestHeader;
+use sluice_sdk::{Endpoint, Route};
+
+pub struct Router {
+    /// Sorted so that the first match is the best: host-specific first, then longest prefix.
+    rules: Vec<RouteRule>,
+}
+
+/// The decision, with the rule for plain routes.
+pub enum Decision<'a> {
+    Llm(Endpoint),
+    Models,
+    Plain(&'a RouteRule),
+    NotFound,
+    /// A known path with the wrong method: 405.
+    MethodNotAllowed(&'static str),
+}
+
+impl Decision<'_> {
+    pub fn route(&self) -> Route {
+        match self {
+            Decision::Llm(e) => Route::Llm(*e),
+            Decision::Models => Route::Models,
+            Decision::Plain(rule) => Route::Plain(rule.name.clone()),
+            Decision::NotFound | Decision::MethodNotAllowed(_) => Route::NotFound,
+        }
+    }
+}
+
+impl Router {
+    pub fn new(mut rules: Vec<RouteRule>) -> Self {
+        rules.sort_by(|a, b| {
+            b.host
+                .is_some()
+                .cmp(&a.host.is_some())
+                .then(b.path_prefix.len().cmp(&a.path_prefix.len()))
+        });
+        Self { rules }
+    }
+
+    pub fn route(&self, req: &RequestHeader) -> Decision<'_> {
+        let path = req.uri.path();
+        if let Some(endpoint) = Endpoint::from_path(path) {
+            return if req.method == http::Method::POST {
+                Decision::Llm(endpoint)
+            } else {
+                Decision::MethodNotAllowed("POST")
+            };
+        }
+        if path == "/v1/models" {
+            return if req.method == http::Method::GET {
+                Decision::Models
+            } else {
+                Decision::MethodNotAllowed("GET")
+            };
+        }
+        let host = request_host(req);
+        self.rules
+            .iter()
+            .find(|r| {
+                path.starts_with(&r.path_prefix)
+                    && r.host
+                        .as_deref()
+                        .is_none_or(|h| host.is_some_and(|host| h.eq_ignore_ascii_case(host)))
+            })
+            .map_or(Decision::NotFound, Decision::Plain)
+    }
+}
+
+/// The request's host without port: from the URI (HTTP/2, absolute form) or `Host`.
+fn request_host(req: &RequestHeader) -> Option<&str> {
+    let raw = req
+        .uri
+        .host()
+        .or_else(|| req.headers.get(http::header::HOST)?.to_str().ok())?;
+    Some(strip_port(raw))
+}
+
+/// `example.com:8080` → `example.com`; `[::1]:8080` → `[::1]`.
+fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return host.split_inclusive(']').next().unwrap_or(host);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_sdk::{BackendSpec, Pool, Timeouts};
+    use std::sync::Arc;
+
+    fn rule(name: &str, prefix: &str, host: Option<&str>) -> RouteRule {
+        let resolved = ([127, 0, 0, 1], 1).into();
+        let pool = Arc::new(Pool::new(
+            name,
+            vec![],
+            None,
+            Timeouts::default(),
+            vec![BackendSpec {
+                address: "127.0.0.1:1".into(),
+                resolved,
+                weight: 1,
+            }],
+            None,
+        ));
+        RouteRule {
+            name: Arc::from(name),
+            path_prefix: prefix.into(),
+            host: host.map(str::to_string),
+            pool,
+        }
+    }
+
+    fn req(method: &str, path: &str, host: Option<&str>) -> RequestHeader {
+        let mut r = RequestHeader::build(method, path.as_bytes(), None).unwrap();
+        if let Some(h) = host {
+            r.insert_header("host", h).unwrap();
+        }
+        r
+    }
+
+    fn name(d: Decision<'_>) -> String {
+        match d {
+            Decision::Llm(e) => format!("llm:{}", e.label()),
+            Decision::Models => "models".into(),
+            Decision::Plain(r) => r.name.to_string(),
+            Decision::NotFound => "404".into(),
+            Decision::MethodNotAllowed(m) => format!("405:{m}"),
+        }
+    }
+
+    #[test]
+    fn builtin_endpoints_and_methods() {
+        let router = Router::new(vec![]);
+        assert_eq!(
+            name(router.route(&req("POST", "/v1/chat/completions", None))),
+            "llm:chat"
+        );
+        assert_eq!(
+            name(router.route(&req("POST", "/v1/completions?x=1", None))),
+            "llm:completions"
+        );
+        assert_eq!(
+            name(router.route(&req("GET", "/v1/chat/completions", None))),
+            "405:POST"
+        );
+        assert_eq!(
+            name(router.route(&req("GET", "/v1/models", None))),
+            "models"
+        );
+        assert_eq!(name(router.route(&req("GET", "/other", None))), "404");
+    }
+
+    #[test]
+    fn host_routes_win_then_the_longest_prefix() {
+        let router = Router::new(vec![
+            rule("short", "/", None),
+            rule("long", "/api/v2", None),
+            rule("hosted", "/api", Some("api.example.com")),
+        ]);
+        assert_eq!(name(router.route(&req("GET", "/api/v2/x", None))), "long");
+        assert_eq!(
+            name(router.route(&req("GET", "/api/v2/x", Some("API.example.com:8080")))),
+            "hosted"
+        );
+        assert_eq!(
+            name(router.route(&req("GET", "/elsewhere", Some("api.example.com")))),
+            "short"
+        );
+    }
+}

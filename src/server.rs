@@ -1,0 +1,79 @@
+//! Server assembly: config → Pingora server with the proxy and admin services.
+
+use crate::admin::Admin;
+use crate::chain::Chain;
+use crate::config::Config;
+use crate::proxy::Sluice;
+use crate::router::Router;
+use pingora_core::server::configuration::Opt;
+use pingora_core::server::Server;
+use pingora_core::services::listening::Service;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
+/// a TLS key that does not load) come back as text for the command line.
+pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
+    let chain = Chain::build(&config.plugins)?;
+    let names = chain.names();
+    tracing::info!(
+        "plugin chain: [{}]{}",
+        names.join(" → "),
+        if names.is_empty() {
+            " (no plugins)"
+        } else {
+            ""
+        }
+    );
+    let pools = Arc::new(config.pools);
+    for pool in pools.iter() {
+        let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
+        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
+    }
+    crate::metrics::init();
+
+    let sluice = Sluice {
+        limits: config.limits,
+        models: crate::models::list(&pools),
+        pools: pools.clone(),
+        router: Router::new(config.routes),
+        chain,
+        access_log: config.log.access_log,
+    };
+
+    let mut server = Server::new_with_opt_and_conf(opt, config.server);
+    server.bootstrap();
+    let mut proxy =
+        pingora_proxy::http_proxy_service_with_name(&server.configuration, sluice, "sluice proxy");
+    for listener in &config.listeners {
+        let address = listener.address.to_string();
+        match &listener.tls {
+            None => proxy.add_tcp(&address),
+            Some(tls) => proxy
+                .add_tls(
+                    &address,
+                    &tls.cert.to_string_lossy(),
+                    &tls.key.to_string_lossy(),
+                )
+                .map_err(|e| format!("listener {address}: cannot load TLS files: {e}"))?,
+        }
+        tracing::info!(
+            "proxy listening on {address}{}",
+            if listener.tls.is_some() { " (TLS)" } else { "" }
+        );
+    }
+    server.add_service(proxy);
+
+    if let Some(address) = config.admin {
+        let admin = Admin {
+            pools,
+            chain: names,
+            started: Instant::now(),
+        };
+        let mut service = Service::new("sluice admin".to_string(), admin);
+        service.add_tcp(&address.to_string());
+        server.add_service(service);
+        tracing::info!("admin listening on {address}");
+    }
+    Ok(server)
+}
