@@ -1,0 +1,276 @@
+//! Configuration of one simulated vLLM instance: model, latency model, KV cache, wire flavours.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::faults::Faults;
+
+/// Ready-made instance shapes. `Zero` is the default: no latency, large KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Profile {
+    /// meta-llama/Llama-3.1-8B-Instruct, 32768 context, zero latency, 1M KV blocks.
+    #[default]
+    Zero,
+    /// meta-llama/Llama-3.2-1B-Instruct, 8192 context, fast, 2048 KV blocks.
+    Draft,
+    /// meta-llama/Llama-3.1-70B-Instruct, 32768 context, slower, 8192 KV blocks.
+    Target,
+}
+
+/// Which generation of vLLM's Prometheus names to expose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricsFlavor {
+    /// vLLM V1 (0.11): `vllm:kv_cache_usage_perc`, labels `engine` and `model_name`, `_created` series.
+    #[default]
+    V1,
+    /// vLLM V0 (~0.6): `vllm:gpu_cache_usage_perc`, label `model_name` only, no `_created`.
+    V0,
+}
+
+/// Which vLLM error body to send.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorShape {
+    /// vLLM >= 0.10.1: `{"error":{"message","type","param","code"}}`.
+    #[default]
+    New,
+    /// vLLM < 0.10.1: `{"object":"error","message","type","param","code"}`.
+    Old,
+}
+
+/// Latency model: TTFT = overhead + prompt_tokens * prefill_per_token (+ time queued),
+/// then one token every `inter_token`. Every delay is multiplied by a factor drawn uniformly
+/// from [1 - jitter, 1 + jitter] and by the fault `slowdown`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Latency {
+    pub overhead: Duration,
+    pub prefill_per_token: Duration,
+    pub inter_token: Duration,
+    pub jitter: f64,
+}
+
+impl Latency {
+    pub fn zero() -> Self {
+        Latency {
+            overhead: Duration::ZERO,
+            prefill_per_token: Duration::ZERO,
+            inter_token: Duration::ZERO,
+            jitter: 0.0,
+        }
+    }
+
+    pub fn new(overhead: Duration, prefill_per_token: Duration, inter_token: Duration) -> Self {
+        Latency {
+            overhead,
+            prefill_per_token,
+            inter_token,
+            jitter: 0.0,
+        }
+    }
+
+    pub fn is_zero(&self) -> bool {
+        self.overhead.is_zero() && self.prefill_per_token.is_zero() && self.inter_token.is_zero()
+    }
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Latency::zero()
+    }
+}
+
+/// Speculative decoding as configured with vLLM's `--speculative-config`: only drives the
+/// spec-decode counters on /metrics (k draft tokens per step, a share of them accepted).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpecDecode {
+    pub num_speculative_tokens: u32,
+    pub acceptance_rate: f64,
+}
+
+/// Everything about one instance. Public fields; setters return `Self` for chaining.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Address to bind; port 0 picks a free port (see `Sim::addr`).
+    pub listen: SocketAddr,
+    /// The model path (`root` in /v1/models).
+    pub model: String,
+    /// Names the server answers to (`--served-model-name`); empty means `[model]`.
+    /// The first one is reported in answers, like vLLM.
+    pub served_model_names: Vec<String>,
+    pub max_model_len: u32,
+    pub latency: Latency,
+    pub num_gpu_blocks: u32,
+    pub block_size: u32,
+    /// Cap on the running batch; the rest wait in a FIFO queue.
+    pub max_num_seqs: u32,
+    /// Optional bound on the waiting queue (stock vLLM has none): over it, 503.
+    pub max_waiting: Option<usize>,
+    /// When the KV blocks would be oversubscribed, fail with a CUDA OOM 500 instead of waiting.
+    pub oom_on_overload: bool,
+    pub metrics: MetricsFlavor,
+    pub error_shape: ErrorShape,
+    pub speculative: Option<SpecDecode>,
+    /// Share of prompts (chosen by prompt hash) that produce low-confidence logprobs.
+    pub low_confidence_share: f64,
+    /// Temperature used when a request does not give one (vLLM's default is 1.0).
+    pub default_temperature: f64,
+    /// Natural answer length range in tokens (chosen by hash), before `max_tokens` cuts it.
+    pub min_answer_tokens: u32,
+    pub max_answer_tokens: u32,
+    /// How many received requests (with full bodies) `stats()` keeps; 0 disables recording.
+    pub record_requests: usize,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Faults active from the start.
+    pub faults: Faults,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig::profile(Profile::Zero)
+    }
+}
+
+impl SimConfig {
+    pub fn profile(profile: Profile) -> Self {
+        let base = SimConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "meta-llama/Llama-3.1-8B-Instruct".to_string(),
+            served_model_names: Vec::new(),
+            max_model_len: 32768,
+            latency: Latency::zero(),
+            num_gpu_blocks: 1_000_000,
+            block_size: 16,
+            max_num_seqs: 1024,
+            max_waiting: None,
+            oom_on_overload: false,
+            metrics: MetricsFlavor::V1,
+            error_shape: ErrorShape::New,
+            speculative: None,
+            low_confidence_share: 0.0,
+            default_temperature: 1.0,
+            min_answer_tokens: 8,
+            max_answer_tokens: 64,
+            record_requests: 64,
+            max_body_bytes: 64 << 20,
+            faults: Faults::default(),
+        };
+        match profile {
+            Profile::Zero => base,
+            Profile::Draft => SimConfig {
+                model: "meta-llama/Llama-3.2-1B-Instruct".to_string(),
+                max_model_len: 8192,
+                latency: Latency {
+                    overhead: Duration::from_millis(5),
+                    prefill_per_token: Duration::from_micros(20),
+                    inter_token: Duration::from_millis(5),
+                    jitter: 0.1,
+                },
+                num_gpu_blocks: 2048,
+                max_num_seqs: 64,
+                ..base
+            },
+            Profile::Target => SimConfig {
+                model: "meta-llama/Llama-3.1-70B-Instruct".to_string(),
+                max_model_len: 32768,
+                latency: Latency {
+                    overhead: Duration::from_millis(20),
+                    prefill_per_token: Duration::from_micros(200),
+                    inter_token: Duration::from_millis(30),
+                    jitter: 0.1,
+                },
+                num_gpu_blocks: 8192,
+                max_num_seqs: 256,
+                ..base
+            },
+        }
+    }
+
+    /// The names this instance answers to; the first is the one reported in answers.
+    pub fn served_names(&self) -> Vec<String> {
+        if self.served_model_names.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.served_model_names.clone()
+        }
+    }
+
+    pub fn with_listen(mut self, listen: SocketAddr) -> Self {
+        self.listen = listen;
+        self
+    }
+    pub fn with_port(mut self, port: u16) -> Self {
+        self.listen.set_port(port);
+        self
+    }
+    pub fn with_model(mut self, model: impl Into<String>) -> Self {
+        self.model = model.into();
+        self
+    }
+    pub fn with_served_model_names(mut self, names: Vec<String>) -> Self {
+        self.served_model_names = names;
+        self
+    }
+    pub fn with_max_model_len(mut self, len: u32) -> Self {
+        self.max_model_len = len;
+        self
+    }
+    pub fn with_latency(mut self, latency: Latency) -> Self {
+        self.latency = latency;
+        self
+    }
+    pub fn zero_latency(mut self) -> Self {
+        self.latency = Latency::zero();
+        self
+    }
+    pub fn with_kv(mut self, num_gpu_blocks: u32, block_size: u32) -> Self {
+        self.num_gpu_blocks = num_gpu_blocks.max(1);
+        self.block_size = block_size.max(1);
+        self
+    }
+    pub fn with_max_num_seqs(mut self, n: u32) -> Self {
+        self.max_num_seqs = n.max(1);
+        self
+    }
+    pub fn with_max_waiting(mut self, n: Option<usize>) -> Self {
+        self.max_waiting = n;
+        self
+    }
+    pub fn with_oom(mut self, on: bool) -> Self {
+        self.oom_on_overload = on;
+        self
+    }
+    pub fn with_metrics(mut self, flavor: MetricsFlavor) -> Self {
+        self.metrics = flavor;
+        self
+    }
+    pub fn with_error_shape(mut self, shape: ErrorShape) -> Self {
+        self.error_shape = shape;
+        self
+    }
+    pub fn with_speculative(mut self, spec: Option<SpecDecode>) -> Self {
+        self.speculative = spec;
+        self
+    }
+    pub fn with_low_confidence_share(mut self, share: f64) -> Self {
+        self.low_confidence_share = share.clamp(0.0, 1.0);
+        self
+    }
+    pub fn with_answer_tokens(mut self, min: u32, max: u32) -> Self {
+        self.min_answer_tokens = min.max(1);
+        self.max_answer_tokens = max.max(self.min_answer_tokens);
+        self
+    }
+    pub fn with_record_requests(mut self, n: usize) -> Self {
+        self.record_requests = n;
+        self
+    }
+    pub fn with_faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
+}
