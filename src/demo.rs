@@ -1,9 +1,207 @@
-//! `sluice demo` (being written).
+//! `sluice demo`: the proxy with the shipped config, and simulated vLLM pools in the same
+//! process, so a new user can try everything with nothing else installed.
+//!
+//! The config is `-c FILE` if given, else `conf/sluice.yaml` from the working directory, else
+//! the copy built into the binary. Its `draft` and `target` pools are pointed at simulators on
+//! free local ports; the proxy and admin keep their configured addresses unless those are taken.
+
+use crate::config::Config;
 use pingora_core::server::configuration::Opt;
+use serde_yaml_ng::Value;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use vllm_sim::{Profile, Sim, SimConfig};
+
+/// The shipped config, for a binary run away from the source tree.
+const SHIPPED_CONFIG: &str = include_str!("../conf/sluice.yaml");
 
 #[derive(Debug, clap::Args)]
-pub struct DemoArgs {}
+pub struct DemoArgs {
+    /// Port of the proxy (default: the config's, or a free one if it is taken).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Port of the admin listener (default: the config's, or a free one if it is taken).
+    #[arg(long)]
+    pub admin_port: Option<u16>,
+}
 
-pub fn run(_opt: Opt, _args: DemoArgs) -> Result<(), String> {
-    Err("not built yet".into())
+pub fn run(opt: Opt, args: DemoArgs) -> Result<(), String> {
+    let (path, text) = config_text(opt.conf.as_deref())?;
+
+    // The simulators run on a runtime of their own: Pingora builds its own per service.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a runtime for the simulators: {e}"))?;
+    let start = |profile| runtime.block_on(vllm_sim::start(SimConfig::profile(profile)));
+    let draft = start(Profile::Draft).map_err(|e| format!("draft simulator: {e}"))?;
+    let target = start(Profile::Target).map_err(|e| format!("target simulator: {e}"))?;
+
+    let mut yaml: Value =
+        serde_yaml_ng::from_str(&text).map_err(|e| format!("{}: not YAML: {e}", path.display()))?;
+    let proxy = point_at_simulators(&mut yaml, &draft, &target, &args)?;
+    let text = serde_yaml_ng::to_string(&yaml).map_err(|e| e.to_string())?;
+    let config = Config::parse(&text, &path).map_err(|e| e.to_string())?;
+    crate::logging::init(&config.log);
+
+    let server_opt = Opt {
+        daemon: false,
+        upgrade: false,
+        conf: None,
+        ..opt
+    };
+    let server = crate::server::build(config, server_opt)?;
+    print_welcome(&proxy, &draft, &target);
+    // Never returns; the simulators' runtime lives as long as the process.
+    let _keep = runtime;
+    server.run_forever()
+}
+
+struct Addresses {
+    proxy: SocketAddr,
+    admin: SocketAddr,
+}
+
+fn config_text(flag: Option<&str>) -> Result<(PathBuf, String), String> {
+    if let Some(p) = flag {
+        let text = std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"))?;
+        return Ok((PathBuf::from(p), text));
+    }
+    let local = PathBuf::from("conf/sluice.yaml");
+    match std::fs::read_to_string(&local) {
+        Ok(text) => Ok((local, text)),
+        Err(_) => Ok((
+            PathBuf::from("conf/sluice.yaml (built in)"),
+            SHIPPED_CONFIG.to_string(),
+        )),
+    }
+}
+
+/// Rewrites the config for the demo: pools → simulators, free ports, private pid/socket files.
+fn point_at_simulators(
+    yaml: &mut Value,
+    draft: &Sim,
+    target: &Sim,
+    args: &DemoArgs,
+) -> Result<Addresses, String> {
+    let pools = yaml
+        .get_mut("pools")
+        .and_then(Value::as_sequence_mut)
+        .ok_or("the config has no pools")?;
+    let mut pointed = 0;
+    for pool in pools.iter_mut() {
+        let sim = match pool.get("name").and_then(Value::as_str) {
+            Some("draft") => draft,
+            Some("target") => target,
+            _ => continue,
+        };
+        pool["backends"] = serde_yaml_ng::from_str(&format!("[{{address: \"{}\"}}]", sim.addr()))
+            .map_err(|e| e.to_string())?;
+        pointed += 1;
+    }
+    if pointed == 0 {
+        return Err("the config has no pool named `draft` or `target` to simulate".into());
+    }
+
+    let proxy = choose_address(
+        configured(yaml, &["listeners", "0", "address"]),
+        args.port,
+        8080,
+    )?;
+    let admin = choose_address(
+        configured(yaml, &["admin", "address"]),
+        args.admin_port,
+        9090,
+    )?;
+    set(yaml, &["listeners"], &format!("[{{address: \"{proxy}\"}}]"))?;
+    set(yaml, &["admin"], &format!("{{address: \"{admin}\"}}"))?;
+    let tmp = std::env::temp_dir();
+    let id = std::process::id();
+    set_str(yaml, "pid_file", tmp.join(format!("sluice-demo-{id}.pid")));
+    set_str(
+        yaml,
+        "upgrade_sock",
+        tmp.join(format!("sluice-demo-{id}.sock")),
+    );
+    Ok(Addresses { proxy, admin })
+}
+
+fn configured(yaml: &Value, keys: &[&str]) -> Option<SocketAddr> {
+    let mut v = yaml;
+    for k in keys {
+        v = match k.parse::<usize>() {
+            Ok(i) => v.get(i)?,
+            Err(_) => v.get(*k)?,
+        };
+    }
+    v.as_str()?.parse().ok()
+}
+
+fn set(yaml: &mut Value, keys: &[&str], value_yaml: &str) -> Result<(), String> {
+    let value: Value = serde_yaml_ng::from_str(value_yaml).map_err(|e| e.to_string())?;
+    if let (Some(map), [key]) = (yaml.as_mapping_mut(), keys) {
+        map.insert(Value::from(*key), value);
+    }
+    Ok(())
+}
+
+fn set_str(yaml: &mut Value, key: &str, path: PathBuf) {
+    if let Some(pingora) = yaml.get_mut("pingora").and_then(Value::as_mapping_mut) {
+        pingora.insert(
+            Value::from(key),
+            Value::from(path.to_string_lossy().into_owned()),
+        );
+    }
+}
+
+/// The asked-for port, else the configured address if free, else a free port on loopback.
+fn choose_address(
+    configured: Option<SocketAddr>,
+    port: Option<u16>,
+    fallback_port: u16,
+) -> Result<SocketAddr, String> {
+    let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+    if let Some(port) = port {
+        return Ok(loopback(port));
+    }
+    let wanted = configured.unwrap_or_else(|| loopback(fallback_port));
+    if TcpListener::bind(wanted).is_ok() {
+        return Ok(wanted);
+    }
+    let free = TcpListener::bind(loopback(0))
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?;
+    println!("note: {wanted} is taken; using {free} instead");
+    Ok(free)
+}
+
+fn print_welcome(addresses: &Addresses, draft: &Sim, target: &Sim) {
+    let proxy = format!("http://{}", addresses.proxy);
+    let admin = format!("http://{}", addresses.admin);
+    let (d, t) = (draft.model(), target.model());
+    println!(
+        r#"
+Sluice demo: the proxy and two simulated vLLM pools, in this process.
+
+  proxy: {proxy}
+  admin: {admin}   (/status /metrics /healthz /readyz)
+  draft pool  (simulated vLLM, {d}): {draft_url}
+  target pool (simulated vLLM, {t}): {target_url}
+
+Try:
+  curl -s {proxy}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model": "{d}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  curl -sN {proxy}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model": "{t}", "stream": true, "messages": [{{"role": "user", "content": "Tell me a story"}}]}}'
+
+  curl -s {proxy}/v1/models
+  curl -s {admin}/status
+
+Stop with Ctrl-C.
+"#,
+        draft_url = draft.url(),
+        target_url = target.url(),
+    );
 }

@@ -9,6 +9,7 @@ use prometheus::{
     register_histogram_vec, register_int_counter_vec, Encoder, HistogramVec, IntCounterVec,
     TextEncoder,
 };
+use sluice_sdk::Pools;
 use std::sync::LazyLock;
 
 /// Buckets for whole LLM requests: from a cache hit (sub-millisecond) to long generations.
@@ -74,18 +75,34 @@ metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
     &["pool", "outcome"]
 ));
 
-/// Forces registration, so every series exists (at zero) from start-up.
-pub fn init() {
-    for m in [
-        &*LLM_REQUEST_DURATION,
-        &*ROUTER_REQUEST_DURATION,
-        &*STREAM_FIRST_BYTE,
-    ] {
-        let _ = m.as_ref();
+/// The rejection reasons the core itself produces (plugins add their own).
+const CORE_REJECTION_REASONS: &[&str] = &[
+    "bad-request",
+    "body-too-large",
+    "body-timeout",
+    "unknown-model",
+    "no-route",
+    "no-backend",
+    "upstream-error",
+    "upstream-timeout",
+];
+
+/// Registers every series and creates the per-pool ones at zero, so dashboards and alerts
+/// find them from start-up rather than after the first request of each kind.
+pub fn init(pools: &Pools) {
+    let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS, &*UPSTREAM_ATTEMPTS);
+    if let Some(c) = REJECTIONS.as_ref() {
+        for reason in CORE_REJECTION_REASONS {
+            let _ = c.get_metric_with_label_values(&[reason]);
+        }
     }
-    let _ = REQUESTS.as_ref();
-    let _ = REJECTIONS.as_ref();
-    let _ = UPSTREAM_ATTEMPTS.as_ref();
+    for pool in pools.iter() {
+        for h in [&ROUTER_REQUEST_DURATION, &STREAM_FIRST_BYTE] {
+            if let Some(h) = h.as_ref() {
+                let _ = h.get_metric_with_label_values(&[&pool.name]);
+            }
+        }
+    }
 }
 
 pub fn observe(h: &LazyLock<Option<HistogramVec>>, labels: &[&str], value: f64) {

@@ -30,7 +30,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
         tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
     }
-    crate::metrics::init();
+    crate::metrics::init(&pools);
 
     let sluice = Sluice {
         limits: config.limits,

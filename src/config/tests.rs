@@ -1,1 +1,711 @@
+//! The config's contract: every shipped file loads, every rule refuses with its key path and a
+//! message that says what is wrong, and an almost empty file gets the documented defaults.
 
+use super::*;
+use sluice_sdk::TokensPerSecond;
+
+/// One pool with one backend: the smallest valid file.
+const MINIMAL: &str = "
+pools:
+  - name: a
+    backends:
+      - address: 127.0.0.1:9
+";
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(text, Path::new("/tmp/test.yaml"))
+}
+
+fn ok(text: &str) -> Config {
+    parse(text).unwrap_or_else(|e| panic!("expected a valid config, got: {e}\n{text}"))
+}
+
+/// Asserts that `text` is refused at `path` with a message containing `needle`.
+#[track_caller]
+fn refused(text: &str, path: &str, needle: &str) -> ConfigError {
+    let e = match parse(text) {
+        Ok(_) => panic!("expected an error at `{path}`, the config was accepted:\n{text}"),
+        Err(e) => e,
+    };
+    assert_eq!(e.file, Path::new("/tmp/test.yaml"), "{e}");
+    assert_eq!(e.path, path, "wrong key path in: {e}");
+    assert!(
+        e.message.contains(needle),
+        "message of `{e}` does not contain `{needle}`"
+    );
+    e
+}
+
+/// MINIMAL with its pool's `timeouts` section set to `timeouts` (flow style).
+fn with_timeouts(timeouts: &str) -> String {
+    format!("{MINIMAL}    timeouts: {timeouts}\n")
+}
+
+/// MINIMAL plus a top-level section.
+fn with(section: &str) -> String {
+    format!("{MINIMAL}{section}\n")
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn examples() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("conf/examples"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .collect();
+    files.sort();
+    files
+}
+
+// ---- (a) shipped configs ---------------------------------------------------------------------
+
+#[test]
+fn the_shipped_config_loads() {
+    let c = Config::load(&root().join("conf/sluice.yaml")).unwrap();
+    let names: Vec<&str> = c.pools.iter().map(|p| &*p.name).collect();
+    assert_eq!(names, ["draft", "target"]);
+    assert!(c.plugins.request_id.enabled);
+}
+
+#[test]
+fn every_example_loads() {
+    let files = examples();
+    assert!(files.len() >= 3, "examples: {files:?}");
+    for file in files {
+        if let Err(e) = Config::load(&file) {
+            panic!("{e}");
+        }
+    }
+}
+
+#[test]
+fn the_tls_example_has_a_tls_and_a_plain_listener() {
+    let dir = root().join("conf/examples");
+    let c = Config::load(&dir.join("tls.yaml")).unwrap();
+    let tls: Vec<_> = c.listeners.iter().filter_map(|l| l.tls.as_ref()).collect();
+    assert_eq!(tls.len(), 1);
+    assert_eq!(c.listeners.len(), 2);
+    // Relative paths are resolved against the config file's folder.
+    assert_eq!(tls[0].cert, dir.join("certs/localhost.crt"));
+    assert_eq!(tls[0].key, dir.join("certs/localhost.key"));
+}
+
+#[test]
+fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
+    let c = Config::load(&root().join("conf/examples/multi-pool.yaml")).unwrap();
+    assert!(c.pools.iter().count() >= 3);
+    assert!(c
+        .pools
+        .iter()
+        .flat_map(|p| &p.backends)
+        .any(|b| b.weight > 1));
+    assert!(c.pools.iter().any(|p| p.models.is_empty()));
+    assert!(c
+        .pools
+        .iter()
+        .all(|p| p.models.is_empty() || p.timeouts.sized_by_max_tokens.is_some()));
+    assert!(c.routes.iter().any(|r| r.host.is_some()));
+}
+
+#[test]
+fn the_upstream_tls_example_sets_sni_on_every_pool() {
+    let c = Config::load(&root().join("conf/examples/upstream-tls.yaml")).unwrap();
+    assert!(c.pools.iter().all(|p| p.tls_sni.is_some()));
+}
+
+#[test]
+fn a_missing_file_is_an_error_on_the_whole_file() {
+    let e = Config::load(Path::new("/nonexistent/sluice.yaml")).unwrap_err();
+    assert_eq!(e.path, "");
+    assert!(e.message.contains("cannot read the file"), "{e}");
+}
+
+// ---- (b) refusals: what the YAML layer catches ----------------------------------------------
+
+#[test]
+fn an_unknown_top_level_key_is_refused() {
+    refused(&with("bogus: 1"), "bogus", "unknown field `bogus`");
+}
+
+#[test]
+fn an_unknown_nested_key_is_refused_with_its_path() {
+    refused(
+        &with_timeouts("{ conect: 1s }"),
+        "pools[0].timeouts.conect",
+        "unknown field `conect`",
+    );
+    refused(
+        &with("listeners: [{ address: 127.0.0.1:8080, port: 80 }]"),
+        "listeners[0].port",
+        "unknown field `port`",
+    );
+    refused(
+        &with("plugins: { request_id: { enabled: true, bogus: 1 } }"),
+        "plugins.request_id.bogus",
+        "unknown field `bogus`",
+    );
+}
+
+#[test]
+fn an_unknown_plugin_is_refused() {
+    refused(
+        &with("plugins: { cache: { enabled: true } }"),
+        "plugins.cache",
+        "unknown field `cache`",
+    );
+}
+
+#[test]
+fn a_wrong_type_is_refused() {
+    refused(
+        &with("pingora: { threads: many }"),
+        "pingora.threads",
+        "invalid type",
+    );
+    refused(
+        "pools:\n  - name: a\n    backends: [{ address: 127.0.0.1:9, weight: -1 }]\n",
+        "pools[0].backends[0].weight",
+        "invalid type",
+    );
+    refused(
+        &with("limits: { max_request_body_bytes: 8MiB }"),
+        "limits.max_request_body_bytes",
+        "invalid type",
+    );
+}
+
+#[test]
+fn a_bad_duration_is_refused() {
+    refused(
+        &with_timeouts("{ total: soon }"),
+        "pools[0].timeouts.total",
+        "`soon` is not a duration",
+    );
+    // A bare number has no unit.
+    refused(
+        &with("limits: { client_body_timeout: 30 }"),
+        "limits.client_body_timeout",
+        "`30` is not a duration",
+    );
+}
+
+#[test]
+fn a_bad_log_format_is_refused() {
+    refused(
+        &with("log: { format: xml }"),
+        "log.format",
+        "unknown variant `xml`",
+    );
+}
+
+#[test]
+fn pools_are_required() {
+    refused("log: { level: info }\n", "", "missing field `pools`");
+}
+
+#[test]
+fn a_pool_needs_backends_and_a_name() {
+    refused(
+        "pools: [{ name: a }]\n",
+        "pools[0]",
+        "missing field `backends`",
+    );
+    refused(
+        "pools: [{ backends: [{ address: 127.0.0.1:9 }] }]\n",
+        "pools[0]",
+        "missing field `name`",
+    );
+}
+
+#[test]
+fn upstream_tls_needs_an_sni() {
+    refused(
+        &format!("{MINIMAL}    tls: {{}}\n"),
+        "pools[0].tls",
+        "missing field `sni`",
+    );
+}
+
+// ---- (b) refusals: server_conf ---------------------------------------------------------------
+
+#[test]
+fn zero_threads_are_refused() {
+    refused(
+        &with("pingora: { threads: 0 }"),
+        "pingora.threads",
+        "must be at least 1",
+    );
+}
+
+#[test]
+fn a_daemon_needs_an_error_log() {
+    refused(
+        &with("pingora: { daemon: true }"),
+        "pingora.error_log",
+        "set error_log to a file",
+    );
+    ok(&with(
+        "pingora: { daemon: true, error_log: /tmp/sluice-error.log }",
+    ));
+}
+
+// ---- (b) refusals: listeners and admin --------------------------------------------------------
+
+#[test]
+fn at_least_one_listener_is_needed() {
+    refused(
+        &with("listeners: []"),
+        "listeners",
+        "at least one listener is needed",
+    );
+}
+
+#[test]
+fn a_listener_address_must_be_host_port() {
+    refused(
+        &with("listeners: [{ address: '8080' }]"),
+        "listeners[0].address",
+        "is not a host:port address",
+    );
+}
+
+#[test]
+fn a_listener_address_is_used_once() {
+    refused(
+        &with("listeners: [{ address: 127.0.0.1:8080 }, { address: 127.0.0.1:8080 }]"),
+        "listeners[1].address",
+        "127.0.0.1:8080 is used twice",
+    );
+}
+
+#[test]
+fn a_missing_tls_cert_is_refused() {
+    refused(
+        &with("listeners: [{ address: 127.0.0.1:8443, tls: { cert: nope.crt, key: nope.key } }]"),
+        "listeners[0].tls.cert",
+        "no file at /tmp/nope.crt",
+    );
+}
+
+#[test]
+fn a_missing_tls_key_is_refused() {
+    let cert = root().join("conf/examples/certs/localhost.crt");
+    refused(
+        &with(&format!(
+            "listeners: [{{ address: 127.0.0.1:8443, tls: {{ cert: '{}', key: nope.key }} }}]",
+            cert.display()
+        )),
+        "listeners[0].tls.key",
+        "no file at /tmp/nope.key",
+    );
+}
+
+#[test]
+fn the_admin_address_must_be_host_port() {
+    refused(
+        &with("admin: { address: localhost }"),
+        "admin.address",
+        "is not a host:port address",
+    );
+}
+
+#[test]
+fn the_admin_address_must_not_be_a_listener() {
+    refused(
+        &with("listeners: [{ address: 127.0.0.1:9090 }]"),
+        "admin.address",
+        "127.0.0.1:9090 is also a proxy listener",
+    );
+}
+
+#[test]
+fn a_disabled_admin_is_not_checked_and_not_started() {
+    let c = ok(&with(
+        "listeners: [{ address: 127.0.0.1:9090 }]\nadmin: { enabled: false }",
+    ));
+    assert_eq!(c.admin, None);
+}
+
+// ---- (b) refusals: limits and log ----------------------------------------------------------
+
+#[test]
+fn a_zero_body_limit_is_refused() {
+    refused(
+        &with("limits: { max_request_body_bytes: 0 }"),
+        "limits.max_request_body_bytes",
+        "must be between 1 and 1073741824",
+    );
+}
+
+#[test]
+fn a_body_limit_over_1_gib_is_refused() {
+    refused(
+        &with("limits: { max_request_body_bytes: 1073741825 }"),
+        "limits.max_request_body_bytes",
+        "must be between 1 and 1073741824",
+    );
+    ok(&with("limits: { max_request_body_bytes: 1073741824 }"));
+}
+
+#[test]
+fn a_zero_client_body_timeout_is_refused() {
+    refused(
+        &with("limits: { client_body_timeout: 0s }"),
+        "limits.client_body_timeout",
+        "must be longer than 0",
+    );
+}
+
+#[test]
+fn a_bad_log_level_is_refused() {
+    refused(
+        &with("log: { level: 'sluice=loud' }"),
+        "log.level",
+        "is not a log level or filter",
+    );
+}
+
+#[test]
+fn log_filters_are_accepted() {
+    let c = ok(&with("log: { level: 'info,sluice=debug', format: json }"));
+    assert_eq!(c.log.level, "info,sluice=debug");
+    assert_eq!(c.log.format, LogFormat::Json);
+}
+
+// ---- (b) refusals: pools ---------------------------------------------------------------------
+
+#[test]
+fn at_least_one_pool_is_needed() {
+    refused("pools: []\n", "pools", "at least one pool is needed");
+}
+
+#[test]
+fn a_pool_name_is_letters_digits_dash_underscore() {
+    refused(
+        "pools: [{ name: 'my pool', backends: [{ address: 127.0.0.1:9 }] }]\n",
+        "pools[0].name",
+        "`my pool` is not a name",
+    );
+    refused(
+        "pools: [{ name: '', backends: [{ address: 127.0.0.1:9 }] }]\n",
+        "pools[0].name",
+        "is not a name",
+    );
+    ok("pools: [{ name: Draft-pool_2, backends: [{ address: 127.0.0.1:9 }] }]\n");
+}
+
+#[test]
+fn a_pool_is_defined_once() {
+    refused(
+        "pools:\n  - { name: a, backends: [{ address: 127.0.0.1:9 }] }\n  - { name: a, backends: [{ address: 127.0.0.1:10 }] }\n",
+        "pools[1].name",
+        "pool `a` is defined twice",
+    );
+}
+
+#[test]
+fn a_pool_needs_at_least_one_backend() {
+    refused(
+        "pools: [{ name: a, backends: [] }]\n",
+        "pools[0].backends",
+        "at least one backend is needed",
+    );
+}
+
+#[test]
+fn a_zero_weight_is_refused() {
+    refused(
+        "pools: [{ name: a, backends: [{ address: 127.0.0.1:9, weight: 0 }] }]\n",
+        "pools[0].backends[0].weight",
+        "must be at least 1",
+    );
+}
+
+#[test]
+fn a_backend_address_must_be_host_port() {
+    refused(
+        "pools: [{ name: a, backends: [{ address: 127.0.0.1 }] }]\n",
+        "pools[0].backends[0].address",
+        "`127.0.0.1` is not a host:port address",
+    );
+}
+
+#[test]
+fn a_backend_is_listed_once_per_pool() {
+    refused(
+        "pools: [{ name: a, backends: [{ address: 127.0.0.1:9 }, { address: 127.0.0.1:9, weight: 2 }] }]\n",
+        "pools[0].backends[1].address",
+        "127.0.0.1:9 is listed twice in this pool",
+    );
+    // The same backend in two pools is fine.
+    ok("pools:\n  - { name: a, backends: [{ address: 127.0.0.1:9 }] }\n  - { name: b, backends: [{ address: 127.0.0.1:9 }] }\n");
+}
+
+#[test]
+fn zero_timeouts_are_refused() {
+    for key in ["connect", "first_byte", "total"] {
+        refused(
+            &with_timeouts(&format!("{{ {key}: 0s }}")),
+            &format!("pools[0].timeouts.{key}"),
+            "must be longer than 0",
+        );
+    }
+}
+
+#[test]
+fn first_byte_must_not_be_longer_than_total() {
+    refused(
+        &with_timeouts("{ first_byte: 50s, total: 40s }"),
+        "pools[0].timeouts.first_byte",
+        "must not be longer than pools[0].timeouts.total (50s > 40s)",
+    );
+    // The whole line, as `sluice -t` prints it. Durations are shown by humantime, so 90s reads
+    // `1m 30s` (the example in the module docs of config/mod.rs says `90s > 60s`).
+    let text = with_timeouts("{ first_byte: 90s, total: 60s }");
+    let e = Config::parse(&text, Path::new("conf/sluice.yaml")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "conf/sluice.yaml: pools[0].timeouts.first_byte: must not be longer than pools[0].timeouts.total (1m 30s > 1m)"
+    );
+    // The default first_byte (60s) counts too.
+    refused(
+        &with_timeouts("{ total: 30s }"),
+        "pools[0].timeouts.first_byte",
+        "(1m > 30s)",
+    );
+}
+
+#[test]
+fn connect_must_not_be_longer_than_total() {
+    refused(
+        &with_timeouts("{ connect: 2m, first_byte: 10s, total: 1m }"),
+        "pools[0].timeouts.connect",
+        "must not be longer than pools[0].timeouts.total",
+    );
+}
+
+#[test]
+fn min_tokens_per_second_must_be_above_zero() {
+    for (rate, shown) in [("0", "got 0"), ("-5", "got -5"), (".nan", "got NaN")] {
+        refused(
+            &with_timeouts(&format!("{{ min_tokens_per_second: {rate} }}")),
+            "pools[0].timeouts.min_tokens_per_second",
+            shown,
+        );
+    }
+}
+
+#[test]
+fn a_zero_max_model_len_is_refused() {
+    refused(
+        &format!("{MINIMAL}    max_model_len: 0\n"),
+        "pools[0].max_model_len",
+        "must be at least 1",
+    );
+}
+
+// ---- (b) refusals: routes --------------------------------------------------------------------
+
+#[test]
+fn a_route_prefix_starts_with_a_slash() {
+    refused(
+        &with("routes: [{ path_prefix: tokenize, pool: a }]"),
+        "routes[0].path_prefix",
+        "must start with /",
+    );
+}
+
+#[test]
+fn a_route_names_an_existing_pool() {
+    refused(
+        &with("routes: [{ path_prefix: /ok, pool: a }, { path_prefix: /tokenize, pool: target }]"),
+        "routes[1].pool",
+        "no pool is named `target`",
+    );
+}
+
+// ---- (b) refusals: plugins -------------------------------------------------------------------
+
+#[test]
+fn an_invalid_request_id_header_is_refused() {
+    refused(
+        &with("plugins: { request_id: { header: 'x request id' } }"),
+        "plugins.request_id.header",
+        "`x request id` is not a valid header name",
+    );
+}
+
+// ---- (c) defaults and what valid values become -------------------------------------------------
+
+#[test]
+fn a_minimal_config_gets_the_documented_defaults() {
+    let c = ok(MINIMAL);
+    assert_eq!(c.source, Path::new("/tmp/test.yaml"));
+
+    assert_eq!(c.listeners.len(), 1);
+    assert_eq!(c.listeners[0].address, "0.0.0.0:8080".parse().unwrap());
+    assert!(c.listeners[0].tls.is_none());
+    assert_eq!(c.admin, Some("127.0.0.1:9090".parse().unwrap()));
+
+    assert_eq!(c.limits.max_request_body_bytes, 8 * 1024 * 1024);
+    assert_eq!(c.limits.client_body_timeout, Duration::from_secs(30));
+
+    assert_eq!(c.log.level, "info");
+    assert_eq!(c.log.format, LogFormat::Text);
+    assert!(c.log.access_log);
+
+    assert!(c.routes.is_empty());
+    assert!(c.plugins.request_id.enabled);
+    assert_eq!(c.plugins.request_id.header, "x-request-id");
+
+    let s = &c.server;
+    assert_eq!(s.threads, 1);
+    assert!(s.work_stealing);
+    assert_eq!(s.pid_file, "/tmp/sluice.pid");
+    assert_eq!(s.upgrade_sock, "/tmp/sluice_upgrade.sock");
+    assert_eq!(s.error_log, None);
+    assert_eq!(s.user, None);
+    assert_eq!(s.group, None);
+    assert!(!s.daemon);
+    assert_eq!(s.grace_period_seconds, Some(5));
+    assert_eq!(s.graceful_shutdown_timeout_seconds, Some(5));
+    assert_eq!(s.upstream_keepalive_pool_size, 128);
+    assert_eq!(s.listener_tasks_per_fd, 1);
+    assert_eq!(s.ca_file, None);
+
+    let pool = c.pools.get("a").unwrap();
+    assert!(pool.models.is_empty());
+    assert_eq!(pool.max_model_len, None);
+    assert_eq!(pool.tls_sni, None);
+    assert_eq!(pool.backends[0].weight, 1);
+    assert_eq!(pool.backends[0].address, "127.0.0.1:9");
+    let t = &pool.timeouts;
+    assert_eq!(t.connect, Duration::from_secs(2));
+    assert_eq!(t.first_byte, Duration::from_secs(60));
+    assert_eq!(t.total, Duration::from_secs(600));
+    assert_eq!(t.keepalive_idle, Duration::from_secs(60));
+    assert_eq!(t.sized_by_max_tokens, None);
+    assert_eq!(*t, Timeouts::default());
+}
+
+#[test]
+fn empty_sections_mean_their_defaults() {
+    let c = ok(&with(
+        "pingora:\nadmin:\nlimits:\nlog:\nroutes:\nplugins:\n  request_id:",
+    ));
+    assert_eq!(c.admin, Some("127.0.0.1:9090".parse().unwrap()));
+    assert_eq!(c.limits.max_request_body_bytes, 8 * 1024 * 1024);
+    assert!(c.plugins.request_id.enabled);
+}
+
+#[test]
+fn durations_are_written_as_people_write_them() {
+    let c = ok(&with_timeouts(
+        "{ connect: 250ms, first_byte: 2s, total: 1h 30m, keepalive_idle: 5m }",
+    ));
+    let t = &c.pools.get("a").unwrap().timeouts;
+    assert_eq!(t.connect, Duration::from_millis(250));
+    assert_eq!(t.first_byte, Duration::from_secs(2));
+    assert_eq!(t.total, Duration::from_secs(90 * 60));
+    assert_eq!(t.keepalive_idle, Duration::from_secs(300));
+}
+
+#[test]
+fn min_tokens_per_second_sizes_the_total_timeout() {
+    let c = ok(&with_timeouts(
+        "{ first_byte: 10s, total: 100s, min_tokens_per_second: 10, margin: 5s }",
+    ));
+    let t = &c.pools.get("a").unwrap().timeouts;
+    assert_eq!(
+        t.sized_by_max_tokens,
+        Some(TokensPerSecond {
+            min_tokens_per_second: 10.0,
+            margin: Duration::from_secs(5),
+        })
+    );
+    // first_byte + max_tokens / rate + margin, capped by total; total without max_tokens.
+    assert_eq!(t.total_for(Some(200)), Duration::from_secs(35));
+    assert_eq!(t.total_for(Some(100_000)), Duration::from_secs(100));
+    assert_eq!(t.total_for(None), Duration::from_secs(100));
+
+    // margin defaults to 30s; without min_tokens_per_second it is unused.
+    let c = ok(&with_timeouts("{ min_tokens_per_second: 2.5 }"));
+    let t = &c.pools.get("a").unwrap().timeouts;
+    assert_eq!(
+        t.sized_by_max_tokens.as_ref().unwrap().margin,
+        Duration::from_secs(30)
+    );
+    assert_eq!(t.total_for(Some(100)), Duration::from_secs(60 + 40 + 30));
+}
+
+#[test]
+fn routes_are_named_by_their_prefix_unless_named_and_hosts_are_lowercased() {
+    let c = ok(&with(
+        "routes:\n  - { path_prefix: /tokenize, pool: a }\n  - { name: api, path_prefix: /, host: API.Example.com, pool: a }",
+    ));
+    assert_eq!(&*c.routes[0].name, "/tokenize");
+    assert_eq!(c.routes[0].host, None);
+    assert_eq!(&*c.routes[1].name, "api");
+    assert_eq!(c.routes[1].host.as_deref(), Some("api.example.com"));
+    assert_eq!(&*c.routes[1].pool.name, "a");
+}
+
+#[test]
+fn models_map_to_the_first_pool_that_lists_them() {
+    let c = ok("pools:
+  - { name: small, models: [m1, m2], backends: [{ address: 127.0.0.1:9 }] }
+  - { name: big, models: [m2, m3], backends: [{ address: 127.0.0.1:10 }] }
+  - { name: rest, backends: [{ address: 127.0.0.1:11 }] }
+");
+    assert_eq!(&*c.pools.for_model("m2").unwrap().name, "small");
+    assert_eq!(&*c.pools.for_model("m3").unwrap().name, "big");
+    assert!(c.pools.for_model("other").is_none());
+    assert_eq!(&*c.pools.default_pool().unwrap().name, "small");
+}
+
+#[test]
+fn pingora_keys_reach_the_server_conf() {
+    let c = ok(&with(
+        "pingora:
+  threads: 4
+  work_stealing: false
+  pid_file: /run/sluice.pid
+  upgrade_sock: /run/sluice.sock
+  error_log: /var/log/sluice.log
+  user: nobody
+  group: nogroup
+  daemon: true
+  grace_period_seconds: 60
+  graceful_shutdown_timeout_seconds: 10
+  upstream_keepalive_pool_size: 256
+  listener_tasks_per_fd: 0
+  ca_file: /etc/ssl/ca.pem",
+    ));
+    let s = &c.server;
+    assert_eq!(s.threads, 4);
+    assert!(!s.work_stealing);
+    assert_eq!(s.pid_file, "/run/sluice.pid");
+    assert_eq!(s.upgrade_sock, "/run/sluice.sock");
+    assert_eq!(s.error_log.as_deref(), Some("/var/log/sluice.log"));
+    assert_eq!(s.user.as_deref(), Some("nobody"));
+    assert_eq!(s.group.as_deref(), Some("nogroup"));
+    assert!(s.daemon);
+    assert_eq!(s.grace_period_seconds, Some(60));
+    assert_eq!(s.graceful_shutdown_timeout_seconds, Some(10));
+    assert_eq!(s.upstream_keepalive_pool_size, 256);
+    // 0 is taken as 1.
+    assert_eq!(s.listener_tasks_per_fd, 1);
+    assert_eq!(s.ca_file.as_deref(), Some("/etc/ssl/ca.pem"));
+}
+
+#[test]
+fn a_disabled_plugin_keeps_its_section() {
+    let c = ok(&with(
+        "plugins: { request_id: { enabled: false, header: X-Trace-Id } }",
+    ));
+    assert!(!c.plugins.request_id.enabled);
+    assert_eq!(c.plugins.request_id.header, "X-Trace-Id");
+}

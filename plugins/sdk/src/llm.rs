@@ -160,6 +160,10 @@ impl LlmRequest {
         if std::str::from_utf8(body).is_err() {
             return Err(invalid("The request body is not valid UTF-8.", None));
         }
+        // serde would read a struct from an array too, positionally: refuse anything else.
+        if body.trim_ascii_start().first().is_some_and(|b| *b != b'{') {
+            return Err(invalid("The request body must be a JSON object.", None));
+        }
         let mut de = serde_json::Deserializer::from_slice(body);
         let request: LlmRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();

@@ -6,20 +6,12 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use vllm_sim::{Sim, SimConfig};
 
-pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures");
+/// vLLM's wire shapes, kept in the repository (tests/fixtures/README.md says where from).
+pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
 pub fn fixture(name: &str) -> String {
-    let candidates = [
-        format!("{FIXTURES}/{name}"),
-        format!("/work/shared/fixtures/{name}"),
-        format!("{}/../shared/fixtures/{name}", env!("CARGO_MANIFEST_DIR")),
-    ];
-    for c in &candidates {
-        if let Ok(s) = std::fs::read_to_string(c) {
-            return s;
-        }
-    }
-    panic!("fixture {name} not found in {candidates:?}")
+    let path = format!("{FIXTURES}/{name}");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
 }
 
 pub async fn sim(cfg: SimConfig) -> Sim {

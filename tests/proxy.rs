@@ -1,0 +1,580 @@
+//! End-to-end: the real binary between real clients and real upstreams, on free ports.
+
+mod common;
+
+use common::*;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_sim::{Faults, SimConfig};
+
+const MODEL: &str = "test-model";
+
+async fn sim() -> vllm_sim::Sim {
+    vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .expect("sim")
+}
+
+fn one_pool(backends: &[std::net::SocketAddr], extra: &str) -> String {
+    format!("pools:\n{}", pool("main", &[MODEL], backends, extra))
+}
+
+/// The worker is still up and answering after whatever a test did to it.
+async fn still_serves(proxy: &Proxy) {
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(MODEL, "still there?", false))
+        .send()
+        .await
+        .expect("proxy reachable");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+}
+
+async fn error_of(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.expect("an OpenAI error body");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert_eq!(body["error"]["code"], status, "{body}");
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_stream_answers_pass_byte_for_byte_both_ways() {
+    let answer = fixture("vllm-chat-completion.json");
+    let upstream = Scripted::start(Script::fixed("application/json", answer.clone())).await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr], "")).await;
+
+    // Odd spacing, key order and an unknown field: the upstream must get these exact bytes.
+    let sent = br#"{ "messages" : [{"content":"What is the capital of France?","role":"user"}],
+        "model":"test-model", "x_vendor_field": {"keep": [1, 2]} }"#;
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "rid-from-client")
+        .body(sent.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sluice-pool"], "main");
+    assert_eq!(r.headers()["x-request-id"], "rid-from-client");
+    assert_eq!(r.bytes().await.unwrap().as_ref(), answer.as_slice());
+
+    let received = upstream.received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1);
+    assert_eq!(received[0].body, sent.to_vec());
+    let head = received[0].head.to_ascii_lowercase();
+    assert!(head.contains("x-request-id: rid-from-client"), "{head}");
+    assert!(
+        head.contains(&format!("content-length: {}", sent.len())),
+        "{head}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pass_byte_for_byte_and_chunk_by_chunk() {
+    let fixture_bytes = fixture("vllm-chat-stream.sse");
+    let text = String::from_utf8(fixture_bytes.clone()).unwrap();
+    let events: Vec<Vec<u8>> = text
+        .split_inclusive("\n\n")
+        .map(|e| e.as_bytes().to_vec())
+        .collect();
+    let n_events = events.len();
+    let upstream = Scripted::start(Script::event_stream(events, Duration::from_millis(150))).await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr], "")).await;
+
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(MODEL, "What is the capital of France?", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut stream = r.bytes_stream();
+    let mut got = Vec::new();
+    let mut first_chunk_at = None;
+    let mut chunks = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        first_chunk_at.get_or_insert_with(Instant::now);
+        chunks += 1;
+        got.extend_from_slice(&chunk);
+    }
+    assert_eq!(got, fixture_bytes, "the stream must arrive unchanged");
+    // Unbuffered: the first event reached the client before the upstream wrote its last one,
+    // and events were not merged into one write.
+    let upstream_done = upstream
+        .last_write
+        .lock()
+        .unwrap()
+        .expect("upstream finished");
+    assert!(first_chunk_at.unwrap() < upstream_done);
+    assert!(chunks >= n_events, "{chunks} chunks for {n_events} events");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_mib_prompt_reaches_the_upstream_intact() {
+    // A model with a context long enough for ~300k prompt tokens.
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_max_model_len(1 << 20),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let prompt = "lorem ipsum ".repeat(1024 * 1024 / 12 + 1);
+    let body = serde_json::to_vec(&chat(MODEL, &prompt, false)).unwrap();
+    assert!(body.len() > 1024 * 1024);
+    for stream in [false, true] {
+        let mut request: Value = serde_json::from_slice(&body).unwrap();
+        request["stream"] = json!(stream);
+        let bytes = serde_json::to_vec(&request).unwrap();
+        let r = client()
+            .post(proxy.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(bytes.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        assert!(!text.contains("\"error\""), "{text}");
+        if stream {
+            assert_eq!(sse_data(&text).last().map(String::as_str), Some("[DONE]"));
+        }
+        let recorded = upstream.stats().recent.last().cloned().expect("recorded");
+        assert_eq!(
+            Sha256::digest(&recorded.body),
+            Sha256::digest(&bytes),
+            "body changed on the way"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_on_another_backend() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[dead_address(), upstream.addr()], "")).await;
+    for _ in 0..6 {
+        still_serves(&proxy).await;
+    }
+    assert_eq!(upstream.stats().count("/v1/chat/completions"), 6);
+    let metrics = client()
+        .get(proxy.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap();
+    let metrics = metrics.text().await.unwrap();
+    assert!(
+        metrics.contains(r#"sluice_upstream_attempts_total{outcome="connect_error",pool="main"}"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_pool_gets_502_and_a_hanging_one_504() {
+    let hanging = sim().await;
+    hanging.set_faults(Faults {
+        hang_before_headers: true,
+        ..Faults::default()
+    });
+    let config = format!(
+        "pools:\n{}{}",
+        pool("dead", &["dead-model"], &[dead_address()], ""),
+        pool(
+            "slow",
+            &["slow-model"],
+            &[hanging.addr()],
+            "    timeouts:\n      first_byte: 500ms\n      total: 5s\n"
+        )
+    );
+    let proxy = Proxy::start(&config).await;
+
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat("dead-model", "hi", false))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(r).await;
+    assert_eq!(status, 502, "{body}");
+
+    let started = Instant::now();
+    let r = client()
+        .post(proxy.url("/v1/completions"))
+        .json(&json!({"model": "slow-model", "prompt": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = error_of(r).await;
+    assert_eq!(status, 504, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "bounded by first_byte"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_request_bodies_get_400_with_the_parameter_named() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let cases: &[(&[u8], Option<&str>, &str)] = &[
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2, 3]", None, "JSON object"),
+        (br#"{"model":"test-model","messages":[{"role":"user","content":"x"}],"stream":"yes"}"#, Some("stream"), "stream"),
+        (br#"{"model":"test-model"}"#, Some("messages"), "messages"),
+        (br#"{"model":"test-model","messages":[{"role":7}]}"#, Some("messages[0].role"), "role"),
+        (b"{\"model\":\"test-model\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}", None, "UTF-8"),
+        (b"", None, "not valid JSON"),
+    ];
+    for (body, param, needle) in cases {
+        let r = client()
+            .post(proxy.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap();
+        let (status, err) = error_of(r).await;
+        assert_eq!(status, 400, "{err}");
+        assert_eq!(err["error"]["param"].as_str(), *param, "{err}");
+        assert_eq!(err["error"]["type"], "BadRequestError");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{message}");
+    }
+    assert_eq!(
+        upstream.stats().requests_total,
+        0,
+        "bad requests never go upstream"
+    );
+    still_serves(&proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_models_routes_and_methods() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat("no-such-model", "hi", false))
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = error_of(r).await;
+    assert_eq!(
+        (status, err["error"]["param"].as_str()),
+        (404, Some("model"))
+    );
+    let (status, _) = error_of(client().get(proxy.url("/nowhere")).send().await.unwrap()).await;
+    assert_eq!(status, 404);
+    let (status, _) = error_of(
+        client()
+            .get(proxy.url("/v1/chat/completions"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_limit_get_413() {
+    let upstream = sim().await;
+    let config = format!(
+        "limits:\n  max_request_body_bytes: 65536\n{}",
+        one_pool(&[upstream.addr()], "")
+    );
+    let proxy = Proxy::start(&config).await;
+    // Declared over the limit: refused after the body is drained, so the client reads it.
+    let body = serde_json::to_vec(&chat(MODEL, &"x".repeat(100_000), false)).unwrap();
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let (status, _) = error_of(r).await;
+    assert_eq!(status, 413);
+    // Chunked, so only counting can tell: refused when the count passes the limit.
+    let chunks =
+        futures_util::stream::iter((0..20).map(|_| Ok::<_, std::io::Error>(vec![b' '; 8192])));
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await;
+    if let Ok(r) = r {
+        assert_eq!(r.status(), 413);
+    }
+    assert_eq!(upstream.stats().requests_total, 0);
+    still_serves(&proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lying_content_length_or_a_stalled_body_gets_408() {
+    let upstream = sim().await;
+    let config = format!(
+        "limits:\n  client_body_timeout: 500ms\n{}",
+        one_pool(&[upstream.addr()], "")
+    );
+    let proxy = Proxy::start(&config).await;
+
+    // Promises 1000 bytes, sends 20, waits.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":\"test-model")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut answer))
+        .await
+        .expect("answered within the body timeout")
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":408"), "{answer}");
+
+    // Stops mid-body and goes away: nobody to answer, and the worker carries on.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"mod",
+    )
+    .await
+    .unwrap();
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(upstream.stats().requests_total, 0);
+    still_serves(&proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_100_continue_is_answered_and_not_forwarded() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let body = serde_json::to_vec(&chat(MODEL, "hi", false)).unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100"));
+    s.write_all(&body).await.unwrap();
+    let mut rest = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&rest[..n]).contains("200 OK"));
+    let recorded = upstream.stats().recent.last().cloned().unwrap();
+    assert!(recorded.header("expect").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_drops_mid_stream_ends_with_an_error_event() {
+    let upstream = sim().await;
+    upstream.set_faults(Faults {
+        drop_after_chunks: Some(3),
+        ..Faults::default()
+    });
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(MODEL, "tell me more", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the status was sent before the failure");
+    let text = r
+        .text()
+        .await
+        .expect("a complete chunked body, not a cut one");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let error: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(error["error"]["message"].is_string(), "{text}");
+    assert!(
+        data.len() >= 5,
+        "the chunks before the failure arrived: {text}"
+    );
+    upstream.set_faults(Faults::default());
+    still_serves(&proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_frees_the_upstream() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_latency(vllm_sim::Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(50),
+            ))
+            .with_answer_tokens(200, 200),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let mut request = chat(MODEL, "a long story", true);
+    request["max_tokens"] = json!(200);
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = r.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    assert_eq!(upstream.stats().running, 1);
+    drop(stream);
+    // The proxy notices, aborts the attempt, and the simulator sees its client go.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while upstream.stats().running > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the upstream request was not cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    still_serves(&proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_routes_proxy_like_proxy_pass() {
+    let llm = sim().await;
+    let other = Scripted::start(Script::fixed("text/plain", b"from the web pool".to_vec())).await;
+    let config = format!(
+        "pools:\n{}{}routes:\n  - path_prefix: /version\n    pool: main\n  - name: web\n    path_prefix: /web\n    host: web.example\n    pool: web\n",
+        pool("main", &[MODEL], &[llm.addr()], ""),
+        pool("web", &[], &[other.addr], ""),
+    );
+    let proxy = Proxy::start(&config).await;
+
+    let r = client().get(proxy.url("/version")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["version"].is_string(), "{v}");
+
+    let r = client()
+        .get(proxy.url("/web/page?x=1"))
+        .header("host", "web.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.text().await.unwrap(), "from the web pool");
+    let head = other.received.lock().unwrap()[0].head.clone();
+    assert!(head.starts_with("GET /web/page?x=1 HTTP/1.1"), "{head}");
+
+    // The host-specific route does not match another host.
+    let r = client().get(proxy.url("/web/page")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_are_the_union_of_the_pools() {
+    let (a, b) = (sim().await, sim().await);
+    let config = format!(
+        "pools:\n{}{}",
+        pool("a", &["m1", "m2"], &[a.addr()], ""),
+        pool("b", &["m2", "m3"], &[b.addr()], "")
+    );
+    let proxy = Proxy::start(&config).await;
+    let v: Value = client()
+        .get(proxy.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["m1", "m2", "m3"]);
+    assert_eq!(v["object"], "list");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    still_serves(&proxy).await;
+
+    let get = |path: &str| client().get(proxy.admin_url(path)).send();
+    assert_eq!(get("/healthz").await.unwrap().status(), 200);
+    assert_eq!(get("/readyz").await.unwrap().status(), 200);
+    assert_eq!(get("/nope").await.unwrap().status(), 404);
+
+    let status: Value = get("/status").await.unwrap().json().await.unwrap();
+    assert_eq!(status["plugins"], json!(["request_id"]));
+    assert_eq!(status["pools"][0]["name"], "main");
+    assert_eq!(
+        status["pools"][0]["backends"][0]["resolved"],
+        upstream.addr().to_string()
+    );
+
+    let metrics = get("/metrics").await.unwrap();
+    assert!(metrics.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    let metrics = metrics.text().await.unwrap();
+    for series in [
+        r#"llm_request_duration_seconds_count{cache_hit="false",model="test-model"} 1"#,
+        r#"router_request_duration_seconds_count{pool="main"} 1"#,
+        r#"sluice_requests_total{route="chat",status="2xx"} 1"#,
+        "# TYPE sluice_stream_first_byte_seconds histogram",
+        "# TYPE router_rejections_total counter",
+    ] {
+        assert!(metrics.contains(series), "missing {series} in\n{metrics}");
+    }
+    check_prometheus_format(&metrics);
+}
+
+/// Runs the reference parser (Python's prometheus_client) on the exposition, when present.
+fn check_prometheus_format(text: &str) {
+    let script = r#"
+import sys
+from prometheus_client.parser import text_string_to_metric_families
+families = list(text_string_to_metric_families(sys.stdin.read()))
+assert families, "no metric families"
+"#;
+    let child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("python3 not found: skipping the reference-parser check");
+        return;
+    };
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the reference parser rejected /metrics (pip install prometheus_client?): {err}"
+    );
+}
