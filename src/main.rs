@@ -53,6 +53,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if cli.opt.daemon && config.server.error_log.is_none() {
+        eprintln!(
+            "sluice: invalid config: {}: pingora.error_log: -d makes a daemon, which has no terminal: set error_log to a file",
+            path.display()
+        );
+        return ExitCode::FAILURE;
+    }
     if cli.opt.test {
         println!("sluice: the configuration file {} is valid", path.display());
         return ExitCode::SUCCESS;

@@ -56,7 +56,8 @@ impl Default for PingoraFile {
             user: None,
             group: None,
             daemon: false,
-            grace_period_seconds: Some(5),
+            // In-flight requests get this long after SIGTERM or an upgrade: LLM streams are long.
+            grace_period_seconds: Some(30),
             graceful_shutdown_timeout_seconds: Some(5),
             upstream_keepalive_pool_size: d.upstream_keepalive_pool_size,
             listener_tasks_per_fd: d.listener_tasks_per_fd,

@@ -120,7 +120,14 @@ impl Config {
         let deserializer = serde_yaml_ng::Deserializer::from_str(text);
         let raw: FileConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
             let key = e.path().to_string();
-            let key = if key == "." { String::new() } else { key };
+            // `.` is the whole document; a `?` segment is where a syntax error stopped the
+            // parser, which the message's line and column say better.
+            let key = key.strip_suffix(".?").unwrap_or(&key);
+            let key = if key == "." || key == "?" {
+                String::new()
+            } else {
+                key.to_string()
+            };
             let message = e.into_inner().to_string();
             // The YAML parser starts its message with the (shorter) path it knew: drop it.
             let message = match message.split_once(": ") {
@@ -144,14 +151,18 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     if raw.listeners.is_empty() {
         return Err(("listeners".into(), "at least one listener is needed".into()));
     }
-    let mut addresses = HashSet::new();
+    let mut addresses: Vec<SocketAddr> = Vec::new();
     let mut listeners = Vec::new();
     for (i, l) in raw.listeners.iter().enumerate() {
         let key = format!("listeners[{i}]");
         let address = socket_address(&l.address).map_err(|m| (format!("{key}.address"), m))?;
-        if !addresses.insert(address) {
-            return Err((format!("{key}.address"), format!("{address} is used twice")));
+        if let Some(other) = clash(&addresses, address) {
+            return Err((
+                format!("{key}.address"),
+                format!("{address} clashes with {other}"),
+            ));
         }
+        addresses.push(address);
         let tls = match &l.tls {
             None => None,
             Some(t) => Some(TlsFiles {
@@ -165,10 +176,10 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     let admin = if raw.admin.enabled {
         let address =
             socket_address(&raw.admin.address).map_err(|m| ("admin.address".to_string(), m))?;
-        if !addresses.insert(address) {
+        if let Some(other) = clash(&addresses, address) {
             return Err((
                 "admin.address".into(),
-                format!("{address} is also a proxy listener"),
+                format!("{address} clashes with the proxy listener {other}"),
             ));
         }
         Some(address)
@@ -190,7 +201,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         ));
     }
 
-    if tracing_subscriber::EnvFilter::try_new(&raw.log.level).is_err() {
+    if !is_log_filter(&raw.log.level) {
         return Err((
             "log.level".into(),
             format!(
@@ -229,6 +240,12 @@ fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
     if p.threads == 0 {
         return Err(("pingora.threads".into(), "must be at least 1".into()));
     }
+    if p.listener_tasks_per_fd == 0 {
+        return Err((
+            "pingora.listener_tasks_per_fd".into(),
+            "must be at least 1".into(),
+        ));
+    }
     if p.daemon && p.error_log.is_none() {
         return Err((
             "pingora.error_log".into(),
@@ -247,7 +264,7 @@ fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
         grace_period_seconds: p.grace_period_seconds,
         graceful_shutdown_timeout_seconds: p.graceful_shutdown_timeout_seconds,
         upstream_keepalive_pool_size: p.upstream_keepalive_pool_size,
-        listener_tasks_per_fd: p.listener_tasks_per_fd.max(1),
+        listener_tasks_per_fd: p.listener_tasks_per_fd,
         ca_file: p.ca_file.clone(),
         ..ServerConf::default()
     })
@@ -397,6 +414,31 @@ fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
     sluice_plugin_request_id::RequestId::new(&plugins.request_id)
         .map(|_| ())
         .map_err(|m| ("plugins.request_id.header".into(), m))
+}
+
+/// An address in `taken` that `address` cannot bind beside: the same port on the same IP,
+/// or on a wildcard (0.0.0.0, ::) that covers it.
+fn clash(taken: &[SocketAddr], address: SocketAddr) -> Option<SocketAddr> {
+    taken.iter().copied().find(|t| {
+        t.port() == address.port()
+            && (t.ip() == address.ip() || t.ip().is_unspecified() || address.ip().is_unspecified())
+    })
+}
+
+/// A log level (`info`) or a list of directives (`info,pingora=warn`). A bare word that is not
+/// a level would be taken as a target name and silence everything else: a typo, refused.
+fn is_log_filter(text: &str) -> bool {
+    const LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
+    let directives_ok = text.split(',').all(|d| {
+        let d = d.trim();
+        match d.split_once('=') {
+            Some((target, level)) => {
+                !target.is_empty() && LEVELS.contains(&level.to_ascii_lowercase().as_str())
+            }
+            None => LEVELS.contains(&d.to_ascii_lowercase().as_str()),
+        }
+    });
+    directives_ok && tracing_subscriber::EnvFilter::try_new(text).is_ok()
 }
 
 /// `host:port` → one socket address (host names are resolved once, at load).

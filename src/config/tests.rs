@@ -277,7 +277,7 @@ fn a_listener_address_is_used_once() {
     refused(
         &with("listeners: [{ address: 127.0.0.1:8080 }, { address: 127.0.0.1:8080 }]"),
         "listeners[1].address",
-        "127.0.0.1:8080 is used twice",
+        "127.0.0.1:8080 clashes with 127.0.0.1:8080",
     );
 }
 
@@ -317,7 +317,7 @@ fn the_admin_address_must_not_be_a_listener() {
     refused(
         &with("listeners: [{ address: 127.0.0.1:9090 }]"),
         "admin.address",
-        "127.0.0.1:9090 is also a proxy listener",
+        "clashes with the proxy listener 127.0.0.1:9090",
     );
 }
 
@@ -570,7 +570,7 @@ fn a_minimal_config_gets_the_documented_defaults() {
     assert_eq!(s.user, None);
     assert_eq!(s.group, None);
     assert!(!s.daemon);
-    assert_eq!(s.grace_period_seconds, Some(5));
+    assert_eq!(s.grace_period_seconds, Some(30));
     assert_eq!(s.graceful_shutdown_timeout_seconds, Some(5));
     assert_eq!(s.upstream_keepalive_pool_size, 128);
     assert_eq!(s.listener_tasks_per_fd, 1);
@@ -681,7 +681,7 @@ fn pingora_keys_reach_the_server_conf() {
   grace_period_seconds: 60
   graceful_shutdown_timeout_seconds: 10
   upstream_keepalive_pool_size: 256
-  listener_tasks_per_fd: 0
+  listener_tasks_per_fd: 2
   ca_file: /etc/ssl/ca.pem",
     ));
     let s = &c.server;
@@ -696,8 +696,7 @@ fn pingora_keys_reach_the_server_conf() {
     assert_eq!(s.grace_period_seconds, Some(60));
     assert_eq!(s.graceful_shutdown_timeout_seconds, Some(10));
     assert_eq!(s.upstream_keepalive_pool_size, 256);
-    // 0 is taken as 1.
-    assert_eq!(s.listener_tasks_per_fd, 1);
+    assert_eq!(s.listener_tasks_per_fd, 2);
     assert_eq!(s.ca_file.as_deref(), Some("/etc/ssl/ca.pem"));
 }
 
@@ -708,4 +707,42 @@ fn a_disabled_plugin_keeps_its_section() {
     ));
     assert!(!c.plugins.request_id.enabled);
     assert_eq!(c.plugins.request_id.header, "X-Trace-Id");
+}
+
+#[test]
+fn zero_listener_tasks_are_refused() {
+    refused(
+        &format!("pingora:\n  listener_tasks_per_fd: 0\n{MINIMAL}"),
+        "pingora.listener_tasks_per_fd",
+        "at least 1",
+    );
+}
+
+#[test]
+fn a_wildcard_listener_clashes_with_an_admin_on_the_same_port() {
+    refused(
+        &format!(
+            "listeners:\n  - address: 0.0.0.0:9090\nadmin:\n  address: 127.0.0.1:9090\n{MINIMAL}"
+        ),
+        "admin.address",
+        "clashes with the proxy listener 0.0.0.0:9090",
+    );
+}
+
+#[test]
+fn a_log_level_typo_is_refused_not_taken_as_a_target() {
+    for typo in ["loud", "warning", "", "info,verbose"] {
+        refused(
+            &format!("log:\n  level: \"{typo}\"\n{MINIMAL}"),
+            "log.level",
+            "is not a log level or filter",
+        );
+    }
+}
+
+#[test]
+fn a_yaml_syntax_error_is_reported_on_the_whole_file_with_its_line() {
+    let e = parse("pools: [\n  {name: a\n").unwrap_err();
+    assert!(!e.path.contains('?'), "{e}");
+    assert!(e.message.contains("line"), "{e}");
 }

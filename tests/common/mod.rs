@@ -53,7 +53,7 @@ impl Proxy {
         let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let config = dir.path().join("sluice.yaml");
         let text = format!(
-            "pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 5\n\
+            "pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  grace_period_seconds: 3\n  graceful_shutdown_timeout_seconds: 5\n\
              listeners:\n  - address: {addr}\nadmin:\n  address: {admin}\nlog:\n  level: info\n{body}",
             pid = dir.path().join("sluice.pid").display(),
             sock = dir.path().join("upgrade.sock").display(),

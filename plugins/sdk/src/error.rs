@@ -104,6 +104,10 @@ impl ErrorReply {
             if let Some(reply) = c.downcast_ref::<ErrorReply>() {
                 return reply.clone();
             }
+            // Pingora nests errors as `Box<Error>` (`more_context`, `because`).
+            if let Some(inner) = c.downcast_ref::<Box<Error>>() {
+                return Self::from_error(inner);
+            }
             if let Some(inner) = c.downcast_ref::<Error>() {
                 return Self::from_error(inner);
             }

@@ -1,0 +1,174 @@
+//! The process's life: config checks, graceful stop, zero-downtime upgrade.
+
+mod common;
+
+use common::*;
+use futures_util::StreamExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vllm_sim::{Latency, SimConfig};
+
+const MODEL: &str = "test-model";
+
+fn check(config: &std::path::Path) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("-t")
+        .arg("-c")
+        .arg(config)
+        .output()
+        .expect("run sluice -t");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/sluice.yaml");
+    let (ok, text) = check(&shipped);
+    assert!(ok, "{text}");
+    assert!(text.contains("is valid"), "{text}");
+
+    let dir = tempfile::tempdir().unwrap();
+    for (yaml, key, rule) in [
+        (
+            "pools:\n  - name: a\n    backends: [{address: \"127.0.0.1:9\"}]\n    timeouts: {first_byte: 90s, total: 60s}\n",
+            "pools[0].timeouts.first_byte",
+            "must not be longer than pools[0].timeouts.total",
+        ),
+        (
+            "pools:\n  - name: a\n    backends: [{address: \"127.0.0.1:9\"}]\nplugins:\n  request_id: {enabled: true, headr: x}\n",
+            "plugins.request_id.headr",
+            "unknown field",
+        ),
+        ("listeners: []\npools: []\n", "listeners", "at least one listener"),
+    ] {
+        let path = dir.path().join("bad.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let (ok, text) = check(&path);
+        assert!(!ok, "{yaml} passed");
+        assert!(text.contains(&path.display().to_string()), "names the file: {text}");
+        assert!(text.contains(key), "names the key {key}: {text}");
+        assert!(text.contains(rule), "names the rule: {text}");
+    }
+}
+
+async fn slow_sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(30),
+            ))
+            .with_answer_tokens(40, 40),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_running_stream_finish_then_exits() {
+    let upstream = slow_sim().await;
+    let mut proxy = Proxy::start(&format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[upstream.addr()], "")
+    ))
+    .await;
+    let mut request = chat(MODEL, "a story", true);
+    request["max_tokens"] = serde_json::json!(40);
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    let mut body = stream.next().await.unwrap().unwrap().to_vec();
+
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    while let Some(chunk) = stream.next().await {
+        body.extend_from_slice(&chunk.expect("the stream is not cut"));
+    }
+    let text = String::from_utf8(body).unwrap();
+    assert_eq!(
+        sse_data(&text).last().map(String::as_str),
+        Some("[DONE]"),
+        "{text}"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "still running after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
+    let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let mut proxy = Proxy::start(&format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[upstream.addr()], "")
+    ))
+    .await;
+    let url = proxy.url("/v1/chat/completions");
+
+    // Requests run all through the upgrade, each on a new connection.
+    let load = tokio::spawn(async move {
+        let (mut ok, mut failed) = (0, Vec::new());
+        let until = Instant::now() + Duration::from_secs(4);
+        while Instant::now() < until {
+            let c = reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .build()
+                .unwrap();
+            match c.post(&url).json(&chat(MODEL, "hi", false)).send().await {
+                Ok(r) if r.status() == 200 => ok += 1,
+                Ok(r) => failed.push(format!("status {}", r.status())),
+                Err(e) => failed.push(e.to_string()),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (ok, failed)
+    });
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut old = proxy.take_child();
+    // The new process waits on the upgrade socket for the old one's listeners...
+    let new = proxy.spawn(&["-u"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // ...which the old one sends when told to stop with SIGQUIT.
+    signal(old.id(), "QUIT");
+    proxy.set_child(new);
+
+    let (ok, failed) = load.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} ok, failures: {failed:?}\n{}",
+        ok,
+        proxy.logs()
+    );
+    assert!(ok > 20, "only {ok} requests ran");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while old.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the old process did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The new process serves on the same address.
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(MODEL, "after", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
