@@ -578,3 +578,52 @@ assert families, "no metric families"
         "the reference parser rejected /metrics (pip install prometheus_client?): {err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_requests_sent_back_to_back_all_arrive_whole() {
+    // A client sends its next request the moment it has the previous answer; none of its
+    // bytes may be taken by the proxy while it finishes the previous exchange.
+    let upstream = sim().await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let body = serde_json::to_vec(&chat(MODEL, "again", false)).unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let request = [
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes(),
+        body,
+    ]
+    .concat();
+    let mut buf = Vec::new();
+    for i in 0..300 {
+        s.write_all(&request).await.unwrap();
+        // Read exactly one response: head, then content-length bytes.
+        let (head_end, len) = loop {
+            let mut chunk = [0u8; 8192];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "connection closed after {i} requests");
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..pos]).to_ascii_lowercase();
+                assert!(head.starts_with("http/1.1 200"), "request {i}: {head}");
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap();
+                break (pos + 4, len);
+            }
+        };
+        while buf.len() < head_end + len {
+            let mut chunk = [0u8; 8192];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0);
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        buf.drain(..head_end + len);
+    }
+}

@@ -147,10 +147,15 @@ async fn pipe(
         tokio::select! {
             task = rx.recv() => match task {
                 Some(HttpTask::Body(data, end)) => {
-                    if let Err(e) = forward(sluice, session, ctx, data, end).await {
+                    // The chunk that completes the declared length ends the response: the
+                    // client may send its next request at once, and the client watch below
+                    // would read that request's first byte.
+                    let after = ctx.response_bytes - sent_before + data.as_ref().map_or(0, Bytes::len);
+                    let last = end || declared_len.is_some_and(|len| after >= len);
+                    if let Err(e) = forward(sluice, session, ctx, data, last).await {
                         return Outcome::ClientGone(e);
                     }
-                    if end {
+                    if last {
                         return Outcome::Complete;
                     }
                 }
@@ -172,11 +177,6 @@ async fn pipe(
                 return broken(sluice, session, ctx, is_sse, e).await;
             }
             gone = session.downstream_session.read_body_or_idle(true) => {
-                // A client may close as soon as it has the declared length, before the
-                // attempt has reported its end: that response is complete.
-                if declared_len.is_some_and(|len| ctx.response_bytes - sent_before >= len) {
-                    return Outcome::Complete;
-                }
                 ctx.response_incomplete = true;
                 return Outcome::ClientGone(client_gone(gone));
             }
