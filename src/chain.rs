@@ -3,13 +3,16 @@
 //! The order is part of the product (documented in `conf/README.md`): plugins that identify a
 //! request come first, then those that may answer it without an upstream, then those that
 //! choose where it goes. A disabled plugin is not in the chain and costs nothing.
+//!
+//! 1. `request_id`: every answer, errors included, carries the id.
+//! 2. `cache`: a hit is answered before any upstream is touched.
 
 use crate::config::file::PluginsFile;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Plugin, RequestCtx};
+use sluice_sdk::{ErrorReply, Flow, LocalResponse, Plugin, RequestCtx};
 use std::sync::Arc;
 
 pub struct Chain {
@@ -24,6 +27,10 @@ impl Chain {
         if config.request_id.enabled {
             let p = sluice_plugin_request_id::RequestId::new(&config.request_id)
                 .map_err(|e| format!("plugins.request_id: {e}"))?;
+            plugins.push(Arc::new(p));
+        }
+        if config.cache.enabled {
+            let p = sluice_plugin_cache::Cache::new(config.cache.clone())?;
             plugins.push(Arc::new(p));
         }
         Ok(Self { plugins })
@@ -46,14 +53,18 @@ impl Chain {
         Ok(())
     }
 
-    /// Runs `request` hooks until one answers (`Ok(true)`) or fails.
-    pub async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+    /// Runs `request` hooks until one answers or fails. `Some` is the answer to send.
+    pub async fn request(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<Box<LocalResponse>>> {
         for p in &self.plugins {
-            if p.request(session, ctx).await? {
-                return Ok(true);
+            if let Flow::Respond(response) = p.request(session, ctx).await? {
+                return Ok(Some(response));
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
     pub fn upstream_select(&self, ctx: &mut RequestCtx) -> Result<()> {

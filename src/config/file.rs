@@ -1,7 +1,8 @@
 //! The config file as written: serde types that mirror the YAML, with defaults, and that refuse
 //! unknown keys. Nothing here is validated beyond types; `super::validate` does the rest.
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
+use sluice_plugin_cache::CacheConfig;
 use sluice_plugin_request_id::RequestIdConfig;
 use std::time::Duration;
 
@@ -226,14 +227,8 @@ pub struct RouteFile {
 pub struct PluginsFile {
     #[serde(default)]
     pub request_id: RequestIdConfig,
+    #[serde(default)]
+    pub cache: CacheConfig,
 }
 
-/// Durations as people write them: `250ms`, `2s`, `5m`, `1h 30m`.
-pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let text = String::deserialize(d)?;
-    humantime::parse_duration(&text).map_err(|e| {
-        serde::de::Error::custom(format!(
-            "`{text}` is not a duration ({e}); write it like 250ms, 2s or 5m"
-        ))
-    })
-}
+pub use sluice_sdk::duration::deserialize as duration;

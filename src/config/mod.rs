@@ -413,7 +413,11 @@ fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
 fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
     sluice_plugin_request_id::RequestId::new(&plugins.request_id)
         .map(|_| ())
-        .map_err(|m| ("plugins.request_id.header".into(), m))
+        .map_err(|m| ("plugins.request_id.header".into(), m))?;
+    plugins
+        .cache
+        .validate()
+        .map_err(|(key, message)| (format!("plugins.cache.{key}"), message))
 }
 
 /// An address in `taken` that `address` cannot bind beside: the same port on the same IP,

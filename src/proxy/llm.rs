@@ -31,7 +31,7 @@ pub async fn serve(
     ctx.req.llm = Some(call);
     ctx.req.pool = Some(pool);
 
-    if sluice.chain.request(session, &mut ctx.req).await? {
+    if sluice.request_hooks(session, &mut ctx.req).await? {
         return Ok(());
     }
     send_upstream(sluice, session, ctx).await

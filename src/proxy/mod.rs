@@ -87,7 +87,7 @@ impl ProxyHttp for Sluice {
                 Ok(true)
             }
             Decision::Models => {
-                if self.chain.request(session, &mut ctx.req).await? {
+                if self.request_hooks(session, &mut ctx.req).await? {
                     return Ok(true);
                 }
                 let body = self.models.clone();
@@ -96,10 +96,10 @@ impl ProxyHttp for Sluice {
             }
             Decision::Plain(rule) => {
                 ctx.req.pool = Some(rule.pool.clone());
-                self.chain.request(session, &mut ctx.req).await
+                self.request_hooks(session, &mut ctx.req).await
             }
             Decision::NotFound => {
-                if self.chain.request(session, &mut ctx.req).await? {
+                if self.request_hooks(session, &mut ctx.req).await? {
                     return Ok(true);
                 }
                 let path = session.req_header().uri.path().to_string();
@@ -241,6 +241,20 @@ impl ProxyHttp for Sluice {
         }
         self.chain.logging(e, &mut ctx.req);
         crate::accounting::record(self.access_log, &ctx.req, e);
+    }
+}
+
+impl Sluice {
+    /// Runs the plugins' `request` hooks; when one answers, sends its answer. `Ok(true)`: the
+    /// request has been answered.
+    async fn request_hooks(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        match self.chain.request(session, ctx).await? {
+            Some(response) => {
+                reply::local(self, session, ctx, response).await?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use pingora_error::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
-use sluice_sdk::{ErrorReply, RequestCtx};
+use sluice_sdk::{ErrorReply, LocalResponse, RequestCtx};
 
 /// Sends a complete response, after the plugins' `response_header` hooks.
 pub async fn send(
@@ -20,6 +20,17 @@ pub async fn send(
 ) -> Result<()> {
     let header = header(status, content_type, body.len(), None)?;
     write(sluice, session, ctx, header, body).await
+}
+
+/// Sends an answer a plugin made (a cache hit).
+pub async fn local(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    response: Box<LocalResponse>,
+) -> Result<()> {
+    let LocalResponse { header, body } = *response;
+    write(sluice, session, ctx, Box::new(header), body).await
 }
 
 /// Answers with `reply` if nothing was sent yet. Returns what Pingora needs to know.

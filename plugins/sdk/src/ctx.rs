@@ -1,6 +1,6 @@
 //! The per-request context shared by the core and the plugins.
 
-use http::Extensions;
+use std::any::{Any, TypeId};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,8 +38,8 @@ impl Route {
 }
 
 /// Per-request state. The core fills the documented fields as the request advances; plugins
-/// read them and keep their own state in [`RequestCtx::extensions`], keyed by a type private
-/// to the plugin, so plugins cannot collide.
+/// read them and keep their own state in [`RequestCtx::state`], keyed by a type private to
+/// the plugin, so plugins cannot collide.
 #[derive(Debug)]
 pub struct RequestCtx {
     pub started: Instant,
@@ -69,7 +69,7 @@ pub struct RequestCtx {
     /// Set by the cache plugin when the answer came from the cache.
     pub cache_hit: bool,
     /// Per-plugin state.
-    pub extensions: Extensions,
+    pub state: PluginState,
 }
 
 impl Default for RequestCtx {
@@ -94,7 +94,7 @@ impl RequestCtx {
             first_byte: None,
             response_incomplete: false,
             cache_hit: false,
-            extensions: Extensions::new(),
+            state: PluginState::default(),
         }
     }
 
@@ -106,5 +106,70 @@ impl RequestCtx {
     /// The pool's name, or `-`.
     pub fn pool_name(&self) -> &str {
         self.pool.as_ref().map_or("-", |p| &p.name)
+    }
+}
+
+/// Per-request plugin state, one value per type. Each plugin keys its state by a type of its
+/// own. A handful of entries at most, so a vector beats a hash map.
+#[derive(Default)]
+pub struct PluginState {
+    items: Vec<(TypeId, Box<dyn Any + Send + Sync>)>,
+}
+
+impl PluginState {
+    /// Stores `value`, replacing any earlier value of the same type.
+    pub fn insert<T: Any + Send + Sync>(&mut self, value: T) {
+        let id = TypeId::of::<T>();
+        match self.items.iter_mut().find(|(t, _)| *t == id) {
+            Some((_, slot)) => *slot = Box::new(value),
+            None => self.items.push((id, Box::new(value))),
+        }
+    }
+
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        let id = TypeId::of::<T>();
+        self.items
+            .iter()
+            .find(|(t, _)| *t == id)
+            .and_then(|(_, v)| v.downcast_ref())
+    }
+
+    pub fn get_mut<T: Any>(&mut self) -> Option<&mut T> {
+        let id = TypeId::of::<T>();
+        self.items
+            .iter_mut()
+            .find(|(t, _)| *t == id)
+            .and_then(|(_, v)| v.downcast_mut())
+    }
+
+    pub fn remove<T: Any>(&mut self) -> Option<T> {
+        let id = TypeId::of::<T>();
+        let i = self.items.iter().position(|(t, _)| *t == id)?;
+        self.items.swap_remove(i).1.downcast().ok().map(|b| *b)
+    }
+}
+
+impl std::fmt::Debug for PluginState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PluginState({} entries)", self.items.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plugin_state_is_keyed_by_type() {
+        struct A(u32);
+        struct B(&'static str);
+        let mut s = PluginState::default();
+        s.insert(A(1));
+        s.insert(B("b"));
+        s.insert(A(2));
+        assert_eq!(s.get::<A>().map(|a| a.0), Some(2));
+        s.get_mut::<B>().unwrap().0 = "c";
+        assert_eq!(s.remove::<B>().map(|b| b.0), Some("c"));
+        assert!(s.get::<B>().is_none());
     }
 }

@@ -10,15 +10,16 @@
 //! key) and a constructor that the core calls once at start-up.
 
 pub mod ctx;
+pub mod duration;
 pub mod error;
 pub mod llm;
 pub mod plugin;
 pub mod pool;
 
-pub use ctx::{RequestCtx, Route};
+pub use ctx::{PluginState, RequestCtx, Route};
 pub use error::ErrorReply;
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
-pub use plugin::Plugin;
+pub use plugin::{Flow, LocalResponse, Plugin};
 pub use pool::{BackendSpec, Pool, Pools, Timeouts, TokensPerSecond};
 
 // Re-exported so that plugins use the exact Pingora types the core uses.

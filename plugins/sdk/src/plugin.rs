@@ -33,6 +33,20 @@ use pingora_proxy::Session;
 use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
 
+/// What a `request` hook decided.
+#[derive(Debug)]
+pub enum Flow {
+    Continue,
+    Respond(Box<LocalResponse>),
+}
+
+/// A complete answer made by a plugin, without an upstream.
+#[derive(Debug)]
+pub struct LocalResponse {
+    pub header: ResponseHeader,
+    pub body: Bytes,
+}
+
 #[async_trait]
 pub trait Plugin: Send + Sync + 'static {
     /// The plugin's name, as its config section is named (`request_id`, `cache`, ...).
@@ -48,12 +62,12 @@ pub trait Plugin: Send + Sync + 'static {
     /// Runs once the request is routed; on LLM routes the body has been read and parsed
     /// (`ctx.llm` is set).
     ///
-    /// - `Ok(false)`: go on to the next plugin, then to the upstream.
-    /// - `Ok(true)`: this plugin has written a complete response (a cache hit); the chain
-    ///   stops and no upstream is contacted.
+    /// - `Ok(Flow::Continue)`: go on to the next plugin, then to the upstream.
+    /// - `Ok(Flow::Respond(r))`: answer with `r` (a cache hit); the chain stops, no upstream
+    ///   is contacted, and the core sends `r` through every plugin's response hooks.
     /// - `Err(e)`: the request fails; `ErrorReply::...into_error()` chooses the answer.
-    async fn request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<bool> {
-        Ok(false)
+    async fn request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<Flow> {
+        Ok(Flow::Continue)
     }
 
     /// Runs before each upstream attempt, before a backend is chosen. It may replace

@@ -1,0 +1,209 @@
+//! The `plugins.cache` config section.
+
+use serde::Deserialize;
+use sluice_sdk::duration;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::store::redis::RedisConfig;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Off unless asked for: a wrong cache is worse than none.
+    #[serde(default)]
+    pub enabled: bool,
+    /// `memory` (embedded, per proxy) or `redis` (shared).
+    #[serde(default)]
+    pub store: StoreKind,
+    #[serde(default)]
+    pub memory: MemoryConfig,
+    #[serde(default)]
+    pub redis: Option<RedisConfig>,
+    /// Prepended to every key in the store.
+    #[serde(default = "default_prefix")]
+    pub key_prefix: String,
+    /// Request headers whose values become part of the key (e.g. a RAG index version).
+    #[serde(default)]
+    pub key_headers: Vec<String>,
+    #[serde(default)]
+    pub tenant: TenantConfig,
+    /// Which requests may be cached at all.
+    #[serde(default)]
+    pub cacheable: Cacheable,
+    /// How long an entry lives, unless a rule below says otherwise.
+    #[serde(default = "default_ttl", deserialize_with = "duration::deserialize")]
+    pub ttl: Duration,
+    /// TTL per model (the request's `model` field); wins over `ttl_by_endpoint`.
+    #[serde(default)]
+    pub ttl_by_model: BTreeMap<String, HumanDuration>,
+    /// TTL per endpoint: `chat` or `completions`.
+    #[serde(default)]
+    pub ttl_by_endpoint: BTreeMap<EndpointName, HumanDuration>,
+    /// Answers larger than this (as the upstream sent them) are not stored.
+    #[serde(default = "default_max_entry_bytes")]
+    pub max_entry_bytes: usize,
+    #[serde(default)]
+    pub coalesce: CoalesceConfig,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            store: StoreKind::Memory,
+            memory: MemoryConfig::default(),
+            redis: None,
+            key_prefix: default_prefix(),
+            key_headers: Vec::new(),
+            tenant: TenantConfig::default(),
+            cacheable: Cacheable::Deterministic,
+            ttl: default_ttl(),
+            ttl_by_model: BTreeMap::new(),
+            ttl_by_endpoint: BTreeMap::new(),
+            max_entry_bytes: default_max_entry_bytes(),
+            coalesce: CoalesceConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    #[default]
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// The most the memory store holds.
+    pub max_bytes: usize,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: 256 * 1024 * 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantConfig {
+    /// A header set by a trusted layer in front (gateway, auth proxy) that names the tenant.
+    /// When absent from a request, the tenant is derived from the API key.
+    pub header: Option<String>,
+    /// Let tenants share entries. Off: identical prompts of two tenants never meet.
+    pub share_across_tenants: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Cacheable {
+    /// Every request (sampled answers too: one sample is served to all).
+    All,
+    /// Only requests whose answer is reproducible: temperature 0, or a fixed seed.
+    #[default]
+    Deterministic,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CoalesceConfig {
+    /// Identical cacheable requests that arrive while the first is in flight wait for its
+    /// answer instead of going upstream again.
+    pub enabled: bool,
+    /// How long such a request waits before going upstream itself.
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub max_wait: Duration,
+}
+
+impl Default for CoalesceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_wait: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointName {
+    Chat,
+    Completions,
+}
+
+/// A duration in a map value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct HumanDuration(#[serde(deserialize_with = "duration::deserialize")] pub Duration);
+
+fn default_prefix() -> String {
+    "llm:cache:".into()
+}
+
+fn default_ttl() -> Duration {
+    Duration::from_secs(3600)
+}
+
+fn default_max_entry_bytes() -> usize {
+    1024 * 1024
+}
+
+impl CacheConfig {
+    /// Checks what serde cannot: `Err((key under plugins.cache, message))`.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.ttl.is_zero() {
+            return Err(("ttl".into(), "must be longer than 0".into()));
+        }
+        for (model, ttl) in &self.ttl_by_model {
+            if ttl.0.is_zero() {
+                return Err((
+                    format!("ttl_by_model.{model}"),
+                    "must be longer than 0".into(),
+                ));
+            }
+        }
+        if self.max_entry_bytes == 0 {
+            return Err(("max_entry_bytes".into(), "must be at least 1".into()));
+        }
+        if self.memory.max_bytes < 64 * 1024 {
+            return Err(("memory.max_bytes".into(), "must be at least 65536".into()));
+        }
+        for (i, h) in self.key_headers.iter().enumerate() {
+            if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                return Err((
+                    format!("key_headers[{i}]"),
+                    format!("`{h}` is not a header name"),
+                ));
+            }
+        }
+        if let Some(h) = &self.tenant.header {
+            if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                return Err((
+                    "tenant.header".into(),
+                    format!("`{h}` is not a header name"),
+                ));
+            }
+        }
+        match (self.store, &self.redis) {
+            (StoreKind::Redis, None) => {
+                return Err(("redis".into(), "store: redis needs a redis section".into()))
+            }
+            (_, Some(redis)) => redis
+                .validate()
+                .map_err(|(key, message)| (format!("redis.{key}"), message))?,
+            _ => {}
+        }
+        if self.coalesce.max_wait.is_zero() && self.coalesce.enabled {
+            return Err(("coalesce.max_wait".into(), "must be longer than 0".into()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,597 @@
+//! A cached answer, and the two ways it is made and served.
+//!
+//! An entry holds the answer in its non-stream form (a `chat.completion` or `text_completion`
+//! object), whatever form filled it: a JSON answer is kept as sent; a stream is assembled from
+//! its deltas. A hit is served in the form the client asks for, with a fresh `id` and `created`:
+//! the JSON object, or a Server-Sent Events stream (role chunk, content chunk, finish chunk,
+//! usage chunk when asked, `[DONE]`) in vLLM's shapes.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Which API shape an answer has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerKind {
+    Chat,
+    Completion,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// SHA-256 of the cache key: checked on every hit, so a store keyed by less than the
+    /// whole digest can never serve another prompt's answer.
+    #[serde(with = "hex_digest")]
+    pub digest: [u8; 32],
+    /// When the answer was made (Unix seconds), for `age`.
+    pub created_unix: u64,
+    pub kind: AnswerKind,
+    /// The pool that produced the answer.
+    pub pool: String,
+    /// The answer in non-stream form.
+    pub answer: Value,
+}
+
+impl Entry {
+    /// The stored form (JSON).
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("not a cache entry: {e}"))
+    }
+
+    /// An estimate of the memory the entry holds, for the memory store's byte budget.
+    pub fn weight(&self) -> usize {
+        self.encode().len()
+    }
+}
+
+mod hex_digest {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 32], D::Error> {
+        let text = String::deserialize(d)?;
+        let bytes = hex::decode(&text).map_err(serde::de::Error::custom)?;
+        bytes
+            .try_into()
+            .map_err(|_| serde::de::Error::custom("a digest is 32 bytes"))
+    }
+}
+
+/// Why an answer is not stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotStored {
+    /// It ended early: no `[DONE]`, or a choice without a finish reason.
+    Incomplete,
+    /// The stream carried an error event.
+    ErrorEvent,
+    /// Not an answer of the expected shape.
+    NotAnAnswer,
+}
+
+impl NotStored {
+    pub fn label(self) -> &'static str {
+        match self {
+            NotStored::Incomplete | NotStored::ErrorEvent => "incomplete",
+            NotStored::NotAnAnswer => "not_ok",
+        }
+    }
+}
+
+impl AnswerKind {
+    fn object(self) -> &'static str {
+        match self {
+            AnswerKind::Chat => "chat.completion",
+            AnswerKind::Completion => "text_completion",
+        }
+    }
+
+    fn chunk_object(self) -> &'static str {
+        match self {
+            AnswerKind::Chat => "chat.completion.chunk",
+            AnswerKind::Completion => "text_completion",
+        }
+    }
+}
+
+/// A non-stream answer, kept as sent once it is known to be whole.
+pub fn from_json(kind: AnswerKind, body: &[u8]) -> Result<Value, NotStored> {
+    let answer: Value = serde_json::from_slice(body).map_err(|_| NotStored::NotAnAnswer)?;
+    if answer.get("object").and_then(Value::as_str) != Some(kind.object()) {
+        return Err(NotStored::NotAnAnswer);
+    }
+    let choices = answer
+        .get("choices")
+        .and_then(Value::as_array)
+        .filter(|c| !c.is_empty())
+        .ok_or(NotStored::NotAnAnswer)?;
+    if choices
+        .iter()
+        .any(|c| c.get("finish_reason").is_none_or(Value::is_null))
+    {
+        return Err(NotStored::Incomplete);
+    }
+    Ok(answer)
+}
+
+/// The non-stream answer a complete event stream adds up to.
+pub fn from_sse(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Value, NotStored> {
+    let body: Vec<u8> = chunks.concat();
+    let text = std::str::from_utf8(&body).map_err(|_| NotStored::NotAnAnswer)?;
+    let mut head: Option<Value> = None;
+    let mut choices: std::collections::BTreeMap<u64, ChoiceBuilder> = Default::default();
+    let mut usage = Value::Null;
+    let mut done = false;
+    for event in text.split("\n\n") {
+        let data = event
+            .lines()
+            .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if data.is_empty() {
+            continue;
+        }
+        if done {
+            return Err(NotStored::NotAnAnswer);
+        }
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&data).map_err(|_| NotStored::NotAnAnswer)?;
+        if chunk.get("error").is_some() {
+            return Err(NotStored::ErrorEvent);
+        }
+        head.get_or_insert_with(|| chunk.clone());
+        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            usage = u.clone();
+        }
+        for c in chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+            choices.entry(index).or_default().absorb(kind, c);
+        }
+    }
+    if !done || choices.is_empty() || choices.values().any(|c| c.finish_reason.is_null()) {
+        return Err(NotStored::Incomplete);
+    }
+    let head = head.unwrap_or(Value::Null);
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|(index, c)| c.build(kind, index))
+        .collect();
+    let mut answer = serde_json::json!({
+        "id": head.get("id").cloned().unwrap_or(Value::Null),
+        "object": kind.object(),
+        "created": head.get("created").cloned().unwrap_or(Value::Null),
+        "model": head.get("model").cloned().unwrap_or(Value::Null),
+        "choices": choices,
+        "usage": usage,
+    });
+    if let Some(fp) = head.get("system_fingerprint") {
+        answer["system_fingerprint"] = fp.clone();
+    }
+    Ok(answer)
+}
+
+/// One choice, assembled from its deltas.
+#[derive(Default)]
+struct ChoiceBuilder {
+    role: Option<String>,
+    text: String,
+    reasoning: Option<String>,
+    tool_calls: std::collections::BTreeMap<u64, Value>,
+    /// Chat: the `logprobs.content` entries; completions: the four parallel arrays.
+    logprobs: Option<serde_json::Map<String, Value>>,
+    finish_reason: Value,
+    stop_reason: Value,
+}
+
+impl ChoiceBuilder {
+    fn absorb(&mut self, kind: AnswerKind, c: &Value) {
+        match kind {
+            AnswerKind::Chat => {
+                let delta = c.get("delta").unwrap_or(&Value::Null);
+                if let Some(role) = delta.get("role").and_then(Value::as_str) {
+                    self.role = Some(role.to_string());
+                }
+                if let Some(t) = delta.get("content").and_then(Value::as_str) {
+                    self.text.push_str(t);
+                }
+                if let Some(t) = delta.get("reasoning_content").and_then(Value::as_str) {
+                    self.reasoning.get_or_insert_with(String::new).push_str(t);
+                }
+                for call in delta
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    self.absorb_tool_call(call);
+                }
+            }
+            AnswerKind::Completion => {
+                if let Some(t) = c.get("text").and_then(Value::as_str) {
+                    self.text.push_str(t);
+                }
+            }
+        }
+        if let Some(lp) = c.get("logprobs").and_then(Value::as_object) {
+            let acc = self.logprobs.get_or_insert_with(Default::default);
+            for (field, value) in lp {
+                if let Some(items) = value.as_array() {
+                    let slot = acc
+                        .entry(field.clone())
+                        .or_insert_with(|| Value::Array(vec![]));
+                    if let Some(all) = slot.as_array_mut() {
+                        all.extend(items.iter().cloned());
+                    }
+                }
+            }
+        }
+        if let Some(reason) = c.get("finish_reason").filter(|r| !r.is_null()) {
+            self.finish_reason = reason.clone();
+            self.stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
+        }
+    }
+
+    /// Tool calls stream as fragments keyed by `index`: the id, type and name once, the
+    /// arguments in pieces to be joined.
+    fn absorb_tool_call(&mut self, call: &Value) {
+        let index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
+        let slot = self.tool_calls.entry(index).or_insert_with(|| {
+            serde_json::json!({"id": null, "type": "function", "function": {"name": "", "arguments": ""}})
+        });
+        for field in ["id", "type"] {
+            if let Some(v) = call.get(field).filter(|v| !v.is_null()) {
+                slot[field] = v.clone();
+            }
+        }
+        if let Some(f) = call.get("function") {
+            for field in ["name", "arguments"] {
+                if let Some(piece) = f.get(field).and_then(Value::as_str) {
+                    let joined =
+                        format!("{}{piece}", slot["function"][field].as_str().unwrap_or(""));
+                    slot["function"][field] = Value::String(joined);
+                }
+            }
+        }
+    }
+
+    fn build(self, kind: AnswerKind, index: u64) -> Value {
+        let logprobs = self.logprobs.map_or(Value::Null, Value::Object);
+        match kind {
+            AnswerKind::Chat => {
+                let tool_calls: Vec<Value> = self.tool_calls.into_values().collect();
+                let content = if self.text.is_empty() && !tool_calls.is_empty() {
+                    Value::Null
+                } else {
+                    Value::String(self.text)
+                };
+                serde_json::json!({
+                    "index": index,
+                    "message": {
+                        "role": self.role.unwrap_or_else(|| "assistant".into()),
+                        "content": content,
+                        "tool_calls": tool_calls,
+                        "reasoning_content": self.reasoning,
+                    },
+                    "logprobs": logprobs,
+                    "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason,
+                })
+            }
+            AnswerKind::Completion => serde_json::json!({
+                "index": index,
+                "text": self.text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }),
+        }
+    }
+}
+
+impl Entry {
+    /// The answer as a JSON body, with this response's `id` and `created`.
+    pub fn render_json(&self, id: &str, created: u64) -> bytes::Bytes {
+        let mut answer = self.answer.clone();
+        answer["id"] = Value::from(id);
+        answer["created"] = Value::from(created);
+        bytes::Bytes::from(serde_json::to_vec(&answer).unwrap_or_default())
+    }
+
+    /// The answer as a Server-Sent Events stream, in vLLM's event sequence: per choice a role
+    /// chunk, one content chunk and a finish chunk; a usage chunk when asked; `[DONE]`.
+    pub fn render_sse(&self, id: &str, created: u64, include_usage: bool) -> bytes::Bytes {
+        let kind = self.kind;
+        let model = self.answer.get("model").cloned().unwrap_or(Value::Null);
+        let chunk = |choices: Value| {
+            serde_json::json!({
+                "id": id,
+                "object": kind.chunk_object(),
+                "created": created,
+                "model": model,
+                "choices": choices,
+            })
+        };
+        let mut out = Vec::with_capacity(512);
+        let mut event = |v: &Value| {
+            out.extend_from_slice(b"data: ");
+            let _ = serde_json::to_writer(&mut out, v);
+            out.extend_from_slice(b"\n\n");
+        };
+        let choices = self.answer.get("choices").and_then(Value::as_array);
+        for c in choices.into_iter().flatten() {
+            let index = c.get("index").cloned().unwrap_or(Value::from(0));
+            let logprobs = c.get("logprobs").cloned().unwrap_or(Value::Null);
+            let finish_reason = c.get("finish_reason").cloned().unwrap_or(Value::Null);
+            let stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
+            match kind {
+                AnswerKind::Chat => {
+                    let message = c.get("message").unwrap_or(&Value::Null);
+                    event(&chunk(
+                        serde_json::json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                    ));
+                    let mut delta = serde_json::json!({
+                        "content": message.get("content").and_then(Value::as_str).unwrap_or(""),
+                    });
+                    if let Some(calls) = message
+                        .get("tool_calls")
+                        .and_then(Value::as_array)
+                        .filter(|c| !c.is_empty())
+                    {
+                        let indexed: Vec<Value> = calls
+                            .iter()
+                            .enumerate()
+                            .map(|(i, call)| {
+                                let mut call = call.clone();
+                                call["index"] = Value::from(i);
+                                call
+                            })
+                            .collect();
+                        delta["tool_calls"] = Value::Array(indexed);
+                    }
+                    if let Some(r) = message.get("reasoning_content").filter(|r| !r.is_null()) {
+                        delta["reasoning_content"] = r.clone();
+                    }
+                    event(&chunk(
+                        serde_json::json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
+                    ));
+                    event(&chunk(
+                        serde_json::json!([{"index": index, "delta": {"content": ""}, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+                    ));
+                }
+                AnswerKind::Completion => {
+                    let text = c.get("text").cloned().unwrap_or(Value::from(""));
+                    event(&chunk(
+                        serde_json::json!([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null, "stop_reason": null}]),
+                    ));
+                    event(&chunk(
+                        serde_json::json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+                    ));
+                }
+            }
+        }
+        let usage = self.answer.get("usage").filter(|u| !u.is_null());
+        if let (true, Some(usage)) = (include_usage, usage) {
+            let mut last = chunk(Value::Array(vec![]));
+            last["usage"] = usage.clone();
+            event(&last);
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        bytes::Bytes::from(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures");
+
+    fn fixture(name: &str) -> Vec<u8> {
+        std::fs::read(format!("{FIXTURES}/{name}")).unwrap()
+    }
+
+    fn entry(kind: AnswerKind, answer: Value) -> Entry {
+        Entry {
+            digest: [7; 32],
+            created_unix: 1,
+            kind,
+            pool: "draft".into(),
+            answer,
+        }
+    }
+
+    /// The stream split into arbitrary pieces, as a network would.
+    fn pieces(bytes: &[u8], size: usize) -> Vec<Bytes> {
+        bytes.chunks(size).map(Bytes::copy_from_slice).collect()
+    }
+
+    #[test]
+    fn a_vllm_stream_assembles_to_its_answer() {
+        let sse = fixture("vllm-chat-stream.sse");
+        let answer = from_sse(AnswerKind::Chat, &pieces(&sse, 7)).unwrap();
+        let choice = &answer["choices"][0];
+        assert_eq!(
+            choice["message"]["content"],
+            "Paris is the capital of France."
+        );
+        assert_eq!(choice["message"]["role"], "assistant");
+        assert_eq!(choice["finish_reason"], "stop");
+        assert_eq!(answer["usage"]["completion_tokens"], 8);
+        assert_eq!(answer["object"], "chat.completion");
+    }
+
+    #[test]
+    fn a_stream_without_done_or_with_an_error_event_is_not_stored() {
+        let sse = String::from_utf8(fixture("vllm-chat-stream.sse")).unwrap();
+        let cut = sse.replace("data: [DONE]\n\n", "");
+        assert_eq!(
+            from_sse(AnswerKind::Chat, &[Bytes::from(cut)]),
+            Err(NotStored::Incomplete)
+        );
+        let no_finish: String = sse
+            .split_inclusive("\n\n")
+            .filter(|e| !e.contains("\"finish_reason\":\"stop\""))
+            .collect();
+        assert_eq!(
+            from_sse(AnswerKind::Chat, &[Bytes::from(no_finish)]),
+            Err(NotStored::Incomplete)
+        );
+        let errored = sse.replace(
+            "data: [DONE]",
+            "data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\ndata: [DONE]",
+        );
+        assert_eq!(
+            from_sse(AnswerKind::Chat, &[Bytes::from(errored)]),
+            Err(NotStored::ErrorEvent)
+        );
+    }
+
+    #[test]
+    fn json_answers_are_kept_when_whole() {
+        let body = fixture("vllm-chat-completion.json");
+        let answer = from_json(AnswerKind::Chat, &body).unwrap();
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            "Paris is the capital of France."
+        );
+        assert_eq!(
+            from_json(AnswerKind::Completion, &body),
+            Err(NotStored::NotAnAnswer)
+        );
+        assert_eq!(
+            from_json(AnswerKind::Chat, &fixture("vllm-error-new.json")),
+            Err(NotStored::NotAnAnswer)
+        );
+        assert_eq!(
+            from_json(AnswerKind::Chat, &body[..body.len() / 2]),
+            Err(NotStored::NotAnAnswer)
+        );
+    }
+
+    #[test]
+    fn json_to_stream_and_back_keeps_the_answer() {
+        for (kind, file) in [
+            (AnswerKind::Chat, "vllm-chat-completion.json"),
+            (AnswerKind::Completion, "vllm-completion.json"),
+        ] {
+            let original = from_json(kind, &fixture(file)).unwrap();
+            let e = entry(kind, original.clone());
+            let sse = e.render_sse("fresh-id", 42, true);
+            let text = std::str::from_utf8(&sse).unwrap();
+            assert!(text.starts_with("data: {"), "{text}");
+            assert!(text.ends_with("data: [DONE]\n\n"));
+            assert!(text.contains("\"choices\":[]"), "usage chunk: {text}");
+            let back = from_sse(kind, &pieces(&sse, 13)).unwrap();
+            assert_eq!(back["id"], "fresh-id");
+            assert_eq!(back["created"], 42);
+            assert_eq!(
+                back["choices"][0]["finish_reason"],
+                original["choices"][0]["finish_reason"]
+            );
+            assert_eq!(back["usage"], original["usage"]);
+            match kind {
+                AnswerKind::Chat => assert_eq!(
+                    back["choices"][0]["message"]["content"],
+                    original["choices"][0]["message"]["content"]
+                ),
+                AnswerKind::Completion => {
+                    assert_eq!(back["choices"][0]["text"], original["choices"][0]["text"])
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_usage_chunk_comes_only_when_asked() {
+        let original = from_json(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
+        let sse = entry(AnswerKind::Chat, original).render_sse("x", 1, false);
+        assert!(!std::str::from_utf8(&sse).unwrap().contains("\"usage\""));
+    }
+
+    #[test]
+    fn json_hits_get_a_fresh_id_and_created() {
+        let original = from_json(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
+        let body = entry(AnswerKind::Chat, original.clone()).render_json("chatcmpl-new", 99);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["id"], "chatcmpl-new");
+        assert_eq!(v["created"], 99);
+        assert_eq!(v["choices"], original["choices"]);
+        assert_eq!(v["usage"], original["usage"]);
+    }
+
+    #[test]
+    fn tool_call_fragments_and_logprobs_are_joined() {
+        let events = [
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"ci"}}]},"logprobs":{"content":[{"token":"a","logprob":-0.1}]},"finish_reason":null}]}"#,
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"ty\":\"Paris\"}"}}]},"logprobs":{"content":[{"token":"b","logprob":-0.2}]},"finish_reason":null}]}"#,
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"tool_calls"}]}"#,
+        ];
+        let mut sse = String::new();
+        for e in events {
+            sse.push_str(&format!("data: {e}\n\n"));
+        }
+        sse.push_str("data: [DONE]\n\n");
+        let answer = from_sse(AnswerKind::Chat, &[Bytes::from(sse)]).unwrap();
+        let call = &answer["choices"][0]["message"]["tool_calls"][0];
+        assert_eq!(call["id"], "call_1");
+        assert_eq!(call["function"]["name"], "get_weather");
+        assert_eq!(call["function"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(answer["choices"][0]["message"]["content"], Value::Null);
+        assert_eq!(
+            answer["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        // And back to a stream that a client can read the call from.
+        let again = from_sse(
+            AnswerKind::Chat,
+            &[entry(AnswerKind::Chat, answer.clone()).render_sse("x", 1, false)],
+        )
+        .unwrap();
+        assert_eq!(
+            again["choices"][0]["message"]["tool_calls"],
+            answer["choices"][0]["message"]["tool_calls"]
+        );
+    }
+
+    #[test]
+    fn several_choices_keep_their_indexes() {
+        let events = [
+            r#"{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":1,"text":"B","logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"A","logprobs":null,"finish_reason":"stop"}]}"#,
+            r#"{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":1,"text":"b","logprobs":null,"finish_reason":"length"}]}"#,
+        ];
+        let mut sse: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        sse.push_str("data: [DONE]\n\n");
+        let answer = from_sse(AnswerKind::Completion, &[Bytes::from(sse)]).unwrap();
+        assert_eq!(answer["choices"][0]["text"], "A");
+        assert_eq!(answer["choices"][1]["text"], "Bb");
+        assert_eq!(answer["choices"][1]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn entries_survive_encoding() {
+        let e = entry(AnswerKind::Chat, serde_json::json!({"a": 1}));
+        assert_eq!(Entry::decode(&e.encode()).unwrap(), e);
+        assert!(Entry::decode(b"garbage").is_err());
+    }
+}

@@ -1,0 +1,361 @@
+//! The `cache` plugin: answers repeated LLM requests from a cache, before any upstream is
+//! touched, and fills the cache from answers as they stream to the client.
+//!
+//! - **Key** ([`key`]): SHA-256 over the tenant, the endpoint, configured headers and the
+//!   whole request in canonical JSON. Tenants never share entries unless told to.
+//! - **Policy** ([`policy`]): deterministic requests only by default; `cache-control:
+//!   no-cache` skips the lookup but may store, `no-store` does neither; TTL per model or
+//!   endpoint.
+//! - **Hits** are served in the form the client asks for, whatever form filled the entry
+//!   (SSE or JSON, [`entry`]), with a fresh `id` and `created`, `x-cache: HIT` and `age`.
+//! - **Tee**: each chunk of an upstream answer is kept as it passes (a reference-counted
+//!   clone; the client is not delayed). When the answer completed normally (status 200, a
+//!   stream ended by `[DONE]` after finish reasons, no error event, the client still there,
+//!   under `max_entry_bytes`) it is assembled and stored off the request path.
+//! - **Stores** ([`store`]): `memory` (TinyUFO, bounded by bytes) or `redis` (single node or
+//!   Cluster, with a lookup timeout and a cool-down; a failing Redis never fails a request).
+//! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one.
+//!
+//! ```yaml
+//! plugins:
+//!   cache:
+//!     enabled: true
+//!     store: memory            # or redis (see conf/examples/redis-cache.yaml)
+//!     memory: {max_bytes: 268435456}
+//!     ttl: 1h
+//!     cacheable: deterministic # or all
+//!     tenant: {header: x-tenant-id}
+//! ```
+
+pub mod coalesce;
+pub mod config;
+pub mod entry;
+pub mod key;
+mod metrics;
+pub mod policy;
+pub mod store;
+
+pub use config::CacheConfig;
+
+use bytes::Bytes;
+use coalesce::{Inflight, Leader, Role};
+use entry::{AnswerKind, Entry};
+use pingora_error::Error;
+use policy::Use;
+use sluice_sdk::{
+    async_trait, Endpoint, ErrorReply, Flow, LlmCall, LocalResponse, Plugin, RequestCtx,
+    ResponseHeader, Result, Session,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use store::{memory::MemoryStore, redis::RedisStore, CacheKey, Store, WriteOutcome};
+
+pub struct Cache {
+    config: CacheConfig,
+    store: Arc<dyn Store>,
+    inflight: Arc<Inflight>,
+    key_headers: Vec<http::HeaderName>,
+    /// Fresh ids for answers served from the cache: `<nonce><counter>`.
+    id_nonce: u64,
+    id_counter: AtomicU64,
+}
+
+/// What the cache knows of one request.
+struct State {
+    result: Lookup,
+    key: CacheKey,
+    ttl: Duration,
+    kind: AnswerKind,
+    tee: Tee,
+    leader: Option<Leader>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lookup {
+    Hit,
+    Coalesced,
+    Miss,
+}
+
+/// The upstream answer's chunks, kept while it may still be stored.
+#[derive(Default)]
+struct Tee {
+    recording: bool,
+    event_stream: bool,
+    chunks: Vec<Bytes>,
+    bytes: usize,
+    too_big: bool,
+    ended: bool,
+}
+
+impl Cache {
+    /// Builds the plugin. Redis is connected in the background: Sluice starts without it.
+    pub fn new(config: CacheConfig) -> std::result::Result<Self, String> {
+        config
+            .validate()
+            .map_err(|(key, message)| format!("plugins.cache.{key}: {message}"))?;
+        let store: Arc<dyn Store> = match (&config.store, &config.redis) {
+            (config::StoreKind::Redis, Some(redis)) => Arc::new(RedisStore::connect(redis.clone())),
+            _ => Arc::new(MemoryStore::new(config.memory.max_bytes)),
+        };
+        metrics::init(store.name());
+        let key_headers = config
+            .key_headers
+            .iter()
+            .filter_map(|h| http::HeaderName::from_bytes(h.as_bytes()).ok())
+            .collect();
+        Ok(Self {
+            store,
+            inflight: Arc::new(Inflight::default()),
+            key_headers,
+            id_nonce: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            id_counter: AtomicU64::new(0),
+            config,
+        })
+    }
+
+    /// The answer to a hit, in the form the request asks for.
+    fn answer(&self, entry: &Entry, call: &LlmCall) -> Result<LocalResponse> {
+        let prefix = match entry.kind {
+            AnswerKind::Chat => "chatcmpl",
+            AnswerKind::Completion => "cmpl",
+        };
+        let n = self.id_counter.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{prefix}-{:016x}{n:016x}", self.id_nonce);
+        let now = unix_now();
+        let (content_type, body) = if call.request.is_stream() {
+            let body = entry.render_sse(&id, now, call.request.include_usage());
+            ("text/event-stream", body)
+        } else {
+            ("application/json", entry.render_json(&id, now))
+        };
+        let mut header = ResponseHeader::build(200, Some(5))?;
+        header.insert_header(http::header::CONTENT_TYPE, content_type)?;
+        header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+        header.insert_header(http::header::AGE, now.saturating_sub(entry.created_unix))?;
+        header.insert_header("x-sluice-pool", entry.pool.as_str())?;
+        Ok(LocalResponse { header, body })
+    }
+
+    fn key_for(&self, session: &Session, call: &LlmCall) -> Option<CacheKey> {
+        let headers = &session.req_header().headers;
+        let tenant = key::tenant(
+            headers,
+            self.config.tenant.header.as_deref(),
+            self.config.tenant.share_across_tenants,
+        );
+        let extra: Vec<(&str, &[u8])> = self
+            .key_headers
+            .iter()
+            .map(|h| {
+                (
+                    h.as_str(),
+                    headers.get(h).map_or(&b""[..], |v| v.as_bytes()),
+                )
+            })
+            .collect();
+        let digest = key::digest(&tenant, call.endpoint, &extra, &call.body)?;
+        Some(CacheKey::new(&self.config.key_prefix, digest))
+    }
+
+    async fn lookup(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+        let started = Instant::now();
+        let found = self.store.get(key).await;
+        metrics::lookup(self.store.name(), started.elapsed().as_secs_f64());
+        match found {
+            Ok(entry) => entry,
+            Err(e) => {
+                let kind = match e {
+                    store::StoreError::Timeout => "timeout",
+                    store::StoreError::CoolingDown => "cooldown",
+                    store::StoreError::Failed(_) => "error",
+                };
+                metrics::lookup_error(self.store.name(), kind);
+                tracing::debug!("cache lookup failed, going upstream: {e}");
+                None
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Plugin for Cache {
+    fn name(&self) -> &'static str {
+        "cache"
+    }
+
+    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+        let Some(call) = ctx.llm.as_ref() else {
+            return Ok(Flow::Continue);
+        };
+        let use_ = policy::decide(&self.config, &call.request, &session.req_header().headers);
+        let key = match (use_, self.key_for(session, call)) {
+            (Use::Bypass(_), _) | (_, None) => {
+                metrics::request(metrics::Outcome::Bypass);
+                ctx.state.insert(Bypassed);
+                return Ok(Flow::Continue);
+            }
+            (_, Some(key)) => key,
+        };
+        let kind = match call.endpoint {
+            Endpoint::ChatCompletions => AnswerKind::Chat,
+            Endpoint::Completions => AnswerKind::Completion,
+        };
+        let ttl = policy::ttl(&self.config, call.request.model.as_deref(), call.endpoint);
+        let mut state = State {
+            result: Lookup::Miss,
+            key,
+            ttl,
+            kind,
+            tee: Tee::default(),
+            leader: None,
+        };
+
+        if use_ == Use::LookupAndStore {
+            let mut found = self.lookup(&state.key).await.map(|e| (e, Lookup::Hit));
+            if found.is_none() && self.config.coalesce.enabled {
+                match self.inflight.join(state.key.digest) {
+                    Role::Leader(leader) => state.leader = Some(leader),
+                    Role::Follower(rx) => {
+                        found = coalesce::follow(rx, self.config.coalesce.max_wait)
+                            .await
+                            .map(|e| (e, Lookup::Coalesced));
+                    }
+                }
+            }
+            if let Some((entry, result)) = found {
+                let response = self.answer(&entry, call)?;
+                metrics::request(match result {
+                    Lookup::Coalesced => metrics::Outcome::Coalesced,
+                    _ => metrics::Outcome::Hit,
+                });
+                ctx.cache_hit = true;
+                state.result = result;
+                ctx.state.insert(state);
+                return Ok(Flow::Respond(Box::new(response)));
+            }
+        }
+        metrics::request(metrics::Outcome::Miss);
+        ctx.state.insert(state);
+        Ok(Flow::Continue)
+    }
+
+    fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+        let upstream_ok = ctx.upstream_status == Some(200) && response.status.as_u16() == 200;
+        let label = if ctx.state.get::<Bypassed>().is_some() {
+            "BYPASS"
+        } else if let Some(state) = ctx.state.get_mut::<State>() {
+            // Record only an upstream's 200 to a miss: never an error, never Sluice's own.
+            state.tee.recording = state.result == Lookup::Miss && upstream_ok;
+            state.tee.event_stream = response
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            match state.result {
+                Lookup::Hit | Lookup::Coalesced => "HIT",
+                Lookup::Miss => "MISS",
+            }
+        } else {
+            return Ok(());
+        };
+        response
+            .insert_header("x-cache", label)
+            .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())
+    }
+
+    fn response_body(
+        &self,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let Some(state) = ctx.state.get_mut::<State>() else {
+            return Ok(());
+        };
+        let tee = &mut state.tee;
+        if !tee.recording {
+            return Ok(());
+        }
+        if let Some(chunk) = body.as_ref() {
+            tee.bytes += chunk.len();
+            if tee.bytes > self.config.max_entry_bytes {
+                tee.too_big = true;
+                tee.recording = false;
+                tee.chunks = Vec::new();
+                return Ok(());
+            }
+            tee.chunks.push(chunk.clone());
+        }
+        tee.ended |= end_of_stream;
+        Ok(())
+    }
+
+    fn logging(&self, error: Option<&Error>, ctx: &mut RequestCtx) {
+        let Some(mut state) = ctx.state.remove::<State>() else {
+            return;
+        };
+        if state.result != Lookup::Miss {
+            return;
+        }
+        // Dropping the leader without publishing sends its followers upstream.
+        let leader = state.leader.take();
+        let tee = std::mem::take(&mut state.tee);
+        let outcome = if tee.too_big {
+            "too_big"
+        } else if !tee.recording {
+            "not_ok"
+        } else if !tee.ended || ctx.response_incomplete || error.is_some() {
+            "incomplete"
+        } else {
+            let store = self.store.clone();
+            let pool = ctx.pool_name().to_string();
+            tokio::spawn(async move {
+                write_back(store, state, tee, pool, leader);
+            });
+            return;
+        };
+        metrics::write(outcome);
+    }
+}
+
+/// Marks a request the cache stays out of (`x-cache: BYPASS`).
+struct Bypassed;
+
+/// Assembles a complete answer and stores it; runs off the request path.
+fn write_back(store: Arc<dyn Store>, state: State, tee: Tee, pool: String, leader: Option<Leader>) {
+    let answer = if tee.event_stream {
+        entry::from_sse(state.kind, &tee.chunks)
+    } else {
+        entry::from_json(state.kind, &tee.chunks.concat())
+    };
+    let answer = match answer {
+        Ok(answer) => answer,
+        Err(reason) => {
+            metrics::write(reason.label());
+            return;
+        }
+    };
+    let entry = Arc::new(Entry {
+        digest: state.key.digest,
+        created_unix: unix_now(),
+        kind: state.kind,
+        pool,
+        answer,
+    });
+    metrics::write(match store.put(&state.key, entry.clone(), state.ttl) {
+        WriteOutcome::Accepted => "stored",
+        WriteOutcome::Dropped => "dropped",
+    });
+    if let Some(leader) = leader {
+        leader.publish(entry);
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

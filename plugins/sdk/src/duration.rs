@@ -1,0 +1,19 @@
+//! Durations in config files, as people write them: `250ms`, `2s`, `5m`, `1h 30m`.
+//! Use with `#[serde(deserialize_with = "sluice_sdk::duration::deserialize")]`.
+
+use serde::{Deserialize, Deserializer};
+use std::time::Duration;
+
+pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "`{text}` is not a duration ({e}); write it like 250ms, 2s or 5m"
+        ))
+    })
+}
+
+/// Formats a duration for messages (`1m 30s`).
+pub fn format(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
