@@ -1,0 +1,553 @@
+//! The contenders and the processes behind them: the simulator (the upstream, and the
+//! "direct" contender), Sluice with plugins off and on, and nginx. Every process runs in a
+//! temporary directory on free ports and is stopped when its handle is dropped (also on a
+//! panic or when the run is cancelled).
+
+use std::fmt;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// The model name the simulator serves and the benchmarks ask for.
+pub const MODEL: &str = "bench-model";
+
+/// Every plugin section of conf/sluice.yaml, with the extra keys it needs when switched on.
+/// "Plugins on" enables each of these; "plugins off" sets `enabled: false` for each.
+/// Add a plugin here when it lands (for the cache: a forced miss, see the README).
+pub const PLUGINS: &[(&str, &str)] = &[("request_id", "")];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Contender {
+    /// The client talks to the simulator itself: the floor.
+    Direct,
+    SluiceOff,
+    SluiceOn,
+    Nginx,
+}
+
+impl Contender {
+    pub const ALL: [Contender; 4] = [
+        Contender::Direct,
+        Contender::SluiceOff,
+        Contender::SluiceOn,
+        Contender::Nginx,
+    ];
+    pub const PROXIES: [Contender; 3] =
+        [Contender::SluiceOff, Contender::SluiceOn, Contender::Nginx];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Contender::Direct => "direct",
+            Contender::SluiceOff => "sluice (plugins off)",
+            Contender::SluiceOn => "sluice (plugins on)",
+            Contender::Nginx => "nginx",
+        }
+    }
+}
+
+impl fmt::Display for Contender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
+    Ok(l.local_addr().context("local address")?.port())
+}
+
+fn free_addr() -> Result<SocketAddr> {
+    Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
+}
+
+/// A child process, stopped on drop.
+pub struct Proc {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+    /// nginx: stop with SIGTERM so the master takes its workers down with it.
+    term_first: bool,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, log: &Path, term_first: bool) -> Result<Proc> {
+        let file = std::fs::File::create(log).with_context(|| format!("creating {log:?}"))?;
+        let err = file.try_clone().context("log file")?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        Ok(Proc {
+            name: name.to_string(),
+            child: Some(child),
+            log: log.to_path_buf(),
+            term_first,
+        })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The last lines of the process's output.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Fails when the process has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(child) = self.child.as_mut() {
+            if let Some(status) = child.try_wait().context("waiting")? {
+                bail!("{} exited ({status}):\n{}", self.name, self.log_tail());
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until `addrs` accept connections.
+    pub async fn wait_ready(&mut self, addrs: &[SocketAddr]) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            self.check_alive()?;
+            let mut up = true;
+            for a in addrs {
+                up &= tokio::net::TcpStream::connect(a).await.is_ok();
+            }
+            if up {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{} did not start:\n{}", self.name, self.log_tail());
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if self.term_first {
+            let pid = child.id();
+            let workers = children_of(pid);
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            for w in workers {
+                if Path::new(&format!("/proc/{w}")).exists() {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &w.to_string()])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Pids whose parent is `pid` (nginx's workers).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| stat_fields(*p).and_then(|f| f.get(1)?.parse::<u32>().ok()) == Some(pid))
+        .collect()
+}
+
+/// The fields of /proc/PID/stat after the command name (index 0 is the state).
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// Resident memory (bytes) and CPU time (user + system) of a process.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub rss_bytes: u64,
+    pub cpu: Duration,
+}
+
+fn clock_ticks() -> u64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .filter(|t: &u64| *t > 0)
+        .unwrap_or(100)
+}
+
+/// Reads /proc/PID/status (VmRSS) and /proc/PID/stat (utime + stime).
+pub fn usage(pid: u32) -> Result<Usage> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let rss_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS in /proc/{pid}/status"))?;
+    let f = stat_fields(pid).ok_or_else(|| anyhow!("cannot read /proc/{pid}/stat"))?;
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let total = ticks(11) + ticks(12);
+    let per_sec = clock_ticks();
+    Ok(Usage {
+        rss_bytes: rss_kb * 1024,
+        cpu: Duration::from_secs_f64(total as f64 / per_sec as f64),
+    })
+}
+
+/// The usage of a process and its children (nginx: master and workers).
+pub fn tree_usage(pid: u32) -> Result<Usage> {
+    let mut u = usage(pid)?;
+    for c in children_of(pid) {
+        if let Ok(cu) = usage(c) {
+            u.rss_bytes += cu.rss_bytes;
+            u.cpu += cu.cpu;
+        }
+    }
+    Ok(u)
+}
+
+/// What the simulator does. Its fields are also the `sim-serve` command line of the bench
+/// binary, which runs the simulator library in a process of its own.
+#[derive(Clone, Debug, clap::Args)]
+pub struct SimSpec {
+    /// Inter-token interval in ms; 0 is the zero-latency mode (no sleeps, no per-token loop).
+    #[arg(long, default_value_t = 0.0)]
+    pub itl_ms: f64,
+    /// Every answer has exactly this many tokens (default: 8 to 64, from the prompt).
+    #[arg(long)]
+    pub answer_tokens: Option<u32>,
+}
+
+impl SimSpec {
+    pub fn zero() -> SimSpec {
+        SimSpec {
+            itl_ms: 0.0,
+            answer_tokens: None,
+        }
+    }
+
+    pub fn streaming(itl_ms: f64, tokens: u32) -> SimSpec {
+        SimSpec {
+            itl_ms,
+            answer_tokens: Some(tokens),
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let mut a = vec!["--itl-ms".to_string(), self.itl_ms.to_string()];
+        if let Some(n) = self.answer_tokens {
+            a.extend(["--answer-tokens".to_string(), n.to_string()]);
+        }
+        a
+    }
+
+    /// The simulator's configuration: room for 1 MiB prompts and 1,000 streams, no request
+    /// recording, no jitter.
+    pub fn config(&self, listen: SocketAddr) -> vllm_sim::SimConfig {
+        let mut c = vllm_sim::SimConfig::default()
+            .with_listen(listen)
+            .with_model(MODEL)
+            .with_max_model_len(4_000_000)
+            .with_max_num_seqs(4096)
+            .with_record_requests(0);
+        if self.itl_ms > 0.0 {
+            c = c.with_latency(vllm_sim::Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_secs_f64(self.itl_ms / 1000.0),
+            ));
+        }
+        if let Some(n) = self.answer_tokens {
+            c = c.with_answer_tokens(n, n);
+        }
+        c
+    }
+}
+
+/// Where the simulator runs.
+#[derive(Clone, Debug)]
+pub enum SimMode {
+    /// A process of its own: this executable with `sim-serve` (the full benchmark).
+    Process(PathBuf),
+    /// A thread with its own tokio runtime in this process (the CI smoke test).
+    InProcess,
+}
+
+/// A running simulator.
+pub struct RunningSim {
+    pub addr: SocketAddr,
+    proc: Option<Proc>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RunningSim {
+    pub async fn start(mode: &SimMode, spec: &SimSpec, dir: &Path) -> Result<RunningSim> {
+        let addr = free_addr()?;
+        match mode {
+            SimMode::Process(exe) => {
+                let mut cmd = Command::new(exe);
+                cmd.arg("sim-serve")
+                    .arg("--port")
+                    .arg(addr.port().to_string())
+                    .args(spec.args())
+                    .env("RUST_LOG", "warn");
+                let mut proc = Proc::spawn("vllm-sim", cmd, &dir.join("sim.log"), false)?;
+                proc.wait_ready(&[addr]).await?;
+                Ok(RunningSim {
+                    addr,
+                    proc: Some(proc),
+                    stop: None,
+                    thread: None,
+                })
+            }
+            SimMode::InProcess => {
+                let config = spec.config(addr);
+                let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+                let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<()>>();
+                let thread = std::thread::Builder::new()
+                    .name("vllm-sim".into())
+                    .spawn(move || {
+                        let rt = match tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                        {
+                            Ok(rt) => rt,
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e.into()));
+                                return;
+                            }
+                        };
+                        rt.block_on(async move {
+                            match vllm_sim::start(config).await {
+                                Ok(sim) => {
+                                    let _ = ready_tx.send(Ok(()));
+                                    let _ = stop_rx.await;
+                                    sim.shutdown();
+                                }
+                                Err(e) => {
+                                    let _ = ready_tx.send(Err(e.into()));
+                                }
+                            }
+                        });
+                    })
+                    .context("starting the simulator thread")?;
+                ready_rx
+                    .await
+                    .context("the simulator thread ended")?
+                    .context("starting the simulator")?;
+                Ok(RunningSim {
+                    addr,
+                    proc: None,
+                    stop: Some(stop_tx),
+                    thread: Some(thread),
+                })
+            }
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().and_then(Proc::pid)
+    }
+}
+
+impl Drop for RunningSim {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.proc.take();
+    }
+}
+
+/// The YAML of a Sluice instance in front of `upstream`.
+pub fn sluice_config(
+    dir: &Path,
+    name: &str,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    upstream: SocketAddr,
+    plugins_on: bool,
+) -> String {
+    let mut plugins = String::new();
+    for (section, extra) in PLUGINS {
+        plugins.push_str(&format!("  {section}:\n    enabled: {plugins_on}\n"));
+        if plugins_on {
+            for line in extra.lines().filter(|l| !l.trim().is_empty()) {
+                plugins.push_str(&format!("    {line}\n"));
+            }
+        }
+    }
+    format!(
+        "# Generated by sluice-bench.\n\
+         pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  \
+         grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 1\n\
+         listeners:\n  - address: {listen}\n\
+         admin:\n  address: {admin}\n\
+         limits:\n  max_request_body_bytes: 8388608\n\
+         # A user's logging (access log on), at warn so the log is not what is measured.\n\
+         log:\n  level: warn\n  access_log: true\n\
+         pools:\n  - name: sim\n    models: [\"{MODEL}\"]\n    backends:\n      - address: {upstream}\n\
+         plugins:\n{plugins}",
+        pid = dir.join(format!("{name}.pid")).display(),
+        sock = dir.join(format!("{name}.sock")).display(),
+    )
+}
+
+/// Starts Sluice; returns the process and its listener address.
+pub async fn start_sluice(
+    bin: &Path,
+    dir: &Path,
+    upstream: SocketAddr,
+    plugins_on: bool,
+) -> Result<(Proc, SocketAddr)> {
+    let name = if plugins_on {
+        "sluice-on"
+    } else {
+        "sluice-off"
+    };
+    let (listen, admin) = (free_addr()?, free_addr()?);
+    let config = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &config,
+        sluice_config(dir, name, listen, admin, upstream, plugins_on),
+    )
+    .with_context(|| format!("writing {config:?}"))?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("-c").arg(&config).env_remove("RUST_LOG");
+    let mut proc = Proc::spawn(name, cmd, &dir.join(format!("{name}.log")), false)?;
+    proc.wait_ready(&[listen, admin]).await?;
+    Ok((proc, listen))
+}
+
+/// Finds nginx, installing Debian's `nginx-light` when it is missing. The error says why
+/// nginx is unavailable.
+pub fn find_or_install_nginx() -> Result<PathBuf> {
+    if let Some(p) = find_nginx() {
+        return Ok(p);
+    }
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    let sudo: &[&str] = if root { &[] } else { &["sudo", "-n"] };
+    let apt = |args: &[&str]| -> bool {
+        let mut all: Vec<&str> = sudo.to_vec();
+        all.extend(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]);
+        all.extend(args);
+        eprintln!("sluice-bench: nginx is missing, running {}", all.join(" "));
+        Command::new(all[0])
+            .args(&all[1..])
+            .stdout(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    let installed = apt(&["install", "-y", "-qq", "nginx-light"])
+        || (apt(&["update", "-qq"]) && apt(&["install", "-y", "-qq", "nginx-light"]));
+    match find_nginx() {
+        Some(p) => Ok(p),
+        None if installed => bail!("nginx-light was installed but no nginx binary was found"),
+        None => bail!("nginx is not installed and `apt-get install -y nginx-light` failed"),
+    }
+}
+
+fn find_nginx() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/usr/local/sbin".into()])
+        .map(|d| d.join("nginx"))
+        .find(|p| p.is_file())
+}
+
+/// nginx's version line (`nginx/1.22.1`).
+pub fn nginx_version(bin: &Path) -> String {
+    Command::new(bin)
+        .arg("-v")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_string())
+        .map(|s| s.trim_start_matches("nginx version: ").to_string())
+        .unwrap_or_else(|e| format!("unknown ({e})"))
+}
+
+/// The nginx configuration: a plain reverse proxy with upstream keep-alive and no buffering,
+/// two workers (Sluice runs two threads), optionally a static file at `/static/answer.json`.
+pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
+    let user = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    format!(
+        "# Generated by sluice-bench.\n\
+         daemon off;\nmaster_process on;\nworker_processes 2;\n{user}\
+         pid {dir}/nginx.pid;\nerror_log {dir}/nginx-error.log warn;\n\
+         events {{\n  worker_connections 8192;\n}}\n\
+         http {{\n  access_log off;\n  client_max_body_size 8m;\n  \
+         client_body_temp_path {dir}/client_body;\n  proxy_temp_path {dir}/proxy_temp;\n  \
+         keepalive_requests 1000000;\n  keepalive_timeout 75s;\n\
+         \x20 upstream sim {{\n    server {upstream};\n    keepalive 64;\n    \
+         keepalive_requests 1000000;\n  }}\n\
+         \x20 server {{\n    listen {listen};\n\
+         \x20   location /static/ {{\n      root {dir};\n    }}\n\
+         \x20   location / {{\n      proxy_pass http://sim;\n      proxy_http_version 1.1;\n      \
+         proxy_set_header Connection \"\";\n      proxy_buffering off;\n      \
+         proxy_request_buffering off;\n      proxy_read_timeout 600s;\n    }}\n  }}\n}}\n",
+        user = if user { "user root;\n" } else { "" },
+        dir = dir.display(),
+    )
+}
+
+/// Starts nginx in front of `upstream`; returns the process and its listener address.
+pub async fn start_nginx(
+    bin: &Path,
+    dir: &Path,
+    upstream: SocketAddr,
+) -> Result<(Proc, SocketAddr)> {
+    let listen = free_addr()?;
+    let ndir = dir.join("nginx");
+    std::fs::create_dir_all(&ndir).with_context(|| format!("creating {ndir:?}"))?;
+    let conf = ndir.join("nginx.conf");
+    std::fs::write(&conf, nginx_config(&ndir, listen, upstream))
+        .with_context(|| format!("writing {conf:?}"))?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("-c")
+        .arg(&conf)
+        .arg("-p")
+        .arg(&ndir)
+        .arg("-e")
+        .arg(ndir.join("nginx-error.log"));
+    let mut proc = Proc::spawn("nginx", cmd, &ndir.join("nginx.out"), true)?;
+    if let Err(e) = proc.wait_ready(&[listen]).await {
+        let mut err_log = String::new();
+        let _ = std::fs::File::open(ndir.join("nginx-error.log"))
+            .and_then(|mut f| f.read_to_string(&mut err_log));
+        return Err(e.context(err_log));
+    }
+    Ok((proc, listen))
+}

@@ -1,0 +1,251 @@
+//! Sluice's benchmark harness: Sluice against direct access and nginx, side by side in one run.
+//!
+//! [`run`] starts the simulator, Sluice (plugins off and on) and nginx as processes on free
+//! ports, drives them with the in-process load generator ([`loadgen`], [`sse`]) in interleaved
+//! rounds and returns a [`report::Report`]. [`smoke`] is the same with tiny loads, for CI.
+//! See README.md.
+
+pub mod contenders;
+pub mod loadgen;
+pub mod report;
+pub mod scenarios;
+pub mod sse;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+pub use contenders::{Contender, SimMode, SimSpec};
+pub use report::{Outcome, Report, ScenarioReport};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The `sluice` binary (a release build for real numbers).
+    pub sluice_bin: PathBuf,
+    pub sim: SimMode,
+    /// A few seconds with small loads: checks that the harness works, measures nothing.
+    pub smoke: bool,
+    /// Scenario numbers to run; empty means all.
+    pub scenarios: Vec<u8>,
+    /// Fail when nginx is unavailable instead of reporting it as such.
+    pub require_nginx: bool,
+}
+
+/// How hard and how long each scenario pushes.
+#[derive(Clone, Debug)]
+pub struct Params {
+    pub rounds: usize,
+    pub warmup: Duration,
+    /// Each contender's measured time per round (closed and open loop).
+    pub duration: Duration,
+    /// Connections of the throughput scenarios.
+    pub conns: usize,
+    /// Connections available to the open-loop generator.
+    pub open_conns: usize,
+    pub stream_concurrency: usize,
+    pub stream_tokens: u32,
+    pub stream_itl_ms: f64,
+    pub stream_duration: Duration,
+    pub open_streams: usize,
+    pub open_stream_tokens: u32,
+    pub open_stream_itl_ms: f64,
+    pub open_stream_ramp: Duration,
+    pub big_prompt_bytes: usize,
+    pub big_conns: usize,
+}
+
+impl Params {
+    pub fn full() -> Params {
+        Params {
+            rounds: 3,
+            warmup: Duration::from_millis(500),
+            duration: Duration::from_secs(4),
+            conns: 32,
+            open_conns: 64,
+            stream_concurrency: 50,
+            stream_tokens: 100,
+            stream_itl_ms: 10.0,
+            stream_duration: Duration::from_secs(4),
+            open_streams: 1000,
+            open_stream_tokens: 100,
+            open_stream_itl_ms: 50.0,
+            open_stream_ramp: Duration::from_secs(1),
+            big_prompt_bytes: 1 << 20,
+            big_conns: 8,
+        }
+    }
+
+    pub fn smoke() -> Params {
+        Params {
+            rounds: 1,
+            warmup: Duration::from_millis(100),
+            duration: Duration::from_millis(300),
+            conns: 4,
+            open_conns: 8,
+            stream_concurrency: 4,
+            stream_tokens: 10,
+            stream_itl_ms: 10.0,
+            stream_duration: Duration::from_millis(200),
+            open_streams: 20,
+            open_stream_tokens: 10,
+            open_stream_itl_ms: 20.0,
+            open_stream_ramp: Duration::from_millis(100),
+            big_prompt_bytes: 1 << 20,
+            big_conns: 2,
+        }
+    }
+}
+
+/// What every scenario shares: binaries, where processes live, nginx's availability, and
+/// what earlier scenarios learned (nginx's maximum throughput).
+pub struct Ctx {
+    pub sluice_bin: PathBuf,
+    pub sim: SimMode,
+    /// The nginx binary, or why there is none.
+    pub nginx: std::result::Result<PathBuf, String>,
+    pub require_nginx: bool,
+    pub p: Params,
+    pub root: tempfile::TempDir,
+    /// Scenario 1's median throughput per contender, for scenario 2's rate.
+    pub max_rps: Vec<(Contender, f64)>,
+}
+
+/// The CI smoke run: every scenario for a few seconds, the simulator in-process, nginx
+/// required.
+pub async fn smoke(sluice_bin: PathBuf) -> Result<Report> {
+    run(Options {
+        sluice_bin,
+        sim: SimMode::InProcess,
+        smoke: true,
+        scenarios: Vec::new(),
+        require_nginx: true,
+    })
+    .await
+}
+
+/// Runs the scenarios and returns the report; a scenario that fails is reported as failed and
+/// the others still run.
+pub async fn run(opts: Options) -> Result<Report> {
+    let started = Instant::now();
+    if !opts.sluice_bin.is_file() {
+        anyhow::bail!("no sluice binary at {:?}", opts.sluice_bin);
+    }
+    let nginx = contenders::find_or_install_nginx().map_err(|e| format!("{e:#}"));
+    if opts.require_nginx {
+        if let Err(e) = &nginx {
+            anyhow::bail!("nginx is required: {e}");
+        }
+    }
+    let root = tempfile::Builder::new()
+        .prefix("sluice-bench.")
+        .tempdir()
+        .context("creating the temporary directory")?;
+    let mut ctx = Ctx {
+        sluice_bin: opts.sluice_bin.clone(),
+        sim: opts.sim.clone(),
+        nginx,
+        require_nginx: opts.require_nginx,
+        p: if opts.smoke {
+            Params::smoke()
+        } else {
+            Params::full()
+        },
+        root,
+        max_rps: Vec::new(),
+    };
+    let mut out = Vec::new();
+    for (id, title) in scenarios::ALL {
+        if !opts.scenarios.is_empty() && !opts.scenarios.contains(id) {
+            continue;
+        }
+        eprintln!("sluice-bench: scenario {id}: {title}");
+        let report = match scenarios::run(*id, &mut ctx).await {
+            Ok(r) => r,
+            Err(e) => {
+                let mut r = ScenarioReport::new(*id, title);
+                r.outcome = Outcome::Failed(format!("{e:#}"));
+                r
+            }
+        };
+        out.push(report);
+    }
+    Ok(Report {
+        smoke: opts.smoke,
+        context: context(&ctx, &opts),
+        scenarios: out,
+        elapsed_secs: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn command_line(cmd: &str, args: &[&str]) -> Option<String> {
+    let o = Command::new(cmd).args(args).output().ok()?;
+    let text = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    (o.status.success() && !text.is_empty()).then_some(text)
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn context(ctx: &Ctx, opts: &Options) -> Vec<(String, String)> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = repo.to_string_lossy();
+    let git = command_line("git", &["-C", &repo, "describe", "--always", "--dirty"])
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let nginx = match &ctx.nginx {
+        Ok(bin) => contenders::nginx_version(bin),
+        Err(e) => format!("unavailable: {e}"),
+    };
+    let sim = match opts.sim {
+        SimMode::Process(_) => "vllm-sim library in its own process (`sluice-bench sim-serve`)",
+        SimMode::InProcess => "vllm-sim library in a thread of the harness",
+    };
+    vec![
+        (
+            "date".into(),
+            command_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default(),
+        ),
+        ("machine".into(), format!("{cores} cores, {}", cpu_model())),
+        (
+            "kernel".into(),
+            command_line("uname", &["-sr"]).unwrap_or_default(),
+        ),
+        (
+            "sluice".into(),
+            format!(
+                "git {git}, Pingora 0.9.1, `pingora.threads: 2`, `log.level: warn` (access log on, \
+                 so below the level), binary {}",
+                opts.sluice_bin.display()
+            ),
+        ),
+        (
+            "nginx".into(),
+            format!(
+                "{nginx}, 2 workers, upstream keepalive 64, proxy_buffering off, \
+                 proxy_request_buffering off, access_log off"
+            ),
+        ),
+        (
+            "rustc".into(),
+            command_line("rustc", &["-V"]).unwrap_or_else(|| "unknown".into()),
+        ),
+        ("simulator".into(), sim.into()),
+        (
+            "load generator".into(),
+            "in-process (hyper 1 HTTP/1.1 client, tokio, hdrhistogram), sharing the 2 cores".into(),
+        ),
+    ]
+}

@@ -1,0 +1,130 @@
+//! `sluice-bench`: builds Sluice in release mode, runs every scenario, prints the Markdown
+//! table and writes it to tests/bench/RESULTS.md. See README.md.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use sluice_bench::{Options, SimMode, SimSpec};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sluice-bench",
+    about = "Sluice against direct access and nginx"
+)]
+struct Args {
+    /// A few seconds with tiny loads: checks the harness, the numbers mean nothing.
+    #[arg(long)]
+    smoke: bool,
+    /// Run only this scenario (repeatable).
+    #[arg(long = "scenario")]
+    scenarios: Vec<u8>,
+    /// Do not run `cargo build --release -p sluice -p vllm-sim --bins` first.
+    #[arg(long)]
+    no_build: bool,
+    /// The sluice binary (default: target/release/sluice of this workspace).
+    #[arg(long)]
+    sluice: Option<PathBuf>,
+    /// Where to write the Markdown (default: tests/bench/RESULTS.md; the smoke run and
+    /// single scenarios write nothing unless given).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Runs the simulator in this process (used by the harness itself).
+    #[command(hide = true)]
+    SimServe {
+        #[arg(long)]
+        port: u16,
+        #[command(flatten)]
+        spec: SimSpec,
+    },
+}
+
+fn workspace() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target"))
+}
+
+fn build() -> Result<()> {
+    eprintln!("sluice-bench: cargo build --release -p sluice -p vllm-sim --bins");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "sluice",
+            "-p",
+            "vllm-sim",
+            "--bins",
+        ])
+        .current_dir(workspace())
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build failed ({status})");
+    }
+    Ok(())
+}
+
+async fn sim_serve(port: u16, spec: SimSpec) -> Result<()> {
+    let sim = vllm_sim::start(spec.config(([127, 0, 0, 1], port).into()))
+        .await
+        .with_context(|| format!("starting the simulator on port {port}"))?;
+    println!("vllm-sim listening on {}", sim.addr());
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for a signal")?;
+    sim.shutdown();
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(Cmd::SimServe { port, spec }) = args.command {
+        return sim_serve(port, spec).await;
+    }
+    if !args.no_build && args.sluice.is_none() {
+        build()?;
+    }
+    let sluice_bin = args
+        .sluice
+        .clone()
+        .unwrap_or_else(|| target_dir().join("release/sluice"));
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let opts = Options {
+        sluice_bin,
+        sim: SimMode::Process(exe),
+        smoke: args.smoke,
+        scenarios: args.scenarios.clone(),
+        require_nginx: false,
+    };
+    // Ctrl-C drops the run, and with it every process it started.
+    let report = tokio::select! {
+        r = sluice_bench::run(opts) => r?,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted"),
+    };
+    let text = report.markdown();
+    println!("{text}");
+    let out = args.out.clone().or_else(|| {
+        (!args.smoke && args.scenarios.is_empty())
+            .then(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/RESULTS.md")))
+    });
+    if let Some(out) = out {
+        std::fs::write(&out, &text).with_context(|| format!("writing {out:?}"))?;
+        eprintln!("sluice-bench: wrote {}", out.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,628 @@
+//! The scenarios. Each is a function that starts the contenders it needs ([`Stack`]), runs
+//! them in interleaved rounds and fills a [`ScenarioReport`]. To add one: a line in [`ALL`], a
+//! branch in [`run`], a function.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use bytes::Bytes;
+
+use crate::contenders::{
+    start_nginx, start_sluice, tree_usage, Contender, Proc, RunningSim, SimSpec, MODEL,
+};
+use crate::loadgen::{closed_loop, open_loop, LoadResult, Target};
+use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::sse::{self, SseLoad};
+use crate::Ctx;
+
+/// Every scenario: number and title.
+pub const ALL: &[(u8, &str)] = &[
+    (
+        1,
+        "Non-stream chat: maximum throughput at fixed concurrency",
+    ),
+    (
+        2,
+        "Latency at a fixed request rate (open loop), half of nginx's maximum",
+    ),
+    (
+        3,
+        "Streams: 100 tokens at 10 ms, added TTFT and inter-chunk gap",
+    ),
+    (4, "1,000 concurrent open streams: RSS and CPU"),
+    (
+        5,
+        "Cache hits: memory and Redis stores against nginx serving a static file",
+    ),
+    (6, "1 MiB prompts: throughput"),
+    (
+        7,
+        "Health scraping of 50 backends every 250 ms: CPU at idle",
+    ),
+];
+
+pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
+    match id {
+        1 => throughput(ctx).await,
+        2 => fixed_rate(ctx).await,
+        3 => streams(ctx).await,
+        4 => open_streams(ctx).await,
+        5 => Ok(ScenarioReport::pending(
+            5,
+            title(5),
+            "needs the cache plugin",
+        )),
+        6 => big_prompts(ctx).await,
+        7 => Ok(ScenarioReport::pending(
+            7,
+            title(7),
+            "needs the health service",
+        )),
+        _ => bail!("no scenario {id}"),
+    }
+}
+
+fn title(id: u8) -> &'static str {
+    ALL.iter()
+        .find(|(i, _)| *i == id)
+        .map(|(_, t)| *t)
+        .unwrap_or("")
+}
+
+/// A contender that is up, with its address.
+pub struct Up {
+    pub contender: Contender,
+    pub addr: SocketAddr,
+    pub proc: Option<Proc>,
+}
+
+impl Up {
+    /// The pid whose resources count (the simulator's for `direct`).
+    fn pid(&self, sim: &RunningSim) -> Option<u32> {
+        match &self.proc {
+            Some(p) => p.pid(),
+            None => sim.pid(),
+        }
+    }
+}
+
+/// The simulator and the contenders in front of it.
+pub struct Stack {
+    pub sim: RunningSim,
+    pub up: Vec<Up>,
+    /// Contenders that could not run, and why.
+    pub down: Vec<(Contender, String)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Stack {
+    pub async fn start(ctx: &Ctx, spec: &SimSpec, want: &[Contender]) -> Result<Stack> {
+        let dir = tempfile::tempdir_in(ctx.root.path())?;
+        let sim = RunningSim::start(&ctx.sim, spec, dir.path()).await?;
+        let mut up = Vec::new();
+        let mut down = Vec::new();
+        for &c in want {
+            match c {
+                Contender::Direct => up.push(Up {
+                    contender: c,
+                    addr: sim.addr,
+                    proc: None,
+                }),
+                Contender::SluiceOff | Contender::SluiceOn => {
+                    let on = c == Contender::SluiceOn;
+                    let (proc, addr) =
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, on).await?;
+                    up.push(Up {
+                        contender: c,
+                        addr,
+                        proc: Some(proc),
+                    });
+                }
+                Contender::Nginx => {
+                    let started = match &ctx.nginx {
+                        Ok(bin) => start_nginx(bin, dir.path(), sim.addr)
+                            .await
+                            .map_err(|e| format!("{e:#}")),
+                        Err(e) => Err(e.clone()),
+                    };
+                    match started {
+                        Ok((proc, addr)) => up.push(Up {
+                            contender: c,
+                            addr,
+                            proc: Some(proc),
+                        }),
+                        Err(e) if ctx.require_nginx => bail!("nginx: {e}"),
+                        Err(e) => down.push((c, e)),
+                    }
+                }
+            }
+        }
+        Ok(Stack {
+            sim,
+            up,
+            down,
+            _dir: dir,
+        })
+    }
+
+    fn note_down(&self, report: &mut ScenarioReport) {
+        for (c, why) in &self.down {
+            report.notes.push(format!("{c} unavailable: {why}"));
+        }
+    }
+}
+
+fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "stream": stream,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+        })
+        .to_string(),
+    )
+}
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// Closed-loop rounds: every contender once per round, in order, `rounds` times.
+async fn closed_rounds(
+    ctx: &Ctx,
+    stack: &Stack,
+    body: &Bytes,
+    conns: usize,
+    report: &mut ScenarioReport,
+) -> Result<BTreeMap<Contender, Vec<LoadResult>>> {
+    let mut out: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for up in &stack.up {
+            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let r = closed_loop(target, conns, ctx.p.warmup, ctx.p.duration).await?;
+            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
+            out.entry(up.contender).or_default().push(r);
+        }
+    }
+    Ok(out)
+}
+
+fn series<T>(runs: Option<&Vec<T>>, f: impl Fn(&T) -> f64) -> Series {
+    Series(runs.map(|v| v.iter().map(f).collect()).unwrap_or_default())
+}
+
+fn errors_cell(results: &[LoadResult]) -> String {
+    let errors: u64 = results.iter().map(|r| r.errors).sum();
+    let missed: u64 = results.iter().map(|r| r.missed).sum();
+    let first = results.iter().find_map(|r| r.first_error.clone());
+    let mut s = format!("{errors}");
+    if missed > 0 {
+        s.push_str(&format!(" (+{missed} not sent)"));
+    }
+    if let Some(e) = first {
+        s.push_str(&format!(": {}", e.chars().take(80).collect::<String>()));
+    }
+    s
+}
+
+/// Per-round ratio of `c`'s throughput to `base`'s.
+fn ratio(runs: &BTreeMap<Contender, Vec<LoadResult>>, c: Contender, base: Contender) -> Series {
+    let rps = |k| series(runs.get(&k), LoadResult::rps);
+    pairwise(&rps(c), &rps(base), |a, b| a / b)
+}
+
+fn throughput_table(
+    report: &mut ScenarioReport,
+    runs: &BTreeMap<Contender, Vec<LoadResult>>,
+    bytes_in: Option<usize>,
+) {
+    report.header = [
+        "contender",
+        "req/s",
+        "× direct",
+        "× nginx",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    if bytes_in.is_some() {
+        report.header.insert(4, "MiB/s sent".into());
+    }
+    for (c, results) in runs {
+        let mut row = vec![
+            c.label().to_string(),
+            series(Some(results), LoadResult::rps).show(0),
+            ratio(runs, *c, Contender::Direct).show(2),
+            ratio(runs, *c, Contender::Nginx).show(2),
+            series(Some(results), |r| r.ms(50.0)).show(3),
+            series(Some(results), |r| r.ms(99.0)).show(3),
+            errors_cell(results),
+        ];
+        if let Some(b) = bytes_in {
+            let mib = series(Some(results), |r| r.rps() * b as f64 / (1 << 20) as f64);
+            row.insert(4, mib.show(0));
+        }
+        report.rows.push(row);
+    }
+}
+
+/// 1. Non-stream chat, maximum throughput at fixed concurrency.
+async fn throughput(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(1, title(1));
+    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::ALL).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Hello! Say something short.", false, 16);
+    let runs = closed_rounds(ctx, &stack, &body, ctx.p.conns, &mut report).await?;
+    throughput_table(&mut report, &runs, None);
+    report.notes.push(format!(
+        "{} connections, keep-alive, {:?} per contender per round after {:?} of warm-up; \
+         simulator in zero-latency mode.",
+        ctx.p.conns, ctx.p.duration, ctx.p.warmup
+    ));
+    let vs_nginx = |c| ratio(&runs, c, Contender::Nginx).median();
+    report.checks.push(Check::at_least(
+        "plugins off: throughput vs nginx",
+        vs_nginx(Contender::SluiceOff),
+        1.0,
+        "×",
+    ));
+    report.checks.push(Check::at_least(
+        "plugins on (cache miss): throughput vs nginx",
+        vs_nginx(Contender::SluiceOn),
+        0.9,
+        "×",
+    ));
+    ctx.max_rps = runs
+        .iter()
+        .map(|(c, r)| (*c, series(Some(r), LoadResult::rps).median()))
+        .collect();
+    Ok(report)
+}
+
+/// 2. Latency at a fixed rate, open loop: half of nginx's maximum.
+async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(2, title(2));
+    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::ALL).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Hello! Say something short.", false, 16);
+    // Half of nginx's maximum from scenario 1, else measured now; without nginx, Sluice's.
+    let known = |c| ctx.max_rps.iter().find(|(k, _)| *k == c).map(|(_, v)| *v);
+    let basis = if stack.up.iter().any(|u| u.contender == Contender::Nginx) {
+        Contender::Nginx
+    } else {
+        Contender::SluiceOff
+    };
+    let max = match known(basis) {
+        Some(v) if v.is_finite() && v > 0.0 => v,
+        _ => {
+            let Some(up) = stack.up.iter().find(|u| u.contender == basis) else {
+                bail!("{basis} is not up");
+            };
+            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            closed_loop(target, ctx.p.conns, ctx.p.warmup, ctx.p.duration)
+                .await?
+                .rps()
+        }
+    };
+    let rate = (max / 2.0).max(10.0);
+    let mut runs: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for up in &stack.up {
+            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let r = open_loop(target, ctx.p.open_conns, rate, ctx.p.warmup, ctx.p.duration).await?;
+            report.measured(
+                up.contender,
+                r.ok,
+                r.errors + r.missed,
+                r.first_error.clone(),
+            );
+            runs.entry(up.contender).or_default().push(r);
+        }
+    }
+    report.header = [
+        "contender",
+        "req/s done",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "added p99.9 ms",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let pct = |c: Contender, p: f64| series(runs.get(&c), |r| r.ms(p));
+    let added = |c, p| pairwise(&pct(c, p), &pct(Contender::Direct, p), |a, b| a - b);
+    for (c, results) in &runs {
+        report.rows.push(vec![
+            c.label().to_string(),
+            series(Some(results), LoadResult::rps).show(0),
+            pct(*c, 50.0).show(3),
+            pct(*c, 99.0).show(3),
+            pct(*c, 99.9).show(3),
+            added(*c, 50.0).show(3),
+            added(*c, 99.0).show(3),
+            added(*c, 99.9).show(3),
+            errors_cell(results),
+        ]);
+    }
+    report.notes.push(format!(
+        "{rate:.0} requests/s (half of {basis}'s {max:.0}), up to {} connections; latency from \
+         each request's intended send time (coordinated omission corrected, as wrk2).",
+        ctx.p.open_conns
+    ));
+    report.checks.push(Check::at_most(
+        "plugins off: added p50 over direct",
+        added(Contender::SluiceOff, 50.0).median(),
+        0.15,
+        "ms",
+    ));
+    report.checks.push(Check::at_most(
+        "plugins off: added p99 over direct",
+        added(Contender::SluiceOff, 99.0).median(),
+        1.0,
+        "ms",
+    ));
+    Ok(report)
+}
+
+/// 3. Streams: added TTFT and inter-chunk gap over direct; no chunk merging.
+async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(3, title(3));
+    let spec = SimSpec::streaming(ctx.p.stream_itl_ms, ctx.p.stream_tokens);
+    let stack = Stack::start(ctx, &spec, &Contender::ALL).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Tell me a story.", true, 4096);
+    let load = SseLoad {
+        concurrency: ctx.p.stream_concurrency,
+        duration: ctx.p.stream_duration,
+        once: false,
+        ramp: Duration::from_millis(ctx.p.stream_itl_ms as u64),
+    };
+    let mut runs: BTreeMap<Contender, Vec<sse::SseResult>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for up in &stack.up {
+            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
+            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
+            runs.entry(up.contender).or_default().push(r);
+        }
+    }
+    let s = |c: Contender, f: &dyn Fn(&sse::SseResult) -> f64| series(runs.get(&c), f);
+    let ttft99 = |c| s(c, &|r| r.ttft_ms(99.0));
+    let gap50 = |c| s(c, &|r| r.gap_ms(50.0));
+    let added = |a: Series, b: Series| pairwise(&a, &b, |x, y| x - y);
+    report.header = [
+        "contender",
+        "streams",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "added TTFT p99 ms",
+        "gap p50 ms",
+        "added gap p50 ms",
+        "gap p99 ms",
+        "chunks/stream",
+        "events/stream",
+        "chunks with >1 event",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    for (c, results) in &runs {
+        let c = *c;
+        report.rows.push(vec![
+            c.label().to_string(),
+            s(c, &|r| r.streams as f64).show(0),
+            s(c, &|r| r.ttft_ms(50.0)).show(3),
+            ttft99(c).show(3),
+            added(ttft99(c), ttft99(Contender::Direct)).show(3),
+            gap50(c).show(3),
+            added(gap50(c), gap50(Contender::Direct)).show(3),
+            s(c, &|r| r.gap_ms(99.0)).show(3),
+            s(c, &|r| r.chunks_per_stream()).show(1),
+            s(c, &|r| r.events_per_stream()).show(1),
+            format!("{}", results.iter().map(|r| r.merged).sum::<u64>()),
+            errors_cell_sse(results),
+        ]);
+    }
+    report.notes.push(format!(
+        "{} streams open at a time, each on a fresh connection; {} tokens every {} ms (no jitter, \
+         TTFT 0 at the simulator); a chunk is one read of the chunked body.",
+        ctx.p.stream_concurrency, ctx.p.stream_tokens, ctx.p.stream_itl_ms
+    ));
+    for c in [Contender::SluiceOff, Contender::SluiceOn] {
+        let name = if c == Contender::SluiceOff {
+            "plugins off"
+        } else {
+            "plugins on"
+        };
+        report.checks.push(Check::at_most(
+            &format!("{name}: added TTFT p99"),
+            added(ttft99(c), ttft99(Contender::Direct)).median(),
+            1.0,
+            "ms",
+        ));
+        report.checks.push(Check::at_most(
+            &format!("{name}: added inter-chunk gap, median"),
+            added(gap50(c), gap50(Contender::Direct)).median(),
+            0.1,
+            "ms",
+        ));
+        let chunks = |k| s(k, &|r| r.chunks_per_stream()).median();
+        let (mine, direct) = (chunks(c), chunks(Contender::Direct));
+        report.checks.push(Check::new(
+            &format!("{name}: no chunk merging (chunks per stream)"),
+            "≥ direct's",
+            format!("{mine:.1} vs {direct:.1}"),
+            (mine.is_finite() && direct.is_finite()).then_some(mine >= direct - 0.05),
+        ));
+    }
+    Ok(report)
+}
+
+fn errors_cell_sse(results: &[sse::SseResult]) -> String {
+    let errors: u64 = results.iter().map(|r| r.errors).sum();
+    match results.iter().find_map(|r| r.first_error.clone()) {
+        Some(e) => format!("{errors}: {}", e.chars().take(80).collect::<String>()),
+        None => format!("{errors}"),
+    }
+}
+
+/// One round of scenario 4 for one contender.
+struct OpenRound {
+    streams: u64,
+    errors: u64,
+    first_error: Option<String>,
+    peak_open: usize,
+    rss_idle_mb: f64,
+    rss_peak_mb: f64,
+    cpu_cores: f64,
+}
+
+/// 4. 1,000 concurrent open streams: Sluice's RSS and CPU (nginx's for context).
+async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(4, title(4));
+    let spec = SimSpec::streaming(ctx.p.open_stream_itl_ms, ctx.p.open_stream_tokens);
+    let stack = Stack::start(ctx, &spec, &Contender::PROXIES).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Tell me a long story.", true, 4096);
+    let n = ctx.p.open_streams;
+    let mut runs: BTreeMap<Contender, Vec<OpenRound>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for up in &stack.up {
+            let Some(pid) = up.pid(&stack.sim) else {
+                continue;
+            };
+            let idle = tree_usage(pid)?;
+            let open = Arc::new(AtomicUsize::new(0));
+            let load = SseLoad {
+                concurrency: n,
+                duration: Duration::ZERO,
+                once: true,
+                ramp: ctx.p.open_stream_ramp,
+            };
+            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let started = Instant::now();
+            let mut task = tokio::spawn(sse::run(target, load, open.clone()));
+            let (mut peak_open, mut peak_rss) = (0usize, idle.rss_bytes);
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let result = loop {
+                tokio::select! {
+                    r = &mut task => break r,
+                    _ = tick.tick() => {
+                        peak_open = peak_open.max(open.load(Ordering::SeqCst));
+                        if let Ok(u) = tree_usage(pid) {
+                            peak_rss = peak_rss.max(u.rss_bytes);
+                        }
+                    }
+                }
+            };
+            let r = result??;
+            let wall = started.elapsed();
+            let after = tree_usage(pid)?;
+            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
+            runs.entry(up.contender).or_default().push(OpenRound {
+                streams: r.streams,
+                errors: r.errors,
+                first_error: r.first_error,
+                peak_open,
+                rss_idle_mb: idle.rss_bytes as f64 / 1e6,
+                rss_peak_mb: peak_rss as f64 / 1e6,
+                cpu_cores: (after.cpu.saturating_sub(idle.cpu)).as_secs_f64()
+                    / wall.as_secs_f64().max(1e-9),
+            });
+        }
+    }
+    report.header = [
+        "contender",
+        "streams done",
+        "peak open",
+        "RSS before MB",
+        "RSS peak MB",
+        "KB per stream",
+        "CPU (cores, avg)",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    for (c, rounds) in &runs {
+        let s = |f: &dyn Fn(&OpenRound) -> f64| Series(rounds.iter().map(f).collect());
+        let errors: u64 = rounds.iter().map(|r| r.errors).sum();
+        let first = rounds.iter().find_map(|r| r.first_error.clone());
+        report.rows.push(vec![
+            c.label().to_string(),
+            s(&|r| r.streams as f64).show(0),
+            s(&|r| r.peak_open as f64).show(0),
+            s(&|r| r.rss_idle_mb).show(1),
+            s(&|r| r.rss_peak_mb).show(1),
+            s(&|r| (r.rss_peak_mb - r.rss_idle_mb) * 1000.0 / (r.peak_open.max(1) as f64)).show(1),
+            s(&|r| r.cpu_cores).show(2),
+            match first {
+                Some(e) => format!("{errors}: {}", e.chars().take(80).collect::<String>()),
+                None => format!("{errors}"),
+            },
+        ]);
+    }
+    report.notes.push(format!(
+        "{n} streams opened over {:?}, each {} tokens every {} ms; RSS (VmRSS) sampled every \
+         100 ms, CPU = utime+stime over the round's wall time; nginx is master + workers. The \
+         same process serves every round, so later rounds start from a warm heap.",
+        ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms
+    ));
+    for c in [Contender::SluiceOff, Contender::SluiceOn] {
+        let name = if c == Contender::SluiceOff {
+            "plugins off"
+        } else {
+            "plugins on"
+        };
+        let peak = runs
+            .get(&c)
+            .map(|r| Series(r.iter().map(|x| x.rss_peak_mb).collect()).median())
+            .unwrap_or(f64::NAN);
+        report.checks.push(Check::at_most(
+            &format!("{name}: RSS with {n} open streams"),
+            peak,
+            150.0,
+            "MB",
+        ));
+    }
+    Ok(report)
+}
+
+/// 6. 1 MiB prompts: throughput against nginx.
+async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(6, title(6));
+    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::ALL).await?;
+    stack.note_down(&mut report);
+    let words = "the quick brown fox jumps over the lazy dog ";
+    let content: String = words.chars().cycle().take(ctx.p.big_prompt_bytes).collect();
+    let body = chat_body(&content, false, 16);
+    let runs = closed_rounds(ctx, &stack, &body, ctx.p.big_conns, &mut report).await?;
+    throughput_table(&mut report, &runs, Some(body.len()));
+    report.notes.push(format!(
+        "{} connections, each request a {} byte chat body.",
+        ctx.p.big_conns,
+        body.len()
+    ));
+    for c in [Contender::SluiceOff, Contender::SluiceOn] {
+        let name = if c == Contender::SluiceOff {
+            "plugins off"
+        } else {
+            "plugins on"
+        };
+        report.checks.push(Check::at_least(
+            &format!("{name}: 1 MiB prompts, throughput vs nginx"),
+            ratio(&runs, c, Contender::Nginx).median(),
+            0.8,
+            "×",
+        ));
+    }
+    Ok(report)
+}

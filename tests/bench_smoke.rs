@@ -1,0 +1,45 @@
+//! The benchmark harness's smoke run (tests/bench): every scenario with tiny loads, so the
+//! harness keeps working. It checks that each implemented scenario measured something and that
+//! no contender failed a request; it never looks at timings.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_harness_smoke_run() {
+    let report = sluice_bench::smoke(env!("CARGO_BIN_EXE_sluice").into())
+        .await
+        .expect("the smoke run");
+    assert_eq!(report.scenarios.len(), sluice_bench::scenarios::ALL.len());
+    for sc in &report.scenarios {
+        match &sc.outcome {
+            sluice_bench::Outcome::Pending(_) => continue,
+            sluice_bench::Outcome::Failed(e) => panic!("scenario {} failed: {e}", sc.id),
+            sluice_bench::Outcome::Done => {}
+        }
+        assert!(
+            !sc.measured.is_empty(),
+            "scenario {} measured nothing",
+            sc.id
+        );
+        assert!(!sc.rows.is_empty(), "scenario {} has no table", sc.id);
+        for m in &sc.measured {
+            assert!(
+                m.requests > 0,
+                "scenario {}: {} made no requests",
+                sc.id,
+                m.contender
+            );
+            assert_eq!(
+                m.errors, 0,
+                "scenario {}: {} had errors: {:?}",
+                sc.id, m.contender, m.first_error
+            );
+        }
+        let nginx = sc
+            .measured
+            .iter()
+            .any(|m| m.contender == sluice_bench::Contender::Nginx);
+        assert!(nginx, "scenario {}: nginx did not run", sc.id);
+    }
+    let text = report.markdown();
+    assert!(text.contains("pending: needs the cache plugin"), "{text}");
+    assert!(text.contains("pending: needs the health service"), "{text}");
+}
