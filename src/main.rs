@@ -25,6 +25,12 @@ enum Command {
     Demo(sluice::demo::DemoArgs),
 }
 
+/// mimalloc instead of glibc's malloc: the proxy allocates small, short-lived buffers on
+/// every request from several threads, where glibc's arenas cost measurable throughput
+/// (profiled: 16% of the proxy's samples in malloc/free) and keep freed memory resident.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Where the config is looked for when `-c` is not given.
 const DEFAULT_CONFIG: &str = "conf/sluice.yaml";
 
