@@ -191,7 +191,8 @@ Sluice demo: the proxy and two simulated vLLM pools, in this process.
 
 Try:
   curl -s {proxy}/v1/chat/completions -H 'content-type: application/json' \
-    -d '{{"model": "{d}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    -d '{{"model": "{d}", "messages": [{{"role": "user", "content": "Hello!"}}], "temperature": 0}}'
+  (run it twice: the second answer comes from the cache, with x-cache: HIT; add -i to see)
 
   curl -sN {proxy}/v1/chat/completions -H 'content-type: application/json' \
     -d '{{"model": "{t}", "stream": true, "messages": [{{"role": "user", "content": "Tell me a story"}}]}}'
