@@ -40,6 +40,5 @@ async fn bench_harness_smoke_run() {
         assert!(nginx, "scenario {}: nginx did not run", sc.id);
     }
     let text = report.markdown();
-    assert!(text.contains("pending: needs the cache plugin"), "{text}");
     assert!(text.contains("pending: needs the health service"), "{text}");
 }

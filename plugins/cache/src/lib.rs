@@ -11,7 +11,8 @@
 //! - **Tee**: each chunk of an upstream answer is kept as it passes (a reference-counted
 //!   clone; the client is not delayed). When the answer completed normally (status 200, a
 //!   stream ended by `[DONE]` after finish reasons, no error event, the client still there,
-//!   under `max_entry_bytes`) it is assembled and stored off the request path.
+//!   under `max_entry_bytes`) it is assembled and stored in the logging phase, once the
+//!   client has it all.
 //! - **Stores** ([`store`]): `memory` (TinyUFO, bounded by bytes) or `redis` (single node or
 //!   Cluster, with a lookup timeout and a cool-down; a failing Redis never fails a request).
 //! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one.
@@ -310,11 +311,9 @@ impl Plugin for Cache {
         } else if !tee.ended || ctx.response_incomplete || error.is_some() {
             "incomplete"
         } else {
-            let store = self.store.clone();
-            let pool = ctx.pool_name().to_string();
-            tokio::spawn(async move {
-                write_back(store, state, tee, pool, leader);
-            });
+            // The client has its whole answer by now: assembling it here delays nobody, and
+            // leaves the in-flight list before any later identical request can join it.
+            write_back(self.store.as_ref(), state, tee, ctx.pool_name(), leader);
             return;
         };
         metrics::write(outcome);
@@ -324,8 +323,9 @@ impl Plugin for Cache {
 /// Marks a request the cache stays out of (`x-cache: BYPASS`).
 struct Bypassed;
 
-/// Assembles a complete answer and stores it; runs off the request path.
-fn write_back(store: Arc<dyn Store>, state: State, tee: Tee, pool: String, leader: Option<Leader>) {
+/// Assembles a complete answer, stores it (never waiting on the network) and hands it to the
+/// requests that waited for it.
+fn write_back(store: &dyn Store, state: State, tee: Tee, pool: &str, leader: Option<Leader>) {
     let answer = if tee.event_stream {
         entry::from_sse(state.kind, &tee.chunks)
     } else {
@@ -342,7 +342,7 @@ fn write_back(store: Arc<dyn Store>, state: State, tee: Tee, pool: String, leade
         digest: state.key.digest,
         created_unix: unix_now(),
         kind: state.kind,
-        pool,
+        pool: pool.to_string(),
         answer,
     });
     metrics::write(match store.put(&state.key, entry.clone(), state.ttl) {

@@ -17,8 +17,43 @@ pub const MODEL: &str = "bench-model";
 
 /// Every plugin section of conf/sluice.yaml, with the extra keys it needs when switched on.
 /// "Plugins on" enables each of these; "plugins off" sets `enabled: false` for each.
-/// Add a plugin here when it lands (for the cache: a forced miss, see the README).
-pub const PLUGINS: &[(&str, &str)] = &[("request_id", "")];
+/// Add a plugin here when it lands. The cache is on as shipped (memory store); "plugins on"
+/// makes it miss from the client side: every request it gets has a prompt of its own
+/// ([`crate::loadgen::Target::varied`]), so each one is a real lookup miss and a store.
+pub const PLUGINS: &[(&str, &str)] = &[("request_id", ""), ("cache", "store: memory")];
+
+/// The cache section of the cache-hit contenders (scenario 5), replacing `PLUGINS`' one.
+fn cache_section(setup: &Setup) -> Option<String> {
+    match setup {
+        Setup::MemoryHits => Some("store: memory".into()),
+        Setup::RedisHits(url) => Some(format!("store: redis\nredis:\n  url: {url}")),
+        Setup::Off | Setup::On => None,
+    }
+}
+
+/// How a Sluice contender is configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Setup {
+    /// Every plugin `enabled: false`.
+    Off,
+    /// Every plugin of [`PLUGINS`] on.
+    On,
+    /// Plugins on, the cache with its memory store (scenario 5: answered from it).
+    MemoryHits,
+    /// Plugins on, the cache with a Redis store at this URL.
+    RedisHits(String),
+}
+
+impl Setup {
+    fn name(&self) -> &'static str {
+        match self {
+            Setup::Off => "sluice-off",
+            Setup::On => "sluice-on",
+            Setup::MemoryHits => "sluice-memory-hits",
+            Setup::RedisHits(_) => "sluice-redis-hits",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Contender {
@@ -27,6 +62,10 @@ pub enum Contender {
     SluiceOff,
     SluiceOn,
     Nginx,
+    /// Scenario 5: Sluice answering from its cache, memory store.
+    SluiceMemoryHit,
+    /// Scenario 5: Sluice answering from its cache, Redis store.
+    SluiceRedisHit,
 }
 
 impl Contender {
@@ -45,6 +84,8 @@ impl Contender {
             Contender::SluiceOff => "sluice (plugins off)",
             Contender::SluiceOn => "sluice (plugins on)",
             Contender::Nginx => "nginx",
+            Contender::SluiceMemoryHit => "sluice (cache hits, memory)",
+            Contender::SluiceRedisHit => "sluice (cache hits, redis)",
         }
     }
 }
@@ -395,12 +436,18 @@ pub fn sluice_config(
     listen: SocketAddr,
     admin: SocketAddr,
     upstream: SocketAddr,
-    plugins_on: bool,
+    setup: &Setup,
 ) -> String {
+    let plugins_on = *setup != Setup::Off;
+    let cache = cache_section(setup);
     let mut plugins = String::new();
     for (section, extra) in PLUGINS {
         plugins.push_str(&format!("  {section}:\n    enabled: {plugins_on}\n"));
         if plugins_on {
+            let extra = match (*section, &cache) {
+                ("cache", Some(c)) => c.as_str(),
+                _ => extra,
+            };
             for line in extra.lines().filter(|l| !l.trim().is_empty()) {
                 plugins.push_str(&format!("    {line}\n"));
             }
@@ -427,18 +474,14 @@ pub async fn start_sluice(
     bin: &Path,
     dir: &Path,
     upstream: SocketAddr,
-    plugins_on: bool,
+    setup: &Setup,
 ) -> Result<(Proc, SocketAddr)> {
-    let name = if plugins_on {
-        "sluice-on"
-    } else {
-        "sluice-off"
-    };
+    let name = setup.name();
     let (listen, admin) = (free_addr()?, free_addr()?);
     let config = dir.join(format!("{name}.yaml"));
     std::fs::write(
         &config,
-        sluice_config(dir, name, listen, admin, upstream, plugins_on),
+        sluice_config(dir, name, listen, admin, upstream, setup),
     )
     .with_context(|| format!("writing {config:?}"))?;
     let mut cmd = Command::new(bin);
@@ -446,6 +489,22 @@ pub async fn start_sluice(
     let mut proc = Proc::spawn(name, cmd, &dir.join(format!("{name}.log")), false)?;
     proc.wait_ready(&[listen, admin]).await?;
     Ok((proc, listen))
+}
+
+/// Starts a redis-server on a free port in `dir` (no persistence); returns the process and
+/// its address.
+pub async fn start_redis(dir: &Path) -> Result<(Proc, SocketAddr)> {
+    let addr = free_addr()?;
+    let rdir = dir.join("redis");
+    std::fs::create_dir_all(&rdir).with_context(|| format!("creating {rdir:?}"))?;
+    let mut cmd = Command::new("redis-server");
+    cmd.args(["--port", &addr.port().to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .arg("--dir")
+        .arg(&rdir);
+    let mut proc = Proc::spawn("redis-server", cmd, &rdir.join("redis.log"), false)?;
+    proc.wait_ready(&[addr]).await?;
+    Ok((proc, addr))
 }
 
 /// Finds nginx, installing Debian's `nginx-light` when it is missing. The error says why
@@ -498,7 +557,8 @@ pub fn nginx_version(bin: &Path) -> String {
 }
 
 /// The nginx configuration: a plain reverse proxy with upstream keep-alive and no buffering,
-/// two workers (Sluice runs two threads), optionally a static file at `/static/answer.json`.
+/// two workers (Sluice runs two threads), and static files under `/static/` from
+/// `DIR/static/`, served as `application/json` (scenario 5 puts a cached answer there).
 pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
     let user = std::fs::metadata("/proc/self")
         .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
@@ -514,7 +574,8 @@ pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> Str
          \x20 upstream sim {{\n    server {upstream};\n    keepalive 64;\n    \
          keepalive_requests 1000000;\n  }}\n\
          \x20 server {{\n    listen {listen};\n\
-         \x20   location /static/ {{\n      root {dir};\n    }}\n\
+         \x20   location /static/ {{\n      root {dir};\n      types {{ }}\n      \
+         default_type application/json;\n    }}\n\
          \x20   location / {{\n      proxy_pass http://sim;\n      proxy_http_version 1.1;\n      \
          proxy_set_header Connection \"\";\n      proxy_buffering off;\n      \
          proxy_request_buffering off;\n      proxy_read_timeout 600s;\n    }}\n  }}\n}}\n",

@@ -8,6 +8,7 @@
 //!   generator down.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,19 @@ pub struct Target {
     pub method: Method,
     pub path: String,
     pub body: Bytes,
+    /// Makes every request's body unique (see [`Target::varied`]).
+    pub vary: Option<Arc<Vary>>,
+    /// A response header every answer must carry (e.g. `x-cache: HIT`); an answer without it
+    /// counts as an error.
+    pub expect_header: Option<(&'static str, &'static str)>,
+}
+
+/// A body split where a per-request counter goes: `prefix`, the number, a space, `suffix`.
+#[derive(Debug)]
+pub struct Vary {
+    prefix: Bytes,
+    suffix: Bytes,
+    next: AtomicU64,
 }
 
 impl Target {
@@ -37,7 +51,52 @@ impl Target {
             method: Method::POST,
             path: path.to_string(),
             body,
+            vary: None,
+            expect_header: None,
         }
+    }
+
+    /// `GET path`.
+    pub fn get(addr: SocketAddr, path: &str) -> Target {
+        Target {
+            method: Method::GET,
+            ..Target::post_json(addr, path, Bytes::new())
+        }
+    }
+
+    /// Every request different: a counter is written at the start of the first `"content"`
+    /// string of the JSON body (the prompt), so that a cache never sees the same request twice
+    /// (a real lookup miss and a store each time). Unchanged when the body has no such string.
+    pub fn varied(mut self) -> Target {
+        const MARK: &[u8] = b"\"content\":\"";
+        if let Some(at) = self.body.windows(MARK.len()).position(|w| w == MARK) {
+            let split = at + MARK.len();
+            self.vary = Some(Arc::new(Vary {
+                prefix: self.body.slice(..split),
+                suffix: self.body.slice(split..),
+                next: AtomicU64::new(0),
+            }));
+        }
+        self
+    }
+
+    /// Only answers carrying `name: value` count as successes.
+    pub fn expecting(mut self, name: &'static str, value: &'static str) -> Target {
+        self.expect_header = Some((name, value));
+        self
+    }
+
+    fn body(&self) -> Bytes {
+        let Some(v) = &self.vary else {
+            return self.body.clone();
+        };
+        let n = v.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let mut b = Vec::with_capacity(v.prefix.len() + n.len() + 1 + v.suffix.len());
+        b.extend_from_slice(&v.prefix);
+        b.extend_from_slice(n.as_bytes());
+        b.push(b' ');
+        b.extend_from_slice(&v.suffix);
+        Bytes::from(b)
     }
 
     pub(crate) fn request(&self) -> Result<Request<Full<Bytes>>> {
@@ -48,9 +107,39 @@ impl Target {
         if !self.body.is_empty() {
             req = req.header(header::CONTENT_TYPE, "application/json");
         }
-        req.body(Full::new(self.body.clone()))
+        req.body(Full::new(self.body()))
             .context("building the request")
     }
+
+    /// Fails when the answer lacks the expected header.
+    pub(crate) fn check_headers(&self, headers: &http::HeaderMap) -> Result<()> {
+        if let Some((name, want)) = self.expect_header {
+            let got = headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()));
+            if got.as_deref() != Some(want) {
+                bail!("expected `{name}: {want}`, got {got:?}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One request with its whole answer: status, headers, body (for priming and checks).
+pub async fn fetch(target: &Target) -> Result<(http::StatusCode, http::HeaderMap, Bytes)> {
+    let mut sender = connect(target.addr).await?;
+    sender.ready().await.context("connection closed")?;
+    let resp = sender
+        .send_request(target.request()?)
+        .await
+        .context("sending")?;
+    let (parts, body) = resp.into_parts();
+    let body = body
+        .collect()
+        .await
+        .context("reading the answer")?
+        .to_bytes();
+    Ok((parts.status, parts.headers, body))
 }
 
 /// A latency histogram in nanoseconds, 1 ns to 10 minutes, 3 significant digits.
@@ -147,6 +236,7 @@ async fn exchange(sender: &mut SendRequest<Full<Bytes>>, target: &Target) -> Res
         .await
         .context("sending")?;
     let status = resp.status();
+    let headers_ok = target.check_headers(resp.headers());
     let body = resp
         .into_body()
         .collect()
@@ -157,6 +247,7 @@ async fn exchange(sender: &mut SendRequest<Full<Bytes>>, target: &Target) -> Res
         let shown = &body[..body.len().min(200)];
         bail!("HTTP {status}: {}", String::from_utf8_lossy(shown));
     }
+    headers_ok?;
     Ok(body.len() as u64)
 }
 

@@ -8,13 +8,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 
 use crate::contenders::{
-    start_nginx, start_sluice, tree_usage, Contender, Proc, RunningSim, SimSpec, MODEL,
+    start_nginx, start_redis, start_sluice, tree_usage, Contender, Proc, RunningSim, Setup,
+    SimSpec, MODEL,
 };
-use crate::loadgen::{closed_loop, open_loop, LoadResult, Target};
+use crate::loadgen::{closed_loop, fetch, open_loop, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::sse::{self, SseLoad};
 use crate::Ctx;
@@ -51,11 +52,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         2 => fixed_rate(ctx).await,
         3 => streams(ctx).await,
         4 => open_streams(ctx).await,
-        5 => Ok(ScenarioReport::pending(
-            5,
-            title(5),
-            "needs the cache plugin",
-        )),
+        5 => cache_hits(ctx).await,
         6 => big_prompts(ctx).await,
         7 => Ok(ScenarioReport::pending(
             7,
@@ -90,13 +87,26 @@ impl Up {
     }
 }
 
+/// `up`'s requests: `body` to `path`. "Plugins on" gets a prompt of its own per request, so
+/// that its cache misses (and stores) every time instead of answering from memory.
+fn target_for(up: &Up, path: &str, body: &Bytes) -> Arc<Target> {
+    let t = Target::post_json(up.addr, path, body.clone());
+    Arc::new(if up.contender == Contender::SluiceOn {
+        t.varied()
+    } else {
+        t
+    })
+}
+
 /// The simulator and the contenders in front of it.
 pub struct Stack {
     pub sim: RunningSim,
     pub up: Vec<Up>,
     /// Contenders that could not run, and why.
     pub down: Vec<(Contender, String)>,
-    _dir: tempfile::TempDir,
+    /// The Redis behind `SluiceRedisHit`, if started.
+    _redis: Option<Proc>,
+    dir: tempfile::TempDir,
 }
 
 impl Stack {
@@ -105,6 +115,7 @@ impl Stack {
         let sim = RunningSim::start(&ctx.sim, spec, dir.path()).await?;
         let mut up = Vec::new();
         let mut down = Vec::new();
+        let mut redis = None;
         for &c in want {
             match c {
                 Contender::Direct => up.push(Up {
@@ -112,10 +123,32 @@ impl Stack {
                     addr: sim.addr,
                     proc: None,
                 }),
-                Contender::SluiceOff | Contender::SluiceOn => {
-                    let on = c == Contender::SluiceOn;
+                Contender::SluiceOff | Contender::SluiceOn | Contender::SluiceMemoryHit => {
+                    let setup = match c {
+                        Contender::SluiceOff => Setup::Off,
+                        Contender::SluiceOn => Setup::On,
+                        _ => Setup::MemoryHits,
+                    };
                     let (proc, addr) =
-                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, on).await?;
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup).await?;
+                    up.push(Up {
+                        contender: c,
+                        addr,
+                        proc: Some(proc),
+                    });
+                }
+                Contender::SluiceRedisHit => {
+                    let (proc, redis_addr) = match start_redis(dir.path()).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            down.push((c, format!("redis-server: {e:#}")));
+                            continue;
+                        }
+                    };
+                    redis = Some(proc);
+                    let setup = Setup::RedisHits(format!("redis://{redis_addr}"));
+                    let (proc, addr) =
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup).await?;
                     up.push(Up {
                         contender: c,
                         addr,
@@ -145,8 +178,14 @@ impl Stack {
             sim,
             up,
             down,
-            _dir: dir,
+            _redis: redis,
+            dir,
         })
+    }
+
+    /// The stack's temporary directory (nginx's files are under `nginx/`).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
     }
 
     fn note_down(&self, report: &mut ScenarioReport) {
@@ -182,7 +221,7 @@ async fn closed_rounds(
     let mut out: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
     for _ in 0..ctx.p.rounds {
         for up in &stack.up {
-            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let target = target_for(up, CHAT, body);
             let r = closed_loop(target, conns, ctx.p.warmup, ctx.p.duration).await?;
             report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
             out.entry(up.contender).or_default().push(r);
@@ -304,7 +343,7 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
             let Some(up) = stack.up.iter().find(|u| u.contender == basis) else {
                 bail!("{basis} is not up");
             };
-            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let target = target_for(up, CHAT, &body);
             closed_loop(target, ctx.p.conns, ctx.p.warmup, ctx.p.duration)
                 .await?
                 .rps()
@@ -314,14 +353,11 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut runs: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
     for _ in 0..ctx.p.rounds {
         for up in &stack.up {
-            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let target = target_for(up, CHAT, &body);
             let r = open_loop(target, ctx.p.open_conns, rate, ctx.p.warmup, ctx.p.duration).await?;
-            report.measured(
-                up.contender,
-                r.ok,
-                r.errors + r.missed,
-                r.first_error.clone(),
-            );
+            // Requests a contender could not send in time are a measurement (the table shows
+            // them as "not sent"), not an error: only failed requests count here.
+            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
             runs.entry(up.contender).or_default().push(r);
         }
     }
@@ -389,7 +425,7 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut runs: BTreeMap<Contender, Vec<sse::SseResult>> = BTreeMap::new();
     for _ in 0..ctx.p.rounds {
         for up in &stack.up {
-            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let target = target_for(up, CHAT, &body);
             let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
             report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
             runs.entry(up.contender).or_default().push(r);
@@ -508,7 +544,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 once: true,
                 ramp: ctx.p.open_stream_ramp,
             };
-            let target = Arc::new(Target::post_json(up.addr, CHAT, body.clone()));
+            let target = target_for(up, CHAT, &body);
             let started = Instant::now();
             let mut task = tokio::spawn(sse::run(target, load, open.clone()));
             let (mut peak_open, mut peak_rss) = (0usize, idle.rss_bytes);
@@ -593,6 +629,181 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             "MB",
         ));
     }
+    Ok(report)
+}
+
+/// Asks `addr` once, then until the answer is a cache hit; returns the hit's body.
+async fn prime(addr: SocketAddr, body: &Bytes) -> Result<Bytes> {
+    let target = Target::post_json(addr, CHAT, body.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, headers, answer) = fetch(&target).await?;
+        if !status.is_success() {
+            bail!(
+                "priming: HTTP {status}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        if headers.get("x-cache").is_some_and(|v| v == "HIT") {
+            return Ok(answer);
+        }
+        if Instant::now() > deadline {
+            bail!("priming: no cache hit within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Scenario 5, cache hits with the memory and Redis stores: throughput and p99 at half load,
+/// against Sluice's pass-through on the same request and nginx serving the same bytes from a
+/// static file.
+async fn cache_hits(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(5, title(5));
+    let want = [
+        Contender::SluiceOff,
+        Contender::SluiceMemoryHit,
+        Contender::SluiceRedisHit,
+        Contender::Nginx,
+    ];
+    let stack = Stack::start(ctx, &SimSpec::zero(), &want).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("What is the capital of France?", false, 16);
+    const STATIC: &str = "/static/answer.json";
+
+    // Prime the caches; the memory store's answer becomes nginx's static file.
+    let mut answer = None;
+    for up in &stack.up {
+        if matches!(
+            up.contender,
+            Contender::SluiceMemoryHit | Contender::SluiceRedisHit
+        ) {
+            let hit = prime(up.addr, &body)
+                .await
+                .with_context(|| format!("{}", up.contender))?;
+            if up.contender == Contender::SluiceMemoryHit {
+                answer = Some(hit);
+            }
+        }
+    }
+    let Some(answer) = answer else {
+        bail!("the memory-store Sluice did not start");
+    };
+    let static_dir = stack.dir().join("nginx/static");
+    std::fs::create_dir_all(&static_dir).with_context(|| format!("creating {static_dir:?}"))?;
+    std::fs::write(static_dir.join("answer.json"), &answer)?;
+    let targets: Vec<(Contender, SocketAddr, Arc<Target>)> = stack
+        .up
+        .iter()
+        .map(|up| {
+            let t = match up.contender {
+                Contender::Nginx => Target::get(up.addr, STATIC),
+                Contender::SluiceMemoryHit | Contender::SluiceRedisHit => {
+                    Target::post_json(up.addr, CHAT, body.clone()).expecting("x-cache", "HIT")
+                }
+                _ => Target::post_json(up.addr, CHAT, body.clone()),
+            };
+            (up.contender, up.addr, Arc::new(t))
+        })
+        .collect();
+    if let Some((_, _, t)) = targets.iter().find(|(c, _, _)| *c == Contender::Nginx) {
+        let (status, headers, bytes) = fetch(t).await?;
+        let ct = headers.get("content-type").map(|v| v.as_bytes().to_vec());
+        if !status.is_success() || bytes != answer || ct.as_deref() != Some(b"application/json") {
+            bail!("nginx does not serve the cached answer as application/json ({status}, {ct:?})");
+        }
+    }
+
+    // Maximum throughput (closed loop), interleaved rounds.
+    let mut closed: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for (c, _, t) in &targets {
+            let r = closed_loop(t.clone(), ctx.p.conns, ctx.p.warmup, ctx.p.duration).await?;
+            report.measured(*c, r.ok, r.errors, r.first_error.clone());
+            closed.entry(*c).or_default().push(r);
+        }
+    }
+    // Latency at half of each contender's own maximum (open loop).
+    let max = |c: Contender| series(closed.get(&c), LoadResult::rps).median();
+    let rate = |c: Contender| (max(c) / 2.0).max(10.0);
+    let mut open: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for (c, _, t) in &targets {
+            let r = open_loop(
+                t.clone(),
+                ctx.p.open_conns,
+                rate(*c),
+                ctx.p.warmup,
+                ctx.p.duration,
+            )
+            .await?;
+            report.measured(*c, r.ok, r.errors, r.first_error.clone());
+            open.entry(*c).or_default().push(r);
+        }
+    }
+
+    report.header = [
+        "contender",
+        "req/s",
+        "× pass-through",
+        "× nginx static",
+        "p99 ms (max load)",
+        "half load req/s",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let pct = |c: Contender, p: f64| series(open.get(&c), |r| r.ms(p));
+    for (c, results) in &closed {
+        let c = *c;
+        let all: Vec<LoadResult> = results
+            .iter()
+            .chain(open.get(&c).into_iter().flatten())
+            .cloned()
+            .collect();
+        report.rows.push(vec![
+            c.label().to_string(),
+            series(Some(results), LoadResult::rps).show(0),
+            ratio(&closed, c, Contender::SluiceOff).show(2),
+            ratio(&closed, c, Contender::Nginx).show(2),
+            series(Some(results), |r| r.ms(99.0)).show(3),
+            series(open.get(&c), LoadResult::rps).show(0),
+            pct(c, 50.0).show(3),
+            pct(c, 99.0).show(3),
+            pct(c, 99.9).show(3),
+            errors_cell(&all),
+        ]);
+    }
+    report.notes.push(format!(
+        "The same deterministic chat request (`temperature: 0`) for every Sluice: pass-through \
+         (plugins off) goes to the zero-latency simulator; the cache contenders were primed by \
+         one request and every answer must carry `x-cache: HIT` (any other counts as an \
+         error). nginx serves the memory store's hit ({} bytes) from `{STATIC}` as \
+         `application/json`. Max load: {} connections, closed loop; half load: open loop at \
+         half of each contender's own median maximum, latency from the intended send time.",
+        answer.len(),
+        ctx.p.conns
+    ));
+    report.checks.push(Check::at_least(
+        "memory-store hits: throughput vs pass-through",
+        ratio(&closed, Contender::SluiceMemoryHit, Contender::SluiceOff).median(),
+        1.5,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "memory-store hits: p99 at half load",
+        pct(Contender::SluiceMemoryHit, 99.0).median(),
+        0.5,
+        "ms",
+    ));
+    report.checks.push(Check::at_most(
+        "Redis-store hits: p99 at half load",
+        pct(Contender::SluiceRedisHit, 99.0).median(),
+        2.0,
+        "ms",
+    ));
     Ok(report)
 }
 

@@ -164,6 +164,7 @@ async fn one_stream(target: &Target, out: &mut SseResult, open: &AtomicUsize) ->
         .await
         .context("sending")?;
     let status = resp.status();
+    let headers_ok = target.check_headers(resp.headers());
     let mut body = resp.into_body();
     if !status.is_success() {
         let bytes = body
@@ -176,6 +177,7 @@ async fn one_stream(target: &Target, out: &mut SseResult, open: &AtomicUsize) ->
             String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
         );
     }
+    headers_ok?;
     let mut guard = OpenGuard(None);
     let mut prev: Option<Instant> = None;
     let (mut chunks, mut events, mut merged) = (0u64, 0u64, 0u64);

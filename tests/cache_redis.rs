@@ -1,0 +1,440 @@
+//! End-to-end: the cache plugin with `store: redis` in the real binary, against real
+//! redis-server processes (single node and Cluster) on free ports and the simulator upstream.
+//! A failing, hanging or absent Redis must never fail a request.
+
+mod common;
+#[path = "../plugins/cache/tests/support/mod.rs"]
+mod support;
+
+use common::*;
+use serde_json::Value;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::redis_server::{free_port, redis_cli, RedisCluster, RedisServer, SilentServer};
+
+const MODEL: &str = "test-model";
+
+/// Long enough for a cool-down (1 s) plus a reconnect, on a loaded machine.
+const RECOVERY: Duration = Duration::from_secs(10);
+
+/// No request may take longer than this, whatever Redis does (a bound against hangs, not a
+/// latency target).
+const REQUEST_BOUND: Duration = Duration::from_secs(3);
+
+async fn sim() -> vllm_sim::Sim {
+    vllm_sim::start(vllm_sim::SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap()
+}
+
+/// The `redis:` section's target: `url: ...` or `cluster_nodes: [...]`.
+enum Target {
+    Url(String),
+    Cluster(Vec<String>),
+}
+
+/// A proxy with the cache on, `store: redis`, in front of `upstream`.
+async fn redis_proxy(upstream: &vllm_sim::Sim, target: Target) -> Proxy {
+    redis_proxy_with(upstream, target, "").await
+}
+
+/// Coalescing off: every hit comes from the store. Needed where a test asserts `MISS` for a
+/// repeated prompt while Redis is unusable: with coalescing on, a request sent right after an
+/// identical one completed can still join it as a follower (the leader leaves the in-flight
+/// map only in the write-back task, after the client has its answer) and get `x-cache: HIT`
+/// with no store at all.
+const NO_COALESCING: &str = "    coalesce: {enabled: false}\n";
+
+async fn redis_proxy_with(upstream: &vllm_sim::Sim, target: Target, cache_extra: &str) -> Proxy {
+    let target = match target {
+        Target::Url(url) => format!("url: {url}"),
+        Target::Cluster(nodes) => format!("cluster_nodes: [{}]", nodes.join(", ")),
+    };
+    Proxy::start(&format!(
+        "pools:\n{}plugins:\n  cache:\n    enabled: true\n    store: redis\n    redis:\n      {target}\n      lookup_timeout: 50ms\n      cooldown: 1s\n{cache_extra}",
+        pool("main", &[MODEL], &[upstream.addr()], "")
+    ))
+    .await
+}
+
+struct Answer {
+    status: u16,
+    x_cache: String,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+}
+
+async fn ask(proxy: &Proxy, body: &Value) -> Answer {
+    ask_url(&proxy.url("/v1/chat/completions"), body).await
+}
+
+async fn ask_url(url: &str, body: &Value) -> Answer {
+    let r = client().post(url).json(body).send().await.unwrap();
+    let headers = r.headers().clone();
+    Answer {
+        status: r.status().as_u16(),
+        x_cache: headers
+            .get("x-cache")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default(),
+        body: r.text().await.unwrap(),
+        headers,
+    }
+}
+
+/// The answer's text, from a JSON body or an event stream.
+fn content(answer: &Answer) -> String {
+    if answer.body.starts_with("data: ") {
+        sse_data(&answer.body)
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect()
+    } else {
+        let v: Value = serde_json::from_str(&answer.body).unwrap();
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+}
+
+/// Asks until the answer is a hit or `within` has passed: write-backs are asynchronous, and a
+/// recovering Redis comes back after its cool-down and a reconnect. Every answer on the way
+/// must be a 200.
+async fn until_hit_within(proxy: &Proxy, body: &Value, within: Duration) -> Answer {
+    let deadline = Instant::now() + within;
+    loop {
+        let a = ask(proxy, body).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        if a.x_cache == "HIT" || Instant::now() > deadline {
+            return a;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn until_hit(proxy: &Proxy, body: &Value) -> Answer {
+    until_hit_within(proxy, body, Duration::from_secs(5)).await
+}
+
+fn upstream_calls(sim: &vllm_sim::Sim) -> u64 {
+    sim.stats().count("/v1/chat/completions")
+}
+
+/// Cache keys in a single Redis.
+fn cache_keys(port: u16) -> Vec<String> {
+    redis_cli(port, &["--scan", "--pattern", "llm:cache:*"])
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Waits until `count()` reaches `n`: the write-back to Redis is asynchronous.
+async fn wait_for_keys(n: usize, mut count: impl FnMut() -> usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = tokio::task::block_in_place(&mut count);
+        if found >= n {
+            assert_eq!(found, n, "more keys than entries written");
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{found} of {n} entries in Redis after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misses_then_hits_through_redis_and_two_proxies_share_it() {
+    let redis = RedisServer::start();
+    let upstream = sim().await;
+    let first = redis_proxy(&upstream, Target::Url(redis.url())).await;
+    let request = chat(MODEL, "What is the capital of France?", false);
+
+    let miss = ask(&first, &request).await;
+    assert_eq!((miss.status, miss.x_cache.as_str()), (200, "MISS"));
+    // The entry is really in Redis; once it is there, the repeat is a hit.
+    wait_for_keys(1, || cache_keys(redis.port()).len()).await;
+    let hit = ask(&first, &request).await;
+    assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
+    assert_eq!(content(&hit), content(&miss));
+    assert!(hit.headers.contains_key("age"));
+    assert_eq!(hit.headers["x-sluice-pool"], "main");
+    assert_eq!(upstream_calls(&upstream), 1);
+
+    // A second process, nothing in its own memory. One unrelated request first, so that its
+    // connection to Redis is up (made on first use); then its first ask of the prompt the
+    // first proxy filled is a hit from Redis.
+    let second = redis_proxy(&upstream, Target::Url(redis.url())).await;
+    let warm = chat(MODEL, "warms the second proxy's connection", false);
+    assert_eq!(ask(&second, &warm).await.status, 200);
+    let calls = upstream_calls(&upstream);
+    let shared = ask(&second, &request).await;
+    assert_eq!((shared.status, shared.x_cache.as_str()), (200, "HIT"));
+    assert_eq!(content(&shared), content(&miss));
+    assert_eq!(
+        upstream_calls(&upstream),
+        calls,
+        "the hit never went upstream"
+    );
+
+    // And the other way round: what the second fills, the first serves.
+    let other = chat(MODEL, "filled by the second proxy", false);
+    let filled = ask(&second, &other).await;
+    assert_eq!(filled.x_cache, "MISS");
+    let served = until_hit(&first, &other).await;
+    assert_eq!(served.x_cache, "HIT");
+    assert_eq!(content(&served), content(&filled));
+    assert_eq!(cache_keys(redis.port()).len(), 3);
+}
+
+/// One request of the background run: its status, `x-cache`, and when it was sent.
+struct Sent {
+    at: Instant,
+    status: u16,
+    x_cache: String,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_killed_mid_run_costs_hits_not_requests_and_hits_come_back() {
+    let mut redis = RedisServer::start();
+    let upstream = sim().await;
+    let proxy = redis_proxy_with(&upstream, Target::Url(redis.url()), NO_COALESCING).await;
+    let request = chat(MODEL, "asked again and again", false);
+    ask(&proxy, &request).await;
+    assert_eq!(until_hit(&proxy, &request).await.x_cache, "HIT");
+
+    // Requests one after another for the whole test, Redis killed and restarted under them.
+    let log: Arc<Mutex<Vec<Sent>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let run = tokio::spawn({
+        let (url, request, log, stop) = (
+            proxy.url("/v1/chat/completions"),
+            request.clone(),
+            log.clone(),
+            stop.clone(),
+        );
+        async move {
+            while !stop.load(Ordering::Acquire) {
+                let at = Instant::now();
+                let a = tokio::time::timeout(REQUEST_BOUND, ask_url(&url, &request))
+                    .await
+                    .expect("a request hung while Redis was down");
+                log.lock().unwrap().push(Sent {
+                    at,
+                    status: a.status,
+                    x_cache: a.x_cache,
+                });
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    });
+    let sent = |log: &Mutex<Vec<Sent>>| log.lock().unwrap().len();
+
+    // Some hits first.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sent(&log) < 5 {
+        assert!(Instant::now() < deadline, "the run did not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::task::block_in_place(|| redis.stop());
+    let killed = Instant::now();
+    // Through the failures, the cool-down (1 s) and probes into a dead port.
+    let before = sent(&log);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        sent(&log) >= before + 10,
+        "requests kept flowing while Redis was down"
+    );
+    let restarting = Instant::now();
+    tokio::task::block_in_place(|| redis.restart());
+
+    // Hits resume by themselves: the restarted Redis is empty, so the run refills it first.
+    let deadline = Instant::now() + RECOVERY;
+    let resumed = loop {
+        let hit_after_restart = log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.at > restarting && s.x_cache == "HIT");
+        if hit_after_restart || Instant::now() > deadline {
+            break hit_after_restart;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    stop.store(true, Ordering::Release);
+    run.await.unwrap();
+
+    let log = log.lock().unwrap();
+    let failed: Vec<u16> = log.iter().map(|s| s.status).filter(|s| *s != 200).collect();
+    assert!(failed.is_empty(), "statuses other than 200: {failed:?}");
+    let while_down: Vec<&str> = log
+        .iter()
+        .filter(|s| s.at > killed && s.at < restarting)
+        .map(|s| s.x_cache.as_str())
+        .collect();
+    assert!(!while_down.is_empty());
+    assert!(
+        while_down.iter().all(|x| *x == "MISS"),
+        "answered from upstream while Redis was down: {while_down:?}"
+    );
+    assert!(
+        resumed,
+        "no hit within {RECOVERY:?} of Redis coming back ({} requests sent)",
+        log.len()
+    );
+    assert!(
+        log.iter().any(|s| s.at < killed && s.x_cache == "HIT"),
+        "hits before the kill"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_never_answers_is_bounded_by_the_lookup_timeout() {
+    let silent = SilentServer::start().await;
+    let upstream = sim().await;
+    let proxy = redis_proxy(&upstream, Target::Url(silent.url())).await;
+
+    // Sequential, then concurrent: before, during and after the cool-down.
+    for i in 0..6 {
+        let request = chat(MODEL, &format!("silent redis {i}"), false);
+        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+            .await
+            .unwrap_or_else(|_| panic!("request {i} hung on a silent Redis"));
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
+        assert!(!content(&a).is_empty());
+    }
+    let concurrent = futures_util::future::join_all((0..8).map(|i| {
+        let request = chat(MODEL, &format!("silent redis, together {i}"), false);
+        let proxy = &proxy;
+        async move { tokio::time::timeout(REQUEST_BOUND, ask(proxy, &request)).await }
+    }))
+    .await;
+    for (i, a) in concurrent.into_iter().enumerate() {
+        let a = a.unwrap_or_else(|_| panic!("concurrent request {i} hung on a silent Redis"));
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
+    }
+    // Past one cool-down: the probe hangs too, and is bounded the same way.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for i in 0..3 {
+        let request = chat(
+            MODEL,
+            &format!("silent redis, after the cool-down {i}"),
+            false,
+        );
+        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+            .await
+            .unwrap_or_else(|_| panic!("request {i} after the cool-down hung"));
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"));
+    }
+    assert_eq!(upstream_calls(&upstream), 17);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_started_before_redis_serves_then_hits_once_redis_is_up() {
+    let port = free_port(false);
+    let upstream = sim().await;
+    let proxy = redis_proxy_with(
+        &upstream,
+        Target::Url(format!("redis://127.0.0.1:{port}")),
+        NO_COALESCING,
+    )
+    .await;
+    let request = chat(MODEL, "asked before Redis existed", false);
+    for _ in 0..5 {
+        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+            .await
+            .expect("a request hung with Redis absent");
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
+    }
+
+    let redis = tokio::task::block_in_place(|| RedisServer::start_on(port));
+    let hit = until_hit_within(&proxy, &request, RECOVERY).await;
+    assert_eq!(
+        (hit.status, hit.x_cache.as_str()),
+        (200, "HIT"),
+        "no hit within {RECOVERY:?} of Redis starting"
+    );
+    assert_eq!(cache_keys(redis.port()).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_misses_then_hits_across_slots() {
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start(3));
+    let upstream = sim().await;
+    let proxy = redis_proxy(&upstream, Target::Cluster(cluster.urls())).await;
+
+    let request = chat(MODEL, "asked of a cluster", false);
+    let miss = ask(&proxy, &request).await;
+    assert_eq!((miss.status, miss.x_cache.as_str()), (200, "MISS"));
+    wait_for_keys(1, || cluster.dbsizes().iter().sum::<u64>() as usize).await;
+    let hit = ask(&proxy, &request).await;
+    assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
+    assert_eq!(content(&hit), content(&miss));
+
+    const PROMPTS: usize = 20;
+    let requests: Vec<Value> = (0..PROMPTS)
+        .map(|i| chat(MODEL, &format!("prompt number {i} for the cluster"), false))
+        .collect();
+    let mut firsts = Vec::new();
+    for r in &requests {
+        let a = ask(&proxy, r).await;
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"));
+        firsts.push(content(&a));
+    }
+    wait_for_keys(1 + PROMPTS, || {
+        cluster.dbsizes().iter().sum::<u64>() as usize
+    })
+    .await;
+    for (r, first) in requests.iter().zip(&firsts) {
+        let a = ask(&proxy, r).await;
+        assert_eq!(
+            (a.status, a.x_cache.as_str()),
+            (200, "HIT"),
+            "{}",
+            r["messages"][0]["content"]
+        );
+        assert_eq!(&content(&a), first);
+    }
+    assert_eq!(upstream_calls(&upstream), 1 + PROMPTS as u64);
+    let sizes = tokio::task::block_in_place(|| cluster.dbsizes());
+    assert!(
+        sizes.iter().filter(|n| **n > 0).count() >= 2,
+        "keys spread over the nodes: {sizes:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filled_by_a_stream_served_as_json_through_redis() {
+    let redis = RedisServer::start();
+    let upstream = sim().await;
+    let proxy = redis_proxy(&upstream, Target::Url(redis.url())).await;
+
+    let streamed = ask(&proxy, &chat(MODEL, "filled by a stream", true)).await;
+    assert_eq!((streamed.status, streamed.x_cache.as_str()), (200, "MISS"));
+    assert_eq!(
+        sse_data(&streamed.body).last().map(String::as_str),
+        Some("[DONE]")
+    );
+    // Once the stream's entry is in Redis, the JSON request is answered from it.
+    wait_for_keys(1, || cache_keys(redis.port()).len()).await;
+    let as_json = ask(&proxy, &chat(MODEL, "filled by a stream", false)).await;
+    assert_eq!((as_json.status, as_json.x_cache.as_str()), (200, "HIT"));
+    assert_eq!(as_json.headers["content-type"], "application/json");
+    let v: Value = serde_json::from_str(&as_json.body).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(!content(&streamed).is_empty());
+    assert_eq!(content(&as_json), content(&streamed));
+    assert_eq!(upstream_calls(&upstream), 1);
+}
