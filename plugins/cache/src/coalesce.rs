@@ -100,6 +100,7 @@ mod tests {
             kind: AnswerKind::Chat,
             pool: "p".into(),
             answer: serde_json::json!({}),
+            source_bytes: 0,
         })
     }
 

@@ -30,6 +30,9 @@ pub struct Entry {
     pub pool: String,
     /// The answer in non-stream form.
     pub answer: Value,
+    /// How many bytes the upstream's answer had; not stored, only weighed.
+    #[serde(skip)]
+    pub source_bytes: usize,
 }
 
 impl Entry {
@@ -42,9 +45,10 @@ impl Entry {
         serde_json::from_slice(bytes).map_err(|e| format!("not a cache entry: {e}"))
     }
 
-    /// An estimate of the memory the entry holds, for the memory store's byte budget.
+    /// The memory the entry holds, for the memory store's budget: its answer's size as the
+    /// upstream sent it (the assembled form is about as large), plus the fixed fields.
     pub fn weight(&self) -> usize {
-        self.encode().len()
+        self.source_bytes + self.pool.len() + 96
     }
 }
 
@@ -413,6 +417,7 @@ mod tests {
             kind,
             pool: "draft".into(),
             answer,
+            source_bytes: 0,
         }
     }
 

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use sluice_sdk::Endpoint;
 
 /// Bumped whenever the canonical form changes, so old entries are never misread.
-const KEY_VERSION: &[u8] = b"sluice-cache-v1";
+const KEY_VERSION: &[u8] = b"sluice-cache-v2";
 
 /// Body fields that choose the answer's form, not its content.
 const FORM_ONLY_FIELDS: &[&str] = &["stream", "stream_options"];
@@ -30,9 +30,6 @@ pub fn digest(
 ) -> Option<[u8; 32]> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let object = value.as_object()?;
-    let mut canonical = Vec::with_capacity(body.len());
-    write_object(object, FORM_ONLY_FIELDS, &mut canonical);
-
     let mut hasher = Sha256::new();
     for part in [KEY_VERSION, tenant.as_bytes(), endpoint.path().as_bytes()] {
         framed(&mut hasher, part);
@@ -42,7 +39,9 @@ pub fn digest(
         framed(&mut hasher, name.as_bytes());
         framed(&mut hasher, value);
     }
-    framed(&mut hasher, &canonical);
+    // The body comes last, so it needs no length frame: it goes straight into the hasher,
+    // without a body-sized buffer.
+    write_object(object, FORM_ONLY_FIELDS, &mut HashWriter(&mut hasher));
     Some(hasher.finalize().into())
 }
 
@@ -51,7 +50,7 @@ fn framed(hasher: &mut Sha256, part: &[u8]) {
     hasher.update(part);
 }
 
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+fn write_canonical(value: &Value, out: &mut HashWriter<'_>) {
     match value {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
@@ -72,7 +71,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
 }
 
 /// Keys sorted here, whatever order the map keeps (serde_json may preserve insertion order).
-fn write_object(map: &serde_json::Map<String, Value>, skip: &[&str], out: &mut Vec<u8>) {
+fn write_object(map: &serde_json::Map<String, Value>, skip: &[&str], out: &mut HashWriter<'_>) {
     let mut keys: Vec<&String> = map.keys().filter(|k| !skip.contains(&k.as_str())).collect();
     keys.sort();
     out.push(b'{');
@@ -89,7 +88,7 @@ fn write_object(map: &serde_json::Map<String, Value>, skip: &[&str], out: &mut V
 
 /// Integers as integers; a float with an integral value (`1.0`) as that integer, so that the
 /// same number written two ways gives one key.
-fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
+fn write_number(n: &serde_json::Number, out: &mut HashWriter<'_>) {
     if let Some(i) = n.as_i64() {
         out.extend_from_slice(i.to_string().as_bytes());
     } else if let Some(u) = n.as_u64() {
@@ -103,10 +102,32 @@ fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
     }
 }
 
-fn write_string(s: &str, out: &mut Vec<u8>) {
-    // serde_json escapes one way (the same input string, the same output).
-    if serde_json::to_writer(&mut *out, s).is_err() {
-        out.extend_from_slice(s.as_bytes());
+fn write_string(s: &str, out: &mut HashWriter<'_>) {
+    // serde_json escapes one way: the same string, the same bytes. Hashing cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// Canonical bytes go straight into the hasher.
+struct HashWriter<'a>(&'a mut Sha256);
+
+impl HashWriter<'_> {
+    fn push(&mut self, byte: u8) {
+        self.0.update([byte]);
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+}
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.update(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

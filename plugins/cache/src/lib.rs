@@ -326,10 +326,11 @@ struct Bypassed;
 /// Assembles a complete answer, stores it (never waiting on the network) and hands it to the
 /// requests that waited for it.
 fn write_back(store: &dyn Store, state: State, tee: Tee, pool: &str, leader: Option<Leader>) {
-    let answer = if tee.event_stream {
-        entry::from_sse(state.kind, &tee.chunks)
-    } else {
-        entry::from_json(state.kind, &tee.chunks.concat())
+    let answer = match (tee.event_stream, tee.chunks.as_slice()) {
+        (true, chunks) => entry::from_sse(state.kind, chunks),
+        // A JSON answer usually arrives in one chunk: no copy then.
+        (false, [one]) => entry::from_json(state.kind, one),
+        (false, chunks) => entry::from_json(state.kind, &chunks.concat()),
     };
     let answer = match answer {
         Ok(answer) => answer,
@@ -344,6 +345,7 @@ fn write_back(store: &dyn Store, state: State, tee: Tee, pool: &str, leader: Opt
         kind: state.kind,
         pool: pool.to_string(),
         answer,
+        source_bytes: tee.bytes,
     });
     metrics::write(match store.put(&state.key, entry.clone(), state.ttl) {
         WriteOutcome::Accepted => "stored",

@@ -43,6 +43,7 @@ fn entry(digest: [u8; 32], text: &str) -> Arc<Entry> {
         kind: AnswerKind::Chat,
         pool: "default".into(),
         answer: json!({"object": "chat.completion", "choices": [{"message": {"content": text}}]}),
+        source_bytes: 0,
     })
 }
 

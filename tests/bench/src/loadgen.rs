@@ -40,8 +40,11 @@ pub struct Target {
 pub struct Vary {
     prefix: Bytes,
     suffix: Bytes,
-    next: AtomicU64,
 }
+
+/// One counter for the whole run: every round's targets must differ from all earlier ones,
+/// or a proxy that lives across rounds would answer round 2 from round 1's cache entries.
+static NEXT_VARIANT: AtomicU64 = AtomicU64::new(0);
 
 impl Target {
     /// `POST path` with a JSON body.
@@ -74,7 +77,6 @@ impl Target {
             self.vary = Some(Arc::new(Vary {
                 prefix: self.body.slice(..split),
                 suffix: self.body.slice(split..),
-                next: AtomicU64::new(0),
             }));
         }
         self
@@ -90,7 +92,7 @@ impl Target {
         let Some(v) = &self.vary else {
             return self.body.clone();
         };
-        let n = v.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let n = NEXT_VARIANT.fetch_add(1, Ordering::Relaxed).to_string();
         let mut b = Vec::with_capacity(v.prefix.len() + n.len() + 1 + v.suffix.len());
         b.extend_from_slice(&v.prefix);
         b.extend_from_slice(n.as_bytes());

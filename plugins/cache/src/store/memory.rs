@@ -104,6 +104,7 @@ mod tests {
             kind: AnswerKind::Chat,
             pool: "p".into(),
             answer: serde_json::json!({"pad": "x".repeat(size)}),
+            source_bytes: size,
         })
     }
 
