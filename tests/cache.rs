@@ -29,51 +29,8 @@ async fn cached_proxy(upstream: &vllm_sim::Sim, cache_extra: &str) -> Proxy {
     .await
 }
 
-struct Answer {
-    status: u16,
-    x_cache: String,
-    headers: reqwest::header::HeaderMap,
-    body: String,
-}
-
 async fn ask(proxy: &Proxy, body: &Value, headers: &[(&str, &str)]) -> Answer {
-    let mut request = client().post(proxy.url("/v1/chat/completions")).json(body);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let r = request.send().await.unwrap();
-    let headers = r.headers().clone();
-    Answer {
-        status: r.status().as_u16(),
-        x_cache: headers
-            .get("x-cache")
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default(),
-        body: r.text().await.unwrap(),
-        headers,
-    }
-}
-
-/// The answer's text, from a JSON body or an event stream.
-fn content(answer: &Answer) -> String {
-    if answer.body.starts_with("data: ") {
-        sse_data(&answer.body)
-            .iter()
-            .filter(|d| *d != "[DONE]")
-            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .filter_map(|v| {
-                v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .map(String::from)
-            })
-            .collect()
-    } else {
-        let v: Value = serde_json::from_str(&answer.body).unwrap();
-        v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
+    common::ask(&proxy.url("/v1/chat/completions"), body, headers).await
 }
 
 /// Asks until the answer is a hit: write-backs are asynchronous.

@@ -58,51 +58,12 @@ async fn redis_proxy_with(upstream: &vllm_sim::Sim, target: Target, cache_extra:
     .await
 }
 
-struct Answer {
-    status: u16,
-    x_cache: String,
-    headers: reqwest::header::HeaderMap,
-    body: String,
-}
-
 async fn ask(proxy: &Proxy, body: &Value) -> Answer {
-    ask_url(&proxy.url("/v1/chat/completions"), body).await
+    common::ask(&proxy.url("/v1/chat/completions"), body, &[]).await
 }
 
 async fn ask_url(url: &str, body: &Value) -> Answer {
-    let r = client().post(url).json(body).send().await.unwrap();
-    let headers = r.headers().clone();
-    Answer {
-        status: r.status().as_u16(),
-        x_cache: headers
-            .get("x-cache")
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default(),
-        body: r.text().await.unwrap(),
-        headers,
-    }
-}
-
-/// The answer's text, from a JSON body or an event stream.
-fn content(answer: &Answer) -> String {
-    if answer.body.starts_with("data: ") {
-        sse_data(&answer.body)
-            .iter()
-            .filter(|d| *d != "[DONE]")
-            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .filter_map(|v| {
-                v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .map(String::from)
-            })
-            .collect()
-    } else {
-        let v: Value = serde_json::from_str(&answer.body).unwrap();
-        v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    }
+    common::ask(url, body, &[]).await
 }
 
 /// Asks until the answer is a hit or `within` has passed: write-backs are asynchronous, and a

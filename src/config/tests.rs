@@ -152,9 +152,9 @@ fn an_unknown_nested_key_is_refused_with_its_path() {
 #[test]
 fn an_unknown_plugin_is_refused() {
     refused(
-        &with("plugins: { cache: { enabled: true } }"),
-        "plugins.cache",
-        "unknown field `cache`",
+        &with("plugins: { no_such_plugin: { enabled: true } }"),
+        "plugins.no_such_plugin",
+        "unknown field `no_such_plugin`",
     );
 }
 
@@ -745,4 +745,25 @@ fn a_yaml_syntax_error_is_reported_on_the_whole_file_with_its_line() {
     let e = parse("pools: [\n  {name: a\n").unwrap_err();
     assert!(!e.path.contains('?'), "{e}");
     assert!(e.message.contains("line"), "{e}");
+}
+
+#[test]
+fn the_cache_section_is_checked_with_its_key_paths() {
+    refused(
+        &with("plugins: { cache: { enabled: true, store: redis } }"),
+        "plugins.cache.redis",
+        "needs a redis section",
+    );
+    refused(
+        &with("plugins: { cache: { enabled: true, ttl: 0s } }"),
+        "plugins.cache.ttl",
+        "longer than 0",
+    );
+    refused(
+        &with("plugins: { cache: { enabled: true, redis: { url: \"redis://a:1\", cluster_nodes: [\"redis://b:1\"] } } }"),
+        "plugins.cache.redis.url",
+        "not both",
+    );
+    let c = ok(&with("plugins: { cache: { enabled: true } }"));
+    assert!(c.plugins.cache.enabled);
 }

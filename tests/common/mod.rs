@@ -326,3 +326,53 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// An LLM answer as a test sees it.
+pub struct Answer {
+    pub status: u16,
+    /// The `x-cache` header, or empty.
+    pub x_cache: String,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: String,
+}
+
+/// POSTs `body` as JSON to `url` with extra `headers`.
+pub async fn ask(url: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Answer {
+    let mut request = client().post(url).json(body);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let r = request.send().await.expect("the proxy answers");
+    let headers = r.headers().clone();
+    Answer {
+        status: r.status().as_u16(),
+        x_cache: headers
+            .get("x-cache")
+            .map(|v| v.to_str().unwrap_or_default().to_string())
+            .unwrap_or_default(),
+        body: r.text().await.unwrap_or_default(),
+        headers,
+    }
+}
+
+/// The answer's text, from a JSON body or an event stream.
+pub fn content(answer: &Answer) -> String {
+    if answer.body.starts_with("data: ") {
+        sse_data(&answer.body)
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect()
+    } else {
+        let v: serde_json::Value = serde_json::from_str(&answer.body).expect("a JSON answer");
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+}
