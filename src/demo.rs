@@ -114,8 +114,8 @@ fn point_at_simulators(
         args.admin_port,
         9090,
     )?;
-    set(yaml, &["listeners"], &format!("[{{address: \"{proxy}\"}}]"))?;
-    set(yaml, &["admin"], &format!("{{address: \"{admin}\"}}"))?;
+    set(yaml, "listeners", &format!("[{{address: \"{proxy}\"}}]"))?;
+    set(yaml, "admin", &format!("{{address: \"{admin}\"}}"))?;
     let tmp = std::env::temp_dir();
     let id = std::process::id();
     set_str(yaml, "pid_file", tmp.join(format!("sluice-demo-{id}.pid")));
@@ -138,10 +138,11 @@ fn configured(yaml: &Value, keys: &[&str]) -> Option<SocketAddr> {
     v.as_str()?.parse().ok()
 }
 
-fn set(yaml: &mut Value, keys: &[&str], value_yaml: &str) -> Result<(), String> {
+/// Replaces the top-level `key` with `value_yaml`.
+fn set(yaml: &mut Value, key: &str, value_yaml: &str) -> Result<(), String> {
     let value: Value = serde_yaml_ng::from_str(value_yaml).map_err(|e| e.to_string())?;
-    if let (Some(map), [key]) = (yaml.as_mapping_mut(), keys) {
-        map.insert(Value::from(*key), value);
+    if let Some(map) = yaml.as_mapping_mut() {
+        map.insert(Value::from(key), value);
     }
     Ok(())
 }

@@ -283,18 +283,7 @@ async fn errors_and_broken_answers_are_never_stored() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_stores_nothing() {
-    let upstream = vllm_sim::start(
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_latency(Latency::new(
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::from_millis(20),
-            ))
-            .with_answer_tokens(50, 50),
-    )
-    .await
-    .unwrap();
+    let upstream = streaming_sim(MODEL, Duration::from_millis(20), 50).await;
     let proxy = cached_proxy(&upstream, "").await;
     let mut request = chat(MODEL, "left early", true);
     request["max_tokens"] = json!(50);
@@ -380,18 +369,7 @@ async fn identical_requests_in_flight_go_upstream_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_leader_lets_its_followers_go_upstream() {
-    let upstream = vllm_sim::start(
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_latency(Latency::new(
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::from_millis(100),
-            ))
-            .with_answer_tokens(20, 20),
-    )
-    .await
-    .unwrap();
+    let upstream = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
     let proxy = cached_proxy(&upstream, "").await;
     let request = chat(MODEL, "the leader fails", true);
     // The leader's stream breaks after a few chunks...

@@ -6,7 +6,7 @@ use common::*;
 use futures_util::StreamExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use vllm_sim::{Latency, SimConfig};
+use vllm_sim::SimConfig;
 
 const MODEL: &str = "test-model";
 
@@ -53,24 +53,9 @@ fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
     }
 }
 
-async fn slow_sim() -> vllm_sim::Sim {
-    vllm_sim::start(
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_latency(Latency::new(
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::from_millis(30),
-            ))
-            .with_answer_tokens(40, 40),
-    )
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_a_running_stream_finish_then_exits() {
-    let upstream = slow_sim().await;
+    let upstream = streaming_sim(MODEL, Duration::from_millis(30), 40).await;
     let mut proxy = Proxy::start(&format!(
         "pools:\n{}",
         pool("main", &[MODEL], &[upstream.addr()], "")

@@ -415,18 +415,7 @@ async fn an_upstream_that_drops_mid_stream_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_frees_the_upstream() {
-    let upstream = vllm_sim::start(
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_latency(vllm_sim::Latency::new(
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::from_millis(50),
-            ))
-            .with_answer_tokens(200, 200),
-    )
-    .await
-    .unwrap();
+    let upstream = streaming_sim(MODEL, Duration::from_millis(50), 200).await;
     let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
     let mut request = chat(MODEL, "a long story", true);
     request["max_tokens"] = json!(200);

@@ -150,14 +150,15 @@ impl ProxyHttp for Sluice {
         ctx: &mut ProxyCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        metrics::inc(
-            &metrics::UPSTREAM_ATTEMPTS,
-            &[ctx.req.pool_name(), "connect_error"],
-        );
         if ctx.attempt.is_some() {
-            // The client request that spawned this attempt decides about retries.
+            // The client request that spawned this attempt decides about retries, and counts
+            // the failure under its pool (the attempt's context has none).
             e.set_retry(false);
         } else {
+            metrics::inc(
+                &metrics::UPSTREAM_ATTEMPTS,
+                &[ctx.req.pool_name(), "connect_error"],
+            );
             // Nothing was sent, so another backend of the pool is safe to try.
             let left = ctx
                 .req

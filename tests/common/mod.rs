@@ -376,3 +376,20 @@ pub fn content(answer: &Answer) -> String {
             .to_string()
     }
 }
+
+/// A simulated backend that answers `tokens` tokens, one every `every`, with no prefill
+/// time: for tests that need a stream to still be running.
+pub async fn streaming_sim(model: &str, every: Duration, tokens: u32) -> vllm_sim::Sim {
+    vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model(model)
+            .with_latency(vllm_sim::Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                every,
+            ))
+            .with_answer_tokens(tokens, tokens),
+    )
+    .await
+    .expect("start the simulator")
+}

@@ -193,13 +193,15 @@ impl Plugin for Cache {
             return Ok(Flow::Continue);
         };
         let use_ = policy::decide(&self.config, &call.request, &session.req_header().headers);
-        let key = match (use_, self.key_for(session, call)) {
-            (Use::Bypass(_), _) | (_, None) => {
-                metrics::request(metrics::Outcome::Bypass);
-                ctx.state.insert(Bypassed);
-                return Ok(Flow::Continue);
-            }
-            (_, Some(key)) => key,
+        // The key (a second parse of the body, and a hash) only when the cache takes part.
+        let key = match use_ {
+            Use::Bypass(_) => None,
+            _ => self.key_for(session, call),
+        };
+        let Some(key) = key else {
+            metrics::request(metrics::Outcome::Bypass);
+            ctx.state.insert(Bypassed);
+            return Ok(Flow::Continue);
         };
         let kind = match call.endpoint {
             Endpoint::ChatCompletions => AnswerKind::Chat,
