@@ -6,7 +6,7 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 use serde_json::json;
-use sluice_sdk::Pools;
+use sluice_sdk::{Pool, Pools, Priority};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -55,31 +55,15 @@ impl ServeHttp for Admin {
 }
 
 impl Admin {
-    /// Ready when some pool has a backend that may take requests. Until health checks run,
-    /// every configured backend counts.
+    /// Ready when some pool has a backend that may take a request now.
     fn ready(&self) -> bool {
-        self.pools.iter().any(|p| !p.backends.is_empty())
+        self.pools
+            .iter()
+            .any(|p| p.live.iter().any(|b| b.is_usable()))
     }
 
     fn status(&self) -> serde_json::Value {
-        let pools: Vec<_> = self
-            .pools
-            .iter()
-            .map(|p| {
-                json!({
-                    "name": &*p.name,
-                    "models": p.models,
-                    "max_model_len": p.max_model_len,
-                    "backends": p.backends.iter().map(|b| json!({
-                        "address": b.address,
-                        "resolved": b.resolved.to_string(),
-                        "weight": b.weight,
-                        // No health service yet: backends are taken as they are configured.
-                        "health": "unchecked",
-                    })).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
+        let pools: Vec<_> = self.pools.iter().map(|p| pool_status(p)).collect();
         json!({
             "version": env!("CARGO_PKG_VERSION"),
             "uptime_seconds": self.started.elapsed().as_secs(),
@@ -87,6 +71,50 @@ impl Admin {
             "pools": pools,
         })
     }
+}
+
+fn pool_status(pool: &Pool) -> serde_json::Value {
+    let pressure = pool.pressure();
+    let shedding: Vec<&str> = Priority::ALL
+        .into_iter()
+        .filter(|p| pool.is_shedding(*p))
+        .map(Priority::as_str)
+        .collect();
+    let backends: Vec<_> = pool
+        .backends
+        .iter()
+        .zip(&pool.live)
+        .map(|(spec, live)| {
+            let load = live.load();
+            json!({
+                "address": spec.address,
+                "resolved": spec.resolved.to_string(),
+                "weight": spec.weight,
+                "health": live.state(&pool.health).as_str(),
+                "kv_cache_usage": load.as_ref().and_then(|l| l.kv_usage),
+                "projected_kv_cache_usage": live.projected_kv(&pool.health),
+                "running": load.as_ref().map(|l| l.running),
+                "waiting": load.as_ref().map(|l| l.waiting),
+                "kv_capacity_tokens": load.as_ref().and_then(|l| l.kv_capacity_tokens),
+                "spec_decode_acceptance": load.as_ref().and_then(|l| l.spec_acceptance),
+                "scraped_seconds_ago": load.as_ref().map(|l| l.scraped_at.elapsed().as_secs_f64()),
+                "in_flight": live.in_flight(),
+            })
+        })
+        .collect();
+    json!({
+        "name": &*pool.name,
+        "models": pool.models,
+        "max_model_len": pool.max_model_len,
+        "health_checks": pool.health.enabled,
+        "kv_cache_usage": pressure.kv_usage,
+        "usable_backends": pressure.usable,
+        "breaker": {
+            "state": if shedding.is_empty() { "closed" } else { "shedding" },
+            "shedding": shedding,
+        },
+        "backends": backends,
+    })
 }
 
 fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {

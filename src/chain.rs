@@ -6,13 +6,15 @@
 //!
 //! 1. `request_id`: every answer, errors included, carries the id.
 //! 2. `cache`: a hit is answered before any upstream is touched.
+//! 3. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
+//!    model, or sheds it with 503 before the pool's KV cache runs out.
 
 use crate::config::file::PluginsFile;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Flow, LocalResponse, Plugin, RequestCtx};
+use sluice_sdk::{ErrorReply, Flow, LocalResponse, Plugin, Pools, RequestCtx};
 use std::sync::Arc;
 
 pub struct Chain {
@@ -22,7 +24,7 @@ pub struct Chain {
 impl Chain {
     /// Builds the enabled plugins, in chain order. The config was validated at load, so an
     /// error here names the plugin and what its constructor refused.
-    pub fn build(config: &PluginsFile) -> Result<Self, String> {
+    pub fn build(config: &PluginsFile, pools: &Arc<Pools>) -> Result<Self, String> {
         let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
         if config.request_id.enabled {
             let p = sluice_plugin_request_id::RequestId::new(&config.request_id)
@@ -31,6 +33,13 @@ impl Chain {
         }
         if config.cache.enabled {
             let p = sluice_plugin_cache::Cache::new(config.cache.clone())?;
+            plugins.push(Arc::new(p));
+        }
+        if config.kv_breaker.enabled {
+            let p = sluice_plugin_kv_breaker::KvBreaker::new(
+                config.kv_breaker.clone(),
+                Arc::clone(pools),
+            )?;
             plugins.push(Arc::new(p));
         }
         Ok(Self { plugins })

@@ -4,6 +4,7 @@
 //! - [`router`]: which pipeline a request takes.
 //! - [`proxy`]: the one `ProxyHttp` implementation that drives the plugin chain.
 //! - [`chain`]: the plugins, in their defined order.
+//! - [`health`]: the background service that probes backends and scrapes their vLLM metrics.
 //! - [`admin`], [`metrics`], [`accounting`]: what operators see.
 //! - [`demo`]: the proxy with simulated vLLM pools, in one process.
 
@@ -12,6 +13,7 @@ pub mod admin;
 pub mod chain;
 pub mod config;
 pub mod demo;
+pub mod health;
 pub mod logging;
 pub mod metrics;
 pub mod models;

@@ -6,8 +6,8 @@
 //! input, so a client cannot blow up cardinality: an unknown model is `-`.
 
 use prometheus::{
-    register_histogram_vec, register_int_counter_vec, Encoder, HistogramVec, IntCounterVec,
-    TextEncoder,
+    register_gauge_vec, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
+    Encoder, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, TextEncoder,
 };
 use sluice_sdk::Pools;
 use std::sync::LazyLock;
@@ -65,8 +65,59 @@ metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
 
 metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
     "router_rejections_total",
-    "Requests answered with an error made by Sluice, by reason.",
-    &["reason"]
+    "Requests answered with an error made by Sluice, by reason and by the request's priority \
+     class (`-` when none was decided).",
+    &["reason", "priority"]
+));
+
+metric!(EJECTIONS: IntCounterVec = register_int_counter_vec!(
+    "sluice_backend_ejections_total",
+    "Backends ejected by passive outlier detection (connect failures, 5xx), by pool.",
+    &["pool"]
+));
+
+metric!(BACKEND_KV_USAGE: GaugeVec = register_gauge_vec!(
+    "sluice_backend_kv_cache_usage_ratio",
+    "KV-cache usage of each backend (0..1), as last scraped from its vLLM /metrics.",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_RUNNING: GaugeVec = register_gauge_vec!(
+    "sluice_backend_requests_running",
+    "Requests running on each backend, as last scraped.",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_WAITING: GaugeVec = register_gauge_vec!(
+    "sluice_backend_requests_waiting",
+    "Requests waiting in each backend's queue, as last scraped.",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_STATE: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_backend_state",
+    "1 for the state each backend is in (healthy, unhealthy, ejected, stale, probation, \
+     unchecked), 0 for the others.",
+    &["pool", "backend", "state"]
+));
+
+metric!(BACKEND_HEALTHY: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_backend_healthy",
+    "1 when a backend may take new requests (healthy, stale, on probation or unchecked).",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_IN_FLIGHT: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_backend_in_flight_requests",
+    "Requests this proxy has in flight on each backend.",
+    &["pool", "backend"]
+));
+
+metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
+    "sluice_health_checks_total",
+    "Health probes and metrics scrapes by pool, kind (health, metrics) and result (ok, \
+     error, timeout, unparsable).",
+    &["pool", "kind", "result"]
 ));
 
 metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
@@ -82,7 +133,7 @@ const CORE_REJECTION_REASONS: &[&str] = &[
     "body-timeout",
     "unknown-model",
     "no-route",
-    "no-backend",
+    "no-healthy-backend",
     "upstream-error",
     "upstream-timeout",
 ];
@@ -93,7 +144,7 @@ pub fn init(pools: &Pools) {
     let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS, &*UPSTREAM_ATTEMPTS);
     if let Some(c) = REJECTIONS.as_ref() {
         for reason in CORE_REJECTION_REASONS {
-            let _ = c.get_metric_with_label_values(&[reason]);
+            let _ = c.get_metric_with_label_values(&[reason, "-"]);
         }
     }
     for pool in pools.iter() {
@@ -102,6 +153,9 @@ pub fn init(pools: &Pools) {
                 let _ = h.get_metric_with_label_values(&[&pool.name]);
             }
         }
+        if let Some(c) = EJECTIONS.as_ref() {
+            let _ = c.get_metric_with_label_values(&[&pool.name]);
+        }
     }
 }
 
@@ -109,6 +163,22 @@ pub fn observe(h: &LazyLock<Option<HistogramVec>>, labels: &[&str], value: f64) 
     if let Some(h) = h.as_ref() {
         if let Ok(h) = h.get_metric_with_label_values(labels) {
             h.observe(value);
+        }
+    }
+}
+
+pub fn set_gauge(g: &LazyLock<Option<GaugeVec>>, labels: &[&str], value: f64) {
+    if let Some(g) = g.as_ref() {
+        if let Ok(g) = g.get_metric_with_label_values(labels) {
+            g.set(value);
+        }
+    }
+}
+
+pub fn set_int_gauge(g: &LazyLock<Option<IntGaugeVec>>, labels: &[&str], value: i64) {
+    if let Some(g) = g.as_ref() {
+        if let Ok(g) = g.get_metric_with_label_values(labels) {
+            g.set(value);
         }
     }
 }

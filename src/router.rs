@@ -98,23 +98,20 @@ fn strip_port(host: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_sdk::{BackendSpec, Pool, Timeouts};
+    use sluice_sdk::{BackendSpec, Pool, PoolSettings};
     use std::sync::Arc;
 
     fn rule(name: &str, prefix: &str, host: Option<&str>) -> RouteRule {
         let resolved = ([127, 0, 0, 1], 1).into();
-        let pool = Arc::new(Pool::new(
+        let pool = Arc::new(Pool::new(PoolSettings::new(
             name,
             vec![],
-            None,
-            Timeouts::default(),
             vec![BackendSpec {
                 address: "127.0.0.1:1".into(),
                 resolved,
                 weight: 1,
             }],
-            None,
-        ));
+        )));
         RouteRule {
             name: Arc::from(name),
             path_prefix: prefix.into(),

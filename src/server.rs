@@ -3,10 +3,12 @@
 use crate::admin::Admin;
 use crate::chain::Chain;
 use crate::config::Config;
+use crate::health::HealthService;
 use crate::proxy::Sluice;
 use crate::router::Router;
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::Server;
+use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,7 +16,8 @@ use std::time::Instant;
 /// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
 /// a TLS key that does not load) come back as text for the command line.
 pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
-    let chain = Chain::build(&config.plugins)?;
+    let pools = Arc::new(config.pools);
+    let chain = Chain::build(&config.plugins, &pools)?;
     let names = chain.names();
     tracing::info!(
         "plugin chain: [{}]{}",
@@ -25,7 +28,6 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
             ""
         }
     );
-    let pools = Arc::new(config.pools);
     for pool in pools.iter() {
         let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
         tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
@@ -63,6 +65,10 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         );
     }
     server.add_service(proxy);
+    server.add_service(background_service(
+        "health checks",
+        HealthService::new(pools.clone()),
+    ));
 
     if let Some(address) = config.admin {
         let admin = Admin {

@@ -45,7 +45,7 @@ async fn error_of(response: reqwest::Response) -> (u16, Value) {
 async fn non_stream_answers_pass_byte_for_byte_both_ways() {
     let answer = fixture("vllm-chat-completion.json");
     let upstream = Scripted::start(Script::fixed("application/json", answer.clone())).await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr], "")).await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr], NO_HEALTH_CHECKS)).await;
 
     // Odd spacing, key order and an unknown field: the upstream must get these exact bytes.
     let sent = br#"{ "messages" : [{"content":"What is the capital of France?","role":"user"}],
@@ -84,7 +84,7 @@ async fn streams_pass_byte_for_byte_and_chunk_by_chunk() {
         .collect();
     let n_events = events.len();
     let upstream = Scripted::start(Script::event_stream(events, Duration::from_millis(150))).await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr], "")).await;
+    let proxy = Proxy::start(&one_pool(&[upstream.addr], NO_HEALTH_CHECKS)).await;
 
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -162,7 +162,12 @@ async fn a_one_mib_prompt_reaches_the_upstream_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_retried_on_another_backend() {
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[dead_address(), upstream.addr()], "")).await;
+    // Without health checks, so that the request path alone finds the dead backend.
+    let proxy = Proxy::start(&one_pool(
+        &[dead_address(), upstream.addr()],
+        NO_HEALTH_CHECKS,
+    ))
+    .await;
     for _ in 0..6 {
         still_serves(&proxy).await;
     }
@@ -188,12 +193,12 @@ async fn a_dead_pool_gets_502_and_a_hanging_one_504() {
     });
     let config = format!(
         "pools:\n{}{}",
-        pool("dead", &["dead-model"], &[dead_address()], ""),
+        pool("dead", &["dead-model"], &[dead_address()], NO_HEALTH_CHECKS),
         pool(
             "slow",
             &["slow-model"],
             &[hanging.addr()],
-            "    timeouts:\n      first_byte: 500ms\n      total: 5s\n"
+            "    timeouts:\n      first_byte: 500ms\n      total: 5s\n    health: {enabled: false}\n"
         )
     );
     let proxy = Proxy::start(&config).await;
@@ -251,7 +256,7 @@ async fn bad_request_bodies_get_400_with_the_parameter_named() {
         assert!(message.contains(needle), "{message}");
     }
     assert_eq!(
-        upstream.stats().requests_total,
+        upstream.stats().count("/v1/chat/completions"),
         0,
         "bad requests never go upstream"
     );
@@ -315,7 +320,7 @@ async fn bodies_over_the_limit_get_413() {
     if let Ok(r) = r {
         assert_eq!(r.status(), 413);
     }
-    assert_eq!(upstream.stats().requests_total, 0);
+    assert_eq!(upstream.stats().count("/v1/chat/completions"), 0);
     still_serves(&proxy).await;
 }
 
@@ -350,7 +355,7 @@ async fn a_lying_content_length_or_a_stalled_body_gets_408() {
     .unwrap();
     drop(s);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(upstream.stats().requests_total, 0);
+    assert_eq!(upstream.stats().count("/v1/chat/completions"), 0);
     still_serves(&proxy).await;
 }
 
@@ -448,7 +453,7 @@ async fn plain_routes_proxy_like_proxy_pass() {
     let config = format!(
         "pools:\n{}{}routes:\n  - path_prefix: /version\n    pool: main\n  - name: web\n    path_prefix: /web\n    host: web.example\n    pool: web\n",
         pool("main", &[MODEL], &[llm.addr()], ""),
-        pool("web", &[], &[other.addr], ""),
+        pool("web", &[], &[other.addr], NO_HEALTH_CHECKS),
     );
     let proxy = Proxy::start(&config).await;
 

@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 use sluice_plugin_cache::CacheConfig;
+use sluice_plugin_kv_breaker::KvBreakerConfig;
 use sluice_plugin_request_id::RequestIdConfig;
 use std::time::Duration;
 
@@ -159,6 +160,100 @@ pub struct PoolFile {
     pub timeouts: TimeoutsFile,
     #[serde(default)]
     pub tls: Option<UpstreamTlsFile>,
+    #[serde(default)]
+    pub health: HealthFile,
+    #[serde(default)]
+    pub outlier_detection: OutlierFile,
+    #[serde(default)]
+    pub balancing: BalancingFile,
+}
+
+/// Active health checks: `/health` probes and `/metrics` scrapes of every backend.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthFile {
+    pub enabled: bool,
+    #[serde(deserialize_with = "duration")]
+    pub interval: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
+    #[serde(deserialize_with = "duration")]
+    pub stale_after: Duration,
+    pub stale_as: StaleAsFile,
+    pub health_path: String,
+    pub metrics_path: String,
+}
+
+impl Default for HealthFile {
+    fn default() -> Self {
+        let d = sluice_sdk::HealthPolicy::default();
+        Self {
+            enabled: d.enabled,
+            interval: d.interval,
+            timeout: d.timeout,
+            unhealthy_after: d.unhealthy_after,
+            healthy_after: d.healthy_after,
+            stale_after: d.stale_after,
+            stale_as: StaleAsFile::Saturated,
+            health_path: d.health_path,
+            metrics_path: d.metrics_path,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StaleAsFile {
+    Saturated,
+    Unknown,
+}
+
+/// Passive outlier detection: ejection on connect failures and 5xx of real traffic.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutlierFile {
+    pub consecutive_failures: u32,
+    #[serde(deserialize_with = "duration")]
+    pub base_ejection: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub max_ejection: Duration,
+}
+
+impl Default for OutlierFile {
+    fn default() -> Self {
+        let d = sluice_sdk::OutlierPolicy::default();
+        Self {
+            consecutive_failures: d.consecutive_failures,
+            base_ejection: d.base_ejection,
+            max_ejection: d.max_ejection,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BalancingFile {
+    pub strategy: StrategyFile,
+    /// Bytes of prompt that key prefix affinity (kv_aware only); absent: off.
+    pub prefix_affinity_bytes: Option<usize>,
+}
+
+impl Default for BalancingFile {
+    fn default() -> Self {
+        Self {
+            strategy: StrategyFile::KvAware,
+            prefix_affinity_bytes: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum StrategyFile {
+    RoundRobin,
+    KvAware,
 }
 
 #[derive(Debug, Deserialize)]
@@ -229,6 +324,8 @@ pub struct PluginsFile {
     pub request_id: RequestIdConfig,
     #[serde(default)]
     pub cache: CacheConfig,
+    #[serde(default)]
+    pub kv_breaker: KvBreakerConfig,
 }
 
 pub use sluice_sdk::duration::deserialize as duration;

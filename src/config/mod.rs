@@ -6,7 +6,10 @@
 pub mod file;
 
 use pingora_core::server::configuration::ServerConf;
-use sluice_sdk::{BackendSpec, Pool, Pools, Timeouts, TokensPerSecond};
+use sluice_sdk::{
+    BackendSpec, Balancing, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools, StaleAs,
+    Timeouts, TokensPerSecond,
+};
 use std::collections::HashSet;
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -374,16 +377,111 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             keepalive_idle: t.keepalive_idle,
             sized_by_max_tokens,
         };
-        pools.push(Arc::new(Pool::new(
-            &p.name,
-            p.models.clone(),
-            p.max_model_len,
+        pools.push(Arc::new(Pool::new(PoolSettings {
+            name: p.name.clone(),
+            models: p.models.clone(),
+            max_model_len: p.max_model_len,
             timeouts,
             backends,
-            p.tls.as_ref().map(|t| t.sni.clone()),
-        )));
+            tls_sni: p.tls.as_ref().map(|t| t.sni.clone()),
+            health: health_policy(&p.health, &format!("{key}.health"))?,
+            outlier: outlier_policy(&p.outlier_detection, &format!("{key}.outlier_detection"))?,
+            balancing: balancing(&p.balancing, &format!("{key}.balancing"))?,
+        })));
     }
     Ok(Pools::new(pools))
+}
+
+/// The shortest health-check interval: faster scraping costs the backends more than it helps.
+const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(50);
+
+fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invalid> {
+    if h.interval < MIN_HEALTH_INTERVAL {
+        return Err((
+            format!("{key}.interval"),
+            format!(
+                "must be at least {} (got {})",
+                humantime::format_duration(MIN_HEALTH_INTERVAL),
+                humantime::format_duration(h.interval)
+            ),
+        ));
+    }
+    if h.timeout.is_zero() {
+        return Err((format!("{key}.timeout"), "must be longer than 0".into()));
+    }
+    if h.stale_after < h.interval {
+        return Err((
+            format!("{key}.stale_after"),
+            format!("must not be shorter than {key}.interval"),
+        ));
+    }
+    for (name, n) in [
+        ("unhealthy_after", h.unhealthy_after),
+        ("healthy_after", h.healthy_after),
+    ] {
+        if n == 0 {
+            return Err((format!("{key}.{name}"), "must be at least 1".into()));
+        }
+    }
+    for (name, path) in [
+        ("health_path", &h.health_path),
+        ("metrics_path", &h.metrics_path),
+    ] {
+        if !path.starts_with('/') {
+            return Err((format!("{key}.{name}"), "must start with /".into()));
+        }
+    }
+    Ok(HealthPolicy {
+        enabled: h.enabled,
+        interval: h.interval,
+        timeout: h.timeout,
+        unhealthy_after: h.unhealthy_after,
+        healthy_after: h.healthy_after,
+        stale_after: h.stale_after,
+        stale_as: match h.stale_as {
+            file::StaleAsFile::Saturated => StaleAs::Saturated,
+            file::StaleAsFile::Unknown => StaleAs::Unknown,
+        },
+        health_path: h.health_path.clone(),
+        metrics_path: h.metrics_path.clone(),
+    })
+}
+
+fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Invalid> {
+    if o.consecutive_failures > 0 && o.base_ejection.is_zero() {
+        return Err((
+            format!("{key}.base_ejection"),
+            "must be longer than 0".into(),
+        ));
+    }
+    if o.max_ejection < o.base_ejection {
+        return Err((
+            format!("{key}.max_ejection"),
+            format!("must not be shorter than {key}.base_ejection"),
+        ));
+    }
+    Ok(OutlierPolicy {
+        consecutive_failures: o.consecutive_failures,
+        base_ejection: o.base_ejection,
+        max_ejection: o.max_ejection,
+    })
+}
+
+fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
+    match (b.strategy, b.prefix_affinity_bytes) {
+        (_, Some(0)) => Err((
+            format!("{key}.prefix_affinity_bytes"),
+            "must be at least 1".into(),
+        )),
+        (file::StrategyFile::RoundRobin, Some(_)) => Err((
+            format!("{key}.prefix_affinity_bytes"),
+            "needs strategy: kv_aware".into(),
+        )),
+        (file::StrategyFile::RoundRobin, None) => Ok(Balancing::RoundRobin),
+        (file::StrategyFile::KvAware, prefix_affinity) => {
+            Ok(Balancing::KvAware { prefix_affinity })
+        }
+    }
 }
 
 fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
@@ -417,7 +515,11 @@ fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
     plugins
         .cache
         .validate()
-        .map_err(|(key, message)| (format!("plugins.cache.{key}"), message))
+        .map_err(|(key, message)| (format!("plugins.cache.{key}"), message))?;
+    plugins
+        .kv_breaker
+        .validate()
+        .map_err(|(key, message)| (format!("plugins.kv_breaker.{key}"), message))
 }
 
 /// An address in `taken` that `address` cannot bind beside: the same port on the same IP,

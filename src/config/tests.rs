@@ -767,3 +767,105 @@ fn the_cache_section_is_checked_with_its_key_paths() {
     let c = ok(&with("plugins: { cache: { enabled: true } }"));
     assert!(c.plugins.cache.enabled);
 }
+
+/// MINIMAL with its pool's section `key` set to `value` (flow style).
+fn with_pool_key(key: &str, value: &str) -> String {
+    format!("{MINIMAL}    {key}: {value}\n")
+}
+
+#[test]
+fn health_balancing_and_outlier_defaults() {
+    let c = ok(MINIMAL);
+    let pool = c.pools.iter().next().unwrap();
+    assert_eq!(pool.health, HealthPolicy::default());
+    assert_eq!(pool.health.interval, Duration::from_millis(250));
+    assert_eq!(pool.outlier, OutlierPolicy::default());
+    assert_eq!(
+        pool.balancing,
+        Balancing::KvAware {
+            prefix_affinity: None
+        }
+    );
+    let c = ok(&format!(
+        "{MINIMAL}    health: {{interval: 50ms, stale_as: unknown}}\n    balancing: {{strategy: kv_aware, prefix_affinity_bytes: 512}}\n"
+    ));
+    let pool = c.pools.iter().next().unwrap();
+    assert_eq!(pool.health.stale_as, StaleAs::Unknown);
+    assert_eq!(
+        pool.balancing,
+        Balancing::KvAware {
+            prefix_affinity: Some(512)
+        }
+    );
+}
+
+#[test]
+fn health_rules_are_enforced() {
+    refused(
+        &with_pool_key("health", "{interval: 10ms}"),
+        "pools[0].health.interval",
+        "at least 50ms",
+    );
+    refused(
+        &with_pool_key("health", "{interval: 1s, stale_after: 500ms}"),
+        "pools[0].health.stale_after",
+        "interval",
+    );
+    refused(
+        &with_pool_key("health", "{unhealthy_after: 0}"),
+        "pools[0].health.unhealthy_after",
+        "at least 1",
+    );
+    refused(
+        &with_pool_key("health", "{metrics_path: metrics}"),
+        "pools[0].health.metrics_path",
+        "start with /",
+    );
+    refused(
+        &with_pool_key("health", "{stale_as: maybe}"),
+        "pools[0].health.stale_as",
+        "unknown variant",
+    );
+    refused(
+        &with_pool_key(
+            "outlier_detection",
+            "{base_ejection: 10s, max_ejection: 5s}",
+        ),
+        "pools[0].outlier_detection.max_ejection",
+        "base_ejection",
+    );
+    refused(
+        &with_pool_key(
+            "balancing",
+            "{strategy: round_robin, prefix_affinity_bytes: 64}",
+        ),
+        "pools[0].balancing.prefix_affinity_bytes",
+        "kv_aware",
+    );
+}
+
+#[test]
+fn kv_breaker_rules_are_enforced() {
+    let c = ok(&with("plugins:\n  kv_breaker:\n    enabled: true"));
+    assert!(c.plugins.kv_breaker.enabled);
+    refused(
+        &with("plugins:\n  kv_breaker:\n    thresholds:\n      standard: {shed_above: 0.8, resume_below: 0.9}"),
+        "plugins.kv_breaker.thresholds.standard.resume_below",
+        "at most",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker:\n    thresholds:\n      sheddable: {shed_above: 0.9, resume_below: 0.8}"),
+        "plugins.kv_breaker.thresholds",
+        "must not decrease",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker:\n    priority: {tenants: {a: {max: standard}}}"),
+        "plugins.kv_breaker.priority.tenant_header",
+        "needed",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker:\n    priority: {default: vip}"),
+        "plugins.kv_breaker.priority.default",
+        "unknown variant",
+    );
+}

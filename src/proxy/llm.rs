@@ -13,7 +13,7 @@ use crate::metrics;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
 use pingora_proxy::Session;
-use sluice_sdk::{Endpoint, ErrorReply, LlmCall, Pool, Pools};
+use sluice_sdk::{Balancing, Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, Verdict};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -66,24 +66,27 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         let Some(pool) = ctx.req.pool.clone() else {
             return Err(ErrorReply::new(500, "internal", "No pool chosen.").into_error());
         };
-        let Some(backend) = pool.select(&tried) else {
-            return Err(last_error.unwrap_or_else(|| {
-                ErrorReply::unavailable(
-                    "no-backend",
-                    format!("No backend of pool `{}` is available.", pool.name),
-                    1,
-                )
-                .into_error()
-            }));
+        let demand = match (&ctx.req.llm, &pool.balancing) {
+            (Some(call), Balancing::KvAware { prefix_affinity }) => {
+                call.request.demand(*prefix_affinity)
+            }
+            (Some(call), Balancing::RoundRobin) => call.request.demand(None),
+            (None, _) => Demand::default(),
         };
-        tried.push(backend);
-        ctx.req.backend = Some(backend);
+        let Some(backend) = pool.select(&tried, &demand) else {
+            return Err(last_error.unwrap_or_else(|| no_backend(&pool)));
+        };
+        tried.push(backend.addr);
+        ctx.req.backend = Some(backend.addr);
         ctx.req.attempts += 1;
+        // Counted against the backend until the attempt ends: the balancer and the breaker
+        // see it before the next scrape does.
+        let _in_flight = backend.live.begin(demand.tokens());
 
         let mut header = upstream_header(session.req_header(), body.len())?;
         sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
         let attempt = Attempt {
-            peer: pool.peer(backend),
+            peer: pool.peer(backend.addr),
             header,
         };
         let now = Instant::now();
@@ -93,7 +96,7 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             total: started + pool.timeouts.total_for(max_tokens),
         };
 
-        match attempt::run(
+        let outcome = attempt::run(
             sluice,
             session,
             &mut ctx.req,
@@ -101,8 +104,27 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             body.clone(),
             deadlines,
         )
-        .await
-        {
+        .await;
+        let verdict = match &outcome {
+            Outcome::Complete if ctx.req.upstream_status.is_some_and(|s| s >= 500) => {
+                Some(Verdict::Failure)
+            }
+            Outcome::Complete => Some(Verdict::Success),
+            Outcome::NotStarted(_) | Outcome::Broken(_) => Some(Verdict::Failure),
+            Outcome::ClientGone(_) => None,
+        };
+        if let Some(verdict) = verdict {
+            if let Some(cool_down) = backend.live.record(verdict, &pool.outlier) {
+                metrics::inc(&metrics::EJECTIONS, &[&pool.name]);
+                tracing::warn!(
+                    pool = &*pool.name,
+                    backend = %backend.addr,
+                    "backend ejected for {} after failing",
+                    humantime::format_duration(cool_down)
+                );
+            }
+        }
+        match outcome {
             Outcome::Complete => {
                 metrics::inc(&metrics::UPSTREAM_ATTEMPTS, &[&pool.name, "response"]);
                 return Ok(());
@@ -119,7 +141,7 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                 tracing::warn!(
                     request_id = ctx.req.request_id.as_deref().unwrap_or("-"),
                     pool = &*pool.name,
-                    backend = %backend,
+                    backend = %backend.addr,
                     "upstream attempt failed: {e}"
                 );
                 if !(is_connect_failure(&e) || e.retry()) {
@@ -130,6 +152,16 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             Outcome::Broken(e) | Outcome::ClientGone(e) => return Err(e),
         }
     }
+}
+
+/// 503 when a pool has no backend left to try: all unhealthy, ejected or already tried.
+pub(super) fn no_backend(pool: &Pool) -> Box<Error> {
+    ErrorReply::unavailable(
+        "no-healthy-backend",
+        format!("No healthy backend of pool `{}` is available.", pool.name),
+        1,
+    )
+    .into_error()
 }
 
 /// The request header an upstream gets: the client's, with hop-by-hop headers removed and

@@ -23,7 +23,7 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use sluice_sdk::{ErrorReply, Pools, RequestCtx, Route};
+use sluice_sdk::{Demand, ErrorReply, InFlight, Pools, RequestCtx, Route};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +49,8 @@ pub struct ProxyCtx {
     attempt: Option<Attempt>,
     /// Plain routes: the backends already tried, for connect-failure retries.
     tried: Vec<SocketAddr>,
+    /// Plain routes: the current try, counted against its backend.
+    in_flight: Option<InFlight>,
 }
 
 /// The header that names the pool that produced an answer.
@@ -129,18 +131,14 @@ impl ProxyHttp for Sluice {
             .pool
             .clone()
             .ok_or_else(|| ErrorReply::new(500, "internal", "No pool chosen.").into_error())?;
-        let backend = pool.select(&ctx.tried).ok_or_else(|| {
-            ErrorReply::unavailable(
-                "no-backend",
-                format!("No backend of pool `{}` is available.", pool.name),
-                1,
-            )
-            .into_error()
-        })?;
-        ctx.tried.push(backend);
-        ctx.req.backend = Some(backend);
+        let backend = pool
+            .select(&ctx.tried, &Demand::default())
+            .ok_or_else(|| llm::no_backend(&pool))?;
+        ctx.tried.push(backend.addr);
+        ctx.req.backend = Some(backend.addr);
         ctx.req.attempts += 1;
-        Ok(Box::new(pool.peer(backend)))
+        ctx.in_flight = Some(backend.live.begin(0));
+        Ok(Box::new(pool.peer(backend.addr)))
     }
 
     fn fail_to_connect(

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use pingora_error::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
-use sluice_sdk::{ErrorReply, LocalResponse, RequestCtx};
+use sluice_sdk::{ErrorReply, LocalResponse, Priority, RequestCtx};
 
 /// Sends a complete response, after the plugins' `response_header` hooks.
 pub async fn send(
@@ -41,7 +41,8 @@ pub async fn error(
     reply: ErrorReply,
 ) -> FailToProxy {
     if reply.status != 499 {
-        metrics::inc(&metrics::REJECTIONS, &[reply.reason]);
+        let priority = ctx.priority.map_or("-", Priority::as_str);
+        metrics::inc(&metrics::REJECTIONS, &[reply.reason, priority]);
     }
     sluice.chain.error(&reply, ctx);
     // A connection is reusable only if the request was read to its end.

@@ -170,6 +170,10 @@ pub fn client() -> reqwest::Client {
         .expect("client")
 }
 
+/// A pool's `extra` that turns its health checks off: for upstreams that are not vLLM (their
+/// probes would be scripted answers too), and for tests of the request path alone.
+pub const NO_HEALTH_CHECKS: &str = "    health: {enabled: false}\n";
+
 /// A pool block for the config.
 pub fn pool(name: &str, models: &[&str], backends: &[SocketAddr], extra: &str) -> String {
     let models = models
@@ -392,4 +396,64 @@ pub async fn streaming_sim(model: &str, every: Duration, tokens: u32) -> vllm_si
     )
     .await
     .expect("start the simulator")
+}
+
+/// The admin `/status` document.
+pub async fn status(proxy: &Proxy) -> serde_json::Value {
+    client()
+        .get(proxy.admin_url("/status"))
+        .send()
+        .await
+        .expect("admin answers")
+        .json()
+        .await
+        .expect("status is JSON")
+}
+
+/// One backend's entry in `/status`, by pool name and address.
+pub async fn backend_status(proxy: &Proxy, pool: &str, addr: SocketAddr) -> serde_json::Value {
+    let status = status(proxy).await;
+    status["pools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["name"] == pool)
+        .flat_map(|p| p["backends"].as_array().cloned().unwrap_or_default())
+        .find(|b| b["address"] == addr.to_string())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Polls `check` every 50 ms until it is true or `limit` has passed; returns how long it took.
+pub async fn wait_for<F, Fut>(limit: Duration, mut check: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if check().await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// The admin `/metrics` text.
+pub async fn metrics_text(proxy: &Proxy) -> String {
+    client()
+        .get(proxy.admin_url("/metrics"))
+        .send()
+        .await
+        .expect("admin answers")
+        .text()
+        .await
+        .expect("metrics text")
+}
+
+/// The value of the series `name{labels}` (labels as Prometheus prints them, sorted), if any.
+pub fn metric_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }

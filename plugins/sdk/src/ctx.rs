@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::llm::{Endpoint, LlmCall};
-use crate::pool::Pool;
+use crate::pool::{Pool, Priority};
 
 /// What the router decided for a request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -68,6 +68,8 @@ pub struct RequestCtx {
     pub response_incomplete: bool,
     /// Set by the cache plugin when the answer came from the cache.
     pub cache_hit: bool,
+    /// The request's class for the KV breaker, once a plugin decided it.
+    pub priority: Option<Priority>,
     /// Per-plugin state.
     pub state: PluginState,
 }
@@ -94,6 +96,7 @@ impl RequestCtx {
             first_byte: None,
             response_incomplete: false,
             cache_hit: false,
+            priority: None,
             state: PluginState::default(),
         }
     }

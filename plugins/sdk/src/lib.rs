@@ -3,7 +3,8 @@
 //! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.
 //! - [`RequestCtx`]: the per-request state the core fills and plugins read.
 //! - [`LlmCall`] / [`LlmRequest`]: the parsed OpenAI request, with its raw bytes.
-//! - [`Pool`] / [`Pools`]: the upstream pools as plugins see them.
+//! - [`Pool`] / [`Pools`]: the upstream pools as plugins see them, with each backend's live
+//!   health and load ([`health`]).
 //! - [`ErrorReply`]: how a hook refuses a request (status, OpenAI body, `retry-after`).
 //!
 //! A plugin crate also owns its config type (serde, `deny_unknown_fields`, with an `enabled`
@@ -12,15 +13,22 @@
 pub mod ctx;
 pub mod duration;
 pub mod error;
+pub mod health;
 pub mod llm;
 pub mod plugin;
 pub mod pool;
 
 pub use ctx::{PluginState, RequestCtx, Route};
 pub use error::ErrorReply;
+pub use health::{
+    BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
+};
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use plugin::{Flow, LocalResponse, Plugin};
-pub use pool::{BackendSpec, Pool, Pools, Timeouts, TokensPerSecond};
+pub use pool::{
+    BackendSpec, Balancing, Demand, Pool, PoolSettings, Pools, Pressure, Priority, Selected,
+    Timeouts, TokensPerSecond,
+};
 
 // Re-exported so that plugins use the exact Pingora types the core uses.
 pub use async_trait::async_trait;

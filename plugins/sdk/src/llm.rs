@@ -6,6 +6,7 @@
 //! while plugins read typed fields. Only the fields that change how Sluice treats a request are
 //! typed; everything else is validated by vLLM itself.
 
+use crate::pool::Demand;
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
@@ -262,6 +263,94 @@ impl LlmRequest {
     }
 }
 
+/// The output budget assumed for a request that states none: vLLM would allow up to the
+/// model's context, but most answers are far shorter.
+pub const DEFAULT_OUTPUT_TOKENS: u64 = 512;
+
+impl LlmRequest {
+    /// What the balancer and the breaker need to know of the request's size; with
+    /// `affinity_bytes`, a hash of that many leading bytes of the prompt text.
+    pub fn demand(&self, affinity_bytes: Option<usize>) -> Demand {
+        Demand {
+            prompt_tokens: self.estimated_prompt_tokens() as u64,
+            output_tokens: self
+                .max_output_tokens()
+                .map_or(DEFAULT_OUTPUT_TOKENS, u64::from),
+            affinity: affinity_bytes.map(|n| self.prompt_prefix_hash(n)),
+        }
+    }
+
+    /// FNV-1a over the first `limit` bytes of the prompt's text (messages in order, roles
+    /// included): requests that share a system prompt or a conversation's start hash alike.
+    pub fn prompt_prefix_hash(&self, limit: usize) -> u64 {
+        let mut hash = Fnv1a::default();
+        let mut left = limit;
+        let mut feed = |bytes: &[u8]| {
+            let take = bytes.len().min(left);
+            hash.write(bytes.get(..take).unwrap_or_default());
+            left -= take;
+            left > 0
+        };
+        if let Some(messages) = &self.messages {
+            for m in messages {
+                if !feed(m.role.as_bytes()) {
+                    break;
+                }
+                let more = match &m.content {
+                    Some(Content::Text(t)) => feed(t.as_bytes()),
+                    Some(Content::Parts(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .all(|t| feed(t.as_bytes())),
+                    None => true,
+                };
+                if !more {
+                    break;
+                }
+            }
+        } else {
+            match &self.prompt {
+                Some(Prompt::Text(t)) => {
+                    feed(t.as_bytes());
+                }
+                Some(Prompt::Texts(ts)) => {
+                    if let Some(t) = ts.first() {
+                        feed(t.as_bytes());
+                    }
+                }
+                Some(Prompt::Tokens(ids)) => {
+                    for id in ids {
+                        if !feed(&id.to_le_bytes()) {
+                            break;
+                        }
+                    }
+                }
+                Some(Prompt::TokenBatches(_)) | None => {}
+            }
+        }
+        hash.0
+    }
+}
+
+/// The 64-bit FNV-1a hash: tiny, and stable across processes and releases (unlike std's
+/// `DefaultHasher`), so every proxy of a fleet maps a prefix to the same backend.
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
 impl Message {
     /// The number of bytes of text in the message (text parts only).
     pub fn text_len(&self) -> usize {
@@ -297,6 +386,28 @@ mod tests {
 
     fn chat(body: &str) -> Result<LlmRequest, InvalidRequest> {
         LlmRequest::parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn demand_estimates_size_and_hashes_the_prompt_prefix() {
+        let system = "You are a careful assistant. ".repeat(10);
+        let a = chat(&format!(
+            r#"{{"model":"m","max_tokens":100,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"first question"}}]}}"#
+        ))
+        .unwrap();
+        let b = chat(&format!(
+            r#"{{"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"another one"}}],"model":"m"}}"#
+        ))
+        .unwrap();
+        let d = a.demand(Some(64));
+        assert_eq!(d.output_tokens, 100);
+        assert_eq!(d.prompt_tokens, a.estimated_prompt_tokens() as u64);
+        assert_eq!(b.demand(None).output_tokens, DEFAULT_OUTPUT_TOKENS);
+        assert_eq!(b.demand(None).affinity, None);
+        // Same leading 64 bytes, whatever the key order: same affinity; a longer window sees
+        // the different questions.
+        assert_eq!(d.affinity, b.demand(Some(64)).affinity);
+        assert_ne!(a.prompt_prefix_hash(4096), b.prompt_prefix_hash(4096));
     }
 
     #[test]

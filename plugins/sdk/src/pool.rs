@@ -1,12 +1,15 @@
 //! Upstream pools as plugins see them: named sets of backends serving some models.
 //!
 //! A pool is built once from config and shared (`Arc<Pool>`). Choosing a backend is lock-free:
-//! Pingora's weighted round robin over an immutable selector.
+//! it reads each backend's live state (`crate::health`), then balances by KV-cache room or by
+//! Pingora's weighted round robin.
 
+use crate::health::{BackendLive, HealthPolicy, OutlierPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +72,96 @@ pub struct BackendSpec {
     pub weight: usize,
 }
 
+/// How a pool chooses among its usable backends.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Balancing {
+    /// Weighted round robin.
+    RoundRobin,
+    /// By scraped KV-cache room and queue depth, the better of two random backends (power of
+    /// two choices), so that a burst does not herd onto the emptiest one. With
+    /// `prefix_affinity`, requests sharing their first that many bytes of prompt prefer the
+    /// same backend (rendezvous hashing), to use vLLM's prefix cache, unless it is clearly
+    /// busier than the alternative.
+    KvAware { prefix_affinity: Option<usize> },
+}
+
+/// What the balancer knows of a request's size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Demand {
+    pub prompt_tokens: u64,
+    /// The output budget (`max_tokens`, or a default when the request states none).
+    pub output_tokens: u64,
+    /// A hash of the prompt's first bytes, for prefix affinity.
+    pub affinity: Option<u64>,
+}
+
+impl Demand {
+    /// The KV tokens the request may come to hold.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens + self.output_tokens
+    }
+}
+
+/// The backend chosen for an attempt.
+#[derive(Debug, Clone)]
+pub struct Selected {
+    pub addr: SocketAddr,
+    pub live: Arc<BackendLive>,
+}
+
+/// A request's class for the KV breaker: who is shed first when the pool is under pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    Sheddable = 0,
+    Standard = 1,
+    Critical = 2,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::Sheddable, Priority::Standard, Priority::Critical];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Sheddable => "sheddable",
+            Priority::Standard => "standard",
+            Priority::Critical => "critical",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Priority::ALL
+            .into_iter()
+            .find(|p| p.as_str().eq_ignore_ascii_case(s.trim()))
+    }
+}
+
+/// How much headroom a pool has, from its usable backends' projected KV usage.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pressure {
+    /// Projected KV usage over the usable backends (weighted by cache size), `None` when no
+    /// backend's usage is known.
+    pub kv_usage: Option<f64>,
+    /// Backends that may take a request now.
+    pub usable: usize,
+    /// The KV cache of those backends in tokens, when every one of them publishes its size.
+    pub kv_capacity_tokens: Option<f64>,
+}
+
+impl Pressure {
+    /// The usage after adding a request that may hold `tokens`: its share of the pool's
+    /// cache when the size is known, else the usage as it is.
+    pub fn with_demand(&self, tokens: u64) -> Option<f64> {
+        let usage = self.kv_usage?;
+        Some(match self.kv_capacity_tokens {
+            Some(capacity) if capacity > 0.0 => usage + tokens as f64 / capacity,
+            _ => usage,
+        })
+    }
+}
+
+/// How close to the best-of-two score the prefix-affine backend must be to be taken.
+const AFFINITY_SLACK: f64 = 0.15;
+
 /// A named pool of backends.
 pub struct Pool {
     pub name: Arc<str>,
@@ -78,9 +171,50 @@ pub struct Pool {
     pub max_model_len: Option<u32>,
     pub timeouts: Timeouts,
     pub backends: Vec<BackendSpec>,
+    /// Live state of each backend, in the order of `backends`.
+    pub live: Vec<Arc<BackendLive>>,
     /// Use TLS to the backends, with this SNI.
     pub tls_sni: Option<String>,
-    balancer: LoadBalancer<RoundRobin>,
+    pub health: HealthPolicy,
+    pub outlier: OutlierPolicy,
+    pub balancing: Balancing,
+    /// The classes the KV breaker currently sheds, one bit per [`Priority`]. Written by the
+    /// breaker, read by whoever wants to know whether the pool takes a request.
+    shedding: AtomicU8,
+    round_robin: LoadBalancer<RoundRobin>,
+}
+
+/// Everything a pool is built from.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub name: String,
+    pub models: Vec<String>,
+    pub max_model_len: Option<u32>,
+    pub timeouts: Timeouts,
+    pub backends: Vec<BackendSpec>,
+    pub tls_sni: Option<String>,
+    pub health: HealthPolicy,
+    pub outlier: OutlierPolicy,
+    pub balancing: Balancing,
+}
+
+impl PoolSettings {
+    /// A pool of `backends` serving `models`, with every other setting at its default.
+    pub fn new(name: &str, models: Vec<String>, backends: Vec<BackendSpec>) -> Self {
+        Self {
+            name: name.to_string(),
+            models,
+            max_model_len: None,
+            timeouts: Timeouts::default(),
+            backends,
+            tls_sni: None,
+            health: HealthPolicy::default(),
+            outlier: OutlierPolicy::default(),
+            balancing: Balancing::KvAware {
+                prefix_affinity: None,
+            },
+        }
+    }
 }
 
 impl std::fmt::Debug for Pool {
@@ -94,15 +228,9 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    pub fn new(
-        name: &str,
-        models: Vec<String>,
-        max_model_len: Option<u32>,
-        timeouts: Timeouts,
-        backends: Vec<BackendSpec>,
-        tls_sni: Option<String>,
-    ) -> Self {
-        let set: BTreeSet<Backend> = backends
+    pub fn new(settings: PoolSettings) -> Self {
+        let set: BTreeSet<Backend> = settings
+            .backends
             .iter()
             .map(|b| Backend {
                 addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(b.resolved),
@@ -110,17 +238,26 @@ impl Pool {
                 ext: Default::default(),
             })
             .collect();
-        let balancer = LoadBalancer::from_backends(Backends::new(discovery::Static::new(set)));
+        let round_robin = LoadBalancer::from_backends(Backends::new(discovery::Static::new(set)));
         // A static discovery answers at once; polling the future once builds the selector.
-        let _ = futures_lite_poll(balancer.update());
+        let _ = futures_lite_poll(round_robin.update());
         Self {
-            name: Arc::from(name),
-            models,
-            max_model_len,
-            timeouts,
-            backends,
-            tls_sni,
-            balancer,
+            name: Arc::from(settings.name.as_str()),
+            models: settings.models,
+            max_model_len: settings.max_model_len,
+            timeouts: settings.timeouts,
+            live: settings
+                .backends
+                .iter()
+                .map(|_| Arc::new(BackendLive::default()))
+                .collect(),
+            backends: settings.backends,
+            tls_sni: settings.tls_sni,
+            health: settings.health,
+            outlier: settings.outlier,
+            balancing: settings.balancing,
+            shedding: AtomicU8::new(0),
+            round_robin,
         }
     }
 
@@ -129,14 +266,146 @@ impl Pool {
         self.models.iter().any(|m| m == model)
     }
 
-    /// The next backend in weighted round-robin order that is not in `tried`.
-    pub fn select(&self, tried: &[SocketAddr]) -> Option<SocketAddr> {
+    /// The backend for the next attempt: a usable one (not unhealthy, not ejected) that is
+    /// not in `tried`, chosen by the pool's balancing.
+    pub fn select(&self, tried: &[SocketAddr], demand: &Demand) -> Option<Selected> {
+        let index = match &self.balancing {
+            Balancing::RoundRobin => self.select_round_robin(tried),
+            Balancing::KvAware { .. } => self.select_kv_aware(tried, demand),
+        }?;
+        Some(Selected {
+            addr: self.backends.get(index)?.resolved,
+            live: Arc::clone(self.live.get(index)?),
+        })
+    }
+
+    fn candidate(&self, index: usize, tried: &[SocketAddr]) -> bool {
+        match (self.backends.get(index), self.live.get(index)) {
+            (Some(spec), Some(live)) => live.is_usable() && !tried.contains(&spec.resolved),
+            _ => false,
+        }
+    }
+
+    fn select_round_robin(&self, tried: &[SocketAddr]) -> Option<usize> {
         let iterations = self.backends.len().max(1) * 4;
-        self.balancer
+        let addr = self
+            .round_robin
             .select_with(b"", iterations, |backend, healthy| {
-                healthy && backend.addr.as_inet().is_some_and(|a| !tried.contains(a))
+                healthy
+                    && backend.addr.as_inet().is_some_and(|a| {
+                        self.index_of(*a).is_some_and(|i| self.candidate(i, tried))
+                    })
             })
-            .and_then(|b| b.addr.as_inet().copied())
+            .and_then(|b| b.addr.as_inet().copied())?;
+        self.index_of(addr)
+    }
+
+    fn index_of(&self, addr: SocketAddr) -> Option<usize> {
+        self.backends.iter().position(|b| b.resolved == addr)
+    }
+
+    fn select_kv_aware(&self, tried: &[SocketAddr], demand: &Demand) -> Option<usize> {
+        let candidates = (0..self.backends.len()).filter(|&i| self.candidate(i, tried));
+        let count = candidates.clone().count();
+        let best_of_two = match count {
+            0 => return None,
+            1 => candidates.clone().next()?,
+            // Two random candidates (with two, both, in random order so ties alternate).
+            n => {
+                let first = fastrand::usize(..n);
+                let second = (first + 1 + fastrand::usize(..n - 1)) % n;
+                let a = candidates.clone().nth(first)?;
+                let b = candidates.clone().nth(second)?;
+                if self.score(b, demand) > self.score(a, demand) {
+                    b
+                } else {
+                    a
+                }
+            }
+        };
+        let affine = match (&self.balancing, demand.affinity) {
+            (
+                Balancing::KvAware {
+                    prefix_affinity: Some(_),
+                },
+                Some(key),
+            ) => candidates.max_by_key(|&i| rendezvous(key, i)),
+            _ => None,
+        };
+        match affine {
+            Some(a)
+                if self.score(a, demand) >= self.score(best_of_two, demand) - AFFINITY_SLACK =>
+            {
+                Some(a)
+            }
+            _ => Some(best_of_two),
+        }
+    }
+
+    /// How good a home backend `index` is for `demand`; higher is better. Free KV cache
+    /// counts most, and more so for large prompts; queued requests and a cache that cannot
+    /// hold the request count against it.
+    pub fn score(&self, index: usize, demand: &Demand) -> f64 {
+        let Some(live) = self.live.get(index) else {
+            return f64::MIN;
+        };
+        let in_flight = f64::from(live.in_flight());
+        let Some(projected) = live.projected_kv(&self.health) else {
+            // Nothing known: balance by what this proxy has in flight there.
+            return 0.5 - 0.01 * in_flight;
+        };
+        let free = (1.0 - projected).max(0.0);
+        let kv_weight = 1.0 + (demand.prompt_tokens as f64 / 4096.0).min(3.0);
+        // What was sent since the scrape is already in `projected`.
+        let waiting = live.fresh_load(&self.health).map_or(0.0, |l| l.waiting);
+        let mut score = kv_weight * free - 0.05 * waiting;
+        if live
+            .free_kv_tokens(&self.health)
+            .is_some_and(|free_tokens| free_tokens < demand.tokens() as f64)
+        {
+            score -= 1.0;
+        }
+        score
+    }
+
+    /// The pool's headroom now.
+    pub fn pressure(&self) -> Pressure {
+        let mut usable = 0;
+        let (mut weighted, mut weights) = (0.0, 0.0);
+        let mut capacity = Some(0.0);
+        for live in self.live.iter().filter(|l| l.is_usable()) {
+            usable += 1;
+            let size = live
+                .fresh_load(&self.health)
+                .and_then(|l| l.kv_capacity_tokens)
+                .map(|c| c as f64);
+            capacity = capacity.zip(size).map(|(sum, c)| sum + c);
+            if let Some(kv) = live.projected_kv(&self.health) {
+                let weight = size.unwrap_or(1.0);
+                weighted += kv * weight;
+                weights += weight;
+            }
+        }
+        Pressure {
+            kv_usage: (weights > 0.0).then(|| weighted / weights),
+            usable,
+            kv_capacity_tokens: capacity.filter(|c| *c > 0.0),
+        }
+    }
+
+    /// Whether the KV breaker currently sheds requests of class `priority` on this pool.
+    pub fn is_shedding(&self, priority: Priority) -> bool {
+        self.shedding.load(Relaxed) & (1 << priority as u8) != 0
+    }
+
+    /// Set by the KV breaker.
+    pub fn set_shedding(&self, priority: Priority, shed: bool) {
+        let bit = 1 << priority as u8;
+        if shed {
+            self.shedding.fetch_or(bit, Relaxed);
+        } else {
+            self.shedding.fetch_and(!bit, Relaxed);
+        }
     }
 
     /// The Pingora peer for `backend`, with this pool's timeouts.
@@ -154,6 +423,16 @@ impl Pool {
         o.idle_timeout = Some(self.timeouts.keepalive_idle);
         peer
     }
+}
+
+/// Rendezvous (highest random weight) hashing: each key prefers one backend, and removing
+/// a backend moves only the keys that preferred it.
+fn rendezvous(key: u64, index: usize) -> u64 {
+    // SplitMix64's finaliser: a good mix of key and backend in a few instructions.
+    let mut z = key ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Polls a future that is known to be ready at once (static discovery), without a runtime.
@@ -199,6 +478,7 @@ impl Pools {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::health::{Load, Verdict};
 
     fn spec(port: u16, weight: usize) -> BackendSpec {
         let resolved: SocketAddr = ([127, 0, 0, 1], port).into();
@@ -209,24 +489,162 @@ mod tests {
         }
     }
 
+    fn pool(backends: Vec<BackendSpec>, balancing: Balancing) -> Pool {
+        Pool::new(PoolSettings {
+            balancing,
+            ..PoolSettings::new("p", vec!["m".into()], backends)
+        })
+    }
+
+    fn load(kv: f64, waiting: f64) -> Load {
+        Load {
+            kv_usage: Some(kv),
+            running: 1.0,
+            waiting,
+            kv_capacity_tokens: Some(100_000),
+            spec_acceptance: None,
+            scraped_at: std::time::Instant::now(),
+        }
+    }
+
     #[test]
     fn round_robin_respects_weights_and_exclusions() {
-        let pool = Pool::new(
-            "p",
-            vec!["m".into()],
-            None,
-            Timeouts::default(),
-            vec![spec(1, 1), spec(2, 3)],
-            None,
-        );
-        let picks: Vec<u16> = (0..8).map(|_| pool.select(&[]).unwrap().port()).collect();
+        let pool = pool(vec![spec(1, 1), spec(2, 3)], Balancing::RoundRobin);
+        let none = Demand::default();
+        let picks: Vec<u16> = (0..8)
+            .map(|_| pool.select(&[], &none).unwrap().addr.port())
+            .collect();
         assert_eq!(picks.iter().filter(|p| **p == 2).count(), 6, "{picks:?}");
-        let only_other = pool.select(&[spec(2, 3).resolved]).unwrap();
-        assert_eq!(only_other.port(), 1);
-        assert_eq!(
-            pool.select(&[spec(1, 1).resolved, spec(2, 3).resolved]),
-            None
+        let only_other = pool.select(&[spec(2, 3).resolved], &none).unwrap();
+        assert_eq!(only_other.addr.port(), 1);
+        assert!(pool
+            .select(&[spec(1, 1).resolved, spec(2, 3).resolved], &none)
+            .is_none());
+    }
+
+    #[test]
+    fn unusable_backends_are_never_selected() {
+        for balancing in [
+            Balancing::RoundRobin,
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
+        ] {
+            let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], balancing);
+            let policy = HealthPolicy {
+                unhealthy_after: 1,
+                ..HealthPolicy::default()
+            };
+            pool.live[0].record_probe(false, &policy);
+            let outlier = OutlierPolicy {
+                consecutive_failures: 1,
+                ..OutlierPolicy::default()
+            };
+            pool.live[2].record(Verdict::Failure, &outlier);
+            for _ in 0..20 {
+                let picked = pool.select(&[], &Demand::default()).unwrap();
+                assert_eq!(picked.addr.port(), 2);
+            }
+            assert!(pool
+                .select(&[spec(2, 1).resolved], &Demand::default())
+                .is_none());
+            assert_eq!(pool.pressure().usable, 1);
+        }
+    }
+
+    #[test]
+    fn kv_aware_prefers_free_cache_and_spreads_a_burst() {
+        let pool = pool(
+            vec![spec(1, 1), spec(2, 1), spec(3, 1)],
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
         );
+        pool.live[0].publish_load(load(0.9, 4.0));
+        pool.live[1].publish_load(load(0.2, 0.0));
+        pool.live[2].publish_load(load(0.25, 0.0));
+        let demand = Demand {
+            prompt_tokens: 500,
+            output_tokens: 500,
+            affinity: None,
+        };
+        let mut guards = Vec::new();
+        let mut counts = [0usize; 3];
+        for _ in 0..40 {
+            let s = pool.select(&[], &demand).unwrap();
+            counts[usize::from(s.addr.port()) - 1] += 1;
+            guards.push(s.live.begin(demand.tokens()));
+        }
+        // The busy backend gets nothing; the two free ones share the burst, because what
+        // was sent since the scrape counts.
+        assert_eq!(counts[0], 0, "{counts:?}");
+        assert!(counts[1] >= 12 && counts[2] >= 12, "{counts:?}");
+        let p = pool.pressure().kv_usage.unwrap();
+        assert!(p > 0.55, "the burst shows in the pressure: {p}"); // 0.45 before
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_goes_where_it_fits() {
+        let pool = pool(
+            vec![spec(1, 1), spec(2, 1)],
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
+        );
+        pool.live[0].publish_load(load(0.7, 0.0)); // 30,000 tokens free
+        pool.live[1].publish_load(load(0.6, 3.0)); // 40,000 free, but a queue
+        let small = Demand {
+            prompt_tokens: 100,
+            output_tokens: 100,
+            affinity: None,
+        };
+        let big = Demand {
+            prompt_tokens: 30_000,
+            output_tokens: 5_000,
+            affinity: None,
+        };
+        assert_eq!(pool.select(&[], &small).unwrap().addr.port(), 1);
+        assert_eq!(pool.select(&[], &big).unwrap().addr.port(), 2);
+    }
+
+    #[test]
+    fn prefix_affinity_is_sticky_unless_the_backend_is_busy() {
+        let pool = pool(
+            vec![spec(1, 1), spec(2, 1), spec(3, 1), spec(4, 1)],
+            Balancing::KvAware {
+                prefix_affinity: Some(256),
+            },
+        );
+        for live in &pool.live {
+            live.publish_load(load(0.3, 0.0));
+        }
+        let demand = Demand {
+            prompt_tokens: 10,
+            output_tokens: 10,
+            affinity: Some(42),
+        };
+        let home = pool.select(&[], &demand).unwrap().addr;
+        for _ in 0..20 {
+            assert_eq!(pool.select(&[], &demand).unwrap().addr, home);
+        }
+        let home_index = pool.index_of(home).unwrap();
+        pool.live[home_index].publish_load(load(0.95, 8.0));
+        for _ in 0..20 {
+            assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
+        }
+    }
+
+    #[test]
+    fn shedding_bits_are_per_priority() {
+        let pool = pool(vec![spec(1, 1)], Balancing::RoundRobin);
+        pool.set_shedding(Priority::Sheddable, true);
+        pool.set_shedding(Priority::Standard, true);
+        pool.set_shedding(Priority::Standard, false);
+        assert!(pool.is_shedding(Priority::Sheddable));
+        assert!(!pool.is_shedding(Priority::Standard));
+        assert!(!pool.is_shedding(Priority::Critical));
+        assert_eq!(Priority::parse(" Critical"), Some(Priority::Critical));
+        assert_eq!(Priority::parse("vip"), None);
     }
 
     #[test]

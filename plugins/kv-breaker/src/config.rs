@@ -1,0 +1,199 @@
+//! The `plugins.kv_breaker` config section.
+
+use serde::Deserialize;
+use sluice_sdk::{duration, Priority};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvBreakerConfig {
+    pub enabled: bool,
+    /// When a request's preferred pool sheds it, send it to another pool that serves its
+    /// model and still admits it, before answering 503.
+    pub reroute: bool,
+    /// Per class: shed above `shed_above`, admit again below `resume_below`.
+    pub thresholds: Thresholds,
+    pub priority: PriorityConfig,
+    /// Bounds of the `retry-after` given with a 503.
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub min_retry_after: Duration,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub max_retry_after: Duration,
+}
+
+impl Default for KvBreakerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            reroute: true,
+            thresholds: Thresholds::default(),
+            priority: PriorityConfig::default(),
+            min_retry_after: Duration::from_secs(1),
+            max_retry_after: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Threshold {
+    /// Projected KV-cache usage (0..1) at which this class starts being shed.
+    pub shed_above: f64,
+    /// Usage below which it is admitted again (hysteresis: at most `shed_above`).
+    pub resume_below: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Thresholds {
+    pub sheddable: Threshold,
+    pub standard: Threshold,
+    pub critical: Threshold,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Self {
+            sheddable: Threshold {
+                shed_above: 0.75,
+                resume_below: 0.70,
+            },
+            standard: Threshold {
+                shed_above: 0.85,
+                resume_below: 0.80,
+            },
+            critical: Threshold {
+                shed_above: 0.95,
+                resume_below: 0.90,
+            },
+        }
+    }
+}
+
+impl Thresholds {
+    pub fn of(&self, priority: Priority) -> Threshold {
+        match priority {
+            Priority::Sheddable => self.sheddable,
+            Priority::Standard => self.standard,
+            Priority::Critical => self.critical,
+        }
+    }
+}
+
+/// How a request's class is decided: the header, else the tenant's default, else
+/// `default`; then capped by the tenant's `max`, else by `max`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PriorityConfig {
+    pub header: String,
+    pub default: PriorityName,
+    /// The highest class a client may ask for by header.
+    pub max: PriorityName,
+    /// A request header that names the tenant, for `tenants`.
+    pub tenant_header: Option<String>,
+    pub tenants: BTreeMap<String, TenantPriority>,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        Self {
+            header: "x-sluice-priority".into(),
+            default: PriorityName::Standard,
+            max: PriorityName::Critical,
+            tenant_header: None,
+            tenants: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantPriority {
+    pub default: Option<PriorityName>,
+    pub max: Option<PriorityName>,
+}
+
+/// A class as written in the config.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PriorityName {
+    Sheddable,
+    Standard,
+    Critical,
+}
+
+impl From<PriorityName> for Priority {
+    fn from(p: PriorityName) -> Self {
+        match p {
+            PriorityName::Sheddable => Priority::Sheddable,
+            PriorityName::Standard => Priority::Standard,
+            PriorityName::Critical => Priority::Critical,
+        }
+    }
+}
+
+impl KvBreakerConfig {
+    /// Checks what serde cannot; errors are `(key path below plugins.kv_breaker, message)`.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        for p in Priority::ALL {
+            let t = self.thresholds.of(p);
+            let key = format!("thresholds.{}", p.as_str());
+            if !(t.shed_above > 0.0 && t.shed_above <= 1.5) {
+                return Err((
+                    format!("{key}.shed_above"),
+                    format!("must be above 0 and at most 1.5 (got {})", t.shed_above),
+                ));
+            }
+            if !(t.resume_below > 0.0 && t.resume_below <= t.shed_above) {
+                return Err((
+                    format!("{key}.resume_below"),
+                    format!(
+                        "must be above 0 and at most {key}.shed_above ({} > {})",
+                        t.resume_below, t.shed_above
+                    ),
+                ));
+            }
+        }
+        let t = &self.thresholds;
+        if !(t.sheddable.shed_above <= t.standard.shed_above
+            && t.standard.shed_above <= t.critical.shed_above)
+        {
+            return Err((
+                "thresholds".into(),
+                "shed_above must not decrease from sheddable to standard to critical".into(),
+            ));
+        }
+        if self.min_retry_after.is_zero() || self.max_retry_after < self.min_retry_after {
+            return Err((
+                "max_retry_after".into(),
+                "min_retry_after must be above 0 and at most max_retry_after".into(),
+            ));
+        }
+        if http_header_name_is_invalid(&self.priority.header) {
+            return Err(("priority.header".into(), "is not a header name".into()));
+        }
+        if let Some(h) = &self.priority.tenant_header {
+            if http_header_name_is_invalid(h) {
+                return Err((
+                    "priority.tenant_header".into(),
+                    "is not a header name".into(),
+                ));
+            }
+        }
+        if !self.priority.tenants.is_empty() && self.priority.tenant_header.is_none() {
+            return Err((
+                "priority.tenant_header".into(),
+                "is needed when priority.tenants is set".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn http_header_name_is_invalid(name: &str) -> bool {
+    name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}

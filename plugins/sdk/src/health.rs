@@ -1,0 +1,504 @@
+//! The live state of each backend, as the request path reads it.
+//!
+//! Two writers feed it: the core's health service (active: it probes `/health` and scrapes
+//! vLLM's `/metrics` on an interval, see `src/health/`) and the request path itself (passive:
+//! connect failures and 5xx answers of real traffic eject a backend for a while). Readers,
+//! the balancer, the KV breaker and the speculative selector, only load atomics and one
+//! `ArcSwap`: no lock is taken on the request path.
+//!
+//! The passive part is also the per-backend failure breaker: *closed* while it answers,
+//! *open* (ejected) for a cool-down after `consecutive_failures` failures, the cool-down
+//! doubling on each repeated ejection up to a bound, then *half-open*: it gets traffic
+//! again, and its first failure ejects it at once, while a success closes it.
+
+use arc_swap::ArcSwapOption;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+/// What one scrape of a backend's `/metrics` said.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Load {
+    /// KV-cache usage, 0..=1 (`vllm:kv_cache_usage_perc`, or V0's `gpu_cache_usage_perc`).
+    pub kv_usage: Option<f64>,
+    pub running: f64,
+    pub waiting: f64,
+    /// The KV cache's size in tokens (block size × GPU blocks), when vLLM publishes it.
+    pub kv_capacity_tokens: Option<u64>,
+    /// The speculative-decoding acceptance rate since the previous scrape.
+    pub spec_acceptance: Option<f64>,
+    pub scraped_at: Instant,
+}
+
+/// Active health, from the health service's probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Probe {
+    /// No probe has finished yet, or health checks are off: the backend is used.
+    Unchecked = 0,
+    Healthy = 1,
+    Unhealthy = 2,
+}
+
+/// What `/status` and the metrics show for a backend, worst first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendState {
+    /// Failing its health probes: no traffic.
+    Unhealthy,
+    /// Ejected by passive outlier detection (the failure breaker is open): no traffic.
+    Ejected,
+    /// Healthy, but its metrics are older than the pool's `stale_after`: it counts as
+    /// saturated or as unknown, as the pool's health config says.
+    Stale,
+    /// Back from an ejection; its next answer decides (half-open).
+    Probation,
+    Healthy,
+    /// Not checked (health checks off, or none finished yet).
+    Unchecked,
+}
+
+impl BackendState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Unhealthy => "unhealthy",
+            BackendState::Ejected => "ejected",
+            BackendState::Stale => "stale",
+            BackendState::Probation => "probation",
+            BackendState::Healthy => "healthy",
+            BackendState::Unchecked => "unchecked",
+        }
+    }
+
+    pub const ALL: [BackendState; 6] = [
+        BackendState::Unhealthy,
+        BackendState::Ejected,
+        BackendState::Stale,
+        BackendState::Probation,
+        BackendState::Healthy,
+        BackendState::Unchecked,
+    ];
+}
+
+/// How stale metrics count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StaleAs {
+    /// As a full KV cache: the balancer avoids it and the breaker sees pressure (what the
+    /// Kubernetes inference gateway does).
+    #[default]
+    Saturated,
+    /// As no information: the backend is balanced by its in-flight requests alone.
+    Unknown,
+}
+
+/// Active health checking of a pool's backends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthPolicy {
+    pub enabled: bool,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Failed probes in a row that make a backend unhealthy.
+    pub unhealthy_after: u32,
+    /// Good probes in a row that bring it back.
+    pub healthy_after: u32,
+    /// Metrics older than this are stale.
+    pub stale_after: Duration,
+    pub stale_as: StaleAs,
+    pub health_path: String,
+    pub metrics_path: String,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            interval: Duration::from_millis(250),
+            timeout: Duration::from_millis(500),
+            unhealthy_after: 2,
+            healthy_after: 2,
+            stale_after: Duration::from_secs(2),
+            stale_as: StaleAs::Saturated,
+            health_path: "/health".into(),
+            metrics_path: "/metrics".into(),
+        }
+    }
+}
+
+/// Passive outlier detection: ejection on failures of real traffic.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutlierPolicy {
+    /// Failures in a row (connect errors, 5xx) that eject a backend; 0 turns ejection off.
+    pub consecutive_failures: u32,
+    /// The first ejection's length; each repeated one doubles it, up to `max_ejection`.
+    pub base_ejection: Duration,
+    pub max_ejection: Duration,
+}
+
+impl Default for OutlierPolicy {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 3,
+            base_ejection: Duration::from_secs(5),
+            max_ejection: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What an attempt's result says about the backend's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// It answered (any status below 500, 429 included: that is load, not a fault).
+    Success,
+    /// It refused the connection, timed out, or answered 5xx.
+    Failure,
+}
+
+/// Milliseconds on a process-wide monotonic clock, for atomics.
+fn now_ms() -> u64 {
+    static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+    u64::try_from(EPOCH.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One backend's live state. Shared by the health service, the pool and `/status`.
+#[derive(Debug, Default)]
+pub struct BackendLive {
+    probe: AtomicU8,
+    probe_streak: AtomicU32,
+    load: ArcSwapOption<Load>,
+    /// Requests sent, and their estimated tokens, since the last scrape: what the scraped
+    /// numbers cannot show yet.
+    sent_since_scrape: AtomicU32,
+    tokens_since_scrape: AtomicU64,
+    /// Requests in flight through this proxy, and the KV tokens they may come to need
+    /// (prompt + output budget).
+    in_flight: AtomicU32,
+    committed_tokens: AtomicU64,
+    // The failure breaker.
+    failures: AtomicU32,
+    ejections: AtomicU32,
+    ejected_until_ms: AtomicU64,
+    half_open: AtomicBool,
+}
+
+impl BackendLive {
+    pub fn probe(&self) -> Probe {
+        match self.probe.load(Relaxed) {
+            1 => Probe::Healthy,
+            2 => Probe::Unhealthy,
+            _ => Probe::Unchecked,
+        }
+    }
+
+    /// Records one active probe; returns the new probe state when it changed.
+    pub fn record_probe(&self, ok: bool, policy: &HealthPolicy) -> Option<Probe> {
+        let current = self.probe();
+        let agrees = matches!(
+            (current, ok),
+            (Probe::Healthy, true) | (Probe::Unhealthy, false)
+        );
+        if agrees {
+            self.probe_streak.store(0, Relaxed);
+            return None;
+        }
+        let streak = self.probe_streak.fetch_add(1, Relaxed) + 1;
+        let next = match (current, ok) {
+            // The first verdict on an unchecked backend is taken at once.
+            (Probe::Unchecked, true) => Probe::Healthy,
+            (Probe::Unchecked, false) if streak >= policy.unhealthy_after => Probe::Unhealthy,
+            (Probe::Healthy, false) if streak >= policy.unhealthy_after => Probe::Unhealthy,
+            (Probe::Unhealthy, true) if streak >= policy.healthy_after => Probe::Healthy,
+            _ => return None,
+        };
+        self.probe.store(next as u8, Relaxed);
+        self.probe_streak.store(0, Relaxed);
+        Some(next)
+    }
+
+    /// Publishes a scrape; what was sent before it is now in its numbers.
+    pub fn publish_load(&self, load: Load) {
+        self.load.store(Some(Arc::new(load)));
+        self.sent_since_scrape.store(0, Relaxed);
+        self.tokens_since_scrape.store(0, Relaxed);
+    }
+
+    pub fn load(&self) -> Option<Arc<Load>> {
+        self.load.load_full()
+    }
+
+    /// The last scrape, if it is fresh.
+    pub fn fresh_load(&self, policy: &HealthPolicy) -> Option<Arc<Load>> {
+        self.load
+            .load_full()
+            .filter(|l| l.scraped_at.elapsed() <= policy.stale_after)
+    }
+
+    /// Whether the failure breaker lets traffic through now.
+    fn breaker_allows(&self) -> bool {
+        let until = self.ejected_until_ms.load(Relaxed);
+        until == 0 || now_ms() >= until
+    }
+
+    /// Whether the backend may get a new request.
+    pub fn is_usable(&self) -> bool {
+        self.probe() != Probe::Unhealthy && self.breaker_allows()
+    }
+
+    pub fn state(&self, policy: &HealthPolicy) -> BackendState {
+        if self.probe() == Probe::Unhealthy {
+            BackendState::Unhealthy
+        } else if !self.breaker_allows() {
+            BackendState::Ejected
+        } else if self.half_open.load(Relaxed) {
+            BackendState::Probation
+        } else if policy.enabled && self.probe() == Probe::Healthy && self.is_stale(policy) {
+            BackendState::Stale
+        } else if self.probe() == Probe::Healthy {
+            BackendState::Healthy
+        } else {
+            BackendState::Unchecked
+        }
+    }
+
+    fn is_stale(&self, policy: &HealthPolicy) -> bool {
+        self.fresh_load(policy).is_none_or(|l| l.kv_usage.is_none())
+    }
+
+    /// Counts a request sent to this backend; the returned guard ends it.
+    pub fn begin(self: &Arc<Self>, estimated_tokens: u64) -> InFlight {
+        self.sent_since_scrape.fetch_add(1, Relaxed);
+        self.tokens_since_scrape
+            .fetch_add(estimated_tokens, Relaxed);
+        self.in_flight.fetch_add(1, Relaxed);
+        self.committed_tokens.fetch_add(estimated_tokens, Relaxed);
+        InFlight {
+            backend: Arc::clone(self),
+            tokens: estimated_tokens,
+        }
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Relaxed)
+    }
+
+    pub fn sent_since_scrape(&self) -> u32 {
+        self.sent_since_scrape.load(Relaxed)
+    }
+
+    /// Feeds the failure breaker with one attempt's result. Returns the ejection's length
+    /// when this result ejected the backend.
+    pub fn record(&self, verdict: Verdict, policy: &OutlierPolicy) -> Option<Duration> {
+        match verdict {
+            Verdict::Success => {
+                self.failures.store(0, Relaxed);
+                // Closed again; `decay_ejections` forgets the ejections once it stays good.
+                self.half_open.store(false, Relaxed);
+                None
+            }
+            Verdict::Failure => {
+                if policy.consecutive_failures == 0 {
+                    return None;
+                }
+                let failures = self.failures.fetch_add(1, Relaxed) + 1;
+                let probation = self.half_open.load(Relaxed) && self.breaker_allows();
+                if failures < policy.consecutive_failures && !probation {
+                    return None;
+                }
+                if !self.breaker_allows() {
+                    return None; // Already ejected by a concurrent failure.
+                }
+                let n = self.ejections.fetch_add(1, Relaxed).min(16);
+                let cool_down = policy
+                    .base_ejection
+                    .saturating_mul(1 << n)
+                    .min(policy.max_ejection);
+                let until = now_ms() + u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX);
+                self.ejected_until_ms.store(until, Relaxed);
+                self.failures.store(0, Relaxed);
+                self.half_open.store(true, Relaxed);
+                Some(cool_down)
+            }
+        }
+    }
+
+    /// Forgets past ejections once a backend has served well for `max_ejection`, so that a
+    /// backend's cool-down grows only while it keeps failing. Called by the health service.
+    pub fn decay_ejections(&self, policy: &OutlierPolicy) {
+        let until = self.ejected_until_ms.load(Relaxed);
+        let quiet = u64::try_from(policy.max_ejection.as_millis()).unwrap_or(u64::MAX);
+        if !self.half_open.load(Relaxed) && until != 0 && now_ms() >= until.saturating_add(quiet) {
+            self.ejections.store(0, Relaxed);
+            self.ejected_until_ms.store(0, Relaxed);
+        }
+    }
+
+    /// The KV-cache usage this proxy expects the backend to reach, 0..=1 (may exceed 1 when
+    /// oversubscribed): the scraped usage plus what was sent since, or what this proxy has
+    /// committed to it, whichever is larger. `None` when nothing is known.
+    ///
+    /// The committed view matters because vLLM reports the blocks a request holds *now*,
+    /// and a request keeps growing until its output budget is spent.
+    pub fn projected_kv(&self, policy: &HealthPolicy) -> Option<f64> {
+        let Some(load) = self.fresh_load(policy) else {
+            return match (policy.enabled, policy.stale_as, self.probe()) {
+                (true, StaleAs::Saturated, Probe::Healthy) => Some(1.0),
+                _ => None,
+            };
+        };
+        let usage = load.kv_usage?;
+        let sent = f64::from(self.sent_since_scrape.load(Relaxed));
+        let added = match load.kv_capacity_tokens {
+            Some(capacity) if capacity > 0 => {
+                let committed = self.committed_tokens.load(Relaxed) as f64 / capacity as f64;
+                let since = self.tokens_since_scrape.load(Relaxed) as f64 / capacity as f64;
+                return Some((usage + since).max(committed));
+            }
+            // Without the cache's size, a request is taken to need the average share of
+            // the requests running now, or 2% of the cache when none runs.
+            _ if load.running > 0.0 => sent * usage / load.running,
+            _ => sent * 0.02,
+        };
+        Some(usage + added)
+    }
+
+    /// The KV tokens still free, by this proxy's projection, when the cache size is known.
+    pub fn free_kv_tokens(&self, policy: &HealthPolicy) -> Option<f64> {
+        let capacity = self.fresh_load(policy)?.kv_capacity_tokens? as f64;
+        let used = self.projected_kv(policy)?;
+        Some((1.0 - used).max(0.0) * capacity)
+    }
+}
+
+/// A request in flight on a backend; dropping it ends the request's accounting.
+#[derive(Debug)]
+pub struct InFlight {
+    backend: Arc<BackendLive>,
+    tokens: u64,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.backend.in_flight.fetch_sub(1, Relaxed);
+        self.backend
+            .committed_tokens
+            .fetch_sub(self.tokens, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(kv: f64, capacity: Option<u64>) -> Load {
+        Load {
+            kv_usage: Some(kv),
+            running: 4.0,
+            waiting: 0.0,
+            kv_capacity_tokens: capacity,
+            spec_acceptance: None,
+            scraped_at: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn probes_need_streaks_to_change_state() {
+        let policy = HealthPolicy {
+            unhealthy_after: 2,
+            healthy_after: 3,
+            ..HealthPolicy::default()
+        };
+        let b = BackendLive::default();
+        assert_eq!(b.record_probe(true, &policy), Some(Probe::Healthy));
+        assert_eq!(b.record_probe(false, &policy), None);
+        assert_eq!(b.record_probe(true, &policy), None, "streak broken");
+        assert_eq!(b.record_probe(false, &policy), None);
+        assert_eq!(b.record_probe(false, &policy), Some(Probe::Unhealthy));
+        assert!(!b.is_usable());
+        assert_eq!(b.record_probe(true, &policy), None);
+        assert_eq!(b.record_probe(true, &policy), None);
+        assert_eq!(b.record_probe(true, &policy), Some(Probe::Healthy));
+        assert!(b.is_usable());
+    }
+
+    #[test]
+    fn failures_eject_with_growing_cool_downs_and_half_open_retries() {
+        let policy = OutlierPolicy {
+            consecutive_failures: 2,
+            base_ejection: Duration::from_millis(40),
+            max_ejection: Duration::from_millis(100),
+        };
+        let b = BackendLive::default();
+        assert_eq!(b.record(Verdict::Failure, &policy), None);
+        assert_eq!(b.record(Verdict::Success, &policy), None, "streak reset");
+        assert_eq!(b.record(Verdict::Failure, &policy), None);
+        assert_eq!(
+            b.record(Verdict::Failure, &policy),
+            Some(Duration::from_millis(40))
+        );
+        assert!(!b.is_usable());
+        assert_eq!(b.state(&HealthPolicy::default()), BackendState::Ejected);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(b.is_usable());
+        assert_eq!(b.state(&HealthPolicy::default()), BackendState::Probation);
+        // Half-open: one failure is enough, and the cool-down doubled.
+        assert_eq!(
+            b.record(Verdict::Failure, &policy),
+            Some(Duration::from_millis(80))
+        );
+        std::thread::sleep(Duration::from_millis(90));
+        assert_eq!(
+            b.record(Verdict::Failure, &policy),
+            Some(Duration::from_millis(100)),
+            "capped"
+        );
+        std::thread::sleep(Duration::from_millis(110));
+        assert_eq!(b.record(Verdict::Success, &policy), None);
+        assert_eq!(b.state(&HealthPolicy::default()), BackendState::Unchecked);
+    }
+
+    #[test]
+    fn projection_counts_what_was_sent_since_the_scrape() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        assert_eq!(b.projected_kv(&policy), None, "nothing known");
+        b.publish_load(load(0.5, Some(10_000)));
+        let first = b.begin(1_000);
+        assert!((b.projected_kv(&policy).unwrap() - 0.6).abs() < 1e-9);
+        // Committed tokens win when the scrape under-reports what requests will grow to.
+        b.publish_load(load(0.05, Some(10_000)));
+        let second = b.begin(8_000);
+        assert!((b.projected_kv(&policy).unwrap() - 0.9).abs() < 1e-9);
+        assert!((b.free_kv_tokens(&policy).unwrap() - 1_000.0).abs() < 1e-6);
+        drop(first);
+        drop(second);
+        assert_eq!(b.in_flight(), 0);
+        assert!((b.projected_kv(&policy).unwrap() - 0.85).abs() < 1e-9);
+    }
+
+    #[test]
+    fn without_capacity_a_request_counts_as_the_running_average() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        b.publish_load(load(0.4, None));
+        let _a = b.begin(0);
+        let _b = b.begin(0);
+        // 4 running hold 0.4: each new one is taken to add 0.1.
+        assert!((b.projected_kv(&policy).unwrap() - 0.6).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stale_metrics_count_as_saturated_or_unknown() {
+        let mut policy = HealthPolicy {
+            stale_after: Duration::from_millis(10),
+            ..HealthPolicy::default()
+        };
+        let b = BackendLive::default();
+        b.record_probe(true, &policy);
+        b.publish_load(load(0.1, None));
+        assert_eq!(b.state(&policy), BackendState::Healthy);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(b.state(&policy), BackendState::Stale);
+        assert_eq!(b.projected_kv(&policy), Some(1.0));
+        policy.stale_as = StaleAs::Unknown;
+        assert_eq!(b.projected_kv(&policy), None);
+        assert!(b.is_usable(), "stale is not dead");
+    }
+}

@@ -1,0 +1,218 @@
+//! The health service: beside the request path, it probes every backend's `/health` and
+//! scrapes its vLLM `/metrics` on the pool's interval, and publishes what it learns in the
+//! backend's live state (`sluice_sdk::health`), which the balancer, the KV breaker and the
+//! speculative selector read without locks.
+//!
+//! One task per backend, on the service's own thread, so a slow backend delays only its own
+//! checks. Probes reuse their connections (Pingora's connector pool).
+//!
+//! - [`exposition`]: the Prometheus text-format parser.
+//! - [`vllm`]: what Sluice reads from vLLM's metrics (V0 and V1 names).
+//! - [`probe`]: one HTTP GET with a deadline.
+
+pub mod exposition;
+mod probe;
+pub mod vllm;
+
+use crate::metrics;
+use async_trait::async_trait;
+use pingora_core::connectors::http::Connector;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+use sluice_sdk::{BackendLive, BackendState, Load, Pool, Pools, Probe};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::time::{interval, MissedTickBehavior};
+
+/// The background service that keeps every backend's live state current.
+pub struct HealthService {
+    pools: Arc<Pools>,
+}
+
+impl HealthService {
+    pub fn new(pools: Arc<Pools>) -> Self {
+        Self { pools }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for HealthService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let connector = Arc::new(Connector::new(None));
+        let mut tasks = tokio::task::JoinSet::new();
+        for pool in self.pools.iter() {
+            for index in 0..pool.backends.len() {
+                let checker = Checker {
+                    pool: Arc::clone(pool),
+                    index,
+                    connector: Arc::clone(&connector),
+                    spec: None,
+                };
+                tasks.spawn(checker.run());
+            }
+        }
+        let _ = shutdown.changed().await;
+        tasks.abort_all();
+    }
+}
+
+/// Checks one backend, forever.
+struct Checker {
+    pool: Arc<Pool>,
+    index: usize,
+    connector: Arc<Connector>,
+    /// The spec-decode counters of the previous scrape, for the acceptance rate.
+    spec: Option<vllm::SpecCounters>,
+}
+
+impl Checker {
+    async fn run(mut self) {
+        let mut tick = interval(self.pool.health.interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.pool.health.enabled {
+                self.check().await;
+            }
+            self.publish_state();
+        }
+    }
+
+    fn live(&self) -> Option<&Arc<BackendLive>> {
+        self.pool.live.get(self.index)
+    }
+
+    fn address(&self) -> &str {
+        self.pool
+            .backends
+            .get(self.index)
+            .map_or("-", |b| b.address.as_str())
+    }
+
+    /// Probes `/health` and scrapes `/metrics` at once; each has the pool's timeout.
+    async fn check(&mut self) {
+        let pool_arc = Arc::clone(&self.pool);
+        let Some(spec) = pool_arc.backends.get(self.index) else {
+            return;
+        };
+        let policy = &pool_arc.health;
+        let peer = probe::peer(&pool_arc, spec.resolved);
+        let host = spec.address.as_str();
+        let (health, scrape) = tokio::join!(
+            probe::get(
+                &self.connector,
+                &peer,
+                host,
+                &policy.health_path,
+                policy.timeout
+            ),
+            probe::get(
+                &self.connector,
+                &peer,
+                host,
+                &policy.metrics_path,
+                policy.timeout
+            ),
+        );
+        let pool = &*pool_arc.name;
+
+        let alive = matches!(&health, Ok(answer) if answer.status == 200);
+        metrics::inc(
+            &metrics::HEALTH_CHECKS,
+            &[pool, "health", probe::result_label(&health, alive)],
+        );
+        let Some(live) = pool_arc.live.get(self.index) else {
+            return;
+        };
+        if let Some(changed) = live.record_probe(alive, policy) {
+            match changed {
+                Probe::Unhealthy => tracing::warn!(
+                    pool,
+                    backend = host,
+                    "backend unhealthy: {}",
+                    probe::describe(&health)
+                ),
+                _ => tracing::info!(pool, backend = host, "backend healthy"),
+            }
+        }
+
+        let load = match &scrape {
+            Ok(answer) if answer.status == 200 => self.read_metrics(&answer.body),
+            _ => Err("no answer".to_string()),
+        };
+        let result = match (&scrape, &load) {
+            (Ok(a), Err(_)) if a.status == 200 => "unparsable",
+            (_, Ok(_)) => "ok",
+            _ => probe::result_label(&scrape, false),
+        };
+        metrics::inc(&metrics::HEALTH_CHECKS, &[pool, "metrics", result]);
+        match load {
+            Ok(load) => live.publish_load(load),
+            Err(e) if result == "unparsable" => {
+                tracing::debug!(pool, backend = host, "cannot read /metrics: {e}")
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Reads a `/metrics` page. A page that is not the Prometheus text format is an error; a
+    /// valid page without vLLM's series gives a load with no KV usage, which counts as stale.
+    fn read_metrics(&mut self, body: &[u8]) -> Result<Load, String> {
+        let text = std::str::from_utf8(body).map_err(|e| e.to_string())?;
+        let samples = exposition::parse(text).map_err(|e| e.to_string())?;
+        if samples.is_empty() {
+            return Err("an empty page".into());
+        }
+        let m = vllm::read(&samples);
+        let spec_acceptance = match (self.spec, m.spec) {
+            (Some(previous), Some(current)) => vllm::acceptance_rate(previous, current),
+            _ => None,
+        };
+        self.spec = m.spec;
+        Ok(Load {
+            kv_usage: m.kv_usage,
+            running: m.running.unwrap_or(0.0),
+            waiting: m.waiting.unwrap_or(0.0),
+            kv_capacity_tokens: match (m.block_size, m.num_gpu_blocks) {
+                (Some(size), Some(blocks)) => Some(u64::from(size) * u64::from(blocks)),
+                _ => None,
+            },
+            spec_acceptance,
+            scraped_at: Instant::now(),
+        })
+    }
+
+    /// Mirrors the backend's state into the per-backend gauges.
+    fn publish_state(&self) {
+        let Some(live) = self.live() else {
+            return;
+        };
+        live.decay_ejections(&self.pool.outlier);
+        let (pool, backend) = (&*self.pool.name, self.address());
+        let state = live.state(&self.pool.health);
+        for s in BackendState::ALL {
+            metrics::set_int_gauge(
+                &metrics::BACKEND_STATE,
+                &[pool, backend, s.as_str()],
+                i64::from(s == state),
+            );
+        }
+        metrics::set_int_gauge(
+            &metrics::BACKEND_HEALTHY,
+            &[pool, backend],
+            i64::from(live.is_usable()),
+        );
+        metrics::set_int_gauge(
+            &metrics::BACKEND_IN_FLIGHT,
+            &[pool, backend],
+            i64::from(live.in_flight()),
+        );
+        if let Some(load) = live.load() {
+            if let Some(kv) = load.kv_usage {
+                metrics::set_gauge(&metrics::BACKEND_KV_USAGE, &[pool, backend], kv);
+            }
+            metrics::set_gauge(&metrics::BACKEND_RUNNING, &[pool, backend], load.running);
+            metrics::set_gauge(&metrics::BACKEND_WAITING, &[pool, backend], load.waiting);
+        }
+    }
+}

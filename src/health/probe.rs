@@ -1,0 +1,106 @@
+//! One health-check request: `GET path` to a backend, with a deadline over the whole
+//! exchange, through Pingora's connector so that connections are reused between checks.
+
+use bytes::{Bytes, BytesMut};
+use pingora_core::connectors::http::Connector;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::{Error, ErrorType};
+use pingora_http::RequestHeader;
+use sluice_sdk::Pool;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// The largest `/metrics` page read; vLLM's is about 100 KiB with its histograms.
+const MAX_BODY: usize = 8 << 20;
+
+/// What a backend answered.
+pub struct Answer {
+    pub status: u16,
+    pub body: Bytes,
+}
+
+/// Why a check got no answer.
+pub enum Failure {
+    Timeout,
+    Error(Box<Error>),
+}
+
+/// The peer for health checks: the pool's TLS settings, the check's timeout.
+pub fn peer(pool: &Pool, backend: SocketAddr) -> HttpPeer {
+    let mut peer = pool.peer(backend);
+    let timeout = Some(pool.health.timeout);
+    let o = &mut peer.options;
+    o.connection_timeout = timeout;
+    o.total_connection_timeout = timeout;
+    o.read_timeout = timeout;
+    o.write_timeout = timeout;
+    peer
+}
+
+/// `GET path` with `deadline` over connect, request and the whole body.
+pub async fn get(
+    connector: &Connector,
+    peer: &HttpPeer,
+    host: &str,
+    path: &str,
+    deadline: Duration,
+) -> Result<Answer, Failure> {
+    match tokio::time::timeout(deadline, exchange(connector, peer, host, path)).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(Failure::Error(e)),
+        Err(_) => Err(Failure::Timeout),
+    }
+}
+
+async fn exchange(
+    connector: &Connector,
+    peer: &HttpPeer,
+    host: &str,
+    path: &str,
+) -> Result<Answer, Box<Error>> {
+    let (mut session, _reused) = connector.get_http_session(peer).await?;
+    let mut request = RequestHeader::build("GET", path.as_bytes(), None)?;
+    request.insert_header(http::header::HOST, host)?;
+    request.insert_header(http::header::USER_AGENT, "sluice-health")?;
+    session.write_request_header(Box::new(request)).await?;
+    session.finish_request_body().await?;
+    session.read_response_header().await?;
+    let status = session.response_header().map_or(0, |h| h.status.as_u16());
+    let mut body = BytesMut::new();
+    while let Some(chunk) = session.read_response_body().await? {
+        if body.len() + chunk.len() > MAX_BODY {
+            return Err(Error::explain(
+                ErrorType::InvalidHTTPHeader,
+                "the answer is larger than a metrics page can be",
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    // Whole answers only: a connection cut mid-body fails above, and is not reused.
+    connector
+        .release_http_session(session, peer, peer.options.idle_timeout)
+        .await;
+    Ok(Answer {
+        status,
+        body: body.freeze(),
+    })
+}
+
+/// The `result` label of `sluice_health_checks_total`.
+pub fn result_label(outcome: &Result<Answer, Failure>, good: bool) -> &'static str {
+    match outcome {
+        _ if good => "ok",
+        Ok(_) => "bad_status",
+        Err(Failure::Timeout) => "timeout",
+        Err(Failure::Error(_)) => "error",
+    }
+}
+
+/// A short description for logs.
+pub fn describe(outcome: &Result<Answer, Failure>) -> String {
+    match outcome {
+        Ok(a) => format!("status {}", a.status),
+        Err(Failure::Timeout) => "timed out".into(),
+        Err(Failure::Error(e)) => e.to_string(),
+    }
+}

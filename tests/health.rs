@@ -1,0 +1,505 @@
+//! The health service end to end: live simulators scraped, garbage metrics, a backend that
+//! dies during a run, passive ejection, and KV-aware balancing.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_sim::{Faults, Latency, MetricsFlavor, SimConfig};
+
+const MODEL: &str = "test-model";
+
+/// Fast checks, so the tests do not wait long.
+const FAST_HEALTH: &str =
+    "    health:\n      interval: 100ms\n      timeout: 300ms\n      stale_after: 1s\n";
+
+async fn sim(config: SimConfig) -> vllm_sim::Sim {
+    vllm_sim::start(config.with_model(MODEL))
+        .await
+        .expect("sim")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_metric_generations_are_scraped_and_shown() {
+    let v1 = sim(SimConfig::default().with_kv(1000, 16)).await;
+    let v0 = sim(SimConfig::default()
+        .with_kv(500, 16)
+        .with_metrics(MetricsFlavor::V0))
+    .await;
+    let config = format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[v1.addr(), v0.addr()], FAST_HEALTH)
+    );
+    let proxy = Proxy::start(&config).await;
+    let took = wait_for(Duration::from_secs(3), || async {
+        let a = backend_status(&proxy, "main", v1.addr()).await;
+        let b = backend_status(&proxy, "main", v0.addr()).await;
+        a["health"] == "healthy" && b["health"] == "healthy"
+    })
+    .await;
+    assert!(took.is_some(), "{}", status(&proxy).await);
+
+    let a = backend_status(&proxy, "main", v1.addr()).await;
+    let b = backend_status(&proxy, "main", v0.addr()).await;
+    assert_eq!(a["kv_capacity_tokens"], 16_000, "{a}");
+    assert_eq!(b["kv_capacity_tokens"], 8_000, "{b}");
+    assert_eq!(a["kv_cache_usage"], 0.0, "{a}");
+    assert_eq!(b["running"], 0.0, "{b}");
+    assert!(a["scraped_seconds_ago"].as_f64().unwrap() < 1.0, "{a}");
+
+    let metrics = metrics_text(&proxy).await;
+    for backend in [v1.addr(), v0.addr()] {
+        for series in [
+            "sluice_backend_kv_cache_usage_ratio",
+            "sluice_backend_requests_running",
+            "sluice_backend_requests_waiting",
+            "sluice_backend_healthy",
+        ] {
+            let s = format!(r#"{series}{{backend="{backend}",pool="main"}}"#);
+            assert!(metric_value(&metrics, &s).is_some(), "{s} in\n{metrics}");
+        }
+        let s =
+            format!(r#"sluice_backend_state{{backend="{backend}",pool="main",state="healthy"}}"#);
+        assert_eq!(metric_value(&metrics, &s), Some(1.0), "{s}");
+    }
+    assert!(
+        metric_value(
+            &metrics,
+            r#"sluice_health_checks_total{kind="metrics",pool="main",result="ok"}"#
+        )
+        .unwrap_or(0.0)
+            >= 2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        client()
+            .get(proxy.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+/// What a [`FakeVllm`] answers on `/metrics` (its `/health` is always 200).
+#[derive(Clone)]
+enum MetricsAnswer {
+    Page(String),
+    Status(u16),
+    /// `content-length` promises more than is sent, then the connection closes.
+    CutShort(String),
+}
+
+/// A backend whose `/health` is fine and whose `/metrics` answers what the test says.
+struct FakeVllm {
+    addr: SocketAddr,
+    answer: Arc<Mutex<MetricsAnswer>>,
+}
+
+impl FakeVllm {
+    async fn start(answer: MetricsAnswer) -> FakeVllm {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let answer = Arc::new(Mutex::new(answer));
+        let shared = answer.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let answer = shared.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut byte = [0u8; 1024];
+                    loop {
+                        let Ok(n) = stream.read(&mut byte).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&byte[..n]);
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                        buf.drain(..end + 4);
+                        let path = head.split(' ').nth(1).unwrap_or("/").to_string();
+                        let current = answer.lock().unwrap().clone();
+                        let reply = if path == "/health" {
+                            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_string()
+                        } else {
+                            match current {
+                                MetricsAnswer::Page(p) => format!(
+                                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{p}",
+                                    p.len()
+                                ),
+                                MetricsAnswer::Status(s) => format!(
+                                    "HTTP/1.1 {s} Nope\r\ncontent-type: text/html\r\ncontent-length: 9\r\n\r\nnot here\n"
+                                ),
+                                MetricsAnswer::CutShort(p) => {
+                                    let r = format!(
+                                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{}",
+                                        p.len() * 2,
+                                        p
+                                    );
+                                    let _ = stream.write_all(r.as_bytes()).await;
+                                    return;
+                                }
+                            }
+                        };
+                        if stream.write_all(reply.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        FakeVllm { addr, answer }
+    }
+
+    fn set(&self, answer: MetricsAnswer) {
+        *self.answer.lock().unwrap() = answer;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
+    let good = String::from_utf8(fixture("vllm-v1-metrics.txt")).unwrap();
+    let fake = FakeVllm::start(MetricsAnswer::Page(good.clone())).await;
+    let config = format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[fake.addr], FAST_HEALTH)
+    );
+    let proxy = Proxy::start(&config).await;
+    let state = || async { backend_status(&proxy, "main", fake.addr).await };
+    assert!(
+        wait_for(Duration::from_secs(3), || async {
+            state().await["health"] == "healthy"
+        })
+        .await
+        .is_some(),
+        "{}",
+        state().await
+    );
+    assert_eq!(state().await["kv_cache_usage"], 0.2346);
+    assert_eq!(state().await["running"], 48.0);
+
+    let html = "<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n".to_string();
+    let truncated = good[..good.len() / 2].to_string();
+    for (answer, result) in [
+        (MetricsAnswer::Page(html), "unparsable"),
+        (MetricsAnswer::Page(truncated.clone()), "unparsable"),
+        (MetricsAnswer::CutShort(truncated), "error"),
+        (MetricsAnswer::Status(404), "bad_status"),
+    ] {
+        fake.set(MetricsAnswer::Page(good.clone()));
+        assert!(wait_for(Duration::from_secs(3), || async {
+            state().await["health"] == "healthy"
+        })
+        .await
+        .is_some());
+        let series = format!(
+            r#"sluice_health_checks_total{{kind="metrics",pool="main",result="{result}"}}"#
+        );
+        let before = metric_value(&metrics_text(&proxy).await, &series).unwrap_or(0.0);
+        fake.set(answer);
+        // Stale after `stale_after` (1 s) without a good scrape; alive all the while.
+        let took = wait_for(Duration::from_secs(3), || async {
+            state().await["health"] == "stale"
+        })
+        .await;
+        assert!(took.is_some(), "{result}: {}", state().await);
+        let after = metric_value(&metrics_text(&proxy).await, &series).unwrap_or(0.0);
+        assert!(after > before, "{series}: {before} → {after}");
+    }
+    // The backend still serves: stale is not dead (the pool's only backend, so the default
+    // `stale_as: saturated` still lets it through).
+    fake.set(MetricsAnswer::Page(good));
+    assert!(wait_for(Duration::from_secs(3), || async {
+        state().await["health"] == "healthy"
+    })
+    .await
+    .is_some());
+}
+
+/// One non-stream request; `Err` carries the status and body of a failure.
+async fn one_request(proxy: &Proxy, i: usize) -> Result<(), String> {
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": format!("question {i}")}],
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap_or_default();
+    if status == 200 {
+        Ok(())
+    } else {
+        Err(format!("{status}: {text}"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_killed_during_a_run_gets_no_new_requests_within_2s() {
+    let latency = Latency::new(
+        Duration::from_millis(5),
+        Duration::ZERO,
+        Duration::from_millis(1),
+    );
+    let a = sim(SimConfig::default().with_latency(latency.clone())).await;
+    let b = sim(SimConfig::default().with_latency(latency)).await;
+    // Default health settings (250 ms interval), as shipped.
+    let config = format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[a.addr(), b.addr()], "")
+    );
+    let proxy = Arc::new(Proxy::start(&config).await);
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "main", a.addr()).await["health"] == "healthy"
+    })
+    .await
+    .is_some());
+
+    // Four clients in closed loops; the kill happens in the middle.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failures: Arc<Mutex<Vec<(Instant, String)>>> = Arc::default();
+    let mut clients = Vec::new();
+    for c in 0..4 {
+        let (proxy, stop, failures) = (proxy.clone(), stop.clone(), failures.clone());
+        clients.push(tokio::spawn(async move {
+            let mut i = c * 100_000;
+            let mut sent = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let started = Instant::now();
+                if let Err(e) = one_request(&proxy, i).await {
+                    failures.lock().unwrap().push((started, e));
+                }
+                i += 1;
+                sent += 1;
+            }
+            sent
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before_kill = a.stats().count("/v1/chat/completions");
+    assert!(before_kill > 0, "a served before it died");
+    let killed = Instant::now();
+    a.set_faults(Faults {
+        refuse_connections: true,
+        ..Faults::default()
+    });
+    let dead_within = wait_for(Duration::from_secs(3), || async {
+        let s = backend_status(&proxy, "main", a.addr()).await;
+        s["health"] == "unhealthy" || s["health"] == "ejected"
+    })
+    .await;
+    let connect_errors = || async {
+        metric_value(
+            &metrics_text(&proxy).await,
+            r#"sluice_upstream_attempts_total{outcome="connect_error",pool="main"}"#,
+        )
+        .unwrap_or(0.0)
+    };
+    tokio::time::sleep(Duration::from_secs(2).saturating_sub(killed.elapsed())).await;
+    let attempts_at_2s = connect_errors().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let attempts_at_4s = connect_errors().await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for c in clients {
+        total += c.await.unwrap();
+    }
+
+    let dead_within = dead_within.expect("the dead backend is noticed");
+    assert!(dead_within < Duration::from_secs(2), "{dead_within:?}");
+    assert_eq!(
+        attempts_at_4s, attempts_at_2s,
+        "no request tried the dead backend after 2 s"
+    );
+    // Requests that had not reached the dead backend were retried elsewhere: only those in
+    // flight on it when it died may fail.
+    let failures = failures.lock().unwrap();
+    let late: Vec<_> = failures.iter().filter(|(t, _)| *t > killed).collect();
+    assert!(late.is_empty(), "{late:?}");
+    assert!(failures.len() <= 4, "{failures:?}");
+    assert!(b.stats().count("/v1/chat/completions") > 0);
+    println!(
+        "killed backend noticed after {dead_within:?}; {total} requests, {} failed in flight, \
+         {attempts_at_2s} connect errors (all before 2 s)",
+        failures.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_is_unhealthy_and_readyz_follows() {
+    let a = sim(SimConfig::default()).await;
+    let config = format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[a.addr()], FAST_HEALTH)
+    );
+    let proxy = Proxy::start(&config).await;
+    let ready = || async {
+        client()
+            .get(proxy.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    assert!(
+        wait_for(Duration::from_secs(3), || async { ready().await == 200 })
+            .await
+            .is_some()
+    );
+    a.set_faults(Faults {
+        engine_dead: true,
+        ..Faults::default()
+    });
+    assert!(
+        wait_for(Duration::from_secs(2), || async { ready().await == 503 })
+            .await
+            .is_some()
+    );
+    assert_eq!(
+        backend_status(&proxy, "main", a.addr()).await["health"],
+        "unhealthy"
+    );
+    // With no backend left: 503 with retry-after, made by Sluice.
+    let r = ask(
+        &proxy.url("/v1/chat/completions"),
+        &chat(MODEL, "hi", false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.headers.get("retry-after").is_some());
+    assert!(r.body.contains("No healthy backend"), "{}", r.body);
+    a.set_faults(Faults::none());
+    assert!(
+        wait_for(Duration::from_secs(2), || async { ready().await == 200 })
+            .await
+            .is_some()
+    );
+    let r = ask(
+        &proxy.url("/v1/chat/completions"),
+        &chat(MODEL, "hi", false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_backends_are_ejected_by_real_traffic() {
+    let good = sim(SimConfig::default()).await;
+    let bad = sim(SimConfig::default()).await;
+    // Health probes say fine (the engine answers /health); its completions fail.
+    bad.set_faults(Faults::error_rate(1.0, 500));
+    let config = format!(
+        "pools:\n{}",
+        pool(
+            "main",
+            &[MODEL],
+            &[good.addr(), bad.addr()],
+            "    outlier_detection:\n      consecutive_failures: 2\n      base_ejection: 30s\n"
+        )
+    );
+    let proxy = Proxy::start(&config).await;
+    let mut statuses = Vec::new();
+    for i in 0..20 {
+        let r = ask(
+            &proxy.url("/v1/chat/completions"),
+            &chat(MODEL, &format!("q{i}"), false),
+            &[],
+        )
+        .await;
+        statuses.push(r.status);
+    }
+    // A 500 is the backend's answer and passes through; after two, it is ejected.
+    let errors = statuses.iter().filter(|s| **s == 500).count();
+    assert_eq!(errors, 2, "{statuses:?}");
+    assert_eq!(bad.stats().count("/v1/chat/completions"), 2);
+    assert_eq!(
+        backend_status(&proxy, "main", bad.addr()).await["health"],
+        "ejected"
+    );
+    let metrics = metrics_text(&proxy).await;
+    assert_eq!(
+        metric_value(&metrics, r#"sluice_backend_ejections_total{pool="main"}"#),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_requests_avoid_a_backend_with_a_full_kv_cache() {
+    // Slow answers, so requests hold their KV blocks while the test looks.
+    let slow = Latency::new(Duration::ZERO, Duration::ZERO, Duration::from_millis(20));
+    let busy = sim(SimConfig::default()
+        .with_kv(200, 16)
+        .with_latency(slow.clone())
+        .with_answer_tokens(200, 200))
+    .await;
+    let idle = sim(SimConfig::default()
+        .with_kv(200, 16)
+        .with_latency(slow)
+        .with_answer_tokens(5, 5))
+    .await;
+    // Fill `busy` directly, not through the proxy: the proxy learns of it from /metrics alone.
+    let long_prompt = "word ".repeat(400);
+    let mut fillers = Vec::new();
+    for i in 0..4 {
+        let url = format!("{}/v1/chat/completions", busy.url());
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": format!("{i} {long_prompt}")}], "max_tokens": 200});
+        fillers.push(tokio::spawn(async move {
+            client()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .map(|r| r.status())
+        }));
+    }
+    let config = format!(
+        "pools:\n{}",
+        pool("main", &[MODEL], &[busy.addr(), idle.addr()], FAST_HEALTH)
+    );
+    let proxy = Proxy::start(&config).await;
+    assert!(
+        wait_for(Duration::from_secs(3), || async {
+            backend_status(&proxy, "main", busy.addr()).await["kv_cache_usage"]
+                .as_f64()
+                .is_some_and(|kv| kv > 0.5)
+        })
+        .await
+        .is_some(),
+        "{}",
+        status(&proxy).await
+    );
+    let before = busy.stats().count("/v1/chat/completions");
+    for i in 0..20 {
+        let r = ask(
+            &proxy.url("/v1/chat/completions"),
+            &chat(MODEL, &format!("small {i}"), false),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let to_busy = busy.stats().count("/v1/chat/completions") - before;
+    let to_idle = idle.stats().count("/v1/chat/completions");
+    assert_eq!(to_busy, 0, "busy {to_busy}, idle {to_idle}");
+    assert_eq!(to_idle, 20);
+    for f in fillers {
+        let _ = f.await;
+    }
+}

@@ -1,0 +1,241 @@
+//! The KV-pressure breaker end to end, against a simulator in its out-of-memory mode: a burst
+//! of long requests overflows the KV cache without the breaker and never with it.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use vllm_sim::{Latency, SimConfig};
+
+const MODEL: &str = "test-model";
+
+const FAST_HEALTH: &str =
+    "    health:\n      interval: 100ms\n      timeout: 300ms\n      stale_after: 1s\n";
+
+const BREAKER_ON: &str = "plugins:\n  kv_breaker:\n    enabled: true\n";
+
+/// 1000 blocks of 16 tokens; every answer is 300 tokens at 5 ms each (1.5 s), and a request
+/// that does not fit the free blocks fails like a CUDA OOM.
+async fn oom_sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_kv(1000, 16)
+            .with_oom(true)
+            .with_answer_tokens(300, 300)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(5),
+            )),
+    )
+    .await
+    .expect("sim")
+}
+
+/// A long request: about 100 prompt tokens and 300 output tokens, 26 KV blocks in all.
+fn long_request(i: usize) -> serde_json::Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": format!("{i:04} {}", "abcd ".repeat(79))}],
+        "max_tokens": 300,
+    })
+}
+
+struct Burst {
+    statuses: Vec<(String, u16, Option<u32>)>,
+}
+
+impl Burst {
+    fn count(&self, priority: &str, status: u16) -> usize {
+        self.statuses
+            .iter()
+            .filter(|(p, s, _)| p == priority && *s == status)
+            .count()
+    }
+}
+
+/// `sheddable` + `critical` concurrent requests.
+async fn burst(proxy: &Arc<Proxy>, sheddable: usize, critical: usize) -> Burst {
+    let mut tasks = Vec::new();
+    for i in 0..sheddable + critical {
+        let priority = if i < sheddable {
+            "sheddable"
+        } else {
+            "critical"
+        };
+        let proxy = proxy.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = ask(
+                &proxy.url("/v1/chat/completions"),
+                &long_request(i),
+                &[("x-sluice-priority", priority)],
+            )
+            .await;
+            let retry_after = r
+                .headers
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse().ok());
+            (priority.to_string(), r.status, retry_after)
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    Burst { statuses }
+}
+
+async fn start(sim: &vllm_sim::Sim, plugins: &str) -> Arc<Proxy> {
+    let config = format!(
+        "pools:\n{}{plugins}",
+        pool("main", &[MODEL], &[sim.addr()], FAST_HEALTH)
+    );
+    let proxy = Proxy::start(&config).await;
+    // The breaker needs to know the cache's size before the burst.
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "main", sim.addr()).await["kv_capacity_tokens"] == 16_000
+    })
+    .await
+    .is_some());
+    Arc::new(proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_breaker_a_burst_runs_the_kv_cache_out_of_memory() {
+    let sim = oom_sim().await;
+    let proxy = start(&sim, "").await;
+    let b = burst(&proxy, 60, 5).await;
+    let oom = sim.stats().oom;
+    assert!(oom > 0, "the simulator ran out of KV cache: {oom}");
+    assert!(b.count("sheddable", 500) + b.count("critical", 500) > 0);
+    println!("breaker off: {oom} OOMs in a burst of 65");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
+    let sim = oom_sim().await;
+    let proxy = start(&sim, BREAKER_ON).await;
+    let b = burst(&proxy, 60, 5).await;
+
+    assert_eq!(sim.stats().oom, 0, "no OOM with the breaker on");
+    let shed = b.count("sheddable", 503);
+    assert!(shed > 0, "{:?}", b.statuses);
+    assert_eq!(b.count("critical", 200), 5, "{:?}", b.statuses);
+    assert_eq!(
+        b.count("sheddable", 200) + shed,
+        60,
+        "every sheddable request was served or shed: {:?}",
+        b.statuses
+    );
+    for (_, status, retry_after) in &b.statuses {
+        if *status == 503 {
+            let secs = retry_after.expect("retry-after on every 503");
+            assert!((1..=30).contains(&secs), "{secs}");
+        }
+    }
+    let metrics = metrics_text(&proxy).await;
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"router_rejections_total{priority="sheddable",reason="kv-pressure"}"#
+        ),
+        Some(shed as f64),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#
+        ),
+        Some(1.0)
+    );
+    println!(
+        "breaker on: {} sheddable served, {shed} shed with 503, 5/5 critical served, 0 OOMs",
+        b.count("sheddable", 200)
+    );
+
+    // Recovery: once the burst is over and a scrape shows it, traffic is admitted again and
+    // the breaker closes.
+    let recovered = wait_for(Duration::from_secs(5), || async {
+        ask(
+            &proxy.url("/v1/chat/completions"),
+            &long_request(9999),
+            &[("x-sluice-priority", "sheddable")],
+        )
+        .await
+        .status
+            == 200
+    })
+    .await;
+    assert!(recovered.is_some());
+    let status = status(&proxy).await;
+    assert_eq!(status["pools"][0]["breaker"]["state"], "closed", "{status}");
+    assert_eq!(
+        metric_value(
+            &metrics_text(&proxy).await,
+            r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#
+        ),
+        Some(0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_pressure_pool_sends_requests_to_another_pool_of_the_model() {
+    let full = oom_sim().await;
+    let spare = oom_sim().await;
+    let config = format!(
+        "pools:\n{}{}{BREAKER_ON}    thresholds:\n      sheddable: {{shed_above: 0.1, resume_below: 0.05}}\n      standard: {{shed_above: 0.2, resume_below: 0.15}}\n",
+        pool("first", &[MODEL], &[full.addr()], FAST_HEALTH),
+        pool("second", &[MODEL], &[spare.addr()], FAST_HEALTH),
+    );
+    let proxy = Proxy::start(&config).await;
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "second", spare.addr()).await["kv_capacity_tokens"] == 16_000
+            && backend_status(&proxy, "first", full.addr()).await["kv_capacity_tokens"] == 16_000
+    })
+    .await
+    .is_some());
+    // Fill the first pool's backend directly: 15 requests hold 39% of its cache.
+    let mut fillers = Vec::new();
+    for i in 0..15 {
+        let url = format!("{}/v1/chat/completions", full.url());
+        fillers.push(tokio::spawn(async move {
+            client()
+                .post(url)
+                .json(&long_request(i))
+                .send()
+                .await
+                .map(|r| r.status())
+        }));
+    }
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "first", full.addr()).await["kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv > 0.2)
+    })
+    .await
+    .is_some());
+    let r = ask(
+        &proxy.url("/v1/chat/completions"),
+        &chat(MODEL, "hi", false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.headers["x-sluice-pool"], "second");
+    let metrics = metrics_text(&proxy).await;
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"sluice_breaker_rerouted_total{from="first",to="second"}"#
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    for f in fillers {
+        let _ = f.await;
+    }
+}
