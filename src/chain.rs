@@ -6,7 +6,9 @@
 //!
 //! 1. `request_id`: every answer, errors included, carries the id.
 //! 2. `cache`: a hit is answered before any upstream is touched.
-//! 3. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
+//! 3. `speculative`: sends the request to a draft pool first, with the target pool as its
+//!    escalation, or straight to the target.
+//! 4. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
 //!    model, or sheds it with 503 before the pool's KV cache runs out.
 
 use crate::config::file::PluginsFile;
@@ -33,6 +35,10 @@ impl Chain {
         }
         if config.cache.enabled {
             let p = sluice_plugin_cache::Cache::new(config.cache.clone())?;
+            plugins.push(Arc::new(p));
+        }
+        if config.speculative.enabled {
+            let p = sluice_plugin_speculative::Speculative::new(config.speculative.clone(), pools)?;
             plugins.push(Arc::new(p));
         }
         if config.kv_breaker.enabled {

@@ -34,12 +34,21 @@ pub fn run(opt: Opt, args: DemoArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start a runtime for the simulators: {e}"))?;
-    let start = |profile| runtime.block_on(vllm_sim::start(SimConfig::profile(profile)));
-    let draft = start(Profile::Draft).map_err(|e| format!("draft simulator: {e}"))?;
-    let target = start(Profile::Target).map_err(|e| format!("target simulator: {e}"))?;
-
     let mut yaml: Value =
         serde_yaml_ng::from_str(&text).map_err(|e| format!("{}: not YAML: {e}", path.display()))?;
+    // Each simulator serves the names its pool lists, as vLLM's --served-model-name would:
+    // the speculative selector needs both pools to serve the shared model name.
+    let start = |profile, pool: &str| {
+        let mut config = SimConfig::profile(profile);
+        let names = pool_models(&yaml, pool);
+        if !names.is_empty() {
+            config = config.with_served_model_names(names);
+        }
+        runtime.block_on(vllm_sim::start(config))
+    };
+    let draft = start(Profile::Draft, "draft").map_err(|e| format!("draft simulator: {e}"))?;
+    let target = start(Profile::Target, "target").map_err(|e| format!("target simulator: {e}"))?;
+
     let proxy = point_at_simulators(&mut yaml, &draft, &target, &args)?;
     let text = serde_yaml_ng::to_string(&yaml).map_err(|e| e.to_string())?;
     let config = Config::parse(&text, &path).map_err(|e| e.to_string())?;
@@ -79,6 +88,19 @@ fn config_text(flag: Option<&str>) -> Result<(PathBuf, String), String> {
 }
 
 /// Rewrites the config for the demo: pools → simulators, free ports, private pid/socket files.
+/// The `models` of the pool named `name` in the config.
+fn pool_models(yaml: &Value, name: &str) -> Vec<String> {
+    yaml.get("pools")
+        .and_then(Value::as_sequence)
+        .into_iter()
+        .flatten()
+        .filter(|p| p.get("name").and_then(Value::as_str) == Some(name))
+        .filter_map(|p| p.get("models").and_then(Value::as_sequence))
+        .flatten()
+        .filter_map(|m| m.as_str().map(str::to_string))
+        .collect()
+}
+
 fn point_at_simulators(
     yaml: &mut Value,
     draft: &Sim,
@@ -197,6 +219,13 @@ Try:
 
   curl -sN {proxy}/v1/chat/completions -H 'content-type: application/json' \
     -d '{{"model": "{t}", "stream": true, "messages": [{{"role": "user", "content": "Tell me a story"}}]}}'
+
+  Speculative-first: `llama` goes to the draft pool first, to the target when needed
+  (x-sluice-pool and x-sluice-escalated say which and why; -i to see):
+  curl -si {proxy}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model": "llama", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  curl -si {proxy}/v1/chat/completions -H 'content-type: application/json' -H 'x-sluice-tier: target' \
+    -d '{{"model": "llama", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
   curl -s {proxy}/v1/models
   curl -s {admin}/status

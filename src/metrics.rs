@@ -70,6 +70,12 @@ metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
     &["reason", "priority"]
 ));
 
+metric!(POOL_RETRIES: IntCounterVec = register_int_counter_vec!(
+    "sluice_pool_retries_total",
+    "Retries inside a pool after an upstream's 5xx or 429, within the pool's retry budget.",
+    &["pool"]
+));
+
 metric!(EJECTIONS: IntCounterVec = register_int_counter_vec!(
     "sluice_backend_ejections_total",
     "Backends ejected by passive outlier detection (connect failures, 5xx), by pool.",

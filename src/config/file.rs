@@ -5,6 +5,7 @@ use serde::Deserialize;
 use sluice_plugin_cache::CacheConfig;
 use sluice_plugin_kv_breaker::KvBreakerConfig;
 use sluice_plugin_request_id::RequestIdConfig;
+use sluice_plugin_speculative::SpeculativeConfig;
 use std::time::Duration;
 
 #[derive(Debug, Deserialize)]
@@ -166,6 +167,59 @@ pub struct PoolFile {
     pub outlier_detection: OutlierFile,
     #[serde(default)]
     pub balancing: BalancingFile,
+    #[serde(default)]
+    pub supports: SupportsFile,
+    #[serde(default)]
+    pub retry: RetryFile,
+}
+
+/// Retries in the pool on an upstream's 5xx or 429, within a retry budget.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryFile {
+    pub max_retries: u32,
+    pub budget_ratio: f64,
+    pub min_retries: u32,
+    #[serde(deserialize_with = "duration")]
+    pub backoff_base: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub backoff_max: Duration,
+}
+
+impl Default for RetryFile {
+    fn default() -> Self {
+        let d = sluice_sdk::RetryPolicy::default();
+        Self {
+            max_retries: d.max_retries,
+            budget_ratio: d.budget_ratio,
+            min_retries: d.min_retries,
+            backoff_base: d.backoff_base,
+            backoff_max: d.backoff_max,
+        }
+    }
+}
+
+/// What the pool's model can do (the speculative selector sends requests that need more
+/// elsewhere).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SupportsFile {
+    pub tools: bool,
+    pub logprobs: bool,
+    pub multiple_choices: bool,
+    pub best_of: bool,
+}
+
+impl Default for SupportsFile {
+    fn default() -> Self {
+        let d = sluice_sdk::Capabilities::default();
+        Self {
+            tools: d.tools,
+            logprobs: d.logprobs,
+            multiple_choices: d.multiple_choices,
+            best_of: d.best_of,
+        }
+    }
 }
 
 /// Active health checks: `/health` probes and `/metrics` scrapes of every backend.
@@ -324,6 +378,8 @@ pub struct PluginsFile {
     pub request_id: RequestIdConfig,
     #[serde(default)]
     pub cache: CacheConfig,
+    #[serde(default)]
+    pub speculative: SpeculativeConfig,
     #[serde(default)]
     pub kv_breaker: KvBreakerConfig,
 }

@@ -7,8 +7,8 @@ pub mod file;
 
 use pingora_core::server::configuration::ServerConf;
 use sluice_sdk::{
-    BackendSpec, Balancing, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools, StaleAs,
-    Timeouts, TokensPerSecond,
+    BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
+    RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
 };
 use std::collections::HashSet;
 use std::fmt;
@@ -216,7 +216,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
 
     let pools = pools(&raw)?;
     let routes = routes(&raw, &pools)?;
-    check_plugins(&raw.plugins)?;
+    check_plugins(&raw.plugins, &pools)?;
 
     Ok(Config {
         source: path.to_path_buf(),
@@ -387,6 +387,13 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             health: health_policy(&p.health, &format!("{key}.health"))?,
             outlier: outlier_policy(&p.outlier_detection, &format!("{key}.outlier_detection"))?,
             balancing: balancing(&p.balancing, &format!("{key}.balancing"))?,
+            supports: Capabilities {
+                tools: p.supports.tools,
+                logprobs: p.supports.logprobs,
+                multiple_choices: p.supports.multiple_choices,
+                best_of: p.supports.best_of,
+            },
+            retry: retry_policy(&p.retry, &format!("{key}.retry"))?,
         })));
     }
     Ok(Pools::new(pools))
@@ -484,6 +491,28 @@ fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
     }
 }
 
+fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> {
+    if !(0.0..=1.0).contains(&r.budget_ratio) {
+        return Err((
+            format!("{key}.budget_ratio"),
+            format!("must be between 0 and 1 (got {})", r.budget_ratio),
+        ));
+    }
+    if r.backoff_max < r.backoff_base {
+        return Err((
+            format!("{key}.backoff_max"),
+            format!("must not be shorter than {key}.backoff_base"),
+        ));
+    }
+    Ok(RetryPolicy {
+        max_retries: r.max_retries,
+        budget_ratio: r.budget_ratio,
+        min_retries: r.min_retries,
+        backoff_base: r.backoff_base,
+        backoff_max: r.backoff_max,
+    })
+}
+
 fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
     let mut routes = Vec::new();
     for (i, r) in raw.routes.iter().enumerate() {
@@ -508,7 +537,7 @@ fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
     Ok(routes)
 }
 
-fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
+fn check_plugins(plugins: &PluginsFile, pools: &Pools) -> Result<(), Invalid> {
     sluice_plugin_request_id::RequestId::new(&plugins.request_id)
         .map(|_| ())
         .map_err(|m| ("plugins.request_id.header".into(), m))?;
@@ -516,6 +545,12 @@ fn check_plugins(plugins: &PluginsFile) -> Result<(), Invalid> {
         .cache
         .validate()
         .map_err(|(key, message)| (format!("plugins.cache.{key}"), message))?;
+    if plugins.speculative.enabled {
+        sluice_plugin_speculative::Speculative::check(&plugins.speculative, pools)
+    } else {
+        plugins.speculative.validate()
+    }
+    .map_err(|(key, message)| (format!("plugins.speculative.{key}"), message))?;
     plugins
         .kv_breaker
         .validate()

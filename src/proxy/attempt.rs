@@ -21,7 +21,8 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::subrequest::{BodyMode, Ctx as SubrequestCtx};
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, RequestCtx};
+use sluice_sdk::{AnswerCheck, ErrorReply, Judgement, RequestCtx};
+use std::sync::Arc;
 use tokio::time::{sleep_until, Instant};
 
 /// What an attempt subrequest needs: where to connect, and the exact request header.
@@ -31,13 +32,31 @@ pub struct Attempt {
 }
 
 /// In an attempt subrequest: takes the attempt its client request put there.
+///
+/// The subrequest was built from the client's request header as received, and reads as many
+/// body bytes as that declares; an attempt whose body differs (a draft asked for logprobs)
+/// declares its own length here, before the body is first read.
 pub fn take(session: &mut Session) -> Option<Attempt> {
-    session
+    let attempt = session
         .subrequest_ctx
         .as_mut()?
         .user_ctx_mut()?
         .downcast_mut::<Option<Attempt>>()?
-        .take()
+        .take()?;
+    if let Some(length) = attempt.header.headers.get(http::header::CONTENT_LENGTH) {
+        if session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            != Some(length)
+        {
+            let length = length.clone();
+            let _ = session
+                .req_header_mut()
+                .insert_header(http::header::CONTENT_LENGTH, length);
+        }
+    }
+    Some(attempt)
 }
 
 /// How an attempt ended.
@@ -51,7 +70,25 @@ pub enum Outcome {
     Broken(Box<Error>),
     /// The client went away.
     ClientGone(Box<Error>),
+    /// The upstream answered with an error status (5xx, 429) that was held back because
+    /// another attempt may follow; nothing was sent. The answer is kept, bounded, in case
+    /// none does.
+    Declined(Box<ResponseHeader>, Bytes),
+    /// The answer was held for a check that rejected it, for this reason; nothing was sent.
+    Judged(&'static str),
 }
+
+/// What an attempt holds back before the client sees it.
+#[derive(Clone, Default)]
+pub struct Hold {
+    /// Error statuses (5xx, 429) are not sent: another attempt may follow.
+    pub error_statuses: bool,
+    /// A non-stream 200 answer is read whole and judged first.
+    pub check: Option<Arc<dyn AnswerCheck>>,
+}
+
+/// The most of a held answer kept in memory; a larger one is sent as it comes.
+const MAX_HELD_BYTES: usize = 4 << 20;
 
 /// The deadlines of one attempt.
 pub struct Deadlines {
@@ -67,6 +104,7 @@ pub async fn run(
     attempt: Attempt,
     body: Bytes,
     deadlines: Deadlines,
+    hold: &Hold,
 ) -> Outcome {
     let Some(spawner) = session.subrequest_spawner.as_ref() else {
         return Outcome::NotStarted(Error::explain(
@@ -94,7 +132,16 @@ pub async fn run(
     }
     let mut task = AbortOnDrop(Some(tokio::spawn(subrequest.run())));
     let _tx = handle.tx;
-    let outcome = pipe(sluice, session, ctx, &mut rx, &mut proxy_error, deadlines).await;
+    let outcome = pipe(
+        sluice,
+        session,
+        ctx,
+        &mut rx,
+        &mut proxy_error,
+        deadlines,
+        hold,
+    )
+    .await;
     if matches!(outcome, Outcome::Complete) {
         // Let it finish on its own: it still has to return the connection to the pool.
         task.detach();
@@ -111,6 +158,7 @@ async fn pipe(
     rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
     proxy_error: &mut ProxyErrorRx,
     deadlines: Deadlines,
+    hold: &Hold,
 ) -> Outcome {
     // Until the response header: nothing has reached the client, so failures are retryable.
     let mut header = loop {
@@ -134,6 +182,33 @@ async fn pipe(
     };
 
     let is_sse = is_event_stream(&header);
+    let status = header.status.as_u16();
+    let declined = hold.error_statuses && (status >= 500 || status == 429);
+    let judged = status == 200 && !is_sse && hold.check.is_some();
+    // Held answers are read whole first: an error to decline, or an answer to judge.
+    let mut held: Option<Bytes> = None;
+    if declined || judged {
+        let expected = content_length(&header);
+        let body = match read_held(session, rx, proxy_error, &deadlines, expected).await {
+            Ok(body) => body,
+            Err(outcome) => return outcome,
+        };
+        if declined {
+            return Outcome::Declined(header, body);
+        }
+        match hold.check.as_ref().map(|c| c.judge(&body)) {
+            Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
+            Some(Judgement::Keep(Some(replaced))) => {
+                header.remove_header(&http::header::TRANSFER_ENCODING);
+                header.remove_header(&http::header::CONTENT_LENGTH);
+                if let Err(e) = header.insert_header(http::header::CONTENT_LENGTH, replaced.len()) {
+                    return Outcome::NotStarted(e);
+                }
+                held = Some(replaced);
+            }
+            Some(Judgement::Keep(None)) | None => held = Some(body),
+        }
+    }
     let declared_len = content_length(&header);
     let sent_before = ctx.response_bytes;
     if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
@@ -141,6 +216,12 @@ async fn pipe(
     }
     if let Err(e) = session.write_response_header(header, false).await {
         return Outcome::ClientGone(e);
+    }
+    if let Some(body) = held {
+        return match forward(sluice, session, ctx, Some(body), true).await {
+            Ok(()) => Outcome::Complete,
+            Err(e) => Outcome::ClientGone(e),
+        };
     }
 
     loop {
@@ -182,6 +263,66 @@ async fn pipe(
             }
         }
     }
+}
+
+/// Reads a held answer's whole body (bounded): `Err` is the outcome when that fails.
+async fn read_held(
+    session: &mut Session,
+    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
+    proxy_error: &mut ProxyErrorRx,
+    deadlines: &Deadlines,
+    expected: Option<usize>,
+) -> Result<Bytes, Outcome> {
+    let mut body = bytes::BytesMut::new();
+    loop {
+        tokio::select! {
+            task = rx.recv() => match task {
+                Some(HttpTask::Body(data, end)) => {
+                    if let Some(data) = data {
+                        if body.len() + data.len() > MAX_HELD_BYTES {
+                            return Err(Outcome::NotStarted(Error::explain(
+                                ErrorType::InvalidHTTPHeader,
+                                "a held answer is too large",
+                            )));
+                        }
+                        body.extend_from_slice(&data);
+                    }
+                    // A declared length ends the body as soon as it is there (see `pipe`).
+                    if end || expected.is_some_and(|len| body.len() >= len) {
+                        return Ok(body.freeze());
+                    }
+                }
+                Some(HttpTask::Done) => return Ok(body.freeze()),
+                Some(HttpTask::Failed(e)) => return Err(Outcome::NotStarted(e)),
+                Some(_) => continue,
+                None => return Err(Outcome::NotStarted(ended_early(proxy_error))),
+            },
+            _ = sleep_until(deadlines.total) => {
+                return Err(Outcome::NotStarted(Error::explain(
+                    ErrorType::ReadTimedout,
+                    "the total timeout ran out reading the answer",
+                ).into_up()));
+            }
+            gone = session.downstream_session.read_body_or_idle(true) => {
+                return Err(Outcome::ClientGone(client_gone(gone)));
+            }
+        }
+    }
+}
+
+/// Sends an upstream's answer that an attempt had held back (a declined error) as it is.
+pub async fn send_held(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut header: Box<ResponseHeader>,
+    body: Bytes,
+) -> Result<()> {
+    header.remove_header(&http::header::TRANSFER_ENCODING);
+    header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+    prepare_client_response(sluice, &mut header, ctx)?;
+    session.write_response_header(header, false).await?;
+    forward(sluice, session, ctx, Some(body), true).await
 }
 
 /// Runs the body hooks on a chunk and writes it to the client.

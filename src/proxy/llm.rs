@@ -7,12 +7,15 @@
 //! request (a refused or timed-out connect, or an error Pingora marks as safe to retry).
 //! Anything else is final: a model may already be generating.
 
-use super::attempt::{self, Attempt, Deadlines, Outcome};
+use super::attempt::{self, Attempt, Deadlines, Hold, Outcome};
 use super::{body, ProxyCtx, Sluice};
 use crate::metrics;
+use bytes::Bytes;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::RequestHeader;
+use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
+use sluice_sdk::escalation::reason;
 use sluice_sdk::{Balancing, Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, Verdict};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,10 +59,17 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
     let Some(call) = ctx.req.llm.as_ref() else {
         return Err(ErrorReply::new(500, "internal", "No parsed request.").into_error());
     };
-    let body = call.body.clone();
+    let client_body = call.body.clone();
     let max_tokens = call.request.max_output_tokens();
+    let is_stream = call.request.is_stream();
     let mut tried: Vec<SocketAddr> = Vec::new();
     let mut last_error: Option<Box<Error>> = None;
+    // A declined error answer, sent as it is if no other attempt follows.
+    let mut declined: Option<(Box<ResponseHeader>, Bytes)> = None;
+    let mut retries_in_pool = 0;
+    if let Some(pool) = &ctx.req.pool {
+        pool.retry_budget.deposit();
+    }
 
     loop {
         sluice.chain.upstream_select(&mut ctx.req)?;
@@ -74,6 +84,17 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             (None, _) => Demand::default(),
         };
         let Some(backend) = pool.select(&tried, &demand) else {
+            let reason = if last_error.is_some() || declined.is_some() {
+                reason::DRAFT_ERROR
+            } else {
+                reason::DRAFT_UNAVAILABLE
+            };
+            if escalate(ctx, reason, &mut tried, &mut retries_in_pool) {
+                continue;
+            }
+            if let Some((header, body)) = declined {
+                return attempt::send_held(sluice, session, &mut ctx.req, header, body).await;
+            }
             return Err(last_error.unwrap_or_else(|| no_backend(&pool)));
         };
         tried.push(backend.addr);
@@ -83,17 +104,34 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         // see it before the next scrape does.
         let _in_flight = backend.live.begin(demand.tokens());
 
-        let mut header = upstream_header(session.req_header(), body.len())?;
+        let mut header = upstream_header(session.req_header(), 0)?;
         sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
+        let escalation = ctx.req.escalation.as_ref();
+        let body = escalation
+            .and_then(|e| e.upstream_body.clone())
+            .unwrap_or_else(|| client_body.clone());
+        header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
         let attempt = Attempt {
             peer: pool.peer(backend.addr),
             header,
         };
         let now = Instant::now();
         let started = Instant::from_std(ctx.req.started);
+        let first_byte = match escalation.and_then(|e| e.first_byte_budget) {
+            Some(budget) => budget.min(pool.timeouts.first_byte),
+            None => pool.timeouts.first_byte,
+        };
         let deadlines = Deadlines {
-            first_byte: now + pool.timeouts.first_byte,
+            first_byte: now + first_byte,
             total: started + pool.timeouts.total_for(max_tokens),
+        };
+        let may_retry_here =
+            retries_in_pool < pool.retry.max_retries && pool.retry_budget.has_retry();
+        let hold = Hold {
+            error_statuses: escalation.is_some() || may_retry_here,
+            check: escalation
+                .filter(|_| !is_stream)
+                .and_then(|e| e.check.clone()),
         };
 
         let outcome = attempt::run(
@@ -101,15 +139,19 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             session,
             &mut ctx.req,
             attempt,
-            body.clone(),
+            body,
             deadlines,
+            &hold,
         )
         .await;
         let verdict = match &outcome {
             Outcome::Complete if ctx.req.upstream_status.is_some_and(|s| s >= 500) => {
                 Some(Verdict::Failure)
             }
-            Outcome::Complete => Some(Verdict::Success),
+            Outcome::Declined(header, _) if header.status.as_u16() >= 500 => Some(Verdict::Failure),
+            Outcome::Complete | Outcome::Declined(..) | Outcome::Judged(_) => {
+                Some(Verdict::Success)
+            }
             Outcome::NotStarted(_) | Outcome::Broken(_) => Some(Verdict::Failure),
             Outcome::ClientGone(_) => None,
         };
@@ -130,7 +172,8 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                 return Ok(());
             }
             Outcome::NotStarted(e) => {
-                let outcome = if is_timeout(&e) {
+                let timed_out = is_timeout(&e);
+                let outcome = if timed_out {
                     "timeout"
                 } else if is_connect_failure(&e) {
                     "connect_error"
@@ -144,14 +187,86 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                     backend = %backend.addr,
                     "upstream attempt failed: {e}"
                 );
-                if !(is_connect_failure(&e) || e.retry()) {
-                    return Err(e);
+                if is_connect_failure(&e) || e.retry() {
+                    // Another backend of the pool; when none is left, the escalation target.
+                    last_error = Some(e);
+                    continue;
                 }
-                last_error = Some(e);
+                let reason = if timed_out {
+                    reason::DRAFT_TIMEOUT
+                } else {
+                    reason::DRAFT_ERROR
+                };
+                if escalate(ctx, reason, &mut tried, &mut retries_in_pool) {
+                    last_error = Some(e);
+                    continue;
+                }
+                return Err(e);
+            }
+            Outcome::Declined(header, body) => {
+                let status = header.status.as_u16();
+                metrics::inc(&metrics::UPSTREAM_ATTEMPTS, &[&pool.name, "declined"]);
+                tracing::info!(
+                    request_id = ctx.req.request_id.as_deref().unwrap_or("-"),
+                    pool = &*pool.name,
+                    backend = %backend.addr,
+                    "upstream answered {status}; trying again"
+                );
+                declined = Some((header, body));
+                if retries_in_pool < pool.retry.max_retries && pool.retry_budget.try_spend() {
+                    retries_in_pool += 1;
+                    metrics::inc(&metrics::POOL_RETRIES, &[&pool.name]);
+                    tokio::time::sleep(pool.retry.backoff(retries_in_pool)).await;
+                    // Any backend may take the retry, the same one included.
+                    tried.clear();
+                    continue;
+                }
+                if escalate(ctx, reason::DRAFT_ERROR, &mut tried, &mut retries_in_pool) {
+                    continue;
+                }
+                if let Some((header, body)) = declined {
+                    return attempt::send_held(sluice, session, &mut ctx.req, header, body).await;
+                }
+                return Err(no_backend(&pool));
+            }
+            Outcome::Judged(reason) => {
+                metrics::inc(
+                    &metrics::UPSTREAM_ATTEMPTS,
+                    &[&pool.name, "rejected_answer"],
+                );
+                if escalate(ctx, reason, &mut tried, &mut retries_in_pool) {
+                    continue;
+                }
+                return Err(ErrorReply::bad_gateway("The answer was rejected.").into_error());
             }
             Outcome::Broken(e) | Outcome::ClientGone(e) => return Err(e),
         }
     }
+}
+
+/// Moves the request to its escalation target, if it has one: the next attempts go there,
+/// with the client's own body. Returns whether it did.
+fn escalate(
+    ctx: &mut ProxyCtx,
+    reason: &'static str,
+    tried: &mut Vec<SocketAddr>,
+    retries_in_pool: &mut u32,
+) -> bool {
+    let Some(escalation) = ctx.req.escalation.take() else {
+        return false;
+    };
+    tracing::info!(
+        request_id = ctx.req.request_id.as_deref().unwrap_or("-"),
+        from = ctx.req.pool_name(),
+        to = &*escalation.target.name,
+        "escalated: {reason}"
+    );
+    escalation.target.retry_budget.deposit();
+    ctx.req.pool = Some(escalation.target);
+    ctx.req.escalated = Some(reason);
+    tried.clear();
+    *retries_in_pool = 0;
+    true
 }
 
 /// 503 when a pool has no backend left to try: all unhealthy, ejected or already tried.

@@ -55,6 +55,8 @@ pub struct ProxyCtx {
 
 /// The header that names the pool that produced an answer.
 pub const POOL_HEADER: &str = "x-sluice-pool";
+/// The header that says why a request went to its escalation target (SPEC.md).
+pub const ESCALATED_HEADER: &str = "x-sluice-escalated";
 
 #[async_trait]
 impl ProxyHttp for Sluice {
@@ -276,6 +278,11 @@ fn prepare_client_response(
             response
                 .insert_header(POOL_HEADER, &*name)
                 .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+            if let Some(reason) = ctx.escalated {
+                response
+                    .insert_header(ESCALATED_HEADER, reason)
+                    .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+            }
         }
     }
     sluice.chain.response_header(response, ctx)

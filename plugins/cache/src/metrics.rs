@@ -5,9 +5,8 @@ use prometheus::{
     register_gauge, register_histogram_vec, register_int_counter_vec, register_int_gauge, Gauge,
     HistogramVec, IntCounterVec, IntGauge,
 };
-use std::sync::atomic::{AtomicU64, Ordering};
+use sluice_sdk::window::RatioWindow;
 use std::sync::LazyLock;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 fn registered<T>(metric: prometheus::Result<T>) -> Option<T> {
     metric
@@ -107,6 +106,9 @@ pub enum Outcome {
     Coalesced,
 }
 
+/// Hits (and coalesced requests) over lookups, last 5 minutes.
+static WINDOW: LazyLock<RatioWindow> = LazyLock::new(RatioWindow::default);
+
 pub fn request(result: Outcome) {
     let label = match result {
         Outcome::Hit => "hit",
@@ -118,7 +120,10 @@ pub fn request(result: Outcome) {
         c.with_label_values(&[label]).inc();
     }
     if result != Outcome::Bypass {
-        WINDOW.record(matches!(result, Outcome::Hit | Outcome::Coalesced));
+        let ratio = WINDOW.record(matches!(result, Outcome::Hit | Outcome::Coalesced));
+        if let Some(g) = HIT_RATIO.as_ref() {
+            g.set(ratio);
+        }
     }
 }
 
@@ -144,56 +149,5 @@ pub fn memory_usage(entries: i64, bytes: i64) {
     if let (Some(e), Some(b)) = (MEMORY_ENTRIES.as_ref(), MEMORY_BYTES.as_ref()) {
         e.set(entries);
         b.set(bytes);
-    }
-}
-
-/// The hit ratio over a sliding window: 30 slots of 10 seconds, each a pair of counters
-/// tagged with the slot's epoch. Lock-free; a slot is reset by whoever first writes in a new
-/// epoch (a racing increment may be lost then, which a ratio can afford).
-struct Window {
-    slots: [Slot; SLOTS],
-}
-
-const SLOTS: usize = 30;
-const SLOT_SECONDS: u64 = 10;
-
-struct Slot {
-    epoch: AtomicU64,
-    hits: AtomicU64,
-    lookups: AtomicU64,
-}
-
-static WINDOW: LazyLock<Window> = LazyLock::new(|| Window {
-    slots: std::array::from_fn(|_| Slot {
-        epoch: AtomicU64::new(0),
-        hits: AtomicU64::new(0),
-        lookups: AtomicU64::new(0),
-    }),
-});
-
-impl Window {
-    fn record(&self, hit: bool) {
-        let epoch = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() / SLOT_SECONDS);
-        let slot = &self.slots[(epoch % SLOTS as u64) as usize];
-        if slot.epoch.swap(epoch, Ordering::Relaxed) != epoch {
-            slot.hits.store(0, Ordering::Relaxed);
-            slot.lookups.store(0, Ordering::Relaxed);
-        }
-        slot.lookups.fetch_add(1, Ordering::Relaxed);
-        if hit {
-            slot.hits.fetch_add(1, Ordering::Relaxed);
-        }
-        let (mut hits, mut lookups) = (0, 0);
-        for s in &self.slots {
-            if epoch.saturating_sub(s.epoch.load(Ordering::Relaxed)) < SLOTS as u64 {
-                hits += s.hits.load(Ordering::Relaxed);
-                lookups += s.lookups.load(Ordering::Relaxed);
-            }
-        }
-        if let (Some(g), true) = (HIT_RATIO.as_ref(), lookups > 0) {
-            g.set(hits as f64 / lookups as f64);
-        }
     }
 }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::escalation::Escalation;
 use crate::llm::{Endpoint, LlmCall};
 use crate::pool::{Pool, Priority};
 
@@ -70,6 +71,11 @@ pub struct RequestCtx {
     pub cache_hit: bool,
     /// The request's class for the KV breaker, once a plugin decided it.
     pub priority: Option<Priority>,
+    /// Set by a request hook that sent the request to a first pool (a draft): where to go
+    /// if that pool fails or its answer is judged wanting. See [`crate::escalation`].
+    pub escalation: Option<Escalation>,
+    /// Why the request went to the escalation target, once it did (`x-sluice-escalated`).
+    pub escalated: Option<&'static str>,
     /// Per-plugin state.
     pub state: PluginState,
 }
@@ -97,6 +103,8 @@ impl RequestCtx {
             response_incomplete: false,
             cache_hit: false,
             priority: None,
+            escalation: None,
+            escalated: None,
             state: PluginState::default(),
         }
     }

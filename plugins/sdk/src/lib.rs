@@ -13,22 +13,27 @@
 pub mod ctx;
 pub mod duration;
 pub mod error;
+pub mod escalation;
 pub mod health;
 pub mod llm;
 pub mod plugin;
 pub mod pool;
+pub mod retry;
+pub mod window;
 
 pub use ctx::{PluginState, RequestCtx, Route};
 pub use error::ErrorReply;
+pub use escalation::{AnswerCheck, Escalation, Judgement};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use plugin::{Flow, LocalResponse, Plugin};
 pub use pool::{
-    BackendSpec, Balancing, Demand, Pool, PoolSettings, Pools, Pressure, Priority, Selected,
-    Timeouts, TokensPerSecond,
+    BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure, Priority,
+    Selected, Timeouts, TokensPerSecond,
 };
+pub use retry::{RetryBudget, RetryPolicy};
 
 // Re-exported so that plugins use the exact Pingora types the core uses.
 pub use async_trait::async_trait;

@@ -5,6 +5,7 @@
 //! Pingora's weighted round robin.
 
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy};
+use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
 use std::collections::BTreeSet;
@@ -70,6 +71,29 @@ pub struct BackendSpec {
     pub address: String,
     pub resolved: SocketAddr,
     pub weight: usize,
+}
+
+/// What a pool's model can do, as declared in its config: requests asking for more go
+/// elsewhere (the speculative selector's `unsupported`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    pub tools: bool,
+    pub logprobs: bool,
+    /// `n` > 1.
+    pub multiple_choices: bool,
+    /// `best_of` > 1 and beam search, which speculative decoding does not support.
+    pub best_of: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self {
+            tools: true,
+            logprobs: true,
+            multiple_choices: true,
+            best_of: true,
+        }
+    }
 }
 
 /// How a pool chooses among its usable backends.
@@ -178,6 +202,9 @@ pub struct Pool {
     pub health: HealthPolicy,
     pub outlier: OutlierPolicy,
     pub balancing: Balancing,
+    pub supports: Capabilities,
+    pub retry: RetryPolicy,
+    pub retry_budget: RetryBudget,
     /// The classes the KV breaker currently sheds, one bit per [`Priority`]. Written by the
     /// breaker, read by whoever wants to know whether the pool takes a request.
     shedding: AtomicU8,
@@ -196,6 +223,8 @@ pub struct PoolSettings {
     pub health: HealthPolicy,
     pub outlier: OutlierPolicy,
     pub balancing: Balancing,
+    pub supports: Capabilities,
+    pub retry: RetryPolicy,
 }
 
 impl PoolSettings {
@@ -213,6 +242,8 @@ impl PoolSettings {
             balancing: Balancing::KvAware {
                 prefix_affinity: None,
             },
+            supports: Capabilities::default(),
+            retry: RetryPolicy::default(),
         }
     }
 }
@@ -256,6 +287,9 @@ impl Pool {
             health: settings.health,
             outlier: settings.outlier,
             balancing: settings.balancing,
+            supports: settings.supports,
+            retry_budget: RetryBudget::new(&settings.retry),
+            retry: settings.retry,
             shedding: AtomicU8::new(0),
             round_robin,
         }

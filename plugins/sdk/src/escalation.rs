@@ -1,0 +1,67 @@
+//! Escalation: how a request hook asks the core to try a cheaper pool first and to move the
+//! request to another pool when that one cannot or should not answer.
+//!
+//! A hook that picks a first pool (the speculative selector's draft) also leaves an
+//! [`Escalation`] in `RequestCtx::escalation`. The core then:
+//! - sends the attempts to `ctx.pool`, with `upstream_body` instead of the client's body
+//!   when set (e.g. with `logprobs` added);
+//! - bounds their time to the response header by `first_byte_budget`;
+//! - holds a non-stream answer for `check` before any byte of it reaches the client;
+//! - and when an attempt fails before anything reached the client (connect failure, 5xx,
+//!   429, no header within the budget, or `check` says so), moves the request to
+//!   `target` with the client's own body, records the reason in `RequestCtx::escalated` and
+//!   carries on there. Once bytes reached the client there is no way back: a broken stream
+//!   ends with an SSE error event.
+
+use crate::pool::Pool;
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where to go if the first pool fails, and how to judge its answers.
+#[derive(Clone)]
+pub struct Escalation {
+    pub target: Arc<Pool>,
+    /// The longest wait for the first pool's response header before escalating.
+    pub first_byte_budget: Option<Duration>,
+    /// The body to send to the first pool, when it differs from the client's.
+    pub upstream_body: Option<Bytes>,
+    /// Judges the first pool's whole non-stream 200 answer before it is sent.
+    pub check: Option<Arc<dyn AnswerCheck>>,
+}
+
+impl std::fmt::Debug for Escalation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Escalation")
+            .field("target", &self.target.name)
+            .field("first_byte_budget", &self.first_byte_budget)
+            .field("check", &self.check.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a check decided about an answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Judgement {
+    /// Send it; with `Some`, this body instead (e.g. with logprobs the client did not ask
+    /// for removed).
+    Keep(Option<Bytes>),
+    /// Do not send it: escalate, for this reason (e.g. `low-confidence`).
+    Escalate(&'static str),
+}
+
+/// Judges a whole non-stream answer (status 200) of the first pool.
+pub trait AnswerCheck: Send + Sync {
+    fn judge(&self, body: &Bytes) -> Judgement;
+}
+
+/// Why a request left its first pool, for `x-sluice-escalated` and metrics.
+pub mod reason {
+    pub const DRAFT_UNAVAILABLE: &str = "draft-unavailable";
+    pub const PROMPT_TOO_LONG: &str = "prompt-too-long";
+    pub const UNSUPPORTED: &str = "unsupported";
+    pub const FORCED: &str = "forced";
+    pub const DRAFT_ERROR: &str = "draft-error";
+    pub const DRAFT_TIMEOUT: &str = "draft-timeout";
+    pub const LOW_CONFIDENCE: &str = "low-confidence";
+}

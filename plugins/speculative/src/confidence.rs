@@ -1,0 +1,553 @@
+//! The low-confidence check, the heart of speculative routing: the draft pool answers first,
+//! and when its own token log-probabilities say it was guessing, the answer is dropped and the
+//! request escalates to the target pool.
+//!
+//! The draft is asked for log-probabilities even when the client did not ask
+//! ([`ask_for_logprobs`]); [`ConfidenceCheck`] removes them again before the answer is sent, so
+//! the client gets what vLLM would have answered it.
+
+use serde_json::Value;
+use sluice_sdk::escalation::reason;
+use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement};
+
+/// How an answer's confidence is measured over its first `window` tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Measure {
+    /// The mean token log-probability: how sure the draft was overall.
+    Mean,
+    /// The least likely token: a single wild guess is enough to escalate.
+    Min,
+}
+
+/// Judges a draft's non-stream answer by its token log-probabilities.
+#[derive(Debug, Clone)]
+pub struct ConfidenceCheck {
+    pub endpoint: Endpoint,
+    pub measure: Measure,
+    /// Tokens judged, from the start of the answer (0: all).
+    pub window: usize,
+    /// Escalate when the measure is below this (a log-probability, e.g. -1.0).
+    pub min_logprob: f64,
+    /// The client asked for logprobs itself: keep them in the answer.
+    pub client_asked: bool,
+}
+
+impl AnswerCheck for ConfidenceCheck {
+    fn judge(&self, body: &Bytes) -> Judgement {
+        // Not JSON: nothing to judge or strip; the client gets what the draft said.
+        let Ok(mut answer) = serde_json::from_slice::<Value>(body) else {
+            return Judgement::Keep(None);
+        };
+        // No readable logprobs (the draft ignored the request for them, or a shape this
+        // version does not know) means no evidence either way: keep the answer rather than
+        // escalate, or every such answer would pay for both pools.
+        if let Some(confidence) = self.confidence(&answer) {
+            if confidence < self.min_logprob {
+                return Judgement::Escalate(reason::LOW_CONFIDENCE);
+            }
+        }
+        if self.client_asked || !clear_logprobs(&mut answer) {
+            return Judgement::Keep(None);
+        }
+        match serde_json::to_vec(&answer) {
+            Ok(stripped) => Judgement::Keep(Some(Bytes::from(stripped))),
+            Err(_) => Judgement::Keep(None),
+        }
+    }
+}
+
+impl ConfidenceCheck {
+    /// The measure over the first `window` token log-probabilities of choice 0, if it has any.
+    fn confidence(&self, answer: &Value) -> Option<f64> {
+        let limit = if self.window == 0 {
+            usize::MAX
+        } else {
+            self.window
+        };
+        let (mut count, mut sum, mut min) = (0usize, 0.0f64, f64::INFINITY);
+        for logprob in token_logprobs(self.endpoint, answer)?.take(limit) {
+            count += 1;
+            sum += logprob;
+            min = min.min(logprob);
+        }
+        if count == 0 {
+            return None;
+        }
+        Some(match self.measure {
+            Measure::Mean => sum / count as f64,
+            Measure::Min => min,
+        })
+    }
+}
+
+/// The token log-probabilities of choice 0, in answer order. Chat puts them in
+/// `logprobs.content[].logprob`; completions in `logprobs.token_logprobs[]`, where vLLM writes
+/// `null` for a token without one (the first prompt token under `echo`), which is skipped.
+fn token_logprobs(endpoint: Endpoint, answer: &Value) -> Option<impl Iterator<Item = f64> + '_> {
+    let logprobs = answer.get("choices")?.get(0)?.get("logprobs")?;
+    // Where each token's logprob is: in its `logprob` field (chat), or the item itself.
+    let (tokens, field) = match endpoint {
+        Endpoint::ChatCompletions => (logprobs.get("content")?.as_array()?, Some("logprob")),
+        Endpoint::Completions => (logprobs.get("token_logprobs")?.as_array()?, None),
+    };
+    Some(tokens.iter().filter_map(move |token| match field {
+        Some(field) => token.get(field)?.as_f64(),
+        None => token.as_f64(),
+    }))
+}
+
+/// Sets every choice's `logprobs` to `null`, as vLLM answers when none were asked for.
+/// Returns whether anything changed.
+fn clear_logprobs(answer: &mut Value) -> bool {
+    let Some(choices) = answer.get_mut("choices").and_then(Value::as_array_mut) else {
+        return false;
+    };
+    let mut changed = false;
+    for choice in choices {
+        if let Some(logprobs) = choice.get_mut("logprobs") {
+            if !logprobs.is_null() {
+                *logprobs = Value::Null;
+                changed = true;
+            }
+        }
+    }
+    changed
+}
+
+/// The request body with token log-probabilities asked for, when the client did not ask:
+/// chat gets `"logprobs": true` (`top_logprobs` untouched), completions `"logprobs": 0` (an
+/// integer count of alternatives; 0 still returns each sampled token's log-probability).
+/// Field order is kept, and an existing `"logprobs": null`/`false` is replaced in place.
+///
+/// Returns None, meaning "send the client's body as is", when the body is not a JSON object,
+/// already asks for logprobs (or sets `logprobs` to anything but absent, `null` or chat's
+/// `false`), or when adding them would change more than the answer's logprobs:
+/// - `"stream": true`: nothing strips logprobs from a stream on its way to the client;
+/// - chat with `top_logprobs` > 0 but no `logprobs`: vLLM refuses it, so the draft must too;
+/// - completions with `"echo": true`: vLLM would also score the prompt, and the token
+///   log-probabilities would start with the prompt's rather than the answer's.
+pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
+    let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(body) else {
+        return None;
+    };
+    let is_true = |field: &str| request.get(field).and_then(Value::as_bool) == Some(true);
+    if is_true("stream") {
+        return None;
+    }
+    let not_asked = matches!(
+        (endpoint, request.get("logprobs")),
+        (_, None | Some(Value::Null)) | (Endpoint::ChatCompletions, Some(Value::Bool(false)))
+    );
+    if !not_asked {
+        return None;
+    }
+    let asked_for = match endpoint {
+        Endpoint::ChatCompletions => {
+            let wants_top = request
+                .get("top_logprobs")
+                .and_then(Value::as_u64)
+                .is_some_and(|top| top > 0);
+            if wants_top {
+                return None;
+            }
+            Value::Bool(true)
+        }
+        Endpoint::Completions => {
+            if is_true("echo") {
+                return None;
+            }
+            Value::from(0)
+        }
+    };
+    request.insert("logprobs".to_owned(), asked_for);
+    serde_json::to_vec(&request).ok().map(Bytes::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHAT: &str = include_str!("../../../tests/fixtures/vllm-chat-completion.json");
+    const COMPLETION: &str = include_str!("../../../tests/fixtures/vllm-completion.json");
+
+    fn check(endpoint: Endpoint, measure: Measure, window: usize) -> ConfidenceCheck {
+        ConfidenceCheck {
+            endpoint,
+            measure,
+            window,
+            min_logprob: -1.0,
+            client_asked: false,
+        }
+    }
+
+    /// One chat logprob entry as the simulator renders it (`top_logprobs` per request).
+    fn chat_entry(token: &str, logprob: f64, top: usize) -> Value {
+        let alternatives: Vec<Value> = (0..top)
+            .map(|i| {
+                serde_json::json!({"token": token, "logprob": logprob - 1.5 * i as f64,
+                    "bytes": token.as_bytes()})
+            })
+            .collect();
+        serde_json::json!({"token": token, "logprob": logprob, "bytes": token.as_bytes(),
+            "top_logprobs": alternatives})
+    }
+
+    /// The chat fixture with choice 0's logprobs set to these tokens.
+    fn chat_answer(logprobs: &[f64], top: usize) -> Value {
+        let mut answer: Value = serde_json::from_str(CHAT).unwrap();
+        let content: Vec<Value> = logprobs
+            .iter()
+            .map(|lp| chat_entry(" word", *lp, top))
+            .collect();
+        answer["choices"][0]["logprobs"] = serde_json::json!({ "content": content });
+        answer
+    }
+
+    /// The completion fixture with choice 0's logprobs set, in vLLM's parallel arrays.
+    fn completion_answer(logprobs: &[Option<f64>]) -> Value {
+        let mut answer: Value = serde_json::from_str(COMPLETION).unwrap();
+        let n = logprobs.len();
+        let top: Vec<Value> = logprobs
+            .iter()
+            .map(|lp| match lp {
+                Some(lp) => serde_json::json!({ " word": lp }),
+                None => Value::Null,
+            })
+            .collect();
+        answer["choices"][0]["logprobs"] = serde_json::json!({
+            "text_offset": (0..n).map(|i| i * 5).collect::<Vec<_>>(),
+            "token_logprobs": logprobs,
+            "tokens": vec![" word"; n],
+            "top_logprobs": top,
+        });
+        answer
+    }
+
+    fn bytes(answer: &Value) -> Bytes {
+        Bytes::from(serde_json::to_vec(answer).unwrap())
+    }
+
+    /// The answer a Keep sends: the replacement body, or the original.
+    fn kept(judgement: Judgement, original: &Bytes) -> Value {
+        match judgement {
+            Judgement::Keep(Some(body)) => serde_json::from_slice(&body).unwrap(),
+            Judgement::Keep(None) => serde_json::from_slice(original).unwrap(),
+            Judgement::Escalate(why) => panic!("escalated: {why}"),
+        }
+    }
+
+    const CONFIDENT: [f64; 5] = [-0.18, -0.02, -0.1, -0.05, -0.12];
+    const UNSURE: [f64; 5] = [-4.4, -2.6, -3.5, -3.0, -4.0];
+
+    #[test]
+    fn confident_chat_is_kept_without_the_logprobs_the_client_did_not_ask_for() {
+        let body = bytes(&chat_answer(&CONFIDENT, 0));
+        let judgement = check(Endpoint::ChatCompletions, Measure::Mean, 0).judge(&body);
+        let Judgement::Keep(Some(stripped)) = judgement else {
+            panic!("expected a stripped body, got {judgement:?}");
+        };
+        // Exactly the fixture, which is vLLM's answer without logprobs: same fields, same order.
+        assert_eq!(std::str::from_utf8(&stripped).unwrap(), CHAT.trim_end());
+    }
+
+    #[test]
+    fn confident_completion_is_kept_without_logprobs() {
+        let lps: Vec<Option<f64>> = CONFIDENT.iter().copied().map(Some).collect();
+        let body = bytes(&completion_answer(&lps));
+        let judgement = check(Endpoint::Completions, Measure::Min, 0).judge(&body);
+        let Judgement::Keep(Some(stripped)) = judgement else {
+            panic!("expected a stripped body, got {judgement:?}");
+        };
+        assert_eq!(
+            std::str::from_utf8(&stripped).unwrap(),
+            COMPLETION.trim_end()
+        );
+    }
+
+    #[test]
+    fn unsure_answers_escalate() {
+        let chat = bytes(&chat_answer(&UNSURE, 2));
+        let lps: Vec<Option<f64>> = UNSURE.iter().copied().map(Some).collect();
+        let completion = bytes(&completion_answer(&lps));
+        for measure in [Measure::Mean, Measure::Min] {
+            for window in [0, 1, 3, 100] {
+                let escalate = Judgement::Escalate(reason::LOW_CONFIDENCE);
+                let chat_check = check(Endpoint::ChatCompletions, measure, window);
+                assert_eq!(chat_check.judge(&chat), escalate, "{measure:?} {window}");
+                let completion_check = check(Endpoint::Completions, measure, window);
+                assert_eq!(completion_check.judge(&completion), escalate);
+            }
+        }
+    }
+
+    #[test]
+    fn client_asked_keeps_the_body_untouched() {
+        let body = bytes(&chat_answer(&CONFIDENT, 3));
+        let check = ConfidenceCheck {
+            client_asked: true,
+            ..check(Endpoint::ChatCompletions, Measure::Mean, 0)
+        };
+        assert_eq!(check.judge(&body), Judgement::Keep(None));
+        // Asking does not exempt an unsure answer.
+        let unsure = bytes(&chat_answer(&UNSURE, 3));
+        assert_eq!(
+            check.judge(&unsure),
+            Judgement::Escalate(reason::LOW_CONFIDENCE)
+        );
+    }
+
+    #[test]
+    fn mean_and_min_differ_on_one_wild_guess() {
+        // Mean -0.6 passes -1.0; the single -3.0 token does not.
+        let body = bytes(&chat_answer(
+            &[-0.1, -0.1, -3.0, -0.1, -0.1, -0.1, -0.1, -0.1],
+            0,
+        ));
+        let mean = check(Endpoint::ChatCompletions, Measure::Mean, 0);
+        assert!(matches!(mean.judge(&body), Judgement::Keep(Some(_))));
+        let min = check(Endpoint::ChatCompletions, Measure::Min, 0);
+        assert_eq!(
+            min.judge(&body),
+            Judgement::Escalate(reason::LOW_CONFIDENCE)
+        );
+    }
+
+    #[test]
+    fn window_counts_from_the_start_of_the_answer() {
+        // Confident start, unsure tail: a window of 2 sees only the start.
+        let body = bytes(&chat_answer(&[-0.05, -0.05, -4.0, -4.0], 0));
+        for measure in [Measure::Mean, Measure::Min] {
+            let short = check(Endpoint::ChatCompletions, measure, 2);
+            assert!(matches!(short.judge(&body), Judgement::Keep(Some(_))));
+            for window in [0, 3, 4, 10] {
+                let longer = check(Endpoint::ChatCompletions, measure, window);
+                assert_eq!(
+                    longer.judge(&body),
+                    Judgement::Escalate(reason::LOW_CONFIDENCE),
+                    "{measure:?} {window}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn completion_nulls_are_skipped_not_counted() {
+        // `null` first (echo's first prompt token), then confident tokens: the window of 2
+        // covers the two readable tokens, and the null does not count as a zero.
+        let body = bytes(&completion_answer(&[
+            None,
+            Some(-0.1),
+            Some(-0.1),
+            Some(-5.0),
+        ]));
+        let windowed = check(Endpoint::Completions, Measure::Min, 2);
+        assert!(matches!(windowed.judge(&body), Judgement::Keep(Some(_))));
+        let whole = check(Endpoint::Completions, Measure::Min, 0);
+        assert_eq!(
+            whole.judge(&body),
+            Judgement::Escalate(reason::LOW_CONFIDENCE)
+        );
+    }
+
+    #[test]
+    fn threshold_is_strict() {
+        let body = bytes(&chat_answer(&[-1.0, -1.0], 0));
+        let at = check(Endpoint::ChatCompletions, Measure::Mean, 0);
+        assert!(matches!(at.judge(&body), Judgement::Keep(Some(_))));
+    }
+
+    #[test]
+    fn missing_or_unreadable_logprobs_keep_the_answer() {
+        // vLLM's own answers without logprobs: nothing to strip either.
+        for (endpoint, body) in [
+            (Endpoint::ChatCompletions, CHAT),
+            (Endpoint::Completions, COMPLETION),
+        ] {
+            let body = Bytes::from(body);
+            assert_eq!(
+                check(endpoint, Measure::Min, 0).judge(&body),
+                Judgement::Keep(None)
+            );
+        }
+        // Wrong endpoint's shape, empty lists, no choices, odd types: never an escalation.
+        let chat_shaped = bytes(&chat_answer(&UNSURE, 0));
+        let completion_check = check(Endpoint::Completions, Measure::Min, 0);
+        assert!(matches!(
+            completion_check.judge(&chat_shaped),
+            Judgement::Keep(_)
+        ));
+        let odd = [
+            r#"{"choices":[]}"#,
+            r#"{"choices":[{"logprobs":{"content":[]}}]}"#,
+            r#"{"choices":[{"logprobs":{"content":null}}]}"#,
+            r#"{"choices":[{"logprobs":{"content":[{"logprob":"-9"}]}}]}"#,
+            r#"{"choices":{"0":{"logprobs":{"content":[{"logprob":-9}]}}}}"#,
+            r#"{"choices":[{"logprobs":[-9]}]}"#,
+            r#"{"object":"error","message":"x"}"#,
+            r#"[1,2]"#,
+            r#"null"#,
+        ];
+        for body in odd {
+            let judgement = check(Endpoint::ChatCompletions, Measure::Min, 0)
+                .judge(&Bytes::from_static(body.as_bytes()));
+            assert!(matches!(judgement, Judgement::Keep(_)), "{body}");
+        }
+    }
+
+    #[test]
+    fn unparsable_bodies_are_kept_unchanged() {
+        for body in [
+            &b""[..],
+            b"{",
+            b"not json",
+            b"\xff\xfe",
+            br#"{"choices":[]} trailing"#,
+        ] {
+            let check = check(Endpoint::ChatCompletions, Measure::Mean, 0);
+            assert_eq!(
+                check.judge(&Bytes::copy_from_slice(body)),
+                Judgement::Keep(None)
+            );
+        }
+    }
+
+    #[test]
+    fn every_choice_loses_its_logprobs_but_only_choice_0_is_judged() {
+        let mut answer = chat_answer(&CONFIDENT, 1);
+        let mut second = answer["choices"][0].clone();
+        second["index"] = 1.into();
+        second["logprobs"] = serde_json::json!({"content": [chat_entry(" no", -9.0, 0)]});
+        answer["choices"].as_array_mut().unwrap().push(second);
+        let body = bytes(&answer);
+        let kept = kept(
+            check(Endpoint::ChatCompletions, Measure::Min, 0).judge(&body),
+            &body,
+        );
+        for choice in kept["choices"].as_array().unwrap() {
+            assert!(choice["logprobs"].is_null());
+        }
+        assert_eq!(kept["choices"].as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn simulator_ranges_separate_at_minus_one() {
+        // The simulator draws confident tokens from [-0.18, -0.02], unsure ones from
+        // [-4.4, -2.6]: a -1.0 threshold splits them with either measure. Sim logprobs are
+        // f32, rendered as such.
+        let f32_render = |lps: &[f64]| -> Vec<f64> {
+            lps.iter()
+                .map(|lp| {
+                    let text = serde_json::to_string(&(*lp as f32)).unwrap();
+                    text.parse().unwrap()
+                })
+                .collect()
+        };
+        for measure in [Measure::Mean, Measure::Min] {
+            let check = check(Endpoint::ChatCompletions, measure, 16);
+            let confident = bytes(&chat_answer(&f32_render(&CONFIDENT), 0));
+            assert!(matches!(check.judge(&confident), Judgement::Keep(Some(_))));
+            let unsure = bytes(&chat_answer(&f32_render(&UNSURE), 0));
+            assert_eq!(
+                check.judge(&unsure),
+                Judgement::Escalate(reason::LOW_CONFIDENCE)
+            );
+        }
+    }
+
+    fn asked(endpoint: Endpoint, body: &str) -> Option<String> {
+        ask_for_logprobs(endpoint, body.as_bytes()).map(|b| String::from_utf8(b.to_vec()).unwrap())
+    }
+
+    #[test]
+    fn chat_gets_logprobs_true_at_the_end_or_in_place() {
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0}"#
+            )
+            .as_deref(),
+            Some(
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0,"logprobs":true}"#
+            )
+        );
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"logprobs":false,"model":"m","messages":[],"top_logprobs":0}"#
+            )
+            .as_deref(),
+            Some(r#"{"logprobs":true,"model":"m","messages":[],"top_logprobs":0}"#)
+        );
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"logprobs":null,"messages":[]}"#
+            )
+            .as_deref(),
+            Some(r#"{"logprobs":true,"messages":[]}"#)
+        );
+    }
+
+    #[test]
+    fn completions_get_logprobs_zero() {
+        assert_eq!(
+            asked(
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"The capital of France is","max_tokens":16}"#
+            )
+            .as_deref(),
+            Some(
+                r#"{"model":"m","prompt":"The capital of France is","max_tokens":16,"logprobs":0}"#
+            )
+        );
+        assert_eq!(
+            asked(
+                Endpoint::Completions,
+                r#"{"prompt":"x","logprobs":null,"echo":false}"#
+            )
+            .as_deref(),
+            Some(r#"{"prompt":"x","logprobs":0,"echo":false}"#)
+        );
+    }
+
+    #[test]
+    fn bodies_that_ask_already_or_cannot_be_asked_are_left_alone() {
+        let chat = [
+            r#"{"messages":[],"logprobs":true}"#,
+            r#"{"messages":[],"logprobs":true,"top_logprobs":5}"#,
+            r#"{"messages":[],"logprobs":1}"#,
+            r#"{"messages":[],"top_logprobs":2}"#,
+            r#"{"messages":[],"stream":true}"#,
+            r#"[{"messages":[]}]"#,
+            r#""hello""#,
+            r#"{"messages":[]"#,
+            "",
+        ];
+        for body in chat {
+            assert_eq!(asked(Endpoint::ChatCompletions, body), None, "{body}");
+        }
+        let completions = [
+            r#"{"prompt":"x","logprobs":0}"#,
+            r#"{"prompt":"x","logprobs":5}"#,
+            r#"{"prompt":"x","logprobs":false}"#,
+            r#"{"prompt":"x","echo":true}"#,
+            r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#,
+            "42",
+        ];
+        for body in completions {
+            assert_eq!(asked(Endpoint::Completions, body), None, "{body}");
+        }
+    }
+
+    #[test]
+    fn a_stream_false_body_is_asked() {
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"messages":[],"stream":false}"#
+            )
+            .as_deref(),
+            Some(r#"{"messages":[],"stream":false,"logprobs":true}"#)
+        );
+    }
+}

@@ -1,0 +1,139 @@
+//! The `plugins.speculative` config section.
+
+use serde::Deserialize;
+use sluice_sdk::duration;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpeculativeConfig {
+    pub enabled: bool,
+    /// The header a client asks for a tier with (`draft` or `target`).
+    pub tier_header: String,
+    /// Whether clients may force the target pool with that header (`forced`).
+    pub allow_forced_target: bool,
+    pub models: Vec<ModelConfig>,
+    /// Price per million tokens (prompt and completion alike) per pool, for the cost metrics.
+    pub price_per_million_tokens: BTreeMap<String, f64>,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            tier_header: "x-sluice-tier".into(),
+            allow_forced_target: true,
+            models: Vec::new(),
+            price_per_million_tokens: BTreeMap::new(),
+        }
+    }
+}
+
+/// One served model: the name clients send, its draft pools in order, its target pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub model: String,
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    pub drafts: Vec<DraftConfig>,
+    pub target: String,
+    /// The longest wait for a draft's response header before the target takes over.
+    #[serde(default, deserialize_with = "duration::deserialize_option")]
+    pub draft_first_byte_budget: Option<Duration>,
+    #[serde(default)]
+    pub confidence: ConfidenceConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DraftConfig {
+    pub pool: String,
+    /// Which prompts this draft takes: `any`, or `code` (prompts that look like code).
+    #[serde(default)]
+    pub when: DraftWhen,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftWhen {
+    #[default]
+    Any,
+    Code,
+}
+
+/// Escalation on low confidence: non-stream answers of a draft are judged by their tokens'
+/// log-probabilities before the client sees them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConfidenceConfig {
+    pub enabled: bool,
+    /// `mean` or `min` log-probability over the window.
+    pub measure: MeasureName,
+    /// Tokens judged from the start of the answer (0: all).
+    pub window: usize,
+    /// Escalate below this log-probability.
+    pub min_logprob: f64,
+}
+
+impl Default for ConfidenceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            measure: MeasureName::Mean,
+            window: 32,
+            min_logprob: -1.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MeasureName {
+    Mean,
+    Min,
+}
+
+impl SpeculativeConfig {
+    /// Checks what serde cannot; errors are `(key path below plugins.speculative, message)`.
+    /// Pool names are checked against the pools when the plugin is built.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if self.enabled && self.models.is_empty() {
+            return Err(("models".into(), "at least one model is needed".into()));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let key = format!("models[{i}]");
+            for name in std::iter::once(&m.model).chain(&m.aliases) {
+                if !names.insert(name.as_str()) {
+                    return Err((format!("{key}.model"), format!("`{name}` is named twice")));
+                }
+            }
+            if m.drafts.is_empty() {
+                return Err((format!("{key}.drafts"), "at least one draft pool".into()));
+            }
+            if m.drafts.iter().any(|d| d.pool == m.target) {
+                return Err((
+                    format!("{key}.target"),
+                    "must not also be a draft pool".into(),
+                ));
+            }
+            if m.confidence.min_logprob.is_nan() || m.confidence.min_logprob > 0.0 {
+                return Err((
+                    format!("{key}.confidence.min_logprob"),
+                    "must be a log-probability (≤ 0)".into(),
+                ));
+            }
+        }
+        for (pool, price) in &self.price_per_million_tokens {
+            if !(price.is_finite() && *price >= 0.0) {
+                return Err((
+                    format!("price_per_million_tokens.{pool}"),
+                    "must be a number ≥ 0".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

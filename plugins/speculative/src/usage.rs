@@ -1,0 +1,339 @@
+//! Token counts from a response as it streams through, for per-pool token and cost metrics.
+//!
+//! vLLM reports `usage` at the end: the last field but two of a JSON answer, or the last
+//! chunk before `[DONE]` of a stream that asked for it (`stream_options.include_usage`). The
+//! body itself goes to the client chunk by chunk and is never held here: the scanner looks for
+//! the `"usage"` key byte by byte and copies only the object that follows it.
+
+use serde::Deserialize;
+
+/// The token counts of one answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// The key looked for. In valid JSON these bytes can only be an object key: inside a string,
+/// both quotes would be escaped (`\"usage\"`), and the closing one would not follow `usage`.
+const KEY: &[u8] = b"\"usage\"";
+
+/// The most bytes of a `usage` object kept. vLLM's is under 200 bytes (with
+/// `prompt_tokens_details` under 300); anything longer is not the usage being looked for.
+const MAX_OBJECT: usize = 4096;
+
+/// Watches a response's body chunks (a JSON answer or an SSE stream) and finds its `usage`,
+/// without buffering the body: the only bytes kept are those of a candidate `usage` object
+/// (at most [`MAX_OBJECT`]), so the object may be split across any number of chunks.
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    state: State,
+    /// The candidate object's bytes, from its `{`.
+    object: Vec<u8>,
+    found: Option<Usage>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Looking for [`KEY`]; this many of its bytes matched so far.
+    #[default]
+    Seeking,
+    Matching(usize),
+    /// After the key: whitespace, then `:`.
+    AfterKey,
+    /// After the colon: whitespace, then `{` (anything else, e.g. `null`, is no usage).
+    AfterColon,
+    /// Copying the object, tracking nesting and strings to find its end.
+    InObject {
+        depth: u32,
+        in_string: bool,
+        escaped: bool,
+    },
+}
+
+/// The fields read from a `usage` object; others (`total_tokens`, details) are ignored.
+#[derive(Deserialize)]
+struct Counts {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+impl UsageScanner {
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            if self.state == State::Seeking {
+                // Fast path: nothing can start before the next quote.
+                let Some(quote) = rest.iter().position(|&b| b == b'"') else {
+                    return;
+                };
+                rest = rest.get(quote..).unwrap_or_default();
+            }
+            let Some((&byte, tail)) = rest.split_first() else {
+                return;
+            };
+            self.step(byte);
+            rest = tail;
+        }
+    }
+
+    /// The usage found in what was fed (the last `"usage": {...}` object with integer
+    /// prompt_tokens and completion_tokens), if any. `"usage": null` (stream chunks before
+    /// the last) does not count.
+    pub fn usage(&self) -> Option<Usage> {
+        self.found
+    }
+
+    fn step(&mut self, byte: u8) {
+        self.state = match self.state {
+            State::Seeking => seek_key(byte, 0),
+            State::Matching(matched) => seek_key(byte, matched),
+            State::AfterKey => match byte {
+                b':' => State::AfterColon,
+                b if is_json_space(b) => State::AfterKey,
+                b => seek_key(b, 0),
+            },
+            State::AfterColon => match byte {
+                b'{' => {
+                    self.object.clear();
+                    self.object.push(byte);
+                    State::InObject {
+                        depth: 1,
+                        in_string: false,
+                        escaped: false,
+                    }
+                }
+                b if is_json_space(b) => State::AfterColon,
+                b => seek_key(b, 0),
+            },
+            State::InObject {
+                depth,
+                in_string,
+                escaped,
+            } => self.copy(byte, depth, in_string, escaped),
+        };
+    }
+
+    fn copy(&mut self, byte: u8, depth: u32, in_string: bool, escaped: bool) -> State {
+        if self.object.len() >= MAX_OBJECT {
+            self.object.clear();
+            return seek_key(byte, 0);
+        }
+        self.object.push(byte);
+        let (depth, in_string, escaped) = match (in_string, escaped, byte) {
+            (true, true, _) => (depth, true, false),
+            (true, false, b'\\') => (depth, true, true),
+            (true, false, b'"') => (depth, false, false),
+            (true, false, _) => (depth, true, false),
+            (false, _, b'"') => (depth, true, false),
+            (false, _, b'{') => (depth.saturating_add(1), false, false),
+            (false, _, b'}') => (depth.saturating_sub(1), false, false),
+            (false, _, _) => (depth, false, false),
+        };
+        if depth > 0 {
+            return State::InObject {
+                depth,
+                in_string,
+                escaped,
+            };
+        }
+        if let Ok(counts) = serde_json::from_slice::<Counts>(&self.object) {
+            self.found = Some(Usage {
+                prompt_tokens: counts.prompt_tokens,
+                completion_tokens: counts.completion_tokens,
+            });
+        }
+        self.object.clear();
+        State::Seeking
+    }
+}
+
+/// Advances the match of [`KEY`], `matched` bytes of which are already matched.
+fn seek_key(byte: u8, matched: usize) -> State {
+    if KEY.get(matched) == Some(&byte) {
+        let matched = matched + 1;
+        return if matched == KEY.len() {
+            State::AfterKey
+        } else {
+            State::Matching(matched)
+        };
+    }
+    // A mismatch can only restart on a quote: the key has no other quote but its last.
+    if byte == b'"' {
+        State::Matching(1)
+    } else {
+        State::Seeking
+    }
+}
+
+fn is_json_space(byte: u8) -> bool {
+    matches!(byte, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHAT: &str = include_str!("../../../tests/fixtures/vllm-chat-completion.json");
+    const COMPLETION: &str = include_str!("../../../tests/fixtures/vllm-completion.json");
+    const CHAT_STREAM: &str = include_str!("../../../tests/fixtures/vllm-chat-stream.sse");
+
+    fn scan_whole(body: &[u8]) -> Option<Usage> {
+        let mut scanner = UsageScanner::default();
+        scanner.feed(body);
+        scanner.usage()
+    }
+
+    fn scan_in_pieces(body: &[u8], sizes: impl Iterator<Item = usize>) -> Option<Usage> {
+        let mut scanner = UsageScanner::default();
+        let mut rest = body;
+        for size in sizes {
+            if rest.is_empty() {
+                break;
+            }
+            let (piece, tail) = rest.split_at(size.clamp(1, rest.len()));
+            scanner.feed(piece);
+            scanner.feed(b"");
+            rest = tail;
+        }
+        scanner.feed(rest);
+        scanner.usage()
+    }
+
+    /// Same answer whole, byte by byte, and in pseudo-random pieces of 1 to 64 bytes.
+    fn scan_every_way(body: &str) -> Option<Usage> {
+        let body = body.as_bytes();
+        let whole = scan_whole(body);
+        assert_eq!(scan_in_pieces(body, std::iter::repeat(1)), whole);
+        for seed in 1..50u64 {
+            let mut state = seed;
+            let sizes = std::iter::repeat_with(move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % 64) as usize + 1
+            });
+            assert_eq!(scan_in_pieces(body, sizes), whole, "seed {seed}");
+        }
+        // Every single split point.
+        for split in 0..=body.len() {
+            let (a, b) = body.split_at(split);
+            let mut scanner = UsageScanner::default();
+            scanner.feed(a);
+            scanner.feed(b);
+            assert_eq!(scanner.usage(), whole, "split at {split}");
+        }
+        whole
+    }
+
+    fn usage(prompt_tokens: u64, completion_tokens: u64) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens,
+            completion_tokens,
+        })
+    }
+
+    #[test]
+    fn vllm_fixtures() {
+        assert_eq!(scan_every_way(CHAT), usage(24, 8));
+        assert_eq!(scan_every_way(COMPLETION), usage(7, 16));
+        assert_eq!(scan_every_way(CHAT_STREAM), usage(24, 8));
+    }
+
+    #[test]
+    fn stream_without_a_usage_chunk() {
+        let without: String = CHAT_STREAM
+            .split("\n\n")
+            .filter(|event| !event.contains("\"usage\""))
+            .map(|event| format!("{event}\n\n"))
+            .collect();
+        assert!(without.contains("[DONE]") && without.contains("Paris"));
+        assert_eq!(scan_every_way(&without), None);
+        assert_eq!(scan_every_way(""), None);
+    }
+
+    #[test]
+    fn usage_null_does_not_count_and_the_last_object_wins() {
+        // The simulator's completion stream: `"usage":null` in every chunk, then the usage chunk.
+        let chunk = |text: &str| {
+            format!(
+                "data: {{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"text\":\"{text}\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null}}],\"usage\":null}}\n\n"
+            )
+        };
+        let only_nulls = format!("{}{}data: [DONE]\n\n", chunk(" Paris"), chunk(","));
+        assert_eq!(scan_every_way(&only_nulls), None);
+        let with_usage = format!(
+            "{}{}data: {{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"total_tokens\":9,\"completion_tokens\":2}}}}\n\ndata: [DONE]\n\n",
+            chunk(" Paris"),
+            chunk(",")
+        );
+        assert_eq!(scan_every_way(&with_usage), usage(7, 2));
+        // continuous_usage_stats: a usage in every chunk; the last is the total.
+        let continuous = "data: {\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\n\
+                          data: {\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n\
+                          data: {\"usage\":null}\n\ndata: [DONE]\n\n";
+        assert_eq!(scan_every_way(continuous), usage(5, 2));
+    }
+
+    #[test]
+    fn simulator_shapes() {
+        // Non-stream: field order of the simulator's ChatCompletion, with logprobs.
+        let chat = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":" the usage","refusal":null,"annotations":null,"audio":null,"function_call":null,"tool_calls":[],"reasoning_content":null},"logprobs":{"content":[{"token":" usage","logprob":-0.1,"bytes":[32,117],"top_logprobs":[]}]},"finish_reason":"length","stop_reason":null}],"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":11,"total_tokens":12,"completion_tokens":1,"prompt_tokens_details":null},"prompt_logprobs":null,"kv_transfer_params":null}"#;
+        assert_eq!(scan_every_way(chat), usage(11, 1));
+        // Stream with include_usage: the UsageChunk, `choices` empty.
+        let stream = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" usage\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n\
+                      data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"total_tokens\":13,\"completion_tokens\":2}}\n\n\
+                      data: [DONE]\n\n";
+        assert_eq!(scan_every_way(stream), usage(11, 2));
+    }
+
+    #[test]
+    fn usage_in_text_and_odd_objects_is_ignored() {
+        // The word inside generated text, escaped quotes, a usage without the counts or with
+        // non-integer counts: none is a usage.
+        for body in [
+            r#"{"choices":[{"text":"\"usage\": {\"prompt_tokens\":1,\"completion_tokens\":2}"}]}"#,
+            r#"{"choices":[{"text":"usage\\"}],"x":"usage"}"#,
+            r#"{"usage":{"total_tokens":3}}"#,
+            r#"{"usage":{"prompt_tokens":1.5,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":-1,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":"1","completion_tokens":2}}"#,
+            r#"{"usage":[{"prompt_tokens":1,"completion_tokens":2}]}"#,
+            r#"{"usage":"{\"prompt_tokens\":1,\"completion_tokens\":2}"}"#,
+            r#"{"usage" : null}"#,
+        ] {
+            assert_eq!(scan_every_way(body), None, "{body}");
+        }
+    }
+
+    #[test]
+    fn nested_details_strings_and_whitespace() {
+        let body = "{\"usage\" :\n {\"prompt_tokens\": 3, \"note\": \"} {\\\"}\", \
+                    \"prompt_tokens_details\": {\"cached_tokens\": 2}, \"completion_tokens\": 4}}";
+        assert_eq!(scan_every_way(body), usage(3, 4));
+        // A key that almost matches, then the real one.
+        let body = r#"{"usag":1,""usage"x":2,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+        assert_eq!(scan_every_way(body), usage(1, 1));
+    }
+
+    #[test]
+    fn memory_stays_bounded() {
+        // A huge `usage` object is abandoned, not buffered; a later real one is still found.
+        let mut scanner = UsageScanner::default();
+        scanner.feed(b"{\"usage\":{\"prompt_tokens\":1,\"pad\":\"");
+        for _ in 0..1000 {
+            scanner.feed(&[b'x'; 1024]);
+            assert!(scanner.object.capacity() <= 2 * MAX_OBJECT);
+        }
+        scanner.feed(b"\",\"completion_tokens\":1}}");
+        assert_eq!(scanner.usage(), None);
+        scanner.feed(br#"data: {"usage":{"prompt_tokens":2,"completion_tokens":3}}"#);
+        assert_eq!(scanner.usage(), usage(2, 3));
+        // A long body without usage keeps nothing.
+        let mut scanner = UsageScanner::default();
+        for _ in 0..1000 {
+            scanner.feed(CHAT_STREAM.replace("usage", "other").as_bytes());
+        }
+        assert_eq!(scanner.object.capacity(), 0);
+    }
+}

@@ -1,0 +1,376 @@
+//! The speculative-first selector end to end: a draft simulator and a target simulator that
+//! serve the same model name, every escalation reason, fallback with a 1 MiB body, a broken
+//! draft stream, low-confidence escalation and the retry budget.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use vllm_sim::{Faults, SimConfig};
+
+const MODEL: &str = "llama";
+
+async fn sim(low_confidence_share: f64) -> vllm_sim::Sim {
+    sim_with(SimConfig::default(), low_confidence_share).await
+}
+
+async fn sim_with(config: SimConfig, low_confidence_share: f64) -> vllm_sim::Sim {
+    vllm_sim::start(
+        config
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_low_confidence_share(low_confidence_share)
+            .with_record_requests(100),
+    )
+    .await
+    .expect("sim")
+}
+
+/// Draft and target pools and the selector; `draft_extra` goes into the draft pool's block,
+/// `model_extra` into the model's entry.
+fn config(
+    draft: &vllm_sim::Sim,
+    target: &vllm_sim::Sim,
+    draft_extra: &str,
+    model_extra: &str,
+) -> String {
+    format!(
+        "pools:\n{}{}\
+         plugins:\n  cache:\n    enabled: true\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}\
+         \n    price_per_million_tokens: {{draft: 0.1, target: 1.0}}\n",
+        pool(
+            "draft",
+            &[MODEL],
+            &[draft.addr()],
+            &format!("    max_model_len: 2048\n    supports: {{best_of: false}}\n{draft_extra}")
+        ),
+        pool("target", &[MODEL], &[target.addr()], ""),
+    )
+}
+
+fn escalated(a: &Answer) -> Option<String> {
+    a.headers
+        .get("x-sluice-escalated")
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+fn pool_of(a: &Answer) -> String {
+    a.headers["x-sluice-pool"].to_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
+    let (draft, target) = (sim(0.0).await, sim(0.0).await);
+    let proxy = Proxy::start(&config(&draft, &target, "", "")).await;
+    let url = proxy.url("/v1/chat/completions");
+
+    let a = ask(&url, &chat(MODEL, "hello", false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!((pool_of(&a), escalated(&a)), ("draft".into(), None));
+
+    let a = ask(
+        &url,
+        &chat(MODEL, "hello again", false),
+        &[("x-sluice-tier", "target")],
+    )
+    .await;
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("forced".into()))
+    );
+
+    let completions = proxy.url("/v1/completions");
+    let body = json!({"model": MODEL, "prompt": "count", "best_of": 2, "max_tokens": 5});
+    let a = ask(&completions, &body, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("unsupported".into()))
+    );
+
+    // About 2,500 prompt tokens: more than the draft's 2,048-token context.
+    let long = chat(MODEL, &"many words ".repeat(1000), false);
+    let a = ask(&url, &long, &[]).await;
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("prompt-too-long".into()))
+    );
+
+    draft.set_faults(Faults {
+        engine_dead: true,
+        ..Faults::default()
+    });
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "draft", draft.addr()).await["health"] == "unhealthy"
+    })
+    .await
+    .is_some());
+    let a = ask(&url, &chat(MODEL, "while the draft is down", false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("draft-unavailable".into()))
+    );
+
+    let metrics = metrics_text(&proxy).await;
+    for reason in [
+        "forced",
+        "unsupported",
+        "prompt-too-long",
+        "draft-unavailable",
+    ] {
+        let series = format!(r#"sluice_speculative_escalations_total{{reason="{reason}"}}"#);
+        assert_eq!(
+            metric_value(&metrics, &series),
+            Some(1.0),
+            "{series}\n{metrics}"
+        );
+    }
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"sluice_speculative_requests_total{escalated="no",pool="draft"}"#
+        ),
+        Some(1.0)
+    );
+    // One of five requests stayed on the draft.
+    assert_eq!(
+        metric_value(&metrics, "speculative_acceptance_ratio"),
+        Some(0.2)
+    );
+    let completion_tokens = metric_value(
+        &metrics,
+        r#"sluice_tokens_total{kind="completion",pool="target"}"#,
+    )
+    .unwrap_or(0.0);
+    assert!(completion_tokens > 0.0, "{metrics}");
+    let cost = metric_value(&metrics, r#"sluice_cost_dollars_total{pool="draft"}"#).unwrap();
+    let on_target = metric_value(
+        &metrics,
+        r#"sluice_cost_target_equivalent_dollars_total{pool="draft"}"#,
+    )
+    .unwrap();
+    assert!(
+        cost > 0.0 && (on_target / cost - 10.0).abs() < 1e-6,
+        "{cost} {on_target}"
+    );
+}
+
+/// A 1 MiB prompt (about 256k tokens would be too long for a real draft; this pool declares
+/// no context limit).
+fn huge_request() -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x".repeat(1 << 20)}],
+        "max_tokens": 5,
+        "temperature": 0,
+    })
+}
+
+fn big_config(draft: &vllm_sim::Sim, target: &vllm_sim::Sim, model_extra: &str) -> String {
+    // No health checks on the draft: the request path alone meets its failures.
+    format!(
+        "limits:\n  max_request_body_bytes: 4194304\npools:\n{}{}\
+         plugins:\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}",
+        pool("draft", &[MODEL], &[draft.addr()], NO_HEALTH_CHECKS),
+        pool("target", &[MODEL], &[target.addr()], ""),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_draft_falls_back_with_the_whole_1_mib_body() {
+    let long_context = || SimConfig::default().with_max_model_len(1 << 20);
+    let (draft, target) = (
+        sim_with(long_context(), 0.0).await,
+        sim_with(long_context(), 0.0).await,
+    );
+    let proxy = Proxy::start(&big_config(
+        &draft,
+        &target,
+        "        draft_first_byte_budget: 500ms\n",
+    ))
+    .await;
+    let url = proxy.url("/v1/chat/completions");
+    let cases = [
+        (Faults::error_rate(1.0, 503), "draft-error"),
+        (
+            Faults {
+                hang_before_headers: true,
+                ..Faults::default()
+            },
+            "draft-timeout",
+        ),
+        (
+            Faults {
+                refuse_connections: true,
+                ..Faults::default()
+            },
+            "draft-error",
+        ),
+    ];
+    for (i, (faults, reason)) in cases.into_iter().enumerate() {
+        draft.set_faults(faults);
+        let a = ask(&url, &huge_request(), &[]).await;
+        assert_eq!(a.status, 200, "{reason}: {}", a.body);
+        assert_eq!(pool_of(&a), "target");
+        assert_eq!(escalated(&a).as_deref(), Some(reason));
+        let got = target.stats().recent;
+        let last = got.last().expect("the target got the request");
+        assert_eq!(
+            last.body.len(),
+            serde_json::to_vec(&huge_request()).unwrap().len()
+        );
+        assert_eq!(target.stats().count("/v1/chat/completions"), i as u64 + 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_stream_that_drops_midway_ends_with_an_error_event_and_is_not_cached() {
+    let (draft, target) = (sim(0.0).await, sim(0.0).await);
+    draft.set_faults(Faults {
+        drop_after_chunks: Some(4),
+        ..Faults::default()
+    });
+    let proxy = Proxy::start(&config(&draft, &target, NO_HEALTH_CHECKS, "")).await;
+    let url = proxy.url("/v1/chat/completions");
+    let request = chat(MODEL, "a story, please", true);
+    let a = ask(&url, &request, &[]).await;
+    assert_eq!(a.status, 200);
+    let events = sse_data(&a.body);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        a.body
+    );
+    let error = &events[events.len() - 2];
+    assert!(error.contains("\"error\""), "{error}");
+    assert_eq!(
+        target.stats().count("/v1/chat/completions"),
+        0,
+        "no fallback once streaming"
+    );
+    // Not cached: the same request goes upstream again.
+    draft.set_faults(Faults::none());
+    let again = ask(&url, &request, &[]).await;
+    assert_eq!(again.x_cache, "MISS");
+}
+
+/// The mean log-probability of the draft's own answer to `content`, asked directly.
+async fn draft_confidence(draft: &vllm_sim::Sim, content: &str) -> f64 {
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+                      "temperature": 0, "logprobs": true, "max_tokens": 16});
+    let v: Value = client()
+        .post(format!("{}/v1/chat/completions", draft.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let lps: Vec<f64> = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["logprob"].as_f64().unwrap())
+        .collect();
+    lps.iter().sum::<f64>() / lps.len() as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn low_confidence_answers_go_to_the_target_the_others_stay() {
+    let (draft, target) = (sim(0.5).await, sim(0.0).await);
+    let proxy = Proxy::start(&config(
+        &draft,
+        &target,
+        "",
+        "        confidence: {enabled: true, measure: mean, window: 16, min_logprob: -1.0}\n",
+    ))
+    .await;
+    let url = proxy.url("/v1/chat/completions");
+    let (mut kept, mut escalations) = (0, 0);
+    for i in 0..16 {
+        let content = format!("question number {i}");
+        let expected_low = draft_confidence(&draft, &content).await < -1.0;
+        let mut request = chat(MODEL, &content, false);
+        request["max_tokens"] = json!(16);
+        let a = ask(&url, &request, &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let v: Value = serde_json::from_str(&a.body).unwrap();
+        assert!(
+            v["choices"][0]["logprobs"].is_null(),
+            "not asked, not sent: {v}"
+        );
+        if expected_low {
+            escalations += 1;
+            assert_eq!(
+                escalated(&a).as_deref(),
+                Some("low-confidence"),
+                "{content}"
+            );
+            assert_eq!(pool_of(&a), "target");
+        } else {
+            kept += 1;
+            assert_eq!(escalated(&a), None, "{content}");
+            assert_eq!(pool_of(&a), "draft");
+        }
+    }
+    assert!(
+        kept > 0 && escalations > 0,
+        "{kept} kept, {escalations} escalated"
+    );
+    // The draft was asked for logprobs the client did not ask for.
+    let asked = draft
+        .stats()
+        .recent
+        .iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("\"logprobs\":true"))
+        .count();
+    assert!(asked >= 16, "{asked}");
+    // A client that asks for logprobs gets them.
+    let mut request = chat(MODEL, "question number 0 again", false);
+    request["logprobs"] = json!(true);
+    let a = ask(&url, &request, &[]).await;
+    let v: Value = serde_json::from_str(&a.body).unwrap();
+    assert!(v["choices"][0]["logprobs"]["content"].is_array(), "{v}");
+    println!("low confidence: {kept} kept on the draft, {escalations} escalated");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_holds_under_a_pool_that_fails_every_request() {
+    let failing = sim(0.0).await;
+    failing.set_faults(Faults::error_rate(1.0, 503));
+    let config = format!(
+        "pools:\n{}",
+        pool(
+            "main",
+            &[MODEL],
+            &[failing.addr()],
+            "    retry: {max_retries: 2, budget_ratio: 0.2, min_retries: 3, backoff_base: 1ms, backoff_max: 5ms}\n    outlier_detection: {consecutive_failures: 0}\n"
+        )
+    );
+    let proxy = Arc::new(Proxy::start(&config).await);
+    for i in 0..50 {
+        let a = ask(
+            &proxy.url("/v1/chat/completions"),
+            &chat(MODEL, &format!("q{i}"), false),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            a.status, 503,
+            "the upstream's own answer passes through: {}",
+            a.body
+        );
+    }
+    let sent = failing.stats().count("/v1/chat/completions");
+    // 50 requests, at most 3 + 20% of 50 retries; without a budget it would be 150.
+    assert!((50..=63).contains(&sent), "{sent}");
+    let metrics = metrics_text(&proxy).await;
+    let retries = metric_value(&metrics, r#"sluice_pool_retries_total{pool="main"}"#).unwrap();
+    assert_eq!(retries as u64, sent - 50);
+    println!("retry budget: 50 requests to a pool failing all: {sent} upstream attempts");
+}
