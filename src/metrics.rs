@@ -5,6 +5,7 @@
 //! Label values come from config (pool, route) or from a fixed set, never from raw client
 //! input, so a client cannot blow up cardinality: an unknown model is `-`.
 
+use prometheus::core::{MetricVec, MetricVecBuilder};
 use prometheus::{
     register_gauge_vec, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
     Encoder, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, TextEncoder,
@@ -148,52 +149,46 @@ const CORE_REJECTION_REASONS: &[&str] = &[
 /// find them from start-up rather than after the first request of each kind.
 pub fn init(pools: &Pools) {
     let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS, &*UPSTREAM_ATTEMPTS);
-    if let Some(c) = REJECTIONS.as_ref() {
-        for reason in CORE_REJECTION_REASONS {
-            let _ = c.get_metric_with_label_values(&[reason, "-"]);
-        }
+    for reason in CORE_REJECTION_REASONS {
+        let _ = series(&REJECTIONS, &[reason, "-"]);
     }
     for pool in pools.iter() {
         for h in [&ROUTER_REQUEST_DURATION, &STREAM_FIRST_BYTE] {
-            if let Some(h) = h.as_ref() {
-                let _ = h.get_metric_with_label_values(&[&pool.name]);
-            }
+            let _ = series(h, &[&pool.name]);
         }
-        if let Some(c) = EJECTIONS.as_ref() {
-            let _ = c.get_metric_with_label_values(&[&pool.name]);
-        }
+        let _ = series(&EJECTIONS, &[&pool.name]);
     }
 }
 
+/// The series of `vec` with `labels`, if the vector registered. Metrics never fail a request.
+fn series<P: MetricVecBuilder>(
+    vec: &LazyLock<Option<MetricVec<P>>>,
+    labels: &[&str],
+) -> Option<P::M> {
+    vec.as_ref()?.get_metric_with_label_values(labels).ok()
+}
+
 pub fn observe(h: &LazyLock<Option<HistogramVec>>, labels: &[&str], value: f64) {
-    if let Some(h) = h.as_ref() {
-        if let Ok(h) = h.get_metric_with_label_values(labels) {
-            h.observe(value);
-        }
+    if let Some(h) = series(h, labels) {
+        h.observe(value);
     }
 }
 
 pub fn set_gauge(g: &LazyLock<Option<GaugeVec>>, labels: &[&str], value: f64) {
-    if let Some(g) = g.as_ref() {
-        if let Ok(g) = g.get_metric_with_label_values(labels) {
-            g.set(value);
-        }
+    if let Some(g) = series(g, labels) {
+        g.set(value);
     }
 }
 
 pub fn set_int_gauge(g: &LazyLock<Option<IntGaugeVec>>, labels: &[&str], value: i64) {
-    if let Some(g) = g.as_ref() {
-        if let Ok(g) = g.get_metric_with_label_values(labels) {
-            g.set(value);
-        }
+    if let Some(g) = series(g, labels) {
+        g.set(value);
     }
 }
 
 pub fn inc(c: &LazyLock<Option<IntCounterVec>>, labels: &[&str]) {
-    if let Some(c) = c.as_ref() {
-        if let Ok(c) = c.get_metric_with_label_values(labels) {
-            c.inc();
-        }
+    if let Some(c) = series(c, labels) {
+        c.inc();
     }
 }
 

@@ -19,6 +19,7 @@ use async_trait::async_trait;
 use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
+use pingora_core::upstreams::peer::HttpPeer;
 use sluice_sdk::{BackendLive, BackendState, Load, Pool, Pools, Probe};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,7 +43,11 @@ impl BackgroundService for HealthService {
         let mut tasks = tokio::task::JoinSet::new();
         for pool in self.pools.iter() {
             for index in 0..pool.backends.len() {
+                let Some(spec) = pool.backends.get(index) else {
+                    continue;
+                };
                 let checker = Checker {
+                    peer: probe::peer(pool, spec.resolved),
                     pool: Arc::clone(pool),
                     index,
                     connector: Arc::clone(&connector),
@@ -61,6 +66,8 @@ struct Checker {
     pool: Arc<Pool>,
     index: usize,
     connector: Arc<Connector>,
+    /// Where the checks go: the pool's TLS settings, the checks' timeout.
+    peer: HttpPeer,
     /// The spec-decode counters of the previous scrape, for the acceptance rate.
     spec: Option<vllm::SpecCounters>,
 }
@@ -91,68 +98,45 @@ impl Checker {
 
     /// Probes `/health` and scrapes `/metrics` at once; each has the pool's timeout.
     async fn check(&mut self) {
-        let pool_arc = Arc::clone(&self.pool);
-        let Some(spec) = pool_arc.backends.get(self.index) else {
+        let pool = Arc::clone(&self.pool);
+        let (Some(spec), Some(live)) = (pool.backends.get(self.index), pool.live.get(self.index))
+        else {
             return;
         };
-        let policy = &pool_arc.health;
-        let peer = probe::peer(&pool_arc, spec.resolved);
-        let host = spec.address.as_str();
-        let (health, scrape) = tokio::join!(
-            probe::get(
-                &self.connector,
-                &peer,
-                host,
-                &policy.health_path,
-                policy.timeout
-            ),
-            probe::get(
-                &self.connector,
-                &peer,
-                host,
-                &policy.metrics_path,
-                policy.timeout
-            ),
-        );
-        let pool = &*pool_arc.name;
+        let (policy, name, host) = (&pool.health, &*pool.name, spec.address.as_str());
+        let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
+        let (health, scrape) = tokio::join!(get(&policy.health_path), get(&policy.metrics_path));
 
         let alive = matches!(&health, Ok(answer) if answer.status == 200);
         metrics::inc(
             &metrics::HEALTH_CHECKS,
-            &[pool, "health", probe::result_label(&health, alive)],
+            &[name, "health", probe::result_label(&health, alive)],
         );
-        let Some(live) = pool_arc.live.get(self.index) else {
-            return;
-        };
-        if let Some(changed) = live.record_probe(alive, policy) {
-            match changed {
-                Probe::Unhealthy => tracing::warn!(
-                    pool,
-                    backend = host,
-                    "backend unhealthy: {}",
-                    probe::describe(&health)
-                ),
-                _ => tracing::info!(pool, backend = host, "backend healthy"),
-            }
+        match live.record_probe(alive, policy) {
+            Some(Probe::Unhealthy) => tracing::warn!(
+                pool = name,
+                backend = host,
+                "backend unhealthy: {}",
+                probe::describe(&health)
+            ),
+            Some(_) => tracing::info!(pool = name, backend = host, "backend healthy"),
+            None => {}
         }
 
-        let load = match &scrape {
-            Ok(answer) if answer.status == 200 => self.read_metrics(&answer.body),
-            _ => Err("no answer".to_string()),
+        let result = match &scrape {
+            Ok(answer) if answer.status == 200 => match self.read_metrics(&answer.body) {
+                Ok(load) => {
+                    live.publish_load(load);
+                    "ok"
+                }
+                Err(e) => {
+                    tracing::debug!(pool = name, backend = host, "cannot read /metrics: {e}");
+                    "unparsable"
+                }
+            },
+            other => probe::result_label(other, false),
         };
-        let result = match (&scrape, &load) {
-            (Ok(a), Err(_)) if a.status == 200 => "unparsable",
-            (_, Ok(_)) => "ok",
-            _ => probe::result_label(&scrape, false),
-        };
-        metrics::inc(&metrics::HEALTH_CHECKS, &[pool, "metrics", result]);
-        match load {
-            Ok(load) => live.publish_load(load),
-            Err(e) if result == "unparsable" => {
-                tracing::debug!(pool, backend = host, "cannot read /metrics: {e}")
-            }
-            Err(_) => {}
-        }
+        metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
     }
 
     /// Reads a `/metrics` page. A page that is not the Prometheus text format is an error; a

@@ -44,17 +44,9 @@ pub fn take(session: &mut Session) -> Option<Attempt> {
         .downcast_mut::<Option<Attempt>>()?
         .take()?;
     if let Some(length) = attempt.header.headers.get(http::header::CONTENT_LENGTH) {
-        if session
-            .req_header()
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            != Some(length)
-        {
-            let length = length.clone();
-            let _ = session
-                .req_header_mut()
-                .insert_header(http::header::CONTENT_LENGTH, length);
-        }
+        let _ = session
+            .req_header_mut()
+            .insert_header(http::header::CONTENT_LENGTH, length.clone());
     }
     Some(attempt)
 }
@@ -199,9 +191,7 @@ async fn pipe(
         match hold.check.as_ref().map(|c| c.judge(&body)) {
             Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
             Some(Judgement::Keep(Some(replaced))) => {
-                header.remove_header(&http::header::TRANSFER_ENCODING);
-                header.remove_header(&http::header::CONTENT_LENGTH);
-                if let Err(e) = header.insert_header(http::header::CONTENT_LENGTH, replaced.len()) {
+                if let Err(e) = frame_by_length(&mut header, replaced.len()) {
                     return Outcome::NotStarted(e);
                 }
                 held = Some(replaced);
@@ -318,11 +308,16 @@ pub async fn send_held(
     mut header: Box<ResponseHeader>,
     body: Bytes,
 ) -> Result<()> {
-    header.remove_header(&http::header::TRANSFER_ENCODING);
-    header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+    frame_by_length(&mut header, body.len())?;
     prepare_client_response(sluice, &mut header, ctx)?;
     session.write_response_header(header, false).await?;
     forward(sluice, session, ctx, Some(body), true).await
+}
+
+/// Frames a response whose whole body is in hand by its length.
+fn frame_by_length(header: &mut ResponseHeader, len: usize) -> Result<()> {
+    header.remove_header(&http::header::TRANSFER_ENCODING);
+    header.insert_header(http::header::CONTENT_LENGTH, len)
 }
 
 /// Runs the body hooks on a chunk and writes it to the client.

@@ -16,7 +16,7 @@ use pingora_http::RequestHeader;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::{Balancing, Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, Verdict};
+use sluice_sdk::{Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, Verdict};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -76,13 +76,11 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         let Some(pool) = ctx.req.pool.clone() else {
             return Err(ErrorReply::new(500, "internal", "No pool chosen.").into_error());
         };
-        let demand = match (&ctx.req.llm, &pool.balancing) {
-            (Some(call), Balancing::KvAware { prefix_affinity }) => {
-                call.request.demand(*prefix_affinity)
-            }
-            (Some(call), Balancing::RoundRobin) => call.request.demand(None),
-            (None, _) => Demand::default(),
-        };
+        let demand = ctx
+            .req
+            .llm
+            .as_ref()
+            .map_or_else(Demand::default, |call| call.demand_for(&pool.balancing));
         let Some(backend) = pool.select(&tried, &demand) else {
             let reason = if last_error.is_some() || declined.is_some() {
                 reason::DRAFT_ERROR
@@ -104,13 +102,16 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         // see it before the next scrape does.
         let _in_flight = backend.live.begin(demand.tokens());
 
-        let mut header = upstream_header(session.req_header(), 0)?;
-        sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
-        let escalation = ctx.req.escalation.as_ref();
-        let body = escalation
+        // A first pool may get its own body (a draft asked for logprobs).
+        let body = ctx
+            .req
+            .escalation
+            .as_ref()
             .and_then(|e| e.upstream_body.clone())
             .unwrap_or_else(|| client_body.clone());
-        header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+        let mut header = upstream_header(session.req_header(), body.len())?;
+        sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
+        let escalation = ctx.req.escalation.as_ref();
         let attempt = Attempt {
             peer: pool.peer(backend.addr),
             header,

@@ -46,7 +46,7 @@ pub use config::KvBreakerConfig;
 use async_trait::async_trait;
 use drain::Drain;
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Flow, Plugin, Pool, Pools, Priority, RequestCtx, Result};
+use sluice_sdk::{ErrorReply, Flow, Plugin, Pool, Pools, Pressure, Priority, RequestCtx, Result};
 use std::sync::Arc;
 
 pub struct KvBreaker {
@@ -98,8 +98,13 @@ impl KvBreaker {
 
     /// Whether `pool` admits a request of `priority` that may hold `tokens` KV tokens, and
     /// updates the pool's shedding state (with hysteresis) on the way.
-    fn admits(&self, pool: &Arc<Pool>, priority: Priority, tokens: u64) -> bool {
-        let pressure = pool.pressure();
+    fn admits(
+        &self,
+        pool: &Arc<Pool>,
+        pressure: &Pressure,
+        priority: Priority,
+        tokens: u64,
+    ) -> bool {
         if let (Some(drain), Some(usage)) = (self.drain(pool), pressure.kv_usage) {
             drain.observe(usage);
         }
@@ -139,11 +144,11 @@ impl KvBreaker {
 
     /// Seconds a shed client should wait: the time the pool needs, at its recent drain
     /// rate, to fall below the class's resume threshold; bounded.
-    fn retry_after(&self, pool: &Arc<Pool>, priority: Priority) -> u32 {
+    fn retry_after(&self, pool: &Arc<Pool>, pressure: &Pressure, priority: Priority) -> u32 {
         let min = self.config.min_retry_after.as_secs_f64();
         let max = self.config.max_retry_after.as_secs_f64();
         let resume = self.config.thresholds.of(priority).resume_below;
-        let wait = match (self.drain(pool), pool.pressure().kv_usage) {
+        let wait = match (self.drain(pool), pressure.kv_usage) {
             (Some(drain), Some(usage)) => drain.seconds_to_reach(usage, resume).unwrap_or(max),
             _ => max,
         };
@@ -163,8 +168,9 @@ impl Plugin for KvBreaker {
         let (Some(pool), Some(call)) = (ctx.pool.clone(), ctx.llm.as_ref()) else {
             return Ok(Flow::Continue);
         };
-        let tokens = call.request.demand(None).tokens();
-        if self.admits(&pool, priority, tokens) {
+        let tokens = call.demand.tokens();
+        let pressure = pool.pressure();
+        if self.admits(&pool, &pressure, priority, tokens) {
             return Ok(Flow::Continue);
         }
         if self.config.reroute {
@@ -173,7 +179,10 @@ impl Plugin for KvBreaker {
                     .pools
                     .iter()
                     .filter(|p| !Arc::ptr_eq(p, &pool) && p.serves(model))
-                    .find(|p| p.pressure().usable > 0 && self.admits(p, priority, tokens));
+                    .find(|p| {
+                        let other = p.pressure();
+                        other.usable > 0 && self.admits(p, &other, priority, tokens)
+                    });
                 if let Some(other) = other {
                     metrics::rerouted(&pool.name, &other.name);
                     ctx.pool = Some(Arc::clone(other));
@@ -181,7 +190,7 @@ impl Plugin for KvBreaker {
                 }
             }
         }
-        let retry_after = self.retry_after(&pool, priority);
+        let retry_after = self.retry_after(&pool, &pressure, priority);
         Err(ErrorReply::unavailable(
             "kv-pressure",
             format!(

@@ -330,40 +330,73 @@ impl BackendLive {
         }
     }
 
-    /// The KV-cache usage this proxy expects the backend to reach, 0..=1 (may exceed 1 when
-    /// oversubscribed): the scraped usage plus what was sent since, or what this proxy has
-    /// committed to it, whichever is larger. `None` when nothing is known.
+    /// What the balancer and the breaker read of this backend, from one look at its last
+    /// scrape.
     ///
-    /// The committed view matters because vLLM reports the blocks a request holds *now*,
-    /// and a request keeps growing until its output budget is spent.
-    pub fn projected_kv(&self, policy: &HealthPolicy) -> Option<f64> {
-        let Some(load) = self.fresh_load(policy) else {
-            return match (policy.enabled, policy.stale_as, self.probe()) {
-                (true, StaleAs::Saturated, Probe::Healthy) => Some(1.0),
-                _ => None,
+    /// The projected KV usage, 0..=1 (more when oversubscribed), is the scraped usage plus
+    /// what was sent since, or what this proxy has committed to the backend, whichever is
+    /// larger: vLLM reports the blocks a request holds *now*, and a request keeps growing
+    /// until its output budget is spent. `None` when nothing is known.
+    pub fn outlook(&self, policy: &HealthPolicy) -> Outlook {
+        let guard = self.load.load();
+        let fresh = guard
+            .as_ref()
+            .filter(|l| l.scraped_at.elapsed() <= policy.stale_after);
+        let Some(load) = fresh else {
+            let saturated = policy.enabled
+                && policy.stale_as == StaleAs::Saturated
+                && self.probe() == Probe::Healthy;
+            return Outlook {
+                projected_kv: saturated.then_some(1.0),
+                ..Outlook::default()
             };
         };
-        let usage = load.kv_usage?;
-        let sent = f64::from(self.sent_since_scrape.load(Relaxed));
-        let added = match load.kv_capacity_tokens {
-            Some(capacity) if capacity > 0 => {
-                let committed = self.committed_tokens.load(Relaxed) as f64 / capacity as f64;
-                let since = self.tokens_since_scrape.load(Relaxed) as f64 / capacity as f64;
-                return Some((usage + since).max(committed));
+        let capacity = load.kv_capacity_tokens.filter(|c| *c > 0).map(|c| c as f64);
+        let projected_kv = load.kv_usage.map(|usage| {
+            let sent = f64::from(self.sent_since_scrape.load(Relaxed));
+            match capacity {
+                Some(capacity) => {
+                    let committed = self.committed_tokens.load(Relaxed) as f64 / capacity;
+                    let since = self.tokens_since_scrape.load(Relaxed) as f64 / capacity;
+                    (usage + since).max(committed)
+                }
+                // Without the cache's size, a request is taken to need the average share of
+                // the requests running now, or 2% of the cache when none runs.
+                None if load.running > 0.0 => usage + sent * usage / load.running,
+                None => usage + sent * 0.02,
             }
-            // Without the cache's size, a request is taken to need the average share of
-            // the requests running now, or 2% of the cache when none runs.
-            _ if load.running > 0.0 => sent * usage / load.running,
-            _ => sent * 0.02,
-        };
-        Some(usage + added)
+        });
+        Outlook {
+            projected_kv,
+            waiting: load.waiting,
+            kv_capacity_tokens: capacity,
+        }
+    }
+
+    /// The projected KV usage alone (see [`BackendLive::outlook`]).
+    pub fn projected_kv(&self, policy: &HealthPolicy) -> Option<f64> {
+        self.outlook(policy).projected_kv
     }
 
     /// The KV tokens still free, by this proxy's projection, when the cache size is known.
     pub fn free_kv_tokens(&self, policy: &HealthPolicy) -> Option<f64> {
-        let capacity = self.fresh_load(policy)?.kv_capacity_tokens? as f64;
-        let used = self.projected_kv(policy)?;
-        Some((1.0 - used).max(0.0) * capacity)
+        self.outlook(policy).free_kv_tokens()
+    }
+}
+
+/// A backend's load as the request path sees it (see [`BackendLive::outlook`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Outlook {
+    pub projected_kv: Option<f64>,
+    /// Requests in the backend's queue at the last fresh scrape.
+    pub waiting: f64,
+    /// The KV cache's size in tokens, from a fresh scrape.
+    pub kv_capacity_tokens: Option<f64>,
+}
+
+impl Outlook {
+    pub fn free_kv_tokens(&self) -> Option<f64> {
+        Some((1.0 - self.projected_kv?).max(0.0) * self.kv_capacity_tokens?)
     }
 }
 

@@ -6,7 +6,7 @@
 //! while plugins read typed fields. Only the fields that change how Sluice treats a request are
 //! typed; everything else is validated by vLLM itself.
 
-use crate::pool::Demand;
+use crate::pool::{Balancing, Demand};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
@@ -54,6 +54,9 @@ pub struct LlmCall {
     /// The body as received: forwarded to upstreams unchanged. Cloning is a reference count.
     pub body: Bytes,
     pub request: LlmRequest,
+    /// The request's size estimate, computed once at parse for the balancer, the breaker and
+    /// the selector (without prefix affinity: see [`LlmCall::demand_for`]).
+    pub demand: Demand,
 }
 
 /// Why a body is not a valid LLM request: the message, and the parameter it concerns.
@@ -71,8 +74,23 @@ impl LlmCall {
         Ok(Self {
             endpoint,
             body,
+            demand: request.demand(None),
             request,
         })
+    }
+
+    /// The demand as a pool balancing this way needs it: with the prompt-prefix hash when
+    /// the pool uses prefix affinity.
+    pub fn demand_for(&self, balancing: &Balancing) -> Demand {
+        match balancing {
+            Balancing::KvAware {
+                prefix_affinity: Some(bytes),
+            } => Demand {
+                affinity: Some(self.request.prompt_prefix_hash(*bytes)),
+                ..self.demand
+            },
+            _ => self.demand,
+        }
     }
 }
 

@@ -341,38 +341,31 @@ impl Pool {
     fn select_kv_aware(&self, tried: &[SocketAddr], demand: &Demand) -> Option<usize> {
         let candidates = (0..self.backends.len()).filter(|&i| self.candidate(i, tried));
         let count = candidates.clone().count();
-        let best_of_two = match count {
+        let scored = |i: usize| (i, self.score(i, demand));
+        let (best, best_score) = match count {
             0 => return None,
-            1 => candidates.clone().next()?,
+            1 => scored(candidates.clone().next()?),
             // Two random candidates (with two, both, in random order so ties alternate).
             n => {
                 let first = fastrand::usize(..n);
                 let second = (first + 1 + fastrand::usize(..n - 1)) % n;
-                let a = candidates.clone().nth(first)?;
-                let b = candidates.clone().nth(second)?;
-                if self.score(b, demand) > self.score(a, demand) {
+                let a = scored(candidates.clone().nth(first)?);
+                let b = scored(candidates.clone().nth(second)?);
+                if b.1 > a.1 {
                     b
                 } else {
                     a
                 }
             }
         };
-        let affine = match (&self.balancing, demand.affinity) {
-            (
-                Balancing::KvAware {
-                    prefix_affinity: Some(_),
-                },
-                Some(key),
-            ) => candidates.max_by_key(|&i| rendezvous(key, i)),
-            _ => None,
-        };
-        match affine {
-            Some(a)
-                if self.score(a, demand) >= self.score(best_of_two, demand) - AFFINITY_SLACK =>
-            {
-                Some(a)
-            }
-            _ => Some(best_of_two),
+        // Prefix affinity: the prefix's home backend, unless clearly worse. (`demand.affinity`
+        // is only set for pools that use it.)
+        let home = demand
+            .affinity
+            .and_then(|key| candidates.max_by_key(|&i| rendezvous(key, i)));
+        match home {
+            Some(h) if h != best && self.score(h, demand) >= best_score - AFFINITY_SLACK => Some(h),
+            _ => Some(best),
         }
     }
 
@@ -383,18 +376,17 @@ impl Pool {
         let Some(live) = self.live.get(index) else {
             return f64::MIN;
         };
-        let in_flight = f64::from(live.in_flight());
-        let Some(projected) = live.projected_kv(&self.health) else {
+        let outlook = live.outlook(&self.health);
+        let Some(projected) = outlook.projected_kv else {
             // Nothing known: balance by what this proxy has in flight there.
-            return 0.5 - 0.01 * in_flight;
+            return 0.5 - 0.01 * f64::from(live.in_flight());
         };
         let free = (1.0 - projected).max(0.0);
         let kv_weight = 1.0 + (demand.prompt_tokens as f64 / 4096.0).min(3.0);
         // What was sent since the scrape is already in `projected`.
-        let waiting = live.fresh_load(&self.health).map_or(0.0, |l| l.waiting);
-        let mut score = kv_weight * free - 0.05 * waiting;
-        if live
-            .free_kv_tokens(&self.health)
+        let mut score = kv_weight * free - 0.05 * outlook.waiting;
+        if outlook
+            .free_kv_tokens()
             .is_some_and(|free_tokens| free_tokens < demand.tokens() as f64)
         {
             score -= 1.0;
@@ -409,12 +401,10 @@ impl Pool {
         let mut capacity = Some(0.0);
         for live in self.live.iter().filter(|l| l.is_usable()) {
             usable += 1;
-            let size = live
-                .fresh_load(&self.health)
-                .and_then(|l| l.kv_capacity_tokens)
-                .map(|c| c as f64);
+            let outlook = live.outlook(&self.health);
+            let size = outlook.kv_capacity_tokens;
             capacity = capacity.zip(size).map(|(sum, c)| sum + c);
-            if let Some(kv) = live.projected_kv(&self.health) {
+            if let Some(kv) = outlook.projected_kv {
                 let weight = size.unwrap_or(1.0);
                 weighted += kv * weight;
                 weights += weight;

@@ -55,7 +55,7 @@ use pingora_proxy::Session;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::llm::{Content, Logprobs, Prompt};
 use sluice_sdk::{
-    Error, Escalation, Flow, LlmRequest, Plugin, Pool, Pools, Priority, RequestCtx, Result,
+    Error, Escalation, Flow, LlmCall, LlmRequest, Plugin, Pool, Pools, Priority, RequestCtx, Result,
 };
 use std::sync::Arc;
 use usage::UsageScanner;
@@ -114,9 +114,10 @@ impl Speculative {
     fn decide(
         &self,
         model: &Model,
-        request: &LlmRequest,
+        call: &LlmCall,
         tier: Option<&str>,
     ) -> std::result::Result<Arc<Pool>, &'static str> {
+        let (request, demand) = (&call.request, call.demand);
         if tier == Some("target") && self.config.allow_forced_target {
             return Err(reason::FORCED);
         }
@@ -132,7 +133,6 @@ impl Speculative {
         if !supports(first, request) {
             return Err(reason::UNSUPPORTED);
         }
-        let demand = request.demand(None);
         if first
             .max_model_len
             .is_some_and(|max| demand.tokens() > u64::from(max))
@@ -197,7 +197,7 @@ impl Plugin for Speculative {
             .get(self.config.tier_header.as_str())
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
-        match self.decide(model, &call.request, tier) {
+        match self.decide(model, call, tier) {
             Ok(draft) => {
                 let escalation = self.escalation(model, &call.request, ctx);
                 ctx.pool = Some(draft);
