@@ -10,6 +10,10 @@
 //!    escalation, or straight to the target.
 //! 4. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
 //!    model, or sheds it with 503 before the pool's KV cache runs out.
+//!
+//! Response hooks run in the reverse order, as Envoy runs its encoder filters: the plugin
+//! nearest the upstream sees its answer first, so the cache stores the answer exactly as the
+//! client gets it, after the selector removed what it had asked for on the client's behalf.
 
 use crate::config::file::PluginsFile;
 use bytes::Bytes;
@@ -103,6 +107,7 @@ impl Chain {
     ) -> Result<()> {
         self.plugins
             .iter()
+            .rev()
             .try_for_each(|p| p.response_header(response, ctx))
     }
 
@@ -114,6 +119,7 @@ impl Chain {
     ) -> Result<()> {
         self.plugins
             .iter()
+            .rev()
             .try_for_each(|p| p.response_body(body, end_of_stream, ctx))
     }
 

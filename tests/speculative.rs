@@ -377,3 +377,178 @@ async fn the_retry_budget_holds_under_a_pool_that_fails_every_request() {
     assert_eq!(retries as u64, sent - 50);
     println!("retry budget: 50 requests to a pool failing all: {sent} upstream attempts");
 }
+
+/// A draft that streams at 10 ms a token, as a small model on a busy GPU might.
+async fn streaming_draft(low_confidence_share: f64) -> vllm_sim::Sim {
+    let latency = vllm_sim::Latency::new(
+        Duration::from_millis(5),
+        Duration::ZERO,
+        Duration::from_millis(10),
+    );
+    sim_with(
+        SimConfig::default().with_latency(latency),
+        low_confidence_share,
+    )
+    .await
+}
+
+const HOLD_BACK: &str = "        confidence: {enabled: true, measure: mean, window: 16, min_logprob: -1.0, stream_hold_back_tokens: 8}\n";
+
+/// The stream's data events, checked for what a client that asked for neither logprobs nor
+/// usage must not see.
+fn plain_stream_events(a: &Answer) -> Vec<Value> {
+    let data = sse_data(&a.body);
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        a.body
+    );
+    let events: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    for e in &events {
+        let choices = e["choices"].as_array().unwrap();
+        assert!(!choices.is_empty(), "a usage chunk nobody asked for: {e}");
+        assert!(
+            choices[0]["logprobs"].is_null(),
+            "logprobs nobody asked for: {e}"
+        );
+        assert!(e.get("usage").is_none_or(Value::is_null), "{e}");
+    }
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_judged_in_the_hold_back_window() {
+    let (draft, target) = (streaming_draft(0.5).await, sim(0.0).await);
+    let proxy = Proxy::start(&config(&draft, &target, "", HOLD_BACK)).await;
+    let url = proxy.url("/v1/chat/completions");
+    let (mut kept, mut escalations) = (0, 0);
+    let mut answered_tokens = std::collections::HashMap::<String, usize>::new();
+    for i in 0..12 {
+        let content = format!("streamed question {i}");
+        let expected_low = draft_confidence(&draft, &content).await < -1.0;
+        let a = ask(&url, &chat(MODEL, &content, true), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let events = plain_stream_events(&a);
+        let finish = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["finish_reason"].as_str());
+        assert_eq!(finish.count(), 1, "the whole answer");
+        // The simulator's tokens are words.
+        let words = common::content(&a).split_whitespace().count();
+        assert!(words > 0);
+        *answered_tokens.entry(pool_of(&a)).or_default() += words;
+        if expected_low {
+            escalations += 1;
+            assert_eq!(
+                escalated(&a).as_deref(),
+                Some("low-confidence"),
+                "{content}"
+            );
+            assert_eq!(pool_of(&a), "target");
+        } else {
+            kept += 1;
+            assert_eq!(escalated(&a), None, "{content}");
+            assert_eq!(pool_of(&a), "draft");
+        }
+        // The same stream again comes from the cache, as the client first got it: the
+        // cache stored the stream after the selector cleaned it.
+        let again = ask(&url, &chat(MODEL, &content, true), &[]).await;
+        assert_eq!(again.x_cache, "HIT");
+        plain_stream_events(&again);
+        assert_eq!(common::content(&again), common::content(&a));
+    }
+    assert!(
+        kept > 0 && escalations > 0,
+        "{kept} kept, {escalations} escalated"
+    );
+
+    // The draft streams were asked for logprobs (to judge) and usage (to count tokens); the
+    // target's only for usage.
+    let draft_asks = draft.stats().recent;
+    let streamed = draft_asks
+        .iter()
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .filter(|b| b.contains("\"stream\":true"))
+        .collect::<Vec<_>>();
+    assert_eq!(streamed.len(), 12);
+    for body in &streamed {
+        assert!(
+            body.contains("\"logprobs\":true") && body.contains("\"include_usage\":true"),
+            "{body}"
+        );
+    }
+    for r in target.stats().recent.iter().filter(|r| r.method == "POST") {
+        let body = String::from_utf8_lossy(&r.body);
+        assert!(
+            !body.contains("logprobs") && body.contains("\"include_usage\":true"),
+            "{body}"
+        );
+    }
+    let metrics = metrics_text(&proxy).await;
+    for pool in ["draft", "target"] {
+        let series = format!(r#"sluice_tokens_total{{kind="completion",pool="{pool}"}}"#);
+        let tokens = metric_value(&metrics, &series).unwrap_or(0.0);
+        assert_eq!(tokens as usize, answered_tokens[pool], "{series}");
+    }
+
+    // A client that asks for logprobs and usage gets both.
+    let mut request = chat(MODEL, "streamed question with everything", true);
+    request["logprobs"] = json!(true);
+    request["stream_options"] = json!({"include_usage": true});
+    let a = ask(&url, &request, &[]).await;
+    let data = sse_data(&a.body);
+    let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(usage["usage"]["completion_tokens"].is_u64(), "{usage}");
+    let first_token: Value = serde_json::from_str(&data[1]).unwrap();
+    assert!(
+        first_token["choices"][0]["logprobs"]["content"].is_array(),
+        "{first_token}"
+    );
+    println!("hold-back window: {kept} streams kept on the draft, {escalations} escalated");
+}
+
+/// The time to the first byte of a stream's body, as the client sees it.
+async fn stream_ttft(url: &str, content: &str) -> Duration {
+    let started = std::time::Instant::now();
+    let mut response = client()
+        .post(url)
+        .json(&chat(MODEL, content, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let first = response.chunk().await.unwrap();
+    let ttft = started.elapsed();
+    assert!(first.is_some_and(|c| !c.is_empty()));
+    while response.chunk().await.unwrap().is_some() {}
+    ttft
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_back_window_costs_the_time_of_its_tokens() {
+    let (draft, target) = (streaming_draft(0.0).await, sim(0.0).await);
+    let off = Proxy::start(&config(&draft, &target, "", "")).await;
+    let on = Proxy::start(&config(&draft, &target, "", HOLD_BACK)).await;
+    let (mut without, mut with) = (Vec::new(), Vec::new());
+    // Interleaved, so both see the same machine; distinct prompts, so none is a cache hit.
+    for i in 0..10 {
+        without.push(stream_ttft(&off.url("/v1/chat/completions"), &format!("ttft off {i}")).await);
+        with.push(stream_ttft(&on.url("/v1/chat/completions"), &format!("ttft on {i}")).await);
+    }
+    without.sort();
+    with.sort();
+    let (median_off, median_on) = (without[5], with[5]);
+    // The window holds 8 tokens at 10 ms each: the first byte comes after the 8th token
+    // instead of the 1st (the role chunk, which vLLM sends at once, is held too).
+    println!(
+        "hold-back window of 8 tokens at 10 ms/token: TTFT median {:.1} ms off, {:.1} ms on (+{:.1} ms)",
+        median_off.as_secs_f64() * 1e3,
+        median_on.as_secs_f64() * 1e3,
+        (median_on.as_secs_f64() - median_off.as_secs_f64()) * 1e3
+    );
+    assert!(median_on > median_off, "the window holds the stream back");
+}

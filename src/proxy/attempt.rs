@@ -21,7 +21,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::subrequest::{BodyMode, Ctx as SubrequestCtx};
 use pingora_proxy::Session;
-use sluice_sdk::{AnswerCheck, ErrorReply, Judgement, RequestCtx};
+use sluice_sdk::{AnswerCheck, ErrorReply, Judgement, RequestCtx, StreamCheck, StreamJudge};
 use std::sync::Arc;
 use tokio::time::{sleep_until, Instant};
 
@@ -77,6 +77,8 @@ pub struct Hold {
     pub error_statuses: bool,
     /// A non-stream 200 answer is read whole and judged first.
     pub check: Option<Arc<dyn AnswerCheck>>,
+    /// A 200 event stream is kept back until this judges its start (the hold-back window).
+    pub stream_check: Option<Arc<dyn StreamCheck>>,
 }
 
 /// The most of a held answer kept in memory; a larger one is sent as it comes.
@@ -199,6 +201,15 @@ async fn pipe(
             Some(Judgement::Keep(None)) | None => held = Some(body),
         }
     }
+    // The hold-back window: the stream's start is kept until it is judged, so that a
+    // rejected draft can still give way to the target.
+    let mut window = Window::default();
+    if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
+        window = match hold_back(session, rx, proxy_error, &deadlines, check.start()).await {
+            Ok(window) => window,
+            Err(outcome) => return outcome,
+        };
+    }
     let declared_len = content_length(&header);
     let sent_before = ctx.response_bytes;
     if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
@@ -212,6 +223,21 @@ async fn pipe(
             Ok(()) => Outcome::Complete,
             Err(e) => Outcome::ClientGone(e),
         };
+    }
+    let kept = window.chunks.len();
+    for (i, chunk) in window.chunks.into_iter().enumerate() {
+        let last = window.ended && i + 1 == kept;
+        if let Err(e) = forward(sluice, session, ctx, Some(chunk), last).await {
+            return Outcome::ClientGone(e);
+        }
+    }
+    if window.ended {
+        if kept == 0 {
+            if let Err(e) = forward(sluice, session, ctx, None, true).await {
+                return Outcome::ClientGone(e);
+            }
+        }
+        return Outcome::Complete;
     }
 
     loop {
@@ -297,6 +323,68 @@ async fn read_held(
                 return Err(Outcome::ClientGone(client_gone(gone)));
             }
         }
+    }
+}
+
+/// The start of a stream kept back for judgement, once it was kept.
+#[derive(Default)]
+struct Window {
+    chunks: Vec<Bytes>,
+    /// The stream ended within the window.
+    ended: bool,
+}
+
+/// Keeps a stream's chunks from the client until `judge` decides on them: `Ok` with them
+/// when they may be sent, `Err` with the outcome otherwise. The window is bounded: when the
+/// first-byte deadline passes or [`MAX_HELD_BYTES`] are kept before the judge decided, it
+/// decides on what it saw, so the window adds at most that to the client's first byte.
+async fn hold_back(
+    session: &mut Session,
+    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
+    proxy_error: &mut ProxyErrorRx,
+    deadlines: &Deadlines,
+    mut judge: Box<dyn StreamJudge>,
+) -> Result<Window, Outcome> {
+    let mut window = Window::default();
+    let mut kept_bytes = 0usize;
+    let judgement = loop {
+        tokio::select! {
+            task = rx.recv() => match task {
+                Some(HttpTask::Body(data, end)) => {
+                    let mut decided = None;
+                    if let Some(data) = data.filter(|d| !d.is_empty()) {
+                        kept_bytes += data.len();
+                        decided = judge.feed(&data);
+                        window.chunks.push(data);
+                    }
+                    if end {
+                        window.ended = true;
+                        break decided.unwrap_or_else(|| judge.decide());
+                    }
+                    if let Some(decided) = decided {
+                        break decided;
+                    }
+                    if kept_bytes > MAX_HELD_BYTES {
+                        break judge.decide();
+                    }
+                }
+                Some(HttpTask::Done) => {
+                    window.ended = true;
+                    break judge.decide();
+                }
+                Some(HttpTask::Failed(e)) => return Err(Outcome::NotStarted(e)),
+                Some(_) => continue,
+                None => return Err(Outcome::NotStarted(ended_early(proxy_error))),
+            },
+            _ = sleep_until(deadlines.first_byte.min(deadlines.total)) => break judge.decide(),
+            gone = session.downstream_session.read_body_or_idle(true) => {
+                return Err(Outcome::ClientGone(client_gone(gone)));
+            }
+        }
+    };
+    match judgement {
+        Judgement::Escalate(reason) => Err(Outcome::Judged(reason)),
+        Judgement::Keep(_) => Ok(window),
     }
 }
 

@@ -102,12 +102,14 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         // see it before the next scrape does.
         let _in_flight = backend.live.begin(demand.tokens());
 
-        // A first pool may get its own body (a draft asked for logprobs).
+        // A first pool may get its own body (a draft asked for logprobs), and every pool
+        // the plugins' (a stream's usage asked for).
         let body = ctx
             .req
             .escalation
             .as_ref()
             .and_then(|e| e.upstream_body.clone())
+            .or_else(|| ctx.req.upstream_body.clone())
             .unwrap_or_else(|| client_body.clone());
         let mut header = upstream_header(session.req_header(), body.len())?;
         sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
@@ -133,6 +135,9 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             check: escalation
                 .filter(|_| !is_stream)
                 .and_then(|e| e.check.clone()),
+            stream_check: escalation
+                .filter(|_| is_stream)
+                .and_then(|e| e.stream_check.clone()),
         };
 
         let outcome = attempt::run(

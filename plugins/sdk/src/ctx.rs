@@ -71,6 +71,10 @@ pub struct RequestCtx {
     pub cache_hit: bool,
     /// The request's class for the KV breaker, once a plugin decided it.
     pub priority: Option<Priority>,
+    /// The body every upstream attempt sends instead of the client's, when a request hook
+    /// asked upstreams for more than the client did (a stream's usage, for token counts).
+    /// The hook must then remove what the client did not ask for from the answer.
+    pub upstream_body: Option<bytes::Bytes>,
     /// Set by a request hook that sent the request to a first pool (a draft): where to go
     /// if that pool fails or its answer is judged wanting. See [`crate::escalation`].
     pub escalation: Option<Escalation>,
@@ -103,6 +107,7 @@ impl RequestCtx {
             response_incomplete: false,
             cache_hit: false,
             priority: None,
+            upstream_body: None,
             escalation: None,
             escalated: None,
             state: PluginState::default(),

@@ -6,7 +6,8 @@
 //! - sends the attempts to `ctx.pool`, with `upstream_body` instead of the client's body
 //!   when set (e.g. with `logprobs` added);
 //! - bounds their time to the response header by `first_byte_budget`;
-//! - holds a non-stream answer for `check` before any byte of it reaches the client;
+//! - holds a non-stream answer for `check` before any byte of it reaches the client, and
+//!   the start of a stream for `stream_check` (the hold-back window);
 //! - and when an attempt fails before anything reached the client (connect failure, 5xx,
 //!   429, no header within the budget, or `check` says so), moves the request to
 //!   `target` with the client's own body, records the reason in `RequestCtx::escalated` and
@@ -28,6 +29,8 @@ pub struct Escalation {
     pub upstream_body: Option<Bytes>,
     /// Judges the first pool's whole non-stream 200 answer before it is sent.
     pub check: Option<Arc<dyn AnswerCheck>>,
+    /// Judges the start of the first pool's 200 event stream before any of it is sent.
+    pub stream_check: Option<Arc<dyn StreamCheck>>,
 }
 
 impl std::fmt::Debug for Escalation {
@@ -36,6 +39,7 @@ impl std::fmt::Debug for Escalation {
             .field("target", &self.target.name)
             .field("first_byte_budget", &self.first_byte_budget)
             .field("check", &self.check.is_some())
+            .field("stream_check", &self.stream_check.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -53,6 +57,22 @@ pub enum Judgement {
 /// Judges a whole non-stream answer (status 200) of the first pool.
 pub trait AnswerCheck: Send + Sync {
     fn judge(&self, body: &Bytes) -> Judgement;
+}
+
+/// Judges the start of an event stream: the hold-back window. The core keeps the first pool's
+/// stream from the client and feeds its chunks to a fresh [`StreamJudge`] until it decides;
+/// then either sends what it kept and streams on, or drops the stream and escalates.
+pub trait StreamCheck: Send + Sync {
+    fn start(&self) -> Box<dyn StreamJudge>;
+}
+
+/// The judge of one stream's start (see [`StreamCheck`]).
+pub trait StreamJudge: Send {
+    /// Reads the next chunk; `Some` once enough was seen to decide.
+    fn feed(&mut self, chunk: &[u8]) -> Option<Judgement>;
+    /// Decides on what was seen so far: the stream ended, or its time or room ran out,
+    /// before [`StreamJudge::feed`] decided.
+    fn decide(&mut self) -> Judgement;
 }
 
 /// Why a request left its first pool, for `x-sluice-escalated` and metrics.

@@ -23,7 +23,7 @@ pub mod window;
 
 pub use ctx::{PluginState, RequestCtx, Route};
 pub use error::ErrorReply;
-pub use escalation::{AnswerCheck, Escalation, Judgement};
+pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };

@@ -6,9 +6,10 @@
 //! ([`ask_for_logprobs`]); [`ConfidenceCheck`] removes them again before the answer is sent, so
 //! the client gets what vLLM would have answered it.
 
+use crate::sse::{self, SseEvents};
 use serde_json::Value;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement};
+use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, StreamCheck, StreamJudge};
 
 /// How an answer's confidence is measured over its first `window` tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -59,32 +60,145 @@ impl AnswerCheck for ConfidenceCheck {
 impl ConfidenceCheck {
     /// The measure over the first `window` token log-probabilities of choice 0, if it has any.
     fn confidence(&self, answer: &Value) -> Option<f64> {
-        let limit = if self.window == 0 {
-            usize::MAX
-        } else {
-            self.window
-        };
-        let (mut count, mut sum, mut min) = (0usize, 0.0f64, f64::INFINITY);
-        for logprob in token_logprobs(self.endpoint, answer)?.take(limit) {
-            count += 1;
-            sum += logprob;
-            min = min.min(logprob);
+        let mut tally = Tally::default();
+        for logprob in token_logprobs(self.endpoint, choice_logprobs(answer, 0)?)?
+            .take(window_limit(self.window))
+        {
+            tally.add(logprob);
         }
-        if count == 0 {
+        tally.measure(self.measure)
+    }
+}
+
+fn window_limit(window: usize) -> usize {
+    if window == 0 {
+        usize::MAX
+    } else {
+        window
+    }
+}
+
+/// The running count, sum and minimum of the token log-probabilities seen.
+#[derive(Debug, Clone, Copy)]
+struct Tally {
+    count: usize,
+    sum: f64,
+    min: f64,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Self {
+            count: 0,
+            sum: 0.0,
+            min: f64::INFINITY,
+        }
+    }
+}
+
+impl Tally {
+    fn add(&mut self, logprob: f64) {
+        self.count += 1;
+        self.sum += logprob;
+        self.min = self.min.min(logprob);
+    }
+
+    /// None when no token was seen: no evidence either way.
+    fn measure(&self, measure: Measure) -> Option<f64> {
+        if self.count == 0 {
             return None;
         }
-        Some(match self.measure {
-            Measure::Mean => sum / count as f64,
-            Measure::Min => min,
+        Some(match measure {
+            Measure::Mean => self.sum / self.count as f64,
+            Measure::Min => self.min,
         })
     }
 }
 
-/// The token log-probabilities of choice 0, in answer order. Chat puts them in
-/// `logprobs.content[].logprob`; completions in `logprobs.token_logprobs[]`, where vLLM writes
-/// `null` for a token without one (the first prompt token under `echo`), which is skipped.
-fn token_logprobs(endpoint: Endpoint, answer: &Value) -> Option<impl Iterator<Item = f64> + '_> {
-    let logprobs = answer.get("choices")?.get(0)?.get("logprobs")?;
+/// Judges the start of a draft's stream, the hold-back window: the first `window` tokens of
+/// choice 0, by the same measure as [`ConfidenceCheck`]. The judged tokens' logprobs stay in
+/// the stream; the plugin's stream filter removes them when the client did not ask.
+#[derive(Debug, Clone)]
+pub struct StreamConfidence {
+    pub endpoint: Endpoint,
+    pub measure: Measure,
+    /// Tokens kept back and judged (> 0).
+    pub window: usize,
+    pub min_logprob: f64,
+}
+
+impl StreamCheck for StreamConfidence {
+    fn start(&self) -> Box<dyn StreamJudge> {
+        Box::new(StreamConfidenceJudge {
+            check: self.clone(),
+            events: SseEvents::default(),
+            tally: Tally::default(),
+        })
+    }
+}
+
+struct StreamConfidenceJudge {
+    check: StreamConfidence,
+    events: SseEvents,
+    tally: Tally,
+}
+
+impl StreamJudge for StreamConfidenceJudge {
+    fn feed(&mut self, chunk: &[u8]) -> Option<Judgement> {
+        let mut done = false;
+        let (endpoint, window) = (self.check.endpoint, self.check.window);
+        let tally = &mut self.tally;
+        self.events.split(chunk, |event| {
+            if done {
+                return;
+            }
+            let Some(data) = sse::data(event) else {
+                return;
+            };
+            if &*data == b"[DONE]" {
+                done = true;
+                return;
+            }
+            let Ok(chunk) = serde_json::from_slice::<Value>(&data) else {
+                return;
+            };
+            let logprobs = choice_logprobs(&chunk, 0).and_then(|l| token_logprobs(endpoint, l));
+            for logprob in logprobs.into_iter().flatten() {
+                if tally.count >= window {
+                    break;
+                }
+                tally.add(logprob);
+            }
+            done = tally.count >= window;
+        });
+        done.then(|| self.decide())
+    }
+
+    fn decide(&mut self) -> Judgement {
+        match self.tally.measure(self.check.measure) {
+            Some(confidence) if confidence < self.check.min_logprob => {
+                Judgement::Escalate(reason::LOW_CONFIDENCE)
+            }
+            _ => Judgement::Keep(None),
+        }
+    }
+}
+
+/// The `logprobs` of the choice with this index (streams may interleave choices, so a
+/// chunk's first choice is not necessarily choice 0).
+fn choice_logprobs(answer: &Value, index: u64) -> Option<&Value> {
+    answer
+        .get("choices")?
+        .as_array()?
+        .iter()
+        .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == index)?
+        .get("logprobs")
+}
+
+/// The token log-probabilities in one choice's `logprobs`, in answer order. Chat puts them in
+/// `content[].logprob`; completions in `token_logprobs[]`, where vLLM writes `null` for a
+/// token without one (the first prompt token under `echo`), which is skipped.
+fn token_logprobs(endpoint: Endpoint, logprobs: &Value) -> Option<impl Iterator<Item = f64> + '_> {
     // Where each token's logprob is: in its `logprob` field (chat), or the item itself.
     let (tokens, field) = match endpoint {
         Endpoint::ChatCompletions => (logprobs.get("content")?.as_array()?, Some("logprob")),
@@ -98,7 +212,7 @@ fn token_logprobs(endpoint: Endpoint, answer: &Value) -> Option<impl Iterator<It
 
 /// Sets every choice's `logprobs` to `null`, as vLLM answers when none were asked for.
 /// Returns whether anything changed.
-fn clear_logprobs(answer: &mut Value) -> bool {
+pub(crate) fn clear_logprobs(answer: &mut Value) -> bool {
     let Some(choices) = answer.get_mut("choices").and_then(Value::as_array_mut) else {
         return false;
     };
@@ -122,7 +236,6 @@ fn clear_logprobs(answer: &mut Value) -> bool {
 /// Returns None, meaning "send the client's body as is", when the body is not a JSON object,
 /// already asks for logprobs (or sets `logprobs` to anything but absent, `null` or chat's
 /// `false`), or when adding them would change more than the answer's logprobs:
-/// - `"stream": true`: nothing strips logprobs from a stream on its way to the client;
 /// - chat with `top_logprobs` > 0 but no `logprobs`: vLLM refuses it, so the draft must too;
 /// - completions with `"echo": true`: vLLM would also score the prompt, and the token
 ///   log-probabilities would start with the prompt's rather than the answer's.
@@ -131,9 +244,6 @@ pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
         return None;
     };
     let is_true = |field: &str| request.get(field).and_then(Value::as_bool) == Some(true);
-    if is_true("stream") {
-        return None;
-    }
     let not_asked = matches!(
         (endpoint, request.get("logprobs")),
         (_, None | Some(Value::Null)) | (Endpoint::ChatCompletions, Some(Value::Bool(false)))
@@ -517,7 +627,6 @@ mod tests {
             r#"{"messages":[],"logprobs":true,"top_logprobs":5}"#,
             r#"{"messages":[],"logprobs":1}"#,
             r#"{"messages":[],"top_logprobs":2}"#,
-            r#"{"messages":[],"stream":true}"#,
             r#"[{"messages":[]}]"#,
             r#""hello""#,
             r#"{"messages":[]"#,
@@ -531,7 +640,6 @@ mod tests {
             r#"{"prompt":"x","logprobs":5}"#,
             r#"{"prompt":"x","logprobs":false}"#,
             r#"{"prompt":"x","echo":true}"#,
-            r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#,
             "42",
         ];
         for body in completions {

@@ -75,6 +75,9 @@ pub struct ConfidenceConfig {
     pub window: usize,
     /// Escalate below this log-probability.
     pub min_logprob: f64,
+    /// Streams: tokens of a draft's stream held back and judged before the client sees any
+    /// (the hold-back window). 0, the default: streams are sent as they come, unjudged.
+    pub stream_hold_back_tokens: usize,
 }
 
 impl Default for ConfidenceConfig {
@@ -84,6 +87,7 @@ impl Default for ConfidenceConfig {
             measure: MeasureName::Mean,
             window: 32,
             min_logprob: -1.0,
+            stream_hold_back_tokens: 0,
         }
     }
 }
@@ -94,6 +98,9 @@ pub enum MeasureName {
     Mean,
     Min,
 }
+
+/// The largest hold-back window: a few seconds of tokens at typical draft speeds.
+pub const MAX_HOLD_BACK_TOKENS: usize = 256;
 
 impl SpeculativeConfig {
     /// Checks what serde cannot; errors are `(key path below plugins.speculative, message)`.
@@ -123,6 +130,12 @@ impl SpeculativeConfig {
                 return Err((
                     format!("{key}.confidence.min_logprob"),
                     "must be a log-probability (≤ 0)".into(),
+                ));
+            }
+            if m.confidence.stream_hold_back_tokens > MAX_HOLD_BACK_TOKENS {
+                return Err((
+                    format!("{key}.confidence.stream_hold_back_tokens"),
+                    format!("at most {MAX_HOLD_BACK_TOKENS}: the window delays every stream's first byte"),
                 ));
             }
         }

@@ -20,8 +20,14 @@
 //! logprobs and they are removed again if the client did not ask). Once a stream has
 //! started there is no fallback: it ends with an SSE error event.
 //!
-//! Streams are not held back for judgement (a hold-back window is not built yet): a draft
-//! stream is sent as it comes.
+//! Streams are sent as they come unless the model sets a hold-back window
+//! (`confidence.stream_hold_back_tokens`): then the draft's stream is kept from the client
+//! until its first K tokens are judged by the same measure, and either released and streamed
+//! on, or dropped for the target's stream. The window delays every draft stream's first
+//! byte by the time the draft takes to produce K tokens; it is off by default.
+//!
+//! Token counts: a stream whose client did not ask for usage is asked for it upstream, and
+//! the usage chunk is removed before the client sees the stream.
 //!
 //! ```yaml
 //! plugins:
@@ -35,7 +41,8 @@
 //!           - {pool: draft}
 //!         target: target
 //!         draft_first_byte_budget: 2s
-//!         confidence: {enabled: true, measure: mean, window: 32, min_logprob: -1.0}
+//!         confidence: {enabled: true, measure: mean, window: 32, min_logprob: -1.0,
+//!                      stream_hold_back_tokens: 0}
 //!     price_per_million_tokens: {draft: 0.10, draft-code: 0.10, target: 0.90}
 //! ```
 
@@ -43,28 +50,94 @@ pub mod classify;
 pub mod confidence;
 pub mod config;
 mod metrics;
+pub mod sse;
 pub mod usage;
 
 pub use config::SpeculativeConfig;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use confidence::{ConfidenceCheck, Measure};
-use config::{DraftWhen, MeasureName, ModelConfig};
+use confidence::{ConfidenceCheck, Measure, StreamConfidence};
+use config::{ConfidenceConfig, DraftWhen, MeasureName, ModelConfig};
 use pingora_proxy::Session;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::llm::{Content, Logprobs, Prompt};
+use sluice_sdk::Endpoint;
 use sluice_sdk::{
-    Error, Escalation, Flow, LlmCall, LlmRequest, Plugin, Pool, Pools, Priority, RequestCtx, Result,
+    AnswerCheck, Error, Escalation, Flow, LlmCall, LlmRequest, Plugin, Pool, Pools, Priority,
+    RequestCtx, Result, StreamCheck,
 };
+use sse::StreamFilter;
 use std::sync::Arc;
 use usage::UsageScanner;
 
-/// One model's pools, resolved.
+/// One model's pools, resolved, and its checks, built once.
 struct Model {
     config: ModelConfig,
     drafts: Vec<(Arc<Pool>, DraftWhen)>,
     target: Arc<Pool>,
+    checks: Checks,
+}
+
+/// A model's confidence checks per endpoint, when enabled.
+#[derive(Default)]
+struct Checks {
+    /// Non-stream answers, indexed by endpoint and by whether the client asked for logprobs.
+    answers: Vec<(Endpoint, bool, Arc<dyn AnswerCheck>)>,
+    /// Stream starts (the hold-back window), by endpoint.
+    streams: Vec<(Endpoint, Arc<dyn StreamCheck>)>,
+}
+
+impl Checks {
+    fn new(config: &ConfidenceConfig) -> Self {
+        if !config.enabled {
+            return Self::default();
+        }
+        let measure = match config.measure {
+            MeasureName::Mean => Measure::Mean,
+            MeasureName::Min => Measure::Min,
+        };
+        let endpoints = [Endpoint::ChatCompletions, Endpoint::Completions];
+        let mut checks = Self::default();
+        for endpoint in endpoints {
+            for client_asked in [false, true] {
+                let check = ConfidenceCheck {
+                    endpoint,
+                    measure,
+                    window: config.window,
+                    min_logprob: config.min_logprob,
+                    client_asked,
+                };
+                checks
+                    .answers
+                    .push((endpoint, client_asked, Arc::new(check)));
+            }
+            if config.stream_hold_back_tokens > 0 {
+                let check = StreamConfidence {
+                    endpoint,
+                    measure,
+                    window: config.stream_hold_back_tokens,
+                    min_logprob: config.min_logprob,
+                };
+                checks.streams.push((endpoint, Arc::new(check)));
+            }
+        }
+        checks
+    }
+
+    fn answer(&self, endpoint: Endpoint, client_asked: bool) -> Option<Arc<dyn AnswerCheck>> {
+        self.answers
+            .iter()
+            .find(|(e, asked, _)| *e == endpoint && *asked == client_asked)
+            .map(|(_, _, check)| Arc::clone(check))
+    }
+
+    fn stream(&self, endpoint: Endpoint) -> Option<Arc<dyn StreamCheck>> {
+        self.streams
+            .iter()
+            .find(|(e, _)| *e == endpoint)
+            .map(|(_, check)| Arc::clone(check))
+    }
 }
 
 pub struct Speculative {
@@ -72,10 +145,15 @@ pub struct Speculative {
     models: Vec<Model>,
 }
 
-/// Per-request state: the answer's usage, for the token and cost metrics.
+/// Per-request state: the answer's usage, for the token and cost metrics, and what to
+/// remove from a stream that was asked for more than the client asked.
 struct Handled {
     model: usize,
     usage: UsageScanner,
+    filter: StreamFilter,
+    /// The draft was asked for logprobs the client did not ask for (a hold-back window):
+    /// they are removed from its stream, not from the target's.
+    draft_logprobs_added: bool,
 }
 
 impl Speculative {
@@ -147,34 +225,30 @@ impl Speculative {
             .ok_or(reason::DRAFT_UNAVAILABLE)
     }
 
-    fn escalation(&self, model: &Model, request: &LlmRequest, ctx: &RequestCtx) -> Escalation {
-        let c = &model.config.confidence;
-        let judge = c.enabled && !request.is_stream();
-        let endpoint = ctx.llm.as_ref().map(|call| call.endpoint);
-        let client_asked = asks_for_logprobs(request);
-        let upstream_body = match (judge, client_asked, ctx.llm.as_ref()) {
-            (true, false, Some(call)) => confidence::ask_for_logprobs(call.endpoint, &call.body),
-            _ => None,
+    /// How the draft's attempt may give way to the target, and what it is asked for beyond
+    /// the client's request: the escalation, and whether logprobs were added to its body.
+    fn escalation(&self, model: &Model, call: &LlmCall, body: &Bytes) -> (Escalation, bool) {
+        let client_asked = asks_for_logprobs(&call.request);
+        let (check, stream_check) = if call.request.is_stream() {
+            (None, model.checks.stream(call.endpoint))
+        } else {
+            (model.checks.answer(call.endpoint, client_asked), None)
         };
-        let check = match (judge, endpoint) {
-            (true, Some(endpoint)) => Some(Arc::new(ConfidenceCheck {
-                endpoint,
-                measure: match c.measure {
-                    MeasureName::Mean => Measure::Mean,
-                    MeasureName::Min => Measure::Min,
-                },
-                window: c.window,
-                min_logprob: c.min_logprob,
-                client_asked,
-            }) as Arc<dyn sluice_sdk::AnswerCheck>),
-            _ => None,
+        let judged = check.is_some() || stream_check.is_some();
+        let upstream_body = if judged && !client_asked {
+            confidence::ask_for_logprobs(call.endpoint, body)
+        } else {
+            None
         };
-        Escalation {
+        let logprobs_added = upstream_body.is_some();
+        let escalation = Escalation {
             target: Arc::clone(&model.target),
             first_byte_budget: model.config.draft_first_byte_budget,
             upstream_body,
             check,
-        }
+            stream_check,
+        };
+        (escalation, logprobs_added)
     }
 }
 
@@ -197,9 +271,23 @@ impl Plugin for Speculative {
             .get(self.config.tier_header.as_str())
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
+        // Token counts of a stream need its usage chunk: asked for here, removed again.
+        let usage_body = if call.request.is_stream() && !call.request.include_usage() {
+            usage::ask_for_usage(&call.body)
+        } else {
+            None
+        };
+        let mut handled = Handled {
+            model: index,
+            usage: UsageScanner::default(),
+            filter: StreamFilter::new(false, usage_body.is_some()),
+            draft_logprobs_added: false,
+        };
         match self.decide(model, call, tier) {
             Ok(draft) => {
-                let escalation = self.escalation(model, &call.request, ctx);
+                let body = usage_body.as_ref().unwrap_or(&call.body);
+                let (escalation, logprobs_added) = self.escalation(model, call, body);
+                handled.draft_logprobs_added = logprobs_added && call.request.is_stream();
                 ctx.pool = Some(draft);
                 ctx.escalation = Some(escalation);
             }
@@ -208,22 +296,26 @@ impl Plugin for Speculative {
                 ctx.escalated = Some(why);
             }
         }
-        ctx.state.insert(Handled {
-            model: index,
-            usage: UsageScanner::default(),
-        });
+        ctx.upstream_body = usage_body;
+        ctx.state.insert(handled);
         Ok(Flow::Continue)
     }
 
     fn response_body(
         &self,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        if let (Some(handled), Some(chunk)) = (ctx.state.get_mut::<Handled>(), body.as_ref()) {
+        let on_draft = ctx.escalated.is_none();
+        let Some(handled) = ctx.state.get_mut::<Handled>() else {
+            return Ok(());
+        };
+        if let Some(chunk) = body.as_ref() {
             handled.usage.feed(chunk);
         }
+        handled.filter.strip_logprobs = handled.draft_logprobs_added && on_draft;
+        handled.filter.apply(body, end_of_stream);
         Ok(())
     }
 
@@ -290,6 +382,7 @@ fn resolve(
             .collect::<std::result::Result<Vec<_>, (String, String)>>()?;
         let target = pool(format!("models[{i}].target"), &m.target)?;
         models.push(Model {
+            checks: Checks::new(&m.confidence),
             config: m.clone(),
             drafts,
             target,

@@ -170,6 +170,29 @@ fn is_json_space(byte: u8) -> bool {
     matches!(byte, b' ' | b'\t' | b'\n' | b'\r')
 }
 
+/// A stream request's body with `stream_options.include_usage` set, for a client that did not
+/// ask: vLLM then ends the stream with a usage chunk, which the token metrics read and
+/// [`crate::sse::StreamFilter`] removes. None when the body is not a JSON object or already
+/// asks for usage.
+pub fn ask_for_usage(body: &[u8]) -> Option<bytes::Bytes> {
+    use serde_json::{Map, Value};
+    let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(body) else {
+        return None;
+    };
+    let options = request
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if options.is_null() {
+        *options = Value::Object(Map::new());
+    }
+    let options = options.as_object_mut()?;
+    if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
+        return None;
+    }
+    options.insert("include_usage".to_owned(), Value::Bool(true));
+    serde_json::to_vec(&request).ok().map(bytes::Bytes::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,5 +358,30 @@ mod tests {
             scanner.feed(CHAT_STREAM.replace("usage", "other").as_bytes());
         }
         assert_eq!(scanner.object.capacity(), 0);
+    }
+
+    #[test]
+    fn streams_are_asked_for_usage_once() {
+        let asked = |body: &str| {
+            ask_for_usage(body.as_bytes()).map(|b| String::from_utf8(b.to_vec()).unwrap())
+        };
+        assert_eq!(
+            asked(r#"{"model":"m","stream":true}"#).as_deref(),
+            Some(r#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#)
+        );
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false}}"#).as_deref(),
+            Some(r#"{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":false}}"#)
+        );
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_options":null}"#).as_deref(),
+            Some(r#"{"stream":true,"stream_options":{"include_usage":true}}"#)
+        );
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_options":{"include_usage":true}}"#),
+            None
+        );
+        assert_eq!(asked(r#"{"stream":true,"stream_options":3}"#), None);
+        assert_eq!(asked("[1]"), None);
     }
 }
