@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
-use vllm_sim::SimConfig;
+use serde_json::{json, Value};
+use std::time::Duration;
+use vllm_sim::{Faults, SimConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_client_works_through_sluice() {
@@ -16,10 +18,16 @@ async fn the_openai_python_client_works_through_sluice() {
         pool("main", &["test-model"], &[upstream.addr()], "")
     ))
     .await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let base = format!("http://{}", proxy.addr);
+    run_python("openai_client.py", &[base.as_str(), "test-model"]).await;
+}
+
+/// Runs one of the tests' Python scripts and fails the test if it fails.
+async fn run_python(script: &str, args: &[&str]) {
+    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = tokio::process::Command::new("python3")
-        .args([script, base.as_str(), "test-model"])
+        .arg(&script)
+        .args(args)
         .output()
         .await
         .expect("python3 is needed for this test");
@@ -28,9 +36,205 @@ async fn the_openai_python_client_works_through_sluice() {
         !stderr.contains("No module named 'openai'"),
         "install the client first: pip install openai"
     );
-    assert!(
-        out.status.success(),
-        "{}{stderr}",
-        String::from_utf8_lossy(&out.stdout)
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    print!("{stdout}");
+}
+
+const MODEL: &str = "llama";
+
+/// One request the script makes, and where it must be answered.
+fn case(name: &str, prompt: &str, stream: bool, pool: &str, escalated: Option<&str>) -> Value {
+    json!({"name": name, "endpoint": "chat", "prompt": prompt, "stream": stream,
+           "pool": pool, "escalated": escalated})
+}
+
+/// A non-stream case whose prompt is 1 MiB.
+fn huge_case(name: &str, reason: &str) -> Value {
+    let mut huge = case(name, "", false, "target", Some(reason));
+    huge["prompt_bytes"] = json!(1 << 20);
+    huge
+}
+
+async fn llama_sim(config: SimConfig, low_confidence_share: f64) -> vllm_sim::Sim {
+    vllm_sim::start(
+        config
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_low_confidence_share(low_confidence_share),
+    )
+    .await
+    .expect("sim")
+}
+
+fn selector(model_extra: &str) -> String {
+    format!(
+        "plugins:\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_sees_normal_answers_in_every_escalation_case() {
+    // Decided before sending, and on low confidence (answers and streams).
+    let (draft, target) = (
+        llama_sim(SimConfig::default(), 0.5).await,
+        llama_sim(SimConfig::default(), 0.0).await,
     );
+    let proxy = Proxy::start(&format!(
+        "pools:\n{}{}{}",
+        pool("draft", &[MODEL], &[draft.addr()], "    max_model_len: 2048\n    supports: {best_of: false}\n"),
+        pool("target", &[MODEL], &[target.addr()], ""),
+        selector("        confidence: {enabled: true, window: 16, min_logprob: -1.0, stream_hold_back_tokens: 8}\n"),
+    ))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    let (mut sure, mut unsure) = (Vec::new(), Vec::new());
+    for i in 0..40 {
+        let prompt = format!("what the client asks, number {i}");
+        if answer_confidence(&draft, MODEL, &prompt).await < -1.0 {
+            unsure.push(prompt);
+        } else {
+            sure.push(prompt);
+        }
+    }
+    assert!(sure.len() >= 4 && unsure.len() >= 2, "{sure:?} {unsure:?}");
+    let mut best_of = case(
+        "unsupported",
+        "count to three",
+        false,
+        "target",
+        Some("unsupported"),
+    );
+    best_of["endpoint"] = json!("completions");
+    best_of["extra_body"] = json!({"best_of": 2});
+    let mut forced = case("forced", &sure[2], false, "target", Some("forced"));
+    forced["headers"] = json!({"x-sluice-tier": "target"});
+    let cases = json!([
+        case("draft answers", &sure[0], false, "draft", None),
+        case("draft streams", &sure[1], true, "draft", None),
+        forced,
+        best_of,
+        case(
+            "prompt-too-long",
+            &"many words ".repeat(1000),
+            false,
+            "target",
+            Some("prompt-too-long")
+        ),
+        case(
+            "low-confidence",
+            &unsure[0],
+            false,
+            "target",
+            Some("low-confidence")
+        ),
+        case(
+            "low-confidence stream",
+            &unsure[1],
+            true,
+            "target",
+            Some("low-confidence")
+        ),
+        case(
+            "confident stream in the window",
+            &sure[3],
+            true,
+            "draft",
+            None
+        ),
+    ]);
+    run_python("openai_escalation.py", &[&base, MODEL, &cases.to_string()]).await;
+
+    draft.set_faults(Faults {
+        engine_dead: true,
+        ..Faults::default()
+    });
+    assert!(wait_for(Duration::from_secs(3), || async {
+        backend_status(&proxy, "draft", draft.addr()).await["health"] == "unhealthy"
+    })
+    .await
+    .is_some());
+    let cases = json!([
+        case(
+            "draft-unavailable",
+            &sure[0],
+            false,
+            "target",
+            Some("draft-unavailable")
+        ),
+        case(
+            "draft-unavailable stream",
+            &sure[1],
+            true,
+            "target",
+            Some("draft-unavailable")
+        ),
+    ]);
+    run_python("openai_escalation.py", &[&base, MODEL, &cases.to_string()]).await;
+
+    // After trying the draft, with a 1 MiB prompt replayed to the target.
+    let long_context = || SimConfig::default().with_max_model_len(1 << 20);
+    let (draft, target) = (
+        llama_sim(long_context(), 0.0).await,
+        llama_sim(long_context(), 0.0).await,
+    );
+    let proxy = Proxy::start(&format!(
+        "limits:\n  max_request_body_bytes: 4194304\npools:\n{}{}{}",
+        // Failing on purpose every time: not ejected, so each failure is met on the way;
+        // 503s are retried in the pool (within its budget) before the target takes over.
+        pool(
+            "draft",
+            &[MODEL],
+            &[draft.addr()],
+            &format!(
+                "{NO_HEALTH_CHECKS}    outlier_detection: {{consecutive_failures: 0}}\n    \
+                 retry: {{max_retries: 2, backoff_base: 1ms, backoff_max: 5ms}}\n"
+            )
+        ),
+        pool("target", &[MODEL], &[target.addr()], ""),
+        selector("        draft_first_byte_budget: 500ms\n"),
+    ))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    let faults = [
+        ("draft 503", Faults::error_rate(1.0, 503), "draft-error"),
+        (
+            "draft silent",
+            Faults {
+                hang_before_headers: true,
+                ..Faults::default()
+            },
+            "draft-timeout",
+        ),
+        (
+            "draft refuses",
+            Faults {
+                refuse_connections: true,
+                ..Faults::default()
+            },
+            "draft-error",
+        ),
+    ];
+    for (name, faults, reason) in faults {
+        let tried_before = draft.stats().count("/v1/chat/completions");
+        let retried = faults.error_rate > 0.0;
+        draft.set_faults(faults);
+        let cases = json!([
+            huge_case(&format!("{name}, 1 MiB prompt"), reason),
+            case(
+                &format!("{name}, stream"),
+                "a short one",
+                true,
+                "target",
+                Some(reason)
+            ),
+        ]);
+        run_python("openai_escalation.py", &[&base, MODEL, &cases.to_string()]).await;
+        if retried {
+            // Two requests, and the budget's starting three retries spent on them.
+            let tried = draft.stats().count("/v1/chat/completions") - tried_before;
+            assert_eq!(tried, 2 + 3, "{name}");
+        }
+    }
+    assert_eq!(target.stats().count("/v1/chat/completions"), 6);
 }

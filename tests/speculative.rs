@@ -258,28 +258,6 @@ async fn a_draft_stream_that_drops_midway_ends_with_an_error_event_and_is_not_ca
     assert_eq!(again.x_cache, "MISS");
 }
 
-/// The mean log-probability of the draft's own answer to `content`, asked directly.
-async fn draft_confidence(draft: &vllm_sim::Sim, content: &str) -> f64 {
-    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
-                      "temperature": 0, "logprobs": true, "max_tokens": 16});
-    let v: Value = client()
-        .post(format!("{}/v1/chat/completions", draft.url()))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let lps: Vec<f64> = v["choices"][0]["logprobs"]["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["logprob"].as_f64().unwrap())
-        .collect();
-    lps.iter().sum::<f64>() / lps.len() as f64
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn low_confidence_answers_go_to_the_target_the_others_stay() {
     let (draft, target) = (sim(0.5).await, sim(0.0).await);
@@ -294,7 +272,7 @@ async fn low_confidence_answers_go_to_the_target_the_others_stay() {
     let (mut kept, mut escalations) = (0, 0);
     for i in 0..16 {
         let content = format!("question number {i}");
-        let expected_low = draft_confidence(&draft, &content).await < -1.0;
+        let expected_low = answer_confidence(&draft, MODEL, &content).await < -1.0;
         let mut request = chat(MODEL, &content, false);
         request["max_tokens"] = json!(16);
         let a = ask(&url, &request, &[]).await;
@@ -429,7 +407,7 @@ async fn streams_are_judged_in_the_hold_back_window() {
     let mut answered_tokens = std::collections::HashMap::<String, usize>::new();
     for i in 0..12 {
         let content = format!("streamed question {i}");
-        let expected_low = draft_confidence(&draft, &content).await < -1.0;
+        let expected_low = answer_confidence(&draft, MODEL, &content).await < -1.0;
         let a = ask(&url, &chat(MODEL, &content, true), &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         let events = plain_stream_events(&a);

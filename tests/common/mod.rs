@@ -457,3 +457,26 @@ pub fn metric_value(metrics: &str, series: &str) -> Option<f64> {
         .lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
+
+/// The mean token log-probability of a simulator's own answer to `content` (16 tokens at
+/// temperature 0), asked directly: whether it is one the simulator marks low-confidence.
+pub async fn answer_confidence(sim: &vllm_sim::Sim, model: &str, content: &str) -> f64 {
+    let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}],
+                                  "temperature": 0, "logprobs": true, "max_tokens": 16});
+    let v: serde_json::Value = client()
+        .post(format!("{}/v1/chat/completions", sim.url()))
+        .json(&body)
+        .send()
+        .await
+        .expect("the simulator answers")
+        .json()
+        .await
+        .expect("a JSON answer");
+    let lps: Vec<f64> = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .filter_map(|t| t["logprob"].as_f64())
+        .collect();
+    lps.iter().sum::<f64>() / lps.len() as f64
+}
