@@ -528,7 +528,16 @@ async fn admin_endpoints() {
         .to_str()
         .unwrap()
         .starts_with("text/plain; version=0.0.4"));
-    let metrics = metrics.text().await.unwrap();
+    let mut metrics = metrics.text().await.unwrap();
+    // The request is logged (and counted) just after its answer reached the client.
+    let counted = r#"sluice_requests_total{route="chat",status="2xx"} 1"#;
+    for _ in 0..50 {
+        if metrics.contains(counted) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        metrics = get("/metrics").await.unwrap().text().await.unwrap();
+    }
     for series in [
         r#"llm_request_duration_seconds_count{cache_hit="false",model="test-model"} 1"#,
         r#"router_request_duration_seconds_count{pool="main"} 1"#,

@@ -124,9 +124,12 @@ pub async fn run(
             "cannot hand the body to the attempt",
         ));
     }
-    let mut task = AbortOnDrop(Some(tokio::spawn(subrequest.run())));
     let _tx = handle.tx;
-    let outcome = pipe(
+    // The subrequest runs in this task, polled beside the pipe, rather than spawned: no task
+    // to create and no other worker thread to wake for each attempt.
+    let mut attempt = Box::pin(subrequest.run());
+    let mut attempt_done = false;
+    let piped = pipe(
         sluice,
         session,
         ctx,
@@ -134,11 +137,18 @@ pub async fn run(
         &mut proxy_error,
         deadlines,
         hold,
-    )
-    .await;
-    if matches!(outcome, Outcome::Complete) {
+    );
+    tokio::pin!(piped);
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut piped => break outcome,
+            () = &mut attempt, if !attempt_done => attempt_done = true,
+        }
+    };
+    if !attempt_done && matches!(outcome, Outcome::Complete) {
         // Let it finish on its own: it still has to return the connection to the pool.
-        task.detach();
+        // Any other outcome drops it here, which cancels it and frees its connection.
+        tokio::spawn(attempt);
     }
     outcome
 }
@@ -481,22 +491,4 @@ fn is_event_stream(header: &ResponseHeader) -> bool {
         .headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
-}
-
-/// Stops the attempt when the client request gives up on it (client gone, deadline, error),
-/// so it frees its upstream connection at once.
-struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
-
-impl AbortOnDrop {
-    fn detach(&mut self) {
-        self.0.take();
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-        }
-    }
 }

@@ -55,6 +55,9 @@ pub struct Params {
     pub open_stream_ramp: Duration,
     pub big_prompt_bytes: usize,
     pub big_conns: usize,
+    /// Scenario 7: backends checked, and the idle time measured per round.
+    pub health_backends: usize,
+    pub health_idle: Duration,
 }
 
 impl Params {
@@ -75,6 +78,8 @@ impl Params {
             open_stream_ramp: Duration::from_secs(1),
             big_prompt_bytes: 1 << 20,
             big_conns: 8,
+            health_backends: 50,
+            health_idle: Duration::from_secs(5),
         }
     }
 
@@ -95,6 +100,8 @@ impl Params {
             open_stream_ramp: Duration::from_millis(100),
             big_prompt_bytes: 1 << 20,
             big_conns: 2,
+            health_backends: 5,
+            health_idle: Duration::from_secs(1),
         }
     }
 }

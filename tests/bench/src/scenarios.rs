@@ -12,8 +12,8 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 
 use crate::contenders::{
-    start_nginx, start_redis, start_sluice, tree_usage, Contender, Proc, RunningSim, Setup,
-    SimSpec, MODEL,
+    free_addr, start_fleet_sluice, start_nginx, start_redis, start_sluice, tree_usage, usage,
+    Contender, Proc, RunningSim, Setup, SimSpec, MODEL,
 };
 use crate::loadgen::{closed_loop, fetch, open_loop, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
@@ -54,11 +54,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         4 => open_streams(ctx).await,
         5 => cache_hits(ctx).await,
         6 => big_prompts(ctx).await,
-        7 => Ok(ScenarioReport::pending(
-            7,
-            title(7),
-            "needs the health service",
-        )),
+        7 => health_scraping(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -171,6 +167,9 @@ impl Stack {
                         Err(e) if ctx.require_nginx => bail!("nginx: {e}"),
                         Err(e) => down.push((c, e)),
                     }
+                }
+                Contender::SluiceHealthChecks | Contender::SluiceNoHealthChecks => {
+                    bail!("{c} runs only in scenario 7, which starts it itself")
                 }
             }
         }
@@ -836,4 +835,121 @@ async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         ));
     }
     Ok(report)
+}
+
+/// One idle round of a scenario-7 contender.
+struct IdleRound {
+    checks_per_sec: f64,
+    cpu_share: f64,
+    rss_mb: f64,
+}
+
+/// Scenario 7: an idle Sluice in front of 50 backends, each probed (`/health`) and scraped
+/// (`/metrics`, vLLM V1's page) every 250 ms; its CPU, against the same Sluice with health
+/// checks off.
+async fn health_scraping(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(7, title(7));
+    let n = ctx.p.health_backends;
+    let dir = tempfile::tempdir_in(ctx.root.path())?;
+    // The backends are simulators in this process: they answer the checks, and their CPU is
+    // not what is measured.
+    let mut sims = Vec::with_capacity(n);
+    for _ in 0..n {
+        sims.push(vllm_sim::start(SimSpec::zero().config(free_addr()?)).await?);
+    }
+    let backends: Vec<SocketAddr> = sims.iter().map(|s| s.addr()).collect();
+    let mut fleet = Vec::new();
+    for (contender, checks) in [
+        (Contender::SluiceHealthChecks, true),
+        (Contender::SluiceNoHealthChecks, false),
+    ] {
+        let (proc, admin) =
+            start_fleet_sluice(&ctx.sluice_bin, dir.path(), &backends, checks).await?;
+        fleet.push((contender, proc, admin));
+    }
+    // Every backend checked at least once before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut runs: BTreeMap<Contender, Vec<IdleRound>> = BTreeMap::new();
+    for _ in 0..ctx.p.rounds {
+        for (contender, proc, admin) in &fleet {
+            let pid = proc.pid().context("the fleet sluice is not running")?;
+            let (before, checks_before) = (usage(pid)?, health_checks(*admin).await?);
+            let started = Instant::now();
+            tokio::time::sleep(ctx.p.health_idle).await;
+            let (after, checks_after) = (usage(pid)?, health_checks(*admin).await?);
+            let wall = started.elapsed().as_secs_f64();
+            let checks = checks_after - checks_before;
+            if *contender == Contender::SluiceHealthChecks {
+                report.measured(*contender, checks as u64, 0, None);
+            }
+            runs.entry(*contender).or_default().push(IdleRound {
+                checks_per_sec: checks / wall,
+                cpu_share: after.cpu.saturating_sub(before.cpu).as_secs_f64() / wall,
+                rss_mb: after.rss_bytes as f64 / 1e6,
+            });
+        }
+    }
+    report.header = [
+        "contender",
+        "backends",
+        "checks/s",
+        "CPU (% of a core)",
+        "CPU µs per check",
+        "RSS MB",
+    ]
+    .map(String::from)
+    .to_vec();
+    let idle_cpu = runs
+        .get(&Contender::SluiceNoHealthChecks)
+        .map(|r| Series(r.iter().map(|x| x.cpu_share).collect()).median())
+        .unwrap_or(0.0);
+    for (c, rounds) in &runs {
+        let s = |f: &dyn Fn(&IdleRound) -> f64| Series(rounds.iter().map(f).collect());
+        let per_check = |r: &IdleRound| {
+            if r.checks_per_sec > 0.0 {
+                (r.cpu_share - idle_cpu).max(0.0) * 1e6 / r.checks_per_sec
+            } else {
+                0.0
+            }
+        };
+        report.rows.push(vec![
+            c.label().to_string(),
+            n.to_string(),
+            s(&|r| r.checks_per_sec).show(0),
+            s(&|r| r.cpu_share * 100.0).show(2),
+            s(&per_check).show(1),
+            s(&|r| r.rss_mb).show(1),
+        ]);
+    }
+    let checked = runs
+        .get(&Contender::SluiceHealthChecks)
+        .map(|r| Series(r.iter().map(|x| x.cpu_share * 100.0).collect()).median())
+        .unwrap_or(f64::NAN);
+    report.checks.push(Check::new(
+        &format!("CPU at idle, {n} backends checked every 250 ms"),
+        "",
+        format!("{checked:.2}% of a core"),
+        None,
+    ));
+    report.notes.push(format!(
+        "{n} simulated backends (in the harness's process), each probed and scraped every 250 ms: \
+         a check is one `/health` probe or one `/metrics` scrape, counted by \
+         `sluice_health_checks_total`. CPU = utime+stime of the Sluice process over {:?} of \
+         idling; per check, above the health-checks-off floor. No requests are sent.",
+        ctx.p.health_idle
+    ));
+    Ok(report)
+}
+
+/// The total of `sluice_health_checks_total` on an admin listener.
+async fn health_checks(admin: SocketAddr) -> Result<f64> {
+    let (status, _, body) = fetch(&Target::get(admin, "/metrics")).await?;
+    if !status.is_success() {
+        bail!("GET /metrics on {admin}: {status}");
+    }
+    Ok(String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|l| l.starts_with("sluice_health_checks_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
 }
