@@ -199,7 +199,12 @@ impl Speculative {
         if tier == Some("target") && self.config.allow_forced_target {
             return Err(reason::FORCED);
         }
-        let code = looks_like_code(request);
+        // The classifier reads the whole prompt: only when a draft depends on it.
+        let code = model
+            .drafts
+            .iter()
+            .any(|(_, when)| *when == DraftWhen::Code)
+            && looks_like_code(request);
         let mut candidates = model
             .drafts
             .iter()
