@@ -83,6 +83,9 @@ async fn sigterm_lets_a_running_stream_finish_then_exits() {
         Some("[DONE]"),
         "{text}"
     );
+    // Finished, not cut: a cut stream also ends with `[DONE]`, after an error event.
+    assert!(!text.contains("\"error\""), "{text}");
+    assert_eq!(text.matches("\"finish_reason\":\"").count(), 1, "{text}");
 
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {

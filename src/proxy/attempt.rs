@@ -71,7 +71,6 @@ pub enum Outcome {
 }
 
 /// What an attempt holds back before the client sees it.
-#[derive(Clone, Default)]
 pub struct Hold {
     /// Error statuses (5xx, 429) are not sent: another attempt may follow.
     pub error_statuses: bool,
@@ -81,7 +80,8 @@ pub struct Hold {
     pub stream_check: Option<Arc<dyn StreamCheck>>,
 }
 
-/// The most of a held answer kept in memory; a larger one is sent as it comes.
+/// The most of a held answer kept in memory: a larger one fails the attempt (a hold-back
+/// window is judged on what it kept instead).
 const MAX_HELD_BYTES: usize = 4 << 20;
 
 /// The deadlines of one attempt.
@@ -165,23 +165,18 @@ async fn pipe(
     hold: &Hold,
 ) -> Outcome {
     // Until the response header: nothing has reached the client, so failures are retryable.
+    let first_byte = deadlines.first_byte.min(deadlines.total);
     let mut header = loop {
-        tokio::select! {
-            task = rx.recv() => match task {
-                Some(HttpTask::Header(h, _)) => break h,
-                Some(HttpTask::Failed(e)) => return Outcome::NotStarted(e),
-                Some(_) => continue,
-                None => return Outcome::NotStarted(ended_early(proxy_error)),
-            },
-            _ = sleep_until(deadlines.first_byte.min(deadlines.total)) => {
-                return Outcome::NotStarted(Error::explain(
-                    ErrorType::ReadTimedout,
+        match next(session, rx, proxy_error, first_byte).await {
+            Next::Task(HttpTask::Header(h, _)) => break h,
+            Next::Task(_) => continue,
+            Next::Failed(e) => return Outcome::NotStarted(e),
+            Next::Deadline => {
+                return Outcome::NotStarted(timed_out(
                     "no response header before the first-byte timeout",
-                ).into_up());
+                ))
             }
-            gone = session.downstream_session.read_body_or_idle(true) => {
-                return Outcome::ClientGone(client_gone(gone));
-            }
+            Next::ClientGone(e) => return Outcome::ClientGone(e),
         }
     };
 
@@ -234,61 +229,86 @@ async fn pipe(
             Err(e) => Outcome::ClientGone(e),
         };
     }
-    let kept = window.chunks.len();
-    for (i, chunk) in window.chunks.into_iter().enumerate() {
-        let last = window.ended && i + 1 == kept;
-        if let Err(e) = forward(sluice, session, ctx, Some(chunk), last).await {
+    // A kept window goes first; a stream that ended within it ends here.
+    for chunk in window.chunks {
+        if let Err(e) = forward(sluice, session, ctx, Some(chunk), false).await {
             return Outcome::ClientGone(e);
         }
     }
     if window.ended {
-        if kept == 0 {
-            if let Err(e) = forward(sluice, session, ctx, None, true).await {
-                return Outcome::ClientGone(e);
-            }
-        }
-        return Outcome::Complete;
+        return match forward(sluice, session, ctx, None, true).await {
+            Ok(()) => Outcome::Complete,
+            Err(e) => Outcome::ClientGone(e),
+        };
     }
 
     loop {
-        tokio::select! {
-            task = rx.recv() => match task {
-                Some(HttpTask::Body(data, end)) => {
-                    // The chunk that completes the declared length ends the response: the
-                    // client may send its next request at once, and the client watch below
-                    // would read that request's first byte.
-                    let after = ctx.response_bytes - sent_before + data.as_ref().map_or(0, Bytes::len);
-                    let last = end || declared_len.is_some_and(|len| after >= len);
-                    if let Err(e) = forward(sluice, session, ctx, data, last).await {
-                        return Outcome::ClientGone(e);
-                    }
-                    if last {
-                        return Outcome::Complete;
-                    }
+        match next(session, rx, proxy_error, deadlines.total).await {
+            Next::Task(HttpTask::Body(data, end)) => {
+                // The chunk that completes the declared length ends the response: the client
+                // may send its next request at once, and the client watch in `next` would
+                // read that request's first byte.
+                let after = ctx.response_bytes - sent_before + data.as_ref().map_or(0, Bytes::len);
+                let last = end || declared_len.is_some_and(|len| after >= len);
+                if let Err(e) = forward(sluice, session, ctx, data, last).await {
+                    return Outcome::ClientGone(e);
                 }
-                Some(HttpTask::Done) => {
-                    return match forward(sluice, session, ctx, None, true).await {
-                        Ok(()) => Outcome::Complete,
-                        Err(e) => Outcome::ClientGone(e),
-                    };
+                if last {
+                    return Outcome::Complete;
                 }
-                Some(HttpTask::Failed(e)) => return broken(sluice, session, ctx, is_sse, e).await,
-                Some(_) => continue,
-                None => {
-                    let e = ended_early(proxy_error);
-                    return broken(sluice, session, ctx, is_sse, e).await;
-                }
-            },
-            _ = sleep_until(deadlines.total) => {
-                let e = Error::explain(ErrorType::ReadTimedout, "the total timeout ran out mid-response").into_up();
+            }
+            Next::Task(HttpTask::Done) => {
+                return match forward(sluice, session, ctx, None, true).await {
+                    Ok(()) => Outcome::Complete,
+                    Err(e) => Outcome::ClientGone(e),
+                };
+            }
+            Next::Task(_) => continue,
+            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, e).await,
+            Next::Deadline => {
+                let e = timed_out("the total timeout ran out mid-response");
                 return broken(sluice, session, ctx, is_sse, e).await;
             }
-            gone = session.downstream_session.read_body_or_idle(true) => {
+            Next::ClientGone(e) => {
                 ctx.response_incomplete = true;
-                return Outcome::ClientGone(client_gone(gone));
+                return Outcome::ClientGone(e);
             }
         }
     }
+}
+
+/// What an attempt's channel gave next, or why it gave nothing.
+enum Next {
+    Task(HttpTask),
+    /// The attempt failed: a `Failed` task, or the channel closed early.
+    Failed(Box<Error>),
+    Deadline,
+    /// The client closed its connection (or sent more than its request) meanwhile.
+    ClientGone(Box<Error>),
+}
+
+/// Waits for the attempt's next task, until `deadline`, while watching the client.
+async fn next(
+    session: &mut Session,
+    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
+    proxy_error: &mut ProxyErrorRx,
+    deadline: Instant,
+) -> Next {
+    tokio::select! {
+        task = rx.recv() => match task {
+            Some(HttpTask::Failed(e)) => Next::Failed(e),
+            Some(task) => Next::Task(task),
+            None => Next::Failed(ended_early(proxy_error)),
+        },
+        _ = sleep_until(deadline) => Next::Deadline,
+        gone = session.downstream_session.read_body_or_idle(true) => {
+            Next::ClientGone(client_gone(gone))
+        }
+    }
+}
+
+fn timed_out(what: &'static str) -> Box<Error> {
+    Error::explain(ErrorType::ReadTimedout, what).into_up()
 }
 
 /// Reads a held answer's whole body (bounded): `Err` is the outcome when that fails.
@@ -301,37 +321,30 @@ async fn read_held(
 ) -> Result<Bytes, Outcome> {
     let mut body = bytes::BytesMut::new();
     loop {
-        tokio::select! {
-            task = rx.recv() => match task {
-                Some(HttpTask::Body(data, end)) => {
-                    if let Some(data) = data {
-                        if body.len() + data.len() > MAX_HELD_BYTES {
-                            return Err(Outcome::NotStarted(Error::explain(
-                                ErrorType::InvalidHTTPHeader,
-                                "a held answer is too large",
-                            )));
-                        }
-                        body.extend_from_slice(&data);
+        match next(session, rx, proxy_error, deadlines.total).await {
+            Next::Task(HttpTask::Body(data, end)) => {
+                if let Some(data) = data {
+                    if body.len() + data.len() > MAX_HELD_BYTES {
+                        return Err(Outcome::NotStarted(Error::explain(
+                            ErrorType::InvalidHTTPHeader,
+                            "a held answer is too large",
+                        )));
                     }
-                    // A declared length ends the body as soon as it is there (see `pipe`).
-                    if end || expected.is_some_and(|len| body.len() >= len) {
-                        return Ok(body.freeze());
-                    }
+                    body.extend_from_slice(&data);
                 }
-                Some(HttpTask::Done) => return Ok(body.freeze()),
-                Some(HttpTask::Failed(e)) => return Err(Outcome::NotStarted(e)),
-                Some(_) => continue,
-                None => return Err(Outcome::NotStarted(ended_early(proxy_error))),
-            },
-            _ = sleep_until(deadlines.total) => {
-                return Err(Outcome::NotStarted(Error::explain(
-                    ErrorType::ReadTimedout,
-                    "the total timeout ran out reading the answer",
-                ).into_up()));
+                // A declared length ends the body as soon as it is there (see `pipe`).
+                if end || expected.is_some_and(|len| body.len() >= len) {
+                    return Ok(body.freeze());
+                }
             }
-            gone = session.downstream_session.read_body_or_idle(true) => {
-                return Err(Outcome::ClientGone(client_gone(gone)));
+            Next::Task(HttpTask::Done) => return Ok(body.freeze()),
+            Next::Task(_) => continue,
+            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
+            Next::Deadline => {
+                let e = timed_out("the total timeout ran out reading the answer");
+                return Err(Outcome::NotStarted(e));
             }
+            Next::ClientGone(e) => return Err(Outcome::ClientGone(e)),
         }
     }
 }
@@ -357,39 +370,35 @@ async fn hold_back(
 ) -> Result<Window, Outcome> {
     let mut window = Window::default();
     let mut kept_bytes = 0usize;
+    let until = deadlines.first_byte.min(deadlines.total);
     let judgement = loop {
-        tokio::select! {
-            task = rx.recv() => match task {
-                Some(HttpTask::Body(data, end)) => {
-                    let mut decided = None;
-                    if let Some(data) = data.filter(|d| !d.is_empty()) {
-                        kept_bytes += data.len();
-                        decided = judge.feed(&data);
-                        window.chunks.push(data);
-                    }
-                    if end {
-                        window.ended = true;
-                        break decided.unwrap_or_else(|| judge.decide());
-                    }
-                    if let Some(decided) = decided {
-                        break decided;
-                    }
-                    if kept_bytes > MAX_HELD_BYTES {
-                        break judge.decide();
-                    }
+        match next(session, rx, proxy_error, until).await {
+            Next::Task(HttpTask::Body(data, end)) => {
+                let mut decided = None;
+                if let Some(data) = data.filter(|d| !d.is_empty()) {
+                    kept_bytes += data.len();
+                    decided = judge.feed(&data);
+                    window.chunks.push(data);
                 }
-                Some(HttpTask::Done) => {
+                if end {
                     window.ended = true;
+                    break decided.unwrap_or_else(|| judge.decide());
+                }
+                if let Some(decided) = decided {
+                    break decided;
+                }
+                if kept_bytes > MAX_HELD_BYTES {
                     break judge.decide();
                 }
-                Some(HttpTask::Failed(e)) => return Err(Outcome::NotStarted(e)),
-                Some(_) => continue,
-                None => return Err(Outcome::NotStarted(ended_early(proxy_error))),
-            },
-            _ = sleep_until(deadlines.first_byte.min(deadlines.total)) => break judge.decide(),
-            gone = session.downstream_session.read_body_or_idle(true) => {
-                return Err(Outcome::ClientGone(client_gone(gone)));
             }
+            Next::Task(HttpTask::Done) => {
+                window.ended = true;
+                break judge.decide();
+            }
+            Next::Task(_) => continue,
+            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
+            Next::Deadline => break judge.decide(),
+            Next::ClientGone(e) => return Err(Outcome::ClientGone(e)),
         }
     };
     match judgement {

@@ -218,8 +218,8 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                     backend = %backend.addr,
                     "upstream answered {status}; trying again"
                 );
-                declined = Some((header, body));
                 if retries_in_pool < pool.retry.max_retries && pool.retry_budget.try_spend() {
+                    declined = Some((header, body));
                     retries_in_pool += 1;
                     metrics::inc(&metrics::POOL_RETRIES, &[&pool.name]);
                     tokio::time::sleep(pool.retry.backoff(retries_in_pool)).await;
@@ -228,12 +228,10 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                     continue;
                 }
                 if escalate(ctx, reason::DRAFT_ERROR, &mut tried, &mut retries_in_pool) {
+                    declined = Some((header, body));
                     continue;
                 }
-                if let Some((header, body)) = declined {
-                    return attempt::send_held(sluice, session, &mut ctx.req, header, body).await;
-                }
-                return Err(no_backend(&pool));
+                return attempt::send_held(sluice, session, &mut ctx.req, header, body).await;
             }
             Outcome::Judged(reason) => {
                 metrics::inc(

@@ -311,8 +311,12 @@ impl Entry {
     /// The answer as a JSON body, with this response's `id` and `created`.
     pub fn render_json(&self, id: &str, created: u64) -> bytes::Bytes {
         let mut answer = self.answer.clone();
-        answer["id"] = Value::from(id);
-        answer["created"] = Value::from(created);
+        // Through `as_object_mut`, not indexing: indexing a non-object panics, and a stored
+        // answer comes from an upstream (or a shared Redis).
+        if let Some(fields) = answer.as_object_mut() {
+            fields.insert("id".to_owned(), Value::from(id));
+            fields.insert("created".to_owned(), Value::from(created));
+        }
         bytes::Bytes::from(serde_json::to_vec(&answer).unwrap_or_default())
     }
 
@@ -361,7 +365,9 @@ impl Entry {
                             .enumerate()
                             .map(|(i, call)| {
                                 let mut call = call.clone();
-                                call["index"] = Value::from(i);
+                                if let Some(fields) = call.as_object_mut() {
+                                    fields.insert("index".to_owned(), Value::from(i));
+                                }
                                 call
                             })
                             .collect();

@@ -17,8 +17,3 @@ pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error
 pub fn deserialize_option<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     deserialize(d).map(Some)
 }
-
-/// Formats a duration for messages (`1m 30s`).
-pub fn format(d: Duration) -> String {
-    humantime::format_duration(d).to_string()
-}

@@ -279,10 +279,6 @@ impl BackendLive {
         self.in_flight.load(Relaxed)
     }
 
-    pub fn sent_since_scrape(&self) -> u32 {
-        self.sent_since_scrape.load(Relaxed)
-    }
-
     /// Feeds the failure breaker with one attempt's result. Returns the ejection's length
     /// when this result ejected the backend.
     pub fn record(&self, verdict: Verdict, policy: &OutlierPolicy) -> Option<Duration> {
@@ -310,7 +306,8 @@ impl BackendLive {
                     .base_ejection
                     .saturating_mul(1 << n)
                     .min(policy.max_ejection);
-                let until = now_ms() + u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX);
+                let until = now_ms()
+                    .saturating_add(u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX));
                 self.ejected_until_ms.store(until, Relaxed);
                 self.failures.store(0, Relaxed);
                 self.half_open.store(true, Relaxed);
@@ -376,11 +373,6 @@ impl BackendLive {
     /// The projected KV usage alone (see [`BackendLive::outlook`]).
     pub fn projected_kv(&self, policy: &HealthPolicy) -> Option<f64> {
         self.outlook(policy).projected_kv
-    }
-
-    /// The KV tokens still free, by this proxy's projection, when the cache size is known.
-    pub fn free_kv_tokens(&self, policy: &HealthPolicy) -> Option<f64> {
-        self.outlook(policy).free_kv_tokens()
     }
 }
 
@@ -499,7 +491,7 @@ mod tests {
         b.publish_load(load(0.05, Some(10_000)));
         let second = b.begin(8_000);
         assert!((b.projected_kv(&policy).unwrap() - 0.9).abs() < 1e-9);
-        assert!((b.free_kv_tokens(&policy).unwrap() - 1_000.0).abs() < 1e-6);
+        assert!((b.outlook(&policy).free_kv_tokens().unwrap() - 1_000.0).abs() < 1e-6);
         drop(first);
         drop(second);
         assert_eq!(b.in_flight(), 0);

@@ -372,7 +372,7 @@ impl Pool {
     /// How good a home backend `index` is for `demand`; higher is better. Free KV cache
     /// counts most, and more so for large prompts; queued requests and a cache that cannot
     /// hold the request count against it.
-    pub fn score(&self, index: usize, demand: &Demand) -> f64 {
+    fn score(&self, index: usize, demand: &Demand) -> f64 {
         let Some(live) = self.live.get(index) else {
             return f64::MIN;
         };

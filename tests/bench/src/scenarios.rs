@@ -878,9 +878,12 @@ async fn health_scraping(ctx: &mut Ctx) -> Result<ScenarioReport> {
             tokio::time::sleep(ctx.p.health_idle).await;
             let (after, checks_after) = (usage(pid)?, health_checks(*admin).await?);
             let wall = started.elapsed().as_secs_f64();
-            let checks = checks_after - checks_before;
+            let checks = checks_after.0 - checks_before.0;
             if *contender == Contender::SluiceHealthChecks {
-                report.measured(*contender, checks as u64, 0, None);
+                // A check that failed (a scrape the health service could not read) counts
+                // as an error: the CPU figure is only worth something for working checks.
+                let failed = checks_after.1 - checks_before.1;
+                report.measured(*contender, checks as u64, failed as u64, None);
             }
             runs.entry(*contender).or_default().push(IdleRound {
                 checks_per_sec: checks / wall,
@@ -941,15 +944,24 @@ async fn health_scraping(ctx: &mut Ctx) -> Result<ScenarioReport> {
     Ok(report)
 }
 
-/// The total of `sluice_health_checks_total` on an admin listener.
-async fn health_checks(admin: SocketAddr) -> Result<f64> {
+/// The totals of `sluice_health_checks_total` on an admin listener: (all, failed).
+async fn health_checks(admin: SocketAddr) -> Result<(f64, f64)> {
     let (status, _, body) = fetch(&Target::get(admin, "/metrics")).await?;
     if !status.is_success() {
         bail!("GET /metrics on {admin}: {status}");
     }
-    Ok(String::from_utf8_lossy(&body)
+    let (mut all, mut failed) = (0.0, 0.0);
+    for line in String::from_utf8_lossy(&body)
         .lines()
         .filter(|l| l.starts_with("sluice_health_checks_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+    {
+        let Some(n) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+            continue;
+        };
+        all += n;
+        if !line.contains("result=\"ok\"") {
+            failed += n;
+        }
+    }
+    Ok((all, failed))
 }

@@ -208,6 +208,11 @@ async fn one_stream(target: &Target, out: &mut SseResult, open: &AtomicUsize) ->
         if n > 1 {
             merged += 1;
         }
+        // A stream broken on the way ends with an error event, then `[DONE]`: a failure.
+        let error_event = b"data: {\"error\"";
+        if data.windows(error_event.len()).any(|w| w == error_event) {
+            bail!("the stream ended with an error event");
+        }
         if data.windows(12).any(|w| w == b"data: [DONE]") {
             done = true;
         }

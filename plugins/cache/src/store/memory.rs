@@ -82,7 +82,11 @@ impl Store for MemoryStore {
         }
         let slot = Slot {
             entry,
-            expires: Instant::now() + ttl,
+            // A TTL past the clock's range (config allows any) means "never expires" in
+            // practice: cap it rather than overflow.
+            expires: Instant::now()
+                .checked_add(ttl)
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)),
             weight,
         };
         let evicted = self.cache.put(key.digest, slot, weight);
