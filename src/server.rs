@@ -6,6 +6,8 @@ use crate::config::Config;
 use crate::health::HealthService;
 use crate::proxy::Sluice;
 use crate::router::Router;
+use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::ConnectorOptions;
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
@@ -34,6 +36,8 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     }
     crate::metrics::init(&pools);
 
+    let mut server = Server::new_with_opt_and_conf(opt, config.server);
+    server.bootstrap();
     let sluice = Sluice {
         limits: config.limits,
         models: crate::models::list(&pools),
@@ -41,10 +45,10 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         router: Router::new(config.routes),
         chain,
         access_log: config.log.access_log,
+        connector: Connector::new(Some(ConnectorOptions::from_server_conf(
+            &server.configuration,
+        ))),
     };
-
-    let mut server = Server::new_with_opt_and_conf(opt, config.server);
-    server.bootstrap();
     let mut proxy =
         pingora_proxy::http_proxy_service_with_name(&server.configuration, sluice, "sluice proxy");
     for listener in &config.listeners {

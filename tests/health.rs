@@ -441,6 +441,38 @@ async fn failing_backends_are_ejected_by_real_traffic() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_routes_eject_failing_backends_too() {
+    let good = Scripted::start(Script::fixed("text/plain", b"fine".to_vec())).await;
+    let mut failing = Script::fixed("text/plain", b"broken".to_vec());
+    failing.head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: 6\r\n\r\n".to_vec();
+    let bad = Scripted::start(failing).await;
+    let config = format!(
+        "pools:\n{}routes:\n  - path_prefix: /web\n    pool: web\n",
+        pool(
+            "web",
+            &[],
+            &[good.addr, bad.addr],
+            &format!(
+                "{NO_HEALTH_CHECKS}    outlier_detection:\n      consecutive_failures: 2\n      base_ejection: 30s\n"
+            )
+        )
+    );
+    let proxy = Proxy::start(&config).await;
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let r = client().get(proxy.url("/web/page")).send().await.unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    let errors = statuses.iter().filter(|s| **s == 500).count();
+    assert_eq!(errors, 2, "{statuses:?}");
+    assert_eq!(bad.received.lock().unwrap().len(), 2);
+    assert_eq!(
+        backend_status(&proxy, "web", bad.addr).await["health"],
+        "ejected"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_requests_avoid_a_backend_with_a_full_kv_cache() {
     // Slow answers, so requests hold their KV blocks while the test looks.
     let slow = Latency::new(Duration::ZERO, Duration::ZERO, Duration::from_millis(20));

@@ -1,54 +1,37 @@
-//! One upstream attempt of an LLM request: a Pingora subrequest of the client's request,
-//! sent to one backend, whose response this module pipes to the client.
+//! One upstream attempt of an LLM request: the request sent to one backend over a
+//! connection from Pingora's connector (its pool, HTTP/1 framing, timeouts, TLS), and the
+//! answer piped to the client.
 //!
-//! Why subrequests: the client request has read its whole body (the cache key needs it),
-//! and Pingora replays a body that was read only from its 64 KiB retry buffer. A subrequest
-//! gets the body handed over as one reference-counted chunk, so every attempt, the first or
-//! a fallback, sends the full body whatever its size, while Pingora still does the upstream
-//! side: connection pool, HTTP/1 framing, timeouts, TLS.
+//! Why not Pingora's own proxy loop: the client request has read its whole body (the cache
+//! key needs it), and Pingora replays a body that was read only from its 64 KiB retry buffer.
+//! Here every attempt, the first or a fallback, sends the full body, whatever its size, as
+//! the one reference-counted buffer it already is. And the pipe must (a) decide before the
+//! first byte reaches the client whether to try elsewhere, (b) run the plugins' response
+//! hooks, (c) end a broken stream with an SSE error event, and (d) notice a client that
+//! leaves while the upstream is still silent.
 //!
-//! The pipe here, rather than Pingora's `pipe_subrequest`, because it must (a) decide before
-//! the first byte reaches the client whether to try elsewhere, (b) run the plugins' response
-//! hooks on the client request's context, (c) end a broken stream with an SSE error event,
-//! and (d) notice a client that leaves while the upstream is still silent.
+//! An earlier version ran each attempt as a Pingora subrequest; that ran a second request
+//! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::{count_sent, prepare_client_response, Sluice};
 use crate::metrics;
 use bytes::Bytes;
-use pingora_core::protocols::http::HttpTask;
+use pingora_core::connectors::http::Connector;
+use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
-use pingora_proxy::subrequest::{BodyMode, Ctx as SubrequestCtx};
 use pingora_proxy::Session;
 use sluice_sdk::{AnswerCheck, ErrorReply, Judgement, RequestCtx, StreamCheck, StreamJudge};
+use std::future::Future;
 use std::sync::Arc;
 use tokio::time::{sleep_until, Instant};
 
-/// What an attempt subrequest needs: where to connect, and the exact request header.
+/// What an attempt sends: where to connect, and the exact request.
 pub struct Attempt {
     pub peer: HttpPeer,
     pub header: RequestHeader,
-}
-
-/// In an attempt subrequest: takes the attempt its client request put there.
-///
-/// The subrequest was built from the client's request header as received, and reads as many
-/// body bytes as that declares; an attempt whose body differs (a draft asked for logprobs)
-/// declares its own length here, before the body is first read.
-pub fn take(session: &mut Session) -> Option<Attempt> {
-    let attempt = session
-        .subrequest_ctx
-        .as_mut()?
-        .user_ctx_mut()?
-        .downcast_mut::<Option<Attempt>>()?
-        .take()?;
-    if let Some(length) = attempt.header.headers.get(http::header::CONTENT_LENGTH) {
-        let _ = session
-            .req_header_mut()
-            .insert_header(http::header::CONTENT_LENGTH, length.clone());
-    }
-    Some(attempt)
+    pub body: Bytes,
 }
 
 /// How an attempt ended.
@@ -90,94 +73,103 @@ pub struct Deadlines {
     pub total: Instant,
 }
 
-/// Sends `body` with `attempt` and pipes the answer to the client.
+/// The connection of one attempt.
+struct Upstream<'a> {
+    connector: &'a Connector,
+    peer: &'a HttpPeer,
+    http: HttpSession,
+    /// Taken from the connection pool: an error on it may be a connection the backend had
+    /// already closed.
+    reused: bool,
+}
+
+impl Upstream<'_> {
+    /// Gives a connection whose response was read whole back to the pool. Every other end
+    /// of an attempt drops it instead, which closes it: a backend that is still generating
+    /// sees its client leave and stops.
+    async fn release(self) {
+        let idle = self.peer.options.idle_timeout;
+        self.connector
+            .release_http_session(self.http, self.peer, idle)
+            .await;
+    }
+
+    /// An error of this connection, made final: the request may have reached the model, so
+    /// it is not sent again on another connection (as Pingora decides for a POST).
+    fn failed(&self, mut e: Box<Error>) -> Box<Error> {
+        e.retry.decide_reuse(self.reused);
+        e.set_retry(false);
+        e.into_up()
+    }
+}
+
+/// Sends `attempt` and pipes the answer to the client.
 pub async fn run(
     sluice: &Sluice,
     session: &mut Session,
     ctx: &mut RequestCtx,
     attempt: Attempt,
-    body: Bytes,
     deadlines: Deadlines,
     hold: &Hold,
 ) -> Outcome {
-    let Some(spawner) = session.subrequest_spawner.as_ref() else {
-        return Outcome::NotStarted(Error::explain(
-            ErrorType::InternalError,
-            "this session cannot spawn subrequests",
-        ));
-    };
-    let sub_ctx = SubrequestCtx::builder()
-        .body_mode(BodyMode::ExpectBody)
-        .user_ctx(Box::new(Some(attempt)))
-        .build();
-    let (subrequest, handle) = spawner.create_subrequest(session.as_downstream(), sub_ctx);
-    let mut rx = handle.rx;
-    let mut proxy_error = handle.subreq_proxy_error;
-    // The whole body as one task: the channel has room for it, so this never waits.
-    if handle
-        .tx
-        .try_send(HttpTask::Body(Some(body), true))
-        .is_err()
-    {
-        return Outcome::NotStarted(Error::explain(
-            ErrorType::InternalError,
-            "cannot hand the body to the attempt",
-        ));
-    }
-    let _tx = handle.tx;
-    // The subrequest runs in this task, polled beside the pipe, rather than spawned: no task
-    // to create and no other worker thread to wake for each attempt.
-    let mut attempt = Box::pin(subrequest.run());
-    let mut attempt_done = false;
-    let piped = pipe(
-        sluice,
+    let first_byte = deadlines.first_byte.min(deadlines.total);
+    let connected = watch(
         session,
-        ctx,
-        &mut rx,
-        &mut proxy_error,
-        deadlines,
-        hold,
-    );
-    tokio::pin!(piped);
-    let outcome = loop {
-        tokio::select! {
-            outcome = &mut piped => break outcome,
-            () = &mut attempt, if !attempt_done => attempt_done = true,
+        sluice.connector.get_http_session(&attempt.peer),
+        first_byte,
+    )
+    .await;
+    let (http, reused) = match connected {
+        Watched::Done(Ok(connected)) => connected,
+        Watched::Done(Err(mut e)) => {
+            // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
+            e.retry.decide_reuse(false);
+            return Outcome::NotStarted(e.into_up());
         }
+        Watched::Deadline => return Outcome::NotStarted(timed_out("no connection in time")),
+        Watched::ClientGone(e) => return Outcome::ClientGone(e),
     };
-    if !attempt_done && matches!(outcome, Outcome::Complete) {
-        // Let it finish on its own: it still has to return the connection to the pool.
-        // Any other outcome drops it here, which cancels it and frees its connection.
-        tokio::spawn(attempt);
+    let mut upstream = Upstream {
+        connector: &sluice.connector,
+        peer: &attempt.peer,
+        http,
+        reused,
+    };
+    let Attempt { header, body, .. } = attempt;
+    let sent = watch(session, send(&mut upstream.http, header, body), first_byte).await;
+    match sent {
+        Watched::Done(Ok(())) => {}
+        Watched::Done(Err(e)) => return Outcome::NotStarted(upstream.failed(e)),
+        Watched::Deadline => {
+            return Outcome::NotStarted(timed_out("the request was not sent in time"))
+        }
+        Watched::ClientGone(e) => return Outcome::ClientGone(e),
     }
-    outcome
+    pipe(sluice, session, ctx, upstream, deadlines, hold).await
 }
 
-type ProxyErrorRx = tokio::sync::oneshot::Receiver<Box<Error>>;
+/// Writes the whole request.
+async fn send(http: &mut HttpSession, header: RequestHeader, body: Bytes) -> Result<()> {
+    http.write_request_header(Box::new(header)).await?;
+    if !body.is_empty() {
+        http.write_request_body(body, true).await?;
+    }
+    http.finish_request_body().await
+}
 
 async fn pipe(
     sluice: &Sluice,
     session: &mut Session,
     ctx: &mut RequestCtx,
-    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
-    proxy_error: &mut ProxyErrorRx,
+    mut up: Upstream<'_>,
     deadlines: Deadlines,
     hold: &Hold,
 ) -> Outcome {
     // Until the response header: nothing has reached the client, so failures are retryable.
     let first_byte = deadlines.first_byte.min(deadlines.total);
-    let mut header = loop {
-        match next(session, rx, proxy_error, first_byte).await {
-            Next::Task(HttpTask::Header(h, _)) => break h,
-            Next::Task(_) => continue,
-            Next::Failed(e) => return Outcome::NotStarted(e),
-            Next::Deadline => {
-                return Outcome::NotStarted(timed_out(
-                    "no response header before the first-byte timeout",
-                ))
-            }
-            Next::ClientGone(e) => return Outcome::ClientGone(e),
-        }
+    let mut header = match read_header(session, &mut up, first_byte).await {
+        Ok(header) => header,
+        Err(outcome) => return outcome,
     };
 
     let is_sse = is_event_stream(&header);
@@ -185,49 +177,38 @@ async fn pipe(
     let declined = hold.error_statuses && (status >= 500 || status == 429);
     let judged = status == 200 && !is_sse && hold.check.is_some();
     // Held answers are read whole first: an error to decline, or an answer to judge.
-    let mut held: Option<Bytes> = None;
     if declined || judged {
-        let expected = content_length(&header);
-        let body = match read_held(session, rx, proxy_error, &deadlines, expected).await {
+        let body = match read_held(session, &mut up, &deadlines).await {
             Ok(body) => body,
             Err(outcome) => return outcome,
         };
+        up.release().await;
         if declined {
             return Outcome::Declined(header, body);
         }
-        match hold.check.as_ref().map(|c| c.judge(&body)) {
+        let body = match hold.check.as_ref().map(|c| c.judge(&body)) {
             Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
             Some(Judgement::Keep(Some(replaced))) => {
                 if let Err(e) = frame_by_length(&mut header, replaced.len()) {
                     return Outcome::NotStarted(e);
                 }
-                held = Some(replaced);
+                replaced
             }
-            Some(Judgement::Keep(None)) | None => held = Some(body),
-        }
+            Some(Judgement::Keep(None)) | None => body,
+        };
+        return send_answer(sluice, session, ctx, header, Some(body)).await;
     }
     // The hold-back window: the stream's start is kept until it is judged, so that a
     // rejected draft can still give way to the target.
     let mut window = Window::default();
     if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
-        window = match hold_back(session, rx, proxy_error, &deadlines, check.start()).await {
+        window = match hold_back(session, &mut up, &deadlines, check.start()).await {
             Ok(window) => window,
             Err(outcome) => return outcome,
         };
     }
-    let declared_len = content_length(&header);
-    let sent_before = ctx.response_bytes;
-    if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
-        return Outcome::NotStarted(e);
-    }
-    if let Err(e) = session.write_response_header(header, false).await {
-        return Outcome::ClientGone(e);
-    }
-    if let Some(body) = held {
-        return match forward(sluice, session, ctx, Some(body), true).await {
-            Ok(()) => Outcome::Complete,
-            Err(e) => Outcome::ClientGone(e),
-        };
+    if let Err(outcome) = start_answer(sluice, session, ctx, header).await {
+        return outcome;
     }
     // A kept window goes first; a stream that ended within it ends here.
     for chunk in window.chunks {
@@ -236,35 +217,28 @@ async fn pipe(
         }
     }
     if window.ended {
-        return match forward(sluice, session, ctx, None, true).await {
-            Ok(()) => Outcome::Complete,
-            Err(e) => Outcome::ClientGone(e),
-        };
+        up.release().await;
+        return finish(sluice, session, ctx, None).await;
     }
 
     loop {
-        match next(session, rx, proxy_error, deadlines.total).await {
-            Next::Task(HttpTask::Body(data, end)) => {
-                // The chunk that completes the declared length ends the response: the client
-                // may send its next request at once, and the client watch in `next` would
-                // read that request's first byte.
-                let after = ctx.response_bytes - sent_before + data.as_ref().map_or(0, Bytes::len);
-                let last = end || declared_len.is_some_and(|len| after >= len);
-                if let Err(e) = forward(sluice, session, ctx, data, last).await {
+        match next(session, &mut up, deadlines.total).await {
+            Next::Chunk(data) => {
+                // The chunk that completes the body ends the response at once: the client may
+                // send its next request meanwhile, which the client watch in `next` would read.
+                if up.http.response_done() {
+                    up.release().await;
+                    return finish(sluice, session, ctx, Some(data)).await;
+                }
+                if let Err(e) = forward(sluice, session, ctx, Some(data), false).await {
                     return Outcome::ClientGone(e);
                 }
-                if last {
-                    return Outcome::Complete;
-                }
             }
-            Next::Task(HttpTask::Done) => {
-                return match forward(sluice, session, ctx, None, true).await {
-                    Ok(()) => Outcome::Complete,
-                    Err(e) => Outcome::ClientGone(e),
-                };
+            Next::End => {
+                up.release().await;
+                return finish(sluice, session, ctx, None).await;
             }
-            Next::Task(_) => continue,
-            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, e).await,
+            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, up.failed(e)).await,
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out mid-response");
                 return broken(sluice, session, ctx, is_sse, e).await;
@@ -277,33 +251,121 @@ async fn pipe(
     }
 }
 
-/// What an attempt's channel gave next, or why it gave nothing.
-enum Next {
-    Task(HttpTask),
-    /// The attempt failed: a `Failed` task, or the channel closed early.
-    Failed(Box<Error>),
+/// Reads the response header, past any informational (1xx) ones, before `deadline`.
+async fn read_header(
+    session: &mut Session,
+    up: &mut Upstream<'_>,
+    deadline: Instant,
+) -> Result<Box<ResponseHeader>, Outcome> {
+    loop {
+        match watch(session, up.http.read_response_header(), deadline).await {
+            Watched::Done(Ok(())) => {}
+            Watched::Done(Err(e)) => return Err(Outcome::NotStarted(up.failed(e))),
+            Watched::Deadline => {
+                return Err(Outcome::NotStarted(timed_out(
+                    "no response header before the first-byte timeout",
+                )))
+            }
+            Watched::ClientGone(e) => return Err(Outcome::ClientGone(e)),
+        }
+        match up.http.response_header() {
+            Some(header) if header.status.is_informational() => continue,
+            Some(header) => return Ok(Box::new(header.clone())),
+            None => {
+                let e = Error::explain(ErrorType::InvalidHTTPHeader, "no response header");
+                return Err(Outcome::NotStarted(up.failed(e)));
+            }
+        }
+    }
+}
+
+/// Writes the client's response header, after the plugins' hooks.
+async fn start_answer(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut header: Box<ResponseHeader>,
+) -> Result<(), Outcome> {
+    if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
+        return Err(Outcome::NotStarted(e));
+    }
+    session
+        .write_response_header(header, false)
+        .await
+        .map_err(Outcome::ClientGone)
+}
+
+/// Sends a whole answer that was held.
+async fn send_answer(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    header: Box<ResponseHeader>,
+    body: Option<Bytes>,
+) -> Outcome {
+    if let Err(outcome) = start_answer(sluice, session, ctx, header).await {
+        return outcome;
+    }
+    finish(sluice, session, ctx, body).await
+}
+
+/// Writes the last chunk of an answer, if any, and ends it.
+async fn finish(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    last: Option<Bytes>,
+) -> Outcome {
+    match forward(sluice, session, ctx, last, true).await {
+        Ok(()) => Outcome::Complete,
+        Err(e) => Outcome::ClientGone(e),
+    }
+}
+
+/// What a wait gave, or why it gave nothing.
+enum Watched<T> {
+    Done(T),
     Deadline,
     /// The client closed its connection (or sent more than its request) meanwhile.
     ClientGone(Box<Error>),
 }
 
-/// Waits for the attempt's next task, until `deadline`, while watching the client.
-async fn next(
+/// Waits for `work` until `deadline`, while watching the client.
+async fn watch<T>(
     session: &mut Session,
-    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
-    proxy_error: &mut ProxyErrorRx,
+    work: impl Future<Output = T>,
     deadline: Instant,
-) -> Next {
+) -> Watched<T> {
     tokio::select! {
-        task = rx.recv() => match task {
-            Some(HttpTask::Failed(e)) => Next::Failed(e),
-            Some(task) => Next::Task(task),
-            None => Next::Failed(ended_early(proxy_error)),
-        },
-        _ = sleep_until(deadline) => Next::Deadline,
+        done = work => Watched::Done(done),
+        _ = sleep_until(deadline) => Watched::Deadline,
         gone = session.downstream_session.read_body_or_idle(true) => {
-            Next::ClientGone(client_gone(gone))
+            Watched::ClientGone(client_gone(gone))
         }
+    }
+}
+
+/// What the upstream's body gave next.
+enum Next {
+    Chunk(Bytes),
+    /// The body is complete.
+    End,
+    Failed(Box<Error>),
+    Deadline,
+    ClientGone(Box<Error>),
+}
+
+/// Reads the next chunk of the response body, until `deadline`, while watching the client.
+async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -> Next {
+    if up.http.response_done() {
+        return Next::End;
+    }
+    match watch(session, up.http.read_response_body(), deadline).await {
+        Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),
+        Watched::Done(Ok(None)) => Next::End,
+        Watched::Done(Err(e)) => Next::Failed(e),
+        Watched::Deadline => Next::Deadline,
+        Watched::ClientGone(e) => Next::ClientGone(e),
     }
 }
 
@@ -314,32 +376,22 @@ fn timed_out(what: &'static str) -> Box<Error> {
 /// Reads a held answer's whole body (bounded): `Err` is the outcome when that fails.
 async fn read_held(
     session: &mut Session,
-    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
-    proxy_error: &mut ProxyErrorRx,
+    up: &mut Upstream<'_>,
     deadlines: &Deadlines,
-    expected: Option<usize>,
 ) -> Result<Bytes, Outcome> {
     let mut body = bytes::BytesMut::new();
     loop {
-        match next(session, rx, proxy_error, deadlines.total).await {
-            Next::Task(HttpTask::Body(data, end)) => {
-                if let Some(data) = data {
-                    if body.len() + data.len() > MAX_HELD_BYTES {
-                        return Err(Outcome::NotStarted(Error::explain(
-                            ErrorType::InvalidHTTPHeader,
-                            "a held answer is too large",
-                        )));
-                    }
-                    body.extend_from_slice(&data);
+        match next(session, up, deadlines.total).await {
+            Next::Chunk(data) => {
+                if body.len() + data.len() > MAX_HELD_BYTES {
+                    let e =
+                        Error::explain(ErrorType::InvalidHTTPHeader, "a held answer is too large");
+                    return Err(Outcome::NotStarted(e.into_up()));
                 }
-                // A declared length ends the body as soon as it is there (see `pipe`).
-                if end || expected.is_some_and(|len| body.len() >= len) {
-                    return Ok(body.freeze());
-                }
+                body.extend_from_slice(&data);
             }
-            Next::Task(HttpTask::Done) => return Ok(body.freeze()),
-            Next::Task(_) => continue,
-            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
+            Next::End => return Ok(body.freeze()),
+            Next::Failed(e) => return Err(Outcome::NotStarted(up.failed(e))),
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out reading the answer");
                 return Err(Outcome::NotStarted(e));
@@ -363,8 +415,7 @@ struct Window {
 /// decides on what it saw, so the window adds at most that to the client's first byte.
 async fn hold_back(
     session: &mut Session,
-    rx: &mut tokio::sync::mpsc::Receiver<HttpTask>,
-    proxy_error: &mut ProxyErrorRx,
+    up: &mut Upstream<'_>,
     deadlines: &Deadlines,
     mut judge: Box<dyn StreamJudge>,
 ) -> Result<Window, Outcome> {
@@ -372,18 +423,14 @@ async fn hold_back(
     let mut kept_bytes = 0usize;
     let until = deadlines.first_byte.min(deadlines.total);
     let judgement = loop {
-        match next(session, rx, proxy_error, until).await {
-            Next::Task(HttpTask::Body(data, end)) => {
-                let mut decided = None;
-                if let Some(data) = data.filter(|d| !d.is_empty()) {
-                    kept_bytes += data.len();
-                    decided = judge.feed(&data);
-                    window.chunks.push(data);
+        match next(session, up, until).await {
+            Next::Chunk(data) => {
+                if data.is_empty() {
+                    continue;
                 }
-                if end {
-                    window.ended = true;
-                    break decided.unwrap_or_else(|| judge.decide());
-                }
+                kept_bytes += data.len();
+                let decided = judge.feed(&data);
+                window.chunks.push(data);
                 if let Some(decided) = decided {
                     break decided;
                 }
@@ -391,12 +438,11 @@ async fn hold_back(
                     break judge.decide();
                 }
             }
-            Next::Task(HttpTask::Done) => {
+            Next::End => {
                 window.ended = true;
                 break judge.decide();
             }
-            Next::Task(_) => continue,
-            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
+            Next::Failed(e) => return Err(Outcome::NotStarted(up.failed(e))),
             Next::Deadline => break judge.decide(),
             Next::ClientGone(e) => return Err(Outcome::ClientGone(e)),
         }
@@ -463,17 +509,6 @@ async fn broken(
     Outcome::Broken(error)
 }
 
-/// The attempt's channel closed without a complete response: the error it reported.
-fn ended_early(proxy_error: &mut ProxyErrorRx) -> Box<Error> {
-    proxy_error.try_recv().unwrap_or_else(|_| {
-        Error::explain(
-            ErrorType::ConnectionClosed,
-            "the upstream attempt ended early",
-        )
-        .into_up()
-    })
-}
-
 fn client_gone(read: Result<Option<Bytes>>) -> Box<Error> {
     match read {
         Err(e) => e,
@@ -483,16 +518,6 @@ fn client_gone(read: Result<Option<Bytes>>) -> Box<Error> {
         ),
     }
     .into_down()
-}
-
-fn content_length(header: &ResponseHeader) -> Option<usize> {
-    header
-        .headers
-        .get(http::header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .parse()
-        .ok()
 }
 
 fn is_event_stream(header: &ResponseHeader) -> bool {

@@ -111,12 +111,13 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             .and_then(|e| e.upstream_body.clone())
             .or_else(|| ctx.req.upstream_body.clone())
             .unwrap_or_else(|| client_body.clone());
-        let mut header = upstream_header(session.req_header(), body.len())?;
+        let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
         sluice.chain.upstream_request(&mut header, &mut ctx.req)?;
         let escalation = ctx.req.escalation.as_ref();
         let attempt = Attempt {
             peer: pool.peer(backend.addr),
             header,
+            body,
         };
         let now = Instant::now();
         let started = Instant::from_std(ctx.req.started);
@@ -140,16 +141,7 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
                 .and_then(|e| e.stream_check.clone()),
         };
 
-        let outcome = attempt::run(
-            sluice,
-            session,
-            &mut ctx.req,
-            attempt,
-            body,
-            deadlines,
-            &hold,
-        )
-        .await;
+        let outcome = attempt::run(sluice, session, &mut ctx.req, attempt, deadlines, &hold).await;
         let verdict = match &outcome {
             Outcome::Complete if ctx.req.upstream_status.is_some_and(|s| s >= 500) => {
                 Some(Verdict::Failure)
@@ -162,15 +154,7 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             Outcome::ClientGone(_) => None,
         };
         if let Some(verdict) = verdict {
-            if let Some(cool_down) = backend.live.record(verdict, &pool.outlier) {
-                metrics::inc(&metrics::EJECTIONS, &[&pool.name]);
-                tracing::warn!(
-                    pool = &*pool.name,
-                    backend = %backend.addr,
-                    "backend ejected for {} after failing",
-                    humantime::format_duration(cool_down)
-                );
-            }
+            super::record_verdict(&pool, backend.addr, &backend.live, verdict);
         }
         match outcome {
             Outcome::Complete => {
@@ -283,9 +267,14 @@ pub(super) fn no_backend(pool: &Pool) -> Box<Error> {
     .into_error()
 }
 
-/// The request header an upstream gets: the client's, with hop-by-hop headers removed and
-/// the body framed by its exact length.
-fn upstream_header(client: &RequestHeader, body_len: usize) -> Result<RequestHeader> {
+/// The request header an upstream gets: the client's, with hop-by-hop headers removed, the
+/// body framed by its exact length, and sent as HTTP/1.1, which needs a `Host` (an HTTP/1.0
+/// client may have sent none).
+fn upstream_header(
+    client: &RequestHeader,
+    body_len: usize,
+    backend: SocketAddr,
+) -> Result<RequestHeader> {
     let mut header = client.clone();
     for name in [
         "connection",
@@ -300,6 +289,9 @@ fn upstream_header(client: &RequestHeader, body_len: usize) -> Result<RequestHea
         header.remove_header(name);
     }
     header.insert_header(http::header::CONTENT_LENGTH, body_len)?;
+    if !header.headers.contains_key(http::header::HOST) {
+        header.insert_header(http::header::HOST, backend.to_string())?;
+    }
     header.set_version(http::Version::HTTP_11);
     Ok(header)
 }
@@ -332,11 +324,18 @@ mod tests {
         client.insert_header("expect", "100-continue").unwrap();
         client.insert_header("connection", "keep-alive").unwrap();
         client.insert_header("authorization", "Bearer k").unwrap();
-        let up = upstream_header(&client, 1234).unwrap();
+        let backend: SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        let up = upstream_header(&client, 1234, backend).unwrap();
         assert!(up.headers.get("transfer-encoding").is_none());
         assert!(up.headers.get("expect").is_none());
         assert!(up.headers.get("connection").is_none());
         assert_eq!(up.headers.get("content-length").unwrap(), "1234");
         assert_eq!(up.headers.get("authorization").unwrap(), "Bearer k");
+        assert_eq!(up.headers.get("host").unwrap(), "127.0.0.1:8000");
+        assert_eq!(up.version, http::Version::HTTP_11);
+
+        client.insert_header("host", "api.example").unwrap();
+        let up = upstream_header(&client, 1234, backend).unwrap();
+        assert_eq!(up.headers.get("host").unwrap(), "api.example");
     }
 }

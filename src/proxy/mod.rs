@@ -1,12 +1,10 @@
 //! The one `ProxyHttp` implementation. It knows nothing of caching, pressure or pools'
-//! policies: it routes, drives the plugin chain through Pingora's phases, and hands LLM
-//! requests to [`llm`], which runs their upstream attempts as subrequests of this same app.
+//! policies: it routes and drives the plugin chain through Pingora's phases.
 //!
-//! A session is one of two kinds:
-//! - a *client request*, from a real client: routed, plugins run, answers written;
-//! - an *attempt*, a subrequest spawned by [`llm`] to send an LLM request to one backend: it
-//!   carries an [`attempt::Attempt`] and only moves bytes; the client request that spawned it
-//!   runs the plugins and decides about retries.
+//! Routes take one of two paths upstream:
+//! - LLM routes go to [`llm`], which reads the whole body, runs the request hooks, and sends
+//!   the request itself, one [`attempt`] per backend tried, answering from `request_filter`;
+//! - plain routes go through Pingora's own proxy loop (`upstream_peer` and the filters below).
 
 mod attempt;
 mod body;
@@ -19,16 +17,17 @@ use crate::metrics;
 use crate::router::{Decision, Router};
 use async_trait::async_trait;
 use bytes::Bytes;
+use pingora_core::connectors::http::Connector;
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_error::{Error, Result};
+use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use sluice_sdk::{Demand, ErrorReply, InFlight, Pools, RequestCtx, Route};
+use sluice_sdk::{
+    BackendLive, Demand, ErrorReply, InFlight, Pool, Pools, RequestCtx, Route, Verdict,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-
-pub use attempt::Attempt;
 
 /// Everything the proxy needs at run time, built once from config.
 pub struct Sluice {
@@ -39,18 +38,20 @@ pub struct Sluice {
     pub router: Router,
     pub chain: Chain,
     pub access_log: bool,
+    /// The LLM attempts' connections to backends, pooled.
+    pub connector: Connector,
 }
 
 /// Per-session state: the plugins' view, plus what only the core uses.
 #[derive(Default)]
 pub struct ProxyCtx {
     pub req: RequestCtx,
-    /// Set in attempt subrequests: where to send what. `None` in client requests.
-    attempt: Option<Attempt>,
     /// Plain routes: the backends already tried, for connect-failure retries.
     tried: Vec<SocketAddr>,
     /// Plain routes: the current try, counted against its backend.
     in_flight: Option<InFlight>,
+    /// Plain routes: the current try has counted for or against its backend.
+    judged: bool,
 }
 
 /// The header that names the pool that produced an answer.
@@ -66,23 +67,11 @@ impl ProxyHttp for Sluice {
         ProxyCtx::default()
     }
 
-    fn allow_spawning_subrequest(&self, session: &Session, _ctx: &ProxyCtx) -> bool {
-        // Client requests spawn attempts; attempts spawn nothing.
-        session.subrequest_ctx.is_none()
-    }
-
     async fn early_request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<()> {
-        if let Some(attempt) = attempt::take(session) {
-            ctx.attempt = Some(attempt);
-            return Ok(());
-        }
         self.chain.early_request(session, &mut ctx.req).await
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<bool> {
-        if ctx.attempt.is_some() {
-            return Ok(false);
-        }
         let decision = self.router.route(session.req_header());
         ctx.req.route = decision.route();
         match decision {
@@ -123,10 +112,7 @@ impl ProxyHttp for Sluice {
         _session: &mut Session,
         ctx: &mut ProxyCtx,
     ) -> Result<Box<HttpPeer>> {
-        if let Some(attempt) = &ctx.attempt {
-            return Ok(Box::new(attempt.peer.clone()));
-        }
-        // A plain route: Pingora's own proxy loop, one backend per try.
+        // A plain route (LLM routes answer in `request_filter`): one backend per try.
         self.chain.upstream_select(&mut ctx.req)?;
         let pool = ctx
             .req
@@ -140,6 +126,7 @@ impl ProxyHttp for Sluice {
         ctx.req.backend = Some(backend.addr);
         ctx.req.attempts += 1;
         ctx.in_flight = Some(backend.live.begin(0));
+        ctx.judged = false;
         Ok(Box::new(pool.peer(backend.addr)))
     }
 
@@ -150,22 +137,39 @@ impl ProxyHttp for Sluice {
         ctx: &mut ProxyCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        if ctx.attempt.is_some() {
-            // The client request that spawned this attempt decides about retries, and counts
-            // the failure under its pool (the attempt's context has none).
-            e.set_retry(false);
+        metrics::inc(
+            &metrics::UPSTREAM_ATTEMPTS,
+            &[ctx.req.pool_name(), "connect_error"],
+        );
+        plain_verdict(ctx, Verdict::Failure);
+        // Nothing was sent, so another backend of the pool is safe to try.
+        let left = ctx
+            .req
+            .pool
+            .as_ref()
+            .is_some_and(|p| ctx.tried.len() < p.backends.len());
+        e.set_retry(left);
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut ProxyCtx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        if e.esource() == &ErrorSource::Upstream {
+            plain_verdict(ctx, Verdict::Failure);
+        }
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        // As Pingora decides by default: only an idempotent request whose body is still in
+        // hand may be sent again, and only when a pooled connection was closed under it.
+        if session.req_header().method.is_idempotent() && !session.retry_buffer_truncated() {
+            e.retry.decide_reuse(client_reused);
         } else {
-            metrics::inc(
-                &metrics::UPSTREAM_ATTEMPTS,
-                &[ctx.req.pool_name(), "connect_error"],
-            );
-            // Nothing was sent, so another backend of the pool is safe to try.
-            let left = ctx
-                .req
-                .pool
-                .as_ref()
-                .is_some_and(|p| ctx.tried.len() < p.backends.len());
-            e.set_retry(left);
+            e.set_retry(false);
         }
         e
     }
@@ -176,11 +180,6 @@ impl ProxyHttp for Sluice {
         upstream_request: &mut RequestHeader,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
-        if let Some(attempt) = &ctx.attempt {
-            // Prepared by the client request, plugins' changes included.
-            *upstream_request = attempt.header.clone();
-            return Ok(());
-        }
         self.chain.upstream_request(upstream_request, &mut ctx.req)
     }
 
@@ -190,13 +189,16 @@ impl ProxyHttp for Sluice {
         response: &mut ResponseHeader,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
-        if ctx.attempt.is_some() {
-            return Ok(());
-        }
         metrics::inc(
             &metrics::UPSTREAM_ATTEMPTS,
             &[ctx.req.pool_name(), "response"],
         );
+        let verdict = if response.status.is_server_error() {
+            Verdict::Failure
+        } else {
+            Verdict::Success
+        };
+        plain_verdict(ctx, verdict);
         prepare_client_response(self, response, &mut ctx.req)
     }
 
@@ -207,11 +209,9 @@ impl ProxyHttp for Sluice {
         end_of_stream: bool,
         ctx: &mut ProxyCtx,
     ) -> Result<Option<Duration>> {
-        if ctx.attempt.is_none() {
-            self.chain
-                .response_body(body, end_of_stream, &mut ctx.req)?;
-            count_sent(&mut ctx.req, body.as_ref());
-        }
+        self.chain
+            .response_body(body, end_of_stream, &mut ctx.req)?;
+        count_sent(&mut ctx.req, body.as_ref());
         Ok(None)
     }
 
@@ -221,25 +221,15 @@ impl ProxyHttp for Sluice {
         e: &Error,
         ctx: &mut ProxyCtx,
     ) -> FailToProxy {
-        if ctx.attempt.is_some() {
-            // An attempt answers nobody: its error goes back to the client request.
-            return FailToProxy {
-                error_code: 0,
-                can_reuse_downstream: false,
-            };
-        }
         reply::error(self, session, &mut ctx.req, ErrorReply::from_error(e)).await
     }
 
-    fn suppress_error_log(&self, _session: &Session, ctx: &ProxyCtx, e: &Error) -> bool {
-        // Attempts are reported by their client request; refusals Sluice chose are not errors.
-        ctx.attempt.is_some() || ErrorReply::from_error(e).status < 500
+    fn suppress_error_log(&self, _session: &Session, _ctx: &ProxyCtx, e: &Error) -> bool {
+        // Refusals Sluice chose are not errors.
+        ErrorReply::from_error(e).status < 500
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut ProxyCtx) {
-        if ctx.attempt.is_some() {
-            return;
-        }
         self.chain.logging(e, &mut ctx.req);
         crate::accounting::record(self.access_log, &ctx.req, e);
     }
@@ -286,6 +276,33 @@ fn prepare_client_response(
         }
     }
     sluice.chain.response_header(response, ctx)
+}
+
+/// Passive health: an answer counts for or against its backend, which is ejected for a while
+/// after `outlier.consecutive_failures` failures in a row.
+fn record_verdict(pool: &Pool, addr: SocketAddr, live: &BackendLive, verdict: Verdict) {
+    if let Some(cool_down) = live.record(verdict, &pool.outlier) {
+        metrics::inc(&metrics::EJECTIONS, &[&pool.name]);
+        tracing::warn!(
+            pool = &*pool.name,
+            backend = %addr,
+            "backend ejected for {} after failing",
+            humantime::format_duration(cool_down)
+        );
+    }
+}
+
+/// [`record_verdict`] for a plain route's current try, once: its response header, or the
+/// error that ended it before one came.
+fn plain_verdict(ctx: &mut ProxyCtx, verdict: Verdict) {
+    let (Some(pool), Some(addr), Some(in_flight)) =
+        (&ctx.req.pool, ctx.req.backend, &ctx.in_flight)
+    else {
+        return;
+    };
+    if !std::mem::replace(&mut ctx.judged, true) {
+        record_verdict(pool, addr, in_flight.backend(), verdict);
+    }
 }
 
 /// Book-keeping for bytes that reach the client.

@@ -399,6 +399,13 @@ pub struct InFlight {
     tokens: u64,
 }
 
+impl InFlight {
+    /// The backend the request is on.
+    pub fn backend(&self) -> &BackendLive {
+        &self.backend
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.backend.in_flight.fetch_sub(1, Relaxed);
