@@ -72,6 +72,9 @@ pub enum Contender {
     SluiceOff,
     SluiceOn,
     Nginx,
+    /// Scenarios 1 and 6: the smallest Pingora proxy (`bare.rs`), the floor of any proxy
+    /// built on Pingora.
+    BarePingora,
     /// Scenario 5: Sluice answering from its cache, memory store.
     SluiceMemoryHit,
     /// Scenario 5: Sluice answering from its cache, Redis store.
@@ -89,6 +92,14 @@ impl Contender {
         Contender::SluiceOn,
         Contender::Nginx,
     ];
+    /// The throughput scenarios add the bare Pingora proxy.
+    pub const WITH_BARE_PINGORA: [Contender; 5] = [
+        Contender::Direct,
+        Contender::BarePingora,
+        Contender::SluiceOff,
+        Contender::SluiceOn,
+        Contender::Nginx,
+    ];
     pub const PROXIES: [Contender; 3] =
         [Contender::SluiceOff, Contender::SluiceOn, Contender::Nginx];
 
@@ -98,6 +109,7 @@ impl Contender {
             Contender::SluiceOff => "sluice (plugins off)",
             Contender::SluiceOn => "sluice (plugins on)",
             Contender::Nginx => "nginx",
+            Contender::BarePingora => "pingora (bare)",
             Contender::SluiceMemoryHit => "sluice (cache hits, memory)",
             Contender::SluiceRedisHit => "sluice (cache hits, redis)",
             Contender::SluiceHealthChecks => "sluice (health checks on)",
@@ -489,6 +501,27 @@ pub fn sluice_config(
         pid = dir.join(format!("{name}.pid")).display(),
         sock = dir.join(format!("{name}.sock")).display(),
     )
+}
+
+/// Starts the bare Pingora proxy (`exe bare-pingora`) in front of `upstream`; returns the
+/// process and its listener address.
+pub async fn start_bare_pingora(
+    exe: &Path,
+    dir: &Path,
+    upstream: SocketAddr,
+) -> Result<(Proc, SocketAddr)> {
+    let listen = free_addr()?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("bare-pingora")
+        .arg("--listen")
+        .arg(listen.to_string())
+        .arg("--upstream")
+        .arg(upstream.to_string())
+        .arg("--dir")
+        .arg(dir);
+    let mut proc = Proc::spawn("bare-pingora", cmd, &dir.join("bare-pingora.log"), false)?;
+    proc.wait_ready(&[listen]).await?;
+    Ok((proc, listen))
 }
 
 /// Starts Sluice; returns the process and its listener address.

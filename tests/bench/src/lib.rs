@@ -5,6 +5,7 @@
 //! rounds and returns a [`report::Report`]. [`smoke`] is the same with tiny loads, for CI.
 //! See README.md.
 
+pub mod bare;
 pub mod contenders;
 pub mod loadgen;
 pub mod report;

@@ -44,6 +44,17 @@ enum Cmd {
         #[command(flatten)]
         spec: SimSpec,
     },
+    /// Runs the bare Pingora proxy (used by the harness itself).
+    #[command(hide = true)]
+    BarePingora {
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        #[arg(long)]
+        upstream: std::net::SocketAddr,
+        /// Where its pid file and upgrade socket go.
+        #[arg(long)]
+        dir: PathBuf,
+    },
 }
 
 fn workspace() -> PathBuf {
@@ -90,9 +101,25 @@ async fn sim_serve(port: u16, spec: SimSpec) -> Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     let args = Args::parse();
+    // Pingora starts its own runtimes, so the bare proxy runs outside tokio's.
+    if let Some(Cmd::BarePingora {
+        listen,
+        upstream,
+        dir,
+    }) = &args.command
+    {
+        return sluice_bench::bare::run(*listen, *upstream, dir);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?
+        .block_on(harness(args))
+}
+
+async fn harness(args: Args) -> Result<()> {
     if let Some(Cmd::SimServe { port, spec }) = args.command {
         return sim_serve(port, spec).await;
     }

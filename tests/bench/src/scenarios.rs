@@ -12,8 +12,8 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 
 use crate::contenders::{
-    free_addr, start_fleet_sluice, start_nginx, start_redis, start_sluice, tree_usage, usage,
-    Contender, Proc, RunningSim, Setup, SimSpec, MODEL,
+    free_addr, start_bare_pingora, start_fleet_sluice, start_nginx, start_redis, start_sluice,
+    tree_usage, usage, Contender, Proc, RunningSim, Setup, SimMode, SimSpec, MODEL,
 };
 use crate::loadgen::{closed_loop, fetch, open_loop, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
@@ -168,6 +168,20 @@ impl Stack {
                         Err(e) => down.push((c, e)),
                     }
                 }
+                Contender::BarePingora => match &ctx.sim {
+                    SimMode::Process(exe) => {
+                        let (proc, addr) = start_bare_pingora(exe, dir.path(), sim.addr).await?;
+                        up.push(Up {
+                            contender: c,
+                            addr,
+                            proc: Some(proc),
+                        });
+                    }
+                    SimMode::InProcess => down.push((
+                        c,
+                        "runs from the bench binary; this run has none (smoke test)".into(),
+                    )),
+                },
                 Contender::SluiceHealthChecks | Contender::SluiceNoHealthChecks => {
                     bail!("{c} runs only in scenario 7, which starts it itself")
                 }
@@ -209,6 +223,14 @@ fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
 
 const CHAT: &str = "/v1/chat/completions";
 
+/// What closed-loop rounds measured, per contender and round.
+struct Rounds {
+    runs: BTreeMap<Contender, Vec<LoadResult>>,
+    /// CPU time (user + system) per request of the contender's processes: the proxy's own,
+    /// the simulator's for `direct`.
+    cpu_us: BTreeMap<Contender, Vec<f64>>,
+}
+
 /// Closed-loop rounds: every contender once per round, in order, `rounds` times.
 async fn closed_rounds(
     ctx: &Ctx,
@@ -216,14 +238,30 @@ async fn closed_rounds(
     body: &Bytes,
     conns: usize,
     report: &mut ScenarioReport,
-) -> Result<BTreeMap<Contender, Vec<LoadResult>>> {
-    let mut out: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
+) -> Result<Rounds> {
+    let mut out = Rounds {
+        runs: BTreeMap::new(),
+        cpu_us: BTreeMap::new(),
+    };
     for _ in 0..ctx.p.rounds {
         for up in &stack.up {
             let target = target_for(up, CHAT, body);
+            let pid = up.pid(&stack.sim);
+            let before = pid.and_then(|p| tree_usage(p).ok());
             let r = closed_loop(target, conns, ctx.p.warmup, ctx.p.duration).await?;
+            let after = pid.and_then(|p| tree_usage(p).ok());
+            // The CPU counts the warm-up too, so it is divided by the requests of the whole
+            // run, estimated from the measured rate.
+            let requests = r.rps() * (ctx.p.warmup + ctx.p.duration).as_secs_f64();
+            if let (Some(b), Some(a)) = (before, after) {
+                if requests > 0.0 {
+                    let cpu = a.cpu.saturating_sub(b.cpu).as_secs_f64();
+                    let per = out.cpu_us.entry(up.contender).or_default();
+                    per.push(cpu * 1e6 / requests);
+                }
+            }
             report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
-            out.entry(up.contender).or_default().push(r);
+            out.runs.entry(up.contender).or_default().push(r);
         }
     }
     Ok(out)
@@ -253,16 +291,14 @@ fn ratio(runs: &BTreeMap<Contender, Vec<LoadResult>>, c: Contender, base: Conten
     pairwise(&rps(c), &rps(base), |a, b| a / b)
 }
 
-fn throughput_table(
-    report: &mut ScenarioReport,
-    runs: &BTreeMap<Contender, Vec<LoadResult>>,
-    bytes_in: Option<usize>,
-) {
+fn throughput_table(report: &mut ScenarioReport, rounds: &Rounds, bytes_in: Option<usize>) {
+    let runs = &rounds.runs;
     report.header = [
         "contender",
         "req/s",
         "× direct",
         "× nginx",
+        "CPU µs/req",
         "p50 ms",
         "p99 ms",
         "errors",
@@ -270,7 +306,7 @@ fn throughput_table(
     .map(String::from)
     .to_vec();
     if bytes_in.is_some() {
-        report.header.insert(4, "MiB/s sent".into());
+        report.header.insert(5, "MiB/s sent".into());
     }
     for (c, results) in runs {
         let mut row = vec![
@@ -278,32 +314,49 @@ fn throughput_table(
             series(Some(results), LoadResult::rps).show(0),
             ratio(runs, *c, Contender::Direct).show(2),
             ratio(runs, *c, Contender::Nginx).show(2),
+            series(rounds.cpu_us.get(c), |v| *v).show(1),
             series(Some(results), |r| r.ms(50.0)).show(3),
             series(Some(results), |r| r.ms(99.0)).show(3),
             errors_cell(results),
         ];
         if let Some(b) = bytes_in {
             let mib = series(Some(results), |r| r.rps() * b as f64 / (1 << 20) as f64);
-            row.insert(4, mib.show(0));
+            row.insert(5, mib.show(0));
         }
         report.rows.push(row);
     }
 }
 
+/// Where the bare Pingora proxy ran: how far Sluice is from it, and it from nginx.
+fn pingora_floor_note(report: &mut ScenarioReport, runs: &BTreeMap<Contender, Vec<LoadResult>>) {
+    if !runs.contains_key(&Contender::BarePingora) {
+        return;
+    }
+    report.notes.push(format!(
+        "pingora (bare) is the smallest Pingora proxy (one `upstream_peer`, no filters, 2 \
+         threads as Sluice): the floor of a proxy built on Pingora. Sluice with plugins off \
+         runs at {:.2}× its throughput, and it at {:.2}× nginx's.",
+        ratio(runs, Contender::SluiceOff, Contender::BarePingora).median(),
+        ratio(runs, Contender::BarePingora, Contender::Nginx).median(),
+    ));
+}
+
 /// 1. Non-stream chat, maximum throughput at fixed concurrency.
 async fn throughput(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(1, title(1));
-    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::ALL).await?;
+    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::WITH_BARE_PINGORA).await?;
     stack.note_down(&mut report);
     let body = chat_body("Hello! Say something short.", false, 16);
-    let runs = closed_rounds(ctx, &stack, &body, ctx.p.conns, &mut report).await?;
-    throughput_table(&mut report, &runs, None);
+    let rounds = closed_rounds(ctx, &stack, &body, ctx.p.conns, &mut report).await?;
+    throughput_table(&mut report, &rounds, None);
+    let runs = &rounds.runs;
+    pingora_floor_note(&mut report, runs);
     report.notes.push(format!(
         "{} connections, keep-alive, {:?} per contender per round after {:?} of warm-up; \
          simulator in zero-latency mode.",
         ctx.p.conns, ctx.p.duration, ctx.p.warmup
     ));
-    let vs_nginx = |c| ratio(&runs, c, Contender::Nginx).median();
+    let vs_nginx = |c| ratio(runs, c, Contender::Nginx).median();
     report.checks.push(Check::at_least(
         "plugins off: throughput vs nginx",
         vs_nginx(Contender::SluiceOff),
@@ -809,13 +862,15 @@ async fn cache_hits(ctx: &mut Ctx) -> Result<ScenarioReport> {
 /// 6. 1 MiB prompts: throughput against nginx.
 async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(6, title(6));
-    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::ALL).await?;
+    let stack = Stack::start(ctx, &SimSpec::zero(), &Contender::WITH_BARE_PINGORA).await?;
     stack.note_down(&mut report);
     let words = "the quick brown fox jumps over the lazy dog ";
     let content: String = words.chars().cycle().take(ctx.p.big_prompt_bytes).collect();
     let body = chat_body(&content, false, 16);
-    let runs = closed_rounds(ctx, &stack, &body, ctx.p.big_conns, &mut report).await?;
-    throughput_table(&mut report, &runs, Some(body.len()));
+    let rounds = closed_rounds(ctx, &stack, &body, ctx.p.big_conns, &mut report).await?;
+    throughput_table(&mut report, &rounds, Some(body.len()));
+    let runs = &rounds.runs;
+    pingora_floor_note(&mut report, runs);
     report.notes.push(format!(
         "{} connections, each request a {} byte chat body.",
         ctx.p.big_conns,
@@ -829,7 +884,7 @@ async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         };
         report.checks.push(Check::at_least(
             &format!("{name}: 1 MiB prompts, throughput vs nginx"),
-            ratio(&runs, c, Contender::Nginx).median(),
+            ratio(runs, c, Contender::Nginx).median(),
             0.8,
             "×",
         ));

@@ -1,0 +1,50 @@
+//! `pingora (bare)`: the smallest Pingora reverse proxy there is, one `upstream_peer` and
+//! nothing else, run by this binary as `sluice-bench bare-pingora`. It is the floor of any
+//! proxy built on Pingora here: what Sluice adds is measured against it, and what Pingora
+//! itself costs next to nginx shows in its own row.
+
+use anyhow::Result;
+use async_trait::async_trait;
+use pingora_core::server::configuration::{Opt, ServerConf};
+use pingora_core::server::Server;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_proxy::{ProxyHttp, Session};
+use std::net::SocketAddr;
+use std::path::Path;
+
+struct Bare {
+    upstream: SocketAddr,
+}
+
+#[async_trait]
+impl ProxyHttp for Bare {
+    type CTX = ();
+
+    fn new_ctx(&self) {}
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut (),
+    ) -> pingora_error::Result<Box<HttpPeer>> {
+        Ok(Box::new(HttpPeer::new(self.upstream, false, String::new())))
+    }
+}
+
+/// Runs the bare proxy on `listen` in front of `upstream`, with Sluice's thread count, until
+/// the process is stopped. Must not run inside a tokio runtime: Pingora starts its own.
+pub fn run(listen: SocketAddr, upstream: SocketAddr, dir: &Path) -> Result<()> {
+    let conf = ServerConf {
+        threads: 2,
+        pid_file: dir.join("bare-pingora.pid").display().to_string(),
+        upgrade_sock: dir.join("bare-pingora.sock").display().to_string(),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
+    server.bootstrap();
+    let mut proxy = pingora_proxy::http_proxy_service(&server.configuration, Bare { upstream });
+    proxy.add_tcp(&listen.to_string());
+    server.add_service(proxy);
+    println!("bare pingora listening on {listen}");
+    server.run_forever()
+}
