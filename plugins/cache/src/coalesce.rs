@@ -99,7 +99,7 @@ mod tests {
             created_unix: 0,
             kind: AnswerKind::Chat,
             pool: "p".into(),
-            answer: serde_json::json!({}),
+            answer: serde_json::value::to_raw_value(&serde_json::json!({})).unwrap(),
             source_bytes: 0,
         })
     }

@@ -5,9 +5,17 @@
 //! its deltas. A hit is served in the form the client asks for, with a fresh `id` and `created`:
 //! the JSON object, or a Server-Sent Events stream (role chunk, content chunk, finish chunk,
 //! usage chunk when asked, `[DONE]`) in vLLM's shapes.
+//!
+//! The answer is kept as raw JSON text, not as a parsed tree: storing is on every miss, and
+//! checking an answer's shape without building it costs a fraction of building it (and the
+//! memory store then holds one allocation per entry, not one per JSON value). A JSON hit
+//! splices its fresh `id` and `created` into the text; only a stream hit parses it.
 
+use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
+use std::borrow::Cow;
 
 /// Which API shape an answer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,7 +25,7 @@ pub enum AnswerKind {
     Completion,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Entry {
     /// SHA-256 of the cache key: checked on every hit, so a store keyed by less than the
     /// whole digest can never serve another prompt's answer.
@@ -28,11 +36,23 @@ pub struct Entry {
     pub kind: AnswerKind,
     /// The pool that produced the answer.
     pub pool: String,
-    /// The answer in non-stream form.
-    pub answer: Value,
+    /// The answer in non-stream form, as JSON text.
+    pub answer: Box<RawValue>,
     /// How many bytes the upstream's answer had; not stored, only weighed.
     #[serde(skip)]
     pub source_bytes: usize,
+}
+
+/// Equal when every field is, the answer compared as text (`RawValue` has no equality).
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest
+            && self.created_unix == other.created_unix
+            && self.kind == other.kind
+            && self.pool == other.pool
+            && self.answer.get() == other.answer.get()
+            && self.source_bytes == other.source_bytes
+    }
 }
 
 impl Entry {
@@ -104,28 +124,42 @@ impl AnswerKind {
     }
 }
 
+/// What storing checks of a JSON answer; everything else is skipped unparsed.
+#[derive(Deserialize)]
+struct AnswerShape<'a> {
+    #[serde(borrow)]
+    object: Option<Cow<'a, str>>,
+    #[serde(default)]
+    choices: Vec<ChoiceShape>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceShape {
+    /// `null` and absent alike are `None`.
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+}
+
 /// A non-stream answer, kept as sent once it is known to be whole.
-pub fn from_json(kind: AnswerKind, body: &[u8]) -> Result<Value, NotStored> {
-    let answer: Value = serde_json::from_slice(body).map_err(|_| NotStored::NotAnAnswer)?;
-    if answer.get("object").and_then(Value::as_str) != Some(kind.object()) {
+pub fn from_json(kind: AnswerKind, body: &[u8]) -> Result<Box<RawValue>, NotStored> {
+    let shape: AnswerShape = serde_json::from_slice(body).map_err(|_| NotStored::NotAnAnswer)?;
+    if shape.object.as_deref() != Some(kind.object()) || shape.choices.is_empty() {
         return Err(NotStored::NotAnAnswer);
     }
-    let choices = answer
-        .get("choices")
-        .and_then(Value::as_array)
-        .filter(|c| !c.is_empty())
-        .ok_or(NotStored::NotAnAnswer)?;
-    if choices
-        .iter()
-        .any(|c| c.get("finish_reason").is_none_or(Value::is_null))
-    {
+    if shape.choices.iter().any(|c| c.finish_reason.is_none()) {
         return Err(NotStored::Incomplete);
     }
-    Ok(answer)
+    let text = std::str::from_utf8(body).map_err(|_| NotStored::NotAnAnswer)?;
+    RawValue::from_string(text.trim().to_owned()).map_err(|_| NotStored::NotAnAnswer)
 }
 
 /// The non-stream answer a complete event stream adds up to.
-pub fn from_sse(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Value, NotStored> {
+pub fn from_sse(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Box<RawValue>, NotStored> {
+    let answer = assemble(kind, chunks)?;
+    serde_json::value::to_raw_value(&answer).map_err(|_| NotStored::NotAnAnswer)
+}
+
+fn assemble(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Value, NotStored> {
     let body: Vec<u8> = chunks.concat();
     let text = std::str::from_utf8(&body).map_err(|_| NotStored::NotAnAnswer)?;
     let mut head: Option<Value> = None;
@@ -310,7 +344,11 @@ impl ChoiceBuilder {
 impl Entry {
     /// The answer as a JSON body, with this response's `id` and `created`.
     pub fn render_json(&self, id: &str, created: u64) -> bytes::Bytes {
-        let mut answer = self.answer.clone();
+        if let Some(spliced) = splice_identity(self.answer.get(), id, created) {
+            return bytes::Bytes::from(spliced);
+        }
+        // An answer without both fields once each: through the parsed form.
+        let mut answer = self.parsed();
         // Through `as_object_mut`, not indexing: indexing a non-object panics, and a stored
         // answer comes from an upstream (or a shared Redis).
         if let Some(fields) = answer.as_object_mut() {
@@ -320,11 +358,16 @@ impl Entry {
         bytes::Bytes::from(serde_json::to_vec(&answer).unwrap_or_default())
     }
 
+    fn parsed(&self) -> Value {
+        serde_json::from_str(self.answer.get()).unwrap_or(Value::Null)
+    }
+
     /// The answer as a Server-Sent Events stream, in vLLM's event sequence: per choice a role
     /// chunk, one content chunk and a finish chunk; a usage chunk when asked; `[DONE]`.
     pub fn render_sse(&self, id: &str, created: u64, include_usage: bool) -> bytes::Bytes {
         let kind = self.kind;
-        let model = self.answer.get("model").cloned().unwrap_or(Value::Null);
+        let answer = self.parsed();
+        let model = answer.get("model").cloned().unwrap_or(Value::Null);
         let chunk = |choices: Value| {
             serde_json::json!({
                 "id": id,
@@ -340,7 +383,7 @@ impl Entry {
             let _ = serde_json::to_writer(&mut out, v);
             out.extend_from_slice(b"\n\n");
         };
-        let choices = self.answer.get("choices").and_then(Value::as_array);
+        let choices = answer.get("choices").and_then(Value::as_array);
         for c in choices.into_iter().flatten() {
             let index = c.get("index").cloned().unwrap_or(Value::from(0));
             let logprobs = c.get("logprobs").cloned().unwrap_or(Value::Null);
@@ -394,7 +437,7 @@ impl Entry {
                 }
             }
         }
-        let usage = self.answer.get("usage").filter(|u| !u.is_null());
+        let usage = answer.get("usage").filter(|u| !u.is_null());
         if let (true, Some(usage)) = (include_usage, usage) {
             let mut last = chunk(Value::Array(vec![]));
             last["usage"] = usage.clone();
@@ -403,6 +446,42 @@ impl Entry {
         out.extend_from_slice(b"data: [DONE]\n\n");
         bytes::Bytes::from(out)
     }
+}
+
+/// Where the top-level `id` and `created` of an answer are, borrowed from its text.
+#[derive(Deserialize)]
+struct Identity<'a> {
+    #[serde(borrow)]
+    id: &'a RawValue,
+    #[serde(borrow)]
+    created: &'a RawValue,
+}
+
+/// `json` with its top-level `id` and `created` values replaced, without parsing the rest
+/// into a tree; `None` when it does not have both, once each.
+fn splice_identity(json: &str, id: &str, created: u64) -> Option<Vec<u8>> {
+    let found: Identity = serde_json::from_str(json).ok()?;
+    // Both values are slices of `json`: their offsets locate them in it.
+    let span = |raw: &RawValue| {
+        let start = (raw.get().as_ptr() as usize).checked_sub(json.as_ptr() as usize)?;
+        Some(start..start + raw.get().len())
+    };
+    let id_value = serde_json::to_string(id).ok()?;
+    let created_value = created.to_string();
+    let mut parts = [
+        (span(found.id)?, id_value.as_str()),
+        (span(found.created)?, created_value.as_str()),
+    ];
+    parts.sort_by_key(|(range, _)| range.start);
+    let mut out = Vec::with_capacity(json.len() + id_value.len() + 16);
+    let mut at = 0;
+    for (range, value) in parts {
+        out.extend_from_slice(json.get(at..range.start)?.as_bytes());
+        out.extend_from_slice(value.as_bytes());
+        at = range.end;
+    }
+    out.extend_from_slice(json.get(at..)?.as_bytes());
+    Some(out)
 }
 
 #[cfg(test)]
@@ -422,9 +501,23 @@ mod tests {
             created_unix: 1,
             kind,
             pool: "draft".into(),
-            answer,
+            answer: serde_json::value::to_raw_value(&answer).unwrap(),
             source_bytes: 0,
         }
+    }
+
+    fn tree(raw: Box<RawValue>) -> Value {
+        serde_json::from_str(RawValue::get(&raw)).unwrap()
+    }
+
+    /// [`from_json`], parsed for the assertions.
+    fn json_answer(kind: AnswerKind, body: &[u8]) -> Result<Value, NotStored> {
+        from_json(kind, body).map(tree)
+    }
+
+    /// [`from_sse`], parsed for the assertions.
+    fn sse_answer(kind: AnswerKind, chunks: &[Bytes]) -> Result<Value, NotStored> {
+        from_sse(kind, chunks).map(tree)
     }
 
     /// The stream split into arbitrary pieces, as a network would.
@@ -435,7 +528,7 @@ mod tests {
     #[test]
     fn a_vllm_stream_assembles_to_its_answer() {
         let sse = fixture("vllm-chat-stream.sse");
-        let answer = from_sse(AnswerKind::Chat, &pieces(&sse, 7)).unwrap();
+        let answer = sse_answer(AnswerKind::Chat, &pieces(&sse, 7)).unwrap();
         let choice = &answer["choices"][0];
         assert_eq!(
             choice["message"]["content"],
@@ -452,7 +545,7 @@ mod tests {
         let sse = String::from_utf8(fixture("vllm-chat-stream.sse")).unwrap();
         let cut = sse.replace("data: [DONE]\n\n", "");
         assert_eq!(
-            from_sse(AnswerKind::Chat, &[Bytes::from(cut)]),
+            sse_answer(AnswerKind::Chat, &[Bytes::from(cut)]),
             Err(NotStored::Incomplete)
         );
         let no_finish: String = sse
@@ -460,7 +553,7 @@ mod tests {
             .filter(|e| !e.contains("\"finish_reason\":\"stop\""))
             .collect();
         assert_eq!(
-            from_sse(AnswerKind::Chat, &[Bytes::from(no_finish)]),
+            sse_answer(AnswerKind::Chat, &[Bytes::from(no_finish)]),
             Err(NotStored::Incomplete)
         );
         let errored = sse.replace(
@@ -468,7 +561,7 @@ mod tests {
             "data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\ndata: [DONE]",
         );
         assert_eq!(
-            from_sse(AnswerKind::Chat, &[Bytes::from(errored)]),
+            sse_answer(AnswerKind::Chat, &[Bytes::from(errored)]),
             Err(NotStored::ErrorEvent)
         );
     }
@@ -476,21 +569,21 @@ mod tests {
     #[test]
     fn json_answers_are_kept_when_whole() {
         let body = fixture("vllm-chat-completion.json");
-        let answer = from_json(AnswerKind::Chat, &body).unwrap();
+        let answer = json_answer(AnswerKind::Chat, &body).unwrap();
         assert_eq!(
             answer["choices"][0]["message"]["content"],
             "Paris is the capital of France."
         );
         assert_eq!(
-            from_json(AnswerKind::Completion, &body),
+            json_answer(AnswerKind::Completion, &body),
             Err(NotStored::NotAnAnswer)
         );
         assert_eq!(
-            from_json(AnswerKind::Chat, &fixture("vllm-error-new.json")),
+            json_answer(AnswerKind::Chat, &fixture("vllm-error-new.json")),
             Err(NotStored::NotAnAnswer)
         );
         assert_eq!(
-            from_json(AnswerKind::Chat, &body[..body.len() / 2]),
+            json_answer(AnswerKind::Chat, &body[..body.len() / 2]),
             Err(NotStored::NotAnAnswer)
         );
     }
@@ -501,14 +594,14 @@ mod tests {
             (AnswerKind::Chat, "vllm-chat-completion.json"),
             (AnswerKind::Completion, "vllm-completion.json"),
         ] {
-            let original = from_json(kind, &fixture(file)).unwrap();
+            let original = json_answer(kind, &fixture(file)).unwrap();
             let e = entry(kind, original.clone());
             let sse = e.render_sse("fresh-id", 42, true);
             let text = std::str::from_utf8(&sse).unwrap();
             assert!(text.starts_with("data: {"), "{text}");
             assert!(text.ends_with("data: [DONE]\n\n"));
             assert!(text.contains("\"choices\":[]"), "usage chunk: {text}");
-            let back = from_sse(kind, &pieces(&sse, 13)).unwrap();
+            let back = sse_answer(kind, &pieces(&sse, 13)).unwrap();
             assert_eq!(back["id"], "fresh-id");
             assert_eq!(back["created"], 42);
             assert_eq!(
@@ -530,20 +623,50 @@ mod tests {
 
     #[test]
     fn the_usage_chunk_comes_only_when_asked() {
-        let original = from_json(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
+        let original =
+            json_answer(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
         let sse = entry(AnswerKind::Chat, original).render_sse("x", 1, false);
         assert!(!std::str::from_utf8(&sse).unwrap().contains("\"usage\""));
     }
 
     #[test]
     fn json_hits_get_a_fresh_id_and_created() {
-        let original = from_json(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
+        let original =
+            json_answer(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
         let body = entry(AnswerKind::Chat, original.clone()).render_json("chatcmpl-new", 99);
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["id"], "chatcmpl-new");
         assert_eq!(v["created"], 99);
         assert_eq!(v["choices"], original["choices"]);
         assert_eq!(v["usage"], original["usage"]);
+    }
+
+    #[test]
+    fn the_identity_splice_touches_only_the_top_level_fields() {
+        let json = r#"{"created": 5, "choices":[{"id":"inner","created":1}], "id" : "old"}"#;
+        let out = splice_identity(json, "new\"id", 77).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["id"], "new\"id");
+        assert_eq!(v["created"], 77);
+        assert_eq!(
+            v["choices"][0],
+            serde_json::json!({"id": "inner", "created": 1})
+        );
+        // Missing or repeated fields fall back to the parsed form, with the same result.
+        assert_eq!(splice_identity(r#"{"id":"a"}"#, "b", 1), None);
+        assert_eq!(
+            splice_identity(r#"{"id":"a","created":1,"id":"c"}"#, "b", 1),
+            None
+        );
+        let e = entry(
+            AnswerKind::Chat,
+            serde_json::json!({"object": "chat.completion"}),
+        );
+        let v: Value = serde_json::from_slice(&e.render_json("b", 2)).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"object": "chat.completion", "id": "b", "created": 2})
+        );
     }
 
     #[test]
@@ -559,7 +682,7 @@ mod tests {
             sse.push_str(&format!("data: {e}\n\n"));
         }
         sse.push_str("data: [DONE]\n\n");
-        let answer = from_sse(AnswerKind::Chat, &[Bytes::from(sse)]).unwrap();
+        let answer = sse_answer(AnswerKind::Chat, &[Bytes::from(sse)]).unwrap();
         let call = &answer["choices"][0]["message"]["tool_calls"][0];
         assert_eq!(call["id"], "call_1");
         assert_eq!(call["function"]["name"], "get_weather");
@@ -573,7 +696,7 @@ mod tests {
             2
         );
         // And back to a stream that a client can read the call from.
-        let again = from_sse(
+        let again = sse_answer(
             AnswerKind::Chat,
             &[entry(AnswerKind::Chat, answer.clone()).render_sse("x", 1, false)],
         )
@@ -593,7 +716,7 @@ mod tests {
         ];
         let mut sse: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
         sse.push_str("data: [DONE]\n\n");
-        let answer = from_sse(AnswerKind::Completion, &[Bytes::from(sse)]).unwrap();
+        let answer = sse_answer(AnswerKind::Completion, &[Bytes::from(sse)]).unwrap();
         assert_eq!(answer["choices"][0]["text"], "A");
         assert_eq!(answer["choices"][1]["text"], "Bb");
         assert_eq!(answer["choices"][1]["finish_reason"], "length");

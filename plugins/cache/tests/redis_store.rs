@@ -42,7 +42,10 @@ fn entry(digest: [u8; 32], text: &str) -> Arc<Entry> {
         created_unix: 1_700_000_000,
         kind: AnswerKind::Chat,
         pool: "default".into(),
-        answer: json!({"object": "chat.completion", "choices": [{"message": {"content": text}}]}),
+        answer: serde_json::value::to_raw_value(
+            &json!({"object": "chat.completion", "choices": [{"message": {"content": text}}]}),
+        )
+        .unwrap(),
         source_bytes: 0,
     })
 }

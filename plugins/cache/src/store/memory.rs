@@ -107,7 +107,8 @@ mod tests {
             created_unix: 0,
             kind: AnswerKind::Chat,
             pool: "p".into(),
-            answer: serde_json::json!({"pad": "x".repeat(size)}),
+            answer: serde_json::value::to_raw_value(&serde_json::json!({"pad": "x".repeat(size)}))
+                .unwrap(),
             source_bytes: size,
         })
     }
