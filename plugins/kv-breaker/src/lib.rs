@@ -98,6 +98,11 @@ impl KvBreaker {
 
     /// Whether `pool` admits a request of `priority` that may hold `tokens` KV tokens, and
     /// updates the pool's shedding state (with hysteresis) on the way.
+    ///
+    /// The state follows the pool's own projected usage, never one request's: a large
+    /// request that would take the pool past `shed_above` is refused on its own, without
+    /// turning shedding on for the small ones behind it (which would flap the state, its
+    /// gauge and its logs with every large request).
     fn admits(
         &self,
         pool: &Arc<Pool>,
@@ -110,7 +115,7 @@ impl KvBreaker {
         }
         // No usable backend, or nothing known: not this plugin's call. The core answers
         // "no healthy backend" in the first case; unknown load is admitted.
-        let Some(usage) = pressure.with_demand(tokens) else {
+        let Some(usage) = pressure.kv_usage else {
             return true;
         };
         let threshold = self.config.thresholds.of(priority);
@@ -139,7 +144,12 @@ impl KvBreaker {
                 );
             }
         }
-        !shed
+        if shed {
+            return false;
+        }
+        pressure
+            .with_demand(tokens)
+            .is_none_or(|after| after < threshold.shed_above)
     }
 
     /// Seconds a shed client should wait: the time the pool needs, at its recent drain
@@ -201,5 +211,62 @@ impl Plugin for KvBreaker {
             retry_after,
         )
         .into_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_sdk::pool::{BackendSpec, PoolSettings};
+
+    fn breaker() -> (KvBreaker, Arc<Pool>) {
+        let backend = BackendSpec {
+            address: "127.0.0.1:9".into(),
+            resolved: "127.0.0.1:9".parse().unwrap(),
+            weight: 1,
+        };
+        let pool = Arc::new(Pool::new(PoolSettings::new(
+            "p",
+            vec!["m".into()],
+            vec![backend],
+        )));
+        let pools = Arc::new(Pools::new(vec![Arc::clone(&pool)]));
+        let config = KvBreakerConfig {
+            enabled: true,
+            ..KvBreakerConfig::default()
+        };
+        (KvBreaker::new(config, pools).unwrap(), pool)
+    }
+
+    fn pressure(kv_usage: f64) -> Pressure {
+        Pressure {
+            kv_usage: Some(kv_usage),
+            usable: 1,
+            kv_capacity_tokens: Some(100_000.0),
+        }
+    }
+
+    #[test]
+    fn one_large_request_is_refused_without_shedding_the_small_ones() {
+        let (breaker, pool) = breaker();
+        let line = breaker.config.thresholds.of(Priority::Standard).shed_above;
+        let below = pressure(line - 0.1);
+        // Its own 20% of the cache would take the pool past the line: refused alone.
+        assert!(!breaker.admits(&pool, &below, Priority::Standard, 20_000));
+        assert!(!pool.is_shedding(Priority::Standard));
+        assert!(breaker.admits(&pool, &below, Priority::Standard, 100));
+
+        // The pool itself past the line: shedding, until it falls below `resume_below`.
+        let resume = breaker
+            .config
+            .thresholds
+            .of(Priority::Standard)
+            .resume_below;
+        assert!(!breaker.admits(&pool, &pressure(line + 0.01), Priority::Standard, 0));
+        assert!(pool.is_shedding(Priority::Standard));
+        let between = pressure((line + resume) / 2.0);
+        assert!(!breaker.admits(&pool, &between, Priority::Standard, 0));
+        assert!(breaker.admits(&pool, &pressure(resume - 0.01), Priority::Standard, 0));
+        assert!(!pool.is_shedding(Priority::Standard));
     }
 }
