@@ -193,12 +193,11 @@ impl ProxyHttp for Sluice {
             &metrics::UPSTREAM_ATTEMPTS,
             &[ctx.req.pool_name(), "response"],
         );
-        let verdict = if response.status.is_server_error() {
-            Verdict::Failure
-        } else {
-            Verdict::Success
-        };
-        plain_verdict(ctx, verdict);
+        // A 5xx fails the try now; a success is known only once the body has come whole
+        // (`logging`), since the upstream may still break it.
+        if response.status.is_server_error() {
+            plain_verdict(ctx, Verdict::Failure);
+        }
         prepare_client_response(self, response, &mut ctx.req)
     }
 
@@ -230,6 +229,13 @@ impl ProxyHttp for Sluice {
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut ProxyCtx) {
+        // A plain route's last try that nothing failed: it answered (a client that left
+        // does not count against the backend).
+        if ctx.req.upstream_status.is_some()
+            && e.is_none_or(|e| e.esource() != &ErrorSource::Upstream)
+        {
+            plain_verdict(ctx, Verdict::Success);
+        }
         self.chain.logging(e, &mut ctx.req);
         crate::accounting::record(self.access_log, &ctx.req, e);
     }
@@ -292,8 +298,8 @@ fn record_verdict(pool: &Pool, addr: SocketAddr, live: &BackendLive, verdict: Ve
     }
 }
 
-/// [`record_verdict`] for a plain route's current try, once: its response header, or the
-/// error that ended it before one came.
+/// [`record_verdict`] for a plain route's current try, once: a failure when it fails (no
+/// connection, an upstream error, a 5xx), else a success when the request ends.
 fn plain_verdict(ctx: &mut ProxyCtx, verdict: Verdict) {
     let (Some(pool), Some(addr), Some(in_flight)) =
         (&ctx.req.pool, ctx.req.backend, &ctx.in_flight)
