@@ -13,7 +13,7 @@
 //! An earlier version ran each attempt as a Pingora subrequest; that ran a second request
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
-use super::{count_sent, prepare_client_response, Sluice};
+use super::{forward, prepare_client_response, Sluice};
 use crate::metrics;
 use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
@@ -69,6 +69,7 @@ const MAX_HELD_BYTES: usize = 4 << 20;
 
 /// The deadlines of one attempt.
 pub struct Deadlines {
+    /// Never after `total`.
     pub first_byte: Instant,
     pub total: Instant,
 }
@@ -112,22 +113,16 @@ pub async fn run(
     deadlines: Deadlines,
     hold: &Hold,
 ) -> Outcome {
-    let first_byte = deadlines.first_byte.min(deadlines.total);
-    let connected = watch(
-        session,
-        sluice.connector.get_http_session(&attempt.peer),
-        first_byte,
-    )
-    .await;
+    let connecting = sluice.connector.get_http_session(&attempt.peer);
+    let connected = watch(session, connecting, deadlines.first_byte).await;
+    // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
+    let connected = connected.not_started("no connection in time", |mut e| {
+        e.retry.decide_reuse(false);
+        e.into_up()
+    });
     let (http, reused) = match connected {
-        Watched::Done(Ok(connected)) => connected,
-        Watched::Done(Err(mut e)) => {
-            // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
-            e.retry.decide_reuse(false);
-            return Outcome::NotStarted(e.into_up());
-        }
-        Watched::Deadline => return Outcome::NotStarted(timed_out("no connection in time")),
-        Watched::ClientGone(e) => return Outcome::ClientGone(e),
+        Ok(connected) => connected,
+        Err(outcome) => return outcome,
     };
     let mut upstream = Upstream {
         connector: &sluice.connector,
@@ -136,14 +131,12 @@ pub async fn run(
         reused,
     };
     let Attempt { header, body, .. } = attempt;
-    let sent = watch(session, send(&mut upstream.http, header, body), first_byte).await;
-    match sent {
-        Watched::Done(Ok(())) => {}
-        Watched::Done(Err(e)) => return Outcome::NotStarted(upstream.failed(e)),
-        Watched::Deadline => {
-            return Outcome::NotStarted(timed_out("the request was not sent in time"))
-        }
-        Watched::ClientGone(e) => return Outcome::ClientGone(e),
+    let sending = send(&mut upstream.http, header, body);
+    let sent = watch(session, sending, deadlines.first_byte).await;
+    if let Err(outcome) =
+        sent.not_started("the request was not sent in time", |e| upstream.failed(e))
+    {
+        return outcome;
     }
     pipe(sluice, session, ctx, upstream, deadlines, hold).await
 }
@@ -166,8 +159,7 @@ async fn pipe(
     hold: &Hold,
 ) -> Outcome {
     // Until the response header: nothing has reached the client, so failures are retryable.
-    let first_byte = deadlines.first_byte.min(deadlines.total);
-    let mut header = match read_header(session, &mut up, first_byte).await {
+    let mut header = match read_header(session, &mut up, deadlines.first_byte).await {
         Ok(header) => header,
         Err(outcome) => return outcome,
     };
@@ -238,7 +230,7 @@ async fn pipe(
                 up.release().await;
                 return finish(sluice, session, ctx, None).await;
             }
-            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, up.failed(e)).await,
+            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, e).await,
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out mid-response");
                 return broken(sluice, session, ctx, is_sse, e).await;
@@ -258,16 +250,11 @@ async fn read_header(
     deadline: Instant,
 ) -> Result<Box<ResponseHeader>, Outcome> {
     loop {
-        match watch(session, up.http.read_response_header(), deadline).await {
-            Watched::Done(Ok(())) => {}
-            Watched::Done(Err(e)) => return Err(Outcome::NotStarted(up.failed(e))),
-            Watched::Deadline => {
-                return Err(Outcome::NotStarted(timed_out(
-                    "no response header before the first-byte timeout",
-                )))
-            }
-            Watched::ClientGone(e) => return Err(Outcome::ClientGone(e)),
-        }
+        watch(session, up.http.read_response_header(), deadline)
+            .await
+            .not_started("no response header before the first-byte timeout", |e| {
+                up.failed(e)
+            })?;
         match up.http.response_header() {
             Some(header) if header.status.is_informational() => continue,
             Some(header) => return Ok(Box::new(header.clone())),
@@ -330,6 +317,23 @@ enum Watched<T> {
     ClientGone(Box<Error>),
 }
 
+impl<T> Watched<Result<T>> {
+    /// The outcome of a step taken before anything reached the client, when it did not
+    /// succeed: another attempt may follow. `failed` makes the step's error final.
+    fn not_started(
+        self,
+        late: &'static str,
+        failed: impl FnOnce(Box<Error>) -> Box<Error>,
+    ) -> Result<T, Outcome> {
+        match self {
+            Watched::Done(Ok(done)) => Ok(done),
+            Watched::Done(Err(e)) => Err(Outcome::NotStarted(failed(e))),
+            Watched::Deadline => Err(Outcome::NotStarted(timed_out(late))),
+            Watched::ClientGone(e) => Err(Outcome::ClientGone(e)),
+        }
+    }
+}
+
 /// Waits for `work` until `deadline`, while watching the client.
 async fn watch<T>(
     session: &mut Session,
@@ -350,6 +354,7 @@ enum Next {
     Chunk(Bytes),
     /// The body is complete.
     End,
+    /// The connection failed (the error is final: see [`Upstream::failed`]).
     Failed(Box<Error>),
     Deadline,
     ClientGone(Box<Error>),
@@ -363,7 +368,7 @@ async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -
     match watch(session, up.http.read_response_body(), deadline).await {
         Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),
         Watched::Done(Ok(None)) => Next::End,
-        Watched::Done(Err(e)) => Next::Failed(e),
+        Watched::Done(Err(e)) => Next::Failed(up.failed(e)),
         Watched::Deadline => Next::Deadline,
         Watched::ClientGone(e) => Next::ClientGone(e),
     }
@@ -391,7 +396,7 @@ async fn read_held(
                 body.extend_from_slice(&data);
             }
             Next::End => return Ok(body.freeze()),
-            Next::Failed(e) => return Err(Outcome::NotStarted(up.failed(e))),
+            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out reading the answer");
                 return Err(Outcome::NotStarted(e));
@@ -421,9 +426,8 @@ async fn hold_back(
 ) -> Result<Window, Outcome> {
     let mut window = Window::default();
     let mut kept_bytes = 0usize;
-    let until = deadlines.first_byte.min(deadlines.total);
     let judgement = loop {
-        match next(session, up, until).await {
+        match next(session, up, deadlines.first_byte).await {
             Next::Chunk(data) => {
                 if data.is_empty() {
                     continue;
@@ -442,7 +446,7 @@ async fn hold_back(
                 window.ended = true;
                 break judge.decide();
             }
-            Next::Failed(e) => return Err(Outcome::NotStarted(up.failed(e))),
+            Next::Failed(e) => return Err(Outcome::NotStarted(e)),
             Next::Deadline => break judge.decide(),
             Next::ClientGone(e) => return Err(Outcome::ClientGone(e)),
         }
@@ -471,19 +475,6 @@ pub async fn send_held(
 fn frame_by_length(header: &mut ResponseHeader, len: usize) -> Result<()> {
     header.remove_header(&http::header::TRANSFER_ENCODING);
     header.insert_header(http::header::CONTENT_LENGTH, len)
-}
-
-/// Runs the body hooks on a chunk and writes it to the client.
-async fn forward(
-    sluice: &Sluice,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    mut data: Option<Bytes>,
-    end: bool,
-) -> Result<()> {
-    sluice.chain.response_body(&mut data, end, ctx)?;
-    count_sent(ctx, data.as_ref());
-    session.write_response_body(data, end).await
 }
 
 /// The response started and then failed. An event stream ends with an error event and

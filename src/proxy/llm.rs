@@ -125,9 +125,10 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
             Some(budget) => budget.min(pool.timeouts.first_byte),
             None => pool.timeouts.first_byte,
         };
+        let total = started + pool.timeouts.total_for(max_tokens);
         let deadlines = Deadlines {
-            first_byte: now + first_byte,
-            total: started + pool.timeouts.total_for(max_tokens),
+            first_byte: (now + first_byte).min(total),
+            total,
         };
         let may_retry_here =
             retries_in_pool < pool.retry.max_retries && pool.retry_budget.has_retry();

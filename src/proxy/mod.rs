@@ -270,9 +270,8 @@ fn prepare_client_response(
     }
     if let Some(pool) = &ctx.pool {
         if matches!(ctx.route, Route::Llm(_)) {
-            let name = pool.name.clone();
             response
-                .insert_header(POOL_HEADER, &*name)
+                .insert_header(POOL_HEADER, &*pool.name)
                 .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
             if let Some(reason) = ctx.escalated {
                 response
@@ -309,6 +308,19 @@ fn plain_verdict(ctx: &mut ProxyCtx, verdict: Verdict) {
     if !std::mem::replace(&mut ctx.judged, true) {
         record_verdict(pool, addr, in_flight.backend(), verdict);
     }
+}
+
+/// Runs the body hooks on a chunk and writes it to the client.
+async fn forward(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut data: Option<Bytes>,
+    end: bool,
+) -> Result<()> {
+    sluice.chain.response_body(&mut data, end, ctx)?;
+    count_sent(ctx, data.as_ref());
+    session.write_response_body(data, end).await
 }
 
 /// Book-keeping for bytes that reach the client.

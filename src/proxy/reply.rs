@@ -103,8 +103,5 @@ async fn write(
     sluice.chain.response_header(&mut header, ctx)?;
     ctx.status = Some(header.status.as_u16());
     session.write_response_header(header, false).await?;
-    let mut body = Some(body);
-    sluice.chain.response_body(&mut body, true, ctx)?;
-    super::count_sent(ctx, body.as_ref());
-    session.write_response_body(body, true).await
+    super::forward(sluice, session, ctx, Some(body), true).await
 }

@@ -299,9 +299,11 @@ impl ChoiceBuilder {
         if let Some(f) = call.get("function") {
             for field in ["name", "arguments"] {
                 if let Some(piece) = f.get(field).and_then(Value::as_str) {
-                    let joined =
-                        format!("{}{piece}", slot["function"][field].as_str().unwrap_or(""));
-                    slot["function"][field] = Value::String(joined);
+                    // Appended in place: arguments come in many small fragments.
+                    match slot.get_mut("function").and_then(|f| f.get_mut(field)) {
+                        Some(Value::String(joined)) => joined.push_str(piece),
+                        _ => slot["function"][field] = Value::String(piece.to_owned()),
+                    }
                 }
             }
         }

@@ -72,16 +72,19 @@ fn write_canonical(value: &Value, out: &mut HashWriter<'_>) {
 
 /// Keys sorted here, whatever order the map keeps (serde_json may preserve insertion order).
 fn write_object(map: &serde_json::Map<String, Value>, skip: &[&str], out: &mut HashWriter<'_>) {
-    let mut keys: Vec<&String> = map.keys().filter(|k| !skip.contains(&k.as_str())).collect();
-    keys.sort();
+    let mut fields: Vec<(&String, &Value)> = map
+        .iter()
+        .filter(|(k, _)| !skip.contains(&k.as_str()))
+        .collect();
+    fields.sort_unstable_by_key(|(k, _)| *k);
     out.push(b'{');
-    for (i, k) in keys.into_iter().enumerate() {
+    for (i, (k, v)) in fields.into_iter().enumerate() {
         if i > 0 {
             out.push(b',');
         }
         write_string(k, out);
         out.push(b':');
-        write_canonical(&map[k.as_str()], out);
+        write_canonical(v, out);
     }
     out.push(b'}');
 }

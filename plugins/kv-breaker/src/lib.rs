@@ -45,6 +45,7 @@ pub use config::KvBreakerConfig;
 
 use async_trait::async_trait;
 use drain::Drain;
+use http::HeaderName;
 use pingora_proxy::Session;
 use sluice_sdk::{ErrorReply, Flow, Plugin, Pool, Pools, Pressure, Priority, RequestCtx, Result};
 use std::sync::Arc;
@@ -54,6 +55,9 @@ pub struct KvBreaker {
     pools: Arc<Pools>,
     /// Each pool's drain-rate tracker, in the order of `pools`.
     drains: Vec<Drain>,
+    /// `priority.header` and `priority.tenant_header`, parsed once.
+    priority_header: HeaderName,
+    tenant_header: Option<HeaderName>,
 }
 
 impl KvBreaker {
@@ -61,12 +65,23 @@ impl KvBreaker {
         config
             .validate()
             .map_err(|(key, message)| format!("plugins.kv_breaker.{key}: {message}"))?;
+        let header = |name: &str, key: &str| {
+            HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("plugins.kv_breaker.{key}: is not a header name"))
+        };
+        let priority_header = header(&config.priority.header, "priority.header")?;
+        let tenant_header = match &config.priority.tenant_header {
+            Some(name) => Some(header(name, "priority.tenant_header")?),
+            None => None,
+        };
         metrics::init(&pools);
         let drains = pools.iter().map(|_| Drain::default()).collect();
         Ok(Self {
             config,
             pools,
             drains,
+            priority_header,
+            tenant_header,
         })
     }
 
@@ -74,14 +89,14 @@ impl KvBreaker {
     fn priority(&self, session: &Session) -> Priority {
         let p = &self.config.priority;
         let headers = &session.req_header().headers;
-        let tenant = p
+        let tenant = self
             .tenant_header
-            .as_deref()
+            .as_ref()
             .and_then(|h| headers.get(h))
             .and_then(|v| v.to_str().ok())
             .and_then(|t| p.tenants.get(t));
         let asked = headers
-            .get(p.header.as_str())
+            .get(&self.priority_header)
             .and_then(|v| v.to_str().ok())
             .and_then(Priority::parse);
         let default = tenant.and_then(|t| t.default).unwrap_or(p.default).into();

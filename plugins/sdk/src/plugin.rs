@@ -19,10 +19,11 @@
 //! | `logging`          | `logging`                     | sync  |
 //!
 //! On LLM routes the client's request runs `request`, then the core sends each upstream
-//! attempt itself and runs the response hooks as the attempt's response passes to the client; the hooks see the same things in the same order as on
-//! plain routes. Request hooks run in chain order, response hooks in reverse (the plugin
-//! nearest the upstream first). Body hooks run per chunk and must be incremental: anything slow or async
-//! (a Redis write) is spawned, or done from `logging`.
+//! attempt itself and runs the response hooks as the attempt's response passes to the
+//! client; the hooks see the same things in the same order as on plain routes. Request hooks
+//! run in chain order, response hooks in reverse (the plugin nearest the upstream first).
+//! Body hooks run per chunk and must be incremental: anything slow or async (a Redis write)
+//! is spawned, or done from `logging`.
 
 use async_trait::async_trait;
 use bytes::Bytes;

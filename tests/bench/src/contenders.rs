@@ -259,14 +259,19 @@ pub struct Usage {
     pub cpu: Duration,
 }
 
+/// Clock ticks per second of /proc's CPU times, asked once: `usage` runs while the
+/// contenders are measured, and a process started per sample would disturb them.
 fn clock_ticks() -> u64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .filter(|t: &u64| *t > 0)
-        .unwrap_or(100)
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .filter(|t: &u64| *t > 0)
+            .unwrap_or(100)
+    })
 }
 
 /// Reads /proc/PID/status (VmRSS) and /proc/PID/stat (utime + stime).
