@@ -2,20 +2,28 @@
 //!
 //! Parts, each length-prefixed so no two sequences of parts can run together: a version tag,
 //! the tenant, the endpoint, the configured extra headers, and the request body in a canonical
-//! form. Canonical means: object keys sorted at every depth, no insignificant whitespace,
-//! numbers written one way (`0` and `0.0` are the same number), strings re-escaped one way.
-//! So key order and spacing never change the key, and any change of meaning does: every
-//! message (system prompt, RAG context, tool calls, names), tools, response format and every
-//! sampling parameter is in it. Only `stream` and `stream_options` are left out: they choose
-//! the form of the answer, and a hit is served in whichever form the client asks for.
+//! form. Canonical means: object keys sorted at every depth (the last of a repeated key wins,
+//! as in vLLM's JSON parser), numbers written one way (`0` and `0.0` are the same number),
+//! strings unescaped, and no whitespace at all: each value is hashed as a tag and a length
+//! before its bytes. So key order, spacing and escape spelling never change the key, and any
+//! change of meaning does: every message (system prompt, RAG context, tool calls, names),
+//! tools, response format and every sampling parameter is in it. Only `stream` and
+//! `stream_options` are left out: they choose the form of the answer, and a hit is served in
+//! whichever form the client asks for.
+//!
+//! Prompts can be megabytes, so the body is read into a tree that borrows its strings from
+//! the body (a copy only for a string with escapes), and string bytes go to the hasher as they
+//! are: SHA-256 is the only full pass after parsing.
 
 use http::HeaderMap;
-use serde_json::Value;
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 use sluice_sdk::Endpoint;
+use std::borrow::Cow;
+use std::fmt;
 
 /// Bumped whenever the canonical form changes, so old entries are never misread.
-const KEY_VERSION: &[u8] = b"sluice-cache-v2";
+const KEY_VERSION: &[u8] = b"sluice-cache-v3";
 
 /// Body fields that choose the answer's form, not its content.
 const FORM_ONLY_FIELDS: &[&str] = &["stream", "stream_options"];
@@ -28,8 +36,9 @@ pub fn digest(
     extra: &[(&str, &[u8])],
     body: &[u8],
 ) -> Option<[u8; 32]> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let object = value.as_object()?;
+    let Json::Object(fields) = serde_json::from_slice::<Json<'_>>(body).ok()? else {
+        return None;
+    };
     let mut hasher = Sha256::new();
     for part in [KEY_VERSION, tenant.as_bytes(), endpoint.path().as_bytes()] {
         framed(&mut hasher, part);
@@ -39,9 +48,7 @@ pub fn digest(
         framed(&mut hasher, name.as_bytes());
         framed(&mut hasher, value);
     }
-    // The body comes last, so it needs no length frame: it goes straight into the hasher,
-    // without a body-sized buffer.
-    write_object(object, FORM_ONLY_FIELDS, &mut HashWriter(&mut hasher));
+    write_object(fields, FORM_ONLY_FIELDS, &mut hasher);
     Some(hasher.finalize().into())
 }
 
@@ -50,87 +57,146 @@ fn framed(hasher: &mut Sha256, part: &[u8]) {
     hasher.update(part);
 }
 
-fn write_canonical(value: &Value, out: &mut HashWriter<'_>) {
+/// A tag byte, then the part's length, then its bytes: a prefix-free encoding, so two
+/// different trees never hash the same bytes.
+fn tagged(hasher: &mut Sha256, tag: u8, part: &[u8]) {
+    hasher.update([tag]);
+    framed(hasher, part);
+}
+
+fn write_value(value: Json<'_>, hasher: &mut Sha256) {
     match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-        Value::Number(n) => write_number(n, out),
-        Value::String(s) => write_string(s, out),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(item, out);
+        Json::Null => hasher.update(b"n"),
+        Json::Bool(true) => hasher.update(b"t"),
+        Json::Bool(false) => hasher.update(b"f"),
+        Json::Number(n) => tagged(hasher, b'#', n.as_bytes()),
+        Json::String(s) => tagged(hasher, b'"', s.as_bytes()),
+        Json::Array(items) => {
+            hasher.update(b"[");
+            hasher.update((items.len() as u64).to_be_bytes());
+            for item in items {
+                write_value(item, hasher);
             }
-            out.push(b']');
         }
-        Value::Object(map) => write_object(map, &[], out),
+        Json::Object(fields) => write_object(fields, &[], hasher),
     }
 }
 
-/// Keys sorted here, whatever order the map keeps (serde_json may preserve insertion order).
-fn write_object(map: &serde_json::Map<String, Value>, skip: &[&str], out: &mut HashWriter<'_>) {
-    let mut fields: Vec<(&String, &Value)> = map
-        .iter()
-        .filter(|(k, _)| !skip.contains(&k.as_str()))
-        .collect();
-    fields.sort_unstable_by_key(|(k, _)| *k);
-    out.push(b'{');
-    for (i, (k, v)) in fields.into_iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
+/// Keys sorted here, whatever order the body has them in; of a repeated key, the last.
+fn write_object(mut fields: Vec<(Cow<'_, str>, Json<'_>)>, skip: &[&str], hasher: &mut Sha256) {
+    fields.retain(|(k, _)| !skip.contains(&k.as_ref()));
+    // Stable, so repeated keys stay in body order and the last of each run is the one kept.
+    fields.sort_by(|(a, _), (b, _)| a.cmp(b));
+    fields.dedup_by(|later, kept| {
+        let repeated = later.0 == kept.0;
+        if repeated {
+            // The later value takes the kept slot; the earlier one is dropped.
+            std::mem::swap(later, kept);
         }
-        write_string(k, out);
-        out.push(b':');
-        write_canonical(v, out);
+        repeated
+    });
+    hasher.update(b"{");
+    hasher.update((fields.len() as u64).to_be_bytes());
+    for (k, v) in fields {
+        tagged(hasher, b'"', k.as_bytes());
+        write_value(v, hasher);
     }
-    out.push(b'}');
+}
+
+/// A JSON value whose strings borrow from the body when they hold no escapes.
+enum Json<'a> {
+    Null,
+    Bool(bool),
+    /// Already in its canonical spelling.
+    Number(String),
+    String(Cow<'a, str>),
+    Array(Vec<Json<'a>>),
+    Object(Vec<(Cow<'a, str>, Json<'a>)>),
 }
 
 /// Integers as integers; a float with an integral value (`1.0`) as that integer, so that the
 /// same number written two ways gives one key.
-fn write_number(n: &serde_json::Number, out: &mut HashWriter<'_>) {
-    if let Some(i) = n.as_i64() {
-        out.extend_from_slice(i.to_string().as_bytes());
-    } else if let Some(u) = n.as_u64() {
-        out.extend_from_slice(u.to_string().as_bytes());
-    } else if let Some(f) = n.as_f64() {
-        if f.fract() == 0.0 && f.abs() < 9.0e15 {
-            out.extend_from_slice((f as i64).to_string().as_bytes());
-        } else {
-            out.extend_from_slice(f.to_string().as_bytes());
+fn float(f: f64) -> String {
+    if f.fract() == 0.0 && f.abs() < 9.0e15 {
+        (f as i64).to_string()
+    } else {
+        f.to_string()
+    }
+}
+
+impl<'de> Deserialize<'de> for Json<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(JsonVisitor)
+    }
+}
+
+/// A string that borrows from the body when it can (serde's own `Cow` never does).
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match deserializer.deserialize_str(JsonVisitor)? {
+            Json::String(s) => Ok(Text(s)),
+            _ => Err(de::Error::custom("expected a string")),
         }
     }
 }
 
-fn write_string(s: &str, out: &mut HashWriter<'_>) {
-    // serde_json escapes one way: the same string, the same bytes. Hashing cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
-}
+struct JsonVisitor;
 
-/// Canonical bytes go straight into the hasher.
-struct HashWriter<'a>(&'a mut Sha256);
+impl<'de> Visitor<'de> for JsonVisitor {
+    type Value = Json<'de>;
 
-impl HashWriter<'_> {
-    fn push(&mut self, byte: u8) {
-        self.0.update([byte]);
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
     }
 
-    fn extend_from_slice(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
-    }
-}
-
-impl std::io::Write for HashWriter<'_> {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.update(bytes);
-        Ok(bytes.len())
+    fn visit_unit<E>(self) -> Result<Json<'de>, E> {
+        Ok(Json::Null)
     }
 
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+    fn visit_bool<E>(self, b: bool) -> Result<Json<'de>, E> {
+        Ok(Json::Bool(b))
+    }
+
+    fn visit_i64<E>(self, i: i64) -> Result<Json<'de>, E> {
+        Ok(Json::Number(i.to_string()))
+    }
+
+    fn visit_u64<E>(self, u: u64) -> Result<Json<'de>, E> {
+        Ok(Json::Number(u.to_string()))
+    }
+
+    fn visit_f64<E>(self, f: f64) -> Result<Json<'de>, E> {
+        Ok(Json::Number(float(f)))
+    }
+
+    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Json<'de>, E> {
+        Ok(Json::String(Cow::Borrowed(s)))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Json<'de>, E> {
+        Ok(Json::String(Cow::Owned(s.to_owned())))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Json<'de>, E> {
+        Ok(Json::String(Cow::Owned(s)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json<'de>, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Json::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json<'de>, A::Error> {
+        let mut fields = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some((Text(k), v)) = map.next_entry()? {
+            fields.push((k, v));
+        }
+        Ok(Json::Object(fields))
     }
 }
 
@@ -174,6 +240,41 @@ mod tests {
             r#"{ "temperature" : 0.0, "messages" : [ {"content":"hi", "role":"user"} ], "model":"m" }"#,
         );
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn escape_spelling_does_not_matter_but_repeated_keys_keep_the_last() {
+        let plain = key(r#"{"model":"m","prompt":"A/é"}"#);
+        assert_eq!(plain, key(r#"{"model":"m","prompt":"\u0041\/\u00e9"}"#));
+        assert_eq!(plain, key(r#"{"model":"m","prompt":"x","prompt":"A/é"}"#));
+        assert_ne!(plain, key(r#"{"model":"m","prompt":"A/é","prompt":"x"}"#));
+    }
+
+    #[test]
+    fn string_contents_never_pass_for_structure() {
+        let trees = [
+            r#"{"prompt":["a","b"]}"#,
+            r#"{"prompt":["a\",\"b"]}"#,
+            r#"{"prompt":["ab"]}"#,
+            r#"{"prompt":"ab"}"#,
+            r#"{"prompt":["a",["b"]]}"#,
+            r#"{"prompt":[["a"],"b"]}"#,
+            r#"{"prompt":{"a":"b"}}"#,
+            r#"{"prompt":{"a\":\"b":""}}"#,
+            r#"{"prompt":{"a":"b","c":null}}"#,
+            r#"{"prompt":{"a":"b","c":"null"}}"#,
+            r#"{"prompt":{"a":"b","c":1}}"#,
+            r#"{"prompt":{"a":"b","c":"1"}}"#,
+            r#"{"prompt":{"a":"b","c":true}}"#,
+            r#"{"prompt":[]}"#,
+            r#"{"prompt":[[]]}"#,
+            r#"{"prompt":{}}"#,
+            r#"{"prompt":""}"#,
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for t in trees {
+            assert!(seen.insert(key(t)), "collision: {t}");
+        }
     }
 
     #[test]

@@ -176,14 +176,15 @@ const TOKENS_PER_MESSAGE: usize = 4;
 impl LlmRequest {
     /// Parses a body for `endpoint`. Errors name the parameter, as OpenAI's `param` does.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, InvalidRequest> {
-        if std::str::from_utf8(body).is_err() {
+        let Ok(text) = std::str::from_utf8(body) else {
             return Err(invalid("The request body is not valid UTF-8.", None));
-        }
+        };
         // serde would read a struct from an array too, positionally: refuse anything else.
         if body.trim_ascii_start().first().is_some_and(|b| *b != b'{') {
             return Err(invalid("The request body must be a JSON object.", None));
         }
-        let mut de = serde_json::Deserializer::from_slice(body);
+        // From the checked text, so serde does not check each string's UTF-8 again.
+        let mut de = serde_json::Deserializer::from_str(text);
         let request: LlmRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
