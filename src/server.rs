@@ -38,6 +38,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
 
     let mut server = Server::new_with_opt_and_conf(opt, config.server);
     server.bootstrap();
+    let upstream = ConnectorOptions::from_server_conf(&server.configuration);
     let sluice = Sluice {
         limits: config.limits,
         models: crate::models::list(&pools),
@@ -45,9 +46,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         router: Router::new(config.routes),
         chain,
         access_log: config.log.access_log,
-        connector: Connector::new(Some(ConnectorOptions::from_server_conf(
-            &server.configuration,
-        ))),
+        connector: Connector::new(Some(upstream.clone())),
     };
     let mut proxy =
         pingora_proxy::http_proxy_service_with_name(&server.configuration, sluice, "sluice proxy");
@@ -71,7 +70,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     server.add_service(proxy);
     server.add_service(background_service(
         "health checks",
-        HealthService::new(pools.clone()),
+        HealthService::new(pools.clone(), upstream),
     ));
 
     if let Some(address) = config.admin {

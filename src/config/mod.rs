@@ -249,6 +249,9 @@ fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
             "must be at least 1".into(),
         ));
     }
+    if let Some(path) = &p.ca_file {
+        check_ca_file(path).map_err(|e| ("pingora.ca_file".to_string(), format!("{path}: {e}")))?;
+    }
     if p.daemon && p.error_log.is_none() {
         return Err((
             "pingora.error_log".into(),
@@ -271,6 +274,19 @@ fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
         ca_file: p.ca_file.clone(),
         ..ServerConf::default()
     })
+}
+
+/// Loads the CA file as Pingora's TLS connector will, so that a missing or broken file is a
+/// configuration error here instead of a panic when the connector is built.
+fn check_ca_file(path: &str) -> Result<(), String> {
+    use pingora_core::tls::{load_ca_file_into_store, RootCertStore};
+    std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let mut store = RootCertStore::empty();
+    load_ca_file_into_store(path, &mut store).map_err(|e| e.to_string().trim().to_string())?;
+    if store.is_empty() {
+        return Err("holds no PEM certificate".into());
+    }
+    Ok(())
 }
 
 fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {

@@ -668,7 +668,10 @@ fn models_map_to_the_first_pool_that_lists_them() {
 
 #[test]
 fn pingora_keys_reach_the_server_conf() {
-    let c = ok(&with(
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, self_signed_ca_pem()).unwrap();
+    let c = ok(&with(&format!(
         "pingora:
   threads: 4
   work_stealing: false
@@ -682,8 +685,9 @@ fn pingora_keys_reach_the_server_conf() {
   graceful_shutdown_timeout_seconds: 10
   upstream_keepalive_pool_size: 256
   listener_tasks_per_fd: 2
-  ca_file: /etc/ssl/ca.pem",
-    ));
+  ca_file: {}",
+        ca.display()
+    )));
     let s = &c.server;
     assert_eq!(s.threads, 4);
     assert!(!s.work_stealing);
@@ -697,7 +701,44 @@ fn pingora_keys_reach_the_server_conf() {
     assert_eq!(s.graceful_shutdown_timeout_seconds, Some(10));
     assert_eq!(s.upstream_keepalive_pool_size, 256);
     assert_eq!(s.listener_tasks_per_fd, 2);
-    assert_eq!(s.ca_file.as_deref(), Some("/etc/ssl/ca.pem"));
+    assert_eq!(s.ca_file.as_deref(), ca.to_str());
+}
+
+fn self_signed_ca_pem() -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params.self_signed(&key).unwrap().pem()
+}
+
+#[test]
+fn a_ca_file_must_exist_and_hold_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.pem");
+    let e = refused(
+        &with(&format!("pingora: {{ ca_file: {} }}", missing.display())),
+        "pingora.ca_file",
+        "missing.pem",
+    );
+    assert!(e.message.len() > "missing.pem".len() + 10, "says why: {e}");
+    let empty = dir.path().join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    refused(
+        &with(&format!("pingora: {{ ca_file: {} }}", empty.display())),
+        "pingora.ca_file",
+        "holds no PEM certificate",
+    );
+    let key_only = dir.path().join("key.pem");
+    std::fs::write(
+        &key_only,
+        rcgen::KeyPair::generate().unwrap().serialize_pem(),
+    )
+    .unwrap();
+    refused(
+        &with(&format!("pingora: {{ ca_file: {} }}", key_only.display())),
+        "pingora.ca_file",
+        "certificate",
+    );
 }
 
 #[test]

@@ -17,6 +17,7 @@ pub mod vllm;
 use crate::metrics;
 use async_trait::async_trait;
 use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::ConnectorOptions;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -28,18 +29,21 @@ use tokio::time::{interval, MissedTickBehavior};
 /// The background service that keeps every backend's live state current.
 pub struct HealthService {
     pools: Arc<Pools>,
+    /// The server's upstream settings (`pingora.ca_file`, ...), as the proxy's own connector
+    /// has them: a probe reaches a backend exactly as a request does.
+    connector: ConnectorOptions,
 }
 
 impl HealthService {
-    pub fn new(pools: Arc<Pools>) -> Self {
-        Self { pools }
+    pub fn new(pools: Arc<Pools>, connector: ConnectorOptions) -> Self {
+        Self { pools, connector }
     }
 }
 
 #[async_trait]
 impl BackgroundService for HealthService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let connector = Arc::new(Connector::new(None));
+        let connector = Arc::new(Connector::new(Some(self.connector.clone())));
         let mut tasks = tokio::task::JoinSet::new();
         for pool in self.pools.iter() {
             for index in 0..pool.backends.len() {

@@ -48,12 +48,18 @@ impl Proxy {
     /// Starts the proxy with `body` (YAML for pools, routes, plugins, limits) and waits until
     /// both listeners accept.
     pub async fn start(body: &str) -> Proxy {
+        Self::start_with_pingora("", body).await
+    }
+
+    /// As [`Proxy::start`], with more keys (each line indented by two spaces) in the
+    /// `pingora` section.
+    pub async fn start_with_pingora(pingora: &str, body: &str) -> Proxy {
         let dir = tempfile::tempdir().expect("temp dir");
         let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let config = dir.path().join("sluice.yaml");
         let text = format!(
-            "pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  grace_period_seconds: 3\n  graceful_shutdown_timeout_seconds: 5\n\
+            "pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  grace_period_seconds: 3\n  graceful_shutdown_timeout_seconds: 5\n{pingora}\
              listeners:\n  - address: {addr}\nadmin:\n  address: {admin}\nlog:\n  level: info\n{body}",
             pid = dir.path().join("sluice.pid").display(),
             sock = dir.path().join("upgrade.sock").display(),

@@ -1,0 +1,159 @@
+//! Pools reached over TLS: requests and health checks both verify the backend's certificate
+//! against `pingora.ca_file` and the pool's `tls.sni`. The backends are simulators behind a
+//! real TLS front, with certificates from a CA made for the test.
+
+mod common;
+
+use common::*;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio_rustls::rustls::{self, ServerConfig};
+use tokio_rustls::TlsAcceptor;
+use vllm_sim::SimConfig;
+
+const SNI: &str = "vllm.internal.test";
+
+/// A certificate authority that can issue server certificates.
+struct Ca {
+    pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Ca {
+        let key = KeyPair::generate().expect("CA key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let pem = params.self_signed(&key).expect("CA certificate").pem();
+        Ca {
+            pem,
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// A TLS server configuration for `name`, with a certificate this CA signed.
+    fn server_config(&self, name: &str) -> ServerConfig {
+        let key = KeyPair::generate().expect("server key");
+        let cert = CertificateParams::new(vec![name.to_string()])
+            .expect("server params")
+            .signed_by(&key, &self.issuer)
+            .expect("server certificate");
+        let chain: Vec<CertificateDer<'static>> = vec![cert.der().clone()];
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("protocol versions")
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("server config")
+    }
+}
+
+/// Terminates TLS on a free port and passes the bytes to `backend`; stops with the test.
+async fn tls_front(config: ServerConfig, backend: SocketAddr) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let acceptor = TlsAcceptor::from(Arc::new(config));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A client that refuses the certificate ends its handshake here.
+                let Ok(mut tls) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let Ok(mut plain) = TcpStream::connect(backend).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_checks() {
+    let trusted = Ca::new("Sluice test CA");
+    let stranger = Ca::new("Some other CA");
+    let good_sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model("good-model")
+            .with_kv(1000, 16),
+    )
+    .await
+    .expect("sim");
+    let bad_sim = vllm_sim::start(SimConfig::default().with_model("bad-model"))
+        .await
+        .expect("sim");
+    let good = tls_front(trusted.server_config(SNI), good_sim.addr()).await;
+    let bad = tls_front(stranger.server_config(SNI), bad_sim.addr()).await;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &trusted.pem).expect("write CA");
+    let tls = format!(
+        "    tls:\n      sni: {SNI}\n    health:\n      interval: 100ms\n      timeout: 500ms\n"
+    );
+    let config = format!(
+        "pools:\n{}{}",
+        pool("good", &["good-model"], &[good], &tls),
+        pool("bad", &["bad-model"], &[bad], &tls),
+    );
+    let proxy =
+        Proxy::start_with_pingora(&format!("  ca_file: {}\n", ca_file.display()), &config).await;
+
+    // The checks reach the backend through TLS: its probe passes and its metrics are read.
+    let healthy = wait_for(Duration::from_secs(5), || async {
+        let s = backend_status(&proxy, "good", good).await;
+        s["health"] == "healthy" && s["kv_capacity_tokens"] == 16_000
+    })
+    .await;
+    assert!(
+        healthy.is_some(),
+        "{}\n{}",
+        status(&proxy).await,
+        proxy.logs()
+    );
+    let answer = ask(
+        &proxy.url("/v1/chat/completions"),
+        &chat("good-model", "hello over TLS", false),
+        &[],
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.headers["x-sluice-pool"], "good");
+    assert!(!content(&answer).is_empty(), "{}", answer.body);
+
+    // A certificate from a CA the file does not hold fails the checks and the requests alike.
+    let refused = wait_for(Duration::from_secs(5), || async {
+        backend_status(&proxy, "bad", bad).await["health"] == "unhealthy"
+    })
+    .await;
+    assert!(refused.is_some(), "{}", status(&proxy).await);
+    let answer = ask(
+        &proxy.url("/v1/chat/completions"),
+        &chat("bad-model", "hello over TLS", false),
+        &[],
+    )
+    .await;
+    assert!(
+        matches!(answer.status, 502 | 503),
+        "{} {}",
+        answer.status,
+        answer.body
+    );
+    assert_eq!(
+        bad_sim.stats().requests_total,
+        0,
+        "nothing, not even a check, got past the refused handshake"
+    );
+    assert!(good_sim.stats().requests_by_path.contains_key("/metrics"));
+}
