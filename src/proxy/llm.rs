@@ -100,7 +100,7 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         ctx.req.attempts += 1;
         // Counted against the backend until the attempt ends: the balancer and the breaker
         // see it before the next scrape does.
-        let _in_flight = backend.live.begin(demand.tokens());
+        let in_flight = backend.live.begin(demand.tokens());
 
         // A first pool may get its own body (a draft asked for logprobs), and every pool
         // the plugins' (a stream's usage asked for).
@@ -143,6 +143,8 @@ async fn send_upstream(sluice: &Sluice, session: &mut Session, ctx: &mut ProxyCt
         };
 
         let outcome = attempt::run(sluice, session, &mut ctx.req, attempt, deadlines, &hold).await;
+        // Ended: a retry's backoff, or a held answer sent later, is no load on this backend.
+        drop(in_flight);
         let verdict = match &outcome {
             Outcome::Complete if ctx.req.upstream_status.is_some_and(|s| s >= 500) => {
                 Some(Verdict::Failure)

@@ -286,7 +286,11 @@ impl BackendLive {
             Verdict::Success => {
                 self.failures.store(0, Relaxed);
                 // Closed again; `decay_ejections` forgets the ejections once it stays good.
-                self.half_open.store(false, Relaxed);
+                // Not by an attempt that began before the ejection and ends during it: the
+                // backend must still prove itself when the cool-down is over.
+                if self.breaker_allows() {
+                    self.half_open.store(false, Relaxed);
+                }
                 None
             }
             Verdict::Failure => {
@@ -298,17 +302,27 @@ impl BackendLive {
                 if failures < policy.consecutive_failures && !probation {
                     return None;
                 }
-                if !self.breaker_allows() {
-                    return None; // Already ejected by a concurrent failure.
+                let previous = self.ejected_until_ms.load(Relaxed);
+                let now = now_ms();
+                if previous != 0 && now < previous {
+                    return None; // Already ejected.
                 }
-                let n = self.ejections.fetch_add(1, Relaxed).min(16);
+                let n = self.ejections.load(Relaxed).min(16);
                 let cool_down = policy
                     .base_ejection
                     .saturating_mul(1 << n)
                     .min(policy.max_ejection);
-                let until = now_ms()
-                    .saturating_add(u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX));
-                self.ejected_until_ms.store(until, Relaxed);
+                let until =
+                    now.saturating_add(u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX));
+                // Of failures recorded at the same moment, one ejects; the others see it done.
+                if self
+                    .ejected_until_ms
+                    .compare_exchange(previous, until, Relaxed, Relaxed)
+                    .is_err()
+                {
+                    return None;
+                }
+                self.ejections.fetch_add(1, Relaxed);
                 self.failures.store(0, Relaxed);
                 self.half_open.store(true, Relaxed);
                 Some(cool_down)
@@ -484,6 +498,56 @@ mod tests {
         std::thread::sleep(Duration::from_millis(110));
         assert_eq!(b.record(Verdict::Success, &policy), None);
         assert_eq!(b.state(&HealthPolicy::default()), BackendState::Unchecked);
+    }
+
+    #[test]
+    fn failures_at_the_same_moment_eject_once() {
+        let policy = OutlierPolicy {
+            consecutive_failures: 1,
+            base_ejection: Duration::from_secs(10),
+            max_ejection: Duration::from_secs(100),
+        };
+        let b = Arc::new(BackendLive::default());
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (b, start, policy) = (b.clone(), start.clone(), policy.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    b.record(Verdict::Failure, &policy)
+                })
+            })
+            .collect();
+        let ejections: Vec<_> = threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap())
+            .collect();
+        assert_eq!(ejections, vec![Duration::from_secs(10)]);
+        assert_eq!(
+            b.ejections.load(Relaxed),
+            1,
+            "the next cool-down is 20 s, not more"
+        );
+    }
+
+    #[test]
+    fn a_success_that_ends_during_the_ejection_leaves_the_backend_on_probation() {
+        let policy = OutlierPolicy {
+            consecutive_failures: 1,
+            base_ejection: Duration::from_millis(30),
+            max_ejection: Duration::from_secs(1),
+        };
+        let b = BackendLive::default();
+        assert!(b.record(Verdict::Failure, &policy).is_some());
+        // An attempt sent before the ejection answers well during it.
+        assert_eq!(b.record(Verdict::Success, &policy), None);
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(b.state(&HealthPolicy::default()), BackendState::Probation);
+        assert_eq!(
+            b.record(Verdict::Failure, &policy),
+            Some(Duration::from_millis(60)),
+            "one failure on probation ejects again"
+        );
     }
 
     #[test]
