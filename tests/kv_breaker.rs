@@ -118,7 +118,26 @@ async fn without_the_breaker_a_burst_runs_the_kv_cache_out_of_memory() {
 async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
     let sim = oom_sim().await;
     let proxy = start(&sim, BREAKER_ON).await;
+    // The shedding gauge, watched while the burst runs: it is on while the pool is full,
+    // and may be off again by the time the burst's last answer is in.
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let gauge_seen = tokio::spawn({
+        let (proxy, watching) = (proxy.clone(), watching.clone());
+        async move {
+            let mut seen = Vec::new();
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                seen.push(metric_value(
+                    &metrics_text(&proxy).await,
+                    r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#,
+                ));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        }
+    });
     let b = burst(&proxy, 60, 5).await;
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let gauge_seen = gauge_seen.await.unwrap();
 
     assert_eq!(sim.stats().oom, 0, "no OOM with the breaker on");
     let shed = b.count("sheddable", 503);
@@ -145,13 +164,13 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
         Some(shed as f64),
         "{metrics}"
     );
-    assert_eq!(
-        metric_value(
-            &metrics,
-            r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#
-        ),
-        Some(1.0)
+    assert!(
+        gauge_seen.contains(&Some(1.0)),
+        "the shedding gauge was on during the burst: {gauge_seen:?}"
     );
+    assert!(gauge_seen
+        .iter()
+        .all(|g| matches!(g, Some(v) if *v == 0.0 || *v == 1.0)));
     println!(
         "breaker on: {} sheddable served, {shed} shed with 503, 5/5 critical served, 0 OOMs",
         b.count("sheddable", 200)
