@@ -8,6 +8,7 @@ use crate::proxy::Sluice;
 use crate::router::Router;
 use pingora_core::connectors::http::Connector;
 use pingora_core::connectors::ConnectorOptions;
+use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
@@ -50,10 +51,18 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     };
     let mut proxy =
         pingora_proxy::http_proxy_service_with_name(&server.configuration, sluice, "sluice proxy");
+    // Plain listeners read straight into Pingora's header and body buffers, without its
+    // 64 KiB L4 read buffer per connection: an open stream would hold it (zeroed, so
+    // resident) for its whole life, and a request head fits the header buffer anyway; large
+    // bodies are read into the 64 KiB body buffer, past the L4 buffer, either way. Measured
+    // with 1,000 open streams: 209 -> 144 KB per stream. TLS listeners keep it: rustls reads
+    // record by record, and the buffer saves those syscalls.
     for listener in &config.listeners {
         let address = listener.address.to_string();
         match &listener.tls {
-            None => proxy.add_tcp(&address),
+            None => proxy.add_listener(
+                ListenerConfig::tcp(&address).l4_buffer(L4BufferSettings::default().read(0)),
+            ),
             Some(tls) => proxy
                 .add_tls(
                     &address,
