@@ -102,6 +102,13 @@ impl Contender {
     ];
     pub const PROXIES: [Contender; 3] =
         [Contender::SluiceOff, Contender::SluiceOn, Contender::Nginx];
+    /// The proxies, with the bare Pingora proxy as the floor of what Pingora itself holds.
+    pub const PROXIES_WITH_BARE_PINGORA: [Contender; 4] = [
+        Contender::BarePingora,
+        Contender::SluiceOff,
+        Contender::SluiceOn,
+        Contender::Nginx,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {

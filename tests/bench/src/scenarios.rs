@@ -578,7 +578,7 @@ struct OpenRound {
 async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(4, title(4));
     let spec = SimSpec::streaming(ctx.p.open_stream_itl_ms, ctx.p.open_stream_tokens);
-    let stack = Stack::start(ctx, &spec, &Contender::PROXIES).await?;
+    let stack = Stack::start(ctx, &spec, &Contender::PROXIES_WITH_BARE_PINGORA).await?;
     stack.note_down(&mut report);
     let body = chat_body("Tell me a long story.", true, 4096);
     let n = ctx.p.open_streams;
