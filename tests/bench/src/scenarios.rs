@@ -465,7 +465,7 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
 async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(3, title(3));
     let spec = SimSpec::streaming(ctx.p.stream_itl_ms, ctx.p.stream_tokens);
-    let stack = Stack::start(ctx, &spec, &Contender::ALL).await?;
+    let stack = Stack::start(ctx, &spec, &Contender::WITH_BARE_PINGORA).await?;
     stack.note_down(&mut report);
     let body = chat_body("Tell me a story.", true, 4096);
     let load = SseLoad {
