@@ -41,7 +41,7 @@ static LOOKUP: LazyLock<Option<HistogramVec>> = LazyLock::new(|| {
 static WRITES: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
     registered(register_int_counter_vec!(
         "sluice_cache_writes_total",
-        "Write-backs by outcome: stored, too_big, incomplete, not_ok, dropped, error.",
+        "Write-backs by outcome: stored (handed to the store), too_big, incomplete, not_ok, dropped.",
         &["outcome"]
     ))
 });
@@ -76,14 +76,7 @@ pub fn init(store: &str) {
         }
     }
     if let Some(c) = WRITES.as_ref() {
-        for o in [
-            "stored",
-            "too_big",
-            "incomplete",
-            "not_ok",
-            "dropped",
-            "error",
-        ] {
+        for o in ["stored", "too_big", "incomplete", "not_ok", "dropped"] {
             let _ = c.get_metric_with_label_values(&[o]);
         }
     }
