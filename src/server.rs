@@ -79,7 +79,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     server.add_service(proxy);
     server.add_service(background_service(
         "health checks",
-        HealthService::new(pools.clone(), upstream),
+        HealthService::new(pools.clone(), Arc::new(Connector::new(Some(upstream)))),
     ));
 
     if let Some(address) = config.admin {

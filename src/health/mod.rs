@@ -17,7 +17,6 @@ pub mod vllm;
 use crate::metrics;
 use async_trait::async_trait;
 use pingora_core::connectors::http::Connector;
-use pingora_core::connectors::ConnectorOptions;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -29,13 +28,14 @@ use tokio::time::{interval, MissedTickBehavior};
 /// The background service that keeps every backend's live state current.
 pub struct HealthService {
     pools: Arc<Pools>,
-    /// The server's upstream settings (`pingora.ca_file`, ...), as the proxy's own connector
-    /// has them: a probe reaches a backend exactly as a request does.
-    connector: ConnectorOptions,
+    /// Built from the server's upstream settings (`pingora.ca_file`, ...) as the proxy's own
+    /// connector is, so a probe reaches a backend exactly as a request does. Built before the
+    /// server starts: a daemon has changed its directory (and maybe its user) by then.
+    connector: Arc<Connector>,
 }
 
 impl HealthService {
-    pub fn new(pools: Arc<Pools>, connector: ConnectorOptions) -> Self {
+    pub fn new(pools: Arc<Pools>, connector: Arc<Connector>) -> Self {
         Self { pools, connector }
     }
 }
@@ -43,7 +43,6 @@ impl HealthService {
 #[async_trait]
 impl BackgroundService for HealthService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let connector = Arc::new(Connector::new(Some(self.connector.clone())));
         let mut tasks = tokio::task::JoinSet::new();
         for pool in self.pools.iter() {
             for index in 0..pool.backends.len() {
@@ -54,7 +53,7 @@ impl BackgroundService for HealthService {
                     peer: probe::peer(pool, spec.resolved),
                     pool: Arc::clone(pool),
                     index,
-                    connector: Arc::clone(&connector),
+                    connector: Arc::clone(&self.connector),
                     spec: None,
                 };
                 tasks.spawn(checker.run());
