@@ -1,5 +1,5 @@
 //! Pools reached over TLS: requests and health checks both verify the backend's certificate
-//! against `pingora.ca_file` and the pool's `tls.sni`. The backends are simulators behind a
+//! against `pingora.ca_file` (its CA) and the pool's `tls.sni` (its name). The backends are simulators behind a
 //! real TLS front, with certificates from a CA made for the test.
 
 mod common;
@@ -93,8 +93,18 @@ async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_ch
     let bad_sim = vllm_sim::start(SimConfig::default().with_model("bad-model"))
         .await
         .expect("sim");
+    // Requests (not only checks) must refuse a certificate: these two pools run no checks,
+    // so their backends are always tried.
+    let stranger_sim = vllm_sim::start(SimConfig::default().with_model("stranger-model"))
+        .await
+        .expect("sim");
+    let misnamed_sim = vllm_sim::start(SimConfig::default().with_model("misnamed-model"))
+        .await
+        .expect("sim");
     let good = tls_front(trusted.server_config(SNI), good_sim.addr()).await;
     let bad = tls_front(stranger.server_config(SNI), bad_sim.addr()).await;
+    let stranger_front = tls_front(stranger.server_config(SNI), stranger_sim.addr()).await;
+    let misnamed = tls_front(trusted.server_config("other.test"), misnamed_sim.addr()).await;
 
     let dir = tempfile::tempdir().expect("temp dir");
     let ca_file = dir.path().join("ca.pem");
@@ -102,10 +112,18 @@ async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_ch
     let tls = format!(
         "    tls:\n      sni: {SNI}\n    health:\n      interval: 100ms\n      timeout: 500ms\n"
     );
+    let unchecked = format!("    tls:\n      sni: {SNI}\n    health:\n      enabled: false\n");
     let config = format!(
-        "pools:\n{}{}",
+        "pools:\n{}{}{}{}",
         pool("good", &["good-model"], &[good], &tls),
         pool("bad", &["bad-model"], &[bad], &tls),
+        pool(
+            "stranger",
+            &["stranger-model"],
+            &[stranger_front],
+            &unchecked
+        ),
+        pool("misnamed", &["misnamed-model"], &[misnamed], &unchecked),
     );
     let proxy =
         Proxy::start_with_pingora(&format!("  ca_file: {}\n", ca_file.display()), &config).await;
@@ -150,10 +168,27 @@ async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_ch
         answer.status,
         answer.body
     );
-    assert_eq!(
-        bad_sim.stats().requests_total,
-        0,
-        "nothing, not even a check, got past the refused handshake"
-    );
+    // A request to an unchecked backend with a stranger's certificate, or one for another
+    // name, fails at the handshake: 502, and nothing reaches the simulator.
+    for model in ["stranger-model", "misnamed-model"] {
+        let answer = ask(
+            &proxy.url("/v1/chat/completions"),
+            &chat(model, "hello over TLS", false),
+            &[],
+        )
+        .await;
+        assert_eq!(answer.status, 502, "{model}: {}", answer.body);
+    }
+    for (name, sim) in [
+        ("bad", &bad_sim),
+        ("stranger", &stranger_sim),
+        ("misnamed", &misnamed_sim),
+    ] {
+        assert_eq!(
+            sim.stats().requests_total,
+            0,
+            "{name}: nothing, not even a check, got past the refused handshake"
+        );
+    }
     assert!(good_sim.stats().requests_by_path.contains_key("/metrics"));
 }
