@@ -335,9 +335,16 @@ impl BackendLive {
     pub fn decay_ejections(&self, policy: &OutlierPolicy) {
         let until = self.ejected_until_ms.load(Relaxed);
         let quiet = u64::try_from(policy.max_ejection.as_millis()).unwrap_or(u64::MAX);
-        if !self.half_open.load(Relaxed) && until != 0 && now_ms() >= until.saturating_add(quiet) {
+        if !self.half_open.load(Relaxed)
+            && until != 0
+            && now_ms() >= until.saturating_add(quiet)
+            // Not if a failure ejected the backend since the load above.
+            && self
+                .ejected_until_ms
+                .compare_exchange(until, 0, Relaxed, Relaxed)
+                .is_ok()
+        {
             self.ejections.store(0, Relaxed);
-            self.ejected_until_ms.store(0, Relaxed);
         }
     }
 
@@ -534,18 +541,18 @@ mod tests {
     fn a_success_that_ends_during_the_ejection_leaves_the_backend_on_probation() {
         let policy = OutlierPolicy {
             consecutive_failures: 1,
-            base_ejection: Duration::from_millis(30),
-            max_ejection: Duration::from_secs(1),
+            base_ejection: Duration::from_millis(300),
+            max_ejection: Duration::from_secs(10),
         };
         let b = BackendLive::default();
         assert!(b.record(Verdict::Failure, &policy).is_some());
         // An attempt sent before the ejection answers well during it.
         assert_eq!(b.record(Verdict::Success, &policy), None);
-        std::thread::sleep(Duration::from_millis(40));
+        std::thread::sleep(Duration::from_millis(400));
         assert_eq!(b.state(&HealthPolicy::default()), BackendState::Probation);
         assert_eq!(
             b.record(Verdict::Failure, &policy),
-            Some(Duration::from_millis(60)),
+            Some(Duration::from_millis(600)),
             "one failure on probation ejects again"
         );
     }
