@@ -12,8 +12,8 @@
 //! whichever form the client asks for.
 //!
 //! Prompts can be megabytes, so the body is read into a tree that borrows its strings from
-//! the body (a copy only for a string with escapes), and string bytes go to the hasher as they
-//! are: SHA-256 is the only full pass after parsing.
+//! the body (a copy only for a string with escapes; numbers are held as numbers), and string
+//! bytes go to the hasher as they are: SHA-256 is the only full pass after parsing.
 
 use http::HeaderMap;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use std::fmt;
 
 /// Bumped whenever the canonical form changes, so old entries are never misread.
-const KEY_VERSION: &[u8] = b"sluice-cache-v3";
+const KEY_VERSION: &[u8] = b"sluice-cache-v4";
 
 /// Body fields that choose the answer's form, not its content.
 const FORM_ONLY_FIELDS: &[&str] = &["stream", "stream_options"];
@@ -69,7 +69,14 @@ fn write_value(value: Json<'_>, hasher: &mut Sha256) {
         Json::Null => hasher.update(b"n"),
         Json::Bool(true) => hasher.update(b"t"),
         Json::Bool(false) => hasher.update(b"f"),
-        Json::Number(n) => tagged(hasher, b'#', n.as_bytes()),
+        Json::Number(Number::Integer(i)) => {
+            hasher.update(b"#");
+            hasher.update(i.to_be_bytes());
+        }
+        Json::Number(Number::Fraction(f)) => {
+            hasher.update(b".");
+            hasher.update(f.to_bits().to_be_bytes());
+        }
         Json::String(s) => tagged(hasher, b'"', s.as_bytes()),
         Json::Array(items) => {
             hasher.update(b"[");
@@ -107,20 +114,29 @@ fn write_object(mut fields: Vec<(Cow<'_, str>, Json<'_>)>, skip: &[&str], hasher
 enum Json<'a> {
     Null,
     Bool(bool),
-    /// Already in its canonical spelling.
-    Number(String),
+    Number(Number),
     String(Cow<'a, str>),
     Array(Vec<Json<'a>>),
     Object(Vec<(Cow<'a, str>, Json<'a>)>),
 }
 
-/// Integers as integers; a float with an integral value (`1.0`) as that integer, so that the
-/// same number written two ways gives one key.
-fn float(f: f64) -> String {
-    if f.fract() == 0.0 && f.abs() < 9.0e15 {
-        (f as i64).to_string()
-    } else {
-        f.to_string()
+/// A number in one form per value, hashed as fixed-size bytes (no text, no allocation): a
+/// float with an integral value (`1.0`, `1e2`) is that integer, so the same number written
+/// two ways gives one key.
+enum Number {
+    Integer(i128),
+    /// Never integral, never NaN (JSON has none), so its bits are its one form.
+    Fraction(f64),
+}
+
+impl Number {
+    fn from_f64(f: f64) -> Number {
+        // Every integral f64 below 2^127 is exactly an i128.
+        if f.fract() == 0.0 && f.abs() < 1.7e38 {
+            Number::Integer(f as i128)
+        } else {
+            Number::Fraction(f)
+        }
     }
 }
 
@@ -160,15 +176,15 @@ impl<'de> Visitor<'de> for JsonVisitor {
     }
 
     fn visit_i64<E>(self, i: i64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(i.to_string()))
+        Ok(Json::Number(Number::Integer(i128::from(i))))
     }
 
     fn visit_u64<E>(self, u: u64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(u.to_string()))
+        Ok(Json::Number(Number::Integer(i128::from(u))))
     }
 
     fn visit_f64<E>(self, f: f64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(float(f)))
+        Ok(Json::Number(Number::from_f64(f)))
     }
 
     fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Json<'de>, E> {
@@ -248,6 +264,22 @@ mod tests {
         assert_eq!(plain, key(r#"{"model":"m","prompt":"\u0041\/\u00e9"}"#));
         assert_eq!(plain, key(r#"{"model":"m","prompt":"x","prompt":"A/é"}"#));
         assert_ne!(plain, key(r#"{"model":"m","prompt":"A/é","prompt":"x"}"#));
+    }
+
+    #[test]
+    fn large_numbers_keep_their_value() {
+        // 2^60 as a float, and the integer its shortest decimal spelling reads as.
+        let float = key(r#"{"prompt":"x","seed":1152921504606846976.0}"#);
+        assert_eq!(float, key(r#"{"prompt":"x","seed":1152921504606846976}"#));
+        assert_ne!(float, key(r#"{"prompt":"x","seed":1152921504606847000}"#));
+        assert_ne!(
+            key(r#"{"prompt":"x","t":0.5}"#),
+            key(r#"{"prompt":"x","t":0.25}"#)
+        );
+        assert_eq!(
+            key(r#"{"prompt":"x","t":-0.0}"#),
+            key(r#"{"prompt":"x","t":0}"#)
+        );
     }
 
     #[test]
