@@ -5,6 +5,7 @@
 
 use anyhow::Result;
 use async_trait::async_trait;
+use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
 use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::server::Server;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -43,7 +44,11 @@ pub fn run(listen: SocketAddr, upstream: SocketAddr, dir: &Path) -> Result<()> {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
     let mut proxy = pingora_proxy::http_proxy_service(&server.configuration, Bare { upstream });
-    proxy.add_tcp(&listen.to_string());
+    // The listener as Sluice's plain ones: without the 64 KiB L4 read buffer, so that what
+    // the two hold per connection compares like with like.
+    proxy.add_listener(
+        ListenerConfig::tcp(listen.to_string()).l4_buffer(L4BufferSettings::default().read(0)),
+    );
     server.add_service(proxy);
     println!("bare pingora listening on {listen}");
     server.run_forever()

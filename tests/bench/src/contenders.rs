@@ -72,7 +72,7 @@ pub enum Contender {
     SluiceOff,
     SluiceOn,
     Nginx,
-    /// Scenarios 1 and 6: the smallest Pingora proxy (`bare.rs`), the floor of any proxy
+    /// Scenarios 1, 3, 4 and 6: the smallest Pingora proxy (`bare.rs`), the floor of any proxy
     /// built on Pingora.
     BarePingora,
     /// Scenario 5: Sluice answering from its cache, memory store.
