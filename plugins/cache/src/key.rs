@@ -125,7 +125,8 @@ enum Json<'a> {
 /// two ways gives one key.
 enum Number {
     Integer(i128),
-    /// Never integral, never NaN (JSON has none), so its bits are its one form.
+    /// Not integral (or beyond `i128`), never NaN or infinite (JSON has neither): its bits
+    /// are its one form.
     Fraction(f64),
 }
 
