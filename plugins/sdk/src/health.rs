@@ -155,7 +155,16 @@ pub enum Verdict {
 /// Milliseconds on a process-wide monotonic clock, for atomics.
 fn now_ms() -> u64 {
     static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
-    u64::try_from(EPOCH.elapsed().as_millis()).unwrap_or(u64::MAX)
+    millis(EPOCH.elapsed())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Whether an ejection lasting `until` (0: none) lets traffic through at `now`.
+fn lets_through(until: u64, now: u64) -> bool {
+    until == 0 || now >= until
 }
 
 /// One backend's live state. Shared by the health service, the pool and `/status`.
@@ -233,8 +242,7 @@ impl BackendLive {
 
     /// Whether the failure breaker lets traffic through now.
     fn breaker_allows(&self) -> bool {
-        let until = self.ejected_until_ms.load(Relaxed);
-        until == 0 || now_ms() >= until
+        lets_through(self.ejected_until_ms.load(Relaxed), now_ms())
     }
 
     /// Whether the backend may get a new request.
@@ -304,7 +312,7 @@ impl BackendLive {
                 }
                 let previous = self.ejected_until_ms.load(Relaxed);
                 let now = now_ms();
-                if previous != 0 && now < previous {
+                if !lets_through(previous, now) {
                     return None; // Already ejected.
                 }
                 let n = self.ejections.load(Relaxed).min(16);
@@ -312,8 +320,7 @@ impl BackendLive {
                     .base_ejection
                     .saturating_mul(1 << n)
                     .min(policy.max_ejection);
-                let until =
-                    now.saturating_add(u64::try_from(cool_down.as_millis()).unwrap_or(u64::MAX));
+                let until = now.saturating_add(millis(cool_down));
                 // Of failures recorded at the same moment, one ejects; the others see it done.
                 if self
                     .ejected_until_ms
@@ -334,7 +341,7 @@ impl BackendLive {
     /// backend's cool-down grows only while it keeps failing. Called by the health service.
     pub fn decay_ejections(&self, policy: &OutlierPolicy) {
         let until = self.ejected_until_ms.load(Relaxed);
-        let quiet = u64::try_from(policy.max_ejection.as_millis()).unwrap_or(u64::MAX);
+        let quiet = millis(policy.max_ejection);
         if !self.half_open.load(Relaxed)
             && until != 0
             && now_ms() >= until.saturating_add(quiet)
