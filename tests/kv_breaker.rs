@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use vllm_sim::{Latency, SimConfig};
@@ -120,12 +121,12 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
     let proxy = start(&sim, BREAKER_ON).await;
     // The shedding gauge, watched while the burst runs: it is on while the pool is full,
     // and may be off again by the time the burst's last answer is in.
-    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watching = Arc::new(AtomicBool::new(true));
     let gauge_seen = tokio::spawn({
         let (proxy, watching) = (proxy.clone(), watching.clone());
         async move {
             let mut seen = Vec::new();
-            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+            while watching.load(Ordering::Relaxed) {
                 seen.push(metric_value(
                     &metrics_text(&proxy).await,
                     r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#,
@@ -136,7 +137,7 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
         }
     });
     let b = burst(&proxy, 60, 5).await;
-    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    watching.store(false, Ordering::Relaxed);
     let gauge_seen = gauge_seen.await.unwrap();
 
     assert_eq!(sim.stats().oom, 0, "no OOM with the breaker on");
