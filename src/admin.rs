@@ -77,7 +77,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
     let pressure = pool.pressure();
     let shedding: Vec<&str> = Priority::ALL
         .into_iter()
-        .filter(|p| pool.is_shedding(*p))
+        .filter(|p| pool.sheds(*p))
         .map(Priority::as_str)
         .collect();
     let backends: Vec<_> = pool

@@ -1,4 +1,5 @@
-//! The plugin chain: built once from config in a fixed order, then driven hook by hook.
+//! The plugin chain: one table of the plugins Sluice ships, in their defined order; each
+//! section resolved once at load, started once, then driven hook by hook.
 //!
 //! The order is part of the product (documented in `conf/README.md`): plugins that identify a
 //! request come first, then those that may answer it without an upstream, then those that
@@ -15,49 +16,138 @@
 //! nearest the upstream sees its answer first, so the cache stores the answer exactly as the
 //! client gets it, after the selector removed what it had asked for on the client's behalf.
 
-use crate::config::file::PluginsFile;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Flow, LocalResponse, Plugin, Pools, RequestCtx};
+use sluice_sdk::{
+    ConfigError, ErrorReply, Flow, LocalResponse, Plugin, PluginBuilder, Pools, RequestCtx,
+};
+use std::collections::BTreeMap;
 use std::sync::Arc;
+
+/// Every plugin, in chain order. Adding a plugin is its crate in `Cargo.toml` and one line
+/// here.
+const PLUGINS: [Entry; 4] = [
+    Entry::of::<sluice_plugin_request_id::RequestIdBuilder>(),
+    Entry::of::<sluice_plugin_cache::CacheBuilder>(),
+    Entry::of::<sluice_plugin_speculative::SpeculativeBuilder>(),
+    Entry::of::<sluice_plugin_kv_breaker::KvBreakerBuilder>(),
+];
+
+/// The config file's `plugins` section: one section per plugin, by name.
+pub type Sections = BTreeMap<String, serde_yaml_ng::Value>;
+
+/// One row of [`PLUGINS`]: a plugin's name and how its section is resolved.
+struct Entry {
+    name: &'static str,
+    resolve: ResolveSection,
+}
+
+/// Reads a plugin's section (absent: `None`) and resolves it: `Ok(None)` when disabled.
+type ResolveSection =
+    fn(Option<serde_yaml_ng::Value>, &Arc<Pools>) -> Result<Option<Resolved>, ConfigError>;
+
+impl Entry {
+    const fn of<B: PluginBuilder>() -> Self {
+        Self {
+            name: B::NAME,
+            resolve: resolve_section::<B>,
+        }
+    }
+}
+
+/// Reads a section into the plugin's config type (absent: its defaults) and resolves it.
+/// Keys in errors are relative to the section.
+fn resolve_section<B: PluginBuilder>(
+    section: Option<serde_yaml_ng::Value>,
+    pools: &Arc<Pools>,
+) -> Result<Option<Resolved>, ConfigError> {
+    let config = match section {
+        None => B::Config::default(),
+        Some(value) => serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            let key = if key == "." { String::new() } else { key };
+            ConfigError::new(key, e.into_inner().to_string())
+        })?,
+    };
+    Ok(B::resolve(config, pools)?.map(|ready| Resolved {
+        name: B::NAME,
+        ready: Box::new(ready),
+    }))
+}
+
+/// A plugin whose section resolved, ready to start.
+pub struct Resolved {
+    name: &'static str,
+    ready: Box<dyn Start>,
+}
+
+/// [`PluginBuilder::start`] behind a box, so the table can hold every plugin's type.
+trait Start: Send {
+    fn start(self: Box<Self>) -> Arc<dyn Plugin>;
+}
+
+impl<B: PluginBuilder> Start for B {
+    fn start(self: Box<Self>) -> Arc<dyn Plugin> {
+        PluginBuilder::start(*self)
+    }
+}
+
+/// The enabled plugins, resolved, in chain order.
+pub struct ResolvedPlugins(Vec<Resolved>);
+
+impl std::fmt::Debug for ResolvedPlugins {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl ResolvedPlugins {
+    /// The names of the enabled plugins, in chain order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.0.iter().map(|r| r.name).collect()
+    }
+}
+
+/// Resolves every plugin's section, in chain order (every section, enabled or not, so that
+/// `sluice -t` finds a mistake before the plugin is turned on). Keys in errors start at
+/// `plugins`.
+pub fn resolve(mut sections: Sections, pools: &Arc<Pools>) -> Result<ResolvedPlugins, ConfigError> {
+    if let Some(unknown) = sections
+        .keys()
+        .find(|k| PLUGINS.iter().all(|p| p.name != *k))
+    {
+        let known: Vec<String> = PLUGINS.iter().map(|p| format!("`{}`", p.name)).collect();
+        return Err(ConfigError::new(
+            format!("plugins.{unknown}"),
+            format!(
+                "unknown field `{unknown}`, expected one of {}",
+                known.join(", ")
+            ),
+        ));
+    }
+    let mut resolved = Vec::new();
+    for entry in &PLUGINS {
+        let section = sections.remove(entry.name);
+        let under = format!("plugins.{}", entry.name);
+        if let Some(ready) = (entry.resolve)(section, pools).map_err(|e| e.under(&under))? {
+            resolved.push(ready);
+        }
+    }
+    Ok(ResolvedPlugins(resolved))
+}
 
 pub struct Chain {
     plugins: Vec<Arc<dyn Plugin>>,
 }
 
 impl Chain {
-    /// Builds the enabled plugins, in chain order. The config was validated at load, so an
-    /// error here names the plugin and what its constructor refused.
-    pub fn build(config: &PluginsFile, pools: &Arc<Pools>) -> Result<Self, String> {
-        let mut plugins: Vec<Arc<dyn Plugin>> = Vec::new();
-        if config.request_id.enabled {
-            let p = sluice_plugin_request_id::RequestId::new(&config.request_id)
-                .map_err(|e| format!("plugins.request_id: {e}"))?;
-            plugins.push(Arc::new(p));
+    /// Starts the resolved plugins: their metrics, stores and background work.
+    pub fn start(resolved: ResolvedPlugins) -> Self {
+        Self {
+            plugins: resolved.0.into_iter().map(|r| r.ready.start()).collect(),
         }
-        if config.cache.enabled {
-            let p = sluice_plugin_cache::Cache::new(config.cache.clone())?;
-            plugins.push(Arc::new(p));
-        }
-        if config.speculative.enabled {
-            let p = sluice_plugin_speculative::Speculative::new(config.speculative.clone(), pools)?;
-            plugins.push(Arc::new(p));
-        }
-        if config.kv_breaker.enabled {
-            let p = sluice_plugin_kv_breaker::KvBreaker::new(
-                config.kv_breaker.clone(),
-                Arc::clone(pools),
-            )?;
-            plugins.push(Arc::new(p));
-        }
-        Ok(Self { plugins })
-    }
-
-    /// A chain with the given plugins, for tests.
-    pub fn from_plugins(plugins: Vec<Arc<dyn Plugin>>) -> Self {
-        Self { plugins }
     }
 
     /// The plugin names in chain order.

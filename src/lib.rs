@@ -5,10 +5,10 @@
 //! - [`proxy`]: the one `ProxyHttp` implementation that drives the plugin chain.
 //! - [`chain`]: the plugins, in their defined order.
 //! - [`health`]: the background service that probes backends and scrapes their vLLM metrics.
-//! - [`admin`], [`metrics`], [`accounting`]: what operators see.
+//! - [`admin`], [`metrics`], [`access_log`]: what operators see.
 //! - [`demo`]: the proxy with simulated vLLM pools, in one process.
 
-pub mod accounting;
+pub mod access_log;
 pub mod admin;
 pub mod chain;
 pub mod config;

@@ -5,13 +5,12 @@
 //! Label values come from config (pool, route) or from a fixed set, never from raw client
 //! input, so a client cannot blow up cardinality: an unknown model is `-`.
 
-use prometheus::core::{MetricVec, MetricVecBuilder};
-use prometheus::{
-    register_gauge_vec, register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
-    Encoder, GaugeVec, HistogramVec, IntCounterVec, IntGaugeVec, TextEncoder,
-};
-use sluice_sdk::Pools;
-use std::sync::LazyLock;
+use prometheus::{Encoder, TextEncoder};
+use sluice_sdk::metric;
+use sluice_sdk::metrics::touch;
+use sluice_sdk::{Pools, Reason};
+
+pub use sluice_sdk::metrics::{inc, observe, set};
 
 /// Buckets for whole LLM requests: from a cache hit (sub-millisecond) to long generations.
 const REQUEST_BUCKETS: &[f64] = &[
@@ -23,19 +22,6 @@ const REQUEST_BUCKETS: &[f64] = &[
 const TTFB_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
-
-macro_rules! metric {
-    ($name:ident: $ty:ty = $init:expr) => {
-        pub static $name: LazyLock<Option<$ty>> = LazyLock::new(|| match $init {
-            Ok(m) => Some(m),
-            Err(e) => {
-                // Only a duplicate registration can fail; metrics must never stop the proxy.
-                tracing::error!("cannot register a metric: {e}");
-                None
-            }
-        });
-    };
-}
 
 metric!(LLM_REQUEST_DURATION: HistogramVec = register_histogram_vec!(
     "llm_request_duration_seconds",
@@ -66,8 +52,11 @@ metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
 
 metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
     "router_rejections_total",
-    "Requests answered with an error made by Sluice, by reason and by the request's priority \
-     class (`-` when none was decided).",
+    format!(
+        "Requests answered with an error made by Sluice, by reason ({}) and by the request's \
+         priority class (`-` when none was decided).",
+        Reason::ALL.map(Reason::as_str).join(", ")
+    ),
     &["reason", "priority"]
 ));
 
@@ -129,66 +118,75 @@ metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
 
 metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
     "sluice_upstream_attempts_total",
-    "Upstream attempts by pool and outcome (response, connect_error, timeout, error).",
+    format!(
+        "Upstream attempts by pool and outcome ({}).",
+        AttemptOutcome::ALL.map(AttemptOutcome::as_str).join(", ")
+    ),
     &["pool", "outcome"]
 ));
 
-/// The rejection reasons the core itself produces (plugins add their own).
-const CORE_REJECTION_REASONS: &[&str] = &[
-    "bad-request",
-    "body-too-large",
-    "body-timeout",
-    "unknown-model",
-    "no-route",
-    "no-healthy-backend",
-    "upstream-error",
-    "upstream-timeout",
-];
+/// How an upstream attempt ended, for `sluice_upstream_attempts_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The upstream's answer went to the client.
+    Response,
+    /// No connection could be made.
+    ConnectError,
+    /// No answer in time, before anything reached the client.
+    Timeout,
+    /// Another failure before anything reached the client.
+    Error,
+    /// An error status (5xx, 429) held back for another attempt.
+    Declined,
+    /// A held answer the escalation check rejected.
+    RejectedAnswer,
+    /// The answer started, then failed.
+    Broken,
+}
+
+impl AttemptOutcome {
+    pub const ALL: [AttemptOutcome; 7] = [
+        AttemptOutcome::Response,
+        AttemptOutcome::ConnectError,
+        AttemptOutcome::Timeout,
+        AttemptOutcome::Error,
+        AttemptOutcome::Declined,
+        AttemptOutcome::RejectedAnswer,
+        AttemptOutcome::Broken,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Response => "response",
+            AttemptOutcome::ConnectError => "connect_error",
+            AttemptOutcome::Timeout => "timeout",
+            AttemptOutcome::Error => "error",
+            AttemptOutcome::Declined => "declined",
+            AttemptOutcome::RejectedAnswer => "rejected_answer",
+            AttemptOutcome::Broken => "broken",
+        }
+    }
+}
+
+/// Counts one upstream attempt of `pool`.
+pub fn attempt(pool: &str, outcome: AttemptOutcome) {
+    inc(&UPSTREAM_ATTEMPTS, &[pool, outcome.as_str()]);
+}
 
 /// Registers every series and creates the per-pool ones at zero, so dashboards and alerts
 /// find them from start-up rather than after the first request of each kind.
 pub fn init(pools: &Pools) {
-    let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS, &*UPSTREAM_ATTEMPTS);
-    for reason in CORE_REJECTION_REASONS {
-        let _ = series(&REJECTIONS, &[reason, "-"]);
+    let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS);
+    for reason in Reason::ALL {
+        touch(&REJECTIONS, &[reason.as_str(), "-"]);
     }
     for pool in pools.iter() {
-        for h in [&ROUTER_REQUEST_DURATION, &STREAM_FIRST_BYTE] {
-            let _ = series(h, &[&pool.name]);
+        touch(&ROUTER_REQUEST_DURATION, &[&pool.name]);
+        touch(&STREAM_FIRST_BYTE, &[&pool.name]);
+        touch(&EJECTIONS, &[&pool.name]);
+        for outcome in AttemptOutcome::ALL {
+            touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
         }
-        let _ = series(&EJECTIONS, &[&pool.name]);
-    }
-}
-
-/// The series of `vec` with `labels`, if the vector registered. Metrics never fail a request.
-fn series<P: MetricVecBuilder>(
-    vec: &LazyLock<Option<MetricVec<P>>>,
-    labels: &[&str],
-) -> Option<P::M> {
-    vec.as_ref()?.get_metric_with_label_values(labels).ok()
-}
-
-pub fn observe(h: &LazyLock<Option<HistogramVec>>, labels: &[&str], value: f64) {
-    if let Some(h) = series(h, labels) {
-        h.observe(value);
-    }
-}
-
-pub fn set_gauge(g: &LazyLock<Option<GaugeVec>>, labels: &[&str], value: f64) {
-    if let Some(g) = series(g, labels) {
-        g.set(value);
-    }
-}
-
-pub fn set_int_gauge(g: &LazyLock<Option<IntGaugeVec>>, labels: &[&str], value: i64) {
-    if let Some(g) = series(g, labels) {
-        g.set(value);
-    }
-}
-
-pub fn inc(c: &LazyLock<Option<IntCounterVec>>, labels: &[&str]) {
-    if let Some(c) = series(c, labels) {
-        c.inc();
     }
 }
 

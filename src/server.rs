@@ -19,8 +19,8 @@ use std::time::Instant;
 /// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
 /// a TLS key that does not load) come back as text for the command line.
 pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
-    let pools = Arc::new(config.pools);
-    let chain = Chain::build(&config.plugins, &pools)?;
+    let pools = config.pools;
+    let chain = Chain::start(config.plugins);
     let names = chain.names();
     tracing::info!(
         "plugin chain: [{}]{}",

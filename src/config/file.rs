@@ -2,10 +2,6 @@
 //! unknown keys. Nothing here is validated beyond types; `super::validate` does the rest.
 
 use serde::Deserialize;
-use sluice_plugin_cache::CacheConfig;
-use sluice_plugin_kv_breaker::KvBreakerConfig;
-use sluice_plugin_request_id::RequestIdConfig;
-use sluice_plugin_speculative::SpeculativeConfig;
 use std::time::Duration;
 
 #[derive(Debug, Deserialize)]
@@ -24,8 +20,9 @@ pub struct FileConfig {
     pub pools: Vec<PoolFile>,
     #[serde(default)]
     pub routes: Vec<RouteFile>,
+    /// Each plugin's section, read by the plugin's own config type (`crate::chain`).
     #[serde(default)]
-    pub plugins: PluginsFile,
+    pub plugins: crate::chain::Sections,
 }
 
 /// Pingora's own `ServerConf` keys that Sluice supports (the rest keep Pingora's defaults).
@@ -368,20 +365,6 @@ pub struct RouteFile {
     #[serde(default)]
     pub host: Option<String>,
     pub pool: String,
-}
-
-/// One optional section per plugin. An absent section means the plugin's defaults.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PluginsFile {
-    #[serde(default)]
-    pub request_id: RequestIdConfig,
-    #[serde(default)]
-    pub cache: CacheConfig,
-    #[serde(default)]
-    pub speculative: SpeculativeConfig,
-    #[serde(default)]
-    pub kv_breaker: KvBreakerConfig,
 }
 
 pub use sluice_sdk::duration::deserialize as duration;

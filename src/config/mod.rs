@@ -5,7 +5,9 @@
 
 pub mod file;
 
+use crate::chain::ResolvedPlugins;
 use pingora_core::server::configuration::ServerConf;
+use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
     RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
@@ -17,8 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use file::FileConfig;
 pub use file::LogFormat;
-use file::{FileConfig, PluginsFile};
 
 /// A config that cannot be used: where, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,10 +59,10 @@ pub struct Config {
     pub admin: Option<SocketAddr>,
     pub limits: Limits,
     pub log: LogSettings,
-    pub pools: Pools,
+    pub pools: Arc<Pools>,
     pub routes: Vec<RouteRule>,
-    /// Plugin sections, already checked; the chain is built from them.
-    pub plugins: PluginsFile,
+    /// The enabled plugins, resolved, in chain order: the chain starts them.
+    pub plugins: ResolvedPlugins,
 }
 
 #[derive(Debug, Clone)]
@@ -141,26 +143,25 @@ impl Config {
             };
             at(&key, message)
         })?;
-        validate(raw, path).map_err(|(key, message)| at(&key, message))
+        validate(raw, path).map_err(|e| at(&e.key, e.message))
     }
 }
-
-type Invalid = (String, String);
 
 fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     let base = path.parent().unwrap_or(Path::new("."));
     let server = server_conf(&raw)?;
 
     if raw.listeners.is_empty() {
-        return Err(("listeners".into(), "at least one listener is needed".into()));
+        return Err(Invalid::new("listeners", "at least one listener is needed"));
     }
     let mut addresses: Vec<SocketAddr> = Vec::new();
     let mut listeners = Vec::new();
     for (i, l) in raw.listeners.iter().enumerate() {
         let key = format!("listeners[{i}]");
-        let address = socket_address(&l.address).map_err(|m| (format!("{key}.address"), m))?;
+        let address =
+            socket_address(&l.address).map_err(|m| Invalid::new(format!("{key}.address"), m))?;
         if let Some(other) = clash(&addresses, address) {
-            return Err((
+            return Err(Invalid::new(
                 format!("{key}.address"),
                 format!("{address} clashes with {other}"),
             ));
@@ -169,8 +170,10 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         let tls = match &l.tls {
             None => None,
             Some(t) => Some(TlsFiles {
-                cert: existing_file(base, &t.cert).map_err(|m| (format!("{key}.tls.cert"), m))?,
-                key: existing_file(base, &t.key).map_err(|m| (format!("{key}.tls.key"), m))?,
+                cert: existing_file(base, &t.cert)
+                    .map_err(|m| Invalid::new(format!("{key}.tls.cert"), m))?,
+                key: existing_file(base, &t.key)
+                    .map_err(|m| Invalid::new(format!("{key}.tls.key"), m))?,
             }),
         };
         listeners.push(Listener { address, tls });
@@ -178,10 +181,10 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
 
     let admin = if raw.admin.enabled {
         let address =
-            socket_address(&raw.admin.address).map_err(|m| ("admin.address".to_string(), m))?;
+            socket_address(&raw.admin.address).map_err(|m| Invalid::new("admin.address", m))?;
         if let Some(other) = clash(&addresses, address) {
-            return Err((
-                "admin.address".into(),
+            return Err(Invalid::new(
+                "admin.address",
                 format!("{address} clashes with the proxy listener {other}"),
             ));
         }
@@ -192,21 +195,21 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
 
     let limits = &raw.limits;
     if limits.max_request_body_bytes == 0 || limits.max_request_body_bytes > MAX_BODY_LIMIT {
-        return Err((
-            "limits.max_request_body_bytes".into(),
+        return Err(Invalid::new(
+            "limits.max_request_body_bytes",
             format!("must be between 1 and {MAX_BODY_LIMIT}"),
         ));
     }
     if limits.client_body_timeout.is_zero() {
-        return Err((
-            "limits.client_body_timeout".into(),
-            "must be longer than 0".into(),
+        return Err(Invalid::new(
+            "limits.client_body_timeout",
+            "must be longer than 0",
         ));
     }
 
     if !is_log_filter(&raw.log.level) {
-        return Err((
-            "log.level".into(),
+        return Err(Invalid::new(
+            "log.level",
             format!(
                 "`{}` is not a log level or filter (try info, debug, warn)",
                 raw.log.level
@@ -214,9 +217,9 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         ));
     }
 
-    let pools = pools(&raw)?;
+    let pools = Arc::new(pools(&raw)?);
     let routes = routes(&raw, &pools)?;
-    check_plugins(&raw.plugins, &pools)?;
+    let plugins = crate::chain::resolve(raw.plugins, &pools)?;
 
     Ok(Config {
         source: path.to_path_buf(),
@@ -234,28 +237,28 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         },
         pools,
         routes,
-        plugins: raw.plugins,
+        plugins,
     })
 }
 
 fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {
     let p = &raw.pingora;
     if p.threads == 0 {
-        return Err(("pingora.threads".into(), "must be at least 1".into()));
+        return Err(Invalid::new("pingora.threads", "must be at least 1"));
     }
     if p.listener_tasks_per_fd == 0 {
-        return Err((
-            "pingora.listener_tasks_per_fd".into(),
-            "must be at least 1".into(),
+        return Err(Invalid::new(
+            "pingora.listener_tasks_per_fd",
+            "must be at least 1",
         ));
     }
     if let Some(path) = &p.ca_file {
-        check_ca_file(path).map_err(|e| ("pingora.ca_file".to_string(), format!("{path}: {e}")))?;
+        check_ca_file(path).map_err(|e| Invalid::new("pingora.ca_file", format!("{path}: {e}")))?;
     }
     if p.daemon && p.error_log.is_none() {
-        return Err((
-            "pingora.error_log".into(),
-            "a daemon has no terminal: set error_log to a file".into(),
+        return Err(Invalid::new(
+            "pingora.error_log",
+            "a daemon has no terminal: set error_log to a file",
         ));
     }
     Ok(ServerConf {
@@ -291,7 +294,7 @@ fn check_ca_file(path: &str) -> Result<(), String> {
 
 fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
     if raw.pools.is_empty() {
-        return Err(("pools".into(), "at least one pool is needed".into()));
+        return Err(Invalid::new("pools", "at least one pool is needed"));
     }
     let mut names = HashSet::new();
     let mut pools = Vec::new();
@@ -303,36 +306,36 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
         {
-            return Err((
+            return Err(Invalid::new(
                 format!("{key}.name"),
                 format!("`{}` is not a name: use letters, digits, - and _", p.name),
             ));
         }
         if !names.insert(p.name.as_str()) {
-            return Err((
+            return Err(Invalid::new(
                 format!("{key}.name"),
                 format!("pool `{}` is defined twice", p.name),
             ));
         }
         if p.backends.is_empty() {
-            return Err((
+            return Err(Invalid::new(
                 format!("{key}.backends"),
-                "at least one backend is needed".into(),
+                "at least one backend is needed",
             ));
         }
         let mut backends = Vec::new();
         for (j, b) in p.backends.iter().enumerate() {
             let bkey = format!("{key}.backends[{j}]");
             if b.weight == 0 {
-                return Err((format!("{bkey}.weight"), "must be at least 1".into()));
+                return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
             }
-            let resolved =
-                socket_address(&b.address).map_err(|m| (format!("{bkey}.address"), m))?;
+            let resolved = socket_address(&b.address)
+                .map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
             if backends
                 .iter()
                 .any(|x: &BackendSpec| x.resolved == resolved)
             {
-                return Err((
+                return Err(Invalid::new(
                     format!("{bkey}.address"),
                     format!("{resolved} is listed twice in this pool"),
                 ));
@@ -351,11 +354,14 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             ("total", t.total),
         ] {
             if d.is_zero() {
-                return Err((format!("{tkey}.{name}"), "must be longer than 0".into()));
+                return Err(Invalid::new(
+                    format!("{tkey}.{name}"),
+                    "must be longer than 0",
+                ));
             }
         }
         if t.first_byte > t.total {
-            return Err((
+            return Err(Invalid::new(
                 format!("{tkey}.first_byte"),
                 format!(
                     "must not be longer than {tkey}.total ({} > {})",
@@ -365,7 +371,7 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             ));
         }
         if t.connect > t.total {
-            return Err((
+            return Err(Invalid::new(
                 format!("{tkey}.connect"),
                 format!("must not be longer than {tkey}.total"),
             ));
@@ -377,14 +383,17 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
                 margin: t.margin,
             }),
             Some(rate) => {
-                return Err((
+                return Err(Invalid::new(
                     format!("{tkey}.min_tokens_per_second"),
                     format!("must be a number above 0 (got {rate})"),
                 ))
             }
         };
         if p.max_model_len == Some(0) {
-            return Err((format!("{key}.max_model_len"), "must be at least 1".into()));
+            return Err(Invalid::new(
+                format!("{key}.max_model_len"),
+                "must be at least 1",
+            ));
         }
         let timeouts = Timeouts {
             connect: t.connect,
@@ -420,7 +429,7 @@ const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(50);
 
 fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invalid> {
     if h.interval < MIN_HEALTH_INTERVAL {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.interval"),
             format!(
                 "must be at least {} (got {})",
@@ -430,10 +439,13 @@ fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invali
         ));
     }
     if h.timeout.is_zero() {
-        return Err((format!("{key}.timeout"), "must be longer than 0".into()));
+        return Err(Invalid::new(
+            format!("{key}.timeout"),
+            "must be longer than 0",
+        ));
     }
     if h.stale_after < h.interval {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.stale_after"),
             format!("must not be shorter than {key}.interval"),
         ));
@@ -443,7 +455,7 @@ fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invali
         ("healthy_after", h.healthy_after),
     ] {
         if n == 0 {
-            return Err((format!("{key}.{name}"), "must be at least 1".into()));
+            return Err(Invalid::new(format!("{key}.{name}"), "must be at least 1"));
         }
     }
     for (name, path) in [
@@ -451,7 +463,7 @@ fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invali
         ("metrics_path", &h.metrics_path),
     ] {
         if !path.starts_with('/') {
-            return Err((format!("{key}.{name}"), "must start with /".into()));
+            return Err(Invalid::new(format!("{key}.{name}"), "must start with /"));
         }
     }
     Ok(HealthPolicy {
@@ -472,13 +484,13 @@ fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invali
 
 fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Invalid> {
     if o.consecutive_failures > 0 && o.base_ejection.is_zero() {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.base_ejection"),
-            "must be longer than 0".into(),
+            "must be longer than 0",
         ));
     }
     if o.max_ejection < o.base_ejection {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.max_ejection"),
             format!("must not be shorter than {key}.base_ejection"),
         ));
@@ -492,13 +504,13 @@ fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Inv
 
 fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
     match (b.strategy, b.prefix_affinity_bytes) {
-        (_, Some(0)) => Err((
+        (_, Some(0)) => Err(Invalid::new(
             format!("{key}.prefix_affinity_bytes"),
-            "must be at least 1".into(),
+            "must be at least 1",
         )),
-        (file::StrategyFile::RoundRobin, Some(_)) => Err((
+        (file::StrategyFile::RoundRobin, Some(_)) => Err(Invalid::new(
             format!("{key}.prefix_affinity_bytes"),
-            "needs strategy: kv_aware".into(),
+            "needs strategy: kv_aware",
         )),
         (file::StrategyFile::RoundRobin, None) => Ok(Balancing::RoundRobin),
         (file::StrategyFile::KvAware, prefix_affinity) => {
@@ -509,13 +521,13 @@ fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
 
 fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> {
     if !(0.0..=1.0).contains(&r.budget_ratio) {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.budget_ratio"),
             format!("must be between 0 and 1 (got {})", r.budget_ratio),
         ));
     }
     if r.backoff_max < r.backoff_base {
-        return Err((
+        return Err(Invalid::new(
             format!("{key}.backoff_max"),
             format!("must not be shorter than {key}.backoff_base"),
         ));
@@ -534,10 +546,13 @@ fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
     for (i, r) in raw.routes.iter().enumerate() {
         let key = format!("routes[{i}]");
         if !r.path_prefix.starts_with('/') {
-            return Err((format!("{key}.path_prefix"), "must start with /".into()));
+            return Err(Invalid::new(
+                format!("{key}.path_prefix"),
+                "must start with /",
+            ));
         }
         let pool = pools.get(&r.pool).ok_or_else(|| {
-            (
+            Invalid::new(
                 format!("{key}.pool"),
                 format!("no pool is named `{}`", r.pool),
             )
@@ -551,26 +566,6 @@ fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
         });
     }
     Ok(routes)
-}
-
-fn check_plugins(plugins: &PluginsFile, pools: &Pools) -> Result<(), Invalid> {
-    sluice_plugin_request_id::RequestId::new(&plugins.request_id)
-        .map(|_| ())
-        .map_err(|m| ("plugins.request_id.header".into(), m))?;
-    plugins
-        .cache
-        .validate()
-        .map_err(|(key, message)| (format!("plugins.cache.{key}"), message))?;
-    if plugins.speculative.enabled {
-        sluice_plugin_speculative::Speculative::check(&plugins.speculative, pools)
-    } else {
-        plugins.speculative.validate()
-    }
-    .map_err(|(key, message)| (format!("plugins.speculative.{key}"), message))?;
-    plugins
-        .kv_breaker
-        .validate()
-        .map_err(|(key, message)| (format!("plugins.kv_breaker.{key}"), message))
 }
 
 /// An address in `taken` that `address` cannot bind beside: the same port on the same IP,

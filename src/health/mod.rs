@@ -178,28 +178,28 @@ impl Checker {
         let (pool, backend) = (&*self.pool.name, self.address());
         let state = live.state(&self.pool.health);
         for s in BackendState::ALL {
-            metrics::set_int_gauge(
+            metrics::set(
                 &metrics::BACKEND_STATE,
                 &[pool, backend, s.as_str()],
                 i64::from(s == state),
             );
         }
-        metrics::set_int_gauge(
+        metrics::set(
             &metrics::BACKEND_HEALTHY,
             &[pool, backend],
             i64::from(live.is_usable()),
         );
-        metrics::set_int_gauge(
+        metrics::set(
             &metrics::BACKEND_IN_FLIGHT,
             &[pool, backend],
             i64::from(live.in_flight()),
         );
         if let Some(load) = live.load() {
             if let Some(kv) = load.kv_usage {
-                metrics::set_gauge(&metrics::BACKEND_KV_USAGE, &[pool, backend], kv);
+                metrics::set(&metrics::BACKEND_KV_USAGE, &[pool, backend], kv);
             }
-            metrics::set_gauge(&metrics::BACKEND_RUNNING, &[pool, backend], load.running);
-            metrics::set_gauge(&metrics::BACKEND_WAITING, &[pool, backend], load.waiting);
+            metrics::set(&metrics::BACKEND_RUNNING, &[pool, backend], load.running);
+            metrics::set(&metrics::BACKEND_WAITING, &[pool, backend], load.waiting);
         }
     }
 }

@@ -13,8 +13,9 @@
 //! An earlier version ran each attempt as a Pingora subrequest; that ran a second request
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
-use super::{forward, prepare_client_response, Sluice};
-use crate::metrics;
+use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
+use super::Sluice;
+use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
@@ -22,7 +23,10 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::{AnswerCheck, ErrorReply, Judgement, RequestCtx, StreamCheck, StreamJudge};
+use sluice_sdk::headers::is_event_stream;
+use sluice_sdk::{
+    AnswerCheck, ErrorReply, Judgement, RequestCtx, StreamCheck, StreamJudge, Verdict,
+};
 use std::future::Future;
 use std::sync::Arc;
 use tokio::time::{sleep_until, Instant};
@@ -51,6 +55,56 @@ pub enum Outcome {
     Declined(Box<ResponseHeader>, Bytes),
     /// The answer was held for a check that rejected it, for this reason; nothing was sent.
     Judged(&'static str),
+}
+
+impl Outcome {
+    /// What the attempt says about its backend (passive health), given the status it
+    /// answered with: nothing when the client left.
+    pub fn verdict(&self, upstream_status: Option<u16>) -> Option<Verdict> {
+        match self {
+            Outcome::Complete if upstream_status.is_some_and(|s| s >= 500) => {
+                Some(Verdict::Failure)
+            }
+            Outcome::Declined(header, _) if header.status.is_server_error() => {
+                Some(Verdict::Failure)
+            }
+            Outcome::Complete | Outcome::Declined(..) | Outcome::Judged(_) => {
+                Some(Verdict::Success)
+            }
+            Outcome::NotStarted(_) | Outcome::Broken(_) => Some(Verdict::Failure),
+            Outcome::ClientGone(_) => None,
+        }
+    }
+
+    /// The attempt's label in `sluice_upstream_attempts_total`; none when the client left.
+    pub fn label(&self) -> Option<AttemptOutcome> {
+        Some(match self {
+            Outcome::Complete => AttemptOutcome::Response,
+            Outcome::NotStarted(e) if is_timeout(e) => AttemptOutcome::Timeout,
+            Outcome::NotStarted(e) if is_connect_failure(e) => AttemptOutcome::ConnectError,
+            Outcome::NotStarted(_) => AttemptOutcome::Error,
+            Outcome::Declined(..) => AttemptOutcome::Declined,
+            Outcome::Judged(_) => AttemptOutcome::RejectedAnswer,
+            Outcome::Broken(_) => AttemptOutcome::Broken,
+            Outcome::ClientGone(_) => return None,
+        })
+    }
+}
+
+/// No connection could be made: nothing was sent, so another backend is safe to try.
+pub fn is_connect_failure(e: &Error) -> bool {
+    use ErrorType::*;
+    matches!(
+        e.etype(),
+        ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError
+    )
+}
+
+pub fn is_timeout(e: &Error) -> bool {
+    matches!(
+        e.etype(),
+        ErrorType::ReadTimedout | ErrorType::ConnectTimedout
+    )
 }
 
 /// What an attempt holds back before the client sees it.
@@ -204,7 +258,7 @@ async fn pipe(
     }
     // A kept window goes first; a stream that ended within it ends here.
     for chunk in window.chunks {
-        if let Err(e) = forward(sluice, session, ctx, Some(chunk), false).await {
+        if let Err(e) = forward(&sluice.chain, session, ctx, Some(chunk), false).await {
             return Outcome::ClientGone(e);
         }
     }
@@ -222,7 +276,7 @@ async fn pipe(
                     up.release().await;
                     return finish(sluice, session, ctx, Some(data)).await;
                 }
-                if let Err(e) = forward(sluice, session, ctx, Some(data), false).await {
+                if let Err(e) = forward(&sluice.chain, session, ctx, Some(data), false).await {
                     return Outcome::ClientGone(e);
                 }
             }
@@ -236,7 +290,7 @@ async fn pipe(
                 return broken(sluice, session, ctx, is_sse, e).await;
             }
             Next::ClientGone(e) => {
-                ctx.response_incomplete = true;
+                ctx.progress_mut().response_incomplete = true;
                 return Outcome::ClientGone(e);
             }
         }
@@ -273,7 +327,7 @@ async fn start_answer(
     ctx: &mut RequestCtx,
     mut header: Box<ResponseHeader>,
 ) -> Result<(), Outcome> {
-    if let Err(e) = prepare_client_response(sluice, &mut header, ctx) {
+    if let Err(e) = prepare_upstream_header(&sluice.chain, &mut header, ctx) {
         return Err(Outcome::NotStarted(e));
     }
     session
@@ -303,7 +357,7 @@ async fn finish(
     ctx: &mut RequestCtx,
     last: Option<Bytes>,
 ) -> Outcome {
-    match forward(sluice, session, ctx, last, true).await {
+    match forward(&sluice.chain, session, ctx, last, true).await {
         Ok(()) => Outcome::Complete,
         Err(e) => Outcome::ClientGone(e),
     }
@@ -466,15 +520,8 @@ pub async fn send_held(
     body: Bytes,
 ) -> Result<()> {
     frame_by_length(&mut header, body.len())?;
-    prepare_client_response(sluice, &mut header, ctx)?;
-    session.write_response_header(header, false).await?;
-    forward(sluice, session, ctx, Some(body), true).await
-}
-
-/// Frames a response whose whole body is in hand by its length.
-fn frame_by_length(header: &mut ResponseHeader, len: usize) -> Result<()> {
-    header.remove_header(&http::header::TRANSFER_ENCODING);
-    header.insert_header(http::header::CONTENT_LENGTH, len)
+    prepare_upstream_header(&sluice.chain, &mut header, ctx)?;
+    write_whole(&sluice.chain, session, ctx, header, body).await
 }
 
 /// The response started and then failed. An event stream ends with an error event and
@@ -487,13 +534,12 @@ async fn broken(
     is_sse: bool,
     error: Box<Error>,
 ) -> Outcome {
-    ctx.response_incomplete = true;
-    metrics::inc(&metrics::UPSTREAM_ATTEMPTS, &[ctx.pool_name(), "broken"]);
+    ctx.progress_mut().response_incomplete = true;
     let reply = ErrorReply::from_error(&error);
     sluice.chain.error(&reply, ctx);
     if is_sse {
         let event = Some(reply.sse_event());
-        if let Err(e) = forward(sluice, session, ctx, event, true).await {
+        if let Err(e) = forward(&sluice.chain, session, ctx, event, true).await {
             return Outcome::ClientGone(e);
         }
     }
@@ -509,11 +555,4 @@ fn client_gone(read: Result<Option<Bytes>>) -> Box<Error> {
         ),
     }
     .into_down()
-}
-
-fn is_event_stream(header: &ResponseHeader) -> bool {
-    header
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
 }

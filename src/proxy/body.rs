@@ -11,7 +11,7 @@ use crate::config::Limits;
 use bytes::{Bytes, BytesMut};
 use pingora_error::{Error, Result};
 use pingora_proxy::Session;
-use sluice_sdk::ErrorReply;
+use sluice_sdk::{ErrorReply, Reason};
 
 /// Bodies declared up to this many times the limit are drained before the 413 is sent;
 /// larger ones are refused at once and the connection closed.
@@ -62,7 +62,7 @@ async fn read_chunk(session: &mut Session, limits: &Limits) -> Result<Option<Byt
         Ok(read) => read,
         Err(_) => Err(ErrorReply::new(
             408,
-            "body-timeout",
+            Reason::BodyTimeout,
             format!(
                 "The client sent no body data for {}.",
                 humantime::format_duration(limits.client_body_timeout)
@@ -103,5 +103,5 @@ fn expects_continue(session: &Session) -> bool {
 }
 
 fn bad_framing(message: &str) -> Box<Error> {
-    ErrorReply::new(400, "bad-request", message).into_error()
+    ErrorReply::new(400, Reason::BadRequest, message).into_error()
 }

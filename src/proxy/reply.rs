@@ -1,7 +1,8 @@
-//! Answers that Sluice writes itself: its JSON documents and its errors. Error statuses,
-//! bodies and `retry-after` are decided here and only here.
+//! Answers that Sluice writes itself: its JSON documents, plugins' local answers, and its
+//! errors. Error statuses, bodies and `retry-after` are decided here and only here.
 
-use super::Sluice;
+use super::downstream::write_whole;
+use crate::chain::Chain;
 use crate::metrics;
 use bytes::Bytes;
 use pingora_error::Result;
@@ -9,48 +10,47 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
 use sluice_sdk::{ErrorReply, LocalResponse, Priority, RequestCtx};
 
-/// Sends a complete response, after the plugins' `response_header` hooks.
+/// Sends a complete document, after the plugins' `response_header` hooks.
 pub async fn send(
-    sluice: &Sluice,
+    chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
-    status: u16,
     content_type: &str,
     body: Bytes,
 ) -> Result<()> {
-    let header = header(status, content_type, body.len(), None)?;
-    write(sluice, session, ctx, header, body).await
+    let header = header(200, content_type, body.len(), None)?;
+    write(chain, session, ctx, header, body).await
 }
 
 /// Sends an answer a plugin made (a cache hit).
 pub async fn local(
-    sluice: &Sluice,
+    chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
     response: Box<LocalResponse>,
 ) -> Result<()> {
     let LocalResponse { header, body } = *response;
-    write(sluice, session, ctx, Box::new(header), body).await
+    write(chain, session, ctx, Box::new(header), body).await
 }
 
 /// Answers with `reply` if nothing was sent yet. Returns what Pingora needs to know.
 pub async fn error(
-    sluice: &Sluice,
+    chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
     reply: ErrorReply,
 ) -> FailToProxy {
     if reply.status != 499 {
-        let priority = ctx.priority.map_or("-", Priority::as_str);
-        metrics::inc(&metrics::REJECTIONS, &[reply.reason, priority]);
+        let priority = ctx.priority().map_or("-", Priority::as_str);
+        metrics::inc(&metrics::REJECTIONS, &[reply.reason.as_str(), priority]);
     }
-    sluice.chain.error(&reply, ctx);
+    chain.error(&reply, ctx);
     // A connection is reusable only if the request was read to its end.
     let can_reuse_downstream = session.as_downstream_mut().is_body_done();
     let already_answered = session.response_written().is_some();
     if reply.status == 499 || already_answered {
         if !already_answered {
-            ctx.status = Some(499);
+            ctx.progress_mut().status = Some(499);
         }
         return FailToProxy {
             error_code: reply.status,
@@ -64,13 +64,13 @@ pub async fn error(
         body.len(),
         reply.retry_after,
     ) {
-        Ok(h) => write(sluice, session, ctx, h, body).await,
+        Ok(h) => write(chain, session, ctx, h, body).await,
         Err(e) => Err(e),
     };
     if let Err(e) = written {
         tracing::debug!("could not send the error response: {e}");
     }
-    ctx.status = Some(reply.status);
+    ctx.progress_mut().status = Some(reply.status);
     FailToProxy {
         error_code: reply.status,
         can_reuse_downstream,
@@ -93,15 +93,13 @@ fn header(
 }
 
 async fn write(
-    sluice: &Sluice,
+    chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
     mut header: Box<ResponseHeader>,
     body: Bytes,
 ) -> Result<()> {
     // Plugins decorate Sluice's own answers too (request id, cache status).
-    sluice.chain.response_header(&mut header, ctx)?;
-    ctx.status = Some(header.status.as_u16());
-    session.write_response_header(header, false).await?;
-    super::forward(sluice, session, ctx, Some(body), true).await
+    chain.response_header(&mut header, ctx)?;
+    write_whole(chain, session, ctx, header, body).await
 }

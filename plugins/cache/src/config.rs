@@ -1,7 +1,7 @@
 //! The `plugins.cache` config section.
 
 use serde::Deserialize;
-use sluice_sdk::duration;
+use sluice_sdk::{duration, ConfigError};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -154,55 +154,44 @@ fn default_max_entry_bytes() -> usize {
 }
 
 impl CacheConfig {
-    /// Checks what serde cannot: `Err((key under plugins.cache, message))`.
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        if !self.enabled {
-            return Ok(());
-        }
+    /// Checks what serde cannot (header names are parsed by the builder); keys are relative
+    /// to the section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ttl.is_zero() {
-            return Err(("ttl".into(), "must be longer than 0".into()));
+            return Err(ConfigError::new("ttl", "must be longer than 0"));
         }
         for (model, ttl) in &self.ttl_by_model {
             if ttl.0.is_zero() {
-                return Err((
+                return Err(ConfigError::new(
                     format!("ttl_by_model.{model}"),
-                    "must be longer than 0".into(),
+                    "must be longer than 0",
                 ));
             }
         }
         if self.max_entry_bytes == 0 {
-            return Err(("max_entry_bytes".into(), "must be at least 1".into()));
+            return Err(ConfigError::new("max_entry_bytes", "must be at least 1"));
         }
         if self.memory.max_bytes < 64 * 1024 {
-            return Err(("memory.max_bytes".into(), "must be at least 65536".into()));
-        }
-        for (i, h) in self.key_headers.iter().enumerate() {
-            if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-                return Err((
-                    format!("key_headers[{i}]"),
-                    format!("`{h}` is not a header name"),
-                ));
-            }
-        }
-        if let Some(h) = &self.tenant.header {
-            if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-                return Err((
-                    "tenant.header".into(),
-                    format!("`{h}` is not a header name"),
-                ));
-            }
+            return Err(ConfigError::new(
+                "memory.max_bytes",
+                "must be at least 65536",
+            ));
         }
         match (self.store, &self.redis) {
             (StoreKind::Redis, None) => {
-                return Err(("redis".into(), "store: redis needs a redis section".into()))
+                return Err(ConfigError::new(
+                    "redis",
+                    "store: redis needs a redis section",
+                ))
             }
-            (_, Some(redis)) => redis
-                .validate()
-                .map_err(|(key, message)| (format!("redis.{key}"), message))?,
+            (_, Some(redis)) => redis.validate().map_err(|e| e.under("redis"))?,
             _ => {}
         }
         if self.coalesce.max_wait.is_zero() && self.coalesce.enabled {
-            return Err(("coalesce.max_wait".into(), "must be longer than 0".into()));
+            return Err(ConfigError::new(
+                "coalesce.max_wait",
+                "must be longer than 0",
+            ));
         }
         Ok(())
     }

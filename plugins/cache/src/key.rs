@@ -15,7 +15,7 @@
 //! the body (a copy only for a string with escapes; numbers are held as numbers), and string
 //! bytes go to the hasher as they are: SHA-256 is the only full pass after parsing.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 use sluice_sdk::Endpoint;
@@ -219,7 +219,7 @@ impl<'de> Visitor<'de> for JsonVisitor {
 
 /// The tenant of a request: the trusted header's value when configured and present, else a
 /// digest of the bearer token, else `anonymous`. `*` when tenants share the cache.
-pub fn tenant(headers: &HeaderMap, trusted_header: Option<&str>, shared: bool) -> String {
+pub fn tenant(headers: &HeaderMap, trusted_header: Option<&HeaderName>, shared: bool) -> String {
     if shared {
         return "*".into();
     }
@@ -363,13 +363,22 @@ mod tests {
     #[test]
     fn tenants_come_from_the_trusted_header_then_the_api_key() {
         let mut h = HeaderMap::new();
-        assert_eq!(tenant(&h, Some("x-tenant"), false), "anonymous");
+        assert_eq!(
+            tenant(&h, Some(&HeaderName::from_static("x-tenant")), false),
+            "anonymous"
+        );
         h.insert("authorization", "Bearer sk-123".parse().unwrap());
-        let by_key = tenant(&h, Some("x-tenant"), false);
+        let by_key = tenant(&h, Some(&HeaderName::from_static("x-tenant")), false);
         assert!(by_key.starts_with("k:") && !by_key.contains("sk-123"));
         h.insert("x-tenant", "acme".parse().unwrap());
-        assert_eq!(tenant(&h, Some("x-tenant"), false), "h:acme");
-        assert_eq!(tenant(&h, Some("x-tenant"), true), "*");
+        assert_eq!(
+            tenant(&h, Some(&HeaderName::from_static("x-tenant")), false),
+            "h:acme"
+        );
+        assert_eq!(
+            tenant(&h, Some(&HeaderName::from_static("x-tenant")), true),
+            "*"
+        );
         // Without a configured trusted header, a client-sent one means nothing.
         assert_eq!(tenant(&h, None, false), by_key);
     }

@@ -41,22 +41,69 @@ pub use config::CacheConfig;
 use bytes::Bytes;
 use coalesce::{Inflight, Leader, Role};
 use entry::{AnswerKind, Entry};
-use pingora_error::Error;
+use http::HeaderName;
 use policy::Use;
+use sluice_sdk::config::header_name;
+use sluice_sdk::error::internal;
+use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::{
-    async_trait, Endpoint, ErrorReply, Flow, LlmCall, LocalResponse, Plugin, RequestCtx,
-    ResponseHeader, Result, Session,
+    async_trait, ConfigError, Endpoint, Error, Flow, LlmCall, LocalResponse, Plugin, PluginBuilder,
+    Pools, RequestCtx, ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use store::{memory::MemoryStore, redis::RedisStore, CacheKey, Store, WriteOutcome};
 
+/// The section, checked, with its header names parsed.
+pub struct CacheBuilder {
+    config: CacheConfig,
+    key_headers: Vec<HeaderName>,
+    tenant_header: Option<HeaderName>,
+}
+
+impl PluginBuilder for CacheBuilder {
+    const NAME: &'static str = "cache";
+    type Config = CacheConfig;
+
+    /// A disabled cache's section is checked for its keys and types only.
+    fn resolve(
+        config: CacheConfig,
+        _pools: &Arc<Pools>,
+    ) -> std::result::Result<Option<Self>, ConfigError> {
+        if !config.enabled {
+            return Ok(None);
+        }
+        config.validate()?;
+        let key_headers = config
+            .key_headers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| header_name(&format!("key_headers[{i}]"), h))
+            .collect::<std::result::Result<_, _>>()?;
+        let tenant_header = match &config.tenant.header {
+            Some(h) => Some(header_name("tenant.header", h)?),
+            None => None,
+        };
+        Ok(Some(Self {
+            config,
+            key_headers,
+            tenant_header,
+        }))
+    }
+
+    /// Redis is connected in the background: Sluice starts without it.
+    fn start(self) -> Arc<dyn Plugin> {
+        Arc::new(Cache::new(self))
+    }
+}
+
 pub struct Cache {
     config: CacheConfig,
     store: Arc<dyn Store>,
     inflight: Arc<Inflight>,
-    key_headers: Vec<http::HeaderName>,
+    key_headers: Vec<HeaderName>,
+    tenant_header: Option<HeaderName>,
     /// Fresh ids for answers served from the cache: `<nonce><counter>`.
     id_nonce: u64,
     id_counter: AtomicU64,
@@ -91,31 +138,28 @@ struct Tee {
 }
 
 impl Cache {
-    /// Builds the plugin. Redis is connected in the background: Sluice starts without it.
-    pub fn new(config: CacheConfig) -> std::result::Result<Self, String> {
-        config
-            .validate()
-            .map_err(|(key, message)| format!("plugins.cache.{key}: {message}"))?;
+    fn new(ready: CacheBuilder) -> Self {
+        let CacheBuilder {
+            config,
+            key_headers,
+            tenant_header,
+        } = ready;
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => Arc::new(RedisStore::connect(redis.clone())),
             _ => Arc::new(MemoryStore::new(config.memory.max_bytes)),
         };
         metrics::init(store.name());
-        let key_headers = config
-            .key_headers
-            .iter()
-            .filter_map(|h| http::HeaderName::from_bytes(h.as_bytes()).ok())
-            .collect();
-        Ok(Self {
+        Self {
             store,
             inflight: Arc::new(Inflight::default()),
             key_headers,
+            tenant_header,
             id_nonce: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
             id_counter: AtomicU64::new(0),
             config,
-        })
+        }
     }
 
     /// The answer to a hit, in the form the request asks for.
@@ -137,7 +181,7 @@ impl Cache {
         header.insert_header(http::header::CONTENT_TYPE, content_type)?;
         header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
         header.insert_header(http::header::AGE, now.saturating_sub(entry.created_unix))?;
-        header.insert_header("x-sluice-pool", entry.pool.as_str())?;
+        header.insert_header(headers::POOL, entry.pool.as_str())?;
         Ok(LocalResponse { header, body })
     }
 
@@ -145,7 +189,7 @@ impl Cache {
         let headers = &session.req_header().headers;
         let tenant = key::tenant(
             headers,
-            self.config.tenant.header.as_deref(),
+            self.tenant_header.as_ref(),
             self.config.tenant.share_across_tenants,
         );
         let extra: Vec<(&str, &[u8])> = self
@@ -185,17 +229,17 @@ impl Cache {
 #[async_trait]
 impl Plugin for Cache {
     fn name(&self) -> &'static str {
-        "cache"
+        CacheBuilder::NAME
     }
 
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
-        let Some(call) = ctx.llm.as_ref() else {
+        let Some(call) = ctx.llm() else {
             return Ok(Flow::Continue);
         };
         let use_ = policy::decide(&self.config, &call.request, &session.req_header().headers);
         // The key (a second parse of the body, and a hash) only when the cache takes part.
         let key = match use_ {
-            Use::Bypass(_) => None,
+            Use::Bypass => None,
             _ => self.key_for(session, call),
         };
         let Some(key) = key else {
@@ -235,7 +279,7 @@ impl Plugin for Cache {
                     Lookup::Coalesced => metrics::Outcome::Coalesced,
                     _ => metrics::Outcome::Hit,
                 });
-                ctx.cache_hit = true;
+                ctx.mark_answered_locally();
                 state.result = result;
                 ctx.state.insert(state);
                 return Ok(Flow::Respond(Box::new(response)));
@@ -247,16 +291,14 @@ impl Plugin for Cache {
     }
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
-        let upstream_ok = ctx.upstream_status == Some(200) && response.status.as_u16() == 200;
+        let upstream_ok =
+            ctx.progress().upstream_status == Some(200) && response.status.as_u16() == 200;
         let label = if ctx.state.get::<Bypassed>().is_some() {
             "BYPASS"
         } else if let Some(state) = ctx.state.get_mut::<State>() {
             // Record only an upstream's 200 to a miss: never an error, never Sluice's own.
             state.tee.recording = state.result == Lookup::Miss && upstream_ok;
-            state.tee.event_stream = response
-                .headers
-                .get(http::header::CONTENT_TYPE)
-                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            state.tee.event_stream = is_event_stream(response);
             match state.result {
                 Lookup::Hit | Lookup::Coalesced => "HIT",
                 Lookup::Miss => "MISS",
@@ -265,8 +307,8 @@ impl Plugin for Cache {
             return Ok(());
         };
         response
-            .insert_header("x-cache", label)
-            .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())
+            .insert_header(headers::CACHE, label)
+            .map_err(internal)
     }
 
     fn response_body(
@@ -310,7 +352,7 @@ impl Plugin for Cache {
             "too_big"
         } else if !tee.recording {
             "not_ok"
-        } else if !tee.ended || ctx.response_incomplete || error.is_some() {
+        } else if !tee.ended || ctx.progress().response_incomplete || error.is_some() {
             "incomplete"
         } else {
             // The client has its whole answer by now: assembling it here delays nobody, and

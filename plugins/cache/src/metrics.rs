@@ -1,88 +1,66 @@
-//! The cache's series. SPEC.md fixes `llm_cache_hit_ratio` and the per-result counters; the
-//! rest are `sluice_cache_*`.
+//! The cache's series. `llm_cache_hit_ratio` and the per-result counters are names the seeds'
+//! dashboards use; the rest are `sluice_cache_*`.
 
-use prometheus::{
-    register_gauge, register_histogram_vec, register_int_counter_vec, register_int_gauge, Gauge,
-    HistogramVec, IntCounterVec, IntGauge,
-};
-use sluice_sdk::window::RatioWindow;
+use sluice_sdk::metric;
+use sluice_sdk::metrics::{inc, observe, set_gauge, touch};
+use sluice_sdk::ratio::RatioWindow;
 use std::sync::LazyLock;
 
-fn registered<T>(metric: prometheus::Result<T>) -> Option<T> {
-    metric
-        .map_err(|e| tracing::error!("cannot register a cache metric: {e}"))
-        .ok()
-}
+metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
+    "llm_cache_requests_total",
+    "LLM requests seen by the cache, by result: hit, miss, bypass, coalesced.",
+    &["result"]
+));
 
-static REQUESTS: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    registered(register_int_counter_vec!(
-        "llm_cache_requests_total",
-        "LLM requests seen by the cache, by result: hit, miss, bypass, coalesced.",
-        &["result"]
-    ))
-});
+metric!(HIT_RATIO: Gauge = register_gauge!(
+    "llm_cache_hit_ratio",
+    "Share of cache lookups answered from the cache (hits and coalesced) over the last 5 minutes."
+));
 
-static HIT_RATIO: LazyLock<Option<Gauge>> = LazyLock::new(|| {
-    registered(register_gauge!(
-        "llm_cache_hit_ratio",
-        "Share of cache lookups answered from the cache (hits and coalesced) over the last 5 minutes."
-    ))
-});
+metric!(LOOKUP: HistogramVec = register_histogram_vec!(
+    "sluice_cache_lookup_seconds",
+    "Time of cache lookups, by store.",
+    &["store"],
+    vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
+));
 
-static LOOKUP: LazyLock<Option<HistogramVec>> = LazyLock::new(|| {
-    registered(register_histogram_vec!(
-        "sluice_cache_lookup_seconds",
-        "Time of cache lookups, by store.",
-        &["store"],
-        vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
-    ))
-});
+metric!(WRITES: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_writes_total",
+    format!(
+        "Write-backs by outcome: {} (stored: handed to the store).",
+        WRITE_OUTCOMES.join(", ")
+    ),
+    &["outcome"]
+));
 
-static WRITES: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    registered(register_int_counter_vec!(
-        "sluice_cache_writes_total",
-        "Write-backs by outcome: stored (handed to the store), too_big, incomplete, not_ok, dropped.",
-        &["outcome"]
-    ))
-});
+metric!(STORE_ERRORS: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_lookup_errors_total",
+    "Lookups that failed (the request went on as a miss), by store and kind.",
+    &["store", "kind"]
+));
 
-static STORE_ERRORS: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    registered(register_int_counter_vec!(
-        "sluice_cache_lookup_errors_total",
-        "Lookups that failed (the request went on as a miss), by store and kind.",
-        &["store", "kind"]
-    ))
-});
+metric!(MEMORY_ENTRIES: IntGauge = register_int_gauge!(
+    "sluice_cache_memory_entries",
+    "Entries held by the memory store."
+));
 
-static MEMORY_ENTRIES: LazyLock<Option<IntGauge>> = LazyLock::new(|| {
-    registered(register_int_gauge!(
-        "sluice_cache_memory_entries",
-        "Entries held by the memory store."
-    ))
-});
+metric!(MEMORY_BYTES: IntGauge = register_int_gauge!(
+    "sluice_cache_memory_bytes",
+    "Bytes held by the memory store (entries weighed in KiB)."
+));
 
-static MEMORY_BYTES: LazyLock<Option<IntGauge>> = LazyLock::new(|| {
-    registered(register_int_gauge!(
-        "sluice_cache_memory_bytes",
-        "Bytes held by the memory store (entries weighed in KiB)."
-    ))
-});
+/// Every outcome `write` is called with.
+const WRITE_OUTCOMES: [&str; 5] = ["stored", "too_big", "incomplete", "not_ok", "dropped"];
 
 /// Every series at zero from start-up.
 pub fn init(store: &str) {
-    if let Some(c) = REQUESTS.as_ref() {
-        for r in ["hit", "miss", "bypass", "coalesced"] {
-            let _ = c.get_metric_with_label_values(&[r]);
-        }
+    for result in ["hit", "miss", "bypass", "coalesced"] {
+        touch(&REQUESTS, &[result]);
     }
-    if let Some(c) = WRITES.as_ref() {
-        for o in ["stored", "too_big", "incomplete", "not_ok", "dropped"] {
-            let _ = c.get_metric_with_label_values(&[o]);
-        }
+    for outcome in WRITE_OUTCOMES {
+        touch(&WRITES, &[outcome]);
     }
-    if let Some(h) = LOOKUP.as_ref() {
-        let _ = h.get_metric_with_label_values(&[store]);
-    }
+    touch(&LOOKUP, &[store]);
     let _ = (
         &*HIT_RATIO,
         &*STORE_ERRORS,
@@ -109,38 +87,26 @@ pub fn request(result: Outcome) {
         Outcome::Bypass => "bypass",
         Outcome::Coalesced => "coalesced",
     };
-    if let Some(c) = REQUESTS.as_ref() {
-        c.with_label_values(&[label]).inc();
-    }
+    inc(&REQUESTS, &[label]);
     if result != Outcome::Bypass {
-        let ratio = WINDOW.record(matches!(result, Outcome::Hit | Outcome::Coalesced));
-        if let Some(g) = HIT_RATIO.as_ref() {
-            g.set(ratio);
-        }
+        let hit = matches!(result, Outcome::Hit | Outcome::Coalesced);
+        set_gauge(&HIT_RATIO, WINDOW.record(hit));
     }
 }
 
 pub fn lookup(store: &str, seconds: f64) {
-    if let Some(h) = LOOKUP.as_ref() {
-        h.with_label_values(&[store]).observe(seconds);
-    }
+    observe(&LOOKUP, &[store], seconds);
 }
 
 pub fn lookup_error(store: &str, kind: &str) {
-    if let Some(c) = STORE_ERRORS.as_ref() {
-        c.with_label_values(&[store, kind]).inc();
-    }
+    inc(&STORE_ERRORS, &[store, kind]);
 }
 
 pub fn write(outcome: &str) {
-    if let Some(c) = WRITES.as_ref() {
-        c.with_label_values(&[outcome]).inc();
-    }
+    inc(&WRITES, &[outcome]);
 }
 
 pub fn memory_usage(entries: i64, bytes: i64) {
-    if let (Some(e), Some(b)) = (MEMORY_ENTRIES.as_ref(), MEMORY_BYTES.as_ref()) {
-        e.set(entries);
-        b.set(bytes);
-    }
+    set_gauge(&MEMORY_ENTRIES, entries);
+    set_gauge(&MEMORY_BYTES, bytes);
 }

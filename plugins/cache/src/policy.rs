@@ -8,8 +8,9 @@ use std::time::Duration;
 /// The cache's part in one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Use {
-    /// Neither looked up nor stored, for the reason given (`x-cache: BYPASS`).
-    Bypass(&'static str),
+    /// Neither looked up nor stored (`x-cache: BYPASS`): `no-store`, or a sampled request
+    /// under `cacheable: deterministic`.
+    Bypass,
     /// `cache-control: no-cache`: go upstream, but the answer may be stored.
     StoreOnly,
     /// Look up, and store on a miss.
@@ -26,10 +27,10 @@ pub fn decide(config: &CacheConfig, request: &LlmRequest, headers: &HeaderMap) -
         }
     }
     if no_store {
-        return Use::Bypass("no-store");
+        return Use::Bypass;
     }
     if config.cacheable == Cacheable::Deterministic && !is_deterministic(request) {
-        return Use::Bypass("sampled");
+        return Use::Bypass;
     }
     if no_cache {
         Use::StoreOnly
@@ -88,10 +89,7 @@ mod tests {
             decide(&c, &request(SEEDED), &headers(None)),
             Use::LookupAndStore
         );
-        assert_eq!(
-            decide(&c, &request(SAMPLED), &headers(None)),
-            Use::Bypass("sampled")
-        );
+        assert_eq!(decide(&c, &request(SAMPLED), &headers(None)), Use::Bypass);
         let all = CacheConfig {
             cacheable: Cacheable::All,
             ..CacheConfig::default()
@@ -111,7 +109,7 @@ mod tests {
         );
         assert_eq!(
             decide(&c, &request(GREEDY), &headers(Some("max-age=0, No-Store"))),
-            Use::Bypass("no-store")
+            Use::Bypass
         );
     }
 

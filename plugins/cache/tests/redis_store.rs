@@ -93,7 +93,7 @@ async fn wait_for_recovery(store: &RedisStore, n: u32, within: Duration) {
 }
 
 fn dropped_total() -> u64 {
-    prometheus::gather()
+    sluice_sdk::metrics::prometheus::gather()
         .iter()
         .filter(|f| f.name() == "sluice_cache_write_queue_dropped_total")
         .flat_map(|f| f.get_metric().iter())
@@ -291,22 +291,28 @@ fn config_defaults_and_validation() {
         cluster_nodes: vec!["redis://b".into()],
         ..RedisConfig::default()
     };
-    assert_eq!(both.validate().map_err(|e| e.0), Err("url"));
+    assert_eq!(both.validate().map_err(|e| e.key), Err("url".to_string()));
     assert_eq!(
-        RedisConfig::default().validate().map_err(|e| e.0),
-        Err("url")
+        RedisConfig::default().validate().map_err(|e| e.key),
+        Err("url".to_string())
     );
     let bad_url = RedisConfig {
         url: Some("http://nope".into()),
         ..RedisConfig::default()
     };
-    assert_eq!(bad_url.validate().map_err(|e| e.0), Err("url"));
+    assert_eq!(
+        bad_url.validate().map_err(|e| e.key),
+        Err("url".to_string())
+    );
     let zero_queue = RedisConfig {
         url: Some("redis://a".into()),
         write_queue: 0,
         ..RedisConfig::default()
     };
-    assert_eq!(zero_queue.validate().map_err(|e| e.0), Err("write_queue"));
+    assert_eq!(
+        zero_queue.validate().map_err(|e| e.key),
+        Err("write_queue".to_string())
+    );
 }
 
 #[test]

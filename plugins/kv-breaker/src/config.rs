@@ -1,7 +1,7 @@
 //! The `plugins.kv_breaker` config section.
 
 use serde::Deserialize;
-use sluice_sdk::{duration, Priority};
+use sluice_sdk::{duration, ConfigError, Priority};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -87,9 +87,9 @@ impl Thresholds {
 #[serde(deny_unknown_fields, default)]
 pub struct PriorityConfig {
     pub header: String,
-    pub default: PriorityName,
+    pub default: Priority,
     /// The highest class a client may ask for by header.
-    pub max: PriorityName,
+    pub max: Priority,
     /// A request header that names the tenant, for `tenants`.
     pub tenant_header: Option<String>,
     pub tenants: BTreeMap<String, TenantPriority>,
@@ -98,9 +98,9 @@ pub struct PriorityConfig {
 impl Default for PriorityConfig {
     fn default() -> Self {
         Self {
-            header: "x-sluice-priority".into(),
-            default: PriorityName::Standard,
-            max: PriorityName::Critical,
+            header: sluice_sdk::headers::PRIORITY.as_str().into(),
+            default: Priority::Standard,
+            max: Priority::Critical,
             tenant_header: None,
             tenants: BTreeMap::new(),
         }
@@ -110,43 +110,24 @@ impl Default for PriorityConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantPriority {
-    pub default: Option<PriorityName>,
-    pub max: Option<PriorityName>,
-}
-
-/// A class as written in the config.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum PriorityName {
-    Sheddable,
-    Standard,
-    Critical,
-}
-
-impl From<PriorityName> for Priority {
-    fn from(p: PriorityName) -> Self {
-        match p {
-            PriorityName::Sheddable => Priority::Sheddable,
-            PriorityName::Standard => Priority::Standard,
-            PriorityName::Critical => Priority::Critical,
-        }
-    }
+    pub default: Option<Priority>,
+    pub max: Option<Priority>,
 }
 
 impl KvBreakerConfig {
-    /// Checks what serde cannot; errors are `(key path below plugins.kv_breaker, message)`.
-    pub fn validate(&self) -> Result<(), (String, String)> {
+    /// Checks what serde cannot; keys are relative to the section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         for p in Priority::ALL {
             let t = self.thresholds.of(p);
             let key = format!("thresholds.{}", p.as_str());
             if !(t.shed_above > 0.0 && t.shed_above <= 1.5) {
-                return Err((
+                return Err(ConfigError::new(
                     format!("{key}.shed_above"),
                     format!("must be above 0 and at most 1.5 (got {})", t.shed_above),
                 ));
             }
             if !(t.resume_below > 0.0 && t.resume_below <= t.shed_above) {
-                return Err((
+                return Err(ConfigError::new(
                     format!("{key}.resume_below"),
                     format!(
                         "must be above 0 and at most {key}.shed_above ({} > {})",
@@ -159,41 +140,23 @@ impl KvBreakerConfig {
         if !(t.sheddable.shed_above <= t.standard.shed_above
             && t.standard.shed_above <= t.critical.shed_above)
         {
-            return Err((
-                "thresholds".into(),
-                "shed_above must not decrease from sheddable to standard to critical".into(),
+            return Err(ConfigError::new(
+                "thresholds",
+                "shed_above must not decrease from sheddable to standard to critical",
             ));
         }
         if self.min_retry_after.is_zero() || self.max_retry_after < self.min_retry_after {
-            return Err((
-                "max_retry_after".into(),
-                "min_retry_after must be above 0 and at most max_retry_after".into(),
+            return Err(ConfigError::new(
+                "max_retry_after",
+                "min_retry_after must be above 0 and at most max_retry_after",
             ));
         }
-        if http_header_name_is_invalid(&self.priority.header) {
-            return Err(("priority.header".into(), "is not a header name".into()));
-        }
-        if let Some(h) = &self.priority.tenant_header {
-            if http_header_name_is_invalid(h) {
-                return Err((
-                    "priority.tenant_header".into(),
-                    "is not a header name".into(),
-                ));
-            }
-        }
         if !self.priority.tenants.is_empty() && self.priority.tenant_header.is_none() {
-            return Err((
-                "priority.tenant_header".into(),
-                "is needed when priority.tenants is set".into(),
+            return Err(ConfigError::new(
+                "priority.tenant_header",
+                "is needed when priority.tenants is set",
             ));
         }
         Ok(())
     }
-}
-
-fn http_header_name_is_invalid(name: &str) -> bool {
-    name.is_empty()
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }

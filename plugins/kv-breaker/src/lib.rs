@@ -44,50 +44,184 @@ mod metrics;
 pub use config::KvBreakerConfig;
 
 use async_trait::async_trait;
+use config::Thresholds;
 use drain::Drain;
 use http::HeaderName;
-use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Flow, Plugin, Pool, Pools, Pressure, Priority, RequestCtx, Result};
+use sluice_sdk::config::header_name;
+use sluice_sdk::{
+    Admission, ConfigError, ErrorReply, Flow, Plugin, PluginBuilder, Pool, Pools, Pressure,
+    Priority, Reason, RequestCtx, Result, Session,
+};
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 
-pub struct KvBreaker {
+/// The section, checked, with its header names parsed.
+pub struct KvBreakerBuilder {
     config: KvBreakerConfig,
-    pools: Arc<Pools>,
-    /// Each pool's drain-rate tracker, in the order of `pools`.
-    drains: Vec<Drain>,
-    /// `priority.header` and `priority.tenant_header`, parsed once.
     priority_header: HeaderName,
     tenant_header: Option<HeaderName>,
+    pools: Arc<Pools>,
+}
+
+impl PluginBuilder for KvBreakerBuilder {
+    const NAME: &'static str = "kv_breaker";
+    type Config = KvBreakerConfig;
+
+    fn resolve(
+        config: KvBreakerConfig,
+        pools: &Arc<Pools>,
+    ) -> std::result::Result<Option<Self>, ConfigError> {
+        config.validate()?;
+        let priority_header = header_name("priority.header", &config.priority.header)?;
+        let tenant_header = match &config.priority.tenant_header {
+            Some(name) => Some(header_name("priority.tenant_header", name)?),
+            None => None,
+        };
+        Ok(config.enabled.then(|| Self {
+            config,
+            priority_header,
+            tenant_header,
+            pools: Arc::clone(pools),
+        }))
+    }
+
+    fn start(self) -> Arc<dyn Plugin> {
+        metrics::init(&self.pools);
+        let gates: Vec<Arc<Gate>> = self
+            .pools
+            .iter()
+            .map(|pool| {
+                let gate = Arc::new(Gate {
+                    thresholds: self.config.thresholds.clone(),
+                    drain: Drain::default(),
+                    shedding: AtomicU8::new(0),
+                });
+                if !pool.install_admission(gate.clone()) {
+                    tracing::error!(pool = &*pool.name, "the pool has admission control already");
+                }
+                gate
+            })
+            .collect();
+        Arc::new(KvBreaker {
+            min_retry_after: self.config.min_retry_after,
+            max_retry_after: self.config.max_retry_after,
+            reroute: self.config.reroute,
+            priority: self.config.priority,
+            priority_header: self.priority_header,
+            tenant_header: self.tenant_header,
+            pools: self.pools,
+            gates,
+        })
+    }
+}
+
+pub struct KvBreaker {
+    min_retry_after: Duration,
+    max_retry_after: Duration,
+    reroute: bool,
+    priority: config::PriorityConfig,
+    priority_header: HeaderName,
+    tenant_header: Option<HeaderName>,
+    pools: Arc<Pools>,
+    /// Each pool's gate, in the order of `pools`.
+    gates: Vec<Arc<Gate>>,
+}
+
+/// One pool's admission control, installed on the pool: everyone who asks the pool whether
+/// it takes a request (this plugin, the speculative selector, `/status`) gets an answer
+/// computed from the pool's live pressure.
+struct Gate {
+    thresholds: Thresholds,
+    /// How fast the pool's usage is falling, for `retry-after`.
+    drain: Drain,
+    /// The classes being shed, one bit per [`Priority`]: the hysteresis between `shed_above`
+    /// and `resume_below`. Only a refinement of the live numbers (see [`Gate::shedding`]).
+    shedding: AtomicU8,
+}
+
+impl Gate {
+    /// Whether `priority` is shed at `pressure`, updating the hysteresis state on the way.
+    ///
+    /// The state follows the pool's own projected usage, never one request's: a large
+    /// request that would take the pool past `shed_above` is refused on its own (in
+    /// [`Admission::admits`]), without turning shedding on for the small ones behind it.
+    fn shedding(&self, pool: &Pool, pressure: &Pressure, priority: Priority) -> bool {
+        // No usable backend, or nothing known: not this gate's call. The core answers
+        // "no healthy backend" in the first case; unknown load is admitted.
+        let Some(usage) = pressure.kv_usage else {
+            return false;
+        };
+        self.drain.observe(usage);
+        let threshold = self.thresholds.of(priority);
+        let bit = 1 << priority as u8;
+        let was_shedding = self.shedding.load(Relaxed) & bit != 0;
+        let shed = if was_shedding {
+            usage >= threshold.resume_below
+        } else {
+            usage >= threshold.shed_above
+        };
+        if shed != was_shedding {
+            let before = if shed {
+                self.shedding.fetch_or(bit, Relaxed)
+            } else {
+                self.shedding.fetch_and(!bit, Relaxed)
+            };
+            // Whoever flipped the bit reports it, once.
+            if (before & bit != 0) != shed {
+                report_change(pool, priority, shed, usage, threshold);
+            }
+        }
+        shed
+    }
+}
+
+impl Admission for Gate {
+    fn sheds(&self, pool: &Pool, priority: Priority) -> bool {
+        self.shedding(pool, &pool.pressure(), priority)
+    }
+
+    fn admits(&self, pool: &Pool, priority: Priority, tokens: u64) -> bool {
+        let pressure = pool.pressure();
+        if self.shedding(pool, &pressure, priority) {
+            return false;
+        }
+        let line = self.thresholds.of(priority).shed_above;
+        pressure
+            .with_demand(tokens)
+            .is_none_or(|after| after < line)
+    }
+}
+
+fn report_change(
+    pool: &Pool,
+    priority: Priority,
+    shed: bool,
+    usage: f64,
+    threshold: config::Threshold,
+) {
+    metrics::set_shedding(&pool.name, priority, shed);
+    if shed {
+        tracing::warn!(
+            pool = &*pool.name,
+            priority = priority.as_str(),
+            "KV breaker: shedding (projected KV usage {usage:.2} ≥ {})",
+            threshold.shed_above
+        );
+    } else {
+        tracing::info!(
+            pool = &*pool.name,
+            priority = priority.as_str(),
+            "KV breaker: admitting again (projected KV usage {usage:.2} < {})",
+            threshold.resume_below
+        );
+    }
 }
 
 impl KvBreaker {
-    pub fn new(config: KvBreakerConfig, pools: Arc<Pools>) -> std::result::Result<Self, String> {
-        config
-            .validate()
-            .map_err(|(key, message)| format!("plugins.kv_breaker.{key}: {message}"))?;
-        let header = |name: &str, key: &str| {
-            HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| format!("plugins.kv_breaker.{key}: is not a header name"))
-        };
-        let priority_header = header(&config.priority.header, "priority.header")?;
-        let tenant_header = match &config.priority.tenant_header {
-            Some(name) => Some(header(name, "priority.tenant_header")?),
-            None => None,
-        };
-        metrics::init(&pools);
-        let drains = pools.iter().map(|_| Drain::default()).collect();
-        Ok(Self {
-            config,
-            pools,
-            drains,
-            priority_header,
-            tenant_header,
-        })
-    }
-
     /// The request's class: header, else tenant default, else the default; capped.
     fn priority(&self, session: &Session) -> Priority {
-        let p = &self.config.priority;
+        let p = &self.priority;
         let headers = &session.req_header().headers;
         let tenant = self
             .tenant_header
@@ -99,125 +233,80 @@ impl KvBreaker {
             .get(&self.priority_header)
             .and_then(|v| v.to_str().ok())
             .and_then(Priority::parse);
-        let default = tenant.and_then(|t| t.default).unwrap_or(p.default).into();
-        let cap: Priority = tenant.and_then(|t| t.max).unwrap_or(p.max).into();
+        let default = tenant.and_then(|t| t.default).unwrap_or(p.default);
+        let cap = tenant.and_then(|t| t.max).unwrap_or(p.max);
         asked.unwrap_or(default).min(cap)
     }
 
-    fn drain(&self, pool: &Arc<Pool>) -> Option<&Drain> {
+    fn gate(&self, pool: &Arc<Pool>) -> Option<&Gate> {
         self.pools
             .iter()
             .position(|p| Arc::ptr_eq(p, pool))
-            .and_then(|i| self.drains.get(i))
-    }
-
-    /// Whether `pool` admits a request of `priority` that may hold `tokens` KV tokens, and
-    /// updates the pool's shedding state (with hysteresis) on the way.
-    ///
-    /// The state follows the pool's own projected usage, never one request's: a large
-    /// request that would take the pool past `shed_above` is refused on its own, without
-    /// turning shedding on for the small ones behind it (which would flap the state, its
-    /// gauge and its logs with every large request).
-    fn admits(
-        &self,
-        pool: &Arc<Pool>,
-        pressure: &Pressure,
-        priority: Priority,
-        tokens: u64,
-    ) -> bool {
-        if let (Some(drain), Some(usage)) = (self.drain(pool), pressure.kv_usage) {
-            drain.observe(usage);
-        }
-        // No usable backend, or nothing known: not this plugin's call. The core answers
-        // "no healthy backend" in the first case; unknown load is admitted.
-        let Some(usage) = pressure.kv_usage else {
-            return true;
-        };
-        let threshold = self.config.thresholds.of(priority);
-        let was_shedding = pool.is_shedding(priority);
-        let shed = if was_shedding {
-            usage >= threshold.resume_below
-        } else {
-            usage >= threshold.shed_above
-        };
-        if shed != was_shedding {
-            pool.set_shedding(priority, shed);
-            metrics::set_shedding(&pool.name, priority, shed);
-            if shed {
-                tracing::warn!(
-                    pool = &*pool.name,
-                    priority = priority.as_str(),
-                    "KV breaker: shedding (projected KV usage {usage:.2} ≥ {})",
-                    threshold.shed_above
-                );
-            } else {
-                tracing::info!(
-                    pool = &*pool.name,
-                    priority = priority.as_str(),
-                    "KV breaker: admitting again (projected KV usage {usage:.2} < {})",
-                    threshold.resume_below
-                );
-            }
-        }
-        if shed {
-            return false;
-        }
-        pressure
-            .with_demand(tokens)
-            .is_none_or(|after| after < threshold.shed_above)
+            .and_then(|i| self.gates.get(i))
+            .map(|gate| &**gate)
     }
 
     /// Seconds a shed client should wait: the time the pool needs, at its recent drain
     /// rate, to fall below the class's resume threshold; bounded.
-    fn retry_after(&self, pool: &Arc<Pool>, pressure: &Pressure, priority: Priority) -> u32 {
-        let min = self.config.min_retry_after.as_secs_f64();
-        let max = self.config.max_retry_after.as_secs_f64();
-        let resume = self.config.thresholds.of(priority).resume_below;
-        let wait = match (self.drain(pool), pressure.kv_usage) {
-            (Some(drain), Some(usage)) => drain.seconds_to_reach(usage, resume).unwrap_or(max),
+    fn retry_after(&self, pool: &Arc<Pool>, priority: Priority) -> u32 {
+        let min = self.min_retry_after.as_secs_f64();
+        let max = self.max_retry_after.as_secs_f64();
+        let wait = match (self.gate(pool), pool.pressure().kv_usage) {
+            (Some(gate), Some(usage)) => {
+                let resume = gate.thresholds.of(priority).resume_below;
+                gate.drain.seconds_to_reach(usage, resume).unwrap_or(max)
+            }
             _ => max,
         };
         wait.clamp(min, max).ceil() as u32
+    }
+
+    /// Another pool serving `model` that admits the request now.
+    fn reroute_target(
+        &self,
+        from: &Arc<Pool>,
+        model: &str,
+        priority: Priority,
+        tokens: u64,
+    ) -> Option<&Arc<Pool>> {
+        self.pools.iter().find(|p| {
+            !Arc::ptr_eq(p, from)
+                && p.serves(model)
+                && p.pressure().usable > 0
+                && p.admits(priority, tokens)
+        })
     }
 }
 
 #[async_trait]
 impl Plugin for KvBreaker {
     fn name(&self) -> &'static str {
-        "kv_breaker"
+        KvBreakerBuilder::NAME
     }
 
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
         let priority = self.priority(session);
-        ctx.priority = Some(priority);
-        let (Some(pool), Some(call)) = (ctx.pool.clone(), ctx.llm.as_ref()) else {
+        ctx.set_priority(priority);
+        let (Some(pool), Some(call)) = (ctx.pool().cloned(), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
         let tokens = call.demand.tokens();
-        let pressure = pool.pressure();
-        if self.admits(&pool, &pressure, priority, tokens) {
+        if pool.admits(priority, tokens) {
             return Ok(Flow::Continue);
         }
-        if self.config.reroute {
-            if let Some(model) = ctx.model() {
-                let other = self
-                    .pools
-                    .iter()
-                    .filter(|p| !Arc::ptr_eq(p, &pool) && p.serves(model))
-                    .find(|p| {
-                        let other = p.pressure();
-                        other.usable > 0 && self.admits(p, &other, priority, tokens)
-                    });
-                if let Some(other) = other {
-                    metrics::rerouted(&pool.name, &other.name);
-                    ctx.pool = Some(Arc::clone(other));
-                    return Ok(Flow::Continue);
-                }
+        if self.reroute {
+            let other = ctx
+                .model()
+                .and_then(|model| self.reroute_target(&pool, model, priority, tokens));
+            if let Some(other) = other {
+                metrics::rerouted(&pool.name, &other.name);
+                ctx.send_to(Arc::clone(other));
+                return Ok(Flow::Continue);
             }
         }
-        let retry_after = self.retry_after(&pool, &pressure, priority);
+        let retry_after = self.retry_after(&pool, priority);
         Err(ErrorReply::unavailable(
-            "kv-pressure",
+            Reason::KvPressure,
             format!(
                 "Pool `{}` is near its KV-cache capacity and sheds {} requests; retry after {retry_after} s.",
                 pool.name,
@@ -233,8 +322,9 @@ impl Plugin for KvBreaker {
 mod tests {
     use super::*;
     use sluice_sdk::pool::{BackendSpec, PoolSettings};
+    use sluice_sdk::Load;
 
-    fn breaker() -> (KvBreaker, Arc<Pool>) {
+    fn breaker() -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
         let backend = BackendSpec {
             address: "127.0.0.1:9".into(),
             resolved: "127.0.0.1:9".parse().unwrap(),
@@ -250,38 +340,56 @@ mod tests {
             enabled: true,
             ..KvBreakerConfig::default()
         };
-        (KvBreaker::new(config, pools).unwrap(), pool)
+        let thresholds = config.thresholds.clone();
+        let builder = KvBreakerBuilder::resolve(config, &pools).unwrap().unwrap();
+        (builder.start(), pool, thresholds)
     }
 
-    fn pressure(kv_usage: f64) -> Pressure {
-        Pressure {
+    /// The pool's one backend reports `kv_usage` of a 100,000-token cache.
+    fn set_usage(pool: &Pool, kv_usage: f64) {
+        pool.live[0].publish_load(Load {
             kv_usage: Some(kv_usage),
-            usable: 1,
-            kv_capacity_tokens: Some(100_000.0),
-        }
+            running: 1.0,
+            waiting: 0.0,
+            kv_capacity_tokens: Some(100_000),
+            spec_acceptance: None,
+            scraped_at: std::time::Instant::now(),
+        });
     }
 
     #[test]
     fn one_large_request_is_refused_without_shedding_the_small_ones() {
-        let (breaker, pool) = breaker();
-        let line = breaker.config.thresholds.of(Priority::Standard).shed_above;
-        let below = pressure(line - 0.1);
+        let (_breaker, pool, thresholds) = breaker();
+        let standard = thresholds.of(Priority::Standard);
+        let line = standard.shed_above;
+        set_usage(&pool, line - 0.1);
         // Its own 20% of the cache would take the pool past the line: refused alone.
-        assert!(!breaker.admits(&pool, &below, Priority::Standard, 20_000));
-        assert!(!pool.is_shedding(Priority::Standard));
-        assert!(breaker.admits(&pool, &below, Priority::Standard, 100));
+        assert!(!pool.admits(Priority::Standard, 20_000));
+        assert!(!pool.sheds(Priority::Standard));
+        assert!(pool.admits(Priority::Standard, 100));
 
         // The pool itself past the line: shedding, until it falls below `resume_below`.
-        let resume = breaker
-            .config
-            .thresholds
-            .of(Priority::Standard)
-            .resume_below;
-        assert!(!breaker.admits(&pool, &pressure(line + 0.01), Priority::Standard, 0));
-        assert!(pool.is_shedding(Priority::Standard));
-        let between = pressure((line + resume) / 2.0);
-        assert!(!breaker.admits(&pool, &between, Priority::Standard, 0));
-        assert!(breaker.admits(&pool, &pressure(resume - 0.01), Priority::Standard, 0));
-        assert!(!pool.is_shedding(Priority::Standard));
+        set_usage(&pool, line + 0.01);
+        assert!(!pool.admits(Priority::Standard, 0));
+        assert!(pool.sheds(Priority::Standard));
+        set_usage(&pool, (line + standard.resume_below) / 2.0);
+        assert!(!pool.admits(Priority::Standard, 0));
+        set_usage(&pool, standard.resume_below - 0.01);
+        assert!(pool.admits(Priority::Standard, 0));
+        assert!(!pool.sheds(Priority::Standard));
+    }
+
+    #[test]
+    fn whoever_asks_sees_the_pressure_of_now() {
+        // The latch this replaced: the shedding state was only recomputed when the breaker
+        // judged a request for the pool, so a pool nobody sent to stayed "shedding".
+        let (_breaker, pool, thresholds) = breaker();
+        set_usage(&pool, 0.99);
+        assert!(pool.sheds(Priority::Standard));
+        set_usage(&pool, 0.1);
+        // No request passes through the breaker: asking the pool is enough.
+        assert!(!pool.sheds(Priority::Standard));
+        assert!(pool.admits(Priority::Standard, 10));
+        assert!(0.1 < thresholds.of(Priority::Sheddable).resume_below);
     }
 }

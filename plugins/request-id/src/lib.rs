@@ -11,12 +11,16 @@
 //!     header: x-request-id   # the header to read, send upstream and return
 //! ```
 
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 use serde::Deserialize;
+use sluice_sdk::config::header_name;
+use sluice_sdk::error::internal;
 use sluice_sdk::{
-    async_trait, ErrorReply, Plugin, RequestCtx, RequestHeader, ResponseHeader, Result, Session,
+    async_trait, headers, ConfigError, Plugin, PluginBuilder, Pools, RequestCtx, RequestHeader,
+    ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The plugin's config section.
@@ -34,7 +38,7 @@ fn default_enabled() -> bool {
 }
 
 fn default_header() -> String {
-    "x-request-id".into()
+    headers::REQUEST_ID.as_str().into()
 }
 
 impl Default for RequestIdConfig {
@@ -49,27 +53,46 @@ impl Default for RequestIdConfig {
 /// Longest client-supplied id kept as is; longer ones are replaced.
 const MAX_CLIENT_ID_LEN: usize = 128;
 
+/// The section, checked: the header to use.
+pub struct RequestIdBuilder {
+    header: HeaderName,
+}
+
+impl PluginBuilder for RequestIdBuilder {
+    const NAME: &'static str = "request_id";
+    type Config = RequestIdConfig;
+
+    fn resolve(
+        config: RequestIdConfig,
+        _pools: &Arc<Pools>,
+    ) -> std::result::Result<Option<Self>, ConfigError> {
+        let header = header_name("header", &config.header)?;
+        Ok(config.enabled.then_some(Self { header }))
+    }
+
+    fn start(self) -> Arc<dyn Plugin> {
+        Arc::new(RequestId::new(self.header))
+    }
+}
+
 pub struct RequestId {
-    header: http::HeaderName,
+    header: HeaderName,
     /// Ids are `<start time><counter>`: unique without a random source or a lock.
     prefix: u64,
     counter: AtomicU64,
 }
 
 impl RequestId {
-    /// Builds the plugin. Fails on a header name that is not a valid HTTP header name.
-    pub fn new(config: &RequestIdConfig) -> std::result::Result<Self, String> {
-        let header = http::HeaderName::from_bytes(config.header.as_bytes())
-            .map_err(|_| format!("`{}` is not a valid header name", config.header))?;
+    pub fn new(header: HeaderName) -> Self {
         let prefix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ (u64::from(std::process::id()) << 48);
-        Ok(Self {
+        Self {
             header,
             prefix,
             counter: AtomicU64::new(0),
-        })
+        }
     }
 
     fn next_id(&self) -> String {
@@ -78,8 +101,7 @@ impl RequestId {
     }
 
     fn header_value(ctx: &RequestCtx) -> Option<HeaderValue> {
-        ctx.request_id
-            .as_deref()
+        ctx.request_id()
             .and_then(|id| HeaderValue::from_str(id).ok())
     }
 }
@@ -103,7 +125,7 @@ impl Plugin for RequestId {
             .filter(|v| is_acceptable(v))
             .and_then(|v| std::str::from_utf8(v).ok())
             .map(str::to_owned);
-        ctx.request_id = Some(from_client.unwrap_or_else(|| self.next_id()));
+        ctx.set_request_id(from_client.unwrap_or_else(|| self.next_id()));
         Ok(())
     }
 
@@ -111,7 +133,7 @@ impl Plugin for RequestId {
         if let Some(value) = Self::header_value(ctx) {
             request
                 .insert_header(self.header.clone(), value)
-                .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+                .map_err(internal)?;
         }
         Ok(())
     }
@@ -120,7 +142,7 @@ impl Plugin for RequestId {
         if let Some(value) = Self::header_value(ctx) {
             response
                 .insert_header(self.header.clone(), value)
-                .map_err(|e| ErrorReply::new(500, "internal", e.to_string()).into_error())?;
+                .map_err(internal)?;
         }
         Ok(())
     }
@@ -132,7 +154,7 @@ mod tests {
 
     #[test]
     fn generated_ids_are_unique_hex() {
-        let p = RequestId::new(&RequestIdConfig::default()).unwrap();
+        let p = RequestId::new(headers::REQUEST_ID);
         let a = p.next_id();
         let b = p.next_id();
         assert_ne!(a, b);
@@ -150,9 +172,9 @@ mod tests {
 
     #[test]
     fn sets_the_header_on_the_upstream_request_and_the_response() {
-        let p = RequestId::new(&RequestIdConfig::default()).unwrap();
+        let p = RequestId::new(headers::REQUEST_ID);
         let mut ctx = RequestCtx::new();
-        ctx.request_id = Some("rid-1".into());
+        ctx.set_request_id("rid-1".into());
         let mut req = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
         p.upstream_request(&mut req, &mut ctx).unwrap();
         assert_eq!(req.headers.get("x-request-id").unwrap(), "rid-1");
@@ -167,6 +189,12 @@ mod tests {
             header: "bad header".into(),
             ..RequestIdConfig::default()
         };
-        assert!(RequestId::new(&bad).is_err());
+        let e = RequestIdBuilder::resolve(bad, &Arc::new(Pools::new(Vec::new())))
+            .err()
+            .unwrap();
+        assert_eq!(e.key, "header");
+        assert!(e
+            .message
+            .contains("`bad header` is not a valid header name"));
     }
 }

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use crate::escalation::Escalation;
 use crate::llm::{Endpoint, LlmCall};
 use crate::pool::{Pool, Priority};
@@ -38,20 +40,36 @@ impl Route {
     }
 }
 
-/// Per-request state. The core fills the documented fields as the request advances; plugins
-/// read them and keep their own state in [`RequestCtx::state`], keyed by a type private to
-/// the plugin, so plugins cannot collide.
+/// Per-request state, as plugins see it.
+///
+/// - **Facts** the core records as the request advances (route, parsed request, attempts,
+///   statuses, bytes): read-only here, through getters and [`RequestCtx::progress`].
+/// - **Routing intents** a request hook may express: [`RequestCtx::send_to`],
+///   [`RequestCtx::try_first`], [`RequestCtx::escalate_to`], [`RequestCtx::ask_upstream_for`].
+/// - **What one plugin tells the others**, under neutral names: the request's id, its
+///   priority class, whether it was answered locally (a cache hit).
+/// - **Each plugin's own state**, in [`RequestCtx::state`], keyed by a type private to the
+///   plugin, so plugins cannot collide.
 #[derive(Debug)]
 pub struct RequestCtx {
-    pub started: Instant,
-    /// Set by the request-id plugin (kept from the request or generated); logged by the core.
-    pub request_id: Option<String>,
-    pub route: Route,
-    /// The parsed LLM request, on LLM routes once the body has been read.
-    pub llm: Option<LlmCall>,
-    /// The pool the request goes to. The core sets it from the route or the model;
-    /// `upstream_select` hooks may change it.
-    pub pool: Option<Arc<Pool>>,
+    started: Instant,
+    route: Route,
+    llm: Option<LlmCall>,
+    request_id: Option<String>,
+    priority: Option<Priority>,
+    answered_locally: bool,
+    pool: Option<Arc<Pool>>,
+    escalation: Option<Escalation>,
+    escalated: Option<&'static str>,
+    upstream_body: Option<Bytes>,
+    progress: Progress,
+    /// Per-plugin state.
+    pub state: PluginState,
+}
+
+/// What the core records about a request's way upstream and back.
+#[derive(Debug, Clone, Default)]
+pub struct Progress {
     /// The backend of the latest attempt.
     pub backend: Option<SocketAddr>,
     /// Upstream attempts made so far.
@@ -64,24 +82,9 @@ pub struct RequestCtx {
     pub response_bytes: usize,
     /// Time from the start of the request to the first response byte sent to the client.
     pub first_byte: Option<Duration>,
-    /// True when the response body ended early (upstream failure or client gone): such a
-    /// response is incomplete and must never be stored.
+    /// The response body ended early (upstream failure or client gone): such a response is
+    /// incomplete and must never be stored.
     pub response_incomplete: bool,
-    /// Set by the cache plugin when the answer came from the cache.
-    pub cache_hit: bool,
-    /// The request's class for the KV breaker, once a plugin decided it.
-    pub priority: Option<Priority>,
-    /// The body every upstream attempt sends instead of the client's, when a request hook
-    /// asked upstreams for more than the client did (a stream's usage, for token counts).
-    /// The hook must then remove what the client did not ask for from the answer.
-    pub upstream_body: Option<bytes::Bytes>,
-    /// Set by a request hook that sent the request to a first pool (a draft): where to go
-    /// if that pool fails or its answer is judged wanting. See [`crate::escalation`].
-    pub escalation: Option<Escalation>,
-    /// Why the request went to the escalation target, once it did (`x-sluice-escalated`).
-    pub escalated: Option<&'static str>,
-    /// Per-plugin state.
-    pub state: PluginState,
 }
 
 impl Default for RequestCtx {
@@ -94,24 +97,33 @@ impl RequestCtx {
     pub fn new() -> Self {
         Self {
             started: Instant::now(),
-            request_id: None,
             route: Route::Unrouted,
             llm: None,
-            pool: None,
-            backend: None,
-            attempts: 0,
-            upstream_status: None,
-            status: None,
-            response_bytes: 0,
-            first_byte: None,
-            response_incomplete: false,
-            cache_hit: false,
+            request_id: None,
             priority: None,
-            upstream_body: None,
+            answered_locally: false,
+            pool: None,
             escalation: None,
             escalated: None,
+            upstream_body: None,
+            progress: Progress::default(),
             state: PluginState::default(),
         }
+    }
+
+    // ---- facts ----
+
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    pub fn route(&self) -> &Route {
+        &self.route
+    }
+
+    /// The parsed LLM request, on LLM routes once the body has been read.
+    pub fn llm(&self) -> Option<&LlmCall> {
+        self.llm.as_ref()
     }
 
     /// The model the request asked for, on LLM routes.
@@ -119,9 +131,113 @@ impl RequestCtx {
         self.llm.as_ref().and_then(|c| c.request.model.as_deref())
     }
 
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    // ---- what plugins tell each other ----
+
+    /// The request's id, for logs and answers, once a plugin gave it one.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+
+    pub fn set_request_id(&mut self, id: String) {
+        self.request_id = Some(id);
+    }
+
+    /// The request's class (who is shed first under pressure), once a plugin decided it.
+    pub fn priority(&self) -> Option<Priority> {
+        self.priority
+    }
+
+    pub fn set_priority(&mut self, priority: Priority) {
+        self.priority = Some(priority);
+    }
+
+    /// The answer was made here, without an upstream (a cache hit).
+    pub fn answered_locally(&self) -> bool {
+        self.answered_locally
+    }
+
+    pub fn mark_answered_locally(&mut self) {
+        self.answered_locally = true;
+    }
+
+    // ---- routing ----
+
+    /// The pool the request goes to: set by the core from the route or the model, and
+    /// changed by request hooks through the intents below.
+    pub fn pool(&self) -> Option<&Arc<Pool>> {
+        self.pool.as_ref()
+    }
+
     /// The pool's name, or `-`.
     pub fn pool_name(&self) -> &str {
         self.pool.as_ref().map_or("-", |p| &p.name)
+    }
+
+    /// Send the request's attempts to `pool`.
+    pub fn send_to(&mut self, pool: Arc<Pool>) {
+        self.pool = Some(pool);
+    }
+
+    /// Try `pool` first (a draft), and move to `escalation.target` if it fails or its
+    /// answer is judged wanting (see [`crate::escalation`]).
+    pub fn try_first(&mut self, pool: Arc<Pool>, escalation: Escalation) {
+        self.pool = Some(pool);
+        self.escalation = Some(escalation);
+    }
+
+    /// Send the request to an escalation target, for `reason` (`x-sluice-escalated`).
+    pub fn escalate_to(&mut self, target: Arc<Pool>, reason: &'static str) {
+        self.pool = Some(target);
+        self.escalation = None;
+        self.escalated = Some(reason);
+    }
+
+    /// Where the request goes if its first pool fails, while it has not gone there.
+    pub fn escalation(&self) -> Option<&Escalation> {
+        self.escalation.as_ref()
+    }
+
+    /// Why the request went to its escalation target, once it did.
+    pub fn escalated(&self) -> Option<&'static str> {
+        self.escalated
+    }
+
+    /// Every upstream attempt sends `body` instead of the client's: the hook asked upstreams
+    /// for more than the client did (a stream's usage, for token counts) and must remove what
+    /// the client did not ask for from the answer.
+    pub fn ask_upstream_for(&mut self, body: Bytes) {
+        self.upstream_body = Some(body);
+    }
+
+    pub fn upstream_body(&self) -> Option<&Bytes> {
+        self.upstream_body.as_ref()
+    }
+
+    // ---- for the core only: plugins have no reason to call these ----
+
+    #[doc(hidden)]
+    pub fn set_route(&mut self, route: Route) {
+        self.route = route;
+    }
+
+    #[doc(hidden)]
+    pub fn set_llm(&mut self, call: LlmCall) {
+        self.llm = Some(call);
+    }
+
+    #[doc(hidden)]
+    pub fn progress_mut(&mut self) -> &mut Progress {
+        &mut self.progress
+    }
+
+    /// Takes the escalation, to act on it.
+    #[doc(hidden)]
+    pub fn take_escalation(&mut self) -> Option<Escalation> {
+        self.escalation.take()
     }
 }
 

@@ -13,6 +13,11 @@ use std::fmt;
 
 use crate::llm::InvalidRequest;
 
+/// `.map_err(internal)`: a header or framing error that can only be a bug, as a 500.
+pub fn internal(e: impl fmt::Display) -> Box<Error> {
+    ErrorReply::internal(e.to_string()).into_error()
+}
+
 /// An answer that Sluice makes itself, in OpenAI's error shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ErrorReply {
@@ -22,15 +27,90 @@ pub struct ErrorReply {
     pub param: Option<String>,
     /// Seconds for `retry-after`; always set on 429 and 503.
     pub retry_after: Option<u32>,
-    /// A short token for `router_rejections_total{reason}` and the access log.
-    pub reason: &'static str,
+    /// Why, for `router_rejections_total{reason}` and the access log.
+    pub reason: Reason,
+}
+
+/// Why Sluice answered with an error of its own: a closed set, so that the metric's help
+/// text and its pre-created series cannot drift from what the code emits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Malformed JSON, a wrong-typed field, bad HTTP framing.
+    BadRequest,
+    /// Over `limits.max_request_body_bytes`.
+    BodyTooLarge,
+    /// The client stopped sending its body.
+    BodyTimeout,
+    /// No pool serves the requested model.
+    UnknownModel,
+    /// No route matches the path.
+    NoRoute,
+    /// A known path asked for with the wrong method.
+    MethodNotAllowed,
+    /// Every backend of the pool is unhealthy, ejected or already tried.
+    NoHealthyBackend,
+    /// Shed by the KV-pressure breaker.
+    KvPressure,
+    /// The upstream failed and no fallback was left.
+    UpstreamError,
+    /// The upstream did not answer in time.
+    UpstreamTimeout,
+    /// An error status carried by a Pingora error without a reply of its own.
+    HttpStatus,
+    /// The client went away (499, never sent).
+    ClientClosed,
+    /// A bug or an impossible state in the proxy.
+    Internal,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 13] = [
+        Reason::BadRequest,
+        Reason::BodyTooLarge,
+        Reason::BodyTimeout,
+        Reason::UnknownModel,
+        Reason::NoRoute,
+        Reason::MethodNotAllowed,
+        Reason::NoHealthyBackend,
+        Reason::KvPressure,
+        Reason::UpstreamError,
+        Reason::UpstreamTimeout,
+        Reason::HttpStatus,
+        Reason::ClientClosed,
+        Reason::Internal,
+    ];
+
+    /// The token in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::BadRequest => "bad-request",
+            Reason::BodyTooLarge => "body-too-large",
+            Reason::BodyTimeout => "body-timeout",
+            Reason::UnknownModel => "unknown-model",
+            Reason::NoRoute => "no-route",
+            Reason::MethodNotAllowed => "method-not-allowed",
+            Reason::NoHealthyBackend => "no-healthy-backend",
+            Reason::KvPressure => "kv-pressure",
+            Reason::UpstreamError => "upstream-error",
+            Reason::UpstreamTimeout => "upstream-timeout",
+            Reason::HttpStatus => "http-status",
+            Reason::ClientClosed => "client-closed",
+            Reason::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// `retry-after` when nothing better is known.
 pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
 
 impl ErrorReply {
-    pub fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: u16, reason: Reason, message: impl Into<String>) -> Self {
         let retry_after = matches!(status, 429 | 503).then_some(DEFAULT_RETRY_AFTER_SECS);
         Self {
             status,
@@ -44,12 +124,17 @@ impl ErrorReply {
     pub fn bad_request(invalid: InvalidRequest) -> Self {
         Self {
             param: invalid.param,
-            ..Self::new(400, "bad-request", invalid.message)
+            ..Self::new(400, Reason::BadRequest, invalid.message)
         }
     }
 
-    pub fn not_found(reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn not_found(reason: Reason, message: impl Into<String>) -> Self {
         Self::new(404, reason, message)
+    }
+
+    /// 500: a state the proxy should never be in. The message is for the log and the client.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, Reason::Internal, message)
     }
 
     pub fn unknown_model(model: &str) -> Self {
@@ -57,7 +142,7 @@ impl ErrorReply {
             param: Some("model".into()),
             ..Self::new(
                 404,
-                "unknown-model",
+                Reason::UnknownModel,
                 format!("The model `{model}` does not exist."),
             )
         }
@@ -66,13 +151,13 @@ impl ErrorReply {
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             413,
-            "body-too-large",
+            Reason::BodyTooLarge,
             format!("The request body is larger than the limit of {limit} bytes."),
         )
     }
 
     /// 503 with `retry-after`: shed, or nothing healthy to send to.
-    pub fn unavailable(reason: &'static str, message: impl Into<String>, retry_after: u32) -> Self {
+    pub fn unavailable(reason: Reason, message: impl Into<String>, retry_after: u32) -> Self {
         Self {
             retry_after: Some(retry_after.max(1)),
             ..Self::new(503, reason, message)
@@ -80,11 +165,11 @@ impl ErrorReply {
     }
 
     pub fn bad_gateway(message: impl Into<String>) -> Self {
-        Self::new(502, "upstream-error", message)
+        Self::new(502, Reason::UpstreamError, message)
     }
 
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
-        Self::new(504, "upstream-timeout", message)
+        Self::new(504, Reason::UpstreamTimeout, message)
     }
 
     /// Wraps the reply in a Pingora error, so hooks can return it with `?`.
@@ -125,23 +210,27 @@ impl ErrorReply {
                 Self::gateway_timeout("The upstream did not answer in time.")
             }
             HTTPStatus(code) if (400..600).contains(code) => {
-                Self::new(*code, "http-status", e.to_string())
+                Self::new(*code, Reason::HttpStatus, e.to_string())
             }
             InvalidHTTPHeader | H1Error | H2Error
                 if e.esource == pingora_error::ErrorSource::Downstream =>
             {
-                Self::new(400, "bad-request", "The request is not valid HTTP.")
+                Self::new(400, Reason::BadRequest, "The request is not valid HTTP.")
             }
             ConnectionClosed | ReadError | WriteError
                 if e.esource == pingora_error::ErrorSource::Downstream =>
             {
                 // Nobody is left to read this; 499 is what nginx logs for it.
-                Self::new(499, "client-closed", "The client closed the connection.")
+                Self::new(
+                    499,
+                    Reason::ClientClosed,
+                    "The client closed the connection.",
+                )
             }
             _ if e.esource == pingora_error::ErrorSource::Upstream => {
                 Self::bad_gateway(format!("The upstream failed: {}.", e.etype.as_str()))
             }
-            _ => Self::new(500, "internal", "Internal error in the proxy."),
+            _ => Self::internal("Internal error in the proxy."),
         }
     }
 
@@ -211,7 +300,7 @@ mod tests {
 
     #[test]
     fn a_reply_survives_the_trip_through_a_pingora_error() {
-        let reply = ErrorReply::unavailable("kv-pressure", "shed", 3);
+        let reply = ErrorReply::unavailable(Reason::KvPressure, "shed", 3);
         let e = reply.clone().into_error();
         assert_eq!(ErrorReply::from_error(&e), reply);
         // Wrapped once more by Pingora's `more_context`, it is still found.
@@ -238,7 +327,10 @@ mod tests {
             v,
             serde_json::json!({"error":{"message":"bad","type":"BadRequestError","param":"stream","code":400}})
         );
-        assert_eq!(ErrorReply::new(503, "x", "y").retry_after, Some(1));
+        assert_eq!(
+            ErrorReply::new(503, Reason::KvPressure, "y").retry_after,
+            Some(1)
+        );
         assert!(r.sse_event().ends_with(b"data: [DONE]\n\n"));
     }
 }

@@ -7,31 +7,39 @@
 //!   health and load ([`health`]).
 //! - [`ErrorReply`]: how a hook refuses a request (status, OpenAI body, `retry-after`).
 //!
-//! A plugin crate also owns its config type (serde, `deny_unknown_fields`, with an `enabled`
-//! key) and a constructor that the core calls once at start-up.
+//! - [`PluginBuilder`] / [`ConfigError`]: how a plugin is made from its config section.
+//! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
+//! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
+//!
+//! A plugin crate owns its config type (serde, `deny_unknown_fields`, with an `enabled` key),
+//! its builder, its metrics and its tests; plugins know each other only through this crate.
 
+pub mod config;
 pub mod ctx;
 pub mod duration;
 pub mod error;
 pub mod escalation;
+pub mod headers;
 pub mod health;
 pub mod llm;
+pub mod metrics;
 pub mod plugin;
 pub mod pool;
+pub mod ratio;
 pub mod retry;
-pub mod window;
 
-pub use ctx::{PluginState, RequestCtx, Route};
-pub use error::ErrorReply;
+pub use config::ConfigError;
+pub use ctx::{PluginState, Progress, RequestCtx, Route};
+pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
-pub use plugin::{Flow, LocalResponse, Plugin};
+pub use plugin::{Flow, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
-    BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure, Priority,
-    Selected, Timeouts, TokensPerSecond,
+    Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
+    Priority, Selected, Timeouts, TokensPerSecond,
 };
 pub use retry::{RetryBudget, RetryPolicy};
 

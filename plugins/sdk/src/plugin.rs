@@ -1,6 +1,10 @@
-//! The plugin trait.
+//! The plugin contract: how a plugin is built ([`PluginBuilder`]) and the hooks it is called
+//! at ([`Plugin`]).
 //!
-//! A plugin is built once from its config section, shared behind an `Arc`, and called for
+//! A plugin is built in two steps. [`PluginBuilder::resolve`] turns its config section into
+//! typed, checked values, or a [`ConfigError`] naming the key at fault; it is pure, so
+//! `sluice -t` runs it too. [`PluginBuilder::start`] then registers its metrics and opens its
+//! connections, once, and gives the chain a shared, immutable `Arc<dyn Plugin>`, called for
 //! every request at the phases it implements. Every hook has a no-op default, so a plugin
 //! implements only what it needs. The core calls the hooks of the enabled plugins in the
 //! chain's order (see `conf/README.md`); a disabled plugin is not in the chain at all.
@@ -24,6 +28,11 @@
 //! run in chain order, response hooks in reverse (the plugin nearest the upstream first).
 //! Body hooks run per chunk and must be incremental: anything slow or async (a Redis write)
 //! is spawned, or done from `logging`.
+//!
+//! Sluice's own answers (an error it makes, a plugin's local answer such as a cache hit,
+//! `/v1/models`) run `response_header`, `response_body` and `logging` too, so every answer
+//! carries the request id and the cache status; `error` runs for every error answer.
+//! `upstream_select` and `upstream_request` run only for requests that go upstream.
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -31,8 +40,52 @@ use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+use crate::config::ConfigError;
 use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
+use crate::pool::Pools;
+
+/// How a plugin is made from its config section. The core's chain is a table of these, one
+/// entry per plugin crate, in chain order.
+///
+/// ```ignore
+/// impl PluginBuilder for RequestIdBuilder {
+///     const NAME: &'static str = "request_id";
+///     type Config = RequestIdConfig;
+///     fn resolve(config: RequestIdConfig, _pools: &Arc<Pools>) -> Result<Option<Self>, ConfigError> {
+///         let header = sluice_sdk::config::header_name("header", &config.header)?;
+///         Ok(config.enabled.then_some(Self { header }))
+///     }
+///     fn start(self) -> Arc<dyn Plugin> { Arc::new(RequestId::new(self.header)) }
+/// }
+/// ```
+pub trait PluginBuilder: Sized + Send + 'static {
+    /// The plugin's name: its section under `plugins` and its name in the chain.
+    const NAME: &'static str;
+
+    /// The section as written: serde with `deny_unknown_fields`; an absent section is the
+    /// default.
+    type Config: DeserializeOwned + Default;
+
+    /// Checks the section (against the pools too) and parses every setting into the typed
+    /// value the plugin will use: header names, durations, pool handles. `Ok(None)`: the
+    /// section leaves the plugin disabled, and it costs nothing at run time.
+    ///
+    /// Runs for every section, enabled or not, so that a mistake is found before the plugin
+    /// is turned on; a plugin may skip checks that only matter when enabled. Must be pure:
+    /// no metrics, no sockets, no tasks (`sluice -t` runs it and exits).
+    ///
+    /// `Err` names the key relative to the section; the core adds `plugins.<NAME>`.
+    fn resolve(config: Self::Config, pools: &Arc<Pools>) -> Result<Option<Self>, ConfigError>;
+
+    /// Starts the resolved plugin: registers its metrics, starts its background work (this
+    /// runs before the server's runtime starts: spawn on a runtime of your own, as the Redis
+    /// store does). Runs once per process.
+    fn start(self) -> Arc<dyn Plugin>;
+}
 
 /// What a `request` hook decided.
 #[derive(Debug)]
@@ -71,13 +124,14 @@ pub trait Plugin: Send + Sync + 'static {
         Ok(Flow::Continue)
     }
 
-    /// Runs before each upstream attempt, before a backend is chosen. It may replace
-    /// `ctx.pool`. `Err` fails the request.
+    /// Runs before each upstream attempt, before a backend is chosen. It may change the pool
+    /// ([`RequestCtx::send_to`]). `Err` fails the request with that error's answer.
     fn upstream_select(&self, _ctx: &mut RequestCtx) -> Result<()> {
         Ok(())
     }
 
-    /// Runs on the request header about to be sent upstream, for each attempt.
+    /// Runs on the request header about to be sent upstream, for each attempt: to add or
+    /// remove headers. `Err` fails the request with that error's answer; nothing was sent.
     fn upstream_request(&self, _request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
         Ok(())
     }
@@ -101,7 +155,8 @@ pub trait Plugin: Send + Sync + 'static {
     }
 
     /// Runs when Sluice answers the request with an error of its own (or ends a started
-    /// stream with an error event).
+    /// stream with an error event), before the answer is written: to observe it (count,
+    /// log). It cannot change the answer.
     fn error(&self, _reply: &ErrorReply, _ctx: &mut RequestCtx) {}
 
     /// Runs once at the end of every request, whatever happened. `error` is the failure, if

@@ -10,8 +10,7 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Timeouts of one pool's upstream requests.
@@ -133,8 +132,10 @@ pub struct Selected {
     pub live: Arc<BackendLive>,
 }
 
-/// A request's class for the KV breaker: who is shed first when the pool is under pressure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A request's class: who is shed first when a pool is under pressure. Written in config
+/// files in lower case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Priority {
     Sheddable = 0,
     Standard = 1,
@@ -183,6 +184,19 @@ impl Pressure {
     }
 }
 
+/// A pool's admission control: the KV breaker installs one per pool at start-up, and anyone
+/// who chooses a pool (the speculative selector, a reroute) asks the pool, not the breaker.
+///
+/// Both answers must come from the pool's live state ([`Pool::pressure`]) on every call:
+/// state kept between calls (hysteresis) may only refine that, never stand in for it, or a
+/// pool that nobody sends to would keep the answer it had when traffic left it.
+pub trait Admission: Send + Sync {
+    /// Whether `pool` sheds every request of class `priority` now.
+    fn sheds(&self, pool: &Pool, priority: Priority) -> bool;
+    /// Whether `pool` takes a request of `priority` that may hold `tokens` KV tokens now.
+    fn admits(&self, pool: &Pool, priority: Priority, tokens: u64) -> bool;
+}
+
 /// How close to the best-of-two score the prefix-affine backend must be to be taken.
 const AFFINITY_SLACK: f64 = 0.15;
 
@@ -205,9 +219,8 @@ pub struct Pool {
     pub supports: Capabilities,
     pub retry: RetryPolicy,
     pub retry_budget: RetryBudget,
-    /// The classes the KV breaker currently sheds, one bit per [`Priority`]. Written by the
-    /// breaker, read by whoever wants to know whether the pool takes a request.
-    shedding: AtomicU8,
+    /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
+    admission: OnceLock<Arc<dyn Admission>>,
     round_robin: LoadBalancer<RoundRobin>,
 }
 
@@ -290,7 +303,7 @@ impl Pool {
             supports: settings.supports,
             retry_budget: RetryBudget::new(&settings.retry),
             retry: settings.retry,
-            shedding: AtomicU8::new(0),
+            admission: OnceLock::new(),
             round_robin,
         }
     }
@@ -417,19 +430,28 @@ impl Pool {
         }
     }
 
-    /// Whether the KV breaker currently sheds requests of class `priority` on this pool.
-    pub fn is_shedding(&self, priority: Priority) -> bool {
-        self.shedding.load(Relaxed) & (1 << priority as u8) != 0
+    /// Whether the pool takes a request of class `priority` that may come to hold `tokens`
+    /// KV tokens, now. Asked live every time, so an answer reflects the pool's load as
+    /// it is, never as it was when someone last looked. Always `true` without admission
+    /// control.
+    pub fn admits(&self, priority: Priority, tokens: u64) -> bool {
+        self.admission
+            .get()
+            .is_none_or(|gate| gate.admits(self, priority, tokens))
     }
 
-    /// Set by the KV breaker.
-    pub fn set_shedding(&self, priority: Priority, shed: bool) {
-        let bit = 1 << priority as u8;
-        if shed {
-            self.shedding.fetch_or(bit, Relaxed);
-        } else {
-            self.shedding.fetch_and(!bit, Relaxed);
-        }
+    /// Whether the pool turns away every request of class `priority` now (it is shedding the
+    /// class), from its live load.
+    pub fn sheds(&self, priority: Priority) -> bool {
+        self.admission
+            .get()
+            .is_some_and(|gate| gate.sheds(self, priority))
+    }
+
+    /// Installs the pool's admission control, once, at start-up. `false` when one is
+    /// installed already (two plugins cannot both decide).
+    pub fn install_admission(&self, gate: Arc<dyn Admission>) -> bool {
+        self.admission.set(gate).is_ok()
     }
 
     /// The Pingora peer for `backend`, with this pool's timeouts.
@@ -439,12 +461,12 @@ impl Pool {
             self.tls_sni.is_some(),
             self.tls_sni.clone().unwrap_or_default(),
         );
-        let o = &mut peer.options;
-        o.connection_timeout = Some(self.timeouts.connect);
-        o.total_connection_timeout = Some(self.timeouts.connect);
-        o.read_timeout = Some(self.timeouts.first_byte);
-        o.write_timeout = Some(self.timeouts.first_byte);
-        o.idle_timeout = Some(self.timeouts.keepalive_idle);
+        let options = &mut peer.options;
+        options.connection_timeout = Some(self.timeouts.connect);
+        options.total_connection_timeout = Some(self.timeouts.connect);
+        options.read_timeout = Some(self.timeouts.first_byte);
+        options.write_timeout = Some(self.timeouts.first_byte);
+        options.idle_timeout = Some(self.timeouts.keepalive_idle);
         peer
     }
 }
@@ -658,15 +680,34 @@ mod tests {
         }
     }
 
+    /// Sheds above a fixed line, reading the pool's pressure on every call.
+    struct Line(f64);
+
+    impl Admission for Line {
+        fn sheds(&self, pool: &Pool, _priority: Priority) -> bool {
+            pool.pressure().kv_usage.is_some_and(|kv| kv >= self.0)
+        }
+        fn admits(&self, pool: &Pool, priority: Priority, _tokens: u64) -> bool {
+            !self.sheds(pool, priority)
+        }
+    }
+
     #[test]
-    fn shedding_bits_are_per_priority() {
+    fn admission_is_asked_of_the_pool_and_follows_its_load() {
         let pool = pool(vec![spec(1, 1)], Balancing::RoundRobin);
-        pool.set_shedding(Priority::Sheddable, true);
-        pool.set_shedding(Priority::Standard, true);
-        pool.set_shedding(Priority::Standard, false);
-        assert!(pool.is_shedding(Priority::Sheddable));
-        assert!(!pool.is_shedding(Priority::Standard));
-        assert!(!pool.is_shedding(Priority::Critical));
+        pool.live[0].publish_load(load(0.9, 0.0));
+        assert!(pool.admits(Priority::Sheddable, 100), "no gate: everything");
+        assert!(!pool.sheds(Priority::Sheddable));
+        assert!(pool.install_admission(Arc::new(Line(0.8))));
+        assert!(
+            !pool.install_admission(Arc::new(Line(0.5))),
+            "one gate only"
+        );
+        assert!(pool.sheds(Priority::Standard));
+        assert!(!pool.admits(Priority::Standard, 100));
+        pool.live[0].publish_load(load(0.1, 0.0));
+        assert!(!pool.sheds(Priority::Standard));
+        assert!(pool.admits(Priority::Standard, 100));
         assert_eq!(Priority::parse(" Critical"), Some(Priority::Critical));
         assert_eq!(Priority::parse("vip"), None);
     }

@@ -1,7 +1,7 @@
 //! The `plugins.speculative` config section.
 
 use serde::Deserialize;
-use sluice_sdk::duration;
+use sluice_sdk::{duration, ConfigError};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ impl Default for SpeculativeConfig {
     fn default() -> Self {
         Self {
             enabled: false,
-            tier_header: "x-sluice-tier".into(),
+            tier_header: sluice_sdk::headers::TIER.as_str().into(),
             allow_forced_target: true,
             models: Vec::new(),
             price_per_million_tokens: BTreeMap::new(),
@@ -103,37 +103,43 @@ pub enum MeasureName {
 pub const MAX_HOLD_BACK_TOKENS: usize = 256;
 
 impl SpeculativeConfig {
-    /// Checks what serde cannot; errors are `(key path below plugins.speculative, message)`.
-    /// Pool names are checked against the pools when the plugin is built.
-    pub fn validate(&self) -> Result<(), (String, String)> {
+    /// Checks what serde cannot; keys are relative to the section. Pool names are checked
+    /// against the pools when the section is resolved.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.enabled && self.models.is_empty() {
-            return Err(("models".into(), "at least one model is needed".into()));
+            return Err(ConfigError::new("models", "at least one model is needed"));
         }
         let mut names = std::collections::BTreeSet::new();
         for (i, m) in self.models.iter().enumerate() {
             let key = format!("models[{i}]");
             for name in std::iter::once(&m.model).chain(&m.aliases) {
                 if !names.insert(name.as_str()) {
-                    return Err((format!("{key}.model"), format!("`{name}` is named twice")));
+                    return Err(ConfigError::new(
+                        format!("{key}.model"),
+                        format!("`{name}` is named twice"),
+                    ));
                 }
             }
             if m.drafts.is_empty() {
-                return Err((format!("{key}.drafts"), "at least one draft pool".into()));
+                return Err(ConfigError::new(
+                    format!("{key}.drafts"),
+                    "at least one draft pool",
+                ));
             }
             if m.drafts.iter().any(|d| d.pool == m.target) {
-                return Err((
+                return Err(ConfigError::new(
                     format!("{key}.target"),
-                    "must not also be a draft pool".into(),
+                    "must not also be a draft pool",
                 ));
             }
             if m.confidence.min_logprob.is_nan() || m.confidence.min_logprob > 0.0 {
-                return Err((
+                return Err(ConfigError::new(
                     format!("{key}.confidence.min_logprob"),
-                    "must be a log-probability (≤ 0)".into(),
+                    "must be a log-probability (≤ 0)",
                 ));
             }
             if m.confidence.stream_hold_back_tokens > MAX_HOLD_BACK_TOKENS {
-                return Err((
+                return Err(ConfigError::new(
                     format!("{key}.confidence.stream_hold_back_tokens"),
                     format!("at most {MAX_HOLD_BACK_TOKENS}: the window delays every stream's first byte"),
                 ));
@@ -141,9 +147,9 @@ impl SpeculativeConfig {
         }
         for (pool, price) in &self.price_per_million_tokens {
             if !(price.is_finite() && *price >= 0.0) {
-                return Err((
+                return Err(ConfigError::new(
                     format!("price_per_million_tokens.{pool}"),
-                    "must be a number ≥ 0".into(),
+                    "must be a number ≥ 0",
                 ));
             }
         }

@@ -59,13 +59,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use confidence::{ConfidenceCheck, Measure, StreamConfidence};
 use config::{ConfidenceConfig, DraftWhen, MeasureName, ModelConfig};
-use pingora_proxy::Session;
+use http::HeaderName;
+use sluice_sdk::config::header_name;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::llm::{Content, Logprobs, Prompt};
-use sluice_sdk::Endpoint;
 use sluice_sdk::{
-    AnswerCheck, Error, Escalation, Flow, LlmCall, LlmRequest, Plugin, Pool, Pools, Priority,
-    RequestCtx, Result, StreamCheck,
+    AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, LlmCall, LlmRequest, Plugin,
+    PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck,
 };
 use sse::StreamFilter;
 use std::sync::Arc;
@@ -140,9 +140,51 @@ impl Checks {
     }
 }
 
+/// The section, checked against the pools: each model's pools and checks, the tier header.
+pub struct SpeculativeBuilder {
+    config: SpeculativeConfig,
+    models: Vec<Model>,
+    tier_header: HeaderName,
+    pool_names: Vec<String>,
+}
+
+impl PluginBuilder for SpeculativeBuilder {
+    const NAME: &'static str = "speculative";
+    type Config = SpeculativeConfig;
+
+    /// A disabled section is checked on its own; its pool names only once it is enabled.
+    fn resolve(
+        config: SpeculativeConfig,
+        pools: &Arc<Pools>,
+    ) -> std::result::Result<Option<Self>, ConfigError> {
+        config.validate()?;
+        let tier_header = header_name("tier_header", &config.tier_header)?;
+        if !config.enabled {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            models: resolve(&config, pools)?,
+            config,
+            tier_header,
+            pool_names: pools.iter().map(|p| p.name.to_string()).collect(),
+        }))
+    }
+
+    fn start(self) -> Arc<dyn Plugin> {
+        let names: Vec<&str> = self.pool_names.iter().map(String::as_str).collect();
+        metrics::init(&names);
+        Arc::new(Speculative {
+            config: self.config,
+            models: self.models,
+            tier_header: self.tier_header,
+        })
+    }
+}
+
 pub struct Speculative {
     config: SpeculativeConfig,
     models: Vec<Model>,
+    tier_header: HeaderName,
 }
 
 /// Per-request state: the answer's usage, for the token and cost metrics, and what to
@@ -157,23 +199,6 @@ struct Handled {
 }
 
 impl Speculative {
-    pub fn new(config: SpeculativeConfig, pools: &Pools) -> std::result::Result<Self, String> {
-        let models = resolve(&config, pools)
-            .map_err(|(key, message)| format!("plugins.speculative.{key}: {message}"))?;
-        let names: Vec<&str> = pools.iter().map(|p| &*p.name).collect();
-        metrics::init(&names);
-        Ok(Self { config, models })
-    }
-
-    /// Checks the section against the pools, as `sluice -t` does: errors are `(key path
-    /// below plugins.speculative, message)`.
-    pub fn check(
-        config: &SpeculativeConfig,
-        pools: &Pools,
-    ) -> std::result::Result<(), (String, String)> {
-        resolve(config, pools).map(|_| ())
-    }
-
     fn model_for(&self, name: &str) -> Option<usize> {
         self.models
             .iter()
@@ -194,6 +219,7 @@ impl Speculative {
         model: &Model,
         call: &LlmCall,
         tier: Option<&str>,
+        priority: Priority,
     ) -> std::result::Result<Arc<Pool>, &'static str> {
         let (request, demand) = (&call.request, call.demand);
         if tier == Some("target") && self.config.allow_forced_target {
@@ -225,7 +251,7 @@ impl Speculative {
         // The first draft that can take it now; a code prompt may fall back to a general one.
         std::iter::once(first)
             .chain(candidates)
-            .find(|p| p.pressure().usable > 0 && !p.is_shedding(Priority::Standard))
+            .find(|p| p.pressure().usable > 0 && !p.sheds(priority))
             .cloned()
             .ok_or(reason::DRAFT_UNAVAILABLE)
     }
@@ -260,20 +286,20 @@ impl Speculative {
 #[async_trait]
 impl Plugin for Speculative {
     fn name(&self) -> &'static str {
-        "speculative"
+        SpeculativeBuilder::NAME
     }
 
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
         let Some(index) = ctx.model().and_then(|m| self.model_for(m)) else {
             return Ok(Flow::Continue);
         };
-        let (Some(model), Some(call)) = (self.models.get(index), ctx.llm.as_ref()) else {
+        let (Some(model), Some(call)) = (self.models.get(index), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
         let tier = session
             .req_header()
             .headers
-            .get(self.config.tier_header.as_str())
+            .get(&self.tier_header)
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
         // Token counts of a stream need its usage chunk: asked for here, removed again.
@@ -288,20 +314,20 @@ impl Plugin for Speculative {
             filter: StreamFilter::new(false, usage_body.is_some()),
             draft_logprobs_added: false,
         };
-        match self.decide(model, call, tier) {
+        // Until a plugin decided the class, the draft is judged for a standard request.
+        let priority = ctx.priority().unwrap_or(Priority::Standard);
+        match self.decide(model, call, tier, priority) {
             Ok(draft) => {
                 let body = usage_body.as_ref().unwrap_or(&call.body);
                 let (escalation, logprobs_added) = self.escalation(model, call, body);
                 handled.draft_logprobs_added = logprobs_added && call.request.is_stream();
-                ctx.pool = Some(draft);
-                ctx.escalation = Some(escalation);
+                ctx.try_first(draft, escalation);
             }
-            Err(why) => {
-                ctx.pool = Some(Arc::clone(&model.target));
-                ctx.escalated = Some(why);
-            }
+            Err(why) => ctx.escalate_to(Arc::clone(&model.target), why),
         }
-        ctx.upstream_body = usage_body;
+        if let Some(body) = usage_body {
+            ctx.ask_upstream_for(body);
+        }
         ctx.state.insert(handled);
         Ok(Flow::Continue)
     }
@@ -312,7 +338,7 @@ impl Plugin for Speculative {
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        let on_draft = ctx.escalated.is_none();
+        let on_draft = ctx.escalated().is_none();
         let Some(handled) = ctx.state.get_mut::<Handled>() else {
             return Ok(());
         };
@@ -329,11 +355,11 @@ impl Plugin for Speculative {
             return;
         };
         // Cache hits never reach a pool: they are the cache's, not the selector's.
-        if ctx.cache_hit || ctx.upstream_status.is_none() {
+        if ctx.answered_locally() || ctx.progress().upstream_status.is_none() {
             return;
         }
         let pool = ctx.pool_name().to_string();
-        metrics::request(&pool, ctx.escalated);
+        metrics::request(&pool, ctx.escalated());
         if let (Some(usage), Some(model)) = (handled.usage.usage(), self.models.get(handled.model))
         {
             metrics::tokens(
@@ -352,19 +378,18 @@ impl Plugin for Speculative {
 fn resolve(
     config: &SpeculativeConfig,
     pools: &Pools,
-) -> std::result::Result<Vec<Model>, (String, String)> {
-    config.validate()?;
+) -> std::result::Result<Vec<Model>, ConfigError> {
     let mut models = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
         let pool = |key: String, name: &str| {
-            let p = pools
-                .get(name)
-                .ok_or_else(|| (key.clone(), format!("no pool is named `{name}`")))?;
+            let p = pools.get(name).ok_or_else(|| {
+                ConfigError::new(key.clone(), format!("no pool is named `{name}`"))
+            })?;
             let serves_all = std::iter::once(&m.model)
                 .chain(&m.aliases)
                 .all(|n| p.models.is_empty() || p.serves(n));
             if !serves_all {
-                return Err((
+                return Err(ConfigError::new(
                     key,
                     format!(
                         "pool `{name}` must serve `{}` and its aliases (list them in its models)",
@@ -384,7 +409,7 @@ fn resolve(
                     d.when,
                 ))
             })
-            .collect::<std::result::Result<Vec<_>, (String, String)>>()?;
+            .collect::<std::result::Result<Vec<_>, ConfigError>>()?;
         let target = pool(format!("models[{i}].target"), &m.target)?;
         models.push(Model {
             checks: Checks::new(&m.confidence),

@@ -1,69 +1,48 @@
-//! The selector's series. SPEC.md fixes `speculative_acceptance_ratio`; the rest are
-//! `sluice_speculative_*`, `sluice_tokens_total` and the cost counters.
+//! The selector's series. `speculative_acceptance_ratio` is a name the seeds' dashboards use;
+//! the rest are `sluice_speculative_*`, `sluice_tokens_total` and the cost counters.
 
-use prometheus::{
-    register_counter_vec, register_gauge, register_int_counter_vec, CounterVec, Gauge,
-    IntCounterVec,
-};
 use sluice_sdk::escalation::reason;
-use sluice_sdk::window::RatioWindow;
+use sluice_sdk::metric;
+use sluice_sdk::metrics::{inc, inc_by, set_gauge, touch};
+use sluice_sdk::ratio::RatioWindow;
 use std::sync::LazyLock;
 
-static ACCEPTANCE: LazyLock<Option<Gauge>> = LazyLock::new(|| {
-    register_gauge!(
-        "speculative_acceptance_ratio",
-        "Share of the selector's requests served by a draft pool without escalation, last 5 minutes."
-    )
-    .ok()
-});
+metric!(ACCEPTANCE: Gauge = register_gauge!(
+    "speculative_acceptance_ratio",
+    "Share of the selector's requests served by a draft pool without escalation, last 5 minutes."
+));
 
-static REQUESTS: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    register_int_counter_vec!(
-        "sluice_speculative_requests_total",
-        "Requests the speculative selector handled, by the pool that answered and whether they \
-         were escalated.",
-        &["pool", "escalated"]
-    )
-    .ok()
-});
+metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
+    "sluice_speculative_requests_total",
+    "Requests the speculative selector handled, by the pool that answered and whether they \
+     were escalated.",
+    &["pool", "escalated"]
+));
 
-static ESCALATIONS: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    register_int_counter_vec!(
-        "sluice_speculative_escalations_total",
-        "Requests sent to the target pool, by reason (draft-unavailable, prompt-too-long, \
-         unsupported, forced, draft-error, draft-timeout, low-confidence).",
-        &["reason"]
-    )
-    .ok()
-});
+metric!(ESCALATIONS: IntCounterVec = register_int_counter_vec!(
+    "sluice_speculative_escalations_total",
+    format!("Requests sent to the target pool, by reason ({}).", REASONS.join(", ")),
+    &["reason"]
+));
 
-static TOKENS: LazyLock<Option<IntCounterVec>> = LazyLock::new(|| {
-    register_int_counter_vec!(
-        "sluice_tokens_total",
-        "Tokens by pool and kind (prompt, completion), from the answers' usage.",
-        &["pool", "kind"]
-    )
-    .ok()
-});
+metric!(TOKENS: IntCounterVec = register_int_counter_vec!(
+    "sluice_tokens_total",
+    "Tokens by pool and kind (prompt, completion), from the answers' usage.",
+    &["pool", "kind"]
+));
 
-static COST: LazyLock<Option<CounterVec>> = LazyLock::new(|| {
-    register_counter_vec!(
-        "sluice_cost_dollars_total",
-        "Estimated cost of the tokens each pool produced, at its configured price.",
-        &["pool"]
-    )
-    .ok()
-});
+metric!(COST: CounterVec = register_counter_vec!(
+    "sluice_cost_dollars_total",
+    "Estimated cost of the tokens each pool produced, at its configured price.",
+    &["pool"]
+));
 
-static COST_ON_TARGET: LazyLock<Option<CounterVec>> = LazyLock::new(|| {
-    register_counter_vec!(
-        "sluice_cost_target_equivalent_dollars_total",
-        "What the same tokens would have cost on the model's target pool: the saving is this \
-         minus sluice_cost_dollars_total.",
-        &["pool"]
-    )
-    .ok()
-});
+metric!(COST_ON_TARGET: CounterVec = register_counter_vec!(
+    "sluice_cost_target_equivalent_dollars_total",
+    "What the same tokens would have cost on the model's target pool: the saving is this \
+     minus sluice_cost_dollars_total.",
+    &["pool"]
+));
 
 static WINDOW: LazyLock<RatioWindow> = LazyLock::new(RatioWindow::default);
 
@@ -79,57 +58,31 @@ const REASONS: [&str; 7] = [
 
 /// Creates the series at zero so that dashboards find them from start-up.
 pub fn init(pools: &[&str]) {
-    if let Some(c) = ESCALATIONS.as_ref() {
-        for r in REASONS {
-            let _ = c.get_metric_with_label_values(&[r]);
-        }
+    for r in REASONS {
+        touch(&ESCALATIONS, &[r]);
     }
     for pool in pools {
-        if let Some(c) = COST.as_ref() {
-            let _ = c.get_metric_with_label_values(&[pool]);
-        }
-        if let Some(c) = COST_ON_TARGET.as_ref() {
-            let _ = c.get_metric_with_label_values(&[pool]);
-        }
+        touch(&COST, &[pool]);
+        touch(&COST_ON_TARGET, &[pool]);
     }
     let _ = &*ACCEPTANCE;
 }
 
 /// One finished request: which pool answered, and why it was escalated, if it was.
 pub fn request(pool: &str, escalated: Option<&str>) {
-    if let Some(c) = REQUESTS.as_ref() {
-        if let Ok(c) =
-            c.get_metric_with_label_values(&[pool, if escalated.is_some() { "yes" } else { "no" }])
-        {
-            c.inc();
-        }
+    let was_escalated = if escalated.is_some() { "yes" } else { "no" };
+    inc(&REQUESTS, &[pool, was_escalated]);
+    if let Some(reason) = escalated {
+        inc(&ESCALATIONS, &[reason]);
     }
-    if let (Some(reason), Some(c)) = (escalated, ESCALATIONS.as_ref()) {
-        if let Ok(c) = c.get_metric_with_label_values(&[reason]) {
-            c.inc();
-        }
-    }
-    let ratio = WINDOW.record(escalated.is_none());
-    if let Some(g) = ACCEPTANCE.as_ref() {
-        g.set(ratio);
-    }
+    set_gauge(&ACCEPTANCE, WINDOW.record(escalated.is_none()));
 }
 
 /// Tokens one answer used on `pool`, and their cost there and on the target.
 pub fn tokens(pool: &str, prompt: u64, completion: u64, price: f64, target_price: f64) {
-    if let Some(c) = TOKENS.as_ref() {
-        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            if let Ok(c) = c.get_metric_with_label_values(&[pool, kind]) {
-                c.inc_by(n);
-            }
-        }
-    }
+    inc_by(&TOKENS, &[pool, "prompt"], prompt);
+    inc_by(&TOKENS, &[pool, "completion"], completion);
     let millions = (prompt + completion) as f64 / 1e6;
-    for (metric, p) in [(&COST, price), (&COST_ON_TARGET, target_price)] {
-        if let Some(c) = metric.as_ref() {
-            if let Ok(c) = c.get_metric_with_label_values(&[pool]) {
-                c.inc_by(millions * p);
-            }
-        }
-    }
+    inc_by(&COST, &[pool], millions * price);
+    inc_by(&COST_ON_TARGET, &[pool], millions * target_price);
 }

@@ -8,14 +8,14 @@
 use super::{CacheKey, Store, StoreError, WriteOutcome};
 use crate::entry::Entry;
 use async_trait::async_trait;
-use prometheus::{IntCounterVec, Opts};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, IntoConnectionInfo, RedisResult};
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
+use sluice_sdk::{duration, metric, metrics, ConfigError};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -35,13 +35,13 @@ pub struct RedisConfig {
     /// Default: `25ms`.
     #[serde(
         default = "default_lookup_timeout",
-        deserialize_with = "deserialize_duration"
+        deserialize_with = "duration::deserialize"
     )]
     pub lookup_timeout: Duration,
     /// Bounds each connection attempt, and each write. Default: `1s`.
     #[serde(
         default = "default_connect_timeout",
-        deserialize_with = "deserialize_duration"
+        deserialize_with = "duration::deserialize"
     )]
     pub connect_timeout: Duration,
     /// Consecutive failures (errors or timeouts) after which the store is skipped for
@@ -52,7 +52,7 @@ pub struct RedisConfig {
     /// lookup after it is a probe. Default: `5s`.
     #[serde(
         default = "default_cooldown",
-        deserialize_with = "deserialize_duration"
+        deserialize_with = "duration::deserialize"
     )]
     pub cooldown: Duration,
     /// Writes waiting for the writer task; a write that finds the queue full is dropped.
@@ -77,12 +77,6 @@ fn default_write_queue() -> usize {
     1024
 }
 
-fn deserialize_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let text = String::deserialize(d)?;
-    humantime::parse_duration(&text)
-        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration: {e}")))
-}
-
 impl Default for RedisConfig {
     fn default() -> Self {
         Self {
@@ -98,27 +92,32 @@ impl Default for RedisConfig {
 }
 
 impl RedisConfig {
-    /// Checks what serde cannot: on error, the offending key (relative to this section) and
-    /// why.
-    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+    /// Checks what serde cannot; keys are relative to this section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         match (&self.url, self.cluster_nodes.is_empty()) {
             (Some(_), false) => {
-                return Err(("url", "set url or cluster_nodes, not both".into()));
+                return Err(ConfigError::new(
+                    "url",
+                    "set url or cluster_nodes, not both",
+                ));
             }
             (None, true) => {
-                return Err(("url", "set url (single node) or cluster_nodes".into()));
+                return Err(ConfigError::new(
+                    "url",
+                    "set url (single node) or cluster_nodes",
+                ));
             }
             (Some(url), true) => {
-                url.as_str()
-                    .into_connection_info()
-                    .map_err(|e| ("url", format!("{url:?} is not a Redis URL: {e}")))?;
+                url.as_str().into_connection_info().map_err(|e| {
+                    ConfigError::new("url", format!("{url:?} is not a Redis URL: {e}"))
+                })?;
             }
             (None, false) => {
                 for (i, node) in self.cluster_nodes.iter().enumerate() {
                     node.as_str().into_connection_info().map_err(|e| {
-                        (
-                            "cluster_nodes",
-                            format!("entry {i} ({node:?}) is not a Redis URL: {e}"),
+                        ConfigError::new(
+                            format!("cluster_nodes[{i}]"),
+                            format!("{node:?} is not a Redis URL: {e}"),
                         )
                     })?;
                 }
@@ -131,51 +130,30 @@ impl RedisConfig {
         ];
         for (key, value) in positive {
             if value.is_zero() {
-                return Err((key, "must be more than 0".into()));
+                return Err(ConfigError::new(key, "must be more than 0"));
             }
         }
         if self.failure_threshold == 0 {
-            return Err(("failure_threshold", "must be at least 1".into()));
+            return Err(ConfigError::new("failure_threshold", "must be at least 1"));
         }
         if self.write_queue == 0 {
-            return Err(("write_queue", "must be at least 1".into()));
+            return Err(ConfigError::new("write_queue", "must be at least 1"));
         }
         Ok(())
     }
 }
 
-struct Metrics {
-    errors: Option<IntCounterVec>,
-    dropped: Option<IntCounterVec>,
-}
+metric!(STORE_ERRORS: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_store_errors_total",
+    "Cache store operations that failed, timed out or were skipped during a cool-down",
+    &["store", "op", "kind"]
+));
 
-/// Registered once per process; a registration failure costs the metric, never the proxy.
-static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
-    errors: register(
-        "sluice_cache_store_errors_total",
-        "Cache store operations that failed, timed out or were skipped during a cool-down",
-        &["store", "op", "kind"],
-    ),
-    dropped: register(
-        "sluice_cache_write_queue_dropped_total",
-        "Cache writes dropped because the store's write queue was full",
-        &["store"],
-    ),
-});
-
-fn register(name: &str, help: &str, labels: &[&str]) -> Option<IntCounterVec> {
-    let counter = match IntCounterVec::new(Opts::new(name, help), labels) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(metric = name, error = %e, "cannot create metric");
-            return None;
-        }
-    };
-    if let Err(e) = prometheus::register(Box::new(counter.clone())) {
-        tracing::error!(metric = name, error = %e, "cannot register metric");
-    }
-    Some(counter)
-}
+metric!(WRITES_DROPPED: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_write_queue_dropped_total",
+    "Cache writes dropped because the store's write queue was full",
+    &["store"]
+));
 
 #[derive(Clone, Copy)]
 enum Op {
@@ -191,24 +169,20 @@ enum Kind {
 }
 
 fn count_error(op: Op, kind: Kind) {
-    if let Some(c) = &METRICS.errors {
-        let op = match op {
-            Op::Get => "get",
-            Op::Set => "set",
-        };
-        let kind = match kind {
-            Kind::Timeout => "timeout",
-            Kind::Error => "error",
-            Kind::Cooldown => "cooldown",
-        };
-        c.with_label_values(&["redis", op, kind]).inc();
-    }
+    let op = match op {
+        Op::Get => "get",
+        Op::Set => "set",
+    };
+    let kind = match kind {
+        Kind::Timeout => "timeout",
+        Kind::Error => "error",
+        Kind::Cooldown => "cooldown",
+    };
+    metrics::inc(&STORE_ERRORS, &["redis", op, kind]);
 }
 
 fn count_dropped() {
-    if let Some(c) = &METRICS.dropped {
-        c.with_label_values(&["redis"]).inc();
-    }
+    metrics::inc(&WRITES_DROPPED, &["redis"]);
 }
 
 /// A connection to either deployment; both are multiplexed and cheap to clone, and both
@@ -244,9 +218,9 @@ enum Admit {
     Skip,
 }
 
-/// Consecutive-failure breaker, lock-free: a failure count and a cool-down deadline in
+/// The store's cool-down after consecutive failures, lock-free: a failure count and a cool-down deadline in
 /// nanoseconds since `base` (0 = not cooling down).
-struct Breaker {
+struct CoolDown {
     base: Instant,
     failures: AtomicU32,
     cooling_until: AtomicU64,
@@ -254,7 +228,7 @@ struct Breaker {
     cooldown: Duration,
 }
 
-impl Breaker {
+impl CoolDown {
     fn now(&self) -> u64 {
         u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
@@ -317,11 +291,11 @@ impl Breaker {
 struct Shared {
     target: Target,
     backend: OnceLock<Backend>,
-    breaker: Breaker,
+    cool_down: CoolDown,
     lookup_timeout: Duration,
     /// Bounds each write (connect_timeout).
     write_timeout: Duration,
-    /// When a write error was last logged (nanoseconds since `breaker.base`, 0 = never).
+    /// When a write error was last logged (nanoseconds since `cool_down.base`, 0 = never).
     last_write_log: AtomicU64,
 }
 
@@ -341,7 +315,7 @@ impl Shared {
                     .set_connection_timeout(Some(self.write_timeout))
                     .set_response_timeout(Some(self.write_timeout))
                     // One attempt per reconnect: the next command starts another, and the
-                    // breaker keeps lookups away meanwhile, so retrying inside redis-rs only
+                    // cool-down keeps lookups away meanwhile, so retrying inside redis-rs only
                     // holds waiting commands longer.
                     .set_number_of_retries(0);
                 ConnectionManager::new_lazy_with_config(client.clone(), config)
@@ -361,9 +335,9 @@ impl Shared {
     }
 
     fn log_write_error(&self, error: &str) {
-        let now = self.breaker.now().max(1);
+        let now = self.cool_down.now().max(1);
         let last = self.last_write_log.load(Ordering::Acquire);
-        let every = u64::try_from(self.breaker.cooldown.as_nanos()).unwrap_or(u64::MAX);
+        let every = u64::try_from(self.cool_down.cooldown.as_nanos()).unwrap_or(u64::MAX);
         if (last == 0 || now.saturating_sub(last) >= every)
             && self
                 .last_write_log
@@ -431,7 +405,7 @@ impl RedisStore {
             shared: Arc::new(Shared {
                 target,
                 backend: OnceLock::new(),
-                breaker: Breaker {
+                cool_down: CoolDown {
                     base: Instant::now(),
                     failures: AtomicU32::new(0),
                     cooling_until: AtomicU64::new(0),
@@ -487,7 +461,7 @@ impl RedisStore {
             Ok(b) => b,
             Err(e) => {
                 count_error(Op::Get, Kind::Error);
-                self.shared.breaker.failure(&e);
+                self.shared.cool_down.failure(&e);
                 return Err(StoreError::Failed(e));
             }
         };
@@ -500,18 +474,18 @@ impl RedisStore {
         .await;
         let bytes = match answer {
             Ok(Ok(bytes)) => {
-                self.shared.breaker.success();
+                self.shared.cool_down.success();
                 bytes
             }
             Ok(Err(e)) => {
                 count_error(Op::Get, Kind::Error);
                 let e = e.to_string();
-                self.shared.breaker.failure(&e);
+                self.shared.cool_down.failure(&e);
                 return Err(StoreError::Failed(e));
             }
             Err(_) => {
                 count_error(Op::Get, Kind::Timeout);
-                self.shared.breaker.failure("lookup timed out");
+                self.shared.cool_down.failure("lookup timed out");
                 return Err(StoreError::Timeout);
             }
         };
@@ -538,7 +512,7 @@ impl Store for RedisStore {
 
     async fn get(&self, key: &CacheKey) -> Result<Option<Arc<Entry>>, StoreError> {
         self.start();
-        match self.shared.breaker.admit() {
+        match self.shared.cool_down.admit() {
             Admit::Skip => {
                 count_error(Op::Get, Kind::Cooldown);
                 Err(StoreError::CoolingDown)
@@ -565,12 +539,12 @@ impl Store for RedisStore {
     }
 }
 
-/// Drains the write queue until the store is dropped. Shares the breaker with lookups: while
+/// Drains the write queue until the store is dropped. Shares the cool-down with lookups: while
 /// Redis is cooling down, writes are dropped at once rather than each waiting out a timeout,
 /// so the queue keeps moving and resumes by itself when Redis does.
 async fn writer(shared: Arc<Shared>, mut queue: mpsc::Receiver<Write>) {
     while let Some(write) = queue.recv().await {
-        if let Admit::Skip = shared.breaker.admit() {
+        if let Admit::Skip = shared.cool_down.admit() {
             count_error(Op::Set, Kind::Cooldown);
             continue;
         }
@@ -578,7 +552,7 @@ async fn writer(shared: Arc<Shared>, mut queue: mpsc::Receiver<Write>) {
             Ok(b) => b,
             Err(e) => {
                 count_error(Op::Set, Kind::Error);
-                shared.breaker.failure(&e);
+                shared.cool_down.failure(&e);
                 shared.log_write_error(&e);
                 continue;
             }
@@ -589,16 +563,16 @@ async fn writer(shared: Arc<Shared>, mut queue: mpsc::Receiver<Write>) {
             .arg("PX")
             .arg(write.ttl_ms);
         match tokio::time::timeout(shared.write_timeout, backend.query::<()>(&cmd)).await {
-            Ok(Ok(())) => shared.breaker.success(),
+            Ok(Ok(())) => shared.cool_down.success(),
             Ok(Err(e)) => {
                 count_error(Op::Set, Kind::Error);
                 let e = e.to_string();
-                shared.breaker.failure(&e);
+                shared.cool_down.failure(&e);
                 shared.log_write_error(&e);
             }
             Err(_) => {
                 count_error(Op::Set, Kind::Timeout);
-                shared.breaker.failure("write timed out");
+                shared.cool_down.failure("write timed out");
                 shared.log_write_error("write timed out");
             }
         }

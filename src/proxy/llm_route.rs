@@ -1,0 +1,414 @@
+//! The LLM pipeline of a client request, in the order it runs: read and parse the body,
+//! choose the pool by model, run the plugins' request hooks (which may answer, as a cache
+//! hit does, or refuse), then the attempt loop: one [`attempt`] at a time until one answers
+//! or none is left. Each turn of the loop is four named steps:
+//!
+//! 1. **select**: the plugins' `upstream_select` hooks, then a backend of the pool that was
+//!    not tried yet (none left: escalate, or answer with what the last attempt left);
+//! 2. **prepare**: the request header and body for that backend (the plugins'
+//!    `upstream_request` hooks), its deadlines, and what the attempt holds back;
+//! 3. **run**: [`attempt::run`], which pipes the answer to the client or holds it;
+//! 4. **decide**: done, another backend, a retry after backoff, or the escalation target.
+//!
+//! Retries: an attempt that failed before anything reached the client is tried on another
+//! backend of the pool when the upstream cannot have acted on the request (a refused or
+//! timed-out connect, or an error Pingora marks as safe to retry); an error status (5xx,
+//! 429) is retried within the pool's retry budget. Anything else is final: a model may
+//! already be generating.
+
+use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
+use super::tries::{self, no_backend};
+use super::{body, reply, Sluice};
+use crate::metrics;
+use bytes::Bytes;
+use pingora_error::{Error, Result};
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+use sluice_sdk::escalation::reason;
+use sluice_sdk::{Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, RequestCtx, Selected};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::time::Instant;
+
+/// Serves an LLM request from `request_filter`: on return, it has been answered (or the
+/// error is for `fail_to_proxy` to answer).
+pub async fn serve(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    endpoint: Endpoint,
+) -> Result<()> {
+    let body = body::read_whole(session, &sluice.limits).await?;
+    let call = LlmCall::parse(endpoint, body)
+        .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
+    let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
+    ctx.set_llm(call);
+    ctx.send_to(pool);
+
+    if let Some(answer) = sluice.chain.request(session, ctx).await? {
+        return reply::local(&sluice.chain, session, ctx, answer).await;
+    }
+    AttemptLoop::new(ctx)?.run(sluice, session, ctx).await
+}
+
+/// The pool serving `model`: the first that lists it, else one that lists no models (a
+/// catch-all); a request without a model goes to the first pool.
+fn pool_for(pools: &Pools, model: Option<&str>) -> Result<Arc<Pool>> {
+    let found = match model {
+        Some(model) => pools
+            .for_model(model)
+            .or_else(|| pools.iter().find(|p| p.models.is_empty()))
+            .ok_or_else(|| ErrorReply::unknown_model(model).into_error())?,
+        None => pools
+            .default_pool()
+            .ok_or_else(|| ErrorReply::internal("No pool is configured.").into_error())?,
+    };
+    Ok(found.clone())
+}
+
+/// The attempt loop's state, for one request.
+struct AttemptLoop {
+    /// The client's body, sent to every attempt unless a plugin asked for another.
+    client_body: Bytes,
+    max_tokens: Option<u32>,
+    is_stream: bool,
+    /// Backends of the current pool already tried.
+    tried: Vec<SocketAddr>,
+    /// The last attempt's failure, answered if nothing follows it.
+    last_error: Option<Box<Error>>,
+    /// The last declined error answer (5xx, 429), sent as it is if nothing follows it.
+    declined: Option<(Box<ResponseHeader>, Bytes)>,
+    /// Retries of an error answer spent in the current pool.
+    retries_in_pool: u32,
+}
+
+/// What the decide step chose.
+enum Then {
+    /// Another attempt (another backend, or the escalation target).
+    TryAgain,
+    /// The request is over: answered, or this error is to be answered.
+    Finished(Result<()>),
+    /// Send an upstream's error answer that was held back.
+    SendDeclined(Box<ResponseHeader>, Bytes),
+}
+
+/// One attempt, ready to run.
+struct Prepared {
+    attempt: Attempt,
+    deadlines: Deadlines,
+    hold: Hold,
+}
+
+impl AttemptLoop {
+    fn new(ctx: &RequestCtx) -> Result<Self> {
+        let call = ctx
+            .llm()
+            .ok_or_else(|| ErrorReply::internal("No parsed request.").into_error())?;
+        if let Some(pool) = ctx.pool() {
+            pool.retry_budget.deposit();
+        }
+        Ok(Self {
+            client_body: call.body.clone(),
+            max_tokens: call.request.max_output_tokens(),
+            is_stream: call.request.is_stream(),
+            tried: Vec::new(),
+            last_error: None,
+            declined: None,
+            retries_in_pool: 0,
+        })
+    }
+
+    async fn run(
+        mut self,
+        sluice: &Sluice,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        loop {
+            // 1. select
+            sluice.chain.upstream_select(ctx)?;
+            let pool = ctx
+                .pool()
+                .cloned()
+                .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
+            let demand = ctx
+                .llm()
+                .map_or_else(Demand::default, |call| call.demand_for(&pool.balancing));
+            let then = match pool.select(&self.tried, &demand) {
+                None => self.pool_exhausted(ctx, &pool),
+                Some(backend) => {
+                    // 2. prepare
+                    let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
+                    let prepared = self.prepare(sluice, session, ctx, &pool, &backend)?;
+                    // 3. run
+                    let Prepared {
+                        attempt,
+                        deadlines,
+                        hold,
+                    } = prepared;
+                    let outcome =
+                        attempt::run(sluice, session, ctx, attempt, deadlines, &hold).await;
+                    // Ended: a retry's backoff, or a held answer sent later, is no load on
+                    // this backend.
+                    drop(in_flight);
+                    // 4. decide
+                    self.decide(ctx, &pool, &backend, outcome).await
+                }
+            };
+            match then {
+                Then::TryAgain => continue,
+                Then::Finished(result) => return result,
+                Then::SendDeclined(header, body) => {
+                    return attempt::send_held(sluice, session, ctx, header, body).await
+                }
+            }
+        }
+    }
+
+    /// The request header, body, deadlines and hold of an attempt on `backend`.
+    fn prepare(
+        &self,
+        sluice: &Sluice,
+        session: &Session,
+        ctx: &mut RequestCtx,
+        pool: &Pool,
+        backend: &Selected,
+    ) -> Result<Prepared> {
+        // A first pool may get its own body (a draft asked for logprobs), and every pool
+        // the plugins' (a stream's usage asked for).
+        let body = ctx
+            .escalation()
+            .and_then(|e| e.upstream_body.clone())
+            .or_else(|| ctx.upstream_body().cloned())
+            .unwrap_or_else(|| self.client_body.clone());
+        let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
+        sluice.chain.upstream_request(&mut header, ctx)?;
+
+        let escalation = ctx.escalation();
+        let now = Instant::now();
+        let started = Instant::from_std(ctx.started());
+        let first_byte = match escalation.and_then(|e| e.first_byte_budget) {
+            Some(budget) => budget.min(pool.timeouts.first_byte),
+            None => pool.timeouts.first_byte,
+        };
+        let total = started + pool.timeouts.total_for(self.max_tokens);
+        let deadlines = Deadlines {
+            first_byte: (now + first_byte).min(total),
+            total,
+        };
+        let may_retry_here =
+            self.retries_in_pool < pool.retry.max_retries && pool.retry_budget.has_retry();
+        let hold = Hold {
+            error_statuses: escalation.is_some() || may_retry_here,
+            check: escalation
+                .filter(|_| !self.is_stream)
+                .and_then(|e| e.check.clone()),
+            stream_check: escalation
+                .filter(|_| self.is_stream)
+                .and_then(|e| e.stream_check.clone()),
+        };
+        Ok(Prepared {
+            attempt: Attempt {
+                peer: pool.peer(backend.addr),
+                header,
+                body,
+            },
+            deadlines,
+            hold,
+        })
+    }
+
+    /// Judges the backend by the attempt, counts it, and chooses what follows.
+    async fn decide(
+        &mut self,
+        ctx: &mut RequestCtx,
+        pool: &Pool,
+        backend: &Selected,
+        outcome: Outcome,
+    ) -> Then {
+        if let Some(verdict) = outcome.verdict(ctx.progress().upstream_status) {
+            tries::judge(pool, backend.addr, &backend.live, verdict);
+        }
+        if let Some(label) = outcome.label() {
+            metrics::attempt(&pool.name, label);
+        }
+        match outcome {
+            Outcome::Complete => Then::Finished(Ok(())),
+            Outcome::NotStarted(e) => self.not_started(ctx, pool, backend.addr, e),
+            Outcome::Declined(header, body) => {
+                self.declined_answer(ctx, pool, backend.addr, header, body)
+                    .await
+            }
+            Outcome::Judged(why) => {
+                if self.escalate(ctx, why) {
+                    Then::TryAgain
+                } else {
+                    let rejected = ErrorReply::bad_gateway("The answer was rejected.");
+                    Then::Finished(Err(rejected.into_error()))
+                }
+            }
+            Outcome::Broken(e) | Outcome::ClientGone(e) => Then::Finished(Err(e)),
+        }
+    }
+
+    /// Every backend of the pool was tried (or none is usable).
+    fn pool_exhausted(&mut self, ctx: &mut RequestCtx, pool: &Pool) -> Then {
+        let why = if self.last_error.is_some() || self.declined.is_some() {
+            reason::DRAFT_ERROR
+        } else {
+            reason::DRAFT_UNAVAILABLE
+        };
+        if self.escalate(ctx, why) {
+            return Then::TryAgain;
+        }
+        if let Some((header, body)) = self.declined.take() {
+            return Then::SendDeclined(header, body);
+        }
+        Then::Finished(Err(self
+            .last_error
+            .take()
+            .unwrap_or_else(|| no_backend(pool))))
+    }
+
+    /// Nothing reached the client: another backend when the upstream cannot have acted on
+    /// the request, else the escalation target, else the error.
+    fn not_started(
+        &mut self,
+        ctx: &mut RequestCtx,
+        pool: &Pool,
+        backend: SocketAddr,
+        e: Box<Error>,
+    ) -> Then {
+        tracing::warn!(
+            request_id = ctx.request_id().unwrap_or("-"),
+            pool = &*pool.name,
+            backend = %backend,
+            "upstream attempt failed: {e}"
+        );
+        if is_connect_failure(&e) || e.retry() {
+            // Another backend of the pool; when none is left, the escalation target.
+            self.last_error = Some(e);
+            return Then::TryAgain;
+        }
+        let why = if is_timeout(&e) {
+            reason::DRAFT_TIMEOUT
+        } else {
+            reason::DRAFT_ERROR
+        };
+        if self.escalate(ctx, why) {
+            self.last_error = Some(e);
+            return Then::TryAgain;
+        }
+        Then::Finished(Err(e))
+    }
+
+    /// An error status was held back: a retry in the pool after backoff, within its budget;
+    /// else the escalation target; else the answer as it is.
+    async fn declined_answer(
+        &mut self,
+        ctx: &mut RequestCtx,
+        pool: &Pool,
+        backend: SocketAddr,
+        header: Box<ResponseHeader>,
+        body: Bytes,
+    ) -> Then {
+        tracing::info!(
+            request_id = ctx.request_id().unwrap_or("-"),
+            pool = &*pool.name,
+            backend = %backend,
+            "upstream answered {}; trying again",
+            header.status.as_u16()
+        );
+        if self.retries_in_pool < pool.retry.max_retries && pool.retry_budget.try_spend() {
+            self.declined = Some((header, body));
+            self.retries_in_pool += 1;
+            metrics::inc(&metrics::POOL_RETRIES, &[&pool.name]);
+            tokio::time::sleep(pool.retry.backoff(self.retries_in_pool)).await;
+            // Any backend may take the retry, the same one included.
+            self.tried.clear();
+            return Then::TryAgain;
+        }
+        if self.escalate(ctx, reason::DRAFT_ERROR) {
+            self.declined = Some((header, body));
+            return Then::TryAgain;
+        }
+        Then::SendDeclined(header, body)
+    }
+
+    /// Moves the request to its escalation target, if it has one: the next attempts go there,
+    /// with the client's own body. Returns whether it did.
+    fn escalate(&mut self, ctx: &mut RequestCtx, why: &'static str) -> bool {
+        let Some(escalation) = ctx.take_escalation() else {
+            return false;
+        };
+        tracing::info!(
+            request_id = ctx.request_id().unwrap_or("-"),
+            from = ctx.pool_name(),
+            to = &*escalation.target.name,
+            "escalated: {why}"
+        );
+        escalation.target.retry_budget.deposit();
+        ctx.escalate_to(escalation.target, why);
+        self.tried.clear();
+        self.retries_in_pool = 0;
+        true
+    }
+}
+
+/// The request header an upstream gets: the client's, with hop-by-hop headers removed, the
+/// body framed by its exact length, and sent as HTTP/1.1, which needs a `Host` (an HTTP/1.0
+/// client may have sent none).
+fn upstream_header(
+    client: &RequestHeader,
+    body_len: usize,
+    backend: SocketAddr,
+) -> Result<RequestHeader> {
+    let mut header = client.clone();
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "expect",
+    ] {
+        header.remove_header(name);
+    }
+    header.insert_header(http::header::CONTENT_LENGTH, body_len)?;
+    if !header.headers.contains_key(http::header::HOST) {
+        header.insert_header(http::header::HOST, backend.to_string())?;
+    }
+    header.set_version(http::Version::HTTP_11);
+    Ok(header)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_header_drops_hop_by_hop_and_sets_the_length() {
+        let mut client = RequestHeader::build("POST", b"/v1/chat/completions", None).unwrap();
+        client
+            .insert_header("transfer-encoding", "chunked")
+            .unwrap();
+        client.insert_header("expect", "100-continue").unwrap();
+        client.insert_header("connection", "keep-alive").unwrap();
+        client.insert_header("authorization", "Bearer k").unwrap();
+        let backend: SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        let up = upstream_header(&client, 1234, backend).unwrap();
+        assert!(up.headers.get("transfer-encoding").is_none());
+        assert!(up.headers.get("expect").is_none());
+        assert!(up.headers.get("connection").is_none());
+        assert_eq!(up.headers.get("content-length").unwrap(), "1234");
+        assert_eq!(up.headers.get("authorization").unwrap(), "Bearer k");
+        assert_eq!(up.headers.get("host").unwrap(), "127.0.0.1:8000");
+        assert_eq!(up.version, http::Version::HTTP_11);
+
+        client.insert_header("host", "api.example").unwrap();
+        let up = upstream_header(&client, 1234, backend).unwrap();
+        assert_eq!(up.headers.get("host").unwrap(), "api.example");
+    }
+}

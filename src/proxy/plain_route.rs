@@ -1,0 +1,56 @@
+//! Plain routes (`proxy_pass`): Pingora's own proxy loop moves the bytes; this keeps what the
+//! loop's hooks share about the current try, so that each try counts once for or against
+//! its backend and a refused connection moves on to another backend of the pool.
+
+use super::tries::{self, no_backend};
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_error::Result;
+use sluice_sdk::error::ErrorReply;
+use sluice_sdk::{Demand, InFlight, RequestCtx, Verdict};
+use std::net::SocketAddr;
+
+/// The tries of one plain-route request.
+#[derive(Default)]
+pub struct PlainTries {
+    /// The backends already tried, for connect-failure retries.
+    tried: Vec<SocketAddr>,
+    /// The current try, counted against its backend.
+    in_flight: Option<InFlight>,
+    /// The current try has counted for or against its backend.
+    judged: bool,
+}
+
+impl PlainTries {
+    /// The peer for the next try: a backend of the request's pool not tried yet.
+    pub fn next_peer(&mut self, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+        let pool = ctx
+            .pool()
+            .cloned()
+            .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
+        let backend = pool
+            .select(&self.tried, &Demand::default())
+            .ok_or_else(|| no_backend(&pool))?;
+        self.in_flight = Some(tries::begin(ctx, &mut self.tried, &backend, 0));
+        self.judged = false;
+        Ok(Box::new(pool.peer(backend.addr)))
+    }
+
+    /// Whether the pool has a backend left to try after a refused connection.
+    pub fn backends_left(&self, ctx: &RequestCtx) -> bool {
+        ctx.pool()
+            .is_some_and(|pool| self.tried.len() < pool.backends.len())
+    }
+
+    /// Judges the current try, once: a failure when it fails (no connection, an upstream
+    /// error, a 5xx), else a success when the request ends.
+    pub fn judge(&mut self, ctx: &RequestCtx, verdict: Verdict) {
+        let (Some(pool), Some(addr), Some(in_flight)) =
+            (ctx.pool(), ctx.progress().backend, &self.in_flight)
+        else {
+            return;
+        };
+        if !std::mem::replace(&mut self.judged, true) {
+            tries::judge(pool, addr, in_flight.backend(), verdict);
+        }
+    }
+}
