@@ -6,12 +6,13 @@
 //! - [`chain`]: the plugins, in their defined order.
 //! - [`health`]: the background service that probes backends and scrapes their vLLM metrics.
 //! - [`admin`], [`metrics`], [`access_log`]: what operators see.
-//! - [`demo`]: the proxy with simulated vLLM pools, in one process.
+//! - `demo` (the default feature `demo`): the proxy with simulated vLLM pools, in one process.
 
 pub mod access_log;
 pub mod admin;
 pub mod chain;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod health;
 pub mod logging;

@@ -22,6 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the proxy and simulated vLLM pools (draft and target) in one process.
+    #[cfg(feature = "demo")]
     Demo(sluice::demo::DemoArgs),
 }
 
@@ -36,6 +37,7 @@ const DEFAULT_CONFIG: &str = "conf/sluice.yaml";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    #[cfg(feature = "demo")]
     if let Some(Command::Demo(args)) = cli.command {
         return match sluice::demo::run(cli.opt, args) {
             Ok(()) => ExitCode::SUCCESS,

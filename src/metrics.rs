@@ -1,6 +1,6 @@
-//! The core's Prometheus series. Names the seeds' dashboards use are kept as SPEC.md fixes them;
-//! all others are `sluice_*`. They live in `prometheus`' default registry, which the admin
-//! listener's `/metrics` serves.
+//! The core's Prometheus series. Names the seeds' dashboards use are kept as `conf/README.md`
+//! lists them; all others are `sluice_*`. They live in `prometheus`' default registry, which
+//! the admin listener's `/metrics` serves.
 //!
 //! Label values come from config (pool, route) or from a fixed set, never from raw client
 //! input, so a client cannot blow up cardinality: an unknown model is `-`.

@@ -20,7 +20,7 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;
-use sluice_sdk::{BackendLive, BackendState, Load, Pool, Pools, Probe};
+use sluice_sdk::{BackendLive, BackendState, Load, Pool, Pools, Priority, Probe};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::time::{interval, MissedTickBehavior};
@@ -174,6 +174,13 @@ impl Checker {
         let Some(live) = self.live() else {
             return;
         };
+        if self.index == 0 {
+            // Asks the pool's admission control once a tick, so that what it reports (the
+            // breaker's shedding gauge) follows the pool's load even while no request comes.
+            for priority in Priority::ALL {
+                self.pool.sheds(priority);
+            }
+        }
         live.decay_ejections(&self.pool.outlier);
         let (pool, backend) = (&*self.pool.name, self.address());
         let state = live.state(&self.pool.health);

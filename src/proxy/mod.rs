@@ -149,28 +149,6 @@ impl ProxyHttp for Sluice {
         e
     }
 
-    fn error_while_proxy(
-        &self,
-        peer: &HttpPeer,
-        session: &mut Session,
-        e: Box<Error>,
-        ctx: &mut ProxyCtx,
-        client_reused: bool,
-    ) -> Box<Error> {
-        if e.esource() == &ErrorSource::Upstream {
-            ctx.plain.judge(&ctx.req, Verdict::Failure);
-        }
-        let mut e = e.more_context(format!("Peer: {peer}"));
-        // As Pingora decides by default: only an idempotent request whose body is still in
-        // hand may be sent again, and only when a pooled connection was closed under it.
-        if session.req_header().method.is_idempotent() && !session.retry_buffer_truncated() {
-            e.retry.decide_reuse(client_reused);
-        } else {
-            e.set_retry(false);
-        }
-        e
-    }
-
     async fn upstream_request_filter(
         &self,
         _session: &mut Session,
@@ -206,6 +184,29 @@ impl ProxyHttp for Sluice {
             .response_body(body, end_of_stream, &mut ctx.req)?;
         downstream::count_sent(&mut ctx.req, body.as_ref());
         Ok(None)
+    }
+
+    /// A plain route's upstream failed while proxying (after the connection was made).
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut ProxyCtx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        if e.esource() == &ErrorSource::Upstream {
+            ctx.plain.judge(&ctx.req, Verdict::Failure);
+        }
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        // As Pingora decides by default: only an idempotent request whose body is still in
+        // hand may be sent again, and only when a pooled connection was closed under it.
+        if session.req_header().method.is_idempotent() && !session.retry_buffer_truncated() {
+            e.retry.decide_reuse(client_reused);
+        } else {
+            e.set_retry(false);
+        }
+        e
     }
 
     // ---- every request ----
