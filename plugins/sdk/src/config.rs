@@ -15,10 +15,12 @@ use std::fmt;
 pub struct ConfigError {
     /// The key path, relative to the section that reported it; empty for the whole section.
     pub key: String,
+    /// What is wrong with the value, read after the key (`must be longer than 0`).
     pub message: String,
 }
 
 impl ConfigError {
+    /// An error at `key`, a path relative to the reporting section (empty: the whole section).
     pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             key: key.into(),

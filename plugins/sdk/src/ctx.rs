@@ -94,6 +94,8 @@ impl Default for RequestCtx {
 }
 
 impl RequestCtx {
+    /// A context for a request arriving now: unrouted, nothing recorded. The core makes one per
+    /// request; plugins need this only in tests.
     pub fn new() -> Self {
         Self {
             started: Instant::now(),
@@ -113,10 +115,12 @@ impl RequestCtx {
 
     // ---- facts ----
 
+    /// When the request arrived: the pool's total timeout and the logged duration count from here.
     pub fn started(&self) -> Instant {
         self.started
     }
 
+    /// What the router decided; [`Route::Unrouted`] during `early_request`, which runs before it.
     pub fn route(&self) -> &Route {
         &self.route
     }
@@ -131,6 +135,7 @@ impl RequestCtx {
         self.llm.as_ref().and_then(|c| c.request.model.as_deref())
     }
 
+    /// What the core has recorded so far of the request's attempts and of the response.
     pub fn progress(&self) -> &Progress {
         &self.progress
     }
@@ -142,6 +147,8 @@ impl RequestCtx {
         self.request_id.as_deref()
     }
 
+    /// Gives the request its id (the request-id plugin does, in `early_request`); a later call
+    /// replaces it.
     pub fn set_request_id(&mut self, id: String) {
         self.request_id = Some(id);
     }
@@ -151,6 +158,8 @@ impl RequestCtx {
         self.priority
     }
 
+    /// Sets the request's class, which the pools' admission control reads (the KV breaker sets it
+    /// from the priority header); a later call replaces it.
     pub fn set_priority(&mut self, priority: Priority) {
         self.priority = Some(priority);
     }
@@ -160,6 +169,8 @@ impl RequestCtx {
         self.answered_locally
     }
 
+    /// Records that a plugin answered the request itself (a cache hit, with `Flow::Respond`), so
+    /// later hooks know that no upstream made the answer.
     pub fn mark_answered_locally(&mut self) {
         self.answered_locally = true;
     }
@@ -213,6 +224,8 @@ impl RequestCtx {
         self.upstream_body = Some(body);
     }
 
+    /// The body set by [`RequestCtx::ask_upstream_for`], if any. While the request is on its first
+    /// pool, the escalation's own [`Escalation::upstream_body`] is sent instead, when it has one.
     pub fn upstream_body(&self) -> Option<&Bytes> {
         self.upstream_body.as_ref()
     }
@@ -258,6 +271,7 @@ impl PluginState {
         }
     }
 
+    /// The stored value of type `T`, if any.
     pub fn get<T: Any>(&self) -> Option<&T> {
         let id = TypeId::of::<T>();
         self.items
@@ -266,6 +280,7 @@ impl PluginState {
             .and_then(|(_, v)| v.downcast_ref())
     }
 
+    /// The stored value of type `T`, to change in place, if any.
     pub fn get_mut<T: Any>(&mut self) -> Option<&mut T> {
         let id = TypeId::of::<T>();
         self.items
@@ -274,6 +289,7 @@ impl PluginState {
             .and_then(|(_, v)| v.downcast_mut())
     }
 
+    /// Takes the stored value of type `T` out, if any.
     pub fn remove<T: Any>(&mut self) -> Option<T> {
         let id = TypeId::of::<T>();
         let i = self.items.iter().position(|(t, _)| *t == id)?;

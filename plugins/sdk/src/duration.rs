@@ -4,6 +4,7 @@
 use serde::{Deserialize, Deserializer};
 use std::time::Duration;
 
+/// Reads a duration written as text; a bad value is a config error that shows how to write one.
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text).map_err(|e| {

@@ -21,7 +21,9 @@ pub fn internal(e: impl fmt::Display) -> Box<Error> {
 /// An answer that Sluice makes itself, in OpenAI's error shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ErrorReply {
+    /// The HTTP status of the answer (499 is logged, never sent).
     pub status: u16,
+    /// For the client, as the OpenAI body's `error.message`, and for the log.
     pub message: String,
     /// The request parameter at fault, if any (OpenAI's `param`).
     pub param: Option<String>,
@@ -64,6 +66,7 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, so that each `reason` series can be created at zero at start-up.
     pub const ALL: [Reason; 13] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
@@ -110,6 +113,7 @@ impl fmt::Display for Reason {
 pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
 
 impl ErrorReply {
+    /// A reply with `status`; 429 and 503 get `retry-after` [`DEFAULT_RETRY_AFTER_SECS`].
     pub fn new(status: u16, reason: Reason, message: impl Into<String>) -> Self {
         let retry_after = matches!(status, 429 | 503).then_some(DEFAULT_RETRY_AFTER_SECS);
         Self {
@@ -121,6 +125,7 @@ impl ErrorReply {
         }
     }
 
+    /// 400 for a body that is not a valid LLM request, naming the parameter at fault.
     pub fn bad_request(invalid: InvalidRequest) -> Self {
         Self {
             param: invalid.param,
@@ -128,6 +133,7 @@ impl ErrorReply {
         }
     }
 
+    /// 404, for `reason` (no route matches, say).
     pub fn not_found(reason: Reason, message: impl Into<String>) -> Self {
         Self::new(404, reason, message)
     }
@@ -137,6 +143,7 @@ impl ErrorReply {
         Self::new(500, Reason::Internal, message)
     }
 
+    /// 404 for a `model` that no pool serves, with `param` set to `model`.
     pub fn unknown_model(model: &str) -> Self {
         Self {
             param: Some("model".into()),
@@ -148,6 +155,7 @@ impl ErrorReply {
         }
     }
 
+    /// 413 for a body over `limit` bytes (`limits.max_request_body_bytes`).
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             413,
@@ -164,10 +172,12 @@ impl ErrorReply {
         }
     }
 
+    /// 502: the upstream failed or could not be reached, and no fallback was left.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(502, Reason::UpstreamError, message)
     }
 
+    /// 504: the upstream did not answer in time.
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
         Self::new(504, Reason::UpstreamTimeout, message)
     }

@@ -22,6 +22,7 @@ use std::time::Duration;
 /// Where to go if the first pool fails, and how to judge its answers.
 #[derive(Clone)]
 pub struct Escalation {
+    /// The pool the request moves to when the first pool fails or its answer is judged wanting.
     pub target: Arc<Pool>,
     /// The longest wait for the first pool's response header before escalating.
     pub first_byte_budget: Option<Duration>,
@@ -56,6 +57,7 @@ pub enum Judgement {
 
 /// Judges a whole non-stream answer (status 200) of the first pool.
 pub trait AnswerCheck: Send + Sync {
+    /// Decides on the first pool's whole body; the client gets nothing of it before this returns.
     fn judge(&self, body: &Bytes) -> Judgement;
 }
 
@@ -63,6 +65,7 @@ pub trait AnswerCheck: Send + Sync {
 /// stream from the client and feeds its chunks to a fresh [`StreamJudge`] until it decides;
 /// then either sends what it kept and streams on, or drops the stream and escalates.
 pub trait StreamCheck: Send + Sync {
+    /// A fresh judge for one stream; called once for each stream the core holds back.
     fn start(&self) -> Box<dyn StreamJudge>;
 }
 
@@ -77,11 +80,18 @@ pub trait StreamJudge: Send {
 
 /// Why a request left its first pool, for `x-sluice-escalated` and metrics.
 pub mod reason {
+    /// No draft pool could take the request: none has a usable backend, or all shed its class.
     pub const DRAFT_UNAVAILABLE: &str = "draft-unavailable";
+    /// The prompt plus output budget exceeds the draft pool's `max_model_len`.
     pub const PROMPT_TOO_LONG: &str = "prompt-too-long";
+    /// The request needs what the draft pool's model lacks (see [`crate::pool::Capabilities`]).
     pub const UNSUPPORTED: &str = "unsupported";
+    /// The client asked for the target tier (`x-sluice-tier: target`) and the config allows it.
     pub const FORCED: &str = "forced";
+    /// The draft pool failed (an error status, a broken connection) before the client got a byte.
     pub const DRAFT_ERROR: &str = "draft-error";
+    /// The draft pool's attempt timed out (see [`crate::Escalation::first_byte_budget`]).
     pub const DRAFT_TIMEOUT: &str = "draft-timeout";
+    /// A check judged the draft's answer not good enough (its logprobs, say).
     pub const LOW_CONFIDENCE: &str = "low-confidence";
 }

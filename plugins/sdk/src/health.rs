@@ -21,12 +21,15 @@ use std::time::{Duration, Instant};
 pub struct Load {
     /// KV-cache usage, 0..=1 (`vllm:kv_cache_usage_perc`, or V0's `gpu_cache_usage_perc`).
     pub kv_usage: Option<f64>,
+    /// Requests in the backend's running batches (`vllm:num_requests_running`); 0 when absent.
     pub running: f64,
+    /// Requests queued for admission (`vllm:num_requests_waiting`); 0 when absent.
     pub waiting: f64,
     /// The KV cache's size in tokens (block size × GPU blocks), when vLLM publishes it.
     pub kv_capacity_tokens: Option<u64>,
     /// The speculative-decoding acceptance rate since the previous scrape.
     pub spec_acceptance: Option<f64>,
+    /// When the scrape was read; once older than the pool's `stale_after`, it is stale.
     pub scraped_at: Instant,
 }
 
@@ -36,7 +39,9 @@ pub struct Load {
 pub enum Probe {
     /// No probe has finished yet, or health checks are off: the backend is used.
     Unchecked = 0,
+    /// Passed `healthy_after` probes in a row (the first good probe counts at once).
     Healthy = 1,
+    /// Failed `unhealthy_after` probes in a row: no traffic.
     Unhealthy = 2,
 }
 
@@ -52,12 +57,14 @@ pub enum BackendState {
     Stale,
     /// Back from an ejection; its next answer decides (half-open).
     Probation,
+    /// Passing its probes, with fresh metrics.
     Healthy,
     /// Not checked (health checks off, or none finished yet).
     Unchecked,
 }
 
 impl BackendState {
+    /// The state's name in `/status` and in the `state` label of the backend metrics.
     pub fn as_str(self) -> &'static str {
         match self {
             BackendState::Unhealthy => "unhealthy",
@@ -69,6 +76,7 @@ impl BackendState {
         }
     }
 
+    /// Every state, worst first, so that each state's series can be set on every check.
     pub const ALL: [BackendState; 6] = [
         BackendState::Unhealthy,
         BackendState::Ejected,
@@ -93,8 +101,12 @@ pub enum StaleAs {
 /// Active health checking of a pool's backends.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthPolicy {
+    /// `false` for upstreams that are not vLLM: no probes or scrapes, so backends stay
+    /// [`Probe::Unchecked`] and are always used (passive ejection still applies).
     pub enabled: bool,
+    /// Time between two checks of each backend.
     pub interval: Duration,
+    /// Bound of each probe and each scrape, connect included.
     pub timeout: Duration,
     /// Failed probes in a row that make a backend unhealthy.
     pub unhealthy_after: u32,
@@ -102,8 +114,11 @@ pub struct HealthPolicy {
     pub healthy_after: u32,
     /// Metrics older than this are stale.
     pub stale_after: Duration,
+    /// How a stale backend's load counts.
     pub stale_as: StaleAs,
+    /// The liveness path (`/health`); any status but 200 is a failed probe.
     pub health_path: String,
+    /// The Prometheus metrics path (`/metrics`) scraped for the backend's [`Load`].
     pub metrics_path: String,
 }
 
@@ -130,6 +145,8 @@ pub struct OutlierPolicy {
     pub consecutive_failures: u32,
     /// The first ejection's length; each repeated one doubles it, up to `max_ejection`.
     pub base_ejection: Duration,
+    /// The longest ejection; also how long a backend must stay clean before the doubling starts
+    /// over.
     pub max_ejection: Duration,
 }
 
@@ -189,6 +206,7 @@ pub struct BackendLive {
 }
 
 impl BackendLive {
+    /// The backend's active health, as its probes last decided it.
     pub fn probe(&self) -> Probe {
         match self.probe.load(Relaxed) {
             1 => Probe::Healthy,
@@ -229,6 +247,7 @@ impl BackendLive {
         self.tokens_since_scrape.store(0, Relaxed);
     }
 
+    /// The last scrape, however old; [`BackendLive::fresh_load`] gives one that is still current.
     pub fn load(&self) -> Option<Arc<Load>> {
         self.load.load_full()
     }
@@ -250,6 +269,8 @@ impl BackendLive {
         self.probe() != Probe::Unhealthy && self.breaker_allows()
     }
 
+    /// The state `/status` and the metrics show: the worst that applies, with `policy` the pool's
+    /// health config (for staleness).
     pub fn state(&self, policy: &HealthPolicy) -> BackendState {
         if self.probe() == Probe::Unhealthy {
             BackendState::Unhealthy
@@ -283,6 +304,7 @@ impl BackendLive {
         }
     }
 
+    /// Requests this proxy has in flight on the backend now (not other proxies').
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Relaxed)
     }
@@ -407,6 +429,8 @@ impl BackendLive {
 /// A backend's load as the request path sees it (see [`BackendLive::outlook`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Outlook {
+    /// Projected KV usage, 0..=1 (more when oversubscribed); `None` when nothing is known.
+    /// A stale backend counted as saturated shows 1.
     pub projected_kv: Option<f64>,
     /// Requests in the backend's queue at the last fresh scrape.
     pub waiting: f64,
@@ -415,6 +439,8 @@ pub struct Outlook {
 }
 
 impl Outlook {
+    /// KV tokens still free after the projected usage (0 when oversubscribed); `None` unless both
+    /// the usage and the cache's size are known.
     pub fn free_kv_tokens(&self) -> Option<f64> {
         Some((1.0 - self.projected_kv?).max(0.0) * self.kv_capacity_tokens?)
     }

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The Sluice plugin SDK: what every plugin depends on.
 //!
 //! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.

@@ -50,9 +50,11 @@ impl Endpoint {
 /// A parsed LLM request together with the exact bytes the client sent.
 #[derive(Debug, Clone)]
 pub struct LlmCall {
+    /// The endpoint the request came to.
     pub endpoint: Endpoint,
     /// The body as received: forwarded to upstreams unchanged. Cloning is a reference count.
     pub body: Bytes,
+    /// The typed fields, parsed from `body`.
     pub request: LlmRequest,
     /// The request's size estimate, computed once at parse for the balancer, the breaker and
     /// the selector (without prefix affinity: see [`LlmCall::demand_for`]).
@@ -62,6 +64,7 @@ pub struct LlmCall {
 /// Why a body is not a valid LLM request: the message, and the parameter it concerns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidRequest {
+    /// What is wrong, for the OpenAI error body's `message`.
     pub message: String,
     /// The offending parameter's path (`messages[2].role`), as OpenAI's `param` field.
     pub param: Option<String>,
@@ -97,49 +100,78 @@ impl LlmCall {
 /// The typed fields of a chat or text completion request.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct LlmRequest {
+    /// `model`: picks the pool; `None` sends the request to the first pool.
     pub model: Option<String>,
     /// Chat completions only.
     pub messages: Option<Vec<Message>>,
     /// Text completions only.
     pub prompt: Option<Prompt>,
+    /// `stream`: answer as Server-Sent Events; `None` is `false`.
     pub stream: Option<bool>,
+    /// `stream_options` (streams only); `None` asks for no usage chunk.
     pub stream_options: Option<StreamOptions>,
+    /// `max_tokens`: the output budget in tokens; `None`: up to the model's context (see
+    /// [`LlmRequest::max_output_tokens`]).
     pub max_tokens: Option<u32>,
+    /// `max_completion_tokens`, OpenAI's newer name for `max_tokens`, which it overrides when both
+    /// are sent; `None`: not sent.
     pub max_completion_tokens: Option<u32>,
+    /// `n`: choices to return; `None` is 1 (0 is refused).
     pub n: Option<u32>,
+    /// `best_of` (completions, and vLLM's chat): candidates generated, of which the `n` best are
+    /// returned; `None` is `n`.
     pub best_of: Option<u32>,
+    /// `use_beam_search` (a vLLM extension): beam search instead of sampling; `None` is `false`.
     pub use_beam_search: Option<bool>,
+    /// `temperature`, 0 to 2 (checked); `None`: the server's default.
     pub temperature: Option<f64>,
+    /// `top_p`, in (0, 1] (checked); `None`: the server's default.
     pub top_p: Option<f64>,
+    /// `seed`, for repeatable sampling; `None`: a random seed.
     pub seed: Option<i64>,
+    /// `stop`: sequences that end the generation; `None`: none.
     pub stop: Option<Stop>,
+    /// `tools` (chat): the tool definitions, kept as JSON; `None`: no tools.
     pub tools: Option<Vec<Value>>,
+    /// `tool_choice` (chat), kept as JSON; `None`: the server's default.
     pub tool_choice: Option<Value>,
+    /// `response_format` (JSON mode, a JSON schema), kept as JSON; `None`: free text.
     pub response_format: Option<Value>,
     /// Chat: `true`/`false`; completions: the number of top log-probabilities.
     pub logprobs: Option<Logprobs>,
+    /// `top_logprobs` (chat): alternatives returned per token with `logprobs: true`; `None`: none.
     pub top_logprobs: Option<u32>,
 }
 
+/// The `stream_options` of a streamed request.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
+    /// `include_usage`: end the stream with a usage chunk; `None` is `false`.
     pub include_usage: Option<bool>,
 }
 
 /// One chat message. `content` is text or a list of typed parts (text, images, ...).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
+    /// `role`: `system`, `user`, `assistant`, `tool`, ...; not checked here.
     pub role: String,
+    /// `content`; `None` for an assistant message that only calls tools.
     pub content: Option<Content>,
+    /// `name`: the participant's name, if given.
     pub name: Option<String>,
+    /// `tool_calls` of an assistant message, kept as JSON.
     pub tool_calls: Option<Vec<Value>>,
+    /// `tool_call_id` of a `tool` message: the call it answers.
     pub tool_call_id: Option<String>,
 }
 
+/// A message's `content`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
+    /// Plain text.
     Text(String),
+    /// Typed parts (text, images, ...), kept as JSON; only text parts are read.
     Parts(Vec<Value>),
 }
 
@@ -147,23 +179,33 @@ pub enum Content {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
+    /// One prompt.
     Text(String),
+    /// A batch of prompts.
     Texts(Vec<String>),
+    /// One prompt, as token ids.
     Tokens(Vec<u32>),
+    /// A batch of prompts, as token ids.
     TokenBatches(Vec<Vec<u32>>),
 }
 
+/// The `stop` field: one sequence or several.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Stop {
+    /// A single stop sequence.
     One(String),
+    /// Several stop sequences.
     Many(Vec<String>),
 }
 
+/// The `logprobs` field, whose type depends on the endpoint.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(untagged)]
 pub enum Logprobs {
+    /// Chat: whether to return the chosen tokens' log-probabilities.
     Flag(bool),
+    /// Completions: how many top log-probabilities to return per token.
     Count(u32),
 }
 

@@ -55,24 +55,32 @@ pub fn touch<P: MetricVecBuilder>(vec: &Lazy<MetricVec<P>>, labels: &[&str]) {
     let _ = series(vec, labels);
 }
 
+/// Adds 1 to the series of `counter` with `labels`; nothing if the vector did not register or
+/// the labels do not fit it.
 pub fn inc<P: Atomic>(counter: &Lazy<GenericCounterVec<P>>, labels: &[&str]) {
     if let Some(c) = series(counter, labels) {
         c.inc();
     }
 }
 
+/// Adds `by` to the series of `counter` with `labels`; nothing if the vector did not register
+/// or the labels do not fit it.
 pub fn inc_by<P: Atomic>(counter: &Lazy<GenericCounterVec<P>>, labels: &[&str], by: P::T) {
     if let Some(c) = series(counter, labels) {
         c.inc_by(by);
     }
 }
 
+/// Sets the series of `gauge` with `labels` to `value`; nothing if the vector did not register
+/// or the labels do not fit it.
 pub fn set<P: Atomic>(gauge: &Lazy<GenericGaugeVec<P>>, labels: &[&str], value: P::T) {
     if let Some(g) = series(gauge, labels) {
         g.set(value);
     }
 }
 
+/// Records `value` in the series of `histogram` with `labels`; nothing if the vector did not
+/// register or the labels do not fit it.
 pub fn observe(histogram: &Lazy<HistogramVec>, labels: &[&str], value: f64) {
     if let Some(h) = series(histogram, labels) {
         h.observe(value);

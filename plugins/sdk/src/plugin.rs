@@ -90,17 +90,24 @@ pub trait PluginBuilder: Sized + Send + 'static {
 /// What a `request` hook decided.
 #[derive(Debug)]
 pub enum Flow {
+    /// Go on: the next plugin's `request` hook, then the upstream.
     Continue,
+    /// Answer with this response now: the chain stops and no upstream is contacted.
     Respond(Box<LocalResponse>),
 }
 
 /// A complete answer made by a plugin, without an upstream.
 #[derive(Debug)]
 pub struct LocalResponse {
+    /// The status and headers, passed through every plugin's `response_header` hook.
     pub header: ResponseHeader,
+    /// The whole body, passed through the `response_body` hooks in one chunk.
     pub body: Bytes,
 }
 
+/// A running plugin: hooks for the proxy phases, each with a no-op default (see
+/// [`crate::plugin`] for their order). One instance serves every request at once, so state
+/// that belongs to a request goes in [`RequestCtx::state`].
 #[async_trait]
 pub trait Plugin: Send + Sync + 'static {
     /// The plugin's name, as its config section is named (`request_id`, `cache`, ...).

@@ -33,7 +33,9 @@ pub struct Timeouts {
 /// The slowest generation a pool is trusted to sustain, and the slack added to it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokensPerSecond {
+    /// The slowest generation speed the pool is trusted to sustain, in tokens per second; > 0.
     pub min_tokens_per_second: f64,
+    /// The slack added to the sized total timeout.
     pub margin: Duration,
 }
 
@@ -68,7 +70,9 @@ impl Default for Timeouts {
 pub struct BackendSpec {
     /// As written in the config (`host:port`), for logs and `/status`.
     pub address: String,
+    /// The address `address` resolved to when the config was loaded; attempts connect here.
     pub resolved: SocketAddr,
+    /// Its share of the pool's requests under round robin (≥ 1); KV-aware balancing ignores it.
     pub weight: usize,
 }
 
@@ -76,7 +80,9 @@ pub struct BackendSpec {
 /// elsewhere (the speculative selector's `unsupported`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
+    /// The model takes `tools` (function calling).
     pub tools: bool,
+    /// The model can return `logprobs`.
     pub logprobs: bool,
     /// `n` > 1.
     pub multiple_choices: bool,
@@ -105,12 +111,16 @@ pub enum Balancing {
     /// `prefix_affinity`, requests sharing their first that many bytes of prompt prefer the
     /// same backend (rendezvous hashing), to use vLLM's prefix cache, unless it is clearly
     /// busier than the alternative.
-    KvAware { prefix_affinity: Option<usize> },
+    KvAware {
+        /// Leading prompt bytes hashed for prefix affinity; `None` turns affinity off.
+        prefix_affinity: Option<usize>,
+    },
 }
 
 /// What the balancer knows of a request's size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Demand {
+    /// The prompt's estimated size in tokens (about four characters a token).
     pub prompt_tokens: u64,
     /// The output budget (`max_tokens`, or a default when the request states none).
     pub output_tokens: u64,
@@ -128,7 +138,9 @@ impl Demand {
 /// The backend chosen for an attempt.
 #[derive(Debug, Clone)]
 pub struct Selected {
+    /// The backend's address: connect here, and add it to `tried` for the next attempt.
     pub addr: SocketAddr,
+    /// The backend's live state; [`BackendLive::begin`] counts the attempt in flight.
     pub live: Arc<BackendLive>,
 }
 
@@ -137,14 +149,19 @@ pub struct Selected {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Priority {
+    /// Shed first when a pool comes under pressure.
     Sheddable = 0,
+    /// The usual class: shed after sheddable requests.
     Standard = 1,
+    /// Shed last.
     Critical = 2,
 }
 
 impl Priority {
+    /// Every class, lowest first.
     pub const ALL: [Priority; 3] = [Priority::Sheddable, Priority::Standard, Priority::Critical];
 
+    /// The class as written in config, headers and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
             Priority::Sheddable => "sheddable",
@@ -153,6 +170,8 @@ impl Priority {
         }
     }
 
+    /// The class named by `s` (a header's value), ignoring case and surrounding spaces; `None`
+    /// for an unknown name.
     pub fn parse(s: &str) -> Option<Self> {
         Priority::ALL
             .into_iter()
@@ -202,22 +221,33 @@ const AFFINITY_SLACK: f64 = 0.15;
 
 /// A named pool of backends.
 pub struct Pool {
+    /// The pool's name: in `x-sluice-pool`, metric labels and `/status`.
     pub name: Arc<str>,
     /// The model names this pool serves (the `model` field of requests).
     pub models: Vec<String>,
     /// The longest context (prompt + output tokens) its model accepts, if known.
     pub max_model_len: Option<u32>,
+    /// The pool's upstream timeouts.
     pub timeouts: Timeouts,
+    /// The pool's backends, in config order.
     pub backends: Vec<BackendSpec>,
     /// Live state of each backend, in the order of `backends`.
     pub live: Vec<Arc<BackendLive>>,
     /// Use TLS to the backends, with this SNI.
     pub tls_sni: Option<String>,
+    /// Active health checks of the pool's backends.
     pub health: HealthPolicy,
+    /// Passive ejection of the pool's backends that fail real traffic.
     pub outlier: OutlierPolicy,
+    /// How a backend is chosen for each attempt.
     pub balancing: Balancing,
+    /// What the pool's model can do; the speculative selector sends requests that need more
+    /// elsewhere.
     pub supports: Capabilities,
+    /// Retries within the pool on a 5xx or 429.
     pub retry: RetryPolicy,
+    /// The pool's retry budget, shared by its requests: the core deposits for each request sent to
+    /// the pool and spends one for each retry.
     pub retry_budget: RetryBudget,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
@@ -227,16 +257,27 @@ pub struct Pool {
 /// Everything a pool is built from.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
+    /// The pool's name: letters, digits, `-` and `_`; unique.
     pub name: String,
+    /// The `model` values the pool serves; empty for a catch-all.
     pub models: Vec<String>,
+    /// The model's longest context (prompt + output tokens), as vLLM's `--max-model-len`.
     pub max_model_len: Option<u32>,
+    /// The pool's upstream timeouts.
     pub timeouts: Timeouts,
+    /// The pool's backends, at least one.
     pub backends: Vec<BackendSpec>,
+    /// Reach the backends over TLS with this SNI; `None`: plain HTTP.
     pub tls_sni: Option<String>,
+    /// Active health checks of the backends.
     pub health: HealthPolicy,
+    /// Passive ejection of backends that fail real traffic.
     pub outlier: OutlierPolicy,
+    /// How a backend is chosen for each attempt.
     pub balancing: Balancing,
+    /// What the pool's model can do.
     pub supports: Capabilities,
+    /// Retries within the pool on a 5xx or 429.
     pub retry: RetryPolicy,
 }
 
@@ -272,6 +313,8 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
+    /// Builds the pool: a live state per backend, a retry budget holding `min_retries`, and no
+    /// admission control until one is installed.
     pub fn new(settings: PoolSettings) -> Self {
         let set: BTreeSet<Backend> = settings
             .backends
@@ -498,14 +541,17 @@ pub struct Pools {
 }
 
 impl Pools {
+    /// The pools in config order, which [`Pools::for_model`] and [`Pools::default_pool`] rely on.
     pub fn new(pools: Vec<Arc<Pool>>) -> Self {
         Self { pools }
     }
 
+    /// Every pool, in config order.
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Pool>> {
         self.pools.iter()
     }
 
+    /// The pool named `name`.
     pub fn get(&self, name: &str) -> Option<&Arc<Pool>> {
         self.pools.iter().find(|p| &*p.name == name)
     }

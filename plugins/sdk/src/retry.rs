@@ -6,6 +6,8 @@
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
 
+/// How a pool retries a request whose upstream answered 5xx or 429 before the client got a
+/// byte: how often, within what budget, and with what backoff.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     /// Further attempts in the same pool after a 5xx or 429; 0: none (the default, as nginx
@@ -15,7 +17,9 @@ pub struct RetryPolicy {
     pub budget_ratio: f64,
     /// Retries the budget starts with and never falls below in earning.
     pub min_retries: u32,
+    /// The first backoff; each further retry doubles it (see [`RetryPolicy::backoff`]).
     pub backoff_base: Duration,
+    /// The longest backoff.
     pub backoff_max: Duration,
 }
 
@@ -55,6 +59,8 @@ pub struct RetryBudget {
 }
 
 impl RetryBudget {
+    /// A budget holding `min_retries` to start with, and at most what 100 requests earn (never
+    /// less than `min_retries`).
     pub fn new(policy: &RetryPolicy) -> Self {
         let floor = i64::from(policy.min_retries) * UNIT;
         Self {
