@@ -1,0 +1,43 @@
+//! What Sluice's end-to-end tests share: the real `sluice` binary on free ports, real
+//! upstreams, real Redis. Dev-only; never part of the product.
+//!
+//! - [`Proxy`]: runs the binary with a config built from JSON values (see [`Proxy::start`]),
+//!   and kills it on drop; its admin endpoints ([`Proxy::status`], [`Proxy::metric`]) and the
+//!   LLM endpoint ([`Proxy::ask`]) as methods.
+//! - [`pool`]: a `pools[]` entry of that config.
+//! - [`Scripted`]: a raw HTTP/1.1 upstream that answers with exact bytes, at chosen moments,
+//!   and records what it received: for byte-for-byte and timing proofs.
+//! - [`RedisServer`], [`RedisCluster`], [`SilentServer`]: real `redis-server` processes, and
+//!   a Redis that never answers.
+//! - [`free_port`] and [`reserve_port`]: ports for what a test starts (the module docs of
+//!   [`ports`] say how collisions between parallel tests are avoided).
+//! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
+// Test code: a panic here is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod config;
+mod llm;
+pub mod ports;
+mod proc;
+mod proxy;
+mod redis;
+mod scripted;
+
+pub use config::{pool, Pool};
+pub use llm::{
+    answer_confidence, ask_url, chat, client, content, sse_data, streaming_sim, upstream_calls,
+    wait_for, Answer,
+};
+pub use ports::{free_port, reserve_port, ReservedPort};
+pub use proxy::{metric_value, signal, Proxy};
+pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
+pub use scripted::{Received, Script, Scripted};
+
+/// The recorded vLLM answers and metric pages in `tests/fixtures` (see its README).
+pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
+
+/// The bytes of the fixture `name`.
+pub fn fixture(name: &str) -> Vec<u8> {
+    let path = format!("{FIXTURES}/{name}");
+    std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
+}

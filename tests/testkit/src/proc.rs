@@ -1,0 +1,70 @@
+//! Child processes: whether one listens on a port itself, and stopping it.
+
+use std::collections::HashSet;
+use std::process::Child;
+
+/// Whether process `pid` holds a socket listening on TCP `port` (any local address), read
+/// from `/proc`. Unlike "the port accepts", this cannot be fooled by a stranger on the port.
+pub(crate) fn listens(pid: u32, port: u16) -> bool {
+    let inodes = listening_inodes(port);
+    if inodes.is_empty() {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            let target = target.to_string_lossy();
+            target
+                .strip_prefix("socket:[")
+                .and_then(|rest| rest.strip_suffix(']'))
+                .is_some_and(|inode| inodes.contains(inode))
+        })
+    })
+}
+
+/// The inodes of the sockets listening on `port`.
+fn listening_inodes(port: u16) -> HashSet<String> {
+    const LISTEN: &str = "0A";
+    let port = format!("{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| {
+            text.lines()
+                .skip(1)
+                .filter_map(|line| {
+                    // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let local_port = fields.get(1)?.rsplit(':').next()?;
+                    (local_port == port && *fields.get(3)? == LISTEN)
+                        .then(|| fields.get(9).map(|inode| inode.to_string()))
+                        .flatten()
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Kills the child (SIGKILL: a crash, not a shutdown) and reaps it.
+pub(crate) fn kill(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_listens_where_it_bound_and_nowhere_else() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listens(std::process::id(), port));
+        drop(listener);
+        assert!(!listens(std::process::id(), port));
+    }
+}
