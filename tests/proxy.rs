@@ -1,11 +1,12 @@
 //! End-to-end: the real binary between real clients and real upstreams, on free ports.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use sluice_testkit::*;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vllm_sim::{Faults, SimConfig};
@@ -18,8 +19,9 @@ async fn sim() -> vllm_sim::Sim {
         .expect("sim")
 }
 
-fn one_pool(backends: &[std::net::SocketAddr], extra: &str) -> String {
-    format!("pools:\n{}", pool("main", &[MODEL], backends, extra))
+/// The pool `main`, serving [`MODEL`] on `backends`.
+fn main_pool(backends: &[SocketAddr]) -> Pool {
+    pool("main", &[MODEL], backends)
 }
 
 /// The worker is still up and answering after whatever a test did to it.
@@ -45,7 +47,8 @@ async fn error_of(response: reqwest::Response) -> (u16, Value) {
 async fn non_stream_answers_pass_byte_for_byte_both_ways() {
     let answer = fixture("vllm-chat-completion.json");
     let upstream = Scripted::start(Script::fixed("application/json", answer.clone())).await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr], NO_HEALTH_CHECKS)).await;
+    let proxy =
+        Proxy::start(json!({"pools": [main_pool(&[upstream.addr]).without_health_checks()]})).await;
 
     // Odd spacing, key order and an unknown field: the upstream must get these exact bytes.
     let sent = br#"{ "messages" : [{"content":"What is the capital of France?","role":"user"}],
@@ -84,7 +87,8 @@ async fn streams_pass_byte_for_byte_and_chunk_by_chunk() {
         .collect();
     let n_events = events.len();
     let upstream = Scripted::start(Script::event_stream(events, Duration::from_millis(150))).await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr], NO_HEALTH_CHECKS)).await;
+    let proxy =
+        Proxy::start(json!({"pools": [main_pool(&[upstream.addr]).without_health_checks()]})).await;
 
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -129,7 +133,7 @@ async fn a_one_mib_prompt_reaches_the_upstream_intact() {
     )
     .await
     .unwrap();
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let prompt = "lorem ipsum ".repeat(1024 * 1024 / 12 + 1);
     let body = serde_json::to_vec(&chat(MODEL, &prompt, false)).unwrap();
     assert!(body.len() > 1024 * 1024);
@@ -162,22 +166,17 @@ async fn a_one_mib_prompt_reaches_the_upstream_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_retried_on_another_backend() {
     let upstream = sim().await;
+    let dead = reserve_port();
     // Without health checks, so that the request path alone finds the dead backend.
-    let proxy = Proxy::start(&one_pool(
-        &[dead_address(), upstream.addr()],
-        NO_HEALTH_CHECKS,
-    ))
+    let proxy = Proxy::start(json!({
+        "pools": [main_pool(&[dead.addr(), upstream.addr()]).without_health_checks()]
+    }))
     .await;
     for _ in 0..6 {
         still_serves(&proxy).await;
     }
     assert_eq!(upstream.stats().count("/v1/chat/completions"), 6);
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap();
-    let metrics = metrics.text().await.unwrap();
+    let metrics = proxy.metrics().await;
     assert!(
         metrics.contains(r#"sluice_upstream_attempts_total{outcome="connect_error",pool="main"}"#),
         "{metrics}"
@@ -191,17 +190,14 @@ async fn a_dead_pool_gets_502_and_a_hanging_one_504() {
         hang_before_headers: true,
         ..Faults::default()
     });
-    let config = format!(
-        "pools:\n{}{}",
-        pool("dead", &["dead-model"], &[dead_address()], NO_HEALTH_CHECKS),
-        pool(
-            "slow",
-            &["slow-model"],
-            &[hanging.addr()],
-            "    timeouts:\n      first_byte: 500ms\n      total: 5s\n    health: {enabled: false}\n"
-        )
-    );
-    let proxy = Proxy::start(&config).await;
+    let dead = reserve_port();
+    let proxy = Proxy::start(json!({"pools": [
+        pool("dead", &["dead-model"], &[dead.addr()]).without_health_checks(),
+        pool("slow", &["slow-model"], &[hanging.addr()])
+            .with("timeouts", json!({"first_byte": "500ms", "total": "5s"}))
+            .without_health_checks(),
+    ]}))
+    .await;
 
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -230,7 +226,7 @@ async fn a_dead_pool_gets_502_and_a_hanging_one_504() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_request_bodies_get_400_with_the_parameter_named() {
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let cases: &[(&[u8], Option<&str>, &str)] = &[
         (b"{not json", None, "not valid JSON"),
         (b"[1, 2, 3]", None, "JSON object"),
@@ -266,7 +262,7 @@ async fn bad_request_bodies_get_400_with_the_parameter_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_models_routes_and_methods() {
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
         .json(&chat("no-such-model", "hi", false))
@@ -294,11 +290,11 @@ async fn unknown_models_routes_and_methods() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_over_the_limit_get_413() {
     let upstream = sim().await;
-    let config = format!(
-        "limits:\n  max_request_body_bytes: 65536\n{}",
-        one_pool(&[upstream.addr()], "")
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({
+        "limits": {"max_request_body_bytes": BODY_LIMIT},
+        "pools": [main_pool(&[upstream.addr()])],
+    }))
+    .await;
     // Declared over the limit: refused after the body is drained, so the client reads it.
     let body = serde_json::to_vec(&chat(MODEL, &"x".repeat(100_000), false)).unwrap();
     let r = client()
@@ -309,29 +305,62 @@ async fn bodies_over_the_limit_get_413() {
         .unwrap();
     let (status, _) = error_of(r).await;
     assert_eq!(status, 413);
-    // Chunked, so only counting can tell: refused when the count passes the limit.
-    let chunks =
-        futures_util::stream::iter((0..20).map(|_| Ok::<_, std::io::Error>(vec![b' '; 8192])));
-    let r = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .body(reqwest::Body::wrap_stream(chunks))
-        .send()
-        .await;
-    if let Ok(r) = r {
-        assert_eq!(r.status(), 413);
-    }
+    // Chunked, so only counting can tell: refused when the count passes the limit, with a
+    // 413 the client gets to read (not a reset connection).
+    let answer = chunked_post_over_the_limit(proxy.addr).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert_eq!(upstream.stats().count("/v1/chat/completions"), 0);
     still_serves(&proxy).await;
+}
+
+const BODY_LIMIT: usize = 65536;
+
+/// POSTs a chunked body on a raw socket: chunks up to [`BODY_LIMIT`] bytes, then one byte
+/// more, and no end. Returns what came back (the answer's head), or how the connection ended
+/// without one. The last chunk crosses the limit with its last byte, so the proxy has read
+/// all that was sent when it answers: a close then cannot reset the connection and lose it.
+async fn chunked_post_over_the_limit(proxy: SocketAddr) -> String {
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+    let chunk = |size: usize| {
+        [
+            format!("{size:x}\r\n").into_bytes(),
+            vec![b' '; size],
+            b"\r\n".to_vec(),
+        ]
+        .concat()
+    };
+    let mut sent = head.as_bytes().to_vec();
+    for _ in 0..BODY_LIMIT / 8192 {
+        sent.extend(chunk(8192));
+    }
+    sent.extend(chunk(1));
+    if let Err(e) = s.write_all(&sent).await {
+        return format!("the request could not be sent: {e}");
+    }
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+        let lossy = String::from_utf8_lossy(&answer);
+        match read {
+            Err(_) => return format!("no answer within 5 s (got {lossy:?})"),
+            Ok(Ok(0)) => return format!("closed without an answer (got {lossy:?})"),
+            Ok(Err(e)) => return format!("{e} instead of an answer (got {lossy:?})"),
+            Ok(Ok(n)) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lying_content_length_or_a_stalled_body_gets_408() {
     let upstream = sim().await;
-    let config = format!(
-        "limits:\n  client_body_timeout: 500ms\n{}",
-        one_pool(&[upstream.addr()], "")
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({
+        "limits": {"client_body_timeout": "500ms"},
+        "pools": [main_pool(&[upstream.addr()])],
+    }))
+    .await;
 
     // Promises 1000 bytes, sends 20, waits.
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -362,7 +391,7 @@ async fn a_lying_content_length_or_a_stalled_body_gets_408() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expect_100_continue_is_answered_and_not_forwarded() {
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let body = serde_json::to_vec(&chat(MODEL, "hi", false)).unwrap();
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let head = format!(
@@ -394,7 +423,7 @@ async fn an_upstream_that_drops_mid_stream_ends_with_an_error_event() {
         drop_after_chunks: Some(3),
         ..Faults::default()
     });
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
         .json(&chat(MODEL, "tell me more", true))
@@ -421,7 +450,7 @@ async fn an_upstream_that_drops_mid_stream_ends_with_an_error_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_frees_the_upstream() {
     let upstream = streaming_sim(MODEL, Duration::from_millis(50), 200).await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let mut request = chat(MODEL, "a long story", true);
     request["max_tokens"] = json!(200);
     let r = client()
@@ -450,12 +479,17 @@ async fn a_client_that_leaves_mid_stream_frees_the_upstream() {
 async fn plain_routes_proxy_like_proxy_pass() {
     let llm = sim().await;
     let other = Scripted::start(Script::fixed("text/plain", b"from the web pool".to_vec())).await;
-    let config = format!(
-        "pools:\n{}{}routes:\n  - path_prefix: /version\n    pool: main\n  - name: web\n    path_prefix: /web\n    host: web.example\n    pool: web\n",
-        pool("main", &[MODEL], &[llm.addr()], ""),
-        pool("web", &[], &[other.addr], NO_HEALTH_CHECKS),
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            main_pool(&[llm.addr()]),
+            pool("web", &[], &[other.addr]).without_health_checks(),
+        ],
+        "routes": [
+            {"path_prefix": "/version", "pool": "main"},
+            {"name": "web", "path_prefix": "/web", "host": "web.example", "pool": "web"},
+        ],
+    }))
+    .await;
 
     let r = client().get(proxy.url("/version")).send().await.unwrap();
     assert_eq!(r.status(), 200);
@@ -480,12 +514,11 @@ async fn plain_routes_proxy_like_proxy_pass() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_the_union_of_the_pools() {
     let (a, b) = (sim().await, sim().await);
-    let config = format!(
-        "pools:\n{}{}",
-        pool("a", &["m1", "m2"], &[a.addr()], ""),
-        pool("b", &["m2", "m3"], &[b.addr()], "")
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("a", &["m1", "m2"], &[a.addr()]),
+        pool("b", &["m2", "m3"], &[b.addr()]),
+    ]}))
+    .await;
     let v: Value = client()
         .get(proxy.url("/v1/models"))
         .send()
@@ -507,7 +540,7 @@ async fn models_are_the_union_of_the_pools() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_endpoints() {
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     still_serves(&proxy).await;
 
     let get = |path: &str| client().get(proxy.admin_url(path)).send();
@@ -587,7 +620,7 @@ async fn keep_alive_requests_sent_back_to_back_all_arrive_whole() {
     // A client sends its next request the moment it has the previous answer; none of its
     // bytes may be taken by the proxy while it finishes the previous exchange.
     let upstream = sim().await;
-    let proxy = Proxy::start(&one_pool(&[upstream.addr()], "")).await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
     let body = serde_json::to_vec(&chat(MODEL, "again", false)).unwrap();
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let request = [
