@@ -1,10 +1,10 @@
 //! End-to-end: the cache plugin in the real binary, with the simulator upstream.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
+use sluice_testkit::*;
 use std::time::{Duration, Instant};
 use vllm_sim::{Faults, Latency, SimConfig};
 
@@ -20,49 +20,62 @@ async fn sim() -> vllm_sim::Sim {
     .unwrap()
 }
 
-/// A proxy with the cache on (memory store) in front of `upstream`, plus `cache_extra` keys.
-async fn cached_proxy(upstream: &vllm_sim::Sim, cache_extra: &str) -> Proxy {
-    Proxy::start(&format!(
-        "pools:\n{}plugins:\n  cache:\n    enabled: true\n{cache_extra}",
-        pool("main", &[MODEL], &[upstream.addr()], "")
-    ))
+/// A proxy with the cache on (memory store) in front of `upstream`; `settings` (an object)
+/// adds keys to the cache section.
+async fn cached_proxy(upstream: &vllm_sim::Sim, settings: Value) -> Proxy {
+    let mut cache = json!({"enabled": true});
+    if let Value::Object(keys) = settings {
+        cache.as_object_mut().unwrap().extend(keys);
+    }
+    Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": cache},
+    }))
     .await
 }
 
-async fn ask(proxy: &Proxy, body: &Value, headers: &[(&str, &str)]) -> Answer {
-    common::ask(&proxy.url("/v1/chat/completions"), body, headers).await
+/// `sluice_cache_writes_total{outcome}`: how many answers the cache decided to store
+/// (`stored`) or not, and why.
+async fn writes(proxy: &Proxy, outcome: &str) -> f64 {
+    let series = format!(r#"sluice_cache_writes_total{{outcome="{outcome}"}}"#);
+    proxy.metric(&series).await.unwrap_or(0.0)
 }
 
-/// Asks until the answer is a hit: write-backs are asynchronous.
-async fn until_hit(proxy: &Proxy, body: &Value, headers: &[(&str, &str)]) -> Answer {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let a = ask(proxy, body, headers).await;
-        if a.x_cache == "HIT" || Instant::now() > deadline {
-            return a;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// Waits until `writes(outcome)` reaches `count`: the cache decides once the answer has been
+/// sent, so after the client has it.
+async fn wait_for_writes(proxy: &Proxy, outcome: &str, count: f64) {
+    let reached = wait_for(Duration::from_secs(5), || async {
+        writes(proxy, outcome).await >= count
+    })
+    .await;
+    let now = writes(proxy, outcome).await;
+    assert!(
+        reached.is_some(),
+        "writes {{outcome={outcome}}}: {now}, expected {count}"
+    );
+    assert_eq!(now, count, "writes {{outcome={outcome}}}");
 }
 
-/// Gives an (unwanted) write-back the time it would need to land.
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
-fn upstream_calls(sim: &vllm_sim::Sim) -> u64 {
-    sim.stats().count("/v1/chat/completions")
+/// Waits until the proxy has finished (and logged) `count` chat requests with a 2xx: by then
+/// the cache has stored whatever it was going to store from them.
+async fn wait_until_logged(proxy: &Proxy, count: f64) {
+    let series = r#"sluice_requests_total{route="chat",status="2xx"}"#;
+    let logged = wait_for(Duration::from_secs(5), || async {
+        proxy.metric(series).await.unwrap_or(0.0) >= count
+    })
+    .await;
+    assert!(logged.is_some(), "{count} requests not logged within 5 s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_request_is_answered_from_the_cache() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, "What is the capital of France?", false);
 
-    let first = ask(&proxy, &request, &[]).await;
+    let first = proxy.ask(&request, &[]).await;
     assert_eq!((first.status, first.x_cache.as_str()), (200, "MISS"));
-    let hit = until_hit(&proxy, &request, &[]).await;
+    let hit = proxy.until_hit(&request, &[]).await;
     assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
     assert_eq!(upstream_calls(&upstream), 1);
     assert_eq!(content(&hit), content(&first));
@@ -83,23 +96,25 @@ async fn a_repeated_request_is_answered_from_the_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_take_the_form_the_client_asks_for() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
 
     // Filled by a stream, served as JSON.
     let streamed = chat(MODEL, "filled by a stream", true);
-    let first = ask(&proxy, &streamed, &[]).await;
+    let first = proxy.ask(&streamed, &[]).await;
     assert_eq!(first.x_cache, "MISS");
-    let as_json = until_hit(&proxy, &chat(MODEL, "filled by a stream", false), &[]).await;
+    let as_json = proxy
+        .until_hit(&chat(MODEL, "filled by a stream", false), &[])
+        .await;
     assert_eq!(as_json.x_cache, "HIT");
     assert_eq!(as_json.headers["content-type"], "application/json");
     assert_eq!(content(&as_json), content(&first));
 
     // Filled by JSON, served as a stream with the usage chunk asked for.
     let plain = chat(MODEL, "filled by json", false);
-    let first = ask(&proxy, &plain, &[]).await;
+    let first = proxy.ask(&plain, &[]).await;
     let mut streamed = chat(MODEL, "filled by json", true);
     streamed["stream_options"] = json!({"include_usage": true});
-    let as_stream = until_hit(&proxy, &streamed, &[]).await;
+    let as_stream = proxy.until_hit(&streamed, &[]).await;
     assert_eq!(as_stream.x_cache, "HIT");
     assert!(as_stream.headers["content-type"]
         .to_str()
@@ -119,21 +134,21 @@ async fn hits_take_the_form_the_client_asks_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_never_share_entries() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "    tenant: {header: x-tenant-id}\n").await;
+    let proxy = cached_proxy(&upstream, json!({"tenant": {"header": "x-tenant-id"}})).await;
     let request = chat(MODEL, "same prompt, two tenants", false);
     let alice = [("authorization", "Bearer key-alice")];
     let bob = [("authorization", "Bearer key-bob")];
 
-    ask(&proxy, &request, &alice).await;
-    assert_eq!(until_hit(&proxy, &request, &alice).await.x_cache, "HIT");
-    assert_eq!(ask(&proxy, &request, &bob).await.x_cache, "MISS");
+    proxy.ask(&request, &alice).await;
+    assert_eq!(proxy.until_hit(&request, &alice).await.x_cache, "HIT");
+    assert_eq!(proxy.ask(&request, &bob).await.x_cache, "MISS");
     // The trusted header names the tenant, whatever the key.
     let acme_1 = [("x-tenant-id", "acme"), ("authorization", "Bearer one")];
     let acme_2 = [("x-tenant-id", "acme"), ("authorization", "Bearer two")];
-    ask(&proxy, &request, &acme_1).await;
-    assert_eq!(until_hit(&proxy, &request, &acme_2).await.x_cache, "HIT");
+    proxy.ask(&request, &acme_1).await;
+    assert_eq!(proxy.until_hit(&request, &acme_2).await.x_cache, "HIT");
     assert_eq!(
-        ask(&proxy, &request, &[]).await.x_cache,
+        proxy.ask(&request, &[]).await.x_cache,
         "MISS",
         "anonymous is a tenant too"
     );
@@ -142,7 +157,7 @@ async fn tenants_never_share_entries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_order_hits_and_any_parameter_change_misses() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let body = br#"{"model":"test-model","messages":[{"role":"user","content":"order"}],"temperature":0,"max_tokens":16}"#;
     let reordered = br#"{ "max_tokens" : 16, "temperature" : 0.0, "messages" : [ {"content":"order","role":"user"} ], "model" : "test-model" }"#;
     let send = |bytes: &'static [u8]| {
@@ -167,54 +182,66 @@ async fn key_order_hits_and_any_parameter_change_misses() {
         json!({"model": MODEL, "messages": [{"role": "user", "content": "order"}], "temperature": 0, "max_tokens": 16, "top_p": 0.5}),
         json!({"model": MODEL, "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "order"}], "temperature": 0, "max_tokens": 16}),
     ] {
-        assert_eq!(
-            ask(&proxy, &changed, &[]).await.x_cache,
-            "MISS",
-            "{changed}"
-        );
+        assert_eq!(proxy.ask(&changed, &[]).await.x_cache, "MISS", "{changed}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_control_and_sampled_requests() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
 
     let no_store = chat(MODEL, "no-store", false);
     assert_eq!(
-        ask(&proxy, &no_store, &[("cache-control", "no-store")])
+        proxy
+            .ask(&no_store, &[("cache-control", "no-store")])
             .await
             .x_cache,
         "BYPASS"
     );
-    settle().await;
+    // Once the request is logged, anything it would have stored is in the store.
+    wait_until_logged(&proxy, 1.0).await;
     assert_eq!(
-        ask(&proxy, &no_store, &[]).await.x_cache,
+        writes(&proxy, "stored").await,
+        0.0,
+        "no-store stored nothing"
+    );
+    assert_eq!(
+        proxy.ask(&no_store, &[]).await.x_cache,
         "MISS",
         "no-store stored nothing"
     );
 
     let no_cache = chat(MODEL, "no-cache", false);
-    ask(&proxy, &no_cache, &[]).await;
-    assert_eq!(until_hit(&proxy, &no_cache, &[]).await.x_cache, "HIT");
-    let skipped = ask(&proxy, &no_cache, &[("cache-control", "no-cache")]).await;
+    proxy.ask(&no_cache, &[]).await;
+    assert_eq!(proxy.until_hit(&no_cache, &[]).await.x_cache, "HIT");
+    let skipped = proxy.ask(&no_cache, &[("cache-control", "no-cache")]).await;
     assert_eq!(skipped.x_cache, "MISS", "no-cache skips the lookup");
 
     let mut sampled = chat(MODEL, "sampled", false);
     sampled.as_object_mut().unwrap().remove("temperature");
-    assert_eq!(ask(&proxy, &sampled, &[]).await.x_cache, "BYPASS");
+    assert_eq!(proxy.ask(&sampled, &[]).await.x_cache, "BYPASS");
     let mut seeded = sampled.clone();
     seeded["seed"] = json!(42);
-    ask(&proxy, &seeded, &[]).await;
+    proxy.ask(&seeded, &[]).await;
     assert_eq!(
-        until_hit(&proxy, &seeded, &[]).await.x_cache,
+        proxy.until_hit(&seeded, &[]).await.x_cache,
         "HIT",
         "a seed makes it reproducible"
     );
 }
 
-/// Sends `request` once with `faults` on, then checks that nothing was stored.
-async fn not_stored(proxy: &Proxy, upstream: &vllm_sim::Sim, request: &Value, faults: Faults) {
+/// Sends `request` once with `faults` on: the cache must count its answer as not stored,
+/// for `outcome`; the request must then miss, and be stored once answered whole.
+async fn not_stored(
+    proxy: &Proxy,
+    upstream: &vllm_sim::Sim,
+    request: &Value,
+    faults: Faults,
+    outcome: &str,
+) {
+    let (refused_before, stored_before) =
+        (writes(proxy, outcome).await, writes(proxy, "stored").await);
     upstream.set_faults(faults);
     let _ = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -225,20 +252,25 @@ async fn not_stored(proxy: &Proxy, upstream: &vllm_sim::Sim, request: &Value, fa
         .text()
         .await;
     upstream.set_faults(Faults::default());
-    settle().await;
-    let after = ask(proxy, request, &[]).await;
+    wait_for_writes(proxy, outcome, refused_before + 1.0).await;
+    assert_eq!(writes(proxy, "stored").await, stored_before, "{request}");
+
+    let after = proxy.ask(request, &[]).await;
     assert_eq!(
         (after.status, after.x_cache.as_str()),
         (200, "MISS"),
         "{}",
         after.body
     );
+    // The cache does store this request's whole answer.
+    assert_eq!(proxy.until_hit(request, &[]).await.x_cache, "HIT");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_and_broken_answers_are_never_stored() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
+    // A cut or failed stream is `incomplete`; an error status is `not_ok`.
     let cases = [
         (
             "dropped mid-stream",
@@ -247,6 +279,7 @@ async fn errors_and_broken_answers_are_never_stored() {
                 drop_after_chunks: Some(3),
                 ..Faults::default()
             },
+            "incomplete",
         ),
         (
             "error event",
@@ -255,6 +288,7 @@ async fn errors_and_broken_answers_are_never_stored() {
                 error_after_chunks: Some(2),
                 ..Faults::default()
             },
+            "incomplete",
         ),
         (
             "500",
@@ -264,6 +298,7 @@ async fn errors_and_broken_answers_are_never_stored() {
                 error_status: 500,
                 ..Faults::default()
             },
+            "not_ok",
         ),
         (
             "429",
@@ -273,18 +308,19 @@ async fn errors_and_broken_answers_are_never_stored() {
                 error_status: 429,
                 ..Faults::default()
             },
+            "not_ok",
         ),
     ];
-    for (name, stream, faults) in cases {
+    for (name, stream, faults, outcome) in cases {
         let request = chat(MODEL, &format!("broken: {name}"), stream);
-        not_stored(&proxy, &upstream, &request, faults).await;
+        not_stored(&proxy, &upstream, &request, faults, outcome).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_stores_nothing() {
     let upstream = streaming_sim(MODEL, Duration::from_millis(20), 50).await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let mut request = chat(MODEL, "left early", true);
     request["max_tokens"] = json!(50);
     let r = client()
@@ -296,37 +332,30 @@ async fn a_client_that_leaves_mid_stream_stores_nothing() {
     let mut stream = r.bytes_stream();
     stream.next().await.unwrap().unwrap();
     drop(stream);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(ask(&proxy, &request, &[]).await.x_cache, "MISS");
+    wait_for_writes(&proxy, "incomplete", 1.0).await;
+    assert_eq!(writes(&proxy, "stored").await, 0.0);
+    assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_over_the_size_limit_are_not_stored() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "    max_entry_bytes: 200\n").await;
+    let proxy = cached_proxy(&upstream, json!({"max_entry_bytes": 200})).await;
     let request = chat(MODEL, "too big to keep", false);
-    assert_eq!(ask(&proxy, &request, &[]).await.x_cache, "MISS");
-    settle().await;
-    assert_eq!(ask(&proxy, &request, &[]).await.x_cache, "MISS");
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap();
-    let metrics = metrics.text().await.unwrap();
-    assert!(
-        metrics.contains(r#"sluice_cache_writes_total{outcome="too_big"} 2"#),
-        "{metrics}"
-    );
+    assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
+    wait_for_writes(&proxy, "too_big", 1.0).await;
+    assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
+    wait_for_writes(&proxy, "too_big", 2.0).await;
+    assert_eq!(writes(&proxy, "stored").await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_mib_prompt_misses_then_hits() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, &"context ".repeat(140_000), false);
-    assert_eq!(ask(&proxy, &request, &[]).await.x_cache, "MISS");
-    assert_eq!(until_hit(&proxy, &request, &[]).await.x_cache, "HIT");
+    assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
+    assert_eq!(proxy.until_hit(&request, &[]).await.x_cache, "HIT");
     assert_eq!(upstream_calls(&upstream), 1);
 }
 
@@ -341,9 +370,9 @@ async fn identical_requests_in_flight_go_upstream_once() {
     ))
     .await
     .unwrap();
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, "everyone asks this at once", true);
-    let answers = futures_util::future::join_all((0..8).map(|_| ask(&proxy, &request, &[]))).await;
+    let answers = futures_util::future::join_all((0..8).map(|_| proxy.ask(&request, &[]))).await;
     assert_eq!(
         upstream_calls(&upstream),
         1,
@@ -354,12 +383,7 @@ async fn identical_requests_in_flight_go_upstream_once() {
     assert!(texts.iter().all(|t| t == &texts[0] && !t.is_empty()));
     let misses = answers.iter().filter(|a| a.x_cache == "MISS").count();
     assert_eq!(misses, 1, "one leader, the others answered from its answer");
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap();
-    let metrics = metrics.text().await.unwrap();
+    let metrics = proxy.metrics().await;
     assert!(
         metrics.contains(r#"llm_cache_requests_total{result="coalesced"} 7"#),
         "{metrics}"
@@ -370,7 +394,7 @@ async fn identical_requests_in_flight_go_upstream_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_leader_lets_its_followers_go_upstream() {
     let upstream = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
-    let proxy = cached_proxy(&upstream, "").await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, "the leader fails", true);
     // The leader's stream breaks after a few chunks...
     upstream.set_faults(Faults {
@@ -394,7 +418,7 @@ async fn a_failed_leader_lets_its_followers_go_upstream() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // ...while two identical requests wait for it; they must go upstream themselves.
-    let followers = futures_util::future::join_all((0..2).map(|_| ask(&proxy, &request, &[])));
+    let followers = futures_util::future::join_all((0..2).map(|_| proxy.ask(&request, &[])));
     let clear = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
         upstream.set_faults(Faults::default());
