@@ -1,17 +1,14 @@
 //! End-to-end: the cache plugin with `store: redis` in the real binary, against real
 //! redis-server processes (single node and Cluster) on free ports and the simulator upstream.
 //! A failing, hanging or absent Redis must never fail a request.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-#[path = "../plugins/cache/tests/support/mod.rs"]
-mod support;
-
-use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
+use sluice_testkit::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::redis_server::{free_port, redis_cli, RedisCluster, RedisServer, SilentServer};
 
 const MODEL: &str = "test-model";
 
@@ -34,59 +31,33 @@ enum Target {
     Cluster(Vec<String>),
 }
 
+/// Whether identical requests in flight are coalesced (the default), or every hit comes from
+/// the store. Off where a test asserts `MISS` for a repeated prompt while Redis is unusable:
+/// with coalescing on, a request sent right after an identical one completed can still join
+/// it as a follower (the leader leaves the in-flight map only in the write-back task, after
+/// the client has its answer) and get `x-cache: HIT` with no store at all.
+#[derive(PartialEq)]
+enum Coalescing {
+    On,
+    Off,
+}
+
 /// A proxy with the cache on, `store: redis`, in front of `upstream`.
-async fn redis_proxy(upstream: &vllm_sim::Sim, target: Target) -> Proxy {
-    redis_proxy_with(upstream, target, "").await
-}
-
-/// Coalescing off: every hit comes from the store. Needed where a test asserts `MISS` for a
-/// repeated prompt while Redis is unusable: with coalescing on, a request sent right after an
-/// identical one completed can still join it as a follower (the leader leaves the in-flight
-/// map only in the write-back task, after the client has its answer) and get `x-cache: HIT`
-/// with no store at all.
-const NO_COALESCING: &str = "    coalesce: {enabled: false}\n";
-
-async fn redis_proxy_with(upstream: &vllm_sim::Sim, target: Target, cache_extra: &str) -> Proxy {
-    let target = match target {
-        Target::Url(url) => format!("url: {url}"),
-        Target::Cluster(nodes) => format!("cluster_nodes: [{}]", nodes.join(", ")),
-    };
-    Proxy::start(&format!(
-        "pools:\n{}plugins:\n  cache:\n    enabled: true\n    store: redis\n    redis:\n      {target}\n      lookup_timeout: 50ms\n      cooldown: 1s\n{cache_extra}",
-        pool("main", &[MODEL], &[upstream.addr()], "")
-    ))
-    .await
-}
-
-async fn ask(proxy: &Proxy, body: &Value) -> Answer {
-    common::ask(&proxy.url("/v1/chat/completions"), body, &[]).await
-}
-
-async fn ask_url(url: &str, body: &Value) -> Answer {
-    common::ask(url, body, &[]).await
-}
-
-/// Asks until the answer is a hit or `within` has passed: write-backs are asynchronous, and a
-/// recovering Redis comes back after its cool-down and a reconnect. Every answer on the way
-/// must be a 200.
-async fn until_hit_within(proxy: &Proxy, body: &Value, within: Duration) -> Answer {
-    let deadline = Instant::now() + within;
-    loop {
-        let a = ask(proxy, body).await;
-        assert_eq!(a.status, 200, "{}", a.body);
-        if a.x_cache == "HIT" || Instant::now() > deadline {
-            return a;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+async fn redis_proxy(upstream: &vllm_sim::Sim, target: Target, coalescing: Coalescing) -> Proxy {
+    let mut redis = json!({"lookup_timeout": "50ms", "cooldown": "1s"});
+    match target {
+        Target::Url(url) => redis["url"] = json!(url),
+        Target::Cluster(nodes) => redis["cluster_nodes"] = json!(nodes),
     }
-}
-
-async fn until_hit(proxy: &Proxy, body: &Value) -> Answer {
-    until_hit_within(proxy, body, Duration::from_secs(5)).await
-}
-
-fn upstream_calls(sim: &vllm_sim::Sim) -> u64 {
-    sim.stats().count("/v1/chat/completions")
+    let mut cache = json!({"enabled": true, "store": "redis", "redis": redis});
+    if coalescing == Coalescing::Off {
+        cache["coalesce"] = json!({"enabled": false});
+    }
+    Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": cache},
+    }))
+    .await
 }
 
 /// Cache keys in a single Redis.
@@ -120,14 +91,14 @@ async fn wait_for_keys(n: usize, mut count: impl FnMut() -> usize) {
 async fn misses_then_hits_through_redis_and_two_proxies_share_it() {
     let redis = RedisServer::start();
     let upstream = sim().await;
-    let first = redis_proxy(&upstream, Target::Url(redis.url())).await;
+    let first = redis_proxy(&upstream, Target::Url(redis.url()), Coalescing::On).await;
     let request = chat(MODEL, "What is the capital of France?", false);
 
-    let miss = ask(&first, &request).await;
+    let miss = first.ask(&request, &[]).await;
     assert_eq!((miss.status, miss.x_cache.as_str()), (200, "MISS"));
     // The entry is really in Redis; once it is there, the repeat is a hit.
     wait_for_keys(1, || cache_keys(redis.port()).len()).await;
-    let hit = ask(&first, &request).await;
+    let hit = first.ask(&request, &[]).await;
     assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
     assert_eq!(content(&hit), content(&miss));
     assert!(hit.headers.contains_key("age"));
@@ -137,11 +108,11 @@ async fn misses_then_hits_through_redis_and_two_proxies_share_it() {
     // A second process, nothing in its own memory. One unrelated request first, so that its
     // connection to Redis is up (made on first use); then its first ask of the prompt the
     // first proxy filled is a hit from Redis.
-    let second = redis_proxy(&upstream, Target::Url(redis.url())).await;
+    let second = redis_proxy(&upstream, Target::Url(redis.url()), Coalescing::On).await;
     let warm = chat(MODEL, "warms the second proxy's connection", false);
-    assert_eq!(ask(&second, &warm).await.status, 200);
+    assert_eq!(second.ask(&warm, &[]).await.status, 200);
     let calls = upstream_calls(&upstream);
-    let shared = ask(&second, &request).await;
+    let shared = second.ask(&request, &[]).await;
     assert_eq!((shared.status, shared.x_cache.as_str()), (200, "HIT"));
     assert_eq!(content(&shared), content(&miss));
     assert_eq!(
@@ -152,9 +123,9 @@ async fn misses_then_hits_through_redis_and_two_proxies_share_it() {
 
     // And the other way round: what the second fills, the first serves.
     let other = chat(MODEL, "filled by the second proxy", false);
-    let filled = ask(&second, &other).await;
+    let filled = second.ask(&other, &[]).await;
     assert_eq!(filled.x_cache, "MISS");
-    let served = until_hit(&first, &other).await;
+    let served = first.until_hit(&other, &[]).await;
     assert_eq!(served.x_cache, "HIT");
     assert_eq!(content(&served), content(&filled));
     assert_eq!(cache_keys(redis.port()).len(), 3);
@@ -171,10 +142,10 @@ struct Sent {
 async fn a_redis_killed_mid_run_costs_hits_not_requests_and_hits_come_back() {
     let mut redis = RedisServer::start();
     let upstream = sim().await;
-    let proxy = redis_proxy_with(&upstream, Target::Url(redis.url()), NO_COALESCING).await;
+    let proxy = redis_proxy(&upstream, Target::Url(redis.url()), Coalescing::Off).await;
     let request = chat(MODEL, "asked again and again", false);
-    ask(&proxy, &request).await;
-    assert_eq!(until_hit(&proxy, &request).await.x_cache, "HIT");
+    proxy.ask(&request, &[]).await;
+    assert_eq!(proxy.until_hit(&request, &[]).await.x_cache, "HIT");
 
     // Requests one after another for the whole test, Redis killed and restarted under them.
     let log: Arc<Mutex<Vec<Sent>>> = Arc::default();
@@ -189,7 +160,7 @@ async fn a_redis_killed_mid_run_costs_hits_not_requests_and_hits_come_back() {
         async move {
             while !stop.load(Ordering::Acquire) {
                 let at = Instant::now();
-                let a = tokio::time::timeout(REQUEST_BOUND, ask_url(&url, &request))
+                let a = tokio::time::timeout(REQUEST_BOUND, ask_url(&url, &request, &[]))
                     .await
                     .expect("a request hung while Redis was down");
                 log.lock().unwrap().push(Sent {
@@ -265,12 +236,12 @@ async fn a_redis_killed_mid_run_costs_hits_not_requests_and_hits_come_back() {
 async fn a_redis_that_never_answers_is_bounded_by_the_lookup_timeout() {
     let silent = SilentServer::start().await;
     let upstream = sim().await;
-    let proxy = redis_proxy(&upstream, Target::Url(silent.url())).await;
+    let proxy = redis_proxy(&upstream, Target::Url(silent.url()), Coalescing::On).await;
 
     // Sequential, then concurrent: before, during and after the cool-down.
     for i in 0..6 {
         let request = chat(MODEL, &format!("silent redis {i}"), false);
-        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+        let a = tokio::time::timeout(REQUEST_BOUND, proxy.ask(&request, &[]))
             .await
             .unwrap_or_else(|_| panic!("request {i} hung on a silent Redis"));
         assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
@@ -279,7 +250,7 @@ async fn a_redis_that_never_answers_is_bounded_by_the_lookup_timeout() {
     let concurrent = futures_util::future::join_all((0..8).map(|i| {
         let request = chat(MODEL, &format!("silent redis, together {i}"), false);
         let proxy = &proxy;
-        async move { tokio::time::timeout(REQUEST_BOUND, ask(proxy, &request)).await }
+        async move { tokio::time::timeout(REQUEST_BOUND, proxy.ask(&request, &[])).await }
     }))
     .await;
     for (i, a) in concurrent.into_iter().enumerate() {
@@ -294,7 +265,7 @@ async fn a_redis_that_never_answers_is_bounded_by_the_lookup_timeout() {
             &format!("silent redis, after the cool-down {i}"),
             false,
         );
-        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+        let a = tokio::time::timeout(REQUEST_BOUND, proxy.ask(&request, &[]))
             .await
             .unwrap_or_else(|_| panic!("request {i} after the cool-down hung"));
         assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"));
@@ -304,24 +275,25 @@ async fn a_redis_that_never_answers_is_bounded_by_the_lookup_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_started_before_redis_serves_then_hits_once_redis_is_up() {
-    let port = free_port(false);
+    // Held until Redis starts on it: refused meanwhile, as a Redis that is not there yet.
+    let port = reserve_port();
     let upstream = sim().await;
-    let proxy = redis_proxy_with(
+    let proxy = redis_proxy(
         &upstream,
-        Target::Url(format!("redis://127.0.0.1:{port}")),
-        NO_COALESCING,
+        Target::Url(format!("redis://{}", port.addr())),
+        Coalescing::Off,
     )
     .await;
     let request = chat(MODEL, "asked before Redis existed", false);
     for _ in 0..5 {
-        let a = tokio::time::timeout(REQUEST_BOUND, ask(&proxy, &request))
+        let a = tokio::time::timeout(REQUEST_BOUND, proxy.ask(&request, &[]))
             .await
             .expect("a request hung with Redis absent");
         assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
     }
 
     let redis = tokio::task::block_in_place(|| RedisServer::start_on(port));
-    let hit = until_hit_within(&proxy, &request, RECOVERY).await;
+    let hit = proxy.until_hit_within(&request, &[], RECOVERY).await;
     assert_eq!(
         (hit.status, hit.x_cache.as_str()),
         (200, "HIT"),
@@ -334,13 +306,13 @@ async fn a_proxy_started_before_redis_serves_then_hits_once_redis_is_up() {
 async fn a_redis_cluster_misses_then_hits_across_slots() {
     let cluster = tokio::task::block_in_place(|| RedisCluster::start(3));
     let upstream = sim().await;
-    let proxy = redis_proxy(&upstream, Target::Cluster(cluster.urls())).await;
+    let proxy = redis_proxy(&upstream, Target::Cluster(cluster.urls()), Coalescing::On).await;
 
     let request = chat(MODEL, "asked of a cluster", false);
-    let miss = ask(&proxy, &request).await;
+    let miss = proxy.ask(&request, &[]).await;
     assert_eq!((miss.status, miss.x_cache.as_str()), (200, "MISS"));
     wait_for_keys(1, || cluster.dbsizes().iter().sum::<u64>() as usize).await;
-    let hit = ask(&proxy, &request).await;
+    let hit = proxy.ask(&request, &[]).await;
     assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
     assert_eq!(content(&hit), content(&miss));
 
@@ -350,7 +322,7 @@ async fn a_redis_cluster_misses_then_hits_across_slots() {
         .collect();
     let mut firsts = Vec::new();
     for r in &requests {
-        let a = ask(&proxy, r).await;
+        let a = proxy.ask(r, &[]).await;
         assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"));
         firsts.push(content(&a));
     }
@@ -359,7 +331,7 @@ async fn a_redis_cluster_misses_then_hits_across_slots() {
     })
     .await;
     for (r, first) in requests.iter().zip(&firsts) {
-        let a = ask(&proxy, r).await;
+        let a = proxy.ask(r, &[]).await;
         assert_eq!(
             (a.status, a.x_cache.as_str()),
             (200, "HIT"),
@@ -380,9 +352,11 @@ async fn a_redis_cluster_misses_then_hits_across_slots() {
 async fn filled_by_a_stream_served_as_json_through_redis() {
     let redis = RedisServer::start();
     let upstream = sim().await;
-    let proxy = redis_proxy(&upstream, Target::Url(redis.url())).await;
+    let proxy = redis_proxy(&upstream, Target::Url(redis.url()), Coalescing::On).await;
 
-    let streamed = ask(&proxy, &chat(MODEL, "filled by a stream", true)).await;
+    let streamed = proxy
+        .ask(&chat(MODEL, "filled by a stream", true), &[])
+        .await;
     assert_eq!((streamed.status, streamed.x_cache.as_str()), (200, "MISS"));
     assert_eq!(
         sse_data(&streamed.body).last().map(String::as_str),
@@ -390,7 +364,9 @@ async fn filled_by_a_stream_served_as_json_through_redis() {
     );
     // Once the stream's entry is in Redis, the JSON request is answered from it.
     wait_for_keys(1, || cache_keys(redis.port()).len()).await;
-    let as_json = ask(&proxy, &chat(MODEL, "filled by a stream", false)).await;
+    let as_json = proxy
+        .ask(&chat(MODEL, "filled by a stream", false), &[])
+        .await;
     assert_eq!((as_json.status, as_json.x_cache.as_str()), (200, "HIT"));
     assert_eq!(as_json.headers["content-type"], "application/json");
     let v: Value = serde_json::from_str(&as_json.body).unwrap();
