@@ -1,14 +1,14 @@
-//! The Redis store against real redis-server processes (see `support::redis_server`).
-
-mod support;
+//! The Redis store against real redis-server processes (from `sluice_testkit`).
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use serde_json::json;
 use sluice_plugin_cache::entry::{AnswerKind, Entry};
 use sluice_plugin_cache::store::redis::{RedisConfig, RedisStore};
 use sluice_plugin_cache::store::{CacheKey, Store, StoreError, WriteOutcome};
+use sluice_testkit::{redis_cli, reserve_port, RedisCluster, RedisServer, SilentServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::redis_server::{free_port, RedisCluster, RedisServer, SilentServer};
 
 /// No single call may take longer than this, whatever Redis does.
 const CALL_BOUND: Duration = Duration::from_secs(2);
@@ -124,7 +124,7 @@ async fn ttl_is_honoured() {
     let k = key(2);
     store.put(&k, entry(k.digest, "short"), Duration::from_millis(700));
     wait_for_hit(&store, &k, Duration::from_secs(5)).await;
-    let pttl = support::redis_server::redis_cli(server.port(), &["PTTL", &k.storage_key]);
+    let pttl = redis_cli(server.port(), &["PTTL", &k.storage_key]);
     let pttl: i64 = pttl.trim().parse().unwrap_or(-100);
     assert!((1..=700).contains(&pttl), "PTTL was {pttl}");
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -139,8 +139,7 @@ async fn digest_mismatch_is_a_miss() {
     // Another prompt's answer under this key's name.
     store.put(&k, entry(digest(999), "other"), Duration::from_secs(60));
     let deadline = Instant::now() + Duration::from_secs(5);
-    while support::redis_server::redis_cli(server.port(), &["EXISTS", &k.storage_key]).trim() != "1"
-    {
+    while redis_cli(server.port(), &["EXISTS", &k.storage_key]).trim() != "1" {
         assert!(Instant::now() < deadline, "the write never landed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -152,7 +151,7 @@ async fn garbage_under_the_key_is_a_miss() {
     let server = RedisServer::start();
     let store = RedisStore::connect(config(server.url()));
     let k = key(4);
-    support::redis_server::redis_cli(server.port(), &["SET", &k.storage_key, "not json"]);
+    redis_cli(server.port(), &["SET", &k.storage_key, "not json"]);
     assert_eq!(bounded_get(&store, &k).await, Ok(None));
 }
 
@@ -228,8 +227,9 @@ async fn full_write_queue_drops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_started_while_redis_is_down() {
-    let port = free_port(false);
-    let store = RedisStore::connect(config(format!("redis://127.0.0.1:{port}")));
+    // Held until Redis starts on it: refused meanwhile, as a Redis that is not there yet.
+    let port = reserve_port();
+    let store = RedisStore::connect(config(format!("redis://{}", port.addr())));
     let k = key(8);
     assert!(bounded_get(&store, &k).await.is_err());
     let _server = RedisServer::start_on(port);
@@ -318,7 +318,8 @@ fn config_defaults_and_validation() {
 #[test]
 fn connect_outside_a_runtime_does_not_panic() {
     // Config loading happens before any runtime exists; the store starts on first use.
-    let store = RedisStore::connect(config(format!("redis://127.0.0.1:{}", free_port(false))));
+    let nobody = reserve_port();
+    let store = RedisStore::connect(config(format!("redis://{}", nobody.addr())));
     let k = key(10);
     assert_eq!(
         store.put(&k, entry(k.digest, "x"), Duration::from_secs(1)),

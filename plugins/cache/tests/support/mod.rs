@@ -1,4 +1,0 @@
-//! Helpers shared by the cache plugin's integration tests (`mod support;`).
-#![allow(dead_code)]
-
-pub mod redis_server;
