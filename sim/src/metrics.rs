@@ -1,6 +1,9 @@
 //! vLLM's Prometheus metrics, rendered by hand in text format 0.0.4 exactly as
 //! prometheus_client writes them (HELP/TYPE lines, sorted labels, `_total` on counters,
 //! `_created` gauges in V1, Go-style float formatting).
+//!
+//! V0 and V1 expose mostly the same families in the same order; [`FlavorNames`] holds the names
+//! and help texts that differ, and `render` adds the families only one generation has.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,7 +36,7 @@ const V0_E2E: &[f64] = &[1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0
 #[derive(Debug)]
 pub struct Histogram {
     bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
+    bucket_counts: Vec<AtomicU64>,
     count: AtomicU64,
     sum_bits: AtomicU64,
 }
@@ -42,23 +45,23 @@ impl Histogram {
     fn new(bounds: &'static [f64]) -> Self {
         Histogram {
             bounds,
-            counts: (0..bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            bucket_counts: (0..bounds.len()).map(|_| AtomicU64::new(0)).collect(),
             count: AtomicU64::new(0),
             sum_bits: AtomicU64::new(0f64.to_bits()),
         }
     }
 
-    pub fn observe(&self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
-            if let Some(c) = self.counts.get(i) {
-                c.fetch_add(1, Ordering::Relaxed);
+    pub fn observe(&self, value: f64) {
+        if let Some(bucket) = self.bounds.iter().position(|bound| value <= *bound) {
+            if let Some(counter) = self.bucket_counts.get(bucket) {
+                counter.fetch_add(1, Ordering::Relaxed);
             }
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         let _ = self
             .sum_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                Some((f64::from_bits(b) + v).to_bits())
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + value).to_bits())
             });
     }
 }
@@ -69,19 +72,25 @@ pub struct Metrics {
     model_name: String,
     block_size: u32,
     num_gpu_blocks: u32,
-    spec: Option<SpecDecode>,
+    speculative: Option<SpecDecode>,
     created: f64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
-    success: [AtomicU64; 3],
+    /// `vllm:request_success_total` by finished_reason, in [`FINISHED_REASONS`] order.
+    finished: [AtomicU64; 3],
     pub oom: AtomicU64,
     spec_drafts: AtomicU64,
     spec_draft_tokens: AtomicU64,
     spec_accepted: AtomicU64,
+    /// Time to first token.
     pub ttft: Histogram,
+    /// Inter-token latency (V0: time per output token).
     pub itl: Histogram,
+    /// End-to-end request latency.
     pub e2e: Histogram,
 }
+
+const FINISHED_REASONS: [&str; 3] = ["stop", "length", "abort"];
 
 /// How a request ended, for `vllm:request_success_total{finished_reason}`.
 #[derive(Clone, Copy, Debug)]
@@ -90,13 +99,53 @@ pub enum Ended {
     Abort,
 }
 
+/// The names and help texts that differ between vLLM generations.
+struct FlavorNames {
+    running_help: &'static str,
+    kv_usage: &'static str,
+    kv_usage_help: &'static str,
+    inter_token: &'static str,
+    inter_token_help: &'static str,
+    e2e_help: &'static str,
+}
+
+impl FlavorNames {
+    fn of(flavor: MetricsFlavor) -> Self {
+        match flavor {
+            MetricsFlavor::V1 => FlavorNames {
+                running_help: "Number of requests in model execution batches.",
+                kv_usage: "vllm:kv_cache_usage_perc",
+                kv_usage_help: "KV-cache usage. 1 means 100 percent usage.",
+                inter_token: "vllm:inter_token_latency_seconds",
+                inter_token_help: "Histogram of inter-token latency in seconds.",
+                e2e_help: "Histogram of e2e request latency in seconds.",
+            },
+            MetricsFlavor::V0 => FlavorNames {
+                running_help: "Number of requests currently running on GPU.",
+                kv_usage: "vllm:gpu_cache_usage_perc",
+                kv_usage_help: "GPU KV-cache usage. 1 means 100 percent usage.",
+                inter_token: "vllm:time_per_output_token_seconds",
+                inter_token_help: "Histogram of time per output token in seconds.",
+                e2e_help: "Histogram of end to end request latency in seconds.",
+            },
+        }
+    }
+}
+
+/// The speculative-decoding counters, read once per render.
+struct SpecCounts {
+    drafts: f64,
+    draft_tokens: f64,
+    accepted: f64,
+}
+
 impl Metrics {
     pub fn new(
         flavor: MetricsFlavor,
         model_name: String,
         block_size: u32,
         num_gpu_blocks: u32,
-        spec: Option<SpecDecode>,
+        speculative: Option<SpecDecode>,
     ) -> Self {
         let (ttft, itl, e2e) = match flavor {
             MetricsFlavor::V1 => (V1_TTFT, V1_ITL, V1_E2E),
@@ -104,18 +153,18 @@ impl Metrics {
         };
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
+            .map(|since_epoch| since_epoch.as_secs_f64())
             .unwrap_or(0.0);
         Metrics {
             flavor,
             model_name,
             block_size,
             num_gpu_blocks,
-            spec,
+            speculative,
             created,
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
-            success: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
+            finished: Default::default(),
             oom: AtomicU64::new(0),
             spec_drafts: AtomicU64::new(0),
             spec_draft_tokens: AtomicU64::new(0),
@@ -128,19 +177,19 @@ impl Metrics {
 
     /// A request ended after generating `generated` tokens.
     pub fn ended(&self, how: Ended, generated: u64) {
-        let i = match how {
-            Ended::Finished(Finish::Stop) => 0,
-            Ended::Finished(Finish::Length) => 1,
-            Ended::Abort => 2,
+        let reason = match how {
+            Ended::Finished(Finish::Stop) => &self.finished[0],
+            Ended::Finished(Finish::Length) => &self.finished[1],
+            Ended::Abort => &self.finished[2],
         };
-        self.success[i].fetch_add(1, Ordering::Relaxed);
-        if let Some(spec) = &self.spec {
+        reason.fetch_add(1, Ordering::Relaxed);
+        if let Some(spec) = &self.speculative {
             // Each step proposes k draft tokens; accepted ones plus the bonus token are emitted.
-            let k = u64::from(spec.num_speculative_tokens.max(1));
+            let per_draft = u64::from(spec.num_speculative_tokens.max(1));
             let rate = spec.acceptance_rate.clamp(0.0, 1.0);
-            let per_step = 1.0 + k as f64 * rate;
-            let drafts = (generated as f64 / per_step).ceil() as u64;
-            let draft_tokens = drafts * k;
+            let tokens_per_step = 1.0 + per_draft as f64 * rate;
+            let drafts = (generated as f64 / tokens_per_step).ceil() as u64;
+            let draft_tokens = drafts * per_draft;
             let accepted = ((draft_tokens as f64) * rate).round() as u64;
             self.spec_drafts.fetch_add(drafts, Ordering::Relaxed);
             self.spec_draft_tokens
@@ -149,248 +198,221 @@ impl Metrics {
         }
     }
 
-    pub fn render(&self, e: &EngineSnapshot) -> String {
-        let mut out = String::with_capacity(16 * 1024);
-        let r = Renderer {
-            out: &mut out,
-            v1: self.flavor == MetricsFlavor::V1,
-            model: escape(&self.model_name),
-            created: self.created,
+    /// The whole exposition, families in the order vLLM registers them.
+    pub fn render(&self, engine: &EngineSnapshot) -> String {
+        let v1 = self.flavor == MetricsFlavor::V1;
+        let names = FlavorNames::of(self.flavor);
+        let spec = self.speculative.as_ref().map(|_| SpecCounts {
+            drafts: load(&self.spec_drafts),
+            draft_tokens: load(&self.spec_draft_tokens),
+            accepted: load(&self.spec_accepted),
+        });
+        let mut out = Renderer::new(v1, &self.model_name, self.created);
+        if let (true, Some(spec)) = (v1, &spec) {
+            render_spec_counters_v1(&mut out, spec);
+        }
+        render_scheduler(&mut out, &names, engine);
+        if let (false, Some(spec)) = (v1, &spec) {
+            self.render_spec_gauges_v0(&mut out, spec);
+        }
+        self.render_token_counters(&mut out);
+        if let (false, Some(spec)) = (v1, &spec) {
+            render_spec_counters_v0(&mut out, spec);
+        }
+        self.render_finished(&mut out);
+        self.render_latencies(&mut out, &names);
+        out.counter(
+            "sim_oom",
+            "Requests failed with a simulated CUDA out-of-memory error.",
+            load(&self.oom),
+        );
+        self.render_cache_info(&mut out);
+        out.text
+    }
+
+    fn render_token_counters(&self, out: &mut Renderer) {
+        out.counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            load(&self.prompt_tokens),
+        );
+        out.counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            load(&self.generation_tokens),
+        );
+    }
+
+    fn render_spec_gauges_v0(&self, out: &mut Renderer, spec: &SpecCounts) {
+        let rate = if spec.draft_tokens > 0.0 {
+            spec.accepted / spec.draft_tokens
+        } else {
+            0.0
         };
-        match self.flavor {
-            MetricsFlavor::V1 => self.render_v1(r, e),
-            MetricsFlavor::V0 => self.render_v0(r, e),
-        }
-        out
+        out.gauge(
+            "vllm:spec_decode_draft_acceptance_rate",
+            "Speulative token acceptance rate.",
+            rate,
+        );
+        let per_draft = self.speculative.as_ref().map_or(1.0, |config| {
+            f64::from(config.num_speculative_tokens.max(1))
+        });
+        let emitted = spec.accepted + spec.drafts;
+        let efficiency = if spec.drafts > 0.0 {
+            emitted / (spec.drafts * (per_draft + 1.0))
+        } else {
+            0.0
+        };
+        out.gauge(
+            "vllm:spec_decode_efficiency",
+            "Speculative decoding system efficiency.",
+            efficiency,
+        );
     }
 
-    fn render_v1(&self, mut r: Renderer<'_>, e: &EngineSnapshot) {
-        if self.spec.is_some() {
-            r.counter(
-                "vllm:spec_decode_num_drafts",
-                "Number of spec decoding drafts.",
-                load(&self.spec_drafts),
-            );
-            r.counter(
-                "vllm:spec_decode_num_draft_tokens",
-                "Number of draft tokens.",
-                load(&self.spec_draft_tokens),
-            );
-            r.counter(
-                "vllm:spec_decode_num_accepted_tokens",
-                "Number of accepted tokens.",
-                load(&self.spec_accepted),
-            );
-        }
-        r.gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            f64::from(e.running),
-        );
-        r.gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            f64::from(e.waiting),
-        );
-        r.gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            e.kv_usage(),
-        );
-        r.counter(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            load(&self.prompt_tokens),
-        );
-        r.counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            load(&self.generation_tokens),
-        );
-        self.render_success(&mut r);
-        r.histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            &self.ttft,
-        );
-        r.histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            &self.itl,
-        );
-        r.histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            &self.e2e,
-        );
-        r.counter(
-            "sim_oom",
-            "Requests failed with a simulated CUDA out-of-memory error.",
-            load(&self.oom),
-        );
-        self.render_cache_info(&mut r);
-    }
-
-    fn render_v0(&self, mut r: Renderer<'_>, e: &EngineSnapshot) {
-        r.gauge(
-            "vllm:num_requests_running",
-            "Number of requests currently running on GPU.",
-            f64::from(e.running),
-        );
-        r.gauge(
-            "vllm:num_requests_swapped",
-            "Number of requests swapped to CPU.",
-            0.0,
-        );
-        r.gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            f64::from(e.waiting),
-        );
-        r.gauge(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage.",
-            e.kv_usage(),
-        );
-        r.gauge(
-            "vllm:cpu_cache_usage_perc",
-            "CPU KV-cache usage. 1 means 100 percent usage.",
-            0.0,
-        );
-        let draft = load(&self.spec_draft_tokens);
-        let accepted = load(&self.spec_accepted);
-        if let Some(spec) = &self.spec {
-            let rate = if draft > 0.0 { accepted / draft } else { 0.0 };
-            r.gauge(
-                "vllm:spec_decode_draft_acceptance_rate",
-                "Speulative token acceptance rate.",
-                rate,
-            );
-            let k = f64::from(spec.num_speculative_tokens.max(1));
-            let drafts = load(&self.spec_drafts);
-            let emitted = accepted + drafts;
-            let eff = if drafts > 0.0 {
-                emitted / (drafts * (k + 1.0))
-            } else {
-                0.0
-            };
-            r.gauge(
-                "vllm:spec_decode_efficiency",
-                "Speculative decoding system efficiency.",
-                eff,
-            );
-        }
-        r.counter(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            load(&self.prompt_tokens),
-        );
-        r.counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            load(&self.generation_tokens),
-        );
-        if self.spec.is_some() {
-            r.counter(
-                "vllm:spec_decode_num_accepted_tokens",
-                "Number of accepted tokens.",
-                accepted,
-            );
-            r.counter(
-                "vllm:spec_decode_num_draft_tokens",
-                "Number of draft tokens.",
-                draft,
-            );
-            r.counter(
-                "vllm:spec_decode_num_emitted_tokens",
-                "Number of emitted tokens.",
-                accepted + load(&self.spec_drafts),
-            );
-        }
-        self.render_success(&mut r);
-        r.histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            &self.ttft,
-        );
-        r.histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
-            &self.itl,
-        );
-        r.histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
-            &self.e2e,
-        );
-        r.counter(
-            "sim_oom",
-            "Requests failed with a simulated CUDA out-of-memory error.",
-            load(&self.oom),
-        );
-        self.render_cache_info(&mut r);
-    }
-
-    fn render_success(&self, r: &mut Renderer<'_>) {
+    fn render_finished(&self, out: &mut Renderer) {
         let name = "vllm:request_success";
         let help = "Count of successfully processed requests.";
-        r.header(&format!("{name}_total"), help, "counter");
-        let reasons = ["stop", "length", "abort"];
-        for (reason, c) in reasons.iter().zip(&self.success) {
-            let labels = r.labels(&[("finished_reason", reason)]);
-            r.sample(&format!("{name}_total"), &labels, load(c));
+        let total = format!("{name}_total");
+        out.header(&total, help, "counter");
+        for (reason, counter) in FINISHED_REASONS.iter().zip(&self.finished) {
+            let labels = out.labels(&[("finished_reason", reason)]);
+            out.sample(&total, &labels, load(counter));
         }
-        if r.v1 {
-            r.header(&format!("{name}_created"), help, "gauge");
-            for reason in reasons {
-                let labels = r.labels(&[("finished_reason", reason)]);
-                r.sample(&format!("{name}_created"), &labels, r.created);
+        if out.v1 {
+            let created = format!("{name}_created");
+            out.header(&created, help, "gauge");
+            for reason in FINISHED_REASONS {
+                let labels = out.labels(&[("finished_reason", reason)]);
+                out.sample(&created, &labels, out.created);
             }
         }
     }
 
-    fn render_cache_info(&self, r: &mut Renderer<'_>) {
-        let bs = self.block_size.to_string();
-        let nb = self.num_gpu_blocks.to_string();
-        if r.v1 {
-            r.header(
-                "vllm:cache_config_info",
+    fn render_latencies(&self, out: &mut Renderer, names: &FlavorNames) {
+        out.histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &self.ttft,
+        );
+        out.histogram(names.inter_token, names.inter_token_help, &self.itl);
+        out.histogram(
+            "vllm:e2e_request_latency_seconds",
+            names.e2e_help,
+            &self.e2e,
+        );
+    }
+
+    fn render_cache_info(&self, out: &mut Renderer) {
+        let block_size = self.block_size;
+        let num_gpu_blocks = self.num_gpu_blocks;
+        // The label sets differ: V1 has `engine`, and the two print their defaults differently.
+        let (help, labels) = if out.v1 {
+            (
                 "Information of the LLMEngine CacheConfig",
-                "gauge",
-            );
-            let _ = writeln!(
-                r.out,
-                "vllm:cache_config_info{{block_size=\"{bs}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{nb}\",swap_space=\"4.0\"}} 1.0"
-            );
+                format!("block_size=\"{block_size}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{num_gpu_blocks}\",swap_space=\"4.0\""),
+            )
         } else {
-            r.header(
-                "vllm:cache_config_info",
+            (
                 "information of cache_config",
-                "gauge",
-            );
-            let _ = writeln!(
-                r.out,
-                "vllm:cache_config_info{{block_size=\"{bs}\",cache_dtype=\"auto\",enable_prefix_caching=\"False\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"2048\",num_gpu_blocks=\"{nb}\",swap_space=\"4\"}} 1.0"
-            );
-        }
+                format!("block_size=\"{block_size}\",cache_dtype=\"auto\",enable_prefix_caching=\"False\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"2048\",num_gpu_blocks=\"{num_gpu_blocks}\",swap_space=\"4\""),
+            )
+        };
+        out.header("vllm:cache_config_info", help, "gauge");
+        out.sample("vllm:cache_config_info", &labels, 1.0);
     }
 }
 
-fn load(a: &AtomicU64) -> f64 {
-    a.load(Ordering::Relaxed) as f64
+/// Running and waiting requests and the KV-cache usage (V0 adds its swap and CPU families).
+fn render_scheduler(out: &mut Renderer, names: &FlavorNames, engine: &EngineSnapshot) {
+    out.gauge(
+        "vllm:num_requests_running",
+        names.running_help,
+        f64::from(engine.running),
+    );
+    if !out.v1 {
+        out.gauge(
+            "vllm:num_requests_swapped",
+            "Number of requests swapped to CPU.",
+            0.0,
+        );
+    }
+    out.gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        f64::from(engine.waiting),
+    );
+    out.gauge(names.kv_usage, names.kv_usage_help, engine.kv_usage());
+    if !out.v1 {
+        out.gauge(
+            "vllm:cpu_cache_usage_perc",
+            "CPU KV-cache usage. 1 means 100 percent usage.",
+            0.0,
+        );
+    }
 }
 
-struct Renderer<'a> {
-    out: &'a mut String,
+fn render_spec_counters_v1(out: &mut Renderer, spec: &SpecCounts) {
+    out.counter(
+        "vllm:spec_decode_num_drafts",
+        "Number of spec decoding drafts.",
+        spec.drafts,
+    );
+    out.counter(
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        spec.draft_tokens,
+    );
+    out.counter(
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        spec.accepted,
+    );
+}
+
+fn render_spec_counters_v0(out: &mut Renderer, spec: &SpecCounts) {
+    out.counter(
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        spec.accepted,
+    );
+    out.counter(
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        spec.draft_tokens,
+    );
+    out.counter(
+        "vllm:spec_decode_num_emitted_tokens",
+        "Number of emitted tokens.",
+        spec.accepted + spec.drafts,
+    );
+}
+
+fn load(counter: &AtomicU64) -> f64 {
+    counter.load(Ordering::Relaxed) as f64
+}
+
+/// Writes families in prometheus_client's format, with the instance's labels.
+struct Renderer {
+    text: String,
     v1: bool,
     model: String,
     created: f64,
 }
 
-impl Renderer<'_> {
+impl Renderer {
+    fn new(v1: bool, model_name: &str, created: f64) -> Self {
+        Renderer {
+            text: String::with_capacity(16 * 1024),
+            v1,
+            model: escape(model_name),
+            created,
+        }
+    }
+
     fn header(&mut self, name: &str, help: &str, kind: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+        let _ = writeln!(self.text, "# HELP {name} {help}");
+        let _ = writeln!(self.text, "# TYPE {name} {kind}");
     }
 
     /// The instance labels plus `extra`, sorted by name like the fixtures.
@@ -400,26 +422,29 @@ impl Renderer<'_> {
             all.push(("engine", "0"));
         }
         all.extend_from_slice(extra);
-        all.sort_by(|a, b| a.0.cmp(b.0));
-        let parts: Vec<String> = all.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
-        parts.join(",")
+        all.sort_by(|left, right| left.0.cmp(right.0));
+        let pairs: Vec<String> = all
+            .iter()
+            .map(|(label, value)| format!("{label}=\"{value}\""))
+            .collect();
+        pairs.join(",")
     }
 
-    fn sample(&mut self, name: &str, labels: &str, v: f64) {
-        let _ = writeln!(self.out, "{name}{{{labels}}} {}", go_float(v));
+    fn sample(&mut self, name: &str, labels: &str, value: f64) {
+        let _ = writeln!(self.text, "{name}{{{labels}}} {}", go_float(value));
     }
 
-    fn gauge(&mut self, name: &str, help: &str, v: f64) {
+    fn gauge(&mut self, name: &str, help: &str, value: f64) {
         self.header(name, help, "gauge");
         let labels = self.labels(&[]);
-        self.sample(name, &labels, v);
+        self.sample(name, &labels, value);
     }
 
-    fn counter(&mut self, base: &str, help: &str, v: f64) {
+    fn counter(&mut self, base: &str, help: &str, value: f64) {
         let total = format!("{base}_total");
         self.header(&total, help, "counter");
         let labels = self.labels(&[]);
-        self.sample(&total, &labels, v);
+        self.sample(&total, &labels, value);
         self.created_family(base, help);
     }
 
@@ -428,65 +453,67 @@ impl Renderer<'_> {
             let created = format!("{base}_created");
             self.header(&created, help, "gauge");
             let labels = self.labels(&[]);
-            let c = self.created;
-            self.sample(&created, &labels, c);
+            let timestamp = self.created;
+            self.sample(&created, &labels, timestamp);
         }
     }
 
-    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+    fn histogram(&mut self, name: &str, help: &str, histogram: &Histogram) {
         self.header(name, help, "histogram");
-        let mut cum = 0u64;
-        for (b, c) in h.bounds.iter().zip(&h.counts) {
-            cum += c.load(Ordering::Relaxed);
-            let le = go_float(*b);
-            let labels = self.labels(&[("le", &le)]);
-            self.sample(&format!("{name}_bucket"), &labels, cum as f64);
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0u64;
+        for (bound, counter) in histogram.bounds.iter().zip(&histogram.bucket_counts) {
+            cumulative += counter.load(Ordering::Relaxed);
+            let labels = self.labels(&[("le", &go_float(*bound))]);
+            self.sample(&bucket, &labels, cumulative as f64);
         }
-        let count = h.count.load(Ordering::Relaxed);
+        let count = histogram.count.load(Ordering::Relaxed);
         let labels = self.labels(&[("le", "+Inf")]);
-        self.sample(&format!("{name}_bucket"), &labels, count as f64);
+        self.sample(&bucket, &labels, count as f64);
         let labels = self.labels(&[]);
         self.sample(&format!("{name}_count"), &labels, count as f64);
-        let sum = f64::from_bits(h.sum_bits.load(Ordering::Relaxed));
+        let sum = f64::from_bits(histogram.sum_bits.load(Ordering::Relaxed));
         self.sample(&format!("{name}_sum"), &labels, sum);
         self.created_family(name, help);
     }
 }
 
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
+fn escape(label_value: &str) -> String {
+    label_value
+        .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
 }
 
 /// prometheus_client's floatToGoString: Python repr, with an exponent once there are more
 /// than 6 digits before the point (2412903.0 -> 2.412903e+06).
-pub fn go_float(d: f64) -> String {
-    if d.is_nan() {
+pub fn go_float(value: f64) -> String {
+    if value.is_nan() {
         return "NaN".into();
     }
-    if d == f64::INFINITY {
+    if value == f64::INFINITY {
         return "+Inf".into();
     }
-    if d == f64::NEG_INFINITY {
+    if value == f64::NEG_INFINITY {
         return "-Inf".into();
     }
-    let s = if d.fract() == 0.0 && d.abs() < 1e16 {
-        format!("{d:.1}")
+    let repr = if value.fract() == 0.0 && value.abs() < 1e16 {
+        format!("{value:.1}")
     } else {
-        format!("{d:?}")
+        format!("{value:?}")
     };
-    if d > 0.0 {
-        if let Some(dot) = s.find('.') {
-            if dot > 6 && !s.contains('e') {
-                let digits = format!("{}{}", &s[1..dot], &s[dot + 1..]);
-                let mantissa = format!("{}.{}", &s[..1], digits);
+    if value > 0.0 && !repr.contains('e') {
+        if let Some((whole, fraction)) = repr.split_once('.') {
+            // ASCII digits only, so splitting off the first character is safe.
+            let (first, rest) = whole.split_at(1.min(whole.len()));
+            if whole.len() > 6 {
+                let mantissa = format!("{first}.{rest}{fraction}");
                 let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
-                return format!("{mantissa}e+0{}", dot - 1);
+                return format!("{mantissa}e+0{}", whole.len() - 1);
             }
         }
     }
-    s
+    repr
 }
 
 #[cfg(test)]

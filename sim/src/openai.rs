@@ -1,5 +1,6 @@
 //! vLLM's OpenAI wire format: request parsing with vLLM-like 400s, and the response, chunk and
-//! error shapes, with field order and null fields as vLLM sends them (see shared/fixtures).
+//! error shapes, with field order and null fields as vLLM sends them (see the repository's
+//! `tests/fixtures/`).
 
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
@@ -12,6 +13,16 @@ use crate::text::{self, Hasher};
 pub enum Kind {
     Chat,
     Completion,
+}
+
+impl Kind {
+    /// The `object` of a stream chunk (chat) or of every text-completion answer and chunk.
+    pub fn chunk_object(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        }
+    }
 }
 
 /// An error answer: HTTP status, message and vLLM error type.
@@ -41,7 +52,7 @@ pub fn error_type(status: u16) -> &'static str {
         404 => "NotFoundError",
         429 => "TooManyRequestsError",
         503 => "ServiceUnavailableError",
-        s if (400..500).contains(&s) => "BadRequestError",
+        client_error if (400..500).contains(&client_error) => "BadRequestError",
         _ => "InternalServerError",
     }
 }
@@ -71,38 +82,39 @@ struct OldError<'a> {
 }
 
 /// The JSON error body in the configured shape.
-pub fn error_body(shape: ErrorShape, e: &ApiError) -> Vec<u8> {
-    let res = match shape {
+pub fn error_body(shape: ErrorShape, error: &ApiError) -> Vec<u8> {
+    let serialized = match shape {
         ErrorShape::New => serde_json::to_vec(&NewError {
             error: ErrorInner {
-                message: &e.message,
-                err_type: e.err_type,
+                message: &error.message,
+                err_type: error.err_type,
                 param: None,
-                code: e.status,
+                code: error.status,
             },
         }),
         ErrorShape::Old => serde_json::to_vec(&OldError {
             object: "error",
-            message: &e.message,
-            err_type: e.err_type,
+            message: &error.message,
+            err_type: error.err_type,
             param: None,
-            code: e.status,
+            code: error.status,
         }),
     };
-    res.unwrap_or_default()
+    // These structs always serialize; an empty body is only a fallback that cannot happen.
+    serialized.unwrap_or_default()
 }
 
 /// An error inside a stream: vLLM writes it with Python's `json.dumps`, hence the spaces.
-pub fn stream_error_event(shape: ErrorShape, e: &ApiError) -> String {
-    let msg = serde_json::to_string(&e.message).unwrap_or_else(|_| "\"\"".into());
+pub fn stream_error_event(shape: ErrorShape, error: &ApiError) -> String {
+    let message = serde_json::to_string(&error.message).unwrap_or_else(|_| "\"\"".into());
     let inner = match shape {
         ErrorShape::New => format!(
-            "{{\"message\": {msg}, \"type\": \"{}\", \"param\": null, \"code\": {}}}",
-            e.err_type, e.status
+            "{{\"message\": {message}, \"type\": \"{}\", \"param\": null, \"code\": {}}}",
+            error.err_type, error.status
         ),
         ErrorShape::Old => format!(
-            "{{\"object\": \"error\", \"message\": {msg}, \"type\": \"{}\", \"param\": null, \"code\": {}}}",
-            e.err_type, e.status
+            "{{\"object\": \"error\", \"message\": {message}, \"type\": \"{}\", \"param\": null, \"code\": {}}}",
+            error.err_type, error.status
         ),
     };
     format!("data: {{\"error\": {inner}}}\n\n")
@@ -111,86 +123,199 @@ pub fn stream_error_event(shape: ErrorShape, e: &ApiError) -> String {
 // ---------------------------------------------------------------------------------------
 // Requests
 
+/// A validated completion request, reduced to what the simulator needs.
 #[derive(Clone, Debug)]
-pub struct Parsed {
+pub struct CompletionRequest {
     pub kind: Kind,
     pub model: Option<String>,
-    pub prompt_hash: u64,
-    pub prompt_tokens: u32,
+    pub prompt: Prompt,
     pub max_tokens: Option<u32>,
-    pub n: u32,
+    /// OpenAI's `n`.
+    pub choice_count: u32,
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: bool,
     pub top_logprobs: u32,
+    pub sampling: Sampling,
+}
+
+/// What the answer's text and the KV model need of the prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct Prompt {
+    pub hash: u64,
+    pub tokens: u32,
+}
+
+impl Prompt {
+    fn new(hasher: &Hasher, bytes: usize) -> Self {
+        Prompt {
+            hash: hasher.finish(),
+            tokens: text::tokens_for_bytes(bytes).max(1),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
     pub temperature: f64,
     pub seed: Option<i64>,
     /// Hash of the sampling parameters that change the text (not max_tokens, which only cuts).
-    pub sampling_hash: u64,
+    pub hash: u64,
 }
 
-fn pyd(kind: &str, field: &str, msg: &str) -> ApiError {
+/// A chat message costs its text plus about 4 tokens of chat template.
+const CHAT_TEMPLATE_BYTES: usize = 16;
+/// An image or other non-text content part counts as this many bytes.
+const NON_TEXT_PART_BYTES: usize = 256;
+/// A token id in a completion prompt counts as one token.
+const TOKEN_ID_BYTES: usize = 4;
+
+type Fields = serde_json::Map<String, Value>;
+
+/// Parse and validate a request body, in vLLM's order: the first problem found is the one
+/// reported, with vLLM's message for it.
+pub fn parse(
+    kind: Kind,
+    body: &[u8],
+    default_temperature: f64,
+) -> Result<CompletionRequest, ApiError> {
+    let fields = parse_object(body)?;
+    let model = parse_model(&fields)?;
+    let prompt = match kind {
+        Kind::Chat => parse_messages(&fields)?,
+        Kind::Completion => parse_prompt(&fields)?,
+    };
+    let max_tokens = parse_max_tokens(kind, &fields)?;
+    let choice_count = parse_choice_count(&fields)?;
+    let (stream, include_usage) = parse_streaming(&fields)?;
+    let (logprobs, top_logprobs) = parse_logprobs(kind, &fields)?;
+    let sampling = parse_sampling(&fields, default_temperature)?;
+    Ok(CompletionRequest {
+        kind,
+        model,
+        prompt,
+        max_tokens,
+        choice_count,
+        stream,
+        include_usage,
+        logprobs,
+        top_logprobs,
+        sampling,
+    })
+}
+
+/// A 400 in the style of FastAPI's pydantic validation errors, as vLLM sends them.
+fn validation_error(error_type: &str, field: &str, message: &str) -> ApiError {
     ApiError::bad_request(format!(
-        "[{{'type': '{kind}', 'loc': ('body', '{field}'), 'msg': '{msg}'}}]"
+        "[{{'type': '{error_type}', 'loc': ('body', '{field}'), 'msg': '{message}'}}]"
     ))
 }
 
-fn opt_u32(o: &serde_json::Map<String, Value>, field: &str) -> Result<Option<u32>, ApiError> {
-    match o.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(x) => Ok(Some(u32::try_from(x).unwrap_or(u32::MAX))),
-            None if v.as_i64().is_some() => Err(pyd(
-                "greater_than_equal",
-                field,
-                "Input should be greater than or equal to 0",
-            )),
-            None => Err(pyd("int_type", field, "Input should be a valid integer")),
-        },
+fn parse_object(body: &[u8]) -> Result<Fields, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|error| {
+        ApiError::bad_request(format!(
+            "[{{'type': 'json_invalid', 'loc': ('body', {}), 'msg': 'JSON decode error', 'ctx': {{'error': '{}'}}}}]",
+            error.column(),
+            error.to_string().replace('\'', "")
+        ))
+    })?;
+    match value {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(ApiError::bad_request(
+            "[{'type': 'model_attributes_type', 'loc': ('body',), 'msg': 'Input should be a valid dictionary or object to extract fields from'}]",
+        )),
     }
 }
 
-fn opt_f64(o: &serde_json::Map<String, Value>, field: &str) -> Result<Option<f64>, ApiError> {
-    match o.get(field) {
+fn parse_model(fields: &Fields) -> Result<Option<String>, ApiError> {
+    match fields.get("model") {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| pyd("float_type", field, "Input should be a valid number")),
+        Some(Value::String(model)) => Ok(Some(model.clone())),
+        Some(_) => Err(validation_error(
+            "string_type",
+            "model",
+            "Input should be a valid string",
+        )),
     }
 }
 
-fn opt_bool(o: &serde_json::Map<String, Value>, field: &str) -> Result<Option<bool>, ApiError> {
-    match o.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(pyd("bool_type", field, "Input should be a valid boolean")),
+/// Chat: the prompt is the whole message list, roles included.
+fn parse_messages(fields: &Fields) -> Result<Prompt, ApiError> {
+    let messages = match fields.get("messages") {
+        None => return Err(validation_error("missing", "messages", "Field required")),
+        Some(Value::Array(messages)) => messages,
+        Some(_) => {
+            return Err(validation_error(
+                "list_type",
+                "messages",
+                "Input should be a valid list",
+            ))
+        }
+    };
+    let mut hasher = Hasher::default();
+    let mut bytes = 0usize;
+    for message in messages {
+        bytes += message_bytes(&mut hasher, message)?;
     }
+    Ok(Prompt::new(&hasher, bytes))
 }
 
-/// Text of a chat message's content: a string or a list of parts (only text parts count).
-fn content_text(h: &mut Hasher, v: &Value) -> Result<usize, ApiError> {
-    match v {
+fn message_bytes(hasher: &mut Hasher, message: &Value) -> Result<usize, ApiError> {
+    let Some(message) = message.as_object() else {
+        return Err(validation_error(
+            "model_type",
+            "messages",
+            "Input should be a valid dictionary",
+        ));
+    };
+    let role = match message.get("role") {
+        Some(Value::String(role)) => role.as_str(),
+        None => {
+            return Err(validation_error(
+                "missing",
+                "messages.role",
+                "Field required",
+            ))
+        }
+        Some(_) => {
+            return Err(validation_error(
+                "string_type",
+                "messages.role",
+                "Input should be a valid string",
+            ))
+        }
+    };
+    hasher.bytes(role.as_bytes());
+    hasher.separator();
+    let content = message.get("content").unwrap_or(&Value::Null);
+    let bytes = content_bytes(hasher, content)? + CHAT_TEMPLATE_BYTES;
+    hasher.separator();
+    Ok(bytes)
+}
+
+/// A chat message's content: a string or a list of parts (only text parts count as text).
+fn content_bytes(hasher: &mut Hasher, content: &Value) -> Result<usize, ApiError> {
+    match content {
         Value::Null => Ok(0),
-        Value::String(s) => {
-            h.bytes(s.as_bytes());
-            Ok(s.len())
+        Value::String(text) => {
+            hasher.bytes(text.as_bytes());
+            Ok(text.len())
         }
         Value::Array(parts) => {
-            let mut n = 0;
-            for p in parts {
-                match p.get("text").and_then(Value::as_str) {
-                    Some(t) => {
-                        h.bytes(t.as_bytes());
-                        n += t.len();
+            let mut bytes = 0;
+            for part in parts {
+                match part.get("text").and_then(Value::as_str) {
+                    Some(text) => {
+                        hasher.bytes(text.as_bytes());
+                        bytes += text.len();
                     }
-                    None if p.is_object() => {
+                    None if part.is_object() => {
                         // Images and other parts: hash their JSON, count a fixed cost.
-                        h.bytes(p.to_string().as_bytes());
-                        n += 256;
+                        hasher.bytes(part.to_string().as_bytes());
+                        bytes += NON_TEXT_PART_BYTES;
                     }
                     None => {
-                        return Err(pyd(
+                        return Err(validation_error(
                             "model_type",
                             "messages",
                             "Input should be a valid dictionary",
@@ -198,9 +323,9 @@ fn content_text(h: &mut Hasher, v: &Value) -> Result<usize, ApiError> {
                     }
                 }
             }
-            Ok(n)
+            Ok(bytes)
         }
-        _ => Err(pyd(
+        _ => Err(validation_error(
             "string_type",
             "messages",
             "Input should be a valid string",
@@ -208,169 +333,156 @@ fn content_text(h: &mut Hasher, v: &Value) -> Result<usize, ApiError> {
     }
 }
 
-pub fn parse(kind: Kind, body: &[u8], default_temperature: f64) -> Result<Parsed, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad_request(format!(
-            "[{{'type': 'json_invalid', 'loc': ('body', {}), 'msg': 'JSON decode error', 'ctx': {{'error': '{}'}}}}]",
-            e.column(),
-            e.to_string().replace('\'', "")
-        ))
-    })?;
-    let Value::Object(o) = v else {
-        return Err(ApiError::bad_request(
-            "[{'type': 'model_attributes_type', 'loc': ('body',), 'msg': 'Input should be a valid dictionary or object to extract fields from'}]",
-        ));
-    };
-    let model = match o.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => {
-            return Err(pyd(
-                "string_type",
-                "model",
-                "Input should be a valid string",
-            ))
+/// Completions: a string, a list of strings, token ids, or lists of token ids.
+fn parse_prompt(fields: &Fields) -> Result<Prompt, ApiError> {
+    let not_a_string =
+        || validation_error("string_type", "prompt", "Input should be a valid string");
+    let mut hasher = Hasher::default();
+    let bytes = match fields.get("prompt") {
+        None => return Err(validation_error("missing", "prompt", "Field required")),
+        Some(Value::String(text)) => {
+            hasher.bytes(text.as_bytes());
+            text.len()
         }
+        Some(Value::Array(items)) => {
+            let mut bytes = 0usize;
+            for item in items {
+                bytes += match item {
+                    Value::String(text) => {
+                        hasher.bytes(text.as_bytes());
+                        text.len()
+                    }
+                    Value::Number(token_id) => {
+                        hasher.u64(token_id.as_u64().unwrap_or(0));
+                        TOKEN_ID_BYTES
+                    }
+                    Value::Array(token_ids) => {
+                        for token_id in token_ids {
+                            hasher.u64(token_id.as_u64().unwrap_or(0));
+                        }
+                        TOKEN_ID_BYTES * token_ids.len()
+                    }
+                    _ => return Err(not_a_string()),
+                };
+                hasher.separator();
+            }
+            bytes
+        }
+        Some(_) => return Err(not_a_string()),
     };
+    Ok(Prompt::new(&hasher, bytes))
+}
 
-    let mut h = Hasher::default();
-    let bytes = match kind {
-        Kind::Chat => {
-            let msgs = match o.get("messages") {
-                None => return Err(pyd("missing", "messages", "Field required")),
-                Some(Value::Array(m)) => m,
-                Some(_) => {
-                    return Err(pyd("list_type", "messages", "Input should be a valid list"))
-                }
-            };
-            let mut n = 0usize;
-            for m in msgs {
-                let Some(mo) = m.as_object() else {
-                    return Err(pyd(
-                        "model_type",
-                        "messages",
-                        "Input should be a valid dictionary",
-                    ));
-                };
-                let role = match mo.get("role") {
-                    Some(Value::String(r)) => r.as_str(),
-                    None => return Err(pyd("missing", "messages.role", "Field required")),
-                    Some(_) => {
-                        return Err(pyd(
-                            "string_type",
-                            "messages.role",
-                            "Input should be a valid string",
-                        ))
-                    }
-                };
-                h.bytes(role.as_bytes());
-                h.sep();
-                n += content_text(&mut h, mo.get("content").unwrap_or(&Value::Null))? + 16;
-                h.sep();
-            }
-            n
-        }
-        Kind::Completion => match o.get("prompt") {
-            None => return Err(pyd("missing", "prompt", "Field required")),
-            Some(Value::String(s)) => {
-                h.bytes(s.as_bytes());
-                s.len()
-            }
-            Some(Value::Array(items)) => {
-                let mut n = 0usize;
-                for it in items {
-                    match it {
-                        Value::String(s) => {
-                            h.bytes(s.as_bytes());
-                            n += s.len();
-                        }
-                        // Token ids: one token each.
-                        Value::Number(x) => {
-                            h.u64(x.as_u64().unwrap_or(0));
-                            n += 4;
-                        }
-                        Value::Array(ids) => {
-                            for id in ids {
-                                h.u64(id.as_u64().unwrap_or(0));
-                            }
-                            n += 4 * ids.len();
-                        }
-                        _ => {
-                            return Err(pyd(
-                                "string_type",
-                                "prompt",
-                                "Input should be a valid string",
-                            ))
-                        }
-                    }
-                    h.sep();
-                }
-                n
-            }
-            Some(_) => {
-                return Err(pyd(
-                    "string_type",
-                    "prompt",
-                    "Input should be a valid string",
-                ))
-            }
+fn optional_u32(fields: &Fields, field: &str) -> Result<Option<u32>, ApiError> {
+    match fields.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => match value.as_u64() {
+            Some(number) => Ok(Some(u32::try_from(number).unwrap_or(u32::MAX))),
+            None if value.as_i64().is_some() => Err(validation_error(
+                "greater_than_equal",
+                field,
+                "Input should be greater than or equal to 0",
+            )),
+            None => Err(validation_error(
+                "int_type",
+                field,
+                "Input should be a valid integer",
+            )),
         },
-    };
-    let prompt_tokens = text::tokens_for_bytes(bytes).max(1);
+    }
+}
 
+fn optional_f64(fields: &Fields, field: &str) -> Result<Option<f64>, ApiError> {
+    match fields.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => value
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| validation_error("float_type", field, "Input should be a valid number")),
+    }
+}
+
+fn optional_bool(fields: &Fields, field: &str) -> Result<Option<bool>, ApiError> {
+    match fields.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(flag)) => Ok(Some(*flag)),
+        Some(_) => Err(validation_error(
+            "bool_type",
+            field,
+            "Input should be a valid boolean",
+        )),
+    }
+}
+
+/// Chat prefers the newer `max_completion_tokens` over `max_tokens`.
+fn parse_max_tokens(kind: Kind, fields: &Fields) -> Result<Option<u32>, ApiError> {
     let max_tokens = match kind {
-        Kind::Chat => match opt_u32(&o, "max_completion_tokens")? {
-            Some(x) => Some(x),
-            None => opt_u32(&o, "max_tokens")?,
+        Kind::Chat => match optional_u32(fields, "max_completion_tokens")? {
+            Some(max_tokens) => Some(max_tokens),
+            None => optional_u32(fields, "max_tokens")?,
         },
-        Kind::Completion => opt_u32(&o, "max_tokens")?,
+        Kind::Completion => optional_u32(fields, "max_tokens")?,
     };
     if max_tokens == Some(0) {
         return Err(ApiError::bad_request(
             "max_tokens must be at least 1, got 0.",
         ));
     }
-    let n = opt_u32(&o, "n")?.unwrap_or(1);
-    if n == 0 {
+    Ok(max_tokens)
+}
+
+fn parse_choice_count(fields: &Fields) -> Result<u32, ApiError> {
+    let choice_count = optional_u32(fields, "n")?.unwrap_or(1);
+    if choice_count == 0 {
         return Err(ApiError::bad_request("n must be at least 1, got 0."));
     }
-    if n > 128 {
+    if choice_count > 128 {
         return Err(ApiError::bad_request(format!(
-            "n must be at most 128, got {n}."
+            "n must be at most 128, got {choice_count}."
         )));
     }
-    let stream = opt_bool(&o, "stream")?.unwrap_or(false);
-    let include_usage = match o.get("stream_options") {
+    Ok(choice_count)
+}
+
+/// `(stream, stream_options.include_usage)`.
+fn parse_streaming(fields: &Fields) -> Result<(bool, bool), ApiError> {
+    let stream = optional_bool(fields, "stream")?.unwrap_or(false);
+    let include_usage = match fields.get("stream_options") {
         None | Some(Value::Null) => false,
-        Some(Value::Object(so)) => {
+        Some(Value::Object(options)) => {
             if !stream {
                 return Err(ApiError::bad_request(
                     "Stream options can only be defined when `stream=True`.",
                 ));
             }
-            opt_bool(so, "include_usage")?.unwrap_or(false)
+            optional_bool(options, "include_usage")?.unwrap_or(false)
         }
         Some(_) => {
-            return Err(pyd(
+            return Err(validation_error(
                 "model_type",
                 "stream_options",
                 "Input should be a valid dictionary",
             ))
         }
     };
+    Ok((stream, include_usage))
+}
+
+/// `(logprobs, top_logprobs)`: chat has a flag plus a count, completions only a count.
+fn parse_logprobs(kind: Kind, fields: &Fields) -> Result<(bool, u32), ApiError> {
     let (logprobs, top_logprobs) = match kind {
         Kind::Chat => {
-            let lp = opt_bool(&o, "logprobs")?.unwrap_or(false);
-            let top = opt_u32(&o, "top_logprobs")?;
-            if top.unwrap_or(0) > 0 && !lp {
+            let logprobs = optional_bool(fields, "logprobs")?.unwrap_or(false);
+            let top_logprobs = optional_u32(fields, "top_logprobs")?.unwrap_or(0);
+            if top_logprobs > 0 && !logprobs {
                 return Err(ApiError::bad_request(
                     "when using `top_logprobs`, `logprobs` must be set to true.",
                 ));
             }
-            (lp, top.unwrap_or(0))
+            (logprobs, top_logprobs)
         }
-        Kind::Completion => match opt_u32(&o, "logprobs")? {
-            Some(k) => (true, k),
+        Kind::Completion => match optional_u32(fields, "logprobs")? {
+            Some(top_logprobs) => (true, top_logprobs),
             None => (false, 0),
         },
     };
@@ -379,25 +491,28 @@ pub fn parse(kind: Kind, body: &[u8], default_temperature: f64) -> Result<Parsed
             "Requested logprobs of {top_logprobs}, which is greater than max allowed: 20"
         )));
     }
-    let temperature = opt_f64(&o, "temperature")?.unwrap_or(default_temperature);
+    Ok((logprobs, top_logprobs))
+}
+
+/// The parameters that change the text, and their hash.
+fn parse_sampling(fields: &Fields, default_temperature: f64) -> Result<Sampling, ApiError> {
+    let temperature = optional_f64(fields, "temperature")?.unwrap_or(default_temperature);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad_request(format!(
             "temperature must be in [0, 2], got {temperature}."
         )));
     }
-    let seed = match o.get("seed") {
+    let seed = match fields.get("seed") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(
-            v.as_i64()
-                .ok_or_else(|| pyd("int_type", "seed", "Input should be a valid integer"))?,
-        ),
+        Some(value) => Some(value.as_i64().ok_or_else(|| {
+            validation_error("int_type", "seed", "Input should be a valid integer")
+        })?),
     };
-
-    let mut s = Hasher::default();
+    let mut hasher = Hasher::default();
     // Greedy decoding ignores the other sampling knobs and the seed.
     if temperature > 0.0 {
-        s.u64(temperature.to_bits());
-        for f in [
+        hasher.u64(temperature.to_bits());
+        for field in [
             "top_p",
             "top_k",
             "min_p",
@@ -405,31 +520,20 @@ pub fn parse(kind: Kind, body: &[u8], default_temperature: f64) -> Result<Parsed
             "frequency_penalty",
             "repetition_penalty",
         ] {
-            if let Some(x) = o.get(f).and_then(Value::as_f64) {
-                s.bytes(f.as_bytes());
-                s.u64(x.to_bits());
+            if let Some(value) = fields.get(field).and_then(Value::as_f64) {
+                hasher.bytes(field.as_bytes());
+                hasher.u64(value.to_bits());
             }
         }
         if let Some(seed) = seed {
-            s.bytes(b"seed");
-            s.u64(seed as u64);
+            hasher.bytes(b"seed");
+            hasher.u64(seed as u64);
         }
     }
-
-    Ok(Parsed {
-        kind,
-        model,
-        prompt_hash: h.finish(),
-        prompt_tokens,
-        max_tokens,
-        n,
-        stream,
-        include_usage,
-        logprobs,
-        top_logprobs,
+    Ok(Sampling {
         temperature,
         seed,
-        sampling_hash: s.finish(),
+        hash: hasher.finish(),
     })
 }
 
@@ -451,17 +555,20 @@ pub struct StreamUsage {
     pub completion_tokens: u32,
 }
 
+/// A non-stream answer; `Choice` is [`ChatChoice`] or [`TextChoice`].
 #[derive(Serialize)]
-pub struct ChatCompletion<'a> {
+pub struct Completion<'a, Choice> {
     pub id: &'a str,
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: Vec<ChatChoice>,
+    pub choices: Vec<Choice>,
     pub service_tier: Option<()>,
     pub system_fingerprint: Option<()>,
     pub usage: Usage,
-    pub prompt_logprobs: Option<()>,
+    /// Chat answers carry `"prompt_logprobs":null` here; text answers carry it per choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Option<()>>,
     pub kv_transfer_params: Option<()>,
 }
 
@@ -486,6 +593,21 @@ pub struct ChatMessage {
     pub reasoning_content: Option<()>,
 }
 
+impl ChatMessage {
+    pub fn assistant(content: String) -> Self {
+        ChatMessage {
+            role: "assistant",
+            content,
+            refusal: None,
+            annotations: None,
+            audio: None,
+            function_call: None,
+            tool_calls: [],
+            reasoning_content: None,
+        }
+    }
+}
+
 #[derive(Serialize)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatLogprob>,
@@ -507,36 +629,23 @@ pub struct TopLogprob {
 }
 
 pub fn chat_logprob(token: u16, logprob: f32, top: u32) -> ChatLogprob {
-    let t = text::token_str(token);
+    let text = text::token_str(token);
     ChatLogprob {
-        token: t,
+        token: text,
         logprob,
-        bytes: t.as_bytes(),
+        bytes: text.as_bytes(),
         top_logprobs: text::top_alternatives(token, logprob, top)
             .into_iter()
-            .map(|(a, lp)| {
-                let s = text::token_str(a);
+            .map(|(alternative, logprob)| {
+                let text = text::token_str(alternative);
                 TopLogprob {
-                    token: s,
-                    logprob: lp,
-                    bytes: s.as_bytes(),
+                    token: text,
+                    logprob,
+                    bytes: text.as_bytes(),
                 }
             })
             .collect(),
     }
-}
-
-#[derive(Serialize)]
-pub struct TextCompletion<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: Vec<TextChoice>,
-    pub service_tier: Option<()>,
-    pub system_fingerprint: Option<()>,
-    pub usage: Usage,
-    pub kv_transfer_params: Option<()>,
 }
 
 #[derive(Serialize)]
@@ -562,39 +671,45 @@ pub struct TextLogprobs {
 pub struct OrderedMap(pub Vec<(&'static str, f32)>);
 
 impl Serialize for OrderedMap {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut m = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
-            m.serialize_entry(k, v)?;
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (key, value) in &self.0 {
+            map.serialize_entry(key, value)?;
         }
-        m.end()
+        map.end()
     }
 }
 
 impl TextLogprobs {
-    /// Append tokens starting at character `offset` of the generated text.
+    /// Append a token starting at character `offset` of the generated text.
     pub fn push(&mut self, offset: u32, token: u16, logprob: f32, top: u32) {
-        let t = text::token_str(token);
+        let text = text::token_str(token);
         self.text_offset.push(offset);
         self.token_logprobs.push(logprob);
-        self.tokens.push(t);
+        self.tokens.push(text);
         // vLLM always returns the sampled token's entry, plus `top` alternatives.
-        let alts = text::top_alternatives(token, logprob, top.max(1));
+        let alternatives = text::top_alternatives(token, logprob, top.max(1));
         self.top_logprobs.push(OrderedMap(
-            alts.into_iter()
-                .map(|(a, lp)| (text::token_str(a), lp))
+            alternatives
+                .into_iter()
+                .map(|(alternative, logprob)| (text::token_str(alternative), logprob))
                 .collect(),
         ));
     }
 }
 
+/// One SSE event of a stream; `Choices` is one [`ChunkChoice`] (chat), one
+/// [`TextChunkChoice`] (completions), or none (the usage chunk).
 #[derive(Serialize)]
-pub struct ChatChunk<'a> {
+pub struct Chunk<'a, Choices> {
     pub id: &'a str,
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: [ChunkChoice<'a>; 1],
+    pub choices: Choices,
+    /// Absent from chat chunks, `null` on text chunks, the counts on the usage chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<StreamUsage>>,
 }
 
 #[derive(Serialize)]
@@ -616,16 +731,6 @@ pub struct Delta<'a> {
 }
 
 #[derive(Serialize)]
-pub struct TextChunk<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: [TextChunkChoice<'a>; 1],
-    pub usage: Option<()>,
-}
-
-#[derive(Serialize)]
 pub struct TextChunkChoice<'a> {
     pub index: u32,
     pub text: &'a str,
@@ -634,21 +739,11 @@ pub struct TextChunkChoice<'a> {
     pub stop_reason: Option<()>,
 }
 
-#[derive(Serialize)]
-pub struct UsageChunk<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: [(); 0],
-    pub usage: StreamUsage,
-}
-
 /// `data: <json>\n\n`
-pub fn sse<T: Serialize>(v: &T) -> bytes::Bytes {
+pub fn sse<T: Serialize>(value: &T) -> bytes::Bytes {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(b"data: ");
-    if serde_json::to_writer(&mut out, v).is_err() {
+    if serde_json::to_writer(&mut out, value).is_err() {
         out.extend_from_slice(b"{}");
     }
     out.extend_from_slice(b"\n\n");
@@ -657,22 +752,77 @@ pub fn sse<T: Serialize>(v: &T) -> bytes::Bytes {
 
 pub const DONE: &[u8] = b"data: [DONE]\n\n";
 
+/// `GET /v1/models`: one card per served name.
+#[derive(Serialize)]
+pub struct ModelList<'a> {
+    pub object: &'static str,
+    pub data: Vec<ModelCard<'a>>,
+}
+
+#[derive(Serialize)]
+pub struct ModelCard<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub root: &'a str,
+    pub parent: Option<()>,
+    pub max_model_len: u32,
+    pub permission: [ModelPermission; 1],
+}
+
+#[derive(Serialize)]
+pub struct ModelPermission {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub allow_create_engine: bool,
+    pub allow_sampling: bool,
+    pub allow_logprobs: bool,
+    pub allow_search_indices: bool,
+    pub allow_view: bool,
+    pub allow_fine_tuning: bool,
+    pub organization: &'static str,
+    pub group: Option<()>,
+    pub is_blocking: bool,
+}
+
+impl ModelPermission {
+    /// vLLM's fixed permission card.
+    pub fn vllm(id: String, created: u64) -> Self {
+        ModelPermission {
+            id,
+            object: "model_permission",
+            created,
+            allow_create_engine: false,
+            allow_sampling: true,
+            allow_logprobs: true,
+            allow_search_indices: false,
+            allow_view: true,
+            allow_fine_tuning: false,
+            organization: "*",
+            group: None,
+            is_blocking: false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn parses_chat() {
-        let p = parse(
+        let parsed = parse(
             Kind::Chat,
             br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":5,"stream":true,"stream_options":{"include_usage":true},"logprobs":true,"top_logprobs":2,"temperature":0}"#,
             1.0,
         )
         .unwrap();
-        assert_eq!(p.max_tokens, Some(5));
-        assert!(p.stream && p.include_usage && p.logprobs);
-        assert_eq!(p.top_logprobs, 2);
-        assert_eq!(p.prompt_tokens, 7); // (11 + 16) / 4 rounded up
+        assert_eq!(parsed.max_tokens, Some(5));
+        assert!(parsed.stream && parsed.include_usage && parsed.logprobs);
+        assert_eq!(parsed.top_logprobs, 2);
+        assert_eq!(parsed.prompt.tokens, 7); // (11 + 16) / 4 rounded up
     }
 
     #[test]
@@ -687,20 +837,20 @@ mod tests {
             br#"{"messages":[],"stream_options":{"include_usage":true}}"#,
             br#"{"messages":[],"top_logprobs":3}"#,
         ] {
-            let e = parse(Kind::Chat, body, 1.0).unwrap_err();
-            assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
+            let error = parse(Kind::Chat, body, 1.0).unwrap_err();
+            assert_eq!(error.status, 400, "{}", String::from_utf8_lossy(body));
         }
     }
 
     #[test]
     fn error_shapes() {
-        let e = ApiError::bad_request("x");
+        let error = ApiError::bad_request("x");
         assert_eq!(
-            String::from_utf8(error_body(ErrorShape::New, &e)).unwrap(),
+            String::from_utf8(error_body(ErrorShape::New, &error)).unwrap(),
             r#"{"error":{"message":"x","type":"BadRequestError","param":null,"code":400}}"#
         );
         assert_eq!(
-            String::from_utf8(error_body(ErrorShape::Old, &e)).unwrap(),
+            String::from_utf8(error_body(ErrorShape::Old, &error)).unwrap(),
             r#"{"object":"error","message":"x","type":"BadRequestError","param":null,"code":400}"#
         );
     }

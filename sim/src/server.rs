@@ -165,10 +165,7 @@ pub fn with_content_length(mut r: Resp, len: usize) -> Resp {
 }
 
 pub fn error(shared: &Shared, e: &ApiError) -> Resp {
-    shared
-        .stats
-        .errors
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    shared.stats.count_error();
     json(e.status, openai::error_body(shared.cfg.error_shape, e))
 }
 
@@ -230,10 +227,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>, admin: bool) -> Resp
         (&Method::GET, "/v1/models") => handlers::models(&shared),
         (&Method::GET, "/health") => {
             if shared.faults().engine_dead {
-                shared
-                    .stats
-                    .errors
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                shared.stats.count_error();
                 full(503, "", Bytes::new())
             } else {
                 full(200, "", Bytes::new())

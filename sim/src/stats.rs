@@ -22,8 +22,8 @@ impl RecordedRequest {
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+            .find(|(header, _)| header.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
     }
 }
 
@@ -68,10 +68,15 @@ pub struct Recorder {
     // Known endpoints get lock-free counters; anything else goes to the map.
     known: [AtomicU64; 6],
     other: Mutex<BTreeMap<String, u64>>,
-    pub completed: AtomicU64,
-    pub errors: AtomicU64,
-    pub faults: AtomicU64,
+    completed: AtomicU64,
+    errors: AtomicU64,
+    faults: AtomicU64,
     recent: Mutex<VecDeque<RecordedRequest>>,
+}
+
+/// A poisoned lock only means a panic elsewhere; the counters and the log are still usable.
+fn unpoisoned<T>(lock: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Recorder {
@@ -92,38 +97,52 @@ impl Recorder {
         self.keep > 0
     }
 
+    /// A completion request finished generating.
+    pub fn count_completed(&self) {
+        self.completed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An error answer was sent (or a stream was broken off).
+    pub fn count_error(&self) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request hit an injected fault.
+    pub fn count_fault(&self) {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn count(&self, path: &str) {
         self.total.fetch_add(1, Ordering::Relaxed);
-        match PATHS.iter().position(|p| *p == path) {
-            Some(i) => {
-                if let Some(c) = self.known.get(i) {
-                    c.fetch_add(1, Ordering::Relaxed);
+        match PATHS.iter().position(|known| *known == path) {
+            Some(index) => {
+                if let Some(counter) = self.known.get(index) {
+                    counter.fetch_add(1, Ordering::Relaxed);
                 }
             }
             None => {
-                let mut m = self.other.lock().unwrap_or_else(|e| e.into_inner());
-                *m.entry(path.to_string()).or_insert(0) += 1;
+                *unpoisoned(&self.other).entry(path.to_string()).or_insert(0) += 1;
             }
         }
     }
 
-    pub fn record(&self, req: RecordedRequest) {
+    pub fn record(&self, request: RecordedRequest) {
         if self.keep == 0 {
             return;
         }
-        let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        while r.len() >= self.keep {
-            r.pop_front();
+        let mut recent = unpoisoned(&self.recent);
+        while recent.len() >= self.keep {
+            recent.pop_front();
         }
-        r.push_back(req);
+        recent.push_back(request);
     }
 
     pub fn snapshot(&self) -> Stats {
-        let mut by_path = self.other.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        for (p, c) in PATHS.iter().zip(&self.known) {
-            let v = c.load(Ordering::Relaxed);
-            if v > 0 {
-                by_path.insert((*p).to_string(), v);
+        let mut by_path = unpoisoned(&self.other).clone();
+        for (path, counter) in PATHS.iter().zip(&self.known) {
+            let count = counter.load(Ordering::Relaxed);
+            if count > 0 {
+                by_path.insert((*path).to_string(), count);
             }
         }
         Stats {
@@ -132,13 +151,7 @@ impl Recorder {
             completed: self.completed.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
             faults_injected: self.faults.load(Ordering::Relaxed),
-            recent: self
-                .recent
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .cloned()
-                .collect(),
+            recent: unpoisoned(&self.recent).iter().cloned().collect(),
             ..Stats::default()
         }
     }
@@ -174,42 +187,43 @@ struct RequestJson<'a> {
 const SHOWN_BODY: usize = 64 * 1024;
 
 impl<'a> StatsJson<'a> {
-    pub fn new(s: &'a Stats) -> Self {
+    pub fn new(stats: &'a Stats) -> Self {
         StatsJson {
-            requests_total: s.requests_total,
-            requests_by_path: &s.requests_by_path,
-            completed: s.completed,
-            errors: s.errors,
-            oom: s.oom,
-            faults_injected: s.faults_injected,
-            running: s.running,
-            waiting: s.waiting,
-            kv_usage: s.kv_usage,
-            recent: s
-                .recent
-                .iter()
-                .map(|r| {
-                    let shown = &r.body[..r.body.len().min(SHOWN_BODY)];
-                    RequestJson {
-                        method: &r.method,
-                        path: &r.path,
-                        headers: &r.headers,
-                        body_len: r.body.len(),
-                        body_sha256: hex(&Sha256::digest(&r.body)),
-                        body: String::from_utf8_lossy(shown).into_owned(),
-                        body_truncated: r.body.len() > SHOWN_BODY,
-                    }
-                })
-                .collect(),
+            requests_total: stats.requests_total,
+            requests_by_path: &stats.requests_by_path,
+            completed: stats.completed,
+            errors: stats.errors,
+            oom: stats.oom,
+            faults_injected: stats.faults_injected,
+            running: stats.running,
+            waiting: stats.waiting,
+            kv_usage: stats.kv_usage,
+            recent: stats.recent.iter().map(RequestJson::new).collect(),
         }
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    use std::fmt::Write;
-    let mut s = String::with_capacity(b.len() * 2);
-    for x in b {
-        let _ = write!(s, "{x:02x}");
+impl<'a> RequestJson<'a> {
+    fn new(request: &'a RecordedRequest) -> Self {
+        let body = &request.body;
+        let shown = body.get(..body.len().min(SHOWN_BODY)).unwrap_or_default();
+        RequestJson {
+            method: &request.method,
+            path: &request.path,
+            headers: &request.headers,
+            body_len: body.len(),
+            body_sha256: hex(&Sha256::digest(body)),
+            body: String::from_utf8_lossy(shown).into_owned(),
+            body_truncated: body.len() > SHOWN_BODY,
+        }
     }
-    s
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
 }

@@ -91,17 +91,17 @@ impl Default for Hasher {
 }
 
 impl Hasher {
-    pub fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= u64::from(x);
+    pub fn bytes(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 ^= u64::from(byte);
             self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
-    pub fn u64(&mut self, v: u64) {
-        self.bytes(&v.to_le_bytes());
+    pub fn u64(&mut self, value: u64) {
+        self.bytes(&value.to_le_bytes());
     }
     /// A separator so that ["ab","c"] and ["a","bc"] hash differently.
-    pub fn sep(&mut self) {
+    pub fn separator(&mut self) {
         self.bytes(&[0xff, 0x00]);
     }
     pub fn finish(&self) -> u64 {
@@ -109,11 +109,12 @@ impl Hasher {
     }
 }
 
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+/// splitmix64's finaliser: spreads every input bit over the whole output.
+pub fn mix(mut state: u64) -> u64 {
+    state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    state = (state ^ (state >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    state = (state ^ (state >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    state ^ (state >> 31)
 }
 
 /// splitmix64: tiny, fast, reproducible.
@@ -134,8 +135,9 @@ impl Rng {
     }
 }
 
-pub fn unit_of(h: u64) -> f64 {
-    (mix(h) >> 11) as f64 / (1u64 << 53) as f64
+/// A hash mapped uniformly to [0, 1).
+pub fn unit_of(hash: u64) -> f64 {
+    (mix(hash) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Token estimate for a byte count: ceil(bytes / 4).
@@ -169,16 +171,16 @@ pub struct ChoicePlan {
 
 impl ChoicePlan {
     pub fn text(&self) -> String {
-        let mut s = String::with_capacity(self.tokens.len() * 7);
-        for &t in &self.tokens {
-            s.push_str(token_str(t));
+        let mut text = String::with_capacity(self.tokens.len() * 7);
+        for &token in &self.tokens {
+            text.push_str(token_str(token));
         }
-        s
+        text
     }
 }
 
-pub fn token_str(t: u16) -> &'static str {
-    VOCAB.get(usize::from(t)).copied().unwrap_or(" the")
+pub fn token_str(token: u16) -> &'static str {
+    VOCAB.get(usize::from(token)).copied().unwrap_or(" the")
 }
 
 pub const CONFIDENT_LOGPROB: (f32, f32) = (-0.18, -0.02);
@@ -199,11 +201,11 @@ pub struct PlanInput {
 }
 
 pub fn plan_choice(input: &PlanInput, index: u32) -> ChoicePlan {
-    let mut h = Hasher::default();
-    h.u64(input.prompt_hash);
-    h.u64(input.sampling_hash);
-    h.u64(u64::from(index));
-    let mut rng = Rng::new(h.finish());
+    let mut seed = Hasher::default();
+    seed.u64(input.prompt_hash);
+    seed.u64(input.sampling_hash);
+    seed.u64(u64::from(index));
+    let mut rng = Rng::new(seed.finish());
     let span = u64::from(input.max_len.saturating_sub(input.min_len)) + 1;
     let natural = input.min_len + (rng.next_u64() % span) as u32;
     let (len, finish) = if input.max_tokens < natural {
@@ -211,7 +213,7 @@ pub fn plan_choice(input: &PlanInput, index: u32) -> ChoicePlan {
     } else {
         (natural, Finish::Stop)
     };
-    let (lo, hi) = if input.low_confidence {
+    let (lowest, highest) = if input.low_confidence {
         LOW_CONFIDENCE_LOGPROB
     } else {
         CONFIDENT_LOGPROB
@@ -220,7 +222,7 @@ pub fn plan_choice(input: &PlanInput, index: u32) -> ChoicePlan {
     let mut logprobs = Vec::with_capacity(len as usize);
     for _ in 0..len {
         tokens.push((rng.next_u64() % VOCAB.len() as u64) as u16);
-        logprobs.push(lo + (hi - lo) * rng.unit() as f32);
+        logprobs.push(lowest + (highest - lowest) * rng.unit() as f32);
     }
     ChoicePlan {
         tokens,
@@ -230,16 +232,16 @@ pub fn plan_choice(input: &PlanInput, index: u32) -> ChoicePlan {
 }
 
 /// Alternatives for top_logprobs: the sampled token first, then other words, each less likely.
-pub fn top_alternatives(token: u16, logprob: f32, k: u32) -> Vec<(u16, f32)> {
-    let mut out = Vec::with_capacity(k as usize);
-    if k == 0 {
+pub fn top_alternatives(token: u16, logprob: f32, count: u32) -> Vec<(u16, f32)> {
+    let mut out = Vec::with_capacity(count as usize);
+    if count == 0 {
         return out;
     }
     out.push((token, logprob));
-    let n = VOCAB.len() as u32;
-    for i in 1..k {
-        let alt = ((u32::from(token) + i * 7) % n) as u16;
-        out.push((alt, logprob - 1.5 - 0.75 * i as f32));
+    let vocab_size = VOCAB.len() as u32;
+    for rank in 1..count {
+        let alternative = ((u32::from(token) + rank * 7) % vocab_size) as u16;
+        out.push((alternative, logprob - 1.5 - 0.75 * rank as f32));
     }
     out
 }
@@ -248,11 +250,11 @@ pub fn top_alternatives(token: u16, logprob: f32, k: u32) -> Vec<(u16, f32)> {
 mod tests {
     use super::*;
 
-    fn input(p: u64, s: u64, max: u32) -> PlanInput {
+    fn input(prompt_hash: u64, sampling_hash: u64, max_tokens: u32) -> PlanInput {
         PlanInput {
-            prompt_hash: p,
-            sampling_hash: s,
-            max_tokens: max,
+            prompt_hash,
+            sampling_hash,
+            max_tokens,
             min_len: 8,
             max_len: 64,
             low_confidence: false,
@@ -261,17 +263,17 @@ mod tests {
 
     #[test]
     fn plans_are_deterministic_and_bounded() {
-        let a = plan_choice(&input(1, 2, 1000), 0);
-        let b = plan_choice(&input(1, 2, 1000), 0);
-        assert_eq!(a.tokens, b.tokens);
-        assert!(a.tokens.len() >= 8 && a.tokens.len() <= 64);
-        assert_eq!(a.finish, Finish::Stop);
-        let c = plan_choice(&input(1, 3, 1000), 0);
-        assert_ne!(a.tokens, c.tokens);
+        let first = plan_choice(&input(1, 2, 1000), 0);
+        let again = plan_choice(&input(1, 2, 1000), 0);
+        assert_eq!(first.tokens, again.tokens);
+        assert!(first.tokens.len() >= 8 && first.tokens.len() <= 64);
+        assert_eq!(first.finish, Finish::Stop);
+        let other_sampling = plan_choice(&input(1, 3, 1000), 0);
+        assert_ne!(first.tokens, other_sampling.tokens);
         let cut = plan_choice(&input(1, 2, 3), 0);
         assert_eq!(cut.tokens.len(), 3);
         assert_eq!(cut.finish, Finish::Length);
-        assert_eq!(&cut.tokens[..], &a.tokens[..3]);
+        assert_eq!(&cut.tokens[..], &first.tokens[..3]);
     }
 
     #[test]
@@ -283,10 +285,10 @@ mod tests {
 
     #[test]
     fn low_confidence_share_is_roughly_right() {
-        let n = (0..10_000u64)
-            .filter(|h| is_low_confidence(*h, 0.3))
+        let low = (0..10_000u64)
+            .filter(|hash| is_low_confidence(*hash, 0.3))
             .count();
-        assert!((2700..3300).contains(&n), "{n}");
-        assert!(!(0..100u64).any(|h| is_low_confidence(h, 0.0)));
+        assert!((2700..3300).contains(&low), "{low}");
+        assert!(!(0..100u64).any(|hash| is_low_confidence(hash, 0.0)));
     }
 }

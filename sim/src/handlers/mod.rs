@@ -1,0 +1,122 @@
+//! The completion flow, one concern per module:
+//!
+//! - `injected`: the fault switches acting on a request (before it runs, mid-stream, mid-body);
+//! - validation (here): the body, the model name and the context length, as vLLM checks them;
+//! - `admission`: getting and keeping a place in the engine, and what a refusal answers;
+//! - `generation`: the latency model and the per-request metrics;
+//! - `answer`: the planned answer and its rendering as JSON or SSE chunks;
+//! - `stream` and `non_stream`: the two ways of sending it.
+
+mod admission;
+mod answer;
+mod errors;
+mod generation;
+mod injected;
+mod non_stream;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::config::SimConfig;
+use crate::openai::{self, ApiError, CompletionRequest, Kind, ModelCard, ModelList};
+use crate::server::{self, Resp};
+use crate::Shared;
+
+use answer::Answer;
+use generation::Generation;
+
+pub fn models(shared: &Shared) -> Resp {
+    let created = shared.started;
+    let list = ModelList {
+        object: "list",
+        data: shared
+            .served
+            .iter()
+            .map(|name| ModelCard {
+                id: name,
+                object: "model",
+                created,
+                owned_by: "vllm",
+                root: &shared.cfg.model,
+                parent: None,
+                max_model_len: shared.cfg.max_model_len,
+                permission: [openai::ModelPermission::vllm(
+                    shared.next_id("modelperm-"),
+                    created,
+                )],
+            })
+            .collect(),
+    };
+    server::json(200, serde_json::to_vec(&list).unwrap_or_default())
+}
+
+/// `POST /v1/chat/completions` and `POST /v1/completions`.
+pub async fn completion(shared: &Arc<Shared>, kind: Kind, body: Bytes) -> Resp {
+    let started = Instant::now();
+    let faults = shared.faults();
+    if let Some(response) = injected::before_request(shared, &faults).await {
+        return response;
+    }
+    let (request, max_tokens) = match validate(shared, kind, &body) {
+        Ok(valid) => valid,
+        Err(error) => return server::error(shared, &error),
+    };
+    let answer = Answer::plan(shared, request, max_tokens);
+    let admission = match shared.engine.admit(answer.kv_tokens()) {
+        Ok(admission) => admission,
+        Err(refusal) => return server::error(shared, &admission::refused(shared, refusal)),
+    };
+    let generation = Generation::new(Arc::clone(shared), started, &faults);
+    if answer.request.stream {
+        stream::respond(generation, admission, answer, faults)
+    } else {
+        non_stream::respond(generation, admission, answer, faults).await
+    }
+}
+
+/// Parse the body, then check the model name and the context length as vLLM does. Returns the
+/// request and its token budget (`max_tokens`, or what is left of the context).
+fn validate(
+    shared: &Shared,
+    kind: Kind,
+    body: &[u8],
+) -> Result<(CompletionRequest, u32), ApiError> {
+    let request = openai::parse(kind, body, shared.cfg.default_temperature)?;
+    if let Some(model) = &request.model {
+        if !shared.served.iter().any(|served| served == model) {
+            return Err(ApiError::new(
+                404,
+                format!("The model `{model}` does not exist."),
+            ));
+        }
+    }
+    let max_tokens = token_budget(&shared.cfg, &request)?;
+    Ok((request, max_tokens))
+}
+
+/// vLLM refuses a request whose prompt plus `max_tokens` exceeds `max_model_len` (or, without
+/// `max_tokens`, whose prompt alone fills it); otherwise the answer may use the rest.
+fn token_budget(config: &SimConfig, request: &CompletionRequest) -> Result<u32, ApiError> {
+    let max_model_len = config.max_model_len;
+    let prompt_tokens = request.prompt.tokens;
+    let too_long = match request.max_tokens {
+        Some(max_tokens) => {
+            u64::from(prompt_tokens) + u64::from(max_tokens) > u64::from(max_model_len)
+        }
+        None => prompt_tokens >= max_model_len,
+    };
+    if too_long {
+        return Err(errors::context_length(
+            config.error_shape,
+            max_model_len,
+            prompt_tokens,
+            request.max_tokens,
+        ));
+    }
+    Ok(request
+        .max_tokens
+        .unwrap_or(max_model_len.saturating_sub(prompt_tokens)))
+}

@@ -1,0 +1,62 @@
+//! Sending an answer as one JSON body, after the whole answer has been generated.
+
+use std::sync::Arc;
+
+use super::admission;
+use super::answer::Answer;
+use super::generation::{sleep, Generation};
+use super::injected;
+use crate::engine::{Admission, Refusal, Ticket};
+use crate::faults::Faults;
+use crate::server::{self, Resp};
+
+pub async fn respond(
+    mut generation: Generation,
+    admission: Admission,
+    answer: Answer,
+    faults: Arc<Faults>,
+) -> Resp {
+    let shared = Arc::clone(generation.shared());
+    let ticket = match generate(&mut generation, admission, &answer).await {
+        Ok(ticket) => ticket,
+        Err(refusal) => return server::error(&shared, &admission::refused(&shared, refusal)),
+    };
+    let body = answer.full_body();
+    generation.finish(answer.finish());
+    // The blocks are freed after the request is counted as finished, as the stream does.
+    drop(ticket);
+    if faults.affects_streams() {
+        return injected::truncated_body(&shared, body, &faults);
+    }
+    server::json(200, body)
+}
+
+/// Wait for a turn, prefill, then every step (or, with zero latency, all tokens at once).
+async fn generate(
+    generation: &mut Generation,
+    admission: Admission,
+    answer: &Answer,
+) -> Result<Ticket, Refusal> {
+    let mut ticket = admission::wait_for_turn(admission).await?;
+    let prompt_tokens = u64::from(answer.prompt_tokens());
+    admission::hold(&mut ticket, prompt_tokens).await?;
+    generation.count_prompt(prompt_tokens);
+    sleep(generation.prefill_delay(answer.prompt_tokens())).await;
+    if generation.is_zero_latency() {
+        let all = u64::from(answer.completion_tokens());
+        admission::hold(&mut ticket, prompt_tokens + all).await?;
+        generation.step(all);
+        return Ok(ticket);
+    }
+    let mut held = prompt_tokens;
+    for step in 0..answer.steps() {
+        if step > 0 {
+            sleep(generation.inter_token_delay()).await;
+        }
+        let tokens = answer.tokens_at(step);
+        held += tokens;
+        admission::hold(&mut ticket, held).await?;
+        generation.step(tokens);
+    }
+    Ok(ticket)
+}
