@@ -885,6 +885,84 @@ fn health_rules_are_enforced() {
 }
 
 #[test]
+fn a_zero_health_timeout_is_refused() {
+    refused(
+        &with_pool_key("health", "{timeout: 0s}"),
+        "pools[0].health.timeout",
+        "must be longer than 0",
+    );
+}
+
+#[test]
+fn zero_healthy_after_is_refused() {
+    refused(
+        &with_pool_key("health", "{healthy_after: 0}"),
+        "pools[0].health.healthy_after",
+        "must be at least 1",
+    );
+}
+
+#[test]
+fn a_health_path_starts_with_a_slash() {
+    refused(
+        &with_pool_key("health", "{health_path: health}"),
+        "pools[0].health.health_path",
+        "must start with /",
+    );
+}
+
+#[test]
+fn ejection_needs_a_length() {
+    refused(
+        &with_pool_key(
+            "outlier_detection",
+            "{consecutive_failures: 3, base_ejection: 0s}",
+        ),
+        "pools[0].outlier_detection.base_ejection",
+        "must be longer than 0",
+    );
+    // With ejection off, its length is not used.
+    ok(&with_pool_key(
+        "outlier_detection",
+        "{consecutive_failures: 0, base_ejection: 0s}",
+    ));
+}
+
+#[test]
+fn zero_prefix_affinity_bytes_are_refused() {
+    refused(
+        &with_pool_key("balancing", "{prefix_affinity_bytes: 0}"),
+        "pools[0].balancing.prefix_affinity_bytes",
+        "must be at least 1",
+    );
+}
+
+#[test]
+fn a_retry_budget_ratio_is_between_0_and_1() {
+    for (ratio, shown) in [
+        ("1.5", "got 1.5"),
+        ("-0.1", "got -0.1"),
+        (".nan", "got NaN"),
+    ] {
+        refused(
+            &with_pool_key("retry", &format!("{{budget_ratio: {ratio}}}")),
+            "pools[0].retry.budget_ratio",
+            shown,
+        );
+    }
+    ok(&with_pool_key("retry", "{budget_ratio: 1}"));
+}
+
+#[test]
+fn the_longest_backoff_is_not_shorter_than_the_first() {
+    refused(
+        &with_pool_key("retry", "{backoff_base: 100ms, backoff_max: 50ms}"),
+        "pools[0].retry.backoff_max",
+        "must not be shorter than pools[0].retry.backoff_base",
+    );
+}
+
+#[test]
 fn kv_breaker_rules_are_enforced() {
     let c = ok(&with("plugins:\n  kv_breaker:\n    enabled: true"));
     assert!(c.plugins.names().contains(&"kv_breaker"));
@@ -907,5 +985,296 @@ fn kv_breaker_rules_are_enforced() {
         &with("plugins:\n  kv_breaker:\n    priority: {default: vip}"),
         "plugins.kv_breaker.priority.default",
         "unknown variant",
+    );
+}
+
+#[test]
+fn kv_breaker_thresholds_are_between_0_and_1_5() {
+    for shed_above in ["2", "0"] {
+        refused(
+            &with(&format!(
+                "plugins:\n  kv_breaker:\n    enabled: true\n    thresholds:\n      critical: {{shed_above: {shed_above}, resume_below: 0.1}}"
+            )),
+            "plugins.kv_breaker.thresholds.critical.shed_above",
+            &format!("must be above 0 and at most 1.5 (got {shed_above})"),
+        );
+    }
+}
+
+#[test]
+fn kv_breaker_retry_after_bounds_are_ordered() {
+    for bounds in [
+        "min_retry_after: 0s",
+        "min_retry_after: 10s, max_retry_after: 5s",
+    ] {
+        refused(
+            &with(&format!(
+                "plugins:\n  kv_breaker: {{enabled: true, {bounds}}}"
+            )),
+            "plugins.kv_breaker.max_retry_after",
+            "min_retry_after must be above 0 and at most max_retry_after",
+        );
+    }
+}
+
+#[test]
+fn kv_breaker_header_names_are_checked() {
+    refused(
+        &with("plugins:\n  kv_breaker: {enabled: true, priority: {header: 'x priority'}}"),
+        "plugins.kv_breaker.priority.header",
+        "`x priority` is not a valid header name",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker: {enabled: true, priority: {tenant_header: 'x tenant'}}"),
+        "plugins.kv_breaker.priority.tenant_header",
+        "`x tenant` is not a valid header name",
+    );
+}
+
+// ---- (b) refusals: the cache's section, every rule --------------------------------------------
+
+/// MINIMAL with the cache on and `keys` (flow style, without braces) in its section.
+fn cache_with(keys: &str) -> String {
+    with(&format!("plugins:\n  cache: {{enabled: true, {keys}}}"))
+}
+
+#[test]
+fn cache_sizes_and_ttls_are_positive() {
+    refused(
+        &cache_with("ttl_by_model: {m: 0s}"),
+        "plugins.cache.ttl_by_model.m",
+        "must be longer than 0",
+    );
+    refused(
+        &cache_with("max_entry_bytes: 0"),
+        "plugins.cache.max_entry_bytes",
+        "must be at least 1",
+    );
+    refused(
+        &cache_with("memory: {max_bytes: 65535}"),
+        "plugins.cache.memory.max_bytes",
+        "must be at least 65536",
+    );
+}
+
+#[test]
+fn coalescing_needs_a_wait_when_on() {
+    refused(
+        &cache_with("coalesce: {max_wait: 0s}"),
+        "plugins.cache.coalesce.max_wait",
+        "must be longer than 0",
+    );
+    ok(&cache_with("coalesce: {enabled: false, max_wait: 0s}"));
+}
+
+#[test]
+fn cache_header_names_are_checked() {
+    refused(
+        &cache_with("key_headers: [x-index, 'x index']"),
+        "plugins.cache.key_headers[1]",
+        "`x index` is not a valid header name",
+    );
+    refused(
+        &cache_with("tenant: {header: 'x tenant'}"),
+        "plugins.cache.tenant.header",
+        "`x tenant` is not a valid header name",
+    );
+}
+
+#[test]
+fn the_redis_section_needs_one_valid_target() {
+    refused(
+        &cache_with("store: redis, redis: {}"),
+        "plugins.cache.redis.url",
+        "set url (single node) or cluster_nodes",
+    );
+    refused(
+        &cache_with("store: redis, redis: {url: 'http://cache:6379'}"),
+        "plugins.cache.redis.url",
+        "is not a Redis URL",
+    );
+    refused(
+        &cache_with("store: redis, redis: {cluster_nodes: ['redis://a:1', 'http://b:1']}"),
+        "plugins.cache.redis.cluster_nodes[1]",
+        "is not a Redis URL",
+    );
+}
+
+#[test]
+fn redis_timeouts_and_counts_are_positive() {
+    for key in ["lookup_timeout", "connect_timeout", "cooldown"] {
+        refused(
+            &cache_with(&format!(
+                "store: redis, redis: {{url: 'redis://cache:6379', {key}: 0s}}"
+            )),
+            &format!("plugins.cache.redis.{key}"),
+            "must be more than 0",
+        );
+    }
+    for key in ["failure_threshold", "write_queue"] {
+        refused(
+            &cache_with(&format!(
+                "store: redis, redis: {{url: 'redis://cache:6379', {key}: 0}}"
+            )),
+            &format!("plugins.cache.redis.{key}"),
+            "must be at least 1",
+        );
+    }
+}
+
+// ---- (b) refusals: the speculative selector's section -----------------------------------------
+
+/// A draft and a target pool serving `m` (alias `m2` on the draft only), a pool serving
+/// another model, and the selector's section `section` (flow style).
+fn speculative(section: &str) -> String {
+    format!(
+        "pools:
+  - {{ name: draft, models: [m, m2], backends: [{{ address: 127.0.0.1:9 }}] }}
+  - {{ name: target, models: [m], backends: [{{ address: 127.0.0.1:10 }}] }}
+  - {{ name: other, models: [x], backends: [{{ address: 127.0.0.1:11 }}] }}
+plugins:
+  speculative: {section}
+"
+    )
+}
+
+/// The selector on, with one model entry `model` (flow style, without braces).
+fn speculative_model(model: &str) -> String {
+    speculative(&format!("{{enabled: true, models: [{{{model}}}]}}"))
+}
+
+const DRAFT_THEN_TARGET: &str = "model: m, drafts: [{pool: draft}], target: target";
+
+#[test]
+fn the_speculative_section_loads() {
+    let c = ok(&speculative_model(DRAFT_THEN_TARGET));
+    assert!(c.plugins.names().contains(&"speculative"));
+    // Off, it needs no models.
+    let c = ok(&speculative("{enabled: false}"));
+    assert!(!c.plugins.names().contains(&"speculative"));
+}
+
+#[test]
+fn an_enabled_selector_needs_a_model() {
+    refused(
+        &speculative("{enabled: true}"),
+        "plugins.speculative.models",
+        "at least one model is needed",
+    );
+}
+
+#[test]
+fn a_model_name_is_configured_once() {
+    refused(
+        &speculative(&format!(
+            "{{enabled: true, models: [{{{DRAFT_THEN_TARGET}}}, {{{DRAFT_THEN_TARGET}}}]}}"
+        )),
+        "plugins.speculative.models[1].model",
+        "`m` is named twice",
+    );
+    refused(
+        &speculative_model(&format!("{DRAFT_THEN_TARGET}, aliases: [m]")),
+        "plugins.speculative.models[0].model",
+        "`m` is named twice",
+    );
+}
+
+#[test]
+fn a_model_needs_a_draft_pool_other_than_its_target() {
+    refused(
+        &speculative_model("model: m, drafts: [], target: target"),
+        "plugins.speculative.models[0].drafts",
+        "at least one draft pool",
+    );
+    refused(
+        &speculative_model("model: m, drafts: [{pool: draft}, {pool: target}], target: target"),
+        "plugins.speculative.models[0].target",
+        "must not also be a draft pool",
+    );
+}
+
+#[test]
+fn min_logprob_is_a_log_probability() {
+    for min_logprob in ["0.5", ".nan"] {
+        refused(
+            &speculative_model(&format!(
+                "{DRAFT_THEN_TARGET}, confidence: {{enabled: true, min_logprob: {min_logprob}}}"
+            )),
+            "plugins.speculative.models[0].confidence.min_logprob",
+            "must be a log-probability",
+        );
+    }
+    ok(&speculative_model(&format!(
+        "{DRAFT_THEN_TARGET}, confidence: {{enabled: true, min_logprob: 0}}"
+    )));
+}
+
+#[test]
+fn the_hold_back_window_is_at_most_256_tokens() {
+    refused(
+        &speculative_model(&format!(
+            "{DRAFT_THEN_TARGET}, confidence: {{enabled: true, stream_hold_back_tokens: 257}}"
+        )),
+        "plugins.speculative.models[0].confidence.stream_hold_back_tokens",
+        "at most 256",
+    );
+    ok(&speculative_model(&format!(
+        "{DRAFT_THEN_TARGET}, confidence: {{enabled: true, stream_hold_back_tokens: 256}}"
+    )));
+}
+
+#[test]
+fn a_price_is_not_negative() {
+    refused(
+        &speculative(&format!(
+            "{{enabled: true, models: [{{{DRAFT_THEN_TARGET}}}], price_per_million_tokens: {{draft: -0.1}}}}"
+        )),
+        "plugins.speculative.price_per_million_tokens.draft",
+        "must be a number ≥ 0",
+    );
+}
+
+#[test]
+fn the_tier_header_is_a_header_name() {
+    refused(
+        &speculative(&format!(
+            "{{enabled: true, tier_header: 'x tier', models: [{{{DRAFT_THEN_TARGET}}}]}}"
+        )),
+        "plugins.speculative.tier_header",
+        "`x tier` is not a valid header name",
+    );
+}
+
+#[test]
+fn draft_and_target_pools_must_exist() {
+    refused(
+        &speculative_model("model: m, drafts: [{pool: draft}, {pool: nope}], target: target"),
+        "plugins.speculative.models[0].drafts[1].pool",
+        "no pool is named `nope`",
+    );
+    refused(
+        &speculative_model("model: m, drafts: [{pool: draft}], target: nope"),
+        "plugins.speculative.models[0].target",
+        "no pool is named `nope`",
+    );
+}
+
+#[test]
+fn draft_and_target_pools_must_serve_the_model_and_its_aliases() {
+    refused(
+        &speculative_model("model: m, drafts: [{pool: draft}], target: other"),
+        "plugins.speculative.models[0].target",
+        "pool `other` must serve `m`",
+    );
+    refused(
+        &speculative_model("model: x, drafts: [{pool: draft}], target: other"),
+        "plugins.speculative.models[0].drafts[0].pool",
+        "pool `draft` must serve `x`",
+    );
+    // `m2` is an alias the target pool does not list.
+    refused(
+        &speculative_model(&format!("{DRAFT_THEN_TARGET}, aliases: [m2]")),
+        "plugins.speculative.models[0].target",
+        "pool `target` must serve `m` and its aliases",
     );
 }
