@@ -101,6 +101,8 @@ pub struct SimConfig {
     /// Names the server answers to (`--served-model-name`); empty means `[model]`.
     /// The first one is reported in answers, like vLLM.
     pub served_model_names: Vec<String>,
+    /// Context length in tokens (`--max-model-len`): a request whose prompt plus `max_tokens`
+    /// exceeds it gets vLLM's 400. Every served name of this instance shares it.
     pub max_model_len: u32,
     pub latency: Latency,
     pub num_gpu_blocks: u32,
@@ -232,12 +234,12 @@ impl SimConfig {
         self.block_size = block_size.max(1);
         self
     }
-    pub fn with_max_num_seqs(mut self, n: u32) -> Self {
-        self.max_num_seqs = n.max(1);
+    pub fn with_max_num_seqs(mut self, max_num_seqs: u32) -> Self {
+        self.max_num_seqs = max_num_seqs.max(1);
         self
     }
-    pub fn with_max_waiting(mut self, n: Option<usize>) -> Self {
-        self.max_waiting = n;
+    pub fn with_max_waiting(mut self, max_waiting: Option<usize>) -> Self {
+        self.max_waiting = max_waiting;
         self
     }
     pub fn with_oom(mut self, on: bool) -> Self {
@@ -265,8 +267,8 @@ impl SimConfig {
         self.max_answer_tokens = max.max(self.min_answer_tokens);
         self
     }
-    pub fn with_record_requests(mut self, n: usize) -> Self {
-        self.record_requests = n;
+    pub fn with_record_requests(mut self, count: usize) -> Self {
+        self.record_requests = count;
         self
     }
     pub fn with_faults(mut self, faults: Faults) -> Self {

@@ -24,8 +24,9 @@ struct State {
 #[derive(Debug)]
 struct Waiter {
     id: u64,
-    need: u64,
-    tx: oneshot::Sender<Result<(), Refusal>>,
+    need_blocks: u64,
+    /// Told when the request is admitted (or refused, in OOM mode).
+    turn: oneshot::Sender<Result<(), Refusal>>,
 }
 
 /// Why a request could not be admitted.
@@ -98,7 +99,9 @@ impl Engine {
 
     // A poisoned lock only means a panic elsewhere; the counters are still usable.
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn blocks_for(&self, tokens: u64) -> u64 {
@@ -106,12 +109,12 @@ impl Engine {
     }
 
     pub fn snapshot(&self) -> EngineSnapshot {
-        let s = self.lock();
+        let state = self.lock();
         EngineSnapshot {
-            running: s.running,
-            waiting: s.waiting.len() as u32,
-            used_blocks: s.used,
-            reserved_blocks: s.reserved,
+            running: state.running,
+            waiting: state.waiting.len() as u32,
+            used_blocks: state.used,
+            reserved_blocks: state.reserved,
             total_blocks: self.total_blocks,
         }
     }
@@ -119,40 +122,43 @@ impl Engine {
     /// Ask to run a request that will need `total_tokens` (prompt + whole answer) in the cache.
     pub fn admit(self: &Arc<Self>, total_tokens: u64) -> Result<Admission, Refusal> {
         // Without OOM mode a request bigger than the cache would never run: let it run alone.
-        let need = self.blocks_for(total_tokens).clamp(1, self.total_blocks);
-        let need = if self.oom {
+        let need_blocks = if self.oom {
             self.blocks_for(total_tokens).max(1)
         } else {
-            need
+            self.blocks_for(total_tokens).clamp(1, self.total_blocks)
         };
-        let mut s = self.lock();
-        if s.waiting.is_empty() && s.running < self.max_num_seqs {
-            if s.reserved + need <= self.total_blocks {
-                s.reserved += need;
-                s.running += 1;
-                return Ok(Admission::Running(self.ticket(need)));
+        let mut state = self.lock();
+        if state.waiting.is_empty() && state.running < self.max_num_seqs {
+            if state.reserved + need_blocks <= self.total_blocks {
+                state.reserved += need_blocks;
+                state.running += 1;
+                return Ok(Admission::Running(self.ticket(need_blocks)));
             }
             if self.oom {
                 return Err(Refusal::Oom {
-                    need_blocks: need,
-                    free_blocks: self.total_blocks.saturating_sub(s.reserved),
+                    need_blocks,
+                    free_blocks: self.total_blocks.saturating_sub(state.reserved),
                 });
             }
         }
-        if let Some(max) = self.max_waiting {
-            if s.waiting.len() >= max {
+        if let Some(max_waiting) = self.max_waiting {
+            if state.waiting.len() >= max_waiting {
                 return Err(Refusal::QueueFull);
             }
         }
-        let id = s.next_id;
-        s.next_id += 1;
-        let (tx, rx) = oneshot::channel();
-        s.waiting.push_back(Waiter { id, need, tx });
+        let id = state.next_id;
+        state.next_id += 1;
+        let (turn, turn_received) = oneshot::channel();
+        state.waiting.push_back(Waiter {
+            id,
+            need_blocks,
+            turn,
+        });
         Ok(Admission::Queued(Pending {
             engine: Arc::clone(self),
             id,
-            need,
-            rx: Some(rx),
+            need_blocks,
+            turn: Some(turn_received),
         }))
     }
 
@@ -165,30 +171,32 @@ impl Engine {
     }
 
     /// Admit waiting requests from the head of the queue while they fit.
-    fn schedule(&self, s: &mut State) {
-        while s.running < self.max_num_seqs {
-            let Some(head) = s.waiting.front() else { break };
-            let need = head.need;
-            let fits = s.reserved + need <= self.total_blocks;
+    fn schedule(&self, state: &mut State) {
+        while state.running < self.max_num_seqs {
+            let Some(head) = state.waiting.front() else {
+                break;
+            };
+            let need_blocks = head.need_blocks;
+            let fits = state.reserved + need_blocks <= self.total_blocks;
             if !fits && !self.oom {
                 break;
             }
-            let Some(w) = s.waiting.pop_front() else {
+            let Some(waiter) = state.waiting.pop_front() else {
                 break;
             };
             if fits {
-                s.reserved += need;
-                s.running += 1;
-                if w.tx.send(Ok(())).is_err() {
+                state.reserved += need_blocks;
+                state.running += 1;
+                if waiter.turn.send(Ok(())).is_err() {
                     // The waiter went away between queueing and now: give the slot back.
-                    s.reserved -= need;
-                    s.running -= 1;
+                    state.reserved -= need_blocks;
+                    state.running -= 1;
                 }
             } else {
-                let free = self.total_blocks.saturating_sub(s.reserved);
-                let _ = w.tx.send(Err(Refusal::Oom {
-                    need_blocks: need,
-                    free_blocks: free,
+                let free_blocks = self.total_blocks.saturating_sub(state.reserved);
+                let _ = waiter.turn.send(Err(Refusal::Oom {
+                    need_blocks,
+                    free_blocks,
                 }));
             }
         }
@@ -206,11 +214,11 @@ pub struct Ticket {
 impl Ticket {
     /// Record that the request now has `tokens` tokens (prompt + generated) in the cache.
     pub fn set_tokens(&mut self, tokens: u64) {
-        let want = self.engine.blocks_for(tokens).min(self.reserved);
-        if want != self.held {
-            let mut s = self.engine.lock();
-            s.used = s.used + want - self.held;
-            self.held = want;
+        let wanted = self.engine.blocks_for(tokens).min(self.reserved);
+        if wanted != self.held {
+            let mut state = self.engine.lock();
+            state.used = state.used + wanted - self.held;
+            self.held = wanted;
         }
     }
 }
@@ -218,11 +226,11 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let engine = Arc::clone(&self.engine);
-        let mut s = engine.lock();
-        s.used = s.used.saturating_sub(self.held);
-        s.reserved = s.reserved.saturating_sub(self.reserved);
-        s.running = s.running.saturating_sub(1);
-        engine.schedule(&mut s);
+        let mut state = engine.lock();
+        state.used = state.used.saturating_sub(self.held);
+        state.reserved = state.reserved.saturating_sub(self.reserved);
+        state.running = state.running.saturating_sub(1);
+        engine.schedule(&mut state);
     }
 }
 
@@ -231,22 +239,23 @@ impl Drop for Ticket {
 pub struct Pending {
     engine: Arc<Engine>,
     id: u64,
-    need: u64,
-    rx: Option<oneshot::Receiver<Result<(), Refusal>>>,
+    need_blocks: u64,
+    turn: Option<oneshot::Receiver<Result<(), Refusal>>>,
 }
 
 impl Pending {
     pub async fn wait(mut self) -> Result<Ticket, Refusal> {
         // Poll through a reference so that, if this future is dropped while queued, `Drop`
         // still finds the receiver and takes the request out of the queue.
-        let res = match self.rx.as_mut() {
-            Some(rx) => rx.await,
+        let told = match self.turn.as_mut() {
+            Some(turn) => turn.await,
             None => return Err(Refusal::QueueFull),
         };
-        self.rx = None;
-        match res {
-            Ok(Ok(())) => Ok(self.engine.ticket(self.need)),
-            Ok(Err(r)) => Err(r),
+        self.turn = None;
+        match told {
+            Ok(Ok(())) => Ok(self.engine.ticket(self.need_blocks)),
+            Ok(Err(refusal)) => Err(refusal),
+            // The engine dropped the waiter without an answer; nothing else can admit it.
             Err(_) => Err(Refusal::QueueFull),
         }
     }
@@ -254,16 +263,18 @@ impl Pending {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let Some(mut rx) = self.rx.take() else { return };
+        let Some(mut turn) = self.turn.take() else {
+            return;
+        };
         let engine = Arc::clone(&self.engine);
-        let mut s = engine.lock();
-        if let Some(pos) = s.waiting.iter().position(|w| w.id == self.id) {
-            s.waiting.remove(pos);
-        } else if let Ok(Ok(())) = rx.try_recv() {
+        let mut state = engine.lock();
+        if let Some(position) = state.waiting.iter().position(|waiter| waiter.id == self.id) {
+            state.waiting.remove(position);
+        } else if let Ok(Ok(())) = turn.try_recv() {
             // Admitted but never picked up: release what the scheduler gave it.
-            s.reserved = s.reserved.saturating_sub(self.need);
-            s.running = s.running.saturating_sub(1);
-            engine.schedule(&mut s);
+            state.reserved = state.reserved.saturating_sub(self.need_blocks);
+            state.running = state.running.saturating_sub(1);
+            engine.schedule(&mut state);
         }
     }
 }
@@ -274,27 +285,27 @@ mod tests {
 
     #[tokio::test]
     async fn queue_and_blocks() {
-        let e = Engine::new(10, 16, 2, None, false);
-        let Ok(Admission::Running(mut a)) = e.admit(64) else {
-            panic!("a")
+        let engine = Engine::new(10, 16, 2, None, false);
+        let Ok(Admission::Running(mut first)) = engine.admit(64) else {
+            panic!("first")
         };
-        a.set_tokens(20);
-        assert_eq!(e.snapshot().used_blocks, 2);
-        let Ok(Admission::Running(b)) = e.admit(16) else {
-            panic!("b")
+        first.set_tokens(20);
+        assert_eq!(engine.snapshot().used_blocks, 2);
+        let Ok(Admission::Running(second)) = engine.admit(16) else {
+            panic!("second")
         };
-        let Ok(Admission::Queued(c)) = e.admit(16) else {
-            panic!("c")
+        let Ok(Admission::Queued(third)) = engine.admit(16) else {
+            panic!("third")
         };
-        assert_eq!(e.snapshot().waiting, 1);
-        assert_eq!(e.snapshot().running, 2);
-        drop(b);
-        let c = c.wait().await.unwrap();
-        assert_eq!(e.snapshot().running, 2);
-        drop(a);
-        drop(c);
+        assert_eq!(engine.snapshot().waiting, 1);
+        assert_eq!(engine.snapshot().running, 2);
+        drop(second);
+        let third = third.wait().await.unwrap();
+        assert_eq!(engine.snapshot().running, 2);
+        drop(first);
+        drop(third);
         assert_eq!(
-            e.snapshot(),
+            engine.snapshot(),
             EngineSnapshot {
                 total_blocks: 10,
                 ..Default::default()
@@ -304,26 +315,26 @@ mod tests {
 
     #[tokio::test]
     async fn oom_mode_refuses() {
-        let e = Engine::new(4, 16, 8, None, true);
-        let Ok(Admission::Running(_a)) = e.admit(48) else {
-            panic!("a")
+        let engine = Engine::new(4, 16, 8, None, true);
+        let Ok(Admission::Running(_running)) = engine.admit(48) else {
+            panic!("first")
         };
-        assert!(matches!(e.admit(32), Err(Refusal::Oom { .. })));
+        assert!(matches!(engine.admit(32), Err(Refusal::Oom { .. })));
     }
 
     #[tokio::test]
     async fn dropped_pending_leaves_queue() {
-        let e = Engine::new(4, 16, 1, Some(1), false);
-        let Ok(Admission::Running(a)) = e.admit(16) else {
-            panic!("a")
+        let engine = Engine::new(4, 16, 1, Some(1), false);
+        let Ok(Admission::Running(running)) = engine.admit(16) else {
+            panic!("running")
         };
-        let Ok(Admission::Queued(p)) = e.admit(16) else {
-            panic!("p")
+        let Ok(Admission::Queued(pending)) = engine.admit(16) else {
+            panic!("pending")
         };
-        assert!(matches!(e.admit(16), Err(Refusal::QueueFull)));
-        drop(p);
-        assert_eq!(e.snapshot().waiting, 0);
-        drop(a);
-        assert_eq!(e.snapshot().running, 0);
+        assert!(matches!(engine.admit(16), Err(Refusal::QueueFull)));
+        drop(pending);
+        assert_eq!(engine.snapshot().waiting, 0);
+        drop(running);
+        assert_eq!(engine.snapshot().running, 0);
     }
 }

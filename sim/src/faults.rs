@@ -63,10 +63,10 @@ impl Faults {
         }
     }
 
-    /// Whether request number `n` (0-based, counted since the faults were set) gets the
-    /// injected error. The counter mode spreads errors evenly: exactly floor(n * rate) of the
-    /// first n requests fail.
-    pub(crate) fn should_error(&self, n: u64) -> bool {
+    /// Whether request number `request_number` (0-based, counted since the faults were set)
+    /// gets the injected error. The counter mode spreads errors evenly: exactly
+    /// floor(n * rate) of the first n requests fail.
+    pub(crate) fn should_error(&self, request_number: u64) -> bool {
         let rate = self.error_rate.clamp(0.0, 1.0);
         if rate <= 0.0 {
             return false;
@@ -74,8 +74,8 @@ impl Faults {
         if self.error_random {
             return rand::random::<f64>() < rate;
         }
-        let before = (n as f64 * rate).floor();
-        let after = ((n + 1) as f64 * rate).floor();
+        let before = (request_number as f64 * rate).floor();
+        let after = ((request_number + 1) as f64 * rate).floor();
         after > before
     }
 
@@ -100,18 +100,20 @@ mod tests {
 
     #[test]
     fn counter_mode_is_exact() {
-        let f = Faults::error_rate(0.25, 503);
-        let hits = (0..100).filter(|n| f.should_error(*n)).count();
+        let quarter = Faults::error_rate(0.25, 503);
+        let hits = (0..100)
+            .filter(|request| quarter.should_error(*request))
+            .count();
         assert_eq!(hits, 25);
         let all = Faults::error_rate(1.0, 500);
-        assert!((0..10).all(|n| all.should_error(n)));
-        assert!(!(0..10).any(|n| Faults::none().should_error(n)));
+        assert!((0..10).all(|request| all.should_error(request)));
+        assert!(!(0..10).any(|request| Faults::none().should_error(request)));
     }
 
     #[test]
     fn empty_json_clears() {
-        let f: Faults = serde_json::from_str("{}").unwrap();
-        assert_eq!(f, Faults::default());
+        let cleared: Faults = serde_json::from_str("{}").unwrap();
+        assert_eq!(cleared, Faults::default());
         assert!(serde_json::from_str::<Faults>(r#"{"bogus":1}"#).is_err());
     }
 }

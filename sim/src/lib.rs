@@ -1,31 +1,37 @@
 //! # vllm-sim: a simulated vLLM OpenAI-compatible server
 //!
-//! Byte-level vLLM wire shapes (chat/completions JSON and SSE, both error shapes, V0/V1
-//! `/metrics`), deterministic text, a latency model, a KV-cache/queue model and run-time fault
-//! injection. Used as the `vllm-sim` binary and in-process from tests.
+//! It speaks vLLM 0.11's wire format byte for byte (chat and text completions as JSON and SSE,
+//! both error shapes, V0 or V1 `/metrics`), generates deterministic text, models latency, the KV
+//! cache and the request queue, and injects faults at run time. Sluice's tests, demo and
+//! benchmarks run it in process; the `vllm-sim` binary serves the same thing on a port.
 //!
-//! ## In-process API
-//! ```ignore
-//! pub async fn start(config: SimConfig) -> std::io::Result<Sim>;   // binds, spawns, returns
-//! impl Sim {                                                      // cheap Clone (Arc inside)
-//!     pub fn addr(&self) -> SocketAddr;
-//!     pub fn url(&self) -> String;                                // "http://127.0.0.1:PORT"
-//!     pub fn config(&self) -> &SimConfig;
-//!     pub fn set_faults(&self, faults: Faults);
-//!     pub fn faults(&self) -> Faults;
-//!     pub fn stats(&self) -> Stats;                               // counters + last N requests
-//!     pub fn kv_usage(&self) -> f64;
-//!     pub fn engine_state(&self) -> EngineSnapshot;               // running, waiting, blocks
-//!     pub fn metrics_text(&self) -> String;                       // what GET /metrics returns
-//!     pub async fn serve_admin(&self, addr: SocketAddr) -> io::Result<SocketAddr>;
-//!     pub fn shutdown(&self);                                     // closes listener + connections
-//! }
-//! SimConfig::default()                    // = SimConfig::profile(Profile::Zero)
-//! SimConfig::profile(Profile::Draft).with_model("x").with_oom(true)...
+//! [`start`] binds an instance described by a [`SimConfig`] and returns a [`Sim`] handle. The
+//! handle switches [`Faults`] ([`Sim::set_faults`]), shows what reached the instance
+//! ([`Sim::stats`]) and the state of its engine ([`Sim::engine_state`]). The same controls are
+//! served over HTTP under `/sim/`; `README.md` describes them and the wire details.
+//!
 //! ```
-//! HTTP control: `GET|POST /sim/faults` (JSON `Faults`), `GET /sim/stats`.
+//! use vllm_sim::{Faults, Profile, SimConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let runtime = tokio::runtime::Builder::new_current_thread()
+//!     .enable_all()
+//!     .build()?;
+//! runtime.block_on(async {
+//!     let sim = vllm_sim::start(SimConfig::profile(Profile::Zero).with_model("small")).await?;
+//!     assert!(sim.url().starts_with("http://127.0.0.1:"));
+//!     // From now on every second completion request is answered with a 503.
+//!     sim.set_faults(Faults::error_rate(0.5, 503));
+//!     assert_eq!(sim.stats().requests_total, 0);
+//!     assert!(sim.metrics_text().contains("vllm:kv_cache_usage_perc"));
+//!     sim.shutdown();
+//!     Ok(())
+//! })
+//! # }
+//! ```
 
 mod config;
+mod control;
 mod engine;
 mod faults;
 mod handlers;
@@ -54,9 +60,10 @@ use stats::Recorder;
 
 /// State shared by the accept loop, connections and handlers.
 pub(crate) struct Shared {
-    cfg: SimConfig,
-    served: Vec<String>,
+    config: SimConfig,
+    served_names: Vec<String>,
     faults: RwLock<Arc<Faults>>,
+    /// Completion requests since the faults were last set, for the counter-mode error rate.
     fault_counter: AtomicU64,
     engine: Arc<Engine>,
     metrics: Metrics,
@@ -66,58 +73,69 @@ pub(crate) struct Shared {
     /// Bumped to make every open connection close (refuse-connections, shutdown).
     kill_tx: watch::Sender<u64>,
     addr: SocketAddr,
-    ids: AtomicU64,
+    id_counter: AtomicU64,
+    /// Random per instance, so two instances never hand out the same ids.
     nonce: u64,
     started: u64,
 }
 
 impl Shared {
     fn model_name(&self) -> &str {
-        self.served
+        self.served_names
             .first()
             .map(String::as_str)
-            .unwrap_or(self.cfg.model.as_str())
+            .unwrap_or(self.config.model.as_str())
     }
 
     fn faults(&self) -> Arc<Faults> {
-        Arc::clone(&self.faults.read().unwrap_or_else(|e| e.into_inner()))
+        // A poisoned lock only means a panic elsewhere; the switches are still valid.
+        Arc::clone(
+            &self
+                .faults
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
     }
 
-    fn set_faults(&self, f: Faults) {
-        let refuse = f.refuse_connections;
-        *self.faults.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(f);
+    fn set_faults(&self, faults: Faults) {
+        let refuse = faults.refuse_connections;
+        *self
+            .faults
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Arc::new(faults);
         self.fault_counter.store(0, Ordering::Relaxed);
-        let was = *self.refuse_tx.borrow();
-        if refuse != was {
+        let was_refusing = *self.refuse_tx.borrow();
+        if refuse != was_refusing {
             self.refuse_tx.send_replace(refuse);
             if refuse {
                 // A stopped server also drops the connections it had.
-                self.kill_tx.send_modify(|g| *g += 1);
+                self.kill_tx.send_modify(|generation| *generation += 1);
             }
         }
     }
 
+    /// A vLLM-looking id (`prefix` + 32 hex digits), unique per instance.
     fn next_id(&self, prefix: &str) -> String {
-        let n = self.ids.fetch_add(1, Ordering::Relaxed);
-        let a = text::mix(self.nonce ^ n);
-        let b = text::mix(a ^ n.rotate_left(17));
-        format!("{prefix}{a:016x}{b:016x}")
+        let count = self.id_counter.fetch_add(1, Ordering::Relaxed);
+        let high = text::mix(self.nonce ^ count);
+        let low = text::mix(high ^ count.rotate_left(17));
+        format!("{prefix}{high:016x}{low:016x}")
     }
 
     fn stats(&self) -> Stats {
-        let mut s = self.stats.snapshot();
-        let e = self.engine.snapshot();
-        s.oom = self.metrics.oom.load(Ordering::Relaxed);
-        s.running = e.running;
-        s.waiting = e.waiting;
-        s.kv_usage = e.kv_usage();
-        s
+        let mut stats = self.stats.snapshot();
+        let engine = self.engine.snapshot();
+        stats.oom = self.metrics.oom.load(Ordering::Relaxed);
+        stats.running = engine.running;
+        stats.waiting = engine.waiting;
+        stats.kv_usage = engine.kv_usage();
+        stats
     }
 
     /// Resolves when the instance shuts down; hangs use it so they end with the instance.
     async fn shutdown_signal(&self) {
-        let mut rx = self.shutdown_tx.subscribe();
-        let _ = rx.wait_for(|v| *v).await;
+        let mut shutdown = self.shutdown_tx.subscribe();
+        let _ = shutdown.wait_for(|stopped| *stopped).await;
     }
 
     fn metrics_text(&self) -> String {
@@ -128,7 +146,7 @@ impl Shared {
 pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
+        .map(|since_epoch| since_epoch.as_secs())
         .unwrap_or(0)
 }
 
@@ -139,8 +157,9 @@ pub struct Sim {
 }
 
 impl std::fmt::Debug for Sim {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sim")
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Sim")
             .field("addr", &self.shared.addr)
             .field("model", &self.shared.model_name())
             .finish()
@@ -151,8 +170,8 @@ impl std::fmt::Debug for Sim {
 pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
     let listener = server::bind(config.listen)?;
     let addr = listener.local_addr()?;
-    let served = config.served_names();
-    let model_name = served
+    let served_names = config.served_names();
+    let model_name = served_names
         .first()
         .cloned()
         .unwrap_or_else(|| config.model.clone());
@@ -178,11 +197,11 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
         shutdown_tx: watch::channel(false).0,
         kill_tx: watch::channel(0).0,
         addr,
-        ids: AtomicU64::new(0),
+        id_counter: AtomicU64::new(0),
         nonce: rand::random(),
         started: unix_now(),
-        served,
-        cfg: config.clone(),
+        served_names,
+        config: config.clone(),
     });
     shared.set_faults(config.faults.clone());
     let listener = if config.faults.refuse_connections {
@@ -196,14 +215,16 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
 }
 
 impl Sim {
+    /// The bound address (the real port when the config asked for port 0).
     pub fn addr(&self) -> SocketAddr {
         self.shared.addr
     }
+    /// `http://ADDR`, the base URL for requests.
     pub fn url(&self) -> String {
         format!("http://{}", self.shared.addr)
     }
     pub fn config(&self) -> &SimConfig {
-        &self.shared.cfg
+        &self.shared.config
     }
     /// The model name reported in answers (first served name).
     pub fn model(&self) -> &str {
@@ -216,15 +237,19 @@ impl Sim {
     pub fn faults(&self) -> Faults {
         (*self.shared.faults()).clone()
     }
+    /// Counters and the last recorded requests.
     pub fn stats(&self) -> Stats {
         self.shared.stats()
     }
+    /// The KV-cache usage /metrics reports (0..=1).
     pub fn kv_usage(&self) -> f64 {
         self.shared.engine.snapshot().kv_usage()
     }
+    /// Running and waiting requests, and the KV blocks in use.
     pub fn engine_state(&self) -> EngineSnapshot {
         self.shared.engine.snapshot()
     }
+    /// What `GET /metrics` returns.
     pub fn metrics_text(&self) -> String {
         self.shared.metrics_text()
     }
@@ -243,6 +268,8 @@ impl Sim {
     /// Stop listening and close every connection. Idempotent.
     pub fn shutdown(&self) {
         self.shared.shutdown_tx.send_replace(true);
-        self.shared.kill_tx.send_modify(|g| *g += 1);
+        self.shared
+            .kill_tx
+            .send_modify(|generation| *generation += 1);
     }
 }

@@ -100,77 +100,93 @@ struct Args {
     faults: Option<String>,
 }
 
-fn ms(v: f64) -> Duration {
-    Duration::try_from_secs_f64((v / 1000.0).max(0.0)).unwrap_or(Duration::ZERO)
+/// Milliseconds as a `Duration`; negative or absurd values become zero.
+fn millis(value: f64) -> Duration {
+    Duration::try_from_secs_f64((value / 1000.0).max(0.0)).unwrap_or(Duration::ZERO)
 }
 
-fn config(a: &Args) -> Result<SimConfig, String> {
-    let mut c = SimConfig::profile(match a.profile {
+/// The instance the arguments describe: the profile's, then each flag that was given.
+fn config(args: &Args) -> Result<SimConfig, String> {
+    let mut config = SimConfig::profile(match args.profile {
         ProfileArg::Zero => Profile::Zero,
         ProfileArg::Draft => Profile::Draft,
         ProfileArg::Target => Profile::Target,
     });
-    c.listen = SocketAddr::new(a.host, a.port);
-    if let Some(m) = &a.model {
-        c.model = m.clone();
+    config.listen = SocketAddr::new(args.host, args.port);
+    if let Some(model) = &args.model {
+        config.model = model.clone();
     }
-    c.served_model_names = a.served_model_name.clone();
-    if let Some(v) = a.max_model_len {
-        c.max_model_len = v;
+    config.served_model_names = args.served_model_name.clone();
+    if let Some(max_model_len) = args.max_model_len {
+        config.max_model_len = max_model_len;
     }
-    c.metrics = match a.metrics {
+    config.metrics = match args.metrics {
         MetricsArg::V1 => MetricsFlavor::V1,
         MetricsArg::V0 => MetricsFlavor::V0,
     };
-    c.error_shape = match a.error_shape {
+    config.error_shape = match args.error_shape {
         ShapeArg::New => ErrorShape::New,
         ShapeArg::Old => ErrorShape::Old,
     };
-    if a.zero_latency {
-        c.latency = vllm_sim::Latency::zero();
+    apply_latency(args, &mut config);
+    apply_engine(args, &mut config);
+    apply_answers(args, &mut config);
+    if let Some(faults) = &args.faults {
+        config.faults =
+            serde_json::from_str::<Faults>(faults).map_err(|error| format!("--faults: {error}"))?;
     }
-    if let Some(v) = a.overhead_ms {
-        c.latency.overhead = ms(v);
+    Ok(config)
+}
+
+fn apply_latency(args: &Args, config: &mut SimConfig) {
+    if args.zero_latency {
+        config.latency = vllm_sim::Latency::zero();
     }
-    if let Some(v) = a.prefill_us_per_token {
-        c.latency.prefill_per_token = ms(v / 1000.0);
+    if let Some(overhead_ms) = args.overhead_ms {
+        config.latency.overhead = millis(overhead_ms);
     }
-    if let Some(v) = a.itl_ms {
-        c.latency.inter_token = ms(v);
+    if let Some(prefill_us) = args.prefill_us_per_token {
+        config.latency.prefill_per_token = millis(prefill_us / 1000.0);
     }
-    if let Some(v) = a.jitter {
-        c.latency.jitter = v.clamp(0.0, 1.0);
+    if let Some(itl_ms) = args.itl_ms {
+        config.latency.inter_token = millis(itl_ms);
     }
-    if let Some(v) = a.num_gpu_blocks {
-        c.num_gpu_blocks = v.max(1);
+    if let Some(jitter) = args.jitter {
+        config.latency.jitter = jitter.clamp(0.0, 1.0);
     }
-    if let Some(v) = a.block_size {
-        c.block_size = v.max(1);
+}
+
+/// The KV cache, the batch and the queue.
+fn apply_engine(args: &Args, config: &mut SimConfig) {
+    if let Some(num_gpu_blocks) = args.num_gpu_blocks {
+        config.num_gpu_blocks = num_gpu_blocks.max(1);
     }
-    if let Some(v) = a.max_num_seqs {
-        c.max_num_seqs = v.max(1);
+    if let Some(block_size) = args.block_size {
+        config.block_size = block_size.max(1);
     }
-    c.max_waiting = a.max_waiting;
-    c.oom_on_overload = a.oom;
-    if let Some(k) = a.spec_tokens {
-        c.speculative = Some(SpecDecode {
-            num_speculative_tokens: k,
-            acceptance_rate: a.spec_acceptance.clamp(0.0, 1.0),
+    if let Some(max_num_seqs) = args.max_num_seqs {
+        config.max_num_seqs = max_num_seqs.max(1);
+    }
+    config.max_waiting = args.max_waiting;
+    config.oom_on_overload = args.oom;
+}
+
+fn apply_answers(args: &Args, config: &mut SimConfig) {
+    if let Some(draft_tokens) = args.spec_tokens {
+        config.speculative = Some(SpecDecode {
+            num_speculative_tokens: draft_tokens,
+            acceptance_rate: args.spec_acceptance.clamp(0.0, 1.0),
         });
     }
-    if let Some(v) = a.low_confidence_share {
-        c.low_confidence_share = v.clamp(0.0, 1.0);
+    if let Some(share) = args.low_confidence_share {
+        config.low_confidence_share = share.clamp(0.0, 1.0);
     }
-    if let Some(v) = a.default_temperature {
-        c.default_temperature = v;
+    if let Some(temperature) = args.default_temperature {
+        config.default_temperature = temperature;
     }
-    if let Some(v) = a.record {
-        c.record_requests = v;
+    if let Some(count) = args.record {
+        config.record_requests = count;
     }
-    if let Some(f) = &a.faults {
-        c.faults = serde_json::from_str::<Faults>(f).map_err(|e| format!("--faults: {e}"))?;
-    }
-    Ok(c)
 }
 
 #[tokio::main]
@@ -183,28 +199,33 @@ async fn main() -> std::process::ExitCode {
         )
         .init();
     let args = Args::parse();
-    let cfg = match config(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("vllm-sim: {e}");
+    let config = match config(&args) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("vllm-sim: {error}");
             return std::process::ExitCode::from(2);
         }
     };
-    let sim = match vllm_sim::start(cfg).await {
-        Ok(s) => s,
-        Err(e) => {
+    let sim = match vllm_sim::start(config).await {
+        Ok(sim) => sim,
+        Err(error) => {
             eprintln!(
-                "vllm-sim: cannot listen on {}:{}: {e}",
+                "vllm-sim: cannot listen on {}:{}: {error}",
                 args.host, args.port
             );
             return std::process::ExitCode::from(1);
         }
     };
-    if let Some(p) = args.admin_port {
-        match sim.serve_admin(SocketAddr::new(args.host, p)).await {
-            Ok(a) => tracing::info!(%a, "admin endpoints (/sim/*, /metrics) listening"),
-            Err(e) => {
-                eprintln!("vllm-sim: cannot listen on admin port {p}: {e}");
+    if let Some(admin_port) = args.admin_port {
+        match sim
+            .serve_admin(SocketAddr::new(args.host, admin_port))
+            .await
+        {
+            Ok(admin_addr) => {
+                tracing::info!(%admin_addr, "admin endpoints (/sim/*, /metrics) listening")
+            }
+            Err(error) => {
+                eprintln!("vllm-sim: cannot listen on admin port {admin_port}: {error}");
                 return std::process::ExitCode::from(1);
             }
         }

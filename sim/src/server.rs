@@ -1,5 +1,5 @@
-//! Our own accept loop (so "refuse connections" can close and later rebind the same port) and
-//! the request router.
+//! Our own accept loop (so "refuse connections" can close and later rebind the same port), the
+//! request router, and the response helpers every handler uses.
 
 use std::convert::Infallible;
 use std::io;
@@ -12,15 +12,16 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::faults::Faults;
+use crate::control;
 use crate::handlers;
 use crate::openai::{self, ApiError, Kind};
-use crate::stats::{RecordedRequest, StatsJson};
+use crate::stats::RecordedRequest;
 use crate::Shared;
 
 pub type Body = BoxBody<Bytes, io::Error>;
@@ -39,80 +40,80 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
 }
 
 pub async fn accept_loop(shared: Arc<Shared>, mut listener: Option<TcpListener>, admin: bool) {
-    let mut refuse_rx = shared.refuse_tx.subscribe();
-    let mut shut_rx = shared.shutdown_tx.subscribe();
+    let mut refuse_changes = shared.refuse_tx.subscribe();
+    let mut shutdown_changes = shared.shutdown_tx.subscribe();
     let addr = match &listener {
-        Some(l) => l.local_addr().unwrap_or(shared.addr),
+        Some(bound) => bound.local_addr().unwrap_or(shared.addr),
         None => shared.addr,
     };
     loop {
-        if *shut_rx.borrow_and_update() {
+        if *shutdown_changes.borrow_and_update() {
             break;
         }
-        let refusing = !admin && *refuse_rx.borrow_and_update();
+        let refusing = !admin && *refuse_changes.borrow_and_update();
         if refusing {
             if listener.take().is_some() {
                 tracing::info!(%addr, "refusing connections: listener closed");
             }
             tokio::select! {
-                _ = refuse_rx.changed() => {}
-                _ = shut_rx.changed() => {}
+                _ = refuse_changes.changed() => {}
+                _ = shutdown_changes.changed() => {}
             }
             continue;
         }
-        let l = match &listener {
-            Some(l) => l,
+        let accepting = match &listener {
+            Some(bound) => bound,
             None => match bind(addr) {
-                Ok(l) => {
+                Ok(bound) => {
                     tracing::info!(%addr, "accepting connections again");
-                    listener.insert(l)
+                    listener.insert(bound)
                 }
-                Err(e) => {
-                    tracing::warn!(%addr, error = %e, "rebind failed, retrying");
+                Err(error) => {
+                    tracing::warn!(%addr, %error, "rebind failed, retrying");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
         tokio::select! {
-            r = l.accept() => match r {
+            accepted = accepting.accept() => match accepted {
                 Ok((stream, _peer)) => {
                     let _ = stream.set_nodelay(true);
-                    tokio::spawn(serve_conn(Arc::clone(&shared), stream, admin));
+                    tokio::spawn(serve_connection(Arc::clone(&shared), stream, admin));
                 }
-                Err(e) => {
+                Err(error) => {
                     // Usually EMFILE: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(%error, "accept failed");
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
-            _ = refuse_rx.changed() => {}
-            _ = shut_rx.changed() => {}
+            _ = refuse_changes.changed() => {}
+            _ = shutdown_changes.changed() => {}
         }
     }
 }
 
-async fn serve_conn(shared: Arc<Shared>, stream: tokio::net::TcpStream, admin: bool) {
-    let mut kill = shared.kill_tx.subscribe();
-    kill.borrow_and_update();
-    let svc_shared = Arc::clone(&shared);
-    let svc = hyper::service::service_fn(move |req| {
-        let s = Arc::clone(&svc_shared);
-        async move { Ok::<_, Infallible>(route(s, req, admin).await) }
+async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, admin: bool) {
+    let mut kills = shared.kill_tx.subscribe();
+    kills.borrow_and_update();
+    let service_shared = Arc::clone(&shared);
+    let service = hyper::service::service_fn(move |request| {
+        let shared = Arc::clone(&service_shared);
+        async move { Ok::<_, Infallible>(route(shared, request, admin).await) }
     });
-    let conn = hyper::server::conn::http1::Builder::new()
+    let connection = hyper::server::conn::http1::Builder::new()
         .keep_alive(true)
-        .serve_connection(TokioIo::new(stream), svc);
+        .serve_connection(TokioIo::new(stream), service);
     tokio::select! {
-        r = conn => {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "connection ended with error");
+        ended = connection => {
+            if let Err(error) = ended {
+                tracing::debug!(%error, "connection ended with error");
             }
         }
         // The admin port survives "refuse connections" but not shutdown.
         _ = async {
             loop {
-                if kill.changed().await.is_err() { break; }
+                if kills.changed().await.is_err() { break; }
                 if !admin || *shared.shutdown_tx.borrow() { break; }
             }
         } => {}
@@ -120,19 +121,22 @@ async fn serve_conn(shared: Arc<Shared>, stream: tokio::net::TcpStream, admin: b
 }
 
 pub fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Resp {
-    let mut r = Response::new(
+    let mut response = Response::new(
         Full::new(body.into())
             .map_err(|never: Infallible| match never {})
             .boxed(),
     );
-    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     if !content_type.is_empty() {
-        r.headers_mut()
+        response
+            .headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     }
-    r.headers_mut()
+    response
+        .headers_mut()
         .insert("server", HeaderValue::from_static("uvicorn"));
-    r
+    response
 }
 
 pub fn json(status: u16, body: impl Into<Bytes>) -> Resp {
@@ -141,81 +145,73 @@ pub fn json(status: u16, body: impl Into<Bytes>) -> Resp {
 
 /// A body fed from a channel: every item is written as its own chunk when it arrives; an
 /// `Err` item aborts the connection (no chunked terminator).
-pub fn channel_body(rx: mpsc::Receiver<Result<Bytes, io::Error>>) -> Body {
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item.map(Frame::data), rx))
+pub fn channel_body(receiver: mpsc::Receiver<Result<Bytes, io::Error>>) -> Body {
+    let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
+        receiver
+            .recv()
+            .await
+            .map(|item| (item.map(Frame::data), receiver))
     });
     BodyExt::boxed(StreamBody::new(stream))
 }
 
 pub fn stream_response(status: u16, content_type: &'static str, body: Body) -> Resp {
-    let mut r = Response::new(body);
-    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-    r.headers_mut()
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    response
+        .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    r.headers_mut()
+    response
+        .headers_mut()
         .insert("server", HeaderValue::from_static("uvicorn"));
-    r
+    response
 }
 
-pub fn with_content_length(mut r: Resp, len: usize) -> Resp {
-    r.headers_mut()
-        .insert(CONTENT_LENGTH, HeaderValue::from(len));
-    r
+pub fn with_content_length(mut response: Resp, length: usize) -> Resp {
+    response
+        .headers_mut()
+        .insert(CONTENT_LENGTH, HeaderValue::from(length));
+    response
 }
 
-pub fn error(shared: &Shared, e: &ApiError) -> Resp {
+/// An error answer in the configured shape, counted in the stats.
+pub fn error(shared: &Shared, error: &ApiError) -> Resp {
     shared.stats.count_error();
-    json(e.status, openai::error_body(shared.cfg.error_shape, e))
+    json(
+        error.status,
+        openai::error_body(shared.config.error_shape, error),
+    )
 }
 
-async fn read_body(shared: &Shared, body: Incoming) -> Result<Bytes, ApiError> {
-    match Limited::new(body, shared.cfg.max_body_bytes)
+pub async fn read_body(shared: &Shared, body: Incoming) -> Result<Bytes, ApiError> {
+    match Limited::new(body, shared.config.max_body_bytes)
         .collect()
         .await
     {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) => Err(ApiError::new(
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) => Err(ApiError::new(
             413,
-            format!("Request body could not be read: {e}"),
+            format!("Request body could not be read: {error}"),
         )),
     }
 }
 
-async fn route(shared: Arc<Shared>, req: Request<Incoming>, admin: bool) -> Resp {
-    let (parts, body) = req.into_parts();
+async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> Resp {
+    let (parts, body) = request.into_parts();
     let path = parts.uri.path();
-    if let Some(rest) = path.strip_prefix("/sim/") {
-        return control(&shared, &parts.method, rest, body).await;
+    if let Some(control_path) = path.strip_prefix("/sim/") {
+        return control::serve(&shared, &parts.method, control_path, body).await;
     }
     if admin && path != "/metrics" {
         return error(&shared, &ApiError::new(404, "Not Found"));
     }
     shared.stats.count(path);
     let body = match read_body(&shared, body).await {
-        Ok(b) => b,
-        Err(e) => return error(&shared, &e),
+        Ok(body) => body,
+        Err(read_error) => return error(&shared, &read_error),
     };
     if shared.stats.wants_requests() {
-        shared.stats.record(RecordedRequest {
-            method: parts.method.to_string(),
-            path: parts
-                .uri
-                .path_and_query()
-                .map(|p| p.as_str().to_string())
-                .unwrap_or_else(|| path.to_string()),
-            headers: parts
-                .headers
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        k.as_str().to_string(),
-                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                    )
-                })
-                .collect(),
-            body: body.clone(),
-        });
+        shared.stats.record(recorded(&parts, &body));
     }
     match (&parts.method, path) {
         (&Method::POST, "/v1/chat/completions") => {
@@ -225,14 +221,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>, admin: bool) -> Resp
             handlers::completion(&shared, Kind::Completion, body).await
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
-        (&Method::GET, "/health") => {
-            if shared.faults().engine_dead {
-                shared.stats.count_error();
-                full(503, "", Bytes::new())
-            } else {
-                full(200, "", Bytes::new())
-            }
-        }
+        (&Method::GET, "/health") => health(&shared),
         (&Method::GET, "/metrics") => full(
             200,
             "text/plain; version=0.0.4; charset=utf-8",
@@ -248,59 +237,43 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>, admin: bool) -> Resp
             | "/metrics"
             | "/version",
         ) => json(405, &br#"{"detail":"Method Not Allowed"}"#[..]),
-        _ => json(404, &br#"{"detail":"Not Found"}"#[..]),
+        _ => not_found(),
     }
 }
 
-/// `/sim/faults` (GET, POST) and `/sim/stats` (GET).
-async fn control(shared: &Arc<Shared>, method: &Method, rest: &str, body: Incoming) -> Resp {
-    match (method, rest) {
-        (&Method::GET, "faults") => json(
-            200,
-            serde_json::to_vec(&*shared.faults()).unwrap_or_default(),
-        ),
-        (&Method::POST | &Method::PUT, "faults") => {
-            let bytes = match read_body(shared, body).await {
-                Ok(b) => b,
-                Err(e) => return json(400, openai::error_body(shared.cfg.error_shape, &e)),
-            };
-            let parsed: Result<Faults, _> = if bytes.iter().all(u8::is_ascii_whitespace) {
-                Ok(Faults::default())
-            } else {
-                serde_json::from_slice(&bytes)
-            };
-            match parsed {
-                Ok(f) => {
-                    tracing::info!(faults = ?f, "faults set");
-                    shared.set_faults(f);
-                    json(
-                        200,
-                        serde_json::to_vec(&*shared.faults()).unwrap_or_default(),
-                    )
-                }
-                Err(e) => json(
-                    400,
-                    openai::error_body(
-                        shared.cfg.error_shape,
-                        &ApiError::bad_request(format!("invalid faults: {e}")),
-                    ),
-                ),
-            }
-        }
-        (&Method::DELETE, "faults") => {
-            shared.set_faults(Faults::default());
-            json(
-                200,
-                serde_json::to_vec(&Faults::default()).unwrap_or_default(),
-            )
-        }
-        (&Method::GET, "stats") => {
-            let s = shared.stats();
-            json(
-                200,
-                serde_json::to_vec(&StatsJson::new(&s)).unwrap_or_default(),
-            )
-        }
-        _ => json(404, &br#"{"detail":"Not Found"}"#[..]),
+pub fn not_found() -> Resp {
+    json(404, &br#"{"detail":"Not Found"}"#[..])
+}
+
+/// The request as received, for `Sim::stats().recent`.
+fn recorded(parts: &Parts, body: &Bytes) -> RecordedRequest {
+    RecordedRequest {
+        method: parts.method.to_string(),
+        path: parts
+            .uri
+            .path_and_query()
+            .map(|path_and_query| path_and_query.as_str().to_string())
+            .unwrap_or_else(|| parts.uri.path().to_string()),
+        headers: parts
+            .headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_string(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: body.clone(),
+    }
+}
+
+/// vLLM's `/health`: 200 with an empty body, 503 once the engine is dead.
+fn health(shared: &Shared) -> Resp {
+    if shared.faults().engine_dead {
+        shared.stats.count_error();
+        full(503, "", Bytes::new())
+    } else {
+        full(200, "", Bytes::new())
     }
 }

@@ -32,7 +32,7 @@ pub fn refused(shared: &Shared, refusal: Refusal) -> ApiError {
         } => {
             shared.metrics.oom.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(need_blocks, free_blocks, "simulated CUDA OOM");
-            errors::out_of_memory(need_blocks, free_blocks, shared.cfg.block_size)
+            errors::out_of_memory(need_blocks, free_blocks, shared.config.block_size)
         }
         Refusal::QueueFull => ApiError::new(503, "Service Unavailable: the waiting queue is full."),
     }

@@ -21,7 +21,7 @@ pub struct Answer {
 impl Answer {
     /// Plan every choice; `max_tokens` is the request's token budget.
     pub fn plan(shared: &Shared, request: CompletionRequest, max_tokens: u32) -> Self {
-        let config = &shared.cfg;
+        let config = &shared.config;
         let sampling = request.sampling;
         let sampling_hash = if sampling.temperature > 0.0 && sampling.seed.is_none() {
             // Unseeded sampling: a fresh draw each time.

@@ -27,7 +27,7 @@ pub struct Generation {
 
 impl Generation {
     pub fn new(shared: Arc<Shared>, started: Instant, faults: &Faults) -> Self {
-        let latency = &shared.cfg.latency;
+        let latency = &shared.config.latency;
         Generation {
             slowdown: faults.slowdown_factor(),
             jitter: latency.jitter.clamp(0.0, 1.0),
@@ -66,7 +66,7 @@ impl Generation {
 
     /// Time to prefill `tokens` (the TTFT of a prompt, or the recompute after a preemption).
     pub fn prefill_delay(&self, tokens: u32) -> Duration {
-        let latency = &self.shared.cfg.latency;
+        let latency = &self.shared.config.latency;
         let prefill = latency
             .prefill_per_token
             .checked_mul(tokens)
@@ -75,7 +75,7 @@ impl Generation {
     }
 
     pub fn inter_token_delay(&self) -> Duration {
-        self.delay(self.shared.cfg.latency.inter_token)
+        self.delay(self.shared.config.latency.inter_token)
     }
 
     pub fn count_prompt(&self, tokens: u64) {

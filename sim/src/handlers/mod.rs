@@ -33,16 +33,16 @@ pub fn models(shared: &Shared) -> Resp {
     let list = ModelList {
         object: "list",
         data: shared
-            .served
+            .served_names
             .iter()
             .map(|name| ModelCard {
                 id: name,
                 object: "model",
                 created,
                 owned_by: "vllm",
-                root: &shared.cfg.model,
+                root: &shared.config.model,
                 parent: None,
-                max_model_len: shared.cfg.max_model_len,
+                max_model_len: shared.config.max_model_len,
                 permission: [openai::ModelPermission::vllm(
                     shared.next_id("modelperm-"),
                     created,
@@ -84,16 +84,16 @@ fn validate(
     kind: Kind,
     body: &[u8],
 ) -> Result<(CompletionRequest, u32), ApiError> {
-    let request = openai::parse(kind, body, shared.cfg.default_temperature)?;
+    let request = openai::parse(kind, body, shared.config.default_temperature)?;
     if let Some(model) = &request.model {
-        if !shared.served.iter().any(|served| served == model) {
+        if !shared.served_names.iter().any(|served| served == model) {
             return Err(ApiError::new(
                 404,
                 format!("The model `{model}` does not exist."),
             ));
         }
     }
-    let max_tokens = token_budget(&shared.cfg, &request)?;
+    let max_tokens = token_budget(&shared.config, &request)?;
     Ok((request, max_tokens))
 }
 

@@ -91,7 +91,7 @@ impl EventSender {
     /// An error inside the stream: the error event, then `[DONE]`.
     async fn error(&mut self, error: &ApiError) {
         self.shared.stats.count_error();
-        let event = openai::stream_error_event(self.shared.cfg.error_shape, error);
+        let event = openai::stream_error_event(self.shared.config.error_shape, error);
         if self.body.send(Ok(Bytes::from(event))).await.is_ok() {
             let _ = self.body.send(Ok(Bytes::from_static(openai::DONE))).await;
         }
