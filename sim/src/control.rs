@@ -10,12 +10,17 @@ use serde::Serialize;
 
 use crate::faults::Faults;
 use crate::openai::{self, ApiError};
-use crate::server::{self, Resp};
+use crate::server::{self, HttpResponse};
 use crate::stats::StatsJson;
 use crate::Shared;
 
 /// `path` is what follows `/sim/`.
-pub async fn serve(shared: &Arc<Shared>, method: &Method, path: &str, body: Incoming) -> Resp {
+pub async fn serve(
+    shared: &Arc<Shared>,
+    method: &Method,
+    path: &str,
+    body: Incoming,
+) -> HttpResponse {
     match (method, path) {
         (&Method::GET, "faults") => to_json(&*shared.faults()),
         (&Method::POST | &Method::PUT, "faults") => match read_json::<Faults>(shared, body).await {
@@ -35,13 +40,13 @@ pub async fn serve(shared: &Arc<Shared>, method: &Method, path: &str, body: Inco
     }
 }
 
-fn to_json<T: Serialize>(value: &T) -> Resp {
+fn to_json<T: Serialize>(value: &T) -> HttpResponse {
     // Our own plain structs always serialize; an empty body is only a fallback.
     server::json(200, serde_json::to_vec(value).unwrap_or_default())
 }
 
 /// Control errors are not counted as errors in the stats, unlike API errors.
-fn bad_request(shared: &Shared, message: &str) -> Resp {
+fn bad_request(shared: &Shared, message: &str) -> HttpResponse {
     let error = ApiError::bad_request(message);
     server::json(400, openai::error_body(shared.config.error_shape, &error))
 }

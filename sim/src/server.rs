@@ -25,7 +25,7 @@ use crate::stats::RecordedRequest;
 use crate::Shared;
 
 pub type Body = BoxBody<Bytes, io::Error>;
-pub type Resp = Response<Body>;
+pub type HttpResponse = Response<Body>;
 
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
@@ -120,7 +120,7 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, admin: bool) {
     }
 }
 
-pub fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Resp {
+pub fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> HttpResponse {
     let mut response = Response::new(
         Full::new(body.into())
             .map_err(|never: Infallible| match never {})
@@ -139,7 +139,7 @@ pub fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> 
     response
 }
 
-pub fn json(status: u16, body: impl Into<Bytes>) -> Resp {
+pub fn json(status: u16, body: impl Into<Bytes>) -> HttpResponse {
     full(status, "application/json", body)
 }
 
@@ -155,7 +155,7 @@ pub fn channel_body(receiver: mpsc::Receiver<Result<Bytes, io::Error>>) -> Body 
     BodyExt::boxed(StreamBody::new(stream))
 }
 
-pub fn stream_response(status: u16, content_type: &'static str, body: Body) -> Resp {
+pub fn stream_response(status: u16, content_type: &'static str, body: Body) -> HttpResponse {
     let mut response = Response::new(body);
     *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
     response
@@ -167,7 +167,7 @@ pub fn stream_response(status: u16, content_type: &'static str, body: Body) -> R
     response
 }
 
-pub fn with_content_length(mut response: Resp, length: usize) -> Resp {
+pub fn with_content_length(mut response: HttpResponse, length: usize) -> HttpResponse {
     response
         .headers_mut()
         .insert(CONTENT_LENGTH, HeaderValue::from(length));
@@ -175,7 +175,7 @@ pub fn with_content_length(mut response: Resp, length: usize) -> Resp {
 }
 
 /// An error answer in the configured shape, counted in the stats.
-pub fn error(shared: &Shared, error: &ApiError) -> Resp {
+pub fn error(shared: &Shared, error: &ApiError) -> HttpResponse {
     shared.stats.count_error();
     json(
         error.status,
@@ -196,7 +196,7 @@ pub async fn read_body(shared: &Shared, body: Incoming) -> Result<Bytes, ApiErro
     }
 }
 
-async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> Resp {
+async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> HttpResponse {
     let (parts, body) = request.into_parts();
     let path = parts.uri.path();
     if let Some(control_path) = path.strip_prefix("/sim/") {
@@ -241,7 +241,7 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
     }
 }
 
-pub fn not_found() -> Resp {
+pub fn not_found() -> HttpResponse {
     json(404, &br#"{"detail":"Not Found"}"#[..])
 }
 
@@ -269,7 +269,7 @@ fn recorded(parts: &Parts, body: &Bytes) -> RecordedRequest {
 }
 
 /// vLLM's `/health`: 200 with an empty body, 503 once the engine is dead.
-fn health(shared: &Shared) -> Resp {
+fn health(shared: &Shared) -> HttpResponse {
     if shared.faults().engine_dead {
         shared.stats.count_error();
         full(503, "", Bytes::new())

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use super::errors;
 use crate::faults::Faults;
 use crate::openai::ApiError;
-use crate::server::{self, Resp};
+use crate::server::{self, HttpResponse};
 use crate::Shared;
 
 /// The channel feeding a response body; an `Err` item aborts the connection.
@@ -19,7 +19,7 @@ pub type BodySender = mpsc::Sender<Result<Bytes, io::Error>>;
 
 /// The faults that answer before the request is even parsed: a dead engine, a hang, an
 /// injected error status. `None` lets the request through.
-pub async fn before_request(shared: &Shared, faults: &Faults) -> Option<Resp> {
+pub async fn before_request(shared: &Shared, faults: &Faults) -> Option<HttpResponse> {
     if faults.engine_dead {
         shared.stats.count_fault();
         return Some(server::error(
@@ -77,7 +77,7 @@ pub fn due_mid_stream(faults: &Faults, sent: u32) -> Option<MidStream> {
 
 /// A non-stream answer hit by a mid-body fault: headers promise the full length, half arrives,
 /// then the connection hangs or is dropped.
-pub fn truncated_body(shared: &Arc<Shared>, body: Vec<u8>, faults: &Faults) -> Resp {
+pub fn truncated_body(shared: &Arc<Shared>, body: Vec<u8>, faults: &Faults) -> HttpResponse {
     shared.stats.count_fault();
     let length = body.len();
     let half = Bytes::from(body).slice(..length / 2);

@@ -22,13 +22,13 @@ use bytes::Bytes;
 
 use crate::config::SimConfig;
 use crate::openai::{self, ApiError, CompletionRequest, Kind, ModelCard, ModelList};
-use crate::server::{self, Resp};
+use crate::server::{self, HttpResponse};
 use crate::Shared;
 
 use answer::Answer;
 use generation::Generation;
 
-pub fn models(shared: &Shared) -> Resp {
+pub fn models(shared: &Shared) -> HttpResponse {
     let created = shared.started;
     let list = ModelList {
         object: "list",
@@ -54,7 +54,7 @@ pub fn models(shared: &Shared) -> Resp {
 }
 
 /// `POST /v1/chat/completions` and `POST /v1/completions`.
-pub async fn completion(shared: &Arc<Shared>, kind: Kind, body: Bytes) -> Resp {
+pub async fn completion(shared: &Arc<Shared>, kind: Kind, body: Bytes) -> HttpResponse {
     let started = Instant::now();
     let faults = shared.faults();
     if let Some(response) = injected::before_request(shared, &faults).await {

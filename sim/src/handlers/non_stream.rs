@@ -8,14 +8,14 @@ use super::generation::{sleep, Generation};
 use super::injected;
 use crate::engine::{Admission, Refusal, Ticket};
 use crate::faults::Faults;
-use crate::server::{self, Resp};
+use crate::server::{self, HttpResponse};
 
 pub async fn respond(
     mut generation: Generation,
     admission: Admission,
     answer: Answer,
     faults: Arc<Faults>,
-) -> Resp {
+) -> HttpResponse {
     let shared = Arc::clone(generation.shared());
     let ticket = match generate(&mut generation, admission, &answer).await {
         Ok(ticket) => ticket,

@@ -16,7 +16,7 @@ use super::injected::{self, BodySender, MidStream};
 use crate::engine::{Admission, Ticket};
 use crate::faults::Faults;
 use crate::openai::{self, ApiError, Kind};
-use crate::server::{self, Resp};
+use crate::server::{self, HttpResponse};
 use crate::text;
 use crate::Shared;
 
@@ -26,7 +26,7 @@ pub fn respond(
     admission: Admission,
     answer: Answer,
     faults: Arc<Faults>,
-) -> Resp {
+) -> HttpResponse {
     let (body, receiver) = mpsc::channel(16);
     let events = EventSender {
         shared: Arc::clone(generation.shared()),
