@@ -3,7 +3,22 @@
 
 use crate::metrics::{self, status_class};
 use pingora_error::Error;
-use sluice_sdk::{RequestCtx, Route};
+use sluice_sdk::{Reason, RequestCtx, Route};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::LazyLock;
+use std::time::Instant;
+
+/// The longest a client-chosen value (a model name, an error message that quotes one) is
+/// logged: a client must not be able to write megabytes into the log.
+const MAX_LOGGED_CHARS: usize = 256;
+
+/// `text`, cut to [`MAX_LOGGED_CHARS`] characters.
+pub fn truncated(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(MAX_LOGGED_CHARS) {
+        Some((end, _)) => format!("{}…", text.get(..end).unwrap_or_default()).into(),
+        None => text.into(),
+    }
+}
 
 /// Records a finished client request. `access_log` turns the log line on.
 pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
@@ -50,7 +65,7 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
             target: "sluice::access",
             request_id = ctx.request_id().unwrap_or("-"),
             route = ctx.route().label(),
-            model = ctx.model().unwrap_or("-"),
+            model = %truncated(ctx.model().unwrap_or("-")),
             pool,
             backend = %progress.backend.map_or_else(|| "-".to_string(), |b| b.to_string()),
             attempts = progress.attempts,
@@ -61,7 +76,7 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
             ttfb_ms = %Millis(progress.first_byte),
             cache_hit = ctx.answered_locally(),
             incomplete = progress.response_incomplete,
-            error = %error.map_or_else(String::new, |e| e.to_string()),
+            error = %error.map_or_else(String::new, |e| truncated(&e.to_string()).into_owned()),
             "request"
         );
     }
@@ -76,5 +91,88 @@ impl std::fmt::Display for Millis {
             Some(d) => write!(f, "{:.3}", d.as_secs_f64() * 1000.0),
             None => f.write_str("-"),
         }
+    }
+}
+
+/// Refusals that come in floods exactly when the log matters most (shed by the breaker, over
+/// a cap, the memory budget spent, nothing healthy to send to) are counted by reason and
+/// logged as one summary at most every [`SUMMARY_EVERY_SECS`], never one line each.
+pub fn overload_refusal(reason: Reason) -> bool {
+    let Some(index) = OVERLOAD.iter().position(|r| *r == reason) else {
+        return false;
+    };
+    SUMMARY.note(index);
+    true
+}
+
+const OVERLOAD: [Reason; 4] = [
+    Reason::KvPressure,
+    Reason::NoHealthyBackend,
+    Reason::TooManyRequests,
+    Reason::MemoryBudget,
+];
+
+const SUMMARY_EVERY_SECS: u64 = 10;
+
+static SUMMARY: LazyLock<Summary> = LazyLock::new(|| Summary {
+    start: Instant::now(),
+    counts: Default::default(),
+    logged_at: AtomicU64::new(0),
+});
+
+struct Summary {
+    start: Instant,
+    counts: [AtomicU64; OVERLOAD.len()],
+    /// Seconds since `start` (+1) of the last summary; 0: none yet.
+    logged_at: AtomicU64,
+}
+
+impl Summary {
+    fn note(&self, index: usize) {
+        if let Some(count) = self.counts.get(index) {
+            count.fetch_add(1, Relaxed);
+        }
+        let now = self.start.elapsed().as_secs() + 1;
+        let last = self.logged_at.load(Relaxed);
+        let due = last == 0 || now >= last + SUMMARY_EVERY_SECS;
+        // One caller per period writes the summary.
+        if !due
+            || self
+                .logged_at
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let counts: Vec<String> = OVERLOAD
+            .iter()
+            .zip(&self.counts)
+            .map(|(reason, count)| (reason, count.swap(0, Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect();
+        let since = if last == 0 {
+            "so far".to_string()
+        } else {
+            format!("in the last {} s", now - last)
+        };
+        tracing::warn!(
+            "refused requests {since} (by reason): {}",
+            counts.join(", ")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_values_are_cut_for_the_log() {
+        assert_eq!(truncated("llama"), "llama");
+        let long = "é".repeat(10_000);
+        let cut = truncated(&long);
+        assert_eq!(cut.chars().count(), MAX_LOGGED_CHARS + 1);
+        assert!(cut.ends_with('…'));
     }
 }

@@ -21,7 +21,7 @@ use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::{
-    ConfigError, ErrorReply, Flow, LocalResponse, Plugin, PluginBuilder, Pools, RequestCtx,
+    ConfigError, ErrorReply, Flow, Host, LocalResponse, Plugin, PluginBuilder, RequestCtx,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -46,7 +46,7 @@ struct Entry {
 
 /// Reads a plugin's section (absent: `None`) and resolves it: `Ok(None)` when disabled.
 type ResolveSection =
-    fn(Option<serde_yaml_ng::Value>, &Arc<Pools>) -> Result<Option<Resolved>, ConfigError>;
+    fn(Option<serde_yaml_ng::Value>, &Host) -> Result<Option<Resolved>, ConfigError>;
 
 impl Entry {
     const fn of<B: PluginBuilder>() -> Self {
@@ -61,7 +61,7 @@ impl Entry {
 /// Keys in errors are relative to the section.
 fn resolve_section<B: PluginBuilder>(
     section: Option<serde_yaml_ng::Value>,
-    pools: &Arc<Pools>,
+    host: &Host,
 ) -> Result<Option<Resolved>, ConfigError> {
     let config = match section {
         None => B::Config::default(),
@@ -71,7 +71,7 @@ fn resolve_section<B: PluginBuilder>(
             ConfigError::new(key, e.into_inner().to_string())
         })?,
     };
-    Ok(B::resolve(config, pools)?.map(|ready| Resolved {
+    Ok(B::resolve(config, host)?.map(|ready| Resolved {
         name: B::NAME,
         ready: Box::new(ready),
     }))
@@ -113,7 +113,7 @@ impl ResolvedPlugins {
 /// Resolves every plugin's section, in chain order (every section, enabled or not, so that
 /// `sluice -t` finds a mistake before the plugin is turned on). Keys in errors start at
 /// `plugins`.
-pub fn resolve(mut sections: Sections, pools: &Arc<Pools>) -> Result<ResolvedPlugins, ConfigError> {
+pub fn resolve(mut sections: Sections, host: &Host) -> Result<ResolvedPlugins, ConfigError> {
     if let Some(unknown) = sections
         .keys()
         .find(|k| PLUGINS.iter().all(|p| p.name != *k))
@@ -131,7 +131,7 @@ pub fn resolve(mut sections: Sections, pools: &Arc<Pools>) -> Result<ResolvedPlu
     for entry in &PLUGINS {
         let section = sections.remove(entry.name);
         let under = format!("plugins.{}", entry.name);
-        if let Some(ready) = (entry.resolve)(section, pools).map_err(|e| e.under(&under))? {
+        if let Some(ready) = (entry.resolve)(section, host).map_err(|e| e.under(&under))? {
             resolved.push(ready);
         }
     }

@@ -4,16 +4,19 @@
 //! - [`router`]: which pipeline a request takes.
 //! - [`proxy`]: the one `ProxyHttp` implementation that drives the plugin chain.
 //! - [`chain`]: the plugins, in their defined order.
+//! - [`edge`]: connection caps and the header deadline, below HTTP.
 //! - [`health`]: the background service that probes backends and scrapes their vLLM metrics.
 //! - [`admin`], [`metrics`], [`access_log`]: what operators see.
 //! - `demo` (the default feature `demo`): the proxy with simulated vLLM pools, in one process.
 
 pub mod access_log;
 pub mod admin;
+pub mod caps;
 pub mod chain;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod edge;
 pub mod health;
 pub mod logging;
 pub mod metrics;

@@ -10,7 +10,7 @@ use sluice_sdk::metric;
 use sluice_sdk::metrics::touch;
 use sluice_sdk::{Pools, Reason};
 
-pub use sluice_sdk::metrics::{inc, observe, set};
+pub use sluice_sdk::metrics::{inc, observe, set, set_gauge};
 
 /// Buckets for whole LLM requests: from a cache hit (sub-millisecond) to long generations.
 const REQUEST_BUCKETS: &[f64] = &[
@@ -58,6 +58,11 @@ metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
         Reason::ALL.map(Reason::as_str).join(", ")
     ),
     &["reason", "priority"]
+));
+
+metric!(OPEN_CONNECTIONS: IntGauge = register_int_gauge!(
+    "sluice_connections_open",
+    "Client connections open on the proxy listeners."
 ));
 
 metric!(POOL_RETRIES: IntCounterVec = register_int_counter_vec!(

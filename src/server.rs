@@ -1,8 +1,10 @@
 //! Server assembly: config → Pingora server with the proxy and admin services.
 
 use crate::admin::Admin;
+use crate::caps::Caps;
 use crate::chain::Chain;
 use crate::config::Config;
+use crate::edge::Guarded;
 use crate::health::HealthService;
 use crate::proxy::Sluice;
 use crate::router::Router;
@@ -40,7 +42,13 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     let mut server = Server::new_with_opt_and_conf(opt, config.server);
     server.bootstrap();
     let upstream = ConnectorOptions::from_server_conf(&server.configuration);
+    let connection_limits = config.limits.connections.clone();
     let sluice = Sluice {
+        requests: Caps::new(
+            config.limits.max_requests_in_flight,
+            config.limits.max_requests_in_flight_per_client,
+        ),
+        memory: config.memory,
         limits: config.limits,
         models: crate::models::list(&pools),
         pools: pools.clone(),
@@ -49,8 +57,12 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         access_log: config.log.access_log,
         connector: Connector::new(Some(upstream.clone())),
     };
-    let mut proxy =
-        pingora_proxy::http_proxy_service_with_name(&server.configuration, sluice, "sluice proxy");
+    // Below HTTP, every connection passes the connection caps and the header deadline.
+    let proxy = pingora_proxy::http_proxy(&server.configuration, sluice);
+    let mut proxy = Service::new(
+        "sluice proxy".to_string(),
+        Guarded::new(proxy, connection_limits),
+    );
     // Plain listeners read straight into Pingora's header and body buffers, without its
     // 64 KiB L4 read buffer per connection: an open stream would hold it (zeroed, so
     // resident) for its whole life, and a request head fits the header buffer anyway; large

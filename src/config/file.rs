@@ -15,6 +15,9 @@ pub struct FileConfig {
     pub admin: AdminFile,
     #[serde(default)]
     pub limits: LimitsFile,
+    /// Addresses or CIDRs of proxies in front whose `X-Forwarded-For` is believed.
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
     #[serde(default)]
     pub log: LogFile,
     pub pools: Vec<PoolFile>,
@@ -103,19 +106,40 @@ impl Default for AdminFile {
     }
 }
 
+/// What one client may cost, and all clients together (`conf/README.md` explains each).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsFile {
     pub max_request_body_bytes: usize,
     #[serde(deserialize_with = "duration")]
+    pub client_header_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
     pub client_body_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub client_body_deadline: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub send_timeout: Duration,
+    pub max_connections: usize,
+    pub max_connections_per_client: usize,
+    pub max_requests_in_flight: usize,
+    pub max_requests_in_flight_per_client: usize,
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for LimitsFile {
     fn default() -> Self {
         Self {
             max_request_body_bytes: 8 * 1024 * 1024,
+            // nginx's defaults for the three timeouts it shares with Sluice.
+            client_header_timeout: Duration::from_secs(60),
             client_body_timeout: Duration::from_secs(30),
+            client_body_deadline: Duration::from_secs(120),
+            send_timeout: Duration::from_secs(60),
+            max_connections: 16_384,
+            max_connections_per_client: 1024,
+            max_requests_in_flight: 16_384,
+            max_requests_in_flight_per_client: 1024,
+            max_buffered_bytes: 1024 * 1024 * 1024,
         }
     }
 }

@@ -6,12 +6,15 @@
 pub mod file;
 
 use crate::chain::ResolvedPlugins;
+use crate::edge::ConnectionLimits;
+use ipnet::IpNet;
 use pingora_core::server::configuration::ServerConf;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
     RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
 };
+use sluice_sdk::{Host, MemoryBudget};
 use std::collections::HashSet;
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -60,6 +63,8 @@ pub struct Config {
     pub limits: Limits,
     pub log: LogSettings,
     pub pools: Arc<Pools>,
+    /// The budget of bytes held in memory for requests, shared with the plugins.
+    pub memory: Arc<MemoryBudget>,
     pub routes: Vec<RouteRule>,
     /// The enabled plugins, resolved, in chain order: the chain starts them.
     pub plugins: ResolvedPlugins,
@@ -77,10 +82,25 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
+/// What one client may cost, and all clients together.
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_request_body_bytes: usize,
+    /// Between two reads of a request body.
     pub client_body_timeout: Duration,
+    /// The whole request body, from its first read.
+    pub client_body_deadline: Duration,
+    /// Between two writes to the client: a client that stops reading is cut after it.
+    pub send_timeout: Duration,
+    /// Requests in flight, per client address and in total.
+    pub max_requests_in_flight: usize,
+    pub max_requests_in_flight_per_client: usize,
+    /// Bytes of request bodies and held answers kept in memory at once.
+    pub max_buffered_bytes: usize,
+    /// Connection caps and the header deadline, applied below HTTP.
+    pub connections: ConnectionLimits,
+    /// Proxies whose `X-Forwarded-For` names the client.
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 #[derive(Debug, Clone)]
@@ -102,6 +122,10 @@ pub struct RouteRule {
 
 /// The largest request body limit accepted: bodies are held in memory whole.
 const MAX_BODY_LIMIT: usize = 1 << 30;
+
+/// The longest timeout accepted: longer ones are mistakes, and deadlines past it overflow
+/// nothing but help nobody.
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 impl Config {
     /// Reads and validates the file at `path`.
@@ -200,12 +224,55 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
             format!("must be between 1 and {MAX_BODY_LIMIT}"),
         ));
     }
-    if limits.client_body_timeout.is_zero() {
+    for (key, value) in [
+        ("client_header_timeout", limits.client_header_timeout),
+        ("client_body_timeout", limits.client_body_timeout),
+        ("client_body_deadline", limits.client_body_deadline),
+        ("send_timeout", limits.send_timeout),
+    ] {
+        if value.is_zero() || value > MAX_TIMEOUT {
+            return Err(Invalid::new(
+                format!("limits.{key}"),
+                format!(
+                    "must be longer than 0 and at most {}",
+                    humantime::format_duration(MAX_TIMEOUT)
+                ),
+            ));
+        }
+    }
+    for (key, value) in [
+        ("max_connections", limits.max_connections),
+        (
+            "max_connections_per_client",
+            limits.max_connections_per_client,
+        ),
+        ("max_requests_in_flight", limits.max_requests_in_flight),
+        (
+            "max_requests_in_flight_per_client",
+            limits.max_requests_in_flight_per_client,
+        ),
+    ] {
+        if value == 0 {
+            return Err(Invalid::new(format!("limits.{key}"), "must be at least 1"));
+        }
+    }
+    if limits.max_buffered_bytes < limits.max_request_body_bytes {
         return Err(Invalid::new(
-            "limits.client_body_timeout",
-            "must be longer than 0",
+            "limits.max_buffered_bytes",
+            format!(
+                "must be at least limits.max_request_body_bytes ({} < {})",
+                limits.max_buffered_bytes, limits.max_request_body_bytes
+            ),
         ));
     }
+    let trusted_proxies = raw
+        .trusted_proxies
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            address_or_network(text).map_err(|m| Invalid::new(format!("trusted_proxies[{i}]"), m))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
 
     if !is_log_filter(&raw.log.level) {
         return Err(Invalid::new(
@@ -219,7 +286,11 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
 
     let pools = Arc::new(pools(&raw)?);
     let routes = routes(&raw, &pools)?;
-    let plugins = crate::chain::resolve(raw.plugins, &pools)?;
+    let host = Host {
+        pools: Arc::clone(&pools),
+        memory: MemoryBudget::new(limits.max_buffered_bytes),
+    };
+    let plugins = crate::chain::resolve(raw.plugins, &host)?;
 
     Ok(Config {
         source: path.to_path_buf(),
@@ -229,13 +300,25 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         limits: Limits {
             max_request_body_bytes: limits.max_request_body_bytes,
             client_body_timeout: limits.client_body_timeout,
+            client_body_deadline: limits.client_body_deadline,
+            send_timeout: limits.send_timeout,
+            max_requests_in_flight: limits.max_requests_in_flight,
+            max_requests_in_flight_per_client: limits.max_requests_in_flight_per_client,
+            max_buffered_bytes: limits.max_buffered_bytes,
+            connections: ConnectionLimits {
+                max_connections: limits.max_connections,
+                max_connections_per_client: limits.max_connections_per_client,
+                header_timeout: limits.client_header_timeout,
+            },
+            trusted_proxies,
         },
         log: LogSettings {
             level: raw.log.level.clone(),
             format: raw.log.format,
             access_log: raw.log.access_log,
         },
-        pools,
+        pools: host.pools,
+        memory: host.memory,
         routes,
         plugins,
     })
@@ -348,6 +431,23 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
         }
         let t = &p.timeouts;
         let tkey = format!("{key}.timeouts");
+        for (name, d) in [
+            ("connect", t.connect),
+            ("first_byte", t.first_byte),
+            ("total", t.total),
+            ("keepalive_idle", t.keepalive_idle),
+            ("margin", t.margin),
+        ] {
+            if d > MAX_TIMEOUT {
+                return Err(Invalid::new(
+                    format!("{tkey}.{name}"),
+                    format!(
+                        "must be at most {}",
+                        humantime::format_duration(MAX_TIMEOUT)
+                    ),
+                ));
+            }
+        }
         for (name, d) in [
             ("connect", t.connect),
             ("first_byte", t.first_byte),
@@ -591,6 +691,13 @@ fn is_log_filter(text: &str) -> bool {
         }
     });
     directives_ok && tracing_subscriber::EnvFilter::try_new(text).is_ok()
+}
+
+/// An address (`10.0.0.1`) or a network (`10.0.0.0/8`).
+fn address_or_network(text: &str) -> Result<IpNet, String> {
+    text.parse::<IpNet>()
+        .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
+        .map_err(|_| format!("`{text}` is not an IP address or a network (10.0.0.0/8)"))
 }
 
 /// `host:port` → one socket address (host names are resolved once, at load).

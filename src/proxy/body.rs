@@ -3,28 +3,46 @@
 //! - Over `max_request_body_bytes`: 413. When the client declared a size that is over the
 //!   limit but not absurd, the body is read and thrown away first, so the client, still busy
 //!   sending, gets to read the 413 instead of a reset connection (nginx's lingering close).
-//! - `client_body_timeout` bounds each read, as nginx's does: a client that stops sending,
-//!   or whose `Content-Length` promises more than it sends, gets 408.
+//! - `client_body_timeout` bounds each read, as nginx's does, and `client_body_deadline` the
+//!   whole body: a client that stops sending, trickles, or whose `Content-Length` promises
+//!   more than it sends, gets 408.
+//! - Every byte kept is taken from the process's memory budget first: when it is spent, 503
+//!   `memory-budget` with `retry-after`, before the body is read any further.
 //! - `Expect: 100-continue` is answered before reading.
 
 use crate::config::Limits;
 use bytes::{Bytes, BytesMut};
 use pingora_error::{Error, Result};
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Reason};
+use sluice_sdk::{ErrorReply, Held, MemoryBudget, Reason};
+use std::sync::Arc;
+use tokio::time::Instant;
 
 /// Bodies declared up to this many times the limit are drained before the 413 is sent;
 /// larger ones are refused at once and the connection closed.
 const DRAIN_FACTOR: usize = 8;
 
-pub async fn read_whole(session: &mut Session, limits: &Limits) -> Result<Bytes> {
+/// Reads the whole body; the memory it takes stays held until the [`Held`] is dropped.
+pub async fn read_whole(
+    session: &mut Session,
+    limits: &Limits,
+    memory: &Arc<MemoryBudget>,
+) -> Result<(Bytes, Held)> {
     let limit = limits.max_request_body_bytes;
     let declared = declared_length(session)?;
+    let deadline = Instant::now() + limits.client_body_deadline;
     if let Some(len) = declared.filter(|len| *len > limit) {
+        // Drained first, so that the client, still busy sending, reads the 413.
         if len <= limit.saturating_mul(DRAIN_FACTOR) {
-            discard(session, limits).await?;
+            discard(session, limits, deadline).await?;
         }
         return Err(ErrorReply::payload_too_large(limit).into_error());
+    }
+    // What the client declared is taken at once, so that a body the budget cannot hold is
+    // refused before it is sent (and before `100 Continue` invites it).
+    let mut held = memory.none();
+    if !held.grow(declared.unwrap_or(0)) {
+        return Err(budget_spent());
     }
     if expects_continue(session) {
         session.downstream_session.write_continue_response().await?;
@@ -34,15 +52,19 @@ pub async fn read_whole(session: &mut Session, limits: &Limits) -> Result<Bytes>
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
     let mut total = 0usize;
-    while let Some(chunk) = read_chunk(session, limits).await? {
+    while let Some(chunk) = read_chunk(session, limits, deadline).await? {
         total += chunk.len();
         if total > limit {
             return Err(ErrorReply::payload_too_large(limit).into_error());
         }
+        if total > held.bytes() && !held.grow(total - held.bytes()) {
+            return Err(budget_spent());
+        }
         match (&mut first, &mut joined) {
             (None, None) => first = Some(chunk),
             (Some(f), None) => {
-                let mut buf = BytesMut::with_capacity(declared.unwrap_or(total * 2).max(total));
+                // Grown with the data, not reserved from what the client declared.
+                let mut buf = BytesMut::with_capacity(total * 2);
                 buf.extend_from_slice(f);
                 buf.extend_from_slice(&chunk);
                 joined = Some(buf);
@@ -50,16 +72,58 @@ pub async fn read_whole(session: &mut Session, limits: &Limits) -> Result<Bytes>
             (_, Some(buf)) => buf.extend_from_slice(&chunk),
         }
     }
-    Ok(match (first, joined) {
+    let body = match (first, joined) {
         (_, Some(buf)) => buf.freeze(),
         (Some(f), None) => f,
         (None, None) => Bytes::new(),
-    })
+    };
+    Ok((body, held))
 }
 
-async fn read_chunk(session: &mut Session, limits: &Limits) -> Result<Option<Bytes>> {
-    match tokio::time::timeout(limits.client_body_timeout, session.read_request_body()).await {
+/// 413 at once for a body declared over the limit, before anything is sent upstream: for
+/// plain routes, which stream their bodies through.
+pub fn refuse_declared_over_limit(session: &Session, limits: &Limits) -> Result<()> {
+    let limit = limits.max_request_body_bytes;
+    match declared_length(session)? {
+        Some(len) if len > limit => Err(ErrorReply::payload_too_large(limit).into_error()),
+        _ => Ok(()),
+    }
+}
+
+/// 408: the whole body did not arrive within `client_body_deadline`.
+pub fn too_slow(limits: &Limits) -> Box<Error> {
+    ErrorReply::new(
+        408,
+        Reason::BodyTimeout,
+        format!(
+            "The request body did not arrive within {}.",
+            humantime::format_duration(limits.client_body_deadline)
+        ),
+    )
+    .into_error()
+}
+
+fn budget_spent() -> Box<Error> {
+    ErrorReply::unavailable(
+        Reason::MemoryBudget,
+        "The proxy holds as many request bodies as it may; retry after 1 s.",
+        1,
+    )
+    .into_error()
+}
+
+/// The next chunk, within the read timeout and the body's deadline.
+async fn read_chunk(
+    session: &mut Session,
+    limits: &Limits,
+    deadline: Instant,
+) -> Result<Option<Bytes>> {
+    let wait = limits
+        .client_body_timeout
+        .min(deadline.saturating_duration_since(Instant::now()));
+    match tokio::time::timeout(wait, session.read_request_body()).await {
         Ok(read) => read,
+        Err(_) if Instant::now() >= deadline => Err(too_slow(limits)),
         Err(_) => Err(ErrorReply::new(
             408,
             Reason::BodyTimeout,
@@ -72,9 +136,9 @@ async fn read_chunk(session: &mut Session, limits: &Limits) -> Result<Option<Byt
     }
 }
 
-/// Reads and drops the rest of the body (bounded by the body timeout per read).
-async fn discard(session: &mut Session, limits: &Limits) -> Result<()> {
-    while read_chunk(session, limits).await?.is_some() {}
+/// Reads and drops the rest of the body, within the same bounds.
+async fn discard(session: &mut Session, limits: &Limits, deadline: Instant) -> Result<()> {
+    while read_chunk(session, limits, deadline).await?.is_some() {}
     Ok(())
 }
 

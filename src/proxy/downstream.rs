@@ -3,6 +3,7 @@
 //! passes the plugins' `response_header` hooks and every chunk their `response_body` hooks
 //! here, and the bytes that reach the client are counted here.
 
+use super::forwarding;
 use crate::chain::Chain;
 use bytes::Bytes;
 use pingora_error::Result;
@@ -10,9 +11,6 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 use sluice_sdk::error::internal;
 use sluice_sdk::{headers, RequestCtx, Route};
-
-/// Headers that describe one connection, not the message: never passed on.
-const HOP_BY_HOP: [&str; 3] = ["connection", "keep-alive", "proxy-connection"];
 
 /// Turns an upstream's response header into the client's: hop-by-hop headers out, on LLM
 /// routes the pool (and the escalation) named, then the plugins' `response_header` hooks.
@@ -25,9 +23,7 @@ pub fn prepare_upstream_header(
     let progress = ctx.progress_mut();
     progress.upstream_status = Some(status);
     progress.status = Some(status);
-    for name in HOP_BY_HOP {
-        response.remove_header(name);
-    }
+    forwarding::strip_response(response);
     if let (Some(pool), Route::Llm(_)) = (ctx.pool(), ctx.route()) {
         response
             .insert_header(headers::POOL, &*pool.name)

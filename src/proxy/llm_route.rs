@@ -18,7 +18,7 @@
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
 use super::tries::{self, no_backend};
-use super::{body, reply, Sluice};
+use super::{body, forwarding, reply, Sluice};
 use crate::metrics;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
@@ -38,7 +38,8 @@ pub async fn serve(
     ctx: &mut RequestCtx,
     endpoint: Endpoint,
 ) -> Result<()> {
-    let body = body::read_whole(session, &sluice.limits).await?;
+    // The body's memory is held until the request has been served.
+    let (body, _held) = body::read_whole(session, &sluice.limits, &sluice.memory).await?;
     let call = LlmCall::parse(endpoint, body)
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
@@ -65,6 +66,10 @@ fn pool_for(pools: &Pools, model: Option<&str>) -> Result<Arc<Pool>> {
     };
     Ok(found.clone())
 }
+
+/// A deadline that cannot be represented is this far away instead (config caps timeouts far
+/// below it).
+const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
 
 /// The attempt loop's state, for one request.
 struct AttemptLoop {
@@ -182,6 +187,11 @@ impl AttemptLoop {
             .or_else(|| ctx.upstream_body().cloned())
             .unwrap_or_else(|| self.client_body.clone());
         let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
         sluice.chain.upstream_request(&mut header, ctx)?;
 
         let escalation = ctx.escalation();
@@ -191,9 +201,11 @@ impl AttemptLoop {
             Some(budget) => budget.min(pool.timeouts.first_byte),
             None => pool.timeouts.first_byte,
         };
-        let total = started + pool.timeouts.total_for(self.max_tokens);
+        let total = started
+            .checked_add(pool.timeouts.total_for(self.max_tokens))
+            .unwrap_or_else(|| now + FAR_FUTURE);
         let deadlines = Deadlines {
-            first_byte: (now + first_byte).min(total),
+            first_byte: now.checked_add(first_byte).unwrap_or(total).min(total),
             total,
         };
         let may_retry_here =
@@ -355,25 +367,16 @@ impl AttemptLoop {
     }
 }
 
-/// The request header an upstream gets: the client's, with hop-by-hop headers removed, the
-/// body framed by its exact length, and sent as HTTP/1.1, which needs a `Host` (an HTTP/1.0
-/// client may have sent none).
+/// The request header an upstream gets: the client's, framed anew (the body by its exact
+/// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
+/// HTTP/1.0 client may have sent none). Hop-by-hop headers go in [`forwarding`].
 fn upstream_header(
     client: &RequestHeader,
     body_len: usize,
     backend: SocketAddr,
 ) -> Result<RequestHeader> {
     let mut header = client.clone();
-    for name in [
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "expect",
-    ] {
+    for name in ["transfer-encoding", "expect"] {
         header.remove_header(name);
     }
     header.insert_header(http::header::CONTENT_LENGTH, body_len)?;
@@ -398,7 +401,8 @@ mod tests {
         client.insert_header("connection", "keep-alive").unwrap();
         client.insert_header("authorization", "Bearer k").unwrap();
         let backend: SocketAddr = "127.0.0.1:8000".parse().unwrap();
-        let up = upstream_header(&client, 1234, backend).unwrap();
+        let mut up = upstream_header(&client, 1234, backend).unwrap();
+        forwarding::prepare_request(&mut up, None, &[]).unwrap();
         assert!(up.headers.get("transfer-encoding").is_none());
         assert!(up.headers.get("expect").is_none());
         assert!(up.headers.get("connection").is_none());

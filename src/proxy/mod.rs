@@ -33,12 +33,15 @@
 
 mod attempt;
 mod body;
+mod client;
 mod downstream;
+mod forwarding;
 mod llm_route;
 mod plain_route;
 mod reply;
 mod tries;
 
+use crate::caps::{Caps, Slot};
 use crate::chain::Chain;
 use crate::config::Limits;
 use crate::metrics::{self, AttemptOutcome};
@@ -51,13 +54,17 @@ use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use plain_route::PlainTries;
-use sluice_sdk::{ErrorReply, Pools, Reason, RequestCtx, Verdict};
+use sluice_sdk::{ErrorReply, MemoryBudget, Pools, Reason, RequestCtx, Verdict};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Everything the proxy needs at run time, built once from config.
 pub struct Sluice {
     pub limits: Limits,
+    /// Requests in flight, per client and in total.
+    pub requests: Arc<Caps>,
+    /// Bytes held in memory for requests (bodies, held answers).
+    pub memory: Arc<MemoryBudget>,
     pub pools: Arc<Pools>,
     /// The `/v1/models` answer, built once: pools do not change while running.
     pub models: Bytes,
@@ -68,11 +75,16 @@ pub struct Sluice {
     pub connector: Connector,
 }
 
-/// Per-session state: the plugins' view, plus what only plain routes use.
+/// Per-session state: the plugins' view, plus what only the core uses.
 #[derive(Default)]
 pub struct ProxyCtx {
     pub req: RequestCtx,
     plain: PlainTries,
+    /// The request's place under the in-flight caps, until it ends.
+    slot: Option<Slot>,
+    /// Plain routes: the request body's bytes so far, and when the request came.
+    body_read: usize,
+    body_deadline: Option<Instant>,
 }
 
 #[async_trait]
@@ -84,6 +96,12 @@ impl ProxyHttp for Sluice {
     }
 
     async fn early_request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<()> {
+        // Every write to this client is bounded: one that stops reading is cut, and what its
+        // request held (an upstream attempt, its KV accounting) is released.
+        session.set_write_timeout(Some(self.limits.send_timeout));
+        session.set_read_timeout(Some(self.limits.client_body_timeout));
+        let address = client::address(session, &self.limits.trusted_proxies);
+        ctx.slot = Some(client::admit(&self.requests, address)?);
         self.chain.early_request(session, &mut ctx.req).await
     }
 
@@ -104,6 +122,7 @@ impl ProxyHttp for Sluice {
                 Ok(true)
             }
             Decision::Plain(rule) => {
+                body::refuse_declared_over_limit(session, &self.limits)?;
                 ctx.send_to(rule.pool.clone());
                 self.answered_by_plugins(session, ctx).await
             }
@@ -149,12 +168,41 @@ impl ProxyHttp for Sluice {
         e
     }
 
-    async fn upstream_request_filter(
+    /// Plain routes stream the request body through: counted against the body limit and its
+    /// deadline as it passes (the LLM routes read theirs whole, in `body`).
+    async fn request_body_filter(
         &self,
         _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut ProxyCtx,
+    ) -> Result<()> {
+        let deadline = *ctx
+            .body_deadline
+            .get_or_insert_with(|| Instant::now() + self.limits.client_body_deadline);
+        ctx.body_read += body.as_ref().map_or(0, Bytes::len);
+        if ctx.body_read > self.limits.max_request_body_bytes {
+            return Err(
+                ErrorReply::payload_too_large(self.limits.max_request_body_bytes).into_error(),
+            );
+        }
+        if Instant::now() > deadline {
+            return Err(body::too_slow(&self.limits));
+        }
+        Ok(())
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
         upstream_request: &mut RequestHeader,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        forwarding::prepare_request(upstream_request, peer, &self.limits.trusted_proxies)?;
         self.chain.upstream_request(upstream_request, &mut ctx.req)
     }
 
@@ -227,8 +275,9 @@ impl ProxyHttp for Sluice {
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &ProxyCtx, e: &Error) -> bool {
-        // Refusals Sluice chose are not errors.
-        ErrorReply::from_error(e).status < 500
+        // Refusals Sluice chose are not errors; overload refusals are summarized instead.
+        let reply = ErrorReply::from_error(e);
+        reply.status < 500 || crate::access_log::overload_refusal(reply.reason)
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut ProxyCtx) {

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use pingora_error::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
-use sluice_sdk::{ErrorReply, LocalResponse, Priority, RequestCtx};
+use sluice_sdk::{headers, ErrorReply, LocalResponse, Priority, RequestCtx};
 
 /// Sends a complete document, after the plugins' `response_header` hooks.
 pub async fn send(
@@ -18,7 +18,7 @@ pub async fn send(
     content_type: &str,
     body: Bytes,
 ) -> Result<()> {
-    let header = header(200, content_type, body.len(), None)?;
+    let header = header(200, content_type, body.len())?;
     write(chain, session, ctx, header, body).await
 }
 
@@ -47,7 +47,10 @@ pub async fn error(
     chain.error(&reply, ctx);
     // A connection is reusable only if the request was read to its end.
     let can_reuse_downstream = session.as_downstream_mut().is_body_done();
-    let already_answered = session.response_written().is_some();
+    // A `100 Continue` is written too, but it answers nothing: the error still can be.
+    let already_answered = session
+        .response_written()
+        .is_some_and(|header| !header.status.is_informational());
     if reply.status == 499 || already_answered {
         if !already_answered {
             ctx.progress_mut().status = Some(499);
@@ -58,12 +61,7 @@ pub async fn error(
         };
     }
     let body = reply.body();
-    let written = match header(
-        reply.status,
-        "application/json",
-        body.len(),
-        reply.retry_after,
-    ) {
+    let written = match error_header(&reply, body.len()) {
         Ok(h) => write(chain, session, ctx, h, body).await,
         Err(e) => Err(e),
     };
@@ -77,19 +75,21 @@ pub async fn error(
     }
 }
 
-fn header(
-    status: u16,
-    content_type: &str,
-    len: usize,
-    retry_after: Option<u32>,
-) -> Result<Box<ResponseHeader>> {
-    let mut h = ResponseHeader::build(status, Some(4))?;
+fn header(status: u16, content_type: &str, len: usize) -> Result<Box<ResponseHeader>> {
+    let mut h = ResponseHeader::build(status, Some(5))?;
     h.insert_header(http::header::CONTENT_TYPE, content_type)?;
     h.insert_header(http::header::CONTENT_LENGTH, len)?;
-    if let Some(seconds) = retry_after {
+    Ok(Box::new(h))
+}
+
+/// An error answer's header: its reason machine-readable, and when to retry on 429 and 503.
+fn error_header(reply: &ErrorReply, len: usize) -> Result<Box<ResponseHeader>> {
+    let mut h = header(reply.status, "application/json", len)?;
+    h.insert_header(headers::REJECTED, reply.reason.as_str())?;
+    if let Some(seconds) = reply.retry_after {
         h.insert_header(http::header::RETRY_AFTER, seconds)?;
     }
-    Ok(Box::new(h))
+    Ok(h)
 }
 
 async fn write(

@@ -47,8 +47,8 @@ use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::{
-    async_trait, ConfigError, Endpoint, Error, Flow, LlmCall, LocalResponse, Plugin, PluginBuilder,
-    Pools, RequestCtx, ResponseHeader, Result, Session,
+    async_trait, ConfigError, Endpoint, Error, Flow, Host, LlmCall, LocalResponse, Plugin,
+    PluginBuilder, RequestCtx, ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -67,10 +67,7 @@ impl PluginBuilder for CacheBuilder {
     type Config = CacheConfig;
 
     /// A disabled cache's section is checked for its keys and types only.
-    fn resolve(
-        config: CacheConfig,
-        _pools: &Arc<Pools>,
-    ) -> std::result::Result<Option<Self>, ConfigError> {
+    fn resolve(config: CacheConfig, _host: &Host) -> std::result::Result<Option<Self>, ConfigError> {
         if !config.enabled {
             return Ok(None);
         }

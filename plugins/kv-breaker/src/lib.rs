@@ -49,7 +49,7 @@ use drain::Drain;
 use http::HeaderName;
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, ErrorReply, Flow, Plugin, PluginBuilder, Pool, Pools, Pressure,
+    Admission, ConfigError, ErrorReply, Flow, Host, Plugin, PluginBuilder, Pool, Pools, Pressure,
     Priority, Reason, RequestCtx, Result, Session,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
@@ -70,7 +70,7 @@ impl PluginBuilder for KvBreakerBuilder {
 
     fn resolve(
         config: KvBreakerConfig,
-        pools: &Arc<Pools>,
+        host: &Host,
     ) -> std::result::Result<Option<Self>, ConfigError> {
         config.validate()?;
         let priority_header = header_name("priority.header", &config.priority.header)?;
@@ -82,7 +82,7 @@ impl PluginBuilder for KvBreakerBuilder {
             config,
             priority_header,
             tenant_header,
-            pools: Arc::clone(pools),
+            pools: Arc::clone(&host.pools),
         }))
     }
 
@@ -341,7 +341,11 @@ mod tests {
             ..KvBreakerConfig::default()
         };
         let thresholds = config.thresholds.clone();
-        let builder = KvBreakerBuilder::resolve(config, &pools).unwrap().unwrap();
+        let host = Host {
+            pools,
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+        };
+        let builder = KvBreakerBuilder::resolve(config, &host).unwrap().unwrap();
         (builder.start(), pool, thresholds)
     }
 

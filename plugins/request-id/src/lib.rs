@@ -16,7 +16,7 @@ use serde::Deserialize;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
 use sluice_sdk::{
-    async_trait, headers, ConfigError, Plugin, PluginBuilder, Pools, RequestCtx, RequestHeader,
+    async_trait, headers, ConfigError, Host, Plugin, PluginBuilder, RequestCtx, RequestHeader,
     ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,7 +64,7 @@ impl PluginBuilder for RequestIdBuilder {
 
     fn resolve(
         config: RequestIdConfig,
-        _pools: &Arc<Pools>,
+        _host: &Host,
     ) -> std::result::Result<Option<Self>, ConfigError> {
         let header = header_name("header", &config.header)?;
         Ok(config.enabled.then_some(Self { header }))
@@ -189,9 +189,11 @@ mod tests {
             header: "bad header".into(),
             ..RequestIdConfig::default()
         };
-        let e = RequestIdBuilder::resolve(bad, &Arc::new(Pools::new(Vec::new())))
-            .err()
-            .unwrap();
+        let host = Host {
+            pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+        };
+        let e = RequestIdBuilder::resolve(bad, &host).err().unwrap();
         assert_eq!(e.key, "header");
         assert!(e
             .message

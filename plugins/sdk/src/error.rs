@@ -41,8 +41,16 @@ pub enum Reason {
     BadRequest,
     /// Over `limits.max_request_body_bytes`.
     BodyTooLarge,
-    /// The client stopped sending its body.
+    /// The client stopped sending its body, or sent it too slowly.
     BodyTimeout,
+    /// The request header did not arrive within `limits.client_header_timeout`.
+    HeaderTimeout,
+    /// Over a connection cap: per client (429) or in total (503).
+    TooManyConnections,
+    /// Over a cap of requests in flight: per client (429) or in total (503).
+    TooManyRequests,
+    /// The budget for bytes held in the proxy's memory (bodies, held answers) is spent.
+    MemoryBudget,
     /// No pool serves the requested model.
     UnknownModel,
     /// No route matches the path.
@@ -67,10 +75,14 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 17] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
+        Reason::HeaderTimeout,
+        Reason::TooManyConnections,
+        Reason::TooManyRequests,
+        Reason::MemoryBudget,
         Reason::UnknownModel,
         Reason::NoRoute,
         Reason::MethodNotAllowed,
@@ -89,6 +101,10 @@ impl Reason {
             Reason::BadRequest => "bad-request",
             Reason::BodyTooLarge => "body-too-large",
             Reason::BodyTimeout => "body-timeout",
+            Reason::HeaderTimeout => "header-timeout",
+            Reason::TooManyConnections => "too-many-connections",
+            Reason::TooManyRequests => "too-many-requests",
+            Reason::MemoryBudget => "memory-budget",
             Reason::UnknownModel => "unknown-model",
             Reason::NoRoute => "no-route",
             Reason::MethodNotAllowed => "method-not-allowed",
@@ -108,6 +124,9 @@ impl fmt::Display for Reason {
         f.write_str(self.as_str())
     }
 }
+
+/// The most of a client's value an error message quotes.
+const MAX_QUOTED_CHARS: usize = 128;
 
 /// `retry-after` when nothing better is known.
 pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
@@ -145,12 +164,15 @@ impl ErrorReply {
 
     /// 404 for a `model` that no pool serves, with `param` set to `model`.
     pub fn unknown_model(model: &str) -> Self {
+        // The name is the client's: quoted whole only when short (it reaches logs too).
+        let shown: String = model.chars().take(MAX_QUOTED_CHARS).collect();
+        let ellipsis = if shown.len() < model.len() { "…" } else { "" };
         Self {
             param: Some("model".into()),
             ..Self::new(
                 404,
                 Reason::UnknownModel,
-                format!("The model `{model}` does not exist."),
+                format!("The model `{shown}{ellipsis}` does not exist."),
             )
         }
     }
@@ -216,6 +238,17 @@ impl ErrorReply {
                 "The upstream could not be reached: {}.",
                 e.etype.as_str()
             )),
+            ReadTimedout if e.esource == pingora_error::ErrorSource::Downstream => Self::new(
+                408,
+                Reason::BodyTimeout,
+                "The client sent no body data in time.",
+            ),
+            // A client that stopped reading: nobody is left to answer.
+            WriteTimedout if e.esource == pingora_error::ErrorSource::Downstream => Self::new(
+                499,
+                Reason::ClientClosed,
+                "The client stopped reading the answer.",
+            ),
             ReadTimedout | WriteTimedout => {
                 Self::gateway_timeout("The upstream did not answer in time.")
             }

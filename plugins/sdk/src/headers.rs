@@ -10,6 +10,8 @@ pub const POOL: HeaderName = HeaderName::from_static("x-sluice-pool");
 pub const ESCALATED: HeaderName = HeaderName::from_static("x-sluice-escalated");
 /// The cache's part in an answer: `HIT`, `MISS` or `BYPASS`.
 pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
+/// Why Sluice answered with an error of its own (the error body's reason, as a header).
+pub const REJECTED: HeaderName = HeaderName::from_static("x-sluice-rejected");
 /// The default header a client names its priority class with.
 pub const PRIORITY: HeaderName = HeaderName::from_static("x-sluice-priority");
 /// The default header a client asks for a pool tier with (`draft`, `target`).

@@ -23,6 +23,7 @@ pub mod escalation;
 pub mod headers;
 pub mod health;
 pub mod llm;
+pub mod memory;
 pub mod metrics;
 pub mod plugin;
 pub mod pool;
@@ -37,7 +38,8 @@ pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
-pub use plugin::{Flow, LocalResponse, Plugin, PluginBuilder};
+pub use memory::{Held, MemoryBudget};
+pub use plugin::{Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond,

@@ -46,7 +46,17 @@ use std::sync::Arc;
 use crate::config::ConfigError;
 use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
+use crate::memory::MemoryBudget;
 use crate::pool::Pools;
+
+/// What the core lends every plugin to build it with: what is shared by the whole process.
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// The upstream pools, with each backend's live state.
+    pub pools: Arc<Pools>,
+    /// The budget of bytes held in memory for requests (see [`crate::memory`]).
+    pub memory: Arc<MemoryBudget>,
+}
 
 /// How a plugin is made from its config section. The core's chain is a table of these, one
 /// entry per plugin crate, in chain order.
@@ -55,7 +65,7 @@ use crate::pool::Pools;
 /// impl PluginBuilder for RequestIdBuilder {
 ///     const NAME: &'static str = "request_id";
 ///     type Config = RequestIdConfig;
-///     fn resolve(config: RequestIdConfig, _pools: &Arc<Pools>) -> Result<Option<Self>, ConfigError> {
+///     fn resolve(config: RequestIdConfig, _host: &Host) -> Result<Option<Self>, ConfigError> {
 ///         let header = sluice_sdk::config::header_name("header", &config.header)?;
 ///         Ok(config.enabled.then_some(Self { header }))
 ///     }
@@ -79,7 +89,7 @@ pub trait PluginBuilder: Sized + Send + 'static {
     /// no metrics, no sockets, no tasks (`sluice -t` runs it and exits).
     ///
     /// `Err` names the key relative to the section; the core adds `plugins.<NAME>`.
-    fn resolve(config: Self::Config, pools: &Arc<Pools>) -> Result<Option<Self>, ConfigError>;
+    fn resolve(config: Self::Config, host: &Host) -> Result<Option<Self>, ConfigError>;
 
     /// Starts the resolved plugin: registers its metrics, starts its background work (this
     /// runs before the server's runtime starts: spawn on a runtime of your own, as the Redis

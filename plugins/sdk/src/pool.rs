@@ -44,9 +44,15 @@ impl Timeouts {
     pub fn total_for(&self, max_tokens: Option<u32>) -> Duration {
         match (&self.sized_by_max_tokens, max_tokens) {
             (Some(rate), Some(tokens)) if rate.min_tokens_per_second > 0.0 => {
+                // Saturating: a tiny rate and a huge `max_tokens` (the client's) must not
+                // overflow, only hit the cap.
                 let generation =
-                    Duration::from_secs_f64(f64::from(tokens) / rate.min_tokens_per_second);
-                (self.first_byte + generation + rate.margin).min(self.total)
+                    Duration::try_from_secs_f64(f64::from(tokens) / rate.min_tokens_per_second)
+                        .unwrap_or(Duration::MAX);
+                self.first_byte
+                    .saturating_add(generation)
+                    .saturating_add(rate.margin)
+                    .min(self.total)
             }
             _ => self.total,
         }
@@ -772,5 +778,13 @@ mod tests {
         assert_eq!(t.total_for(Some(200)), Duration::from_secs(35));
         assert_eq!(t.total_for(Some(100_000)), Duration::from_secs(100));
         assert_eq!(t.total_for(None), Duration::from_secs(100));
+        let tiny = Timeouts {
+            sized_by_max_tokens: Some(TokensPerSecond {
+                min_tokens_per_second: 1e-300,
+                margin: Duration::MAX,
+            }),
+            ..t
+        };
+        assert_eq!(tiny.total_for(Some(u32::MAX)), Duration::from_secs(100));
     }
 }

@@ -64,7 +64,7 @@ use sluice_sdk::config::header_name;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::llm::{Content, Logprobs, Prompt};
 use sluice_sdk::{
-    AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, LlmCall, LlmRequest, Plugin,
+    AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, Host, LlmCall, LlmRequest, Plugin,
     PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck,
 };
 use sse::StreamFilter;
@@ -155,8 +155,9 @@ impl PluginBuilder for SpeculativeBuilder {
     /// A disabled section is checked on its own; its pool names only once it is enabled.
     fn resolve(
         config: SpeculativeConfig,
-        pools: &Arc<Pools>,
+        host: &Host,
     ) -> std::result::Result<Option<Self>, ConfigError> {
+        let pools = &host.pools;
         config.validate()?;
         let tier_header = header_name("tier_header", &config.tier_header)?;
         if !config.enabled {

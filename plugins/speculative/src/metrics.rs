@@ -82,7 +82,8 @@ pub fn request(pool: &str, escalated: Option<&str>) {
 pub fn tokens(pool: &str, prompt: u64, completion: u64, price: f64, target_price: f64) {
     inc_by(&TOKENS, &[pool, "prompt"], prompt);
     inc_by(&TOKENS, &[pool, "completion"], completion);
-    let millions = (prompt + completion) as f64 / 1e6;
+    // Counts come from the upstream: never trusted not to overflow.
+    let millions = prompt.saturating_add(completion) as f64 / 1e6;
     inc_by(&COST, &[pool], millions * price);
     inc_by(&COST_ON_TARGET, &[pool], millions * target_price);
 }

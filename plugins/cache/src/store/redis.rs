@@ -109,7 +109,10 @@ impl RedisConfig {
             }
             (Some(url), true) => {
                 url.as_str().into_connection_info().map_err(|e| {
-                    ConfigError::new("url", format!("{url:?} is not a Redis URL: {e}"))
+                    ConfigError::new(
+                        "url",
+                        format!("{:?} is not a Redis URL: {e}", redacted(url)),
+                    )
                 })?;
             }
             (None, false) => {
@@ -117,7 +120,7 @@ impl RedisConfig {
                     node.as_str().into_connection_info().map_err(|e| {
                         ConfigError::new(
                             format!("cluster_nodes[{i}]"),
-                            format!("{node:?} is not a Redis URL: {e}"),
+                            format!("{:?} is not a Redis URL: {e}", redacted(node)),
                         )
                     })?;
                 }
@@ -140,6 +143,21 @@ impl RedisConfig {
             return Err(ConfigError::new("write_queue", "must be at least 1"));
         }
         Ok(())
+    }
+}
+
+/// `url` with its password (anything between `://` and `@`) hidden: URLs reach error
+/// messages and logs, secrets must not.
+fn redacted(url: &str) -> String {
+    let parts = url
+        .find("://")
+        .zip(url.rfind('@'))
+        .and_then(|(scheme, at)| {
+            Some((url.get(..scheme + 3)?, url.get(at..)?)).filter(|_| at > scheme + 3)
+        });
+    match parts {
+        Some((scheme, host)) => format!("{scheme}***{host}"),
+        None => url.to_string(),
     }
 }
 
@@ -383,7 +401,7 @@ impl RedisStore {
         let target = match (&config.url, config.cluster_nodes.is_empty()) {
             (Some(url), true) => match Client::open(url.as_str()) {
                 Ok(c) => Target::Single(c),
-                Err(e) => Target::Invalid(format!("redis url {url:?}: {e}")),
+                Err(e) => Target::Invalid(format!("redis url {:?}: {e}", redacted(url))),
             },
             (None, false) => {
                 match ClusterClient::builder(config.cluster_nodes.iter().map(String::as_str))
@@ -576,5 +594,20 @@ async fn writer(shared: Arc<Shared>, mut queue: mpsc::Receiver<Write>) {
                 shared.log_write_error("write timed out");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redacted;
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(
+            redacted("redis://:s3cret@10.0.0.1:6379"),
+            "redis://***@10.0.0.1:6379"
+        );
+        assert_eq!(redacted("redis://user:pw@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redacted("redis://h:1"), "redis://h:1");
     }
 }

@@ -1,0 +1,157 @@
+//! What a proxy hop removes and adds, both ways, as RFC 9110 asks of an intermediary:
+//!
+//! - Hop-by-hop headers describe one connection, never the message: the fixed ones
+//!   (`connection`, `keep-alive`, `proxy-connection`, `te`, `trailer`, `upgrade`) and every
+//!   header the `Connection` header names are removed from requests sent upstream and from
+//!   answers sent back. (Message framing, `transfer-encoding` and `content-length`, is set by
+//!   whoever writes the message.)
+//! - `X-Forwarded-For` and `Forwarded` tell the upstream who the client is: the peer's
+//!   address is appended to what a trusted proxy in front sent, and replaces what anyone else
+//!   sent (a client cannot plant an address the upstream would believe).
+
+use ipnet::IpNet;
+use pingora_error::Result;
+use pingora_http::{RequestHeader, ResponseHeader};
+use std::net::IpAddr;
+
+use super::client::is_trusted;
+
+/// Always hop-by-hop.
+const HOP_BY_HOP: [&str; 6] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// The headers the message's `Connection` header names, lower-cased.
+fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
+    headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
+/// Removes the hop-by-hop headers from an answer on its way to the client.
+pub fn strip_response(header: &mut ResponseHeader) {
+    for name in connection_named(&header.headers) {
+        header.remove_header(&name);
+    }
+    for name in HOP_BY_HOP {
+        header.remove_header(name);
+    }
+}
+
+/// Removes the hop-by-hop headers from a request on its way upstream, and says who sent it.
+pub fn prepare_request(
+    header: &mut RequestHeader,
+    peer: Option<IpAddr>,
+    trusted: &[IpNet],
+) -> Result<()> {
+    for name in connection_named(&header.headers) {
+        header.remove_header(&name);
+    }
+    for name in HOP_BY_HOP {
+        header.remove_header(name);
+    }
+    let Some(peer) = peer else {
+        return Ok(());
+    };
+    let keep = is_trusted(peer, trusted);
+    let joined = |name: &str| -> Option<String> {
+        let values: Vec<&str> = header
+            .headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        (keep && !values.is_empty()).then(|| values.join(", "))
+    };
+    let forwarded_for = match joined("x-forwarded-for") {
+        Some(earlier) => format!("{earlier}, {peer}"),
+        None => peer.to_string(),
+    };
+    let node = match peer {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    };
+    let forwarded = match joined("forwarded") {
+        Some(earlier) => format!("{earlier}, {node}"),
+        None => node,
+    };
+    header.insert_header("x-forwarded-for", forwarded_for)?;
+    header.insert_header("forwarded", forwarded)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut h = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
+        for (name, value) in headers {
+            h.append_header(name.to_string(), *value).unwrap();
+        }
+        h
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_removed_both_ways() {
+        let mut up = request(&[
+            ("connection", "close, X-Secret"),
+            ("x-secret", "1"),
+            ("te", "trailers"),
+            ("authorization", "Bearer k"),
+        ]);
+        prepare_request(&mut up, None, &[]).unwrap();
+        assert!(up.headers.get("x-secret").is_none());
+        assert!(up.headers.get("connection").is_none());
+        assert!(up.headers.get("te").is_none());
+        assert_eq!(up.headers.get("authorization").unwrap(), "Bearer k");
+
+        let mut down = ResponseHeader::build(200, None).unwrap();
+        down.append_header("connection", "x-internal").unwrap();
+        down.append_header("x-internal", "1").unwrap();
+        down.append_header("upgrade", "h2c").unwrap();
+        down.append_header("content-type", "application/json")
+            .unwrap();
+        strip_response(&mut down);
+        assert!(down.headers.get("x-internal").is_none());
+        assert!(down.headers.get("upgrade").is_none());
+        assert!(down.headers.get("content-type").is_some());
+    }
+
+    #[test]
+    fn forwarded_for_is_appended_for_trusted_proxies_and_replaced_for_anyone_else() {
+        let trusted: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
+        let proxy: IpAddr = "10.1.2.3".parse().unwrap();
+        let stranger: IpAddr = "203.0.113.9".parse().unwrap();
+
+        let mut via_proxy = request(&[("x-forwarded-for", "198.51.100.7")]);
+        prepare_request(&mut via_proxy, Some(proxy), &trusted).unwrap();
+        assert_eq!(
+            via_proxy.headers.get("x-forwarded-for").unwrap(),
+            "198.51.100.7, 10.1.2.3"
+        );
+        assert_eq!(via_proxy.headers.get("forwarded").unwrap(), "for=10.1.2.3");
+
+        let mut spoofed = request(&[("x-forwarded-for", "1.2.3.4"), ("forwarded", "for=1.2.3.4")]);
+        prepare_request(&mut spoofed, Some(stranger), &trusted).unwrap();
+        assert_eq!(
+            spoofed.headers.get("x-forwarded-for").unwrap(),
+            "203.0.113.9"
+        );
+        assert_eq!(spoofed.headers.get("forwarded").unwrap(), "for=203.0.113.9");
+
+        let mut v6 = request(&[]);
+        prepare_request(&mut v6, Some("::1".parse().unwrap()), &trusted).unwrap();
+        assert_eq!(v6.headers.get("forwarded").unwrap(), "for=\"[::1]\"");
+    }
+}
