@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! Every fault mode, switched in-process and over HTTP.
 
 mod common;
@@ -7,47 +8,43 @@ use std::time::{Duration, Instant};
 use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use vllm_sim::{ErrorShape, Faults, Latency, SimConfig};
+use vllm_sim::{ErrorShape, Faults, SimConfig};
+
+const CHAT: &str = "/v1/chat/completions";
 
 fn stream_body() -> Value {
-    let mut b = chat_body("stream with faults");
-    b["stream"] = json!(true);
-    b["max_tokens"] = json!(10);
-    b
+    let mut body = streaming(chat_body("stream with faults"));
+    body["max_tokens"] = json!(10);
+    body
+}
+
+async fn chat_status(sim: &vllm_sim::Sim) -> u16 {
+    post(sim, CHAT, &chat_body("x")).await.0
 }
 
 #[tokio::test]
 async fn error_rate_with_statuses() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults::error_rate(0.5, 503));
+    let sim = sim_with_faults(Faults::error_rate(0.5, 503)).await;
     let mut statuses = Vec::new();
     for _ in 0..4 {
-        statuses.push(post(&sim, "/v1/chat/completions", &chat_body("x")).await.0);
+        statuses.push(chat_status(&sim).await);
     }
     assert_eq!(statuses, vec![200, 503, 200, 503]);
     for status in [429u16, 500, 503] {
         sim.set_faults(Faults::error_rate(1.0, status));
-        let (s, v) = post(&sim, "/v1/chat/completions", &chat_body("x")).await;
-        assert_eq!(s, status);
-        assert_eq!(v["error"]["code"], status);
+        let (answered, body) = post(&sim, CHAT, &chat_body("x")).await;
+        assert_eq!(answered, status);
+        assert_eq!(body["error"]["code"], status);
     }
     // Random mode: rate 1.0 still always fails.
     sim.set_faults(Faults {
         error_random: true,
         ..Faults::error_rate(1.0, 500)
     });
-    assert_eq!(
-        post(&sim, "/v1/completions", &json!({"prompt": "x"}))
-            .await
-            .0,
-        500
-    );
+    let (status, _) = post(&sim, "/v1/completions", &json!({"prompt": "x"})).await;
+    assert_eq!(status, 500);
     sim.set_faults(Faults::none());
-    assert_eq!(
-        post(&sim, "/v1/chat/completions", &chat_body("x")).await.0,
-        200
-    );
+    assert_eq!(chat_status(&sim).await, 200);
     assert!(sim.stats().faults_injected >= 6);
     sim.shutdown();
 }
@@ -55,150 +52,83 @@ async fn error_rate_with_statuses() {
 #[tokio::test]
 async fn faults_over_http() {
     let sim = sim(SimConfig::default().with_error_shape(ErrorShape::Old)).await;
-    let c = client();
-    let r = c
-        .post(format!("{}/sim/faults", sim.url()))
-        .body(r#"{"error_rate": 1.0, "error_status": 429}"#)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let f: Value = c
-        .get(format!("{}/sim/faults", sim.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(f["error_status"], 429);
+    let faults_url = format!("{}/sim/faults", sim.url());
+    let (status, _) = post_text(&faults_url, r#"{"error_rate": 1.0, "error_status": 429}"#).await;
+    assert_eq!(status, 200);
+    assert_eq!(get_json(&faults_url).await["error_status"], 429);
     assert_eq!(sim.faults().error_rate, 1.0);
-    let (s, v) = post(&sim, "/v1/chat/completions", &chat_body("x")).await;
-    assert_eq!(s, 429);
-    assert_eq!(v["object"], "error");
-    assert_eq!(v["code"], 429);
-    let r = c
-        .post(format!("{}/sim/faults", sim.url()))
-        .body(r#"{"nonsense": 1}"#)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    c.post(format!("{}/sim/faults", sim.url()))
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let (status, body) = post(&sim, CHAT, &chat_body("x")).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["object"], "error");
+    assert_eq!(body["code"], 429);
+    assert_eq!(post_text(&faults_url, r#"{"nonsense": 1}"#).await.0, 400);
+    post_text(&faults_url, "{}").await;
     assert_eq!(sim.faults(), Faults::default());
-    let st: Value = c
-        .get(format!("{}/sim/stats", sim.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(st["errors"], 1);
+    let stats = get_json(&format!("{}/sim/stats", sim.url())).await;
+    assert_eq!(stats["errors"], 1);
     // /sim/* requests are not counted.
-    assert_eq!(st["requests_total"], 1);
+    assert_eq!(stats["requests_total"], 1);
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn hang_before_headers() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults {
+    let sim = sim_with_faults(Faults {
         hang_before_headers: true,
         ..Faults::default()
-    });
-    let c = reqwest::Client::builder()
+    })
+    .await;
+    let impatient = reqwest::Client::builder()
         .timeout(Duration::from_millis(300))
         .build()
         .unwrap();
-    let t = Instant::now();
-    let err = c
-        .post(format!("{}/v1/chat/completions", sim.url()))
+    let started = Instant::now();
+    let error = impatient
+        .post(format!("{}{CHAT}", sim.url()))
         .json(&chat_body("x"))
         .send()
         .await
         .unwrap_err();
-    assert!(err.is_timeout(), "{err}");
-    assert!(t.elapsed() >= Duration::from_millis(250));
+    assert!(error.is_timeout(), "{error}");
+    assert!(started.elapsed() >= Duration::from_millis(250));
     // Health still answers.
-    assert_eq!(
-        c.get(format!("{}/health", sim.url()))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(get_status(&format!("{}/health", sim.url())).await, 200);
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn hang_mid_stream_keeps_connection_open() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults {
+    let sim = sim_with_faults(Faults {
         hang_after_chunks: Some(2),
         ..Faults::default()
-    });
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let mut s = r.bytes_stream();
-    let mut got = String::new();
+    })
+    .await;
+    let response = send(&sim, CHAT, &stream_body()).await;
+    assert_eq!(response.status(), 200);
+    let mut chunks = response.bytes_stream();
+    let mut received = String::new();
     loop {
-        match tokio::time::timeout(Duration::from_millis(400), s.next()).await {
-            Ok(Some(Ok(b))) => got.push_str(&String::from_utf8_lossy(&b)),
+        match tokio::time::timeout(Duration::from_millis(400), chunks.next()).await {
+            Ok(Some(Ok(chunk))) => received.push_str(&String::from_utf8_lossy(&chunk)),
             Ok(other) => panic!(
                 "stream ended instead of hanging: {:?}",
-                other.map(|r| r.map(|_| ()))
+                other.map(|chunk| chunk.map(|_| ()))
             ),
             Err(_) => break, // hung, connection still open
         }
     }
-    assert_eq!(got.matches("data: ").count(), 2, "{got}");
+    assert_eq!(received.matches("data: ").count(), 2, "{received}");
     sim.shutdown();
-}
-
-/// Raw HTTP/1.1 so we can see the chunked framing bytes.
-async fn raw_post(
-    addr: std::net::SocketAddr,
-    path: &str,
-    body: &str,
-) -> (Vec<u8>, Option<std::io::Error>) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = Vec::new();
-    let err = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
-        .await
-        .expect("connection should be closed by the server")
-        .err();
-    (out, err)
 }
 
 #[tokio::test]
 async fn drop_mid_stream_truncates_chunked_body() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults {
+    let sim = sim_with_faults(Faults {
         drop_after_chunks: Some(3),
         ..Faults::default()
-    });
-    let (raw, _) = raw_post(
-        sim.addr(),
-        "/v1/chat/completions",
-        &stream_body().to_string(),
-    )
+    })
     .await;
+    let (raw, _) = raw_post(sim.addr(), CHAT, &stream_body().to_string()).await;
     let text = String::from_utf8_lossy(&raw);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("transfer-encoding: chunked"));
@@ -208,50 +138,34 @@ async fn drop_mid_stream_truncates_chunked_body() {
         "must not send the chunked terminator: {text}"
     );
     // A real client sees a body error.
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
-    assert!(r.text().await.is_err());
+    assert!(send(&sim, CHAT, &stream_body()).await.text().await.is_err());
     // Non-stream answers are cut short of their content-length.
-    let (raw, _) = raw_post(
-        sim.addr(),
-        "/v1/chat/completions",
-        &chat_body("x").to_string(),
-    )
-    .await;
+    let (raw, _) = raw_post(sim.addr(), CHAT, &chat_body("x").to_string()).await;
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let len: usize = head
+    let length: usize = head
         .lines()
-        .find_map(|l| l.strip_prefix("content-length: "))
+        .find_map(|line| line.strip_prefix("content-length: "))
         .unwrap()
         .parse()
         .unwrap();
-    assert!(body.len() < len);
+    assert!(body.len() < length);
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn error_inside_stream() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults {
+    let sim = sim_with_faults(Faults {
         error_after_chunks: Some(1),
         ..Faults::default()
-    });
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
-    let events = sse_events(&r.text().await.unwrap());
+    })
+    .await;
+    let response = send(&sim, CHAT, &stream_body()).await;
+    let events = sse_events(&response.text().await.unwrap());
     assert_eq!(events.len(), 3);
     assert!(events[0].contains("\"role\":\"assistant\""));
-    let e: Value = serde_json::from_str(&events[1]).unwrap();
-    assert_eq!(e["error"]["code"], 500);
+    let error: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(error["error"]["code"], 500);
     assert_eq!(events[2], "[DONE]");
     sim.shutdown();
 }
@@ -264,141 +178,89 @@ async fn refuse_connections_then_resume_on_same_port() {
         .serve_admin("127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let c = client();
-    assert_eq!(
-        post(&sim, "/v1/chat/completions", &chat_body("x")).await.0,
-        200
-    );
+    assert_eq!(chat_status(&sim).await, 200);
     // Switch over the admin port, which keeps answering.
-    c.post(format!("http://{admin}/sim/faults"))
-        .body(r#"{"refuse_connections": true}"#)
-        .send()
-        .await
-        .unwrap();
-    let mut refused = false;
-    for _ in 0..100 {
-        match tokio::net::TcpStream::connect(addr).await {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                refused = true;
-                break;
-            }
-            _ => tokio::time::sleep(Duration::from_millis(10)).await,
-        }
-    }
-    assert!(refused, "connections should be refused");
-    let f: Value = c
-        .get(format!("http://{admin}/sim/faults"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(f["refuse_connections"], true);
+    let admin_faults = format!("http://{admin}/sim/faults");
+    post_text(&admin_faults, r#"{"refuse_connections": true}"#).await;
+    wait_for_connect(addr, true).await;
+    assert_eq!(get_json(&admin_faults).await["refuse_connections"], true);
     sim.set_faults(Faults::none());
-    let mut ok = false;
-    for _ in 0..100 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            ok = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(ok, "listener should be back on {addr}");
-    assert_eq!(
-        post(&sim, "/v1/chat/completions", &chat_body("x")).await.0,
-        200
-    );
+    wait_for_connect(addr, false).await;
+    assert_eq!(chat_status(&sim).await, 200);
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn engine_dead() {
-    let sim = sim(SimConfig::default()).await;
-    sim.set_faults(Faults {
+    let sim = sim_with_faults(Faults {
         engine_dead: true,
         ..Faults::default()
-    });
-    let r = client()
-        .get(format!("{}/health", sim.url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 503);
-    let (s, v) = post(&sim, "/v1/chat/completions", &chat_body("x")).await;
-    assert_eq!(s, 500);
-    assert!(v["error"]["message"]
+    })
+    .await;
+    let health = format!("{}/health", sim.url());
+    assert_eq!(get_status(&health).await, 503);
+    let (status, body) = post(&sim, CHAT, &chat_body("x")).await;
+    assert_eq!(status, 500);
+    assert!(body["error"]["message"]
         .as_str()
         .unwrap()
         .contains("EngineCore"));
     sim.set_faults(Faults::none());
-    assert_eq!(
-        client()
-            .get(format!("{}/health", sim.url()))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(get_status(&health).await, 200);
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn slowdown_multiplies_latency() {
-    let cfg = SimConfig::default()
-        .with_latency(Latency::new(
+    let config = SimConfig::default()
+        .with_latency(vllm_sim::Latency::new(
             Duration::from_millis(40),
             Duration::ZERO,
             Duration::from_millis(5),
         ))
         .with_answer_tokens(4, 4);
-    let sim = sim(cfg).await;
-    let t = Instant::now();
-    assert_eq!(
-        post(&sim, "/v1/chat/completions", &chat_body("x")).await.0,
-        200
-    );
-    let normal = t.elapsed();
+    let sim = sim(config).await;
+    let started = Instant::now();
+    assert_eq!(chat_status(&sim).await, 200);
+    let normal = started.elapsed();
     assert!(normal >= Duration::from_millis(55), "{normal:?}");
     sim.set_faults(Faults {
         slowdown: 5.0,
         ..Faults::default()
     });
-    let t = Instant::now();
-    assert_eq!(
-        post(&sim, "/v1/chat/completions", &chat_body("x")).await.0,
-        200
-    );
-    let slow = t.elapsed();
+    let started = Instant::now();
+    assert_eq!(chat_status(&sim).await, 200);
+    let slow = started.elapsed();
     assert!(slow >= Duration::from_millis(275), "{slow:?}");
     sim.shutdown();
 }
 
 #[tokio::test]
 async fn streaming_latency_ttft_and_itl() {
-    let cfg = SimConfig::default()
-        .with_latency(Latency::new(
+    let config = SimConfig::default()
+        .with_latency(vllm_sim::Latency::new(
             Duration::from_millis(100),
             Duration::ZERO,
             Duration::from_millis(30),
         ))
         .with_answer_tokens(5, 5);
-    let sim = sim(cfg).await;
-    let t = Instant::now();
-    let r = client()
-        .post(format!("{}/v1/chat/completions", sim.url()))
-        .json(&stream_body())
-        .send()
-        .await
-        .unwrap();
+    let sim = sim(config).await;
+    let started = Instant::now();
+    let response = send(&sim, CHAT, &stream_body()).await;
     // Headers come before prefill finishes.
-    assert!(t.elapsed() < Duration::from_millis(90), "{:?}", t.elapsed());
-    let mut s = r.bytes_stream();
+    assert!(
+        started.elapsed() < Duration::from_millis(90),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut chunks = response.bytes_stream();
     let mut arrivals = Vec::new();
-    while let Some(b) = s.next().await {
-        let b = b.unwrap();
-        arrivals.push((t.elapsed(), String::from_utf8_lossy(&b).into_owned()));
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.unwrap();
+        arrivals.push((
+            started.elapsed(),
+            String::from_utf8_lossy(&chunk).into_owned(),
+        ));
     }
     assert!(
         arrivals[0].0 >= Duration::from_millis(95),

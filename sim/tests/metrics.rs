@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! Live /metrics in V1 and V0 modes parsed by prometheus_client (tests/parse_metrics.py).
 
 mod common;
@@ -8,13 +9,14 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
-use vllm_sim::{Latency, MetricsFlavor, SimConfig, SpecDecode};
+use tokio::task::JoinHandle;
+use vllm_sim::{MetricsFlavor, Sim, SimConfig, SpecDecode};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/parse_metrics.py");
 
 fn python() -> Option<&'static str> {
-    ["python3", "python"].into_iter().find(|p| {
-        Command::new(p)
+    ["python3", "python"].into_iter().find(|interpreter| {
+        Command::new(interpreter)
             .arg("--version")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -25,11 +27,11 @@ fn python() -> Option<&'static str> {
 
 /// Run the parser script; returns the samples, or None if python3 is missing.
 fn parse(mode: &str, text: &str) -> Option<Vec<(String, Value, f64)>> {
-    let Some(py) = python() else {
+    let Some(interpreter) = python() else {
         eprintln!("SKIPPED: python3 not found; cannot run prometheus_client parser");
         return None;
     };
-    let mut child = Command::new(py)
+    let mut child = Command::new(interpreter)
         .args([SCRIPT, mode, "--spec"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -42,24 +44,24 @@ fn parse(mode: &str, text: &str) -> Option<Vec<(String, Value, f64)>> {
         .unwrap()
         .write_all(text.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         !stderr.contains("No module named 'prometheus_client'"),
         "prometheus_client missing: run `pip install prometheus_client`"
     );
     assert!(
-        out.status.success(),
+        output.status.success(),
         "parse_metrics.py {mode} failed:\n{stderr}\n---\n{text}"
     );
-    let v: Vec<(String, Value, f64)> = serde_json::from_slice(&out.stdout).unwrap();
-    Some(v)
+    let samples: Vec<(String, Value, f64)> = serde_json::from_slice(&output.stdout).unwrap();
+    Some(samples)
 }
 
-fn value(samples: &[(String, Value, f64)], name: &str) -> f64 {
+fn value(samples: &Samples, name: &str) -> f64 {
     samples
         .iter()
-        .find(|(n, _, _)| n == name)
+        .find(|(sample, _, _)| sample == name)
         .unwrap_or_else(|| panic!("no sample {name}"))
         .2
 }
@@ -73,14 +75,13 @@ fn fixtures_pass_the_checker() {
     }
 }
 
-async fn live(flavor: MetricsFlavor, mode: &str, kv_name: &str) {
-    let cfg = SimConfig::default()
+type Samples = [(String, Value, f64)];
+
+/// One finished request, then three slow ones in flight (2 running, 1 waiting).
+async fn busy_sim(flavor: MetricsFlavor) -> (Sim, Vec<JoinHandle<(u16, Value)>>) {
+    let config = SimConfig::default()
         .with_metrics(flavor)
-        .with_latency(Latency::new(
-            Duration::ZERO,
-            Duration::ZERO,
-            Duration::from_millis(40),
-        ))
+        .with_latency(token_every(Duration::from_millis(40)))
         .with_answer_tokens(20, 20)
         .with_kv(100, 16)
         .with_max_num_seqs(2)
@@ -88,80 +89,88 @@ async fn live(flavor: MetricsFlavor, mode: &str, kv_name: &str) {
             num_speculative_tokens: 3,
             acceptance_rate: 0.6,
         }));
-    let sim = sim(cfg).await;
-    // One finished request, then three slow ones in flight (2 running, 1 waiting).
-    let (s, _) = post(
+    let sim = sim(config).await;
+    let (status, _) = post(
         &sim,
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}),
     )
     .await;
-    assert_eq!(s, 200);
+    assert_eq!(status, 200);
     let mut handles = Vec::new();
-    for i in 0..3 {
-        let sim2 = sim.clone();
+    for request in 0..3 {
+        let sim = sim.clone();
+        let body = chat_body(&format!("slow {request}"));
         handles.push(tokio::spawn(async move {
-            post(
-                &sim2,
-                "/v1/chat/completions",
-                &chat_body(&format!("slow {i}")),
-            )
-            .await
+            post(&sim, "/v1/chat/completions", &body).await
         }));
     }
-    let s2 = sim.clone();
+    let watched = sim.clone();
     wait_until(
-        move || s2.engine_state().running == 2 && s2.engine_state().waiting == 1,
+        move || watched.engine_state().running == 2 && watched.engine_state().waiting == 1,
         "2 running, 1 waiting",
     )
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let r = client()
+    (sim, handles)
+}
+
+fn check_busy(samples: &Samples, kv_name: &str) {
+    assert_eq!(value(samples, "vllm:num_requests_running"), 2.0);
+    assert_eq!(value(samples, "vllm:num_requests_waiting"), 1.0);
+    let kv = value(samples, kv_name);
+    assert!(kv > 0.0 && kv < 1.0, "{kv}");
+    assert!(value(samples, "vllm:prompt_tokens_total") > 0.0);
+    assert!(value(samples, "vllm:generation_tokens_total") >= 2.0);
+    assert_eq!(
+        value(samples, "vllm:time_to_first_token_seconds_count"),
+        3.0
+    );
+    assert!(value(samples, "vllm:spec_decode_num_draft_tokens_total") > 0.0);
+    assert!(samples
+        .iter()
+        .any(|(name, labels, _)| name == "vllm:cache_config_info"
+            && labels["num_gpu_blocks"] == "100"
+            && labels["block_size"] == "16"));
+    assert!(samples.iter().any(|(name, _, _)| name == "sim_oom_total"));
+}
+
+fn check_idle(samples: &Samples, kv_name: &str) {
+    assert_eq!(value(samples, "vllm:num_requests_running"), 0.0);
+    assert_eq!(value(samples, kv_name), 0.0);
+    let finished: f64 = samples
+        .iter()
+        .filter(|(name, labels, _)| {
+            name == "vllm:request_success_total" && labels["finished_reason"] != "abort"
+        })
+        .map(|(_, _, value)| value)
+        .sum();
+    assert_eq!(finished, 4.0);
+    assert_eq!(
+        value(samples, "vllm:e2e_request_latency_seconds_count"),
+        4.0
+    );
+}
+
+async fn live(flavor: MetricsFlavor, mode: &str, kv_name: &str) {
+    let (sim, handles) = busy_sim(flavor).await;
+    let response = client()
         .get(format!("{}/metrics", sim.url()))
         .send()
         .await
         .unwrap();
     assert_eq!(
-        r.headers()["content-type"],
+        response.headers()["content-type"],
         "text/plain; version=0.0.4; charset=utf-8"
     );
-    let text = r.text().await.unwrap();
-    if let Some(samples) = parse(mode, &text) {
-        assert_eq!(value(&samples, "vllm:num_requests_running"), 2.0);
-        assert_eq!(value(&samples, "vllm:num_requests_waiting"), 1.0);
-        let kv = value(&samples, kv_name);
-        assert!(kv > 0.0 && kv < 1.0, "{kv}");
-        assert!(value(&samples, "vllm:prompt_tokens_total") > 0.0);
-        assert!(value(&samples, "vllm:generation_tokens_total") >= 2.0);
-        assert_eq!(
-            value(&samples, "vllm:time_to_first_token_seconds_count"),
-            3.0
-        );
-        assert!(value(&samples, "vllm:spec_decode_num_draft_tokens_total") > 0.0);
-        assert!(samples.iter().any(|(n, l, _)| n == "vllm:cache_config_info"
-            && l["num_gpu_blocks"] == "100"
-            && l["block_size"] == "16"));
-        assert!(samples.iter().any(|(n, _, _)| n == "sim_oom_total"));
+    if let Some(samples) = parse(mode, &response.text().await.unwrap()) {
+        check_busy(&samples, kv_name);
     }
-    for h in handles {
-        assert_eq!(h.await.unwrap().0, 200);
+    for handle in handles {
+        assert_eq!(handle.await.unwrap().0, 200);
     }
-    let text = sim.metrics_text();
-    if let Some(samples) = parse(mode, &text) {
-        assert_eq!(value(&samples, "vllm:num_requests_running"), 0.0);
-        assert_eq!(value(&samples, kv_name), 0.0);
-        let ok: f64 = samples
-            .iter()
-            .filter(|(n, l, _)| {
-                n == "vllm:request_success_total" && l["finished_reason"] != "abort"
-            })
-            .map(|s| s.2)
-            .sum();
-        assert_eq!(ok, 4.0);
-        assert_eq!(
-            value(&samples, "vllm:e2e_request_latency_seconds_count"),
-            4.0
-        );
+    if let Some(samples) = parse(mode, &sim.metrics_text()) {
+        check_idle(&samples, kv_name);
     }
     sim.shutdown();
 }

@@ -1,21 +1,43 @@
 #![allow(dead_code)]
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests: starting an instance, the request bodies they
+//! send, and HTTP calls that return what the tests check (status, JSON, SSE events).
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use vllm_sim::{Sim, SimConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_sim::{Faults, Latency, Sim, SimConfig};
 
 /// vLLM's wire shapes, kept in the repository (tests/fixtures/README.md says where from).
 pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
+pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
 pub fn fixture(name: &str) -> String {
     let path = format!("{FIXTURES}/{name}");
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
+    std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("fixture {path}: {error}"))
 }
 
-pub async fn sim(cfg: SimConfig) -> Sim {
-    vllm_sim::start(cfg).await.expect("start sim")
+pub fn json_fixture(name: &str) -> Value {
+    serde_json::from_str(&fixture(name)).unwrap()
+}
+
+pub async fn sim(config: SimConfig) -> Sim {
+    vllm_sim::start(config).await.expect("start sim")
+}
+
+/// The default instance with `faults` switched on.
+pub async fn sim_with_faults(faults: Faults) -> Sim {
+    let sim = sim(SimConfig::default()).await;
+    sim.set_faults(faults);
+    sim
+}
+
+/// No prefill and no overhead, one token every `inter_token`: requests stay in flight long
+/// enough to be seen, and the first token comes at once.
+pub fn token_every(inter_token: Duration) -> Latency {
+    Latency::new(Duration::ZERO, Duration::ZERO, inter_token)
 }
 
 pub fn client() -> reqwest::Client {
@@ -26,41 +48,115 @@ pub fn client() -> reqwest::Client {
 }
 
 pub fn chat_body(prompt: &str) -> Value {
-    json!({"model": "meta-llama/Llama-3.1-8B-Instruct",
+    json!({"model": MODEL,
            "messages": [{"role": "user", "content": prompt}],
            "temperature": 0})
 }
 
-pub async fn post(sim: &Sim, path: &str, body: &Value) -> (u16, Value) {
-    let r = client()
+/// `body` with `"stream": true`.
+pub fn streaming(mut body: Value) -> Value {
+    body["stream"] = json!(true);
+    body
+}
+
+/// POST `body` as JSON and return the response, whatever its status.
+pub async fn send(sim: &Sim, path: &str, body: &Value) -> reqwest::Response {
+    client()
         .post(format!("{}{path}", sim.url()))
         .json(body)
         .send()
         .await
-        .expect("send");
-    let status = r.status().as_u16();
-    let text = r.text().await.expect("body");
+        .expect("send")
+}
+
+/// POST `body` as JSON: the status and the answer (as JSON, or as a string if it is not).
+pub async fn post(sim: &Sim, path: &str, body: &Value) -> (u16, Value) {
+    let response = send(sim, path, body).await;
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
     (
         status,
         serde_json::from_str(&text).unwrap_or(Value::String(text)),
     )
 }
 
+/// POST a raw text body (control endpoints take hand-written JSON): the status and the answer.
+pub async fn post_text(url: &str, body: &str) -> (u16, Value) {
+    let response = client()
+        .post(url)
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("send");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+pub async fn get_json(url: &str) -> Value {
+    client()
+        .get(url)
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("JSON body")
+}
+
+pub async fn get_status(url: &str) -> u16 {
+    client()
+        .get(url)
+        .send()
+        .await
+        .expect("send")
+        .status()
+        .as_u16()
+}
+
+/// A field of an error body in either shape: `{"error": {field}}` (new) or `{field}` (old).
+pub fn error_field<'a>(body: &'a Value, field: &str) -> &'a Value {
+    match body.get("error") {
+        Some(inner) => &inner[field],
+        None => &body[field],
+    }
+}
+
+/// Raw HTTP/1.1 POST, read until the server closes: shows the chunked framing bytes, and
+/// the I/O error if the connection was aborted.
+pub async fn raw_post(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+) -> (Vec<u8>, Option<std::io::Error>) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    let error = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut received))
+        .await
+        .expect("connection should be closed by the server")
+        .err();
+    (received, error)
+}
+
 /// Shape of a JSON value: keys in order, value kinds; arrays by their first element.
-pub fn skeleton(v: &Value) -> String {
-    match v {
+pub fn skeleton(value: &Value) -> String {
+    match value {
         Value::Null => "null".into(),
         Value::Bool(_) => "b".into(),
         Value::Number(_) => "n".into(),
         Value::String(_) => "s".into(),
-        Value::Array(a) => match a.first() {
+        Value::Array(items) => match items.first() {
             None => "[]".into(),
-            Some(x) => format!("[{}]", skeleton(x)),
+            Some(first) => format!("[{}]", skeleton(first)),
         },
-        Value::Object(o) => {
-            let parts: Vec<String> = o
+        Value::Object(fields) => {
+            let parts: Vec<String> = fields
                 .iter()
-                .map(|(k, v)| format!("{k}:{}", skeleton(v)))
+                .map(|(key, field)| format!("{key}:{}", skeleton(field)))
                 .collect();
             format!("{{{}}}", parts.join(","))
         }
@@ -74,21 +170,48 @@ pub fn sse_events(body: &str) -> Vec<String> {
         "SSE body must end with a blank line: {body:?}"
     );
     body.split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("bad SSE event {e:?}"))
+        .filter(|event| !event.is_empty())
+        .map(|event| {
+            event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
                 .to_string()
         })
         .collect()
 }
 
-pub async fn wait_until(mut f: impl FnMut() -> bool, what: &str) {
+/// The JSON events of a stream, without the final `[DONE]` (which it checks is there).
+pub fn json_events(events: &[String]) -> Vec<Value> {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str(event).unwrap())
+        .collect()
+}
+
+pub async fn wait_until(mut condition: impl FnMut() -> bool, what: &str) {
     for _ in 0..500 {
-        if f() {
+        if condition() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("timed out waiting for {what}");
+}
+
+/// Wait until connecting to `addr` is refused (`true`) or accepted (`false`).
+pub async fn wait_for_connect(addr: SocketAddr, refused: bool) {
+    for _ in 0..100 {
+        match tokio::net::TcpStream::connect(addr).await {
+            Err(error) if refused && error.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return
+            }
+            Ok(_) if !refused => return,
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    panic!(
+        "connections to {addr} should be {}",
+        if refused { "refused" } else { "accepted" }
+    );
 }
