@@ -360,6 +360,64 @@ fn a_zero_client_body_timeout_is_refused() {
 }
 
 #[test]
+fn client_timeouts_are_above_0_and_at_most_a_day() {
+    for key in [
+        "client_header_timeout",
+        "client_body_timeout",
+        "client_body_deadline",
+        "send_timeout",
+    ] {
+        for value in ["0s", "25h"] {
+            refused(
+                &with(&format!("limits: {{ {key}: {value} }}")),
+                &format!("limits.{key}"),
+                "must be longer than 0 and at most",
+            );
+        }
+    }
+}
+
+#[test]
+fn connection_and_request_caps_are_at_least_1() {
+    for key in [
+        "max_connections",
+        "max_connections_per_client",
+        "max_requests_in_flight",
+        "max_requests_in_flight_per_client",
+    ] {
+        refused(
+            &with(&format!("limits: {{ {key}: 0 }}")),
+            &format!("limits.{key}"),
+            "must be at least 1",
+        );
+    }
+}
+
+#[test]
+fn the_memory_budget_holds_at_least_one_whole_body() {
+    refused(
+        &with("limits: { max_request_body_bytes: 2048, max_buffered_bytes: 1024 }"),
+        "limits.max_buffered_bytes",
+        "must be at least limits.max_request_body_bytes (1024 < 2048)",
+    );
+    ok(&with(
+        "limits: { max_request_body_bytes: 2048, max_buffered_bytes: 2048 }",
+    ));
+}
+
+#[test]
+fn trusted_proxies_are_addresses_or_networks() {
+    refused(
+        &with("trusted_proxies: [10.0.0.1, 10.0.0.0/8, proxy.internal]"),
+        "trusted_proxies[2]",
+        "`proxy.internal` is not an IP address or a network",
+    );
+    ok(&with(
+        "trusted_proxies: [10.0.0.1, 10.0.0.0/8, '::1', 'fd00::/8']",
+    ));
+}
+
+#[test]
 fn a_bad_log_level_is_refused() {
     refused(
         &with("log: { level: 'sluice=loud' }"),
@@ -476,6 +534,17 @@ fn first_byte_must_not_be_longer_than_total() {
         "pools[0].timeouts.first_byte",
         "(1m > 30s)",
     );
+}
+
+#[test]
+fn pool_timeouts_are_at_most_a_day() {
+    for key in ["connect", "first_byte", "total", "keepalive_idle", "margin"] {
+        refused(
+            &with_timeouts(&format!("{{ {key}: 25h }}")),
+            &format!("pools[0].timeouts.{key}"),
+            "must be at most",
+        );
+    }
 }
 
 #[test]
