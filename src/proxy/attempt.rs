@@ -25,7 +25,8 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{
-    AnswerCheck, ErrorReply, Judgement, RequestCtx, StreamCheck, StreamJudge, Verdict,
+    AnswerCheck, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
+    StreamCheck, StreamJudge, Verdict,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -36,6 +37,9 @@ pub struct Attempt {
     pub peer: HttpPeer,
     pub header: RequestHeader,
     pub body: Bytes,
+    /// The attempt's load on its backend: ends as soon as the backend has sent its whole
+    /// answer, even while the client is still being written to.
+    pub in_flight: InFlight,
 }
 
 /// How an attempt ended.
@@ -71,6 +75,9 @@ impl Outcome {
             Outcome::Complete | Outcome::Declined(..) | Outcome::Judged(_) => {
                 Some(Verdict::Success)
             }
+            // A refusal of Sluice's own (an answer too large to hold, the memory budget) says
+            // nothing about the backend.
+            Outcome::NotStarted(e) if ErrorReply::carried_by(e).is_some() => None,
             Outcome::NotStarted(_) | Outcome::Broken(_) => Some(Verdict::Failure),
             Outcome::ClientGone(_) => None,
         }
@@ -136,14 +143,17 @@ struct Upstream<'a> {
     /// Taken from the connection pool: an error on it may be a connection the backend had
     /// already closed.
     reused: bool,
+    /// The attempt's load on the backend, until its answer has come whole or it ends.
+    in_flight: InFlight,
 }
 
 impl Upstream<'_> {
-    /// Gives a connection whose response was read whole back to the pool. Every other end
-    /// of an attempt drops it instead, which closes it: a backend that is still generating
-    /// sees its client leave and stops.
+    /// Gives a connection whose response was read whole back to the pool, and ends the
+    /// attempt's load on the backend. Every other end of an attempt drops it instead, which
+    /// closes it: a backend that is still generating sees its client leave and stops.
     async fn release(self) {
         let idle = self.peer.options.idle_timeout;
+        drop(self.in_flight);
         self.connector
             .release_http_session(self.http, self.peer, idle)
             .await;
@@ -178,13 +188,19 @@ pub async fn run(
         Ok(connected) => connected,
         Err(outcome) => return outcome,
     };
+    let Attempt {
+        peer,
+        header,
+        body,
+        in_flight,
+    } = attempt;
     let mut upstream = Upstream {
         connector: &sluice.connector,
-        peer: &attempt.peer,
+        peer: &peer,
         http,
         reused,
+        in_flight,
     };
-    let Attempt { header, body, .. } = attempt;
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
     if let Err(outcome) =
@@ -224,7 +240,7 @@ async fn pipe(
     let judged = status == 200 && !is_sse && hold.check.is_some();
     // Held answers are read whole first: an error to decline, or an answer to judge.
     if declined || judged {
-        let body = match read_held(session, &mut up, &deadlines).await {
+        let body = match read_held(session, &mut up, &deadlines, &sluice.memory).await {
             Ok(body) => body,
             Err(outcome) => return outcome,
         };
@@ -246,9 +262,14 @@ async fn pipe(
     }
     // The hold-back window: the stream's start is kept until it is judged, so that a
     // rejected draft can still give way to the target.
-    let mut window = Window::default();
+    let mut window = Window {
+        chunks: Vec::new(),
+        ended: false,
+        held: sluice.memory.none(),
+    };
     if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
-        window = match hold_back(session, &mut up, &deadlines, check.start()).await {
+        window = match hold_back(session, &mut up, &deadlines, check.start(), &sluice.memory).await
+        {
             Ok(window) => window,
             Err(outcome) => return outcome,
         };
@@ -257,12 +278,19 @@ async fn pipe(
         return outcome;
     }
     // A kept window goes first; a stream that ended within it ends here.
-    for chunk in window.chunks {
+    let Window {
+        chunks,
+        ended,
+        held,
+        ..
+    } = window;
+    for chunk in chunks {
         if let Err(e) = forward(&sluice.chain, session, ctx, Some(chunk), false).await {
             return Outcome::ClientGone(e);
         }
     }
-    if window.ended {
+    drop(held);
+    if ended {
         up.release().await;
         return finish(sluice, session, ctx, None).await;
     }
@@ -428,24 +456,41 @@ async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -
     }
 }
 
+fn memory_spent() -> Box<Error> {
+    ErrorReply::unavailable(
+        Reason::MemoryBudget,
+        "The proxy holds as many answers as it may; retry after 1 s.",
+        1,
+    )
+    .into_error()
+}
+
 fn timed_out(what: &'static str) -> Box<Error> {
     Error::explain(ErrorType::ReadTimedout, what).into_up()
 }
 
-/// Reads a held answer's whole body (bounded): `Err` is the outcome when that fails.
+/// Reads a held answer's whole body (bounded, and taken from the memory budget while it is
+/// read): `Err` is the outcome when that fails. An answer too large to hold, or a budget
+/// spent, is Sluice's refusal, not the backend's failure.
 async fn read_held(
     session: &mut Session,
     up: &mut Upstream<'_>,
     deadlines: &Deadlines,
+    memory: &Arc<MemoryBudget>,
 ) -> Result<Bytes, Outcome> {
     let mut body = bytes::BytesMut::new();
+    let mut held = memory.none();
     loop {
         match next(session, up, deadlines.total).await {
             Next::Chunk(data) => {
                 if body.len() + data.len() > MAX_HELD_BYTES {
-                    let e =
-                        Error::explain(ErrorType::InvalidHTTPHeader, "a held answer is too large");
-                    return Err(Outcome::NotStarted(e.into_up()));
+                    let refusal = ErrorReply::bad_gateway(
+                        "The upstream's answer was too large to hold for its check.",
+                    );
+                    return Err(Outcome::NotStarted(refusal.into_error()));
+                }
+                if !held.grow(data.len()) {
+                    return Err(Outcome::NotStarted(memory_spent()));
                 }
                 body.extend_from_slice(&data);
             }
@@ -461,11 +506,12 @@ async fn read_held(
 }
 
 /// The start of a stream kept back for judgement, once it was kept.
-#[derive(Default)]
 struct Window {
     chunks: Vec<Bytes>,
     /// The stream ended within the window.
     ended: bool,
+    /// The memory the kept chunks take, until they are sent.
+    held: Held,
 }
 
 /// Keeps a stream's chunks from the client until `judge` decides on them: `Ok` with them
@@ -477,22 +523,27 @@ async fn hold_back(
     up: &mut Upstream<'_>,
     deadlines: &Deadlines,
     mut judge: Box<dyn StreamJudge>,
+    memory: &Arc<MemoryBudget>,
 ) -> Result<Window, Outcome> {
-    let mut window = Window::default();
-    let mut kept_bytes = 0usize;
+    let mut window = Window {
+        chunks: Vec::new(),
+        ended: false,
+        held: memory.none(),
+    };
     let judgement = loop {
         match next(session, up, deadlines.first_byte).await {
             Next::Chunk(data) => {
                 if data.is_empty() {
                     continue;
                 }
-                kept_bytes += data.len();
+                let room = window.held.grow(data.len());
                 let decided = judge.feed(&data);
                 window.chunks.push(data);
                 if let Some(decided) = decided {
                     break decided;
                 }
-                if kept_bytes > MAX_HELD_BYTES {
+                // Out of room (its own bound, or the memory budget): judged on what it saw.
+                if !room || window.held.bytes() > MAX_HELD_BYTES {
                     break judge.decide();
                 }
             }

@@ -25,7 +25,9 @@ use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::{Demand, Endpoint, ErrorReply, LlmCall, Pool, Pools, RequestCtx, Selected};
+use sluice_sdk::{
+    Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, Selected,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -144,8 +146,11 @@ impl AttemptLoop {
                 Some(backend) => {
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
-                    let prepared = self.prepare(sluice, session, ctx, &pool, &backend)?;
-                    // 3. run
+                    let prepared =
+                        self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
+                    // 3. run: the attempt's load on the backend ends with it (or as soon as
+                    // the backend's answer has come whole), never with a retry's backoff or
+                    // a held answer sent later.
                     let Prepared {
                         attempt,
                         deadlines,
@@ -153,9 +158,6 @@ impl AttemptLoop {
                     } = prepared;
                     let outcome =
                         attempt::run(sluice, session, ctx, attempt, deadlines, &hold).await;
-                    // Ended: a retry's backoff, or a held answer sent later, is no load on
-                    // this backend.
-                    drop(in_flight);
                     // 4. decide
                     self.decide(ctx, &pool, &backend, outcome).await
                 }
@@ -178,6 +180,7 @@ impl AttemptLoop {
         ctx: &mut RequestCtx,
         pool: &Pool,
         backend: &Selected,
+        in_flight: InFlight,
     ) -> Result<Prepared> {
         // A first pool may get its own body (a draft asked for logprobs), and every pool
         // the plugins' (a stream's usage asked for).
@@ -224,6 +227,7 @@ impl AttemptLoop {
                 peer: pool.peer(backend.addr),
                 header,
                 body,
+                in_flight,
             },
             deadlines,
             hold,

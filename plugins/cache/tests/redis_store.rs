@@ -13,6 +13,12 @@ use std::time::{Duration, Instant};
 /// No single call may take longer than this, whatever Redis does.
 const CALL_BOUND: Duration = Duration::from_secs(2);
 
+
+/// A store with room for every write in the memory budget.
+fn connect(config: RedisConfig) -> RedisStore {
+    RedisStore::connect(config, sluice_sdk::MemoryBudget::new(1 << 30))
+}
+
 fn config(url: String) -> RedisConfig {
     RedisConfig {
         url: Some(url),
@@ -104,7 +110,7 @@ fn dropped_total() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_then_get_round_trip() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(config(server.url()));
+    let store = connect(config(server.url()));
     let k = key(1);
     assert_eq!(store.name(), "redis");
     assert_eq!(bounded_get(&store, &k).await, Ok(None));
@@ -120,7 +126,7 @@ async fn put_then_get_round_trip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_is_honoured() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(config(server.url()));
+    let store = connect(config(server.url()));
     let k = key(2);
     store.put(&k, entry(k.digest, "short"), Duration::from_millis(700));
     wait_for_hit(&store, &k, Duration::from_secs(5)).await;
@@ -134,7 +140,7 @@ async fn ttl_is_honoured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn digest_mismatch_is_a_miss() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(config(server.url()));
+    let store = connect(config(server.url()));
     let k = key(3);
     // Another prompt's answer under this key's name.
     store.put(&k, entry(digest(999), "other"), Duration::from_secs(60));
@@ -149,7 +155,7 @@ async fn digest_mismatch_is_a_miss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_under_the_key_is_a_miss() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(config(server.url()));
+    let store = connect(config(server.url()));
     let k = key(4);
     redis_cli(server.port(), &["SET", &k.storage_key, "not json"]);
     assert_eq!(bounded_get(&store, &k).await, Ok(None));
@@ -158,7 +164,7 @@ async fn garbage_under_the_key_is_a_miss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_then_restarted() {
     let mut server = RedisServer::start();
-    let store = RedisStore::connect(config(server.url()));
+    let store = connect(config(server.url()));
     let k = key(5);
     store.put(&k, entry(k.digest, "before"), Duration::from_secs(60));
     wait_for_hit(&store, &k, Duration::from_secs(5)).await;
@@ -183,7 +189,7 @@ async fn redis_killed_then_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_server_times_out_then_cools_down() {
     let silent = SilentServer::start().await;
-    let store = RedisStore::connect(RedisConfig {
+    let store = connect(RedisConfig {
         lookup_timeout: Duration::from_millis(50),
         cooldown: Duration::from_secs(30),
         ..config(silent.url())
@@ -201,7 +207,7 @@ async fn silent_server_times_out_then_cools_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_write_queue_drops() {
     let silent = SilentServer::start().await;
-    let store = RedisStore::connect(RedisConfig {
+    let store = connect(RedisConfig {
         write_queue: 1,
         connect_timeout: Duration::from_secs(5),
         ..config(silent.url())
@@ -226,10 +232,38 @@ async fn full_write_queue_drops() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_writes_are_bounded_in_bytes_by_the_memory_budget() {
+    let silent = SilentServer::start().await;
+    let budget = sluice_sdk::MemoryBudget::new(64 * 1024);
+    let store = RedisStore::connect(
+        RedisConfig {
+            write_queue: 1000,
+            connect_timeout: Duration::from_secs(5),
+            ..config(silent.url())
+        },
+        budget.clone(),
+    );
+    let big = "x".repeat(20 * 1024);
+    let outcomes: Vec<WriteOutcome> = (0..10)
+        .map(|n| {
+            let k = key(200 + n);
+            store.put(&k, entry(k.digest, &big), Duration::from_secs(60))
+        })
+        .collect();
+    let accepted = outcomes
+        .iter()
+        .filter(|o| **o == WriteOutcome::Accepted)
+        .count();
+    // The queue has room for 1000; the budget for about three of these.
+    assert!((1..=3).contains(&accepted), "{accepted} of 10 accepted");
+    assert!(budget.used() <= 64 * 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_started_while_redis_is_down() {
     // Held until Redis starts on it: refused meanwhile, as a Redis that is not there yet.
     let port = reserve_port();
-    let store = RedisStore::connect(config(format!("redis://{}", port.addr())));
+    let store = connect(config(format!("redis://{}", port.addr())));
     let k = key(8);
     assert!(bounded_get(&store, &k).await.is_err());
     let _server = RedisServer::start_on(port);
@@ -239,7 +273,7 @@ async fn store_started_while_redis_is_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_spreads_keys_over_slots() {
     let cluster = RedisCluster::start(3);
-    let store = RedisStore::connect(RedisConfig {
+    let store = connect(RedisConfig {
         url: None,
         cluster_nodes: cluster.urls(),
         ..config(String::new())
@@ -319,7 +353,7 @@ fn config_defaults_and_validation() {
 fn connect_outside_a_runtime_does_not_panic() {
     // Config loading happens before any runtime exists; the store starts on first use.
     let nobody = reserve_port();
-    let store = RedisStore::connect(config(format!("redis://{}", nobody.addr())));
+    let store = connect(config(format!("redis://{}", nobody.addr())));
     let k = key(10);
     assert_eq!(
         store.put(&k, entry(k.digest, "x"), Duration::from_secs(1)),

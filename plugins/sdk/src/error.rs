@@ -13,6 +13,28 @@ use std::fmt;
 
 use crate::llm::InvalidRequest;
 
+/// The innermost Pingora error of `e`'s cause chain, and the reply it carries, if any.
+/// Pingora nests errors as `Box<Error>` (`more_context`, `because`).
+fn dig(e: &Error) -> (&Error, Option<&ErrorReply>) {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = e
+        .cause
+        .as_deref()
+        .map(|c| c as &(dyn std::error::Error + 'static));
+    while let Some(c) = cause {
+        if let Some(reply) = c.downcast_ref::<ErrorReply>() {
+            return (e, Some(reply));
+        }
+        if let Some(inner) = c.downcast_ref::<Box<Error>>() {
+            return dig(inner);
+        }
+        if let Some(inner) = c.downcast_ref::<Error>() {
+            return dig(inner);
+        }
+        cause = c.source();
+    }
+    (e, None)
+}
+
 /// `.map_err(internal)`: a header or framing error that can only be a bug, as a 500.
 pub fn internal(e: impl fmt::Display) -> Box<Error> {
     ErrorReply::internal(e.to_string()).into_error()
@@ -213,23 +235,20 @@ impl ErrorReply {
     /// The reply a Pingora error should produce: the `ErrorReply` it carries, or one mapped
     /// from its type (connect failures are 502, timeouts 504, a client gone is 499).
     pub fn from_error(e: &Error) -> Self {
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = e
-            .cause
-            .as_deref()
-            .map(|c| c as &(dyn std::error::Error + 'static));
-        while let Some(c) = cause {
-            if let Some(reply) = c.downcast_ref::<ErrorReply>() {
-                return reply.clone();
-            }
-            // Pingora nests errors as `Box<Error>` (`more_context`, `because`).
-            if let Some(inner) = c.downcast_ref::<Box<Error>>() {
-                return Self::from_error(inner);
-            }
-            if let Some(inner) = c.downcast_ref::<Error>() {
-                return Self::from_error(inner);
-            }
-            cause = c.source();
-        }
+        let (innermost, reply) = dig(e);
+        reply
+            .cloned()
+            .unwrap_or_else(|| Self::mapped(innermost))
+    }
+
+    /// The `ErrorReply` a Pingora error carries, if Sluice made it (rather than a socket or
+    /// an upstream): a refusal of Sluice's own, which says nothing about the upstream.
+    pub fn carried_by(e: &Error) -> Option<Self> {
+        dig(e).1.cloned()
+    }
+
+    /// The reply for an error that carries none, from its type.
+    fn mapped(e: &Error) -> Self {
         use ErrorType::*;
         match &e.etype {
             ConnectTimedout | ConnectRefused | ConnectNoRoute | ConnectError

@@ -13,7 +13,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, IntoConnectionInfo, RedisResult};
 use serde::Deserialize;
-use sluice_sdk::{duration, metric, metrics, ConfigError};
+use sluice_sdk::{duration, metric, metrics, ConfigError, Held, MemoryBudget};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -55,8 +55,8 @@ pub struct RedisConfig {
         deserialize_with = "duration::deserialize"
     )]
     pub cooldown: Duration,
-    /// Writes waiting for the writer task; a write that finds the queue full is dropped.
-    /// Default: 1024.
+    /// Writes waiting for the writer task; a write that finds the queue full, or the process's
+    /// memory budget (`limits.max_buffered_bytes`) spent, is dropped. Default: 1024.
     #[serde(default = "default_write_queue")]
     pub write_queue: usize,
 }
@@ -375,6 +375,9 @@ struct Write {
     key: String,
     value: Vec<u8>,
     ttl_ms: u64,
+    /// The value's bytes, taken from the memory budget until it is written or dropped: the
+    /// queue is bounded in bytes as well as in entries.
+    _held: Held,
 }
 
 /// The Redis [`Store`]. Cheap to share behind an `Arc`; dropping it stops its writer task once
@@ -382,6 +385,8 @@ struct Write {
 pub struct RedisStore {
     shared: Arc<Shared>,
     writes: mpsc::Sender<Write>,
+    /// What queued writes take their bytes from.
+    memory: Arc<MemoryBudget>,
     /// The writer's end of the queue until the writer task is started (once, in a runtime).
     pending_writer: Mutex<Option<mpsc::Receiver<Write>>>,
     writer_started: AtomicBool,
@@ -397,7 +402,7 @@ impl RedisStore {
     /// Never fails and never waits on the network: an unreachable Redis only makes lookups
     /// miss until it answers. Called inside a Tokio runtime, it starts connecting and the
     /// writer at once; otherwise on first use.
-    pub fn connect(config: RedisConfig) -> RedisStore {
+    pub fn connect(config: RedisConfig, memory: Arc<MemoryBudget>) -> RedisStore {
         let target = match (&config.url, config.cluster_nodes.is_empty()) {
             (Some(url), true) => match Client::open(url.as_str()) {
                 Ok(c) => Target::Single(c),
@@ -435,6 +440,7 @@ impl RedisStore {
                 last_write_log: AtomicU64::new(0),
             }),
             writes,
+            memory,
             pending_writer: Mutex::new(Some(queue)),
             writer_started: AtomicBool::new(false),
         };
@@ -541,11 +547,18 @@ impl Store for RedisStore {
 
     fn put(&self, key: &CacheKey, entry: Arc<Entry>, ttl: Duration) -> WriteOutcome {
         self.start();
+        let value = entry.encode();
+        // A full memory budget drops the write, as a full queue does: caching is optional.
+        let Some(held) = self.memory.take(value.len()) else {
+            count_dropped();
+            return WriteOutcome::Dropped;
+        };
         let write = Write {
             key: key.storage_key.clone(),
-            value: entry.encode(),
+            value,
             // PX 0 is an error in Redis; a sub-millisecond TTL keeps the entry for 1 ms.
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1),
+            _held: held,
         };
         match self.writes.try_send(write) {
             Ok(()) => WriteOutcome::Accepted,
