@@ -45,6 +45,7 @@ use http::HeaderName;
 use policy::Use;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
+use sluice_sdk::MemoryBudget;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::{
     async_trait, ConfigError, Endpoint, Error, Flow, Host, LlmCall, LocalResponse, Plugin,
@@ -58,6 +59,8 @@ use store::{memory::MemoryStore, redis::RedisStore, CacheKey, Store, WriteOutcom
 /// The section, checked, with its header names parsed.
 pub struct CacheBuilder {
     config: CacheConfig,
+    /// What queued Redis writes take their bytes from.
+    memory: Arc<MemoryBudget>,
     key_headers: Vec<HeaderName>,
     tenant_header: Option<HeaderName>,
 }
@@ -67,7 +70,7 @@ impl PluginBuilder for CacheBuilder {
     type Config = CacheConfig;
 
     /// A disabled cache's section is checked for its keys and types only.
-    fn resolve(config: CacheConfig, _host: &Host) -> std::result::Result<Option<Self>, ConfigError> {
+    fn resolve(config: CacheConfig, host: &Host) -> std::result::Result<Option<Self>, ConfigError> {
         if !config.enabled {
             return Ok(None);
         }
@@ -84,6 +87,7 @@ impl PluginBuilder for CacheBuilder {
         };
         Ok(Some(Self {
             config,
+            memory: Arc::clone(&host.memory),
             key_headers,
             tenant_header,
         }))
@@ -138,11 +142,14 @@ impl Cache {
     fn new(ready: CacheBuilder) -> Self {
         let CacheBuilder {
             config,
+            memory,
             key_headers,
             tenant_header,
         } = ready;
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
-            (config::StoreKind::Redis, Some(redis)) => Arc::new(RedisStore::connect(redis.clone())),
+            (config::StoreKind::Redis, Some(redis)) => {
+                Arc::new(RedisStore::connect(redis.clone(), Arc::clone(&memory)))
+            }
             _ => Arc::new(MemoryStore::new(config.memory.max_bytes)),
         };
         metrics::init(store.name());
