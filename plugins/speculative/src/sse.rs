@@ -6,53 +6,90 @@ use bytes::{Bytes, BytesMut};
 use serde_json::Value;
 use std::borrow::Cow;
 
+/// The largest event kept while its end has not come: vLLM's events are a token's delta
+/// (kilobytes with log-probabilities). A stream whose event grows past it is passed on as it
+/// comes, unsplit, rather than kept without bound.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
 /// Splits a stream's chunks into whole events, keeping an unfinished one for the next chunk.
 #[derive(Debug, Default)]
 pub struct SseEvents {
     unfinished: Vec<u8>,
+    /// Bytes of `unfinished` already searched for an event's end, so that a long event is
+    /// scanned once, not again with every chunk.
+    scanned: usize,
+    /// An event outgrew [`MAX_EVENT_BYTES`]: the rest of the stream passes unsplit.
+    passthrough: bool,
 }
 
 impl SseEvents {
     /// Calls `each` with every event that `chunk` completes, with its terminating blank line.
     /// Returns whether those events were exactly `chunk`: nothing carried in from an earlier
-    /// chunk and nothing left over for a later one.
+    /// chunk and nothing left over for a later one. Past an oversized event, `each` gets the
+    /// bytes as they come.
     pub fn split(&mut self, chunk: &[u8], mut each: impl FnMut(&[u8])) -> bool {
-        if self.unfinished.is_empty() {
-            let used = split_whole(chunk, &mut each);
-            if let Some(rest) = chunk.get(used..).filter(|r| !r.is_empty()) {
-                self.unfinished.extend_from_slice(rest);
-                return false;
-            }
+        if self.passthrough {
+            each(chunk);
             return true;
         }
-        self.unfinished.extend_from_slice(chunk);
-        let used = split_whole(&self.unfinished, &mut each);
-        self.unfinished.drain(..used);
+        if self.unfinished.is_empty() {
+            let used = split_whole(chunk, 0, &mut each);
+            match chunk.get(used..).filter(|r| !r.is_empty()) {
+                Some(rest) => self.keep(rest.to_vec(), &mut each),
+                None => return true,
+            }
+            return false;
+        }
+        let mut unfinished = std::mem::take(&mut self.unfinished);
+        unfinished.extend_from_slice(chunk);
+        // An end may straddle the old and the new bytes: look from just before the seam.
+        let resume = self.scanned.saturating_sub(3);
+        let used = split_whole(&unfinished, resume, &mut each);
+        unfinished.drain(..used);
+        self.keep(unfinished, &mut each);
         false
+    }
+
+    /// Keeps `rest`, which holds no event's end, for the next chunk, unless it is too large.
+    fn keep(&mut self, rest: Vec<u8>, each: &mut impl FnMut(&[u8])) {
+        if rest.len() > MAX_EVENT_BYTES {
+            each(&rest);
+            self.passthrough = true;
+            self.scanned = 0;
+            return;
+        }
+        self.scanned = rest.len();
+        self.unfinished = rest;
     }
 
     /// The bytes of an unfinished event, at the end of the stream.
     pub fn take_rest(&mut self) -> Vec<u8> {
+        self.scanned = 0;
         std::mem::take(&mut self.unfinished)
     }
 }
 
-/// Calls `each` with the whole events at the start of `buf`; returns the bytes they span.
-fn split_whole(buf: &[u8], each: &mut impl FnMut(&[u8])) -> usize {
+/// Calls `each` with the whole events at the start of `buf`, the first searched from `from`
+/// on; returns the bytes they span.
+fn split_whole(buf: &[u8], from: usize, each: &mut impl FnMut(&[u8])) -> usize {
     let mut start = 0;
-    while let Some(end) = buf.get(start..).and_then(event_end) {
+    let mut search_from = from;
+    while let Some(end) = buf
+        .get(start..)
+        .and_then(|rest| event_end(rest, search_from))
+    {
         if let Some(event) = buf.get(start..start + end) {
             each(event);
         }
         start += end;
+        search_from = 0;
     }
     start
 }
 
 /// The length of the first event in `buf`, through the blank line that ends it (`\n\n` or
-/// `\r\n\r\n`, as servers write them), if it is complete.
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
+/// `\r\n\r\n`, as servers write them), if it is complete; the search starts at `from`.
+fn event_end(buf: &[u8], mut from: usize) -> Option<usize> {
     loop {
         let newline = from + buf.get(from..)?.iter().position(|&b| b == b'\n')?;
         match buf.get(newline + 1..) {
@@ -187,6 +224,39 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_event_that_never_ends_is_not_kept_without_bound() {
+        let mut events = SseEvents::default();
+        let mut passed = 0usize;
+        let piece = vec![b'a'; 64 * 1024];
+        for _ in 0..64 {
+            events.split(&piece, |bytes| passed += bytes.len());
+        }
+        assert!(events.unfinished.len() <= MAX_EVENT_BYTES);
+        assert_eq!(
+            passed + events.unfinished.len(),
+            64 * piece.len(),
+            "nothing lost"
+        );
+        // Past it, chunks pass as they come.
+        let mut seen = Vec::new();
+        events.split(b"data: {}\n\n", |bytes| seen.push(bytes.to_vec()));
+        assert_eq!(seen, vec![b"data: {}\n\n".to_vec()]);
+    }
+
+    #[test]
+    fn an_end_split_across_chunks_is_found() {
+        for cut in 1..12 {
+            let stream = b"data: 1\r\n\r\ndata: 2\n\n";
+            let (a, b) = stream.split_at(cut.min(stream.len()));
+            assert_eq!(
+                events_of(&[a, b]),
+                vec!["data: 1\r\n\r\n", "data: 2\n\n"],
+                "cut at {cut}"
+            );
+        }
+    }
 
     const STREAM: &str = include_str!("../../../tests/fixtures/vllm-chat-stream.sse");
 
