@@ -1,12 +1,12 @@
-//! The simulator's own control endpoints under `/sim/`: faults and stats. They are not counted
-//! in the stats and also answer on the admin port.
+//! The simulator's own control endpoints under `/sim/`: faults, phantom KV pressure and stats.
+//! They are not counted in the stats and also answer on the admin port.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::Method;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::faults::Faults;
 use crate::openai::{self, ApiError};
@@ -35,8 +35,57 @@ pub async fn serve(
             shared.set_faults(Faults::default());
             to_json(&Faults::default())
         }
+        (&Method::GET, "kv") => to_json(&KvJson::of(shared)),
+        (&Method::POST | &Method::PUT, "kv") => match read_json::<PhantomKv>(shared, body).await {
+            Ok(PhantomKv { phantom_usage }) if (0.0..=1.0).contains(&phantom_usage) => {
+                shared.engine.set_phantom_usage(phantom_usage);
+                tracing::info!(phantom_usage, "phantom KV usage set");
+                to_json(&KvJson::of(shared))
+            }
+            Ok(PhantomKv { phantom_usage }) => bad_request(
+                shared,
+                &format!("invalid kv: phantom_usage must be between 0 and 1, got {phantom_usage}"),
+            ),
+            Err(error) => bad_request(shared, &format!("invalid kv: {error}")),
+        },
+        (&Method::DELETE, "kv") => {
+            shared.engine.set_phantom_usage(0.0);
+            to_json(&KvJson::of(shared))
+        }
         (&Method::GET, "stats") => to_json(&StatsJson::new(&shared.stats())),
         _ => server::not_found(),
+    }
+}
+
+/// `POST /sim/kv`: missing fields take their defaults, so `{}` (or an empty body) clears.
+/// Out-of-range values are refused rather than clamped: 90 for 90 % is a mistake to report.
+#[derive(Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct PhantomKv {
+    phantom_usage: f64,
+}
+
+/// The answer of every `/sim/kv` call: the phantom pressure and the usage it makes.
+#[derive(Serialize)]
+struct KvJson {
+    phantom_usage: f64,
+    phantom_blocks: u64,
+    used_blocks: u64,
+    total_blocks: u64,
+    /// What /metrics reports.
+    kv_usage: f64,
+}
+
+impl KvJson {
+    fn of(shared: &Shared) -> Self {
+        let engine = shared.engine.snapshot();
+        KvJson {
+            phantom_usage: shared.engine.phantom_usage(),
+            phantom_blocks: engine.phantom_blocks,
+            used_blocks: engine.used_blocks,
+            total_blocks: engine.total_blocks,
+            kv_usage: engine.kv_usage(),
+        }
     }
 }
 

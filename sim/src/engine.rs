@@ -6,6 +6,12 @@
 //! what `kv_usage` reports. At most `max_num_seqs` run; the rest wait in FIFO order. With
 //! `oom_on_overload`, a request whose reservation does not fit fails like a CUDA OOM instead of
 //! waiting.
+//!
+//! Phantom blocks (`set_phantom_usage`) stand for memory taken by something the simulator does
+//! not model. They count as held and as reserved: new requests wait (or OOM) as on a full GPU,
+//! and a running request that needs a block that is no longer free is preempted, as vLLM does:
+//! it gives back its blocks and batch slot, goes to the head of the queue, and recomputes what
+//! it had when it runs again.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,12 +25,18 @@ struct State {
     running: u32,
     waiting: VecDeque<Waiter>,
     next_id: u64,
+    phantom_blocks: u64,
+    /// The share asked for, as given (the blocks are rounded up from it).
+    phantom_usage: f64,
+    preemptions: u64,
 }
 
 #[derive(Debug)]
 struct Waiter {
     id: u64,
     need_blocks: u64,
+    /// A preempted request: it waits for room even in OOM mode, since it was already running.
+    resumes: bool,
     /// Told when the request is admitted (or refused, in OOM mode).
     turn: oneshot::Sender<Result<(), Refusal>>,
 }
@@ -53,17 +65,24 @@ pub struct Engine {
 pub struct EngineSnapshot {
     pub running: u32,
     pub waiting: u32,
+    /// Blocks held by requests (phantom blocks not included).
     pub used_blocks: u64,
     pub reserved_blocks: u64,
     pub total_blocks: u64,
+    /// Blocks taken by phantom KV pressure (`Sim::set_phantom_kv`).
+    pub phantom_blocks: u64,
+    /// Requests preempted since the start (`vllm:num_preemptions_total`).
+    pub preemptions: u64,
 }
 
 impl EngineSnapshot {
+    /// The share of the cache in use, phantom blocks included, at most 1.
     pub fn kv_usage(&self) -> f64 {
         if self.total_blocks == 0 {
             0.0
         } else {
-            self.used_blocks as f64 / self.total_blocks as f64
+            let taken = (self.used_blocks + self.phantom_blocks).min(self.total_blocks);
+            taken as f64 / self.total_blocks as f64
         }
     }
 }
@@ -93,6 +112,9 @@ impl Engine {
                 running: 0,
                 waiting: VecDeque::new(),
                 next_id: 0,
+                phantom_blocks: 0,
+                phantom_usage: 0.0,
+                preemptions: 0,
             }),
         })
     }
@@ -116,7 +138,40 @@ impl Engine {
             used_blocks: state.used,
             reserved_blocks: state.reserved,
             total_blocks: self.total_blocks,
+            phantom_blocks: state.phantom_blocks,
+            preemptions: state.preemptions,
         }
+    }
+
+    /// Take `usage` (0..=1) of the cache with phantom blocks; 0 gives them back. The blocks
+    /// are rounded up, so the usage reported is at least `usage`.
+    pub fn set_phantom_usage(&self, usage: f64) {
+        // NaN would poison every comparison below: treat it as "no pressure".
+        let usage = if usage.is_nan() {
+            0.0
+        } else {
+            usage.clamp(0.0, 1.0)
+        };
+        let total = self.total_blocks as f64;
+        let mut blocks = (usage * total).round() as u64;
+        if (blocks as f64) < usage * total {
+            blocks += 1;
+        }
+        let mut state = self.lock();
+        state.phantom_blocks = blocks.min(self.total_blocks);
+        state.phantom_usage = usage;
+        // Less pressure can let waiting requests in.
+        self.schedule(&mut state);
+    }
+
+    pub fn phantom_usage(&self) -> f64 {
+        self.lock().phantom_usage
+    }
+
+    /// Blocks neither reserved by a request nor taken by phantom pressure.
+    fn free_blocks(&self, state: &State) -> u64 {
+        self.total_blocks
+            .saturating_sub(state.reserved + state.phantom_blocks)
     }
 
     /// Ask to run a request that will need `total_tokens` (prompt + whole answer) in the cache.
@@ -129,7 +184,7 @@ impl Engine {
         };
         let mut state = self.lock();
         if state.waiting.is_empty() && state.running < self.max_num_seqs {
-            if state.reserved + need_blocks <= self.total_blocks {
+            if need_blocks <= self.free_blocks(&state) {
                 state.reserved += need_blocks;
                 state.running += 1;
                 return Ok(Admission::Running(self.ticket(need_blocks)));
@@ -137,7 +192,7 @@ impl Engine {
             if self.oom {
                 return Err(Refusal::Oom {
                     need_blocks,
-                    free_blocks: self.total_blocks.saturating_sub(state.reserved),
+                    free_blocks: self.free_blocks(&state),
                 });
             }
         }
@@ -146,20 +201,35 @@ impl Engine {
                 return Err(Refusal::QueueFull);
             }
         }
+        Ok(Admission::Queued(self.enqueue(
+            &mut state,
+            need_blocks,
+            false,
+        )))
+    }
+
+    /// Queue a request: new ones at the back, preempted ones (`resumes`) at the head.
+    fn enqueue(self: &Arc<Self>, state: &mut State, need_blocks: u64, resumes: bool) -> Pending {
         let id = state.next_id;
         state.next_id += 1;
         let (turn, turn_received) = oneshot::channel();
-        state.waiting.push_back(Waiter {
+        let waiter = Waiter {
             id,
             need_blocks,
+            resumes,
             turn,
-        });
-        Ok(Admission::Queued(Pending {
+        };
+        if resumes {
+            state.waiting.push_front(waiter);
+        } else {
+            state.waiting.push_back(waiter);
+        }
+        Pending {
             engine: Arc::clone(self),
             id,
             need_blocks,
             turn: Some(turn_received),
-        }))
+        }
     }
 
     fn ticket(self: &Arc<Self>, reserved: u64) -> Ticket {
@@ -167,6 +237,7 @@ impl Engine {
             engine: Arc::clone(self),
             reserved,
             held: 0,
+            in_batch: true,
         }
     }
 
@@ -177,8 +248,8 @@ impl Engine {
                 break;
             };
             let need_blocks = head.need_blocks;
-            let fits = state.reserved + need_blocks <= self.total_blocks;
-            if !fits && !self.oom {
+            let fits = need_blocks <= self.free_blocks(state);
+            if !fits && (!self.oom || head.resumes) {
                 break;
             }
             let Some(waiter) = state.waiting.pop_front() else {
@@ -193,10 +264,9 @@ impl Engine {
                     state.running -= 1;
                 }
             } else {
-                let free_blocks = self.total_blocks.saturating_sub(state.reserved);
                 let _ = waiter.turn.send(Err(Refusal::Oom {
                     need_blocks,
-                    free_blocks,
+                    free_blocks: self.free_blocks(state),
                 }));
             }
         }
@@ -209,27 +279,59 @@ pub struct Ticket {
     engine: Arc<Engine>,
     reserved: u64,
     held: u64,
+    /// False once preempted: the blocks and the slot were given back already.
+    in_batch: bool,
 }
 
 impl Ticket {
     /// Record that the request now has `tokens` tokens (prompt + generated) in the cache.
-    pub fn set_tokens(&mut self, tokens: u64) {
+    ///
+    /// `Some` when the blocks it needs are not free (phantom pressure): the request was
+    /// preempted and waits at the head of the queue. Await the `Pending` for a new ticket, then
+    /// set the tokens again; this ticket no longer holds anything.
+    #[must_use = "a preempted request must wait for its turn again"]
+    pub fn set_tokens(&mut self, tokens: u64) -> Option<Pending> {
         let wanted = self.engine.blocks_for(tokens).min(self.reserved);
-        if wanted != self.held {
-            let mut state = self.engine.lock();
-            state.used = state.used + wanted - self.held;
-            self.held = wanted;
+        if !self.in_batch || wanted == self.held {
+            return None;
         }
+        let engine = Arc::clone(&self.engine);
+        let mut state = engine.lock();
+        let growth = wanted.saturating_sub(self.held);
+        if growth > 0 && state.used + state.phantom_blocks + growth > engine.total_blocks {
+            return Some(self.preempt(&mut state));
+        }
+        state.used = state.used + wanted - self.held;
+        self.held = wanted;
+        None
+    }
+
+    /// Give back the blocks and the batch slot, and queue again at the head.
+    fn preempt(&mut self, state: &mut State) -> Pending {
+        self.release(state);
+        state.preemptions += 1;
+        let pending = self.engine.enqueue(state, self.reserved, true);
+        self.engine.schedule(state);
+        pending
+    }
+
+    fn release(&mut self, state: &mut State) {
+        state.used = state.used.saturating_sub(self.held);
+        state.reserved = state.reserved.saturating_sub(self.reserved);
+        state.running = state.running.saturating_sub(1);
+        self.held = 0;
+        self.in_batch = false;
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        if !self.in_batch {
+            return;
+        }
         let engine = Arc::clone(&self.engine);
         let mut state = engine.lock();
-        state.used = state.used.saturating_sub(self.held);
-        state.reserved = state.reserved.saturating_sub(self.reserved);
-        state.running = state.running.saturating_sub(1);
+        self.release(&mut state);
         engine.schedule(&mut state);
     }
 }
@@ -289,7 +391,7 @@ mod tests {
         let Ok(Admission::Running(mut first)) = engine.admit(64) else {
             panic!("first")
         };
-        first.set_tokens(20);
+        assert!(first.set_tokens(20).is_none());
         assert_eq!(engine.snapshot().used_blocks, 2);
         let Ok(Admission::Running(second)) = engine.admit(16) else {
             panic!("second")
@@ -336,5 +438,58 @@ mod tests {
         assert_eq!(engine.snapshot().waiting, 0);
         drop(running);
         assert_eq!(engine.snapshot().running, 0);
+    }
+
+    #[tokio::test]
+    async fn phantom_blocks_are_reported_and_make_new_requests_wait() {
+        let engine = Engine::new(10, 16, 8, None, false);
+        engine.set_phantom_usage(0.85);
+        let snapshot = engine.snapshot();
+        // Rounded up: at least the share asked for.
+        assert_eq!(snapshot.phantom_blocks, 9);
+        assert_eq!(snapshot.kv_usage(), 0.9);
+        assert_eq!(engine.phantom_usage(), 0.85);
+        // One block is free: a one-block request runs, a two-block one waits.
+        let Ok(Admission::Running(small)) = engine.admit(16) else {
+            panic!("small")
+        };
+        let Ok(Admission::Queued(large)) = engine.admit(32) else {
+            panic!("large")
+        };
+        engine.set_phantom_usage(0.0);
+        let large = large.wait().await.unwrap();
+        assert_eq!(engine.snapshot().running, 2);
+        drop((small, large));
+        engine.set_phantom_usage(f64::NAN);
+        assert_eq!(engine.snapshot().kv_usage(), 0.0);
+        engine.set_phantom_usage(7.0);
+        assert_eq!(engine.snapshot().kv_usage(), 1.0);
+    }
+
+    #[tokio::test]
+    async fn phantom_pressure_preempts_a_growing_request() {
+        let engine = Engine::new(10, 16, 8, None, true);
+        let Ok(Admission::Running(mut ticket)) = engine.admit(64) else {
+            panic!("running")
+        };
+        assert!(ticket.set_tokens(16).is_none());
+        engine.set_phantom_usage(1.0);
+        // Within its block it goes on; the next block is not free.
+        assert!(ticket.set_tokens(16).is_none());
+        let preempted = ticket.set_tokens(17).expect("preempted");
+        let snapshot = engine.snapshot();
+        assert_eq!((snapshot.running, snapshot.waiting), (0, 1));
+        assert_eq!((snapshot.used_blocks, snapshot.preemptions), (0, 1));
+        // Even in OOM mode the preempted request waits for room, and new ones queue behind it.
+        let Ok(Admission::Queued(behind)) = engine.admit(16) else {
+            panic!("behind")
+        };
+        engine.set_phantom_usage(0.0);
+        let mut ticket = preempted.wait().await.unwrap();
+        assert!(ticket.set_tokens(17).is_none());
+        assert_eq!(engine.snapshot().used_blocks, 2);
+        let behind = behind.wait().await.unwrap();
+        drop((ticket, behind));
+        assert_eq!(engine.snapshot().reserved_blocks, 0);
     }
 }

@@ -6,9 +6,10 @@
 //! benchmarks run it in process; the `vllm-sim` binary serves the same thing on a port.
 //!
 //! [`start`] binds an instance described by a [`SimConfig`] and returns a [`Sim`] handle. The
-//! handle switches [`Faults`] ([`Sim::set_faults`]), shows what reached the instance
-//! ([`Sim::stats`]) and the state of its engine ([`Sim::engine_state`]). The same controls are
-//! served over HTTP under `/sim/`; `README.md` describes them and the wire details.
+//! handle switches [`Faults`] ([`Sim::set_faults`]), adds phantom KV pressure
+//! ([`Sim::set_phantom_kv`]), shows what reached the instance ([`Sim::stats`]) and the state of
+//! its engine ([`Sim::engine_state`]). The same controls are served over HTTP under `/sim/`;
+//! `README.md` describes them and the wire details.
 //!
 //! ```
 //! use vllm_sim::{Faults, Profile, SimConfig};
@@ -23,6 +24,9 @@
 //!     // From now on every second completion request is answered with a 503.
 //!     sim.set_faults(Faults::error_rate(0.5, 503));
 //!     assert_eq!(sim.stats().requests_total, 0);
+//!     // Nine tenths of the KV cache taken by something else: a nearly full GPU.
+//!     sim.set_phantom_kv(0.9);
+//!     assert!(sim.kv_usage() >= 0.9);
 //!     assert!(sim.metrics_text().contains("vllm:kv_cache_usage_perc"));
 //!     sim.shutdown();
 //!     Ok(())
@@ -252,6 +256,23 @@ impl Sim {
     /// What `GET /metrics` returns.
     pub fn metrics_text(&self) -> String {
         self.shared.metrics_text()
+    }
+    /// Take `usage` (0..=1, clamped) of the KV cache with phantom blocks, held on top of the
+    /// requests' own, as if something else used that GPU memory; 0 gives them back. The usage
+    /// on /metrics (and [`Sim::kv_usage`]) is then at least `usage`; a new request that does
+    /// not fit waits (or gets the OOM error in OOM mode); a running request that needs a block
+    /// that is not free is preempted until there is room. Over HTTP: `POST /sim/kv`.
+    pub fn set_phantom_kv(&self, usage: f64) {
+        tracing::info!(usage, "phantom KV usage set");
+        self.shared.engine.set_phantom_usage(usage);
+    }
+    /// The phantom share set with [`Sim::set_phantom_kv`] (0.0 when there is none).
+    pub fn phantom_kv(&self) -> f64 {
+        self.shared.engine.phantom_usage()
+    }
+    /// Give the phantom blocks back: `set_phantom_kv(0.0)`.
+    pub fn clear_phantom_kv(&self) {
+        self.set_phantom_kv(0.0);
     }
     /// Serve only `/sim/*` and `/metrics` on a second address; it keeps answering while the
     /// main port refuses connections. Returns the bound address.

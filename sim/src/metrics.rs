@@ -215,6 +215,11 @@ impl Metrics {
         if let (false, Some(spec)) = (v1, &spec) {
             self.render_spec_gauges_v0(&mut out, spec);
         }
+        out.counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            engine.preemptions as f64,
+        );
         self.render_token_counters(&mut out);
         if let (false, Some(spec)) = (v1, &spec) {
             render_spec_counters_v0(&mut out, spec);

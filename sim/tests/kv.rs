@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::json;
-use vllm_sim::SimConfig;
+use vllm_sim::{MetricsFlavor, Sim, SimConfig};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -129,5 +129,185 @@ async fn oom_mode_fails_like_cuda_oom() {
     assert!(sim.metrics_text().contains(&format!(
         "sim_oom_total{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {ooms}.0"
     )));
+    sim.shutdown();
+}
+
+fn kv_url(sim: &Sim) -> String {
+    format!("{}/sim/kv", sim.url())
+}
+
+#[tokio::test]
+async fn phantom_kv_shows_on_both_metric_flavours_and_clearing_restores_the_real_value() {
+    for (flavor, name) in [
+        (MetricsFlavor::V1, "vllm:kv_cache_usage_perc"),
+        (MetricsFlavor::V0, "vllm:gpu_cache_usage_perc"),
+    ] {
+        let config = SimConfig::default()
+            .with_metrics(flavor)
+            .with_latency(token_every(Duration::from_secs(10)))
+            .with_answer_tokens(40, 40)
+            .with_kv(1000, 16);
+        let sim = sim(config).await;
+        // A request in flight holds real blocks: (ceil(7 prompt + 1 token) / 16) = 1 block.
+        let in_flight = send(&sim, CHAT, &streaming(chat_body("hold a block"))).await;
+        let watched = sim.clone();
+        wait_until(
+            move || watched.engine_state().used_blocks == 1,
+            "one block held",
+        )
+        .await;
+        let real = metric_value(&sim.metrics_text(), name);
+        assert_eq!(real, 0.001);
+
+        sim.set_phantom_kv(0.9);
+        assert_eq!(sim.phantom_kv(), 0.9);
+        let pressed = metric_value(&sim.metrics_text(), name);
+        assert!(pressed >= 0.9, "{pressed}");
+        assert_eq!(pressed, 0.901);
+        assert_eq!(sim.kv_usage(), pressed);
+        assert_eq!(sim.stats().kv_usage, pressed);
+
+        sim.clear_phantom_kv();
+        assert_eq!(metric_value(&sim.metrics_text(), name), real);
+        assert_eq!(sim.phantom_kv(), 0.0);
+        drop(in_flight);
+        sim.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn phantom_kv_over_http() {
+    let sim = sim(SimConfig::default().with_kv(1000, 16)).await;
+    let (status, kv) = post_text(&kv_url(&sim), r#"{"phantom_usage": 0.9}"#).await;
+    assert_eq!(status, 200, "{kv}");
+    assert_eq!(kv["phantom_usage"], 0.9);
+    assert_eq!(kv["phantom_blocks"], 900);
+    assert_eq!(kv["kv_usage"], 0.9);
+    assert_eq!(get_json(&kv_url(&sim)).await["kv_usage"], 0.9);
+    let text = reqwest::get(format!("{}/metrics", sim.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric_value(&text, "vllm:kv_cache_usage_perc"), 0.9);
+    // Out of range or unknown fields: refused, the setting stays.
+    for bad in [
+        r#"{"phantom_usage": 90}"#,
+        r#"{"phantom_usage": -0.1}"#,
+        r#"{"usage": 0.5}"#,
+    ] {
+        let (status, body) = post_text(&kv_url(&sim), bad).await;
+        assert_eq!(status, 400, "{bad}");
+        assert!(error_field(&body, "message")
+            .as_str()
+            .unwrap()
+            .starts_with("invalid kv"));
+    }
+    assert_eq!(sim.phantom_kv(), 0.9);
+    // `{}`, `{"phantom_usage": 0}` and DELETE all clear.
+    for (method, body) in [
+        ("POST", "{}"),
+        ("POST", r#"{"phantom_usage": 0}"#),
+        ("DELETE", ""),
+    ] {
+        sim.set_phantom_kv(0.5);
+        let response = client()
+            .request(method.parse().unwrap(), kv_url(&sim))
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let kv: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(
+            (kv["phantom_usage"].as_f64(), kv["kv_usage"].as_f64()),
+            (Some(0.0), Some(0.0))
+        );
+    }
+    // Control calls are not requests to the model.
+    assert_eq!(sim.stats().requests_total, 1);
+    sim.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phantom_kv_makes_new_requests_wait_or_oom() {
+    let sim = sim(SimConfig::default().with_kv(100, 16)).await;
+    sim.set_phantom_kv(1.0);
+    let waiting = sim.clone();
+    let request = tokio::spawn(async move { post(&waiting, CHAT, &chat_body("wait")).await.0 });
+    let watched = sim.clone();
+    wait_until(
+        move || watched.engine_state().waiting == 1,
+        "the request queued",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        (sim.engine_state().running, sim.engine_state().waiting),
+        (0, 1)
+    );
+    assert!(!request.is_finished());
+    sim.clear_phantom_kv();
+    assert_eq!(request.await.unwrap(), 200);
+    sim.shutdown();
+
+    // In OOM mode the same request fails at once, as on a full GPU.
+    let sim = common::sim(SimConfig::default().with_kv(100, 16).with_oom(true)).await;
+    sim.set_phantom_kv(1.0);
+    let (status, body) = post(&sim, CHAT, &chat_body("oom")).await;
+    assert_eq!(status, 500);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("CUDA out of memory"));
+    sim.clear_phantom_kv();
+    assert_eq!(post(&sim, CHAT, &chat_body("fits")).await.0, 200);
+    sim.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phantom_kv_preempts_a_running_stream_until_cleared() {
+    let config = SimConfig::default()
+        .with_latency(token_every(Duration::from_millis(10)))
+        .with_answer_tokens(40, 40)
+        .with_kv(100, 16);
+    let sim = sim(config).await;
+    let mut body = streaming(chat_body("preempt me"));
+    body["stream_options"] = json!({"include_usage": true});
+    let stream = {
+        let sim = sim.clone();
+        tokio::spawn(async move { send(&sim, CHAT, &body).await.text().await.unwrap() })
+    };
+    let watched = sim.clone();
+    wait_until(move || watched.engine_state().running == 1, "running").await;
+    sim.set_phantom_kv(1.0);
+    // It goes on within its blocks, and is preempted when it needs the next one.
+    let watched = sim.clone();
+    wait_until(
+        move || {
+            let engine = watched.engine_state();
+            (engine.running, engine.waiting, engine.used_blocks) == (0, 1, 0)
+        },
+        "the stream preempted",
+    )
+    .await;
+    let text = sim.metrics_text();
+    assert_eq!(metric_value(&text, "vllm:num_preemptions_total"), 1.0);
+    assert_eq!(metric_value(&text, "vllm:kv_cache_usage_perc"), 1.0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        sim.engine_state().running,
+        0,
+        "stays preempted under pressure"
+    );
+    sim.clear_phantom_kv();
+    // It resumes where it stopped: every token once, then the finish and usage chunks.
+    let events = json_events(&sse_events(&stream.await.unwrap()));
+    let usage = &events[events.len() - 1]["usage"];
+    assert_eq!(usage["completion_tokens"], 40);
+    assert_eq!(events.len(), 1 + 40 + 1 + 1);
+    assert_eq!(sim.stats().completed, 1);
+    assert_eq!(sim.engine_state().used_blocks, 0);
     sim.shutdown();
 }

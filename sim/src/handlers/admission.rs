@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::errors;
+use super::generation::{sleep, Generation};
 use crate::engine::{Admission, Refusal, Ticket};
 use crate::openai::ApiError;
 use crate::Shared;
@@ -17,8 +18,24 @@ pub async fn wait_for_turn(admission: Admission) -> Result<Ticket, Refusal> {
 }
 
 /// Record that the request now holds `tokens` (prompt + generated) in the KV cache.
-pub async fn hold(ticket: &mut Ticket, tokens: u64) -> Result<(), Refusal> {
-    ticket.set_tokens(tokens);
+///
+/// When those blocks are not free (phantom pressure) the engine preempts the request: it waits
+/// for its turn again, then recomputes its cache, a prefill of all `tokens`, as vLLM does.
+pub async fn hold(
+    ticket: &mut Ticket,
+    tokens: u64,
+    generation: &Generation,
+) -> Result<(), Refusal> {
+    let mut preempted = false;
+    while let Some(pending) = ticket.set_tokens(tokens) {
+        tracing::debug!(tokens, "request preempted: KV blocks not free");
+        *ticket = pending.wait().await?;
+        preempted = true;
+    }
+    if preempted {
+        let recomputed = u32::try_from(tokens).unwrap_or(u32::MAX);
+        sleep(generation.prefill_delay(recomputed)).await;
+    }
     Ok(())
 }
 

@@ -39,12 +39,12 @@ async fn generate(
 ) -> Result<Ticket, Refusal> {
     let mut ticket = admission::wait_for_turn(admission).await?;
     let prompt_tokens = u64::from(answer.prompt_tokens());
-    admission::hold(&mut ticket, prompt_tokens).await?;
+    admission::hold(&mut ticket, prompt_tokens, generation).await?;
     generation.count_prompt(prompt_tokens);
     sleep(generation.prefill_delay(answer.prompt_tokens())).await;
     if generation.is_zero_latency() {
         let all = u64::from(answer.completion_tokens());
-        admission::hold(&mut ticket, prompt_tokens + all).await?;
+        admission::hold(&mut ticket, prompt_tokens + all, generation).await?;
         generation.step(all);
         return Ok(ticket);
     }
@@ -55,7 +55,7 @@ async fn generate(
         }
         let tokens = answer.tokens_at(step);
         held += tokens;
-        admission::hold(&mut ticket, held).await?;
+        admission::hold(&mut ticket, held, generation).await?;
         generation.step(tokens);
     }
     Ok(ticket)

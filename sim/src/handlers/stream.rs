@@ -128,7 +128,7 @@ async fn run(
         return;
     };
     let prompt_tokens = u64::from(answer.prompt_tokens());
-    if let Flow::Stop = hold(&mut events, &mut ticket, prompt_tokens).await {
+    if let Flow::Stop = hold(&mut events, &mut ticket, prompt_tokens, &generation).await {
         return;
     }
     generation.count_prompt(prompt_tokens);
@@ -167,10 +167,15 @@ async fn admit(events: &mut EventSender, admission: Admission) -> Option<Ticket>
     }
 }
 
-/// Hold `tokens` in the KV cache; a refusal becomes an error event.
-async fn hold(events: &mut EventSender, ticket: &mut Ticket, tokens: u64) -> Flow {
+/// Hold `tokens` in the KV cache (waiting out a preemption); a refusal becomes an error event.
+async fn hold(
+    events: &mut EventSender,
+    ticket: &mut Ticket,
+    tokens: u64,
+    generation: &Generation,
+) -> Flow {
     match events
-        .unless_client_gone(admission::hold(ticket, tokens))
+        .unless_client_gone(admission::hold(ticket, tokens, generation))
         .await
     {
         Some(Ok(())) => Flow::Continue,
@@ -200,7 +205,7 @@ async fn send_tokens(
         }
         let tokens = answer.tokens_at(step);
         held += tokens;
-        if let Flow::Stop = hold(events, ticket, held).await {
+        if let Flow::Stop = hold(events, ticket, held, generation).await {
             return Flow::Stop;
         }
         generation.step(tokens);

@@ -189,6 +189,15 @@ pub fn json_events(events: &[String]) -> Vec<Value> {
         .collect()
 }
 
+/// The value of the first sample of `name` in a /metrics text (labels ignored).
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|line| line.starts_with(&format!("{name}{{")))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"))
+}
+
 pub async fn wait_until(mut condition: impl FnMut() -> bool, what: &str) {
     for _ in 0..500 {
         if condition() {
