@@ -420,3 +420,98 @@ async fn stats_record_full_bodies() {
     assert_eq!(summary["recent"][0]["body_truncated"], true);
     sim.shutdown();
 }
+
+/// A completion prompt of exactly `tokens` tokens (4 bytes each).
+fn prompt_of(tokens: usize) -> String {
+    "abcd".repeat(tokens)
+}
+
+#[tokio::test]
+async fn requests_over_max_model_len_get_vllms_400() {
+    let sim = sim(SimConfig::default().with_max_model_len(100)).await;
+    let complete = |prompt_tokens: usize, max_tokens: Option<u32>| {
+        let mut body = json!({"prompt": prompt_of(prompt_tokens), "temperature": 0});
+        if let Some(max_tokens) = max_tokens {
+            body["max_tokens"] = json!(max_tokens);
+        }
+        body
+    };
+    // prompt + max_tokens == max_model_len still fits.
+    let (status, answer) = post(&sim, "/v1/completions", &complete(60, Some(40))).await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, body) = post(&sim, "/v1/completions", &complete(60, Some(41))).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        skeleton(&body),
+        skeleton(&json_fixture("vllm-error-new.json"))
+    );
+    assert_eq!(body["error"]["type"], "BadRequestError");
+    assert_eq!(
+        body["error"]["message"],
+        "'max_tokens' or 'max_completion_tokens' is too large: 41. This model's maximum context length is 100 tokens and your request has 60 input tokens (41 > 100 - 60)."
+    );
+    // Without max_tokens only a prompt that fills the context is refused; a shorter one gets
+    // the rest of the context as its budget.
+    let (status, body) = post(&sim, "/v1/completions", &complete(100, None)).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        body["error"]["message"],
+        "This model's maximum context length is 100 tokens. However, your request has 100 input tokens. Please reduce the length of the input messages."
+    );
+    let (status, answer) = post(&sim, "/v1/completions", &complete(99, None)).await;
+    assert_eq!(status, 200);
+    assert_eq!(answer["usage"]["completion_tokens"], 1);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    // Chat counts its template and takes max_completion_tokens; a stream is refused before it
+    // starts, with a plain JSON error.
+    let chat = json!({"messages": [{"role": "user", "content": "x".repeat(4 * 50 - 16)}],
+                      "max_completion_tokens": 51, "stream": true});
+    let response = send(&sim, CHAT, &chat).await;
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["error"]["message"],
+        "'max_tokens' or 'max_completion_tokens' is too large: 51. This model's maximum context length is 100 tokens and your request has 50 input tokens (51 > 100 - 50)."
+    );
+    assert_eq!(sim.stats().completed, 2);
+    sim.shutdown();
+}
+
+#[tokio::test]
+async fn max_model_len_errors_in_the_old_shape() {
+    let sim = sim(SimConfig::default()
+        .with_max_model_len(100)
+        .with_error_shape(ErrorShape::Old))
+    .await;
+    let (status, body) = post(
+        &sim,
+        "/v1/completions",
+        &json!({"prompt": prompt_of(60), "max_tokens": 41}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        skeleton(&body),
+        skeleton(&json_fixture("vllm-error-old.json"))
+    );
+    assert_eq!(
+        body["message"],
+        "This model's maximum context length is 100 tokens. However, you requested 101 tokens (60 in the messages, 41 in the completion). Please reduce the length of the messages or completion."
+    );
+    let (status, body) = post(&sim, "/v1/completions", &json!({"prompt": prompt_of(100)})).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        body["message"],
+        "This model's maximum context length is 100 tokens. However, you requested 100 tokens in the messages, Please reduce the length of the messages."
+    );
+    sim.shutdown();
+}
+
+#[test]
+fn max_model_len_defaults_per_profile() {
+    use vllm_sim::Profile;
+    assert_eq!(SimConfig::default().max_model_len, 32768);
+    assert_eq!(SimConfig::profile(Profile::Draft).max_model_len, 8192);
+    assert_eq!(SimConfig::profile(Profile::Target).max_model_len, 32768);
+}
