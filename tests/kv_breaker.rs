@@ -1,10 +1,10 @@
 //! The KV-pressure breaker end to end, against a simulator in its out-of-memory mode: a burst
 //! of long requests overflows the KV cache without the breaker and never with it.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
+use sluice_testkit::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,10 +12,10 @@ use vllm_sim::{Latency, SimConfig};
 
 const MODEL: &str = "test-model";
 
-const FAST_HEALTH: &str =
-    "    health:\n      interval: 100ms\n      timeout: 300ms\n      stale_after: 1s\n";
-
-const BREAKER_ON: &str = "plugins:\n  kv_breaker:\n    enabled: true\n";
+/// The `plugins` section that turns the breaker on, with default thresholds.
+fn breaker_on() -> Value {
+    json!({"kv_breaker": {"enabled": true}})
+}
 
 /// 1000 blocks of 16 tokens; every answer is 300 tokens at 5 ms each (1.5 s), and a request
 /// that does not fit the free blocks fails like a CUDA OOM.
@@ -69,12 +69,9 @@ async fn burst(proxy: &Arc<Proxy>, sheddable: usize, critical: usize) -> Burst {
         };
         let proxy = proxy.clone();
         tasks.push(tokio::spawn(async move {
-            let r = ask(
-                &proxy.url("/v1/chat/completions"),
-                &long_request(i),
-                &[("x-sluice-priority", priority)],
-            )
-            .await;
+            let r = proxy
+                .ask(&long_request(i), &[("x-sluice-priority", priority)])
+                .await;
             let retry_after = r
                 .headers
                 .get("retry-after")
@@ -89,25 +86,29 @@ async fn burst(proxy: &Arc<Proxy>, sheddable: usize, critical: usize) -> Burst {
     Burst { statuses }
 }
 
-async fn start(sim: &vllm_sim::Sim, plugins: &str) -> Arc<Proxy> {
-    let config = format!(
-        "pools:\n{}{plugins}",
-        pool("main", &[MODEL], &[sim.addr()], FAST_HEALTH)
-    );
-    let proxy = Proxy::start(&config).await;
+/// A proxy in front of `sim` with the `plugins` section `plugins`.
+async fn start(sim: &vllm_sim::Sim, plugins: Value) -> Arc<Proxy> {
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()]).with_fast_health_checks()],
+        "plugins": plugins,
+    }))
+    .await;
     // The breaker needs to know the cache's size before the burst.
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "main", sim.addr()).await["kv_capacity_tokens"] == 16_000
+        proxy.backend_status("main", sim.addr()).await["kv_capacity_tokens"] == 16_000
     })
     .await
     .is_some());
     Arc::new(proxy)
 }
 
+/// A control of the simulator, not a test of Sluice: the burst the breaker test sends does run
+/// the simulated KV cache out of memory when nothing sheds, so that "no OOM with the breaker"
+/// there means something.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_the_breaker_a_burst_runs_the_kv_cache_out_of_memory() {
+async fn simulator_control_a_burst_without_the_breaker_runs_the_kv_cache_out_of_memory() {
     let sim = oom_sim().await;
-    let proxy = start(&sim, "").await;
+    let proxy = start(&sim, json!({})).await;
     let b = burst(&proxy, 60, 5).await;
     let oom = sim.stats().oom;
     assert!(oom > 0, "the simulator ran out of KV cache: {oom}");
@@ -118,7 +119,7 @@ async fn without_the_breaker_a_burst_runs_the_kv_cache_out_of_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
     let sim = oom_sim().await;
-    let proxy = start(&sim, BREAKER_ON).await;
+    let proxy = start(&sim, breaker_on()).await;
     // The shedding gauge, watched while the burst runs: it is on while the pool is full,
     // and may be off again by the time the burst's last answer is in.
     let watching = Arc::new(AtomicBool::new(true));
@@ -127,10 +128,11 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
         async move {
             let mut seen = Vec::new();
             while watching.load(Ordering::Relaxed) {
-                seen.push(metric_value(
-                    &metrics_text(&proxy).await,
-                    r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#,
-                ));
+                seen.push(
+                    proxy
+                        .metric(r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#)
+                        .await,
+                );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             seen
@@ -156,7 +158,7 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
             assert!((1..=30).contains(&secs), "{secs}");
         }
     }
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric_value(
             &metrics,
@@ -180,24 +182,20 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
     // Recovery: once the burst is over and a scrape shows it, traffic is admitted again and
     // the breaker closes.
     let recovered = wait_for(Duration::from_secs(5), || async {
-        ask(
-            &proxy.url("/v1/chat/completions"),
-            &long_request(9999),
-            &[("x-sluice-priority", "sheddable")],
-        )
-        .await
-        .status
+        proxy
+            .ask(&long_request(9999), &[("x-sluice-priority", "sheddable")])
+            .await
+            .status
             == 200
     })
     .await;
     assert!(recovered.is_some());
-    let status = status(&proxy).await;
+    let status = proxy.status().await;
     assert_eq!(status["pools"][0]["breaker"]["state"], "closed", "{status}");
     assert_eq!(
-        metric_value(
-            &metrics_text(&proxy).await,
-            r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#
-        ),
+        proxy
+            .metric(r#"sluice_breaker_shedding{pool="main",priority="sheddable"}"#)
+            .await,
         Some(0.0)
     );
 }
@@ -206,15 +204,23 @@ async fn the_breaker_sheds_low_priority_first_and_prevents_oom_then_recovers() {
 async fn an_over_pressure_pool_sends_requests_to_another_pool_of_the_model() {
     let full = oom_sim().await;
     let spare = oom_sim().await;
-    let config = format!(
-        "pools:\n{}{}{BREAKER_ON}    thresholds:\n      sheddable: {{shed_above: 0.1, resume_below: 0.05}}\n      standard: {{shed_above: 0.2, resume_below: 0.15}}\n",
-        pool("first", &[MODEL], &[full.addr()], FAST_HEALTH),
-        pool("second", &[MODEL], &[spare.addr()], FAST_HEALTH),
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("first", &[MODEL], &[full.addr()]).with_fast_health_checks(),
+            pool("second", &[MODEL], &[spare.addr()]).with_fast_health_checks(),
+        ],
+        "plugins": {"kv_breaker": {
+            "enabled": true,
+            "thresholds": {
+                "sheddable": {"shed_above": 0.1, "resume_below": 0.05},
+                "standard": {"shed_above": 0.2, "resume_below": 0.15},
+            },
+        }},
+    }))
+    .await;
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "second", spare.addr()).await["kv_capacity_tokens"] == 16_000
-            && backend_status(&proxy, "first", full.addr()).await["kv_capacity_tokens"] == 16_000
+        proxy.backend_status("second", spare.addr()).await["kv_capacity_tokens"] == 16_000
+            && proxy.backend_status("first", full.addr()).await["kv_capacity_tokens"] == 16_000
     })
     .await
     .is_some());
@@ -232,21 +238,16 @@ async fn an_over_pressure_pool_sends_requests_to_another_pool_of_the_model() {
         }));
     }
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "first", full.addr()).await["kv_cache_usage"]
+        proxy.backend_status("first", full.addr()).await["kv_cache_usage"]
             .as_f64()
             .is_some_and(|kv| kv > 0.2)
     })
     .await
     .is_some());
-    let r = ask(
-        &proxy.url("/v1/chat/completions"),
-        &chat(MODEL, "hi", false),
-        &[],
-    )
-    .await;
+    let r = proxy.ask(&chat(MODEL, "hi", false), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.headers["x-sluice-pool"], "second");
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric_value(
             &metrics,
