@@ -1,6 +1,8 @@
 //! The benchmark harness's smoke run (tests/bench): every scenario with tiny loads, so the
 //! harness keeps working. It checks that each implemented scenario measured something and that
 //! no contender failed a request; it never looks at timings.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_harness_smoke_run() {

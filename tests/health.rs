@@ -1,10 +1,10 @@
 //! The health service end to end: live simulators scraped, garbage metrics, a backend that
 //! dies during a run, passive ejection, and KV-aware balancing.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use serde_json::json;
+use sluice_testkit::*;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,10 +12,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vllm_sim::{Faults, Latency, MetricsFlavor, SimConfig};
 
 const MODEL: &str = "test-model";
-
-/// Fast checks, so the tests do not wait long.
-const FAST_HEALTH: &str =
-    "    health:\n      interval: 100ms\n      timeout: 300ms\n      stale_after: 1s\n";
 
 async fn sim(config: SimConfig) -> vllm_sim::Sim {
     vllm_sim::start(config.with_model(MODEL))
@@ -30,28 +26,27 @@ async fn both_metric_generations_are_scraped_and_shown() {
         .with_kv(500, 16)
         .with_metrics(MetricsFlavor::V0))
     .await;
-    let config = format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[v1.addr(), v0.addr()], FAST_HEALTH)
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[v1.addr(), v0.addr()]).with_fast_health_checks()
+    ]}))
+    .await;
     let took = wait_for(Duration::from_secs(3), || async {
-        let a = backend_status(&proxy, "main", v1.addr()).await;
-        let b = backend_status(&proxy, "main", v0.addr()).await;
+        let a = proxy.backend_status("main", v1.addr()).await;
+        let b = proxy.backend_status("main", v0.addr()).await;
         a["health"] == "healthy" && b["health"] == "healthy"
     })
     .await;
-    assert!(took.is_some(), "{}", status(&proxy).await);
+    assert!(took.is_some(), "{}", proxy.status().await);
 
-    let a = backend_status(&proxy, "main", v1.addr()).await;
-    let b = backend_status(&proxy, "main", v0.addr()).await;
+    let a = proxy.backend_status("main", v1.addr()).await;
+    let b = proxy.backend_status("main", v0.addr()).await;
     assert_eq!(a["kv_capacity_tokens"], 16_000, "{a}");
     assert_eq!(b["kv_capacity_tokens"], 8_000, "{b}");
     assert_eq!(a["kv_cache_usage"], 0.0, "{a}");
     assert_eq!(b["running"], 0.0, "{b}");
     assert!(a["scraped_seconds_ago"].as_f64().unwrap() < 1.0, "{a}");
 
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     for backend in [v1.addr(), v0.addr()] {
         for series in [
             "sluice_backend_kv_cache_usage_ratio",
@@ -169,12 +164,11 @@ impl FakeVllm {
 async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
     let good = String::from_utf8(fixture("vllm-v1-metrics.txt")).unwrap();
     let fake = FakeVllm::start(MetricsAnswer::Page(good.clone())).await;
-    let config = format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[fake.addr], FAST_HEALTH)
-    );
-    let proxy = Proxy::start(&config).await;
-    let state = || async { backend_status(&proxy, "main", fake.addr).await };
+    let proxy = Proxy::start(
+        json!({"pools": [pool("main", &[MODEL], &[fake.addr]).with_fast_health_checks()]}),
+    )
+    .await;
+    let state = || async { proxy.backend_status("main", fake.addr).await };
     assert!(
         wait_for(Duration::from_secs(3), || async {
             state().await["health"] == "healthy"
@@ -204,7 +198,7 @@ async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
         let series = format!(
             r#"sluice_health_checks_total{{kind="metrics",pool="main",result="{result}"}}"#
         );
-        let before = metric_value(&metrics_text(&proxy).await, &series).unwrap_or(0.0);
+        let before = proxy.metric(&series).await.unwrap_or(0.0);
         fake.set(answer);
         // Stale after `stale_after` (1 s) without a good scrape; alive all the while.
         let took = wait_for(Duration::from_secs(3), || async {
@@ -212,7 +206,7 @@ async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
         })
         .await;
         assert!(took.is_some(), "{result}: {}", state().await);
-        let after = metric_value(&metrics_text(&proxy).await, &series).unwrap_or(0.0);
+        let after = proxy.metric(&series).await.unwrap_or(0.0);
         assert!(after > before, "{series}: {before} → {after}");
     }
     // The backend still serves: stale is not dead (the pool's only backend, so the default
@@ -258,13 +252,11 @@ async fn a_backend_killed_during_a_run_gets_no_new_requests_within_2s() {
     let a = sim(SimConfig::default().with_latency(latency.clone())).await;
     let b = sim(SimConfig::default().with_latency(latency)).await;
     // Default health settings (250 ms interval), as shipped.
-    let config = format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[a.addr(), b.addr()], "")
+    let proxy = Arc::new(
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[a.addr(), b.addr()])]})).await,
     );
-    let proxy = Arc::new(Proxy::start(&config).await);
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "main", a.addr()).await["health"] == "healthy"
+        proxy.backend_status("main", a.addr()).await["health"] == "healthy"
     })
     .await
     .is_some());
@@ -298,16 +290,15 @@ async fn a_backend_killed_during_a_run_gets_no_new_requests_within_2s() {
         ..Faults::default()
     });
     let dead_within = wait_for(Duration::from_secs(3), || async {
-        let s = backend_status(&proxy, "main", a.addr()).await;
+        let s = proxy.backend_status("main", a.addr()).await;
         s["health"] == "unhealthy" || s["health"] == "ejected"
     })
     .await;
     let connect_errors = || async {
-        metric_value(
-            &metrics_text(&proxy).await,
-            r#"sluice_upstream_attempts_total{outcome="connect_error",pool="main"}"#,
-        )
-        .unwrap_or(0.0)
+        proxy
+            .metric(r#"sluice_upstream_attempts_total{outcome="connect_error",pool="main"}"#)
+            .await
+            .unwrap_or(0.0)
     };
     tokio::time::sleep(Duration::from_secs(2).saturating_sub(killed.elapsed())).await;
     let attempts_at_2s = connect_errors().await;
@@ -342,11 +333,10 @@ async fn a_backend_killed_during_a_run_gets_no_new_requests_within_2s() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_engine_is_unhealthy_and_readyz_follows() {
     let a = sim(SimConfig::default()).await;
-    let config = format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[a.addr()], FAST_HEALTH)
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(
+        json!({"pools": [pool("main", &[MODEL], &[a.addr()]).with_fast_health_checks()]}),
+    )
+    .await;
     let ready = || async {
         client()
             .get(proxy.admin_url("/readyz"))
@@ -371,16 +361,11 @@ async fn a_dead_engine_is_unhealthy_and_readyz_follows() {
             .is_some()
     );
     assert_eq!(
-        backend_status(&proxy, "main", a.addr()).await["health"],
+        proxy.backend_status("main", a.addr()).await["health"],
         "unhealthy"
     );
     // With no backend left: 503 with retry-after, made by Sluice.
-    let r = ask(
-        &proxy.url("/v1/chat/completions"),
-        &chat(MODEL, "hi", false),
-        &[],
-    )
-    .await;
+    let r = proxy.ask(&chat(MODEL, "hi", false), &[]).await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert!(r.headers.get("retry-after").is_some());
     assert!(r.body.contains("No healthy backend"), "{}", r.body);
@@ -390,12 +375,7 @@ async fn a_dead_engine_is_unhealthy_and_readyz_follows() {
             .await
             .is_some()
     );
-    let r = ask(
-        &proxy.url("/v1/chat/completions"),
-        &chat(MODEL, "hi", false),
-        &[],
-    )
-    .await;
+    let r = proxy.ask(&chat(MODEL, "hi", false), &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
@@ -405,24 +385,16 @@ async fn failing_backends_are_ejected_by_real_traffic() {
     let bad = sim(SimConfig::default()).await;
     // Health probes say fine (the engine answers /health); its completions fail.
     bad.set_faults(Faults::error_rate(1.0, 500));
-    let config = format!(
-        "pools:\n{}",
-        pool(
-            "main",
-            &[MODEL],
-            &[good.addr(), bad.addr()],
-            "    outlier_detection:\n      consecutive_failures: 2\n      base_ejection: 30s\n"
-        )
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[good.addr(), bad.addr()]).with(
+            "outlier_detection",
+            json!({"consecutive_failures": 2, "base_ejection": "30s"}),
+        ),
+    ]}))
+    .await;
     let mut statuses = Vec::new();
     for i in 0..20 {
-        let r = ask(
-            &proxy.url("/v1/chat/completions"),
-            &chat(MODEL, &format!("q{i}"), false),
-            &[],
-        )
-        .await;
+        let r = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
         statuses.push(r.status);
     }
     // A 500 is the backend's answer and passes through; after two, it is ejected.
@@ -430,10 +402,10 @@ async fn failing_backends_are_ejected_by_real_traffic() {
     assert_eq!(errors, 2, "{statuses:?}");
     assert_eq!(bad.stats().count("/v1/chat/completions"), 2);
     assert_eq!(
-        backend_status(&proxy, "main", bad.addr()).await["health"],
+        proxy.backend_status("main", bad.addr()).await["health"],
         "ejected"
     );
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric_value(&metrics, r#"sluice_backend_ejections_total{pool="main"}"#),
         Some(1.0)
@@ -446,18 +418,16 @@ async fn plain_routes_eject_failing_backends_too() {
     let mut failing = Script::fixed("text/plain", b"broken".to_vec());
     failing.head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: 6\r\n\r\n".to_vec();
     let bad = Scripted::start(failing).await;
-    let config = format!(
-        "pools:\n{}routes:\n  - path_prefix: /web\n    pool: web\n",
-        pool(
-            "web",
-            &[],
-            &[good.addr, bad.addr],
-            &format!(
-                "{NO_HEALTH_CHECKS}    outlier_detection:\n      consecutive_failures: 2\n      base_ejection: 30s\n"
-            )
-        )
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("web", &[], &[good.addr, bad.addr])
+            .without_health_checks()
+            .with(
+                "outlier_detection",
+                json!({"consecutive_failures": 2, "base_ejection": "30s"}),
+            )],
+        "routes": [{"path_prefix": "/web", "pool": "web"}],
+    }))
+    .await;
     let mut statuses = Vec::new();
     for _ in 0..20 {
         let r = client().get(proxy.url("/web/page")).send().await.unwrap();
@@ -467,7 +437,7 @@ async fn plain_routes_eject_failing_backends_too() {
     assert_eq!(errors, 2, "{statuses:?}");
     assert_eq!(bad.received.lock().unwrap().len(), 2);
     assert_eq!(
-        backend_status(&proxy, "web", bad.addr).await["health"],
+        proxy.backend_status("web", bad.addr).await["health"],
         "ejected"
     );
 }
@@ -501,30 +471,26 @@ async fn new_requests_avoid_a_backend_with_a_full_kv_cache() {
                 .map(|r| r.status())
         }));
     }
-    let config = format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[busy.addr(), idle.addr()], FAST_HEALTH)
-    );
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[busy.addr(), idle.addr()]).with_fast_health_checks()
+    ]}))
+    .await;
     assert!(
         wait_for(Duration::from_secs(3), || async {
-            backend_status(&proxy, "main", busy.addr()).await["kv_cache_usage"]
+            proxy.backend_status("main", busy.addr()).await["kv_cache_usage"]
                 .as_f64()
                 .is_some_and(|kv| kv > 0.5)
         })
         .await
         .is_some(),
         "{}",
-        status(&proxy).await
+        proxy.status().await
     );
     let before = busy.stats().count("/v1/chat/completions");
     for i in 0..20 {
-        let r = ask(
-            &proxy.url("/v1/chat/completions"),
-            &chat(MODEL, &format!("small {i}"), false),
-            &[],
-        )
-        .await;
+        let r = proxy
+            .ask(&chat(MODEL, &format!("small {i}"), false), &[])
+            .await;
         assert_eq!(r.status, 200, "{}", r.body);
     }
     let to_busy = busy.stats().count("/v1/chat/completions") - before;

@@ -1,9 +1,10 @@
 //! The process's life: config checks, graceful stop, zero-downtime upgrade.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use futures_util::StreamExt;
+use serde_json::json;
+use sluice_testkit::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vllm_sim::SimConfig;
@@ -30,24 +31,39 @@ fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
     assert!(text.contains("is valid"), "{text}");
 
     let dir = tempfile::tempdir().unwrap();
-    for (yaml, key, rule) in [
+    let backends = json!([{"address": "127.0.0.1:9"}]);
+    for (config, key, rule) in [
         (
-            "pools:\n  - name: a\n    backends: [{address: \"127.0.0.1:9\"}]\n    timeouts: {first_byte: 90s, total: 60s}\n",
+            json!({"pools": [{
+                "name": "a",
+                "backends": backends,
+                "timeouts": {"first_byte": "90s", "total": "60s"},
+            }]}),
             "pools[0].timeouts.first_byte",
             "must not be longer than pools[0].timeouts.total",
         ),
         (
-            "pools:\n  - name: a\n    backends: [{address: \"127.0.0.1:9\"}]\nplugins:\n  request_id: {enabled: true, headr: x}\n",
+            json!({
+                "pools": [{"name": "a", "backends": backends}],
+                "plugins": {"request_id": {"enabled": true, "headr": "x"}},
+            }),
             "plugins.request_id.headr",
             "unknown field",
         ),
-        ("listeners: []\npools: []\n", "listeners", "at least one listener"),
+        (
+            json!({"listeners": [], "pools": []}),
+            "listeners",
+            "at least one listener",
+        ),
     ] {
         let path = dir.path().join("bad.yaml");
-        std::fs::write(&path, yaml).unwrap();
+        std::fs::write(&path, config.to_string()).unwrap();
         let (ok, text) = check(&path);
-        assert!(!ok, "{yaml} passed");
-        assert!(text.contains(&path.display().to_string()), "names the file: {text}");
+        assert!(!ok, "{config} passed");
+        assert!(
+            text.contains(&path.display().to_string()),
+            "names the file: {text}"
+        );
         assert!(text.contains(key), "names the key {key}: {text}");
         assert!(text.contains(rule), "names the rule: {text}");
     }
@@ -56,13 +72,10 @@ fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_a_running_stream_finish_then_exits() {
     let upstream = streaming_sim(MODEL, Duration::from_millis(30), 40).await;
-    let mut proxy = Proxy::start(&format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[upstream.addr()], "")
-    ))
-    .await;
+    let mut proxy =
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
     let mut request = chat(MODEL, "a story", true);
-    request["max_tokens"] = serde_json::json!(40);
+    request["max_tokens"] = json!(40);
     let response = client()
         .post(proxy.url("/v1/chat/completions"))
         .json(&request)
@@ -103,11 +116,8 @@ async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
     let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
         .await
         .unwrap();
-    let mut proxy = Proxy::start(&format!(
-        "pools:\n{}",
-        pool("main", &[MODEL], &[upstream.addr()], "")
-    ))
-    .await;
+    let mut proxy =
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
     let url = proxy.url("/v1/chat/completions");
 
     // Requests run all through the upgrade, each on a new connection.

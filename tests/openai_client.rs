@@ -1,10 +1,10 @@
 //! The official `openai` Python package against Sluice and a simulated vLLM backend.
-//! Needs `python3` with `openai` installed (`.ci/run` installs it).
+//! Needs `python3` with `openai` installed (`scripts/bootstrap --test` installs it).
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use serde_json::{json, Value};
+use sluice_testkit::*;
 use std::time::Duration;
 use vllm_sim::{Faults, SimConfig};
 
@@ -13,11 +13,8 @@ async fn the_openai_python_client_works_through_sluice() {
     let upstream = vllm_sim::start(SimConfig::default().with_model("test-model"))
         .await
         .unwrap();
-    let proxy = Proxy::start(&format!(
-        "pools:\n{}",
-        pool("main", &["test-model"], &[upstream.addr()], "")
-    ))
-    .await;
+    let proxy =
+        Proxy::start(json!({"pools": [pool("main", &["test-model"], &[upstream.addr()])]})).await;
     let base = format!("http://{}", proxy.addr);
     run_python("openai_client.py", &[base.as_str(), "test-model"]).await;
 }
@@ -67,10 +64,14 @@ async fn llama_sim(config: SimConfig, low_confidence_share: f64) -> vllm_sim::Si
     .expect("sim")
 }
 
-fn selector(model_extra: &str) -> String {
-    format!(
-        "plugins:\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}"
-    )
+/// The `plugins` section: the selector, with `model_settings` (an object) added to the model's
+/// entry.
+fn selector(model_settings: Value) -> Value {
+    let mut model = json!({"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"});
+    if let Value::Object(keys) = model_settings {
+        model.as_object_mut().unwrap().extend(keys);
+    }
+    json!({"speculative": {"enabled": true, "models": [model]}})
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,12 +81,20 @@ async fn the_openai_client_sees_normal_answers_in_every_escalation_case() {
         llama_sim(SimConfig::default(), 0.5).await,
         llama_sim(SimConfig::default(), 0.0).await,
     );
-    let proxy = Proxy::start(&format!(
-        "pools:\n{}{}{}",
-        pool("draft", &[MODEL], &[draft.addr()], "    max_model_len: 2048\n    supports: {best_of: false}\n"),
-        pool("target", &[MODEL], &[target.addr()], ""),
-        selector("        confidence: {enabled: true, window: 16, min_logprob: -1.0, stream_hold_back_tokens: 8}\n"),
-    ))
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("draft", &[MODEL], &[draft.addr()])
+                .with("max_model_len", 2048)
+                .with("supports", json!({"best_of": false})),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": selector(json!({"confidence": {
+            "enabled": true,
+            "window": 16,
+            "min_logprob": -1.0,
+            "stream_hold_back_tokens": 8,
+        }})),
+    }))
     .await;
     let base = format!("http://{}", proxy.addr);
     let (mut sure, mut unsure) = (Vec::new(), Vec::new());
@@ -150,7 +159,7 @@ async fn the_openai_client_sees_normal_answers_in_every_escalation_case() {
         ..Faults::default()
     });
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "draft", draft.addr()).await["health"] == "unhealthy"
+        proxy.backend_status("draft", draft.addr()).await["health"] == "unhealthy"
     })
     .await
     .is_some());
@@ -178,22 +187,22 @@ async fn the_openai_client_sees_normal_answers_in_every_escalation_case() {
         llama_sim(long_context(), 0.0).await,
         llama_sim(long_context(), 0.0).await,
     );
-    let proxy = Proxy::start(&format!(
-        "limits:\n  max_request_body_bytes: 4194304\npools:\n{}{}{}",
-        // Failing on purpose every time: not ejected, so each failure is met on the way;
-        // 503s are retried in the pool (within its budget) before the target takes over.
-        pool(
-            "draft",
-            &[MODEL],
-            &[draft.addr()],
-            &format!(
-                "{NO_HEALTH_CHECKS}    outlier_detection: {{consecutive_failures: 0}}\n    \
-                 retry: {{max_retries: 2, backoff_base: 1ms, backoff_max: 5ms}}\n"
-            )
-        ),
-        pool("target", &[MODEL], &[target.addr()], ""),
-        selector("        draft_first_byte_budget: 500ms\n"),
-    ))
+    let proxy = Proxy::start(json!({
+        "limits": {"max_request_body_bytes": 4194304},
+        "pools": [
+            // Failing on purpose every time: not ejected, so each failure is met on the way;
+            // 503s are retried in the pool (within its budget) before the target takes over.
+            pool("draft", &[MODEL], &[draft.addr()])
+                .without_health_checks()
+                .with("outlier_detection", json!({"consecutive_failures": 0}))
+                .with(
+                    "retry",
+                    json!({"max_retries": 2, "backoff_base": "1ms", "backoff_max": "5ms"}),
+                ),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": selector(json!({"draft_first_byte_budget": "500ms"})),
+    }))
     .await;
     let base = format!("http://{}", proxy.addr);
     let faults = [

@@ -1,11 +1,11 @@
 //! The speculative-first selector end to end: a draft simulator and a target simulator that
 //! serve the same model name, every escalation reason, fallback with a 1 MiB body, a broken
 //! draft stream, low-confidence escalation and the retry budget.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use serde_json::{json, Value};
+use sluice_testkit::*;
 use std::sync::Arc;
 use std::time::Duration;
 use vllm_sim::{Faults, SimConfig};
@@ -28,26 +28,31 @@ async fn sim_with(config: SimConfig, low_confidence_share: f64) -> vllm_sim::Sim
     .expect("sim")
 }
 
-/// Draft and target pools and the selector; `draft_extra` goes into the draft pool's block,
-/// `model_extra` into the model's entry.
-fn config(
-    draft: &vllm_sim::Sim,
-    target: &vllm_sim::Sim,
-    draft_extra: &str,
-    model_extra: &str,
-) -> String {
-    format!(
-        "pools:\n{}{}\
-         plugins:\n  cache:\n    enabled: true\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}\
-         \n    price_per_million_tokens: {{draft: 0.1, target: 1.0}}\n",
-        pool(
-            "draft",
-            &[MODEL],
-            &[draft.addr()],
-            &format!("    max_model_len: 2048\n    supports: {{best_of: false}}\n{draft_extra}")
-        ),
-        pool("target", &[MODEL], &[target.addr()], ""),
-    )
+/// The draft pool: a 2,048-token context, no `best_of`.
+fn draft_pool(draft: &vllm_sim::Sim) -> Pool {
+    pool("draft", &[MODEL], &[draft.addr()])
+        .with("max_model_len", 2048)
+        .with("supports", json!({"best_of": false}))
+}
+
+/// `draft` and a target pool, the cache, and the selector, with the pools' prices;
+/// `confidence` is the model's `confidence` section (none: off).
+fn config(draft: Pool, target: &vllm_sim::Sim, confidence: Option<Value>) -> Value {
+    let mut model = json!({"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"});
+    if let Some(confidence) = confidence {
+        model["confidence"] = confidence;
+    }
+    json!({
+        "pools": [draft, pool("target", &[MODEL], &[target.addr()])],
+        "plugins": {
+            "cache": {"enabled": true},
+            "speculative": {
+                "enabled": true,
+                "models": [model],
+                "price_per_million_tokens": {"draft": 0.1, "target": 1.0},
+            },
+        },
+    })
 }
 
 fn escalated(a: &Answer) -> Option<String> {
@@ -63,19 +68,18 @@ fn pool_of(a: &Answer) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
     let (draft, target) = (sim(0.0).await, sim(0.0).await);
-    let proxy = Proxy::start(&config(&draft, &target, "", "")).await;
-    let url = proxy.url("/v1/chat/completions");
+    let proxy = Proxy::start(config(draft_pool(&draft), &target, None)).await;
 
-    let a = ask(&url, &chat(MODEL, "hello", false), &[]).await;
+    let a = proxy.ask(&chat(MODEL, "hello", false), &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!((pool_of(&a), escalated(&a)), ("draft".into(), None));
 
-    let a = ask(
-        &url,
-        &chat(MODEL, "hello again", false),
-        &[("x-sluice-tier", "target")],
-    )
-    .await;
+    let a = proxy
+        .ask(
+            &chat(MODEL, "hello again", false),
+            &[("x-sluice-tier", "target")],
+        )
+        .await;
     assert_eq!(
         (pool_of(&a), escalated(&a)),
         ("target".into(), Some("forced".into()))
@@ -83,7 +87,7 @@ async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
 
     let completions = proxy.url("/v1/completions");
     let body = json!({"model": MODEL, "prompt": "count", "best_of": 2, "max_tokens": 5});
-    let a = ask(&completions, &body, &[]).await;
+    let a = ask_url(&completions, &body, &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
         (pool_of(&a), escalated(&a)),
@@ -92,7 +96,7 @@ async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
 
     // About 2,500 prompt tokens: more than the draft's 2,048-token context.
     let long = chat(MODEL, &"many words ".repeat(1000), false);
-    let a = ask(&url, &long, &[]).await;
+    let a = proxy.ask(&long, &[]).await;
     assert_eq!(
         (pool_of(&a), escalated(&a)),
         ("target".into(), Some("prompt-too-long".into()))
@@ -103,18 +107,20 @@ async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
         ..Faults::default()
     });
     assert!(wait_for(Duration::from_secs(3), || async {
-        backend_status(&proxy, "draft", draft.addr()).await["health"] == "unhealthy"
+        proxy.backend_status("draft", draft.addr()).await["health"] == "unhealthy"
     })
     .await
     .is_some());
-    let a = ask(&url, &chat(MODEL, "while the draft is down", false), &[]).await;
+    let a = proxy
+        .ask(&chat(MODEL, "while the draft is down", false), &[])
+        .await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
         (pool_of(&a), escalated(&a)),
         ("target".into(), Some("draft-unavailable".into()))
     );
 
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     for reason in [
         "forced",
         "unsupported",
@@ -169,14 +175,23 @@ fn huge_request() -> Value {
     })
 }
 
-fn big_config(draft: &vllm_sim::Sim, target: &vllm_sim::Sim, model_extra: &str) -> String {
-    // No health checks on the draft: the request path alone meets its failures.
-    format!(
-        "limits:\n  max_request_body_bytes: 4194304\npools:\n{}{}\
-         plugins:\n  speculative:\n    enabled: true\n    models:\n      - model: {MODEL}\n        drafts:\n          - pool: draft\n        target: target\n{model_extra}",
-        pool("draft", &[MODEL], &[draft.addr()], NO_HEALTH_CHECKS),
-        pool("target", &[MODEL], &[target.addr()], ""),
-    )
+/// Room for a 1 MiB body, and a target that takes over after 500 ms without the draft's
+/// response header.
+fn big_config(draft: &vllm_sim::Sim, target: &vllm_sim::Sim) -> Value {
+    json!({
+        "limits": {"max_request_body_bytes": 4194304},
+        "pools": [
+            // No health checks on the draft: the request path alone meets its failures.
+            pool("draft", &[MODEL], &[draft.addr()]).without_health_checks(),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": {"speculative": {"enabled": true, "models": [{
+            "model": MODEL,
+            "drafts": [{"pool": "draft"}],
+            "target": "target",
+            "draft_first_byte_budget": "500ms",
+        }]}},
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,13 +201,7 @@ async fn a_failing_draft_falls_back_with_the_whole_1_mib_body() {
         sim_with(long_context(), 0.0).await,
         sim_with(long_context(), 0.0).await,
     );
-    let proxy = Proxy::start(&big_config(
-        &draft,
-        &target,
-        "        draft_first_byte_budget: 500ms\n",
-    ))
-    .await;
-    let url = proxy.url("/v1/chat/completions");
+    let proxy = Proxy::start(big_config(&draft, &target)).await;
     let cases = [
         (Faults::error_rate(1.0, 503), "draft-error"),
         (
@@ -212,7 +221,7 @@ async fn a_failing_draft_falls_back_with_the_whole_1_mib_body() {
     ];
     for (i, (faults, reason)) in cases.into_iter().enumerate() {
         draft.set_faults(faults);
-        let a = ask(&url, &huge_request(), &[]).await;
+        let a = proxy.ask(&huge_request(), &[]).await;
         assert_eq!(a.status, 200, "{reason}: {}", a.body);
         assert_eq!(pool_of(&a), "target");
         assert_eq!(escalated(&a).as_deref(), Some(reason));
@@ -233,10 +242,14 @@ async fn a_draft_stream_that_drops_midway_ends_with_an_error_event_and_is_not_ca
         drop_after_chunks: Some(4),
         ..Faults::default()
     });
-    let proxy = Proxy::start(&config(&draft, &target, NO_HEALTH_CHECKS, "")).await;
-    let url = proxy.url("/v1/chat/completions");
+    let proxy = Proxy::start(config(
+        draft_pool(&draft).without_health_checks(),
+        &target,
+        None,
+    ))
+    .await;
     let request = chat(MODEL, "a story, please", true);
-    let a = ask(&url, &request, &[]).await;
+    let a = proxy.ask(&request, &[]).await;
     assert_eq!(a.status, 200);
     let events = sse_data(&a.body);
     assert_eq!(
@@ -254,28 +267,22 @@ async fn a_draft_stream_that_drops_midway_ends_with_an_error_event_and_is_not_ca
     );
     // Not cached: the same request goes upstream again.
     draft.set_faults(Faults::none());
-    let again = ask(&url, &request, &[]).await;
+    let again = proxy.ask(&request, &[]).await;
     assert_eq!(again.x_cache, "MISS");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn low_confidence_answers_go_to_the_target_the_others_stay() {
     let (draft, target) = (sim(0.5).await, sim(0.0).await);
-    let proxy = Proxy::start(&config(
-        &draft,
-        &target,
-        "",
-        "        confidence: {enabled: true, measure: mean, window: 16, min_logprob: -1.0}\n",
-    ))
-    .await;
-    let url = proxy.url("/v1/chat/completions");
+    let confidence = json!({"enabled": true, "measure": "mean", "window": 16, "min_logprob": -1.0});
+    let proxy = Proxy::start(config(draft_pool(&draft), &target, Some(confidence))).await;
     let (mut kept, mut escalations) = (0, 0);
     for i in 0..16 {
         let content = format!("question number {i}");
         let expected_low = answer_confidence(&draft, MODEL, &content).await < -1.0;
         let mut request = chat(MODEL, &content, false);
         request["max_tokens"] = json!(16);
-        let a = ask(&url, &request, &[]).await;
+        let a = proxy.ask(&request, &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         let v: Value = serde_json::from_str(&a.body).unwrap();
         assert!(
@@ -312,7 +319,7 @@ async fn low_confidence_answers_go_to_the_target_the_others_stay() {
     // A client that asks for logprobs gets them.
     let mut request = chat(MODEL, "question number 0 again", false);
     request["logprobs"] = json!(true);
-    let a = ask(&url, &request, &[]).await;
+    let a = proxy.ask(&request, &[]).await;
     let v: Value = serde_json::from_str(&a.body).unwrap();
     assert!(v["choices"][0]["logprobs"]["content"].is_array(), "{v}");
     println!("low confidence: {kept} kept on the draft, {escalations} escalated");
@@ -322,23 +329,21 @@ async fn low_confidence_answers_go_to_the_target_the_others_stay() {
 async fn the_retry_budget_holds_under_a_pool_that_fails_every_request() {
     let failing = sim(0.0).await;
     failing.set_faults(Faults::error_rate(1.0, 503));
-    let config = format!(
-        "pools:\n{}",
-        pool(
-            "main",
-            &[MODEL],
-            &[failing.addr()],
-            "    retry: {max_retries: 2, budget_ratio: 0.2, min_retries: 3, backoff_base: 1ms, backoff_max: 5ms}\n    outlier_detection: {consecutive_failures: 0}\n"
-        )
+    let retry = json!({
+        "max_retries": 2,
+        "budget_ratio": 0.2,
+        "min_retries": 3,
+        "backoff_base": "1ms",
+        "backoff_max": "5ms",
+    });
+    let proxy = Arc::new(
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[failing.addr()])
+            .with("retry", retry)
+            .with("outlier_detection", json!({"consecutive_failures": 0}))]}))
+        .await,
     );
-    let proxy = Arc::new(Proxy::start(&config).await);
     for i in 0..50 {
-        let a = ask(
-            &proxy.url("/v1/chat/completions"),
-            &chat(MODEL, &format!("q{i}"), false),
-            &[],
-        )
-        .await;
+        let a = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
         assert_eq!(
             a.status, 503,
             "the upstream's own answer passes through: {}",
@@ -350,7 +355,7 @@ async fn the_retry_budget_holds_under_a_pool_that_fails_every_request() {
     assert!((50..=63).contains(&sent), "{sent}");
     // And retries did happen: at least the budget's starting 3.
     assert!(sent >= 53, "{sent}");
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     let retries = metric_value(&metrics, r#"sluice_pool_retries_total{pool="main"}"#).unwrap();
     assert_eq!(retries as u64, sent - 50);
     println!("retry budget: 50 requests to a pool failing all: {sent} upstream attempts");
@@ -370,7 +375,16 @@ async fn streaming_draft(low_confidence_share: f64) -> vllm_sim::Sim {
     .await
 }
 
-const HOLD_BACK: &str = "        confidence: {enabled: true, measure: mean, window: 16, min_logprob: -1.0, stream_hold_back_tokens: 8}\n";
+/// Low-confidence escalation, streams judged in a hold-back window of 8 tokens.
+fn hold_back() -> Value {
+    json!({
+        "enabled": true,
+        "measure": "mean",
+        "window": 16,
+        "min_logprob": -1.0,
+        "stream_hold_back_tokens": 8,
+    })
+}
 
 /// The stream's data events, checked for what a client that asked for neither logprobs nor
 /// usage must not see.
@@ -401,14 +415,13 @@ fn plain_stream_events(a: &Answer) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_are_judged_in_the_hold_back_window() {
     let (draft, target) = (streaming_draft(0.5).await, sim(0.0).await);
-    let proxy = Proxy::start(&config(&draft, &target, "", HOLD_BACK)).await;
-    let url = proxy.url("/v1/chat/completions");
+    let proxy = Proxy::start(config(draft_pool(&draft), &target, Some(hold_back()))).await;
     let (mut kept, mut escalations) = (0, 0);
     let mut answered_tokens = std::collections::HashMap::<String, usize>::new();
     for i in 0..12 {
         let content = format!("streamed question {i}");
         let expected_low = answer_confidence(&draft, MODEL, &content).await < -1.0;
-        let a = ask(&url, &chat(MODEL, &content, true), &[]).await;
+        let a = proxy.ask(&chat(MODEL, &content, true), &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         let events = plain_stream_events(&a);
         let finish = events
@@ -416,7 +429,7 @@ async fn streams_are_judged_in_the_hold_back_window() {
             .filter_map(|e| e["choices"][0]["finish_reason"].as_str());
         assert_eq!(finish.count(), 1, "the whole answer");
         // The simulator's tokens are words.
-        let words = common::content(&a).split_whitespace().count();
+        let words = sluice_testkit::content(&a).split_whitespace().count();
         assert!(words > 0);
         *answered_tokens.entry(pool_of(&a)).or_default() += words;
         if expected_low {
@@ -434,10 +447,10 @@ async fn streams_are_judged_in_the_hold_back_window() {
         }
         // The same stream again comes from the cache, as the client first got it: the
         // cache stored the stream after the selector cleaned it.
-        let again = ask(&url, &chat(MODEL, &content, true), &[]).await;
+        let again = proxy.ask(&chat(MODEL, &content, true), &[]).await;
         assert_eq!(again.x_cache, "HIT");
         plain_stream_events(&again);
-        assert_eq!(common::content(&again), common::content(&a));
+        assert_eq!(sluice_testkit::content(&again), sluice_testkit::content(&a));
     }
     assert!(
         kept > 0 && escalations > 0,
@@ -466,7 +479,7 @@ async fn streams_are_judged_in_the_hold_back_window() {
             "{body}"
         );
     }
-    let metrics = metrics_text(&proxy).await;
+    let metrics = proxy.metrics().await;
     for pool in ["draft", "target"] {
         let series = format!(r#"sluice_tokens_total{{kind="completion",pool="{pool}"}}"#);
         let tokens = metric_value(&metrics, &series).unwrap_or(0.0);
@@ -477,7 +490,7 @@ async fn streams_are_judged_in_the_hold_back_window() {
     let mut request = chat(MODEL, "streamed question with everything", true);
     request["logprobs"] = json!(true);
     request["stream_options"] = json!({"include_usage": true});
-    let a = ask(&url, &request, &[]).await;
+    let a = proxy.ask(&request, &[]).await;
     let data = sse_data(&a.body);
     let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
     assert!(usage["usage"]["completion_tokens"].is_u64(), "{usage}");
@@ -509,8 +522,8 @@ async fn stream_ttft(url: &str, content: &str) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hold_back_window_costs_the_time_of_its_tokens() {
     let (draft, target) = (streaming_draft(0.0).await, sim(0.0).await);
-    let off = Proxy::start(&config(&draft, &target, "", "")).await;
-    let on = Proxy::start(&config(&draft, &target, "", HOLD_BACK)).await;
+    let off = Proxy::start(config(draft_pool(&draft), &target, None)).await;
+    let on = Proxy::start(config(draft_pool(&draft), &target, Some(hold_back()))).await;
     let (mut without, mut with) = (Vec::new(), Vec::new());
     // Interleaved, so both see the same machine; distinct prompts, so none is a cache hit.
     for i in 0..10 {

@@ -1,11 +1,12 @@
 //! Pools reached over TLS: requests and health checks both verify the backend's certificate
 //! against `pingora.ca_file` (its CA) and the pool's `tls.sni` (its name). The backends are simulators behind a
 //! real TLS front, with certificates from a CA made for the test.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use serde_json::json;
+use sluice_testkit::*;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,59 +110,50 @@ async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_ch
     let dir = tempfile::tempdir().expect("temp dir");
     let ca_file = dir.path().join("ca.pem");
     std::fs::write(&ca_file, &trusted.pem).expect("write CA");
-    let tls = format!(
-        "    tls:\n      sni: {SNI}\n    health:\n      interval: 100ms\n      timeout: 500ms\n"
-    );
-    let unchecked = format!("    tls:\n      sni: {SNI}\n    health:\n      enabled: false\n");
-    let config = format!(
-        "pools:\n{}{}{}{}",
-        pool("good", &["good-model"], &[good], &tls),
-        pool("bad", &["bad-model"], &[bad], &tls),
-        pool(
-            "stranger",
-            &["stranger-model"],
-            &[stranger_front],
-            &unchecked
-        ),
-        pool("misnamed", &["misnamed-model"], &[misnamed], &unchecked),
-    );
-    let proxy =
-        Proxy::start_with_pingora(&format!("  ca_file: {}\n", ca_file.display()), &config).await;
+    let checked = |p: Pool| {
+        p.with("tls", json!({"sni": SNI}))
+            .with("health", json!({"interval": "100ms", "timeout": "500ms"}))
+    };
+    let unchecked = |p: Pool| p.with("tls", json!({"sni": SNI})).without_health_checks();
+    let proxy = Proxy::start(json!({
+        "pingora": {"ca_file": ca_file},
+        "pools": [
+            checked(pool("good", &["good-model"], &[good])),
+            checked(pool("bad", &["bad-model"], &[bad])),
+            unchecked(pool("stranger", &["stranger-model"], &[stranger_front])),
+            unchecked(pool("misnamed", &["misnamed-model"], &[misnamed])),
+        ],
+    }))
+    .await;
 
     // The checks reach the backend through TLS: its probe passes and its metrics are read.
     let healthy = wait_for(Duration::from_secs(5), || async {
-        let s = backend_status(&proxy, "good", good).await;
+        let s = proxy.backend_status("good", good).await;
         s["health"] == "healthy" && s["kv_capacity_tokens"] == 16_000
     })
     .await;
     assert!(
         healthy.is_some(),
         "{}\n{}",
-        status(&proxy).await,
+        proxy.status().await,
         proxy.logs()
     );
-    let answer = ask(
-        &proxy.url("/v1/chat/completions"),
-        &chat("good-model", "hello over TLS", false),
-        &[],
-    )
-    .await;
+    let answer = proxy
+        .ask(&chat("good-model", "hello over TLS", false), &[])
+        .await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(answer.headers["x-sluice-pool"], "good");
     assert!(!content(&answer).is_empty(), "{}", answer.body);
 
     // A certificate from a CA the file does not hold fails the checks and the requests alike.
     let refused = wait_for(Duration::from_secs(5), || async {
-        backend_status(&proxy, "bad", bad).await["health"] == "unhealthy"
+        proxy.backend_status("bad", bad).await["health"] == "unhealthy"
     })
     .await;
-    assert!(refused.is_some(), "{}", status(&proxy).await);
-    let answer = ask(
-        &proxy.url("/v1/chat/completions"),
-        &chat("bad-model", "hello over TLS", false),
-        &[],
-    )
-    .await;
+    assert!(refused.is_some(), "{}", proxy.status().await);
+    let answer = proxy
+        .ask(&chat("bad-model", "hello over TLS", false), &[])
+        .await;
     assert!(
         matches!(answer.status, 502 | 503),
         "{} {}",
@@ -171,12 +163,7 @@ async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_ch
     // A request to an unchecked backend with a stranger's certificate, or one for another
     // name, fails at the handshake: 502, and nothing reaches the simulator.
     for model in ["stranger-model", "misnamed-model"] {
-        let answer = ask(
-            &proxy.url("/v1/chat/completions"),
-            &chat(model, "hello over TLS", false),
-            &[],
-        )
-        .await;
+        let answer = proxy.ask(&chat(model, "hello over TLS", false), &[]).await;
         assert_eq!(answer.status, 502, "{model}: {}", answer.body);
     }
     for (name, sim) in [
