@@ -176,11 +176,11 @@ async fn post_expecting_continue(proxy: SocketAddr, path: &str, body: &[u8]) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_after_100_continue_arrive_whole() {
     let upstream = sim().await;
+    let dead = reserve_port();
     let proxy = Proxy::start(json!({"pools": [
         pool("main", &[MODEL], &[upstream.addr()]),
         // Its only backend is dead: once probed, nothing is healthy there.
-        pool("dead", &["dead-model"], &[SocketAddr::from(([127, 0, 0, 1], free_port()))])
-            .with_fast_health_checks(),
+        pool("dead", &["dead-model"], &[dead.addr()]).with_fast_health_checks(),
     ]}))
     .await;
 
