@@ -5,12 +5,13 @@
 
 use std::fmt;
 use std::io::Read;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use sluice_testkit::free_port;
 
 /// The model name the simulator serves and the benchmarks ask for.
 pub const MODEL: &str = "bench-model";
@@ -131,14 +132,10 @@ impl fmt::Display for Contender {
     }
 }
 
-/// A port that was free a moment ago.
-pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
-    Ok(l.local_addr().context("local address")?.port())
-}
-
+/// A local address for a process about to start: the testkit's port, which no other
+/// contender of this run is handed.
 pub fn free_addr() -> Result<SocketAddr> {
-    Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
+    Ok(SocketAddr::from(([127, 0, 0, 1], free_port())))
 }
 
 /// A child process, stopped on drop.
