@@ -58,10 +58,7 @@ impl Proxy {
             "graceful_shutdown_timeout_seconds": 5,
         });
         if let Some(Value::Object(keys)) = sections.remove("pingora") {
-            pingora
-                .as_object_mut()
-                .expect("an object")
-                .extend(keys.into_iter());
+            pingora.as_object_mut().expect("an object").extend(keys);
         }
         sections.insert("pingora".into(), pingora);
         sections
@@ -87,7 +84,9 @@ impl Proxy {
             let text = serde_json::to_string_pretty(&sections).expect("JSON");
             std::fs::write(&proxy.config, text).expect("write the config");
             let _ = std::fs::remove_file(&proxy.log);
-            (addr.release(), admin.release());
+            // Held until now: released just before the binary binds them.
+            addr.release();
+            admin.release();
             proxy.child = Some(proxy.spawn(&[]));
             if proxy.wait_listening().await {
                 return proxy;
