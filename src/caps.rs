@@ -4,6 +4,7 @@
 //! One small lock guards both counts, taken once when something starts and once when it ends
 //! (never across an await): a hash-map update, far cheaper than what it admits.
 
+use sluice_sdk::{ErrorReply, Reason};
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,25 @@ pub enum Over {
     Client,
     /// Everyone together holds all there are: answered 503.
     Everyone,
+}
+
+impl Over {
+    /// The answer to one over this cap: 429 for one client, 503 for everyone, both with
+    /// `retry-after`. `what` names what is counted ("connections open").
+    pub fn reply(self, reason: Reason, what: &str) -> ErrorReply {
+        match self {
+            Over::Client => ErrorReply::new(
+                429,
+                reason,
+                format!("This client has too many {what}; retry after 1 s."),
+            ),
+            Over::Everyone => ErrorReply::unavailable(
+                reason,
+                format!("The proxy has too many {what}; retry after 1 s."),
+                1,
+            ),
+        }
+    }
 }
 
 impl Caps {

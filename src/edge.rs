@@ -112,18 +112,7 @@ fn client_ip(stream: &Stream) -> Option<IpAddr> {
 /// Answers a connection over a cap in full and closes it: the client reads why instead of a
 /// reset, and knows when to come back.
 async fn refuse(over: Over, stream: &mut Stream) {
-    let reply = match over {
-        Over::Client => ErrorReply::new(
-            429,
-            Reason::TooManyConnections,
-            "This client has too many connections open; retry after 1 s.",
-        ),
-        Over::Everyone => ErrorReply::unavailable(
-            Reason::TooManyConnections,
-            "The proxy has too many connections open; retry after 1 s.",
-            1,
-        ),
-    };
+    let reply = over.reply(Reason::TooManyConnections, "connections open");
     metrics::inc(&metrics::REJECTIONS, &[reply.reason.as_str(), "-"]);
     let response = raw_response(&reply);
     // Bounded: a client that does not read its refusal is not waited for.

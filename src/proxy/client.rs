@@ -9,11 +9,11 @@
 //!   connection caps below HTTP ([`crate::edge`]) bound this too; the request caps matter for
 //!   clients behind a trusted proxy, which share its connections.
 
-use crate::caps::{Caps, Over, Slot};
+use crate::caps::{Caps, Slot};
 use ipnet::IpNet;
 use pingora_error::Error;
 use pingora_proxy::Session;
-use sluice_sdk::{ErrorReply, Reason};
+use sluice_sdk::Reason;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -57,18 +57,7 @@ pub fn is_trusted(address: IpAddr, trusted: &[IpNet]) -> bool {
 /// Takes a slot for one more request of `client`; over a cap, the answer.
 pub fn admit(requests: &Arc<Caps>, client: Option<IpAddr>) -> Result<Slot, Box<Error>> {
     requests.admit(client).map_err(|over| {
-        match over {
-            Over::Client => ErrorReply::new(
-                429,
-                Reason::TooManyRequests,
-                "This client has too many requests in flight; retry after 1 s.",
-            ),
-            Over::Everyone => ErrorReply::unavailable(
-                Reason::TooManyRequests,
-                "The proxy has too many requests in flight; retry after 1 s.",
-                1,
-            ),
-        }
-        .into_error()
+        over.reply(Reason::TooManyRequests, "requests in flight")
+            .into_error()
     })
 }
