@@ -104,6 +104,11 @@ impl Hasher {
     pub fn separator(&mut self) {
         self.bytes(&[0xff, 0x00]);
     }
+    /// The old name of [`Hasher::separator`], kept because `text` is public.
+    #[deprecated(note = "renamed to `separator`")]
+    pub fn sep(&mut self) {
+        self.separator();
+    }
     pub fn finish(&self) -> u64 {
         mix(self.0)
     }

@@ -86,11 +86,11 @@ impl Answer {
             .count() as u64
     }
 
+    /// Saturating: an absurd config (huge answers, n = 128) must not overflow into a panic.
     pub fn completion_tokens(&self) -> u32 {
-        self.choices
-            .iter()
-            .map(|choice| choice.tokens.len() as u32)
-            .sum()
+        self.choices.iter().fold(0u32, |sum, choice| {
+            sum.saturating_add(u32::try_from(choice.tokens.len()).unwrap_or(u32::MAX))
+        })
     }
 
     /// How the request ends on /metrics: as its first choice does.
@@ -105,7 +105,7 @@ impl Answer {
         let completion_tokens = self.completion_tokens();
         Usage {
             prompt_tokens: self.prompt_tokens(),
-            total_tokens: self.prompt_tokens() + completion_tokens,
+            total_tokens: self.prompt_tokens().saturating_add(completion_tokens),
             completion_tokens,
             prompt_tokens_details: None,
         }

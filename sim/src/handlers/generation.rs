@@ -90,8 +90,12 @@ impl Generation {
         let now = Instant::now();
         let metrics = &self.shared.metrics;
         match self.last_token {
-            None => metrics.ttft.observe((now - self.started).as_secs_f64()),
-            Some(previous) => metrics.itl.observe((now - previous).as_secs_f64()),
+            None => metrics
+                .ttft
+                .observe(now.saturating_duration_since(self.started).as_secs_f64()),
+            Some(previous) => metrics
+                .itl
+                .observe(now.saturating_duration_since(previous).as_secs_f64()),
         }
         self.last_token = Some(now);
         self.generated += tokens;
