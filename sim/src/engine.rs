@@ -1,9 +1,9 @@
 //! KV-cache and queue model, like vLLM's scheduler at the granularity Sluice can see.
 //!
 //! A request reserves the blocks its whole answer will need (its answer length is known in
-//! advance, being deterministic), so admitted requests never stall; it *holds* only
-//! ceil((prompt + generated so far) / block_size) blocks, growing as it generates, and that is
-//! what `kv_usage` reports. At most `max_num_seqs` run; the rest wait in FIFO order. With
+//! advance, being deterministic), so admitted requests never stall (but see phantom blocks
+//! below); it *holds* only ceil((prompt + generated so far) / block_size) blocks, growing as it
+//! generates, and that is what `kv_usage` reports. At most `max_num_seqs` run; the rest wait in FIFO order. With
 //! `oom_on_overload`, a request whose reservation does not fit fails like a CUDA OOM instead of
 //! waiting.
 //!
