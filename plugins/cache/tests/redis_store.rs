@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 /// No single call may take longer than this, whatever Redis does.
 const CALL_BOUND: Duration = Duration::from_secs(2);
 
-
 /// A store with room for every write in the memory budget.
 fn connect(config: RedisConfig) -> RedisStore {
     RedisStore::connect(config, sluice_sdk::MemoryBudget::new(1 << 30))
