@@ -33,10 +33,11 @@ pub use proxy::{metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
 pub use scripted::{Received, Script, Scripted};
 
-/// The recorded vLLM answers and metric pages in `tests/fixtures` (see its README).
-pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
+/// `tests/fixtures`: recorded vLLM answers and metric pages; its README says where each
+/// comes from.
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
 
-/// The bytes of the fixture `name`.
+/// The bytes of the fixture `name` in `tests/fixtures`.
 pub fn fixture(name: &str) -> Vec<u8> {
     let path = format!("{FIXTURES}/{name}");
     std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
