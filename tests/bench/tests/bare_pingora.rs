@@ -1,4 +1,6 @@
 //! The bare Pingora contender proxies for real: the same answer as the simulator's own.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use bytes::Bytes;
 use sluice_bench::contenders::{start_bare_pingora, MODEL};
