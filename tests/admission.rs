@@ -1,0 +1,111 @@
+//! A pool's admission, as every plugin sees it: asked of the pool, computed from its live load.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use std::time::{Duration, Instant};
+use vllm_sim::SimConfig;
+
+const MODEL: &str = "llama";
+
+/// How often the pools are scraped here.
+const SCRAPE_INTERVAL: Duration = Duration::from_millis(100);
+
+async fn sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()]),
+    )
+    .await
+    .expect("sim")
+}
+
+fn scraped_often(p: Pool) -> Pool {
+    p.with(
+        "health",
+        json!({"interval": "100ms", "timeout": "300ms", "stale_after": "1s"}),
+    )
+}
+
+/// The pools that served `n` requests for the speculative model, in order.
+async fn pools_serving(proxy: &Proxy, n: usize) -> Vec<String> {
+    let mut served = Vec::new();
+    for i in 0..n {
+        let a = proxy
+            .ask(&chat(MODEL, &format!("question {i}"), false), &[])
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        served.push(
+            a.headers
+                .get("x-sluice-pool")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-")
+                .to_string(),
+        );
+    }
+    served
+}
+
+async fn draft_kv(proxy: &Proxy) -> Option<f64> {
+    let status: Value = proxy.status().await;
+    status["pools"][0]["backends"][0]["kv_cache_usage"].as_f64()
+}
+
+/// The latch this replaced: a pool's "shedding" bit was recomputed only when the KV breaker
+/// judged a request for that pool, so after one pressure spike on the draft pool the
+/// selector sent every request to the target, and the breaker never looked at the draft
+/// again: it stayed "shedding" at KV 0.1 for minutes. Admission is now asked of the pool and
+/// computed from its load each time, so the draft takes traffic again as soon as a scrape
+/// shows its pressure fell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_draft_pool_takes_traffic_again_within_one_scrape_after_its_pressure_falls() {
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(json!({
+        "pools": [
+            scraped_often(pool("draft", &[MODEL], &[draft.addr()])),
+            scraped_often(pool("target", &[MODEL], &[target.addr()])),
+        ],
+        "plugins": {
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+            "kv_breaker": {"enabled": true},
+        },
+    }))
+    .await;
+    let scraped = wait_for(Duration::from_secs(5), || async {
+        draft_kv(&proxy).await.is_some()
+    })
+    .await;
+    assert!(scraped.is_some(), "the draft was scraped");
+    assert_eq!(pools_serving(&proxy, 10).await, vec!["draft"; 10]);
+
+    // A spike on the draft: its requests go to the target meanwhile.
+    draft.set_phantom_kv(0.95);
+    let seen = wait_for(Duration::from_secs(5), || async {
+        draft_kv(&proxy).await.is_some_and(|kv| kv >= 0.9)
+    })
+    .await;
+    assert!(seen.is_some(), "the spike was scraped");
+    assert_eq!(pools_serving(&proxy, 5).await, vec!["target"; 5]);
+
+    // The spike is over: from the first scrape that shows it, the draft serves again.
+    draft.set_phantom_kv(0.0);
+    let fallen = Instant::now();
+    let seen = wait_for(Duration::from_secs(5), || async {
+        draft_kv(&proxy).await.is_some_and(|kv| kv < 0.5)
+    })
+    .await;
+    assert!(seen.is_some(), "the fall was scraped");
+    assert!(
+        fallen.elapsed() < SCRAPE_INTERVAL * 5,
+        "the scrape came late: {:?}",
+        fallen.elapsed()
+    );
+    assert_eq!(pools_serving(&proxy, 10).await, vec!["draft"; 10]);
+    let shedding = proxy
+        .metric(r#"sluice_breaker_shedding{pool="draft",priority="standard"}"#)
+        .await;
+    assert_eq!(shedding, Some(0.0), "the breaker's gauge follows the pool's load");
+}
