@@ -1,90 +1,287 @@
 //! Request coalescing: identical cacheable requests that arrive while the first is still in
 //! flight wait for its answer instead of going upstream again (per proxy instance).
 //!
-//! The first request becomes the leader and holds a [`Leader`]; it publishes the entry once
-//! its answer is complete and stored. Followers wait on a watch channel, bounded by
-//! `max_wait`. If the leader fails, its `Leader` is dropped without publishing, the channel
-//! closes, and the followers go upstream themselves.
+//! Per key there is at most one *leader* (the request sent upstream) and a queue of at most
+//! `max_followers` *followers*; a request beyond the cap goes upstream alone, uncoalesced.
+//!
+//! - The leader publishes its stored answer: every follower gets it, and the key is free again.
+//! - A leader that ends without an answer (an error, a cut stream, its client gone: its
+//!   [`Leader`] is dropped unpublished) hands the lead to the oldest follower still waiting,
+//!   and to nobody else: the others keep waiting for the new leader. A failing upstream thus
+//!   sees one request at a time per key, never the whole queue at once.
+//! - A follower waits at most `max_wait`. When that ends and the current leader has been in
+//!   flight for `max_wait` or longer (stuck, or very slow), the follower takes the lead over
+//!   and goes upstream itself, the old leader's answer still being welcome. When the current
+//!   leader is younger (the lead passed on while this follower waited), the follower gives up
+//!   ([`Waited::TimedOut`]) rather than add a request to a key that already has a fresh one.
+//! - A follower that leaves (its client gone) leaves the queue, and passes on a lead it was
+//!   handed but never read.
+//!
+//! The map's lock is held only to change the map: never across an await, and never while a
+//! live `Leader` drops (its drop takes the lock again; a lead nobody took is defused first).
 
 use crate::entry::Entry;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 
-type Answer = Option<Arc<Entry>>;
+type Digest = [u8; 32];
 
-#[derive(Default)]
 pub struct Inflight {
-    /// Held only to insert or remove a digest: never across an await.
-    waiting: Mutex<HashMap<[u8; 32], watch::Receiver<Answer>>>,
+    max_followers: usize,
+    max_wait: Duration,
+    /// Ids of slots, leads and followers: unique, so that a stale handle never acts on a
+    /// later slot of the same key.
+    next_id: AtomicU64,
+    slots: Mutex<HashMap<Digest, Slot>>,
+}
+
+/// One key in flight.
+struct Slot {
+    id: u64,
+    /// The lead that hand-overs follow; an older leader that was taken over hands nothing on.
+    lead: u64,
+    /// When the current lead went upstream.
+    led_since: Instant,
+    /// Followers, oldest first.
+    queue: VecDeque<Waiting>,
+}
+
+struct Waiting {
+    id: u64,
+    tx: oneshot::Sender<Handoff>,
+}
+
+/// What a follower is handed.
+enum Handoff {
+    Answer(Arc<Entry>),
+    Lead(Leader),
 }
 
 pub enum Role {
+    /// Go upstream; publish the answer, or drop the `Leader` to hand the lead on.
     Leader(Leader),
-    Follower(watch::Receiver<Answer>),
+    /// Wait with [`Follower::wait`].
+    Follower(Follower),
+    /// The key already has `max_followers` followers: go upstream, uncoalesced.
+    Alone,
+}
+
+/// How a follower's wait ended.
+pub enum Waited {
+    /// The answer a leader stored.
+    Answer(Arc<Entry>),
+    /// This request leads now: it goes upstream.
+    Lead(Leader),
+    /// No answer within `max_wait`, and another request was sent upstream meanwhile.
+    TimedOut,
 }
 
 impl Inflight {
-    /// Joins the requests in flight for `digest`: the first leads, the others follow.
-    pub fn join(self: &Arc<Self>, digest: [u8; 32]) -> Role {
-        let Ok(mut waiting) = self.waiting.lock() else {
-            // A poisoned map only costs the coalescing: lead, and share with nobody.
-            let (tx, _) = watch::channel(None);
-            return Role::Leader(Leader {
-                inflight: None,
-                digest,
-                tx,
-            });
-        };
-        if let Some(rx) = waiting.get(&digest) {
-            return Role::Follower(rx.clone());
+    pub fn new(max_followers: usize, max_wait: Duration) -> Self {
+        Self {
+            max_followers,
+            max_wait,
+            next_id: AtomicU64::new(0),
+            slots: Mutex::default(),
         }
-        let (tx, rx) = watch::channel(None);
-        waiting.insert(digest, rx);
-        Role::Leader(Leader {
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The map, even after a panic elsewhere: every change to it is a single step, so it is
+    /// never left half-done.
+    fn slots(&self) -> MutexGuard<'_, HashMap<Digest, Slot>> {
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Joins the requests in flight for `digest`: the first leads, the next `max_followers`
+    /// follow, any more go alone.
+    pub fn join(self: &Arc<Self>, digest: Digest) -> Role {
+        let id = self.id();
+        let mut slots = self.slots();
+        match slots.entry(digest) {
+            MapEntry::Occupied(mut slot) => {
+                let slot = slot.get_mut();
+                if slot.queue.len() >= self.max_followers {
+                    return Role::Alone;
+                }
+                let (tx, rx) = oneshot::channel();
+                slot.queue.push_back(Waiting { id, tx });
+                Role::Follower(Follower {
+                    inflight: self.clone(),
+                    digest,
+                    slot: slot.id,
+                    id,
+                    rx,
+                })
+            }
+            MapEntry::Vacant(vacant) => {
+                vacant.insert(Slot {
+                    id,
+                    lead: id,
+                    led_since: Instant::now(),
+                    queue: VecDeque::new(),
+                });
+                Role::Leader(self.leader(digest, id, id))
+            }
+        }
+    }
+
+    fn leader(self: &Arc<Self>, digest: Digest, slot: u64, lead: u64) -> Leader {
+        Leader {
             inflight: Some(self.clone()),
             digest,
-            tx,
-        })
+            slot,
+            lead,
+        }
+    }
+
+    /// A leader ended without an answer: the oldest follower still there leads now.
+    fn hand_over(self: &Arc<Self>, digest: Digest, slot_id: u64, lead: u64) {
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(&digest) else {
+            return;
+        };
+        if slot.id != slot_id || slot.lead != lead {
+            return;
+        }
+        while let Some(next) = slot.queue.pop_front() {
+            let lead = self.id();
+            slot.lead = lead;
+            slot.led_since = Instant::now();
+            match next
+                .tx
+                .send(Handoff::Lead(self.leader(digest, slot_id, lead)))
+            {
+                Ok(()) => return,
+                // That follower has left: defuse the lead (its drop would lock again).
+                Err(Handoff::Lead(mut unread)) => unread.inflight = None,
+                Err(Handoff::Answer(_)) => {}
+            }
+        }
+        slots.remove(&digest);
+    }
+
+    /// A follower's `max_wait` ended: it takes a stale lead over, or gives up. `None` when it
+    /// was handed something meanwhile (it is no longer queued).
+    fn time_out(self: &Arc<Self>, digest: Digest, slot_id: u64, id: u64) -> Option<Waited> {
+        let mut slots = self.slots();
+        let slot = slots.get_mut(&digest).filter(|s| s.id == slot_id)?;
+        let at = slot.queue.iter().position(|w| w.id == id)?;
+        slot.queue.remove(at);
+        if slot.led_since.elapsed() < self.max_wait {
+            return Some(Waited::TimedOut);
+        }
+        let lead = self.id();
+        slot.lead = lead;
+        slot.led_since = Instant::now();
+        Some(Waited::Lead(self.leader(digest, slot_id, lead)))
+    }
+
+    /// A follower left: out of the queue, if still in it.
+    fn leave(&self, digest: Digest, slot_id: u64, id: u64) {
+        let mut slots = self.slots();
+        if let Some(slot) = slots.get_mut(&digest).filter(|s| s.id == slot_id) {
+            slot.queue.retain(|w| w.id != id);
+        }
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.waiting.lock().map_or(0, |w| w.len())
+        self.slots().len()
+    }
+
+    #[cfg(test)]
+    fn followers(&self, digest: Digest) -> usize {
+        self.slots().get(&digest).map_or(0, |s| s.queue.len())
     }
 }
 
-/// Waits for the leader's answer: `None` if it failed or took longer than `max_wait`.
-pub async fn follow(mut rx: watch::Receiver<Answer>, max_wait: Duration) -> Option<Arc<Entry>> {
-    let answer = tokio::time::timeout(max_wait, rx.wait_for(Option::is_some)).await;
-    match answer {
-        Ok(Ok(entry)) => entry.clone(),
-        _ => None,
-    }
-}
-
-/// The leader's duty: publish the answer, or leave (on drop) so that followers go on.
+/// The leader's duty: publish the answer, or leave (on drop) so that one follower leads.
 pub struct Leader {
+    /// `None` once published, or for a lead that was never read.
     inflight: Option<Arc<Inflight>>,
-    digest: [u8; 32],
-    tx: watch::Sender<Answer>,
+    digest: Digest,
+    slot: u64,
+    lead: u64,
 }
 
 impl Leader {
-    pub fn publish(self, entry: Arc<Entry>) {
-        self.tx.send_replace(Some(entry));
+    /// Hands the stored answer to every follower; later identical requests find it in the
+    /// store.
+    pub fn publish(mut self, entry: Arc<Entry>) {
+        let Some(inflight) = self.inflight.take() else {
+            return;
+        };
+        let waiting = {
+            let mut slots = inflight.slots();
+            match slots.get(&self.digest) {
+                Some(slot) if slot.id == self.slot => slots
+                    .remove(&self.digest)
+                    .map(|s| s.queue)
+                    .unwrap_or_default(),
+                _ => VecDeque::new(),
+            }
+        };
+        for follower in waiting {
+            let _ = follower.tx.send(Handoff::Answer(entry.clone()));
+        }
     }
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        // Later identical requests look the entry up in the store from now on.
-        if let Some(inflight) = &self.inflight {
-            if let Ok(mut waiting) = inflight.waiting.lock() {
-                waiting.remove(&self.digest);
-            }
+        if let Some(inflight) = self.inflight.take() {
+            inflight.hand_over(self.digest, self.slot, self.lead);
         }
+    }
+}
+
+/// A request waiting for the leader of its key; dropping it leaves the queue.
+pub struct Follower {
+    inflight: Arc<Inflight>,
+    digest: Digest,
+    slot: u64,
+    id: u64,
+    rx: oneshot::Receiver<Handoff>,
+}
+
+impl Follower {
+    /// Waits for an answer or the lead, at most `max_wait` (then see [`Inflight::time_out`]).
+    pub async fn wait(mut self) -> Waited {
+        if let Ok(handed) = tokio::time::timeout(self.inflight.max_wait, &mut self.rx).await {
+            return received(handed);
+        }
+        match self.inflight.time_out(self.digest, self.slot, self.id) {
+            Some(waited) => waited,
+            // Handed something while timing out: an answer is being sent, or a lead was.
+            None => received((&mut self.rx).await),
+        }
+    }
+}
+
+fn received(handed: Result<Handoff, oneshot::error::RecvError>) -> Waited {
+    match handed {
+        Ok(Handoff::Answer(entry)) => Waited::Answer(entry),
+        Ok(Handoff::Lead(leader)) => Waited::Lead(leader),
+        // Only when the plugin itself is gone (shutdown): nothing will come.
+        Err(_) => Waited::TimedOut,
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        // The receiver drops after this; a lead it holds unread then hands itself on.
+        self.inflight.leave(self.digest, self.slot, self.id);
     }
 }
 
@@ -92,6 +289,8 @@ impl Drop for Leader {
 mod tests {
     use super::*;
     use crate::entry::AnswerKind;
+
+    const LONG: Duration = Duration::from_secs(30);
 
     fn entry() -> Arc<Entry> {
         Arc::new(Entry {
@@ -104,43 +303,196 @@ mod tests {
         })
     }
 
+    fn inflight(max_followers: usize, max_wait: Duration) -> Arc<Inflight> {
+        Arc::new(Inflight::new(max_followers, max_wait))
+    }
+
+    fn lead(inflight: &Arc<Inflight>, key: Digest) -> Leader {
+        match inflight.join(key) {
+            Role::Leader(leader) => leader,
+            _ => panic!("expected to lead"),
+        }
+    }
+
+    fn follow(inflight: &Arc<Inflight>, key: Digest) -> tokio::task::JoinHandle<Waited> {
+        match inflight.join(key) {
+            Role::Follower(f) => tokio::spawn(f.wait()),
+            _ => panic!("expected to follow"),
+        }
+    }
+
+    /// Lets spawned followers run until they wait.
+    async fn settle() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    fn is_lead(w: &Waited) -> bool {
+        matches!(w, Waited::Lead(_))
+    }
+
     #[tokio::test]
     async fn followers_get_the_leaders_answer() {
-        let inflight = Arc::new(Inflight::default());
-        let Role::Leader(leader) = inflight.join([1; 32]) else {
-            panic!("first leads")
-        };
-        let Role::Follower(rx) = inflight.join([1; 32]) else {
-            panic!("second follows")
-        };
-        let waiter = tokio::spawn(follow(rx, Duration::from_secs(5)));
+        let inflight = inflight(8, LONG);
+        let leader = lead(&inflight, [1; 32]);
+        let waiters: Vec<_> = (0..3).map(|_| follow(&inflight, [1; 32])).collect();
         leader.publish(entry());
-        assert!(waiter.await.unwrap().is_some());
+        for w in waiters {
+            assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
+        }
         assert_eq!(inflight.len(), 0);
         assert!(matches!(inflight.join([1; 32]), Role::Leader(_)));
     }
 
     #[tokio::test]
-    async fn a_failed_leader_releases_its_followers() {
-        let inflight = Arc::new(Inflight::default());
-        let Role::Leader(leader) = inflight.join([2; 32]) else {
-            panic!("first leads")
-        };
-        let Role::Follower(rx) = inflight.join([2; 32]) else {
-            panic!("second follows")
-        };
-        let waiter = tokio::spawn(follow(rx, Duration::from_secs(30)));
+    async fn a_failed_leader_promotes_exactly_one_follower() {
+        let inflight = inflight(8, LONG);
+        let leader = lead(&inflight, [2; 32]);
+        let mut waiters: Vec<_> = (0..4).map(|_| follow(&inflight, [2; 32])).collect();
+        settle().await;
         drop(leader);
-        assert!(waiter.await.unwrap().is_none());
+        // The oldest follower leads; the other three still wait.
+        let first = waiters.remove(0).await.unwrap();
+        let Waited::Lead(promoted) = first else {
+            panic!("the oldest follower leads")
+        };
+        settle().await;
+        assert!(waiters.iter().all(|w| !w.is_finished()));
+        assert_eq!(inflight.followers([2; 32]), 3);
+        // New identical requests follow the promoted leader too.
+        assert!(matches!(inflight.join([2; 32]), Role::Follower(_)));
+        promoted.publish(entry());
+        for w in waiters {
+            assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
+        }
+        assert_eq!(inflight.len(), 0);
     }
 
     #[tokio::test]
-    async fn followers_wait_a_bounded_time() {
-        let inflight = Arc::new(Inflight::default());
-        let _leader = inflight.join([3; 32]);
-        let Role::Follower(rx) = inflight.join([3; 32]) else {
-            panic!("second follows")
+    async fn a_promoted_follower_that_fails_promotes_the_next() {
+        let inflight = inflight(8, LONG);
+        let mut leader = lead(&inflight, [3; 32]);
+        let mut waiters: VecDeque<_> = (0..3).map(|_| follow(&inflight, [3; 32])).collect();
+        settle().await;
+        for left in (0..3).rev() {
+            drop(leader);
+            let Waited::Lead(next) = waiters.pop_front().unwrap().await.unwrap() else {
+                panic!("the next follower leads")
+            };
+            leader = next;
+            settle().await;
+            assert_eq!(inflight.followers([3; 32]), left);
+            assert!(waiters.iter().all(|w| !w.is_finished()));
+        }
+        // The last leader fails with nobody left: the key is free.
+        drop(leader);
+        assert_eq!(inflight.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn followers_are_capped_per_key() {
+        let inflight = inflight(2, LONG);
+        let leader = lead(&inflight, [4; 32]);
+        let waiters: Vec<_> = (0..2).map(|_| follow(&inflight, [4; 32])).collect();
+        assert!(matches!(inflight.join([4; 32]), Role::Alone));
+        assert_eq!(inflight.followers([4; 32]), 2);
+        // Other keys are not affected.
+        assert!(matches!(inflight.join([5; 32]), Role::Leader(_)));
+        leader.publish(entry());
+        for w in waiters {
+            assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_follower_that_leaves_frees_its_place_and_is_skipped() {
+        let inflight = inflight(1, LONG);
+        let leader = lead(&inflight, [6; 32]);
+        let gone = follow(&inflight, [6; 32]);
+        settle().await;
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(inflight.followers([6; 32]), 0);
+        let stays = follow(&inflight, [6; 32]);
+        settle().await;
+        drop(leader);
+        assert!(is_lead(&stays.await.unwrap()));
+    }
+
+    #[tokio::test]
+    async fn a_lead_handed_to_a_follower_that_never_reads_it_passes_on() {
+        let inflight = inflight(8, LONG);
+        let leader = lead(&inflight, [7; 32]);
+        // Joined but never waiting: its lead sits unread in the channel.
+        let Role::Follower(idle) = inflight.join([7; 32]) else {
+            panic!("follows")
         };
-        assert!(follow(rx, Duration::from_millis(10)).await.is_none());
+        let next = follow(&inflight, [7; 32]);
+        settle().await;
+        drop(leader);
+        assert!(!next.is_finished(), "the idle follower holds the lead");
+        drop(idle);
+        assert!(is_lead(&next.await.unwrap()));
+    }
+
+    #[tokio::test]
+    async fn a_follower_takes_a_stale_lead_over_and_one_only() {
+        let wait = Duration::from_millis(100);
+        let inflight = inflight(8, wait);
+        let stale = lead(&inflight, [8; 32]);
+        let waiters: Vec<_> = (0..3).map(|_| follow(&inflight, [8; 32])).collect();
+        let mut took_over = None;
+        let mut timed_out = 0;
+        for w in waiters {
+            match w.await.unwrap() {
+                Waited::Lead(l) => assert!(took_over.replace(l).is_none(), "one takes over"),
+                Waited::TimedOut => timed_out += 1,
+                Waited::Answer(_) => panic!("nothing was published"),
+            }
+        }
+        assert_eq!(timed_out, 2);
+        // The stale leader failing later hands nothing on: the new leader is in flight.
+        let later = follow(&inflight, [8; 32]);
+        settle().await;
+        drop(stale);
+        settle().await;
+        assert!(!later.is_finished());
+        took_over.unwrap().publish(entry());
+        assert!(matches!(later.await.unwrap(), Waited::Answer(_)));
+    }
+
+    #[tokio::test]
+    async fn a_follower_of_a_fresh_leader_gives_up_after_max_wait() {
+        let wait = Duration::from_millis(150);
+        let inflight = inflight(8, wait);
+        let leader = lead(&inflight, [9; 32]);
+        let first = follow(&inflight, [9; 32]);
+        let second = follow(&inflight, [9; 32]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The lead passes on 100 ms in: it is fresh when the others' wait ends.
+        drop(leader);
+        let Waited::Lead(_fresh) = first.await.unwrap() else {
+            panic!("promoted")
+        };
+        assert!(matches!(second.await.unwrap(), Waited::TimedOut));
+    }
+
+    #[tokio::test]
+    async fn a_stale_leader_never_touches_a_later_slot_of_its_key() {
+        let inflight = inflight(8, Duration::from_millis(50));
+        let stale = lead(&inflight, [10; 32]);
+        let Waited::Lead(took_over) = follow(&inflight, [10; 32]).await.unwrap() else {
+            panic!("takes the stale lead over")
+        };
+        took_over.publish(entry());
+        // The key is in flight again, under a new leader.
+        let current = lead(&inflight, [10; 32]);
+        let waiter = follow(&inflight, [10; 32]);
+        settle().await;
+        drop(stale);
+        settle().await;
+        assert!(!waiter.is_finished(), "nobody was promoted");
+        assert_eq!(inflight.followers([10; 32]), 1);
+        current.publish(entry());
+        assert!(matches!(waiter.await.unwrap(), Waited::Answer(_)));
     }
 }

@@ -116,9 +116,13 @@ pub struct CoalesceConfig {
     /// Identical cacheable requests that arrive while the first is in flight wait for its
     /// answer instead of going upstream again.
     pub enabled: bool,
-    /// How long such a request waits before going upstream itself.
+    /// How long such a request (a follower) waits for an answer. Then it goes upstream itself
+    /// if the request it waits for has been in flight that long too; otherwise it gets a 504.
     #[serde(deserialize_with = "duration::deserialize")]
     pub max_wait: Duration,
+    /// Followers per key at most; more identical requests go upstream uncoalesced. Each
+    /// holds a connection and its body while it waits.
+    pub max_followers: usize,
 }
 
 impl Default for CoalesceConfig {
@@ -126,6 +130,7 @@ impl Default for CoalesceConfig {
         Self {
             enabled: true,
             max_wait: Duration::from_secs(60),
+            max_followers: 64,
         }
     }
 }
@@ -193,6 +198,42 @@ impl CacheConfig {
                 "must be longer than 0",
             ));
         }
+        if self.coalesce.max_followers == 0 && self.coalesce.enabled {
+            return Err(ConfigError::new(
+                "coalesce.max_followers",
+                "must be at least 1 (to coalesce nothing, set coalesce.enabled: false)",
+            ));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coalesce(json: &str) -> Result<(), ConfigError> {
+        let config = CacheConfig {
+            coalesce: serde_json::from_str(json).unwrap(),
+            ..CacheConfig::default()
+        };
+        config.validate()
+    }
+
+    #[test]
+    fn coalescing_defaults_are_bounded() {
+        let defaults = CoalesceConfig::default();
+        assert_eq!(defaults.max_followers, 64);
+        assert_eq!(defaults.max_wait, Duration::from_secs(60));
+        assert!(coalesce("{}").is_ok());
+    }
+
+    #[test]
+    fn coalescing_needs_room_for_a_follower_when_on() {
+        let e = coalesce(r#"{"max_followers": 0}"#).unwrap_err().to_string();
+        assert!(e.contains("coalesce.max_followers"), "{e}");
+        assert!(e.contains("must be at least 1"), "{e}");
+        assert!(coalesce(r#"{"enabled": false, "max_followers": 0}"#).is_ok());
+        assert!(coalesce(r#"{"max_followers": 500}"#).is_ok());
     }
 }

@@ -15,7 +15,8 @@
 //!   client has it all.
 //! - **Stores** ([`store`]): `memory` (TinyUFO, bounded by bytes) or `redis` (single node or
 //!   Cluster, with a lookup timeout and a cool-down; a failing Redis never fails a request).
-//! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one.
+//! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one; when
+//!   it fails, one of them at a time goes upstream in its place.
 //!
 //! ```yaml
 //! plugins:
@@ -39,7 +40,7 @@ pub mod store;
 pub use config::CacheConfig;
 
 use bytes::Bytes;
-use coalesce::{Inflight, Leader, Role};
+use coalesce::{Follower, Inflight, Leader, Role, Waited};
 use entry::{AnswerKind, Entry};
 use http::HeaderName;
 use policy::Use;
@@ -48,8 +49,8 @@ use sluice_sdk::error::internal;
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::{
-    async_trait, ConfigError, Endpoint, Error, Flow, Host, LlmCall, LocalResponse, Plugin,
-    PluginBuilder, RequestCtx, ResponseHeader, Result, Session,
+    async_trait, ConfigError, Endpoint, Error, ErrorReply, ErrorType, Flow, Host, LlmCall,
+    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -155,7 +156,10 @@ impl Cache {
         metrics::init(store.name());
         Self {
             store,
-            inflight: Arc::new(Inflight::default()),
+            inflight: Arc::new(Inflight::new(
+                config.coalesce.max_followers,
+                config.coalesce.max_wait,
+            )),
             key_headers,
             tenant_header,
             id_nonce: SystemTime::now()
@@ -270,11 +274,19 @@ impl Plugin for Cache {
             if found.is_none() && self.config.coalesce.enabled {
                 match self.inflight.join(state.key.digest) {
                     Role::Leader(leader) => state.leader = Some(leader),
-                    Role::Follower(rx) => {
-                        found = coalesce::follow(rx, self.config.coalesce.max_wait)
-                            .await
-                            .map(|e| (e, Lookup::Coalesced));
-                    }
+                    Role::Alone => {}
+                    Role::Follower(follower) => match follow(session, follower).await? {
+                        Waited::Answer(entry) => found = Some((entry, Lookup::Coalesced)),
+                        Waited::Lead(leader) => state.leader = Some(leader),
+                        Waited::TimedOut => {
+                            metrics::request(metrics::Outcome::Miss);
+                            return Err(ErrorReply::gateway_timeout(
+                                "An identical request is in flight and its answer did not come \
+                                 in time; try again.",
+                            )
+                            .into_error());
+                        }
+                    },
                 }
             }
             if let Some((entry, result)) = found {
@@ -349,7 +361,7 @@ impl Plugin for Cache {
         if state.result != Lookup::Miss {
             return;
         }
-        // Dropping the leader without publishing sends its followers upstream.
+        // Dropping the leader without publishing hands the lead to one follower.
         let leader = state.leader.take();
         let tee = std::mem::take(&mut state.tee);
         let outcome = if tee.too_big {
@@ -365,6 +377,25 @@ impl Plugin for Cache {
             return;
         };
         metrics::write(outcome);
+    }
+}
+
+/// Waits as a follower while watching the client: `Err` when the client left (its place in
+/// the queue, and any lead it was handed, pass on).
+async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
+    tokio::select! {
+        waited = follower.wait() => Ok(waited),
+        gone = session.downstream_session.read_body_or_idle(true) => {
+            metrics::request(metrics::Outcome::Miss);
+            Err(match gone {
+                Err(e) => e,
+                Ok(_) => Error::explain(
+                    ErrorType::ConnectionClosed,
+                    "the client sent data while waiting for an identical request",
+                ),
+            }
+            .into_down())
+        }
     }
 }
 
