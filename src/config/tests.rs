@@ -1137,6 +1137,16 @@ fn coalescing_needs_a_wait_when_on() {
 }
 
 #[test]
+fn coalescing_needs_room_for_a_follower_when_on() {
+    refused(
+        &cache_with("coalesce: {max_followers: 0}"),
+        "plugins.cache.coalesce.max_followers",
+        "must be at least 1",
+    );
+    ok(&cache_with("coalesce: {enabled: false, max_followers: 0}"));
+}
+
+#[test]
 fn cache_header_names_are_checked() {
     refused(
         &cache_with("key_headers: [x-index, 'x index']"),
