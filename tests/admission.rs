@@ -107,5 +107,9 @@ async fn the_draft_pool_takes_traffic_again_within_one_scrape_after_its_pressure
     let shedding = proxy
         .metric(r#"sluice_breaker_shedding{pool="draft",priority="standard"}"#)
         .await;
-    assert_eq!(shedding, Some(0.0), "the breaker's gauge follows the pool's load");
+    assert_eq!(
+        shedding,
+        Some(0.0),
+        "the breaker's gauge follows the pool's load"
+    );
 }

@@ -46,8 +46,8 @@ use http::HeaderName;
 use policy::Use;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
-use sluice_sdk::MemoryBudget;
 use sluice_sdk::headers::{self, is_event_stream};
+use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
     async_trait, ConfigError, Endpoint, Error, ErrorReply, ErrorType, Flow, Host, LlmCall,
     LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session,

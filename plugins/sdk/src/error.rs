@@ -236,9 +236,7 @@ impl ErrorReply {
     /// from its type (connect failures are 502, timeouts 504, a client gone is 499).
     pub fn from_error(e: &Error) -> Self {
         let (innermost, reply) = dig(e);
-        reply
-            .cloned()
-            .unwrap_or_else(|| Self::mapped(innermost))
+        reply.cloned().unwrap_or_else(|| Self::mapped(innermost))
     }
 
     /// The `ErrorReply` a Pingora error carries, if Sluice made it (rather than a socket or
