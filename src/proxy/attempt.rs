@@ -159,11 +159,25 @@ impl Upstream<'_> {
             .await;
     }
 
-    /// An error of this connection, made final: the request may have reached the model, so
-    /// it is not sent again on another connection (as Pingora decides for a POST).
+    /// An error of this connection once the answer has started, made final: the model is
+    /// generating, so the request is not sent again on another connection.
     fn failed(&self, mut e: Box<Error>) -> Box<Error> {
         e.retry.decide_reuse(self.reused);
         e.set_retry(false);
+        e.into_up()
+    }
+
+    /// An error of this connection before any byte of the answer came. On a connection taken
+    /// from the pool it is the keep-alive race (the backend closed it, or died, while it sat
+    /// idle): the request is sent again elsewhere, as nginx's `proxy_next_upstream error`
+    /// does. On a fresh connection it is final, as [`Upstream::failed`].
+    fn failed_before_answer(&self, mut e: Box<Error>) -> Box<Error> {
+        // A timeout is a slow backend, not a dead connection: it may be generating.
+        let timed_out = matches!(
+            e.etype(),
+            ErrorType::ReadTimedout | ErrorType::WriteTimedout
+        );
+        e.set_retry(self.reused && !timed_out);
         e.into_up()
     }
 }
@@ -203,9 +217,9 @@ pub async fn run(
     };
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
-    if let Err(outcome) =
-        sent.not_started("the request was not sent in time", |e| upstream.failed(e))
-    {
+    if let Err(outcome) = sent.not_started("the request was not sent in time", |e| {
+        upstream.failed_before_answer(e)
+    }) {
         return outcome;
     }
     pipe(sluice, session, ctx, upstream, deadlines, hold).await
@@ -335,7 +349,7 @@ async fn read_header(
         watch(session, up.http.read_response_header(), deadline)
             .await
             .not_started("no response header before the first-byte timeout", |e| {
-                up.failed(e)
+                up.failed_before_answer(e)
             })?;
         match up.http.response_header() {
             Some(header) if header.status.is_informational() => continue,

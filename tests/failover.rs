@@ -1,0 +1,77 @@
+//! Failures upstream that a careful proxy saves the request from.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::json;
+use sluice_testkit::*;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_sim::SimConfig;
+
+const MODEL: &str = "test-model";
+
+/// An upstream that answers the first request of each connection (keeping it alive), and
+/// closes the connection when a second request comes on it, without a byte of answer: what a
+/// backend that died, or closed an idle connection, looks like to the next request sent on it.
+/// Counts the requests it dropped so.
+async fn dies_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let count = dropped.clone();
+    let answer = fixture("vllm-chat-completion.json");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (count, answer) = (count.clone(), answer.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut seen = 0usize;
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => seen += 1,
+                    }
+                    if seen > 1 {
+                        count.fetch_add(1, Ordering::Relaxed);
+                        return; // closed, unanswered
+                    }
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        answer.len()
+                    );
+                    let _ = s.write_all(head.as_bytes()).await;
+                    let _ = s.write_all(&answer).await;
+                }
+            });
+        }
+    });
+    (addr, dropped)
+}
+
+/// A request sent on a pooled connection that turns out dead (no byte of answer came) is sent
+/// again to another backend: the client never sees the keep-alive race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_dead_reused_connection_goes_to_another_backend() {
+    let (dying, dropped) = dies_on_reuse().await;
+    let healthy = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[dying, healthy.addr()])
+            .without_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"}))
+            // Each dead connection counts against its backend; that must not eject it here.
+            .with("outlier_detection", json!({"consecutive_failures": 0})),
+    ]}))
+    .await;
+    for i in 0..8 {
+        let a = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+    }
+    assert!(
+        dropped.load(Ordering::Relaxed) >= 1,
+        "no request met a dead reused connection: the test proves nothing"
+    );
+}
