@@ -155,6 +155,11 @@ impl Chain {
         self.plugins.iter().map(|p| p.name()).collect()
     }
 
+    /// The plugins themselves, shared: for what runs beside the chain (the stop).
+    pub fn plugins(&self) -> Vec<Arc<dyn Plugin>> {
+        self.plugins.clone()
+    }
+
     pub async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
         for p in &self.plugins {
             p.early_request(session, ctx).await?;

@@ -16,6 +16,7 @@ pub mod chain;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod drain;
 pub mod edge;
 pub mod health;
 pub mod logging;

@@ -16,7 +16,7 @@ use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
 /// a TLS key that does not load) come back as text for the command line.
@@ -43,11 +43,15 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     server.bootstrap();
     let upstream = ConnectorOptions::from_server_conf(&server.configuration);
     let connection_limits = config.limits.connections.clone();
+    let requests = Caps::new(
+        config.limits.max_requests_in_flight,
+        config.limits.max_requests_in_flight_per_client,
+    );
+    let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
+    let streams_end = crate::drain::watch(&server, requests.clone(), chain.plugins(), grace);
     let sluice = Sluice {
-        requests: Caps::new(
-            config.limits.max_requests_in_flight,
-            config.limits.max_requests_in_flight_per_client,
-        ),
+        requests,
+        streams_end,
         memory: config.memory,
         limits: config.limits,
         models: crate::models::list(&pools),

@@ -111,6 +111,82 @@ async fn sigterm_lets_a_running_stream_finish_then_exits() {
     }
 }
 
+/// Waits for `child` to exit; returns how long it took, or panics after `limit`.
+async fn exits_within(child: &mut std::process::Child, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "still running {limit:?} after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_to_an_idle_proxy_exits_at_once_not_after_the_grace_period() {
+    let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let mut proxy = Proxy::start(json!({
+        "pingora": {"grace_period_seconds": 30},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+    }))
+    .await;
+    let a = proxy.ask(&chat(MODEL, "hello", false), &[]).await;
+    assert_eq!(a.status, 200);
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    let took = exits_within(&mut child, Duration::from_secs(30)).await;
+    assert!(took < Duration::from_secs(1), "exited after {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_the_grace_period_ends_with_an_error_event_and_done() {
+    // 100 tokens 100 ms apart: ten seconds, against a grace period of three.
+    let upstream = streaming_sim(MODEL, Duration::from_millis(100), 100).await;
+    let mut proxy = Proxy::start(json!({
+        "pingora": {"grace_period_seconds": 3},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+    }))
+    .await;
+    let mut request = chat(MODEL, "a long story", true);
+    request["max_tokens"] = json!(100);
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    let mut body = stream.next().await.unwrap().unwrap().to_vec();
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    let signalled = Instant::now();
+    while let Some(chunk) = stream.next().await {
+        body.extend_from_slice(&chunk.expect("the stream ends cleanly, not cut"));
+    }
+    let ended = signalled.elapsed();
+    let text = String::from_utf8(body).unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let error = events.iter().rev().nth(1).cloned().unwrap_or_default();
+    assert!(error.contains("\"error\""), "ended with {error}");
+    assert!(
+        ended < Duration::from_secs(3),
+        "ended {ended:?} after SIGTERM"
+    );
+    assert!(
+        ended >= Duration::from_secs(1),
+        "ended {ended:?} after SIGTERM: too soon"
+    );
+    exits_within(&mut child, Duration::from_secs(10)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
     let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))

@@ -145,6 +145,8 @@ struct Upstream<'a> {
     reused: bool,
     /// The attempt's load on the backend, until its answer has come whole or it ends.
     in_flight: InFlight,
+    /// Turns `true` when the server's grace period is ending.
+    streams_end: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Upstream<'_> {
@@ -214,6 +216,7 @@ pub async fn run(
         http,
         reused,
         in_flight,
+        streams_end: sluice.streams_end.clone(),
     };
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
@@ -456,18 +459,40 @@ enum Next {
     ClientGone(Box<Error>),
 }
 
-/// Reads the next chunk of the response body, until `deadline`, while watching the client.
+/// Reads the next chunk of the response body, until `deadline`, while watching the client
+/// and the server's stop.
 async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -> Next {
     if up.http.response_done() {
         return Next::End;
     }
-    match watch(session, up.http.read_response_body(), deadline).await {
+    if *up.streams_end.borrow() {
+        return Next::Failed(stopping());
+    }
+    let mut streams_end = up.streams_end.clone();
+    let reading = async {
+        tokio::select! {
+            read = up.http.read_response_body() => read,
+            _ = streams_end.wait_for(|end| *end) => Err(stopping()),
+        }
+    };
+    match watch(session, reading, deadline).await {
         Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),
         Watched::Done(Ok(None)) => Next::End,
+        Watched::Done(Err(e)) if ErrorReply::carried_by(&e).is_some() => Next::Failed(e),
         Watched::Done(Err(e)) => Next::Failed(up.failed(e)),
         Watched::Deadline => Next::Deadline,
         Watched::ClientGone(e) => Next::ClientGone(e),
     }
+}
+
+/// The server's grace period is ending: the answer is ended here, cleanly.
+fn stopping() -> Box<Error> {
+    ErrorReply::unavailable(
+        Reason::Stopping,
+        "The server is stopping; the answer was cut short. Retry.",
+        1,
+    )
+    .into_error()
 }
 
 fn memory_spent() -> Box<Error> {

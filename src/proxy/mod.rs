@@ -63,6 +63,8 @@ pub struct Sluice {
     pub limits: Limits,
     /// Requests in flight, per client and in total.
     pub requests: Arc<Caps>,
+    /// Turns `true` when the server's grace period is ending: running streams end then.
+    pub streams_end: tokio::sync::watch::Receiver<bool>,
     /// Bytes held in memory for requests (bodies, held answers).
     pub memory: Arc<MemoryBudget>,
     pub pools: Arc<Pools>,

@@ -378,6 +378,11 @@ impl Plugin for Cache {
         };
         metrics::write(outcome);
     }
+
+    /// The server is stopping: queued writes get their bounded chance to reach the store.
+    async fn stop(&self, within: Duration) {
+        self.store.flush(within).await;
+    }
 }
 
 /// Waits as a follower while watching the client: `Err` when the client left (its place in

@@ -73,6 +73,8 @@ pub enum Reason {
     TooManyRequests,
     /// The budget for bytes held in the proxy's memory (bodies, held answers) is spent.
     MemoryBudget,
+    /// The server is stopping: a stream still running at the end of the grace period.
+    Stopping,
     /// No pool serves the requested model.
     UnknownModel,
     /// No route matches the path.
@@ -97,7 +99,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -105,6 +107,7 @@ impl Reason {
         Reason::TooManyConnections,
         Reason::TooManyRequests,
         Reason::MemoryBudget,
+        Reason::Stopping,
         Reason::UnknownModel,
         Reason::NoRoute,
         Reason::MethodNotAllowed,
@@ -127,6 +130,7 @@ impl Reason {
             Reason::TooManyConnections => "too-many-connections",
             Reason::TooManyRequests => "too-many-requests",
             Reason::MemoryBudget => "memory-budget",
+            Reason::Stopping => "stopping",
             Reason::UnknownModel => "unknown-model",
             Reason::NoRoute => "no-route",
             Reason::MethodNotAllowed => "method-not-allowed",

@@ -179,4 +179,9 @@ pub trait Plugin: Send + Sync + 'static {
     /// Runs once at the end of every request, whatever happened. `error` is the failure, if
     /// any. Spawn async work from here; do not block.
     fn logging(&self, _error: Option<&Error>, _ctx: &mut RequestCtx) {}
+
+    /// Runs once when the server stops, after the last request has ended: finish what is
+    /// queued (a cache's pending writes), within `within`; the process exits after it. Not
+    /// a request hook: it runs on a runtime of its own, outside Pingora's.
+    async fn stop(&self, _within: std::time::Duration) {}
 }

@@ -68,4 +68,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stores `entry` under `key` for `ttl`, or queues the write. Never waits on the network.
     fn put(&self, key: &CacheKey, entry: Arc<Entry>, ttl: Duration) -> WriteOutcome;
+
+    /// Waits, at most `within`, for queued writes to be done: the server is stopping.
+    async fn flush(&self, _within: Duration) {}
 }

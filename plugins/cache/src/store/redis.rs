@@ -14,7 +14,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, IntoConnectionInfo, RedisResult};
 use serde::Deserialize;
 use sluice_sdk::{duration, metric, metrics, ConfigError, Held, MemoryBudget};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -315,6 +315,8 @@ struct Shared {
     write_timeout: Duration,
     /// When a write error was last logged (nanoseconds since `cool_down.base`, 0 = never).
     last_write_log: AtomicU64,
+    /// Writes queued or being written.
+    pending: AtomicUsize,
 }
 
 impl Shared {
@@ -378,6 +380,24 @@ struct Write {
     /// The value's bytes, taken from the memory budget until it is written or dropped: the
     /// queue is bounded in bytes as well as in entries.
     _held: Held,
+    /// Counted as pending until it is written or dropped.
+    _pending: Pending,
+}
+
+/// One queued write, counted in [`Shared::pending`] while it lives.
+struct Pending(Arc<Shared>);
+
+impl Pending {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.pending.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(shared))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The Redis [`Store`]. Cheap to share behind an `Arc`; dropping it stops its writer task once
@@ -438,6 +458,7 @@ impl RedisStore {
                 lookup_timeout: config.lookup_timeout,
                 write_timeout: config.connect_timeout,
                 last_write_log: AtomicU64::new(0),
+                pending: AtomicUsize::new(0),
             }),
             writes,
             memory,
@@ -559,6 +580,7 @@ impl Store for RedisStore {
             // PX 0 is an error in Redis; a sub-millisecond TTL keeps the entry for 1 ms.
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1),
             _held: held,
+            _pending: Pending::new(&self.shared),
         };
         match self.writes.try_send(write) {
             Ok(()) => WriteOutcome::Accepted,
@@ -566,6 +588,13 @@ impl Store for RedisStore {
                 count_dropped();
                 WriteOutcome::Dropped
             }
+        }
+    }
+
+    async fn flush(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.shared.pending.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }
