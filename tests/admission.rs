@@ -113,3 +113,39 @@ async fn the_draft_pool_takes_traffic_again_within_one_scrape_after_its_pressure
         "the breaker's gauge follows the pool's load"
     );
 }
+
+/// Overload is answered with the status the operator chose for it (here 429), with a
+/// `retry-after` and the reason machine-readable in a header and in the body; "no healthy
+/// backend" stays a 503, so a client can tell "busy" from "down".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_has_a_status_of_its_own_and_says_why() {
+    let busy = sim().await;
+    let dead = reserve_port();
+    let proxy = Proxy::start(json!({
+        "pools": [
+            scraped_often(pool("busy", &[MODEL], &[busy.addr()])),
+            scraped_often(pool("down", &["other"], &[dead.addr()])),
+        ],
+        "plugins": {"kv_breaker": {"enabled": true, "overload_status": 429}},
+    }))
+    .await;
+    busy.set_phantom_kv(0.99);
+    let seen = wait_for(Duration::from_secs(5), || async {
+        draft_kv(&proxy).await.is_some_and(|kv| kv >= 0.9)
+    })
+    .await;
+    assert!(seen.is_some(), "the pressure was scraped");
+
+    let shed = proxy.ask(&chat(MODEL, "hi", false), &[]).await;
+    assert_eq!(shed.status, 429, "{}", shed.body);
+    assert!(shed.headers.get("retry-after").is_some());
+    assert_eq!(shed.headers["x-sluice-rejected"], "kv-pressure");
+    let body: Value = serde_json::from_str(&shed.body).unwrap();
+    assert_eq!(body["error"]["code"], 429);
+    assert_eq!(body["error"]["type"], "RateLimitError");
+
+    tokio::time::sleep(Duration::from_millis(500)).await; // the dead backend is probed
+    let down = proxy.ask(&chat("other", "hi", false), &[]).await;
+    assert_eq!(down.status, 503, "{}", down.body);
+    assert_eq!(down.headers["x-sluice-rejected"], "no-healthy-backend");
+}

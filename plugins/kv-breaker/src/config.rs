@@ -15,6 +15,9 @@ pub struct KvBreakerConfig {
     /// Per class: shed above `shed_above`, admit again below `resume_below`.
     pub thresholds: Thresholds,
     pub priority: PriorityConfig,
+    /// The status a shed request is answered with: 503 (the default), or 429 or 529 for
+    /// fleets whose clients expect those for "overloaded". "No healthy backend" stays 503.
+    pub overload_status: u16,
     /// Bounds of the `retry-after` given with a 503.
     #[serde(deserialize_with = "duration::deserialize")]
     pub min_retry_after: Duration,
@@ -27,6 +30,7 @@ impl Default for KvBreakerConfig {
         Self {
             enabled: false,
             reroute: true,
+            overload_status: 503,
             thresholds: Thresholds::default(),
             priority: PriorityConfig::default(),
             min_retry_after: Duration::from_secs(1),
@@ -149,6 +153,12 @@ impl KvBreakerConfig {
             return Err(ConfigError::new(
                 "max_retry_after",
                 "min_retry_after must be above 0 and at most max_retry_after",
+            ));
+        }
+        if !matches!(self.overload_status, 429 | 503 | 529) {
+            return Err(ConfigError::new(
+                "overload_status",
+                format!("must be 503, 429 or 529 (got {})", self.overload_status),
             ));
         }
         if !self.priority.tenants.is_empty() && self.priority.tenant_header.is_none() {

@@ -107,6 +107,7 @@ impl PluginBuilder for KvBreakerBuilder {
             min_retry_after: self.config.min_retry_after,
             max_retry_after: self.config.max_retry_after,
             reroute: self.config.reroute,
+            overload_status: self.config.overload_status,
             priority: self.config.priority,
             priority_header: self.priority_header,
             tenant_header: self.tenant_header,
@@ -120,6 +121,7 @@ pub struct KvBreaker {
     min_retry_after: Duration,
     max_retry_after: Duration,
     reroute: bool,
+    overload_status: u16,
     priority: config::PriorityConfig,
     priority_header: HeaderName,
     tenant_header: Option<HeaderName>,
@@ -305,15 +307,15 @@ impl Plugin for KvBreaker {
             }
         }
         let retry_after = self.retry_after(&pool, priority);
-        Err(ErrorReply::unavailable(
-            Reason::KvPressure,
-            format!(
-                "Pool `{}` is near its KV-cache capacity and sheds {} requests; retry after {retry_after} s.",
-                pool.name,
-                priority.as_str()
-            ),
-            retry_after,
-        )
+        let message = format!(
+            "Pool `{}` is near its KV-cache capacity and sheds {} requests; retry after {retry_after} s.",
+            pool.name,
+            priority.as_str()
+        );
+        Err(ErrorReply {
+            status: self.overload_status,
+            ..ErrorReply::unavailable(Reason::KvPressure, message, retry_after)
+        }
         .into_error())
     }
 }

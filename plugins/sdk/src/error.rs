@@ -307,7 +307,7 @@ impl ErrorReply {
             404 => "NotFoundError",
             408 => "RequestTimeoutError",
             429 => "RateLimitError",
-            503 => "ServiceUnavailableError",
+            503 | 529 => "ServiceUnavailableError",
             502 | 504 => "APIConnectionError",
             _ => "InternalServerError",
         }
