@@ -1035,6 +1035,12 @@ fn the_longest_backoff_is_not_shorter_than_the_first() {
 fn kv_breaker_rules_are_enforced() {
     let c = ok(&with("plugins:\n  kv_breaker:\n    enabled: true"));
     assert!(c.plugins.names().contains(&"kv_breaker"));
+    ok(&with("plugins:\n  kv_breaker:\n    overload_status: 529"));
+    refused(
+        &with("plugins:\n  kv_breaker:\n    overload_status: 500"),
+        "plugins.kv_breaker.overload_status",
+        "must be 503, 429 or 529",
+    );
     refused(
         &with("plugins:\n  kv_breaker:\n    thresholds:\n      standard: {shed_above: 0.8, resume_below: 0.9}"),
         "plugins.kv_breaker.thresholds.standard.resume_below",
