@@ -27,6 +27,7 @@ pub mod memory;
 pub mod metrics;
 pub mod plugin;
 pub mod pool;
+pub mod raw_json;
 pub mod ratio;
 pub mod retry;
 

@@ -5,11 +5,22 @@
 //! [`LlmCall`]: upstreams always receive the client's bytes untouched (unknown fields included),
 //! while plugins read typed fields. Only the fields that change how Sluice treats a request are
 //! typed; everything else is validated by vLLM itself.
+//!
+//! A body can be megabytes, so the parse builds no tree and copies no text: a prompt, a
+//! message's content, the tools are kept as slices of the body (a reference count, see
+//! [`Text`], [`Messages`], [`Tokens`], [`RawJson`]), with what Sluice needs of them counted
+//! as they are checked (lengths, token estimates). Their items are read again from those
+//! bytes when a plugin asks, one at a time. A request costs its body and a few hundred bytes,
+//! whatever its shape: an 8 MiB `"prompt": [1, 1, ...]` is counted, not collected.
 
 use crate::pool::{Balancing, Demand};
+use crate::raw_json::{self, Unescaped};
 use bytes::Bytes;
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::fmt;
 
 /// The two OpenAI endpoints that go through the LLM pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -73,7 +84,7 @@ pub struct InvalidRequest {
 impl LlmCall {
     /// Parses and validates `body` for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Self, InvalidRequest> {
-        let request = LlmRequest::parse(endpoint, &body)?;
+        let request = LlmRequest::parse_shared(endpoint, &body)?;
         Ok(Self {
             endpoint,
             body,
@@ -98,12 +109,12 @@ impl LlmCall {
 }
 
 /// The typed fields of a chat or text completion request.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default)]
 pub struct LlmRequest {
     /// `model`: picks the pool; `None` sends the request to the first pool.
     pub model: Option<String>,
     /// Chat completions only.
-    pub messages: Option<Vec<Message>>,
+    pub messages: Option<Messages>,
     /// Text completions only.
     pub prompt: Option<Prompt>,
     /// `stream`: answer as Server-Sent Events; `None` is `false`.
@@ -132,11 +143,11 @@ pub struct LlmRequest {
     /// `stop`: sequences that end the generation; `None`: none.
     pub stop: Option<Stop>,
     /// `tools` (chat): the tool definitions, kept as JSON; `None`: no tools.
-    pub tools: Option<Vec<Value>>,
+    pub tools: Option<JsonArray>,
     /// `tool_choice` (chat), kept as JSON; `None`: the server's default.
-    pub tool_choice: Option<Value>,
+    pub tool_choice: Option<RawJson>,
     /// `response_format` (JSON mode, a JSON schema), kept as JSON; `None`: free text.
-    pub response_format: Option<Value>,
+    pub response_format: Option<RawJson>,
     /// Chat: `true`/`false`; completions: the number of top log-probabilities.
     pub logprobs: Option<Logprobs>,
     /// `top_logprobs` (chat): alternatives returned per token with `logprobs: true`; `None`: none.
@@ -150,63 +161,479 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// A JSON string of the request, kept as the body's own bytes between its quotes, escapes as
+/// the client wrote them: holding it costs a reference count, and its text is unescaped only
+/// when read ([`Text::to_str`] copies only a string that has escapes; [`Text::pieces`] never
+/// copies).
+#[derive(Clone, Default)]
+pub struct Text {
+    /// The bytes between the quotes, escapes as sent; valid UTF-8.
+    raw: Bytes,
+    /// The text's length in bytes, unescaped.
+    len: usize,
+    /// Whether `raw` has escapes.
+    escaped: bool,
+}
+
+impl Text {
+    /// The string whose JSON (quotes included) is `json`, a slice of `shared` when it is one.
+    fn from_json(shared: &Bytes, json: &str) -> Option<Self> {
+        let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+        Some(Self {
+            raw: share(shared, inner.as_bytes()),
+            len: raw_json::unescaped_len(inner),
+            escaped: inner.contains('\\'),
+        })
+    }
+
+    /// The text's length in bytes (UTF-8, unescaped).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the text is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the client wrote the string with escapes (then [`Text::to_str`] copies it).
+    pub fn has_escapes(&self) -> bool {
+        self.escaped
+    }
+
+    /// The text: borrowed from the body when it has no escapes, else unescaped into a new
+    /// string.
+    pub fn to_str(&self) -> Cow<'_, str> {
+        if !self.escaped {
+            return Cow::Borrowed(self.raw_str());
+        }
+        let mut text = String::with_capacity(self.len);
+        for piece in self.pieces() {
+            match piece {
+                raw_json::Piece::Str(s) => text.push_str(s),
+                raw_json::Piece::Char(c) => text.push(c),
+            }
+        }
+        Cow::Owned(text)
+    }
+
+    /// The text piece by piece, without copying: runs without escapes as they are in the
+    /// body, and each escape's character.
+    pub fn pieces(&self) -> Unescaped<'_> {
+        Unescaped::new(self.raw_str())
+    }
+
+    fn raw_str(&self) -> &str {
+        // Always UTF-8: cut from a checked body at quotes.
+        std::str::from_utf8(&self.raw).unwrap_or_default()
+    }
+}
+
+impl From<&str> for Text {
+    /// A text of its own (not from a body), for tests and for plugins that make requests.
+    fn from(text: &str) -> Self {
+        let mut json = Vec::with_capacity(text.len() + 2);
+        raw_json::write_string(&mut json, text);
+        let json = Bytes::from(json);
+        std::str::from_utf8(&json)
+            .ok()
+            .and_then(|s| Text::from_json(&json, s))
+            .unwrap_or_default()
+    }
+}
+
+impl PartialEq<str> for Text {
+    fn eq(&self, other: &str) -> bool {
+        self.len == other.len() && self.to_str() == other
+    }
+}
+
+impl PartialEq<&str> for Text {
+    fn eq(&self, other: &&str) -> bool {
+        self == *other
+    }
+}
+
+impl fmt::Debug for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.to_str(), f)
+    }
+}
+
+/// A JSON value of the request kept as its text, a slice of the body (`tool_choice`,
+/// `response_format`, a tool, a content part).
+#[derive(Clone)]
+pub struct RawJson(Bytes);
+
+impl RawJson {
+    /// The value's JSON text, as the client sent it.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The value's JSON text, as the client sent it.
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+
+    /// Parses the value into `T` (borrowing from it where `T` can).
+    pub fn parse<'a, T: Deserialize<'a>>(&'a self) -> serde_json::Result<T> {
+        serde_json::from_slice(&self.0)
+    }
+}
+
+impl fmt::Debug for RawJson {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RawJson({} bytes)", self.0.len())
+    }
+}
+
+/// A JSON array of the request kept as its text (`tools`, a message's `tool_calls`), with
+/// its length.
+#[derive(Clone)]
+pub struct JsonArray {
+    raw: Bytes,
+    len: usize,
+}
+
+impl JsonArray {
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the array is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The elements, each as its JSON text.
+    pub fn iter(&self) -> impl Iterator<Item = RawJson> + '_ {
+        raw_json::elements(&self.raw).map(|e| RawJson(share(&self.raw, e)))
+    }
+
+    /// The array's JSON text, as the client sent it.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.raw
+    }
+}
+
+impl fmt::Debug for JsonArray {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JsonArray({} elements)", self.len)
+    }
+}
+
+/// A chat request's `messages`: checked, counted and kept as the body's bytes. Each
+/// [`Message`] is read again from them, one at a time, by [`Messages::iter`].
+#[derive(Clone)]
+pub struct Messages {
+    raw: Bytes,
+    len: usize,
+    estimated_tokens: usize,
+}
+
+impl Messages {
+    /// The number of messages.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The messages in order, each read from the body as it is reached (nothing copied but
+    /// reference counts).
+    pub fn iter(&self) -> impl Iterator<Item = Message> + '_ {
+        raw_json::elements(&self.raw).filter_map(|element| {
+            let mut de = serde_json::Deserializer::from_slice(element);
+            MessageSeed { shared: &self.raw }.deserialize(&mut de).ok()
+        })
+    }
+
+    /// The estimate of the messages' prompt tokens (see
+    /// [`LlmRequest::estimated_prompt_tokens`]).
+    pub fn estimated_tokens(&self) -> usize {
+        self.estimated_tokens
+    }
+}
+
+impl fmt::Debug for Messages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
 /// One chat message. `content` is text or a list of typed parts (text, images, ...).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone)]
 pub struct Message {
     /// `role`: `system`, `user`, `assistant`, `tool`, ...; not checked here.
-    pub role: String,
+    pub role: Text,
     /// `content`; `None` for an assistant message that only calls tools.
     pub content: Option<Content>,
     /// `name`: the participant's name, if given.
-    pub name: Option<String>,
+    pub name: Option<Text>,
     /// `tool_calls` of an assistant message, kept as JSON.
-    pub tool_calls: Option<Vec<Value>>,
+    pub tool_calls: Option<JsonArray>,
     /// `tool_call_id` of a `tool` message: the call it answers.
-    pub tool_call_id: Option<String>,
+    pub tool_call_id: Option<Text>,
 }
 
 /// A message's `content`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum Content {
     /// Plain text.
-    Text(String),
+    Text(Text),
     /// Typed parts (text, images, ...), kept as JSON; only text parts are read.
-    Parts(Vec<Value>),
+    Parts(Parts),
+}
+
+/// A message's content parts, kept as JSON, with the length of their text.
+#[derive(Clone)]
+pub struct Parts {
+    raw: Bytes,
+    len: usize,
+    text_len: usize,
+}
+
+impl Parts {
+    /// The number of parts.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes of text in the parts (the `text` of each part that has a string one).
+    pub fn text_len(&self) -> usize {
+        self.text_len
+    }
+
+    /// The parts, each as its JSON text.
+    pub fn iter(&self) -> impl Iterator<Item = RawJson> + '_ {
+        raw_json::elements(&self.raw).map(|e| RawJson(share(&self.raw, e)))
+    }
+
+    /// The `text` of each part that has a string one, in order.
+    pub fn texts(&self) -> impl Iterator<Item = Text> + '_ {
+        raw_json::elements(&self.raw).filter_map(|e| part_text(&self.raw, e))
+    }
+}
+
+impl fmt::Debug for Parts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Parts({} parts, {} bytes of text)",
+            self.len, self.text_len
+        )
+    }
 }
 
 /// The `prompt` of a text completion: text, several texts, or token ids.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum Prompt {
     /// One prompt.
-    Text(String),
+    Text(Text),
     /// A batch of prompts.
-    Texts(Vec<String>),
+    Texts(Texts),
     /// One prompt, as token ids.
-    Tokens(Vec<u32>),
+    Tokens(Tokens),
     /// A batch of prompts, as token ids.
-    TokenBatches(Vec<Vec<u32>>),
+    TokenBatches(TokenBatches),
+}
+
+/// A list of strings (a batch of prompts, stop sequences), kept as JSON, counted.
+#[derive(Clone)]
+pub struct Texts {
+    raw: Bytes,
+    len: usize,
+    text_len: usize,
+    estimated_tokens: usize,
+}
+
+impl Texts {
+    /// The number of strings.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes of text in all the strings.
+    pub fn text_len(&self) -> usize {
+        self.text_len
+    }
+
+    /// The strings in order.
+    pub fn iter(&self) -> impl Iterator<Item = Text> + '_ {
+        raw_json::elements(&self.raw)
+            .filter_map(|e| Text::from_json(&self.raw, std::str::from_utf8(e).ok()?))
+    }
+
+    /// The first string, if any.
+    pub fn first(&self) -> Option<Text> {
+        self.iter().next()
+    }
+}
+
+impl fmt::Debug for Texts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// A prompt as token ids, kept as JSON: counted, not collected.
+#[derive(Clone)]
+pub struct Tokens {
+    raw: Bytes,
+    len: usize,
+}
+
+impl Tokens {
+    /// The number of token ids.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The token ids in order, each read as it is reached.
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        raw_json::elements(&self.raw)
+            .filter_map(|e| std::str::from_utf8(e).ok()?.parse::<u32>().ok())
+    }
+}
+
+impl fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tokens({} ids)", self.len)
+    }
+}
+
+/// A batch of prompts as token ids, kept as JSON: counted, not collected.
+#[derive(Clone)]
+pub struct TokenBatches {
+    raw: Bytes,
+    len: usize,
+    tokens: usize,
+}
+
+impl TokenBatches {
+    /// The number of prompts.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The number of token ids in all the prompts.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The prompts in order.
+    pub fn iter(&self) -> impl Iterator<Item = Tokens> + '_ {
+        raw_json::elements(&self.raw).map(|e| Tokens {
+            raw: share(&self.raw, e),
+            len: raw_json::elements(e).count(),
+        })
+    }
+}
+
+impl fmt::Debug for TokenBatches {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TokenBatches({} prompts, {} ids)", self.len, self.tokens)
+    }
 }
 
 /// The `stop` field: one sequence or several.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum Stop {
     /// A single stop sequence.
-    One(String),
+    One(Text),
     /// Several stop sequences.
-    Many(Vec<String>),
+    Many(Texts),
 }
 
 /// The `logprobs` field, whose type depends on the endpoint.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logprobs {
     /// Chat: whether to return the chosen tokens' log-probabilities.
     Flag(bool),
     /// Completions: how many top log-probabilities to return per token.
     Count(u32),
+}
+
+impl<'de> Deserialize<'de> for Logprobs {
+    /// A boolean or a count, by the value's own type: nothing is buffered.
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(LogprobsVisitor)
+    }
+}
+
+struct LogprobsVisitor;
+
+impl LogprobsVisitor {
+    fn mismatch<E: de::Error>() -> E {
+        E::custom(Mismatch::Untagged("Logprobs"))
+    }
+}
+
+impl<'de> Visitor<'de> for LogprobsVisitor {
+    type Value = Logprobs;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a boolean or a count")
+    }
+
+    fn visit_bool<E: de::Error>(self, b: bool) -> Result<Logprobs, E> {
+        Ok(Logprobs::Flag(b))
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Logprobs, E> {
+        u32::try_from(n)
+            .map(Logprobs::Count)
+            .map_err(|_| Self::mismatch())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Logprobs, E> {
+        Err(Self::mismatch())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Logprobs, E> {
+        Err(Self::mismatch())
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Logprobs, E> {
+        Err(Self::mismatch())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Logprobs, E> {
+        Err(Self::mismatch())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Logprobs, A::Error> {
+        Err(Self::mismatch())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Logprobs, A::Error> {
+        Err(Self::mismatch())
+    }
 }
 
 /// Characters per token in the prompt-size estimate; BPE tokenizers average about four
@@ -217,7 +644,17 @@ const TOKENS_PER_MESSAGE: usize = 4;
 
 impl LlmRequest {
     /// Parses a body for `endpoint`. Errors name the parameter, as OpenAI's `param` does.
+    ///
+    /// The parsed request's texts are slices of a copy of `body`: the core parses the body it
+    /// holds with [`LlmRequest::parse_shared`], which copies nothing.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, InvalidRequest> {
+        Self::parse_shared(endpoint, &Bytes::copy_from_slice(body))
+    }
+
+    /// Parses a body for `endpoint`, keeping slices of `body` (reference counts) for its
+    /// texts, messages, prompts and other JSON. Errors name the parameter, as OpenAI's `param`
+    /// does.
+    pub fn parse_shared(endpoint: Endpoint, body: &Bytes) -> Result<Self, InvalidRequest> {
         let Ok(text) = std::str::from_utf8(body) else {
             return Err(invalid("The request body is not valid UTF-8.", None));
         };
@@ -227,9 +664,11 @@ impl LlmRequest {
         }
         // From the checked text, so serde does not check each string's UTF-8 again.
         let mut de = serde_json::Deserializer::from_str(text);
-        let request: LlmRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
+        let mut track = serde_path_to_error::Track::new();
+        let parsed = RequestSeed { shared: body }
+            .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
+        let (mut request, messages) = parsed.map_err(|inner| {
+            let path = track.path().to_string();
             if inner.is_syntax() || inner.is_eof() {
                 invalid(format!("The request body is not valid JSON: {inner}"), None)
             } else if path == "." {
@@ -244,6 +683,9 @@ impl LlmRequest {
         // Trailing bytes after the object are a malformed body, not something to ignore.
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
+        if let Some(raw) = messages {
+            request.messages = Some(parse_messages(body, text, raw)?);
+        }
         request.validate(endpoint)?;
         Ok(request)
     }
@@ -306,19 +748,17 @@ impl LlmRequest {
     }
 
     /// A cheap estimate of the prompt's size in tokens (about four characters per token,
-    /// plus the chat template's overhead per message).
+    /// plus the chat template's overhead per message; a token id is a token). Counted at
+    /// parse: no text is read again.
     pub fn estimated_prompt_tokens(&self) -> usize {
         if let Some(messages) = &self.messages {
-            return messages
-                .iter()
-                .map(|m| m.text_len().div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE)
-                .sum();
+            return messages.estimated_tokens;
         }
         match &self.prompt {
             Some(Prompt::Text(t)) => t.len().div_ceil(CHARS_PER_TOKEN),
-            Some(Prompt::Texts(ts)) => ts.iter().map(|t| t.len().div_ceil(CHARS_PER_TOKEN)).sum(),
+            Some(Prompt::Texts(ts)) => ts.estimated_tokens,
             Some(Prompt::Tokens(ids)) => ids.len(),
-            Some(Prompt::TokenBatches(batches)) => batches.iter().map(Vec::len).sum(),
+            Some(Prompt::TokenBatches(batches)) => batches.tokens,
             None => 0,
         }
     }
@@ -342,27 +782,21 @@ impl LlmRequest {
     }
 
     /// FNV-1a over the first `limit` bytes of the prompt's text (messages in order, roles
-    /// included): requests that share a system prompt or a conversation's start hash alike.
+    /// included; token ids as little-endian `u32`s): requests that share a system prompt or a
+    /// conversation's start hash alike. Reads no further into the body than it hashes.
     pub fn prompt_prefix_hash(&self, limit: usize) -> u64 {
-        let mut hash = Fnv1a::default();
-        let mut left = limit;
-        let mut feed = |bytes: &[u8]| {
-            let take = bytes.len().min(left);
-            hash.write(bytes.get(..take).unwrap_or_default());
-            left -= take;
-            left > 0
+        let mut prefix = Prefix {
+            hash: Fnv1a::default(),
+            left: limit,
         };
         if let Some(messages) = &self.messages {
-            for m in messages {
-                if !feed(m.role.as_bytes()) {
+            for m in messages.iter() {
+                if !prefix.text(&m.role) {
                     break;
                 }
                 let more = match &m.content {
-                    Some(Content::Text(t)) => feed(t.as_bytes()),
-                    Some(Content::Parts(parts)) => parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .all(|t| feed(t.as_bytes())),
+                    Some(Content::Text(t)) => prefix.text(t),
+                    Some(Content::Parts(parts)) => parts.texts().all(|t| prefix.text(&t)),
                     None => true,
                 };
                 if !more {
@@ -372,16 +806,16 @@ impl LlmRequest {
         } else {
             match &self.prompt {
                 Some(Prompt::Text(t)) => {
-                    feed(t.as_bytes());
+                    prefix.text(t);
                 }
                 Some(Prompt::Texts(ts)) => {
                     if let Some(t) = ts.first() {
-                        feed(t.as_bytes());
+                        prefix.text(&t);
                     }
                 }
                 Some(Prompt::Tokens(ids)) => {
-                    for id in ids {
-                        if !feed(&id.to_le_bytes()) {
+                    for id in ids.ids() {
+                        if !prefix.feed(&id.to_le_bytes()) {
                             break;
                         }
                     }
@@ -389,7 +823,34 @@ impl LlmRequest {
                 Some(Prompt::TokenBatches(_)) | None => {}
             }
         }
-        hash.0
+        prefix.hash.0
+    }
+}
+
+/// The prefix hash as it is fed: the hash, and the bytes it may still take.
+struct Prefix {
+    hash: Fnv1a,
+    left: usize,
+}
+
+impl Prefix {
+    /// Hashes what fits of `bytes`; whether more may follow.
+    fn feed(&mut self, bytes: &[u8]) -> bool {
+        let take = bytes.len().min(self.left);
+        self.hash.write(bytes.get(..take).unwrap_or_default());
+        self.left -= take;
+        self.left > 0
+    }
+
+    /// Hashes what fits of a text, unescaped, piece by piece; whether more may follow.
+    fn text(&mut self, text: &Text) -> bool {
+        let mut buf = [0u8; 4];
+        for piece in text.pieces() {
+            if !self.feed(piece.bytes(&mut buf)) {
+                return false;
+            }
+        }
+        self.left > 0
     }
 }
 
@@ -417,13 +878,592 @@ impl Message {
     pub fn text_len(&self) -> usize {
         match &self.content {
             Some(Content::Text(t)) => t.len(),
-            Some(Content::Parts(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .map(str::len)
-                .sum(),
+            Some(Content::Parts(parts)) => parts.text_len,
             None => 0,
         }
+    }
+}
+
+// ---- the parse ----
+//
+// One pass of serde_json over the body, through serde_path_to_error for the parameter's
+// path. Scalars are read as they are; every other field is read as `&RawValue` (its exact
+// text, borrowed from the body, found without building anything) and then checked and
+// counted from that text, by its type, without serde's untagged buffering. `messages`
+// is checked after the body, over its own text, so that errors inside it keep their path.
+
+/// A slice of `shared` for `part` when `part` lies inside it, else a copy.
+fn share(shared: &Bytes, part: &[u8]) -> Bytes {
+    match raw_json::position(shared, part) {
+        Some(range) => shared.slice(range),
+        None => Bytes::copy_from_slice(part),
+    }
+}
+
+/// How a value's JSON fails the type its field needs, in serde's words.
+enum Mismatch {
+    /// `invalid type: <found>, expected <expected>`.
+    Type {
+        found: String,
+        expected: &'static str,
+    },
+    /// The value is none of the forms of a field that has several.
+    Untagged(&'static str),
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Type { found, expected } => {
+                write!(f, "invalid type: {found}, expected {expected}")
+            }
+            Mismatch::Untagged(name) => {
+                write!(f, "data did not match any variant of untagged enum {name}")
+            }
+        }
+    }
+}
+
+/// What JSON value `json` is, as serde describes it in errors (a short scalar with its
+/// value: ``integer `3` ``).
+fn kind_of(json: &str) -> String {
+    let kind = match json.as_bytes().first() {
+        Some(b'"') => return "string".into(),
+        Some(b'[') => return "sequence".into(),
+        Some(b'{') => return "map".into(),
+        Some(b'n') => return "null".into(),
+        Some(b't' | b'f') => "boolean",
+        _ if json.contains(['.', 'e', 'E']) => "floating point",
+        _ => "integer",
+    };
+    if json.len() <= 32 {
+        format!("{kind} `{json}`")
+    } else {
+        kind.into()
+    }
+}
+
+fn type_mismatch(json: &str, expected: &'static str) -> Mismatch {
+    Mismatch::Type {
+        found: kind_of(json),
+        expected,
+    }
+}
+
+/// A field read as its JSON text, then checked by `check`. `null` is `None` for a nullable
+/// field, and goes to `check` (which refuses it) for one that is required.
+struct Checked<F> {
+    nullable: bool,
+    check: F,
+}
+
+impl<'de, T, F> DeserializeSeed<'de> for Checked<F>
+where
+    F: FnOnce(&'de RawValue) -> Result<T, Mismatch>,
+{
+    type Value = Option<T>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<T>, D::Error> {
+        let raw = if self.nullable {
+            match Option::<&'de RawValue>::deserialize(deserializer)? {
+                Some(raw) => raw,
+                None => return Ok(None),
+            }
+        } else {
+            <&'de RawValue>::deserialize(deserializer)?
+        };
+        (self.check)(raw).map(Some).map_err(de::Error::custom)
+    }
+}
+
+fn nullable<'de, T, F>(check: F) -> Checked<F>
+where
+    F: FnOnce(&'de RawValue) -> Result<T, Mismatch>,
+{
+    Checked {
+        nullable: true,
+        check,
+    }
+}
+
+fn text(shared: &Bytes, raw: &RawValue) -> Result<Text, Mismatch> {
+    Text::from_json(shared, raw.get()).ok_or_else(|| type_mismatch(raw.get(), "a string"))
+}
+
+fn array(shared: &Bytes, raw: &RawValue) -> Result<JsonArray, Mismatch> {
+    let json = raw.get();
+    if !json.starts_with('[') {
+        return Err(type_mismatch(json, "a sequence"));
+    }
+    Ok(JsonArray {
+        raw: share(shared, json.as_bytes()),
+        len: raw_json::elements(json.as_bytes()).count(),
+    })
+}
+
+fn content(shared: &Bytes, raw: &RawValue) -> Result<Content, Mismatch> {
+    let json = raw.get();
+    match json.as_bytes().first() {
+        Some(b'"') => text(shared, raw).map(Content::Text),
+        Some(b'[') => {
+            let (mut len, mut text_len) = (0usize, 0usize);
+            for part in raw_json::elements(json.as_bytes()) {
+                len += 1;
+                if let Some(t) = part_text(shared, part) {
+                    text_len = text_len.saturating_add(t.len());
+                }
+            }
+            Ok(Content::Parts(Parts {
+                raw: share(shared, json.as_bytes()),
+                len,
+                text_len,
+            }))
+        }
+        _ => Err(Mismatch::Untagged("Content")),
+    }
+}
+
+/// The `text` of a content part, when it is an object with a string `text` (the last one).
+fn part_text(shared: &Bytes, part: &[u8]) -> Option<Text> {
+    if part.first() != Some(&b'{') {
+        return None;
+    }
+    let range = raw_json::object_spans(part, &["text"])?.value("text")?;
+    let json = std::str::from_utf8(part.get(range)?).ok()?;
+    Text::from_json(shared, json)
+}
+
+fn prompt(shared: &Bytes, raw: &RawValue) -> Result<Prompt, Mismatch> {
+    let json = raw.get();
+    let mismatch = || Mismatch::Untagged("Prompt");
+    match json.as_bytes().first() {
+        Some(b'"') => text(shared, raw).map(Prompt::Text),
+        Some(b'[') => {
+            let raw_bytes = share(shared, json.as_bytes());
+            Ok(match items(json).ok_or_else(mismatch)? {
+                Items::Texts(counts) => Prompt::Texts(counts.texts(raw_bytes)),
+                Items::Tokens(len) => Prompt::Tokens(Tokens {
+                    raw: raw_bytes,
+                    len,
+                }),
+                Items::Batches { len, tokens } => Prompt::TokenBatches(TokenBatches {
+                    raw: raw_bytes,
+                    len,
+                    tokens,
+                }),
+            })
+        }
+        _ => Err(mismatch()),
+    }
+}
+
+fn stop(shared: &Bytes, raw: &RawValue) -> Result<Stop, Mismatch> {
+    let json = raw.get();
+    match json.as_bytes().first() {
+        Some(b'"') => text(shared, raw).map(Stop::One),
+        Some(b'[') => match items(json) {
+            Some(Items::Texts(counts)) => {
+                Ok(Stop::Many(counts.texts(share(shared, json.as_bytes()))))
+            }
+            _ => Err(Mismatch::Untagged("Stop")),
+        },
+        _ => Err(Mismatch::Untagged("Stop")),
+    }
+}
+
+/// What an array of prompts holds: strings, token ids or arrays of token ids, all alike
+/// (an empty array is a list of no strings).
+enum Items {
+    Texts(TextCounts),
+    Tokens(usize),
+    Batches { len: usize, tokens: usize },
+}
+
+#[derive(Default)]
+struct TextCounts {
+    len: usize,
+    text_len: usize,
+    estimated_tokens: usize,
+}
+
+impl TextCounts {
+    fn texts(self, raw: Bytes) -> Texts {
+        Texts {
+            raw,
+            len: self.len,
+            text_len: self.text_len,
+            estimated_tokens: self.estimated_tokens,
+        }
+    }
+}
+
+/// Checks and counts an array's items, each by its own type, keeping none.
+fn items(json: &str) -> Option<Items> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    de.deserialize_seq(ItemsVisitor).ok()
+}
+
+struct ItemsVisitor;
+
+impl<'de> Visitor<'de> for ItemsVisitor {
+    type Value = Items;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("strings, token ids or lists of token ids")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Items, A::Error> {
+        let mut items = Items::Texts(TextCounts::default());
+        let mut first = true;
+        while let Some(item) = seq.next_element_seed(ItemSeed)? {
+            if first {
+                first = false;
+                items = match item {
+                    Item::Text(_) => Items::Texts(TextCounts::default()),
+                    Item::Token => Items::Tokens(0),
+                    Item::Batch(_) => Items::Batches { len: 0, tokens: 0 },
+                };
+            }
+            match (&mut items, item) {
+                (Items::Texts(counts), Item::Text(len)) => {
+                    counts.len += 1;
+                    counts.text_len = counts.text_len.saturating_add(len);
+                    counts.estimated_tokens = counts
+                        .estimated_tokens
+                        .saturating_add(len.div_ceil(CHARS_PER_TOKEN));
+                }
+                (Items::Tokens(len), Item::Token) => *len += 1,
+                (Items::Batches { len, tokens }, Item::Batch(ids)) => {
+                    *len += 1;
+                    *tokens = tokens.saturating_add(ids);
+                }
+                _ => return Err(de::Error::custom("items of different types")),
+            }
+        }
+        Ok(items)
+    }
+}
+
+/// One item of a prompt array: a string's length, a token id, or a list's number of ids.
+enum Item {
+    Text(usize),
+    Token,
+    Batch(usize),
+}
+
+struct ItemSeed;
+
+impl<'de> DeserializeSeed<'de> for ItemSeed {
+    type Value = Item;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Item, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemSeed {
+    type Value = Item;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id or a list of token ids")
+    }
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<Item, E> {
+        u32::try_from(id)
+            .map(|_| Item::Token)
+            .map_err(|_| E::custom("a token id is a u32"))
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Item, E> {
+        Ok(Item::Text(s.len()))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+        let mut ids = 0usize;
+        while seq.next_element::<u32>()?.is_some() {
+            ids += 1;
+        }
+        Ok(Item::Batch(ids))
+    }
+}
+
+/// The fields of a request that Sluice reads, by name.
+const FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+];
+
+/// A member's key, as its index in a list of field names (`None`: a field not read).
+struct FieldIndex(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for FieldIndex {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_identifier(self)
+    }
+}
+
+impl<'de> Visitor<'de> for FieldIndex {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a field name")
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
+        Ok(self.0.iter().position(|k| *k == key))
+    }
+}
+
+/// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
+fn first_time<E: de::Error>(
+    seen: &mut u32,
+    index: usize,
+    names: &'static [&'static str],
+) -> Result<(), E> {
+    let bit = 1u32.checked_shl(index as u32).unwrap_or(0);
+    if *seen & bit != 0 {
+        let name = names.get(index).copied().unwrap_or("?");
+        return Err(E::duplicate_field(name));
+    }
+    *seen |= bit;
+    Ok(())
+}
+
+/// The request's top level: every field but `messages`, and `messages` as its text.
+struct RequestSeed<'b> {
+    shared: &'b Bytes,
+}
+
+impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
+    type Value = (LlmRequest, Option<&'de RawValue>);
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RequestSeed<'_> {
+    type Value = (LlmRequest, Option<&'de RawValue>);
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let shared = self.shared;
+        let mut r = LlmRequest::default();
+        let mut messages = None;
+        let mut seen = 0u32;
+        while let Some(field) = map.next_key_seed(FieldIndex(FIELDS))? {
+            let Some(index) = field else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            first_time(&mut seen, index, FIELDS)?;
+            match FIELDS.get(index).copied().unwrap_or_default() {
+                "model" => r.model = map.next_value()?,
+                "messages" => messages = map.next_value()?,
+                "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
+                "stream" => r.stream = map.next_value()?,
+                "stream_options" => r.stream_options = map.next_value()?,
+                "max_tokens" => r.max_tokens = map.next_value()?,
+                "max_completion_tokens" => r.max_completion_tokens = map.next_value()?,
+                "n" => r.n = map.next_value()?,
+                "best_of" => r.best_of = map.next_value()?,
+                "use_beam_search" => r.use_beam_search = map.next_value()?,
+                "temperature" => r.temperature = map.next_value()?,
+                "top_p" => r.top_p = map.next_value()?,
+                "seed" => r.seed = map.next_value()?,
+                "stop" => r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?,
+                "tools" => r.tools = map.next_value_seed(nullable(|v| array(shared, v)))?,
+                "tool_choice" => {
+                    r.tool_choice = map
+                        .next_value::<Option<&RawValue>>()?
+                        .map(|v| raw(shared, v))
+                }
+                "response_format" => {
+                    r.response_format = map
+                        .next_value::<Option<&RawValue>>()?
+                        .map(|v| raw(shared, v))
+                }
+                "logprobs" => r.logprobs = map.next_value()?,
+                "top_logprobs" => r.top_logprobs = map.next_value()?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok((r, messages))
+    }
+}
+
+fn raw(shared: &Bytes, value: &RawValue) -> RawJson {
+    RawJson(share(shared, value.get().as_bytes()))
+}
+
+/// Checks and counts `messages` from its text `raw` (a slice of `body`), keeping only that
+/// slice. Errors name the parameter inside it (`messages[2].role`).
+fn parse_messages(shared: &Bytes, body: &str, raw: &RawValue) -> Result<Messages, InvalidRequest> {
+    let json = raw.get();
+    let mut de = serde_json::Deserializer::from_str(json);
+    let mut track = serde_path_to_error::Track::new();
+    let counted = MessagesSeed { shared }
+        .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
+    match counted {
+        Ok((len, estimated_tokens)) => Ok(Messages {
+            raw: share(shared, json.as_bytes()),
+            len,
+            estimated_tokens,
+        }),
+        Err(inner) => {
+            let inner_path = track.path().to_string();
+            let path = match inner_path.as_str() {
+                "." => "messages".to_string(),
+                p if p.starts_with('[') => format!("messages{p}"),
+                p => format!("messages.{p}"),
+            };
+            let at = raw_json::position(body.as_bytes(), json.as_bytes()).map_or(0, |r| r.start);
+            let message = located(&inner, body, at);
+            Err(invalid(
+                format!("Invalid type for '{path}': {message}"),
+                Some(path),
+            ))
+        }
+    }
+}
+
+/// The error's message with its position in the whole body, for an error of a parse of the
+/// part of `body` that starts at byte `at`.
+fn located(error: &serde_json::Error, body: &str, at: usize) -> String {
+    let message = error.to_string();
+    let suffix = format!(" at line {} column {}", error.line(), error.column());
+    let Some(text) = message.strip_suffix(&suffix) else {
+        return message;
+    };
+    let before = body.get(..at).unwrap_or_default();
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let base_line = 1 + before.bytes().filter(|b| *b == b'\n').count();
+    let (line, column) = if error.line() <= 1 {
+        (base_line, at - line_start + error.column())
+    } else {
+        (base_line + error.line() - 1, error.column())
+    };
+    format!("{text} at line {line} column {column}")
+}
+
+/// `messages`: a list of messages, counted, with the estimate of their tokens.
+struct MessagesSeed<'b> {
+    shared: &'b Bytes,
+}
+
+impl<'de> DeserializeSeed<'de> for MessagesSeed<'_> {
+    type Value = (usize, usize);
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MessagesSeed<'_> {
+    type Value = (usize, usize);
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a sequence")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let (mut len, mut tokens) = (0usize, 0usize);
+        while let Some(m) = seq.next_element_seed(MessageSeed {
+            shared: self.shared,
+        })? {
+            len += 1;
+            let estimate = m.text_len().div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE;
+            tokens = tokens.saturating_add(estimate);
+        }
+        Ok((len, tokens))
+    }
+}
+
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+
+/// One message, its texts as slices of the body.
+struct MessageSeed<'b> {
+    shared: &'b Bytes,
+}
+
+impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
+    type Value = Message;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Message, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MessageSeed<'_> {
+    type Value = Message;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message, A::Error> {
+        let shared = self.shared;
+        let mut role = None;
+        let mut m = Message {
+            role: Text::default(),
+            content: None,
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+        };
+        let mut seen = 0u32;
+        while let Some(field) = map.next_key_seed(FieldIndex(MESSAGE_FIELDS))? {
+            let Some(index) = field else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            first_time(&mut seen, index, MESSAGE_FIELDS)?;
+            match MESSAGE_FIELDS.get(index).copied().unwrap_or_default() {
+                "role" => {
+                    role = map.next_value_seed(Checked {
+                        nullable: false,
+                        check: |v| text(shared, v),
+                    })?
+                }
+                "content" => m.content = map.next_value_seed(nullable(|v| content(shared, v)))?,
+                "name" => m.name = map.next_value_seed(nullable(|v| text(shared, v)))?,
+                "tool_calls" => {
+                    m.tool_calls = map.next_value_seed(nullable(|v| array(shared, v)))?
+                }
+                "tool_call_id" => {
+                    m.tool_call_id = map.next_value_seed(nullable(|v| text(shared, v)))?
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        m.role = role.ok_or_else(|| de::Error::missing_field("role"))?;
+        Ok(m)
     }
 }
 
@@ -499,7 +1539,20 @@ mod tests {
     fn content_parts_count_text_only() {
         let r = chat(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abcd"},{"type":"image_url","image_url":{"url":"data:..."}}]}]}"#)
             .unwrap();
-        assert_eq!(r.messages.unwrap()[0].text_len(), 4);
+        let messages = r.messages.unwrap();
+        let first = messages.iter().next().unwrap();
+        assert_eq!(first.text_len(), 4);
+        let Some(Content::Parts(parts)) = first.content else {
+            panic!("parts expected");
+        };
+        assert_eq!((parts.len(), parts.text_len()), (2, 4));
+        assert_eq!(
+            parts
+                .texts()
+                .map(|t| t.to_str().into_owned())
+                .collect::<Vec<_>>(),
+            ["abcd"]
+        );
     }
 
     #[test]
@@ -554,5 +1607,281 @@ mod tests {
             let e = chat(&format!("{base}{extra}")).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{extra}");
         }
+    }
+
+    fn shared(body: &str) -> (Bytes, LlmRequest) {
+        let body = Bytes::copy_from_slice(body.as_bytes());
+        let endpoint = if body.windows(8).any(|w| w == b"\"prompt\"") {
+            Endpoint::Completions
+        } else {
+            Endpoint::ChatCompletions
+        };
+        let r = LlmRequest::parse_shared(endpoint, &body).unwrap();
+        (body, r)
+    }
+
+    fn inside(body: &Bytes, text: &Text) -> bool {
+        raw_json::position(body, &text.raw).is_some()
+    }
+
+    fn fnv(bytes: &[u8]) -> u64 {
+        let mut h = Fnv1a::default();
+        h.write(bytes);
+        h.0
+    }
+
+    #[test]
+    fn texts_are_slices_of_the_body_and_unescape_when_read() {
+        let (body, r) = shared(
+            r#"{"messages":[{"role":"system","content":"be \"brief\"\n"},{"role":"us\u0065r","content":"plain"}]}"#,
+        );
+        let messages: Vec<Message> = r.messages.as_ref().unwrap().iter().collect();
+        assert_eq!(messages.len(), 2);
+        let Some(Content::Text(first)) = &messages[0].content else {
+            panic!("text expected");
+        };
+        assert!(inside(&body, first) && first.has_escapes());
+        assert_eq!(first.to_str(), "be \"brief\"\n");
+        assert_eq!(first.len(), 11);
+        assert_eq!(messages[1].role, "user");
+        let Some(Content::Text(second)) = &messages[1].content else {
+            panic!("text expected");
+        };
+        assert!(matches!(second.to_str(), Cow::Borrowed("plain")));
+        assert!(inside(&body, second));
+        // 11 and 5 bytes: 3 + 2 tokens, and 4 per message.
+        assert_eq!(r.estimated_prompt_tokens(), 13);
+    }
+
+    #[test]
+    fn escapes_never_change_the_estimate_or_the_prefix_hash() {
+        let (_, plain) = shared(r#"{"messages":[{"role":"user","content":"A/é\nB"}]}"#);
+        let (_, escaped) =
+            shared(r#"{"messages":[{"role":"\u0075ser","content":"\u0041\/\u00e9\nB"}]}"#);
+        assert_eq!(
+            plain.estimated_prompt_tokens(),
+            escaped.estimated_prompt_tokens()
+        );
+        for limit in [0, 1, 3, 4, 5, 6, 7, 100] {
+            assert_eq!(
+                plain.prompt_prefix_hash(limit),
+                escaped.prompt_prefix_hash(limit),
+                "{limit}"
+            );
+        }
+        // The hash is FNV-1a of roles and texts in order, cut at the limit.
+        assert_eq!(plain.prompt_prefix_hash(100), fnv("userA/é\nB".as_bytes()));
+        assert_eq!(plain.prompt_prefix_hash(6), fnv(b"userA/"));
+    }
+
+    #[test]
+    fn prefix_hash_reads_prompts_as_before() {
+        let (_, tokens) = shared(r#"{"prompt":[1,2,3]}"#);
+        let le: Vec<u8> = [1u32, 2, 3].iter().flat_map(|i| i.to_le_bytes()).collect();
+        assert_eq!(tokens.prompt_prefix_hash(100), fnv(&le));
+        assert_eq!(tokens.prompt_prefix_hash(6), fnv(&le[..6]));
+        let (_, texts) = shared(r#"{"prompt":["ab","cd"]}"#);
+        assert_eq!(texts.prompt_prefix_hash(100), fnv(b"ab"));
+        let (_, parts) = shared(
+            r#"{"messages":[{"role":"u","content":[{"type":"text","text":"x"},{"type":"image_url"},{"text":"y","text":"z"}]},{"role":"a","content":null}]}"#,
+        );
+        assert_eq!(parts.prompt_prefix_hash(100), fnv(b"uxza"));
+        let (_, batches) = shared(r#"{"prompt":[[1],[2]]}"#);
+        assert_eq!(batches.prompt_prefix_hash(100), Fnv1a::default().0);
+    }
+
+    #[test]
+    fn prompt_forms_are_told_apart_by_their_items() {
+        let (_, r) = shared(r#"{"prompt":"abcdefgh"}"#);
+        assert!(matches!(&r.prompt, Some(Prompt::Text(t)) if *t == "abcdefgh"));
+        assert_eq!(r.estimated_prompt_tokens(), 2);
+        let (_, r) = shared(r#"{"prompt":["abcde","x\"y"]}"#);
+        let Some(Prompt::Texts(ts)) = &r.prompt else {
+            panic!("texts expected")
+        };
+        assert_eq!((ts.len(), ts.text_len()), (2, 8));
+        assert_eq!(
+            ts.iter()
+                .map(|t| t.to_str().into_owned())
+                .collect::<Vec<_>>(),
+            ["abcde", "x\"y"]
+        );
+        assert_eq!(r.estimated_prompt_tokens(), 3);
+        let (_, r) = shared(r#"{"prompt":[[1,2],[],[3]]}"#);
+        let Some(Prompt::TokenBatches(b)) = &r.prompt else {
+            panic!("batches expected")
+        };
+        assert_eq!((b.len(), b.tokens()), (3, 3));
+        let ids: Vec<Vec<u32>> = b.iter().map(|t| t.ids().collect()).collect();
+        assert_eq!(ids, [vec![1, 2], vec![], vec![3]]);
+        let (_, r) = shared(r#"{"prompt":[]}"#);
+        assert!(matches!(&r.prompt, Some(Prompt::Texts(t)) if t.is_empty()));
+        for bad in [
+            r#"{"prompt":["a",1]}"#,
+            r#"{"prompt":[1,"a"]}"#,
+            r#"{"prompt":[1,-1]}"#,
+            r#"{"prompt":[1,1.5]}"#,
+            r#"{"prompt":[4294967296]}"#,
+            r#"{"prompt":[[1],[2,"x"]]}"#,
+            r#"{"prompt":[[1],2]}"#,
+            r#"{"prompt":[null]}"#,
+            r#"{"prompt":{"a":1}}"#,
+            r#"{"prompt":7}"#,
+        ] {
+            let e = LlmRequest::parse(Endpoint::Completions, bad.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{bad}");
+            assert!(e.message.contains("untagged enum Prompt"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn a_four_million_token_prompt_is_counted_not_collected() {
+        let mut body = String::with_capacity(8 << 20);
+        body.push_str(r#"{"model":"m","prompt":[7"#);
+        for _ in 1..4_000_000 {
+            body.push_str(",1");
+        }
+        body.push_str("]}");
+        let (body, r) = shared(&body);
+        let Some(Prompt::Tokens(tokens)) = &r.prompt else {
+            panic!("tokens expected")
+        };
+        assert_eq!(tokens.len(), 4_000_000);
+        assert_eq!(r.estimated_prompt_tokens(), 4_000_000);
+        // The ids are the body's own bytes, read again only as far as they are asked for.
+        assert!(raw_json::position(&body, &tokens.raw).is_some());
+        assert_eq!(tokens.ids().take(3).collect::<Vec<_>>(), [7, 1, 1]);
+        assert_eq!(r.prompt_prefix_hash(4), fnv(&7u32.to_le_bytes()));
+        // The request holds a handful of slices of the body, whatever its size.
+        assert!(std::mem::size_of::<LlmRequest>() < 1024);
+    }
+
+    #[test]
+    fn stop_tools_and_kept_json() {
+        let (body, r) = shared(
+            r#"{"messages":[{"role":"user","content":"x","tool_calls":[{"id":"c"}],"name":"bob","tool_call_id":"t"}],
+               "stop":["a","b\n"],"tools":[{"type":"function"},{"type":"function"}],
+               "tool_choice":"auto","response_format":{"type":"json_object"}}"#,
+        );
+        let Some(Stop::Many(stops)) = &r.stop else {
+            panic!("stops expected")
+        };
+        assert_eq!(stops.len(), 2);
+        assert_eq!(stops.iter().nth(1).unwrap(), "b\n");
+        let tools = r.tools.as_ref().unwrap();
+        assert_eq!(tools.len(), 2);
+        assert_eq!(
+            tools.iter().next().unwrap().as_str(),
+            r#"{"type":"function"}"#
+        );
+        assert_eq!(r.tool_choice.as_ref().unwrap().as_str(), r#""auto""#);
+        let format: serde_json::Value = r.response_format.as_ref().unwrap().parse().unwrap();
+        assert_eq!(format["type"], "json_object");
+        assert!(raw_json::position(&body, tools.as_bytes()).is_some());
+        let m = r.messages.as_ref().unwrap().iter().next().unwrap();
+        assert_eq!(m.tool_calls.as_ref().map(JsonArray::len), Some(1));
+        assert_eq!(m.name.unwrap(), "bob");
+        assert_eq!(m.tool_call_id.unwrap(), "t");
+        let (_, r) = shared(
+            r#"{"messages":[{"role":"user"}],"stop":"end","tools":null,"tool_choice":null}"#,
+        );
+        assert!(matches!(&r.stop, Some(Stop::One(t)) if *t == "end"));
+        assert!(r.tools.is_none() && r.tool_choice.is_none());
+        for (bad, param) in [
+            (r#"{"messages":[{"role":"u"}],"stop":[1]}"#, "stop"),
+            (r#"{"messages":[{"role":"u"}],"stop":3}"#, "stop"),
+            (r#"{"messages":[{"role":"u"}],"tools":{}}"#, "tools"),
+            (r#"{"messages":[{"role":"u"}],"logprobs":"x"}"#, "logprobs"),
+            (
+                r#"{"messages":[{"role":"u"}],"logprobs":[1,2]}"#,
+                "logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"u","content":5}]}"#,
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages":[{"role":"u","name":5}]}"#,
+                "messages[0].name",
+            ),
+            (
+                r#"{"messages":[{"role":"u","tool_calls":"x"}]}"#,
+                "messages[0].tool_calls",
+            ),
+            (
+                r#"{"messages":[{"role":"u"},{"content":"x"}]}"#,
+                "messages[1]",
+            ),
+            (r#"{"messages":[{"role":null}]}"#, "messages[0].role"),
+            (r#"{"messages":[{"role":"u"},"x"]}"#, "messages[1]"),
+            (r#"{"messages":{"role":"u"}}"#, "messages"),
+        ] {
+            let e = chat(bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}: {}", e.message);
+        }
+        let (_, r) = shared(r#"{"messages":[{"role":"u"}],"logprobs":true,"top_logprobs":2}"#);
+        assert_eq!(r.logprobs, Some(Logprobs::Flag(true)));
+        let r =
+            LlmRequest::parse(Endpoint::Completions, br#"{"prompt":"x","logprobs":3}"#).unwrap();
+        assert_eq!(r.logprobs, Some(Logprobs::Count(3)));
+    }
+
+    #[test]
+    fn repeated_fields_are_refused_and_unknown_ones_ignored() {
+        for (bad, field) in [
+            (
+                r#"{"messages":[{"role":"u"}],"model":"a","model":"b"}"#,
+                "model",
+            ),
+            (
+                r#"{"messages":[{"role":"u"}],"messages":[{"role":"u"}]}"#,
+                "messages",
+            ),
+            (r#"{"messages":[{"role":"u","role":"v"}]}"#, "role"),
+            (
+                r#"{"messages":[{"role":"u"}],"stream":true,"str\u0065am":false}"#,
+                "stream",
+            ),
+        ] {
+            let e = chat(bad).unwrap_err();
+            assert!(
+                e.message.contains(&format!("duplicate field `{field}`")),
+                "{bad}: {}",
+                e.message
+            );
+        }
+        let r =
+            chat(r#"{"messages":[{"role":"u","x":[1,{"y":2}],"x":3}],"x":1,"x":[{}]}"#).unwrap();
+        assert_eq!(r.messages.unwrap().len(), 1);
+    }
+
+    #[test]
+    fn whitespace_and_positions() {
+        let body = "{\n  \"model\" : \"m\" ,\n  \"messages\" : [\n    { \"role\" : \"user\" ,\n      \"content\" : \"hi\" }\n  ]\n}\n";
+        let (_, r) = shared(body);
+        let m = r.messages.unwrap().iter().next().unwrap();
+        assert_eq!(m.role, "user");
+        assert!(matches!(m.content, Some(Content::Text(t)) if t == "hi"));
+        // An error inside `messages` is placed in the whole body.
+        let e = chat("{\n\"messages\":\n[{\"role\":3}]}").unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        assert!(
+            e.message
+                .ends_with("integer `3`, expected a string at line 3 column 11"),
+            "{}",
+            e.message
+        );
+        let e =
+            chat("{\"messages\":[\n{\"role\":\"u\"},\n{\"role\":\"u\",\"name\":[]}]}").unwrap_err();
+        assert!(e.message.ends_with("at line 3 column 22"), "{}", e.message);
+    }
+
+    #[test]
+    fn text_of_its_own() {
+        let t = Text::from("a \"b\"\n");
+        assert_eq!(t, "a \"b\"\n");
+        assert_eq!(t.len(), 6);
+        assert_eq!(Text::from(""), "");
+        assert!(Text::default().is_empty());
     }
 }

@@ -440,21 +440,21 @@ fn asks_for_logprobs(r: &LlmRequest) -> bool {
     )
 }
 
-/// Whether any of the prompt's text looks like code.
+/// Whether any of the prompt's text looks like code. A text the client wrote with escapes
+/// is unescaped for the classifier, one at a time.
 fn looks_like_code(r: &LlmRequest) -> bool {
     if let Some(messages) = &r.messages {
         return messages.iter().any(|m| match &m.content {
-            Some(Content::Text(t)) => classify::looks_like_code(t),
+            Some(Content::Text(t)) => classify::looks_like_code(&t.to_str()),
             Some(Content::Parts(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                .any(classify::looks_like_code),
+                .texts()
+                .any(|t| classify::looks_like_code(&t.to_str())),
             None => false,
         });
     }
     match &r.prompt {
-        Some(Prompt::Text(t)) => classify::looks_like_code(t),
-        Some(Prompt::Texts(ts)) => ts.iter().any(|t| classify::looks_like_code(t)),
+        Some(Prompt::Text(t)) => classify::looks_like_code(&t.to_str()),
+        Some(Prompt::Texts(ts)) => ts.iter().any(|t| classify::looks_like_code(&t.to_str())),
         _ => false,
     }
 }
