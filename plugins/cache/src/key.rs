@@ -11,34 +11,57 @@
 //! `stream_options` are left out: they choose the form of the answer, and a hit is served in
 //! whichever form the client asks for.
 //!
-//! Prompts can be megabytes, so the body is read into a tree that borrows its strings from
-//! the body (a copy only for a string with escapes; numbers are held as numbers), and string
-//! bytes go to the hasher as they are: SHA-256 is the only full pass after parsing.
+//! Prompts can be megabytes, so the body is hashed as it is parsed, without a tree: scalars
+//! and array items go to the hasher in body order as they are read (strings borrowed from
+//! the body; numbers as numbers), and only objects wait, since their members must be sorted.
+//! An object keeps one small record per member: its key (borrowed) and its value's encoding,
+//! or a digest of it when the value is long (an array, an object, a long string). Sorted and
+//! deduplicated at the object's end, the records go to the hasher the object itself belongs
+//! to (a Merkle form). What objects hold at once is bounded by a budget proportional to the
+//! body; a body beyond it (hundreds of thousands of members open at once, which no request
+//! needs) gets no key and is not cached.
+//!
+//! The encoding, prefix-free (every value starts with its own tag):
+//! - `n`, `t`, `f`; `#` and an `i128` for an integral number; `.` and the `f64`'s bits else;
+//! - `"`, a `u64` length and the UTF-8 bytes for a string;
+//! - `[`, the items, `]` for an array;
+//! - `{`, a `u64` count, then per member in key order the key (as a string) and the value:
+//!   its encoding when the value is a scalar or a string of at most [`INLINE_STRING`] bytes,
+//!   else `H` and the SHA-256 of its encoding.
 
 use http::{HeaderMap, HeaderName};
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 use sluice_sdk::Endpoint;
 use std::borrow::Cow;
 use std::fmt;
 
 /// Bumped whenever the canonical form changes, so old entries are never misread.
-const KEY_VERSION: &[u8] = b"sluice-cache-v4";
+const KEY_VERSION: &[u8] = b"sluice-cache-v5";
 
 /// Body fields that choose the answer's form, not its content.
 const FORM_ONLY_FIELDS: &[&str] = &["stream", "stream_options"];
 
+/// The longest string a member's value holds inline; a longer one is digested.
+const INLINE_STRING: usize = 23;
+
+/// The smallest budget for the members held at once, in bytes: 32768 members, plenty for
+/// any real request (a member costs [`MEMBER_COST`]). A larger body may hold as many bytes
+/// of members as it has itself.
+const MIN_BUDGET: usize = 4 << 20;
+
+/// What one held member is charged: its record, twice, for the slack of a growing vector.
+const MEMBER_COST: usize = 2 * std::mem::size_of::<Member<'static>>();
+
 /// The digest of a request. `None` when the body is not a JSON object (never the case for a
-/// request that passed the core's parsing).
+/// request that passed the core's parsing), or when its objects are too wide to key within
+/// the budget.
 pub fn digest(
     tenant: &str,
     endpoint: Endpoint,
     extra: &[(&str, &[u8])],
     body: &[u8],
 ) -> Option<[u8; 32]> {
-    let Json::Object(fields) = serde_json::from_slice::<Json<'_>>(body).ok()? else {
-        return None;
-    };
     let mut hasher = Sha256::new();
     for part in [KEY_VERSION, tenant.as_bytes(), endpoint.path().as_bytes()] {
         framed(&mut hasher, part);
@@ -48,7 +71,18 @@ pub fn digest(
         framed(&mut hasher, name.as_bytes());
         framed(&mut hasher, value);
     }
-    write_object(fields, FORM_ONLY_FIELDS, &mut hasher);
+    let mut budget = Budget {
+        left: MIN_BUDGET.max(body.len()),
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let members = de
+        .deserialize_map(ObjectVisitor {
+            budget: &mut budget,
+            skip: FORM_ONLY_FIELDS,
+        })
+        .ok()?;
+    de.end().ok()?;
+    write_object(members, &mut hasher);
     Some(hasher.finalize().into())
 }
 
@@ -64,38 +98,69 @@ fn tagged(hasher: &mut Sha256, tag: u8, part: &[u8]) {
     framed(hasher, part);
 }
 
-fn write_value(value: Json<'_>, hasher: &mut Sha256) {
-    match value {
-        Json::Null => hasher.update(b"n"),
-        Json::Bool(true) => hasher.update(b"t"),
-        Json::Bool(false) => hasher.update(b"f"),
-        Json::Number(Number::Integer(i)) => {
-            hasher.update(b"#");
-            hasher.update(i.to_be_bytes());
-        }
-        Json::Number(Number::Fraction(f)) => {
-            hasher.update(b".");
-            hasher.update(f.to_bits().to_be_bytes());
-        }
-        Json::String(s) => tagged(hasher, b'"', s.as_bytes()),
-        Json::Array(items) => {
-            hasher.update(b"[");
-            hasher.update((items.len() as u64).to_be_bytes());
-            for item in items {
-                write_value(item, hasher);
+/// An object's member, waiting for the object's end: its key and its value's encoding.
+struct Member<'de> {
+    key: Cow<'de, str>,
+    value: Encoded,
+}
+
+/// A member value's encoding when short (a scalar, a short string), else `H` and the
+/// digest of its encoding.
+struct Encoded {
+    len: u8,
+    bytes: [u8; 33],
+}
+
+impl Encoded {
+    fn new(parts: &[&[u8]]) -> Encoded {
+        let mut encoded = Encoded {
+            len: 0,
+            bytes: [0; 33],
+        };
+        for part in parts {
+            let at = usize::from(encoded.len);
+            if let Some(slot) = encoded.bytes.get_mut(at..at + part.len()) {
+                slot.copy_from_slice(part);
+                encoded.len += part.len() as u8;
             }
         }
-        Json::Object(fields) => write_object(fields, &[], hasher),
+        encoded
+    }
+
+    fn digest(hasher: Sha256) -> Encoded {
+        Encoded::new(&[b"H", &hasher.finalize()])
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        self.bytes.get(..usize::from(self.len)).unwrap_or_default()
+    }
+}
+
+/// The bytes the members of open objects may still take.
+struct Budget {
+    left: usize,
+}
+
+impl Budget {
+    fn take<E: de::Error>(&mut self, bytes: usize) -> Result<(), E> {
+        self.left = self
+            .left
+            .checked_sub(bytes)
+            .ok_or_else(|| E::custom("too many object members to key"))?;
+        Ok(())
+    }
+
+    fn give_back(&mut self, bytes: usize) {
+        self.left = self.left.saturating_add(bytes);
     }
 }
 
 /// Keys sorted here, whatever order the body has them in; of a repeated key, the last.
-fn write_object(mut fields: Vec<(Cow<'_, str>, Json<'_>)>, skip: &[&str], hasher: &mut Sha256) {
-    fields.retain(|(k, _)| !skip.contains(&k.as_ref()));
+fn write_object(mut members: Vec<Member<'_>>, hasher: &mut Sha256) {
     // Stable, so repeated keys stay in body order and the last of each run is the one kept.
-    fields.sort_by(|(a, _), (b, _)| a.cmp(b));
-    fields.dedup_by(|later, kept| {
-        let repeated = later.0 == kept.0;
+    members.sort_by(|a, b| a.key.cmp(&b.key));
+    members.dedup_by(|later, kept| {
+        let repeated = later.key == kept.key;
         if repeated {
             // The later value takes the kept slot; the earlier one is dropped.
             std::mem::swap(later, kept);
@@ -103,21 +168,11 @@ fn write_object(mut fields: Vec<(Cow<'_, str>, Json<'_>)>, skip: &[&str], hasher
         repeated
     });
     hasher.update(b"{");
-    hasher.update((fields.len() as u64).to_be_bytes());
-    for (k, v) in fields {
-        tagged(hasher, b'"', k.as_bytes());
-        write_value(v, hasher);
+    hasher.update((members.len() as u64).to_be_bytes());
+    for member in members {
+        tagged(hasher, b'"', member.key.as_bytes());
+        hasher.update(member.value.as_bytes());
     }
-}
-
-/// A JSON value whose strings borrow from the body when they hold no escapes.
-enum Json<'a> {
-    Null,
-    Bool(bool),
-    Number(Number),
-    String(Cow<'a, str>),
-    Array(Vec<Json<'a>>),
-    Object(Vec<(Cow<'a, str>, Json<'a>)>),
 }
 
 /// A number in one form per value, hashed as fixed-size bytes (no text, no allocation): a
@@ -139,81 +194,246 @@ impl Number {
             Number::Fraction(f)
         }
     }
-}
 
-impl<'de> Deserialize<'de> for Json<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(JsonVisitor)
-    }
-}
-
-/// A string that borrows from the body when it can (serde's own `Cow` never does).
-struct Text<'a>(Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for Text<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        match deserializer.deserialize_str(JsonVisitor)? {
-            Json::String(s) => Ok(Text(s)),
-            _ => Err(de::Error::custom("expected a string")),
+    fn encoded(&self) -> Encoded {
+        match self {
+            Number::Integer(i) => Encoded::new(&[b"#", &i.to_be_bytes()]),
+            Number::Fraction(f) => Encoded::new(&[b".", &f.to_bits().to_be_bytes()]),
         }
     }
 }
 
-struct JsonVisitor;
+/// A string's encoding, into `hasher`.
+fn write_string(hasher: &mut Sha256, s: &str) {
+    tagged(hasher, b'"', s.as_bytes());
+}
 
-impl<'de> Visitor<'de> for JsonVisitor {
-    type Value = Json<'de>;
+/// A value streamed into the hasher of what holds it (the body's order kept), except that
+/// an object's members wait for its end.
+struct ValueSeed<'a> {
+    out: &'a mut Sha256,
+    budget: &'a mut Budget,
+}
+
+impl<'de> DeserializeSeed<'de> for ValueSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ValueSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("any JSON value")
     }
 
-    fn visit_unit<E>(self) -> Result<Json<'de>, E> {
-        Ok(Json::Null)
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.out.update(b"n");
+        Ok(())
     }
 
-    fn visit_bool<E>(self, b: bool) -> Result<Json<'de>, E> {
-        Ok(Json::Bool(b))
+    fn visit_bool<E>(self, b: bool) -> Result<(), E> {
+        self.out.update(if b { b"t" } else { b"f" });
+        Ok(())
     }
 
-    fn visit_i64<E>(self, i: i64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(Number::Integer(i128::from(i))))
+    fn visit_i64<E>(self, i: i64) -> Result<(), E> {
+        self.out
+            .update(Number::Integer(i128::from(i)).encoded().as_bytes());
+        Ok(())
     }
 
-    fn visit_u64<E>(self, u: u64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(Number::Integer(i128::from(u))))
+    fn visit_u64<E>(self, u: u64) -> Result<(), E> {
+        self.out
+            .update(Number::Integer(i128::from(u)).encoded().as_bytes());
+        Ok(())
     }
 
-    fn visit_f64<E>(self, f: f64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(Number::from_f64(f)))
+    fn visit_f64<E>(self, f: f64) -> Result<(), E> {
+        self.out.update(Number::from_f64(f).encoded().as_bytes());
+        Ok(())
     }
 
-    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Borrowed(s)))
+    fn visit_str<E>(self, s: &str) -> Result<(), E> {
+        write_string(self.out, s);
+        Ok(())
     }
 
-    fn visit_str<E>(self, s: &str) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Owned(s.to_owned())))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.out.update(b"[");
+        while seq
+            .next_element_seed(ValueSeed {
+                out: &mut *self.out,
+                budget: &mut *self.budget,
+            })?
+            .is_some()
+        {}
+        self.out.update(b"]");
+        Ok(())
     }
 
-    fn visit_string<E>(self, s: String) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Owned(s)))
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
+        let (members, charged) = collect(map, self.budget, &[])?;
+        write_object(members, self.out);
+        self.budget.give_back(charged);
+        Ok(())
     }
+}
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json<'de>, A::Error> {
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        while let Some(item) = seq.next_element()? {
-            items.push(item);
+/// An object's members, each with its value's encoding or digest, and what they were
+/// charged; members named in `skip` are left out.
+fn collect<'de, A: MapAccess<'de>>(
+    mut map: A,
+    budget: &mut Budget,
+    skip: &[&str],
+) -> Result<(Vec<Member<'de>>, usize), A::Error> {
+    let mut members = Vec::new();
+    let mut charged = 0usize;
+    while let Some(key) = map.next_key_seed(KeySeed)? {
+        if skip.contains(&key.as_ref()) {
+            map.next_value::<IgnoredAny>()?;
+            continue;
         }
-        Ok(Json::Array(items))
+        let cost = MEMBER_COST
+            + match &key {
+                Cow::Owned(k) => k.len(),
+                Cow::Borrowed(_) => 0,
+            };
+        if let Err(e) = budget.take(cost) {
+            budget.give_back(charged);
+            return Err(e);
+        }
+        charged += cost;
+        let value = map.next_value_seed(MemberSeed {
+            budget: &mut *budget,
+        });
+        match value {
+            Ok(value) => members.push(Member { key, value }),
+            Err(e) => {
+                budget.give_back(charged);
+                return Err(e);
+            }
+        }
+    }
+    Ok((members, charged))
+}
+
+/// A key, borrowed from the body when it has no escapes (serde's own `Cow` never borrows).
+struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a key")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json<'de>, A::Error> {
-        let mut fields = Vec::with_capacity(map.size_hint().unwrap_or(0));
-        while let Some((Text(k), v)) = map.next_entry()? {
-            fields.push((k, v));
+    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(s))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(s.to_owned()))
+    }
+}
+
+/// A member's value: its encoding when short, else the digest of its encoding.
+struct MemberSeed<'a> {
+    budget: &'a mut Budget,
+}
+
+impl<'de> DeserializeSeed<'de> for MemberSeed<'_> {
+    type Value = Encoded;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Encoded, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MemberSeed<'_> {
+    type Value = Encoded;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<Encoded, E> {
+        Ok(Encoded::new(&[b"n"]))
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Encoded, E> {
+        Ok(Encoded::new(&[if b { b"t" } else { b"f" }]))
+    }
+
+    fn visit_i64<E>(self, i: i64) -> Result<Encoded, E> {
+        Ok(Number::Integer(i128::from(i)).encoded())
+    }
+
+    fn visit_u64<E>(self, u: u64) -> Result<Encoded, E> {
+        Ok(Number::Integer(i128::from(u)).encoded())
+    }
+
+    fn visit_f64<E>(self, f: f64) -> Result<Encoded, E> {
+        Ok(Number::from_f64(f).encoded())
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Encoded, E> {
+        let len = (s.len() as u64).to_be_bytes();
+        if s.len() <= INLINE_STRING {
+            return Ok(Encoded::new(&[b"\"", &len, s.as_bytes()]));
         }
-        Ok(Json::Object(fields))
+        let mut hasher = Sha256::new();
+        write_string(&mut hasher, s);
+        Ok(Encoded::digest(hasher))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Encoded, A::Error> {
+        let mut hasher = Sha256::new();
+        ValueSeed {
+            out: &mut hasher,
+            budget: self.budget,
+        }
+        .visit_seq(seq)?;
+        Ok(Encoded::digest(hasher))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Encoded, A::Error> {
+        let mut hasher = Sha256::new();
+        ValueSeed {
+            out: &mut hasher,
+            budget: self.budget,
+        }
+        .visit_map(map)?;
+        Ok(Encoded::digest(hasher))
+    }
+}
+
+/// The body's top level: an object, whose members are kept for the key's own hasher.
+struct ObjectVisitor<'a> {
+    budget: &'a mut Budget,
+    skip: &'a [&'a str],
+}
+
+impl<'de> Visitor<'de> for ObjectVisitor<'_> {
+    type Value = Vec<Member<'de>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        collect(map, self.budget, self.skip).map(|(members, _)| members)
     }
 }
 
@@ -381,5 +601,129 @@ mod tests {
         );
         // Without a configured trusted header, a client-sent one means nothing.
         assert_eq!(tenant(&h, None, false), by_key);
+    }
+
+    #[test]
+    fn long_strings_keys_and_nested_objects_follow_the_same_rules() {
+        // Long strings are digested as members: escapes still do not matter.
+        let long = "a/é".repeat(20);
+        let escaped = r"\u0061\/\u00e9".repeat(20);
+        assert_eq!(
+            key(&format!(r#"{{"prompt":"{long}"}}"#)),
+            key(&format!(r#"{{"prompt":"{escaped}"}}"#))
+        );
+        assert_eq!(
+            key(&format!(r#"{{"prompt":["{long}"]}}"#)),
+            key(&format!(r#"{{"prompt":["{escaped}"]}}"#))
+        );
+        assert_eq!(
+            key(r#"{"pr\u006fmpt":"x","m":{"\u0062":1,"a":2}}"#),
+            key(r#"{"m":{"a":2,"b":1},"prompt":"x"}"#)
+        );
+        // The last of a repeated key wins at every depth, objects as values included.
+        assert_eq!(
+            key(r#"{"prompt":"x","t":{"a":{"x":1},"b":0,"a":{"y":[2]}}}"#),
+            key(r#"{"prompt":"x","t":{"b":0,"a":{"y":[2]}}}"#)
+        );
+        assert_ne!(
+            key(r#"{"prompt":"x","t":{"a":{"x":1},"a":{"y":[2]}}}"#),
+            key(r#"{"prompt":"x","t":{"a":{"y":[2]},"a":{"x":1}}}"#)
+        );
+        // Whitespace anywhere.
+        assert_eq!(
+            key("{\n\t\"prompt\" :\r\n [ 1 , 2 ] ,\"t\" : { \"a\" : null } }\n"),
+            key(r#"{"prompt":[1,2],"t":{"a":null}}"#)
+        );
+        // Only the top-level stream fields are left out.
+        assert_ne!(
+            key(r#"{"prompt":"x","t":{"stream":true}}"#),
+            key(r#"{"prompt":"x","t":{}}"#)
+        );
+        assert_eq!(
+            key(r#"{"prompt":"x","stream":false,"stream":true,"stream_options":null}"#),
+            key(r#"{"prompt":"x"}"#)
+        );
+    }
+
+    #[test]
+    fn inline_and_digested_values_never_collide() {
+        // Strings around the inline limit, as members and as items, next to look-alikes.
+        let at = "s".repeat(INLINE_STRING);
+        let over = "s".repeat(INLINE_STRING + 1);
+        let trees = [
+            format!(r#"{{"p":"{at}"}}"#),
+            format!(r#"{{"p":"{over}"}}"#),
+            format!(r#"{{"p":["{at}"]}}"#),
+            format!(r#"{{"p":["{over}"]}}"#),
+            format!(r#"{{"p":[["{over}"]]}}"#),
+            format!(r#"{{"p":{{"{over}":"{over}"}}}}"#),
+            format!(r#"{{"p":{{"{over}":["{over}"]}}}}"#),
+            format!(r#"{{"p":[{{"{over}":"{over}"}}]}}"#),
+            r#"{"p":[1,2]}"#.to_string(),
+            r#"{"p":[[1],2]}"#.to_string(),
+            r#"{"p":[1,[2]]}"#.to_string(),
+            r#"{"p":[{},[]]}"#.to_string(),
+            r#"{"p":[[],{}]}"#.to_string(),
+            r#"{"p":{"a":[]}}"#.to_string(),
+            r#"{"p":{"a":{}}}"#.to_string(),
+            r#"{"p":{"a":""}}"#.to_string(),
+            r#"{"p":{"a":0.5}}"#.to_string(),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for t in &trees {
+            assert!(seen.insert(key(t)), "collision: {t}");
+        }
+    }
+
+    #[test]
+    fn bodies_that_are_not_one_object_have_no_key() {
+        for body in [
+            "",
+            "[1]",
+            "\"x\"",
+            "null",
+            "{",
+            r#"{"a":1} x"#,
+            r#"{"a":1}{}"#,
+            "{\"a\":\"\u{1}\"}",
+        ] {
+            assert_eq!(
+                digest("t", Endpoint::Completions, &[], body.as_bytes()),
+                None,
+                "{body:?}"
+            );
+        }
+        assert_eq!(
+            digest("t", Endpoint::Completions, &[], b"{\"a\":\"\xff\"}"),
+            None
+        );
+    }
+
+    #[test]
+    fn objects_too_wide_to_hold_get_no_key() {
+        let object = |members: usize| {
+            let mut body = String::from(r#"{"prompt":"x","logit_bias":{"#);
+            for i in 0..members {
+                if i > 0 {
+                    body.push(',');
+                }
+                body.push_str(&format!(r#""{i}":-100"#));
+            }
+            body.push_str("}}");
+            body
+        };
+        assert!(digest("t", Endpoint::Completions, &[], object(20_000).as_bytes()).is_some());
+        assert!(digest("t", Endpoint::Completions, &[], object(40_000).as_bytes()).is_none());
+        // The same members one after another in small objects are fine: a closed object
+        // gives its budget back.
+        let mut many = String::from(r#"{"prompt":"x","tools":["#);
+        for i in 0..40_000 {
+            if i > 0 {
+                many.push(',');
+            }
+            many.push_str(r#"{"a":1,"b":2}"#);
+        }
+        many.push_str("]}");
+        assert!(digest("t", Endpoint::Completions, &[], many.as_bytes()).is_some());
     }
 }
