@@ -7,9 +7,14 @@
 //! the client gets what vLLM would have answered it.
 
 use crate::sse::{self, SseEvents};
+use serde::de::{
+    self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
+};
 use serde_json::Value;
 use sluice_sdk::escalation::reason;
+use sluice_sdk::raw_json::{self, Edit};
 use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, StreamCheck, StreamJudge};
+use std::fmt;
 
 /// How an answer's confidence is measured over its first `window` tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,39 +39,300 @@ pub struct ConfidenceCheck {
 }
 
 impl AnswerCheck for ConfidenceCheck {
+    /// Reads only choice 0's token log-probabilities from the answer's bytes (no tree of the
+    /// answer), and when keeping it, copies it once with every choice's `logprobs` set to
+    /// `null` if the client did not ask for them.
     fn judge(&self, body: &Bytes) -> Judgement {
-        // Not JSON: nothing to judge or strip; the client gets what the draft said.
-        let Ok(mut answer) = serde_json::from_slice::<Value>(body) else {
+        // Not one JSON object: nothing to judge or strip; the client gets what the draft said.
+        let Some(answer) = Answer::read(body) else {
             return Judgement::Keep(None);
         };
         // No readable logprobs (the draft ignored the request for them, or a shape this
         // version does not know) means no evidence either way: keep the answer rather than
         // escalate, or every such answer would pay for both pools.
-        if let Some(confidence) = self.confidence(&answer) {
+        let mut tally = Tally::default();
+        if let Some(logprobs) = answer.choice_logprobs(0) {
+            add_logprobs(
+                self.endpoint,
+                logprobs,
+                &mut tally,
+                window_limit(self.window),
+            );
+        }
+        if let Some(confidence) = tally.measure(self.measure) {
             if confidence < self.min_logprob {
                 return Judgement::Escalate(reason::LOW_CONFIDENCE);
             }
         }
-        if self.client_asked || !clear_logprobs(&mut answer) {
+        if self.client_asked {
             return Judgement::Keep(None);
         }
-        match serde_json::to_vec(&answer) {
-            Ok(stripped) => Judgement::Keep(Some(Bytes::from(stripped))),
-            Err(_) => Judgement::Keep(None),
-        }
+        Judgement::Keep(answer.without_logprobs().map(Bytes::from))
     }
 }
 
-impl ConfidenceCheck {
-    /// The measure over the first `window` token log-probabilities of choice 0, if it has any.
-    fn confidence(&self, answer: &Value) -> Option<f64> {
-        let mut tally = Tally::default();
-        for logprob in token_logprobs(self.endpoint, choice_logprobs(answer, 0)?)?
-            .take(window_limit(self.window))
-        {
-            tally.add(logprob);
+/// An answer as the judge reads it: its bytes, checked to be one JSON object, and where its
+/// `choices` are (the last, if repeated, as parsers that keep the last read it).
+struct Answer<'a> {
+    body: &'a [u8],
+    choices: Option<&'a [u8]>,
+}
+
+impl<'a> Answer<'a> {
+    fn read(body: &'a [u8]) -> Option<Self> {
+        let spans = raw_json::object_spans(body, &["choices"])?;
+        let choices = spans
+            .value("choices")
+            .and_then(|range| body.get(range))
+            .filter(|c| c.first() == Some(&b'['));
+        Some(Self { body, choices })
+    }
+
+    /// Each choice's text, with its `index` and `logprobs` values' texts when it is an object.
+    fn choices(&self) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>, Option<&'a [u8]>)> + '_ {
+        raw_json::elements(self.choices.unwrap_or_default()).map(|choice| {
+            let spans = (choice.first() == Some(&b'{'))
+                .then(|| raw_json::object_spans(choice, &["index", "logprobs"]))
+                .flatten();
+            let value = |key| {
+                spans
+                    .as_ref()
+                    .and_then(|s| s.value(key))
+                    .and_then(|range| choice.get(range))
+            };
+            (choice, value("index"), value("logprobs"))
+        })
+    }
+
+    /// The `logprobs` of the choice with this index (streams may interleave choices, so a
+    /// chunk's first choice is not necessarily choice 0); a choice without a readable index
+    /// is choice 0.
+    fn choice_logprobs(&self, index: u64) -> Option<&'a [u8]> {
+        let (_, _, logprobs) = self.choices().find(|(_, i, _)| {
+            i.and_then(|i| serde_json::from_slice::<u64>(i).ok())
+                .unwrap_or(0)
+                == index
+        })?;
+        logprobs
+    }
+
+    /// The answer with every choice's `logprobs` set to `null`, as vLLM answers when none
+    /// were asked for: copied once, every other byte kept. None when none had any.
+    fn without_logprobs(&self) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        for (_, _, logprobs) in self.choices() {
+            let Some(logprobs) = logprobs.filter(|l| *l != b"null") else {
+                continue;
+            };
+            let range = raw_json::position(self.body, logprobs)?;
+            if out.capacity() == 0 {
+                out.reserve_exact(self.body.len());
+            }
+            out.extend_from_slice(self.body.get(from..range.start)?);
+            out.extend_from_slice(b"null");
+            from = range.end;
         }
-        tally.measure(self.measure)
+        if from == 0 {
+            return None;
+        }
+        out.extend_from_slice(self.body.get(from..)?);
+        Some(out)
+    }
+}
+
+/// Adds the token log-probabilities of one choice's `logprobs` (its JSON text) to `tally`,
+/// in answer order, until it has `limit`. Chat puts them in `content[].logprob`;
+/// completions in `token_logprobs[]`, where vLLM writes `null` for a token without one (the
+/// first prompt token under `echo`), which is skipped. Reads the text as it goes: nothing
+/// is collected.
+fn add_logprobs(endpoint: Endpoint, logprobs: &[u8], tally: &mut Tally, limit: usize) {
+    let field = match endpoint {
+        Endpoint::ChatCompletions => "content",
+        Endpoint::Completions => "token_logprobs",
+    };
+    let Some(tokens) = raw_json::object_spans(logprobs, &[field])
+        .and_then(|s| s.value(field))
+        .and_then(|range| logprobs.get(range))
+        .filter(|t| t.first() == Some(&b'['))
+    else {
+        return;
+    };
+    let mut de = serde_json::Deserializer::from_slice(tokens);
+    let _ = de.deserialize_seq(TokensVisitor {
+        chat: endpoint == Endpoint::ChatCompletions,
+        tally,
+        limit,
+    });
+}
+
+/// The token list of a choice's `logprobs`, tallied as it is read.
+struct TokensVisitor<'t> {
+    /// Chat: each token is an object with its `logprob`; completions: the number itself.
+    chat: bool,
+    tally: &'t mut Tally,
+    limit: usize,
+}
+
+impl<'de> Visitor<'de> for TokensVisitor<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of tokens")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while self.tally.count < self.limit {
+            let logprob = if self.chat {
+                seq.next_element_seed(ChatToken)?
+            } else {
+                seq.next_element::<MaybeNumber>()?.map(|n| n.0)
+            };
+            match logprob {
+                None => return Ok(()),
+                Some(Some(logprob)) => self.tally.add(logprob),
+                Some(None) => {}
+            }
+        }
+        // The window is full: the rest is skipped, unread.
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(())
+    }
+}
+
+/// A JSON value read as a number when it is one (any number, as `f64`), else skipped.
+struct MaybeNumber(Option<f64>);
+
+impl<'de> Deserialize<'de> for MaybeNumber {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(NumberVisitor)
+    }
+}
+
+struct NumberVisitor;
+
+impl<'de> Visitor<'de> for NumberVisitor {
+    type Value = MaybeNumber;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_f64<E>(self, n: f64) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(Some(n)))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(Some(n as f64)))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(Some(n as f64)))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(None))
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(None))
+    }
+
+    fn visit_unit<E>(self) -> Result<MaybeNumber, E> {
+        Ok(MaybeNumber(None))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<MaybeNumber, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(MaybeNumber(None))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<MaybeNumber, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(MaybeNumber(None))
+    }
+}
+
+/// A chat token: its `logprob` (the last, if repeated) when it is an object with a number
+/// there.
+struct ChatToken;
+
+impl<'de> DeserializeSeed<'de> for ChatToken {
+    type Value = Option<f64>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<f64>, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ChatToken {
+    type Value = Option<f64>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a token")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<f64>, A::Error> {
+        let mut logprob = None;
+        while let Some(is_logprob) = map.next_key_seed(KeyIs("logprob"))? {
+            if is_logprob {
+                logprob = map.next_value::<MaybeNumber>()?.0;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(logprob)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<f64>, A::Error> {
+        NumberVisitor.visit_seq(seq).map(|_| None)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E>(self) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+}
+
+/// Whether a key is this one (compared unescaped, without copying).
+struct KeyIs(&'static str);
+
+impl<'de> DeserializeSeed<'de> for KeyIs {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<bool, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyIs {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a key")
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<bool, E> {
+        Ok(key == self.0)
     }
 }
 
@@ -159,16 +425,10 @@ impl StreamJudge for StreamConfidenceJudge {
                 done = true;
                 return;
             }
-            let Ok(chunk) = serde_json::from_slice::<Value>(&data) else {
+            let Some(logprobs) = Answer::read(&data).and_then(|a| a.choice_logprobs(0)) else {
                 return;
             };
-            let logprobs = choice_logprobs(&chunk, 0).and_then(|l| token_logprobs(endpoint, l));
-            for logprob in logprobs.into_iter().flatten() {
-                if tally.count >= window {
-                    break;
-                }
-                tally.add(logprob);
-            }
+            add_logprobs(endpoint, logprobs, tally, window);
             done = tally.count >= window;
         });
         done.then(|| self.decide())
@@ -182,32 +442,6 @@ impl StreamJudge for StreamConfidenceJudge {
             _ => Judgement::Keep(None),
         }
     }
-}
-
-/// The `logprobs` of the choice with this index (streams may interleave choices, so a
-/// chunk's first choice is not necessarily choice 0).
-fn choice_logprobs(answer: &Value, index: u64) -> Option<&Value> {
-    answer
-        .get("choices")?
-        .as_array()?
-        .iter()
-        .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == index)?
-        .get("logprobs")
-}
-
-/// The token log-probabilities in one choice's `logprobs`, in answer order. Chat puts them in
-/// `content[].logprob`; completions in `token_logprobs[]`, where vLLM writes `null` for a
-/// token without one (the first prompt token under `echo`), which is skipped.
-fn token_logprobs(endpoint: Endpoint, logprobs: &Value) -> Option<impl Iterator<Item = f64> + '_> {
-    // Where each token's logprob is: in its `logprob` field (chat), or the item itself.
-    let (tokens, field) = match endpoint {
-        Endpoint::ChatCompletions => (logprobs.get("content")?.as_array()?, Some("logprob")),
-        Endpoint::Completions => (logprobs.get("token_logprobs")?.as_array()?, None),
-    };
-    Some(tokens.iter().filter_map(move |token| match field {
-        Some(field) => token.get(field)?.as_f64(),
-        None => token.as_f64(),
-    }))
 }
 
 /// Sets every choice's `logprobs` to `null`, as vLLM answers when none were asked for.
@@ -231,7 +465,8 @@ pub(crate) fn clear_logprobs(answer: &mut Value) -> bool {
 /// The request body with token log-probabilities asked for, when the client did not ask:
 /// chat gets `"logprobs": true` (`top_logprobs` untouched), completions `"logprobs": 0` (an
 /// integer count of alternatives; 0 still returns each sampled token's log-probability).
-/// Field order is kept, and an existing `"logprobs": null`/`false` is replaced in place.
+/// The body is copied once with the one member spliced in: every other byte is kept, and an
+/// existing `"logprobs": null`/`false` is replaced in place.
 ///
 /// Returns None, meaning "send the client's body as is", when the body is not a JSON object,
 /// already asks for logprobs (or sets `logprobs` to anything but absent, `null` or chat's
@@ -240,37 +475,41 @@ pub(crate) fn clear_logprobs(answer: &mut Value) -> bool {
 /// - completions with `"echo": true`: vLLM would also score the prompt, and the token
 ///   log-probabilities would start with the prompt's rather than the answer's.
 pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
-    let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(body) else {
-        return None;
+    let spans = raw_json::object_spans(body, &["logprobs", "top_logprobs", "echo"])?;
+    let value = |key| spans.value(key).and_then(|range| body.get(range));
+    let not_asked = match value("logprobs") {
+        None | Some(b"null") => true,
+        Some(b"false") => endpoint == Endpoint::ChatCompletions,
+        Some(_) => false,
     };
-    let is_true = |field: &str| request.get(field).and_then(Value::as_bool) == Some(true);
-    let not_asked = matches!(
-        (endpoint, request.get("logprobs")),
-        (_, None | Some(Value::Null)) | (Endpoint::ChatCompletions, Some(Value::Bool(false)))
-    );
     if !not_asked {
         return None;
     }
-    let asked_for = match endpoint {
+    let asked_for: &[u8] = match endpoint {
         Endpoint::ChatCompletions => {
-            let wants_top = request
-                .get("top_logprobs")
-                .and_then(Value::as_u64)
+            let wants_top = value("top_logprobs")
+                .and_then(|top| serde_json::from_slice::<u64>(top).ok())
                 .is_some_and(|top| top > 0);
             if wants_top {
                 return None;
             }
-            Value::Bool(true)
+            b"true"
         }
         Endpoint::Completions => {
-            if is_true("echo") {
+            if value("echo") == Some(b"true") {
                 return None;
             }
-            Value::from(0)
+            b"0"
         }
     };
-    request.insert("logprobs".to_owned(), asked_for);
-    serde_json::to_vec(&request).ok().map(Bytes::from)
+    let edit = match spans.value("logprobs") {
+        Some(range) => Edit {
+            range,
+            text: asked_for.to_vec(),
+        },
+        None => spans.append("logprobs", asked_for),
+    };
+    raw_json::apply(body, vec![edit]).map(Bytes::from)
 }
 
 #[cfg(test)]
@@ -656,6 +895,135 @@ mod tests {
             )
             .as_deref(),
             Some(r#"{"messages":[],"stream":false,"logprobs":true}"#)
+        );
+    }
+
+    #[test]
+    fn logprobs_are_spliced_into_the_clients_bytes() {
+        // Spacing, escapes and other members kept byte for byte; the member appended.
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                "{\n  \"messages\": [{\"role\":\"user\",\"content\":\"a\\nb\"}] ,\n  \"x\": 1.50\n}\n"
+            )
+            .as_deref(),
+            Some("{\n  \"messages\": [{\"role\":\"user\",\"content\":\"a\\nb\"}] ,\n  \"x\": 1.50\n,\"logprobs\":true}\n")
+        );
+        // An escaped key is the same key, replaced where it is.
+        assert_eq!(
+            asked(
+                Endpoint::Completions,
+                r#"{"logpr\u006fbs" : null,"prompt":"x"}"#
+            )
+            .as_deref(),
+            Some(r#"{"logpr\u006fbs" : 0,"prompt":"x"}"#)
+        );
+        // Repeated keys: the last decides and is the one replaced.
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"logprobs":true,"messages":[],"logprobs":false}"#
+            )
+            .as_deref(),
+            Some(r#"{"logprobs":true,"messages":[],"logprobs":true}"#)
+        );
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"logprobs":false,"logprobs":true}"#
+            ),
+            None
+        );
+        // `logprobs` nested elsewhere is not the member.
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"x":{"logprobs":true},"messages":[]}"#
+            )
+            .as_deref(),
+            Some(r#"{"x":{"logprobs":true},"messages":[],"logprobs":true}"#)
+        );
+        assert_eq!(
+            asked(
+                Endpoint::ChatCompletions,
+                r#"{"messages":[],"top_logprobs":2.5}"#
+            )
+            .as_deref(),
+            Some(r#"{"messages":[],"top_logprobs":2.5,"logprobs":true}"#)
+        );
+    }
+
+    #[test]
+    fn stripping_keeps_every_other_byte() {
+        let body = "{ \"id\" : \"x\\u0021\",\n \"choices\": [ {\"index\":0, \"logprobs\" : {\"content\":[{\"logprob\":-0.1}]},\"text\":\"a\"},\n  {\"index\":1,\"logprobs\":null}, {\"index\":2,\"logprobs\":{\"content\":[]}} ] }";
+        let judgement = check(Endpoint::ChatCompletions, Measure::Mean, 0)
+            .judge(&Bytes::copy_from_slice(body.as_bytes()));
+        let Judgement::Keep(Some(stripped)) = judgement else {
+            panic!("expected a stripped body, got {judgement:?}");
+        };
+        assert_eq!(
+            std::str::from_utf8(&stripped).unwrap(),
+            "{ \"id\" : \"x\\u0021\",\n \"choices\": [ {\"index\":0, \"logprobs\" : null,\"text\":\"a\"},\n  {\"index\":1,\"logprobs\":null}, {\"index\":2,\"logprobs\":null} ] }"
+        );
+    }
+
+    #[test]
+    fn choice_0_is_found_as_before() {
+        let escalates = |body: &str| {
+            check(Endpoint::ChatCompletions, Measure::Min, 0)
+                .judge(&Bytes::copy_from_slice(body.as_bytes()))
+                == Judgement::Escalate(reason::LOW_CONFIDENCE)
+        };
+        let unsure = r#"{"content":[{"logprob":-9}]}"#;
+        let sure = r#"{"content":[{"logprob":-0.1}]}"#;
+        // By index, not by position; a missing or unreadable index is 0.
+        assert!(escalates(&format!(
+            r#"{{"choices":[{{"index":1,"logprobs":{sure}}},{{"index":0,"logprobs":{unsure}}}]}}"#
+        )));
+        assert!(!escalates(&format!(
+            r#"{{"choices":[{{"index":1,"logprobs":{unsure}}},{{"index":0,"logprobs":{sure}}}]}}"#
+        )));
+        assert!(escalates(&format!(
+            r#"{{"choices":[{{"index":"one","logprobs":{unsure}}}]}}"#
+        )));
+        assert!(escalates(&format!(
+            r#"{{"choices":[{{"logprobs":{unsure}}}]}}"#
+        )));
+        // The last of a repeated key is read, at every level.
+        assert!(escalates(&format!(
+            r#"{{"choices":[{{"logprobs":{sure}}}],"choices":[{{"logprobs":{sure},"logprobs":{unsure}}}]}}"#
+        )));
+        assert!(!escalates(&format!(
+            r#"{{"choices":[{{"logprobs":{unsure}}}],"choices":[{{"logprobs":{sure}}}]}}"#
+        )));
+        assert!(escalates(
+            r#"{"choices":[{"logprobs":{"content":[{"logprob":-0.1,"logprob":-9}]}}]}"#
+        ));
+        // Integers are numbers; anything else in a token is skipped.
+        assert!(escalates(
+            r#"{"choices":[{"logprobs":{"content":[{"logprob":-9},{"logprob":null},[1],7]}}]}"#
+        ));
+    }
+
+    #[test]
+    fn a_large_answer_is_judged_without_a_tree() {
+        // About 4 MiB of logprob entries: only the window is tallied.
+        let entries: Vec<Value> = (0..50_000)
+            .map(|i| chat_entry(" w", if i < 16 { -0.1 } else { -9.0 }, 0))
+            .collect();
+        let mut answer: Value = serde_json::from_str(CHAT).unwrap();
+        answer["choices"][0]["logprobs"] = serde_json::json!({ "content": entries });
+        let body = bytes(&answer);
+        assert!(body.len() > 3 << 20);
+        let windowed = check(Endpoint::ChatCompletions, Measure::Min, 16);
+        let Judgement::Keep(Some(stripped)) = windowed.judge(&body) else {
+            panic!("expected a stripped body");
+        };
+        assert_eq!(std::str::from_utf8(&stripped).unwrap(), CHAT.trim_end());
+        let whole = check(Endpoint::ChatCompletions, Measure::Min, 0);
+        assert_eq!(
+            whole.judge(&body),
+            Judgement::Escalate(reason::LOW_CONFIDENCE)
         );
     }
 }

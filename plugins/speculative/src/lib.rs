@@ -303,6 +303,11 @@ impl Plugin for Speculative {
             .get(&self.tier_header)
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
+        // Until a plugin decided the class, the draft is judged for a standard request.
+        let priority = ctx.priority().unwrap_or(Priority::Standard);
+        // Decided before any copy of the body is made: the code classifier may unescape a
+        // prompt's text, and that copy is gone before the body's is made.
+        let decision = self.decide(model, call, tier, priority);
         // Token counts of a stream need its usage chunk: asked for here, removed again.
         let usage_body = if call.request.is_stream() && !call.request.include_usage() {
             usage::ask_for_usage(&call.body)
@@ -315,9 +320,7 @@ impl Plugin for Speculative {
             filter: StreamFilter::new(false, usage_body.is_some()),
             draft_logprobs_added: false,
         };
-        // Until a plugin decided the class, the draft is judged for a standard request.
-        let priority = ctx.priority().unwrap_or(Priority::Standard);
-        match self.decide(model, call, tier, priority) {
+        match decision {
             Ok(draft) => {
                 let body = usage_body.as_ref().unwrap_or(&call.body);
                 let (escalation, logprobs_added) = self.escalation(model, call, body);

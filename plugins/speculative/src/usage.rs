@@ -6,6 +6,7 @@
 //! the `"usage"` key byte by byte and copies only the object that follows it.
 
 use serde::Deserialize;
+use sluice_sdk::raw_json::{self, Edit};
 
 /// The token counts of one answer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -172,25 +173,44 @@ fn is_json_space(byte: u8) -> bool {
 
 /// A stream request's body with `stream_options.include_usage` set, for a client that did not
 /// ask: vLLM then ends the stream with a usage chunk, which the token metrics read and
-/// [`crate::sse::StreamFilter`] removes. None when the body is not a JSON object or already
-/// asks for usage.
+/// [`crate::sse::StreamFilter`] removes. None when the body is not a JSON object, already asks
+/// for usage, or has a `stream_options` that is neither an object nor `null`.
+///
+/// The body is copied once with the change spliced in, every other byte kept: the member
+/// `"stream_options":{"include_usage":true}` appended, or the client's `stream_options`
+/// (the last, if repeated) given `"include_usage":true`, in place of its own value or
+/// appended to its members.
 pub fn ask_for_usage(body: &[u8]) -> Option<bytes::Bytes> {
-    use serde_json::{Map, Value};
-    let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(body) else {
-        return None;
+    const OPTIONS: &[u8] = br#"{"include_usage":true}"#;
+    let spans = raw_json::object_spans(body, &["stream_options"])?;
+    let edit = match spans.value("stream_options") {
+        None => spans.append("stream_options", OPTIONS),
+        Some(range) => {
+            let options = body.get(range.clone())?;
+            if options == b"null" {
+                Edit {
+                    range,
+                    text: OPTIONS.to_vec(),
+                }
+            } else {
+                // An object (anything else is no options vLLM takes: left alone).
+                let inner = raw_json::object_spans(options, &["include_usage"])?;
+                let edit = match inner.value("include_usage") {
+                    Some(at) if options.get(at.clone()) == Some(b"true") => return None,
+                    Some(at) => Edit {
+                        range: at,
+                        text: b"true".to_vec(),
+                    },
+                    None => inner.append("include_usage", b"true"),
+                };
+                Edit {
+                    range: range.start + edit.range.start..range.start + edit.range.end,
+                    text: edit.text,
+                }
+            }
+        }
     };
-    let options = request
-        .entry("stream_options")
-        .or_insert_with(|| Value::Object(Map::new()));
-    if options.is_null() {
-        *options = Value::Object(Map::new());
-    }
-    let options = options.as_object_mut()?;
-    if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
-        return None;
-    }
-    options.insert("include_usage".to_owned(), Value::Bool(true));
-    serde_json::to_vec(&request).ok().map(bytes::Bytes::from)
+    raw_json::apply(body, vec![edit]).map(bytes::Bytes::from)
 }
 
 #[cfg(test)]
@@ -383,5 +403,61 @@ mod tests {
         );
         assert_eq!(asked(r#"{"stream":true,"stream_options":3}"#), None);
         assert_eq!(asked("[1]"), None);
+    }
+
+    #[test]
+    fn usage_is_spliced_into_the_clients_bytes() {
+        let asked = |body: &str| {
+            ask_for_usage(body.as_bytes()).map(|b| String::from_utf8(b.to_vec()).unwrap())
+        };
+        // Whitespace, escapes and member order elsewhere are kept byte for byte.
+        assert_eq!(
+            asked("{ \"model\" : \"m\\u0021\",\n  \"stream\": true }\n").as_deref(),
+            Some("{ \"model\" : \"m\\u0021\",\n  \"stream\": true ,\"stream_options\":{\"include_usage\":true}}\n")
+        );
+        // Nested options: merged into the client's object, its other members kept.
+        assert_eq!(
+            asked(r#"{"stream_options":{"continuous_usage_stats":true, "x":{"include_usage":false}},"stream":true}"#).as_deref(),
+            Some(r#"{"stream_options":{"continuous_usage_stats":true, "x":{"include_usage":false},"include_usage":true},"stream":true}"#)
+        );
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_options":{}}"#).as_deref(),
+            Some(r#"{"stream":true,"stream_options":{"include_usage":true}}"#)
+        );
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_options":{"include_usage":null}}"#).as_deref(),
+            Some(r#"{"stream":true,"stream_options":{"include_usage":true}}"#)
+        );
+        // Escaped keys are the same keys.
+        assert_eq!(
+            asked(r#"{"stream":true,"stream_\u006fptions":{"include_\u0075sage":true}}"#),
+            None
+        );
+        // Repeated keys: the last is the one vLLM reads, and the one changed.
+        assert_eq!(
+            asked(r#"{"stream_options":{"include_usage":true},"stream_options":null}"#).as_deref(),
+            Some(
+                r#"{"stream_options":{"include_usage":true},"stream_options":{"include_usage":true}}"#
+            )
+        );
+        assert_eq!(
+            asked(r#"{"stream_options":null,"stream_options":{"include_usage":true}}"#),
+            None
+        );
+        assert_eq!(
+            asked(r#"{"stream_options":{"include_usage":false,"include_usage":true}}"#),
+            None
+        );
+        // Not one JSON object.
+        for body in [
+            "",
+            "null",
+            "\"x\"",
+            "{",
+            r#"{"stream":true} {}"#,
+            r#"{"stream_options":[]}"#,
+        ] {
+            assert_eq!(asked(body), None, "{body:?}");
+        }
     }
 }

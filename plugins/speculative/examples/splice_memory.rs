@@ -1,0 +1,67 @@
+//! Peak memory of what the speculative plugin does to an 8 MiB request body (asking for
+//! usage or logprobs) and to a held 4 MiB answer (judging it), per byte of body:
+//! `cargo run --release -p sluice-plugin-speculative --example splice_memory`.
+
+#[path = "../../sdk/examples/support/peak.rs"]
+mod peak;
+
+use peak::Case;
+use sluice_plugin_speculative::confidence::{self, ConfidenceCheck, Measure};
+use sluice_plugin_speculative::usage;
+use sluice_sdk::{AnswerCheck, Endpoint};
+
+/// A non-stream chat answer of about 4 MiB (the most the core holds for judging), its
+/// choice's logprobs one entry per token.
+fn held_answer() -> Vec<u8> {
+    let mut body = Vec::with_capacity(peak::BODY / 2);
+    body.extend_from_slice(
+        br#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"word word"},"logprobs":{"content":[{"token":" word","logprob":-0.1,"bytes":[32,119,111,114,100],"top_logprobs":[]}"#,
+    );
+    let entry: &[u8] =
+        br#",{"token":" word","logprob":-0.1,"bytes":[32,119,111,114,100],"top_logprobs":[]}"#;
+    let tail: &[u8] = br#"]},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}"#;
+    while body.len() + entry.len() + tail.len() <= peak::BODY / 2 {
+        body.extend_from_slice(entry);
+    }
+    body.extend_from_slice(tail);
+    body
+}
+
+fn main() {
+    peak::main(&[
+        Case {
+            name: "usage prompt:[1,1,...]",
+            body: || peak::token_prompt(true),
+            run: |b| Box::new(usage::ask_for_usage(b)),
+        },
+        Case {
+            name: "usage chat message",
+            body: || peak::chat(true, false),
+            run: |b| Box::new(usage::ask_for_usage(b)),
+        },
+        Case {
+            name: "logprobs prompt:[1,1,...]",
+            body: || peak::token_prompt(false),
+            run: |b| Box::new(confidence::ask_for_logprobs(Endpoint::Completions, b)),
+        },
+        Case {
+            name: "logprobs chat message",
+            body: || peak::chat(false, false),
+            run: |b| Box::new(confidence::ask_for_logprobs(Endpoint::ChatCompletions, b)),
+        },
+        Case {
+            name: "judge 4 MiB answer",
+            body: held_answer,
+            run: |b| {
+                let check = ConfidenceCheck {
+                    endpoint: Endpoint::ChatCompletions,
+                    measure: Measure::Mean,
+                    window: 0,
+                    min_logprob: -1.0,
+                    client_asked: false,
+                };
+                Box::new(check.judge(b))
+            },
+        },
+    ]);
+}
