@@ -26,28 +26,48 @@ async fn dies_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
         while let Ok((mut s, _)) = listener.accept().await {
             let (count, answer) = (count.clone(), answer.clone());
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut seen = 0usize;
-                loop {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => seen += 1,
-                    }
-                    if seen > 1 {
-                        count.fetch_add(1, Ordering::Relaxed);
-                        return; // closed, unanswered
-                    }
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                        answer.len()
-                    );
-                    let _ = s.write_all(head.as_bytes()).await;
-                    let _ = s.write_all(&answer).await;
+                // The first request, whole (head and body), is answered.
+                if read_request(&mut s).await.is_none() {
+                    return;
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    answer.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(&answer).await;
+                // The second one on the same connection is dropped unanswered.
+                if read_request(&mut s).await.is_some() {
+                    count.fetch_add(1, Ordering::Relaxed);
                 }
             });
         }
     });
     (addr, dropped)
+}
+
+/// Reads one request, head and `content-length` body; `None` when the connection ends first.
+async fn read_request(s: &mut tokio::net::TcpStream) -> Option<()> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    let head_end = loop {
+        let n = s.read(&mut buf).await.ok().filter(|n| *n > 0)?;
+        got.extend_from_slice(&buf[..n]);
+        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while got.len() < head_end + length {
+        let n = s.read(&mut buf).await.ok().filter(|n| *n > 0)?;
+        got.extend_from_slice(&buf[..n]);
+    }
+    Some(())
 }
 
 /// A request sent on a pooled connection that turns out dead (no byte of answer came) is sent

@@ -294,6 +294,7 @@ pub struct OutlierFile {
     pub base_ejection: Duration,
     #[serde(deserialize_with = "duration")]
     pub max_ejection: Duration,
+    pub max_ejection_percent: u32,
 }
 
 impl Default for OutlierFile {
@@ -303,6 +304,7 @@ impl Default for OutlierFile {
             consecutive_failures: d.consecutive_failures,
             base_ejection: d.base_ejection,
             max_ejection: d.max_ejection,
+            max_ejection_percent: d.max_ejection_percent,
         }
     }
 }

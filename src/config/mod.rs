@@ -595,10 +595,17 @@ fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Inv
             format!("must not be shorter than {key}.base_ejection"),
         ));
     }
+    if o.max_ejection_percent > 100 {
+        return Err(Invalid::new(
+            format!("{key}.max_ejection_percent"),
+            format!("must be between 0 and 100 (got {})", o.max_ejection_percent),
+        ));
+    }
     Ok(OutlierPolicy {
         consecutive_failures: o.consecutive_failures,
         base_ejection: o.base_ejection,
         max_ejection: o.max_ejection,
+        max_ejection_percent: o.max_ejection_percent,
     })
 }
 

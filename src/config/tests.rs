@@ -998,6 +998,20 @@ fn ejection_needs_a_length() {
 }
 
 #[test]
+fn the_ejected_share_is_a_percentage() {
+    refused(
+        &with_pool_key("outlier_detection", "{max_ejection_percent: 150}"),
+        "pools[0].outlier_detection.max_ejection_percent",
+        "between 0 and 100",
+    );
+    let c = ok(&with_pool_key(
+        "outlier_detection",
+        "{max_ejection_percent: 100}",
+    ));
+    assert_eq!(c.pools.get("a").unwrap().outlier.max_ejection_percent, 100);
+}
+
+#[test]
 fn zero_prefix_affinity_bytes_are_refused() {
     refused(
         &with_pool_key("balancing", "{prefix_affinity_bytes: 0}"),

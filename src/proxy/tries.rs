@@ -23,9 +23,11 @@ pub fn begin(
 }
 
 /// Counts a try's end for or against its backend, which is ejected for a while after the
-/// pool's `outlier_detection.consecutive_failures` failures in a row.
+/// pool's `outlier_detection.consecutive_failures` failures in a row, unless the pool has
+/// its `max_ejection_percent` out already.
 pub fn judge(pool: &Pool, addr: SocketAddr, live: &BackendLive, verdict: Verdict) {
-    if let Some(cool_down) = live.record(verdict, &pool.outlier) {
+    let may_eject = verdict == Verdict::Success || pool.may_eject_another();
+    if let Some(cool_down) = live.record_in_pool(verdict, &pool.outlier, may_eject) {
         metrics::inc(&metrics::EJECTIONS, &[&pool.name]);
         tracing::warn!(
             pool = &*pool.name,

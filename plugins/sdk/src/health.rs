@@ -148,6 +148,10 @@ pub struct OutlierPolicy {
     /// The longest ejection; also how long a backend must stay clean before the doubling starts
     /// over.
     pub max_ejection: Duration,
+    /// The largest share of a pool's backends (0..=100 %) ejected at once; one backend may
+    /// always be, as in Envoy. A fault that fails every backend (a bad request pattern, a
+    /// network blip) must not empty the pool.
+    pub max_ejection_percent: u32,
 }
 
 impl Default for OutlierPolicy {
@@ -156,6 +160,7 @@ impl Default for OutlierPolicy {
             consecutive_failures: 3,
             base_ejection: Duration::from_secs(5),
             max_ejection: Duration::from_secs(120),
+            max_ejection_percent: 50,
         }
     }
 }
@@ -264,6 +269,11 @@ impl BackendLive {
         lets_through(self.ejected_until_ms.load(Relaxed), now_ms())
     }
 
+    /// Whether the failure breaker has the backend out now.
+    pub fn is_ejected(&self) -> bool {
+        !self.breaker_allows()
+    }
+
     /// Whether the backend may get a new request.
     pub fn is_usable(&self) -> bool {
         self.probe() != Probe::Unhealthy && self.breaker_allows()
@@ -312,6 +322,18 @@ impl BackendLive {
     /// Feeds the failure breaker with one attempt's result. Returns the ejection's length
     /// when this result ejected the backend.
     pub fn record(&self, verdict: Verdict, policy: &OutlierPolicy) -> Option<Duration> {
+        self.record_in_pool(verdict, policy, true)
+    }
+
+    /// [`BackendLive::record`], where the pool allows another ejection only when
+    /// `may_eject` (its [`OutlierPolicy::max_ejection_percent`]): otherwise the failure is
+    /// counted, and the backend stays in.
+    pub fn record_in_pool(
+        &self,
+        verdict: Verdict,
+        policy: &OutlierPolicy,
+        may_eject: bool,
+    ) -> Option<Duration> {
         match verdict {
             Verdict::Success => {
                 self.failures.store(0, Relaxed);
@@ -329,7 +351,7 @@ impl BackendLive {
                 }
                 let failures = self.failures.fetch_add(1, Relaxed) + 1;
                 let probation = self.half_open.load(Relaxed) && self.breaker_allows();
-                if failures < policy.consecutive_failures && !probation {
+                if (failures < policy.consecutive_failures && !probation) || !may_eject {
                     return None;
                 }
                 let previous = self.ejected_until_ms.load(Relaxed);
@@ -510,6 +532,7 @@ mod tests {
             consecutive_failures: 2,
             base_ejection: Duration::from_millis(40),
             max_ejection: Duration::from_millis(100),
+            ..OutlierPolicy::default()
         };
         let b = BackendLive::default();
         assert_eq!(b.record(Verdict::Failure, &policy), None);
@@ -546,6 +569,7 @@ mod tests {
             consecutive_failures: 1,
             base_ejection: Duration::from_secs(10),
             max_ejection: Duration::from_secs(100),
+            ..OutlierPolicy::default()
         };
         let b = Arc::new(BackendLive::default());
         let start = Arc::new(std::sync::Barrier::new(8));
@@ -576,6 +600,7 @@ mod tests {
             consecutive_failures: 1,
             base_ejection: Duration::from_millis(300),
             max_ejection: Duration::from_secs(10),
+            ..OutlierPolicy::default()
         };
         let b = BackendLive::default();
         assert!(b.record(Verdict::Failure, &policy).is_some());

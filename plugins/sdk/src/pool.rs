@@ -357,6 +357,14 @@ impl Pool {
         }
     }
 
+    /// Whether one more backend may be ejected: fewer than the pool's
+    /// `max_ejection_percent` are out (one always may be).
+    pub fn may_eject_another(&self) -> bool {
+        let ejected = self.live.iter().filter(|l| l.is_ejected()).count();
+        let share = self.live.len() * self.outlier.max_ejection_percent as usize / 100;
+        ejected < share.max(1)
+    }
+
     /// Whether the pool serves `model`.
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m == model)
@@ -730,6 +738,25 @@ mod tests {
         for _ in 0..20 {
             assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
         }
+    }
+
+    #[test]
+    fn no_more_than_the_configured_share_of_a_pool_is_ejected() {
+        let pool = pool(
+            vec![spec(1, 1), spec(2, 1), spec(3, 1), spec(4, 1)],
+            Balancing::RoundRobin,
+        );
+        let outlier = OutlierPolicy {
+            consecutive_failures: 1,
+            ..OutlierPolicy::default()
+        };
+        for live in &pool.live {
+            live.record_in_pool(Verdict::Failure, &outlier, pool.may_eject_another());
+        }
+        let ejected = pool.live.iter().filter(|l| l.is_ejected()).count();
+        assert_eq!(ejected, 2, "50% of 4");
+        let one = self::pool(vec![spec(1, 1)], Balancing::RoundRobin);
+        assert!(one.may_eject_another(), "one backend may always be ejected");
     }
 
     /// Sheds above a fixed line, reading the pool's pressure on every call.
