@@ -8,7 +8,7 @@ mod peak;
 use peak::Case;
 use sluice_plugin_speculative::confidence::{self, ConfidenceCheck, Measure};
 use sluice_plugin_speculative::usage;
-use sluice_sdk::{AnswerCheck, Endpoint};
+use sluice_sdk::{AnswerCheck, Bytes, Endpoint, LlmCall};
 
 /// A non-stream chat answer of about 4 MiB (the most the core holds for judging), its
 /// choice's logprobs one entry per token.
@@ -25,6 +25,20 @@ fn held_answer() -> Vec<u8> {
     }
     body.extend_from_slice(tail);
     body
+}
+
+/// What the proxy holds for a stream the plugin asks usage of: the parsed call (with the
+/// body), the usage body, and with a hold-back window the draft's body with logprobs too.
+fn stream_request(body: &Bytes, hold_back: bool) -> Box<dyn std::any::Any> {
+    let call = LlmCall::parse(Endpoint::ChatCompletions, Bytes::clone(body));
+    let usage = usage::ask_for_usage(body);
+    let draft = hold_back
+        .then(|| {
+            let sent = usage.as_deref().unwrap_or(body);
+            confidence::ask_for_logprobs(Endpoint::ChatCompletions, sent)
+        })
+        .flatten();
+    Box::new((call, usage, draft))
 }
 
 fn main() {
@@ -48,6 +62,16 @@ fn main() {
             name: "logprobs chat message",
             body: || peak::chat(false, false),
             run: |b| Box::new(confidence::ask_for_logprobs(Endpoint::ChatCompletions, b)),
+        },
+        Case {
+            name: "parse+usage, \\n chat",
+            body: || peak::chat(true, true),
+            run: |b| stream_request(b, false),
+        },
+        Case {
+            name: "parse+usage+logprobs",
+            body: || peak::chat(true, true),
+            run: |b| stream_request(b, true),
         },
         Case {
             name: "judge 4 MiB answer",
