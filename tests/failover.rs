@@ -95,3 +95,74 @@ async fn a_request_on_a_dead_reused_connection_goes_to_another_backend() {
         "no request met a dead reused connection: the test proves nothing"
     );
 }
+
+/// An upstream that answers every request `429` with `retry-after: 2`, and counts them.
+async fn busy_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let count = requests.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                while read_request(&mut s).await.is_some() {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    let body = r#"{"error":{"message":"busy","type":"RateLimitError","param":null,"code":429}}"#;
+                    let head = format!(
+                        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 2\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if s.write_all(head.as_bytes()).await.is_err()
+                        || s.write_all(body.as_bytes()).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, requests)
+}
+
+/// A backend that asks for a pause (429 with `Retry-After`) gets no new request until the
+/// pause is over; its neighbours take the traffic meanwhile, and it is not ejected for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_asks_for_a_pause_gets_one() {
+    let (busy, asked) = busy_upstream().await;
+    let healthy = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[busy, healthy.addr()])
+            .without_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"}))
+            // Its 429 is tried again on the other backend at once.
+            .with("retry", json!({"max_retries": 1, "min_retries": 100, "backoff_base": "1ms"})),
+    ]}))
+    .await;
+    let started = std::time::Instant::now();
+    for i in 0..10 {
+        let a = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+    }
+    assert!(started.elapsed() < std::time::Duration::from_millis(1500));
+    assert_eq!(
+        asked.load(Ordering::Relaxed),
+        1,
+        "asked again during its pause"
+    );
+    let state = proxy.backend_status("main", busy).await;
+    assert_eq!(state["health"], "cooling_down", "{state}");
+
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    for i in 0..4 {
+        proxy
+            .ask(&chat(MODEL, &format!("later {i}"), false), &[])
+            .await;
+    }
+    assert!(
+        asked.load(Ordering::Relaxed) >= 2,
+        "never asked again after its pause"
+    );
+}

@@ -14,7 +14,7 @@
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
-use super::Sluice;
+use super::{tries, Sluice};
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
@@ -69,6 +69,8 @@ impl Outcome {
             Outcome::Complete if upstream_status.is_some_and(|s| s >= 500) => {
                 Some(Verdict::Failure)
             }
+            // A backend asking for a pause (Retry-After) is load, not a fault.
+            Outcome::Declined(header, _) if tries::back_pressure(header).is_some() => None,
             Outcome::Declined(header, _) if header.status.is_server_error() => {
                 Some(Verdict::Failure)
             }
@@ -251,6 +253,7 @@ async fn pipe(
         Err(outcome) => return outcome,
     };
 
+    tries::honour_back_pressure(ctx.pool_name(), up.in_flight.backend(), &header);
     let is_sse = is_event_stream(&header);
     let status = header.status.as_u16();
     let declined = hold.error_statuses && (status >= 500 || status == 429);

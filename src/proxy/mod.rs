@@ -215,9 +215,10 @@ impl ProxyHttp for Sluice {
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
         metrics::attempt(ctx.req.pool_name(), AttemptOutcome::Response);
+        ctx.plain.honour_back_pressure(&ctx.req, response);
         // A 5xx fails the try now; a success is known only once the body has come whole
         // (`logging`), since the upstream may still break it.
-        if response.status.is_server_error() {
+        if response.status.is_server_error() && tries::back_pressure(response).is_none() {
             ctx.plain.judge(&ctx.req, Verdict::Failure);
         }
         downstream::prepare_upstream_header(&self.chain, response, &mut ctx.req)

@@ -5,6 +5,7 @@
 use super::tries::{self, no_backend};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::Result;
+use pingora_http::ResponseHeader;
 use sluice_sdk::error::ErrorReply;
 use sluice_sdk::{Demand, InFlight, RequestCtx, Verdict};
 use std::net::SocketAddr;
@@ -39,6 +40,13 @@ impl PlainTries {
     pub fn backends_left(&self, ctx: &RequestCtx) -> bool {
         ctx.pool()
             .is_some_and(|pool| self.tried.len() < pool.backends.len())
+    }
+
+    /// Honours the backend's back-pressure (a 429 or 503 with `Retry-After`).
+    pub fn honour_back_pressure(&self, ctx: &RequestCtx, header: &ResponseHeader) {
+        if let Some(in_flight) = &self.in_flight {
+            tries::honour_back_pressure(ctx.pool_name(), in_flight.backend(), header);
+        }
     }
 
     /// Judges the current try, once: a failure when it fails (no connection, an upstream

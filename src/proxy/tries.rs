@@ -4,8 +4,10 @@
 
 use crate::metrics;
 use pingora_error::Error;
+use pingora_http::ResponseHeader;
 use sluice_sdk::{BackendLive, ErrorReply, InFlight, Pool, Reason, RequestCtx, Selected, Verdict};
 use std::net::SocketAddr;
+use std::time::Duration;
 
 /// Starts a try of `backend`, which may come to hold `tokens` KV tokens: it joins `tried`,
 /// becomes the request's backend, and counts as in flight until the guard is dropped.
@@ -46,4 +48,83 @@ pub fn no_backend(pool: &Pool) -> Box<Error> {
         1,
     )
     .into_error()
+}
+
+/// The longest pause a backend's back-pressure buys it: a lying or broken upstream cannot
+/// take itself out for longer.
+const MAX_BACK_PRESSURE: Duration = Duration::from_secs(60);
+
+/// The pause a backend asks for with a 429 or 503: its `Retry-After` (seconds), or OpenAI's
+/// `x-ratelimit-reset-requests` / `-tokens` (`1s`, `6m0s`), the longest of them, capped.
+pub fn back_pressure(header: &ResponseHeader) -> Option<Duration> {
+    if !matches!(header.status.as_u16(), 429 | 503) {
+        return None;
+    }
+    let value = |name: &str| header.headers.get(name).and_then(|v| v.to_str().ok());
+    let retry_after = value("retry-after")
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|secs| Duration::try_from_secs_f64(secs).ok());
+    let resets = ["x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"]
+        .into_iter()
+        .filter_map(value)
+        .filter_map(|v| humantime::parse_duration(v.trim()).ok());
+    retry_after
+        .into_iter()
+        .chain(resets)
+        .max()
+        .filter(|pause| !pause.is_zero())
+        .map(|pause| pause.min(MAX_BACK_PRESSURE))
+}
+
+/// Honours a backend's back-pressure: no new request goes to it until its pause is over.
+pub fn honour_back_pressure(pool: &str, live: &BackendLive, header: &ResponseHeader) {
+    if let Some(pause) = back_pressure(header) {
+        live.cool_down(pause);
+        tracing::info!(
+            pool,
+            "backend asked for a pause of {}",
+            humantime::format_duration(pause)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, headers: &[(&str, &str)]) -> ResponseHeader {
+        let mut h = ResponseHeader::build(status, None).unwrap();
+        for (name, value) in headers {
+            h.insert_header(name.to_string(), *value).unwrap();
+        }
+        h
+    }
+
+    #[test]
+    fn a_backend_asks_for_a_pause_with_429_or_503_only() {
+        let pause = |status, headers| back_pressure(&answer(status, headers));
+        assert_eq!(
+            pause(429, &[("retry-after", "2")]),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            pause(503, &[("retry-after", "0.5")]),
+            Some(Duration::from_millis(500))
+        );
+        assert_eq!(
+            pause(
+                429,
+                &[("retry-after", "1"), ("x-ratelimit-reset-tokens", "6m0s")]
+            ),
+            Some(MAX_BACK_PRESSURE),
+            "the longest, capped"
+        );
+        assert_eq!(
+            pause(429, &[("x-ratelimit-reset-requests", "1s")]),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(pause(500, &[("retry-after", "2")]), None);
+        assert_eq!(pause(429, &[("retry-after", "soon")]), None);
+        assert_eq!(pause(429, &[]), None);
+    }
 }

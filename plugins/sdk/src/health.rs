@@ -52,6 +52,8 @@ pub enum BackendState {
     Unhealthy,
     /// Ejected by passive outlier detection (the failure breaker is open): no traffic.
     Ejected,
+    /// It asked for a pause (429 or 503 with `Retry-After`): no traffic until it is over.
+    CoolingDown,
     /// Healthy, but its metrics are older than the pool's `stale_after`: it counts as
     /// saturated or as unknown, as the pool's health config says.
     Stale,
@@ -70,6 +72,7 @@ impl BackendState {
             BackendState::Unhealthy => "unhealthy",
             BackendState::Ejected => "ejected",
             BackendState::Stale => "stale",
+            BackendState::CoolingDown => "cooling_down",
             BackendState::Probation => "probation",
             BackendState::Healthy => "healthy",
             BackendState::Unchecked => "unchecked",
@@ -77,9 +80,10 @@ impl BackendState {
     }
 
     /// Every state, worst first, so that each state's series can be set on every check.
-    pub const ALL: [BackendState; 6] = [
+    pub const ALL: [BackendState; 7] = [
         BackendState::Unhealthy,
         BackendState::Ejected,
+        BackendState::CoolingDown,
         BackendState::Stale,
         BackendState::Probation,
         BackendState::Healthy,
@@ -208,6 +212,9 @@ pub struct BackendLive {
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
     half_open: AtomicBool,
+    /// The backend asked for a pause (a 429 or 503 with `Retry-After`): no traffic until
+    /// then (ms on the process clock; 0: none). Load, not a fault: no ejection is counted.
+    cooling_until_ms: AtomicU64,
 }
 
 impl BackendLive {
@@ -276,7 +283,20 @@ impl BackendLive {
 
     /// Whether the backend may get a new request.
     pub fn is_usable(&self) -> bool {
-        self.probe() != Probe::Unhealthy && self.breaker_allows()
+        self.probe() != Probe::Unhealthy && self.breaker_allows() && !self.is_cooling()
+    }
+
+    /// Honours the backend's own back-pressure (a 429 or 503 with `Retry-After`): no new
+    /// request goes to it for `pause`. A later, longer pause extends it; a shorter one does
+    /// not shorten it.
+    pub fn cool_down(&self, pause: Duration) {
+        let until = now_ms().saturating_add(millis(pause)).max(1);
+        self.cooling_until_ms.fetch_max(until, Relaxed);
+    }
+
+    /// Whether the backend asked for a pause that is not over.
+    pub fn is_cooling(&self) -> bool {
+        !lets_through(self.cooling_until_ms.load(Relaxed), now_ms())
     }
 
     /// The state `/status` and the metrics show: the worst that applies, with `policy` the pool's
@@ -286,6 +306,8 @@ impl BackendLive {
             BackendState::Unhealthy
         } else if !self.breaker_allows() {
             BackendState::Ejected
+        } else if self.is_cooling() {
+            BackendState::CoolingDown
         } else if self.half_open.load(Relaxed) {
             BackendState::Probation
         } else if policy.enabled && self.probe() == Probe::Healthy && self.is_stale(policy) {
