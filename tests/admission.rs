@@ -149,3 +149,39 @@ async fn overload_has_a_status_of_its_own_and_says_why() {
     assert_eq!(down.status, 503, "{}", down.body);
     assert_eq!(down.headers["x-sluice-rejected"], "no-healthy-backend");
 }
+
+/// The breaker counts what the GPU will hold: `n` (and `best_of`) sequences each hold their
+/// own output, so a request asking for 128 of them is judged as 128, not as one completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sequence_a_request_asks_for_counts_against_the_kv_cache() {
+    // A KV cache of 16,000 tokens.
+    let small = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_kv(1000, 16),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [scraped_often(pool("small", &[MODEL], &[small.addr()]))],
+        "plugins": {"kv_breaker": {"enabled": true}},
+    }))
+    .await;
+    let seen = wait_for(Duration::from_secs(5), || async {
+        draft_kv(&proxy).await.is_some()
+    })
+    .await;
+    assert!(seen.is_some(), "scraped");
+    let mut one = chat(MODEL, "a short answer", false);
+    one["max_tokens"] = json!(120);
+    let a = proxy.ask(&one, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+
+    // 128 × 120 tokens = 96 % of the cache: past the standard class's line (85 %) on its own.
+    let mut many = one.clone();
+    many["n"] = json!(128);
+    let a = proxy.ask(&many, &[]).await;
+    assert_eq!(a.status, 503, "got {} ({} bytes)", a.status, a.body.len());
+    assert_eq!(a.headers["x-sluice-rejected"], "kv-pressure");
+}

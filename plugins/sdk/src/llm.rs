@@ -778,6 +778,9 @@ impl LlmRequest {
                 .max_output_tokens()
                 .map_or(DEFAULT_OUTPUT_TOKENS, u64::from),
             affinity: affinity_bytes.map(|n| self.prompt_prefix_hash(n)),
+            // vLLM generates every candidate (`best_of`, or the beam width) at once and
+            // returns `n` of them: each holds its own output's KV blocks.
+            sequences: self.n.unwrap_or(1).max(self.best_of.unwrap_or(1)).max(1),
         }
     }
 
@@ -1487,6 +1490,25 @@ mod tests {
 
     fn chat(body: &str) -> Result<LlmRequest, InvalidRequest> {
         LlmRequest::parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn every_sequence_the_engine_generates_counts_in_the_demand() {
+        let one = chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":100}"#)
+            .unwrap()
+            .demand(None);
+        let many =
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":100,"n":128}"#)
+                .unwrap()
+                .demand(None);
+        assert_eq!(many.tokens() - many.prompt_tokens, 12_800);
+        assert_eq!(many.context_tokens(), one.context_tokens(), "per sequence");
+        let beams = chat(
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"n":2,"best_of":8}"#,
+        )
+        .unwrap()
+        .demand(None);
+        assert_eq!(beams.sequences, 8);
     }
 
     #[test]

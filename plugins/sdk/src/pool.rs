@@ -128,16 +128,29 @@ pub enum Balancing {
 pub struct Demand {
     /// The prompt's estimated size in tokens (about four characters a token).
     pub prompt_tokens: u64,
-    /// The output budget (`max_tokens`, or a default when the request states none).
+    /// The output budget of each sequence (`max_tokens`, or a default when the request
+    /// states none).
     pub output_tokens: u64,
     /// A hash of the prompt's first bytes, for prefix affinity.
     pub affinity: Option<u64>,
+    /// Sequences the engine generates at once: `max(n, best_of)` (with beam search,
+    /// `best_of` is the beam width); 0 counts as 1.
+    pub sequences: u32,
 }
 
 impl Demand {
-    /// The KV tokens the request may come to hold.
+    /// The KV tokens the request may come to hold: the prompt once (its blocks are shared
+    /// by the sequences), every sequence's output.
     pub fn tokens(&self) -> u64 {
-        self.prompt_tokens + self.output_tokens
+        let sequences = u64::from(self.sequences.max(1));
+        self.prompt_tokens
+            .saturating_add(self.output_tokens.saturating_mul(sequences))
+    }
+
+    /// The context one sequence needs (prompt and its output), for a model's
+    /// `max_model_len`.
+    pub fn context_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.output_tokens)
     }
 }
 
@@ -673,6 +686,7 @@ mod tests {
             prompt_tokens: 500,
             output_tokens: 500,
             affinity: None,
+            sequences: 1,
         };
         let mut guards = Vec::new();
         let mut counts = [0usize; 3];
@@ -703,11 +717,13 @@ mod tests {
             prompt_tokens: 100,
             output_tokens: 100,
             affinity: None,
+            sequences: 1,
         };
         let big = Demand {
             prompt_tokens: 30_000,
             output_tokens: 5_000,
             affinity: None,
+            sequences: 1,
         };
         assert_eq!(pool.select(&[], &small).unwrap().addr.port(), 1);
         assert_eq!(pool.select(&[], &big).unwrap().addr.port(), 2);
@@ -728,6 +744,7 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: 10,
             affinity: Some(42),
+            sequences: 1,
         };
         let home = pool.select(&[], &demand).unwrap().addr;
         for _ in 0..20 {

@@ -245,7 +245,7 @@ impl Speculative {
         }
         if first
             .max_model_len
-            .is_some_and(|max| demand.tokens() > u64::from(max))
+            .is_some_and(|max| demand.context_tokens() > u64::from(max))
         {
             return Err(reason::PROMPT_TOO_LONG);
         }
