@@ -185,3 +185,56 @@ async fn every_sequence_a_request_asks_for_counts_against_the_kv_cache() {
     assert_eq!(a.status, 503, "got {} ({} bytes)", a.status, a.body.len());
     assert_eq!(a.headers["x-sluice-rejected"], "kv-pressure");
 }
+
+/// A reroute, like any choice of pool, goes only where the request can be served: with the
+/// target shedding, a prompt too long for the draft's context gets the 503 it would have had,
+/// not the draft's own "context too long" 400, which would tell the client its request is
+/// wrong when the fleet is only busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reroute_to_a_pool_whose_context_cannot_hold_the_request() {
+    let draft = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_max_model_len(2048)
+            .with_record_requests(10),
+    )
+    .await
+    .unwrap();
+    let target = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            scraped_often(pool("draft", &[MODEL], &[draft.addr()])).with("max_model_len", 2048),
+            scraped_often(pool("target", &[MODEL], &[target.addr()])),
+        ],
+        "plugins": {
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+            "kv_breaker": {"enabled": true},
+        },
+    }))
+    .await;
+    target.set_phantom_kv(0.99);
+    let seen = wait_for(Duration::from_secs(5), || async {
+        let status: Value = proxy.status().await;
+        status["pools"][1]["backends"][0]["kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv >= 0.9)
+    })
+    .await;
+    assert!(seen.is_some(), "the target's pressure was scraped");
+
+    // About 3,000 tokens: more than the draft's 2,048.
+    let long = chat(MODEL, &"word ".repeat(2_400), false);
+    let a = proxy.ask(&long, &[]).await;
+    assert_eq!(
+        a.status,
+        503,
+        "got {}: {}",
+        a.status,
+        &a.body[..a.body.len().min(300)]
+    );
+    assert!(a.headers.get("retry-after").is_some());
+    assert_eq!(a.headers["x-sluice-rejected"], "kv-pressure");
+    assert_eq!(draft.stats().count("/v1/chat/completions"), 0);
+}

@@ -49,8 +49,8 @@ use drain::Drain;
 use http::HeaderName;
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, ErrorReply, Flow, Host, Plugin, PluginBuilder, Pool, Pools, Pressure,
-    Priority, Reason, RequestCtx, Result, Session,
+    Admission, ConfigError, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Pool, Pools,
+    Pressure, Priority, Reason, RequestCtx, Result, Session,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -263,19 +263,21 @@ impl KvBreaker {
         wait.clamp(min, max).ceil() as u32
     }
 
-    /// Another pool serving `model` that admits the request now.
+    /// Another pool serving `model` that can serve the request at all (its context and
+    /// capabilities) and admits it now.
     fn reroute_target(
         &self,
         from: &Arc<Pool>,
+        call: &LlmCall,
         model: &str,
         priority: Priority,
-        tokens: u64,
     ) -> Option<&Arc<Pool>> {
         self.pools.iter().find(|p| {
             !Arc::ptr_eq(p, from)
                 && p.serves(model)
+                && p.fit(call).is_ok()
                 && p.pressure().usable > 0
-                && p.admits(priority, tokens)
+                && p.admits(priority, call.demand.tokens())
         })
     }
 }
@@ -299,7 +301,7 @@ impl Plugin for KvBreaker {
         if self.reroute {
             let other = ctx
                 .model()
-                .and_then(|model| self.reroute_target(&pool, model, priority, tokens));
+                .and_then(|model| self.reroute_target(&pool, call, model, priority));
             if let Some(other) = other {
                 metrics::rerouted(&pool.name, &other.name);
                 ctx.send_to(Arc::clone(other));

@@ -27,8 +27,8 @@ pub mod memory;
 pub mod metrics;
 pub mod plugin;
 pub mod pool;
-pub mod raw_json;
 pub mod ratio;
+pub mod raw_json;
 pub mod retry;
 
 pub use config::ConfigError;
@@ -43,7 +43,7 @@ pub use memory::{Held, MemoryBudget};
 pub use plugin::{Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
-    Priority, Selected, Timeouts, TokensPerSecond,
+    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
 pub use retry::{RetryBudget, RetryPolicy};
 

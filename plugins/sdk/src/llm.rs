@@ -742,6 +742,15 @@ impl LlmRequest {
             .unwrap_or(false)
     }
 
+    /// Whether the client asked for the tokens' log-probabilities (chat's `logprobs: true`,
+    /// or a count for completions).
+    pub fn asks_for_logprobs(&self) -> bool {
+        matches!(
+            self.logprobs,
+            Some(Logprobs::Flag(true)) | Some(Logprobs::Count(_))
+        )
+    }
+
     /// The output budget: `max_completion_tokens` wins over the older `max_tokens`.
     pub fn max_output_tokens(&self) -> Option<u32> {
         self.max_completion_tokens.or(self.max_tokens)

@@ -5,6 +5,7 @@
 //! Pingora's weighted round robin.
 
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy};
+use crate::llm::LlmCall;
 use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
@@ -222,6 +223,15 @@ impl Pressure {
     }
 }
 
+/// Why a pool cannot serve a request at all, whatever its load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unfit {
+    /// The request asks for what the pool's model does not support (its `supports`).
+    Unsupported,
+    /// The prompt and the output budget exceed the model's `max_model_len`.
+    TooLong,
+}
+
 /// A pool's admission control: the KV breaker installs one per pool at start-up, and anyone
 /// who chooses a pool (the speculative selector, a reroute) asks the pool, not the breaker.
 ///
@@ -368,6 +378,31 @@ impl Pool {
             admission: OnceLock::new(),
             round_robin,
         }
+    }
+
+    /// Whether the pool's model can serve `call` at all: it supports what the request asks
+    /// for, and its context holds the request. Asked wherever a pool is chosen (the first
+    /// draft, a fallback draft, a reroute), so that no choice sends a request where it can
+    /// only be refused.
+    pub fn fit(&self, call: &LlmCall) -> Result<(), Unfit> {
+        let (request, supports) = (&call.request, self.supports);
+        let wants_tools = request.tools.as_ref().is_some_and(|t| !t.is_empty());
+        let wants_best_of =
+            request.best_of.is_some_and(|n| n > 1) || request.use_beam_search == Some(true);
+        let supported = (supports.tools || !wants_tools)
+            && (supports.logprobs || !request.asks_for_logprobs())
+            && (supports.multiple_choices || request.n.unwrap_or(1) <= 1)
+            && (supports.best_of || !wants_best_of);
+        if !supported {
+            return Err(Unfit::Unsupported);
+        }
+        let too_long = self
+            .max_model_len
+            .is_some_and(|max| call.demand.context_tokens() > u64::from(max));
+        if too_long {
+            return Err(Unfit::TooLong);
+        }
+        Ok(())
     }
 
     /// Whether one more backend may be ejected: fewer than the pool's

@@ -62,10 +62,10 @@ use config::{ConfidenceConfig, DraftWhen, MeasureName, ModelConfig};
 use http::HeaderName;
 use sluice_sdk::config::header_name;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::llm::{Content, Logprobs, Prompt};
+use sluice_sdk::llm::{Content, Prompt};
 use sluice_sdk::{
     AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, Host, LlmCall, LlmRequest, Plugin,
-    PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck,
+    PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck, Unfit,
 };
 use sse::StreamFilter;
 use std::sync::Arc;
@@ -222,7 +222,7 @@ impl Speculative {
         tier: Option<&str>,
         priority: Priority,
     ) -> std::result::Result<Arc<Pool>, &'static str> {
-        let (request, demand) = (&call.request, call.demand);
+        let request = &call.request;
         if tier == Some("target") && self.config.allow_forced_target {
             return Err(reason::FORCED);
         }
@@ -240,19 +240,16 @@ impl Speculative {
         let Some(first) = candidates.next() else {
             return Err(reason::DRAFT_UNAVAILABLE);
         };
-        if !supports(first, request) {
-            return Err(reason::UNSUPPORTED);
+        match first.fit(call) {
+            Err(Unfit::Unsupported) => return Err(reason::UNSUPPORTED),
+            Err(Unfit::TooLong) => return Err(reason::PROMPT_TOO_LONG),
+            Ok(()) => {}
         }
-        if first
-            .max_model_len
-            .is_some_and(|max| demand.context_tokens() > u64::from(max))
-        {
-            return Err(reason::PROMPT_TOO_LONG);
-        }
-        // The first draft that can take it now; a code prompt may fall back to a general one.
+        // The first draft that can take it now; a code prompt may fall back to a general
+        // one, if that one can serve it too.
         std::iter::once(first)
             .chain(candidates)
-            .find(|p| p.pressure().usable > 0 && !p.sheds(priority))
+            .find(|p| p.fit(call).is_ok() && p.pressure().usable > 0 && !p.sheds(priority))
             .cloned()
             .ok_or(reason::DRAFT_UNAVAILABLE)
     }
@@ -260,7 +257,7 @@ impl Speculative {
     /// How the draft's attempt may give way to the target, and what it is asked for beyond
     /// the client's request: the escalation, and whether logprobs were added to its body.
     fn escalation(&self, model: &Model, call: &LlmCall, body: &Bytes) -> (Escalation, bool) {
-        let client_asked = asks_for_logprobs(&call.request);
+        let client_asked = call.request.asks_for_logprobs();
         let (check, stream_check) = if call.request.is_stream() {
             (None, model.checks.stream(call.endpoint))
         } else {
@@ -423,24 +420,6 @@ fn resolve(
         });
     }
     Ok(models)
-}
-
-/// Whether the draft pool can serve what the request asks for.
-fn supports(pool: &Pool, r: &LlmRequest) -> bool {
-    let s = pool.supports;
-    let wants_tools = r.tools.as_ref().is_some_and(|t| !t.is_empty());
-    let wants_best_of = r.best_of.is_some_and(|n| n > 1) || r.use_beam_search == Some(true);
-    (s.tools || !wants_tools)
-        && (s.logprobs || !asks_for_logprobs(r))
-        && (s.multiple_choices || r.n.unwrap_or(1) <= 1)
-        && (s.best_of || !wants_best_of)
-}
-
-fn asks_for_logprobs(r: &LlmRequest) -> bool {
-    matches!(
-        r.logprobs,
-        Some(Logprobs::Flag(true)) | Some(Logprobs::Count(_))
-    )
 }
 
 /// Whether any of the prompt's text looks like code. A text the client wrote with escapes
