@@ -309,6 +309,18 @@ pub fn tree_usage(pid: u32) -> Result<Usage> {
     Ok(u)
 }
 
+/// A `kB` line of /proc/PID/status (`VmRSS`, `VmHWM`), in bytes.
+pub fn status_bytes(pid: u32, key: &str) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| anyhow!("no {key} in /proc/{pid}/status"))?;
+    Ok(kb * 1024)
+}
+
 /// What the simulator does. Its fields are also the `sim-serve` command line of the bench
 /// binary, which runs the simulator library in a process of its own.
 #[derive(Clone, Debug, clap::Args)]
@@ -470,7 +482,50 @@ impl Drop for RunningSim {
     }
 }
 
-/// The YAML of a Sluice instance in front of `upstream`.
+/// Scenario 8's edge bounds, for Sluice and nginx alike: timeouts short enough to act within
+/// a measured window, and per-client caps above what the scenario opens, since its normal
+/// traffic and its attackers all come from 127.0.0.1 and would otherwise share one client's
+/// caps (which is a different test).
+#[derive(Clone, Debug)]
+pub struct EdgeLimits {
+    /// Sluice's and nginx's `send_timeout`: a client that stops reading is cut after it.
+    pub send_timeout: Duration,
+    /// Sluice's and nginx's `client_header_timeout`: the whole header, slowloris or not.
+    pub client_header_timeout: Duration,
+    /// Sluice's `client_body_deadline` (nginx has only a per-read body timeout).
+    pub client_body_deadline: Duration,
+    /// Sluice's `max_connections_per_client` and `max_requests_in_flight_per_client`.
+    pub per_client: usize,
+    /// Sluice's `max_buffered_bytes`.
+    pub max_buffered_bytes: usize,
+}
+
+impl EdgeLimits {
+    /// The keys under Sluice's `limits:`, indented for it.
+    fn sluice_yaml(&self) -> String {
+        format!(
+            "  send_timeout: {}ms\n  client_header_timeout: {}ms\n  \
+             client_body_deadline: {}ms\n  max_connections_per_client: {n}\n  \
+             max_requests_in_flight_per_client: {n}\n  max_buffered_bytes: {}\n",
+            self.send_timeout.as_millis(),
+            self.client_header_timeout.as_millis(),
+            self.client_body_deadline.as_millis(),
+            self.max_buffered_bytes,
+            n = self.per_client,
+        )
+    }
+
+    /// The same bounds as nginx directives of its `http` block.
+    fn nginx_directives(&self) -> String {
+        format!(
+            "  send_timeout {}ms;\n  client_header_timeout {}ms;\n",
+            self.send_timeout.as_millis(),
+            self.client_header_timeout.as_millis(),
+        )
+    }
+}
+
+/// The YAML of a Sluice instance in front of `upstream`; `limits` adds scenario 8's bounds.
 pub fn sluice_config(
     dir: &Path,
     name: &str,
@@ -478,6 +533,7 @@ pub fn sluice_config(
     admin: SocketAddr,
     upstream: SocketAddr,
     setup: &Setup,
+    limits: Option<&EdgeLimits>,
 ) -> String {
     let plugins_on = *setup != Setup::Off;
     let cache = cache_section(setup);
@@ -501,7 +557,7 @@ pub fn sluice_config(
          grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 1\n\
          listeners:\n  - address: {listen}\n\
          admin:\n  address: {admin}\n\
-         limits:\n  max_request_body_bytes: 8388608\n\
+         limits:\n  max_request_body_bytes: 8388608\n{limits}\
          # A user's logging (access log on), at warn so the log is not what is measured.\n\
          log:\n  level: warn\n  access_log: true\n\
          pools:\n  - name: sim\n    models: [\"{MODEL}\"]\n    backends:\n      - address: {upstream}\n\
@@ -509,6 +565,7 @@ pub fn sluice_config(
          plugins:\n{plugins}",
         pid = dir.join(format!("{name}.pid")).display(),
         sock = dir.join(format!("{name}.sock")).display(),
+        limits = limits.map(EdgeLimits::sluice_yaml).unwrap_or_default(),
     )
 }
 
@@ -533,16 +590,18 @@ pub async fn start_bare_pingora(
     Ok((proc, listen))
 }
 
-/// Starts Sluice; returns the process and its listener address.
+/// Starts Sluice (with scenario 8's bounds if given); returns the process and its listener
+/// address.
 pub async fn start_sluice(
     bin: &Path,
     dir: &Path,
     upstream: SocketAddr,
     setup: &Setup,
+    limits: Option<&EdgeLimits>,
 ) -> Result<(Proc, SocketAddr)> {
     let name = setup.name();
     let (listen, admin) = (free_addr()?, free_addr()?);
-    let yaml = sluice_config(dir, name, listen, admin, upstream, setup);
+    let yaml = sluice_config(dir, name, listen, admin, upstream, setup, limits);
     let proc = start_sluice_with(bin, dir, name, &yaml, &[listen, admin]).await?;
     Ok((proc, listen))
 }
@@ -664,8 +723,14 @@ pub fn nginx_version(bin: &Path) -> String {
 
 /// The nginx configuration: a plain reverse proxy with upstream keep-alive and no buffering,
 /// two workers (Sluice runs two threads), and static files under `/static/` from
-/// `DIR/static/`, served as `application/json` (scenario 5 puts a cached answer there).
-pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
+/// `DIR/static/`, served as `application/json` (scenario 5 puts a cached answer there);
+/// `limits` adds scenario 8's timeouts.
+pub fn nginx_config(
+    dir: &Path,
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    limits: Option<&EdgeLimits>,
+) -> String {
     let user = std::fs::metadata("/proc/self")
         .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
         .unwrap_or(false);
@@ -676,7 +741,7 @@ pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> Str
          events {{\n  worker_connections 8192;\n}}\n\
          http {{\n  access_log off;\n  client_max_body_size 8m;\n  \
          client_body_temp_path {dir}/client_body;\n  proxy_temp_path {dir}/proxy_temp;\n  \
-         keepalive_requests 1000000;\n  keepalive_timeout 75s;\n\
+         keepalive_requests 1000000;\n  keepalive_timeout 75s;\n{limits}\
          \x20 upstream sim {{\n    server {upstream};\n    keepalive 64;\n    \
          keepalive_requests 1000000;\n  }}\n\
          \x20 server {{\n    listen {listen};\n\
@@ -687,20 +752,23 @@ pub fn nginx_config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> Str
          proxy_request_buffering off;\n      proxy_read_timeout 600s;\n    }}\n  }}\n}}\n",
         user = if user { "user root;\n" } else { "" },
         dir = dir.display(),
+        limits = limits.map(EdgeLimits::nginx_directives).unwrap_or_default(),
     )
 }
 
-/// Starts nginx in front of `upstream`; returns the process and its listener address.
+/// Starts nginx in front of `upstream` (with scenario 8's timeouts if given); returns the
+/// process and its listener address.
 pub async fn start_nginx(
     bin: &Path,
     dir: &Path,
     upstream: SocketAddr,
+    limits: Option<&EdgeLimits>,
 ) -> Result<(Proc, SocketAddr)> {
     let listen = free_addr()?;
     let ndir = dir.join("nginx");
     std::fs::create_dir_all(&ndir).with_context(|| format!("creating {ndir:?}"))?;
     let conf = ndir.join("nginx.conf");
-    std::fs::write(&conf, nginx_config(&ndir, listen, upstream))
+    std::fs::write(&conf, nginx_config(&ndir, listen, upstream, limits))
         .with_context(|| format!("writing {conf:?}"))?;
     let mut cmd = Command::new(bin);
     cmd.arg("-c")

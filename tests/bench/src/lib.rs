@@ -5,6 +5,7 @@
 //! rounds and returns a [`report::Report`]. [`smoke`] is the same with tiny loads, for CI.
 //! See README.md.
 
+pub mod abuse;
 pub mod bare;
 pub mod contenders;
 pub mod loadgen;
@@ -59,6 +60,17 @@ pub struct Params {
     /// Scenario 7: backends checked, and the idle time measured per round.
     pub health_backends: usize,
     pub health_idle: Duration,
+    /// Scenario 8: the normal traffic's rate (requests/s, well under capacity).
+    pub abuse_rate: f64,
+    /// Scenario 8's attackers: stalled readers, slowloris connections, big-body connections.
+    pub abuse_stalled: usize,
+    pub abuse_slowloris: usize,
+    pub abuse_bodies: usize,
+    pub abuse_body_bytes: usize,
+    /// A stalled reader's `max_tokens`, and the simulator's answer length for it.
+    pub abuse_stream_tokens: u32,
+    /// How long the attack runs before the normal traffic is measured under it.
+    pub abuse_lead: Duration,
 }
 
 impl Params {
@@ -81,6 +93,13 @@ impl Params {
             big_conns: 8,
             health_backends: 50,
             health_idle: Duration::from_secs(5),
+            abuse_rate: 1000.0,
+            abuse_stalled: 50,
+            abuse_slowloris: 50,
+            abuse_bodies: 8,
+            abuse_body_bytes: 8 << 20,
+            abuse_stream_tokens: 50_000,
+            abuse_lead: Duration::from_secs(1),
         }
     }
 
@@ -103,6 +122,13 @@ impl Params {
             big_conns: 2,
             health_backends: 5,
             health_idle: Duration::from_secs(1),
+            abuse_rate: 100.0,
+            abuse_stalled: 3,
+            abuse_slowloris: 3,
+            abuse_bodies: 1,
+            abuse_body_bytes: 256 << 10,
+            abuse_stream_tokens: 5_000,
+            abuse_lead: Duration::from_millis(200),
         }
     }
 }

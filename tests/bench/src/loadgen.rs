@@ -254,7 +254,10 @@ async fn exchange(sender: &mut SendRequest<Full<Bytes>>, target: &Target) -> Res
 }
 
 /// One request on a kept connection, reconnecting when there is none.
-async fn send_one(conn: &mut Option<SendRequest<Full<Bytes>>>, target: &Target) -> Result<u64> {
+pub(crate) async fn send_one(
+    conn: &mut Option<SendRequest<Full<Bytes>>>,
+    target: &Target,
+) -> Result<u64> {
     let sender = match conn {
         Some(s) if !s.is_closed() => s,
         _ => conn.insert(connect(target.addr).await?),

@@ -11,9 +11,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 
+use crate::abuse::{raw_post, Attack, AttackSpec, AttackStats};
 use crate::contenders::{
-    free_addr, start_bare_pingora, start_fleet_sluice, start_nginx, start_redis, start_sluice,
-    tree_usage, usage, Contender, Proc, RunningSim, Setup, SimMode, SimSpec, MODEL,
+    children_of, free_addr, start_bare_pingora, start_fleet_sluice, start_nginx, start_redis,
+    start_sluice, status_bytes, tree_usage, usage, Contender, EdgeLimits, Proc, RunningSim, Setup,
+    SimMode, SimSpec, MODEL,
 };
 use crate::loadgen::{closed_loop, fetch, open_loop, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
@@ -44,6 +46,10 @@ pub const ALL: &[(u8, &str)] = &[
         7,
         "Health scraping of 50 backends every 250 ms: CPU at idle",
     ),
+    (
+        8,
+        "Abuse: normal traffic's latency and errors, quiet and under attack",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -55,6 +61,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         5 => cache_hits(ctx).await,
         6 => big_prompts(ctx).await,
         7 => health_scraping(ctx).await,
+        8 => abuse(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -107,6 +114,16 @@ pub struct Stack {
 
 impl Stack {
     pub async fn start(ctx: &Ctx, spec: &SimSpec, want: &[Contender]) -> Result<Stack> {
+        Stack::start_limited(ctx, spec, want, None).await
+    }
+
+    /// As [`Stack::start`], Sluice and nginx with scenario 8's bounds when `limits` is given.
+    pub async fn start_limited(
+        ctx: &Ctx,
+        spec: &SimSpec,
+        want: &[Contender],
+        limits: Option<&EdgeLimits>,
+    ) -> Result<Stack> {
         let dir = tempfile::tempdir_in(ctx.root.path())?;
         let sim = RunningSim::start(&ctx.sim, spec, dir.path()).await?;
         let mut up = Vec::new();
@@ -126,7 +143,7 @@ impl Stack {
                         _ => Setup::MemoryHits,
                     };
                     let (proc, addr) =
-                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup).await?;
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
                     up.push(Up {
                         contender: c,
                         addr,
@@ -144,7 +161,7 @@ impl Stack {
                     redis = Some(proc);
                     let setup = Setup::RedisHits(format!("redis://{redis_addr}"));
                     let (proc, addr) =
-                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup).await?;
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
                     up.push(Up {
                         contender: c,
                         addr,
@@ -153,7 +170,7 @@ impl Stack {
                 }
                 Contender::Nginx => {
                     let started = match &ctx.nginx {
-                        Ok(bin) => start_nginx(bin, dir.path(), sim.addr)
+                        Ok(bin) => start_nginx(bin, dir.path(), sim.addr, limits)
                             .await
                             .map_err(|e| format!("{e:#}")),
                         Err(e) => Err(e.clone()),
@@ -1019,4 +1036,353 @@ async fn health_checks(admin: SocketAddr) -> Result<(f64, f64)> {
         }
     }
     Ok((all, failed))
+}
+
+/// Samples the summed VmRSS of some processes on a timer until stopped: the peak between.
+struct RssSampler {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl RssSampler {
+    fn start(pids: Vec<u32>, every: Duration) -> RssSampler {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut peak = 0;
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tick.tick() => peak = peak.max(rss_sum(&pids)),
+                }
+            }
+            peak.max(rss_sum(&pids))
+        });
+        RssSampler {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// The peak, bytes.
+    async fn stop(mut self) -> Result<u64> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        (&mut self.task).await.context("the RSS sampler panicked")
+    }
+}
+
+impl Drop for RssSampler {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The summed VmRSS of `pids`, bytes (a process that is gone counts 0).
+fn rss_sum(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|p| status_bytes(*p, "VmRSS").ok())
+        .sum()
+}
+
+/// A proxy's processes: Sluice's one, or nginx's master and workers.
+fn proxy_pids(proc: &Proc) -> Vec<u32> {
+    let Some(pid) = proc.pid() else {
+        return Vec::new();
+    };
+    let mut pids = vec![pid];
+    pids.extend(children_of(pid));
+    pids
+}
+
+/// A chat request of exactly `bytes` bytes (when that is more than its JSON around the
+/// message): one user message of plain ASCII words, so nothing needs escaping.
+fn sized_chat_body(bytes: usize, max_tokens: u32) -> Bytes {
+    let overhead = chat_body("", false, max_tokens).len();
+    let words = "the quick brown fox jumps over the lazy dog ";
+    let content: String = words
+        .chars()
+        .cycle()
+        .take(bytes.saturating_sub(overhead))
+        .collect();
+    chat_body(&content, false, max_tokens)
+}
+
+/// One round of scenario 8 for one contender.
+struct AbuseRound {
+    quiet: LoadResult,
+    attacked: LoadResult,
+    attack: AttackStats,
+    /// How long the attack ran.
+    attack_secs: f64,
+    rss_before: u64,
+    rss_peak: u64,
+}
+
+/// Scenario 8, abuse: the latency and errors of normal traffic (plugins on), quiet and then
+/// with 50 stalled readers, 50 slowloris connections and 8 connections sending 8 MiB bodies
+/// beside it; nginx under the same attack for reference.
+async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(8, title(8));
+    let p = ctx.p.clone();
+    let limits = EdgeLimits {
+        send_timeout: Duration::from_secs(2),
+        client_header_timeout: Duration::from_secs(2),
+        client_body_deadline: Duration::from_secs(5),
+        per_client: 4096,
+        max_buffered_bytes: 256 << 20,
+    };
+    // Every answer is as long as a stalled reader's `max_tokens` asks; the normal requests and
+    // the big bodies ask for 16 tokens, so theirs stay short.
+    let spec = SimSpec {
+        itl_ms: 0.0,
+        answer_tokens: Some(p.abuse_stream_tokens),
+    };
+    let want = [Contender::SluiceOn, Contender::Nginx];
+    let stack = Stack::start_limited(ctx, &spec, &want, Some(&limits)).await?;
+    stack.note_down(&mut report);
+    let normal = chat_body("Hello! Say something short.", false, 16);
+    let big = sized_chat_body(p.abuse_body_bytes, 16);
+    // Not deterministic (temperature 1), so neither a cache nor coalescing can serve the
+    // stalled readers from one upstream stream: each holds a stream of its own.
+    let stall_body = serde_json::json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "stream": true,
+        "temperature": 1.0,
+        "max_tokens": p.abuse_stream_tokens,
+    })
+    .to_string();
+    let mut runs: BTreeMap<Contender, Vec<AbuseRound>> = BTreeMap::new();
+    for _ in 0..p.rounds {
+        for up in &stack.up {
+            let target = target_for(up, CHAT, &normal);
+            let quiet = open_loop(
+                target.clone(),
+                p.open_conns,
+                p.abuse_rate,
+                p.warmup,
+                p.duration,
+            )
+            .await?;
+            let pids = up.proc.as_ref().map(proxy_pids).unwrap_or_default();
+            let rss_before = rss_sum(&pids);
+            let sampler = RssSampler::start(pids, Duration::from_millis(100));
+            let attack = Attack::start(&AttackSpec {
+                addr: up.addr,
+                stalled: p.abuse_stalled,
+                stall_request: raw_post(up.addr, CHAT, stall_body.as_bytes()),
+                stall_rcvbuf: 4096,
+                stall_hold: limits.send_timeout * 2,
+                slowloris: p.abuse_slowloris,
+                slowloris_every: Duration::from_millis(500),
+                bodies: p.abuse_bodies,
+                body: Arc::new(Target::post_json(up.addr, CHAT, big.clone())),
+                ramp: p.abuse_lead / 2,
+            });
+            let started = Instant::now();
+            tokio::time::sleep(p.abuse_lead).await;
+            let attacked =
+                open_loop(target, p.open_conns, p.abuse_rate, p.warmup, p.duration).await?;
+            let stats = attack.stop().await?;
+            let attack_secs = started.elapsed().as_secs_f64();
+            let rss_peak = sampler.stop().await?;
+            for r in [&quiet, &attacked] {
+                report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
+            }
+            runs.entry(up.contender).or_default().push(AbuseRound {
+                quiet,
+                attacked,
+                attack: stats,
+                attack_secs,
+                rss_before,
+                rss_peak,
+            });
+            // What the attack left behind (bodies the simulator is still parsing, connections
+            // being torn down) drains before the next quiet run.
+            tokio::time::sleep(p.warmup).await;
+        }
+    }
+
+    report.header = [
+        "contender",
+        "quiet p50 ms",
+        "quiet p99 ms",
+        "quiet errors",
+        "attacked p50 ms",
+        "attacked p99 ms",
+        "attacked errors",
+        "p99 attacked ÷ quiet",
+        "RSS MB before → peak",
+        "stalled streams (stalling)",
+        "slowloris cut / opened",
+        "slowloris lived s",
+        "big bodies/s (failed)",
+    ]
+    .map(String::from)
+    .to_vec();
+    let p99 = |rounds: &[AbuseRound], f: fn(&AbuseRound) -> &LoadResult| {
+        Series(rounds.iter().map(|r| f(r).ms(99.0)).collect())
+    };
+    let p99_ratio = |rounds: &[AbuseRound]| {
+        pairwise(
+            &p99(rounds, |r| &r.attacked),
+            &p99(rounds, |r| &r.quiet),
+            |a, q| a / q,
+        )
+    };
+    for (c, rounds) in &runs {
+        let s = |f: &dyn Fn(&AbuseRound) -> f64| Series(rounds.iter().map(f).collect());
+        let m = |f: &dyn Fn(&AbuseRound) -> f64| s(f).median();
+        let quiet: Vec<LoadResult> = rounds.iter().map(|r| r.quiet.clone()).collect();
+        let attacked: Vec<LoadResult> = rounds.iter().map(|r| r.attacked.clone()).collect();
+        let failed = rounds.iter().map(|r| r.attack.bodies_failed).sum::<u64>();
+        let mut bodies = format!(
+            "{:.1} ({failed})",
+            m(&|r| r.attack.bodies_ok as f64 / r.attack_secs)
+        );
+        if let Some(e) = rounds
+            .iter()
+            .find_map(|r| r.attack.first_body_error.clone())
+        {
+            bodies.push_str(&format!(": {}", e.chars().take(60).collect::<String>()));
+        }
+        report.rows.push(vec![
+            c.label().to_string(),
+            s(&|r| r.quiet.ms(50.0)).show(3),
+            s(&|r| r.quiet.ms(99.0)).show(3),
+            errors_cell(&quiet),
+            s(&|r| r.attacked.ms(50.0)).show(3),
+            s(&|r| r.attacked.ms(99.0)).show(3),
+            errors_cell(&attacked),
+            p99_ratio(rounds).show(2),
+            format!(
+                "{:.1} → {:.1}",
+                m(&|r| r.rss_before as f64 / 1e6),
+                m(&|r| r.rss_peak as f64 / 1e6)
+            ),
+            format!(
+                "{:.0} ({:.0})",
+                m(&|r| r.attack.stalled_sent as f64),
+                m(&|r| r.attack.stalled_streaming as f64)
+            ),
+            format!(
+                "{:.0} / {:.0}",
+                m(&|r| r.attack.slowloris_cut as f64),
+                m(&|r| r.attack.slowloris_opened as f64)
+            ),
+            // Only rounds in which the proxy cut one (none in the smoke run's short window).
+            Series(
+                rounds
+                    .iter()
+                    .filter(|r| r.attack.slowloris_cut > 0)
+                    .map(|r| r.attack.slowloris_median_lived())
+                    .collect(),
+            )
+            .show(2),
+            bodies,
+        ]);
+    }
+    let other: Vec<String> = runs
+        .iter()
+        .flat_map(|(c, rounds)| {
+            rounds.iter().flat_map(move |r| {
+                let mut v = Vec::new();
+                if let Some(line) = &r.attack.stalled_other {
+                    v.push(format!("{c}: a stalled reader was answered `{line}`"));
+                }
+                if let Some(e) = &r.attack.first_connect_error {
+                    v.push(format!(
+                        "{c}: {} attacker connections failed ({e})",
+                        r.attack.connect_errors
+                    ));
+                }
+                v
+            })
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for n in other {
+        if seen.insert(n.clone()) {
+            report.notes.push(n);
+        }
+    }
+    report.notes.push(format!(
+        "Normal traffic: {rate:.0} non-stream chat requests/s (`max_tokens: 16`), open loop over up \
+         to {conns} connections, latency from each request's intended send time; plugins on \
+         with a prompt of its own per request (cache misses). Each round runs it quiet ({w:?} \
+         warm-up + {d:?} measured), then again with the attack running: started {lead:?} before \
+         the normal traffic, stopped when it ends.",
+        rate = p.abuse_rate,
+        conns = p.open_conns,
+        w = p.warmup,
+        d = p.duration,
+        lead = p.abuse_lead,
+    ));
+    report.notes.push(format!(
+        "The attack, all from 127.0.0.1, each attacker's first connection spread over {ramp:?}: \
+         {stalled} stalled readers (a socket with `SO_RCVBUF` 4096 posts a streamed chat request \
+         with `max_tokens: {tokens}` and `temperature: 1` to the zero-latency simulator, never \
+         reads, and lets go with a reset after {hold:?} to {hold_max:?}, then starts over: it \
+         cannot see a proxy's cut, whose FIN waits behind the unread answer; \"stalling\" counts \
+         the requests whose `200` was waiting unread when it let go); {slow} slowloris \
+         connections (a header trickled one byte per 500 ms, never finished; a new one as soon \
+         as the proxy closes one; \"lived\" is the median life of those it closed); {bodies} \
+         connections sending a {size} byte chat request (one huge message, `temperature: 0`, \
+         `max_tokens: 16`) back to back. With plugins on, those big bodies are cache hits after \
+         the first (a deterministic request), but each is still read and parsed whole.",
+        ramp = p.abuse_lead / 2,
+        stalled = p.abuse_stalled,
+        tokens = p.abuse_stream_tokens,
+        hold = limits.send_timeout * 2,
+        hold_max = limits.send_timeout * 3,
+        slow = p.abuse_slowloris,
+        bodies = p.abuse_bodies,
+        size = big.len(),
+    ));
+    report.notes.push(format!(
+        "Bounds, short so that they act within the measured window: Sluice `limits` \
+         `send_timeout: {st:?}`, `client_header_timeout: {ht:?}`, `client_body_deadline: \
+         {bd:?}`, `max_buffered_bytes: {mb}` (the attack's bodies in flight, {inflight} bytes, \
+         fit); nginx `send_timeout {st:?}` and `client_header_timeout {ht:?}`. Every client is \
+         127.0.0.1, so Sluice's per-client caps (`max_connections_per_client`, \
+         `max_requests_in_flight_per_client`) are set to {pc}: one address's normal traffic and \
+         attack together fit, and the caps are not what this measures.",
+        st = limits.send_timeout,
+        ht = limits.client_header_timeout,
+        bd = limits.client_body_deadline,
+        mb = limits.max_buffered_bytes,
+        inflight = big.len() * p.abuse_bodies,
+        pc = limits.per_client,
+    ));
+    report.notes.push(
+        "The attack shares the 2 cores with the proxy, the simulator and the load generator \
+         (writing and parsing the big bodies costs CPU everywhere), so some of the attacked \
+         latency is the machine's: nginx under the same attack is the reference. RSS: the \
+         proxy's processes (nginx: master and workers) before the attack and at its peak, \
+         sampled every 100 ms. The attack columns are medians per round."
+            .to_string(),
+    );
+    let sluice = runs.get(&Contender::SluiceOn);
+    let failed = sluice.map(|rounds| {
+        rounds
+            .iter()
+            .map(|r| r.attacked.errors + r.attacked.missed)
+            .sum::<u64>()
+    });
+    report.checks.push(Check::new(
+        "plugins on, under attack: failed normal requests (errors and not sent)",
+        "= 0",
+        failed.map(|n| n.to_string()).unwrap_or_else(|| "–".into()),
+        failed.map(|n| n == 0),
+    ));
+    report.checks.push(Check::at_most(
+        "plugins on: normal p99 under attack over quiet p99",
+        sluice.map(|r| p99_ratio(r).median()).unwrap_or(f64::NAN),
+        2.0,
+        "×",
+    ));
+    Ok(report)
 }
