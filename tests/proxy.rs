@@ -19,6 +19,19 @@ async fn sim() -> vllm_sim::Sim {
         .expect("sim")
 }
 
+/// The last chat request `upstream` received. Its health checks are recorded too, so the
+/// last request of all may be a scrape that came after it.
+fn last_chat(upstream: &vllm_sim::Sim) -> vllm_sim::RecordedRequest {
+    upstream
+        .stats()
+        .recent
+        .iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .cloned()
+        .expect("a chat request was recorded")
+}
+
 /// The pool `main`, serving [`MODEL`] on `backends`.
 fn main_pool(backends: &[SocketAddr]) -> Pool {
     pool("main", &[MODEL], backends)
@@ -154,7 +167,7 @@ async fn a_one_mib_prompt_reaches_the_upstream_intact() {
         if stream {
             assert_eq!(sse_data(&text).last().map(String::as_str), Some("[DONE]"));
         }
-        let recorded = upstream.stats().recent.last().cloned().expect("recorded");
+        let recorded = last_chat(&upstream);
         assert_eq!(
             Sha256::digest(&recorded.body),
             Sha256::digest(&bytes),
@@ -412,7 +425,7 @@ async fn expect_100_continue_is_answered_and_not_forwarded() {
         .unwrap()
         .unwrap();
     assert!(String::from_utf8_lossy(&rest[..n]).contains("200 OK"));
-    let recorded = upstream.stats().recent.last().cloned().unwrap();
+    let recorded = last_chat(&upstream);
     assert!(recorded.header("expect").is_none());
 }
 
