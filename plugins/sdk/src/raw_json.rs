@@ -10,6 +10,10 @@
 //!   replaces one member's value, or appends the member;
 //! - [`elements`] splits an array's text into its elements, and [`Unescaped`] reads a
 //!   string's text piece by piece, for text that a JSON parser has already accepted.
+//!
+//! Parsing stays serde_json's (borrowed `RawValue`s give the spans); what is written here is
+//! only what no JSON crate offers: editing one member of a body while keeping every other
+//! byte, and reading checked text without building a value.
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
