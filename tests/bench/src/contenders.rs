@@ -321,6 +321,13 @@ pub fn status_bytes(pid: u32, key: &str) -> Result<u64> {
     Ok(kb * 1024)
 }
 
+/// Resets a process's peak RSS (`VmHWM`) to its current RSS (`clear_refs`, Linux 4.0+), so
+/// that the peak of one measurement excludes what came before it.
+pub fn reset_peak_rss(pid: u32) -> Result<()> {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+        .with_context(|| format!("writing /proc/{pid}/clear_refs"))
+}
+
 /// What the simulator does. Its fields are also the `sim-serve` command line of the bench
 /// binary, which runs the simulator library in a process of its own.
 #[derive(Clone, Debug, clap::Args)]
@@ -356,13 +363,13 @@ impl SimSpec {
         a
     }
 
-    /// The simulator's configuration: room for 1 MiB prompts and 1,000 streams, no request
-    /// recording, no jitter.
+    /// The simulator's configuration: room for 8 MiB prompts (scenario 9 sends 4M token ids,
+    /// one token each) and 1,000 streams, no request recording, no jitter.
     pub fn config(&self, listen: SocketAddr) -> vllm_sim::SimConfig {
         let mut c = vllm_sim::SimConfig::default()
             .with_listen(listen)
             .with_model(MODEL)
-            .with_max_model_len(4_000_000)
+            .with_max_model_len(1 << 23)
             .with_max_num_seqs(4096)
             // 268M tokens of KV cache: eight 1 MiB prompts at once stay far below the KV
             // breaker's thresholds, so it admits everything (its shedding is tested, not

@@ -71,6 +71,10 @@ pub struct Params {
     pub abuse_stream_tokens: u32,
     /// How long the attack runs before the normal traffic is measured under it.
     pub abuse_lead: Duration,
+    /// Scenario 9: bodies in flight at once, each one's size, and how many each sends.
+    pub memory_conns: usize,
+    pub memory_body_bytes: usize,
+    pub memory_repeats: usize,
 }
 
 impl Params {
@@ -100,6 +104,9 @@ impl Params {
             abuse_body_bytes: 8 << 20,
             abuse_stream_tokens: 50_000,
             abuse_lead: Duration::from_secs(1),
+            memory_conns: 4,
+            memory_body_bytes: 8 << 20,
+            memory_repeats: 3,
         }
     }
 
@@ -129,6 +136,9 @@ impl Params {
             abuse_body_bytes: 256 << 10,
             abuse_stream_tokens: 5_000,
             abuse_lead: Duration::from_millis(200),
+            memory_conns: 4,
+            memory_body_bytes: 256 << 10,
+            memory_repeats: 1,
         }
     }
 }

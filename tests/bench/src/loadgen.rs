@@ -35,10 +35,11 @@ pub struct Target {
     pub expect_header: Option<(&'static str, &'static str)>,
 }
 
-/// A body split where a per-request counter goes: `prefix`, the number, a space, `suffix`.
+/// A body split where a per-request counter goes: `prefix`, the number, `sep`, `suffix`.
 #[derive(Debug)]
 pub struct Vary {
     prefix: Bytes,
+    sep: &'static [u8],
     suffix: Bytes,
 }
 
@@ -70,12 +71,18 @@ impl Target {
     /// Every request different: a counter is written at the start of the first `"content"`
     /// string of the JSON body (the prompt), so that a cache never sees the same request twice
     /// (a real lookup miss and a store each time). Unchanged when the body has no such string.
-    pub fn varied(mut self) -> Target {
-        const MARK: &[u8] = b"\"content\":\"";
-        if let Some(at) = self.body.windows(MARK.len()).position(|w| w == MARK) {
-            let split = at + MARK.len();
+    pub fn varied(self) -> Target {
+        self.varied_after(b"\"content\":\"", b" ")
+    }
+
+    /// Every request different: a counter and `sep` written right after the first `mark` of
+    /// the body (a completion's token ids: `"prompt":[` and `,`). Unchanged without `mark`.
+    pub fn varied_after(mut self, mark: &[u8], sep: &'static [u8]) -> Target {
+        if let Some(at) = self.body.windows(mark.len()).position(|w| w == mark) {
+            let split = at + mark.len();
             self.vary = Some(Arc::new(Vary {
                 prefix: self.body.slice(..split),
+                sep,
                 suffix: self.body.slice(split..),
             }));
         }
@@ -93,10 +100,10 @@ impl Target {
             return self.body.clone();
         };
         let n = NEXT_VARIANT.fetch_add(1, Ordering::Relaxed).to_string();
-        let mut b = Vec::with_capacity(v.prefix.len() + n.len() + 1 + v.suffix.len());
+        let mut b = Vec::with_capacity(v.prefix.len() + n.len() + v.sep.len() + v.suffix.len());
         b.extend_from_slice(&v.prefix);
         b.extend_from_slice(n.as_bytes());
-        b.push(b' ');
+        b.extend_from_slice(v.sep);
         b.extend_from_slice(&v.suffix);
         Bytes::from(b)
     }

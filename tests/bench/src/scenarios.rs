@@ -13,11 +13,11 @@ use bytes::Bytes;
 
 use crate::abuse::{raw_post, Attack, AttackSpec, AttackStats};
 use crate::contenders::{
-    children_of, free_addr, start_bare_pingora, start_fleet_sluice, start_nginx, start_redis,
-    start_sluice, status_bytes, tree_usage, usage, Contender, EdgeLimits, Proc, RunningSim, Setup,
-    SimMode, SimSpec, MODEL,
+    children_of, free_addr, reset_peak_rss, start_bare_pingora, start_fleet_sluice, start_nginx,
+    start_redis, start_sluice, status_bytes, tree_usage, usage, Contender, EdgeLimits, Proc,
+    RunningSim, Setup, SimMode, SimSpec, MODEL,
 };
-use crate::loadgen::{closed_loop, fetch, open_loop, LoadResult, Target};
+use crate::loadgen::{closed_loop, fetch, open_loop, send_one, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::sse::{self, SseLoad};
 use crate::Ctx;
@@ -50,6 +50,7 @@ pub const ALL: &[(u8, &str)] = &[
         8,
         "Abuse: normal traffic's latency and errors, quiet and under attack",
     ),
+    (9, "Large request bodies: the proxy's peak memory"),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -62,6 +63,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         6 => big_prompts(ctx).await,
         7 => health_scraping(ctx).await,
         8 => abuse(ctx).await,
+        9 => large_bodies(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -1110,6 +1112,30 @@ fn sized_chat_body(bytes: usize, max_tokens: u32) -> Bytes {
     chat_body(&content, false, max_tokens)
 }
 
+/// A completion request of exactly `bytes` bytes whose prompt is a list of token ids, all 1
+/// (`[1,1,...]`: two bytes per token, so 8 MiB holds 4M of them), padded with blanks; and the
+/// number of ids.
+fn sized_token_ids_body(bytes: usize, max_tokens: u32) -> (Bytes, usize) {
+    let head = format!(
+        "{{\"model\":\"{MODEL}\",\"max_tokens\":{max_tokens},\"temperature\":0,\"prompt\":["
+    );
+    let tail = "]}";
+    let room = bytes.saturating_sub(head.len() + tail.len());
+    let ids = room.div_ceil(2).max(1);
+    let mut body = Vec::with_capacity(bytes.max(head.len() + tail.len() + 1));
+    body.extend_from_slice(head.as_bytes());
+    for i in 0..ids {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.push(b'1');
+    }
+    // "1,1,...,1" is 2n-1 bytes: a blank before the bracket makes up an even room.
+    body.resize(bytes.saturating_sub(tail.len()).max(body.len()), b' ');
+    body.extend_from_slice(tail.as_bytes());
+    (Bytes::from(body), ids)
+}
+
 /// One round of scenario 8 for one contender.
 struct AbuseRound {
     quiet: LoadResult,
@@ -1384,5 +1410,252 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
         2.0,
         "×",
     ));
+    Ok(report)
+}
+
+/// One measurement of scenario 9: a fresh proxy, large bodies through it.
+struct MemoryRound {
+    requests: u64,
+    errors: u64,
+    first_error: Option<String>,
+    idle: u64,
+    /// The peak of VmRSS sampled every 20 ms.
+    sampled_peak: u64,
+    /// VmHWM after it was reset at idle (None when it could not be reset).
+    hwm_peak: Option<u64>,
+}
+
+impl MemoryRound {
+    /// The rise above idle: VmHWM's when it was reset (exact), else the samples'.
+    fn rise(&self) -> u64 {
+        self.hwm_peak
+            .unwrap_or(self.sampled_peak)
+            .max(self.sampled_peak)
+            .saturating_sub(self.idle)
+    }
+}
+
+/// Starts a fresh scenario-9 contender in `dir` in front of `upstream`.
+async fn start_fresh(
+    ctx: &Ctx,
+    c: Contender,
+    dir: &std::path::Path,
+    upstream: SocketAddr,
+) -> Result<(Proc, SocketAddr)> {
+    match c {
+        Contender::SluiceOff => {
+            start_sluice(&ctx.sluice_bin, dir, upstream, &Setup::Off, None).await
+        }
+        Contender::SluiceOn => start_sluice(&ctx.sluice_bin, dir, upstream, &Setup::On, None).await,
+        Contender::Nginx => match &ctx.nginx {
+            Ok(bin) => start_nginx(bin, dir, upstream, None).await,
+            Err(e) => bail!("nginx: {e}"),
+        },
+        _ => bail!("{c} is not a scenario-9 contender"),
+    }
+}
+
+/// One kind of large body of scenario 9.
+struct BodyCase {
+    name: &'static str,
+    path: &'static str,
+    body: Bytes,
+    /// Where "plugins on" writes its per-request counter, and what follows the counter.
+    mark: &'static [u8],
+    sep: &'static [u8],
+}
+
+/// Room left in each body for the per-request counter of "plugins on" (see `Target::varied`),
+/// so that the varied body stays within `max_request_body_bytes`.
+const VARY_ROOM: usize = 24;
+
+/// Scenario 9, large request bodies: a fresh proxy's peak RSS above idle while 4 connections
+/// send 8 MiB bodies (a chat message; a completion's token ids), plugins off and on; nginx for
+/// context.
+async fn large_bodies(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(9, title(9));
+    let p = ctx.p.clone();
+    // The simulator only: each measurement starts its proxy afresh, so that no heap kept from
+    // an earlier one hides a rise.
+    let stack = Stack::start(ctx, &SimSpec::zero(), &[]).await?;
+    let mut want = vec![Contender::SluiceOff, Contender::SluiceOn];
+    match &ctx.nginx {
+        Ok(_) => want.push(Contender::Nginx),
+        Err(e) if ctx.require_nginx => bail!("nginx: {e}"),
+        Err(e) => report
+            .notes
+            .push(format!("{} unavailable: {e}", Contender::Nginx)),
+    }
+    let size = p.memory_body_bytes.saturating_sub(VARY_ROOM);
+    let (ids_body, ids) = sized_token_ids_body(size, 16);
+    const COMPLETIONS: &str = "/v1/completions";
+    let cases = [
+        BodyCase {
+            name: "chat, one huge message",
+            path: CHAT,
+            body: sized_chat_body(size, 16),
+            mark: b"\"content\":\"",
+            sep: b" ",
+        },
+        BodyCase {
+            name: "completions, token ids",
+            path: COMPLETIONS,
+            body: ids_body,
+            mark: b"\"prompt\":[",
+            sep: b",",
+        },
+    ];
+    let hello = chat_body("Hello!", false, 16);
+    let mut runs: BTreeMap<(usize, Contender), Vec<MemoryRound>> = BTreeMap::new();
+    for _ in 0..p.rounds {
+        for (case, bc) in cases.iter().enumerate() {
+            for &c in &want {
+                let (proc, addr) = start_fresh(ctx, c, stack.dir(), stack.sim.addr).await?;
+                // One small request first: connection pools, worker threads and whatever is
+                // built lazily exist before the idle reading.
+                let (status, _, answer) = fetch(&Target::post_json(addr, CHAT, hello.clone()))
+                    .await
+                    .with_context(|| format!("{c}: the first request"))?;
+                if !status.is_success() {
+                    bail!(
+                        "{c}: the first request: HTTP {status}: {}",
+                        String::from_utf8_lossy(&answer)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let pids = proxy_pids(&proc);
+                let hwm_reset = pids.iter().all(|p| reset_peak_rss(*p).is_ok());
+                let idle = rss_sum(&pids);
+                let sampler = RssSampler::start(pids.clone(), Duration::from_millis(20));
+                let mut target = Target::post_json(addr, bc.path, bc.body.clone());
+                if c == Contender::SluiceOn {
+                    target = target.varied_after(bc.mark, bc.sep);
+                }
+                let target = Arc::new(target);
+                let mut tasks = Vec::new();
+                for _ in 0..p.memory_conns {
+                    let target = target.clone();
+                    let repeats = p.memory_repeats;
+                    tasks.push(tokio::spawn(async move {
+                        let mut conn = None;
+                        let (mut ok, mut errors, mut first) = (0u64, 0u64, None);
+                        for _ in 0..repeats {
+                            match send_one(&mut conn, &target).await {
+                                Ok(_) => ok += 1,
+                                Err(e) => {
+                                    errors += 1;
+                                    first = first.or(Some(format!("{e:#}")));
+                                }
+                            }
+                        }
+                        (ok, errors, first)
+                    }));
+                }
+                let mut round = MemoryRound {
+                    requests: 0,
+                    errors: 0,
+                    first_error: None,
+                    idle,
+                    sampled_peak: 0,
+                    hwm_peak: None,
+                };
+                for t in tasks {
+                    let (ok, errors, first) = t.await.context("a sender panicked")?;
+                    round.requests += ok + errors;
+                    round.errors += errors;
+                    round.first_error = round.first_error.take().or(first);
+                }
+                round.sampled_peak = sampler.stop().await?;
+                if hwm_reset {
+                    let hwm: Result<Vec<u64>> =
+                        pids.iter().map(|p| status_bytes(*p, "VmHWM")).collect();
+                    round.hwm_peak = hwm.ok().map(|v| v.iter().sum());
+                }
+                report.measured(c, round.requests, round.errors, round.first_error.clone());
+                runs.entry((case, c)).or_default().push(round);
+                drop(proc);
+            }
+        }
+    }
+
+    let in_flight = (p.memory_conns * p.memory_body_bytes) as f64;
+    report.header = [
+        "contender",
+        "bodies",
+        "requests",
+        "RSS idle MB",
+        "peak rise MB (sampled)",
+        "peak rise MB (VmHWM)",
+        "rise per MB in flight",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    for ((case, c), rounds) in &runs {
+        let s = |f: &dyn Fn(&MemoryRound) -> f64| Series(rounds.iter().map(f).collect());
+        let errors: u64 = rounds.iter().map(|r| r.errors).sum();
+        let first = rounds.iter().find_map(|r| r.first_error.clone());
+        report.rows.push(vec![
+            c.label().to_string(),
+            cases[*case].name.to_string(),
+            s(&|r| r.requests as f64).show(0),
+            s(&|r| r.idle as f64 / 1e6).show(1),
+            s(&|r| r.sampled_peak.saturating_sub(r.idle) as f64 / 1e6).show(1),
+            s(&|r| {
+                r.hwm_peak
+                    .map(|h| h.saturating_sub(r.idle) as f64 / 1e6)
+                    .unwrap_or(f64::NAN)
+            })
+            .show(1),
+            s(&|r| r.rise() as f64 / in_flight).show(2),
+            match first {
+                Some(e) => format!("{errors}: {}", e.chars().take(80).collect::<String>()),
+                None => errors.to_string(),
+            },
+        ]);
+    }
+    report.notes.push(format!(
+        "{conns} connections at once, each sending {repeats} bodies of {chat} bytes (chat: one \
+         user message of plain words) or {ids} bytes (`/v1/completions`, `prompt` a list of \
+         token ids `[1,1,...]`, {n} of them, one token each) back to back, `max_tokens: 16`, \
+         `temperature: 0`; {mib:.0} MiB of body in flight at once. Plugins on gets a counter at \
+         the head of each prompt (a cache miss and a store every time), hence the bodies are \
+         {VARY_ROOM} bytes short of {full}.",
+        conns = p.memory_conns,
+        repeats = p.memory_repeats,
+        chat = cases[0].body.len(),
+        ids = cases[1].body.len(),
+        n = ids,
+        mib = in_flight / f64::from(1 << 20),
+        full = p.memory_body_bytes,
+    ));
+    report.notes.push(
+        "Each measurement starts its proxy afresh, sends one small request, waits 100 ms and \
+         takes the idle RSS; then VmRSS is sampled every 20 ms, and VmHWM (the kernel's exact \
+         peak, reset to the idle RSS through `/proc/PID/clear_refs` first) read at the end. The \
+         rise is the peak above idle (VmHWM's when it could be reset); per MB in flight it is \
+         divided by the bytes of body in flight at once. nginx (master and workers, summed; \
+         `proxy_request_buffering off`, so it streams bodies through) is context, unchecked."
+            .to_string(),
+    );
+    for &c in &[Contender::SluiceOff, Contender::SluiceOn] {
+        let name = if c == Contender::SluiceOff {
+            "plugins off"
+        } else {
+            "plugins on"
+        };
+        for (case, bc) in cases.iter().enumerate() {
+            let rise = runs
+                .get(&(case, c))
+                .map(|r| Series(r.iter().map(|x| x.rise() as f64 / 1e6).collect()).median())
+                .unwrap_or(f64::NAN);
+            report.checks.push(Check::at_most(
+                &format!("{name}, {}: peak RSS rise", bc.name),
+                rise,
+                80.0,
+                "MB",
+            ));
+        }
+    }
     Ok(report)
 }
