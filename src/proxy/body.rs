@@ -63,8 +63,10 @@ pub async fn read_whole(
         match (&mut first, &mut joined) {
             (None, None) => first = Some(chunk),
             (Some(f), None) => {
-                // Grown with the data, not reserved from what the client declared.
-                let mut buf = BytesMut::with_capacity(total * 2);
+                // Room for the whole body at once when its size was declared (and taken from
+                // the memory budget already): no copy as it grows, no doubling past it.
+                let room = declared.unwrap_or(total * 2).clamp(total, limit);
+                let mut buf = BytesMut::with_capacity(room);
                 buf.extend_from_slice(f);
                 buf.extend_from_slice(&chunk);
                 joined = Some(buf);

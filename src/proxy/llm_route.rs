@@ -24,6 +24,7 @@ use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
+use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::{
     Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, Selected,
@@ -42,7 +43,9 @@ pub async fn serve(
 ) -> Result<()> {
     // The body's memory is held until the request has been served.
     let (body, _held) = body::read_whole(session, &sluice.limits, &sluice.memory).await?;
-    let call = LlmCall::parse(endpoint, body)
+    let call = body_work(body.len(), move || LlmCall::parse(endpoint, body))
+        .await
+        .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
     ctx.set_llm(call);

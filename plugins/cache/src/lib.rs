@@ -45,6 +45,7 @@ use entry::{AnswerKind, Entry};
 use http::HeaderName;
 use policy::Use;
 use sluice_sdk::config::header_name;
+use sluice_sdk::cpu::body_work;
 use sluice_sdk::error::internal;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
@@ -193,24 +194,32 @@ impl Cache {
         Ok(LocalResponse { header, body })
     }
 
-    fn key_for(&self, session: &Session, call: &LlmCall) -> Option<CacheKey> {
+    /// The request's key: hashed off the workers when the body is large (see
+    /// [`sluice_sdk::cpu`]).
+    async fn key_for(&self, session: &Session, call: &LlmCall) -> Option<CacheKey> {
         let headers = &session.req_header().headers;
         let tenant = key::tenant(
             headers,
             self.tenant_header.as_ref(),
             self.config.tenant.share_across_tenants,
         );
-        let extra: Vec<(&str, &[u8])> = self
+        let extra: Vec<(String, Vec<u8>)> = self
             .key_headers
             .iter()
             .map(|h| {
-                (
-                    h.as_str(),
-                    headers.get(h).map_or(&b""[..], |v| v.as_bytes()),
-                )
+                let value = headers.get(h).map_or(&b""[..], |v| v.as_bytes());
+                (h.as_str().to_string(), value.to_vec())
             })
             .collect();
-        let digest = key::digest(&tenant, call.endpoint, &extra, &call.body)?;
+        let (endpoint, body) = (call.endpoint, call.body.clone());
+        let digest = body_work(body.len(), move || {
+            let extra: Vec<(&str, &[u8])> = extra
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_slice()))
+                .collect();
+            key::digest(&tenant, endpoint, &extra, &body)
+        })
+        .await??;
         Some(CacheKey::new(&self.config.key_prefix, digest))
     }
 
@@ -248,7 +257,7 @@ impl Plugin for Cache {
         // The key (a second parse of the body, and a hash) only when the cache takes part.
         let key = match use_ {
             Use::Bypass => None,
-            _ => self.key_for(session, call),
+            _ => self.key_for(session, call).await,
         };
         let Some(key) = key else {
             metrics::request(metrics::Outcome::Bypass);

@@ -16,6 +16,7 @@
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
 
 pub mod config;
+pub mod cpu;
 pub mod ctx;
 pub mod duration;
 pub mod error;
