@@ -21,7 +21,6 @@
 use crate::caps::{Caps, Over};
 use crate::metrics;
 use async_trait::async_trait;
-use bytes::Bytes;
 use pingora_core::apps::ServerApp;
 use pingora_core::protocols::raw_connect::ProxyDigest;
 use pingora_core::protocols::tls::{SslDigest, TlsRef};
@@ -262,9 +261,11 @@ impl AsyncRead for HeaderDeadline {
         let filled = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
-                let new = &buf.filled()[filled..];
-                let new = Bytes::copy_from_slice(&new[..new.len().min(HEADER_SCAN_LIMIT)]);
-                this.scan(&new);
+                // Only a header, or the first bytes, need looking at: a body passes untouched.
+                if this.phase == Phase::Header || this.first_read {
+                    let new = buf.filled().get(filled..).unwrap_or_default();
+                    this.scan(new.get(..HEADER_SCAN_LIMIT).unwrap_or(new));
+                }
                 Poll::Ready(Ok(()))
             }
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),

@@ -20,9 +20,7 @@ const RECOVERY: Duration = Duration::from_secs(10);
 const REQUEST_BOUND: Duration = Duration::from_secs(3);
 
 async fn sim() -> vllm_sim::Sim {
-    vllm_sim::start(vllm_sim::SimConfig::default().with_model(MODEL))
-        .await
-        .unwrap()
+    sim_serving(MODEL).await
 }
 
 /// The `redis:` section's target: `url: ...` or `cluster_nodes: [...]`.

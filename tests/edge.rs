@@ -14,9 +14,7 @@ use vllm_sim::SimConfig;
 const MODEL: &str = "test-model";
 
 async fn sim() -> vllm_sim::Sim {
-    vllm_sim::start(SimConfig::default().with_model(MODEL))
-        .await
-        .expect("sim")
+    sim_serving(MODEL).await
 }
 
 /// Reads from `s` until the head of an answer has come (or 5 s pass, or it closes), and

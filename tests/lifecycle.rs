@@ -74,23 +74,7 @@ async fn sigterm_lets_a_running_stream_finish_then_exits() {
     let upstream = streaming_sim(MODEL, Duration::from_millis(30), 40).await;
     let mut proxy =
         Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
-    let mut request = chat(MODEL, "a story", true);
-    request["max_tokens"] = json!(40);
-    let response = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .json(&request)
-        .send()
-        .await
-        .unwrap();
-    let mut stream = response.bytes_stream();
-    let mut body = stream.next().await.unwrap().unwrap().to_vec();
-
-    let mut child = proxy.take_child();
-    signal(child.id(), "TERM");
-    while let Some(chunk) = stream.next().await {
-        body.extend_from_slice(&chunk.expect("the stream is not cut"));
-    }
-    let text = String::from_utf8(body).unwrap();
+    let (text, _, mut child) = stream_through_sigterm(&mut proxy, 40).await;
     assert_eq!(
         sse_data(&text).last().map(String::as_str),
         Some("[DONE]"),
@@ -100,15 +84,33 @@ async fn sigterm_lets_a_running_stream_finish_then_exits() {
     assert!(!text.contains("\"error\""), "{text}");
     assert_eq!(text.matches("\"finish_reason\":\"").count(), 1, "{text}");
 
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "exit status {status}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "still running after SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    exits_within(&mut child, Duration::from_secs(15)).await;
+}
+
+/// Starts a stream of `tokens` tokens, sends the proxy `SIGTERM` once its first chunk came,
+/// and reads it to its end (which must be clean, not a cut). Returns the stream's text, how
+/// long after the signal it ended, and the proxy's process.
+async fn stream_through_sigterm(
+    proxy: &mut Proxy,
+    tokens: u32,
+) -> (String, Duration, std::process::Child) {
+    let mut request = chat(MODEL, "a story", true);
+    request["max_tokens"] = json!(tokens);
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    let mut body = stream.next().await.unwrap().unwrap().to_vec();
+    let child = proxy.take_child();
+    signal(child.id(), "TERM");
+    let signalled = Instant::now();
+    while let Some(chunk) = stream.next().await {
+        body.extend_from_slice(&chunk.expect("the stream ends cleanly, not cut"));
     }
+    (String::from_utf8(body).unwrap(), signalled.elapsed(), child)
 }
 
 /// Waits for `child` to exit; returns how long it took, or panics after `limit`.
@@ -154,24 +156,7 @@ async fn a_stream_longer_than_the_grace_period_ends_with_an_error_event_and_done
         "pools": [pool("main", &[MODEL], &[upstream.addr()])],
     }))
     .await;
-    let mut request = chat(MODEL, "a long story", true);
-    request["max_tokens"] = json!(100);
-    let response = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .json(&request)
-        .send()
-        .await
-        .unwrap();
-    let mut stream = response.bytes_stream();
-    let mut body = stream.next().await.unwrap().unwrap().to_vec();
-    let mut child = proxy.take_child();
-    signal(child.id(), "TERM");
-    let signalled = Instant::now();
-    while let Some(chunk) = stream.next().await {
-        body.extend_from_slice(&chunk.expect("the stream ends cleanly, not cut"));
-    }
-    let ended = signalled.elapsed();
-    let text = String::from_utf8(body).unwrap();
+    let (text, ended, mut child) = stream_through_sigterm(&mut proxy, 100).await;
     let events = sse_data(&text);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
     let error = events.iter().rev().nth(1).cloned().unwrap_or_default();

@@ -14,9 +14,7 @@ use vllm_sim::{Faults, SimConfig};
 const MODEL: &str = "test-model";
 
 async fn sim() -> vllm_sim::Sim {
-    vllm_sim::start(SimConfig::default().with_model(MODEL))
-        .await
-        .expect("sim")
+    sim_serving(MODEL).await
 }
 
 /// The last chat request `upstream` received. Its health checks are recorded too, so the

@@ -25,8 +25,8 @@ mod scripted;
 
 pub use config::{pool, Pool};
 pub use llm::{
-    answer_confidence, ask_url, chat, client, content, sse_data, streaming_sim, upstream_calls,
-    wait_for, Answer,
+    answer_confidence, ask_url, chat, client, content, sim_serving, sse_data, streaming_sim,
+    upstream_calls, wait_for, Answer,
 };
 pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proxy::{metric_value, signal, Proxy};

@@ -85,6 +85,13 @@ pub fn upstream_calls(sim: &vllm_sim::Sim) -> u64 {
     sim.stats().count("/v1/chat/completions")
 }
 
+/// A simulated backend serving `model`, with the simulator's defaults otherwise.
+pub async fn sim_serving(model: &str) -> vllm_sim::Sim {
+    vllm_sim::start(vllm_sim::SimConfig::default().with_model(model))
+        .await
+        .expect("start the simulator")
+}
+
 /// A simulated backend that answers `tokens` tokens, one every `every`, with no prefill
 /// time: for tests that need a stream to still be running.
 pub async fn streaming_sim(model: &str, every: Duration, tokens: u32) -> vllm_sim::Sim {
