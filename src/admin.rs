@@ -57,9 +57,7 @@ impl ServeHttp for Admin {
 impl Admin {
     /// Ready when some pool has a backend that may take a request now.
     fn ready(&self) -> bool {
-        self.pools
-            .iter()
-            .any(|p| p.live.iter().any(|b| b.is_usable()))
+        self.pools.iter().any(|p| p.has_usable_backend())
     }
 
     fn status(&self) -> serde_json::Value {

@@ -48,9 +48,20 @@ async fn pools_serving(proxy: &Proxy, n: usize) -> Vec<String> {
     served
 }
 
-async fn draft_kv(proxy: &Proxy) -> Option<f64> {
+/// The KV usage last scraped from the first backend of the `pool`th pool.
+async fn scraped_kv(proxy: &Proxy, pool: usize) -> Option<f64> {
     let status: Value = proxy.status().await;
-    status["pools"][0]["backends"][0]["kv_cache_usage"].as_f64()
+    status["pools"][pool]["backends"][0]["kv_cache_usage"].as_f64()
+}
+
+/// Whether, within 5 s, a scrape of the `pool`th pool's first backend shows a usage `seen`
+/// accepts.
+async fn scraped(proxy: &Proxy, pool: usize, seen: impl Fn(f64) -> bool) -> bool {
+    wait_for(Duration::from_secs(5), || async {
+        scraped_kv(proxy, pool).await.is_some_and(&seen)
+    })
+    .await
+    .is_some()
 }
 
 /// The latch this replaced: a pool's "shedding" bit was recomputed only when the KV breaker
@@ -74,30 +85,21 @@ async fn the_draft_pool_takes_traffic_again_within_one_scrape_after_its_pressure
         },
     }))
     .await;
-    let scraped = wait_for(Duration::from_secs(5), || async {
-        draft_kv(&proxy).await.is_some()
-    })
-    .await;
-    assert!(scraped.is_some(), "the draft was scraped");
+    let first = scraped(&proxy, 0, |_| true).await;
+    assert!(first, "the draft was scraped");
     assert_eq!(pools_serving(&proxy, 10).await, vec!["draft"; 10]);
 
     // A spike on the draft: its requests go to the target meanwhile.
     draft.set_phantom_kv(0.95);
-    let seen = wait_for(Duration::from_secs(5), || async {
-        draft_kv(&proxy).await.is_some_and(|kv| kv >= 0.9)
-    })
-    .await;
-    assert!(seen.is_some(), "the spike was scraped");
+    let seen = scraped(&proxy, 0, |kv| kv >= 0.9).await;
+    assert!(seen, "the spike was scraped");
     assert_eq!(pools_serving(&proxy, 5).await, vec!["target"; 5]);
 
     // The spike is over: from the first scrape that shows it, the draft serves again.
     draft.set_phantom_kv(0.0);
     let fallen = Instant::now();
-    let seen = wait_for(Duration::from_secs(5), || async {
-        draft_kv(&proxy).await.is_some_and(|kv| kv < 0.5)
-    })
-    .await;
-    assert!(seen.is_some(), "the fall was scraped");
+    let seen = scraped(&proxy, 0, |kv| kv < 0.5).await;
+    assert!(seen, "the fall was scraped");
     assert!(
         fallen.elapsed() < SCRAPE_INTERVAL * 5,
         "the scrape came late: {:?}",
@@ -130,11 +132,8 @@ async fn overload_has_a_status_of_its_own_and_says_why() {
     }))
     .await;
     busy.set_phantom_kv(0.99);
-    let seen = wait_for(Duration::from_secs(5), || async {
-        draft_kv(&proxy).await.is_some_and(|kv| kv >= 0.9)
-    })
-    .await;
-    assert!(seen.is_some(), "the pressure was scraped");
+    let seen = scraped(&proxy, 0, |kv| kv >= 0.9).await;
+    assert!(seen, "the pressure was scraped");
 
     let shed = proxy.ask(&chat(MODEL, "hi", false), &[]).await;
     assert_eq!(shed.status, 429, "{}", shed.body);
@@ -168,11 +167,8 @@ async fn every_sequence_a_request_asks_for_counts_against_the_kv_cache() {
         "plugins": {"kv_breaker": {"enabled": true}},
     }))
     .await;
-    let seen = wait_for(Duration::from_secs(5), || async {
-        draft_kv(&proxy).await.is_some()
-    })
-    .await;
-    assert!(seen.is_some(), "scraped");
+    let seen = scraped(&proxy, 0, |_| true).await;
+    assert!(seen, "scraped");
     let mut one = chat(MODEL, "a short answer", false);
     one["max_tokens"] = json!(120);
     let a = proxy.ask(&one, &[]).await;
@@ -215,14 +211,8 @@ async fn no_reroute_to_a_pool_whose_context_cannot_hold_the_request() {
     }))
     .await;
     target.set_phantom_kv(0.99);
-    let seen = wait_for(Duration::from_secs(5), || async {
-        let status: Value = proxy.status().await;
-        status["pools"][1]["backends"][0]["kv_cache_usage"]
-            .as_f64()
-            .is_some_and(|kv| kv >= 0.9)
-    })
-    .await;
-    assert!(seen.is_some(), "the target's pressure was scraped");
+    let seen = scraped(&proxy, 1, |kv| kv >= 0.9).await;
+    assert!(seen, "the target's pressure was scraped");
 
     // About 3,000 tokens: more than the draft's 2,048.
     let long = chat(MODEL, &"word ".repeat(2_400), false);

@@ -276,7 +276,7 @@ impl KvBreaker {
             !Arc::ptr_eq(p, from)
                 && p.serves(model)
                 && p.fit(call).is_ok()
-                && p.pressure().usable > 0
+                && p.has_usable_backend()
                 && p.admits(priority, call.demand.tokens())
         })
     }

@@ -39,11 +39,6 @@ impl MemoryBudget {
         self.used.load(Relaxed)
     }
 
-    /// The budget's size.
-    pub fn limit(&self) -> usize {
-        self.limit
-    }
-
     /// Nothing held yet, for what grows chunk by chunk ([`Held::grow`]).
     pub fn none(self: &Arc<Self>) -> Held {
         Held {

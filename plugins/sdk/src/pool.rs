@@ -512,6 +512,12 @@ impl Pool {
         score
     }
 
+    /// Whether some backend may take a request now (not unhealthy, ejected or cooling down):
+    /// cheaper than [`Pool::pressure`] when that is all one needs to know.
+    pub fn has_usable_backend(&self) -> bool {
+        self.live.iter().any(|l| l.is_usable())
+    }
+
     /// The pool's headroom now.
     pub fn pressure(&self) -> Pressure {
         let mut usable = 0;

@@ -249,7 +249,7 @@ impl Speculative {
         // one, if that one can serve it too.
         std::iter::once(first)
             .chain(candidates)
-            .find(|p| p.fit(call).is_ok() && p.pressure().usable > 0 && !p.sheds(priority))
+            .find(|p| p.fit(call).is_ok() && p.has_usable_backend() && !p.sheds(priority))
             .cloned()
             .ok_or(reason::DRAFT_UNAVAILABLE)
     }
