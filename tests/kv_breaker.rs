@@ -58,7 +58,11 @@ impl Burst {
     }
 }
 
-/// `sheddable` + `critical` concurrent requests.
+/// `sheddable` + `critical` concurrent requests, the critical ones 200 ms after the others:
+/// the sheddable ones fill the pool to their class's line, and the critical ones, admitted
+/// above it, take the pool past it, so that the class is shed as a whole. (Arriving first,
+/// the critical ones would leave each sheddable request to be refused on its own, and the
+/// pool below the line.)
 async fn burst(proxy: &Arc<Proxy>, sheddable: usize, critical: usize) -> Burst {
     let mut tasks = Vec::new();
     for i in 0..sheddable + critical {
@@ -67,6 +71,9 @@ async fn burst(proxy: &Arc<Proxy>, sheddable: usize, critical: usize) -> Burst {
         } else {
             "critical"
         };
+        if i == sheddable {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         let proxy = proxy.clone();
         tasks.push(tokio::spawn(async move {
             let r = proxy
