@@ -105,8 +105,10 @@ pub fn overload_refusal(reason: Reason) -> bool {
     true
 }
 
-const OVERLOAD: [Reason; 4] = [
+const OVERLOAD: [Reason; 6] = [
     Reason::KvPressure,
+    Reason::QueueTimeout,
+    Reason::QueueFull,
     Reason::NoHealthyBackend,
     Reason::TooManyRequests,
     Reason::MemoryBudget,

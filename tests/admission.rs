@@ -128,7 +128,9 @@ async fn overload_has_a_status_of_its_own_and_says_why() {
             scraped_often(pool("busy", &[MODEL], &[busy.addr()])),
             scraped_often(pool("down", &["other"], &[dead.addr()])),
         ],
-        "plugins": {"kv_breaker": {"enabled": true, "overload_status": 429}},
+        // Refused at once: the wait is tested below.
+        "plugins": {"kv_breaker": {
+            "enabled": true, "overload_status": 429, "queue": {"enabled": false}}},
     }))
     .await;
     busy.set_phantom_kv(0.99);
@@ -174,7 +176,8 @@ async fn every_sequence_a_request_asks_for_counts_against_the_kv_cache() {
     let a = proxy.ask(&one, &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
 
-    // 128 × 120 tokens = 96 % of the cache: past the standard class's line (85 %) on its own.
+    // 128 × 120 tokens = 96 % of the cache: past the standard class's line (85 %) on its own,
+    // so it is refused at once: no wait in the queue could make room for it.
     let mut many = one.clone();
     many["n"] = json!(128);
     let a = proxy.ask(&many, &[]).await;
@@ -206,7 +209,7 @@ async fn no_reroute_to_a_pool_whose_context_cannot_hold_the_request() {
         "plugins": {
             "speculative": {"enabled": true, "models": [
                 {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
-            "kv_breaker": {"enabled": true},
+            "kv_breaker": {"enabled": true, "queue": {"enabled": false}},
         },
     }))
     .await;
@@ -227,4 +230,85 @@ async fn no_reroute_to_a_pool_whose_context_cannot_hold_the_request() {
     assert!(a.headers.get("retry-after").is_some());
     assert_eq!(a.headers["x-sluice-rejected"], "kv-pressure");
     assert_eq!(draft.stats().count("/v1/chat/completions"), 0);
+}
+
+/// A request its pool cannot admit waits in the pool's queue for capacity instead of being
+/// refused at once, so a short spike is absorbed: two queued requests get 200 once the
+/// pressure falls. Bounded: a full queue refuses at once (`queue-full`), a wait has an end
+/// (`queue-timeout`), `sheddable` requests do not wait, and a client that leaves gives its
+/// place up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_in_a_bounded_queue_for_capacity_before_it_is_refused() {
+    let busy = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [scraped_often(pool("busy", &[MODEL], &[busy.addr()]))],
+        "plugins": {"kv_breaker": {"enabled": true, "queue": {
+            "max_wait": {"standard": "3s", "critical": "3s"}, "max_queued": 2}}},
+    }))
+    .await;
+    let depth = r#"sluice_admission_queue_depth{pool="busy",priority="standard"}"#;
+    let waited = |result: &str| {
+        format!(r#"sluice_admission_wait_seconds_count{{pool="busy",result="{result}"}}"#)
+    };
+    busy.set_phantom_kv(0.99);
+    assert!(scraped(&proxy, 0, |kv| kv >= 0.9).await, "pressure scraped");
+
+    let sheddable = [("x-sluice-priority", "sheddable")];
+    let shed = proxy.ask(&chat(MODEL, "no wait", false), &sheddable).await;
+    assert_eq!(shed.status, 503, "{}", shed.body);
+    assert_eq!(shed.headers["x-sluice-rejected"], "kv-pressure");
+
+    // Two standard requests wait; a third finds the queue full; then the pressure falls.
+    let third = async {
+        let queued = wait_for(Duration::from_secs(5), || async {
+            proxy.metric(depth).await == Some(2.0)
+        })
+        .await;
+        assert!(queued.is_some(), "two requests queued");
+        let full = proxy.ask(&chat(MODEL, "three", false), &[]).await;
+        busy.set_phantom_kv(0.0);
+        full
+    };
+    let (first, second) = (chat(MODEL, "one", false), chat(MODEL, "two", false));
+    let (one, two, full) = tokio::join!(proxy.ask(&first, &[]), proxy.ask(&second, &[]), third);
+    assert_eq!(one.status, 200, "{}", one.body);
+    assert_eq!(two.status, 200, "{}", two.body);
+    assert_eq!(full.status, 503, "{}", full.body);
+    assert_eq!(full.headers["x-sluice-rejected"], "queue-full");
+    assert!(full.headers.get("retry-after").is_some());
+    assert_eq!(proxy.metric(&waited("admitted")).await, Some(2.0));
+    assert_eq!(proxy.metric(depth).await, Some(0.0));
+
+    // A wait that capacity never ends.
+    busy.set_phantom_kv(0.99);
+    assert!(scraped(&proxy, 0, |kv| kv >= 0.9).await, "pressure scraped");
+    let started = Instant::now();
+    let late = proxy.ask(&chat(MODEL, "too late", false), &[]).await;
+    assert_eq!(late.status, 503, "{}", late.body);
+    assert_eq!(late.headers["x-sluice-rejected"], "queue-timeout");
+    let body: Value = serde_json::from_str(&late.body).unwrap();
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("admission wait"));
+    assert!(
+        started.elapsed() >= Duration::from_millis(2900),
+        "it waited"
+    );
+    assert_eq!(proxy.metric(&waited("timeout")).await, Some(1.0));
+
+    // A client that gives up while waiting leaves the queue.
+    let gave_up = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(MODEL, "gone", false))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client timed out");
+    let left = wait_for(Duration::from_secs(5), || async {
+        proxy.metric(&waited("client_gone")).await == Some(1.0)
+    })
+    .await;
+    assert!(left.is_some(), "the wait ended when the client left");
+    assert_eq!(proxy.metric(depth).await, Some(0.0));
 }

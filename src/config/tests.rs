@@ -1075,6 +1075,24 @@ fn kv_breaker_rules_are_enforced() {
         "plugins.kv_breaker.priority.default",
         "unknown variant",
     );
+    ok(&with(
+        "plugins:\n  kv_breaker:\n    queue: {max_wait: {sheddable: 500ms}, max_queued: 10}",
+    ));
+    refused(
+        &with("plugins:\n  kv_breaker:\n    queue: {max_wait: {critical: 2m}}"),
+        "plugins.kv_breaker.queue.max_wait.critical",
+        "at most 60s",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker:\n    queue: {max_queued: 0}"),
+        "plugins.kv_breaker.queue.max_queued",
+        "between 1 and 100000",
+    );
+    refused(
+        &with("plugins:\n  kv_breaker:\n    queue: {wait: 2s}"),
+        "plugins.kv_breaker.queue.wait",
+        "unknown field",
+    );
 }
 
 #[test]

@@ -15,6 +15,8 @@ pub struct KvBreakerConfig {
     /// Per class: shed above `shed_above`, admit again below `resume_below`.
     pub thresholds: Thresholds,
     pub priority: PriorityConfig,
+    /// A bounded wait for capacity before a request is shed.
+    pub queue: QueueConfig,
     /// The status a shed request is answered with: 503 (the default), or 429 or 529 for
     /// fleets whose clients expect those for "overloaded". "No healthy backend" stays 503.
     pub overload_status: u16,
@@ -33,6 +35,7 @@ impl Default for KvBreakerConfig {
             overload_status: 503,
             thresholds: Thresholds::default(),
             priority: PriorityConfig::default(),
+            queue: QueueConfig::default(),
             min_retry_after: Duration::from_secs(1),
             max_retry_after: Duration::from_secs(30),
         }
@@ -84,6 +87,65 @@ impl Thresholds {
         }
     }
 }
+
+/// The admission queue: a request its pool cannot admit waits up to its class's `max_wait`
+/// for capacity, highest class first, before it is answered `queue-timeout`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// `false`: a request the pool cannot admit is shed at once.
+    pub enabled: bool,
+    pub max_wait: MaxWait,
+    /// Waiting requests per pool; a request that finds the queue full is refused at once
+    /// (`queue-full`). Each holds its connection and body while it waits.
+    pub max_queued: usize,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_wait: MaxWait::default(),
+            max_queued: 256,
+        }
+    }
+}
+
+/// The longest wait per class; 0 for no wait.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MaxWait {
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub sheddable: Duration,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub standard: Duration,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub critical: Duration,
+}
+
+impl Default for MaxWait {
+    fn default() -> Self {
+        // Sheddable work is what gives way in a burst: it is refused at once.
+        Self {
+            sheddable: Duration::ZERO,
+            standard: Duration::from_secs(2),
+            critical: Duration::from_secs(2),
+        }
+    }
+}
+
+impl MaxWait {
+    pub fn of(&self, priority: Priority) -> Duration {
+        match priority {
+            Priority::Sheddable => self.sheddable,
+            Priority::Standard => self.standard,
+            Priority::Critical => self.critical,
+        }
+    }
+}
+
+/// The longest `queue.max_wait` accepted: a client waiting longer has long given up.
+const MAX_QUEUE_WAIT: Duration = Duration::from_secs(60);
 
 /// How a request's class is decided: the header, else the tenant's default, else
 /// `default`; then capped by the tenant's `max`, else by `max`.
@@ -159,6 +221,23 @@ impl KvBreakerConfig {
             return Err(ConfigError::new(
                 "overload_status",
                 format!("must be 503, 429 or 529 (got {})", self.overload_status),
+            ));
+        }
+        for p in Priority::ALL {
+            if self.queue.max_wait.of(p) > MAX_QUEUE_WAIT {
+                return Err(ConfigError::new(
+                    format!("queue.max_wait.{}", p.as_str()),
+                    format!("must be at most {}s", MAX_QUEUE_WAIT.as_secs()),
+                ));
+            }
+        }
+        if !(1..=100_000).contains(&self.queue.max_queued) {
+            return Err(ConfigError::new(
+                "queue.max_queued",
+                format!(
+                    "must be between 1 and 100000 (got {})",
+                    self.queue.max_queued
+                ),
             ));
         }
         if !self.priority.tenants.is_empty() && self.priority.tenant_header.is_none() {

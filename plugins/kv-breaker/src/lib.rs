@@ -12,8 +12,12 @@
 //!   the threshold. The class comes from a header (`x-sluice-priority`) or the tenant's
 //!   config, capped by policy.
 //! - When the preferred pool sheds a request and another pool serving its model admits it,
-//!   the request goes there (`reroute`). Otherwise: 503, the OpenAI error body, and a
-//!   `retry-after` from how fast the pool is draining, bounded by the config.
+//!   the request goes there (`reroute`). Otherwise it waits in the pool's admission queue
+//!   (`queue`: highest class first, up to its class's `max_wait`, none for `sheddable` by
+//!   default), so a short burst is absorbed. When no capacity comes: 503 (or
+//!   `overload_status`), the OpenAI error body with the reason (`kv-pressure`,
+//!   `queue-timeout`, `queue-full`), and a `retry-after` from how fast the pool is draining,
+//!   bounded by the config.
 //! - The per-backend failure breaker (closed / open / half-open on errors) is not here: it is
 //!   the passive half of health checking, in `sluice_sdk::health`, because it is about one
 //!   backend's faults rather than the pool's capacity.
@@ -33,6 +37,10 @@
 //!       tenant_header: x-tenant    # optional: per-tenant defaults and caps
 //!       tenants:
 //!         batch-jobs: {default: sheddable, max: standard}
+//!     queue:
+//!       enabled: true
+//!       max_wait: {sheddable: 0s, standard: 2s, critical: 2s}
+//!       max_queued: 256            # per pool
 //!     min_retry_after: 1s
 //!     max_retry_after: 30s
 //! ```
@@ -40,6 +48,7 @@
 pub mod config;
 mod drain;
 mod metrics;
+mod queue;
 
 pub use config::KvBreakerConfig;
 
@@ -47,10 +56,12 @@ use async_trait::async_trait;
 use config::Thresholds;
 use drain::Drain;
 use http::HeaderName;
+use metrics::WaitResult;
+use queue::{Place, Queue};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Pool, Pools,
-    Pressure, Priority, Reason, RequestCtx, Result, Session,
+    Admission, ConfigError, Error, ErrorReply, ErrorType, Flow, Host, LlmCall, Plugin,
+    PluginBuilder, Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -88,7 +99,7 @@ impl PluginBuilder for KvBreakerBuilder {
 
     fn start(self) -> Arc<dyn Plugin> {
         metrics::init(&self.pools);
-        let gates: Vec<Arc<Gate>> = self
+        let lanes: Vec<Lane> = self
             .pools
             .iter()
             .map(|pool| {
@@ -100,7 +111,13 @@ impl PluginBuilder for KvBreakerBuilder {
                 if !pool.install_admission(gate.clone()) {
                     tracing::error!(pool = &*pool.name, "the pool has admission control already");
                 }
-                gate
+                let queue = self.config.queue.enabled.then(|| {
+                    Arc::new(Queue::new(
+                        Arc::clone(&pool.name),
+                        self.config.queue.max_queued,
+                    ))
+                });
+                Lane { gate, queue }
             })
             .collect();
         Arc::new(KvBreaker {
@@ -108,11 +125,12 @@ impl PluginBuilder for KvBreakerBuilder {
             max_retry_after: self.config.max_retry_after,
             reroute: self.config.reroute,
             overload_status: self.config.overload_status,
+            max_wait: self.config.queue.max_wait,
             priority: self.config.priority,
             priority_header: self.priority_header,
             tenant_header: self.tenant_header,
             pools: self.pools,
-            gates,
+            lanes,
         })
     }
 }
@@ -122,12 +140,25 @@ pub struct KvBreaker {
     max_retry_after: Duration,
     reroute: bool,
     overload_status: u16,
+    max_wait: config::MaxWait,
     priority: config::PriorityConfig,
     priority_header: HeaderName,
     tenant_header: Option<HeaderName>,
     pools: Arc<Pools>,
-    /// Each pool's gate, in the order of `pools`.
-    gates: Vec<Arc<Gate>>,
+    /// Each pool's gate and queue, in the order of `pools`.
+    lanes: Vec<Lane>,
+}
+
+/// What the breaker keeps for one pool.
+struct Lane {
+    gate: Arc<Gate>,
+    /// `None` when the queue is off.
+    queue: Option<Arc<Queue>>,
+}
+
+/// A request let in from the queue keeps its place at the head until its attempt starts.
+struct Admitted {
+    _place: Place,
 }
 
 /// One pool's admission control, installed on the pool: everyone who asks the pool whether
@@ -240,12 +271,11 @@ impl KvBreaker {
         asked.unwrap_or(default).min(cap)
     }
 
-    fn gate(&self, pool: &Arc<Pool>) -> Option<&Gate> {
+    fn lane(&self, pool: &Arc<Pool>) -> Option<&Lane> {
         self.pools
             .iter()
             .position(|p| Arc::ptr_eq(p, pool))
-            .and_then(|i| self.gates.get(i))
-            .map(|gate| &**gate)
+            .and_then(|i| self.lanes.get(i))
     }
 
     /// Seconds a shed client should wait: the time the pool needs, at its recent drain
@@ -253,8 +283,8 @@ impl KvBreaker {
     fn retry_after(&self, pool: &Arc<Pool>, priority: Priority) -> u32 {
         let min = self.min_retry_after.as_secs_f64();
         let max = self.max_retry_after.as_secs_f64();
-        let wait = match (self.gate(pool), pool.pressure().kv_usage) {
-            (Some(gate), Some(usage)) => {
+        let wait = match (self.lane(pool), pool.pressure().kv_usage) {
+            (Some(Lane { gate, .. }), Some(usage)) => {
                 let resume = gate.thresholds.of(priority).resume_below;
                 gate.drain.seconds_to_reach(usage, resume).unwrap_or(max)
             }
@@ -295,7 +325,10 @@ impl Plugin for KvBreaker {
             return Ok(Flow::Continue);
         };
         let tokens = call.demand.tokens();
-        if pool.admits(priority, tokens) {
+        let queue = self.lane(&pool).and_then(|lane| lane.queue.as_ref());
+        // Requests already waiting for this pool go first: no overtaking them.
+        let queued_ahead = queue.is_some_and(|q| q.has_waiters_at_or_above(priority));
+        if !queued_ahead && pool.admits(priority, tokens) {
             return Ok(Flow::Continue);
         }
         if self.reroute {
@@ -308,18 +341,85 @@ impl Plugin for KvBreaker {
                 return Ok(Flow::Continue);
             }
         }
-        let retry_after = self.retry_after(&pool, priority);
+        let max_wait = self.max_wait.of(priority);
+        let waits = !max_wait.is_zero() && !self.never_fits(&pool, priority, tokens);
+        let Some(queue) = queue.filter(|_| waits) else {
+            return Err(self.refusal(&pool, priority, Reason::KvPressure));
+        };
+        let Some(place) = queue.join(priority) else {
+            return Err(self.refusal(&pool, priority, Reason::QueueFull));
+        };
+        let started = tokio::time::Instant::now();
+        let deadline = started + max_wait;
+        let admits = || pool.admits(priority, tokens);
+        let (result, answer) = tokio::select! {
+            admitted = place.wait_for(deadline, admits) => if admitted {
+                (WaitResult::Admitted, Ok(()))
+            } else {
+                (WaitResult::Timeout, Err(self.refusal(&pool, priority, Reason::QueueTimeout)))
+            },
+            gone = session.downstream_session.read_body_or_idle(true) => {
+                (WaitResult::ClientGone, Err(client_left(gone)))
+            }
+        };
+        metrics::waited(&pool.name, result, started.elapsed().as_secs_f64());
+        answer?;
+        ctx.state.insert(Admitted { _place: place });
+        Ok(Flow::Continue)
+    }
+
+    fn upstream_select(&self, ctx: &mut RequestCtx) -> Result<()> {
+        // The attempt starts now: the next waiter may ask the pool.
+        ctx.state.remove::<Admitted>();
+        Ok(())
+    }
+}
+
+impl KvBreaker {
+    /// Whether the request alone would take the pool past its class's line, however empty
+    /// the pool: no wait can help it.
+    fn never_fits(&self, pool: &Arc<Pool>, priority: Priority, tokens: u64) -> bool {
+        let Some(Lane { gate, .. }) = self.lane(pool) else {
+            return false;
+        };
+        let line = gate.thresholds.of(priority).shed_above;
+        pool.pressure()
+            .kv_capacity_tokens
+            .is_some_and(|capacity| capacity > 0.0 && tokens as f64 / capacity >= line)
+    }
+
+    /// The answer to a request the pool could not take: the overload status, the reason, and
+    /// when to try again.
+    fn refusal(&self, pool: &Arc<Pool>, priority: Priority, reason: Reason) -> Box<Error> {
+        let retry_after = self.retry_after(pool, priority);
+        let why = match reason {
+            Reason::QueueTimeout => "no capacity came within the admission wait",
+            Reason::QueueFull => "its admission queue is full",
+            _ => "it sheds requests of this class",
+        };
         let message = format!(
-            "Pool `{}` is near its KV-cache capacity and sheds {} requests; retry after {retry_after} s.",
+            "Pool `{}` is near its KV-cache capacity and {why} ({} request); retry after {retry_after} s.",
             pool.name,
             priority.as_str()
         );
-        Err(ErrorReply {
+        ErrorReply {
             status: self.overload_status,
-            ..ErrorReply::unavailable(Reason::KvPressure, message, retry_after)
+            ..ErrorReply::unavailable(reason, message, retry_after)
         }
-        .into_error())
+        .into_error()
     }
+}
+
+/// The error for a client that left (or sent more) while its request waited.
+fn client_left(gone: Result<Option<sluice_sdk::Bytes>>) -> Box<Error> {
+    match gone {
+        Err(e) => e,
+        Ok(_) => Error::explain(
+            ErrorType::ConnectionClosed,
+            "the client sent data while its request waited for capacity",
+        ),
+    }
+    .into_down()
 }
 
 #[cfg(test)]

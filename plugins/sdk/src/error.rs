@@ -85,6 +85,10 @@ pub enum Reason {
     NoHealthyBackend,
     /// Shed by the KV-pressure breaker.
     KvPressure,
+    /// Waited in the breaker's admission queue for capacity, and none came in time.
+    QueueTimeout,
+    /// The breaker's admission queue for the pool is full.
+    QueueFull,
     /// The upstream failed and no fallback was left.
     UpstreamError,
     /// The upstream did not answer in time.
@@ -99,7 +103,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 20] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -113,6 +117,8 @@ impl Reason {
         Reason::MethodNotAllowed,
         Reason::NoHealthyBackend,
         Reason::KvPressure,
+        Reason::QueueTimeout,
+        Reason::QueueFull,
         Reason::UpstreamError,
         Reason::UpstreamTimeout,
         Reason::HttpStatus,
@@ -136,6 +142,8 @@ impl Reason {
             Reason::MethodNotAllowed => "method-not-allowed",
             Reason::NoHealthyBackend => "no-healthy-backend",
             Reason::KvPressure => "kv-pressure",
+            Reason::QueueTimeout => "queue-timeout",
+            Reason::QueueFull => "queue-full",
             Reason::UpstreamError => "upstream-error",
             Reason::UpstreamTimeout => "upstream-timeout",
             Reason::HttpStatus => "http-status",

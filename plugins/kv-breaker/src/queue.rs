@@ -1,0 +1,224 @@
+//! A pool's admission queue: a request the pool cannot admit now waits, bounded in time and
+//! in number, for capacity to come back, instead of being shed at once. A short burst is then
+//! absorbed rather than answered 503 and retried at once by every client.
+//!
+//! Order: highest class first, then oldest first. Only the request at the head of the queue
+//! asks the pool whether it admits it now (every [`POLL`], and at once when it becomes the
+//! head), so capacity that frees up goes to the head, and a new request never overtakes
+//! waiters of its class or above ([`Queue::has_waiters_at_or_above`]).
+//!
+//! The head keeps its place until the core starts its attempt (its [`Place`] travels in the
+//! request's context and is dropped in `upstream_select`), so the next waiter asks the pool
+//! only once the first one's demand is on its way to being counted.
+//!
+//! Written here rather than with a semaphore: what frees up is KV headroom, which only the
+//! pool's live pressure can tell, not permits someone hands back.
+
+use crate::metrics;
+use sluice_sdk::Priority;
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::{sleep_until, Instant};
+
+/// How often the head of a queue asks its pool again. Capacity frees up when a request ends
+/// (the pool sees it at once) or when a scrape comes (every 250 ms by default).
+pub const POLL: Duration = Duration::from_millis(5);
+
+/// Highest class first, then first come.
+type Key = (Reverse<Priority>, u64);
+
+/// One pool's waiting requests.
+pub struct Queue {
+    pool: Arc<str>,
+    max_queued: usize,
+    /// The number of waiters, read without the lock on every request.
+    len: AtomicUsize,
+    waiting: Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    next_seq: u64,
+    /// Each waiter's wake-up call.
+    turns: BTreeMap<Key, Arc<Notify>>,
+}
+
+impl Queue {
+    pub fn new(pool: Arc<str>, max_queued: usize) -> Self {
+        Self {
+            pool,
+            max_queued,
+            len: AtomicUsize::new(0),
+            waiting: Mutex::new(Waiting::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Waiting> {
+        // Nothing panics while holding it; a poisoned map is still a consistent one.
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a request of `priority` must queue behind requests already waiting.
+    pub fn has_waiters_at_or_above(&self, priority: Priority) -> bool {
+        if self.len.load(Relaxed) == 0 {
+            return false;
+        }
+        self.lock()
+            .turns
+            .keys()
+            .next()
+            .is_some_and(|(Reverse(first), _)| *first >= priority)
+    }
+
+    /// A place in the queue, or `None` when it is full.
+    pub fn join(self: &Arc<Self>, priority: Priority) -> Option<Place> {
+        let mut waiting = self.lock();
+        if waiting.turns.len() >= self.max_queued {
+            return None;
+        }
+        let key = (Reverse(priority), waiting.next_seq);
+        waiting.next_seq += 1;
+        let turn = Arc::new(Notify::new());
+        waiting.turns.insert(key, Arc::clone(&turn));
+        self.len.store(waiting.turns.len(), Relaxed);
+        drop(waiting);
+        metrics::queued(&self.pool, priority, 1);
+        Some(Place {
+            queue: Arc::clone(self),
+            key,
+            turn,
+        })
+    }
+}
+
+/// A request's place in its pool's queue; dropping it leaves the queue and tells the next
+/// waiter that it may be the head now.
+pub struct Place {
+    queue: Arc<Queue>,
+    key: Key,
+    turn: Arc<Notify>,
+}
+
+impl Place {
+    fn is_head(&self) -> bool {
+        self.queue.lock().turns.keys().next() == Some(&self.key)
+    }
+
+    /// Waits until this place is the head and `admits()` says yes (true), or until `deadline`
+    /// (false). The place is kept either way: drop it to leave.
+    pub async fn wait_for(&self, deadline: Instant, admits: impl Fn() -> bool) -> bool {
+        loop {
+            let head = self.is_head();
+            if head && admits() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            // Not the head: woken when a waiter ahead leaves. The head: asks again soon.
+            let until = if head {
+                (Instant::now() + POLL).min(deadline)
+            } else {
+                deadline
+            };
+            tokio::select! {
+                _ = self.turn.notified() => {}
+                _ = sleep_until(until) => {}
+            }
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut waiting = self.queue.lock();
+        waiting.turns.remove(&self.key);
+        self.queue.len.store(waiting.turns.len(), Relaxed);
+        // Whoever is first now asks the pool (a permit is kept if it is not listening yet).
+        if let Some(next) = waiting.turns.values().next() {
+            next.notify_one();
+        }
+        drop(waiting);
+        metrics::queued(&self.queue.pool, self.key.0 .0, -1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    fn queue(max: usize) -> Arc<Queue> {
+        Arc::new(Queue::new("p".into(), max))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_highest_class_then_the_oldest_goes_first() {
+        let q = queue(8);
+        let standard = q.join(Priority::Standard).unwrap();
+        let sheddable = q.join(Priority::Sheddable).unwrap();
+        let critical = q.join(Priority::Critical).unwrap();
+        let later_standard = q.join(Priority::Standard).unwrap();
+        assert!(critical.is_head());
+        assert!(q.has_waiters_at_or_above(Priority::Critical));
+        drop(critical);
+        assert!(standard.is_head());
+        assert!(!q.has_waiters_at_or_above(Priority::Critical));
+        assert!(q.has_waiters_at_or_above(Priority::Standard));
+        drop(standard);
+        assert!(later_standard.is_head());
+        drop(later_standard);
+        assert!(sheddable.is_head());
+        assert!(!q.has_waiters_at_or_above(Priority::Standard));
+        drop(sheddable);
+        assert!(!q.has_waiters_at_or_above(Priority::Sheddable));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_and_a_place_left_is_free_again() {
+        let q = queue(2);
+        let a = q.join(Priority::Standard).unwrap();
+        let _b = q.join(Priority::Standard).unwrap();
+        assert!(q.join(Priority::Critical).is_none());
+        drop(a);
+        assert!(q.join(Priority::Critical).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_head_is_admitted_and_the_next_follows_when_it_leaves() {
+        let q = queue(8);
+        let open = Arc::new(AtomicBool::new(false));
+        let first = q.join(Priority::Standard).unwrap();
+        let second = q.join(Priority::Standard).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let admits = {
+            let open = Arc::clone(&open);
+            move || open.load(Relaxed)
+        };
+
+        // The second waits although the pool admits: the first is ahead of it.
+        open.store(true, Relaxed);
+        let waits = tokio::time::timeout(
+            Duration::from_millis(100),
+            second.wait_for(deadline, admits.clone()),
+        );
+        assert!(waits.await.is_err(), "the second went before the first");
+        assert!(first.wait_for(deadline, admits.clone()).await);
+        drop(first);
+        assert!(second.wait_for(deadline, admits).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_gives_up_at_its_deadline() {
+        let q = queue(8);
+        let place = q.join(Priority::Critical).unwrap();
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(2);
+        assert!(!place.wait_for(deadline, || false).await);
+        assert_eq!(Instant::now().duration_since(start), Duration::from_secs(2));
+    }
+}
