@@ -199,6 +199,8 @@ pub struct PoolFile {
 #[serde(deny_unknown_fields, default)]
 pub struct RetryFile {
     pub max_retries: u32,
+    /// nginx's `proxy_next_upstream` condition names.
+    pub on: Vec<String>,
     pub budget_ratio: f64,
     pub min_retries: u32,
     #[serde(deserialize_with = "duration")]
@@ -210,8 +212,14 @@ pub struct RetryFile {
 impl Default for RetryFile {
     fn default() -> Self {
         let d = sluice_sdk::RetryPolicy::default();
+        let on = sluice_sdk::RetryOn::NAMED
+            .iter()
+            .filter(|(_, on)| d.on.contains(*on))
+            .map(|(name, _)| (*name).to_owned())
+            .collect();
         Self {
             max_retries: d.max_retries,
+            on,
             budget_ratio: d.budget_ratio,
             min_retries: d.min_retries,
             backoff_base: d.backoff_base,

@@ -12,7 +12,7 @@ use pingora_core::server::configuration::ServerConf;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
-    RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
+    RetryOn, RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
 };
 use sluice_sdk::{Host, MemoryBudget};
 use std::collections::HashSet;
@@ -639,8 +639,27 @@ fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> 
             format!("must not be shorter than {key}.backoff_base"),
         ));
     }
+    let mut on = RetryOn::NONE;
+    for (i, name) in r.on.iter().enumerate() {
+        match RetryOn::named(name) {
+            Some(condition) => on = on.with(condition),
+            // Always on: what failed before reaching the upstream's application.
+            None if name == "error" => {}
+            None => {
+                let known: Vec<&str> = RetryOn::NAMED.iter().map(|(n, _)| *n).collect();
+                return Err(Invalid::new(
+                    format!("{key}.on[{i}]"),
+                    format!(
+                        "unknown condition `{name}`; known: error, {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
     Ok(RetryPolicy {
         max_retries: r.max_retries,
+        on,
         budget_ratio: r.budget_ratio,
         min_retries: r.min_retries,
         backoff_base: r.backoff_base,

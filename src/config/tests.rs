@@ -1037,6 +1037,24 @@ fn a_retry_budget_ratio_is_between_0_and_1() {
 }
 
 #[test]
+fn retry_conditions_are_nginx_names() {
+    let c = ok(&with_pool_key(
+        "retry",
+        "{max_retries: 1, on: [error, timeout, http_503]}",
+    ));
+    let on = c.pools.iter().next().unwrap().retry.on;
+    assert!(on.contains(sluice_sdk::RetryOn::TIMEOUT) && on.status(503) && !on.status(502));
+    let c = ok(MINIMAL);
+    let on = c.pools.iter().next().unwrap().retry.on;
+    assert_eq!(on, sluice_sdk::RetryOn::default());
+    refused(
+        &with_pool_key("retry", "{on: [http_503, http_418]}"),
+        "pools[0].retry.on[1]",
+        "unknown condition `http_418`; known: error, timeout, http_500",
+    );
+}
+
+#[test]
 fn the_longest_backoff_is_not_shorter_than_the_first() {
     refused(
         &with_pool_key("retry", "{backoff_base: 100ms, backoff_max: 50ms}"),

@@ -10,11 +10,12 @@
 //! 3. **run**: [`attempt::run`], which pipes the answer to the client or holds it;
 //! 4. **decide**: done, another backend, a retry after backoff, or the escalation target.
 //!
-//! Retries: an attempt that failed before anything reached the client is tried on another
-//! backend of the pool when the upstream cannot have acted on the request (a refused or
-//! timed-out connect, or an error Pingora marks as safe to retry); an error status (5xx,
-//! 429) is retried within the pool's retry budget. Anything else is final: a model may
-//! already be generating.
+//! Retries, only ever before anything reached the client: an attempt the upstream cannot
+//! have acted on (a refused or timed-out connect, a reused connection found dead before any
+//! answer byte) always goes to another backend of the pool; the failures the pool's
+//! `retry.on` lists (error statuses, a first-byte timeout: nginx's `proxy_next_upstream`)
+//! are retried up to `retry.max_retries`, within the pool's retry budget. Anything else is
+//! final: a model may already be generating.
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
 use super::tries::{self, no_backend};
@@ -27,7 +28,7 @@ use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::{
-    Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, Selected,
+    Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, RetryOn, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -214,8 +215,9 @@ impl AttemptLoop {
             first_byte: now.checked_add(first_byte).unwrap_or(total).min(total),
             total,
         };
-        let may_retry_here =
-            self.retries_in_pool < pool.retry.max_retries && pool.retry_budget.has_retry();
+        let may_retry_here = self.retries_in_pool < pool.retry.max_retries
+            && pool.retry.on != RetryOn::NONE
+            && pool.retry_budget.has_retry();
         let hold = Hold {
             error_statuses: escalation.is_some() || may_retry_here,
             check: escalation
@@ -309,6 +311,11 @@ impl AttemptLoop {
             self.last_error = Some(e);
             return Then::TryAgain;
         }
+        if is_timeout(&e) && pool.retry.on.contains(RetryOn::TIMEOUT) && self.spend_retry(pool) {
+            // Another backend of the pool (this one stays tried: it may still be generating).
+            self.last_error = Some(e);
+            return Then::TryAgain;
+        }
         let why = if is_timeout(&e) {
             reason::DRAFT_TIMEOUT
         } else {
@@ -335,13 +342,11 @@ impl AttemptLoop {
             request_id = ctx.request_id().unwrap_or("-"),
             pool = &*pool.name,
             backend = %backend,
-            "upstream answered {}; trying again",
+            "upstream answered {}",
             header.status.as_u16()
         );
-        if self.retries_in_pool < pool.retry.max_retries && pool.retry_budget.try_spend() {
+        if pool.retry.on.status(header.status.as_u16()) && self.spend_retry(pool) {
             self.declined = Some((header, body));
-            self.retries_in_pool += 1;
-            metrics::inc(&metrics::POOL_RETRIES, &[&pool.name]);
             tokio::time::sleep(pool.retry.backoff(self.retries_in_pool)).await;
             // Any backend may take the retry, the same one included.
             self.tried.clear();
@@ -352,6 +357,17 @@ impl AttemptLoop {
             return Then::TryAgain;
         }
         Then::SendDeclined(header, body)
+    }
+
+    /// Takes one of the pool's retries for this request, if it has one left and the pool's
+    /// budget allows.
+    fn spend_retry(&mut self, pool: &Pool) -> bool {
+        if self.retries_in_pool >= pool.retry.max_retries || !pool.retry_budget.try_spend() {
+            return false;
+        }
+        self.retries_in_pool += 1;
+        metrics::inc(&metrics::POOL_RETRIES, &[&pool.name]);
+        true
     }
 
     /// Moves the request to its escalation target, if it has one: the next attempts go there,

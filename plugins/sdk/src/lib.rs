@@ -46,7 +46,7 @@ pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
-pub use retry::{RetryBudget, RetryPolicy};
+pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 
 // Re-exported so that plugins use the exact Pingora types the core uses.
 pub use async_trait::async_trait;

@@ -1,18 +1,102 @@
-//! Retries inside a pool on an upstream's 5xx or 429, with exponential backoff and jitter,
-//! limited by a retry budget (as Envoy and Linkerd do), so that a sick pool cannot set off a
-//! retry storm: each request earns the pool `budget_ratio` of a retry, each retry spends one,
-//! and `min_retries` are always there to start with.
+//! Retries inside a pool, as nginx's `proxy_next_upstream` configures them: on the failures
+//! the operator lists ([`RetryOn`]: an error status, a first-byte timeout), with exponential
+//! backoff and jitter, limited by a retry budget (as Envoy and Linkerd do), so that a sick
+//! pool cannot set off a retry storm: each request earns the pool `budget_ratio` of a retry,
+//! each retry spends one, and `min_retries` are always there to start with.
+//!
+//! Failures the upstream cannot have acted on (a refused or failed connect, a reused
+//! connection found dead before any answer byte) are not in this policy: they always go to
+//! another backend, free of the budget, since the fleet did no work for them.
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
 
-/// How a pool retries a request whose upstream answered 5xx or 429 before the client got a
-/// byte: how often, within what budget, and with what backoff.
+/// Which failures a pool retries, nginx's `proxy_next_upstream` conditions: a set of
+/// [`RetryOn::TIMEOUT`] and the `HTTP_*` statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryOn(u8);
+
+impl RetryOn {
+    /// No first byte within the pool's `timeouts.first_byte`. Not in the default: the backend
+    /// may be generating the answer, which a retry then asks for twice.
+    pub const TIMEOUT: RetryOn = RetryOn(1);
+    /// An answer with status 500.
+    pub const HTTP_500: RetryOn = RetryOn(1 << 1);
+    /// An answer with status 502.
+    pub const HTTP_502: RetryOn = RetryOn(1 << 2);
+    /// An answer with status 503.
+    pub const HTTP_503: RetryOn = RetryOn(1 << 3);
+    /// An answer with status 504.
+    pub const HTTP_504: RetryOn = RetryOn(1 << 4);
+    /// An answer with status 429.
+    pub const HTTP_429: RetryOn = RetryOn(1 << 5);
+    /// No condition.
+    pub const NONE: RetryOn = RetryOn(0);
+
+    /// Every condition, by its name in config files.
+    pub const NAMED: [(&'static str, RetryOn); 6] = [
+        ("timeout", RetryOn::TIMEOUT),
+        ("http_500", RetryOn::HTTP_500),
+        ("http_502", RetryOn::HTTP_502),
+        ("http_503", RetryOn::HTTP_503),
+        ("http_504", RetryOn::HTTP_504),
+        ("http_429", RetryOn::HTTP_429),
+    ];
+
+    /// The condition named `name` in a config file.
+    pub fn named(name: &str) -> Option<RetryOn> {
+        Self::NAMED
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, on)| *on)
+    }
+
+    /// Both sets.
+    #[must_use]
+    pub fn with(self, other: RetryOn) -> RetryOn {
+        RetryOn(self.0 | other.0)
+    }
+
+    /// Whether every condition of `other` is in the set.
+    pub fn contains(self, other: RetryOn) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether an answer with `status` is retried.
+    pub fn status(self, status: u16) -> bool {
+        let on = match status {
+            500 => RetryOn::HTTP_500,
+            502 => RetryOn::HTTP_502,
+            503 => RetryOn::HTTP_503,
+            504 => RetryOn::HTTP_504,
+            429 => RetryOn::HTTP_429,
+            _ => return false,
+        };
+        self.contains(on)
+    }
+}
+
+impl Default for RetryOn {
+    /// The error statuses an overloaded or failing server answers with; a retry goes to
+    /// another backend (or the same one after the backoff).
+    fn default() -> Self {
+        RetryOn::HTTP_500
+            .with(RetryOn::HTTP_502)
+            .with(RetryOn::HTTP_503)
+            .with(RetryOn::HTTP_504)
+            .with(RetryOn::HTTP_429)
+    }
+}
+
+/// How a pool retries a request that failed before the client got a byte: on which failures,
+/// how often, within what budget, and with what backoff.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
-    /// Further attempts in the same pool after a 5xx or 429; 0: none (the default, as nginx
-    /// does not retry non-idempotent requests unless told to).
+    /// Further attempts in the same pool after a failure in `on`; 0: none (the default, as
+    /// nginx does not retry non-idempotent requests unless told to).
     pub max_retries: u32,
+    /// The failures that are retried.
+    pub on: RetryOn,
     /// Retries earned per request.
     pub budget_ratio: f64,
     /// Retries the budget starts with and never falls below in earning.
@@ -27,6 +111,7 @@ impl Default for RetryPolicy {
     fn default() -> Self {
         Self {
             max_retries: 0,
+            on: RetryOn::default(),
             budget_ratio: 0.2,
             min_retries: 3,
             backoff_base: Duration::from_millis(25),
@@ -110,6 +195,22 @@ mod tests {
         }
         // 3 to start with + 20% of 100.
         assert!((20..=23).contains(&retries), "{retries}");
+    }
+
+    #[test]
+    fn conditions_are_named_as_nginx_names_them() {
+        let on = RetryOn::named("http_503")
+            .unwrap()
+            .with(RetryOn::named("timeout").unwrap());
+        assert!(on.status(503));
+        assert!(!on.status(502));
+        assert!(!on.status(501), "statuses outside the list never retry");
+        assert!(on.contains(RetryOn::TIMEOUT));
+        assert!(RetryOn::named("error").is_none());
+        let default = RetryOn::default();
+        assert!([500, 502, 503, 504, 429].iter().all(|s| default.status(*s)));
+        assert!(!default.contains(RetryOn::TIMEOUT));
+        assert!(!RetryOn::NONE.status(500));
     }
 
     #[test]
