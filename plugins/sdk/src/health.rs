@@ -54,8 +54,9 @@ pub enum BackendState {
     Ejected,
     /// It asked for a pause (429 or 503 with `Retry-After`): no traffic until it is over.
     CoolingDown,
-    /// Healthy, but its metrics are older than the pool's `stale_after`: it counts as
-    /// saturated or as unknown, as the pool's health config says.
+    /// Healthy, but its metrics are older than the pool's `stale_after` (or have no KV usage):
+    /// the balancer counts it as saturated or as unknown, as the pool's `stale_as` says; the
+    /// KV breaker decides for itself ([`crate::Pressure`]).
     Stale,
     /// Back from an ejection; its next answer decides (half-open).
     Probation,
@@ -91,14 +92,16 @@ impl BackendState {
     ];
 }
 
-/// How stale metrics count.
+/// How a backend with stale metrics counts, for whoever reads its load: the pool's balancer
+/// (`HealthPolicy::stale_as`) and the KV breaker each choose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StaleAs {
-    /// As a full KV cache: the balancer avoids it and the breaker sees pressure (what the
-    /// Kubernetes inference gateway does).
+    /// As a full KV cache: the balancer avoids it (what the Kubernetes inference gateway
+    /// does); a breaker that counts it so sees pressure.
     #[default]
     Saturated,
-    /// As no information: the backend is balanced by its in-flight requests alone.
+    /// As no information: the backend is balanced by its in-flight requests alone, and left
+    /// out of the pool's usage.
     Unknown,
 }
 
@@ -118,7 +121,8 @@ pub struct HealthPolicy {
     pub healthy_after: u32,
     /// Metrics older than this are stale.
     pub stale_after: Duration,
-    /// How a stale backend's load counts.
+    /// How the balancer counts a stale backend's load. Not the breaker's: a monitoring
+    /// problem must not shed a healthy pool unless its operator says so.
     pub stale_as: StaleAs,
     /// The liveness path (`/health`); any status but 200 is a failed probe.
     pub health_path: String,
@@ -427,18 +431,17 @@ impl BackendLive {
     /// The projected KV usage, 0..=1 (more when oversubscribed), is the scraped usage plus
     /// what was sent since, or what this proxy has committed to the backend, whichever is
     /// larger: vLLM reports the blocks a request holds *now*, and a request keeps growing
-    /// until its output budget is spent. `None` when nothing is known.
+    /// until its output budget is spent. `None` when nothing fresh is known; a backend whose
+    /// probe passes without a fresh scrape is marked `stale`, and each reader decides what
+    /// that means ([`Outlook::projected_kv_counting_stale`]).
     pub fn outlook(&self, policy: &HealthPolicy) -> Outlook {
         let guard = self.load.load();
         let fresh = guard
             .as_ref()
             .filter(|l| l.scraped_at.elapsed() <= policy.stale_after);
         let Some(load) = fresh else {
-            let saturated = policy.enabled
-                && policy.stale_as == StaleAs::Saturated
-                && self.probe() == Probe::Healthy;
             return Outlook {
-                projected_kv: saturated.then_some(1.0),
+                stale: policy.enabled && self.probe() == Probe::Healthy,
                 ..Outlook::default()
             };
         };
@@ -459,12 +462,13 @@ impl BackendLive {
         });
         Outlook {
             projected_kv,
+            stale: false,
             waiting: load.waiting,
             kv_capacity_tokens: capacity,
         }
     }
 
-    /// The projected KV usage alone (see [`BackendLive::outlook`]).
+    /// The projected KV usage alone, from a fresh scrape (see [`BackendLive::outlook`]).
     pub fn projected_kv(&self, policy: &HealthPolicy) -> Option<f64> {
         self.outlook(policy).projected_kv
     }
@@ -473,9 +477,12 @@ impl BackendLive {
 /// A backend's load as the request path sees it (see [`BackendLive::outlook`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Outlook {
-    /// Projected KV usage, 0..=1 (more when oversubscribed); `None` when nothing is known.
-    /// A stale backend counted as saturated shows 1.
+    /// Projected KV usage, 0..=1 (more when oversubscribed), from a fresh scrape; `None` when
+    /// nothing fresh is known, a stale backend included.
     pub projected_kv: Option<f64>,
+    /// The backend passes its probes but has no fresh scrape (health checks on): alive, its
+    /// load unknown. How that counts is the reader's call.
+    pub stale: bool,
     /// Requests in the backend's queue at the last fresh scrape.
     pub waiting: f64,
     /// The KV cache's size in tokens, from a fresh scrape.
@@ -483,6 +490,15 @@ pub struct Outlook {
 }
 
 impl Outlook {
+    /// The projected usage, with a stale backend counted as `stale_as` says: full (1) when
+    /// [`StaleAs::Saturated`], unknown (`None`) when [`StaleAs::Unknown`].
+    pub fn projected_kv_counting_stale(&self, stale_as: StaleAs) -> Option<f64> {
+        match (self.stale, stale_as) {
+            (true, StaleAs::Saturated) => Some(1.0),
+            _ => self.projected_kv,
+        }
+    }
+
     /// KV tokens still free after the projected usage (0 when oversubscribed); `None` unless both
     /// the usage and the cache's size are known.
     pub fn free_kv_tokens(&self) -> Option<f64> {
@@ -668,7 +684,7 @@ mod tests {
     }
 
     #[test]
-    fn stale_metrics_count_as_saturated_or_unknown() {
+    fn stale_metrics_are_marked_and_count_as_the_reader_says() {
         let mut policy = HealthPolicy {
             stale_after: Duration::from_millis(10),
             ..HealthPolicy::default()
@@ -677,11 +693,44 @@ mod tests {
         b.record_probe(true, &policy);
         b.publish_load(load(0.1, None));
         assert_eq!(b.state(&policy), BackendState::Healthy);
+        let fresh = b.outlook(&policy);
+        assert!(!fresh.stale);
+        assert_eq!(
+            fresh.projected_kv_counting_stale(StaleAs::Saturated),
+            Some(0.1)
+        );
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(b.state(&policy), BackendState::Stale);
-        assert_eq!(b.projected_kv(&policy), Some(1.0));
+        let stale = b.outlook(&policy);
+        assert!(stale.stale);
+        // Whatever the pool's `stale_as`, the outlook itself claims nothing it does not know.
+        assert_eq!(stale.projected_kv, None);
+        assert_eq!(
+            stale.projected_kv_counting_stale(StaleAs::Saturated),
+            Some(1.0)
+        );
+        assert_eq!(stale.projected_kv_counting_stale(StaleAs::Unknown), None);
+        assert_eq!(stale.free_kv_tokens(), None);
         policy.stale_as = StaleAs::Unknown;
-        assert_eq!(b.projected_kv(&policy), None);
+        assert_eq!(
+            b.outlook(&policy),
+            stale,
+            "the pool's setting does not change it"
+        );
         assert!(b.is_usable(), "stale is not dead");
+    }
+
+    #[test]
+    fn only_a_live_checked_backend_is_stale() {
+        let policy = HealthPolicy::default();
+        let b = BackendLive::default();
+        assert!(!b.outlook(&policy).stale, "unchecked: nothing claimed");
+        b.record_probe(true, &policy);
+        assert!(b.outlook(&policy).stale, "alive, never scraped");
+        let off = HealthPolicy {
+            enabled: false,
+            ..HealthPolicy::default()
+        };
+        assert!(!b.outlook(&off).stale, "health checks off");
     }
 }

@@ -4,7 +4,7 @@
 //! it reads each backend's live state (`crate::health`), then balances by KV-cache room or by
 //! Pingora's weighted round robin.
 
-use crate::health::{BackendLive, HealthPolicy, OutlierPolicy};
+use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs};
 use crate::llm::LlmCall;
 use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
@@ -200,18 +200,45 @@ impl Priority {
 }
 
 /// How much headroom a pool has, from its usable backends' projected KV usage.
+///
+/// Stale backends (alive, without fresh metrics) are left out of `kv_usage` and counted in
+/// `stale`: whether they count as full is the reader's call
+/// ([`Pressure::kv_usage_counting_stale`]), so that a monitoring problem (a metrics format the
+/// parser does not read) does not by itself make a healthy pool look full.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pressure {
-    /// Projected KV usage over the usable backends (weighted by cache size), `None` when no
-    /// backend's usage is known.
+    /// Projected KV usage over the usable backends with fresh metrics (weighted by cache size),
+    /// `None` when no backend's usage is known.
     pub kv_usage: Option<f64>,
-    /// Backends that may take a request now.
+    /// The backends `kv_usage` is over.
+    pub measured: usize,
+    /// Backends that may take a request now, stale ones included.
     pub usable: usize,
-    /// The KV cache of those backends in tokens, when every one of them publishes its size.
+    /// Usable backends whose metrics are stale: alive, their load unknown.
+    pub stale: usize,
+    /// The KV cache in tokens of the usable backends that are not stale, when every one of
+    /// them publishes its size.
     pub kv_capacity_tokens: Option<f64>,
 }
 
 impl Pressure {
+    /// The usage with stale backends counted as `stale_as` says: each as a full backend of the
+    /// measured ones' average size when [`StaleAs::Saturated`] (1 when all are stale), left out
+    /// when [`StaleAs::Unknown`] (that is `kv_usage`).
+    pub fn kv_usage_counting_stale(&self, stale_as: StaleAs) -> Option<f64> {
+        if stale_as == StaleAs::Unknown || self.stale == 0 {
+            return self.kv_usage;
+        }
+        let stale = self.stale as f64;
+        Some(match self.kv_usage {
+            Some(usage) => {
+                let measured = self.measured as f64;
+                (usage * measured + stale) / (measured + stale)
+            }
+            None => 1.0,
+        })
+    }
+
     /// The usage after adding a request that may hold `tokens`: its share of the pool's
     /// cache when the size is known, else the usage as it is.
     pub fn with_demand(&self, tokens: u64) -> Option<f64> {
@@ -495,7 +522,7 @@ impl Pool {
             return f64::MIN;
         };
         let outlook = live.outlook(&self.health);
-        let Some(projected) = outlook.projected_kv else {
+        let Some(projected) = outlook.projected_kv_counting_stale(self.health.stale_as) else {
             // Nothing known: balance by what this proxy has in flight there.
             return 0.5 - 0.01 * f64::from(live.in_flight());
         };
@@ -520,23 +547,30 @@ impl Pool {
 
     /// The pool's headroom now.
     pub fn pressure(&self) -> Pressure {
-        let mut usable = 0;
+        let (mut usable, mut stale, mut measured) = (0, 0, 0);
         let (mut weighted, mut weights) = (0.0, 0.0);
         let mut capacity = Some(0.0);
         for live in self.live.iter().filter(|l| l.is_usable()) {
             usable += 1;
             let outlook = live.outlook(&self.health);
+            if outlook.stale {
+                stale += 1;
+                continue;
+            }
             let size = outlook.kv_capacity_tokens;
             capacity = capacity.zip(size).map(|(sum, c)| sum + c);
             if let Some(kv) = outlook.projected_kv {
                 let weight = size.unwrap_or(1.0);
                 weighted += kv * weight;
                 weights += weight;
+                measured += 1;
             }
         }
         Pressure {
             kv_usage: (weights > 0.0).then(|| weighted / weights),
+            measured,
             usable,
+            stale,
             kv_capacity_tokens: capacity.filter(|c| *c > 0.0),
         }
     }
@@ -815,6 +849,82 @@ mod tests {
         assert_eq!(ejected, 2, "50% of 4");
         let one = self::pool(vec![spec(1, 1)], Balancing::RoundRobin);
         assert!(one.may_eject_another(), "one backend may always be ejected");
+    }
+
+    /// A pool of a backend with fresh metrics at `kv` and one alive without any, its balancer
+    /// counting stale backends as `stale_as` says.
+    fn pool_with_a_stale_backend(kv: f64, stale_as: StaleAs) -> Pool {
+        let pool = Pool::new(PoolSettings {
+            health: HealthPolicy {
+                stale_as,
+                ..HealthPolicy::default()
+            },
+            ..PoolSettings::new("p", vec!["m".into()], vec![spec(1, 1), spec(2, 1)])
+        });
+        for live in &pool.live {
+            live.record_probe(true, &pool.health);
+        }
+        pool.live[0].publish_load(load(kv, 0.0));
+        pool
+    }
+
+    #[test]
+    fn pressure_leaves_stale_backends_to_the_reader() {
+        for stale_as in [StaleAs::Saturated, StaleAs::Unknown] {
+            // The pool's `stale_as` is the balancer's: the pressure is the same either way.
+            let pressure = pool_with_a_stale_backend(0.5, stale_as).pressure();
+            assert_eq!(pressure.kv_usage, Some(0.5), "fresh backends only");
+            assert_eq!(
+                (pressure.usable, pressure.measured, pressure.stale),
+                (2, 1, 1)
+            );
+            assert_eq!(pressure.kv_capacity_tokens, Some(100_000.0));
+            assert_eq!(
+                pressure.kv_usage_counting_stale(StaleAs::Saturated),
+                Some(0.75),
+                "a stale backend counts as a full one of average size"
+            );
+            assert_eq!(
+                pressure.kv_usage_counting_stale(StaleAs::Unknown),
+                Some(0.5)
+            );
+        }
+
+        // Every backend stale: nothing known, unless stale counts as full.
+        let pool = pool_with_a_stale_backend(0.5, StaleAs::Saturated);
+        pool.live[0].publish_load(Load {
+            scraped_at: std::time::Instant::now() - Duration::from_secs(60),
+            ..load(0.5, 0.0)
+        });
+        let pressure = pool.pressure();
+        assert_eq!((pressure.kv_usage, pressure.stale), (None, 2));
+        assert_eq!(pressure.kv_capacity_tokens, None);
+        assert_eq!(pressure.with_demand(1_000), None);
+        assert_eq!(
+            pressure.kv_usage_counting_stale(StaleAs::Saturated),
+            Some(1.0)
+        );
+        assert_eq!(pressure.kv_usage_counting_stale(StaleAs::Unknown), None);
+    }
+
+    #[test]
+    fn the_balancer_applies_the_pools_stale_as() {
+        let demand = Demand {
+            prompt_tokens: 10,
+            output_tokens: 10,
+            affinity: None,
+            sequences: 1,
+        };
+        // Saturated: the stale backend looks full, so the fresh one, 60 % used, wins.
+        let pool = pool_with_a_stale_backend(0.6, StaleAs::Saturated);
+        for _ in 0..20 {
+            assert_eq!(pool.select(&[], &demand).unwrap().addr.port(), 1);
+        }
+        // Unknown: it is balanced by what is in flight there (nothing), which beats 60 %.
+        let pool = pool_with_a_stale_backend(0.6, StaleAs::Unknown);
+        for _ in 0..20 {
+            assert_eq!(pool.select(&[], &demand).unwrap().addr.port(), 2);
+        }
     }
 
     /// Sheds above a fixed line, reading the pool's pressure on every call.
