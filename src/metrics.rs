@@ -117,8 +117,15 @@ metric!(BACKEND_IN_FLIGHT: IntGaugeVec = register_int_gauge_vec!(
 metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
     "sluice_health_checks_total",
     "Health probes and metrics scrapes by pool, kind (health, metrics) and result (ok, \
-     error, timeout, unparsable).",
+     error, timeout, bad_status, unparsable, parse_timeout).",
     &["pool", "kind", "result"]
+));
+
+metric!(METRIC_LINES_SKIPPED: IntCounterVec = register_int_counter_vec!(
+    "sluice_health_metric_lines_skipped_total",
+    "Invalid lines skipped on backends' /metrics pages that were otherwise read (a page that \
+     is mostly invalid is not read at all: sluice_health_checks_total result unparsable).",
+    &["pool", "backend"]
 ));
 
 metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
@@ -189,6 +196,11 @@ pub fn init(pools: &Pools) {
         touch(&ROUTER_REQUEST_DURATION, &[&pool.name]);
         touch(&STREAM_FIRST_BYTE, &[&pool.name]);
         touch(&EJECTIONS, &[&pool.name]);
+        if pool.health.enabled {
+            for backend in &pool.backends {
+                touch(&METRIC_LINES_SKIPPED, &[&pool.name, &backend.address]);
+            }
+        }
         for outcome in AttemptOutcome::ALL {
             touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
         }

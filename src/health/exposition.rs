@@ -5,11 +5,23 @@
 //! with `\w+` and so drops every name that contains a colon, that is every vLLM metric
 //! (`vllm:kv_cache_usage_perc`).
 //!
-//! It reads the format as Prometheus' own parser does, and is strict where a lax parser would
-//! hide a broken scrape: an HTML error page, a bad escape or a body cut short is an error with
-//! its line number, never a silently shorter list of samples. As the format requires, the
-//! last line must end with a line feed, which is what catches a body cut where the rest would
-//! still parse (`…running{engine="0"} 4`, cut from `… 48.0`).
+//! It reads each line as Prometheus' own parser does, and is strict where a lax parser would
+//! hide a broken line: an HTML tag, a bad escape or a line cut short is an error with its line
+//! number, never a silently different sample. A text is read in one of two ways:
+//!
+//! - [`parse`]: the first bad line is the error.
+//! - [`read_page`], what a scrape uses: a bad line is skipped and counted, so that one line in
+//!   a syntax this parser does not know (a new exporter version, a sidecar's line) does not
+//!   hide the rest of the page. The page as a whole is still an error when it cannot be
+//!   trusted: a body cut short (as the format requires, the last line must end with a line
+//!   feed, which is what catches a cut where the rest would still parse: `…running{engine="0"}
+//!   4`, cut from `… 48.0`), a page that is not the format at all (an HTML error page), or a
+//!   page still being read when its deadline passes.
+//!
+//! A scraped page may be hostile, so the work per line is bounded: a line longer than
+//! [`MAX_LINE_BYTES`] or with more than [`MAX_LABELS`] labels (Prometheus' `label_limit`) is a
+//! bad line, duplicate labels are found by sorting beyond a few, and an unescaped label value's
+//! buffer is the size of the value.
 //!
 //! It runs on every scrape of every backend, so it uses no regex and borrows from the text:
 //! names always, label values unless they contain escapes. The only allocation per line is
@@ -17,6 +29,21 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::time::Instant;
+
+/// The most labels a sample may have, as Prometheus' `label_limit` would set it; vLLM's widest
+/// series, `vllm:cache_config_info`, has about 20.
+pub const MAX_LABELS: usize = 128;
+
+/// The longest line read, in bytes; vLLM's longest is a few hundred.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// The deadline is looked at once per this many lines: with lines bounded, that bounds the
+/// work done past it.
+const DEADLINE_EVERY: usize = 64;
+
+/// Label sets up to this size are checked for duplicates pair by pair, larger ones by sorting.
+const PAIRWISE_LABELS: usize = 16;
 
 /// One sample line: `name{label="value",…} value [timestamp]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,7 +66,7 @@ impl<'a> Sample<'a> {
     }
 }
 
-/// Why a text is not a valid exposition, and where.
+/// Why a line is not valid, and which.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParseError {
     /// 1-based.
@@ -55,6 +82,85 @@ impl fmt::Display for ParseError {
 
 impl std::error::Error for ParseError {}
 
+/// What reading one text may cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// More labels than this make a line bad.
+    pub max_labels: usize,
+    /// A longer line (in bytes, without its line feed) is bad, and not parsed.
+    pub max_line_bytes: usize,
+    /// [`read_page`] gives up once past it.
+    pub deadline: Option<Instant>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_labels: MAX_LABELS,
+            max_line_bytes: MAX_LINE_BYTES,
+            deadline: None,
+        }
+    }
+}
+
+/// A page read by [`read_page`]: its good samples, and what was skipped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page<'a> {
+    /// The valid samples whose name the caller keeps, in the order of the text.
+    pub samples: Vec<Sample<'a>>,
+    /// Valid sample lines, kept or not.
+    pub sample_lines: usize,
+    /// Bad lines, skipped.
+    pub skipped: usize,
+    /// The first of them, and why it is bad.
+    pub first_skipped: Option<ParseError>,
+}
+
+/// Why a page as a whole is not read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PageError {
+    /// The last line has no line feed: the body was cut short, and what would parse of that
+    /// line may be part of a value (`4` of `48.0`).
+    CutShort { line: usize },
+    /// Not a metrics page: no valid sample, or more bad lines than samples (an HTML page).
+    NotMetrics {
+        samples: usize,
+        bad: usize,
+        first_bad: Option<ParseError>,
+    },
+    /// The deadline passed while reading; `line` is where reading stopped.
+    OutOfTime { line: usize },
+}
+
+impl fmt::Display for PageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PageError::CutShort { line } => write!(f, "line {line}: {CUT_SHORT}"),
+            PageError::NotMetrics {
+                samples,
+                bad,
+                first_bad,
+            } => {
+                write!(
+                    f,
+                    "not a metrics page: {samples} valid samples, {bad} bad lines"
+                )?;
+                match first_bad {
+                    Some(first) => write!(f, ", the first: {first}"),
+                    None => Ok(()),
+                }
+            }
+            PageError::OutOfTime { line } => {
+                write!(f, "still reading at line {line} when the time was up")
+            }
+        }
+    }
+}
+
+impl std::error::Error for PageError {}
+
+const CUT_SHORT: &str = "the last line does not end with a line feed: the body was cut short";
+
 /// The metric types a `# TYPE` line may name, in lower case as Prometheus' scraper and
 /// `prometheus_client` require (OpenMetrics' `info`, `stateset`… are not types of this format).
 const METRIC_TYPES: [&str; 5] = ["counter", "gauge", "histogram", "summary", "untyped"];
@@ -62,47 +168,116 @@ const METRIC_TYPES: [&str; 5] = ["counter", "gauge", "histogram", "summary", "un
 /// Error excerpts are cut to this many characters: the offending line may be a whole HTML page.
 const EXCERPT_CHARS: usize = 40;
 
-/// Parses a whole exposition. An empty text gives no samples; whether that is a problem is the
-/// caller's call.
+/// Parses a whole exposition, strictly: the first bad line is the error. An empty text gives
+/// no samples; whether that is a problem is the caller's call.
 pub fn parse(text: &str) -> Result<Vec<Sample<'_>>, ParseError> {
+    let limits = Limits::default();
     let mut samples = Vec::new();
-    let mut rest = text;
-    let mut line_number = 0;
-    while !rest.is_empty() {
-        line_number += 1;
-        let (line, terminated) = match rest.split_once('\n') {
-            Some((line, next)) => {
-                rest = next;
-                (line, true)
-            }
-            None => {
-                let line = rest;
-                rest = "";
-                (line, false)
-            }
-        };
-        let sample = parse_line(line).map_err(|message| ParseError {
-            line: line_number,
+    for (number, line, terminated) in lines(text.as_bytes()) {
+        let sample = parse_line(line, &limits).map_err(|message| ParseError {
+            line: number,
             message,
         })?;
         // Checked after the line itself so that garbage is reported as garbage; a line that
         // parses but lacks its line feed is most likely a body cut short.
         if !terminated {
             return Err(ParseError {
-                line: line_number,
-                message: "the last line does not end with a line feed: the body was cut short"
-                    .to_owned(),
+                line: number,
+                message: CUT_SHORT.to_owned(),
             });
         }
-        if let Some(sample) = sample {
-            samples.push(sample);
-        }
+        samples.extend(sample);
     }
     Ok(samples)
 }
 
+/// Reads a scraped page: each line as strictly as [`parse`] does, but a bad line is skipped
+/// and counted instead of failing the page. Only samples whose name `keep` accepts are
+/// returned, so that a page of a million foreign samples costs no memory.
+pub fn read_page<'a>(
+    text: &'a [u8],
+    limits: &Limits,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Page<'a>, PageError> {
+    let mut page = Page {
+        samples: Vec::new(),
+        sample_lines: 0,
+        skipped: 0,
+        first_skipped: None,
+    };
+    for (number, line, terminated) in lines(text) {
+        if number % DEADLINE_EVERY == 0 && limits.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(PageError::OutOfTime { line: number });
+        }
+        if !terminated {
+            return Err(PageError::CutShort { line: number });
+        }
+        match parse_line(line, limits) {
+            Ok(Some(sample)) => {
+                page.sample_lines += 1;
+                if keep(sample.name) {
+                    page.samples.push(sample);
+                }
+            }
+            Ok(None) => {}
+            Err(message) => {
+                page.skipped += 1;
+                if page.first_skipped.is_none() {
+                    page.first_skipped = Some(ParseError {
+                        line: number,
+                        message,
+                    });
+                }
+            }
+        }
+    }
+    // A real exporter's page is mostly good samples; an error page, a login form or another
+    // format is mostly or only bad lines, and its few lines that happen to parse mean nothing.
+    if page.sample_lines == 0 || page.skipped > page.sample_lines {
+        return Err(PageError::NotMetrics {
+            samples: page.sample_lines,
+            bad: page.skipped,
+            first_bad: page.first_skipped,
+        });
+    }
+    Ok(page)
+}
+
+/// The lines of `text` without their line feeds: (1-based number, line, whether a line feed
+/// ended it).
+fn lines(text: &[u8]) -> impl Iterator<Item = (usize, &[u8], bool)> {
+    let mut rest = text;
+    let mut number = 0;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        number += 1;
+        Some(match rest.iter().position(|&byte| byte == b'\n') {
+            Some(end) => {
+                let (line, tail) = rest.split_at(end);
+                rest = tail.get(1..).unwrap_or_default();
+                (number, line, true)
+            }
+            None => {
+                let line = rest;
+                rest = &[];
+                (number, line, false)
+            }
+        })
+    })
+}
+
 /// One line, without its line feed: a sample, or `None` for a blank or comment line.
-fn parse_line(line: &str) -> Result<Option<Sample<'_>>, String> {
+fn parse_line<'a>(line: &'a [u8], limits: &Limits) -> Result<Option<Sample<'a>>, String> {
+    if line.len() > limits.max_line_bytes {
+        return Err(format!(
+            "a line of {} bytes, longer than the {} read",
+            line.len(),
+            limits.max_line_bytes
+        ));
+    }
+    let line = std::str::from_utf8(line).map_err(|e| format!("not UTF-8: {e}"))?;
     // A CR of a CRLF and trailing blanks are tolerated, as are leading blanks.
     let line = line
         .trim_end_matches([' ', '\t', '\r'])
@@ -114,7 +289,7 @@ fn parse_line(line: &str) -> Result<Option<Sample<'_>>, String> {
         check_comment(comment)?;
         return Ok(None);
     }
-    parse_sample(line).map(Some)
+    parse_sample(line, limits.max_labels).map(Some)
 }
 
 /// Comments are skipped, but `# HELP` and `# TYPE` lines are checked as Prometheus checks them.
@@ -156,7 +331,7 @@ fn check_comment(comment: &str) -> Result<(), String> {
     }
 }
 
-fn parse_sample(line: &str) -> Result<Sample<'_>, String> {
+fn parse_sample(line: &str, max_labels: usize) -> Result<Sample<'_>, String> {
     let mut cursor = Cursor::new(line);
     if !cursor.peek().is_some_and(is_metric_name_start) {
         return Err(format!(
@@ -177,7 +352,7 @@ fn parse_sample(line: &str) -> Result<Sample<'_>, String> {
     }
     cursor.skip_blanks();
     let labels = if cursor.eat(b'{') {
-        parse_labels(&mut cursor)?
+        parse_labels(&mut cursor, max_labels)?
     } else {
         Vec::new()
     };
@@ -220,8 +395,11 @@ fn parse_sample(line: &str) -> Result<Sample<'_>, String> {
 }
 
 /// The label set after its `{`, up to and including its `}`. A trailing comma and blanks
-/// around `=` and `,` are allowed.
-fn parse_labels<'a>(cursor: &mut Cursor<'a>) -> Result<Vec<(&'a str, Cow<'a, str>)>, String> {
+/// around `=` and `,` are allowed; more than `max_labels` labels are not.
+fn parse_labels<'a>(
+    cursor: &mut Cursor<'a>,
+    max_labels: usize,
+) -> Result<Vec<(&'a str, Cow<'a, str>)>, String> {
     let mut labels: Vec<(&'a str, Cow<'a, str>)> = Vec::new();
     loop {
         cursor.skip_blanks();
@@ -229,7 +407,10 @@ fn parse_labels<'a>(cursor: &mut Cursor<'a>) -> Result<Vec<(&'a str, Cow<'a, str
             None => return Err(cut_in_labels()),
             Some(b'}') => {
                 cursor.advance();
-                return Ok(labels);
+                return match duplicate(&labels) {
+                    Some(name) => Err(format!("duplicate label {name}")),
+                    None => Ok(labels),
+                };
             }
             Some(_) => {}
         }
@@ -243,8 +424,8 @@ fn parse_labels<'a>(cursor: &mut Cursor<'a>) -> Result<Vec<(&'a str, Cow<'a, str
         if name == "__name__" {
             return Err("the label name __name__ is reserved".to_owned());
         }
-        if labels.iter().any(|(seen, _)| *seen == name) {
-            return Err(format!("duplicate label {name}"));
+        if labels.len() >= max_labels {
+            return Err(format!("more than {max_labels} labels"));
         }
         cursor.skip_blanks();
         if !cursor.eat(b'=') {
@@ -285,6 +466,26 @@ fn parse_labels<'a>(cursor: &mut Cursor<'a>) -> Result<Vec<(&'a str, Cow<'a, str
             }
         }
     }
+}
+
+/// A label name that appears twice in `labels`: pair by pair for a few labels, by sorting
+/// for more, so that a wide label set is not quadratic.
+fn duplicate<'a>(labels: &[(&'a str, Cow<'_, str>)]) -> Option<&'a str> {
+    if labels.len() <= PAIRWISE_LABELS {
+        return labels.iter().enumerate().find_map(|(i, (name, _))| {
+            labels
+                .iter()
+                .skip(i + 1)
+                .any(|(other, _)| other == name)
+                .then_some(*name)
+        });
+    }
+    let mut names: Vec<&'a str> = labels.iter().map(|(name, _)| *name).collect();
+    names.sort_unstable();
+    names.windows(2).find_map(|pair| match pair {
+        [a, b] if a == b => Some(*a),
+        _ => None,
+    })
 }
 
 fn cut_in_labels() -> String {
@@ -400,6 +601,21 @@ impl<'a> Cursor<'a> {
         self.take_while(|byte| !is_blank(byte))
     }
 
+    /// The raw length of the quoted value that starts at `start`, escapes included, up to its
+    /// closing quote or the end of the line.
+    fn quoted_len(&self, start: usize) -> usize {
+        let bytes = self.line.as_bytes();
+        let mut end = self.position;
+        while let Some(&byte) = bytes.get(end) {
+            match byte {
+                b'"' => break,
+                b'\\' => end += 2,
+                _ => end += 1,
+            }
+        }
+        end.min(bytes.len()).saturating_sub(start)
+    }
+
     /// A label value, after its opening quote, up to and including its closing quote.
     /// Borrowed unless it contains an escape: `\\`, `\"` or `\n`.
     fn take_quoted(&mut self) -> Result<Cow<'a, str>, String> {
@@ -416,7 +632,9 @@ impl<'a> Cursor<'a> {
                 Some(_) => self.advance(),
             }
         }
-        let mut value = String::with_capacity(self.rest().len());
+        // Sized to the value (escapes only shorten it), not to the rest of the line: a line of
+        // many escaped values would otherwise hold the line's length once per value.
+        let mut value = String::with_capacity(self.quoted_len(start));
         value.push_str(self.slice(start));
         let mut unescaped_from = self.position;
         loop {
@@ -458,6 +676,7 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::process::{Command, Stdio};
+    use std::time::Duration;
 
     const V0: &str = include_str!("../../tests/fixtures/vllm-v0-metrics.txt");
     const V1: &str = include_str!("../../tests/fixtures/vllm-v1-metrics.txt");
@@ -770,6 +989,223 @@ mod tests {
     fn long_garbage_is_cut_in_the_message() {
         let line = "<".repeat(10_000) + "\n";
         assert!(parse_err(&line).message.len() < 200);
+    }
+
+    fn read_ok(text: &[u8]) -> Page<'_> {
+        match read_page(text, &Limits::default(), |_| true) {
+            Ok(page) => page,
+            Err(error) => panic!("{:?} should read: {error}", String::from_utf8_lossy(text)),
+        }
+    }
+
+    fn read_err(text: &[u8]) -> PageError {
+        match read_page(text, &Limits::default(), |_| true) {
+            Ok(page) => panic!(
+                "{:?} should not read: {page:?}",
+                String::from_utf8_lossy(text)
+            ),
+            Err(error) => error,
+        }
+    }
+
+    /// `m{l0="\\",l1="\\",…} 1`: a line of `labels` labels, each value one escaped backslash.
+    fn escaped_labels_line(labels: usize) -> String {
+        let labels: Vec<String> = (0..labels).map(|i| format!("l{i}=\"\\\\\"")).collect();
+        format!("m{{{}}} 1\n", labels.join(","))
+    }
+
+    #[test]
+    fn a_page_is_read_without_its_bad_lines() {
+        let mut text = V1.to_owned();
+        text.insert_str(0, "sidecar_info{version=\"1\"} 1 # {trace_id=\"abc\"} 2\n");
+        text.push_str("broken{path=\"C:\\temp\"} 1\n");
+        text.push_str(&format!("{}\n", "x".repeat(MAX_LINE_BYTES + 1)));
+        text.push_str("latin1{a=\"");
+        let mut bytes = text.into_bytes();
+        bytes.extend_from_slice(b"caf\xe9\"} 1\n");
+        let page = read_ok(&bytes);
+        assert_eq!(page.samples.len(), 139, "every good sample is kept");
+        assert_eq!(page.sample_lines, 139);
+        assert_eq!(page.skipped, 4);
+        let first = page.first_skipped.expect("the first bad line");
+        assert_eq!(first.line, 1);
+        assert!(first.message.contains("invalid timestamp"), "{first}");
+        assert_eq!(
+            find(&page.samples, "vllm:kv_cache_usage_perc").value,
+            0.2346
+        );
+        // The same lines are errors to the strict parser.
+        let strict = parse_err(std::str::from_utf8(&bytes[..bytes.len() - 20]).unwrap());
+        assert_eq!(strict.line, 1);
+    }
+
+    #[test]
+    fn a_page_keeps_only_the_samples_asked_for() {
+        let page = read_page(V1.as_bytes(), &Limits::default(), |name| {
+            name == "vllm:num_requests_running"
+        })
+        .unwrap();
+        assert_eq!(page.samples.len(), 1);
+        assert_eq!(
+            page.sample_lines, 139,
+            "the others are still checked and counted"
+        );
+    }
+
+    #[test]
+    fn a_page_cut_short_is_not_read_even_if_its_lines_parse() {
+        let line = V1.find("vllm:num_requests_running{").unwrap();
+        let value = line + V1[line..].find("} 48.0\n").unwrap();
+        let cut = &V1[..value + 3]; // `… 4`, cut from `… 48.0`
+        assert!(cut.ends_with("} 4"));
+        assert!(
+            parse(&format!("{}\n", &cut[line..])).is_ok(),
+            "the cut line parses"
+        );
+        assert!(matches!(
+            read_err(cut.as_bytes()),
+            PageError::CutShort { .. }
+        ));
+        // A bad last line without its line feed: cut short too.
+        assert!(matches!(
+            read_err(b"m 1\nm{a=\"b"),
+            PageError::CutShort { line: 2 }
+        ));
+    }
+
+    #[test]
+    fn a_page_that_is_not_metrics_is_not_read() {
+        let html = "<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n";
+        match read_err(html.as_bytes()) {
+            PageError::NotMetrics {
+                samples: 0,
+                bad: 2,
+                first_bad: Some(first),
+            } => assert_eq!(first.line, 1),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            read_err(b""),
+            PageError::NotMetrics {
+                samples: 0,
+                bad: 0,
+                ..
+            }
+        ));
+        assert!(matches!(
+            read_err(b"# HELP m Help.\n# TYPE m gauge\n"),
+            PageError::NotMetrics { samples: 0, .. }
+        ));
+        // A few lines that happen to parse do not make an error page a metrics page.
+        let mostly_bad = "<html>\nStatus 502\n<p>\nretry 1\n</html>\n";
+        assert!(matches!(
+            read_err(mostly_bad.as_bytes()),
+            PageError::NotMetrics {
+                samples: 2,
+                bad: 3,
+                ..
+            }
+        ));
+        let error = read_err(html.as_bytes()).to_string();
+        assert!(error.contains("not a metrics page"), "{error}");
+        assert!(error.contains("line 1: expected a metric name"), "{error}");
+    }
+
+    #[test]
+    fn labels_are_capped() {
+        let at_the_cap = escaped_labels_line(MAX_LABELS);
+        assert_eq!(only(&at_the_cap).labels.len(), MAX_LABELS);
+        let error = parse_err(&escaped_labels_line(MAX_LABELS + 1));
+        assert!(error.message.contains("more than 128 labels"), "{error}");
+        let text = format!("{}good 1\n", escaped_labels_line(1000));
+        let page = read_ok(text.as_bytes());
+        assert_eq!((page.samples.len(), page.skipped), (1, 1));
+    }
+
+    #[test]
+    fn lines_are_capped() {
+        let value = "v".repeat(MAX_LINE_BYTES - 9);
+        let at_the_cap = format!("m{{a=\"{value}\"}} 1\n");
+        assert_eq!(at_the_cap.len(), MAX_LINE_BYTES + 1, "with its line feed");
+        assert_eq!(only(&at_the_cap).label("a"), Some(value.as_str()));
+        let over = format!("m{{a=\"{value}v\"}} 1\n");
+        let error = parse_err(&over);
+        assert!(error.message.contains("longer than"), "{error}");
+        assert!(error.message.len() < 200);
+    }
+
+    #[test]
+    fn duplicate_labels_are_found_in_wide_label_sets() {
+        // Past `PAIRWISE_LABELS`, duplicates are found by sorting.
+        let names: Vec<String> = (0..100).map(|i| format!("l{i}")).collect();
+        let line = |names: &[String]| {
+            let labels: Vec<String> = names.iter().map(|n| format!("{n}=\"x\"")).collect();
+            format!("m{{{}}} 1\n", labels.join(","))
+        };
+        assert_eq!(only(&line(&names)).labels.len(), 100);
+        let mut twice = names.clone();
+        twice[97] = "l3".into();
+        let error = parse_err(&line(&twice));
+        assert_eq!(error.message, "duplicate label l3");
+        let error = parse_err("m{b=\"1\",a=\"2\",b=\"3\"} 1\n");
+        assert_eq!(error.message, "duplicate label b");
+    }
+
+    #[test]
+    fn an_escaped_value_gets_a_buffer_of_its_own_size() {
+        let line = format!("m{{a=\"x\\\\y\",b=\"{}\"}} 1\n", "z".repeat(10_000));
+        let sample = only(&line);
+        match &sample.labels[0].1 {
+            Cow::Owned(value) => {
+                assert_eq!(value, "x\\y");
+                assert!(value.capacity() <= 4, "{}", value.capacity());
+            }
+            Cow::Borrowed(_) => panic!("an escaped value is unescaped"),
+        }
+    }
+
+    /// The hostile page of the audit: 8 MiB of one label line. It is one bad line now, not
+    /// minutes of work; and a page of many such lines under the line cap is bad line by line.
+    #[test]
+    fn a_hostile_label_line_is_a_bad_line() {
+        let huge = escaped_labels_line(400_000);
+        assert!(huge.len() > 1 << 20);
+        match read_err(huge.as_bytes()) {
+            PageError::NotMetrics {
+                samples: 0,
+                bad: 1,
+                first_bad: Some(first),
+            } => assert!(first.message.contains("longer than"), "{first}"),
+            other => panic!("{other:?}"),
+        }
+        let wide = escaped_labels_line(4000);
+        assert!(wide.len() < MAX_LINE_BYTES);
+        let page = wide.repeat(100) + &"good 1\n".repeat(101);
+        let page = read_ok(page.as_bytes());
+        assert_eq!((page.sample_lines, page.skipped), (101, 100));
+    }
+
+    #[test]
+    fn reading_stops_at_the_deadline() {
+        let limits = Limits {
+            deadline: Some(Instant::now()),
+            ..Limits::default()
+        };
+        let text = "m 1\n".repeat(1000);
+        assert_eq!(
+            read_page(text.as_bytes(), &limits, |_| true),
+            Err(PageError::OutOfTime {
+                line: DEADLINE_EVERY
+            })
+        );
+        let later = Limits {
+            deadline: Instant::now().checked_add(Duration::from_secs(60)),
+            ..Limits::default()
+        };
+        assert_eq!(
+            read_page(text.as_bytes(), &later, |_| true).map(|p| p.sample_lines),
+            Ok(1000)
+        );
     }
 
     /// A body cut at any point either parses (cut right after a line feed) into the samples of

@@ -4,7 +4,14 @@
 //! speculative selector read without locks.
 //!
 //! One task per backend, on the service's own thread, so a slow backend delays only its own
-//! checks. Probes reuse their connections (Pingora's connector pool).
+//! checks. Probes reuse their connections (Pingora's connector pool). A large page is parsed
+//! on Tokio's blocking pool, within the pool's health timeout, so that a hostile or broken page
+//! cannot hold that one thread and stall every other backend's checks.
+//!
+//! A page with some invalid lines is read without them (they are counted in
+//! `sluice_health_metric_lines_skipped_total`); one that cannot be trusted as a whole (cut
+//! short, not a metrics page, too slow to read) publishes nothing, so the backend's load goes
+//! stale rather than wrong.
 //!
 //! - [`exposition`]: the Prometheus text-format parser.
 //! - [`vllm`]: what Sluice reads from vLLM's metrics (V0 and V1 names).
@@ -16,6 +23,8 @@ pub mod vllm;
 
 use crate::metrics;
 use async_trait::async_trait;
+use bytes::Bytes;
+use exposition::{Limits, PageError, ParseError};
 use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
@@ -55,6 +64,7 @@ impl BackgroundService for HealthService {
                     index,
                     connector: Arc::clone(&self.connector),
                     spec: None,
+                    page: PageState::Clean,
                 };
                 tasks.spawn(checker.run());
             }
@@ -73,6 +83,42 @@ struct Checker {
     peer: HttpPeer,
     /// The spec-decode counters of the previous scrape, for the acceptance rate.
     spec: Option<vllm::SpecCounters>,
+    /// How the last `/metrics` page read: a change is logged once, not every scrape.
+    page: PageState,
+}
+
+/// How a `/metrics` page that was fetched read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PageState {
+    Clean,
+    /// Read, without some bad lines.
+    Skipping,
+    /// Not read at all.
+    Rejected,
+}
+
+/// What a readable page gave.
+struct Read {
+    load: Load,
+    skipped: usize,
+    first_skipped: Option<ParseError>,
+}
+
+/// Why a fetched page gave no load.
+enum Unread {
+    /// Cut short, not a metrics page, or the parse was lost.
+    Unparsable(String),
+    /// Not read within the pool's health timeout.
+    TooSlow,
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unread::Unparsable(why) => f.write_str(why),
+            Unread::TooSlow => f.write_str("not read within the health timeout"),
+        }
+    }
 }
 
 impl Checker {
@@ -127,36 +173,84 @@ impl Checker {
         }
 
         let result = match &scrape {
-            Ok(answer) if answer.status == 200 => match self.read_metrics(&answer.body) {
-                Ok(load) => {
-                    live.publish_load(load);
-                    "ok"
+            Ok(answer) if answer.status == 200 => {
+                let read = self.read_metrics(answer.body.clone()).await;
+                self.report_page(&read, name, host);
+                match read {
+                    Ok(read) => {
+                        live.publish_load(read.load);
+                        "ok"
+                    }
+                    Err(Unread::TooSlow) => "parse_timeout",
+                    Err(Unread::Unparsable(_)) => "unparsable",
                 }
-                Err(e) => {
-                    tracing::debug!(pool = name, backend = host, "cannot read /metrics: {e}");
-                    "unparsable"
-                }
-            },
+            }
             other => probe::result_label(other, false),
         };
         metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
     }
 
-    /// Reads a `/metrics` page. A page that is not the Prometheus text format is an error; a
-    /// valid page without vLLM's series gives a load with no KV usage, which counts as stale.
-    fn read_metrics(&mut self, body: &[u8]) -> Result<Load, String> {
-        let text = std::str::from_utf8(body).map_err(|e| e.to_string())?;
-        let samples = exposition::parse(text).map_err(|e| e.to_string())?;
-        if samples.is_empty() {
-            return Err("an empty page".into());
+    /// Counts a read page's skipped lines, and logs when the way pages read changes: once,
+    /// not on every scrape of a page that stays broken.
+    fn report_page(&mut self, read: &Result<Read, Unread>, pool: &str, backend: &str) {
+        let state = match read {
+            Ok(read) if read.skipped > 0 => {
+                let skipped = u64::try_from(read.skipped).unwrap_or(u64::MAX);
+                sluice_sdk::metrics::inc_by(
+                    &metrics::METRIC_LINES_SKIPPED,
+                    &[pool, backend],
+                    skipped,
+                );
+                PageState::Skipping
+            }
+            Ok(_) => PageState::Clean,
+            Err(e) => {
+                tracing::debug!(pool, backend, "cannot read /metrics: {e}");
+                PageState::Rejected
+            }
+        };
+        if state == self.page {
+            return;
         }
-        let m = vllm::read(&samples);
+        self.page = state;
+        match read {
+            Ok(Read {
+                skipped,
+                first_skipped: Some(first),
+                ..
+            }) => tracing::warn!(
+                pool,
+                backend,
+                "reading /metrics without its {skipped} invalid lines; the first: {first}"
+            ),
+            Ok(_) => tracing::info!(pool, backend, "/metrics reads cleanly again"),
+            Err(e) => tracing::warn!(pool, backend, "cannot read /metrics: {e}"),
+        }
+    }
+
+    /// Reads a `/metrics` page within the pool's health timeout, a large one off this
+    /// thread. A valid page without vLLM's series gives a load with no KV usage, which counts
+    /// as stale.
+    async fn read_metrics(&mut self, body: Bytes) -> Result<Read, Unread> {
+        let budget = self.pool.health.timeout;
+        // The parse stops itself at the deadline; the timeout below only stops waiting for it.
+        let limits = Limits {
+            deadline: Instant::now().checked_add(budget),
+            ..Limits::default()
+        };
+        let work = sluice_sdk::cpu::body_work(body.len(), move || read_page(&body, &limits));
+        let (m, skipped, first_skipped) = match tokio::time::timeout(budget, work).await {
+            Ok(Some(Ok(read))) => read,
+            Ok(Some(Err(PageError::OutOfTime { .. }))) | Err(_) => return Err(Unread::TooSlow),
+            Ok(Some(Err(e))) => return Err(Unread::Unparsable(e.to_string())),
+            Ok(None) => return Err(Unread::Unparsable("the parse was lost".into())),
+        };
         let spec_acceptance = match (self.spec, m.spec) {
             (Some(previous), Some(current)) => vllm::acceptance_rate(previous, current),
             _ => None,
         };
         self.spec = m.spec;
-        Ok(Load {
+        let load = Load {
             kv_usage: m.kv_usage,
             running: m.running.unwrap_or(0.0),
             waiting: m.waiting.unwrap_or(0.0),
@@ -166,6 +260,11 @@ impl Checker {
             },
             spec_acceptance,
             scraped_at: Instant::now(),
+        };
+        Ok(Read {
+            load,
+            skipped,
+            first_skipped,
         })
     }
 
@@ -209,4 +308,14 @@ impl Checker {
             metrics::set(&metrics::BACKEND_WAITING, &[pool, backend], load.waiting);
         }
     }
+}
+
+/// Reads a page: what Sluice uses of it, and the lines skipped. Runs off the async thread for
+/// large pages, so it owns nothing borrowed.
+fn read_page(
+    body: &[u8],
+    limits: &Limits,
+) -> Result<(vllm::VllmMetrics, usize, Option<ParseError>), PageError> {
+    let page = exposition::read_page(body, limits, vllm::wanted)?;
+    Ok((vllm::read(&page.samples), page.skipped, page.first_skipped))
 }

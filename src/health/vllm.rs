@@ -69,6 +69,14 @@ impl VllmMetrics {
     }
 }
 
+/// Whether [`read`] uses the series `name`: a page reader keeps only those.
+pub fn wanted(name: &str) -> bool {
+    matches!(
+        name,
+        KV_USAGE_V1 | KV_USAGE_V0 | RUNNING | WAITING | CACHE_CONFIG | SPEC_ACCEPTED | SPEC_DRAFT
+    )
+}
+
 /// Reads the series Sluice uses from the samples of one scrape.
 pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
     let mut v1_usage = EngineUsages::default();
@@ -362,6 +370,19 @@ vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_cpu_blocks=\"None\",nu
             read_text("vllm:kv_cache_usage_perc +Inf\n").kv_usage,
             Some(1.0)
         );
+    }
+
+    #[test]
+    fn the_series_read_are_the_series_wanted() {
+        for text in [V0, V1] {
+            let samples = parse(text).unwrap();
+            let wanted: Vec<_> = samples.iter().filter(|s| wanted(s.name)).cloned().collect();
+            assert!(
+                wanted.len() < samples.len() / 4,
+                "a page keeps a few series"
+            );
+            assert_eq!(read(&wanted), read(&samples));
+        }
     }
 
     #[test]
