@@ -1,5 +1,6 @@
-//! The health service end to end: live simulators scraped, garbage metrics, a backend that
-//! dies during a run, passive ejection, and KV-aware balancing.
+//! The health service end to end: live simulators scraped, garbage metrics (skipped lines,
+//! pages that are not metrics, a hostile page), a backend that dies during a run, passive
+//! ejection, and KV-aware balancing.
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -209,8 +210,14 @@ async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
         let after = proxy.metric(&series).await.unwrap_or(0.0);
         assert!(after > before, "{series}: {before} → {after}");
     }
-    // The backend still serves: stale is not dead (the pool's only backend, so the default
-    // `stale_as: saturated` still lets it through).
+    // A page the parser gives up on counts no skipped lines: those count only on pages read.
+    let skipped = format!(
+        r#"sluice_health_metric_lines_skipped_total{{backend="{}",pool="main"}}"#,
+        fake.addr
+    );
+    assert_eq!(proxy.metric(&skipped).await, Some(0.0));
+    // The backend still serves: stale is not dead (the pool's only backend, so the balancer's
+    // default `stale_as: saturated` still lets it through).
     fake.set(MetricsAnswer::Page(good));
     assert!(wait_for(Duration::from_secs(3), || async {
         state().await["health"] == "healthy"
@@ -500,4 +507,206 @@ async fn new_requests_avoid_a_backend_with_a_full_kv_cache() {
     for f in fillers {
         let _ = f.await;
     }
+}
+
+/// The skipped-lines counter of one backend of pool `main`.
+fn skipped_lines(backend: SocketAddr) -> String {
+    format!(r#"sluice_health_metric_lines_skipped_total{{backend="{backend}",pool="main"}}"#)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn junk_lines_are_skipped_and_counted_and_the_page_still_read() {
+    let good = String::from_utf8(fixture("vllm-v1-metrics.txt")).unwrap();
+    let fake = FakeVllm::start(MetricsAnswer::Page(good.clone())).await;
+    let proxy = Proxy::start(
+        json!({"pools": [pool("main", &[MODEL], &[fake.addr]).with_fast_health_checks()]}),
+    )
+    .await;
+    let state = || async { proxy.backend_status("main", fake.addr).await };
+    assert!(
+        wait_for(Duration::from_secs(3), || async {
+            state().await["health"] == "healthy"
+        })
+        .await
+        .is_some(),
+        "{}",
+        state().await
+    );
+    assert_eq!(proxy.metric(&skipped_lines(fake.addr)).await, Some(0.0));
+
+    // A syntax this parser does not know (an OpenMetrics exemplar), a bad escape, and the
+    // usage changed, so that only a page read after the change can show it.
+    let junky = good.replace("} 0.2346\n", "} 0.61\n")
+        + "vllm:new_series_total{engine=\"0\"} 7 # {trace_id=\"4bf92f35\"} 1.0\n"
+        + "sidecar_info{path=\"C:\\temp\"} 1\n";
+    assert!(junky.contains("} 0.61\n"), "the usage line was changed");
+    fake.set(MetricsAnswer::Page(junky));
+    let took = wait_for(Duration::from_secs(3), || async {
+        state().await["kv_cache_usage"] == 0.61
+    })
+    .await;
+    assert!(took.is_some(), "{}", state().await);
+    let first = proxy.metric(&skipped_lines(fake.addr)).await.unwrap();
+    assert!(first >= 2.0 && first % 2.0 == 0.0, "two a page: {first}");
+    assert!(
+        wait_for(Duration::from_secs(2), || async {
+            proxy.metric(&skipped_lines(fake.addr)).await.unwrap() > first
+        })
+        .await
+        .is_some(),
+        "it counts on every scrape"
+    );
+    let s = state().await;
+    assert_eq!(s["health"], "healthy", "{s}");
+    assert_eq!(s["running"], 48.0, "{s}");
+    assert!(
+        proxy.logs().contains("2 invalid lines"),
+        "the skipping is logged: {}",
+        proxy.logs()
+    );
+}
+
+/// An HTML error page, the bytes of something else: `/metrics` pages that cannot be read.
+fn unreadable_pages() -> [String; 2] {
+    [
+        "<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n".to_string(),
+        "\u{1f}\u{8b}\u{8}garbage}{\"\n\\x00 1 2 3 4\n".to_string(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_metrics_cannot_be_read_is_not_shed_by_the_breaker() {
+    let mut sims = Vec::new();
+    for page in unreadable_pages() {
+        sims.push(
+            sim(SimConfig::default().with_faults(Faults {
+                metrics_page: Some(page),
+                ..Faults::default()
+            }))
+            .await,
+        );
+    }
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr()).collect();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &addrs).with_fast_health_checks()],
+        "plugins": {"kv_breaker": {"enabled": true}},
+    }))
+    .await;
+    // Alive, their load unknown: stale, and past `stale_after` (1 s) for sure.
+    let all_stale = wait_for(Duration::from_secs(3), || async {
+        let status = proxy.status().await;
+        let backends = status["pools"][0]["backends"].as_array().cloned();
+        backends.is_some_and(|b| b.iter().all(|b| b["health"] == "stale"))
+    })
+    .await;
+    assert!(all_stale.is_some(), "{}", proxy.status().await);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    for i in 0..10 {
+        for priority in ["sheddable", "standard"] {
+            let r = proxy
+                .ask(
+                    &chat(MODEL, &format!("question {i}"), false),
+                    &[("x-sluice-priority", priority)],
+                )
+                .await;
+            assert_eq!(r.status, 200, "{priority}: {}", r.body);
+        }
+    }
+    let status = proxy.status().await;
+    let main = &status["pools"][0];
+    assert_eq!(main["breaker"]["state"], "closed", "{main}");
+    assert_eq!(main["kv_cache_usage"], serde_json::Value::Null, "{main}");
+    for backend in main["backends"].as_array().unwrap() {
+        assert_eq!(backend["health"], "stale", "{backend}");
+    }
+    assert!(sims
+        .iter()
+        .all(|s| s.stats().count("/v1/chat/completions") > 0));
+    assert_eq!(
+        proxy
+            .metric(r#"router_rejections_total{priority="sheddable",reason="kv-pressure"}"#)
+            .await
+            .unwrap_or(0.0),
+        0.0
+    );
+    let unparsable = proxy
+        .metric(r#"sluice_health_checks_total{kind="metrics",pool="main",result="unparsable"}"#)
+        .await
+        .unwrap_or(0.0);
+    assert!(unparsable >= 4.0, "{unparsable}");
+}
+
+/// `m{l0="\\",l1="\\",…} 1`: one label line of nearly the largest body read (8 MiB), which
+/// costs a quadratic parser minutes.
+fn hostile_page() -> String {
+    let mut page = String::from("m{");
+    let mut i = 0;
+    while page.len() < (8 << 20) - 64 {
+        page.push_str(&format!("l{i}=\"\\\\\","));
+        i += 1;
+    }
+    page.push_str("} 1\n");
+    page
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_page_does_not_stall_the_checks_of_other_backends() {
+    let healthy = sim(SimConfig::default()).await;
+    let hostile = FakeVllm::start(MetricsAnswer::Page(hostile_page())).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[healthy.addr(), hostile.addr]).with_fast_health_checks()
+    ]}))
+    .await;
+    let failed = || async {
+        let mut failed = 0.0;
+        for result in ["unparsable", "parse_timeout", "timeout", "error"] {
+            let series = format!(
+                r#"sluice_health_checks_total{{kind="metrics",pool="main",result="{result}"}}"#
+            );
+            failed += proxy.metric(&series).await.unwrap_or(0.0);
+        }
+        failed
+    };
+    assert!(
+        wait_for(Duration::from_secs(5), || async {
+            proxy.backend_status("main", healthy.addr()).await["health"] == "healthy"
+                && failed().await >= 1.0
+        })
+        .await
+        .is_some(),
+        "{}",
+        proxy.status().await
+    );
+
+    // For two seconds, while the hostile page is scraped every 100 ms, the healthy backend's
+    // scrape stays within a few intervals of now.
+    let watched = Instant::now();
+    let mut oldest: f64 = 0.0;
+    while watched.elapsed() < Duration::from_secs(2) {
+        let b = proxy.backend_status("main", healthy.addr()).await;
+        assert_eq!(b["health"], "healthy", "{b}");
+        oldest = oldest.max(b["scraped_seconds_ago"].as_f64().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        oldest < 0.8,
+        "the healthy backend's metrics were {oldest} s old"
+    );
+    let before = failed().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        failed().await > before,
+        "every scrape of the hostile page fails"
+    );
+    let h = proxy.backend_status("main", hostile.addr).await;
+    assert_eq!(h["health"], "stale", "{h}");
+    assert_eq!(
+        proxy
+            .metric(r#"sluice_health_checks_total{kind="metrics",pool="main",result="unparsable"}"#)
+            .await
+            .map(|v| v > 0.0),
+        Some(true),
+        "an 8 MiB line is a bad line, and a page of only that is no metrics page"
+    );
 }

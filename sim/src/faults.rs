@@ -32,6 +32,9 @@ pub struct Faults {
     pub engine_dead: bool,
     /// Multiplies every latency (1.0 = normal).
     pub slowdown: f64,
+    /// `/metrics` answers this text (200, `text/plain`) instead of the engine's page: a broken
+    /// or foreign exporter, while completions and `/health` work as usual.
+    pub metrics_page: Option<String>,
 }
 
 impl Default for Faults {
@@ -47,6 +50,7 @@ impl Default for Faults {
             refuse_connections: false,
             engine_dead: false,
             slowdown: 1.0,
+            metrics_page: None,
         }
     }
 }

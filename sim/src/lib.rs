@@ -143,7 +143,10 @@ impl Shared {
     }
 
     fn metrics_text(&self) -> String {
-        self.metrics.render(&self.engine.snapshot())
+        match &self.faults().metrics_page {
+            Some(page) => page.clone(),
+            None => self.metrics.render(&self.engine.snapshot()),
+        }
     }
 }
 

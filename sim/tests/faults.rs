@@ -276,3 +276,25 @@ async fn streaming_latency_ttft_and_itl() {
     assert!(arrivals.len() >= 5, "{arrivals:?}");
     sim.shutdown();
 }
+
+#[tokio::test]
+async fn a_replaced_metrics_page_while_the_engine_serves() {
+    let sim = sim(SimConfig::default()).await;
+    let page = "<html>metrics moved</html>\n";
+    sim.set_faults(Faults {
+        metrics_page: Some(page.into()),
+        ..Faults::default()
+    });
+    let answer = client()
+        .get(format!("{}/metrics", sim.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.text().await.unwrap(), page);
+    assert_eq!(chat_status(&sim).await, 200, "completions still work");
+    assert_eq!(get_status(&format!("{}/health", sim.url())).await, 200);
+    sim.set_faults(Faults::none());
+    assert!(sim.metrics_text().contains("vllm:kv_cache_usage_perc"));
+    sim.shutdown();
+}
