@@ -1,0 +1,214 @@
+//! End-to-end: a graceful stop (SIGTERM) gives the Redis store's queued writes their bounded
+//! chance to land (`plugins/cache` `Plugin::stop` → `RedisStore::flush`, run by src/drain.rs
+//! once nothing is in flight): answers stored just before the signal are in Redis once the
+//! process has exited, and a Redis that never answers does not hold the exit.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::json;
+use sluice_testkit::*;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const MODEL: &str = "test-model";
+
+/// A TCP relay in front of `upstream` that holds every chunk coming back from it for `delay`
+/// (in order, pipelined): a Redis that answers everything `delay` late.
+struct SlowRelay {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowRelay {
+    async fn start(upstream: SocketAddr, delay: Duration) -> SlowRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(relay(client, upstream, delay));
+            }
+        });
+        SlowRelay { addr, task }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+}
+
+impl Drop for SlowRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay(client: TcpStream, upstream: SocketAddr, delay: Duration) {
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return;
+    };
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    let up = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let down = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = from_server.read(&mut buf).await {
+            if n == 0
+                || tx
+                    .send((Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    while let Some((due, bytes)) = rx.recv().await {
+        tokio::time::sleep_until(due.into()).await;
+        if to_client.write_all(&bytes).await.is_err() {
+            break;
+        }
+    }
+    up.abort();
+    down.abort();
+}
+
+/// Cache keys in a single Redis.
+fn cache_keys(port: u16) -> usize {
+    redis_cli(port, &["--scan", "--pattern", "llm:cache:*"])
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .count()
+}
+
+/// Waits for `child` to exit (successfully); returns how long it took, or panics after
+/// `limit`.
+async fn exits_within(child: &mut std::process::Child, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "still running {limit:?} after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `n` different deterministic prompts at once; every answer must be a 200 cache miss (so
+/// each one is written back to the store).
+async fn misses(proxy: &Proxy, n: usize) {
+    let asks = (0..n).map(|i| {
+        let body = chat(MODEL, &format!("prompt number {i}"), false);
+        // An API key: the cache's partition is per key (a request without identity may
+        // bypass it, depending on `tenant.anonymous`).
+        async move {
+            proxy
+                .ask(&body, &[("authorization", "Bearer test-key")])
+                .await
+        }
+    });
+    for a in futures_util::future::join_all(asks).await {
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.x_cache, "MISS");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_stored_just_before_sigterm_are_in_redis_once_the_process_has_exited() {
+    const ANSWERS: usize = 6;
+    let upstream = sim_serving(MODEL).await;
+    let redis = RedisServer::start();
+    // Every Redis answer 100 ms late: the writer task, one SET at a time, needs about 0.6 s
+    // for the six write-backs, so most are still queued when the signal comes, and all fit
+    // in the 2 s the stop gives them.
+    let redis_addr = SocketAddr::from(([127, 0, 0, 1], redis.port()));
+    let slow = SlowRelay::start(redis_addr, Duration::from_millis(100)).await;
+    let mut proxy = Proxy::start(json!({
+        // Long enough that only the drain (nothing in flight, then the flush) ends the process.
+        "pingora": {"grace_period_seconds": 30},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": {
+            "enabled": true,
+            "store": "redis",
+            // A slow Redis is not a failing one here: lookups wait for it, and no cool-down
+            // drops the writes.
+            "redis": {"url": slow.url(), "lookup_timeout": "5s", "failure_threshold": 1000},
+        }},
+    }))
+    .await;
+
+    misses(&proxy, ANSWERS).await;
+    let stored_before = tokio::task::block_in_place(|| cache_keys(redis.port()));
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    assert!(
+        stored_before < ANSWERS,
+        "every write had landed before the signal ({stored_before}): nothing left to flush"
+    );
+    let took = exits_within(&mut child, Duration::from_secs(25)).await;
+    eprintln!("{stored_before} of {ANSWERS} entries in Redis at SIGTERM; exited {took:?} after it");
+    let logs = proxy.logs();
+    assert!(
+        logs.contains("nothing in flight"),
+        "the drain, not the grace period, ended the process:\n{logs}"
+    );
+    let stored_after = tokio::task::block_in_place(|| cache_keys(redis.port()));
+    assert_eq!(
+        stored_after, ANSWERS,
+        "{stored_before} entries in Redis at SIGTERM, {stored_after} after the exit:\n{logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_never_answers_does_not_hold_the_exit_beyond_the_flush_bound() {
+    let upstream = sim_serving(MODEL).await;
+    let silent = SilentServer::start().await;
+    let mut proxy = Proxy::start(json!({
+        "pingora": {"grace_period_seconds": 120},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": {
+            "enabled": true,
+            "store": "redis",
+            // Each write waits up to 5 minutes on the silent Redis, and no cool-down drops
+            // the queued ones: only the flush's own bound can let the process go.
+            "redis": {"url": silent.url(), "connect_timeout": "300s", "failure_threshold": 1000},
+        }},
+    }))
+    .await;
+
+    misses(&proxy, 3).await;
+    let stored = proxy
+        .metric("sluice_cache_writes_total{outcome=\"stored\"}")
+        .await;
+    assert_eq!(
+        stored,
+        Some(3.0),
+        "the three answers were handed to the store"
+    );
+    let dropped = proxy
+        .metric("sluice_cache_write_queue_dropped_total{store=\"redis\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(
+        dropped, 0.0,
+        "no write was dropped: they wait on the silent Redis"
+    );
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    // The flush gives up after 2 s; without that bound the process would wait for the
+    // writes (5 minutes) or the grace period (2 minutes). The limit is generous on purpose.
+    let took = exits_within(&mut child, Duration::from_secs(30)).await;
+    eprintln!("exited {took:?} after SIGTERM with writes stuck on a silent Redis");
+    let logs = proxy.logs();
+    assert!(
+        logs.contains("nothing in flight"),
+        "the drain, not the grace period, ended the process:\n{logs}"
+    );
+}
