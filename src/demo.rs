@@ -138,6 +138,17 @@ fn point_at_simulators(
     )?;
     set(yaml, "listeners", &format!("[{{address: \"{proxy}\"}}]"))?;
     set(yaml, "admin", &format!("{{address: \"{admin}\"}}"))?;
+    // The README's first requests carry no API key: in the demo, they share the cache.
+    if let Some(cache) = yaml
+        .get_mut("plugins")
+        .and_then(|p| p.get_mut("cache"))
+        .and_then(Value::as_mapping_mut)
+    {
+        cache.insert(
+            Value::from("tenant"),
+            serde_yaml_ng::from_str("{anonymous: share}").map_err(|e| e.to_string())?,
+        );
+    }
     let tmp = std::env::temp_dir();
     let id = std::process::id();
     set_str(yaml, "pid_file", tmp.join(format!("sluice-demo-{id}.pid")));

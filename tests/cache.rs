@@ -23,7 +23,8 @@ async fn sim() -> vllm_sim::Sim {
 /// A proxy with the cache on (memory store) in front of `upstream`; `settings` (an object)
 /// adds keys to the cache section.
 async fn cached_proxy(upstream: &vllm_sim::Sim, settings: Value) -> Proxy {
-    let mut cache = json!({"enabled": true});
+    // These clients send no key: they share the anonymous partition (tested in its own test).
+    let mut cache = json!({"enabled": true, "tenant": {"anonymous": "share"}});
     if let Value::Object(keys) = settings {
         cache.as_object_mut().unwrap().extend(keys);
     }
@@ -131,27 +132,37 @@ async fn hits_take_the_form_the_client_asks_for() {
     assert_eq!(upstream_calls(&upstream), 2);
 }
 
+/// Without the tenants plugin, each API key is a partition of its own, whatever header a
+/// client adds; requests without any key bypass the cache unless the operator shares them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenants_never_share_entries() {
+async fn keys_never_share_entries_and_a_tenant_header_claims_nothing() {
     let upstream = sim().await;
-    let proxy = cached_proxy(&upstream, json!({"tenant": {"header": "x-tenant-id"}})).await;
-    let request = chat(MODEL, "same prompt, two tenants", false);
+    let proxy = cached_proxy(&upstream, json!({"tenant": {"anonymous": "bypass"}})).await;
+    let request = chat(MODEL, "same prompt, two keys", false);
     let alice = [("authorization", "Bearer key-alice")];
     let bob = [("authorization", "Bearer key-bob")];
 
     proxy.ask(&request, &alice).await;
     assert_eq!(proxy.until_hit(&request, &alice).await.x_cache, "HIT");
     assert_eq!(proxy.ask(&request, &bob).await.x_cache, "MISS");
-    // The trusted header names the tenant, whatever the key.
-    let acme_1 = [("x-tenant-id", "acme"), ("authorization", "Bearer one")];
-    let acme_2 = [("x-tenant-id", "acme"), ("authorization", "Bearer two")];
-    proxy.ask(&request, &acme_1).await;
-    assert_eq!(proxy.until_hit(&request, &acme_2).await.x_cache, "HIT");
+    // The same key in Azure's and Anthropic's headers is the same partition.
     assert_eq!(
-        proxy.ask(&request, &[]).await.x_cache,
-        "MISS",
-        "anonymous is a tenant too"
+        proxy
+            .ask(&request, &[("api-key", "key-alice")])
+            .await
+            .x_cache,
+        "HIT"
     );
+    // A header naming a tenant is no identity: bob stays bob.
+    let claims = [
+        ("x-tenant-id", "alice"),
+        ("authorization", "Bearer key-bob-2"),
+    ];
+    assert_eq!(proxy.ask(&request, &claims).await.x_cache, "MISS");
+    // No key: neither read nor filled.
+    for _ in 0..2 {
+        assert_eq!(proxy.ask(&request, &[]).await.x_cache, "BYPASS");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -47,7 +47,8 @@ async fn redis_proxy(upstream: &vllm_sim::Sim, target: Target, coalescing: Coale
         Target::Url(url) => redis["url"] = json!(url),
         Target::Cluster(nodes) => redis["cluster_nodes"] = json!(nodes),
     }
-    let mut cache = json!({"enabled": true, "store": "redis", "redis": redis});
+    let mut cache = json!({"enabled": true, "store": "redis", "redis": redis,
+        "tenant": {"anonymous": "share"}});
     if coalescing == Coalescing::Off {
         cache["coalesce"] = json!({"enabled": false});
     }

@@ -143,7 +143,8 @@ async fn proxy(upstream: &Counting, coalesce: Value) -> Proxy {
         .with("outlier_detection", json!({"consecutive_failures": 0}));
     Proxy::start(json!({
         "pools": [main],
-        "plugins": {"cache": {"enabled": true, "coalesce": coalesce}},
+        "plugins": {"cache": {
+            "enabled": true, "coalesce": coalesce, "tenant": {"anonymous": "share"}}},
     }))
     .await
 }

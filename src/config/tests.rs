@@ -1083,10 +1083,11 @@ fn kv_breaker_rules_are_enforced() {
         "plugins.kv_breaker.thresholds",
         "must not decrease",
     );
+    // Tenants' classes come from the tenants plugin, not from a header a client may set.
     refused(
         &with("plugins:\n  kv_breaker:\n    priority: {tenants: {a: {max: standard}}}"),
-        "plugins.kv_breaker.priority.tenant_header",
-        "needed",
+        "plugins.kv_breaker.priority.tenants",
+        "unknown field",
     );
     refused(
         &with("plugins:\n  kv_breaker:\n    priority: {default: vip}"),
@@ -1149,11 +1150,6 @@ fn kv_breaker_header_names_are_checked() {
         "plugins.kv_breaker.priority.header",
         "`x priority` is not a valid header name",
     );
-    refused(
-        &with("plugins:\n  kv_breaker: {enabled: true, priority: {tenant_header: 'x tenant'}}"),
-        "plugins.kv_breaker.priority.tenant_header",
-        "`x tenant` is not a valid header name",
-    );
 }
 
 // ---- (b) refusals: the cache's section, every rule --------------------------------------------
@@ -1210,9 +1206,14 @@ fn cache_header_names_are_checked() {
         "`x index` is not a valid header name",
     );
     refused(
-        &cache_with("tenant: {header: 'x tenant'}"),
+        &cache_with("tenant: {header: x-tenant-id}"),
         "plugins.cache.tenant.header",
-        "`x tenant` is not a valid header name",
+        "unknown field",
+    );
+    refused(
+        &cache_with("tenant: {anonymous: everyone}"),
+        "plugins.cache.tenant.anonymous",
+        "unknown variant",
     );
 }
 

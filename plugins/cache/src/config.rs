@@ -90,14 +90,27 @@ impl Default for MemoryConfig {
     }
 }
 
+/// Whose entries a request may see. The tenant is the one the `tenants` plugin identified
+/// (never a header a client may set); without that plugin, a digest of the request's API key.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantConfig {
-    /// A header set by a trusted layer in front (gateway, auth proxy) that names the tenant.
-    /// When absent from a request, the tenant is derived from the API key.
-    pub header: Option<String>,
+    /// Requests without identity (no API key, or the tenants plugin's anonymous tenant).
+    pub anonymous: Anonymous,
     /// Let tenants share entries. Off: identical prompts of two tenants never meet.
     pub share_across_tenants: bool,
+}
+
+/// What the cache does for requests without identity.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Anonymous {
+    /// They neither read nor fill the cache (`x-cache: BYPASS`).
+    #[default]
+    Bypass,
+    /// They share one partition of their own: the operator's choice, for a fleet whose
+    /// clients are all one party.
+    Share,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]

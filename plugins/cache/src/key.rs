@@ -29,10 +29,11 @@
 //!   its encoding when the value is a scalar or a string of at most [`INLINE_STRING`] bytes,
 //!   else `H` and the SHA-256 of its encoding.
 
-use http::{HeaderMap, HeaderName};
+use crate::config::Anonymous;
+use http::HeaderMap;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
-use sluice_sdk::Endpoint;
+use sluice_sdk::{api_key, Endpoint, Tenant};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -437,29 +438,28 @@ impl<'de> Visitor<'de> for ObjectVisitor<'_> {
     }
 }
 
-/// The tenant of a request: the trusted header's value when configured and present, else a
-/// digest of the bearer token, else `anonymous`. `*` when tenants share the cache.
-pub fn tenant(headers: &HeaderMap, trusted_header: Option<&HeaderName>, shared: bool) -> String {
+/// The partition of the cache a request reads and fills: its identified tenant's, else (no
+/// tenants plugin) one per API key, by a digest of the key's raw bytes; requests without
+/// identity share the `anonymous` one only when the operator chose so, else `None`: bypass.
+/// `*` when tenants share the cache.
+pub fn partition(
+    headers: &HeaderMap,
+    tenant: Option<&Tenant>,
+    anonymous: Anonymous,
+    shared: bool,
+) -> Option<String> {
     if shared {
-        return "*".into();
+        return Some("*".into());
     }
-    if let Some(v) = trusted_header.and_then(|h| headers.get(h)) {
-        return format!("h:{}", String::from_utf8_lossy(v.as_bytes()));
-    }
-    let token = headers
-        .get(http::header::AUTHORIZATION)
-        .map(|v| v.as_bytes())
-        .and_then(|v| {
-            v.strip_prefix(b"Bearer ")
-                .or_else(|| v.strip_prefix(b"bearer "))
-        })
-        .map(|t| t.trim_ascii())
-        .filter(|t| !t.is_empty());
-    match token {
+    let identity = match tenant {
+        Some(t) if t.identified => Some(format!("t:{}", t.name)),
+        Some(_) => None,
         // The key itself never reaches the store: only a digest of it.
-        Some(t) => format!("k:{}", hex::encode(&Sha256::digest(t)[..16])),
-        None => "anonymous".into(),
-    }
+        None => {
+            api_key(headers).map(|key| format!("k:{}", hex::encode(&Sha256::digest(key)[..16])))
+        }
+    };
+    identity.or_else(|| (anonymous == Anonymous::Share).then(|| Tenant::ANONYMOUS.to_owned()))
 }
 
 #[cfg(test)]
@@ -581,26 +581,62 @@ mod tests {
     }
 
     #[test]
-    fn tenants_come_from_the_trusted_header_then_the_api_key() {
+    fn partitions_come_from_the_tenant_then_the_api_key() {
         let mut h = HeaderMap::new();
+        let part = |h: &HeaderMap, t: Option<&Tenant>, a| partition(h, t, a, false);
         assert_eq!(
-            tenant(&h, Some(&HeaderName::from_static("x-tenant")), false),
-            "anonymous"
+            part(&h, None, Anonymous::Bypass),
+            None,
+            "no identity: bypass"
+        );
+        assert_eq!(
+            part(&h, None, Anonymous::Share).as_deref(),
+            Some("anonymous")
         );
         h.insert("authorization", "Bearer sk-123".parse().unwrap());
-        let by_key = tenant(&h, Some(&HeaderName::from_static("x-tenant")), false);
+        let by_key = part(&h, None, Anonymous::Bypass).unwrap();
         assert!(by_key.starts_with("k:") && !by_key.contains("sk-123"));
-        h.insert("x-tenant", "acme".parse().unwrap());
+        // Raw bytes are hashed: two keys differing only in a non-UTF-8 byte do not collide.
+        let mut other = HeaderMap::new();
+        other.insert(
+            "x-api-key",
+            http::HeaderValue::from_bytes(b"caf\xe9").unwrap(),
+        );
+        let mut another = HeaderMap::new();
+        another.insert(
+            "x-api-key",
+            http::HeaderValue::from_bytes(b"caf\xe8").unwrap(),
+        );
+        assert_ne!(
+            part(&other, None, Anonymous::Bypass),
+            part(&another, None, Anonymous::Bypass)
+        );
+
+        let tenant = |name: &str, identified| Tenant {
+            name: name.into(),
+            identified,
+            default_priority: None,
+            max_priority: None,
+            may_force_target: false,
+        };
+        // An identified tenant's partition, whatever key or header the request carries.
+        h.insert("x-tenant", "beta".parse().unwrap());
+        let alpha = tenant("alpha", true);
         assert_eq!(
-            tenant(&h, Some(&HeaderName::from_static("x-tenant")), false),
-            "h:acme"
+            part(&h, Some(&alpha), Anonymous::Bypass).as_deref(),
+            Some("t:alpha")
+        );
+        // The tenants plugin's anonymous tenant has no identity, even with a key.
+        let anonymous = tenant(Tenant::ANONYMOUS, false);
+        assert_eq!(part(&h, Some(&anonymous), Anonymous::Bypass), None);
+        assert_eq!(
+            part(&h, Some(&anonymous), Anonymous::Share).as_deref(),
+            Some("anonymous")
         );
         assert_eq!(
-            tenant(&h, Some(&HeaderName::from_static("x-tenant")), true),
-            "*"
+            partition(&h, Some(&alpha), Anonymous::Bypass, true).as_deref(),
+            Some("*")
         );
-        // Without a configured trusted header, a client-sent one means nothing.
-        assert_eq!(tenant(&h, None, false), by_key);
     }
 
     #[test]

@@ -26,7 +26,7 @@
 //!     memory: {max_bytes: 268435456}
 //!     ttl: 1h
 //!     cacheable: deterministic # or all
-//!     tenant: {header: x-tenant-id}
+//!     tenant: {anonymous: bypass}  # requests without identity; `share`: one partition
 //! ```
 
 pub mod coalesce;
@@ -51,7 +51,7 @@ use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
     async_trait, ConfigError, Endpoint, Error, ErrorReply, ErrorType, Flow, Host, LlmCall,
-    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session,
+    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,7 +64,6 @@ pub struct CacheBuilder {
     /// What queued Redis writes take their bytes from.
     memory: Arc<MemoryBudget>,
     key_headers: Vec<HeaderName>,
-    tenant_header: Option<HeaderName>,
 }
 
 impl PluginBuilder for CacheBuilder {
@@ -83,15 +82,10 @@ impl PluginBuilder for CacheBuilder {
             .enumerate()
             .map(|(i, h)| header_name(&format!("key_headers[{i}]"), h))
             .collect::<std::result::Result<_, _>>()?;
-        let tenant_header = match &config.tenant.header {
-            Some(h) => Some(header_name("tenant.header", h)?),
-            None => None,
-        };
         Ok(Some(Self {
             config,
             memory: Arc::clone(&host.memory),
             key_headers,
-            tenant_header,
         }))
     }
 
@@ -106,7 +100,6 @@ pub struct Cache {
     store: Arc<dyn Store>,
     inflight: Arc<Inflight>,
     key_headers: Vec<HeaderName>,
-    tenant_header: Option<HeaderName>,
     /// Fresh ids for answers served from the cache: `<nonce><counter>`.
     id_nonce: u64,
     id_counter: AtomicU64,
@@ -146,7 +139,6 @@ impl Cache {
             config,
             memory,
             key_headers,
-            tenant_header,
         } = ready;
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => {
@@ -162,7 +154,6 @@ impl Cache {
                 config.coalesce.max_wait,
             )),
             key_headers,
-            tenant_header,
             id_nonce: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
@@ -196,14 +187,22 @@ impl Cache {
 
     /// The request's key: hashed off the workers when the body is large (see
     /// [`sluice_sdk::cpu`]).
-    async fn key_for(&self, session: &Session, call: &LlmCall) -> Option<CacheKey> {
+    /// `None` when the request may not use the cache: it has no identity and anonymous
+    /// requests bypass.
+    async fn key_for(
+        &self,
+        session: &Session,
+        tenant: Option<&Tenant>,
+        call: &LlmCall,
+    ) -> Option<CacheKey> {
         let headers = &session.req_header().headers;
-        let tenant = key::tenant(
+        let tenant = key::partition(
             headers,
-            self.tenant_header.as_ref(),
+            tenant,
+            self.config.tenant.anonymous,
             self.config.tenant.share_across_tenants,
-        );
-        let extra: Vec<(String, Vec<u8>)> = self
+        )?;
+        let mut extra: Vec<(String, Vec<u8>)> = self
             .key_headers
             .iter()
             .map(|h| {
@@ -211,6 +210,14 @@ impl Cache {
                 (h.as_str().to_string(), value.to_vec())
             })
             .collect();
+        // A tier asked for changes which pool answers: a forced-target request never gets a
+        // draft's answer, nor the reverse.
+        if let Some(tier) = headers.get(&sluice_sdk::headers::TIER) {
+            extra.push((
+                sluice_sdk::headers::TIER.to_string(),
+                tier.as_bytes().to_vec(),
+            ));
+        }
         let (endpoint, body) = (call.endpoint, call.body.clone());
         let digest = body_work(body.len(), move || {
             let extra: Vec<(&str, &[u8])> = extra
@@ -257,7 +264,10 @@ impl Plugin for Cache {
         // The key (a second parse of the body, and a hash) only when the cache takes part.
         let key = match use_ {
             Use::Bypass => None,
-            _ => self.key_for(session, call).await,
+            _ => {
+                self.key_for(session, ctx.tenant().map(|t| &**t), call)
+                    .await
+            }
         };
         let Some(key) = key else {
             metrics::request(metrics::Outcome::Bypass);

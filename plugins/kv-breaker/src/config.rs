@@ -1,8 +1,7 @@
 //! The `plugins.kv_breaker` config section.
 
 use serde::Deserialize;
-use sluice_sdk::{duration, ConfigError, Priority};
-use std::collections::BTreeMap;
+use sluice_sdk::{duration, ConfigError, Priority, StaleAs};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -17,6 +16,10 @@ pub struct KvBreakerConfig {
     pub priority: PriorityConfig,
     /// A bounded wait for capacity before a request is shed.
     pub queue: QueueConfig,
+    /// How a backend whose metrics are stale (unreachable, or a page that cannot be read)
+    /// counts: `unknown` (left out: a pool is not shed because its monitoring broke) or
+    /// `saturated` (as a full KV cache: fail closed).
+    pub stale_as: StaleAs,
     /// The status a shed request is answered with: 503 (the default), or 429 or 529 for
     /// fleets whose clients expect those for "overloaded". "No healthy backend" stays 503.
     pub overload_status: u16,
@@ -36,6 +39,7 @@ impl Default for KvBreakerConfig {
             thresholds: Thresholds::default(),
             priority: PriorityConfig::default(),
             queue: QueueConfig::default(),
+            stale_as: StaleAs::Unknown,
             min_retry_after: Duration::from_secs(1),
             max_retry_after: Duration::from_secs(30),
         }
@@ -147,8 +151,9 @@ impl MaxWait {
 /// The longest `queue.max_wait` accepted: a client waiting longer has long given up.
 const MAX_QUEUE_WAIT: Duration = Duration::from_secs(60);
 
-/// How a request's class is decided: the header, else the tenant's default, else
-/// `default`; then capped by the tenant's `max`, else by `max`.
+/// How a request's class is decided: the header, else the tenant's default, else `default`;
+/// then capped by the tenant's highest class, else by `max`. Tenants come from the `tenants`
+/// plugin.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PriorityConfig {
@@ -156,9 +161,6 @@ pub struct PriorityConfig {
     pub default: Priority,
     /// The highest class a client may ask for by header.
     pub max: Priority,
-    /// A request header that names the tenant, for `tenants`.
-    pub tenant_header: Option<String>,
-    pub tenants: BTreeMap<String, TenantPriority>,
 }
 
 impl Default for PriorityConfig {
@@ -167,17 +169,8 @@ impl Default for PriorityConfig {
             header: sluice_sdk::headers::PRIORITY.as_str().into(),
             default: Priority::Standard,
             max: Priority::Critical,
-            tenant_header: None,
-            tenants: BTreeMap::new(),
         }
     }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TenantPriority {
-    pub default: Option<Priority>,
-    pub max: Option<Priority>,
 }
 
 impl KvBreakerConfig {
@@ -238,12 +231,6 @@ impl KvBreakerConfig {
                     "must be between 1 and 100000 (got {})",
                     self.queue.max_queued
                 ),
-            ));
-        }
-        if !self.priority.tenants.is_empty() && self.priority.tenant_header.is_none() {
-            return Err(ConfigError::new(
-                "priority.tenant_header",
-                "is needed when priority.tenants is set",
             ));
         }
         Ok(())

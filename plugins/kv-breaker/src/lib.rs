@@ -9,8 +9,10 @@
 //!
 //! - Priority classes: `sheddable`, `standard`, `critical`, each with its own `shed_above` and
 //!   `resume_below` (hysteresis), so low priority is shed first and a pool does not flap at
-//!   the threshold. The class comes from a header (`x-sluice-priority`) or the tenant's
-//!   config, capped by policy.
+//!   the threshold. The class comes from a header (`x-sluice-priority`), else the tenant's
+//!   default, else `priority.default`; capped by the tenant's highest class, else
+//!   `priority.max`. The tenant is the one the `tenants` plugin identified (an API key), never
+//!   a header the client may set.
 //! - When the preferred pool sheds a request and another pool serving its model admits it,
 //!   the request goes there (`reroute`). Otherwise it waits in the pool's admission queue
 //!   (`queue`: highest class first, up to its class's `max_wait`, none for `sheddable` by
@@ -34,9 +36,7 @@
 //!       header: x-sluice-priority
 //!       default: standard
 //!       max: critical              # the highest class a header may ask for
-//!       tenant_header: x-tenant    # optional: per-tenant defaults and caps
-//!       tenants:
-//!         batch-jobs: {default: sheddable, max: standard}
+//!     stale_as: unknown           # a backend whose metrics are stale is left out
 //!     queue:
 //!       enabled: true
 //!       max_wait: {sheddable: 0s, standard: 2s, critical: 2s}
@@ -61,7 +61,7 @@ use queue::{Place, Queue};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
     Admission, ConfigError, Error, ErrorReply, ErrorType, Flow, Host, LlmCall, Plugin,
-    PluginBuilder, Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session,
+    PluginBuilder, Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -71,7 +71,6 @@ use std::time::Duration;
 pub struct KvBreakerBuilder {
     config: KvBreakerConfig,
     priority_header: HeaderName,
-    tenant_header: Option<HeaderName>,
     pools: Arc<Pools>,
 }
 
@@ -85,14 +84,9 @@ impl PluginBuilder for KvBreakerBuilder {
     ) -> std::result::Result<Option<Self>, ConfigError> {
         config.validate()?;
         let priority_header = header_name("priority.header", &config.priority.header)?;
-        let tenant_header = match &config.priority.tenant_header {
-            Some(name) => Some(header_name("priority.tenant_header", name)?),
-            None => None,
-        };
         Ok(config.enabled.then(|| Self {
             config,
             priority_header,
-            tenant_header,
             pools: Arc::clone(&host.pools),
         }))
     }
@@ -105,6 +99,7 @@ impl PluginBuilder for KvBreakerBuilder {
             .map(|pool| {
                 let gate = Arc::new(Gate {
                     thresholds: self.config.thresholds.clone(),
+                    stale_as: self.config.stale_as,
                     drain: Drain::default(),
                     shedding: AtomicU8::new(0),
                 });
@@ -128,7 +123,6 @@ impl PluginBuilder for KvBreakerBuilder {
             max_wait: self.config.queue.max_wait,
             priority: self.config.priority,
             priority_header: self.priority_header,
-            tenant_header: self.tenant_header,
             pools: self.pools,
             lanes,
         })
@@ -143,7 +137,6 @@ pub struct KvBreaker {
     max_wait: config::MaxWait,
     priority: config::PriorityConfig,
     priority_header: HeaderName,
-    tenant_header: Option<HeaderName>,
     pools: Arc<Pools>,
     /// Each pool's gate and queue, in the order of `pools`.
     lanes: Vec<Lane>,
@@ -166,6 +159,7 @@ struct Admitted {
 /// computed from the pool's live pressure.
 struct Gate {
     thresholds: Thresholds,
+    stale_as: StaleAs,
     /// How fast the pool's usage is falling, for `retry-after`.
     drain: Drain,
     /// The classes being shed, one bit per [`Priority`]: the hysteresis between `shed_above`
@@ -182,7 +176,7 @@ impl Gate {
     fn shedding(&self, pool: &Pool, pressure: &Pressure, priority: Priority) -> bool {
         // No usable backend, or nothing known: not this gate's call. The core answers
         // "no healthy backend" in the first case; unknown load is admitted.
-        let Some(usage) = pressure.kv_usage else {
+        let Some(usage) = self.usage(pressure) else {
             return false;
         };
         self.drain.observe(usage);
@@ -209,6 +203,13 @@ impl Gate {
     }
 }
 
+impl Gate {
+    /// The pool's projected usage, stale backends counted as configured.
+    fn usage(&self, pressure: &Pressure) -> Option<f64> {
+        pressure.kv_usage_counting_stale(self.stale_as)
+    }
+}
+
 impl Admission for Gate {
     fn sheds(&self, pool: &Pool, priority: Priority) -> bool {
         self.shedding(pool, &pool.pressure(), priority)
@@ -220,9 +221,14 @@ impl Admission for Gate {
             return false;
         }
         let line = self.thresholds.of(priority).shed_above;
-        pressure
-            .with_demand(tokens)
-            .is_none_or(|after| after < line)
+        let Some(usage) = self.usage(&pressure) else {
+            return true;
+        };
+        let demand = match pressure.kv_capacity_tokens {
+            Some(capacity) if capacity > 0.0 => tokens as f64 / capacity,
+            _ => 0.0,
+        };
+        usage + demand < line
     }
 }
 
@@ -252,22 +258,19 @@ fn report_change(
 }
 
 impl KvBreaker {
-    /// The request's class: header, else tenant default, else the default; capped.
-    fn priority(&self, session: &Session) -> Priority {
+    /// The request's class: the header, else the tenant's default, else the default; capped
+    /// by the tenant's highest class, else by `priority.max`.
+    fn priority(&self, session: &Session, ctx: &RequestCtx) -> Priority {
         let p = &self.priority;
-        let headers = &session.req_header().headers;
-        let tenant = self
-            .tenant_header
-            .as_ref()
-            .and_then(|h| headers.get(h))
-            .and_then(|v| v.to_str().ok())
-            .and_then(|t| p.tenants.get(t));
-        let asked = headers
+        let tenant = ctx.tenant();
+        let asked = session
+            .req_header()
+            .headers
             .get(&self.priority_header)
             .and_then(|v| v.to_str().ok())
             .and_then(Priority::parse);
-        let default = tenant.and_then(|t| t.default).unwrap_or(p.default);
-        let cap = tenant.and_then(|t| t.max).unwrap_or(p.max);
+        let default = tenant.and_then(|t| t.default_priority).unwrap_or(p.default);
+        let cap = tenant.and_then(|t| t.max_priority).unwrap_or(p.max);
         asked.unwrap_or(default).min(cap)
     }
 
@@ -283,7 +286,9 @@ impl KvBreaker {
     fn retry_after(&self, pool: &Arc<Pool>, priority: Priority) -> u32 {
         let min = self.min_retry_after.as_secs_f64();
         let max = self.max_retry_after.as_secs_f64();
-        let wait = match (self.lane(pool), pool.pressure().kv_usage) {
+        let lane = self.lane(pool);
+        let usage = lane.and_then(|Lane { gate, .. }| gate.usage(&pool.pressure()));
+        let wait = match (lane, usage) {
             (Some(Lane { gate, .. }), Some(usage)) => {
                 let resume = gate.thresholds.of(priority).resume_below;
                 gate.drain.seconds_to_reach(usage, resume).unwrap_or(max)
@@ -319,7 +324,7 @@ impl Plugin for KvBreaker {
     }
 
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
-        let priority = self.priority(session);
+        let priority = self.priority(session, ctx);
         ctx.set_priority(priority);
         let (Some(pool), Some(call)) = (ctx.pool().cloned(), ctx.llm()) else {
             return Ok(Flow::Continue);
@@ -429,6 +434,13 @@ mod tests {
     use sluice_sdk::Load;
 
     fn breaker() -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
+        breaker_with(KvBreakerConfig {
+            enabled: true,
+            ..KvBreakerConfig::default()
+        })
+    }
+
+    fn breaker_with(config: KvBreakerConfig) -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
         let backend = BackendSpec {
             address: "127.0.0.1:9".into(),
             resolved: "127.0.0.1:9".parse().unwrap(),
@@ -440,10 +452,6 @@ mod tests {
             vec![backend],
         )));
         let pools = Arc::new(Pools::new(vec![Arc::clone(&pool)]));
-        let config = KvBreakerConfig {
-            enabled: true,
-            ..KvBreakerConfig::default()
-        };
         let thresholds = config.thresholds.clone();
         let host = Host {
             pools,
@@ -463,6 +471,32 @@ mod tests {
             spec_acceptance: None,
             scraped_at: std::time::Instant::now(),
         });
+    }
+
+    #[test]
+    fn a_pool_whose_metrics_went_stale_is_shed_only_when_told_to_fail_closed() {
+        for (stale_as, shed) in [(StaleAs::Unknown, false), (StaleAs::Saturated, true)] {
+            let (_breaker, pool, _) = breaker_with(KvBreakerConfig {
+                enabled: true,
+                stale_as,
+                ..KvBreakerConfig::default()
+            });
+            let live = &pool.live[0];
+            for _ in 0..pool.health.healthy_after {
+                live.record_probe(true, &pool.health);
+            }
+            // Its last readable page is long gone: the backend is alive, its load unknown.
+            live.publish_load(Load {
+                kv_usage: Some(0.1),
+                running: 1.0,
+                waiting: 0.0,
+                kv_capacity_tokens: Some(100_000),
+                spec_acceptance: None,
+                scraped_at: std::time::Instant::now() - pool.health.stale_after * 2,
+            });
+            assert_eq!(pool.sheds(Priority::Critical), shed, "{stale_as:?}");
+            assert_eq!(pool.admits(Priority::Standard, 10), !shed, "{stale_as:?}");
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use crate::escalation::Escalation;
 use crate::llm::{Endpoint, LlmCall};
 use crate::pool::{Pool, Priority};
+use crate::tenant::Tenant;
 
 /// What the router decided for a request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,7 +48,7 @@ impl Route {
 /// - **Routing intents** a request hook may express: [`RequestCtx::send_to`],
 ///   [`RequestCtx::try_first`], [`RequestCtx::escalate_to`], [`RequestCtx::ask_upstream_for`].
 /// - **What one plugin tells the others**, under neutral names: the request's id, its
-///   priority class, whether it was answered locally (a cache hit).
+///   priority class, its tenant, whether it was answered locally (a cache hit).
 /// - **Each plugin's own state**, in [`RequestCtx::state`], keyed by a type private to the
 ///   plugin, so plugins cannot collide.
 #[derive(Debug)]
@@ -57,6 +58,7 @@ pub struct RequestCtx {
     llm: Option<LlmCall>,
     request_id: Option<String>,
     priority: Option<Priority>,
+    tenant: Option<Arc<Tenant>>,
     answered_locally: bool,
     pool: Option<Arc<Pool>>,
     escalation: Option<Escalation>,
@@ -103,6 +105,7 @@ impl RequestCtx {
             llm: None,
             request_id: None,
             priority: None,
+            tenant: None,
             answered_locally: false,
             pool: None,
             escalation: None,
@@ -162,6 +165,17 @@ impl RequestCtx {
     /// from the priority header); a later call replaces it.
     pub fn set_priority(&mut self, priority: Priority) {
         self.priority = Some(priority);
+    }
+
+    /// The tenant the request was identified as, once the tenants plugin did.
+    pub fn tenant(&self) -> Option<&Arc<Tenant>> {
+        self.tenant.as_ref()
+    }
+
+    /// Records who is calling (the tenants plugin does, in `early_request`); the breaker, the
+    /// selector and the cache read it instead of client headers.
+    pub fn set_tenant(&mut self, tenant: Arc<Tenant>) {
+        self.tenant = Some(tenant);
     }
 
     /// The answer was made here, without an upstream (a cache hit).

@@ -93,8 +93,10 @@ impl BackendState {
 }
 
 /// How a backend with stale metrics counts, for whoever reads its load: the pool's balancer
-/// (`HealthPolicy::stale_as`) and the KV breaker each choose.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// (`HealthPolicy::stale_as`) and the KV breaker each choose. Written in config files in
+/// lower case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum StaleAs {
     /// As a full KV cache: the balancer avoids it (what the Kubernetes inference gateway
     /// does); a breaker that counts it so sees pressure.

@@ -31,6 +31,7 @@ pub mod pool;
 pub mod ratio;
 pub mod raw_json;
 pub mod retry;
+pub mod tenant;
 
 pub use config::ConfigError;
 pub use ctx::{PluginState, Progress, RequestCtx, Route};
@@ -47,6 +48,7 @@ pub use pool::{
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
+pub use tenant::{api_key, Tenant};
 
 // Re-exported so that plugins use the exact Pingora types the core uses.
 pub use async_trait::async_trait;

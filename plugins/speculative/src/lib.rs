@@ -3,7 +3,8 @@
 //! should not serve.
 //!
 //! Before sending, in the request phase, a request goes straight to the target when
-//! - the client asks for it (`x-sluice-tier: target`, if allowed): `forced`;
+//! - the client asks for it (`x-sluice-tier: target`, if `allow_forced_target` and the
+//!   request's tenant allow it): `forced`;
 //! - it needs what the draft pool does not support (tools, logprobs, `n` > 1, `best_of` > 1
 //!   or beam search, per the pool's `supports`): `unsupported`;
 //! - its estimated prompt tokens plus `max_tokens` exceed the draft's `max_model_len`:
@@ -223,7 +224,7 @@ impl Speculative {
         priority: Priority,
     ) -> std::result::Result<Arc<Pool>, &'static str> {
         let request = &call.request;
-        if tier == Some("target") && self.config.allow_forced_target {
+        if tier == Some("target") {
             return Err(reason::FORCED);
         }
         // The classifier reads the whole prompt: only when a draft depends on it.
@@ -294,12 +295,16 @@ impl Plugin for Speculative {
         let (Some(model), Some(call)) = (self.models.get(index), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
+        // Forcing the 9×-pricier pool is the operator's to allow, and then the tenant's.
+        let may_force = self.config.allow_forced_target
+            && ctx.tenant().is_none_or(|tenant| tenant.may_force_target);
         let tier = session
             .req_header()
             .headers
             .get(&self.tier_header)
             .and_then(|v| v.to_str().ok())
-            .map(str::trim);
+            .map(str::trim)
+            .filter(|_| may_force);
         // Until a plugin decided the class, the draft is judged for a standard request.
         let priority = ctx.priority().unwrap_or(Priority::Standard);
         // Decided before any copy of the body is made: the code classifier may unescape a
