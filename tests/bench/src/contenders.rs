@@ -84,6 +84,12 @@ pub enum Contender {
     SluiceHealthChecks,
     /// Scenario 7: the same, health checks off: the idle floor.
     SluiceNoHealthChecks,
+    /// Scenario 10: Sluice in front of a pool of simulators, one of which is killed.
+    SluiceBackendKilled,
+    /// Scenario 11: Sluice with the KV breaker refusing at once (admission queue off).
+    SluiceBreakerRefuses,
+    /// Scenario 11: Sluice with the KV breaker's admission queue on.
+    SluiceBreakerWaits,
 }
 
 impl Contender {
@@ -122,6 +128,9 @@ impl Contender {
             Contender::SluiceRedisHit => "sluice (cache hits, redis)",
             Contender::SluiceHealthChecks => "sluice (health checks on)",
             Contender::SluiceNoHealthChecks => "sluice (health checks off)",
+            Contender::SluiceBackendKilled => "sluice (one backend killed)",
+            Contender::SluiceBreakerRefuses => "sluice (kv breaker, wait off)",
+            Contender::SluiceBreakerWaits => "sluice (kv breaker, wait on)",
         }
     }
 }
@@ -338,6 +347,13 @@ pub struct SimSpec {
     /// Every answer has exactly this many tokens (default: 8 to 64, from the prompt).
     #[arg(long)]
     pub answer_tokens: Option<u32>,
+    /// KV-cache blocks of 16 tokens (default: 2^24, more than any scenario fills).
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+    /// A request whose KV reservation does not fit gets vLLM's `500 CUDA out of memory`
+    /// instead of waiting (scenario 11).
+    #[arg(long)]
+    pub oom: bool,
 }
 
 impl SimSpec {
@@ -345,6 +361,8 @@ impl SimSpec {
         SimSpec {
             itl_ms: 0.0,
             answer_tokens: None,
+            kv_blocks: None,
+            oom: false,
         }
     }
 
@@ -352,6 +370,8 @@ impl SimSpec {
         SimSpec {
             itl_ms,
             answer_tokens: Some(tokens),
+            kv_blocks: None,
+            oom: false,
         }
     }
 
@@ -360,11 +380,18 @@ impl SimSpec {
         if let Some(n) = self.answer_tokens {
             a.extend(["--answer-tokens".to_string(), n.to_string()]);
         }
+        if let Some(n) = self.kv_blocks {
+            a.extend(["--kv-blocks".to_string(), n.to_string()]);
+        }
+        if self.oom {
+            a.push("--oom".to_string());
+        }
         a
     }
 
     /// The simulator's configuration: room for 8 MiB prompts (scenario 9 sends 4M token ids,
-    /// one token each) and 1,000 streams, no request recording, no jitter.
+    /// one token each) and 1,000 streams, no request recording, no jitter; scenario 11 gives
+    /// it a small KV cache (`kv_blocks`) that runs out (`oom`).
     pub fn config(&self, listen: SocketAddr) -> vllm_sim::SimConfig {
         let mut c = vllm_sim::SimConfig::default()
             .with_listen(listen)
@@ -386,7 +413,10 @@ impl SimSpec {
         if let Some(n) = self.answer_tokens {
             c = c.with_answer_tokens(n, n);
         }
-        c
+        if let Some(blocks) = self.kv_blocks {
+            c = c.with_kv(blocks, 16);
+        }
+        c.with_oom(self.oom)
     }
 }
 
@@ -614,7 +644,7 @@ pub async fn start_sluice(
 }
 
 /// Starts Sluice with `yaml` as `dir/NAME.yaml`, once it listens on `addrs`.
-async fn start_sluice_with(
+pub async fn start_sluice_with(
     bin: &Path,
     dir: &Path,
     name: &str,

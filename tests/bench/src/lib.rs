@@ -9,7 +9,9 @@ pub mod abuse;
 pub mod bare;
 pub mod contenders;
 pub mod loadgen;
+pub mod phased;
 pub mod report;
+pub mod resilience;
 pub mod scenarios;
 pub mod sse;
 
@@ -75,6 +77,21 @@ pub struct Params {
     pub memory_conns: usize,
     pub memory_body_bytes: usize,
     pub memory_repeats: usize,
+    /// Scenario 10: backends of the pool (one is killed), the open-loop rate, how long it
+    /// runs, when the kill comes, and the simulator's inter-token interval (16 tokens each).
+    pub kill_backends: usize,
+    pub kill_rate: f64,
+    pub kill_duration: Duration,
+    pub kill_at: Duration,
+    pub kill_itl_ms: f64,
+    /// Scenario 11: simulators, each one's KV blocks (16 tokens), the steady phase, the
+    /// burst (3× the steady rate) and the steady phase after it.
+    pub burst_backends: usize,
+    pub burst_kv_blocks: u32,
+    pub burst_itl_ms: f64,
+    pub burst_steady: Duration,
+    pub burst_len: Duration,
+    pub burst_after: Duration,
 }
 
 impl Params {
@@ -107,6 +124,17 @@ impl Params {
             memory_conns: 4,
             memory_body_bytes: 8 << 20,
             memory_repeats: 3,
+            kill_backends: 3,
+            kill_rate: 800.0,
+            kill_duration: Duration::from_secs(6),
+            kill_at: Duration::from_secs(2),
+            kill_itl_ms: 1.0,
+            burst_backends: 2,
+            burst_kv_blocks: 600,
+            burst_itl_ms: 25.0,
+            burst_steady: Duration::from_secs(3),
+            burst_len: Duration::from_secs(2),
+            burst_after: Duration::from_secs(3),
         }
     }
 
@@ -139,6 +167,17 @@ impl Params {
             memory_conns: 4,
             memory_body_bytes: 256 << 10,
             memory_repeats: 1,
+            kill_backends: 3,
+            kill_rate: 100.0,
+            kill_duration: Duration::from_millis(1500),
+            kill_at: Duration::from_millis(700),
+            kill_itl_ms: 1.0,
+            burst_backends: 2,
+            burst_kv_blocks: 100,
+            burst_itl_ms: 10.0,
+            burst_steady: Duration::from_millis(700),
+            burst_len: Duration::from_millis(300),
+            burst_after: Duration::from_millis(500),
         }
     }
 }

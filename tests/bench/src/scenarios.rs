@@ -51,6 +51,14 @@ pub const ALL: &[(u8, &str)] = &[
         "Abuse: normal traffic's latency and errors, quiet and under attack",
     ),
     (9, "Large request bodies: the proxy's peak memory"),
+    (
+        10,
+        "Backend killed under load: failed requests and attempts on the dead backend",
+    ),
+    (
+        11,
+        "Burst over KV capacity: the breaker refusing at once against waiting in its queue",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -64,11 +72,13 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         7 => health_scraping(ctx).await,
         8 => abuse(ctx).await,
         9 => large_bodies(ctx).await,
+        10 => crate::resilience::killed_backend(ctx).await,
+        11 => crate::resilience::burst(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
 
-fn title(id: u8) -> &'static str {
+pub(crate) fn title(id: u8) -> &'static str {
     ALL.iter()
         .find(|(i, _)| *i == id)
         .map(|(_, t)| *t)
@@ -201,8 +211,12 @@ impl Stack {
                         "runs from the bench binary; this run has none (smoke test)".into(),
                     )),
                 },
-                Contender::SluiceHealthChecks | Contender::SluiceNoHealthChecks => {
-                    bail!("{c} runs only in scenario 7, which starts it itself")
+                Contender::SluiceHealthChecks
+                | Contender::SluiceNoHealthChecks
+                | Contender::SluiceBackendKilled
+                | Contender::SluiceBreakerRefuses
+                | Contender::SluiceBreakerWaits => {
+                    bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
         }
@@ -227,7 +241,7 @@ impl Stack {
     }
 }
 
-fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
+pub(crate) fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
     Bytes::from(
         serde_json::json!({
             "model": MODEL,
@@ -240,7 +254,7 @@ fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
     )
 }
 
-const CHAT: &str = "/v1/chat/completions";
+pub(crate) const CHAT: &str = "/v1/chat/completions";
 
 /// What closed-loop rounds measured, per contender and round.
 struct Rounds {
@@ -1163,8 +1177,8 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
     // Every answer is as long as a stalled reader's `max_tokens` asks; the normal requests and
     // the big bodies ask for 16 tokens, so theirs stay short.
     let spec = SimSpec {
-        itl_ms: 0.0,
         answer_tokens: Some(p.abuse_stream_tokens),
+        ..SimSpec::zero()
     };
     let want = [Contender::SluiceOn, Contender::Nginx];
     let stack = Stack::start_limited(ctx, &spec, &want, Some(&limits)).await?;
