@@ -20,10 +20,12 @@ pub const MODEL: &str = "bench-model";
 /// "Plugins on" enables each of these; "plugins off" sets `enabled: false` for each.
 /// Add a plugin here when it lands. The cache is on as shipped (memory store); "plugins on"
 /// makes it miss from the client side: every request it gets has a prompt of its own
-/// ([`crate::loadgen::Target::varied`]), so each one is a real lookup miss and a store.
+/// ([`crate::loadgen::Target::varied`]), so each one is a real lookup miss and a store. The
+/// load generator sends no API key, so the cache shares the anonymous partition (otherwise
+/// it would bypass every request).
 pub const PLUGINS: &[(&str, &str)] = &[
     ("request_id", ""),
-    ("cache", "store: memory"),
+    ("cache", "store: memory\ntenant: {anonymous: share}"),
     // The draft pool answers (confidence checks off, as by default); the target is a second
     // pool on the same simulator.
     (
@@ -36,8 +38,10 @@ pub const PLUGINS: &[(&str, &str)] = &[
 /// The cache section of the cache-hit contenders (scenario 5), replacing `PLUGINS`' one.
 fn cache_section(setup: &Setup) -> Option<String> {
     match setup {
-        Setup::MemoryHits => Some("store: memory".into()),
-        Setup::RedisHits(url) => Some(format!("store: redis\nredis:\n  url: {url}")),
+        Setup::MemoryHits => Some("store: memory\ntenant: {anonymous: share}".into()),
+        Setup::RedisHits(url) => Some(format!(
+            "store: redis\nredis:\n  url: {url}\ntenant: {{anonymous: share}}"
+        )),
         Setup::Off | Setup::On => None,
     }
 }

@@ -279,9 +279,11 @@ pub async fn killed_backend(ctx: &mut Ctx) -> Result<ScenarioReport> {
         ..SimSpec::zero()
     };
     let body = chat_body("Hello! Say something short.", false, 16);
+    // The load sends no API key: the cache shares the anonymous partition, or it would
+    // bypass every request.
     let plugins = "  request_id:\n    enabled: true\n  cache:\n    enabled: true\n    \
-                   store: memory\n  speculative:\n    enabled: false\n  kv_breaker:\n    \
-                   enabled: true\n";
+                   store: memory\n    tenant: {anonymous: share}\n  speculative:\n    \
+                   enabled: false\n  kv_breaker:\n    enabled: true\n";
     // Warnings (failed attempts, health changes) and the access log, as JSON with timestamps.
     let log = "  level: \"warn,sluice::access=info\"\n  access_log: true\n  format: json\n";
     let mut rounds = Vec::new();
