@@ -1,0 +1,313 @@
+//! Per-tenant rate limits and budgets, kept in this process or shared through Redis.
+//!
+//! One [`Limiter`] per process serves every request: [`Limiter::admit`] once the body is
+//! parsed, with the estimate ([`Want`]: the prompt's tokens, and `max_tokens` × sequences);
+//! [`Admitted::settle`] after the answer, with its `usage`; dropping the [`Admitted`] ends the
+//! request's concurrency slot.
+//!
+//! # What is limited, and how
+//!
+//! - **Requests per minute**: GCRA (burst of the whole minute, refilled evenly). Locally it is
+//!   governor's, one direct limiter per tenant on a tokio-based clock.
+//! - **Input and output tokens per minute**: GCRA *with debt*, written here (`gcra.rs`),
+//!   because governor cannot do what these need: it cannot refund cells, cannot charge cells
+//!   after the fact beyond its burst (into debt), and counts in `u32` cells. The estimate is
+//!   charged at admission; `settle` refunds what was over-estimated and charges what was
+//!   under-estimated, even into debt, so a tenant that overshot waits it off. A request
+//!   wanting more than a whole minute's tokens is let in only on a full bucket (then owes the
+//!   rest): refusing it for ever would give a client without `max_tokens` nothing to back off
+//!   to. With no usage (`None`: an answer cut short), the estimate stays charged.
+//! - **Concurrent requests**: a counter per tenant in this process, **local only, also with
+//!   the Redis store**: `max_concurrent` is per replica (N replicas admit up to N ×). Shared
+//!   slots would need leases renewed for the length of a stream and expired for a crashed
+//!   replica; not done.
+//! - **Budgets**: spend in whole micro-dollars per UTC calendar day and month, charged by
+//!   `settle` with `usage.usd`. A tenant is refused (429 `budget-exceeded`, `retry-after` until
+//!   the window renews) once the spend reached the budget: the request that crosses it is
+//!   let through, as its cost is known only afterwards. `mode: shadow` counts the spend and
+//!   the admissions over budget (`sluice_tenant_budget_overruns_total{mode="shadow"}`) and
+//!   never refuses.
+//!
+//! The checks of one admission run as one step and charge only if all pass, in this order:
+//! concurrency, budget, input tokens, output tokens, requests (the refusal names the first
+//! that refused). A refused request costs nothing.
+//!
+//! # Answers
+//!
+//! Over a limit: 429 `rate-limited`, `retry-after` in whole seconds (at least 1), and the
+//! headers OpenAI sends, which its SDKs read to back off: `x-ratelimit-limit-requests`,
+//! `x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests` (time until the limit is
+//! back to full, in OpenAI's format: `20ms`, `1s`, `6m0s`), and the same for `-tokens`. OpenAI
+//! has one token limit where Sluice has two: the `-tokens` headers report the one that
+//! refused, else the one nearest exhaustion (least remaining as a share of its limit).
+//! Successful answers of a limited tenant carry the same headers ([`Admitted::headers`]).
+//! Over `max_concurrent`: 429 `rate-limited` with `retry-after: 1` and no per-minute headers.
+//! Locally, `-requests` headers of an admission refused before the request limiter was asked
+//! (by a token limit) are derived from that limiter's last answer: governor cannot be read
+//! without taking a cell.
+//!
+//! # Shared through Redis (`limits_store.kind: redis`)
+//!
+//! One round trip per admission: one Lua script (EVALSHA through redis-rs' `Script`, which
+//! reloads it on NOSCRIPT) does every per-minute and budget check of the tenant atomically,
+//! with the same GCRA-with-debt arithmetic as the local buckets (requests included, as Redis
+//! has no governor), on Redis' own clock (`TIME`) so replicas' clocks do not matter. Keys are
+//! `<key_prefix>{<tenant>}:req|in|out|usd:d:<day>|usd:m:<month>`: the hash tag keeps a
+//! tenant's keys on one Redis Cluster slot. Token keys expire when their bucket is full again,
+//! spend keys a day after their window. The correction after the answer is a second script,
+//! sent from a spawned task. Budget windows (day, month) are those of this replica's UTC
+//! clock. [`Limiter::snapshot`] shows what this replica's last admission of each tenant saw.
+//!
+//! When Redis does not answer within `timeout` (or errs, or is in its cool-down after
+//! `failure_threshold` consecutive failures), each failure is counted in
+//! `sluice_tenant_limit_store_errors_total{op,kind}` and `on_redis_error` decides:
+//! - `allow` (default): fail open. The request is admitted without the shared limits (the
+//!   local concurrency limit still applies) and without `x-ratelimit-*` headers; its usage is
+//!   still sent to Redis by `settle`, if Redis is back by then.
+//! - `deny`: fail closed, with **503** `rate-limited` and `retry-after: 1`. Not 429: the
+//!   tenant is not over its limit, Sluice cannot tell, and 503 is what clients retry on
+//!   without treating it as their own fault.
+//!
+//! A lost correction (Redis down at `settle`) is counted (`op="settle"`) and dropped: the
+//! estimate stays charged and the spend is not counted.
+//!
+//! Tenants not given to [`Limiter::start`] are not limited.
+
+mod budget;
+mod config;
+mod gcra;
+mod metrics;
+mod remote;
+mod reply;
+mod tenant;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{
+    BudgetConfig, BudgetMode, LimitsConfig, OnRedisError, RedisConfig, StoreConfig, StoreKind,
+};
+
+use budget::{unix_now, Windows};
+use http::{HeaderName, HeaderValue};
+use remote::RedisStore;
+use serde::Serialize;
+use sluice_sdk::ErrorReply;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tenant::{Clock, Slot, TenantState};
+
+/// What an admission is expected to cost, estimated from the request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Want {
+    /// The prompt's tokens.
+    pub input_tokens: u64,
+    /// The most the answer may produce: `max_tokens` × sequences.
+    pub output_tokens: u64,
+}
+
+/// What an answer cost, from its `usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    /// `usage.prompt_tokens`.
+    pub input_tokens: u64,
+    /// `usage.completion_tokens`.
+    pub output_tokens: u64,
+    /// Its price in dollars; negative or not finite counts as nothing.
+    pub usd: f64,
+}
+
+/// One tenant's limits and use, for `/status`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantUse {
+    pub tenant: String,
+    /// `local`: exact, now. `redis`: as this replica's last admission of the tenant saw it
+    /// (`None` before any).
+    pub store: &'static str,
+    pub requests_per_minute: Option<u32>,
+    pub requests_remaining: Option<u64>,
+    pub input_tokens_per_minute: Option<u64>,
+    pub input_tokens_remaining: Option<u64>,
+    pub output_tokens_per_minute: Option<u64>,
+    pub output_tokens_remaining: Option<u64>,
+    pub max_concurrent: Option<u32>,
+    /// Requests of the tenant in flight in this replica.
+    pub in_flight: u32,
+    pub usd_per_day: Option<f64>,
+    /// Spend in the current UTC day (`None` unknown: Redis keeps spend only for budgets).
+    pub usd_spent_today: Option<f64>,
+    pub usd_per_month: Option<f64>,
+    pub usd_spent_this_month: Option<f64>,
+    pub budget_mode: BudgetMode,
+}
+
+enum Store {
+    Local,
+    Redis(RedisStore),
+}
+
+struct Inner {
+    clock: Clock,
+    store: Store,
+    on_error: OnRedisError,
+    tenants: HashMap<Arc<str>, Arc<TenantState>>,
+}
+
+/// Every tenant's limits; one per process, shared by all requests.
+pub struct Limiter {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("tenants", &self.inner.tenants.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Limiter {
+    /// Built in the plugin's start(); `tenants` are the configured tenants' names with their
+    /// merged limits and budgets (the anonymous tenant included, under
+    /// `sluice_sdk::Tenant::ANONYMOUS`). Redis connects in the background: start never waits
+    /// for it.
+    pub fn start(
+        store: &StoreConfig,
+        tenants: Vec<(Arc<str>, LimitsConfig, BudgetConfig)>,
+    ) -> Limiter {
+        let clock = Clock::new();
+        let store_kind = match store.kind {
+            StoreKind::Local => Store::Local,
+            StoreKind::Redis => {
+                metrics::init_store();
+                Store::Redis(RedisStore::connect(store.redis.as_ref()))
+            }
+        };
+        let tenants = tenants
+            .into_iter()
+            .map(|(name, limits, budget)| {
+                if budget.is_set() {
+                    metrics::init_budget(&name, budget.mode().as_str());
+                }
+                let state = TenantState::new(Arc::clone(&name), limits, budget, clock);
+                (name, Arc::new(state))
+            })
+            .collect();
+        Limiter {
+            inner: Arc::new(Inner {
+                clock,
+                store: store_kind,
+                on_error: store.on_redis_error,
+                tenants,
+            }),
+        }
+    }
+
+    /// At admission, once the body is parsed: `want` is the estimate (prompt tokens, and the
+    /// output budget = max_tokens × sequences). Checks, in one go, concurrency, requests/min,
+    /// input and output tokens/min, and the budget (day and month).
+    pub async fn admit(&self, tenant: &str, want: Want) -> Result<Admitted, ErrorReply> {
+        let Some(state) = self.inner.tenants.get(tenant) else {
+            return Ok(Admitted {
+                headers: Vec::new(),
+                grant: None,
+            });
+        };
+        let slot = state.enter()?;
+        let windows = Windows::at(unix_now());
+        let (headers, charged) = match &self.inner.store {
+            Store::Local => {
+                let readings = state.admit_local(&self.inner.clock, want, &windows)?;
+                (readings.headers(None), want)
+            }
+            Store::Redis(_) if !state.needs_store() => (Vec::new(), Want::default()),
+            Store::Redis(redis) => match redis.admit(state, want, &windows).await {
+                Ok(answer) => {
+                    let readings = state.decide_remote(&answer, want, &windows)?;
+                    (readings.headers(None), want)
+                }
+                Err(_) => match self.inner.on_error {
+                    // Nothing was charged: settle sends the whole usage.
+                    OnRedisError::Allow => (Vec::new(), Want::default()),
+                    OnRedisError::Deny => return Err(reply::store_unavailable()),
+                },
+            },
+        };
+        Ok(Admitted {
+            headers,
+            grant: Some(Grant {
+                inner: Arc::clone(&self.inner),
+                tenant: Arc::clone(state),
+                charged,
+                _slot: slot,
+            }),
+        })
+    }
+
+    /// Every configured tenant's limits and use, by name.
+    pub fn snapshot(&self) -> Vec<TenantUse> {
+        let windows = Windows::at(unix_now());
+        let shared = matches!(self.inner.store, Store::Redis(_));
+        let mut all: Vec<TenantUse> = self
+            .inner
+            .tenants
+            .values()
+            .map(|t| t.snapshot(&self.inner.clock, &windows, shared))
+            .collect();
+        all.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        all
+    }
+}
+
+struct Grant {
+    inner: Arc<Inner>,
+    tenant: Arc<TenantState>,
+    /// What the admission charged to the token buckets (nothing when it failed open).
+    charged: Want,
+    /// Dropped with the grant: the request is no longer in flight.
+    _slot: Slot,
+}
+
+/// An admitted request, held for its life; dropping it ends its concurrency slot.
+pub struct Admitted {
+    headers: Vec<(HeaderName, HeaderValue)>,
+    grant: Option<Grant>,
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admitted")
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Admitted {
+    /// The x-ratelimit-* headers for a successful answer of a limited tenant (empty when
+    /// unlimited).
+    pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
+        &self.headers
+    }
+
+    /// After the answer: corrects the token buckets from the real usage (refunds the
+    /// over-estimate, charges the under-estimate) and charges the budget with `usage.usd`.
+    /// Never waits on the network. `None` usage (answer cut, no usage known): the estimate
+    /// stays charged, and no dollars are.
+    pub fn settle(self, usage: Option<Usage>) {
+        let (Some(grant), Some(usage)) = (self.grant, usage) else {
+            return;
+        };
+        let windows = Windows::at(unix_now());
+        match &grant.inner.store {
+            Store::Local => {
+                grant
+                    .tenant
+                    .settle_local(&grant.inner.clock, grant.charged, usage, &windows)
+            }
+            Store::Redis(redis) => {
+                let corrections = grant.tenant.corrections(grant.charged, usage);
+                redis.settle(&grant.tenant, corrections, &windows);
+            }
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! What a client sees: the `x-ratelimit-*` headers OpenAI sends, and the 429s.
+
+use super::budget::{usd, Period};
+use super::gcra::div_ceil;
+use http::{HeaderName, HeaderValue};
+use sluice_sdk::{ErrorReply, Reason};
+
+/// One limit as it stands: for the headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reading {
+    pub limit: u64,
+    pub remaining: u64,
+    /// Microseconds until the limit is back to its full allowance.
+    pub reset_us: i64,
+}
+
+impl Reading {
+    /// Whether `self` is nearer exhaustion than `other`, as a share of its limit.
+    fn tighter_than(&self, other: &Reading) -> bool {
+        u128::from(self.remaining) * u128::from(other.limit)
+            < u128::from(other.remaining) * u128::from(self.limit)
+    }
+}
+
+/// The limit that refused an admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Requests,
+    InputTokens,
+    OutputTokens,
+}
+
+/// What every limit of a tenant said about one admission, from either store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Readings {
+    pub requests: Option<Reading>,
+    pub input: Option<Reading>,
+    pub output: Option<Reading>,
+}
+
+impl Readings {
+    /// The token limit the `-tokens` headers report: OpenAI has one, Sluice may have two, so
+    /// the one that refused, else the one nearest exhaustion.
+    fn tokens(&self, refused: Option<Refusal>) -> Option<Reading> {
+        match (refused, self.input, self.output) {
+            (Some(Refusal::InputTokens), Some(r), _)
+            | (Some(Refusal::OutputTokens), _, Some(r)) => Some(r),
+            (_, Some(i), Some(o)) => Some(if o.tighter_than(&i) { o } else { i }),
+            (_, i, o) => i.or(o),
+        }
+    }
+
+    /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits set.
+    pub(crate) fn headers(&self, refused: Option<Refusal>) -> Vec<(HeaderName, HeaderValue)> {
+        const REQUESTS: [&str; 3] = [
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+        ];
+        const TOKENS: [&str; 3] = [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+        ];
+        let mut out = Vec::with_capacity(6);
+        // A refusal by the request limit shows it spent, whatever rounding says.
+        let spent = refused == Some(Refusal::Requests);
+        let groups = [
+            (REQUESTS, self.requests, spent),
+            (TOKENS, self.tokens(refused), false),
+        ];
+        for (names, reading, spent) in groups {
+            let Some(r) = reading else { continue };
+            let remaining = if spent { 0 } else { r.remaining };
+            let values = [
+                HeaderValue::from(r.limit),
+                HeaderValue::from(remaining),
+                duration_value(r.reset_us),
+            ];
+            for (name, value) in names.into_iter().zip(values) {
+                out.push((HeaderName::from_static(name), value));
+            }
+        }
+        out
+    }
+}
+
+fn duration_value(us: i64) -> HeaderValue {
+    // Only ASCII digits and unit letters: always a valid value.
+    HeaderValue::from_str(&openai_duration(us)).unwrap_or(HeaderValue::from_static("0s"))
+}
+
+/// A duration the way OpenAI writes its reset headers (Go's format): `20ms`, `1s`, `1.5s`,
+/// `6m0s`, `1h2m3s`; rounded up to the millisecond.
+pub(crate) fn openai_duration(us: i64) -> String {
+    if us <= 0 {
+        return "0s".to_string();
+    }
+    let ms = div_ceil(us, 1000);
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
+    let (s, frac) = (ms / 1000 % 60, ms % 1000);
+    let secs = if frac == 0 {
+        format!("{s}s")
+    } else {
+        let digits = format!("{frac:03}");
+        format!("{s}.{}s", digits.trim_end_matches('0'))
+    };
+    match (h, m) {
+        (0, 0) => secs,
+        (0, m) => format!("{m}m{secs}"),
+        (h, m) => format!("{h}h{m}m{secs}"),
+    }
+}
+
+/// `retry-after`: whole seconds, rounded up, at least 1.
+pub(crate) fn retry_after(us: i64) -> u32 {
+    u32::try_from(div_ceil(us.max(1), 1_000_000))
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
+/// 429 `rate-limited` for a per-minute limit.
+pub(crate) fn rate_limited(
+    readings: &Readings,
+    refused: Refusal,
+    wanted: u64,
+    retry_us: i64,
+) -> ErrorReply {
+    let wait = openai_duration(retry_us.max(1));
+    let message = match refused {
+        Refusal::Requests => {
+            let limit = readings.requests.map_or(0, |r| r.limit);
+            format!("Rate limit reached for requests per minute: limit {limit}, remaining 0. Try again in {wait}.")
+        }
+        Refusal::InputTokens | Refusal::OutputTokens => {
+            let (what, reading) = match refused {
+                Refusal::InputTokens => ("input tokens", readings.input),
+                _ => ("output tokens", readings.output),
+            };
+            let (limit, left) = reading.map_or((0, 0), |r| (r.limit, r.remaining));
+            format!("Rate limit reached for {what} per minute: limit {limit}, requested {wanted}, remaining {left}. Try again in {wait}.")
+        }
+    };
+    ErrorReply {
+        headers: readings.headers(Some(refused)),
+        retry_after: Some(retry_after(retry_us)),
+        ..ErrorReply::new(429, Reason::RateLimited, message)
+    }
+}
+
+/// 429 `rate-limited` for too many requests in flight: no per-minute headers, and a second
+/// is as good a guess as any for when one finishes.
+pub(crate) fn too_many_in_flight(limit: u32) -> ErrorReply {
+    ErrorReply {
+        retry_after: Some(1),
+        ..ErrorReply::new(
+            429,
+            Reason::RateLimited,
+            format!("Rate limit reached for concurrent requests: limit {limit}. Try again when one of them finishes."),
+        )
+    }
+}
+
+/// 429 `budget-exceeded` until the window renews.
+pub(crate) fn budget_exceeded(
+    period: Period,
+    spent_micros: u64,
+    limit_micros: u64,
+    renews_in_secs: i64,
+    readings: &Readings,
+) -> ErrorReply {
+    let renews_us = renews_in_secs.max(1).saturating_mul(1_000_000);
+    let message = format!(
+        "Budget exceeded: ${:.2} spent of ${:.2} {} (UTC). It renews in {}.",
+        usd(spent_micros),
+        usd(limit_micros),
+        period.per(),
+        openai_duration(renews_us)
+    );
+    ErrorReply {
+        headers: readings.headers(None),
+        retry_after: Some(retry_after(renews_us)),
+        ..ErrorReply::new(429, Reason::BudgetExceeded, message)
+    }
+}
+
+/// 503 when Redis cannot answer and the operator chose to fail closed.
+pub(crate) fn store_unavailable() -> ErrorReply {
+    ErrorReply::unavailable(
+        Reason::RateLimited,
+        "Rate limits cannot be checked right now; try again shortly.",
+        1,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_written_as_openai_does() {
+        assert_eq!(openai_duration(0), "0s");
+        assert_eq!(openai_duration(20_000), "20ms");
+        assert_eq!(openai_duration(1), "1ms");
+        assert_eq!(openai_duration(1_000_000), "1s");
+        assert_eq!(openai_duration(1_500_000), "1.5s");
+        assert_eq!(openai_duration(360_000_000), "6m0s");
+        assert_eq!(openai_duration(3_723_250_000), "1h2m3.25s");
+        assert_eq!(retry_after(1), 1);
+        assert_eq!(retry_after(1_000_001), 2);
+    }
+
+    #[test]
+    fn the_token_headers_report_the_limit_nearest_exhaustion() {
+        let r = Readings {
+            requests: None,
+            input: Some(Reading {
+                limit: 1000,
+                remaining: 500,
+                reset_us: 30_000_000,
+            }),
+            output: Some(Reading {
+                limit: 100,
+                remaining: 10,
+                reset_us: 54_000_000,
+            }),
+        };
+        let h = r.headers(None);
+        let get = |n: &str| {
+            h.iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.to_str().unwrap().to_string())
+        };
+        assert_eq!(get("x-ratelimit-limit-tokens").as_deref(), Some("100"));
+        assert_eq!(get("x-ratelimit-remaining-tokens").as_deref(), Some("10"));
+        assert_eq!(get("x-ratelimit-reset-tokens").as_deref(), Some("54s"));
+        assert_eq!(get("x-ratelimit-limit-requests"), None);
+        // A refusal by the input limit reports it instead.
+        let h = r.headers(Some(Refusal::InputTokens));
+        assert!(h
+            .iter()
+            .any(|(k, v)| k == "x-ratelimit-limit-tokens" && v == "1000"));
+    }
+}
