@@ -132,6 +132,69 @@ async fn hits_take_the_form_the_client_asks_for() {
     assert_eq!(upstream_calls(&upstream), 2);
 }
 
+/// Audit M10: an entry filled from a stream whose client did not ask for usage keeps the
+/// answer's usage (the cache asks the core for it, which asks the upstream and keeps the
+/// usage chunk from that client), so later hits have it in either form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_filled_by_a_stream_without_usage_keeps_the_usage() {
+    let upstream = sim().await;
+    let proxy = cached_proxy(&upstream, json!({})).await;
+    let content_ = "filled by a stream that did not ask for usage";
+
+    let first = proxy.ask(&chat(MODEL, content_, true), &[]).await;
+    assert_eq!((first.status, first.x_cache.as_str()), (200, "MISS"));
+    let data = sse_data(&first.body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    for d in &data[..data.len() - 1] {
+        let e: Value = serde_json::from_str(d).unwrap();
+        assert_ne!(
+            e["choices"],
+            json!([]),
+            "a usage chunk nobody asked for: {e}"
+        );
+        assert!(e.get("usage").is_none_or(Value::is_null), "{e}");
+    }
+    // Stored before the JSON request, which must not fill the entry itself.
+    wait_for_writes(&proxy, "stored", 1.0).await;
+
+    // What the upstream says this answer used.
+    let direct: Value = client()
+        .post(format!("{}/v1/chat/completions", upstream.url()))
+        .json(&chat(MODEL, content_, false))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let usage = &direct["usage"];
+    assert!(usage["completion_tokens"].as_u64().unwrap() > 0, "{direct}");
+    let counts =
+        |u: &Value| ["prompt_tokens", "completion_tokens", "total_tokens"].map(|k| u[k].as_u64());
+
+    let as_json = proxy.ask(&chat(MODEL, content_, false), &[]).await;
+    assert_eq!(as_json.x_cache, "HIT");
+    let hit: Value = serde_json::from_str(&as_json.body).unwrap();
+    assert!(!hit["usage"].is_null(), "{hit}");
+    assert_eq!(counts(&hit["usage"]), counts(usage), "{hit}");
+
+    let mut streamed = chat(MODEL, content_, true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let as_stream = proxy.ask(&streamed, &[]).await;
+    assert_eq!(as_stream.x_cache, "HIT");
+    let events = sse_data(&as_stream.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        last["choices"],
+        json!([]),
+        "a usage chunk: {}",
+        as_stream.body
+    );
+    assert_eq!(counts(&last["usage"]), counts(usage));
+    assert_eq!(upstream_calls(&upstream), 2, "one fill, one direct ask");
+}
+
 /// Without the tenants plugin, each API key is a partition of its own, whatever header a
 /// client adds; requests without any key bypass the cache unless the operator shares them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

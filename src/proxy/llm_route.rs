@@ -19,7 +19,7 @@
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
 use super::tries::{self, no_backend};
-use super::{body, forwarding, reply, Sluice};
+use super::{body, downstream, forwarding, reply, Sluice};
 use crate::metrics;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
@@ -27,6 +27,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
+use sluice_sdk::usage::ask_for_usage;
 use sluice_sdk::{
     Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, RetryOn, Selected,
 };
@@ -51,6 +52,8 @@ pub async fn serve(
     let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
     ctx.set_llm(call);
     ctx.send_to(pool);
+    // Before the request hooks: a cache hit's usage is read as well as an upstream's.
+    downstream::watch_usage(ctx);
 
     if let Some(answer) = sluice.chain.request(session, ctx).await? {
         return reply::local(&sluice.chain, session, ctx, answer).await;
@@ -91,6 +94,9 @@ struct AttemptLoop {
     declined: Option<(Box<ResponseHeader>, Bytes)>,
     /// Retries of an error answer spent in the current pool.
     retries_in_pool: u32,
+    /// The last body asked for a stream's usage, and what it became: retries and backends of
+    /// one pool send the same body, copied once.
+    usage_body: Option<(Bytes, Bytes)>,
 }
 
 /// What the decide step chose.
@@ -126,6 +132,7 @@ impl AttemptLoop {
             last_error: None,
             declined: None,
             retries_in_pool: 0,
+            usage_body: None,
         })
     }
 
@@ -178,7 +185,7 @@ impl AttemptLoop {
 
     /// The request header, body, deadlines and hold of an attempt on `backend`.
     fn prepare(
-        &self,
+        &mut self,
         sluice: &Sluice,
         session: &Session,
         ctx: &mut RequestCtx,
@@ -187,12 +194,17 @@ impl AttemptLoop {
         in_flight: InFlight,
     ) -> Result<Prepared> {
         // A first pool may get its own body (a draft asked for logprobs), and every pool
-        // the plugins' (a stream's usage asked for).
+        // the plugins'; whichever it is asks for a stream's usage when a plugin wants it.
         let body = ctx
             .escalation()
             .and_then(|e| e.upstream_body.clone())
             .or_else(|| ctx.upstream_body().cloned())
             .unwrap_or_else(|| self.client_body.clone());
+        let body = if downstream::usage_kept_from_client(ctx) {
+            self.asking_for_usage(body)
+        } else {
+            body
+        };
         let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
         let peer = session
             .client_addr()
@@ -237,6 +249,19 @@ impl AttemptLoop {
             deadlines,
             hold,
         })
+    }
+
+    /// `body` with a stream's usage asked for (as it is when it cannot be, or already asks).
+    fn asking_for_usage(&mut self, body: Bytes) -> Bytes {
+        if let Some((from, asked)) = &self.usage_body {
+            // The same buffer (a clone shares it): compared by address, not byte by byte.
+            if from.as_ptr() == body.as_ptr() && from.len() == body.len() {
+                return asked.clone();
+            }
+        }
+        let asked = ask_for_usage(&body).unwrap_or_else(|| body.clone());
+        self.usage_body = Some((body, asked.clone()));
+        asked
     }
 
     /// Judges the backend by the attempt, counts it, and chooses what follows.

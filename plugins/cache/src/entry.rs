@@ -6,6 +6,10 @@
 //! the JSON object, or a Server-Sent Events stream (role chunk, content chunk, finish chunk,
 //! usage chunk when asked, `[DONE]`) in vLLM's shapes.
 //!
+//! An entry keeps its answer's `usage` whatever form filled it: a stream whose client did not
+//! ask for usage has no usage chunk by the time the cache sees it, so the usage the core found
+//! ([`sluice_sdk::RequestCtx::usage`], which the cache asks for) is put in its place.
+//!
 //! The answer is kept as raw JSON text, not as a parsed tree: storing is on every miss, and
 //! checking an answer's shape without building it costs a fraction of building it (and the
 //! memory store then holds one allocation per entry, not one per JSON value). A JSON hit
@@ -15,6 +19,7 @@ use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
+use sluice_sdk::Usage;
 use std::borrow::Cow;
 
 /// Which API shape an answer has.
@@ -153,10 +158,30 @@ pub fn from_json(kind: AnswerKind, body: &[u8]) -> Result<Box<RawValue>, NotStor
     RawValue::from_string(text.trim().to_owned()).map_err(|_| NotStored::NotAnAnswer)
 }
 
-/// The non-stream answer a complete event stream adds up to.
-pub fn from_sse(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Box<RawValue>, NotStored> {
-    let answer = assemble(kind, chunks)?;
+/// The non-stream answer a complete event stream adds up to. Its `usage` is the stream's own
+/// usage chunk, else `usage` (what the core found in the upstream's stream, whose usage chunk
+/// was kept from the client), else `null`.
+pub fn from_sse(
+    kind: AnswerKind,
+    chunks: &[bytes::Bytes],
+    usage: Option<Usage>,
+) -> Result<Box<RawValue>, NotStored> {
+    let mut answer = assemble(kind, chunks)?;
+    if let (Some(usage), Some(fields)) = (usage, answer.as_object_mut()) {
+        if fields.get("usage").is_none_or(Value::is_null) {
+            fields.insert("usage".to_owned(), usage_object(usage));
+        }
+    }
     serde_json::value::to_raw_value(&answer).map_err(|_| NotStored::NotAnAnswer)
+}
+
+/// A `usage` object in vLLM's shape.
+fn usage_object(usage: Usage) -> Value {
+    serde_json::json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
+        "completion_tokens": usage.completion_tokens,
+    })
 }
 
 fn assemble(kind: AnswerKind, chunks: &[bytes::Bytes]) -> Result<Value, NotStored> {
@@ -519,7 +544,7 @@ mod tests {
 
     /// [`from_sse`], parsed for the assertions.
     fn sse_answer(kind: AnswerKind, chunks: &[Bytes]) -> Result<Value, NotStored> {
-        from_sse(kind, chunks).map(tree)
+        from_sse(kind, chunks, None).map(tree)
     }
 
     /// The stream split into arbitrary pieces, as a network would.
@@ -629,6 +654,39 @@ mod tests {
             json_answer(AnswerKind::Chat, &fixture("vllm-chat-completion.json")).unwrap();
         let sse = entry(AnswerKind::Chat, original).render_sse("x", 1, false);
         assert!(!std::str::from_utf8(&sse).unwrap().contains("\"usage\""));
+    }
+
+    #[test]
+    fn a_stream_without_its_usage_chunk_keeps_the_usage_the_core_found() {
+        let sse = String::from_utf8(fixture("vllm-chat-stream.sse")).unwrap();
+        let without: String = sse
+            .split_inclusive("\n\n")
+            .filter(|e| !e.contains("\"usage\""))
+            .collect();
+        let found = Some(Usage {
+            prompt_tokens: 24,
+            completion_tokens: 8,
+        });
+        assert_eq!(
+            sse_answer(AnswerKind::Chat, &[Bytes::from(without.clone())]).unwrap()["usage"],
+            Value::Null
+        );
+        let answer = tree(from_sse(AnswerKind::Chat, &[Bytes::from(without)], found).unwrap());
+        assert_eq!(
+            answer["usage"],
+            serde_json::json!({"prompt_tokens": 24, "total_tokens": 32, "completion_tokens": 8})
+        );
+        // Served as a stream with the usage chunk asked for, it has one.
+        let e = entry(AnswerKind::Chat, answer.clone());
+        let back = sse_answer(AnswerKind::Chat, &[e.render_sse("x", 1, true)]).unwrap();
+        assert_eq!(back["usage"], answer["usage"]);
+        // The stream's own usage chunk, when it had one, is kept as sent.
+        let other = Some(Usage {
+            prompt_tokens: 1,
+            completion_tokens: 1,
+        });
+        let own = tree(from_sse(AnswerKind::Chat, &[Bytes::from(sse)], other).unwrap());
+        assert_eq!(own["usage"]["completion_tokens"], 8);
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //!   clone; the client is not delayed). When the answer completed normally (status 200, a
 //!   stream ended by `[DONE]` after finish reasons, no error event, the client still there,
 //!   under `max_entry_bytes`) it is assembled and stored in the logging phase, once the
-//!   client has it all.
+//!   client has it all. The answer's usage is asked of the core for every request that may
+//!   be stored, so an entry filled from a stream whose client did not ask for usage keeps it.
 //! - **Stores** ([`store`]): `memory` (TinyUFO, bounded by bytes) or `redis` (single node or
 //!   Cluster, with a lookup timeout and a cool-down; a failing Redis never fails a request).
 //! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one; when
@@ -52,6 +53,7 @@ use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
     async_trait, ConfigError, Endpoint, Error, ErrorReply, ErrorType, Flow, Host, LlmCall,
     LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
+    Usage,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -322,6 +324,8 @@ impl Plugin for Cache {
         }
         metrics::request(metrics::Outcome::Miss);
         ctx.state.insert(state);
+        // An entry keeps its answer's usage, whichever form later hits ask for.
+        ctx.want_usage();
         Ok(Flow::Continue)
     }
 
@@ -392,7 +396,15 @@ impl Plugin for Cache {
         } else {
             // The client has its whole answer by now: assembling it here delays nobody, and
             // leaves the in-flight list before any later identical request can join it.
-            write_back(self.store.as_ref(), state, tee, ctx.pool_name(), leader);
+            let usage = ctx.usage();
+            write_back(
+                self.store.as_ref(),
+                state,
+                tee,
+                ctx.pool_name(),
+                usage,
+                leader,
+            );
             return;
         };
         metrics::write(outcome);
@@ -428,9 +440,18 @@ struct Bypassed;
 
 /// Assembles a complete answer, stores it (never waiting on the network) and hands it to the
 /// requests that waited for it.
-fn write_back(store: &dyn Store, state: State, tee: Tee, pool: &str, leader: Option<Leader>) {
+fn write_back(
+    store: &dyn Store,
+    state: State,
+    tee: Tee,
+    pool: &str,
+    usage: Option<Usage>,
+    leader: Option<Leader>,
+) {
     let answer = match (tee.event_stream, tee.chunks.as_slice()) {
-        (true, chunks) => entry::from_sse(state.kind, chunks),
+        // The stream's usage chunk, if the client did not ask for it, was removed before the
+        // tee: its usage is the one the core found.
+        (true, chunks) => entry::from_sse(state.kind, chunks, usage),
         // A JSON answer usually arrives in one chunk: no copy then.
         (false, [one]) => entry::from_json(state.kind, one),
         (false, chunks) => entry::from_json(state.kind, &chunks.concat()),

@@ -11,6 +11,7 @@ use crate::escalation::Escalation;
 use crate::llm::{Endpoint, LlmCall};
 use crate::pool::{Pool, Priority};
 use crate::tenant::Tenant;
+use crate::usage::Usage;
 
 /// What the router decided for a request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -49,6 +50,14 @@ impl Route {
 ///   [`RequestCtx::try_first`], [`RequestCtx::escalate_to`], [`RequestCtx::ask_upstream_for`].
 /// - **What one plugin tells the others**, under neutral names: the request's id, its
 ///   priority class, its tenant, whether it was answered locally (a cache hit).
+/// - **The answer's token usage**: a plugin that needs it says so in a request hook with
+///   [`RequestCtx::want_usage`]; the core scans every LLM answer once as it passes (upstream
+///   answers and cache hits, JSON and streams) and records [`RequestCtx::usage`] when found.
+///   It is there for `logging`, and for `response_body` from the chunk that carried it on,
+///   so surely at the last chunk (`end_of_stream`) of an answer that has it. When a plugin
+///   wants it and a stream's client did not ask for it (`stream_options.include_usage`), the
+///   core asks the upstream for it and removes the usage chunk before any `response_body`
+///   hook sees the stream; plugins never splice it in or strip it out themselves.
 /// - **Each plugin's own state**, in [`RequestCtx::state`], keyed by a type private to the
 ///   plugin, so plugins cannot collide.
 #[derive(Debug)]
@@ -64,6 +73,8 @@ pub struct RequestCtx {
     escalation: Option<Escalation>,
     escalated: Option<&'static str>,
     upstream_body: Option<Bytes>,
+    usage_wanted: bool,
+    usage: Option<Usage>,
     progress: Progress,
     /// Per-plugin state.
     pub state: PluginState,
@@ -111,6 +122,8 @@ impl RequestCtx {
             escalation: None,
             escalated: None,
             upstream_body: None,
+            usage_wanted: false,
+            usage: None,
             progress: Progress::default(),
             state: PluginState::default(),
         }
@@ -189,6 +202,27 @@ impl RequestCtx {
         self.answered_locally = true;
     }
 
+    // ---- the answer's usage ----
+
+    /// Says that this plugin needs the answer's token usage ([`RequestCtx::usage`]). Call it
+    /// in a request hook, before any attempt: a stream whose client did not ask for usage is
+    /// then asked for it upstream (and the usage chunk kept from the client).
+    pub fn want_usage(&mut self) {
+        self.usage_wanted = true;
+    }
+
+    /// Whether some plugin asked for the answer's usage.
+    pub fn usage_wanted(&self) -> bool {
+        self.usage_wanted
+    }
+
+    /// The token usage of the answer, once the core found it in the body (see the type's
+    /// header for when). None when the answer has none: not an LLM route, an error, a stream
+    /// cut before its usage chunk, or a stream whose usage nobody asked for.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
     // ---- routing ----
 
     /// The pool the request goes to: set by the core from the route or the model, and
@@ -232,8 +266,8 @@ impl RequestCtx {
     }
 
     /// Every upstream attempt sends `body` instead of the client's: the hook asked upstreams
-    /// for more than the client did (a stream's usage, for token counts) and must remove what
-    /// the client did not ask for from the answer.
+    /// for more than the client did and must remove what the client did not ask for from the
+    /// answer. (Not for a stream's usage: [`RequestCtx::want_usage`] has the core do that.)
     pub fn ask_upstream_for(&mut self, body: Bytes) {
         self.upstream_body = Some(body);
     }
@@ -259,6 +293,13 @@ impl RequestCtx {
     #[doc(hidden)]
     pub fn progress_mut(&mut self) -> &mut Progress {
         &mut self.progress
+    }
+
+    /// Records the usage the core found in the answer (a later one, as a stream's running
+    /// totals, replaces it).
+    #[doc(hidden)]
+    pub fn set_usage(&mut self, usage: Usage) {
+        self.usage = Some(usage);
     }
 
     /// Takes the escalation, to act on it.

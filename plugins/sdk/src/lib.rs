@@ -11,6 +11,8 @@
 //! - [`PluginBuilder`] / [`ConfigError`]: how a plugin is made from its config section.
 //! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
 //! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
+//! - [`usage`], [`sse`]: an answer's token usage (which the core finds for every plugin: see
+//!   [`RequestCtx::want_usage`]) and the splitting of a stream into its events.
 //!
 //! A plugin crate owns its config type (serde, `deny_unknown_fields`, with an `enabled` key),
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
@@ -31,7 +33,9 @@ pub mod pool;
 pub mod ratio;
 pub mod raw_json;
 pub mod retry;
+pub mod sse;
 pub mod tenant;
+pub mod usage;
 
 pub use config::ConfigError;
 pub use ctx::{PluginState, Progress, RequestCtx, Route};
@@ -49,6 +53,7 @@ pub use pool::{
 };
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};
+pub use usage::Usage;
 
 // Re-exported so that plugins use the exact Pingora types the core uses.
 pub use async_trait::async_trait;

@@ -7,7 +7,7 @@ mod peak;
 
 use peak::Case;
 use sluice_plugin_speculative::confidence::{self, ConfidenceCheck, Measure};
-use sluice_plugin_speculative::usage;
+use sluice_sdk::usage;
 use sluice_sdk::{AnswerCheck, Bytes, Endpoint, LlmCall};
 
 /// A non-stream chat answer of about 4 MiB (the most the core holds for judging), its

@@ -6,13 +6,13 @@
 //! ([`ask_for_logprobs`]); [`ConfidenceCheck`] removes them again before the answer is sent, so
 //! the client gets what vLLM would have answered it.
 
-use crate::sse::{self, SseEvents};
 use serde::de::{
     self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
 };
 use serde_json::Value;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::raw_json::{self, Edit};
+use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, StreamCheck, StreamJudge};
 use std::fmt;
 

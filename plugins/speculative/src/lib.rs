@@ -27,8 +27,9 @@
 //! on, or dropped for the target's stream. The window delays every draft stream's first
 //! byte by the time the draft takes to produce K tokens; it is off by default.
 //!
-//! Token counts: a stream whose client did not ask for usage is asked for it upstream, and
-//! the usage chunk is removed before the client sees the stream.
+//! Token counts come from the answer's usage, which the selector asks the core for
+//! ([`RequestCtx::want_usage`]): a stream whose client did not ask for usage is asked for it
+//! upstream by the core, and its usage chunk removed before the client sees the stream.
 //!
 //! ```yaml
 //! plugins:
@@ -52,7 +53,6 @@ pub mod confidence;
 pub mod config;
 mod metrics;
 pub mod sse;
-pub mod usage;
 
 pub use config::SpeculativeConfig;
 
@@ -70,7 +70,6 @@ use sluice_sdk::{
 };
 use sse::StreamFilter;
 use std::sync::Arc;
-use usage::UsageScanner;
 
 /// One model's pools, resolved, and its checks, built once.
 struct Model {
@@ -189,11 +188,10 @@ pub struct Speculative {
     tier_header: HeaderName,
 }
 
-/// Per-request state: the answer's usage, for the token and cost metrics, and what to
-/// remove from a stream that was asked for more than the client asked.
+/// Per-request state: the model, for the cost metrics, and what to remove from a draft's
+/// stream that was asked for more than the client asked.
 struct Handled {
     model: usize,
-    usage: UsageScanner,
     filter: StreamFilter,
     /// The draft was asked for logprobs the client did not ask for (a hold-back window):
     /// they are removed from its stream, not from the target's.
@@ -310,30 +308,22 @@ impl Plugin for Speculative {
         // Decided before any copy of the body is made: the code classifier may unescape a
         // prompt's text, and that copy is gone before the body's is made.
         let decision = self.decide(model, call, tier, priority);
-        // Token counts of a stream need its usage chunk: asked for here, removed again.
-        let usage_body = if call.request.is_stream() && !call.request.include_usage() {
-            usage::ask_for_usage(&call.body)
-        } else {
-            None
-        };
         let mut handled = Handled {
             model: index,
-            usage: UsageScanner::default(),
-            filter: StreamFilter::new(false, usage_body.is_some()),
+            filter: StreamFilter::default(),
             draft_logprobs_added: false,
         };
         match decision {
             Ok(draft) => {
-                let body = usage_body.as_ref().unwrap_or(&call.body);
-                let (escalation, logprobs_added) = self.escalation(model, call, body);
+                let (escalation, logprobs_added) = self.escalation(model, call, &call.body);
                 handled.draft_logprobs_added = logprobs_added && call.request.is_stream();
                 ctx.try_first(draft, escalation);
             }
             Err(why) => ctx.escalate_to(Arc::clone(&model.target), why),
         }
-        if let Some(body) = usage_body {
-            ctx.ask_upstream_for(body);
-        }
+        // The token metrics read the answer's usage, which the core finds (and asks a stream
+        // for, on whichever body each attempt sends).
+        ctx.want_usage();
         ctx.state.insert(handled);
         Ok(Flow::Continue)
     }
@@ -348,9 +338,6 @@ impl Plugin for Speculative {
         let Some(handled) = ctx.state.get_mut::<Handled>() else {
             return Ok(());
         };
-        if let Some(chunk) = body.as_ref() {
-            handled.usage.feed(chunk);
-        }
         handled.filter.strip_logprobs = handled.draft_logprobs_added && on_draft;
         handled.filter.apply(body, end_of_stream);
         Ok(())
@@ -366,8 +353,7 @@ impl Plugin for Speculative {
         }
         let pool = ctx.pool_name().to_string();
         metrics::request(&pool, ctx.escalated());
-        if let (Some(usage), Some(model)) = (handled.usage.usage(), self.models.get(handled.model))
-        {
+        if let (Some(usage), Some(model)) = (ctx.usage(), self.models.get(handled.model)) {
             metrics::tokens(
                 &pool,
                 usage.prompt_tokens,

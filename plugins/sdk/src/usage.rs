@@ -1,17 +1,24 @@
-//! Token counts from a response as it streams through, for per-pool token and cost metrics.
+//! An answer's token counts, found as its body passes, and the request change that makes a
+//! stream report them.
 //!
 //! vLLM reports `usage` at the end: the last field but two of a JSON answer, or the last
 //! chunk before `[DONE]` of a stream that asked for it (`stream_options.include_usage`). The
 //! body itself goes to the client chunk by chunk and is never held here: the scanner looks for
 //! the `"usage"` key byte by byte and copies only the object that follows it.
+//!
+//! The core runs one [`UsageScanner`] over every LLM answer and records what it finds in the
+//! request's context ([`crate::RequestCtx::usage`]); a plugin that needs the counts asks for
+//! them with [`crate::RequestCtx::want_usage`] instead of scanning the body itself.
 
+use crate::raw_json::{self, Edit};
 use serde::Deserialize;
-use sluice_sdk::raw_json::{self, Edit};
 
 /// The token counts of one answer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// The prompt's tokens, as the model counted them.
     pub prompt_tokens: u64,
+    /// The tokens generated.
     pub completion_tokens: u64,
 }
 
@@ -60,6 +67,7 @@ struct Counts {
 }
 
 impl UsageScanner {
+    /// Looks at the next bytes of the body; no allocation unless they hold a `"usage"` key.
     pub fn feed(&mut self, chunk: &[u8]) {
         let mut rest = chunk;
         while !rest.is_empty() {
@@ -172,8 +180,8 @@ fn is_json_space(byte: u8) -> bool {
 }
 
 /// A stream request's body with `stream_options.include_usage` set, for a client that did not
-/// ask: vLLM then ends the stream with a usage chunk, which the token metrics read and
-/// [`crate::sse::StreamFilter`] removes. None when the body is not a JSON object, already asks
+/// ask: vLLM then ends the stream with a usage chunk, which the core reads and removes before
+/// the client (or any plugin's `response_body`) sees it. None when the body is not a JSON object, already asks
 /// for usage, or has a `stream_options` that is neither an object nor `null`.
 ///
 /// The body is copied once with the change spliced in, every other byte kept: the member
