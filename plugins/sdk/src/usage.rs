@@ -32,7 +32,7 @@ const MAX_OBJECT: usize = 4096;
 
 /// Watches a response's body chunks (a JSON answer or an SSE stream) and finds its `usage`,
 /// without buffering the body: the only bytes kept are those of a candidate `usage` object
-/// (at most [`MAX_OBJECT`]), so the object may be split across any number of chunks.
+/// (at most 4 KiB), so the object may be split across any number of chunks.
 #[derive(Debug, Default)]
 pub struct UsageScanner {
     state: State,
