@@ -42,15 +42,12 @@ fn config(draft: Pool, target: &vllm_sim::Sim, confidence: Option<Value>) -> Val
     if let Some(confidence) = confidence {
         model["confidence"] = confidence;
     }
+    let target = pool("target", &[MODEL], &[target.addr()]).with("price_per_million_tokens", 1.0);
     json!({
-        "pools": [draft, pool("target", &[MODEL], &[target.addr()])],
+        "pools": [draft.with("price_per_million_tokens", 0.1), target],
         "plugins": {
             "cache": {"enabled": true, "tenant": {"anonymous": "share"}},
-            "speculative": {
-                "enabled": true,
-                "models": [model],
-                "price_per_million_tokens": {"draft": 0.1, "target": 1.0},
-            },
+            "speculative": {"enabled": true, "models": [model]},
         },
     })
 }

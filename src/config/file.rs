@@ -192,6 +192,9 @@ pub struct PoolFile {
     pub supports: SupportsFile,
     #[serde(default)]
     pub retry: RetryFile,
+    /// Dollars per million tokens, for the cost metrics and the tenants' budgets.
+    #[serde(default)]
+    pub price_per_million_tokens: f64,
 }
 
 /// Retries in the pool on an upstream's 5xx or 429, within a retry budget.

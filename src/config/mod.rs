@@ -519,9 +519,21 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
                 best_of: p.supports.best_of,
             },
             retry: retry_policy(&p.retry, &format!("{key}.retry"))?,
+            price_per_million_tokens: price(p.price_per_million_tokens, &key)?,
         })));
     }
     Ok(Pools::new(pools))
+}
+
+fn price(dollars: f64, key: &str) -> Result<f64, Invalid> {
+    if dollars.is_finite() && dollars >= 0.0 {
+        Ok(dollars)
+    } else {
+        Err(Invalid::new(
+            format!("{key}.price_per_million_tokens"),
+            format!("must be a number of dollars, 0 or more (got {dollars})"),
+        ))
+    }
 }
 
 /// The shortest health-check interval: faster scraping costs the backends more than it helps.

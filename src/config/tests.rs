@@ -1055,6 +1055,17 @@ fn retry_conditions_are_nginx_names() {
 }
 
 #[test]
+fn a_pool_price_is_dollars_0_or_more() {
+    let c = ok(&with_pool_key("price_per_million_tokens", "0.9"));
+    assert_eq!(c.pools.iter().next().unwrap().price_per_million_tokens, 0.9);
+    refused(
+        &with_pool_key("price_per_million_tokens", "-1"),
+        "pools[0].price_per_million_tokens",
+        "0 or more",
+    );
+}
+
+#[test]
 fn the_longest_backoff_is_not_shorter_than_the_first() {
     refused(
         &with_pool_key("retry", "{backoff_base: 100ms, backoff_max: 50ms}"),
@@ -1360,13 +1371,13 @@ fn the_hold_back_window_is_at_most_256_tokens() {
 }
 
 #[test]
-fn a_price_is_not_negative() {
+fn prices_are_the_pools_not_the_selectors() {
     refused(
         &speculative(&format!(
-            "{{enabled: true, models: [{{{DRAFT_THEN_TARGET}}}], price_per_million_tokens: {{draft: -0.1}}}}"
+            "{{enabled: true, models: [{{{DRAFT_THEN_TARGET}}}], price_per_million_tokens: {{draft: 0.1}}}}"
         )),
-        "plugins.speculative.price_per_million_tokens.draft",
-        "must be a number ≥ 0",
+        "plugins.speculative.price_per_million_tokens",
+        "unknown field",
     );
 }
 

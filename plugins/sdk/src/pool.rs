@@ -302,6 +302,9 @@ pub struct Pool {
     pub supports: Capabilities,
     /// Retries within the pool on a 5xx or 429.
     pub retry: RetryPolicy,
+    /// What a million tokens (prompt and completion alike) cost on this pool, in dollars:
+    /// for the cost metrics and the tenants' budgets.
+    pub price_per_million_tokens: f64,
     /// The pool's retry budget, shared by its requests: the core deposits for each request sent to
     /// the pool and spends one for each retry.
     pub retry_budget: RetryBudget,
@@ -335,6 +338,8 @@ pub struct PoolSettings {
     pub supports: Capabilities,
     /// Retries within the pool on a 5xx or 429.
     pub retry: RetryPolicy,
+    /// Dollars per million tokens.
+    pub price_per_million_tokens: f64,
 }
 
 impl PoolSettings {
@@ -354,6 +359,7 @@ impl PoolSettings {
             },
             supports: Capabilities::default(),
             retry: RetryPolicy::default(),
+            price_per_million_tokens: 0.0,
         }
     }
 }
@@ -402,6 +408,7 @@ impl Pool {
             supports: settings.supports,
             retry_budget: RetryBudget::new(&settings.retry),
             retry: settings.retry,
+            price_per_million_tokens: settings.price_per_million_tokens,
             admission: OnceLock::new(),
             round_robin,
         }

@@ -2,7 +2,6 @@
 
 use serde::Deserialize;
 use sluice_sdk::{duration, ConfigError};
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -14,8 +13,6 @@ pub struct SpeculativeConfig {
     /// Whether clients may force the target pool with that header (`forced`).
     pub allow_forced_target: bool,
     pub models: Vec<ModelConfig>,
-    /// Price per million tokens (prompt and completion alike) per pool, for the cost metrics.
-    pub price_per_million_tokens: BTreeMap<String, f64>,
 }
 
 impl Default for SpeculativeConfig {
@@ -25,7 +22,6 @@ impl Default for SpeculativeConfig {
             tier_header: sluice_sdk::headers::TIER.as_str().into(),
             allow_forced_target: true,
             models: Vec::new(),
-            price_per_million_tokens: BTreeMap::new(),
         }
     }
 }
@@ -142,14 +138,6 @@ impl SpeculativeConfig {
                 return Err(ConfigError::new(
                     format!("{key}.confidence.stream_hold_back_tokens"),
                     format!("at most {MAX_HOLD_BACK_TOKENS}: the window delays every stream's first byte"),
-                ));
-            }
-        }
-        for (pool, price) in &self.price_per_million_tokens {
-            if !(price.is_finite() && *price >= 0.0) {
-                return Err(ConfigError::new(
-                    format!("price_per_million_tokens.{pool}"),
-                    "must be a number ≥ 0",
                 ));
             }
         }

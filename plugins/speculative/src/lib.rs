@@ -45,7 +45,6 @@
 //!         draft_first_byte_budget: 2s
 //!         confidence: {enabled: true, measure: mean, window: 32, min_logprob: -1.0,
 //!                      stream_hold_back_tokens: 0}
-//!     price_per_million_tokens: {draft: 0.10, draft-code: 0.10, target: 0.90}
 //! ```
 
 pub mod classify;
@@ -205,14 +204,6 @@ impl Speculative {
             .position(|m| m.config.model == name || m.config.aliases.iter().any(|a| a == name))
     }
 
-    fn price(&self, pool: &str) -> f64 {
-        self.config
-            .price_per_million_tokens
-            .get(pool)
-            .copied()
-            .unwrap_or(0.0)
-    }
-
     /// Where the request goes first, and why it goes to the target at once, if it does.
     fn decide(
         &self,
@@ -358,8 +349,8 @@ impl Plugin for Speculative {
                 &pool,
                 usage.prompt_tokens,
                 usage.completion_tokens,
-                self.price(&pool),
-                self.price(&model.target.name),
+                ctx.pool().map_or(0.0, |p| p.price_per_million_tokens),
+                model.target.price_per_million_tokens,
             );
         }
     }
