@@ -144,6 +144,10 @@ async fn overload_has_a_status_of_its_own_and_says_why() {
     let body: Value = serde_json::from_str(&shed.body).unwrap();
     assert_eq!(body["error"]["code"], 429);
     assert_eq!(body["error"]["type"], "RateLimitError");
+    assert_eq!(
+        body["error"]["reason"], "kv-pressure",
+        "the reason in the body too"
+    );
 
     tokio::time::sleep(Duration::from_millis(500)).await; // the dead backend is probed
     let down = proxy.ask(&chat("other", "hi", false), &[]).await;
@@ -287,6 +291,7 @@ async fn a_request_waits_in_a_bounded_queue_for_capacity_before_it_is_refused() 
     assert_eq!(late.status, 503, "{}", late.body);
     assert_eq!(late.headers["x-sluice-rejected"], "queue-timeout");
     let body: Value = serde_json::from_str(&late.body).unwrap();
+    assert_eq!(body["error"]["reason"], "queue-timeout");
     assert!(body["error"]["message"]
         .as_str()
         .unwrap()

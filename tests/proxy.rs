@@ -48,9 +48,17 @@ async fn still_serves(proxy: &Proxy) {
 
 async fn error_of(response: reqwest::Response) -> (u16, Value) {
     let status = response.status().as_u16();
+    let response_reason = response
+        .headers()
+        .get("x-sluice-rejected")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let body: Value = response.json().await.expect("an OpenAI error body");
     assert!(body["error"]["message"].is_string(), "{body}");
     assert_eq!(body["error"]["code"], status, "{body}");
+    // The same reason as the header, machine-readable in the body.
+    let header = response_reason.unwrap_or_default();
+    assert_eq!(body["error"]["reason"], header.as_str(), "{body}");
     (status, body)
 }
 

@@ -89,6 +89,9 @@ fn error_header(reply: &ErrorReply, len: usize) -> Result<Box<ResponseHeader>> {
     if let Some(seconds) = reply.retry_after {
         h.insert_header(http::header::RETRY_AFTER, seconds)?;
     }
+    for (name, value) in &reply.headers {
+        h.append_header(name.clone(), value.clone())?;
+    }
     Ok(h)
 }
 

@@ -51,8 +51,11 @@ pub struct ErrorReply {
     pub param: Option<String>,
     /// Seconds for `retry-after`; always set on 429 and 503.
     pub retry_after: Option<u32>,
-    /// Why, for `router_rejections_total{reason}` and the access log.
+    /// Why, for `router_rejections_total{reason}` and the access log, in the answer's
+    /// `x-sluice-rejected` header and in its body's `error.reason`.
     pub reason: Reason,
+    /// More response headers (the `x-ratelimit-*` headers of a 429, say).
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
 /// Why Sluice answered with an error of its own: a closed set, so that the metric's help
@@ -83,6 +86,15 @@ pub enum Reason {
     MethodNotAllowed,
     /// Every backend of the pool is unhealthy, ejected or already tried.
     NoHealthyBackend,
+    /// No API key, or one no tenant has (401).
+    Unauthorized,
+    /// The tenant asked for what its policy forbids: a model, more tokens than its ceiling
+    /// (403, or 400 for the tokens).
+    Forbidden,
+    /// The tenant is over a rate limit: requests, tokens or concurrent requests (429).
+    RateLimited,
+    /// The tenant spent its budget for the day or month (429).
+    BudgetExceeded,
     /// Shed by the KV-pressure breaker.
     KvPressure,
     /// Waited in the breaker's admission queue for capacity, and none came in time.
@@ -103,7 +115,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 24] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -116,6 +128,10 @@ impl Reason {
         Reason::NoRoute,
         Reason::MethodNotAllowed,
         Reason::NoHealthyBackend,
+        Reason::Unauthorized,
+        Reason::Forbidden,
+        Reason::RateLimited,
+        Reason::BudgetExceeded,
         Reason::KvPressure,
         Reason::QueueTimeout,
         Reason::QueueFull,
@@ -141,6 +157,10 @@ impl Reason {
             Reason::NoRoute => "no-route",
             Reason::MethodNotAllowed => "method-not-allowed",
             Reason::NoHealthyBackend => "no-healthy-backend",
+            Reason::Unauthorized => "unauthorized",
+            Reason::Forbidden => "forbidden",
+            Reason::RateLimited => "rate-limited",
+            Reason::BudgetExceeded => "budget-exceeded",
             Reason::KvPressure => "kv-pressure",
             Reason::QueueTimeout => "queue-timeout",
             Reason::QueueFull => "queue-full",
@@ -175,6 +195,7 @@ impl ErrorReply {
             param: None,
             retry_after,
             reason,
+            headers: Vec::new(),
         }
     }
 
@@ -321,7 +342,8 @@ impl ErrorReply {
         }
     }
 
-    /// `{"error": {"message", "type", "param", "code"}}` with the status as `code`, as vLLM does.
+    /// `{"error": {"message", "type", "param", "code", "reason"}}`: the status as `code`, as
+    /// vLLM does, and Sluice's reason token, which OpenAI clients ignore and scripts can read.
     pub fn body(&self) -> Bytes {
         #[derive(Serialize)]
         struct Body<'a> {
@@ -334,6 +356,7 @@ impl ErrorReply {
             kind: &'a str,
             param: Option<&'a str>,
             code: u16,
+            reason: &'a str,
         }
         let body = Body {
             error: Inner {
@@ -341,6 +364,7 @@ impl ErrorReply {
                 kind: self.openai_type(),
                 param: self.param.as_deref(),
                 code: self.status,
+                reason: self.reason.as_str(),
             },
         };
         // Serializing plain strings and integers cannot fail.
@@ -397,7 +421,7 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&r.body()).unwrap();
         assert_eq!(
             v,
-            serde_json::json!({"error":{"message":"bad","type":"BadRequestError","param":"stream","code":400}})
+            serde_json::json!({"error":{"message":"bad","type":"BadRequestError","param":"stream","code":400,"reason":"bad-request"}})
         );
         assert_eq!(
             ErrorReply::new(503, Reason::KvPressure, "y").retry_after,
