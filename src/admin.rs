@@ -6,13 +6,14 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 use serde_json::json;
-use sluice_sdk::{Pool, Pools, Priority};
+use sluice_sdk::{Plugin, Pool, Pools, Priority};
 use std::sync::Arc;
 use std::time::Instant;
 
 pub struct Admin {
     pub pools: Arc<Pools>,
-    pub chain: Vec<&'static str>,
+    /// The plugin chain, in order: its names, and what each shows of itself.
+    pub plugins: Vec<Arc<dyn Plugin>>,
     pub started: Instant,
 }
 
@@ -62,10 +63,17 @@ impl Admin {
 
     fn status(&self) -> serde_json::Value {
         let pools: Vec<_> = self.pools.iter().map(|p| pool_status(p)).collect();
+        let names: Vec<&str> = self.plugins.iter().map(|p| p.name()).collect();
+        let plugin_status: serde_json::Map<String, serde_json::Value> = self
+            .plugins
+            .iter()
+            .filter_map(|p| Some((p.name().to_string(), p.status()?)))
+            .collect();
         json!({
             "version": env!("CARGO_PKG_VERSION"),
             "uptime_seconds": self.started.elapsed().as_secs(),
-            "plugins": self.chain,
+            "plugins": names,
+            "plugin_status": plugin_status,
             "pools": pools,
         })
     }

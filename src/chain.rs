@@ -6,10 +6,12 @@
 //! choose where it goes. A disabled plugin is not in the chain and costs nothing.
 //!
 //! 1. `request_id`: every answer, errors included, carries the id.
-//! 2. `cache`: a hit is answered before any upstream is touched.
-//! 3. `speculative`: sends the request to a draft pool first, with the target pool as its
+//! 2. `tenants`: who is calling (401 otherwise), what it may ask for, its limits; the
+//!    plugins after it read the tenant, never client headers.
+//! 3. `cache`: a hit is answered before any upstream is touched.
+//! 4. `speculative`: sends the request to a draft pool first, with the target pool as its
 //!    escalation, or straight to the target.
-//! 4. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
+//! 5. `kv_breaker`: admits the request to its pool, sends it to another pool serving its
 //!    model, or sheds it with 503 before the pool's KV cache runs out.
 //!
 //! Response hooks run in the reverse order, as Envoy runs its encoder filters: the plugin
@@ -28,8 +30,9 @@ use std::sync::Arc;
 
 /// Every plugin, in chain order. Adding a plugin is its crate in `Cargo.toml` and one line
 /// here.
-const PLUGINS: [Entry; 4] = [
+const PLUGINS: [Entry; 5] = [
     Entry::of::<sluice_plugin_request_id::RequestIdBuilder>(),
+    Entry::of::<sluice_plugin_tenants::TenantsBuilder>(),
     Entry::of::<sluice_plugin_cache::CacheBuilder>(),
     Entry::of::<sluice_plugin_speculative::SpeculativeBuilder>(),
     Entry::of::<sluice_plugin_kv_breaker::KvBreakerBuilder>(),

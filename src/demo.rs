@@ -138,16 +138,18 @@ fn point_at_simulators(
     )?;
     set(yaml, "listeners", &format!("[{{address: \"{proxy}\"}}]"))?;
     set(yaml, "admin", &format!("{{address: \"{admin}\"}}"))?;
-    // The README's first requests carry no API key: in the demo, they share the cache.
-    if let Some(cache) = yaml
-        .get_mut("plugins")
-        .and_then(|p| p.get_mut("cache"))
-        .and_then(Value::as_mapping_mut)
-    {
-        cache.insert(
-            Value::from("tenant"),
-            serde_yaml_ng::from_str("{anonymous: share}").map_err(|e| e.to_string())?,
+    if let Some(plugins) = yaml.get_mut("plugins").and_then(Value::as_mapping_mut) {
+        plugins.insert(
+            Value::from("tenants"),
+            serde_yaml_ng::from_str(DEMO_TENANTS).map_err(|e| e.to_string())?,
         );
+        // The README's first requests carry no API key: in the demo, they share the cache.
+        if let Some(cache) = plugins.get_mut("cache").and_then(Value::as_mapping_mut) {
+            cache.insert(
+                Value::from("tenant"),
+                serde_yaml_ng::from_str("{anonymous: share}").map_err(|e| e.to_string())?,
+            );
+        }
     }
     let tmp = std::env::temp_dir();
     let id = std::process::id();
@@ -210,6 +212,24 @@ fn choose_address(
     Ok(free)
 }
 
+/// The demo's tenants, as `conf/examples/tenants.yaml` has them (keys `sk-alpha-demo` and
+/// `sk-beta-demo`), and, so that the README's first commands work without a key, requests
+/// without one as the tenant `anonymous`: an operator's choice, off unless configured.
+const DEMO_TENANTS: &str = r#"
+enabled: true
+defaults: {may_force_target: true}
+tenants:
+  alpha:
+    keys: ["sha256:684455aba2f4e49856693f862d62ed1756ea87a33e1d4340560fe704c7eee471"]
+    limits: {requests_per_minute: 5}
+    may_force_target: false
+  beta:
+    keys: ["sha256:d18241e127ee84c855b692c684e0d23b5fb0f73870dab1381061a3ba65866277"]
+    limits: {output_tokens_per_minute: 10000}
+anonymous:
+  limits: {requests_per_minute: 600}
+"#;
+
 fn print_welcome(addresses: &Addresses, draft: &Sim, target: &Sim) {
     let proxy = format!("http://{}", addresses.proxy);
     let admin = format!("http://{}", addresses.admin);
@@ -236,6 +256,13 @@ Try:
   curl -si {proxy}/v1/chat/completions -H 'content-type: application/json' \
     -d '{{"model": "llama", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   curl -si {proxy}/v1/chat/completions -H 'content-type: application/json' -H 'x-sluice-tier: target' \
+    -d '{{"model": "llama", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  Tenants: alpha (API key sk-alpha-demo: 5 requests a minute, may not force the target) and
+  beta (sk-beta-demo: 10,000 output tokens a minute); no key is the tenant `anonymous`. The
+  sixth request of a minute gets 429 with retry-after and x-ratelimit-* (-i to see):
+  curl -si {proxy}/v1/chat/completions -H 'content-type: application/json' \
+    -H 'authorization: Bearer sk-alpha-demo' \
     -d '{{"model": "llama", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
   curl -s {proxy}/v1/models

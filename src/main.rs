@@ -21,6 +21,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Print an API key's digest, as `plugins.tenants` stores keys: `sha256:<hex>`. Reads the
+    /// key from standard input (one line), so it stays out of the shell's history.
+    HashKey,
     /// Run the proxy and simulated vLLM pools (draft and target) in one process.
     #[cfg(feature = "demo")]
     Demo(sluice::demo::DemoArgs),
@@ -37,6 +40,9 @@ const DEFAULT_CONFIG: &str = "conf/sluice.yaml";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::HashKey) = cli.command {
+        return hash_key();
+    }
     #[cfg(feature = "demo")]
     if let Some(Command::Demo(args)) = cli.command {
         return match sluice::demo::run(cli.opt, args) {
@@ -83,4 +89,26 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `sluice hash-key`: the digest of the key on standard input.
+fn hash_key() -> ExitCode {
+    let mut line = String::new();
+    match std::io::stdin().read_line(&mut line) {
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("sluice hash-key: cannot read the key: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let key = line.trim();
+    if key.is_empty() {
+        eprintln!("sluice hash-key: give the key on standard input, e.g. `echo -n \"$KEY\" | sluice hash-key`");
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "{}",
+        sluice_plugin_tenants::config::written_digest(key.as_bytes())
+    );
+    ExitCode::SUCCESS
 }

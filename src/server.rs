@@ -49,6 +49,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     );
     let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
     let streams_end = crate::drain::watch(&server, requests.clone(), chain.plugins(), grace);
+    let plugins_for_status = chain.plugins();
     let sluice = Sluice {
         requests,
         streams_end,
@@ -101,7 +102,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     if let Some(address) = config.admin {
         let admin = Admin {
             pools,
-            chain: names,
+            plugins: plugins_for_status,
             started: Instant::now(),
         };
         let mut service = Service::new("sluice admin".to_string(), admin);

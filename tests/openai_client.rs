@@ -247,3 +247,24 @@ async fn the_openai_client_sees_normal_answers_in_every_escalation_case() {
     }
     assert_eq!(target.stats().count("/v1/chat/completions"), 6);
 }
+
+/// What a user's code sees of a tenant's limits: the SDK's `AuthenticationError` for an
+/// unknown key, the OpenAI rate-limit headers on every answer, and `RateLimitError` (with
+/// `retry-after`) on the request over the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_sees_a_tenants_rate_limit_as_rate_limit_error() {
+    use sha2::{Digest, Sha256};
+    let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let key = "sk-alpha-python";
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())));
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": {"enabled": true, "tenants": {
+            "alpha": {"keys": [digest], "limits": {"requests_per_minute": 5}}}}},
+    }))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    run_python("openai_tenants.py", &[base.as_str(), MODEL, key, "5"]).await;
+}

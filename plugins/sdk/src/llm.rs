@@ -93,6 +93,34 @@ impl LlmCall {
         })
     }
 
+    /// The same request with an output budget of at most `ceiling` tokens per sequence, as if
+    /// the client had asked so: `max_completion_tokens` (when the client used it, since it
+    /// wins) or `max_tokens` set to `ceiling` in the body, every other byte kept, and the
+    /// request parsed again. `None` when the budget is within `ceiling` already. A request
+    /// without a budget gets `ceiling`: vLLM would otherwise generate to the context's end.
+    pub fn capped(&self, ceiling: u32) -> Option<Result<LlmCall, InvalidRequest>> {
+        if self
+            .request
+            .max_output_tokens()
+            .is_some_and(|asked| asked <= ceiling)
+        {
+            return None;
+        }
+        let key = if self.request.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        let spliced = crate::raw_json::set_member(&self.body, key, ceiling.to_string().as_bytes());
+        Some(match spliced {
+            Some(body) => LlmCall::parse(self.endpoint, Bytes::from(body)),
+            None => Err(InvalidRequest {
+                message: "The request body is not a JSON object.".into(),
+                param: None,
+            }),
+        })
+    }
+
     /// The demand as a pool balancing this way needs it: with the prompt-prefix hash when
     /// the pool uses prefix affinity.
     pub fn demand_for(&self, balancing: &Balancing) -> Demand {
@@ -1557,6 +1585,34 @@ mod tests {
         assert_eq!(r.seed, Some(7));
         // "hello there" is 11 bytes: 3 tokens + 4 of template overhead.
         assert_eq!(r.estimated_prompt_tokens(), 7);
+    }
+
+    #[test]
+    fn a_capped_request_asks_for_the_ceiling_and_keeps_every_other_byte() {
+        let call = |body: &str| {
+            LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body.to_owned())).unwrap()
+        };
+        let asked =
+            call(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":900}"#);
+        let capped = asked.capped(100).unwrap().unwrap();
+        assert_eq!(
+            &capped.body[..],
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":100}"#
+        );
+        assert_eq!(capped.request.max_output_tokens(), Some(100));
+        assert!(capped.demand.tokens() < asked.demand.tokens());
+        assert!(asked.capped(900).is_none(), "within the ceiling already");
+
+        let newer = call(
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":900}"#,
+        );
+        let capped = newer.capped(100).unwrap().unwrap();
+        assert_eq!(capped.request.max_completion_tokens, Some(100));
+        assert_eq!(capped.request.max_tokens, Some(5));
+
+        let unbounded = call(r#"{"messages":[{"role":"user","content":"x"}]}"#);
+        let capped = unbounded.capped(64).unwrap().unwrap();
+        assert_eq!(capped.request.max_tokens, Some(64));
     }
 
     #[test]

@@ -180,6 +180,13 @@ pub trait Plugin: Send + Sync + 'static {
     /// any. Spawn async work from here; do not block.
     fn logging(&self, _error: Option<&Error>, _ctx: &mut RequestCtx) {}
 
+    /// What the plugin shows in the admin `/status`, under `plugin_status.<name>` (a tenant's
+    /// limits and use, say); `None`: nothing. Called per `/status` request, off the request
+    /// path.
+    fn status(&self) -> Option<serde_json::Value> {
+        None
+    }
+
     /// Runs once when the server stops, after the last request has ended: finish what is
     /// queued (a cache's pending writes), within `within`; the process exits after it. Not
     /// a request hook: it runs on a runtime of its own, outside Pingora's.

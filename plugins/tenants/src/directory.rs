@@ -1,0 +1,182 @@
+//! Who is calling: a request's API key, by its SHA-256 digest, names its tenant. Keys come from
+//! the config file and, optionally, from a Redis hash read every `refresh`, so keys can be
+//! added and revoked without a reload. Only digests are kept, compared and logged about:
+//! never a key.
+//!
+//! A Redis key names a tenant of the config file (its policy and limits are there); a digest
+//! naming another tenant is skipped and logged once per read.
+
+use crate::config::{digest_of, RedisKeys};
+use redis::AsyncCommands;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// A key's digest.
+pub type KeyDigest = [u8; 32];
+
+/// The digest of a key as a client presents it.
+pub fn digest(key: &[u8]) -> KeyDigest {
+    Sha256::digest(key).into()
+}
+
+/// Key digests → tenants, from the config and from Redis.
+pub struct Directory<T> {
+    configured: HashMap<KeyDigest, Arc<T>>,
+    by_name: HashMap<Arc<str>, Arc<T>>,
+    redis: Option<RedisDirectory<T>>,
+}
+
+/// What the Redis hash says, as last read.
+struct RedisDirectory<T> {
+    source: RedisKeys,
+    keys: RwLock<Arc<HashMap<KeyDigest, Arc<T>>>>,
+    /// Flips once the first read was made (or failed): requests wait for it, briefly.
+    loaded: watch::Sender<bool>,
+    started: AtomicBool,
+}
+
+/// How long a request waits for the first read of the Redis keys after start-up.
+const FIRST_READ_WAIT: Duration = Duration::from_secs(1);
+
+impl<T: Send + Sync + 'static> Directory<T> {
+    /// `tenants` by name, with their configured key digests (already validated).
+    pub fn new(tenants: Vec<(Arc<str>, Vec<String>, Arc<T>)>, redis: Option<RedisKeys>) -> Self {
+        let mut configured = HashMap::new();
+        let mut by_name = HashMap::new();
+        for (name, keys, tenant) in tenants {
+            for written in keys {
+                if let Ok(d) = digest_of(&written) {
+                    configured.insert(d, Arc::clone(&tenant));
+                }
+            }
+            by_name.insert(name, tenant);
+        }
+        let redis = redis.map(|source| RedisDirectory {
+            source,
+            keys: RwLock::new(Arc::new(HashMap::new())),
+            loaded: watch::channel(false).0,
+            started: AtomicBool::new(false),
+        });
+        Self {
+            configured,
+            by_name,
+            redis,
+        }
+    }
+
+    /// The tenant configured under `name`.
+    pub fn named(&self, name: &str) -> Option<&Arc<T>> {
+        self.by_name.get(name)
+    }
+
+    /// The tenant whose key has `digest`, if any.
+    pub async fn find(self: &Arc<Self>, digest: &KeyDigest) -> Option<Arc<T>> {
+        if let Some(found) = self.configured.get(digest) {
+            return Some(Arc::clone(found));
+        }
+        let redis = self.redis.as_ref()?;
+        self.start_reading();
+        let mut loaded = redis.loaded.subscribe();
+        if !*loaded.borrow() {
+            let _ = tokio::time::timeout(FIRST_READ_WAIT, loaded.wait_for(|done| *done)).await;
+        }
+        let keys = match redis.keys.read() {
+            Ok(keys) => Arc::clone(&keys),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        };
+        keys.get(digest).cloned()
+    }
+
+    /// Starts the task that reads the Redis keys every `refresh`, once, inside the runtime.
+    fn start_reading(self: &Arc<Self>) {
+        let Some(redis) = &self.redis else {
+            return;
+        };
+        if redis.started.swap(true, Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            redis.started.store(false, Relaxed);
+            return;
+        };
+        let this = Arc::clone(self);
+        runtime.spawn(async move { this.read_forever().await });
+    }
+
+    async fn read_forever(self: Arc<Self>) {
+        let Some(redis) = &self.redis else {
+            return;
+        };
+        let client = match redis::Client::open(redis.source.url.as_str()) {
+            Ok(client) => client,
+            Err(e) => {
+                tracing::error!("tenants: keys_from_redis.url is unusable: {e}");
+                redis.loaded.send_replace(true);
+                return;
+            }
+        };
+        let mut tick = tokio::time::interval(redis.source.refresh);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut connection = None;
+        loop {
+            tick.tick().await;
+            let timeout = redis.source.refresh.min(Duration::from_secs(2));
+            let read = tokio::time::timeout(timeout, async {
+                if connection.is_none() {
+                    connection = Some(client.get_multiplexed_async_connection().await?);
+                }
+                match connection.as_mut() {
+                    Some(c) => {
+                        c.hgetall::<_, HashMap<String, String>>(&redis.source.hash)
+                            .await
+                    }
+                    None => Ok(HashMap::new()),
+                }
+            })
+            .await;
+            match read {
+                Ok(Ok(entries)) => self.replace_redis_keys(redis, entries),
+                Ok(Err(e)) => {
+                    connection = None;
+                    tracing::warn!(
+                        "tenants: cannot read the keys from Redis, keeping the last ones: {e}"
+                    );
+                }
+                Err(_) => {
+                    connection = None;
+                    tracing::warn!(
+                        "tenants: reading the keys from Redis timed out, keeping the last ones"
+                    );
+                }
+            }
+            redis.loaded.send_replace(true);
+        }
+    }
+
+    fn replace_redis_keys(&self, redis: &RedisDirectory<T>, entries: HashMap<String, String>) {
+        let mut keys = HashMap::with_capacity(entries.len());
+        let mut skipped = 0usize;
+        for (written, name) in entries {
+            match (digest_of(&written), self.by_name.get(name.as_str())) {
+                (Ok(d), Some(tenant)) => {
+                    keys.insert(d, Arc::clone(tenant));
+                }
+                _ => skipped += 1,
+            }
+        }
+        if skipped > 0 {
+            tracing::warn!(
+                "tenants: {skipped} entries of the Redis hash `{}` are not `sha256:<hex>` → a configured tenant; skipped",
+                redis.source.hash
+            );
+        }
+        match redis.keys.write() {
+            Ok(mut current) => *current = Arc::new(keys),
+            Err(poisoned) => *poisoned.into_inner() = Arc::new(keys),
+        }
+    }
+}

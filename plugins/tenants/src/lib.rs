@@ -1,0 +1,396 @@
+//! The tenants plugin: who is calling, what they may ask for, and how much.
+//!
+//! - **Identity** ([`directory`]): the request's API key (`Authorization: Bearer`, `x-api-key`
+//!   or `api-key`), by its SHA-256 digest, names a tenant; keys are in the config file as
+//!   digests and optionally in a Redis hash. A `tenant_header` names the tenant only when the
+//!   connection comes from one of `trusted_proxies`; from anyone else it is ignored. No key:
+//!   401, unless the operator lets such requests in as the `anonymous` tenant. The tenant is
+//!   put on the request's context ([`sluice_sdk::Tenant`]), where the KV breaker (priority
+//!   class), the speculative selector (forced target tier) and the cache (its partition) read
+//!   it. Keys never reach a log, a metric, an error or a backend.
+//! - **Policy**, per tenant over `defaults`: the models it may use (else 403), a `max_tokens`
+//!   ceiling (clamped, or refused with 400), its priority classes, whether it may force the
+//!   target tier.
+//! - **Limits and budget** ([`limits`]): requests and tokens per minute, concurrent requests,
+//!   dollars per day and month, in this process or shared through Redis; over a limit: 429
+//!   with `retry-after` and OpenAI's `x-ratelimit-*` headers, which successful answers carry
+//!   too. Tokens are estimated at admission and corrected from the answer's usage; cached
+//!   answers cost no tokens and no dollars.
+//!
+//! It runs right after `request_id` (so that a 401 carries its id too), identifies in
+//! `early_request`, before the body is read (an unknown client never gets to send 8 MiB),
+//! and applies the policy and limits in `request`, once the body is parsed.
+//!
+//! ```yaml
+//! plugins:
+//!   tenants:
+//!     enabled: true
+//!     defaults:
+//!       priority: {default: standard, max: standard}
+//!       may_force_target: false
+//!       max_tokens: 4096
+//!     tenants:
+//!       alpha:
+//!         keys: ["sha256:…"]           # sluice hash-key prints one
+//!         limits: {requests_per_minute: 5}
+//!       beta:
+//!         keys: ["sha256:…"]
+//!         limits: {output_tokens_per_minute: 10000}
+//!         budget: {usd_per_day: 20}
+//!     anonymous:                       # absent: requests without a key get 401
+//!       limits: {requests_per_minute: 60}
+//! ```
+
+pub mod config;
+mod directory;
+pub mod limits;
+mod metrics;
+
+pub use config::TenantsConfig;
+
+use async_trait::async_trait;
+use config::{OverMaxTokens, Policy};
+use directory::{digest, Directory};
+use http::{HeaderName, HeaderValue};
+use ipnet::IpNet;
+use limits::{Admitted, Limiter, Usage, Want};
+use sluice_sdk::config::header_name;
+use sluice_sdk::{
+    api_key, ConfigError, Error, ErrorReply, Flow, Host, Plugin, PluginBuilder, Reason, RequestCtx,
+    RequestHeader, ResponseHeader, Result, Session, Tenant,
+};
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+/// One tenant, resolved: the SDK's view of it, and what this plugin enforces.
+pub struct Entry {
+    tenant: Arc<Tenant>,
+    /// The models it may ask for; `None`: all.
+    models: Option<HashSet<String>>,
+    max_tokens: Option<u32>,
+    over_max_tokens: OverMaxTokens,
+}
+
+impl Entry {
+    fn new(name: &str, identified: bool, policy: &Policy) -> Self {
+        Self {
+            tenant: Arc::new(Tenant {
+                name: name.into(),
+                identified,
+                default_priority: policy.priority.default,
+                max_priority: policy.priority.max,
+                may_force_target: policy.may_force_target.unwrap_or(false),
+            }),
+            models: policy.models.as_ref().map(|m| m.iter().cloned().collect()),
+            max_tokens: policy.max_tokens,
+            over_max_tokens: policy.over_max_tokens.unwrap_or_default(),
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.tenant.name
+    }
+}
+
+/// The section, checked: every tenant's policy merged over the defaults.
+pub struct TenantsBuilder {
+    config: TenantsConfig,
+    trusted_proxies: Vec<IpNet>,
+    tenant_header: Option<HeaderName>,
+}
+
+impl PluginBuilder for TenantsBuilder {
+    const NAME: &'static str = "tenants";
+    type Config = TenantsConfig;
+
+    fn resolve(
+        config: TenantsConfig,
+        _host: &Host,
+    ) -> std::result::Result<Option<Self>, ConfigError> {
+        config.validate()?;
+        let trusted_proxies = config
+            .trusted_proxies
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                address_or_network(text)
+                    .map_err(|message| ConfigError::new(format!("trusted_proxies[{i}]"), message))
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let tenant_header = match &config.tenant_header {
+            Some(name) => Some(header_name("tenant_header", name)?),
+            None => None,
+        };
+        Ok(config.enabled.then_some(Self {
+            config,
+            trusted_proxies,
+            tenant_header,
+        }))
+    }
+
+    fn start(self) -> Arc<dyn Plugin> {
+        let config = self.config;
+        let mut listed = Vec::new();
+        let mut limited = Vec::new();
+        for (name, section) in &config.tenants {
+            let policy = section.over(&config.defaults);
+            let entry = Arc::new(Entry::new(name, true, &policy));
+            limited.push((
+                Arc::clone(&entry.tenant.name),
+                policy.limits.clone(),
+                policy.budget.clone(),
+            ));
+            listed.push((Arc::clone(&entry.tenant.name), policy.keys.clone(), entry));
+        }
+        let anonymous = config.anonymous.as_ref().map(|section| {
+            let policy = section.over(&config.defaults);
+            let entry = Arc::new(Entry::new(Tenant::ANONYMOUS, false, &policy));
+            limited.push((
+                Arc::clone(&entry.tenant.name),
+                policy.limits.clone(),
+                policy.budget.clone(),
+            ));
+            entry
+        });
+        let names: Vec<Arc<str>> = limited.iter().map(|(n, ..)| Arc::clone(n)).collect();
+        metrics::init(&names);
+        Arc::new(Tenants {
+            directory: Arc::new(Directory::new(listed, config.keys_from_redis.clone())),
+            anonymous,
+            trusted_proxies: self.trusted_proxies,
+            tenant_header: self.tenant_header,
+            limiter: Limiter::start(&config.limits_store, limited),
+        })
+    }
+}
+
+/// An address (`10.0.0.1`) or a network (`10.0.0.0/8`).
+fn address_or_network(text: &str) -> std::result::Result<IpNet, String> {
+    text.parse::<IpNet>()
+        .or_else(|_| text.parse::<IpAddr>().map(IpNet::from))
+        .map_err(|_| format!("`{text}` is neither an IP address nor a CIDR network"))
+}
+
+pub struct Tenants {
+    directory: Arc<Directory<Entry>>,
+    anonymous: Option<Arc<Entry>>,
+    trusted_proxies: Vec<IpNet>,
+    tenant_header: Option<HeaderName>,
+    limiter: Limiter,
+}
+
+/// The request's tenant, for the later hooks.
+struct Caller(Arc<Entry>);
+
+/// The request's admission by the limits: its concurrency slot, its estimate, its headers.
+struct Held(Admitted);
+
+/// The headers a client may present its key in, removed before a request goes upstream:
+/// a backend never sees a tenant's key.
+const KEY_HEADERS: [&str; 3] = ["authorization", "x-api-key", "api-key"];
+
+impl Tenants {
+    /// The tenant of a request, or the 401 it gets.
+    async fn identify(&self, session: &Session) -> std::result::Result<Arc<Entry>, ErrorReply> {
+        let headers = &session.req_header().headers;
+        if let Some(named) = self.tenant_header.as_ref().and_then(|h| headers.get(h)) {
+            // From anyone but a trusted proxy, the header means nothing.
+            if self.peer_is_trusted_proxy(session) {
+                return named
+                    .to_str()
+                    .ok()
+                    .and_then(|name| self.directory.named(name.trim()))
+                    .cloned()
+                    .ok_or_else(|| {
+                        unauthorized("The tenant the proxy in front named is not configured.")
+                    });
+            }
+        }
+        match api_key(headers) {
+            Some(key) => self.directory.find(&digest(key)).await.ok_or_else(|| {
+                unauthorized(
+                    "Incorrect API key provided. Check the key, or ask the operator for one.",
+                )
+            }),
+            None => self.anonymous.clone().ok_or_else(|| {
+                unauthorized(
+                    "You didn't provide an API key. Provide it in an Authorization header \
+                     using Bearer auth (Authorization: Bearer YOUR_KEY).",
+                )
+            }),
+        }
+    }
+
+    fn peer_is_trusted_proxy(&self, session: &Session) -> bool {
+        session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .is_some_and(|peer| {
+                let ip = peer.ip().to_canonical();
+                self.trusted_proxies.iter().any(|net| net.contains(&ip))
+            })
+    }
+
+    /// What the tenant may not ask for: a model outside its list (403), more output tokens
+    /// than its ceiling when it refuses rather than clamps (400). A request over a clamping
+    /// ceiling is rewritten to it, as if the client had asked so.
+    fn apply_policy(&self, entry: &Entry, ctx: &mut RequestCtx) -> Result<()> {
+        let Some(call) = ctx.llm() else {
+            return Ok(());
+        };
+        if let Some(models) = &entry.models {
+            let model = call.request.model.as_deref().unwrap_or("");
+            if !models.contains(model) {
+                return Err(ErrorReply {
+                    param: Some("model".into()),
+                    ..ErrorReply::new(
+                        403,
+                        Reason::Forbidden,
+                        "The model you asked for is not available to your API key.",
+                    )
+                }
+                .into_error());
+            }
+        }
+        let Some(ceiling) = entry.max_tokens else {
+            return Ok(());
+        };
+        let asked = call.request.max_output_tokens();
+        if entry.over_max_tokens == OverMaxTokens::Refuse && asked.is_some_and(|n| n > ceiling) {
+            let param = if call.request.max_completion_tokens.is_some() {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(ErrorReply {
+                param: Some(param.into()),
+                ..ErrorReply::new(
+                    400,
+                    Reason::Forbidden,
+                    format!("`{param}` is at most {ceiling} for your API key."),
+                )
+            }
+            .into_error());
+        }
+        if let Some(capped) = call.capped(ceiling) {
+            let capped = capped.map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
+            ctx.set_llm(capped);
+        }
+        Ok(())
+    }
+}
+
+/// 401 in OpenAI's shape, with the challenge HTTP asks for.
+fn unauthorized(message: &str) -> ErrorReply {
+    ErrorReply {
+        headers: vec![(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer"),
+        )],
+        ..ErrorReply::new(401, Reason::Unauthorized, message)
+    }
+}
+
+#[async_trait]
+impl Plugin for Tenants {
+    fn name(&self) -> &'static str {
+        TenantsBuilder::NAME
+    }
+
+    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+        let entry = self
+            .identify(session)
+            .await
+            .map_err(ErrorReply::into_error)?;
+        ctx.set_tenant(Arc::clone(&entry.tenant));
+        ctx.state.insert(Caller(entry));
+        Ok(())
+    }
+
+    async fn request(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+        let Some(Caller(entry)) = ctx.state.get::<Caller>() else {
+            return Ok(Flow::Continue);
+        };
+        let entry = Arc::clone(entry);
+        self.apply_policy(&entry, ctx)?;
+        let Some(call) = ctx.llm() else {
+            return Ok(Flow::Continue);
+        };
+        let demand = call.demand;
+        let want = Want {
+            input_tokens: demand.prompt_tokens,
+            output_tokens: demand
+                .output_tokens
+                .saturating_mul(u64::from(demand.sequences.max(1))),
+        };
+        let admitted = self
+            .limiter
+            .admit(entry.name(), want)
+            .await
+            .map_err(ErrorReply::into_error)?;
+        ctx.state.insert(Held(admitted));
+        // The real counts correct the estimate once the answer is in.
+        ctx.want_usage();
+        Ok(Flow::Continue)
+    }
+
+    fn upstream_request(&self, request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
+        for name in KEY_HEADERS {
+            request.remove_header(name);
+        }
+        Ok(())
+    }
+
+    fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+        if let Some(Held(admitted)) = ctx.state.get::<Held>() {
+            for (name, value) in admitted.headers() {
+                response.insert_header(name.clone(), value.clone())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Each tenant's limits and what is left of them, its spend against its budget.
+    fn status(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(self.limiter.snapshot()).ok()
+    }
+
+    fn error(&self, reply: &ErrorReply, ctx: &mut RequestCtx) {
+        let tenant = ctx.tenant().map_or("-", |t| &*t.name);
+        metrics::rejected(tenant, reply.reason);
+    }
+
+    fn logging(&self, _error: Option<&Error>, ctx: &mut RequestCtx) {
+        let Some(Caller(entry)) = ctx.state.remove::<Caller>() else {
+            return;
+        };
+        metrics::request(entry.name());
+        let Some(Held(admitted)) = ctx.state.remove::<Held>() else {
+            return;
+        };
+        // A cached answer used no GPU: no tokens, no dollars. An answer whose usage is
+        // unknown (cut short) keeps its estimate.
+        let usage = if ctx.answered_locally() {
+            Some(Usage {
+                input_tokens: 0,
+                output_tokens: 0,
+                usd: 0.0,
+            })
+        } else {
+            ctx.usage().map(|u| {
+                let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
+                let tokens = u.prompt_tokens.saturating_add(u.completion_tokens);
+                Usage {
+                    input_tokens: u.prompt_tokens,
+                    output_tokens: u.completion_tokens,
+                    usd: tokens as f64 * price / 1e6,
+                }
+            })
+        };
+        if let Some(usage) = &usage {
+            metrics::used(entry.name(), usage);
+        }
+        admitted.settle(usage);
+    }
+}

@@ -1,0 +1,460 @@
+//! The tenants plugin end to end: who may call, what a tenant may ask for, its limits, and
+//! that no client can claim another tenant's identity, priority, tier or cached answers.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use vllm_sim::SimConfig;
+
+const MODEL: &str = "llama";
+const ALPHA_KEY: &str = "sk-alpha-test";
+const BETA_KEY: &str = "sk-beta-test";
+
+/// How the config writes a key: its SHA-256.
+fn digest(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+}
+
+fn bearer(key: &str) -> (&'static str, String) {
+    ("authorization", format!("Bearer {key}"))
+}
+
+async fn sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_record_requests(50),
+    )
+    .await
+    .unwrap()
+}
+
+/// The tenants section: alpha and beta with their keys, `extra` merged in.
+fn tenants(extra: Value) -> Value {
+    let mut section = json!({
+        "enabled": true,
+        "tenants": {
+            "alpha": {"keys": [digest(ALPHA_KEY)]},
+            "beta": {"keys": [digest(BETA_KEY)], "may_force_target": true},
+        },
+    });
+    merge(&mut section, extra);
+    section
+}
+
+/// Merges `extra` into `base`, objects key by key.
+fn merge(base: &mut Value, extra: Value) {
+    match (base, extra) {
+        (Value::Object(base), Value::Object(extra)) => {
+            for (key, value) in extra {
+                merge(base.entry(key).or_insert(Value::Null), value);
+            }
+        }
+        (base, extra) => *base = extra,
+    }
+}
+
+async fn ask(proxy: &Proxy, body: &Value, headers: &[(&str, String)]) -> Answer {
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    proxy.ask(body, &headers).await
+}
+
+fn error_body(answer: &Answer) -> Value {
+    serde_json::from_str(&answer.body).unwrap_or_else(|_| panic!("JSON: {}", answer.body))
+}
+
+/// Without a key, or with a key no tenant has, a request gets OpenAI's 401, which never
+/// repeats the key; with a tenant's key, in any of the headers clients send it in, it is
+/// served, and the backend never sees the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_needs_a_tenants_key_and_the_key_never_reaches_a_backend() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({}))},
+    }))
+    .await;
+    let request = chat(MODEL, "hi", false);
+
+    for (headers, what) in [
+        (vec![], "no key"),
+        (vec![bearer("sk-not-a-tenant")], "an unknown key"),
+        (
+            vec![("authorization", format!("Basic {ALPHA_KEY}"))],
+            "another scheme",
+        ),
+    ] {
+        let a = ask(&proxy, &request, &headers).await;
+        assert_eq!(a.status, 401, "{what}: {}", a.body);
+        assert_eq!(a.headers["x-sluice-rejected"], "unauthorized", "{what}");
+        assert_eq!(a.headers["www-authenticate"], "Bearer", "{what}");
+        assert!(
+            a.headers.get("x-request-id").is_some(),
+            "{what}: the id too"
+        );
+        let body = error_body(&a);
+        assert_eq!(body["error"]["type"], "AuthenticationError", "{what}");
+        assert!(
+            !a.body.contains("sk-"),
+            "{what}: a key in the answer: {}",
+            a.body
+        );
+    }
+    assert!(
+        !proxy.logs().contains("sk-not-a-tenant"),
+        "a key in the log"
+    );
+
+    for headers in [
+        vec![bearer(ALPHA_KEY)],
+        vec![("x-api-key", ALPHA_KEY.to_string())],
+        vec![("api-key", BETA_KEY.to_string())],
+    ] {
+        let a = ask(&proxy, &request, &headers).await;
+        assert_eq!(a.status, 200, "{headers:?}: {}", a.body);
+    }
+    let chats: Vec<_> = upstream
+        .stats()
+        .recent
+        .into_iter()
+        .filter(|r| r.path == "/v1/chat/completions")
+        .collect();
+    assert_eq!(chats.len(), 3);
+    for r in chats {
+        for header in ["authorization", "x-api-key", "api-key"] {
+            assert_eq!(r.header(header), None, "the backend got `{header}`");
+        }
+    }
+}
+
+/// A tenant header names the tenant only when the connection comes from a trusted proxy;
+/// from anyone else it is ignored, so it claims nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_header_counts_only_from_a_trusted_proxy() {
+    let upstream = sim().await;
+    let request = chat(MODEL, "hi", false);
+    let header = |name: &str| ("x-sluice-tenant", name.to_string());
+
+    let untrusted = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenant_header": "x-sluice-tenant", "trusted_proxies": ["10.0.0.0/8"]}))},
+    }))
+    .await;
+    let a = ask(&untrusted, &request, &[header("alpha")]).await;
+    assert_eq!(
+        a.status, 401,
+        "a spoofed tenant header was believed: {}",
+        a.body
+    );
+    drop(untrusted);
+
+    // This test's client is the trusted proxy (it connects from 127.0.0.1).
+    let trusted = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenant_header": "x-sluice-tenant", "trusted_proxies": ["127.0.0.1"]}))},
+    }))
+    .await;
+    assert_eq!(
+        ask(&trusted, &request, &[header("alpha")]).await.status,
+        200
+    );
+    assert_eq!(
+        ask(&trusted, &request, &[header("gamma")]).await.status,
+        401
+    );
+}
+
+/// Two tenants asking the same thing never share a cache entry; and a forced-target request
+/// never gets the draft's cached answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_share_cache_entries_nor_tiers() {
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("draft", &[MODEL], &[draft.addr()]),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": {
+            "tenants": tenants(json!({})),
+            "cache": {"enabled": true},
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+        },
+    }))
+    .await;
+    let request = chat(MODEL, "one question, two tenants", false);
+    let alpha = [bearer(ALPHA_KEY)];
+    let beta = [bearer(BETA_KEY)];
+
+    assert_eq!(ask(&proxy, &request, &alpha).await.x_cache, "MISS");
+    let alpha_headers: Vec<(&str, &str)> = alpha.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    assert_eq!(
+        proxy.until_hit(&request, &alpha_headers).await.x_cache,
+        "HIT"
+    );
+    assert_eq!(
+        ask(&proxy, &request, &beta).await.x_cache,
+        "MISS",
+        "beta got alpha's entry"
+    );
+
+    // beta's answer came from the draft and is cached; forcing the target misses it.
+    let beta_headers: Vec<(&str, &str)> = beta.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let hit = proxy.until_hit(&request, &beta_headers).await;
+    assert_eq!(hit.headers["x-sluice-pool"], "draft");
+    let forced = [bearer(BETA_KEY), ("x-sluice-tier", "target".to_string())];
+    let a = ask(&proxy, &request, &forced).await;
+    assert_eq!(
+        a.x_cache, "MISS",
+        "a forced-target request got the draft's answer"
+    );
+    assert_eq!(a.headers["x-sluice-pool"], "target");
+    assert_eq!(a.headers["x-sluice-escalated"], "forced");
+}
+
+/// What a tenant may ask for: its models (else 403), its `max_tokens` ceiling (clamped, or
+/// refused with 400), the target tier only when allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_gets_only_what_its_policy_allows() {
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("draft", &[MODEL, "other"], &[draft.addr()]),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": {
+            "tenants": tenants(json!({
+                "defaults": {"models": [MODEL], "max_tokens": 32},
+                "tenants": {"beta": {"over_max_tokens": "refuse"}},
+            })),
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+        },
+    }))
+    .await;
+    let alpha = [bearer(ALPHA_KEY)];
+    let beta = [bearer(BETA_KEY)];
+
+    let other = ask(&proxy, &chat("other", "hi", false), &alpha).await;
+    assert_eq!(other.status, 403, "{}", other.body);
+    assert_eq!(other.headers["x-sluice-rejected"], "forbidden");
+    assert_eq!(error_body(&other)["error"]["param"], "model");
+
+    // alpha's 500 tokens are lowered to 32: the backend is asked for 32.
+    let mut long = chat(MODEL, "a long answer", false);
+    long["max_tokens"] = json!(500);
+    let a = ask(&proxy, &long, &alpha).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let sent = draft
+        .stats()
+        .recent
+        .into_iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .unwrap();
+    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    assert_eq!(sent["max_tokens"], 32, "{sent}");
+    assert_eq!(sent["messages"], long["messages"]);
+    // beta's are refused.
+    let refused = ask(&proxy, &long, &beta).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert_eq!(error_body(&refused)["error"]["param"], "max_tokens");
+
+    // alpha may not force the target: the header is ignored. beta may.
+    let forced = |key| [bearer(key), ("x-sluice-tier", "target".to_string())];
+    let a = ask(&proxy, &chat(MODEL, "tier", false), &forced(ALPHA_KEY)).await;
+    assert_eq!(a.headers["x-sluice-pool"], "draft");
+    let a = ask(&proxy, &chat(MODEL, "tier", false), &forced(BETA_KEY)).await;
+    assert_eq!(a.headers["x-sluice-pool"], "target");
+}
+
+/// A tenant's sixth request in a minute gets OpenAI's 429: `retry-after`, the rate-limit
+/// headers every answer of a limited tenant carries, and the reason; other tenants are not
+/// affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_sixth_request_in_a_minute_gets_429_with_the_rate_limit_headers() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}))},
+    }))
+    .await;
+    let alpha = [bearer(ALPHA_KEY)];
+    for i in 0..5 {
+        let a = ask(&proxy, &chat(MODEL, &format!("q{i}"), false), &alpha).await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+        assert_eq!(a.headers["x-ratelimit-limit-requests"], "5");
+        assert_eq!(
+            a.headers["x-ratelimit-remaining-requests"],
+            (4 - i).to_string().as_str()
+        );
+        assert!(a.headers.get("x-ratelimit-reset-requests").is_some());
+    }
+    let sixth = ask(&proxy, &chat(MODEL, "q5", false), &alpha).await;
+    assert_eq!(sixth.status, 429, "{}", sixth.body);
+    assert_eq!(sixth.headers["x-sluice-rejected"], "rate-limited");
+    assert_eq!(sixth.headers["x-ratelimit-remaining-requests"], "0");
+    let retry_after: u64 = sixth.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    let body = error_body(&sixth);
+    assert_eq!(body["error"]["type"], "RateLimitError");
+    assert_eq!(body["error"]["reason"], "rate-limited");
+
+    // beta has no request limit, and its answers carry no request-limit headers.
+    let b = ask(&proxy, &chat(MODEL, "q", false), &[bearer(BETA_KEY)]).await;
+    assert_eq!(b.status, 200);
+    assert!(b.headers.get("x-ratelimit-limit-requests").is_none());
+    let rejected = proxy
+        .metric(r#"sluice_tenant_rejections_total{reason="rate-limited",tenant="alpha"}"#)
+        .await;
+    assert_eq!(rejected, Some(1.0));
+}
+
+/// Tokens are estimated at admission (the whole `max_tokens`) and corrected from the answer's
+/// usage, streams included: a tenant whose answers are short gets on, where the estimates
+/// alone would have stopped it; the stream's client never sees the usage it did not ask for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_limits_are_corrected_from_the_answers_usage_streams_included() {
+    // Answers of 4 to 6 tokens, asked for up to 80.
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_answer_tokens(4, 6),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"beta": {"limits": {"output_tokens_per_minute": 100}}}}))},
+    }))
+    .await;
+    let beta = [bearer(BETA_KEY)];
+    for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+        let mut request = chat(MODEL, &format!("short answer {i}"), stream);
+        request["max_tokens"] = json!(80);
+        let a = ask(&proxy, &request, &beta).await;
+        assert_eq!(
+            a.status, 200,
+            "request {i} (estimates not corrected?): {}",
+            a.body
+        );
+        if stream {
+            assert!(
+                !a.body.contains("\"usage\""),
+                "the client got a usage chunk it did not ask for"
+            );
+        }
+    }
+    let used = proxy
+        .metric(r#"sluice_tenant_tokens_total{kind="output",tenant="beta"}"#)
+        .await
+        .unwrap();
+    assert!(
+        (16.0..=24.0).contains(&used),
+        "output tokens counted: {used}"
+    );
+    // An estimate over what is left is refused: the whole minute's 100, with ~20 used (the
+    // bucket refills 100 a minute: this holds for the ~10 s the test may take).
+    let mut big = chat(MODEL, "big", false);
+    big["max_tokens"] = json!(100);
+    let a = ask(&proxy, &big, &beta).await;
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.headers["x-sluice-rejected"], "rate-limited");
+}
+
+/// `/status` shows each tenant's limits and what is left of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_each_tenants_limits_and_use() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}))},
+    }))
+    .await;
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&proxy, &chat(MODEL, "q", false), &[bearer(ALPHA_KEY)])
+                .await
+                .status,
+            200
+        );
+    }
+    let status = proxy.status().await;
+    let tenants = status["plugin_status"]["tenants"].as_array().unwrap();
+    let alpha = tenants.iter().find(|t| t["tenant"] == "alpha").unwrap();
+    assert_eq!(alpha["requests_per_minute"], 5, "{alpha}");
+    assert_eq!(alpha["requests_remaining"], 3, "{alpha}");
+    assert!(tenants.iter().any(|t| t["tenant"] == "beta"));
+    assert!(
+        !status.to_string().contains("sha256"),
+        "no key digest in /status"
+    );
+}
+
+/// Two replicas share a tenant's limit through one Redis: together they never let more in
+/// than the limit. When Redis dies, they fail open as configured, and count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_a_limit_through_redis_and_fail_open_when_it_dies() {
+    let upstream = sim().await;
+    let mut redis = RedisServer::start();
+    let config = json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}},
+            "limits_store": {"kind": "redis", "redis": {"url": redis.url(), "timeout": "200ms"},
+                             "on_redis_error": "allow"},
+        }))},
+    });
+    let replicas = [
+        Proxy::start(config.clone()).await,
+        Proxy::start(config).await,
+    ];
+    let alpha = [bearer(ALPHA_KEY)];
+
+    let mut served = 0;
+    for i in 0..20 {
+        let replica = &replicas[i % 2];
+        let a = ask(replica, &chat(MODEL, &format!("q{i}"), false), &alpha).await;
+        match a.status {
+            200 => served += 1,
+            429 => assert_eq!(a.headers["x-sluice-rejected"], "rate-limited"),
+            other => panic!("request {i}: {other} {}", a.body),
+        }
+    }
+    assert_eq!(served, 5, "the two replicas together let {served} in");
+
+    // Redis gone: requests are let in (fail open), and the failures are counted.
+    redis.stop();
+    for i in 0..4 {
+        let a = ask(
+            &replicas[i % 2],
+            &chat(MODEL, &format!("later {i}"), false),
+            &alpha,
+        )
+        .await;
+        assert_eq!(a.status, 200, "request {i} with Redis down: {}", a.body);
+    }
+    let mut errors = 0.0;
+    for replica in &replicas {
+        let text = replica.metrics().await;
+        errors += text
+            .lines()
+            .filter(|l| l.starts_with("sluice_tenant_limit_store_errors_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    assert!(errors >= 4.0, "Redis failures counted: {errors}");
+}
