@@ -458,3 +458,28 @@ async fn two_replicas_share_a_limit_through_redis_and_fail_open_when_it_dies() {
     }
     assert!(errors >= 4.0, "Redis failures counted: {errors}");
 }
+
+/// `sluice hash-key` prints the digest the config wants, from standard input.
+#[test]
+fn hash_key_prints_the_digest_the_config_takes() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("hash-key")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{ALPHA_KEY}\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        digest(ALPHA_KEY)
+    );
+}

@@ -1425,3 +1425,66 @@ fn draft_and_target_pools_must_serve_the_model_and_its_aliases() {
         "pool `target` must serve `m` and its aliases",
     );
 }
+
+// ---- (b) refusals: the tenants section ---------------------------------------------------------
+
+fn tenants_with(keys: &str) -> String {
+    with(&format!("plugins:\n  tenants: {{enabled: true, {keys}}}"))
+}
+
+const A_DIGEST: &str = "sha256:684455aba2f4e49856693f862d62ed1756ea87a33e1d4340560fe704c7eee471";
+
+#[test]
+fn tenants_rules_are_enforced() {
+    let c = ok(&tenants_with(&format!(
+        "tenants: {{alpha: {{keys: ['{A_DIGEST}'], limits: {{requests_per_minute: 5}}}}}}"
+    )));
+    assert!(c.plugins.names().contains(&"tenants"));
+    refused(
+        &tenants_with("tenants: {alpha: {keys: [sk-alpha-demo]}}"),
+        "plugins.tenants.tenants.alpha.keys[0]",
+        "never the key itself: `sluice hash-key` prints one",
+    );
+    refused(
+        &tenants_with(&format!(
+            "tenants: {{alpha: {{keys: ['{A_DIGEST}']}}, beta: {{keys: ['{A_DIGEST}']}}}}"
+        )),
+        "plugins.tenants.tenants.beta.keys[0]",
+        "is tenant `alpha`'s key too",
+    );
+    refused(
+        &tenants_with("tenant_header: x-sluice-tenant"),
+        "plugins.tenants.trusted_proxies",
+        "is needed with tenant_header",
+    );
+    refused(
+        &tenants_with("trusted_proxies: [10.0.0.0/33]"),
+        "plugins.tenants.trusted_proxies[0]",
+        "neither an IP address nor a CIDR network",
+    );
+    refused(
+        &tenants_with(&format!("defaults: {{keys: ['{A_DIGEST}']}}")),
+        "plugins.tenants.defaults.keys",
+        "a tenant's own section",
+    );
+    refused(
+        &tenants_with("tenants: {anonymous: {}}"),
+        "plugins.tenants.tenants.anonymous",
+        "is not a tenant name",
+    );
+    refused(
+        &tenants_with("defaults: {priority: {default: critical, max: standard}}"),
+        "plugins.tenants.defaults.priority.default",
+        "must not be above priority.max",
+    );
+    refused(
+        &tenants_with("defaults: {limits: {requests_per_minute: 0}}"),
+        "plugins.tenants.defaults.limits.requests_per_minute",
+        "",
+    );
+    refused(
+        &tenants_with("limits_store: {kind: redis}"),
+        "plugins.tenants.limits_store.redis",
+        "",
+    );
+}
