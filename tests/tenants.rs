@@ -483,3 +483,100 @@ fn hash_key_prints_the_digest_the_config_takes() {
         digest(ALPHA_KEY)
     );
 }
+
+/// Keys kept in Redis are added and revoked without a reload: within `refresh`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_from_redis_are_added_and_revoked_without_a_reload() {
+    let upstream = sim().await;
+    let redis = RedisServer::start();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "keys_from_redis": {"url": redis.url(), "refresh": "100ms"}}))},
+    }))
+    .await;
+    let gamma_key = "sk-gamma-from-redis";
+    let request = chat(MODEL, "hi", false);
+    let status = || async { ask(&proxy, &request, &[bearer(gamma_key)]).await.status };
+    assert_eq!(status().await, 401, "not added yet");
+
+    redis_cli(
+        redis.port(),
+        &["HSET", "sluice:tenant-keys", &digest(gamma_key), "beta"],
+    );
+    let added = wait_for(std::time::Duration::from_secs(5), || async {
+        status().await == 200
+    })
+    .await;
+    assert!(added.is_some(), "a key added to Redis was never accepted");
+
+    redis_cli(
+        redis.port(),
+        &["HDEL", "sluice:tenant-keys", &digest(gamma_key)],
+    );
+    let revoked = wait_for(std::time::Duration::from_secs(5), || async {
+        status().await == 401
+    })
+    .await;
+    assert!(
+        revoked.is_some(),
+        "a key removed from Redis was still accepted"
+    );
+    // The file's keys are not Redis's to revoke.
+    assert_eq!(
+        ask(&proxy, &request, &[bearer(ALPHA_KEY)]).await.status,
+        200
+    );
+}
+
+/// A tenant's budget, from the answering pool's price: once spent, 429 `budget-exceeded`;
+/// in shadow mode it is only counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_budget_refuses_and_a_shadow_budget_only_counts() {
+    let upstream = sim().await;
+    // A million dollars a million tokens: one answer of a few dozen tokens spends the cent.
+    let priced =
+        pool("main", &[MODEL], &[upstream.addr()]).with("price_per_million_tokens", 1_000_000.0);
+    let proxy = Proxy::start(json!({
+        "pools": [priced],
+        "plugins": {"tenants": tenants(json!({"tenants": {
+            "alpha": {"budget": {"usd_per_day": 0.01}},
+            "beta": {"budget": {"usd_per_day": 0.01, "mode": "shadow"}},
+        }}))},
+    }))
+    .await;
+    let first = ask(&proxy, &chat(MODEL, "spend", false), &[bearer(ALPHA_KEY)]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    // The spend is charged once the answer has ended: the next requests find it spent.
+    let mut refused = None;
+    for i in 0..20 {
+        let next = ask(
+            &proxy,
+            &chat(MODEL, &format!("more {i}"), false),
+            &[bearer(ALPHA_KEY)],
+        )
+        .await;
+        if next.status == 429 {
+            refused = Some(next);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let refused = refused.expect("alpha's spent budget never refused");
+    assert_eq!(refused.headers["x-sluice-rejected"], "budget-exceeded");
+    assert!(refused.headers.get("retry-after").is_some());
+    for i in 0..5 {
+        let a = ask(
+            &proxy,
+            &chat(MODEL, &format!("shadow {i}"), false),
+            &[bearer(BETA_KEY)],
+        )
+        .await;
+        assert_eq!(a.status, 200, "a shadow budget refused: {}", a.body);
+    }
+    let cost = proxy
+        .metric(r#"sluice_tenant_cost_dollars_total{tenant="beta"}"#)
+        .await
+        .unwrap();
+    assert!(cost > 0.01, "beta's spend counted: {cost}");
+}
