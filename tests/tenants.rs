@@ -356,6 +356,16 @@ async fn token_limits_are_corrected_from_the_answers_usage_streams_included() {
                 "the client got a usage chunk it did not ask for"
             );
         }
+        // The correction is made as the request ends, just after its last byte was sent:
+        // the next request waits for it, as a client's next one would a moment later.
+        let settled = wait_for(std::time::Duration::from_secs(5), || async {
+            proxy
+                .metric(r#"sluice_tenant_requests_total{tenant="beta"}"#)
+                .await
+                == Some(i as f64 + 1.0)
+        })
+        .await;
+        assert!(settled.is_some(), "request {i} never ended");
     }
     let used = proxy
         .metric(r#"sluice_tenant_tokens_total{kind="output",tenant="beta"}"#)

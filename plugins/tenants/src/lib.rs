@@ -365,32 +365,37 @@ impl Plugin for Tenants {
         let Some(Caller(entry)) = ctx.state.remove::<Caller>() else {
             return;
         };
-        metrics::request(entry.name());
-        let Some(Held(admitted)) = ctx.state.remove::<Held>() else {
-            return;
-        };
-        // A cached answer used no GPU: no tokens, no dollars. An answer whose usage is
-        // unknown (cut short) keeps its estimate.
-        let usage = if ctx.answered_locally() {
-            Some(Usage {
-                input_tokens: 0,
-                output_tokens: 0,
-                usd: 0.0,
-            })
-        } else {
-            ctx.usage().map(|u| {
-                let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
-                let tokens = u.prompt_tokens.saturating_add(u.completion_tokens);
-                Usage {
-                    input_tokens: u.prompt_tokens,
-                    output_tokens: u.completion_tokens,
-                    usd: tokens as f64 * price / 1e6,
-                }
-            })
-        };
-        if let Some(usage) = &usage {
-            metrics::used(entry.name(), usage);
+        if let Some(Held(admitted)) = ctx.state.remove::<Held>() {
+            let usage = used(ctx);
+            // Settled before anything else is recorded: whoever sees this request counted
+            // sees its correction made.
+            admitted.settle(usage);
+            if let Some(usage) = &usage {
+                metrics::used(entry.name(), usage);
+            }
         }
-        admitted.settle(usage);
+        metrics::request(entry.name());
     }
+}
+
+/// What an answer used: nothing for a cached answer (it used no GPU); the counts the core
+/// found, at the answering pool's price; `None` when unknown (an answer cut short), so the
+/// estimate stands.
+fn used(ctx: &RequestCtx) -> Option<Usage> {
+    if ctx.answered_locally() {
+        return Some(Usage {
+            input_tokens: 0,
+            output_tokens: 0,
+            usd: 0.0,
+        });
+    }
+    ctx.usage().map(|u| {
+        let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
+        let tokens = u.prompt_tokens.saturating_add(u.completion_tokens);
+        Usage {
+            input_tokens: u.prompt_tokens,
+            output_tokens: u.completion_tokens,
+            usd: tokens as f64 * price / 1e6,
+        }
+    })
 }
