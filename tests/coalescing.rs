@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vllm_sim::Faults;
 
 const MODEL: &str = "test-model";
 
@@ -343,4 +344,358 @@ async fn a_follower_whose_client_leaves_stops_waiting() {
     // Nobody was waiting any more: the failure hands the lead to no one.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(upstream.total(), 1);
+}
+
+// Live fan-out: stream followers join a streaming leader's answer as it is produced.
+
+/// A proxy with the cache on in front of a simulator.
+async fn sim_proxy(sim: &vllm_sim::Sim, cache: Value) -> Proxy {
+    let mut section = json!({"enabled": true, "tenant": {"anonymous": "share"}});
+    if let Value::Object(keys) = cache {
+        section.as_object_mut().unwrap().extend(keys);
+    }
+    Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": {"cache": section},
+    }))
+    .await
+}
+
+/// A stream as one client read it: each chunk with when it came, and when it ended.
+struct Read {
+    x_cache: String,
+    chunks: Vec<(std::time::Instant, String)>,
+    ended: std::time::Instant,
+}
+
+impl Read {
+    fn body(&self) -> String {
+        self.chunks.iter().map(|(_, c)| c.as_str()).collect()
+    }
+
+    fn data(&self) -> Vec<String> {
+        sse_data(&self.body())
+    }
+
+    /// The events' JSON, `[DONE]` left out.
+    fn events(&self) -> Vec<Value> {
+        self.data()
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    fn content(&self) -> String {
+        content_of(&self.body())
+    }
+
+    fn first_chunk(&self) -> std::time::Instant {
+        self.chunks[0].0
+    }
+}
+
+fn content_of(body: &str) -> String {
+    sse_data(body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+/// Sends `request` and reads the answer chunk by chunk; `first` gets the first chunk's time.
+fn read_stream(
+    proxy: &Proxy,
+    request: &Value,
+    first: Option<tokio::sync::oneshot::Sender<()>>,
+) -> tokio::task::JoinHandle<Read> {
+    let (url, request) = (proxy.url("/v1/chat/completions"), request.clone());
+    tokio::spawn(async move {
+        let mut first = first;
+        let mut r = client().post(url).json(&request).send().await.unwrap();
+        let x_cache = r
+            .headers()
+            .get("x-cache")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let mut chunks = Vec::new();
+        while let Some(chunk) = r.chunk().await.unwrap() {
+            chunks.push((
+                std::time::Instant::now(),
+                String::from_utf8(chunk.to_vec()).unwrap(),
+            ));
+            if let Some(tx) = first.take() {
+                let _ = tx.send(());
+            }
+        }
+        Read {
+            x_cache,
+            chunks,
+            ended: std::time::Instant::now(),
+        }
+    })
+}
+
+/// The leader's stream, started; returns once its first chunk reached its client.
+async fn lead_stream(proxy: &Proxy, request: &Value) -> tokio::task::JoinHandle<Read> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let leader = read_stream(proxy, request, Some(tx));
+    rx.await.unwrap();
+    leader
+}
+
+fn ids(read: &Read) -> std::collections::BTreeSet<String> {
+    read.events()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_joiner_gets_the_prefix_at_once_then_live_chunks() {
+    // 20 tokens, one every 100 ms: the leader's stream takes about 2 s.
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let proxy = sim_proxy(&sim, json!({})).await;
+    let mut request = chat(MODEL, "tell the crowd a story", true);
+    request["max_tokens"] = json!(20);
+
+    let leader = lead_stream(&proxy, &request).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let follower = read_stream(&proxy, &request, None).await.unwrap();
+    let leader = leader.await.unwrap();
+
+    assert_eq!(
+        (leader.x_cache.as_str(), follower.x_cache.as_str()),
+        ("MISS", "HIT")
+    );
+    assert_eq!(upstream_calls(&sim), 1, "the follower did not go upstream");
+    // Live: its first chunk came well before the leader's stream ended, and more came after.
+    assert!(
+        follower.first_chunk() < leader.chunks[leader.chunks.len() - 2].0,
+        "the follower's first chunk came only with the leader's end"
+    );
+    let first = content_of(&follower.chunks[0].1);
+    let whole = leader.content();
+    assert!(
+        first.len() >= 3 && whole.starts_with(&first) && first.len() < whole.len(),
+        "the first chunk is the prefix produced so far: {first:?} of {whole:?}"
+    );
+    assert!(
+        follower.chunks.len() >= 5,
+        "then the rest as it came: {} chunks",
+        follower.chunks.len()
+    );
+    // The same answer, under its own id.
+    assert_eq!(follower.content(), whole);
+    assert_eq!(follower.data().last().map(String::as_str), Some("[DONE]"));
+    let (mine, theirs) = (ids(&follower), ids(&leader));
+    assert_eq!(mine.len(), 1, "one id throughout: {mine:?}");
+    assert!(mine.is_disjoint(&theirs), "{mine:?} vs {theirs:?}");
+    let finish = |r: &Read| -> Vec<String> {
+        r.events()
+            .iter()
+            .filter_map(|e| {
+                e["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect()
+    };
+    assert_eq!(finish(&follower), finish(&leader));
+    assert_eq!(finish(&follower).len(), 1);
+    // Its time to first byte is counted on its own.
+    let series = r#"sluice_cache_coalesced_first_byte_seconds_count{via="live"}"#;
+    assert_eq!(proxy.metric(series).await, Some(1.0));
+    assert_eq!(requests(&proxy, "coalesced").await, 1.0);
+    // The whole answer was stored too: a later request is a plain hit.
+    let again = proxy.until_hit(&request, &[]).await;
+    assert_eq!(content(&again), whole);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_stops_reading_slows_neither_the_leader_nor_other_followers() {
+    // Large events (20 log-probabilities a token) over a few seconds: megabytes more than the
+    // socket buffers of a client that reads nothing hold (4 MiB at most on Linux).
+    let sim = streaming_sim(MODEL, Duration::from_millis(1), 4000).await;
+    let proxy = sim_proxy(&sim, json!({"max_entry_bytes": 64 << 20})).await;
+    let mut request = chat(MODEL, "a long answer for slow readers", true);
+    request["max_tokens"] = json!(4000);
+    request["logprobs"] = json!(true);
+    request["top_logprobs"] = json!(20);
+
+    let leader = lead_stream(&proxy, &request).await;
+    // A follower whose client sends its request and never reads, with a small buffer.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(proxy.addr).await.unwrap();
+    let body = serde_json::to_vec(&request).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: sluice\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    stalled.write_all(&body).await.unwrap();
+    let other = read_stream(&proxy, &request, None);
+    let started = std::time::Instant::now();
+    let (leader, other) = (leader.await.unwrap(), other.await.unwrap());
+
+    assert_eq!(other.x_cache, "HIT");
+    assert_eq!(upstream_calls(&sim), 1);
+    let whole = leader.content();
+    assert!(
+        leader.body().len() > 6 << 20,
+        "{} bytes",
+        leader.body().len()
+    );
+    assert_eq!(other.body().len(), leader.body().len());
+    assert_eq!(other.content(), whole);
+    // Both ended about when the stream did: not held for the stalled client, which the
+    // proxy would wait for until its 60 s send timeout.
+    let limit = Duration::from_secs(20);
+    assert!(started.elapsed() < limit, "took {:?}", started.elapsed());
+    assert!(other.ended.duration_since(leader.ended) < limit);
+    // The stalled client got far less than the answer, and is still served: reading now, it
+    // gets the whole of it.
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = stalled.read(&mut buf).await.unwrap();
+        got.extend_from_slice(&buf[..n]);
+        if n == 0 || got.ends_with(b"data: [DONE]\n\n\r\n0\r\n\r\n") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.contains("x-cache: HIT"),
+        "{}",
+        &text[..text.len().min(400)]
+    );
+    assert!(
+        got.ends_with(b"data: [DONE]\n\n\r\n0\r\n\r\n"),
+        "its whole stream"
+    );
+}
+
+/// The leader's stream fails midway, by each way a stream fails: followers that had its first
+/// chunks end with an SSE error event and `[DONE]`, never a silent cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_failing_mid_stream_ends_its_live_followers_with_an_error_event() {
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let proxy = sim_proxy(&sim, json!({})).await;
+    let faults = [
+        Faults {
+            drop_after_chunks: Some(8),
+            ..Faults::default()
+        },
+        Faults {
+            error_after_chunks: Some(8),
+            ..Faults::default()
+        },
+    ];
+    for (i, fault) in faults.into_iter().enumerate() {
+        sim.set_faults(fault);
+        let mut request = chat(MODEL, &format!("a story that breaks, take {i}"), true);
+        request["max_tokens"] = json!(20);
+        let before = upstream_calls(&sim);
+        let leader = lead_stream(&proxy, &request).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let followers: Vec<_> = (0..3)
+            .map(|_| read_stream(&proxy, &request, None))
+            .collect();
+        let leader = leader.await.unwrap();
+        for f in followers {
+            let f = f.await.unwrap();
+            assert_eq!(f.x_cache, "HIT");
+            let data = f.data();
+            let n = data.len();
+            assert!(n >= 4, "{data:?}");
+            assert_eq!(data[n - 1], "[DONE]");
+            let error: Value = serde_json::from_str(&data[n - 2]).unwrap();
+            assert!(error["error"]["message"].is_string(), "{data:?}");
+            // What came before the error is the leader's prefix.
+            assert!(leader.content().starts_with(&f.content()));
+            assert!(!f.content().is_empty());
+        }
+        let leader_data = leader.data();
+        assert!(leader_data[leader_data.len() - 2].contains("\"error\""));
+        assert_eq!(
+            upstream_calls(&sim) - before,
+            1,
+            "no follower went upstream"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_follower_of_a_json_leader_goes_upstream_unless_the_leader_finishes_first() {
+    // The stream's first event takes 1 s (prefill), and 2 more tokens 10 ms each: a JSON
+    // answer takes barely longer than a stream's first event.
+    let sim = vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model(MODEL)
+            .with_latency(vllm_sim::Latency::new(
+                Duration::from_secs(1),
+                Duration::ZERO,
+                Duration::from_millis(10),
+            ))
+            .with_answer_tokens(3, 3),
+    )
+    .await
+    .unwrap();
+    let proxy = sim_proxy(&sim, json!({})).await;
+    let ask_json = |content: &str| {
+        let (url, request) = (
+            proxy.url("/v1/chat/completions"),
+            chat(MODEL, content, false),
+        );
+        tokio::spawn(async move { ask_url(&url, &request, &[]).await })
+    };
+
+    // Nothing measured yet: no prediction, so the stream follower goes upstream.
+    let leader = ask_json("first of its kind");
+    while sim.stats().running == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let follower = proxy
+        .ask(&chat(MODEL, "first of its kind", true), &[])
+        .await;
+    assert_eq!(follower.x_cache, "MISS");
+    assert_eq!(leader.await.unwrap().x_cache, "MISS");
+    assert_eq!(upstream_calls(&sim), 2, "the follower went upstream itself");
+
+    // Measured: a stream's first event (1 s), a JSON answer (just over 1 s). A JSON leader
+    // in flight for a while is predicted to finish first: the stream follower waits for it.
+    let streamed = proxy.ask(&chat(MODEL, "warm up a stream", true), &[]).await;
+    assert_eq!(streamed.status, 200);
+    let before = upstream_calls(&sim);
+    let leader = ask_json("second of its kind");
+    while sim.stats().running == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let follower = proxy
+        .ask(&chat(MODEL, "second of its kind", true), &[])
+        .await;
+    let leader = leader.await.unwrap();
+    assert_eq!(
+        (leader.x_cache.as_str(), follower.x_cache.as_str()),
+        ("MISS", "HIT")
+    );
+    assert_eq!(
+        upstream_calls(&sim) - before,
+        1,
+        "the follower waited for the leader"
+    );
+    assert_eq!(content(&follower), content(&leader));
+    assert_eq!(
+        sse_data(&follower.body).last().map(String::as_str),
+        Some("[DONE]")
+    );
+    let series = r#"sluice_cache_coalesced_first_byte_seconds_count{via="answer"}"#;
+    assert_eq!(proxy.metric(series).await, Some(1.0));
 }

@@ -1,7 +1,7 @@
 //! Answers that Sluice writes itself: its JSON documents, plugins' local answers, and its
 //! errors. Error statuses, bodies and `retry-after` are decided here and only here.
 
-use super::downstream::write_whole;
+use super::downstream::{forward, write_whole};
 use crate::chain::Chain;
 use crate::metrics;
 use bytes::Bytes;
@@ -22,15 +22,35 @@ pub async fn send(
     write(chain, session, ctx, header, body).await
 }
 
-/// Sends an answer a plugin made (a cache hit).
+/// Sends an answer a plugin made (a cache hit), whole or, when its body is still being
+/// made (a coalesced follower of a stream in flight), chunk by chunk as it comes.
 pub async fn local(
     chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
     response: Box<LocalResponse>,
 ) -> Result<()> {
-    let LocalResponse { header, body } = *response;
-    write(chain, session, ctx, Box::new(header), body).await
+    let LocalResponse {
+        header,
+        body,
+        stream,
+    } = *response;
+    let Some(mut stream) = stream else {
+        return write(chain, session, ctx, Box::new(header), body).await;
+    };
+    let mut header = Box::new(header);
+    chain.response_header(&mut header, ctx)?;
+    ctx.progress_mut().status = Some(header.status.as_u16());
+    session.write_response_header(header, false).await?;
+    if !body.is_empty() {
+        forward(chain, session, ctx, Some(body), false).await?;
+    }
+    // Each write is bounded by the client's send timeout: a client that stops reading is
+    // cut, and only its own answer waits for it.
+    while let Some(chunk) = stream.next_chunk().await {
+        forward(chain, session, ctx, Some(chunk), false).await?;
+    }
+    forward(chain, session, ctx, None, true).await
 }
 
 /// Answers with `reply` if nothing was sent yet. Returns what Pingora needs to know.

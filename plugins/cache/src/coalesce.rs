@@ -17,10 +17,26 @@
 //! - A follower that leaves (its client gone) leaves the queue, and passes on a lead it was
 //!   handed but never read.
 //!
+//! - **Live fan-out** ([`crate::live`]): once a leader's upstream answers with a `200` event
+//!   stream, it goes live ([`Leader::go_live`]): the followers that asked for a stream leave
+//!   the queue with a place in its live log, and later ones join it at once ([`Role::Live`]),
+//!   getting what was produced so far, then each event as it comes. Followers that asked for
+//!   JSON still wait for the stored answer. Live followers count against `max_followers`. A
+//!   live log that fails before a follower wrote anything sends it back here: it joins again
+//!   (queued, not joining the failed log), so hand-overs stay one at a time.
+//! - **A stream follower of a JSON leader** would see nothing until the leader's end, when
+//!   going upstream itself would give it a first token much sooner: it goes upstream alone
+//!   ([`Role::Alone`]) unless the leader is predicted to finish first. The prediction uses
+//!   two moving averages measured here: how long JSON leaders take (join to publish), and how
+//!   long stream leaders take to their first event. The leader finishes first when the
+//!   first, less its time in flight so far, is at most the second. With either unmeasured
+//!   yet, there is no prediction, and the follower goes upstream.
+//!
 //! The map's lock is held only to change the map: never across an await, and never while a
 //! live `Leader` drops (its drop takes the lock again; a lead nobody took is defused first).
 
 use crate::entry::Entry;
+use crate::live::{Live, Ticket};
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +54,23 @@ pub struct Inflight {
     /// later slot of the same key.
     next_id: AtomicU64,
     slots: Mutex<HashMap<Digest, Slot>>,
+    timing: Mutex<Timing>,
+}
+
+/// Moving averages, in seconds, for the prediction a stream follower of a JSON leader needs.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timing {
+    /// JSON leaders: join to publish.
+    answer: Option<f64>,
+    /// Stream leaders: join to their first event.
+    first_event: Option<f64>,
+}
+
+/// The weight of the newest measure in [`Timing`]'s averages.
+const TIMING_WEIGHT: f64 = 0.2;
+
+fn average(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |old| old + TIMING_WEIGHT * (new - old)))
 }
 
 /// One key in flight.
@@ -47,12 +80,29 @@ struct Slot {
     lead: u64,
     /// When the current lead went upstream.
     led_since: Instant,
+    /// Whether the current lead asked for a stream.
+    stream: bool,
+    /// The current lead's live log, once it went live.
+    live: Option<Arc<Live>>,
     /// Followers, oldest first.
     queue: VecDeque<Waiting>,
 }
 
+impl Slot {
+    /// Followers: queued, and reading the live log.
+    fn followers(&self) -> usize {
+        self.queue.len() + self.live.as_ref().map_or(0, |l| l.readers())
+    }
+
+    /// The live log a new stream follower may join: not one that failed.
+    fn joinable(&self) -> Option<&Arc<Live>> {
+        self.live.as_ref().filter(|l| !l.failed())
+    }
+}
+
 struct Waiting {
     id: u64,
+    stream: bool,
     tx: oneshot::Sender<Handoff>,
 }
 
@@ -60,6 +110,7 @@ struct Waiting {
 enum Handoff {
     Answer(Arc<Entry>),
     Lead(Leader),
+    Live(Ticket),
 }
 
 pub enum Role {
@@ -67,7 +118,10 @@ pub enum Role {
     Leader(Leader),
     /// Wait with [`Follower::wait`].
     Follower(Follower),
-    /// The key already has `max_followers` followers: go upstream, uncoalesced.
+    /// Read the leader's live stream.
+    Live(Ticket),
+    /// The key already has `max_followers` followers, or this stream request would wait
+    /// longer for a JSON leader than for an upstream: go upstream, uncoalesced.
     Alone,
 }
 
@@ -77,6 +131,8 @@ pub enum Waited {
     Answer(Arc<Entry>),
     /// This request leads now: it goes upstream.
     Lead(Leader),
+    /// The leader went live: read its stream.
+    Live(Ticket),
     /// No answer within `max_wait`, and another request was sent upstream meanwhile.
     TimedOut,
 }
@@ -88,6 +144,7 @@ impl Inflight {
             max_wait,
             next_id: AtomicU64::new(0),
             slots: Mutex::default(),
+            timing: Mutex::default(),
         }
     }
 
@@ -103,19 +160,43 @@ impl Inflight {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn timing(&self) -> MutexGuard<'_, Timing> {
+        self.timing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a JSON leader in flight for `elapsed` is predicted to answer before a new
+    /// stream request's first event would come.
+    fn finishes_first(&self, elapsed: Duration) -> bool {
+        let timing = *self.timing();
+        match (timing.answer, timing.first_event) {
+            (Some(answer), Some(first_event)) => answer - elapsed.as_secs_f64() <= first_event,
+            _ => false,
+        }
+    }
+
     /// Joins the requests in flight for `digest`: the first leads, the next `max_followers`
-    /// follow, any more go alone.
-    pub fn join(self: &Arc<Self>, digest: Digest) -> Role {
+    /// follow, any more go alone. `stream`: whether this request asks for a stream.
+    pub fn join(self: &Arc<Self>, digest: Digest, stream: bool) -> Role {
         let id = self.id();
         let mut slots = self.slots();
         match slots.entry(digest) {
             MapEntry::Occupied(mut slot) => {
                 let slot = slot.get_mut();
-                if slot.queue.len() >= self.max_followers {
+                if slot.followers() >= self.max_followers {
                     return Role::Alone;
                 }
+                if stream {
+                    if let Some(live) = slot.joinable() {
+                        return Role::Live(live.enter());
+                    }
+                    if !slot.stream && !self.finishes_first(slot.led_since.elapsed()) {
+                        return Role::Alone;
+                    }
+                }
                 let (tx, rx) = oneshot::channel();
-                slot.queue.push_back(Waiting { id, tx });
+                slot.queue.push_back(Waiting { id, stream, tx });
                 Role::Follower(Follower {
                     inflight: self.clone(),
                     digest,
@@ -129,19 +210,23 @@ impl Inflight {
                     id,
                     lead: id,
                     led_since: Instant::now(),
+                    stream,
+                    live: None,
                     queue: VecDeque::new(),
                 });
-                Role::Leader(self.leader(digest, id, id))
+                Role::Leader(self.leader(digest, id, id, stream))
             }
         }
     }
 
-    fn leader(self: &Arc<Self>, digest: Digest, slot: u64, lead: u64) -> Leader {
+    fn leader(self: &Arc<Self>, digest: Digest, slot: u64, lead: u64, stream: bool) -> Leader {
         Leader {
             inflight: Some(self.clone()),
             digest,
             slot,
             lead,
+            stream,
+            since: Instant::now(),
         }
     }
 
@@ -154,18 +239,23 @@ impl Inflight {
         if slot.id != slot_id || slot.lead != lead {
             return;
         }
+        // The failed lead's live log, if any, is not the new lead's.
+        slot.live = None;
         while let Some(next) = slot.queue.pop_front() {
             let lead = self.id();
             slot.lead = lead;
             slot.led_since = Instant::now();
-            match next
-                .tx
-                .send(Handoff::Lead(self.leader(digest, slot_id, lead)))
-            {
+            slot.stream = next.stream;
+            match next.tx.send(Handoff::Lead(self.leader(
+                digest,
+                slot_id,
+                lead,
+                next.stream,
+            ))) {
                 Ok(()) => return,
                 // That follower has left: defuse the lead (its drop would lock again).
                 Err(Handoff::Lead(mut unread)) => unread.inflight = None,
-                Err(Handoff::Answer(_)) => {}
+                Err(Handoff::Answer(_) | Handoff::Live(_)) => {}
             }
         }
         slots.remove(&digest);
@@ -177,14 +267,21 @@ impl Inflight {
         let mut slots = self.slots();
         let slot = slots.get_mut(&digest).filter(|s| s.id == slot_id)?;
         let at = slot.queue.iter().position(|w| w.id == id)?;
-        slot.queue.remove(at);
+        let waiting = slot.queue.remove(at)?;
         if slot.led_since.elapsed() < self.max_wait {
             return Some(Waited::TimedOut);
         }
         let lead = self.id();
         slot.lead = lead;
         slot.led_since = Instant::now();
-        Some(Waited::Lead(self.leader(digest, slot_id, lead)))
+        slot.stream = waiting.stream;
+        slot.live = None;
+        Some(Waited::Lead(self.leader(
+            digest,
+            slot_id,
+            lead,
+            waiting.stream,
+        )))
     }
 
     /// A follower left: out of the queue, if still in it.
@@ -213,15 +310,55 @@ pub struct Leader {
     digest: Digest,
     slot: u64,
     lead: u64,
+    /// Whether this lead's request asked for a stream.
+    stream: bool,
+    /// When it began to lead.
+    since: Instant,
 }
 
 impl Leader {
+    /// The upstream answers with a `200` event stream, which `live` now carries: the stream
+    /// followers waiting leave the queue to read it, and later ones join it directly.
+    pub fn go_live(&self, live: &Arc<Live>) {
+        let Some(inflight) = self.inflight.as_ref() else {
+            return;
+        };
+        let mut slots = inflight.slots();
+        let Some(slot) = slots
+            .get_mut(&self.digest)
+            .filter(|s| s.id == self.slot && s.lead == self.lead)
+        else {
+            return;
+        };
+        slot.live = Some(live.clone());
+        let (streams, rest) = std::mem::take(&mut slot.queue)
+            .into_iter()
+            .partition(|w| w.stream);
+        slot.queue = rest;
+        for follower in streams {
+            // A follower that left drops its ticket with the error.
+            let _ = follower.tx.send(Handoff::Live(live.enter()));
+        }
+    }
+
+    /// Its stream's first event came: how long that took, for [`Inflight::finishes_first`].
+    pub fn first_event(&self) {
+        if let Some(inflight) = &self.inflight {
+            let mut timing = inflight.timing();
+            timing.first_event = average(timing.first_event, self.since.elapsed().as_secs_f64());
+        }
+    }
+
     /// Hands the stored answer to every follower; later identical requests find it in the
     /// store.
     pub fn publish(mut self, entry: Arc<Entry>) {
         let Some(inflight) = self.inflight.take() else {
             return;
         };
+        if !self.stream {
+            let mut timing = inflight.timing();
+            timing.answer = average(timing.answer, self.since.elapsed().as_secs_f64());
+        }
         let waiting = {
             let mut slots = inflight.slots();
             match slots.get(&self.digest) {
@@ -273,6 +410,7 @@ fn received(handed: Result<Handoff, oneshot::error::RecvError>) -> Waited {
     match handed {
         Ok(Handoff::Answer(entry)) => Waited::Answer(entry),
         Ok(Handoff::Lead(leader)) => Waited::Lead(leader),
+        Ok(Handoff::Live(ticket)) => Waited::Live(ticket),
         // Only when the plugin itself is gone (shutdown): nothing will come.
         Err(_) => Waited::TimedOut,
     }
@@ -289,6 +427,7 @@ impl Drop for Follower {
 mod tests {
     use super::*;
     use crate::entry::AnswerKind;
+    use crate::live::Live;
 
     const LONG: Duration = Duration::from_secs(30);
 
@@ -308,14 +447,14 @@ mod tests {
     }
 
     fn lead(inflight: &Arc<Inflight>, key: Digest) -> Leader {
-        match inflight.join(key) {
+        match inflight.join(key, false) {
             Role::Leader(leader) => leader,
             _ => panic!("expected to lead"),
         }
     }
 
     fn follow(inflight: &Arc<Inflight>, key: Digest) -> tokio::task::JoinHandle<Waited> {
-        match inflight.join(key) {
+        match inflight.join(key, false) {
             Role::Follower(f) => tokio::spawn(f.wait()),
             _ => panic!("expected to follow"),
         }
@@ -340,7 +479,7 @@ mod tests {
             assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
         }
         assert_eq!(inflight.len(), 0);
-        assert!(matches!(inflight.join([1; 32]), Role::Leader(_)));
+        assert!(matches!(inflight.join([1; 32], false), Role::Leader(_)));
     }
 
     #[tokio::test]
@@ -359,7 +498,7 @@ mod tests {
         assert!(waiters.iter().all(|w| !w.is_finished()));
         assert_eq!(inflight.followers([2; 32]), 3);
         // New identical requests follow the promoted leader too.
-        assert!(matches!(inflight.join([2; 32]), Role::Follower(_)));
+        assert!(matches!(inflight.join([2; 32], false), Role::Follower(_)));
         promoted.publish(entry());
         for w in waiters {
             assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
@@ -393,10 +532,10 @@ mod tests {
         let inflight = inflight(2, LONG);
         let leader = lead(&inflight, [4; 32]);
         let waiters: Vec<_> = (0..2).map(|_| follow(&inflight, [4; 32])).collect();
-        assert!(matches!(inflight.join([4; 32]), Role::Alone));
+        assert!(matches!(inflight.join([4; 32], false), Role::Alone));
         assert_eq!(inflight.followers([4; 32]), 2);
         // Other keys are not affected.
-        assert!(matches!(inflight.join([5; 32]), Role::Leader(_)));
+        assert!(matches!(inflight.join([5; 32], false), Role::Leader(_)));
         leader.publish(entry());
         for w in waiters {
             assert!(matches!(w.await.unwrap(), Waited::Answer(_)));
@@ -423,7 +562,7 @@ mod tests {
         let inflight = inflight(8, LONG);
         let leader = lead(&inflight, [7; 32]);
         // Joined but never waiting: its lead sits unread in the channel.
-        let Role::Follower(idle) = inflight.join([7; 32]) else {
+        let Role::Follower(idle) = inflight.join([7; 32], false) else {
             panic!("follows")
         };
         let next = follow(&inflight, [7; 32]);
@@ -446,7 +585,7 @@ mod tests {
             match w.await.unwrap() {
                 Waited::Lead(l) => assert!(took_over.replace(l).is_none(), "one takes over"),
                 Waited::TimedOut => timed_out += 1,
-                Waited::Answer(_) => panic!("nothing was published"),
+                Waited::Answer(_) | Waited::Live(_) => panic!("nothing was published"),
             }
         }
         assert_eq!(timed_out, 2);
@@ -494,5 +633,95 @@ mod tests {
         assert_eq!(inflight.followers([10; 32]), 1);
         current.publish(entry());
         assert!(matches!(waiter.await.unwrap(), Waited::Answer(_)));
+    }
+
+    fn join_stream(inflight: &Arc<Inflight>, key: Digest) -> Role {
+        inflight.join(key, true)
+    }
+
+    #[tokio::test]
+    async fn a_leader_going_live_takes_its_stream_followers_along_and_keeps_json_ones_waiting() {
+        let inflight = inflight(3, LONG);
+        let Role::Leader(leader) = join_stream(&inflight, [11; 32]) else {
+            panic!("leads")
+        };
+        let Role::Follower(streams) = join_stream(&inflight, [11; 32]) else {
+            panic!("a stream follower of a stream leader waits in the queue until it goes live")
+        };
+        let streams = tokio::spawn(streams.wait());
+        let json = follow(&inflight, [11; 32]);
+        settle().await;
+        let live = Live::new(AnswerKind::Chat, "p");
+        leader.go_live(&live);
+        assert!(matches!(streams.await.unwrap(), Waited::Live(_)));
+        settle().await;
+        assert!(
+            !json.is_finished(),
+            "a JSON follower waits for the stored answer"
+        );
+        // A later stream request joins the live stream at once.
+        let late = join_stream(&inflight, [11; 32]);
+        assert!(matches!(late, Role::Live(_)));
+        // Live readers count against the cap: the queued JSON one and the late reader make 2
+        // (the first reader's ticket was dropped with its task's result).
+        assert_eq!(live.readers(), 1);
+        let third = join_stream(&inflight, [11; 32]);
+        assert!(matches!(third, Role::Live(_)));
+        assert!(matches!(join_stream(&inflight, [11; 32]), Role::Alone));
+        drop((late, third));
+        leader.publish(entry());
+        assert!(matches!(json.await.unwrap(), Waited::Answer(_)));
+    }
+
+    #[tokio::test]
+    async fn a_failed_live_log_is_not_joined_and_its_lead_passes_on() {
+        let inflight = inflight(8, LONG);
+        let Role::Leader(leader) = join_stream(&inflight, [12; 32]) else {
+            panic!("leads")
+        };
+        let live = Live::new(AnswerKind::Chat, "p");
+        leader.go_live(&live);
+        let mut writer = crate::live::Writer::new(live.clone(), 1 << 20);
+        writer.end(None);
+        assert!(live.failed());
+        // Joining again after the failure: queued, and promoted when the leader leaves.
+        let Role::Follower(again) = join_stream(&inflight, [12; 32]) else {
+            panic!("queued, not joined to the failed log")
+        };
+        let again = tokio::spawn(again.wait());
+        settle().await;
+        drop(leader);
+        assert!(is_lead(&again.await.unwrap()));
+    }
+
+    #[tokio::test]
+    async fn a_stream_follower_of_a_json_leader_goes_alone_unless_the_leader_finishes_first() {
+        let inflight = inflight(8, LONG);
+        let json_leader = lead(&inflight, [13; 32]);
+        // Nothing measured yet: no prediction, upstream.
+        assert!(matches!(join_stream(&inflight, [13; 32]), Role::Alone));
+        // What the prediction needs is measured: how long a JSON leader took, and how long a
+        // stream leader took to its first event.
+        json_leader.publish(entry());
+        let Role::Leader(stream_leader) = join_stream(&inflight, [14; 32]) else {
+            panic!("leads")
+        };
+        stream_leader.first_event();
+        let measured = *inflight.timing();
+        assert!(measured.answer.is_some() && measured.first_event.is_some());
+        // JSON answers quicker than a first event: the leader finishes first; follow it.
+        *inflight.timing() = Timing {
+            answer: Some(0.5),
+            first_event: Some(1.0),
+        };
+        let json_leader = lead(&inflight, [13; 32]);
+        assert!(matches!(
+            join_stream(&inflight, [13; 32]),
+            Role::Follower(_)
+        ));
+        // JSON answers that take long, against quick first events: upstream.
+        inflight.timing().answer = Some(30.0);
+        assert!(matches!(join_stream(&inflight, [13; 32]), Role::Alone));
+        drop((json_leader, stream_leader));
     }
 }

@@ -121,7 +121,7 @@ impl AnswerKind {
         }
     }
 
-    fn chunk_object(self) -> &'static str {
+    pub(crate) fn chunk_object(self) -> &'static str {
         match self {
             AnswerKind::Chat => "chat.completion.chunk",
             AnswerKind::Completion => "text_completion",
@@ -176,7 +176,7 @@ pub fn from_sse(
 }
 
 /// A `usage` object in vLLM's shape.
-fn usage_object(usage: Usage) -> Value {
+pub(crate) fn usage_object(usage: Usage) -> Value {
     serde_json::json!({
         "prompt_tokens": usage.prompt_tokens,
         "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
@@ -488,27 +488,70 @@ struct Identity<'a> {
 /// into a tree; `None` when it does not have both, once each.
 fn splice_identity(json: &str, id: &str, created: u64) -> Option<Vec<u8>> {
     let found: Identity = serde_json::from_str(json).ok()?;
+    let spans = identity_spans(json, found.id, found.created)?;
+    let mut out = Vec::with_capacity(json.len() + id.len() + 16);
+    splice_at(&mut out, json, &spans, id, created)?;
+    Some(out)
+}
+
+/// Where an object's top-level `id` and `created` values are in its text.
+#[derive(Debug, Clone)]
+pub(crate) struct IdentitySpans {
+    id: std::ops::Range<usize>,
+    created: std::ops::Range<usize>,
+}
+
+/// Where `id` and `created`, two values borrowed from `json`, are in it.
+pub(crate) fn identity_spans(
+    json: &str,
+    id: &RawValue,
+    created: &RawValue,
+) -> Option<IdentitySpans> {
     // Both values are slices of `json`: their offsets locate them in it.
     let span = |raw: &RawValue| {
         let start = (raw.get().as_ptr() as usize).checked_sub(json.as_ptr() as usize)?;
-        Some(start..start + raw.get().len())
+        let range = start..start + raw.get().len();
+        json.get(range.clone()).map(|_| range)
     };
+    Some(IdentitySpans {
+        id: span(id)?,
+        created: span(created)?,
+    })
+}
+
+/// Appends `json` to `out` with the values at `spans` (from [`identity_spans`]) replaced by
+/// this response's `id` and `created`; `None`, with `out` unchanged, when the spans do not fit.
+pub(crate) fn splice_at(
+    out: &mut Vec<u8>,
+    json: &str,
+    spans: &IdentitySpans,
+    id: &str,
+    created: u64,
+) -> Option<()> {
     let id_value = serde_json::to_string(id).ok()?;
     let created_value = created.to_string();
     let mut parts = [
-        (span(found.id)?, id_value.as_str()),
-        (span(found.created)?, created_value.as_str()),
+        (spans.id.clone(), id_value.as_str()),
+        (spans.created.clone(), created_value.as_str()),
     ];
     parts.sort_by_key(|(range, _)| range.start);
-    let mut out = Vec::with_capacity(json.len() + id_value.len() + 16);
+    let before = out.len();
     let mut at = 0;
     for (range, value) in parts {
-        out.extend_from_slice(json.get(at..range.start)?.as_bytes());
+        let Some(text) = json.get(at..range.start) else {
+            out.truncate(before);
+            return None;
+        };
+        out.extend_from_slice(text.as_bytes());
         out.extend_from_slice(value.as_bytes());
         at = range.end;
     }
-    out.extend_from_slice(json.get(at..)?.as_bytes());
-    Some(out)
+    let Some(rest) = json.get(at..) else {
+        out.truncate(before);
+        return None;
+    };
+    out.extend_from_slice(rest.as_bytes());
+    Some(())
 }
 
 #[cfg(test)]

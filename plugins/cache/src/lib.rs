@@ -17,7 +17,9 @@
 //! - **Stores** ([`store`]): `memory` (TinyUFO, bounded by bytes) or `redis` (single node or
 //!   Cluster, with a lookup timeout and a cool-down; a failing Redis never fails a request).
 //! - **Coalescing** ([`coalesce`]): identical requests in flight wait for the first one; when
-//!   it fails, one of them at a time goes upstream in its place.
+//!   it fails, one of them at a time goes upstream in its place. Those that ask for a stream
+//!   follow a streaming leader live ([`live`]): what it produced so far at once, then each
+//!   event as it comes, under their own `id`.
 //!
 //! ```yaml
 //! plugins:
@@ -34,6 +36,7 @@ pub mod coalesce;
 pub mod config;
 pub mod entry;
 pub mod key;
+pub mod live;
 mod metrics;
 pub mod policy;
 pub mod store;
@@ -44,6 +47,7 @@ use bytes::Bytes;
 use coalesce::{Follower, Inflight, Leader, Role, Waited};
 use entry::{AnswerKind, Entry};
 use http::HeaderName;
+use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
 use sluice_sdk::config::header_name;
 use sluice_sdk::cpu::body_work;
@@ -115,6 +119,10 @@ struct State {
     kind: AnswerKind,
     tee: Tee,
     leader: Option<Leader>,
+    /// The leader's stream, published to its live followers.
+    live: Option<Writer>,
+    /// A coalesced follower that read the leader's stream live (not its stored answer).
+    followed_live: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,14 +172,19 @@ impl Cache {
         }
     }
 
-    /// The answer to a hit, in the form the request asks for.
-    fn answer(&self, entry: &Entry, call: &LlmCall) -> Result<LocalResponse> {
-        let prefix = match entry.kind {
+    /// A fresh `id` for an answer Sluice serves itself.
+    fn fresh_id(&self, kind: AnswerKind) -> String {
+        let prefix = match kind {
             AnswerKind::Chat => "chatcmpl",
             AnswerKind::Completion => "cmpl",
         };
         let n = self.id_counter.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{prefix}-{:016x}{n:016x}", self.id_nonce);
+        format!("{prefix}-{:016x}{n:016x}", self.id_nonce)
+    }
+
+    /// The answer to a hit, in the form the request asks for.
+    fn answer(&self, entry: &Entry, call: &LlmCall) -> Result<LocalResponse> {
+        let id = self.fresh_id(entry.kind);
         let now = unix_now();
         let (content_type, body) = if call.request.is_stream() {
             let body = entry.render_sse(&id, now, call.request.include_usage());
@@ -184,7 +197,25 @@ impl Cache {
         header.insert_header(http::header::CONTENT_LENGTH, body.len())?;
         header.insert_header(http::header::AGE, now.saturating_sub(entry.created_unix))?;
         header.insert_header(headers::POOL, entry.pool.as_str())?;
-        Ok(LocalResponse { header, body })
+        Ok(LocalResponse {
+            header,
+            body,
+            stream: None,
+        })
+    }
+
+    /// The answer of a live follower: the leader's stream as it comes, under its own id.
+    fn live_answer(&self, reader: Reader) -> Result<LocalResponse> {
+        let mut header = ResponseHeader::build(200, Some(5))?;
+        header.insert_header(http::header::CONTENT_TYPE, "text/event-stream")?;
+        header.insert_header(http::header::TRANSFER_ENCODING, "chunked")?;
+        header.insert_header(http::header::AGE, 0)?;
+        header.insert_header(headers::POOL, reader.live().pool())?;
+        Ok(LocalResponse {
+            header,
+            body: Bytes::new(),
+            stream: Some(Box::new(reader)),
+        })
     }
 
     /// The request's key: hashed off the workers when the body is large (see
@@ -288,26 +319,55 @@ impl Plugin for Cache {
             kind,
             tee: Tee::default(),
             leader: None,
+            live: None,
+            followed_live: false,
         };
 
         if use_ == Use::LookupAndStore {
             let mut found = self.lookup(&state.key).await.map(|e| (e, Lookup::Hit));
             if found.is_none() && self.config.coalesce.enabled {
-                match self.inflight.join(state.key.digest) {
-                    Role::Leader(leader) => state.leader = Some(leader),
-                    Role::Alone => {}
-                    Role::Follower(follower) => match follow(session, follower).await? {
-                        Waited::Answer(entry) => found = Some((entry, Lookup::Coalesced)),
-                        Waited::Lead(leader) => state.leader = Some(leader),
-                        Waited::TimedOut => {
-                            metrics::request(metrics::Outcome::Miss);
-                            return Err(ErrorReply::gateway_timeout(
-                                "An identical request is in flight and its answer did not come \
-                                 in time; try again.",
-                            )
-                            .into_error());
+                let stream = call.request.is_stream();
+                let mut role = self.inflight.join(state.key.digest, stream);
+                loop {
+                    let ticket = match role {
+                        Role::Leader(leader) => {
+                            state.leader = Some(leader);
+                            break;
                         }
-                    },
+                        Role::Alone => break,
+                        Role::Follower(follower) => match follow(session, follower).await? {
+                            Waited::Answer(entry) => {
+                                found = Some((entry, Lookup::Coalesced));
+                                break;
+                            }
+                            Waited::Lead(leader) => {
+                                state.leader = Some(leader);
+                                break;
+                            }
+                            Waited::Live(ticket) => ticket,
+                            Waited::TimedOut => return Err(timed_out()),
+                        },
+                        Role::Live(ticket) => ticket,
+                    };
+                    let reader = ticket.reader(
+                        self.fresh_id(kind),
+                        unix_now(),
+                        call.request.include_usage(),
+                    );
+                    match self.first_bytes(session, reader).await? {
+                        Some(reader) => {
+                            metrics::request(metrics::Outcome::Coalesced);
+                            let response = self.live_answer(reader)?;
+                            ctx.mark_answered_locally();
+                            state.result = Lookup::Coalesced;
+                            state.followed_live = true;
+                            ctx.state.insert(state);
+                            return Ok(Flow::Respond(Box::new(response)));
+                        }
+                        // The leader failed before this follower wrote anything: it coalesces
+                        // again, as a follower of a failed leader would.
+                        None => role = self.inflight.join(state.key.digest, stream),
+                    }
                 }
             }
             if let Some((entry, result)) = found {
@@ -332,12 +392,24 @@ impl Plugin for Cache {
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
         let upstream_ok =
             ctx.progress().upstream_status == Some(200) && response.status.as_u16() == 200;
+        let pool = ctx.pool_name().to_string();
         let label = if ctx.state.get::<Bypassed>().is_some() {
             "BYPASS"
         } else if let Some(state) = ctx.state.get_mut::<State>() {
             // Record only an upstream's 200 to a miss: never an error, never Sluice's own.
             state.tee.recording = state.result == Lookup::Miss && upstream_ok;
             state.tee.event_stream = is_event_stream(response);
+            // A retried attempt's header comes again: the log is made once.
+            if let (true, true, Some(leader), None) = (
+                state.tee.recording,
+                state.tee.event_stream,
+                state.leader.as_ref(),
+                state.live.as_ref(),
+            ) {
+                let live = Live::new(state.kind, &pool);
+                leader.go_live(&live);
+                state.live = Some(Writer::new(live, self.config.max_entry_bytes));
+            }
             match state.result {
                 Lookup::Hit | Lookup::Coalesced => "HIT",
                 Lookup::Miss => "MISS",
@@ -356,9 +428,22 @@ impl Plugin for Cache {
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        let usage = ctx.usage();
         let Some(state) = ctx.state.get_mut::<State>() else {
             return Ok(());
         };
+        if let Some(live) = state.live.as_mut() {
+            if let Some(chunk) = body.as_ref() {
+                if live.feed(chunk) {
+                    if let Some(leader) = &state.leader {
+                        leader.first_event();
+                    }
+                }
+            }
+            if end_of_stream {
+                live.end(usage);
+            }
+        }
         let tee = &mut state.tee;
         if !tee.recording {
             return Ok(());
@@ -381,9 +466,17 @@ impl Plugin for Cache {
         let Some(mut state) = ctx.state.remove::<State>() else {
             return;
         };
+        if state.result == Lookup::Coalesced {
+            if let Some(first_byte) = ctx.progress().first_byte {
+                metrics::coalesced_first_byte(state.followed_live, first_byte.as_secs_f64());
+            }
+        }
         if state.result != Lookup::Miss {
             return;
         }
+        // A stream that did not end fails its live followers (before the lead passes on, so
+        // that those that wrote nothing join the new leader's queue).
+        drop(state.live.take());
         // Dropping the leader without publishing hands the lead to one follower.
         let leader = state.leader.take();
         let tee = std::mem::take(&mut state.tee);
@@ -416,22 +509,61 @@ impl Plugin for Cache {
     }
 }
 
+impl Cache {
+    /// Waits for a live follower's first bytes while watching the client, at most
+    /// `max_wait`: the reader, or `None` when the leader failed before this follower wrote
+    /// anything.
+    async fn first_bytes(
+        &self,
+        session: &mut Session,
+        mut reader: Reader,
+    ) -> Result<Option<Reader>> {
+        let deadline = tokio::time::Instant::now() + self.config.coalesce.max_wait;
+        loop {
+            match reader.readiness() {
+                Readiness::Ready => return Ok(Some(reader)),
+                Readiness::Failed => return Ok(None),
+                Readiness::Waiting => {}
+            }
+            tokio::select! {
+                () = reader.changed() => {}
+                () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
+                gone = session.downstream_session.read_body_or_idle(true) => {
+                    return Err(client_left(gone));
+                }
+            }
+        }
+    }
+}
+
+/// A follower's wait ended without an answer: `504`, counted as a miss.
+fn timed_out() -> Box<Error> {
+    metrics::request(metrics::Outcome::Miss);
+    ErrorReply::gateway_timeout(
+        "An identical request is in flight and its answer did not come in time; try again.",
+    )
+    .into_error()
+}
+
+/// A waiting follower's client left (or sent data it should not have): counted as a miss.
+fn client_left(gone: Result<Option<Bytes>>) -> Box<Error> {
+    metrics::request(metrics::Outcome::Miss);
+    match gone {
+        Err(e) => e,
+        Ok(_) => Error::explain(
+            ErrorType::ConnectionClosed,
+            "the client sent data while waiting for an identical request",
+        ),
+    }
+    .into_down()
+}
+
 /// Waits as a follower while watching the client: `Err` when the client left (its place in
 /// the queue, and any lead it was handed, pass on).
 async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
     tokio::select! {
         waited = follower.wait() => Ok(waited),
-        gone = session.downstream_session.read_body_or_idle(true) => {
-            metrics::request(metrics::Outcome::Miss);
-            Err(match gone {
-                Err(e) => e,
-                Ok(_) => Error::explain(
-                    ErrorType::ConnectionClosed,
-                    "the client sent data while waiting for an identical request",
-                ),
-            }
-            .into_down())
-        }
+        gone = session.downstream_session.read_body_or_idle(true) => Err(client_left(gone)),
     }
 }
 

@@ -24,6 +24,14 @@ metric!(LOOKUP: HistogramVec = register_histogram_vec!(
     vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
 ));
 
+metric!(COALESCED_FIRST_BYTE: HistogramVec = register_histogram_vec!(
+    "sluice_cache_coalesced_first_byte_seconds",
+    "Time to first byte of coalesced followers, by how they were served: live (the leader's \
+     stream as it came) or answer (its stored answer).",
+    &["via"],
+    vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+));
+
 metric!(WRITES: IntCounterVec = register_int_counter_vec!(
     "sluice_cache_writes_total",
     format!(
@@ -61,6 +69,9 @@ pub fn init(store: &str) {
         touch(&WRITES, &[outcome]);
     }
     touch(&LOOKUP, &[store]);
+    for via in ["live", "answer"] {
+        touch(&COALESCED_FIRST_BYTE, &[via]);
+    }
     let _ = (
         &*HIT_RATIO,
         &*STORE_ERRORS,
@@ -96,6 +107,11 @@ pub fn request(result: Outcome) {
 
 pub fn lookup(store: &str, seconds: f64) {
     observe(&LOOKUP, &[store], seconds);
+}
+
+pub fn coalesced_first_byte(live: bool, seconds: f64) {
+    let via = if live { "live" } else { "answer" };
+    observe(&COALESCED_FIRST_BYTE, &[via], seconds);
 }
 
 pub fn lookup_error(store: &str, kind: &str) {

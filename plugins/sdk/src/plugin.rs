@@ -106,13 +106,35 @@ pub enum Flow {
     Respond(Box<LocalResponse>),
 }
 
-/// A complete answer made by a plugin, without an upstream.
+/// An answer made by a plugin, without an upstream.
 #[derive(Debug)]
 pub struct LocalResponse {
     /// The status and headers, passed through every plugin's `response_header` hook.
     pub header: ResponseHeader,
-    /// The whole body, passed through the `response_body` hooks in one chunk.
+    /// The whole body, passed through the `response_body` hooks in one chunk; with `stream`,
+    /// the body's first bytes (may be empty).
     pub body: Bytes,
+    /// A body still being made (a coalesced follower joining a stream in flight): `None` for
+    /// a complete answer. The core writes `body`, then each chunk [`LocalStream::next_chunk`]
+    /// gives, each through the `response_body` hooks as it comes, and ends the response when
+    /// it gives `None`. The header should then frame the body as chunked, not by length.
+    pub stream: Option<Box<dyn LocalStream>>,
+}
+
+/// The rest of a local answer's body, produced while the client is being written to (see
+/// [`LocalResponse::stream`]). It must end by itself (`None`), the way an upstream's answer
+/// does: the core waits for it without a deadline of its own, bounding only each write to
+/// the client.
+#[async_trait]
+pub trait LocalStream: Send {
+    /// The next chunk, once there is one; `None` at the end.
+    async fn next_chunk(&mut self) -> Option<Bytes>;
+}
+
+impl std::fmt::Debug for dyn LocalStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LocalStream")
+    }
 }
 
 /// A running plugin: hooks for the proxy phases, each with a no-op default (see
