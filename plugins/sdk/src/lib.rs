@@ -11,6 +11,8 @@
 //! - [`PluginBuilder`] / [`ConfigError`]: how a plugin is made from its config section.
 //! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
 //! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
+//! - [`redis`]: the way to Redis (single node or Cluster) with timeouts and a cool-down, for
+//!   plugins that share state through it.
 //! - [`usage`], [`sse`]: an answer's token usage (which the core finds for every plugin: see
 //!   [`RequestCtx::want_usage`]) and the splitting of a stream into its events.
 //!
@@ -32,6 +34,7 @@ pub mod plugin;
 pub mod pool;
 pub mod ratio;
 pub mod raw_json;
+pub mod redis;
 pub mod retry;
 pub mod sse;
 pub mod tenant;
@@ -51,6 +54,7 @@ pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
+pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};
 pub use usage::Usage;

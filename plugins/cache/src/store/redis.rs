@@ -8,14 +8,14 @@
 use super::{CacheKey, Store, StoreError, WriteOutcome};
 use crate::entry::Entry;
 use async_trait::async_trait;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::{ClusterClient, ClusterConfig};
-use redis::cluster_async::ClusterConnection;
-use redis::{Client, IntoConnectionInfo, RedisResult};
 use serde::Deserialize;
+use sluice_sdk::redis::{
+    default_connect_timeout, default_cooldown, default_failure_threshold, RedisFailure, RedisLink,
+    RedisSettings,
+};
 use sluice_sdk::{duration, metric, metrics, ConfigError, Held, MemoryBudget};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -64,15 +64,6 @@ pub struct RedisConfig {
 fn default_lookup_timeout() -> Duration {
     Duration::from_millis(25)
 }
-fn default_connect_timeout() -> Duration {
-    Duration::from_secs(1)
-}
-fn default_failure_threshold() -> u32 {
-    3
-}
-fn default_cooldown() -> Duration {
-    Duration::from_secs(5)
-}
 fn default_write_queue() -> usize {
     1024
 }
@@ -94,70 +85,23 @@ impl Default for RedisConfig {
 impl RedisConfig {
     /// Checks what serde cannot; keys are relative to this section.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        match (&self.url, self.cluster_nodes.is_empty()) {
-            (Some(_), false) => {
-                return Err(ConfigError::new(
-                    "url",
-                    "set url or cluster_nodes, not both",
-                ));
-            }
-            (None, true) => {
-                return Err(ConfigError::new(
-                    "url",
-                    "set url (single node) or cluster_nodes",
-                ));
-            }
-            (Some(url), true) => {
-                url.as_str().into_connection_info().map_err(|e| {
-                    ConfigError::new(
-                        "url",
-                        format!("{:?} is not a Redis URL: {e}", redacted(url)),
-                    )
-                })?;
-            }
-            (None, false) => {
-                for (i, node) in self.cluster_nodes.iter().enumerate() {
-                    node.as_str().into_connection_info().map_err(|e| {
-                        ConfigError::new(
-                            format!("cluster_nodes[{i}]"),
-                            format!("{:?} is not a Redis URL: {e}", redacted(node)),
-                        )
-                    })?;
-                }
-            }
-        }
-        let positive = [
-            ("lookup_timeout", self.lookup_timeout),
-            ("connect_timeout", self.connect_timeout),
-            ("cooldown", self.cooldown),
-        ];
-        for (key, value) in positive {
-            if value.is_zero() {
-                return Err(ConfigError::new(key, "must be more than 0"));
-            }
-        }
-        if self.failure_threshold == 0 {
-            return Err(ConfigError::new("failure_threshold", "must be at least 1"));
-        }
+        self.settings().validate("lookup_timeout")?;
         if self.write_queue == 0 {
             return Err(ConfigError::new("write_queue", "must be at least 1"));
         }
         Ok(())
     }
-}
 
-/// `url` with its password (anything between `://` and `@`) hidden: URLs reach error
-/// messages and logs, secrets must not.
-fn redacted(url: &str) -> String {
-    let parts = url
-        .find("://")
-        .zip(url.rfind('@'))
-        .and_then(|(scheme, at)| {
-            Some((url.get(..scheme + 3)?, url.get(at..)?)).filter(|_| at > scheme + 3)
-        });
-    match parts {
-        Some((scheme, host)) => format!("{scheme}***{host}"),
-        None => url.to_string(),
+    /// The keys every plugin's Redis section shares, `lookup_timeout` as the request timeout.
+    fn settings(&self) -> RedisSettings {
+        RedisSettings {
+            url: self.url.clone(),
+            cluster_nodes: self.cluster_nodes.clone(),
+            timeout: self.lookup_timeout,
+            connect_timeout: self.connect_timeout,
+            failure_threshold: self.failure_threshold,
+            cooldown: self.cooldown,
+        }
     }
 }
 
@@ -203,161 +147,22 @@ fn count_dropped() {
     metrics::inc(&WRITES_DROPPED, &["redis"]);
 }
 
-/// A connection to either deployment; both are multiplexed and cheap to clone, and both
-/// reconnect by themselves.
-#[derive(Clone)]
-enum Backend {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl Backend {
-    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
-        match self {
-            Backend::Single(c) => cmd.query_async(&mut c.clone()).await,
-            Backend::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-        }
-    }
-}
-
-/// What it takes to make a [`Backend`]: parsed at `connect`, turned into a connection inside a
-/// Tokio runtime (redis-rs spawns its driver tasks there).
-enum Target {
-    Single(Client),
-    /// Boxed: far larger than a `Client`, and made once.
-    Cluster(Box<ClusterClient>),
-    /// The configuration was unusable (not validated): every lookup fails, nothing panics.
-    Invalid(String),
-}
-
-/// Whether a lookup may go to Redis.
-enum Admit {
-    Go,
-    Skip,
-}
-
-/// The store's cool-down after consecutive failures, lock-free: a failure count and a cool-down deadline in
-/// nanoseconds since `base` (0 = not cooling down).
-struct CoolDown {
-    base: Instant,
-    failures: AtomicU32,
-    cooling_until: AtomicU64,
-    threshold: u32,
-    cooldown: Duration,
-}
-
-impl CoolDown {
-    fn now(&self) -> u64 {
-        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    fn deadline(&self) -> u64 {
-        let cooldown = u64::try_from(self.cooldown.as_nanos()).unwrap_or(u64::MAX);
-        // Never 0, which means "not cooling down".
-        self.now().saturating_add(cooldown).max(1)
-    }
-
-    fn admit(&self) -> Admit {
-        let until = self.cooling_until.load(Ordering::Acquire);
-        if until == 0 {
-            return Admit::Go;
-        }
-        if self.now() < until {
-            return Admit::Skip;
-        }
-        // Cool-down over: whoever moves the deadline forward sends the one probe; the others
-        // keep skipping until it answers.
-        match self.cooling_until.compare_exchange(
-            until,
-            self.deadline(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            Ok(_) => Admit::Go,
-            Err(_) => Admit::Skip,
-        }
-    }
-
-    fn success(&self) {
-        self.failures.store(0, Ordering::Release);
-        if self.cooling_until.swap(0, Ordering::AcqRel) != 0 {
-            tracing::info!(store = "redis", "cache store answers again, cool-down over");
-        }
-    }
-
-    fn failure(&self, why: &str) {
-        let n = self
-            .failures
-            .fetch_add(1, Ordering::AcqRel)
-            .saturating_add(1);
-        if n >= self.threshold {
-            let previous = self.cooling_until.swap(self.deadline(), Ordering::AcqRel);
-            // Logged when entering a cool-down only, so a dead Redis logs once, not per lookup.
-            if previous == 0 {
-                tracing::warn!(
-                    store = "redis",
-                    failures = n,
-                    cooldown = ?self.cooldown,
-                    error = why,
-                    "cache store failing, skipping it for a cool-down"
-                );
-            }
-        }
-    }
-}
-
 struct Shared {
-    target: Target,
-    backend: OnceLock<Backend>,
-    cool_down: CoolDown,
-    lookup_timeout: Duration,
-    /// Bounds each write (connect_timeout).
-    write_timeout: Duration,
-    /// When a write error was last logged (nanoseconds since `cool_down.base`, 0 = never).
+    link: RedisLink,
+    /// When a write error was last logged (nanoseconds since `started`, 0 = never).
     last_write_log: AtomicU64,
+    started: Instant,
     /// Writes queued or being written.
     pending: AtomicUsize,
 }
 
 impl Shared {
-    /// The connection, made on first use inside a runtime. `None` outside a Tokio runtime or
-    /// with an unusable configuration.
-    fn backend(&self) -> Result<&Backend, String> {
-        if let Some(b) = self.backend.get() {
-            return Ok(b);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err("no Tokio runtime to run the Redis connection on".into());
-        }
-        let made = match &self.target {
-            Target::Single(client) => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.write_timeout))
-                    .set_response_timeout(Some(self.write_timeout))
-                    // One attempt per reconnect: the next command starts another, and the
-                    // cool-down keeps lookups away meanwhile, so retrying inside redis-rs only
-                    // holds waiting commands longer.
-                    .set_number_of_retries(0);
-                ConnectionManager::new_lazy_with_config(client.clone(), config)
-                    .map(Backend::Single)
-                    .map_err(|e| e.to_string())?
-            }
-            Target::Cluster(client) => {
-                let config = ClusterConfig::new()
-                    .set_connection_timeout(self.write_timeout)
-                    .set_response_timeout(self.write_timeout);
-                Backend::Cluster(client.get_pending_async_connection_with_config(config))
-            }
-            Target::Invalid(e) => return Err(e.clone()),
-        };
-        // Another thread may have won the race; its connection is as good as ours.
-        Ok(self.backend.get_or_init(|| made))
-    }
-
     fn log_write_error(&self, error: &str) {
-        let now = self.cool_down.now().max(1);
+        let now = u64::try_from(self.started.elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1);
         let last = self.last_write_log.load(Ordering::Acquire);
-        let every = u64::try_from(self.cool_down.cooldown.as_nanos()).unwrap_or(u64::MAX);
+        let every = u64::try_from(self.link.cooldown().as_nanos()).unwrap_or(u64::MAX);
         if (last == 0 || now.saturating_sub(last) >= every)
             && self
                 .last_write_log
@@ -423,41 +228,16 @@ impl RedisStore {
     /// miss until it answers. Called inside a Tokio runtime, it starts connecting and the
     /// writer at once; otherwise on first use.
     pub fn connect(config: RedisConfig, memory: Arc<MemoryBudget>) -> RedisStore {
-        let target = match (&config.url, config.cluster_nodes.is_empty()) {
-            (Some(url), true) => match Client::open(url.as_str()) {
-                Ok(c) => Target::Single(c),
-                Err(e) => Target::Invalid(format!("redis url {:?}: {e}", redacted(url))),
-            },
-            (None, false) => {
-                match ClusterClient::builder(config.cluster_nodes.iter().map(String::as_str))
-                    .connection_timeout(config.connect_timeout)
-                    .response_timeout(config.connect_timeout)
-                    .build()
-                {
-                    Ok(c) => Target::Cluster(Box::new(c)),
-                    Err(e) => Target::Invalid(format!("redis cluster_nodes: {e}")),
-                }
-            }
-            _ => Target::Invalid("set exactly one of url and cluster_nodes".into()),
-        };
-        if let Target::Invalid(e) = &target {
+        let link = RedisLink::new("cache store", &config.settings());
+        if let Some(e) = link.unusable() {
             tracing::error!(store = "redis", error = %e, "cache store unusable, every lookup misses");
         }
         let (writes, queue) = mpsc::channel(config.write_queue.max(1));
         let store = RedisStore {
             shared: Arc::new(Shared {
-                target,
-                backend: OnceLock::new(),
-                cool_down: CoolDown {
-                    base: Instant::now(),
-                    failures: AtomicU32::new(0),
-                    cooling_until: AtomicU64::new(0),
-                    threshold: config.failure_threshold.max(1),
-                    cooldown: config.cooldown,
-                },
-                lookup_timeout: config.lookup_timeout,
-                write_timeout: config.connect_timeout,
+                link,
                 last_write_log: AtomicU64::new(0),
+                started: Instant::now(),
                 pending: AtomicUsize::new(0),
             }),
             writes,
@@ -493,44 +273,30 @@ impl RedisStore {
         // timeout on the handshake.
         let shared = self.shared.clone();
         runtime.spawn(async move {
-            if let Ok(backend) = shared.backend() {
+            if let Ok(mut connection) = shared.link.connection() {
                 let ping = redis::cmd("PING");
-                let _ =
-                    tokio::time::timeout(shared.write_timeout, backend.query::<()>(&ping)).await;
+                let within = shared.link.connect_timeout();
+                let _ = tokio::time::timeout(within, ping.query_async::<()>(&mut connection)).await;
             }
         });
     }
 
     async fn lookup(&self, key: &CacheKey) -> Result<Option<Arc<Entry>>, StoreError> {
-        let backend = match self.shared.backend() {
-            Ok(b) => b,
-            Err(e) => {
-                count_error(Op::Get, Kind::Error);
-                self.shared.cool_down.failure(&e);
-                return Err(StoreError::Failed(e));
-            }
-        };
+        let link = &self.shared.link;
         let mut cmd = redis::cmd("GET");
         cmd.arg(&key.storage_key);
-        let answer = tokio::time::timeout(
-            self.shared.lookup_timeout,
-            backend.query::<Option<Vec<u8>>>(&cmd),
-        )
-        .await;
-        let bytes = match answer {
-            Ok(Ok(bytes)) => {
-                self.shared.cool_down.success();
-                bytes
+        let bytes = match link.query::<Option<Vec<u8>>>(&cmd, link.timeout()).await {
+            Ok(bytes) => bytes,
+            Err(RedisFailure::CoolingDown) => {
+                count_error(Op::Get, Kind::Cooldown);
+                return Err(StoreError::CoolingDown);
             }
-            Ok(Err(e)) => {
+            Err(RedisFailure::Error(e)) => {
                 count_error(Op::Get, Kind::Error);
-                let e = e.to_string();
-                self.shared.cool_down.failure(&e);
                 return Err(StoreError::Failed(e));
             }
-            Err(_) => {
+            Err(RedisFailure::Timeout) => {
                 count_error(Op::Get, Kind::Timeout);
-                self.shared.cool_down.failure("lookup timed out");
                 return Err(StoreError::Timeout);
             }
         };
@@ -557,13 +323,7 @@ impl Store for RedisStore {
 
     async fn get(&self, key: &CacheKey) -> Result<Option<Arc<Entry>>, StoreError> {
         self.start();
-        match self.shared.cool_down.admit() {
-            Admit::Skip => {
-                count_error(Op::Get, Kind::Cooldown);
-                Err(StoreError::CoolingDown)
-            }
-            Admit::Go => self.lookup(key).await,
-        }
+        self.lookup(key).await
     }
 
     fn put(&self, key: &CacheKey, entry: Arc<Entry>, ttl: Duration) -> WriteOutcome {
@@ -603,53 +363,24 @@ impl Store for RedisStore {
 /// Redis is cooling down, writes are dropped at once rather than each waiting out a timeout,
 /// so the queue keeps moving and resumes by itself when Redis does.
 async fn writer(shared: Arc<Shared>, mut queue: mpsc::Receiver<Write>) {
+    let link = &shared.link;
     while let Some(write) = queue.recv().await {
-        if let Admit::Skip = shared.cool_down.admit() {
-            count_error(Op::Set, Kind::Cooldown);
-            continue;
-        }
-        let backend = match shared.backend() {
-            Ok(b) => b,
-            Err(e) => {
-                count_error(Op::Set, Kind::Error);
-                shared.cool_down.failure(&e);
-                shared.log_write_error(&e);
-                continue;
-            }
-        };
         let mut cmd = redis::cmd("SET");
         cmd.arg(&write.key)
             .arg(write.value)
             .arg("PX")
             .arg(write.ttl_ms);
-        match tokio::time::timeout(shared.write_timeout, backend.query::<()>(&cmd)).await {
-            Ok(Ok(())) => shared.cool_down.success(),
-            Ok(Err(e)) => {
+        match link.query::<()>(&cmd, link.connect_timeout()).await {
+            Ok(()) => {}
+            Err(RedisFailure::CoolingDown) => count_error(Op::Set, Kind::Cooldown),
+            Err(RedisFailure::Error(e)) => {
                 count_error(Op::Set, Kind::Error);
-                let e = e.to_string();
-                shared.cool_down.failure(&e);
                 shared.log_write_error(&e);
             }
-            Err(_) => {
+            Err(RedisFailure::Timeout) => {
                 count_error(Op::Set, Kind::Timeout);
-                shared.cool_down.failure("write timed out");
                 shared.log_write_error("write timed out");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redacted;
-
-    #[test]
-    fn passwords_never_reach_messages() {
-        assert_eq!(
-            redacted("redis://:s3cret@10.0.0.1:6379"),
-            "redis://***@10.0.0.1:6379"
-        );
-        assert_eq!(redacted("redis://user:pw@h:1/0"), "redis://***@h:1/0");
-        assert_eq!(redacted("redis://h:1"), "redis://h:1");
     }
 }

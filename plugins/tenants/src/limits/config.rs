@@ -1,8 +1,10 @@
 //! The config sections of the limits: a tenant's `limits` and `budget` (merged over the
 //! plugin's `defaults` by [`LimitsConfig::or`] / [`BudgetConfig::or`]), and `limits_store`.
 
-use redis::IntoConnectionInfo;
 use serde::{Deserialize, Serialize};
+use sluice_sdk::redis::{
+    default_connect_timeout, default_cooldown, default_failure_threshold, RedisSettings,
+};
 use sluice_sdk::{duration, ConfigError};
 use std::time::Duration;
 
@@ -224,17 +226,8 @@ pub struct RedisConfig {
 fn default_timeout() -> Duration {
     Duration::from_millis(50)
 }
-fn default_connect_timeout() -> Duration {
-    Duration::from_secs(1)
-}
 fn default_key_prefix() -> String {
     "sluice:limits:".to_string()
-}
-fn default_failure_threshold() -> u32 {
-    3
-}
-fn default_cooldown() -> Duration {
-    Duration::from_secs(5)
 }
 
 impl Default for RedisConfig {
@@ -254,50 +247,7 @@ impl Default for RedisConfig {
 impl RedisConfig {
     /// Keys relative to this section.
     fn validate(&self) -> Result<(), ConfigError> {
-        match (&self.url, self.cluster_nodes.is_empty()) {
-            (Some(_), false) => {
-                return Err(ConfigError::new(
-                    "url",
-                    "set url or cluster_nodes, not both",
-                ))
-            }
-            (None, true) => {
-                return Err(ConfigError::new(
-                    "url",
-                    "set url (single node) or cluster_nodes",
-                ))
-            }
-            (Some(url), true) => {
-                url.as_str().into_connection_info().map_err(|e| {
-                    ConfigError::new(
-                        "url",
-                        format!("{:?} is not a Redis URL: {e}", redacted(url)),
-                    )
-                })?;
-            }
-            (None, false) => {
-                for (i, node) in self.cluster_nodes.iter().enumerate() {
-                    node.as_str().into_connection_info().map_err(|e| {
-                        ConfigError::new(
-                            format!("cluster_nodes[{i}]"),
-                            format!("{:?} is not a Redis URL: {e}", redacted(node)),
-                        )
-                    })?;
-                }
-            }
-        }
-        for (key, value) in [
-            ("timeout", self.timeout),
-            ("connect_timeout", self.connect_timeout),
-            ("cooldown", self.cooldown),
-        ] {
-            if value.is_zero() {
-                return Err(ConfigError::new(key, "must be more than 0"));
-            }
-        }
-        if self.failure_threshold == 0 {
-            return Err(ConfigError::new("failure_threshold", "must be at least 1"));
-        }
+        self.settings().validate("timeout")?;
         if self.key_prefix.is_empty() {
             return Err(ConfigError::new(
                 "key_prefix",
@@ -306,19 +256,17 @@ impl RedisConfig {
         }
         Ok(())
     }
-}
 
-/// `url` with its password hidden: URLs reach error messages and logs, secrets must not.
-pub(crate) fn redacted(url: &str) -> String {
-    let parts = url
-        .find("://")
-        .zip(url.rfind('@'))
-        .and_then(|(scheme, at)| {
-            Some((url.get(..scheme + 3)?, url.get(at..)?)).filter(|_| at > scheme + 3)
-        });
-    match parts {
-        Some((scheme, host)) => format!("{scheme}***{host}"),
-        None => url.to_string(),
+    /// The keys every plugin's Redis section shares, `timeout` as the request timeout.
+    pub(crate) fn settings(&self) -> RedisSettings {
+        RedisSettings {
+            url: self.url.clone(),
+            cluster_nodes: self.cluster_nodes.clone(),
+            timeout: self.timeout,
+            connect_timeout: self.connect_timeout,
+            failure_threshold: self.failure_threshold,
+            cooldown: self.cooldown,
+        }
     }
 }
 

@@ -7,19 +7,16 @@
 //! follow `on_redis_error` at once), the first admission after it probing.
 
 use super::budget::{Period, Windows};
-use super::config::{redacted, LimitsConfig, RedisConfig};
+use super::config::{LimitsConfig, RedisConfig};
 use super::gcra::WINDOW_US;
 use super::metrics::{self, Kind, Op};
 use super::reply::{Reading, Readings, Refusal};
 use super::tenant::TenantState;
 use super::Want;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::{ClusterClient, ClusterConfig};
-use redis::cluster_async::ClusterConnection;
-use redis::{Client, RedisResult, Script, ScriptInvocation};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, OnceLock};
-use std::time::{Duration, Instant};
+use redis::{Script, ScriptInvocation};
+use sluice_sdk::redis::{RedisFailure, RedisLink};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 /// One admission, atomically: the budget, then the input, output and request buckets (the
 /// GCRA with debt of `gcra.rs`, on Redis' own clock so replicas agree), all charged only if
@@ -173,133 +170,12 @@ impl Answer {
     }
 }
 
-/// A connection to either deployment; both multiplex, are cheap to clone and reconnect.
-#[derive(Clone)]
-enum Backend {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl Backend {
-    async fn invoke<T: redis::FromRedisValue>(
-        &self,
-        call: &ScriptInvocation<'_>,
-    ) -> RedisResult<T> {
-        match self {
-            Backend::Single(c) => call.invoke_async(&mut c.clone()).await,
-            Backend::Cluster(c) => call.invoke_async(&mut c.clone()).await,
-        }
-    }
-}
-
-enum Target {
-    Single(Client),
-    /// Boxed: far larger than a `Client`, and made once.
-    Cluster(Box<ClusterClient>),
-    /// Unusable configuration (not validated): every call fails, and is counted.
-    Invalid(String),
-}
-
-/// Consecutive failures, and the end of the cool-down (µs since `base`, 0 = none).
-struct CoolDown {
-    base: Instant,
-    failures: AtomicU32,
-    until: AtomicU64,
-    threshold: u32,
-    cooldown: Duration,
-}
-
-impl CoolDown {
-    fn now(&self) -> u64 {
-        u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    fn deadline(&self) -> u64 {
-        let cooldown = u64::try_from(self.cooldown.as_micros()).unwrap_or(u64::MAX);
-        self.now().saturating_add(cooldown).max(1)
-    }
-
-    /// Whether a call may go to Redis now.
-    fn go(&self) -> bool {
-        let until = self.until.load(Ordering::Acquire);
-        if until == 0 {
-            return true;
-        }
-        if self.now() < until {
-            return false;
-        }
-        // Over: whoever moves the deadline sends the one probe; the rest keep skipping.
-        self.until
-            .compare_exchange(until, self.deadline(), Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-    }
-
-    fn success(&self) {
-        self.failures.store(0, Ordering::Release);
-        if self.until.swap(0, Ordering::AcqRel) != 0 {
-            tracing::info!("tenant limits store answers again, cool-down over");
-        }
-    }
-
-    fn failure(&self, why: &str) {
-        let n = self
-            .failures
-            .fetch_add(1, Ordering::AcqRel)
-            .saturating_add(1);
-        if n >= self.threshold && self.until.swap(self.deadline(), Ordering::AcqRel) == 0 {
-            // Logged on entering a cool-down only: a dead Redis logs once, not per request.
-            tracing::warn!(
-                failures = n,
-                cooldown = ?self.cooldown,
-                error = why,
-                "tenant limits store (redis) failing, skipping it for a cool-down"
-            );
-        }
-    }
-}
-
 struct Shared {
-    target: Target,
-    backend: OnceLock<Backend>,
-    cool_down: CoolDown,
-    timeout: Duration,
-    connect_timeout: Duration,
+    link: RedisLink,
     prefix: String,
 }
 
 impl Shared {
-    /// The connection, made on first use inside a runtime (redis-rs spawns its tasks there).
-    fn backend(&self) -> Result<&Backend, String> {
-        if let Some(b) = self.backend.get() {
-            return Ok(b);
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err("no Tokio runtime to run the Redis connection on".into());
-        }
-        let made = match &self.target {
-            Target::Single(client) => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.connect_timeout))
-                    .set_response_timeout(Some(self.connect_timeout))
-                    // One attempt per reconnect: the cool-down keeps admissions away
-                    // meanwhile, and retries inside redis-rs would only hold them longer.
-                    .set_number_of_retries(0);
-                ConnectionManager::new_lazy_with_config(client.clone(), config)
-                    .map(Backend::Single)
-                    .map_err(|e| e.to_string())?
-            }
-            Target::Cluster(client) => {
-                let config = ClusterConfig::new()
-                    .set_connection_timeout(self.connect_timeout)
-                    .set_response_timeout(self.connect_timeout);
-                Backend::Cluster(client.get_pending_async_connection_with_config(config))
-            }
-            Target::Invalid(e) => return Err(e.clone()),
-        };
-        // Another thread may have won the race; its connection is as good as ours.
-        Ok(self.backend.get_or_init(|| made))
-    }
-
     /// `<prefix>{<tenant>}:<what>`: the braces keep a tenant's keys on one Cluster slot,
     /// which a script touching several of them needs.
     fn key(&self, tenant: &str, what: &str) -> String {
@@ -313,34 +189,14 @@ impl Shared {
         within: Duration,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, Kind> {
-        if !self.cool_down.go() {
-            metrics::store_error(op, Kind::Cooldown);
-            return Err(Kind::Cooldown);
-        }
-        let backend = match self.backend() {
-            Ok(b) => b,
-            Err(e) => {
-                self.cool_down.failure(&e);
-                metrics::store_error(op, Kind::Error);
-                return Err(Kind::Error);
-            }
+        let kind = match self.link.invoke::<T>(invocation, within).await {
+            Ok(v) => return Ok(v),
+            Err(RedisFailure::CoolingDown) => Kind::Cooldown,
+            Err(RedisFailure::Error(_)) => Kind::Error,
+            Err(RedisFailure::Timeout) => Kind::Timeout,
         };
-        match tokio::time::timeout(within, backend.invoke::<T>(invocation)).await {
-            Ok(Ok(v)) => {
-                self.cool_down.success();
-                Ok(v)
-            }
-            Ok(Err(e)) => {
-                self.cool_down.failure(&e.to_string());
-                metrics::store_error(op, Kind::Error);
-                Err(Kind::Error)
-            }
-            Err(_) => {
-                self.cool_down.failure("timed out");
-                metrics::store_error(op, Kind::Timeout);
-                Err(Kind::Timeout)
-            }
-        }
+        metrics::store_error(op, kind);
+        Err(kind)
     }
 }
 
@@ -359,60 +215,30 @@ impl RedisStore {
     /// Never fails and never waits: inside a runtime it starts connecting (and loading the
     /// scripts) in the background, otherwise on the first admission.
     pub(crate) fn connect(config: Option<&RedisConfig>) -> RedisStore {
-        let fallback = RedisConfig::default();
-        let c = config.unwrap_or(&fallback);
-        let target = match (config, &c.url, c.cluster_nodes.is_empty()) {
-            (None, _, _) => Target::Invalid("limits_store.redis is not set".into()),
-            (Some(_), Some(url), true) => match Client::open(url.as_str()) {
-                Ok(client) => Target::Single(client),
-                Err(e) => Target::Invalid(format!("redis url {:?}: {e}", redacted(url))),
-            },
-            (Some(_), None, false) => {
-                match ClusterClient::builder(c.cluster_nodes.iter().map(String::as_str))
-                    .connection_timeout(c.connect_timeout)
-                    .response_timeout(c.connect_timeout)
-                    .build()
-                {
-                    Ok(client) => Target::Cluster(Box::new(client)),
-                    Err(e) => Target::Invalid(format!("redis cluster_nodes: {e}")),
-                }
-            }
-            _ => Target::Invalid("set exactly one of url and cluster_nodes".into()),
+        const NAME: &str = "tenant limits store";
+        let (link, prefix) = match config {
+            Some(c) => (RedisLink::new(NAME, &c.settings()), c.key_prefix.clone()),
+            None => (
+                RedisLink::broken(NAME, "limits_store.redis is not set"),
+                RedisConfig::default().key_prefix,
+            ),
         };
-        if let Target::Invalid(e) = &target {
+        if let Some(e) = link.unusable() {
             tracing::error!(error = %e, "tenant limits store unusable; on_redis_error applies to every admission");
         }
         let store = RedisStore {
-            shared: Arc::new(Shared {
-                target,
-                backend: OnceLock::new(),
-                cool_down: CoolDown {
-                    base: Instant::now(),
-                    failures: AtomicU32::new(0),
-                    until: AtomicU64::new(0),
-                    threshold: c.failure_threshold.max(1),
-                    cooldown: c.cooldown,
-                },
-                timeout: c.timeout,
-                connect_timeout: c.connect_timeout,
-                prefix: c.key_prefix.clone(),
-            }),
+            shared: Arc::new(Shared { link, prefix }),
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let shared = Arc::clone(&store.shared);
             // Connect and load the scripts now, so the first admission does not spend its
             // short timeout on a handshake and a NOSCRIPT round trip.
             runtime.spawn(async move {
-                if let Ok(backend) = shared.backend() {
-                    let within = shared.connect_timeout;
+                if let Ok(mut connection) = shared.link.connection() {
+                    let within = shared.link.connect_timeout();
                     for script in [&*ADMIT, &*SETTLE] {
-                        let load = async {
-                            match backend {
-                                Backend::Single(c) => script.load_async(&mut c.clone()).await,
-                                Backend::Cluster(c) => script.load_async(&mut c.clone()).await,
-                            }
-                        };
-                        let _ = tokio::time::timeout(within, load).await;
+                        let _ =
+                            tokio::time::timeout(within, script.load_async(&mut connection)).await;
                     }
                 }
             });
@@ -445,7 +271,7 @@ impl RedisStore {
             .arg(budget_micros(tenant.budget.usd_per_day))
             .arg(budget_micros(tenant.budget.usd_per_month))
             .arg(u8::from(tenant.budget.mode() == super::BudgetMode::Enforce));
-        let values: Vec<i64> = s.call(Op::Admit, s.timeout, &call).await?;
+        let values: Vec<i64> = s.call(Op::Admit, s.link.timeout(), &call).await?;
         Answer::parse(&values).ok_or_else(|| {
             metrics::store_error(Op::Admit, Kind::Error);
             Kind::Error
@@ -488,7 +314,9 @@ impl RedisStore {
                 .arg(day_ttl)
                 .arg(month_ttl);
             // A lost correction is counted; the next admissions run on the estimate.
-            let _ = s.call::<i64>(Op::Settle, s.connect_timeout, &call).await;
+            let _ = s
+                .call::<i64>(Op::Settle, s.link.connect_timeout(), &call)
+                .await;
         });
     }
 }
