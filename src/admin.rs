@@ -90,8 +90,10 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         .backends
         .iter()
         .zip(&pool.live)
-        .map(|(spec, live)| {
+        .enumerate()
+        .map(|(index, (spec, live))| {
             let load = live.load();
+            let own = live.accounting();
             json!({
                 "address": spec.address,
                 "resolved": spec.resolved.to_string(),
@@ -105,6 +107,13 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "spec_decode_acceptance": load.as_ref().and_then(|l| l.spec_acceptance),
                 "scraped_seconds_ago": load.as_ref().map(|l| l.scraped_at.elapsed().as_secs_f64()),
                 "in_flight": live.in_flight(),
+                "prefilling": own.prefilling,
+                "outstanding_prefill_tokens": own.prefill_tokens,
+                "decoding": own.decoding,
+                "decode_tokens": own.decode_tokens,
+                "prefill_tokens_per_second": live.prefill_speed(),
+                "prefill_speed_samples": live.speed_samples(),
+                "predicted_ttft_seconds": pool.reference_ttft(index),
             })
         })
         .collect();
@@ -115,6 +124,8 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         "health_checks": pool.health.enabled,
         "kv_cache_usage": pressure.kv_usage,
         "usable_backends": pressure.usable,
+        "balancing": pool.balancing.name(),
+        "sessions": pool.sessions.as_ref().map(|_| pool.sessions_remembered()),
         "breaker": {
             "state": if shedding.is_empty() { "closed" } else { "shedding" },
             "shedding": shedding,

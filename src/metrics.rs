@@ -114,6 +114,34 @@ metric!(BACKEND_IN_FLIGHT: IntGaugeVec = register_int_gauge_vec!(
     &["pool", "backend"]
 ));
 
+metric!(BACKEND_PREFILL_TOKENS: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_backend_outstanding_prefill_tokens",
+    "Prompt tokens of the requests this proxy sent to each backend that have not produced \
+     their first byte yet.",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_PREFILL_SPEED: GaugeVec = register_gauge_vec!(
+    "sluice_backend_prefill_tokens_per_second",
+    "Each backend's prefill speed as learned from its times to first token (seeded from the \
+     pool's balancing.prefill_tokens_per_second).",
+    &["pool", "backend"]
+));
+
+metric!(BACKEND_PREDICTED_TTFT: GaugeVec = register_gauge_vec!(
+    "sluice_backend_predicted_ttft_seconds",
+    "The time to first token a 1,000-token prompt would be predicted on each backend now.",
+    &["pool", "backend"]
+));
+
+metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
+    "sluice_pool_ttft_prediction_error_seconds",
+    "How far each streamed request's time to first token was from the one predicted when \
+     its backend was chosen, by pool and direction (late: it took longer; early: less).",
+    &["pool", "direction"],
+    TTFB_BUCKETS.to_vec()
+));
+
 metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
     "sluice_health_checks_total",
     "Health probes and metrics scrapes by pool, kind (health, metrics) and result (ok, \
@@ -185,6 +213,21 @@ pub fn attempt(pool: &str, outcome: AttemptOutcome) {
     inc(&UPSTREAM_ATTEMPTS, &[pool, outcome.as_str()]);
 }
 
+/// Counts how far a streamed request's TTFT (`observed`) was from the one `predicted`, both
+/// in seconds.
+pub fn ttft_prediction(pool: &str, predicted: f64, observed: f64) {
+    let direction = if observed >= predicted {
+        "late"
+    } else {
+        "early"
+    };
+    observe(
+        &TTFT_PREDICTION_ERROR,
+        &[pool, direction],
+        (observed - predicted).abs(),
+    );
+}
+
 /// Registers every series and creates the per-pool ones at zero, so dashboards and alerts
 /// find them from start-up rather than after the first request of each kind.
 pub fn init(pools: &Pools) {
@@ -196,6 +239,9 @@ pub fn init(pools: &Pools) {
         touch(&ROUTER_REQUEST_DURATION, &[&pool.name]);
         touch(&STREAM_FIRST_BYTE, &[&pool.name]);
         touch(&EJECTIONS, &[&pool.name]);
+        for direction in ["late", "early"] {
+            touch(&TTFT_PREDICTION_ERROR, &[&pool.name, direction]);
+        }
         if pool.health.enabled {
             for backend in &pool.backends {
                 touch(&METRIC_LINES_SKIPPED, &[&pool.name, &backend.address]);

@@ -129,6 +129,10 @@ pub struct SimConfig {
     pub max_body_bytes: usize,
     /// Faults active from the start.
     pub faults: Faults,
+    /// One prefill at a time per instance, as vLLM without chunked prefill runs them: a
+    /// backlog of long prompts delays the next request's first token. Off by default, so
+    /// prefills overlap and other tests keep their timing.
+    pub serial_prefill: bool,
 }
 
 impl Default for SimConfig {
@@ -160,6 +164,7 @@ impl SimConfig {
             record_requests: 64,
             max_body_bytes: 64 << 20,
             faults: Faults::default(),
+            serial_prefill: false,
         };
         match profile {
             Profile::Zero => base,
@@ -271,6 +276,12 @@ impl SimConfig {
         self.record_requests = count;
         self
     }
+    /// One prefill at a time (see [`SimConfig::serial_prefill`]).
+    pub fn with_serial_prefill(mut self, on: bool) -> Self {
+        self.serial_prefill = on;
+        self
+    }
+
     pub fn with_faults(mut self, faults: Faults) -> Self {
         self.faults = faults;
         self

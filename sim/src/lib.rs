@@ -81,6 +81,8 @@ pub(crate) struct Shared {
     /// Random per instance, so two instances never hand out the same ids.
     nonce: u64,
     started: u64,
+    /// Held through each prefill when `serial_prefill` is on.
+    prefill_turn: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -207,6 +209,7 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
         id_counter: AtomicU64::new(0),
         nonce: rand::random(),
         started: unix_now(),
+        prefill_turn: tokio::sync::Mutex::new(()),
         served_names,
         config: config.clone(),
     });

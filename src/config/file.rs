@@ -324,8 +324,21 @@ impl Default for OutlierFile {
 #[serde(deny_unknown_fields, default)]
 pub struct BalancingFile {
     pub strategy: StrategyFile,
-    /// Bytes of prompt that key prefix affinity (kv_aware only); absent: off.
+    /// Bytes of prompt that key prefix affinity (kv_aware and ttft); absent: off.
     pub prefix_affinity_bytes: Option<usize>,
+    /// ttft only: the prefill speed backends start from, tokens per second.
+    pub prefill_tokens_per_second: Option<f64>,
+    /// ttft only: the share of requests sent to a random backend.
+    pub exploration: Option<f64>,
+    /// Session affinity: off (default), soft or hard.
+    pub session_affinity: SessionModeFile,
+    /// The header naming a request's session; `x-session-id` when absent.
+    pub session_header: Option<String>,
+    /// How long an idle session is remembered.
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub session_idle_ttl: Option<Duration>,
+    /// The most sessions remembered.
+    pub session_capacity: Option<usize>,
 }
 
 impl Default for BalancingFile {
@@ -333,6 +346,12 @@ impl Default for BalancingFile {
         Self {
             strategy: StrategyFile::KvAware,
             prefix_affinity_bytes: None,
+            prefill_tokens_per_second: None,
+            exploration: None,
+            session_affinity: SessionModeFile::Off,
+            session_header: None,
+            session_idle_ttl: None,
+            session_capacity: None,
         }
     }
 }
@@ -342,6 +361,19 @@ impl Default for BalancingFile {
 pub enum StrategyFile {
     RoundRobin,
     KvAware,
+    Ttft,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionModeFile {
+    Off,
+    Soft,
+    Hard,
+}
+
+fn optional_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    duration(d).map(Some)
 }
 
 #[derive(Debug, Deserialize)]

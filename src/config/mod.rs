@@ -9,6 +9,7 @@ use crate::chain::ResolvedPlugins;
 use crate::edge::ConnectionLimits;
 use ipnet::IpNet;
 use pingora_core::server::configuration::ServerConf;
+use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
@@ -520,6 +521,7 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             },
             retry: retry_policy(&p.retry, &format!("{key}.retry"))?,
             price_per_million_tokens: price(p.price_per_million_tokens, &key)?,
+            sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
         })));
     }
     Ok(Pools::new(pools))
@@ -622,20 +624,124 @@ fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Inv
 }
 
 fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
+    use file::StrategyFile;
+    if b.strategy != StrategyFile::Ttft {
+        for (name, set) in [
+            (
+                "prefill_tokens_per_second",
+                b.prefill_tokens_per_second.is_some(),
+            ),
+            ("exploration", b.exploration.is_some()),
+        ] {
+            if set {
+                return Err(Invalid::new(
+                    format!("{key}.{name}"),
+                    "needs strategy: ttft",
+                ));
+            }
+        }
+    }
     match (b.strategy, b.prefix_affinity_bytes) {
         (_, Some(0)) => Err(Invalid::new(
             format!("{key}.prefix_affinity_bytes"),
             "must be at least 1",
         )),
-        (file::StrategyFile::RoundRobin, Some(_)) => Err(Invalid::new(
+        (StrategyFile::RoundRobin, Some(_)) => Err(Invalid::new(
             format!("{key}.prefix_affinity_bytes"),
-            "needs strategy: kv_aware",
+            "needs strategy: kv_aware or ttft",
         )),
-        (file::StrategyFile::RoundRobin, None) => Ok(Balancing::RoundRobin),
-        (file::StrategyFile::KvAware, prefix_affinity) => {
-            Ok(Balancing::KvAware { prefix_affinity })
+        (StrategyFile::RoundRobin, None) => Ok(Balancing::RoundRobin),
+        (StrategyFile::KvAware, prefix_affinity) => Ok(Balancing::KvAware { prefix_affinity }),
+        (StrategyFile::Ttft, prefix_affinity) => {
+            let defaults = TtftBalancing::default();
+            let speed = b
+                .prefill_tokens_per_second
+                .unwrap_or(defaults.prefill_tokens_per_second);
+            if !(speed.is_finite() && speed > 0.0) {
+                return Err(Invalid::new(
+                    format!("{key}.prefill_tokens_per_second"),
+                    format!("must be a number above 0 (got {speed})"),
+                ));
+            }
+            let exploration = b.exploration.unwrap_or(defaults.exploration);
+            if !(0.0..=1.0).contains(&exploration) {
+                return Err(Invalid::new(
+                    format!("{key}.exploration"),
+                    format!("must be between 0 and 1 (got {exploration})"),
+                ));
+            }
+            Ok(Balancing::Ttft(TtftBalancing {
+                prefix_affinity,
+                prefill_tokens_per_second: speed,
+                exploration,
+            }))
         }
     }
+}
+
+/// The header sessions are named by when `session_header` is absent.
+const DEFAULT_SESSION_HEADER: &str = "x-session-id";
+/// How long an idle session is remembered when `session_idle_ttl` is absent.
+const DEFAULT_SESSION_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+/// The most sessions remembered per pool when `session_capacity` is absent.
+const DEFAULT_SESSION_CAPACITY: usize = 65_536;
+/// The largest `session_capacity`: the table is allocated whole (8 bytes a session).
+const MAX_SESSION_CAPACITY: usize = 1 << 24;
+
+fn session_affinity(
+    b: &file::BalancingFile,
+    key: &str,
+) -> Result<Option<SessionAffinity>, Invalid> {
+    let mode = match b.session_affinity {
+        file::SessionModeFile::Off => {
+            for (name, set) in [
+                ("session_header", b.session_header.is_some()),
+                ("session_idle_ttl", b.session_idle_ttl.is_some()),
+                ("session_capacity", b.session_capacity.is_some()),
+            ] {
+                if set {
+                    return Err(Invalid::new(
+                        format!("{key}.{name}"),
+                        "needs session_affinity: soft or hard",
+                    ));
+                }
+            }
+            return Ok(None);
+        }
+        file::SessionModeFile::Soft => SessionMode::Soft,
+        file::SessionModeFile::Hard => SessionMode::Hard,
+    };
+    let header = b
+        .session_header
+        .as_deref()
+        .unwrap_or(DEFAULT_SESSION_HEADER)
+        .to_ascii_lowercase();
+    if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+        return Err(Invalid::new(
+            format!("{key}.session_header"),
+            format!("is not a header name (got `{header}`)"),
+        ));
+    }
+    let idle_ttl = b.session_idle_ttl.unwrap_or(DEFAULT_SESSION_IDLE_TTL);
+    if idle_ttl < Duration::from_secs(1) {
+        return Err(Invalid::new(
+            format!("{key}.session_idle_ttl"),
+            "must be at least 1s",
+        ));
+    }
+    let capacity = b.session_capacity.unwrap_or(DEFAULT_SESSION_CAPACITY);
+    if !(2..=MAX_SESSION_CAPACITY).contains(&capacity) {
+        return Err(Invalid::new(
+            format!("{key}.session_capacity"),
+            format!("must be between 2 and {MAX_SESSION_CAPACITY} (got {capacity})"),
+        ));
+    }
+    Ok(Some(SessionAffinity {
+        header,
+        mode,
+        idle_ttl,
+        capacity,
+    }))
 }
 
 fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> {

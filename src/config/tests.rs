@@ -1012,6 +1012,98 @@ fn the_ejected_share_is_a_percentage() {
 }
 
 #[test]
+fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
+    use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
+    let c = ok(&with_pool_key("balancing", "{strategy: ttft}"));
+    let pool = c.pools.iter().next().unwrap();
+    assert_eq!(pool.balancing, Balancing::Ttft(TtftBalancing::default()));
+    assert_eq!(pool.sessions, None, "off by default");
+    let c = ok(&with_pool_key(
+        "balancing",
+        "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: 4000, \
+         exploration: 0.05, session_affinity: hard, session_header: X-Conversation, \
+         session_idle_ttl: 5m, session_capacity: 1000}",
+    ));
+    let pool = c.pools.iter().next().unwrap();
+    assert_eq!(
+        pool.balancing,
+        Balancing::Ttft(TtftBalancing {
+            prefix_affinity: Some(256),
+            prefill_tokens_per_second: 4000.0,
+            exploration: 0.05,
+        })
+    );
+    assert_eq!(
+        pool.sessions,
+        Some(SessionAffinity {
+            header: "x-conversation".into(),
+            mode: SessionMode::Hard,
+            idle_ttl: Duration::from_secs(300),
+            capacity: 1000,
+        })
+    );
+    // Sessions work under any strategy, with the default header.
+    let c = ok(&with_pool_key(
+        "balancing",
+        "{strategy: round_robin, session_affinity: soft}",
+    ));
+    let sessions = c.pools.iter().next().unwrap().sessions.clone().unwrap();
+    assert_eq!(
+        (sessions.header.as_str(), sessions.mode, sessions.capacity),
+        ("x-session-id", SessionMode::Soft, 65_536)
+    );
+    assert_eq!(sessions.idle_ttl, Duration::from_secs(1800));
+}
+
+#[test]
+fn ttft_and_session_rules_are_enforced() {
+    for (value, key, why) in [
+        (
+            "{prefill_tokens_per_second: 1000}",
+            "prefill_tokens_per_second",
+            "needs strategy: ttft",
+        ),
+        ("{exploration: 0.1}", "exploration", "needs strategy: ttft"),
+        (
+            "{strategy: ttft, prefill_tokens_per_second: 0}",
+            "prefill_tokens_per_second",
+            "above 0",
+        ),
+        (
+            "{strategy: ttft, exploration: 1.5}",
+            "exploration",
+            "between 0 and 1",
+        ),
+        (
+            "{session_header: x-session-id}",
+            "session_header",
+            "needs session_affinity",
+        ),
+        (
+            "{session_affinity: soft, session_header: 'bad header'}",
+            "session_header",
+            "not a header name",
+        ),
+        (
+            "{session_affinity: soft, session_capacity: 1}",
+            "session_capacity",
+            "between 2",
+        ),
+        (
+            "{session_affinity: soft, session_idle_ttl: 0s}",
+            "session_idle_ttl",
+            "at least 1s",
+        ),
+    ] {
+        refused(
+            &with_pool_key("balancing", value),
+            &format!("pools[0].balancing.{key}"),
+            why,
+        );
+    }
+}
+
+#[test]
 fn zero_prefix_affinity_bytes_are_refused() {
     refused(
         &with_pool_key("balancing", "{prefix_affinity_bytes: 0}"),

@@ -300,6 +300,19 @@ impl Checker {
             &[pool, backend],
             i64::from(live.in_flight()),
         );
+        metrics::set(
+            &metrics::BACKEND_PREFILL_TOKENS,
+            &[pool, backend],
+            i64::try_from(live.accounting().prefill_tokens).unwrap_or(i64::MAX),
+        );
+        metrics::set(
+            &metrics::BACKEND_PREFILL_SPEED,
+            &[pool, backend],
+            live.prefill_speed(),
+        );
+        if let Some(ttft) = self.pool.reference_ttft(self.index) {
+            metrics::set(&metrics::BACKEND_PREDICTED_TTFT, &[pool, backend], ttft);
+        }
         if let Some(load) = live.load() {
             if let Some(kv) = load.kv_usage {
                 metrics::set(&metrics::BACKEND_KV_USAGE, &[pool, backend], kv);

@@ -478,7 +478,12 @@ async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -
             _ = streams_end.wait_for(|end| *end) => Err(stopping()),
         }
     };
-    match watch(session, reading, deadline).await {
+    let read = watch(session, reading, deadline).await;
+    if let Watched::Done(Ok(_)) = read {
+        // The answer's first byte: the request's prefill is over (every body is read here).
+        tries::first_byte(&mut up.in_flight, up.http.response_header());
+    }
+    match read {
         Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),
         Watched::Done(Ok(None)) => Next::End,
         Watched::Done(Err(e)) if ErrorReply::carried_by(&e).is_some() => Next::Failed(e),

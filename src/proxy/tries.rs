@@ -5,12 +5,15 @@
 use crate::metrics;
 use pingora_error::Error;
 use pingora_http::ResponseHeader;
+use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{BackendLive, ErrorReply, InFlight, Pool, Reason, RequestCtx, Selected, Verdict};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Starts a try of `backend`, which may come to hold `tokens` KV tokens: it joins `tried`,
-/// becomes the request's backend, and counts as in flight until the guard is dropped.
+/// becomes the request's backend, and counts as in flight until the guard is dropped; an
+/// LLM request's prompt counts as prefilling there until [`first_byte`].
 pub fn begin(
     ctx: &mut RequestCtx,
     tried: &mut Vec<SocketAddr>,
@@ -18,10 +21,30 @@ pub fn begin(
     tokens: u64,
 ) -> InFlight {
     tried.push(backend.addr);
+    let prompt_tokens = ctx.llm().map_or(0, |call| call.demand.prompt_tokens);
+    let pool = ctx.pool().map(|pool| Arc::clone(&pool.name));
     let progress = ctx.progress_mut();
     progress.backend = Some(backend.addr);
     progress.attempts += 1;
-    backend.live.begin(tokens)
+    let mut in_flight = backend.live.begin_request(tokens, prompt_tokens);
+    if let Some(pool) = pool.filter(|_| prompt_tokens > 0) {
+        in_flight.predict(backend.predicted_ttft, pool);
+    }
+    in_flight
+}
+
+/// The attempt's first answer byte came (`header` is the upstream's response header): the
+/// request stops counting as prefill on its backend. A 200 event stream's first chunk is its
+/// first token: its time teaches the backend's prefill speed and is compared with what was
+/// predicted. Only the first call counts.
+pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>) {
+    let first_token = header.is_some_and(|h| h.status.as_u16() == 200 && is_event_stream(h));
+    let Some(waited) = in_flight.first_byte(first_token) else {
+        return;
+    };
+    if let (true, Some(predicted), Some(pool)) = (first_token, waited.predicted, in_flight.pool()) {
+        metrics::ttft_prediction(pool, predicted, waited.observed);
+    }
 }
 
 /// Counts a try's end for or against its backend, which is ejected for a while after the

@@ -213,6 +213,18 @@ pub struct BackendLive {
     /// (prompt + output budget).
     in_flight: AtomicU32,
     committed_tokens: AtomicU64,
+    /// This proxy's own accounting, exact where a scrape is up to an interval old and blind
+    /// to a prefill the engine has not admitted yet: requests sent without their first byte
+    /// back (outstanding prefill) and their prompt tokens; those past it (decoding) and the
+    /// KV tokens they may come to hold.
+    prefilling: AtomicU32,
+    prefill_tokens: AtomicU64,
+    decoding: AtomicU32,
+    decode_tokens: AtomicU64,
+    /// The learned prefill speed in tokens per second (`f64` bits); 0 until seeded.
+    prefill_speed: AtomicU64,
+    /// TTFTs the speed was learned from.
+    speed_samples: AtomicU64,
     // The failure breaker.
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -329,17 +341,122 @@ impl BackendLive {
         self.fresh_load(policy).is_none_or(|l| l.kv_usage.is_none())
     }
 
-    /// Counts a request sent to this backend; the returned guard ends it.
+    /// Counts a request sent to this backend; the returned guard ends it. A request without
+    /// a prompt (plain HTTP): see [`BackendLive::begin_request`].
     pub fn begin(self: &Arc<Self>, estimated_tokens: u64) -> InFlight {
+        self.begin_request(estimated_tokens, 0)
+    }
+
+    /// Counts a request sent to this backend that may come to hold `estimated_tokens` KV
+    /// tokens, `prompt_tokens` of them its prompt: in flight, and prefilling until
+    /// [`InFlight::first_byte`]. The returned guard ends it, whenever it is dropped.
+    pub fn begin_request(self: &Arc<Self>, estimated_tokens: u64, prompt_tokens: u64) -> InFlight {
         self.sent_since_scrape.fetch_add(1, Relaxed);
         self.tokens_since_scrape
             .fetch_add(estimated_tokens, Relaxed);
         self.in_flight.fetch_add(1, Relaxed);
         self.committed_tokens.fetch_add(estimated_tokens, Relaxed);
+        // A TTFT teaches the speed only when nothing was ahead of the request: no prefill of
+        // ours, and no queue of anyone's at the last scrape. Otherwise it measures the queue.
+        let ahead = self.prefilling.fetch_add(1, Relaxed);
+        self.prefill_tokens.fetch_add(prompt_tokens, Relaxed);
+        let queue = self.load.load().as_ref().map_or(0.0, |l| l.waiting);
         InFlight {
             backend: Arc::clone(self),
             tokens: estimated_tokens,
+            prompt_tokens,
+            sent: Instant::now(),
+            answered: false,
+            learns: ahead == 0 && queue <= 0.0,
+            predicted_ttft: None,
+            pool: None,
         }
+    }
+
+    /// Sets the prefill speed the backend starts from (tokens per second), unless it has one.
+    pub fn seed_prefill_speed(&self, tokens_per_second: f64) {
+        if tokens_per_second.is_finite() && tokens_per_second > 0.0 {
+            let _ = self.prefill_speed.compare_exchange(
+                0,
+                tokens_per_second.to_bits(),
+                Relaxed,
+                Relaxed,
+            );
+        }
+    }
+
+    /// The learned prefill speed, tokens per second; [`DEFAULT_PREFILL_SPEED`] until seeded.
+    pub fn prefill_speed(&self) -> f64 {
+        match self.prefill_speed.load(Relaxed) {
+            0 => DEFAULT_PREFILL_SPEED,
+            bits => f64::from_bits(bits),
+        }
+    }
+
+    /// How many TTFTs the speed was learned from.
+    pub fn speed_samples(&self) -> u64 {
+        self.speed_samples.load(Relaxed)
+    }
+
+    /// Learns from one TTFT: `tokens` prefilled in `seconds` with nothing ahead.
+    fn learn_prefill(&self, tokens: u64, seconds: f64) {
+        if tokens < MIN_LEARNING_TOKENS || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let observed = tokens as f64 / seconds;
+        // Larger prompts teach more (a fixed overhead weighs less in them).
+        let weight = SPEED_EWMA * (tokens as f64 / 1024.0).min(1.0);
+        let learned = self
+            .prefill_speed
+            .fetch_update(Relaxed, Relaxed, |bits| {
+                Some(next_speed(f64::from_bits(bits), observed, weight).to_bits())
+            })
+            .is_ok();
+        if learned {
+            self.speed_samples.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// This proxy's own load on the backend now (see [`Accounting`]).
+    pub fn accounting(&self) -> Accounting {
+        Accounting {
+            prefilling: self.prefilling.load(Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Relaxed),
+            decoding: self.decoding.load(Relaxed),
+            decode_tokens: self.decode_tokens.load(Relaxed),
+        }
+    }
+
+    /// The time to first token a request of `prompt_tokens`, `cached_tokens` of them taken to
+    /// be in the backend's prefix cache, may expect here, in seconds: the prefill ahead of it
+    /// (this proxy's outstanding prefill, and requests queued by others as the last fresh
+    /// scrape shows them) plus its own, at the learned speed, plus a little for each
+    /// sequence decoding (they share the engine's steps). No KV-cache or health judgement.
+    pub fn predicted_ttft(
+        &self,
+        prompt_tokens: u64,
+        cached_tokens: u64,
+        policy: &HealthPolicy,
+    ) -> f64 {
+        let own = self.accounting();
+        let (waiting, running) = self
+            .load
+            .load()
+            .as_ref()
+            .filter(|l| l.scraped_at.elapsed() <= policy.stale_after)
+            .map_or((0.0, 0.0), |l| (l.waiting, l.running));
+        // A scrape's queue beyond our own outstanding requests is someone else's traffic,
+        // taken to be of the size of ours (or of this request when we have none there).
+        let foreign = (waiting - f64::from(own.prefilling)).max(0.0);
+        let typical = if own.prefilling > 0 {
+            own.prefill_tokens as f64 / f64::from(own.prefilling)
+        } else {
+            prompt_tokens as f64
+        };
+        let ahead = own.prefill_tokens as f64 + foreign * typical;
+        let mine = prompt_tokens.saturating_sub(cached_tokens) as f64;
+        let decoding = f64::from(own.decoding).max(running);
+        (ahead + mine + decoding * DECODE_STEP_TOKENS) / self.prefill_speed()
     }
 
     /// Requests this proxy has in flight on the backend now (not other proxies').
@@ -513,6 +630,23 @@ impl Outlook {
 pub struct InFlight {
     backend: Arc<BackendLive>,
     tokens: u64,
+    prompt_tokens: u64,
+    sent: Instant,
+    /// Its first byte came: it counts as decoding, not prefilling.
+    answered: bool,
+    /// Its TTFT may teach the backend's prefill speed.
+    learns: bool,
+    predicted_ttft: Option<f64>,
+    pool: Option<Arc<str>>,
+}
+
+/// One request's time to first byte, and what was predicted for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FirstByte {
+    /// Seconds from the request being sent to its first byte.
+    pub observed: f64,
+    /// The prediction made when its backend was chosen, in seconds.
+    pub predicted: Option<f64>,
 }
 
 impl InFlight {
@@ -520,14 +654,99 @@ impl InFlight {
     pub fn backend(&self) -> &BackendLive {
         &self.backend
     }
+
+    /// Records what was predicted of the request's TTFT (seconds), and the pool it is
+    /// counted under, to be compared with what it takes.
+    pub fn predict(&mut self, predicted_ttft: Option<f64>, pool: Arc<str>) {
+        self.predicted_ttft = predicted_ttft;
+        self.pool = Some(pool);
+    }
+
+    /// The pool given to [`InFlight::predict`].
+    pub fn pool(&self) -> Option<&str> {
+        self.pool.as_deref()
+    }
+
+    /// The request's first byte came back: its prefill is over, it decodes now. When
+    /// `is_first_token` (a streamed answer's first chunk, not a whole answer or an error),
+    /// its time teaches the backend's prefill speed. Only the first call counts; it says
+    /// what the wait was.
+    pub fn first_byte(&mut self, is_first_token: bool) -> Option<FirstByte> {
+        if self.answered {
+            return None;
+        }
+        self.answered = true;
+        let b = &self.backend;
+        b.prefilling.fetch_sub(1, Relaxed);
+        b.prefill_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        b.decoding.fetch_add(1, Relaxed);
+        b.decode_tokens.fetch_add(self.tokens, Relaxed);
+        let observed = self.sent.elapsed().as_secs_f64();
+        if is_first_token && self.learns {
+            b.learn_prefill(self.prompt_tokens, observed);
+        }
+        Some(FirstByte {
+            observed,
+            predicted: self.predicted_ttft,
+        })
+    }
+}
+
+/// This proxy's own requests on a backend, from its accounting (exact, unlike a scrape).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Accounting {
+    /// Requests sent that have not produced their first byte.
+    pub prefilling: u32,
+    /// Their prompt tokens: the outstanding prefill.
+    pub prefill_tokens: u64,
+    /// Requests past their first byte, still in flight.
+    pub decoding: u32,
+    /// The KV tokens they may come to hold.
+    pub decode_tokens: u64,
+}
+
+/// The prefill speed a backend starts from when its pool sets none (tokens per second):
+/// a mid-size model on one current GPU.
+pub const DEFAULT_PREFILL_SPEED: f64 = 10_000.0;
+
+/// The smallest prompt whose TTFT teaches the speed: below it, fixed overheads dominate.
+const MIN_LEARNING_TOKENS: u64 = 128;
+
+/// The share of the speed estimate one full-size sample replaces.
+const SPEED_EWMA: f64 = 0.2;
+
+/// How far one sample may pull the estimate: at most this factor either way, so that one
+/// stalled or cached request does not wreck it.
+const SPEED_CLAMP: f64 = 4.0;
+
+/// Prefill tokens one decoding sequence is taken to cost a newcomer: decodes share the
+/// engine's steps (a tie-breaker more than a model).
+const DECODE_STEP_TOKENS: f64 = 16.0;
+
+/// The estimate after one `observed` sample of weight `weight`, from `current` (0: none
+/// yet, so the sample is taken as it is).
+fn next_speed(current: f64, observed: f64, weight: f64) -> f64 {
+    if !current.is_finite() || current <= 0.0 {
+        return observed;
+    }
+    let sample = observed.clamp(current / SPEED_CLAMP, current * SPEED_CLAMP);
+    current + weight * (sample - current)
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.backend.in_flight.fetch_sub(1, Relaxed);
-        self.backend
-            .committed_tokens
-            .fetch_sub(self.tokens, Relaxed);
+        let b = &self.backend;
+        b.in_flight.fetch_sub(1, Relaxed);
+        b.committed_tokens.fetch_sub(self.tokens, Relaxed);
+        if self.answered {
+            b.decoding.fetch_sub(1, Relaxed);
+            b.decode_tokens.fetch_sub(self.tokens, Relaxed);
+        } else {
+            // Ended before its first byte (an error, a cancel): its prefill is no longer
+            // ahead of anyone.
+            b.prefilling.fetch_sub(1, Relaxed);
+            b.prefill_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        }
     }
 }
 
@@ -720,6 +939,113 @@ mod tests {
             "the pool's setting does not change it"
         );
         assert!(b.is_usable(), "stale is not dead");
+    }
+
+    #[test]
+    fn accounting_moves_from_prefill_to_decode_and_back_to_zero() {
+        let b = Arc::new(BackendLive::default());
+        let mut answered = b.begin_request(1_500, 1_000);
+        let cancelled = b.begin_request(700, 200);
+        assert_eq!(
+            b.accounting(),
+            Accounting {
+                prefilling: 2,
+                prefill_tokens: 1_200,
+                decoding: 0,
+                decode_tokens: 0
+            }
+        );
+        assert!(answered.first_byte(false).is_some());
+        assert!(answered.first_byte(false).is_none(), "counted once");
+        assert_eq!(
+            b.accounting(),
+            Accounting {
+                prefilling: 1,
+                prefill_tokens: 200,
+                decoding: 1,
+                decode_tokens: 1_500
+            }
+        );
+        drop(cancelled); // Before its first byte: a cancel or an error.
+        drop(answered);
+        assert_eq!(b.accounting(), Accounting::default());
+        assert_eq!(b.in_flight(), 0);
+    }
+
+    #[test]
+    fn the_speed_estimate_is_robust_and_converges() {
+        // A wild sample moves the estimate by a bounded step only.
+        let once = next_speed(10_000.0, 1e9, SPEED_EWMA);
+        assert!(
+            (once - 10_000.0 * (1.0 + SPEED_EWMA * 3.0)).abs() < 1e-6,
+            "{once}"
+        );
+        let once = next_speed(10_000.0, 1.0, SPEED_EWMA);
+        assert!(
+            (once - 10_000.0 * (1.0 - SPEED_EWMA * 0.75)).abs() < 1e-6,
+            "{once}"
+        );
+        // Steady samples bring it to the true speed from a seed far off.
+        let mut speed = 2_000.0;
+        for _ in 0..60 {
+            speed = next_speed(speed, 50_000.0, SPEED_EWMA);
+        }
+        assert!((speed - 50_000.0).abs() < 500.0, "{speed}");
+
+        let b = Arc::new(BackendLive::default());
+        b.seed_prefill_speed(8_000.0);
+        b.seed_prefill_speed(1.0);
+        assert_eq!(b.prefill_speed(), 8_000.0, "seeded once");
+        b.learn_prefill(2_048, 0.1); // 20,480 tokens/s
+        assert!(b.prefill_speed() > 8_000.0);
+        assert_eq!(b.speed_samples(), 1);
+        b.learn_prefill(10, 0.0001); // Too small to say anything.
+        assert_eq!(b.speed_samples(), 1);
+    }
+
+    #[test]
+    fn only_a_first_token_with_nothing_ahead_teaches_the_speed() {
+        let b = Arc::new(BackendLive::default());
+        b.seed_prefill_speed(1_000.0);
+        let mut first = b.begin_request(5_000, 4_000);
+        let mut queued = b.begin_request(5_000, 4_000); // Behind the first one.
+        std::thread::sleep(Duration::from_millis(5));
+        queued.first_byte(true);
+        assert_eq!(b.speed_samples(), 0, "its TTFT measured a queue");
+        first.first_byte(false);
+        assert_eq!(
+            b.speed_samples(),
+            0,
+            "a whole answer or an error is no first token"
+        );
+        let mut clean = b.begin_request(5_000, 4_000);
+        drop((first, queued));
+        std::thread::sleep(Duration::from_millis(5));
+        let waited = clean.first_byte(true).unwrap();
+        assert!(waited.observed > 0.0);
+        assert_eq!(b.speed_samples(), 1);
+    }
+
+    #[test]
+    fn the_prediction_counts_the_backlog_and_the_cache() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        b.seed_prefill_speed(1_000.0);
+        assert!((b.predicted_ttft(1_000, 0, &policy) - 1.0).abs() < 1e-9);
+        assert!((b.predicted_ttft(1_000, 400, &policy) - 0.6).abs() < 1e-9);
+        let _long = b.begin_request(10_000, 9_000);
+        assert!((b.predicted_ttft(1_000, 0, &policy) - 10.0).abs() < 1e-9);
+        // Two requests queued by someone else (the scrape's queue beyond our one).
+        b.publish_load(Load {
+            waiting: 3.0,
+            running: 0.0,
+            ..load(0.1, None)
+        });
+        let t = b.predicted_ttft(1_000, 0, &policy);
+        assert!(
+            (t - (9_000.0 + 2.0 * 9_000.0 + 1_000.0) / 1_000.0).abs() < 1e-9,
+            "{t}"
+        );
     }
 
     #[test]

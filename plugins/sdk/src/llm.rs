@@ -124,14 +124,12 @@ impl LlmCall {
     /// The demand as a pool balancing this way needs it: with the prompt-prefix hash when
     /// the pool uses prefix affinity.
     pub fn demand_for(&self, balancing: &Balancing) -> Demand {
-        match balancing {
-            Balancing::KvAware {
-                prefix_affinity: Some(bytes),
-            } => Demand {
-                affinity: Some(self.request.prompt_prefix_hash(*bytes)),
+        match balancing.prefix_affinity() {
+            Some(bytes) => Demand {
+                affinity: Some(self.request.prompt_prefix_hash(bytes)),
                 ..self.demand
             },
-            _ => self.demand,
+            None => self.demand,
         }
     }
 }
@@ -818,6 +816,8 @@ impl LlmRequest {
             // vLLM generates every candidate (`best_of`, or the beam width) at once and
             // returns `n` of them: each holds its own output's KV blocks.
             sequences: self.n.unwrap_or(1).max(self.best_of.unwrap_or(1)).max(1),
+            // From a header, not the body: see `Pool::session_key`.
+            session: None,
         }
     }
 

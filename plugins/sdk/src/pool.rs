@@ -4,15 +4,17 @@
 //! it reads each backend's live state (`crate::health`), then balances by KV-cache room or by
 //! Pingora's weighted round robin.
 
-use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs};
+use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
 use crate::llm::LlmCall;
 use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
 use std::collections::BTreeSet;
+use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, LazyLock, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Timeouts of one pool's upstream requests.
 #[derive(Debug, Clone, PartialEq)]
@@ -122,6 +124,75 @@ pub enum Balancing {
         /// Leading prompt bytes hashed for prefix affinity; `None` turns affinity off.
         prefix_affinity: Option<usize>,
     },
+    /// By predicted time to first token: the backend whose prefill backlog (this proxy's
+    /// outstanding prompt tokens, and queues others left there), plus this prompt less what
+    /// its prefix cache probably holds, takes the least time at its learned prefill speed.
+    Ttft(TtftBalancing),
+}
+
+impl Balancing {
+    /// Leading prompt bytes hashed for prefix affinity, when the strategy uses it.
+    pub fn prefix_affinity(&self) -> Option<usize> {
+        match self {
+            Balancing::RoundRobin => None,
+            Balancing::KvAware { prefix_affinity } => *prefix_affinity,
+            Balancing::Ttft(ttft) => ttft.prefix_affinity,
+        }
+    }
+
+    /// The strategy's name in config and `/status`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Balancing::RoundRobin => "round_robin",
+            Balancing::KvAware { .. } => "kv_aware",
+            Balancing::Ttft(_) => "ttft",
+        }
+    }
+}
+
+/// The settings of [`Balancing::Ttft`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TtftBalancing {
+    /// Leading prompt bytes hashed for prefix affinity; `None` turns affinity off.
+    pub prefix_affinity: Option<usize>,
+    /// The prefill speed each backend starts from, in prompt tokens per second, until its
+    /// own TTFTs teach it better.
+    pub prefill_tokens_per_second: f64,
+    /// The share of requests (0..=1) sent to a random usable backend instead of the best,
+    /// so that every backend's speed keeps being learned.
+    pub exploration: f64,
+}
+
+impl Default for TtftBalancing {
+    fn default() -> Self {
+        Self {
+            prefix_affinity: None,
+            prefill_tokens_per_second: DEFAULT_PREFILL_SPEED,
+            exploration: 0.02,
+        }
+    }
+}
+
+/// Whether a session may leave its backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionMode {
+    /// The session stays while its backend is usable and not overloaded.
+    Soft,
+    /// The session stays while its backend is usable, however loaded.
+    Hard,
+}
+
+/// Session affinity: requests naming the same session (a header) go to one backend.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionAffinity {
+    /// The request header that names the session (lower case).
+    pub header: String,
+    /// Soft or hard.
+    pub mode: SessionMode,
+    /// A session not seen for this long is forgotten.
+    pub idle_ttl: Duration,
+    /// The most sessions remembered at once; older ones are forgotten first when more come.
+    pub capacity: usize,
 }
 
 /// What the balancer knows of a request's size.
@@ -137,6 +208,8 @@ pub struct Demand {
     /// Sequences the engine generates at once: `max(n, best_of)` (with beam search,
     /// `best_of` is the beam width); 0 counts as 1.
     pub sequences: u32,
+    /// A hash of the request's session id, for session affinity ([`Pool::session_key`]).
+    pub session: Option<u64>,
 }
 
 impl Demand {
@@ -162,6 +235,9 @@ pub struct Selected {
     pub addr: SocketAddr,
     /// The backend's live state; [`BackendLive::begin`] counts the attempt in flight.
     pub live: Arc<BackendLive>,
+    /// The time to first token predicted for the request there, in seconds, when it has a
+    /// prompt.
+    pub predicted_ttft: Option<f64>,
 }
 
 /// A request's class: who is shed first when a pool is under pressure. Written in config
@@ -275,6 +351,19 @@ pub trait Admission: Send + Sync {
 /// How close to the best-of-two score the prefix-affine backend must be to be taken.
 const AFFINITY_SLACK: f64 = 0.15;
 
+/// The prompt size the per-backend predicted TTFT (`/status`, metrics) is given for.
+pub const REFERENCE_PROMPT_TOKENS: u64 = 1_000;
+
+/// What a predicted TTFT adds for a backend whose KV cache cannot take the request now: it
+/// would wait in the engine's queue for running requests to finish, for an unknown time.
+const KV_FULL_WAIT: f64 = 5.0;
+
+/// A soft session leaves a backend whose projected KV usage reaches this...
+const SESSION_KV_LIMIT: f64 = 0.95;
+
+/// ...or where it would wait this long (seconds) behind other prefills.
+const SESSION_MAX_WAIT: f64 = 1.0;
+
 /// A named pool of backends.
 pub struct Pool {
     /// The pool's name: in `x-sluice-pool`, metric labels and `/status`.
@@ -308,9 +397,12 @@ pub struct Pool {
     /// The pool's retry budget, shared by its requests: the core deposits for each request sent to
     /// the pool and spends one for each retry.
     pub retry_budget: RetryBudget,
+    /// Session affinity, when the pool has it.
+    pub sessions: Option<SessionAffinity>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
     round_robin: LoadBalancer<RoundRobin>,
+    session_table: Option<SessionTable>,
 }
 
 /// Everything a pool is built from.
@@ -340,6 +432,8 @@ pub struct PoolSettings {
     pub retry: RetryPolicy,
     /// Dollars per million tokens.
     pub price_per_million_tokens: f64,
+    /// Session affinity; `None`: off.
+    pub sessions: Option<SessionAffinity>,
 }
 
 impl PoolSettings {
@@ -360,6 +454,7 @@ impl PoolSettings {
             supports: Capabilities::default(),
             retry: RetryPolicy::default(),
             price_per_million_tokens: 0.0,
+            sessions: None,
         }
     }
 }
@@ -390,6 +485,14 @@ impl Pool {
         let round_robin = LoadBalancer::from_backends(Backends::new(discovery::Static::new(set)));
         // A static discovery answers at once; polling the future once builds the selector.
         let _ = futures_lite_poll(round_robin.update());
+        let seed = match &settings.balancing {
+            Balancing::Ttft(ttft) => ttft.prefill_tokens_per_second,
+            _ => DEFAULT_PREFILL_SPEED,
+        };
+        let session_table = settings
+            .sessions
+            .as_ref()
+            .map(|s| SessionTable::new(s.capacity, s.idle_ttl));
         Self {
             name: Arc::from(settings.name.as_str()),
             models: settings.models,
@@ -398,7 +501,11 @@ impl Pool {
             live: settings
                 .backends
                 .iter()
-                .map(|_| Arc::new(BackendLive::default()))
+                .map(|_| {
+                    let live = BackendLive::default();
+                    live.seed_prefill_speed(seed);
+                    Arc::new(live)
+                })
                 .collect(),
             backends: settings.backends,
             tls_sni: settings.tls_sni,
@@ -409,8 +516,10 @@ impl Pool {
             retry_budget: RetryBudget::new(&settings.retry),
             retry: settings.retry,
             price_per_million_tokens: settings.price_per_million_tokens,
+            sessions: settings.sessions,
             admission: OnceLock::new(),
             round_robin,
+            session_table,
         }
     }
 
@@ -454,15 +563,161 @@ impl Pool {
 
     /// The backend for the next attempt: a usable one (not unhealthy, not ejected) that is
     /// not in `tried`, chosen by the pool's balancing.
+    /// A request of a session ([`Demand::session`]) goes to the session's backend while the
+    /// pool's [`SessionAffinity`] allows, and binds the session to wherever it goes.
     pub fn select(&self, tried: &[SocketAddr], demand: &Demand) -> Option<Selected> {
-        let index = match &self.balancing {
-            Balancing::RoundRobin => self.select_round_robin(tried),
-            Balancing::KvAware { .. } => self.select_kv_aware(tried, demand),
-        }?;
+        let session = demand.session.zip(self.session_table.as_ref());
+        let kept = session.and_then(|(key, table)| {
+            let index = table.get(key)?;
+            self.session_stays(index, tried, demand).then_some(index)
+        });
+        let index = match kept {
+            Some(index) => index,
+            None => match &self.balancing {
+                Balancing::RoundRobin => self.select_round_robin(tried),
+                Balancing::KvAware { .. } => self.select_kv_aware(tried, demand),
+                Balancing::Ttft(ttft) => self.select_ttft(tried, demand, ttft),
+            }?,
+        };
+        if let Some((key, table)) = session {
+            table.bind(key, index);
+        }
+        let live = self.live.get(index)?;
+        let predicted_ttft = (demand.prompt_tokens > 0).then(|| {
+            let cached = if self.prefix_home(tried, demand) == Some(index) {
+                self.cached_tokens(demand)
+            } else {
+                0
+            };
+            live.predicted_ttft(demand.prompt_tokens, cached, &self.health)
+        });
         Some(Selected {
             addr: self.backends.get(index)?.resolved,
-            live: Arc::clone(self.live.get(index)?),
+            live: Arc::clone(live),
+            predicted_ttft,
         })
+    }
+
+    /// The session key of a request that names its session in the pool's session header;
+    /// `None` when the pool has no session affinity or the request names none. Hashed with
+    /// a per-process key: client-chosen ids cannot aim at one another's slots.
+    pub fn session_key(&self, header: &pingora_http::RequestHeader) -> Option<u64> {
+        static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+        let name = &self.sessions.as_ref()?.header;
+        let value = header.headers.get(name.as_str())?.as_bytes();
+        (!value.is_empty()).then(|| KEY.hash_one(value))
+    }
+
+    /// Whether a session bound to backend `index` stays there for this request.
+    fn session_stays(&self, index: usize, tried: &[SocketAddr], demand: &Demand) -> bool {
+        let (Some(sessions), Some(live)) = (&self.sessions, self.live.get(index)) else {
+            return false;
+        };
+        if !self.candidate(index, tried) {
+            return false;
+        }
+        if sessions.mode == SessionMode::Hard {
+            return true;
+        }
+        let outlook = live.outlook(&self.health);
+        let full = outlook
+            .projected_kv_counting_stale(self.health.stale_as)
+            .is_some_and(|kv| kv >= SESSION_KV_LIMIT)
+            || outlook
+                .free_kv_tokens()
+                .is_some_and(|free| free < demand.tokens() as f64);
+        // Others' requests queued there, beyond what this proxy is still waiting on.
+        let queued = outlook.waiting > f64::from(live.accounting().prefilling);
+        let behind = live.predicted_ttft(0, 0, &self.health) > SESSION_MAX_WAIT;
+        !(full || queued || behind)
+    }
+
+    /// The backend prefix affinity prefers for `demand` among the usable ones not tried.
+    fn prefix_home(&self, tried: &[SocketAddr], demand: &Demand) -> Option<usize> {
+        self.balancing.prefix_affinity()?;
+        let key = demand.affinity?;
+        (0..self.backends.len())
+            .filter(|&i| self.candidate(i, tried))
+            .max_by_key(|&i| rendezvous(key, i))
+    }
+
+    /// The prompt tokens prefix affinity says the prefix's home probably has cached:
+    /// requests that share their first bytes mostly share a system prompt or a
+    /// conversation's history, taken as half the prompt, and at least the bytes hashed.
+    fn cached_tokens(&self, demand: &Demand) -> u64 {
+        let hashed = self.balancing.prefix_affinity().unwrap_or(0) as u64 / 4;
+        hashed
+            .max(demand.prompt_tokens / 2)
+            .min(demand.prompt_tokens)
+    }
+
+    /// The usable backend, not in `tried`, with the least predicted time to first token;
+    /// a random one for an `exploration` share of requests.
+    fn select_ttft(
+        &self,
+        tried: &[SocketAddr],
+        demand: &Demand,
+        ttft: &TtftBalancing,
+    ) -> Option<usize> {
+        let n = self.backends.len();
+        let count = (0..n).filter(|&i| self.candidate(i, tried)).count();
+        if count == 0 {
+            return None;
+        }
+        if count > 1 && ttft.exploration > 0.0 && fastrand::f64() < ttft.exploration {
+            return (0..n)
+                .filter(|&i| self.candidate(i, tried))
+                .nth(fastrand::usize(..count));
+        }
+        let home = self.prefix_home(tried, demand);
+        // From a random start, so that ties rotate rather than pile onto the first backend.
+        let start = fastrand::usize(..n);
+        let mut best: Option<(usize, f64)> = None;
+        for i in (0..n).map(|k| (start + k) % n) {
+            if !self.candidate(i, tried) {
+                continue;
+            }
+            let cost = self.ttft_cost(i, demand, home == Some(i));
+            if best.is_none_or(|(_, b)| cost < b) {
+                best = Some((i, cost));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// The predicted time to first token of `demand` on backend `index` (seconds), with the
+    /// prefix cache credited when it is the prefix's home: so the home keeps the request
+    /// only while the wait it adds is less than the prefill the cache saves. A backend whose
+    /// KV cache cannot take the request also waits for room.
+    fn ttft_cost(&self, index: usize, demand: &Demand, home: bool) -> f64 {
+        let Some(live) = self.live.get(index) else {
+            return f64::MAX;
+        };
+        let cached = if home { self.cached_tokens(demand) } else { 0 };
+        let mut cost = live.predicted_ttft(demand.prompt_tokens, cached, &self.health);
+        let outlook = live.outlook(&self.health);
+        let full = outlook
+            .projected_kv_counting_stale(self.health.stale_as)
+            .is_some_and(|kv| kv >= 1.0)
+            || outlook
+                .free_kv_tokens()
+                .is_some_and(|free| free < demand.tokens() as f64);
+        if full {
+            cost += KV_FULL_WAIT;
+        }
+        cost
+    }
+
+    /// The time to first token a [`REFERENCE_PROMPT_TOKENS`] prompt may expect on backend
+    /// `index` now, in seconds (`/status` and the metrics).
+    pub fn reference_ttft(&self, index: usize) -> Option<f64> {
+        let live = self.live.get(index)?;
+        Some(live.predicted_ttft(REFERENCE_PROMPT_TOKENS, 0, &self.health))
+    }
+
+    /// Sessions remembered now (bounded by [`SessionAffinity::capacity`]).
+    pub fn sessions_remembered(&self) -> usize {
+        self.session_table.as_ref().map_or(0, SessionTable::len)
     }
 
     fn candidate(&self, index: usize, tried: &[SocketAddr]) -> bool {
@@ -633,6 +888,105 @@ fn rendezvous(key: u64, index: usize) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Sessions and their backends: a fixed table of atomic slots, two per session (2-way set
+/// associative), so it never grows whatever ids clients send, and neither lookup nor
+/// binding takes a lock. A new session takes an empty or expired slot of its two, else the
+/// one seen longest ago; a session whose slots were taken is just balanced afresh.
+///
+/// A slot packs, in one `u64`: 24 bits of the session's hash (a tag), the backend's index
+/// + 1 (12 bits; 0: empty) and when it was last seen (28 bits of seconds, wrapping).
+struct SessionTable {
+    slots: Box<[AtomicU64]>,
+    idle_ttl_secs: u64,
+}
+
+const SESSION_INDEX_BITS: u32 = 12;
+const SESSION_TIME_BITS: u32 = 28;
+const SESSION_TIME_MASK: u64 = (1 << SESSION_TIME_BITS) - 1;
+
+impl SessionTable {
+    fn new(capacity: usize, idle_ttl: Duration) -> Self {
+        let len = capacity.clamp(2, 1 << 24).next_multiple_of(2);
+        Self {
+            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            idle_ttl_secs: idle_ttl.as_secs().max(1),
+        }
+    }
+
+    fn now() -> u64 {
+        static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+        EPOCH.elapsed().as_secs() & SESSION_TIME_MASK
+    }
+
+    fn tag(key: u64) -> u64 {
+        key >> 40
+    }
+
+    /// The two slots of `key`.
+    fn pair(&self, key: u64) -> [usize; 2] {
+        let first = (key as usize % self.slots.len()) & !1;
+        [first, first + 1]
+    }
+
+    /// The slot's backend, when it holds `tag` and has not expired at `now`.
+    fn live_index(&self, entry: u64, tag: Option<u64>, now: u64) -> Option<usize> {
+        let index = (entry >> SESSION_TIME_BITS) & ((1 << SESSION_INDEX_BITS) - 1);
+        let seen = entry & SESSION_TIME_MASK;
+        let idle = now.wrapping_sub(seen) & SESSION_TIME_MASK;
+        let matches = tag.is_none_or(|t| entry >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == t);
+        (index > 0 && matches && idle <= self.idle_ttl_secs).then(|| index as usize - 1)
+    }
+
+    fn get(&self, key: u64) -> Option<usize> {
+        let (tag, now) = (Self::tag(key), Self::now());
+        self.pair(key).into_iter().find_map(|slot| {
+            let entry = self.slots.get(slot)?.load(Relaxed);
+            self.live_index(entry, Some(tag), now)
+        })
+    }
+
+    fn bind(&self, key: u64, index: usize) {
+        if index + 1 >= 1 << SESSION_INDEX_BITS {
+            return; // Beyond what a slot can name: such a pool is balanced without sessions.
+        }
+        let (tag, now) = (Self::tag(key), Self::now());
+        let entry = tag << (SESSION_TIME_BITS + SESSION_INDEX_BITS)
+            | ((index as u64 + 1) << SESSION_TIME_BITS)
+            | now;
+        let [a, b] = self.pair(key);
+        let (Some(sa), Some(sb)) = (self.slots.get(a), self.slots.get(b)) else {
+            return;
+        };
+        let (ea, eb) = (sa.load(Relaxed), sb.load(Relaxed));
+        let mine = |e: u64| e >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == tag && e != 0;
+        let free = |e: u64| self.live_index(e, None, now).is_none();
+        let age = |e: u64| now.wrapping_sub(e & SESSION_TIME_MASK) & SESSION_TIME_MASK;
+        let slot = if mine(ea) {
+            sa
+        } else if mine(eb) {
+            sb
+        } else if free(ea) {
+            sa
+        } else if free(eb) || age(eb) > age(ea) {
+            sb
+        } else {
+            sa
+        };
+        // Skipped when nothing changed, so a busy session does not keep writing one line.
+        if slot.load(Relaxed) != entry {
+            slot.store(entry, Relaxed);
+        }
+    }
+
+    fn len(&self) -> usize {
+        let now = Self::now();
+        self.slots
+            .iter()
+            .filter(|s| self.live_index(s.load(Relaxed), None, now).is_some())
+            .count()
+    }
+}
+
 /// Polls a future that is known to be ready at once (static discovery), without a runtime.
 fn futures_lite_poll<F: std::future::Future>(fut: F) -> Option<F::Output> {
     use std::task::{Context, Poll, Waker};
@@ -730,6 +1084,7 @@ mod tests {
             Balancing::KvAware {
                 prefix_affinity: None,
             },
+            Balancing::Ttft(TtftBalancing::default()),
         ] {
             let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], balancing);
             let policy = HealthPolicy {
@@ -769,6 +1124,7 @@ mod tests {
             output_tokens: 500,
             affinity: None,
             sequences: 1,
+            session: None,
         };
         let mut guards = Vec::new();
         let mut counts = [0usize; 3];
@@ -800,12 +1156,14 @@ mod tests {
             output_tokens: 100,
             affinity: None,
             sequences: 1,
+            session: None,
         };
         let big = Demand {
             prompt_tokens: 30_000,
             output_tokens: 5_000,
             affinity: None,
             sequences: 1,
+            session: None,
         };
         assert_eq!(pool.select(&[], &small).unwrap().addr.port(), 1);
         assert_eq!(pool.select(&[], &big).unwrap().addr.port(), 2);
@@ -827,6 +1185,7 @@ mod tests {
             output_tokens: 10,
             affinity: Some(42),
             sequences: 1,
+            session: None,
         };
         let home = pool.select(&[], &demand).unwrap().addr;
         for _ in 0..20 {
@@ -837,6 +1196,192 @@ mod tests {
         for _ in 0..20 {
             assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
         }
+    }
+
+    fn ttft(prefix_affinity: Option<usize>) -> Balancing {
+        Balancing::Ttft(TtftBalancing {
+            prefix_affinity,
+            prefill_tokens_per_second: 1_000.0,
+            exploration: 0.0,
+        })
+    }
+
+    fn prompt(tokens: u64, affinity: Option<u64>) -> Demand {
+        Demand {
+            prompt_tokens: tokens,
+            output_tokens: 10,
+            affinity,
+            sequences: 1,
+            session: None,
+        }
+    }
+
+    #[test]
+    fn ttft_avoids_a_backend_busy_prefilling() {
+        let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], ttft(None));
+        let busy = pool.live[1].begin_request(20_000, 16_000);
+        let mut queued = pool.live[2].begin_request(5_000, 3_000);
+        for _ in 0..20 {
+            let s = pool.select(&[], &prompt(100, None)).unwrap();
+            assert_eq!(s.addr.port(), 1);
+            assert!((s.predicted_ttft.unwrap() - 0.1).abs() < 1e-9);
+        }
+        // Once its prefill is over, the third is as good as the first: ties rotate.
+        queued.first_byte(false); // Not a first token: nothing learned of its speed.
+        drop(queued);
+        let ports: BTreeSet<u16> = (0..40)
+            .map(|_| pool.select(&[], &prompt(100, None)).unwrap().addr.port())
+            .collect();
+        assert!(ports.contains(&1) && ports.contains(&3), "{ports:?}");
+        assert_eq!(
+            pool.select(&[spec(1, 1).resolved], &prompt(100, None))
+                .unwrap()
+                .addr
+                .port(),
+            3,
+            "tried backends are left out"
+        );
+        drop(busy);
+    }
+
+    #[test]
+    fn ttft_explores_a_share_of_requests() {
+        let pool = pool(
+            vec![spec(1, 1), spec(2, 1)],
+            Balancing::Ttft(TtftBalancing {
+                exploration: 0.5,
+                ..TtftBalancing::default()
+            }),
+        );
+        let _busy = pool.live[1].begin_request(200_000, 100_000);
+        let to_busy = (0..200)
+            .filter(|_| pool.select(&[], &prompt(100, None)).unwrap().addr.port() == 2)
+            .count();
+        // Half the requests explore, and half of those draw the busy backend.
+        assert!((20..=90).contains(&to_busy), "{to_busy}");
+        let none = pool.live[0].speed_samples();
+        assert_eq!(none, 0);
+    }
+
+    #[test]
+    fn ttft_keeps_prefix_affinity_while_the_cache_saves_more_than_the_wait() {
+        let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], ttft(Some(256)));
+        let shared = prompt(2_000, Some(7));
+        let home = pool.select(&[], &shared).unwrap().addr;
+        for _ in 0..10 {
+            assert_eq!(
+                pool.select(&[], &shared).unwrap().addr,
+                home,
+                "idle: sticky"
+            );
+        }
+        let home_index = pool.index_of(home).unwrap();
+        // 500 tokens ahead cost 0.5 s, less than the 1,000 cached tokens save: it stays.
+        let small = pool.live[home_index].begin_request(600, 500);
+        assert_eq!(pool.select(&[], &shared).unwrap().addr, home);
+        // 5,000 ahead cost more than the cache saves: it goes elsewhere.
+        let long = pool.live[home_index].begin_request(6_000, 5_000);
+        for _ in 0..10 {
+            assert_ne!(pool.select(&[], &shared).unwrap().addr, home);
+        }
+        drop((small, long));
+        assert_eq!(pool.select(&[], &shared).unwrap().addr, home, "back home");
+    }
+
+    #[test]
+    fn ttft_sends_nothing_where_the_kv_cache_is_full() {
+        let pool = pool(vec![spec(1, 1), spec(2, 1)], ttft(None));
+        pool.live[0].publish_load(load(0.999, 0.0));
+        pool.live[1].publish_load(load(0.1, 0.0));
+        let _backlog = pool.live[1].begin_request(2_000, 1_000); // 1 s of prefill
+        assert_eq!(pool.select(&[], &prompt(500, None)).unwrap().addr.port(), 2);
+    }
+
+    fn sessions(mode: SessionMode, capacity: usize) -> Pool {
+        Pool::new(PoolSettings {
+            balancing: ttft(None),
+            sessions: Some(SessionAffinity {
+                header: "x-session-id".into(),
+                mode,
+                idle_ttl: Duration::from_secs(600),
+                capacity,
+            }),
+            ..PoolSettings::new(
+                "p",
+                vec!["m".into()],
+                vec![spec(1, 1), spec(2, 1), spec(3, 1)],
+            )
+        })
+    }
+
+    fn in_session(pool: &Pool, id: &str) -> Demand {
+        let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
+        header.insert_header("x-session-id", id).unwrap();
+        Demand {
+            session: pool.session_key(&header),
+            ..prompt(100, None)
+        }
+    }
+
+    #[test]
+    fn a_session_stays_on_its_backend() {
+        for mode in [SessionMode::Soft, SessionMode::Hard] {
+            let pool = sessions(mode, 1_024);
+            let demand = in_session(&pool, "conversation-1");
+            assert!(demand.session.is_some());
+            let home = pool.select(&[], &demand).unwrap().addr;
+            let home_index = pool.index_of(home).unwrap();
+            // Its backend gets busier than the others, but not overloaded: it stays.
+            let _a = pool.live[home_index].begin_request(400, 300);
+            for _ in 0..10 {
+                assert_eq!(pool.select(&[], &demand).unwrap().addr, home, "{mode:?}");
+            }
+            // Not when it is tried already, or unusable.
+            assert_ne!(pool.select(&[home], &demand).unwrap().addr, home);
+            assert_eq!(pool.sessions_remembered(), 1);
+        }
+        let pool = sessions(SessionMode::Soft, 1_024);
+        let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
+        assert_eq!(pool.session_key(&header), None, "no header: no session");
+        header.insert_header("x-session-id", "").unwrap();
+        assert_eq!(pool.session_key(&header), None);
+    }
+
+    #[test]
+    fn a_soft_session_leaves_an_overloaded_backend_and_a_hard_one_does_not() {
+        for (mode, stays) in [(SessionMode::Soft, false), (SessionMode::Hard, true)] {
+            let pool = sessions(mode, 1_024);
+            let demand = in_session(&pool, "conversation-2");
+            let home = pool.select(&[], &demand).unwrap().addr;
+            let home_index = pool.index_of(home).unwrap();
+            // Five seconds of prefill queued ahead.
+            let _backlog = pool.live[home_index].begin_request(6_000, 5_000);
+            let next = pool.select(&[], &demand).unwrap().addr;
+            assert_eq!(next == home, stays, "{mode:?}");
+            // A soft session moved with the request: it stays where it went.
+            assert_eq!(pool.select(&[], &demand).unwrap().addr, next, "{mode:?}");
+            // A full KV cache is overload too.
+            let pool = sessions(mode, 1_024);
+            let home = pool.select(&[], &demand).unwrap().addr;
+            let home_index = pool.index_of(home).unwrap();
+            pool.live[home_index].publish_load(load(0.97, 0.0));
+            assert_eq!(pool.select(&[], &demand).unwrap().addr == home, stays);
+        }
+    }
+
+    #[test]
+    fn the_session_table_is_bounded() {
+        let pool = sessions(SessionMode::Hard, 64);
+        for i in 0..10_000 {
+            let demand = in_session(&pool, &format!("client-chosen-{i}"));
+            pool.select(&[], &demand).unwrap();
+        }
+        assert!(pool.sessions_remembered() <= 64);
+        // The latest sessions are still remembered (each evicts only older ones).
+        let demand = in_session(&pool, "client-chosen-9999");
+        let home = pool.select(&[], &demand).unwrap().addr;
+        let _busy = pool.live[pool.index_of(home).unwrap()].begin_request(60_000, 50_000);
+        assert_eq!(pool.select(&[], &demand).unwrap().addr, home);
     }
 
     #[test]
@@ -921,6 +1466,7 @@ mod tests {
             output_tokens: 10,
             affinity: None,
             sequences: 1,
+            session: None,
         };
         // Saturated: the stale backend looks full, so the fresh one, 60 % used, wins.
         let pool = pool_with_a_stale_backend(0.6, StaleAs::Saturated);

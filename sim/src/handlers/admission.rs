@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::errors;
-use super::generation::{sleep, Generation};
+use super::generation::Generation;
 use crate::engine::{Admission, Refusal, Ticket};
 use crate::openai::ApiError;
 use crate::Shared;
@@ -34,7 +34,7 @@ pub async fn hold(
     }
     if preempted {
         let recomputed = u32::try_from(tokens).unwrap_or(u32::MAX);
-        sleep(generation.prefill_delay(recomputed)).await;
+        generation.prefill(recomputed).await;
     }
     Ok(())
 }

@@ -74,6 +74,21 @@ impl Generation {
         self.delay(latency.overhead.saturating_add(prefill))
     }
 
+    /// Prefills `tokens`: waits out [`Generation::prefill_delay`], after the prefills ahead
+    /// of it when the instance prefills one request at a time.
+    pub async fn prefill(&self, tokens: u32) {
+        let delay = self.prefill_delay(tokens);
+        if delay.is_zero() {
+            return;
+        }
+        let _turn = if self.shared.config.serial_prefill {
+            Some(self.shared.prefill_turn.lock().await)
+        } else {
+            None
+        };
+        tokio::time::sleep(delay).await;
+    }
+
     pub fn inter_token_delay(&self) -> Duration {
         self.delay(self.shared.config.latency.inter_token)
     }

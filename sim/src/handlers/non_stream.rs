@@ -41,7 +41,7 @@ async fn generate(
     let prompt_tokens = u64::from(answer.prompt_tokens());
     admission::hold(&mut ticket, prompt_tokens, generation).await?;
     generation.count_prompt(prompt_tokens);
-    sleep(generation.prefill_delay(answer.prompt_tokens())).await;
+    generation.prefill(answer.prompt_tokens()).await;
     if generation.is_zero_latency() {
         let all = u64::from(answer.completion_tokens());
         admission::hold(&mut ticket, prompt_tokens + all, generation).await?;

@@ -132,9 +132,11 @@ async fn run(
         return;
     }
     generation.count_prompt(prompt_tokens);
-    if let Flow::Stop = events
-        .sleep(generation.prefill_delay(answer.prompt_tokens()))
+    // A client that leaves stops the prefill, and gives up its turn when prefills are serial.
+    if events
+        .unless_client_gone(generation.prefill(answer.prompt_tokens()))
         .await
+        .is_none()
     {
         return;
     }
