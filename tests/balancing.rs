@@ -276,3 +276,83 @@ async fn prefix_affinity_is_kept_when_idle_and_broken_under_load() {
     assert_eq!(r.status, 200);
     assert_eq!(upstream_calls(home), 6);
 }
+
+/// A conversation's `x-session-id` keeps it on one backend: round robin alone would take
+/// turns; a soft session moves off a backend busy prefilling a long prompt, a hard one stays.
+#[tokio::test]
+async fn a_session_stays_on_its_backend_softly_or_always() {
+    let a = serial_sim(Duration::from_micros(250)).await;
+    let b = serial_sim(Duration::from_micros(250)).await;
+    let sims = [a.addr(), b.addr()];
+    let session = |id: &str| [("x-session-id", id.to_string())];
+    let served =
+        |before: (u64, u64)| (upstream_calls(&a) - before.0, upstream_calls(&b) - before.1);
+
+    let rr = proxy(
+        &sims,
+        json!({"strategy": "round_robin", "session_affinity": "soft"}),
+    )
+    .await;
+    let before = (upstream_calls(&a), upstream_calls(&b));
+    for i in 0..6 {
+        let h = session("conversation-1");
+        let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let r = rr.ask(&prompt(&format!("turn {i} "), 20, false), &h).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let (on_a, on_b) = served(before);
+    assert!(
+        (on_a, on_b) == (6, 0) || (on_a, on_b) == (0, 6),
+        "a session was split: {on_a} + {on_b}"
+    );
+    let before = (upstream_calls(&a), upstream_calls(&b));
+    for i in 0..6 {
+        rr.ask(&prompt(&format!("no session {i} "), 20, false), &[])
+            .await;
+    }
+    assert_eq!(
+        served(before),
+        (3, 3),
+        "without a session, round robin takes turns"
+    );
+    drop(rr);
+
+    // The session's backend busy with a long prefill (1.5 s at the simulators' 4,000 tokens a
+    // second, which the balancer is told): soft moves, hard stays.
+    for (mode, stays) in [("soft", false), ("hard", true)] {
+        let proxy = proxy(
+            &sims,
+            ttft(json!({"session_affinity": mode, "prefill_tokens_per_second": 4000})),
+        )
+        .await;
+        let id = format!("conversation-{mode}");
+        let h: Vec<(&str, &str)> = vec![("x-session-id", id.as_str())];
+        let a_before = upstream_calls(&a);
+        proxy.ask(&prompt("first ", 20, false), &h).await;
+        let home_is_a = upstream_calls(&a) > a_before;
+        let home = if home_is_a { &a } else { &b };
+        // The long prompt goes to the session's own backend: it is the same session.
+        let home_before = upstream_calls(home);
+        let long = {
+            let (url, body) = (proxy.url("/v1/chat/completions"), prompt("", 6_000, true));
+            let id = id.clone();
+            tokio::spawn(
+                async move { ask_url(&url, &body, &[("x-session-id", id.as_str())]).await },
+            )
+        };
+        let busy = wait_for(Duration::from_secs(5), || async {
+            upstream_calls(home) > home_before
+        })
+        .await;
+        assert!(
+            busy.is_some(),
+            "{mode}: the long prompt never reached the session's backend"
+        );
+        let before = upstream_calls(home);
+        let r = proxy.ask(&prompt("next turn ", 20, false), &h).await;
+        assert_eq!(r.status, 200);
+        let stayed = upstream_calls(home) > before;
+        assert_eq!(stayed, stays, "{mode} session");
+        let _ = long.await;
+    }
+}

@@ -50,6 +50,9 @@ pub async fn serve(
         .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
+    // A conversation's session id, when its pool keeps sessions on one backend.
+    let mut call = call;
+    call.demand.session = pool.session_key(session.req_header());
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
