@@ -84,22 +84,6 @@ fn cache_keys(port: u16) -> usize {
         .count()
 }
 
-/// Waits for `child` to exit (successfully); returns how long it took, or panics after
-/// `limit`.
-async fn exits_within(child: &mut std::process::Child, limit: Duration) -> Duration {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "exit status {status}");
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < limit,
-            "still running {limit:?} after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 /// `n` different deterministic prompts at once; every answer must be a 200 cache miss (so
 /// each one is written back to the store).

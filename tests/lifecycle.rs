@@ -113,21 +113,6 @@ async fn stream_through_sigterm(
     (String::from_utf8(body).unwrap(), signalled.elapsed(), child)
 }
 
-/// Waits for `child` to exit; returns how long it took, or panics after `limit`.
-async fn exits_within(child: &mut std::process::Child, limit: Duration) -> Duration {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "exit status {status}");
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < limit,
-            "still running {limit:?} after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_to_an_idle_proxy_exits_at_once_not_after_the_grace_period() {

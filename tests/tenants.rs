@@ -57,6 +57,15 @@ fn merge(base: &mut Value, extra: Value) {
     }
 }
 
+/// A proxy with one pool on `upstream` and the tenants plugin, `extra` merged into its section.
+async fn tenants_proxy(upstream: &vllm_sim::Sim, extra: Value) -> Proxy {
+    Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(extra)},
+    }))
+    .await
+}
+
 async fn ask(proxy: &Proxy, body: &Value, headers: &[(&str, String)]) -> Answer {
     let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     proxy.ask(body, &headers).await
@@ -72,11 +81,7 @@ fn error_body(answer: &Answer) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_needs_a_tenants_key_and_the_key_never_reaches_a_backend() {
     let upstream = sim().await;
-    let proxy = Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"tenants": tenants(json!({}))},
-    }))
-    .await;
+    let proxy = tenants_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, "hi", false);
 
     for (headers, what) in [
@@ -279,11 +284,11 @@ async fn a_tenant_gets_only_what_its_policy_allows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_sixth_request_in_a_minute_gets_429_with_the_rate_limit_headers() {
     let upstream = sim().await;
-    let proxy = Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"tenants": tenants(json!({
-            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}))},
-    }))
+    let proxy = tenants_proxy(
+        &upstream,
+        json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}),
+    )
     .await;
     let alpha = [bearer(ALPHA_KEY)];
     for i in 0..5 {
@@ -334,11 +339,11 @@ async fn token_limits_are_corrected_from_the_answers_usage_streams_included() {
     )
     .await
     .unwrap();
-    let proxy = Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"tenants": tenants(json!({
-            "tenants": {"beta": {"limits": {"output_tokens_per_minute": 100}}}}))},
-    }))
+    let proxy = tenants_proxy(
+        &upstream,
+        json!({
+            "tenants": {"beta": {"limits": {"output_tokens_per_minute": 100}}}}),
+    )
     .await;
     let beta = [bearer(BETA_KEY)];
     for (i, stream) in [false, true, false, true].into_iter().enumerate() {
@@ -388,11 +393,11 @@ async fn token_limits_are_corrected_from_the_answers_usage_streams_included() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_each_tenants_limits_and_use() {
     let upstream = sim().await;
-    let proxy = Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"tenants": tenants(json!({
-            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}))},
-    }))
+    let proxy = tenants_proxy(
+        &upstream,
+        json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}}}),
+    )
     .await;
     for _ in 0..2 {
         assert_eq!(
@@ -499,11 +504,11 @@ fn hash_key_prints_the_digest_the_config_takes() {
 async fn keys_from_redis_are_added_and_revoked_without_a_reload() {
     let upstream = sim().await;
     let redis = RedisServer::start();
-    let proxy = Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"tenants": tenants(json!({
-            "keys_from_redis": {"url": redis.url(), "refresh": "100ms"}}))},
-    }))
+    let proxy = tenants_proxy(
+        &upstream,
+        json!({
+            "keys_from_redis": {"url": redis.url(), "refresh": "100ms"}}),
+    )
     .await;
     let gamma_key = "sk-gamma-from-redis";
     let request = chat(MODEL, "hi", false);

@@ -29,7 +29,7 @@ pub use llm::{
     upstream_calls, wait_for, Answer,
 };
 pub use ports::{free_port, reserve_port, ReservedPort};
-pub use proxy::{metric_value, signal, Proxy};
+pub use proxy::{exits_within, metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
 pub use scripted::{Received, Script, Scripted};
 

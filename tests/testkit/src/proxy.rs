@@ -267,6 +267,22 @@ fn binary() -> PathBuf {
         .expect("CARGO_BIN_EXE_sluice: run the tests with `cargo test`")
 }
 
+/// Waits for `child` to exit successfully; returns how long it took, or panics after `limit`.
+pub async fn exits_within(child: &mut Child, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("the child's status") {
+            assert!(status.success(), "exit status {status}");
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "still running {limit:?} after the signal"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Sends a signal (`TERM`, `QUIT`, ...) to a process.
 pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
