@@ -117,6 +117,7 @@ mod tests {
             path_prefix: prefix.into(),
             host: host.map(str::to_string),
             pool,
+            headers: Arc::default(),
         }
     }
 

@@ -133,6 +133,9 @@ pub struct SimConfig {
     /// backlog of long prompts delays the next request's first token. Off by default, so
     /// prefills overlap and other tests keep their timing.
     pub serial_prefill: bool,
+    /// vLLM's `--api-key`: every `/v1` request must carry `Authorization: Bearer <key>`, else
+    /// 401 `{"error": "Unauthorized"}`, as vLLM answers. `/health` and `/metrics` stay open.
+    pub api_key: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -165,6 +168,7 @@ impl SimConfig {
             max_body_bytes: 64 << 20,
             faults: Faults::default(),
             serial_prefill: false,
+            api_key: None,
         };
         match profile {
             Profile::Zero => base,
@@ -272,6 +276,11 @@ impl SimConfig {
         self.max_answer_tokens = max.max(self.min_answer_tokens);
         self
     }
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+
     pub fn with_record_requests(mut self, count: usize) -> Self {
         self.record_requests = count;
         self

@@ -53,6 +53,9 @@ struct Args {
     metrics: MetricsArg,
     #[arg(long, value_enum, default_value = "new")]
     error_shape: ShapeArg,
+    /// vLLM's `--api-key`: `/v1` requests must carry `Authorization: Bearer <key>`.
+    #[arg(long)]
+    api_key: Option<String>,
     /// No latency at all (overrides the profile's latency).
     #[arg(long)]
     zero_latency: bool,
@@ -130,6 +133,7 @@ fn config(args: &Args) -> Result<SimConfig, String> {
     };
     apply_latency(args, &mut config);
     apply_engine(args, &mut config);
+    config.api_key.clone_from(&args.api_key);
     apply_answers(args, &mut config);
     if let Some(faults) = &args.faults {
         config.faults =

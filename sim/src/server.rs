@@ -213,6 +213,9 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
     if shared.stats.wants_requests() {
         shared.stats.record(recorded(&parts, &body));
     }
+    if path.starts_with("/v1") && !authorized(&shared, &parts) {
+        return json(401, &br#"{"error":"Unauthorized"}"#[..]);
+    }
     match (&parts.method, path) {
         (&Method::POST, "/v1/chat/completions") => {
             handlers::completion(&shared, Kind::Chat, body).await
@@ -239,6 +242,19 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         ) => json(405, &br#"{"detail":"Method Not Allowed"}"#[..]),
         _ => not_found(),
     }
+}
+
+/// Whether the request carries the instance's API key, when it has one (vLLM's `--api-key`).
+fn authorized(shared: &Shared, parts: &Parts) -> bool {
+    let Some(key) = &shared.config.api_key else {
+        return true;
+    };
+    parts
+        .headers
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        == Some(key.as_str())
 }
 
 pub fn not_found() -> HttpResponse {

@@ -2,6 +2,8 @@
 //! unknown keys. Nothing here is validated beyond types; `super::validate` does the rest.
 
 use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Debug, Deserialize)]
@@ -195,6 +197,51 @@ pub struct PoolFile {
     /// Dollars per million tokens, for the cost metrics and the tenants' budgets.
     #[serde(default)]
     pub price_per_million_tokens: f64,
+    #[serde(default)]
+    pub headers: HeaderRulesFile,
+    /// The credential the pool's backends demand (vLLM's `--api-key`).
+    #[serde(default)]
+    pub upstream_auth: Option<UpstreamAuthFile>,
+    /// Send the client's own API key headers upstream (off: removed).
+    #[serde(default)]
+    pub forward_client_key: bool,
+}
+
+/// nginx's `proxy_set_header`, `add_header` and `proxy_hide_header`, per direction.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeaderRulesFile {
+    pub request: RequestRulesFile,
+    pub response: ResponseRulesFile,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestRulesFile {
+    pub set: BTreeMap<String, String>,
+    pub remove: Vec<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponseRulesFile {
+    pub set: BTreeMap<String, String>,
+    pub hide: Vec<String>,
+}
+
+/// Where the pool's credential comes from: never the config file itself.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamAuthFile {
+    /// The header it is sent in; `authorization` (as `Bearer <secret>`) by default.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// An environment variable holding the secret.
+    #[serde(default)]
+    pub from_env: Option<String>,
+    /// A file holding the secret (surrounding whitespace is not part of it).
+    #[serde(default)]
+    pub from_file: Option<PathBuf>,
 }
 
 /// Retries in the pool on an upstream's 5xx or 429, within a retry budget.
@@ -434,6 +481,9 @@ pub struct RouteFile {
     #[serde(default)]
     pub host: Option<String>,
     pub pool: String,
+    /// Applied after the pool's.
+    #[serde(default)]
+    pub headers: HeaderRulesFile,
 }
 
 pub use sluice_sdk::duration::deserialize as duration;

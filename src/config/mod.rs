@@ -12,8 +12,8 @@ use pingora_core::server::configuration::ServerConf;
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
-    BackendSpec, Balancing, Capabilities, HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools,
-    RetryOn, RetryPolicy, StaleAs, Timeouts, TokensPerSecond,
+    BackendSpec, Balancing, Capabilities, HeaderRules, HealthPolicy, OutlierPolicy, Pool,
+    PoolSettings, Pools, RetryOn, RetryPolicy, StaleAs, Timeouts, TokensPerSecond, UpstreamAuth,
 };
 use sluice_sdk::{Host, MemoryBudget};
 use std::collections::HashSet;
@@ -119,6 +119,8 @@ pub struct RouteRule {
     pub path_prefix: String,
     pub host: Option<String>,
     pub pool: Arc<Pool>,
+    /// Applied after the pool's.
+    pub headers: Arc<HeaderRules>,
 }
 
 /// The largest request body limit accepted: bodies are held in memory whole.
@@ -521,10 +523,117 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             },
             retry: retry_policy(&p.retry, &format!("{key}.retry"))?,
             price_per_million_tokens: price(p.price_per_million_tokens, &key)?,
+            headers: header_rules(&p.headers, &format!("{key}.headers"))?,
+            upstream_auth: match &p.upstream_auth {
+                Some(auth) => Some(upstream_auth(auth, &format!("{key}.upstream_auth"))?),
+                None => None,
+            },
+            forward_client_key: p.forward_client_key,
             sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
         })));
     }
     Ok(Pools::new(pools))
+}
+
+/// Headers a rule may not touch: the message's framing and the hops are the proxy's.
+const UNRULED_HEADERS: [&str; 8] = [
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+fn ruled_header_name(key: &str, name: &str) -> Result<http::HeaderName, Invalid> {
+    let parsed = sluice_sdk::config::header_name(key, name)?;
+    if UNRULED_HEADERS.contains(&parsed.as_str()) {
+        return Err(Invalid::new(
+            key,
+            format!("`{name}` frames the message or the connection: the proxy sets it"),
+        ));
+    }
+    Ok(parsed)
+}
+
+fn header_pairs(
+    set: &std::collections::BTreeMap<String, String>,
+    key: &str,
+) -> Result<Vec<(http::HeaderName, http::HeaderValue)>, Invalid> {
+    set.iter()
+        .map(|(name, value)| {
+            let key = format!("{key}.{name}");
+            let name = ruled_header_name(&key, name)?;
+            let value = http::HeaderValue::from_str(value).map_err(|_| {
+                Invalid::new(
+                    &key,
+                    "is not a valid header value (visible ASCII, no line breaks)",
+                )
+            })?;
+            Ok((name, value))
+        })
+        .collect()
+}
+
+fn header_names(names: &[String], key: &str) -> Result<Vec<http::HeaderName>, Invalid> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| ruled_header_name(&format!("{key}[{i}]"), name))
+        .collect()
+}
+
+fn header_rules(h: &file::HeaderRulesFile, key: &str) -> Result<HeaderRules, Invalid> {
+    Ok(HeaderRules {
+        request_set: header_pairs(&h.request.set, &format!("{key}.request.set"))?,
+        request_remove: header_names(&h.request.remove, &format!("{key}.request.remove"))?,
+        response_set: header_pairs(&h.response.set, &format!("{key}.response.set"))?,
+        response_hide: header_names(&h.response.hide, &format!("{key}.response.hide"))?,
+    })
+}
+
+/// The pool's credential, read now from the environment or a file: a missing one is a
+/// config error (`sluice -t` says so), and the secret is never in an error or a log.
+fn upstream_auth(a: &file::UpstreamAuthFile, key: &str) -> Result<UpstreamAuth, Invalid> {
+    let secret = match (&a.from_env, &a.from_file) {
+        (Some(var), None) => std::env::var(var).map_err(|_| {
+            Invalid::new(
+                format!("{key}.from_env"),
+                format!("the environment variable `{var}` is not set (or not UTF-8)"),
+            )
+        })?,
+        (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
+            Invalid::new(
+                format!("{key}.from_file"),
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?,
+        _ => {
+            return Err(Invalid::new(
+                key,
+                "needs exactly one of from_env and from_file: the secret is never written in the config",
+            ))
+        }
+    };
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Err(Invalid::new(key, "the secret is empty"));
+    }
+    let header = match &a.header {
+        Some(name) => ruled_header_name(&format!("{key}.header"), name)?,
+        None => http::header::AUTHORIZATION,
+    };
+    let text = if header == http::header::AUTHORIZATION {
+        format!("Bearer {secret}")
+    } else {
+        secret.to_owned()
+    };
+    let mut value = http::HeaderValue::from_str(&text)
+        .map_err(|_| Invalid::new(key, "the secret is not a valid header value"))?;
+    value.set_sensitive(true);
+    Ok(UpstreamAuth { header, value })
 }
 
 fn price(dollars: f64, key: &str) -> Result<f64, Invalid> {
@@ -807,6 +916,7 @@ fn routes(raw: &FileConfig, pools: &Pools) -> Result<Vec<RouteRule>, Invalid> {
             path_prefix: r.path_prefix.clone(),
             host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
             pool: pool.clone(),
+            headers: Arc::new(header_rules(&r.headers, &format!("{key}.headers"))?),
         });
     }
     Ok(routes)

@@ -1580,3 +1580,50 @@ fn tenants_rules_are_enforced() {
         "",
     );
 }
+
+// ---- (b) refusals: header rules and upstream credentials ---------------------------------------
+
+#[test]
+fn header_rules_and_credentials_are_checked() {
+    let c = ok(&with_pool_key(
+        "headers",
+        "{request: {set: {x-team: llm}, remove: [x-debug]}, response: {set: {x-a: b}, hide: [server]}}",
+    ));
+    let pool = c.pools.iter().next().unwrap();
+    assert_eq!(pool.headers.request_set.len(), 1);
+    assert_eq!(pool.headers.response_hide[0].as_str(), "server");
+    assert!(
+        !pool.forward_client_key,
+        "client keys are removed by default"
+    );
+    refused(
+        &with_pool_key("headers", "{request: {set: {content-length: '5'}}}"),
+        "pools[0].headers.request.set.content-length",
+        "frames the message",
+    );
+    refused(
+        &with_pool_key("headers", "{response: {hide: ['bad name']}}"),
+        "pools[0].headers.response.hide[0]",
+        "is not a valid header name",
+    );
+    refused(
+        &with_pool_key("headers", "{request: {set: {x-a: \"line\\nbreak\"}}}"),
+        "pools[0].headers.request.set.x-a",
+        "not a valid header value",
+    );
+    refused(
+        &with_pool_key("upstream_auth", "{}"),
+        "pools[0].upstream_auth",
+        "exactly one of from_env and from_file",
+    );
+    refused(
+        &with_pool_key("upstream_auth", "{from_file: /nonexistent/sluice-key}"),
+        "pools[0].upstream_auth.from_file",
+        "cannot read /nonexistent/sluice-key",
+    );
+    refused(
+        &with_pool_key("upstream_auth", "{secret: s3cret}"),
+        "pools[0].upstream_auth.secret",
+        "unknown field",
+    );
+}

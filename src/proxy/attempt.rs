@@ -375,7 +375,7 @@ async fn start_answer(
     ctx: &mut RequestCtx,
     mut header: Box<ResponseHeader>,
 ) -> Result<(), Outcome> {
-    if let Err(e) = prepare_upstream_header(&sluice.chain, &mut header, ctx) {
+    if let Err(e) = prepare_upstream_header(&sluice.chain, &mut header, ctx, None) {
         return Err(Outcome::NotStarted(e));
     }
     session
@@ -618,7 +618,7 @@ pub async fn send_held(
     body: Bytes,
 ) -> Result<()> {
     frame_by_length(&mut header, body.len())?;
-    prepare_upstream_header(&sluice.chain, &mut header, ctx)?;
+    prepare_upstream_header(&sluice.chain, &mut header, ctx, None)?;
     write_whole(&sluice.chain, session, ctx, header, body).await
 }
 

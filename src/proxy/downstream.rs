@@ -21,7 +21,7 @@ use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::raw_json::{self, is_space};
 use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::usage::UsageScanner;
-use sluice_sdk::{headers, RequestCtx, Route};
+use sluice_sdk::{headers, HeaderRules, RequestCtx, Route};
 
 /// Turns an upstream's response header into the client's: hop-by-hop headers out, on LLM
 /// routes the pool (and the escalation) named, then the plugins' `response_header` hooks.
@@ -29,12 +29,14 @@ pub fn prepare_upstream_header(
     chain: &Chain,
     response: &mut ResponseHeader,
     ctx: &mut RequestCtx,
+    route: Option<&HeaderRules>,
 ) -> Result<()> {
     let status = response.status.as_u16();
     let progress = ctx.progress_mut();
     progress.upstream_status = Some(status);
     progress.status = Some(status);
     forwarding::strip_response(response);
+    forwarding::from_pool(response, ctx.pool().map(|p| &**p), route)?;
     let strip = is_event_stream(response) && usage_kept_from_client(ctx);
     if let Some(watch) = ctx.state.get_mut::<AnswerUsage>() {
         watch.strip = strip.then(SseEvents::default);

@@ -8,10 +8,16 @@
 //! - `X-Forwarded-For` and `Forwarded` tell the upstream who the client is: the peer's
 //!   address is appended to what a trusted proxy in front sent, and replaces what anyone else
 //!   sent (a client cannot plant an address the upstream would believe).
+//! - What the pool and the route say ([`to_pool`], [`from_pool`]), for both paths, here and
+//!   nowhere else: the client's own API key headers removed (a backend never sees a tenant's
+//!   key, unless the pool forwards them), the pool's credential added, then the pool's header
+//!   rules and the route's (nginx's `proxy_set_header`, `add_header`, `proxy_hide_header`).
 
 use ipnet::IpNet;
 use pingora_error::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
+use sluice_sdk::header_rules::CLIENT_KEY_HEADERS;
+use sluice_sdk::{HeaderRules, Pool};
 use std::net::IpAddr;
 
 use super::client::is_trusted;
@@ -36,6 +42,39 @@ fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
         .map(|name| name.trim().to_ascii_lowercase())
         .filter(|name| !name.is_empty())
         .collect()
+}
+
+/// What a request sent to `pool` (by `route`, for a plain route) carries: no client key unless
+/// the pool forwards it, the pool's credential, the pool's rules, the route's.
+pub fn to_pool(header: &mut RequestHeader, pool: &Pool, route: Option<&HeaderRules>) -> Result<()> {
+    if !pool.forward_client_key {
+        for name in CLIENT_KEY_HEADERS {
+            header.remove_header(name);
+        }
+    }
+    if let Some(auth) = &pool.upstream_auth {
+        header.insert_header(auth.header.clone(), auth.value.clone())?;
+    }
+    pool.headers.apply_to_request(header)?;
+    if let Some(route) = route {
+        route.apply_to_request(header)?;
+    }
+    Ok(())
+}
+
+/// What an answer from `pool` (by `route`) carries back: the pool's rules, then the route's.
+pub fn from_pool(
+    header: &mut ResponseHeader,
+    pool: Option<&Pool>,
+    route: Option<&HeaderRules>,
+) -> Result<()> {
+    if let Some(pool) = pool {
+        pool.headers.apply_to_response(header)?;
+    }
+    if let Some(route) = route {
+        route.apply_to_response(header)?;
+    }
+    Ok(())
 }
 
 /// Removes the hop-by-hop headers from an answer on its way to the client.

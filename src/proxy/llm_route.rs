@@ -214,6 +214,7 @@ impl AttemptLoop {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
+        forwarding::to_pool(&mut header, pool, None)?;
         sluice.chain.upstream_request(&mut header, ctx)?;
 
         let escalation = ctx.escalation();

@@ -54,7 +54,7 @@ use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use plain_route::PlainTries;
-use sluice_sdk::{ErrorReply, MemoryBudget, Pools, Reason, RequestCtx, Verdict};
+use sluice_sdk::{ErrorReply, HeaderRules, MemoryBudget, Pools, Reason, RequestCtx, Verdict};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -84,6 +84,8 @@ pub struct ProxyCtx {
     plain: PlainTries,
     /// The request's place under the in-flight caps, until it ends.
     slot: Option<Slot>,
+    /// A plain route's header rules, applied after its pool's.
+    route_headers: Option<Arc<HeaderRules>>,
     /// Plain routes: the request body's bytes so far, and when the request came.
     body_read: usize,
     body_deadline: Option<Instant>,
@@ -110,6 +112,9 @@ impl ProxyHttp for Sluice {
     async fn request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<bool> {
         let decision = self.router.route(session.req_header());
         ctx.req.set_route(decision.route());
+        if let Decision::Plain(rule) = &decision {
+            ctx.route_headers = Some(Arc::clone(&rule.headers));
+        }
         let ctx = &mut ctx.req;
         match decision {
             Decision::Llm(endpoint) => {
@@ -205,6 +210,9 @@ impl ProxyHttp for Sluice {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         forwarding::prepare_request(upstream_request, peer, &self.limits.trusted_proxies)?;
+        if let Some(pool) = ctx.req.pool() {
+            forwarding::to_pool(upstream_request, pool, ctx.route_headers.as_deref())?;
+        }
         self.chain.upstream_request(upstream_request, &mut ctx.req)
     }
 
@@ -221,7 +229,8 @@ impl ProxyHttp for Sluice {
         if response.status.is_server_error() && tries::back_pressure(response).is_none() {
             ctx.plain.judge(&ctx.req, Verdict::Failure);
         }
-        downstream::prepare_upstream_header(&self.chain, response, &mut ctx.req)
+        let route = ctx.route_headers.as_deref();
+        downstream::prepare_upstream_header(&self.chain, response, &mut ctx.req, route)
     }
 
     fn response_body_filter(

@@ -31,10 +31,12 @@ pub async fn local(
     response: Box<LocalResponse>,
 ) -> Result<()> {
     let LocalResponse {
-        header,
+        mut header,
         body,
         stream,
     } = *response;
+    // A cache hit stands for its pool's answer: the pool's response rules apply to it too.
+    super::forwarding::from_pool(&mut header, ctx.pool().map(|p| &**p), None)?;
     let Some(mut stream) = stream else {
         return write(chain, session, ctx, Box::new(header), body).await;
     };

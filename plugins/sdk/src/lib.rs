@@ -25,6 +25,7 @@ pub mod ctx;
 pub mod duration;
 pub mod error;
 pub mod escalation;
+pub mod header_rules;
 pub mod headers;
 pub mod health;
 pub mod llm;
@@ -40,10 +41,12 @@ pub mod sse;
 pub mod tenant;
 pub mod usage;
 
+pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;
 pub use ctx::{PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
+pub use header_rules::{HeaderRules, UpstreamAuth};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
@@ -54,7 +57,6 @@ pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
-pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};
 pub use usage::Usage;

@@ -4,6 +4,7 @@
 //! it reads each backend's live state (`crate::health`), then balances by KV-cache room or by
 //! Pingora's weighted round robin.
 
+use crate::header_rules::{HeaderRules, UpstreamAuth};
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
 use crate::llm::LlmCall;
 use crate::retry::{RetryBudget, RetryPolicy};
@@ -394,6 +395,12 @@ pub struct Pool {
     /// What a million tokens (prompt and completion alike) cost on this pool, in dollars:
     /// for the cost metrics and the tenants' budgets.
     pub price_per_million_tokens: f64,
+    /// What the pool changes in requests sent upstream and answers sent back.
+    pub headers: HeaderRules,
+    /// The credential its backends demand, sent with every request.
+    pub upstream_auth: Option<UpstreamAuth>,
+    /// Whether the client's own API key headers go upstream (off: removed).
+    pub forward_client_key: bool,
     /// The pool's retry budget, shared by its requests: the core deposits for each request sent to
     /// the pool and spends one for each retry.
     pub retry_budget: RetryBudget,
@@ -432,6 +439,12 @@ pub struct PoolSettings {
     pub retry: RetryPolicy,
     /// Dollars per million tokens.
     pub price_per_million_tokens: f64,
+    /// Header rules.
+    pub headers: HeaderRules,
+    /// The backends' credential.
+    pub upstream_auth: Option<UpstreamAuth>,
+    /// Send the client's API key headers upstream.
+    pub forward_client_key: bool,
     /// Session affinity; `None`: off.
     pub sessions: Option<SessionAffinity>,
 }
@@ -454,6 +467,9 @@ impl PoolSettings {
             supports: Capabilities::default(),
             retry: RetryPolicy::default(),
             price_per_million_tokens: 0.0,
+            headers: HeaderRules::default(),
+            upstream_auth: None,
+            forward_client_key: false,
             sessions: None,
         }
     }
@@ -516,6 +532,9 @@ impl Pool {
             retry_budget: RetryBudget::new(&settings.retry),
             retry: settings.retry,
             price_per_million_tokens: settings.price_per_million_tokens,
+            headers: settings.headers,
+            upstream_auth: settings.upstream_auth,
+            forward_client_key: settings.forward_client_key,
             sessions: settings.sessions,
             admission: OnceLock::new(),
             round_robin,

@@ -186,10 +186,6 @@ struct Caller(Arc<Entry>);
 /// The request's admission by the limits: its concurrency slot, its estimate, its headers.
 struct Held(Admitted);
 
-/// The headers a client may present its key in, removed before a request goes upstream:
-/// a backend never sees a tenant's key.
-const KEY_HEADERS: [&str; 3] = ["authorization", "x-api-key", "api-key"];
-
 impl Tenants {
     /// The tenant of a request, or the 401 it gets.
     async fn identify(&self, session: &Session) -> std::result::Result<Arc<Entry>, ErrorReply> {
@@ -336,7 +332,8 @@ impl Plugin for Tenants {
     }
 
     fn upstream_request(&self, request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
-        for name in KEY_HEADERS {
+        // The core removes them too unless a pool forwards them; a tenant's key never.
+        for name in sluice_sdk::header_rules::CLIENT_KEY_HEADERS {
             request.remove_header(name);
         }
         Ok(())
