@@ -35,14 +35,14 @@ async fn bench_harness_smoke_run() {
                 sc.id, m.contender, m.first_error
             );
         }
-        // Scenario 7 measures Sluice's own health checks, 10 a backend killed behind it and
-        // 11 its KV breaker's burst handling: nginx has none of them.
+        // Scenario 7 measures Sluice's own health checks, 10 a backend killed behind it, 11
+        // its KV breaker's burst handling and 12 its tenants plugin: nginx has none of them.
         let nginx = sc
             .measured
             .iter()
             .any(|m| m.contender == sluice_bench::Contender::Nginx);
         assert!(
-            nginx || [7, 10, 11].contains(&sc.id),
+            nginx || [7, 10, 11, 12].contains(&sc.id),
             "scenario {}: nginx did not run",
             sc.id
         );

@@ -42,8 +42,65 @@ fn cache_section(setup: &Setup) -> Option<String> {
         Setup::RedisHits(url) => Some(format!(
             "store: redis\nredis:\n  url: {url}\ntenant: {{anonymous: share}}"
         )),
-        Setup::Off | Setup::On => None,
+        Setup::Off | Setup::On | Setup::TenantsLocal(_) | Setup::TenantsRedis(..) => None,
     }
+}
+
+/// The API key every request of scenario 12 carries (`Authorization: Bearer`), and the one
+/// tenant that has it.
+pub const TENANT_KEY: &str = "sk-sluice-bench-tenant";
+pub const TENANT_NAME: &str = "bench";
+
+/// Scenario 12's tenant limits: every limit the `tenants` plugin has, each set so high that
+/// no request is ever refused, so every request runs the whole admission and settlement.
+/// `requests_per_minute` is a `u32`; the token limits may be at most 10^12
+/// (plugins/tenants/src/limits/config.rs).
+pub const TENANT_REQUESTS_PER_MINUTE: &str = "100000000";
+const TENANT_LIMITS: &str = "{requests_per_minute: 100000000, \
+     input_tokens_per_minute: 1000000000000, output_tokens_per_minute: 1000000000000, \
+     max_concurrent: 1000000}";
+
+/// The `sha256:<hex>` digest of `key`, as an operator writes it in the config: from the
+/// binary's own `sluice hash-key`, which reads the key on standard input.
+pub fn hash_key(sluice_bin: &Path, key: &str) -> Result<String> {
+    use std::io::Write as _;
+    let mut child = Command::new(sluice_bin)
+        .arg("hash-key")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {} hash-key", sluice_bin.display()))?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow!("no stdin"))?
+        .write_all(key.as_bytes())
+        .context("writing the key to sluice hash-key")?;
+    let out = child.wait_with_output().context("sluice hash-key")?;
+    let digest = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let hex = digest.strip_prefix("sha256:").unwrap_or("");
+    if !out.status.success() || hex.len() != 64 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+        bail!(
+            "sluice hash-key answered {digest:?} ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(digest)
+}
+
+/// The `tenants` section of scenario 12's contenders (every other plugin is off): one tenant
+/// with the key `digest` and [`TENANT_LIMITS`], counted in this process or in Redis at `redis`.
+fn tenants_section(digest: &str, redis: Option<&str>) -> String {
+    let store = match redis {
+        None => "{kind: local}".to_string(),
+        Some(url) => format!("{{kind: redis, redis: {{url: \"{url}\"}}}}"),
+    };
+    format!(
+        "  tenants:\n    enabled: true\n    tenants:\n      {TENANT_NAME}:\n        \
+         keys: [\"{digest}\"]\n        limits: {TENANT_LIMITS}\n    limits_store: {store}\n"
+    )
 }
 
 /// How a Sluice contender is configured.
@@ -57,6 +114,10 @@ pub enum Setup {
     MemoryHits,
     /// Plugins on, the cache with a Redis store at this URL.
     RedisHits(String),
+    /// Scenario 12: only `tenants` on, one tenant whose key has this digest, limits local.
+    TenantsLocal(String),
+    /// Scenario 12: the same, the limits in the Redis at this URL (digest, URL).
+    TenantsRedis(String, String),
 }
 
 impl Setup {
@@ -66,6 +127,8 @@ impl Setup {
             Setup::On => "sluice-on",
             Setup::MemoryHits => "sluice-memory-hits",
             Setup::RedisHits(_) => "sluice-redis-hits",
+            Setup::TenantsLocal(_) => "sluice-tenants-local",
+            Setup::TenantsRedis(..) => "sluice-tenants-redis",
         }
     }
 }
@@ -94,6 +157,10 @@ pub enum Contender {
     SluiceBreakerRefuses,
     /// Scenario 11: Sluice with the KV breaker's admission queue on.
     SluiceBreakerWaits,
+    /// Scenario 12: only the `tenants` plugin on, limits counted in the process.
+    SluiceTenantsLocal,
+    /// Scenario 12: only the `tenants` plugin on, limits shared through Redis.
+    SluiceTenantsRedis,
 }
 
 impl Contender {
@@ -135,6 +202,8 @@ impl Contender {
             Contender::SluiceBackendKilled => "sluice (one backend killed)",
             Contender::SluiceBreakerRefuses => "sluice (kv breaker, wait off)",
             Contender::SluiceBreakerWaits => "sluice (kv breaker, wait on)",
+            Contender::SluiceTenantsLocal => "sluice (tenants, local limits)",
+            Contender::SluiceTenantsRedis => "sluice (tenants, redis limits)",
         }
     }
 }
@@ -576,7 +645,7 @@ pub fn sluice_config(
     setup: &Setup,
     limits: Option<&EdgeLimits>,
 ) -> String {
-    let plugins_on = *setup != Setup::Off;
+    let plugins_on = matches!(setup, Setup::On | Setup::MemoryHits | Setup::RedisHits(_));
     let cache = cache_section(setup);
     let mut plugins = String::new();
     for (section, extra) in PLUGINS {
@@ -591,6 +660,13 @@ pub fn sluice_config(
                 plugins.push_str(&format!("    {line}\n"));
             }
         }
+    }
+    match setup {
+        Setup::TenantsLocal(digest) => plugins.push_str(&tenants_section(digest, None)),
+        Setup::TenantsRedis(digest, url) => {
+            plugins.push_str(&tenants_section(digest, Some(url)));
+        }
+        _ => {}
     }
     format!(
         "# Generated by sluice-bench.\n\
@@ -640,11 +716,23 @@ pub async fn start_sluice(
     setup: &Setup,
     limits: Option<&EdgeLimits>,
 ) -> Result<(Proc, SocketAddr)> {
+    let (proc, listen, _) = start_sluice_admin(bin, dir, upstream, setup, limits).await?;
+    Ok((proc, listen))
+}
+
+/// As [`start_sluice`]; also returns the admin listener's address (`/metrics`).
+pub async fn start_sluice_admin(
+    bin: &Path,
+    dir: &Path,
+    upstream: SocketAddr,
+    setup: &Setup,
+    limits: Option<&EdgeLimits>,
+) -> Result<(Proc, SocketAddr, SocketAddr)> {
     let name = setup.name();
     let (listen, admin) = (free_addr()?, free_addr()?);
     let yaml = sluice_config(dir, name, listen, admin, upstream, setup, limits);
     let proc = start_sluice_with(bin, dir, name, &yaml, &[listen, admin]).await?;
-    Ok((proc, listen))
+    Ok((proc, listen, admin))
 }
 
 /// Starts Sluice with `yaml` as `dir/NAME.yaml`, once it listens on `addrs`.
@@ -701,7 +789,7 @@ pub async fn start_fleet_sluice(
 /// its address.
 pub async fn start_redis(dir: &Path) -> Result<(Proc, SocketAddr)> {
     let addr = free_addr()?;
-    let rdir = dir.join("redis");
+    let rdir = dir.join(format!("redis-{}", addr.port()));
     std::fs::create_dir_all(&rdir).with_context(|| format!("creating {rdir:?}"))?;
     let mut cmd = Command::new("redis-server");
     cmd.args(["--port", &addr.port().to_string(), "--bind", "127.0.0.1"])

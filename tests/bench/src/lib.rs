@@ -14,6 +14,7 @@ pub mod report;
 pub mod resilience;
 pub mod scenarios;
 pub mod sse;
+pub mod tenants;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

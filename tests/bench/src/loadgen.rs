@@ -33,6 +33,8 @@ pub struct Target {
     /// A response header every answer must carry (e.g. `x-cache: HIT`); an answer without it
     /// counts as an error.
     pub expect_header: Option<(&'static str, &'static str)>,
+    /// Headers every request carries besides `host` and `content-type` (an API key).
+    pub headers: Vec<(header::HeaderName, header::HeaderValue)>,
 }
 
 /// A body split where a per-request counter goes: `prefix`, the number, `sep`, `suffix`.
@@ -57,6 +59,7 @@ impl Target {
             body,
             vary: None,
             expect_header: None,
+            headers: Vec::new(),
         }
     }
 
@@ -95,6 +98,12 @@ impl Target {
         self
     }
 
+    /// Every request carries `name: value` too.
+    pub fn with_header(mut self, name: header::HeaderName, value: header::HeaderValue) -> Target {
+        self.headers.push((name, value));
+        self
+    }
+
     fn body(&self) -> Bytes {
         let Some(v) = &self.vary else {
             return self.body.clone();
@@ -115,6 +124,9 @@ impl Target {
             .header(header::HOST, self.addr.to_string());
         if !self.body.is_empty() {
             req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        for (name, value) in &self.headers {
+            req = req.header(name, value);
         }
         req.body(Full::new(self.body()))
             .context("building the request")

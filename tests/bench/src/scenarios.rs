@@ -13,9 +13,9 @@ use bytes::Bytes;
 
 use crate::abuse::{raw_post, Attack, AttackSpec, AttackStats};
 use crate::contenders::{
-    children_of, free_addr, reset_peak_rss, start_bare_pingora, start_fleet_sluice, start_nginx,
-    start_redis, start_sluice, status_bytes, tree_usage, usage, Contender, EdgeLimits, Proc,
-    RunningSim, Setup, SimMode, SimSpec, MODEL,
+    children_of, free_addr, hash_key, reset_peak_rss, start_bare_pingora, start_fleet_sluice,
+    start_nginx, start_redis, start_sluice, start_sluice_admin, status_bytes, tree_usage, usage,
+    Contender, EdgeLimits, Proc, RunningSim, Setup, SimMode, SimSpec, MODEL, TENANT_KEY,
 };
 use crate::loadgen::{closed_loop, fetch, open_loop, send_one, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
@@ -59,6 +59,10 @@ pub const ALL: &[(u8, &str)] = &[
         11,
         "Burst over KV capacity: the breaker refusing at once against waiting in its queue",
     ),
+    (
+        12,
+        "Tenants plugin: its cost with local and Redis-shared limits against plugins off",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -74,6 +78,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         9 => large_bodies(ctx).await,
         10 => crate::resilience::killed_backend(ctx).await,
         11 => crate::resilience::burst(ctx).await,
+        12 => crate::tenants::tenants_cost(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -90,9 +95,25 @@ pub struct Up {
     pub contender: Contender,
     pub addr: SocketAddr,
     pub proc: Option<Proc>,
+    /// Sluice's admin listener (`/metrics`), for the scenarios that read it.
+    pub admin: Option<SocketAddr>,
+    /// A process of its own that works for this contender alone and whose CPU is shown beside
+    /// its own (the Redis of `SluiceTenantsRedis`).
+    pub helper: Option<u32>,
 }
 
 impl Up {
+    /// A contender with nothing but an address and maybe a process.
+    fn plain(contender: Contender, addr: SocketAddr, proc: Option<Proc>) -> Up {
+        Up {
+            contender,
+            addr,
+            proc,
+            admin: None,
+            helper: None,
+        }
+    }
+
     /// The pid whose resources count (the simulator's for `direct`).
     fn pid(&self, sim: &RunningSim) -> Option<u32> {
         match &self.proc {
@@ -119,8 +140,8 @@ pub struct Stack {
     pub up: Vec<Up>,
     /// Contenders that could not run, and why.
     pub down: Vec<(Contender, String)>,
-    /// The Redis behind `SluiceRedisHit`, if started.
-    _redis: Option<Proc>,
+    /// The Redis servers behind `SluiceRedisHit` and `SluiceTenantsRedis`, if started.
+    _redis: Vec<Proc>,
     dir: tempfile::TempDir,
 }
 
@@ -140,14 +161,12 @@ impl Stack {
         let sim = RunningSim::start(&ctx.sim, spec, dir.path()).await?;
         let mut up = Vec::new();
         let mut down = Vec::new();
-        let mut redis = None;
+        let mut redis = Vec::new();
+        // Scenario 12's tenant key digest, asked of the binary once.
+        let mut digest: Option<String> = None;
         for &c in want {
             match c {
-                Contender::Direct => up.push(Up {
-                    contender: c,
-                    addr: sim.addr,
-                    proc: None,
-                }),
+                Contender::Direct => up.push(Up::plain(c, sim.addr, None)),
                 Contender::SluiceOff | Contender::SluiceOn | Contender::SluiceMemoryHit => {
                     let setup = match c {
                         Contender::SluiceOff => Setup::Off,
@@ -156,10 +175,39 @@ impl Stack {
                     };
                     let (proc, addr) =
                         start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
+                    up.push(Up::plain(c, addr, Some(proc)));
+                }
+                Contender::SluiceTenantsLocal | Contender::SluiceTenantsRedis => {
+                    let key = match &digest {
+                        Some(d) => d.clone(),
+                        None => digest
+                            .insert(hash_key(&ctx.sluice_bin, TENANT_KEY)?)
+                            .clone(),
+                    };
+                    let mut helper = None;
+                    let setup = if c == Contender::SluiceTenantsLocal {
+                        Setup::TenantsLocal(key)
+                    } else {
+                        let (proc, redis_addr) = match start_redis(dir.path()).await {
+                            Ok(r) => r,
+                            Err(e) => {
+                                down.push((c, format!("redis-server: {e:#}")));
+                                continue;
+                            }
+                        };
+                        helper = proc.pid();
+                        redis.push(proc);
+                        Setup::TenantsRedis(key, format!("redis://{redis_addr}"))
+                    };
+                    let (proc, addr, admin) =
+                        start_sluice_admin(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits)
+                            .await?;
                     up.push(Up {
                         contender: c,
                         addr,
                         proc: Some(proc),
+                        admin: Some(admin),
+                        helper,
                     });
                 }
                 Contender::SluiceRedisHit => {
@@ -170,15 +218,11 @@ impl Stack {
                             continue;
                         }
                     };
-                    redis = Some(proc);
+                    redis.push(proc);
                     let setup = Setup::RedisHits(format!("redis://{redis_addr}"));
                     let (proc, addr) =
                         start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
-                    up.push(Up {
-                        contender: c,
-                        addr,
-                        proc: Some(proc),
-                    });
+                    up.push(Up::plain(c, addr, Some(proc)));
                 }
                 Contender::Nginx => {
                     let started = match &ctx.nginx {
@@ -188,11 +232,7 @@ impl Stack {
                         Err(e) => Err(e.clone()),
                     };
                     match started {
-                        Ok((proc, addr)) => up.push(Up {
-                            contender: c,
-                            addr,
-                            proc: Some(proc),
-                        }),
+                        Ok((proc, addr)) => up.push(Up::plain(c, addr, Some(proc))),
                         Err(e) if ctx.require_nginx => bail!("nginx: {e}"),
                         Err(e) => down.push((c, e)),
                     }
@@ -200,11 +240,7 @@ impl Stack {
                 Contender::BarePingora => match &ctx.sim {
                     SimMode::Process(exe) => {
                         let (proc, addr) = start_bare_pingora(exe, dir.path(), sim.addr).await?;
-                        up.push(Up {
-                            contender: c,
-                            addr,
-                            proc: Some(proc),
-                        });
+                        up.push(Up::plain(c, addr, Some(proc)));
                     }
                     SimMode::InProcess => down.push((
                         c,
@@ -234,7 +270,7 @@ impl Stack {
         self.dir.path()
     }
 
-    fn note_down(&self, report: &mut ScenarioReport) {
+    pub(crate) fn note_down(&self, report: &mut ScenarioReport) {
         for (c, why) in &self.down {
             report.notes.push(format!("{c} unavailable: {why}"));
         }
@@ -257,11 +293,13 @@ pub(crate) fn chat_body(content: &str, stream: bool, max_tokens: u32) -> Bytes {
 pub(crate) const CHAT: &str = "/v1/chat/completions";
 
 /// What closed-loop rounds measured, per contender and round.
-struct Rounds {
-    runs: BTreeMap<Contender, Vec<LoadResult>>,
+pub(crate) struct Rounds {
+    pub(crate) runs: BTreeMap<Contender, Vec<LoadResult>>,
     /// CPU time (user + system) per request of the contender's processes: the proxy's own,
     /// the simulator's for `direct`.
-    cpu_us: BTreeMap<Contender, Vec<f64>>,
+    pub(crate) cpu_us: BTreeMap<Contender, Vec<f64>>,
+    /// The same for the contender's helper process ([`Up::helper`]), when it has one.
+    pub(crate) helper_cpu_us: BTreeMap<Contender, Vec<f64>>,
 }
 
 /// Closed-loop rounds: every contender once per round, in order, `rounds` times.
@@ -272,25 +310,45 @@ async fn closed_rounds(
     conns: usize,
     report: &mut ScenarioReport,
 ) -> Result<Rounds> {
+    closed_rounds_with(ctx, stack, conns, report, |up| target_for(up, CHAT, body)).await
+}
+
+/// As [`closed_rounds`], each contender's requests made by `target`.
+pub(crate) async fn closed_rounds_with(
+    ctx: &Ctx,
+    stack: &Stack,
+    conns: usize,
+    report: &mut ScenarioReport,
+    target: impl Fn(&Up) -> Arc<Target>,
+) -> Result<Rounds> {
     let mut out = Rounds {
         runs: BTreeMap::new(),
         cpu_us: BTreeMap::new(),
+        helper_cpu_us: BTreeMap::new(),
     };
     for _ in 0..ctx.p.rounds {
         for up in &stack.up {
-            let target = target_for(up, CHAT, body);
+            let target = target(up);
             let pid = up.pid(&stack.sim);
             let before = pid.and_then(|p| tree_usage(p).ok());
+            let helper_before = up.helper.and_then(|p| usage(p).ok());
             let r = closed_loop(target, conns, ctx.p.warmup, ctx.p.duration).await?;
             let after = pid.and_then(|p| tree_usage(p).ok());
+            let helper_after = up.helper.and_then(|p| usage(p).ok());
             // The CPU counts the warm-up too, so it is divided by the requests of the whole
             // run, estimated from the measured rate.
             let requests = r.rps() * (ctx.p.warmup + ctx.p.duration).as_secs_f64();
-            if let (Some(b), Some(a)) = (before, after) {
-                if requests > 0.0 {
-                    let cpu = a.cpu.saturating_sub(b.cpu).as_secs_f64();
-                    let per = out.cpu_us.entry(up.contender).or_default();
-                    per.push(cpu * 1e6 / requests);
+            if requests > 0.0 {
+                for (b, a, to) in [
+                    (before, after, &mut out.cpu_us),
+                    (helper_before, helper_after, &mut out.helper_cpu_us),
+                ] {
+                    if let (Some(b), Some(a)) = (b, a) {
+                        let cpu = a.cpu.saturating_sub(b.cpu).as_secs_f64();
+                        to.entry(up.contender)
+                            .or_default()
+                            .push(cpu * 1e6 / requests);
+                    }
                 }
             }
             report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
@@ -300,11 +358,11 @@ async fn closed_rounds(
     Ok(out)
 }
 
-fn series<T>(runs: Option<&Vec<T>>, f: impl Fn(&T) -> f64) -> Series {
+pub(crate) fn series<T>(runs: Option<&Vec<T>>, f: impl Fn(&T) -> f64) -> Series {
     Series(runs.map(|v| v.iter().map(f).collect()).unwrap_or_default())
 }
 
-fn errors_cell(results: &[LoadResult]) -> String {
+pub(crate) fn errors_cell(results: &[LoadResult]) -> String {
     let errors: u64 = results.iter().map(|r| r.errors).sum();
     let missed: u64 = results.iter().map(|r| r.missed).sum();
     let first = results.iter().find_map(|r| r.first_error.clone());
@@ -319,7 +377,11 @@ fn errors_cell(results: &[LoadResult]) -> String {
 }
 
 /// Per-round ratio of `c`'s throughput to `base`'s.
-fn ratio(runs: &BTreeMap<Contender, Vec<LoadResult>>, c: Contender, base: Contender) -> Series {
+pub(crate) fn ratio(
+    runs: &BTreeMap<Contender, Vec<LoadResult>>,
+    c: Contender,
+    base: Contender,
+) -> Series {
     let rps = |k| series(runs.get(&k), LoadResult::rps);
     pairwise(&rps(c), &rps(base), |a, b| a / b)
 }
