@@ -84,7 +84,6 @@ fn cache_keys(port: u16) -> usize {
         .count()
 }
 
-
 /// `n` different deterministic prompts at once; every answer must be a 200 cache miss (so
 /// each one is written back to the store).
 async fn misses(proxy: &Proxy, n: usize) {

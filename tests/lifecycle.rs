@@ -113,7 +113,6 @@ async fn stream_through_sigterm(
     (String::from_utf8(body).unwrap(), signalled.elapsed(), child)
 }
 
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_to_an_idle_proxy_exits_at_once_not_after_the_grace_period() {
     let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
