@@ -161,24 +161,31 @@ impl FakeVllm {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
+/// A fake vLLM serving the V1 fixture page (returned too), behind a proxy whose pool `main`
+/// checks it fast, once the proxy sees it healthy.
+async fn healthy_fake_vllm() -> (String, FakeVllm, Proxy) {
     let good = String::from_utf8(fixture("vllm-v1-metrics.txt")).unwrap();
     let fake = FakeVllm::start(MetricsAnswer::Page(good.clone())).await;
     let proxy = Proxy::start(
         json!({"pools": [pool("main", &[MODEL], &[fake.addr]).with_fast_health_checks()]}),
     )
     .await;
-    let state = || async { proxy.backend_status("main", fake.addr).await };
+    let healthy = wait_for(Duration::from_secs(3), || async {
+        proxy.backend_status("main", fake.addr).await["health"] == "healthy"
+    })
+    .await;
     assert!(
-        wait_for(Duration::from_secs(3), || async {
-            state().await["health"] == "healthy"
-        })
-        .await
-        .is_some(),
+        healthy.is_some(),
         "{}",
-        state().await
+        proxy.backend_status("main", fake.addr).await
     );
+    (good, fake, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_metrics_make_a_backend_stale_never_crash_the_scraper() {
+    let (good, fake, proxy) = healthy_fake_vllm().await;
+    let state = || async { proxy.backend_status("main", fake.addr).await };
     assert_eq!(state().await["kv_cache_usage"], 0.2346);
     assert_eq!(state().await["running"], 48.0);
 
@@ -516,22 +523,8 @@ fn skipped_lines(backend: SocketAddr) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn junk_lines_are_skipped_and_counted_and_the_page_still_read() {
-    let good = String::from_utf8(fixture("vllm-v1-metrics.txt")).unwrap();
-    let fake = FakeVllm::start(MetricsAnswer::Page(good.clone())).await;
-    let proxy = Proxy::start(
-        json!({"pools": [pool("main", &[MODEL], &[fake.addr]).with_fast_health_checks()]}),
-    )
-    .await;
+    let (good, fake, proxy) = healthy_fake_vllm().await;
     let state = || async { proxy.backend_status("main", fake.addr).await };
-    assert!(
-        wait_for(Duration::from_secs(3), || async {
-            state().await["health"] == "healthy"
-        })
-        .await
-        .is_some(),
-        "{}",
-        state().await
-    );
     assert_eq!(proxy.metric(&skipped_lines(fake.addr)).await, Some(0.0));
 
     // A syntax this parser does not know (an OpenMetrics exemplar), a bad escape, and the
