@@ -205,6 +205,22 @@ pub struct PoolFile {
     /// Send the client's own API key headers upstream (off: removed).
     #[serde(default)]
     pub forward_client_key: bool,
+    /// The model name sent upstream (vLLM's `--served-model-name`); absent: the client's.
+    #[serde(default)]
+    pub served_model: Option<String>,
+    /// What the answers' `model` says when `served_model` is set.
+    #[serde(default)]
+    pub answer_model: Option<AnswerModelFile>,
+}
+
+/// `pools[].answer_model`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerModelFile {
+    /// The name the client asked for.
+    Requested,
+    /// The name the pool's engine served.
+    Served,
 }
 
 /// nginx's `proxy_set_header`, `add_header` and `proxy_hide_header`, per direction.

@@ -12,8 +12,9 @@ use pingora_core::server::configuration::ServerConf;
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
-    BackendSpec, Balancing, Capabilities, HeaderRules, HealthPolicy, OutlierPolicy, Pool,
-    PoolSettings, Pools, RetryOn, RetryPolicy, StaleAs, Timeouts, TokensPerSecond, UpstreamAuth,
+    AnswerModel, BackendSpec, Balancing, Capabilities, HeaderRules, HealthPolicy, OutlierPolicy,
+    Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
+    TokensPerSecond, UpstreamAuth,
 };
 use sluice_sdk::{Host, MemoryBudget};
 use std::collections::HashSet;
@@ -530,9 +531,30 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             },
             forward_client_key: p.forward_client_key,
             sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
+            served_model: served_model(p, &key)?,
         })));
     }
     Ok(Pools::new(pools))
+}
+
+/// The pool's served model name, and what its answers say.
+fn served_model(p: &file::PoolFile, key: &str) -> Result<Option<ServedModel>, Invalid> {
+    let answer = match p.answer_model {
+        None | Some(file::AnswerModelFile::Requested) => AnswerModel::Requested,
+        Some(file::AnswerModelFile::Served) => AnswerModel::Served,
+    };
+    let Some(name) = &p.served_model else {
+        if p.answer_model.is_some() {
+            return Err(Invalid::new(
+                format!("{key}.answer_model"),
+                "is only read with served_model (without it, answers say what the engine serves)",
+            ));
+        }
+        return Ok(None);
+    };
+    ServedModel::new(name, answer)
+        .map(Some)
+        .map_err(|m| Invalid::new(format!("{key}.served_model"), m))
 }
 
 /// Headers a rule may not touch: the message's framing and the hops are the proxy's.

@@ -108,6 +108,20 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
         .iter()
         .all(|p| p.models.is_empty() || p.timeouts.sized_by_max_tokens.is_some()));
     assert!(c.routes.iter().any(|r| r.host.is_some()));
+    // Public names: the pools sharing `llama` each send their engine's own name.
+    let served: Vec<&str> = c
+        .pools
+        .iter()
+        .filter(|p| p.models.iter().any(|m| m == "llama"))
+        .filter_map(|p| p.served_model.as_ref().map(|s| s.name()))
+        .collect();
+    assert_eq!(
+        served,
+        [
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "meta-llama/Llama-3.1-70B-Instruct"
+        ]
+    );
 }
 
 #[test]
@@ -1625,5 +1639,49 @@ fn header_rules_and_credentials_are_checked() {
         &with_pool_key("upstream_auth", "{secret: s3cret}"),
         "pools[0].upstream_auth.secret",
         "unknown field",
+    );
+}
+
+// ---- (b) refusals: the model name a pool serves ------------------------------------------------
+
+#[test]
+fn served_model_names_are_checked() {
+    let c = ok(MINIMAL);
+    assert!(c.pools.iter().next().unwrap().served_model.is_none());
+    let c = ok(&with_pool_key(
+        "served_model",
+        "meta-llama/Llama-3.2-1B-Instruct",
+    ));
+    let served = c.pools.iter().next().unwrap().served_model.clone().unwrap();
+    assert_eq!(served.name(), "meta-llama/Llama-3.2-1B-Instruct");
+    assert_eq!(served.answer, sluice_sdk::AnswerModel::Requested);
+    let c = ok(&format!(
+        "{}    answer_model: served\n",
+        with_pool_key("served_model", "big")
+    ));
+    let served = c.pools.iter().next().unwrap().served_model.clone().unwrap();
+    assert_eq!(served.answer, sluice_sdk::AnswerModel::Served);
+    refused(
+        &with_pool_key("served_model", "''"),
+        "pools[0].served_model",
+        "must not be empty",
+    );
+    refused(
+        &with_pool_key("served_model", "'a\"b'"),
+        "pools[0].served_model",
+        "a quote or a backslash",
+    );
+    refused(
+        &with_pool_key("answer_model", "served"),
+        "pools[0].answer_model",
+        "only read with served_model",
+    );
+    refused(
+        &format!(
+            "{}    answer_model: client\n",
+            with_pool_key("served_model", "big")
+        ),
+        "pools[0].answer_model",
+        "unknown variant",
     );
 }

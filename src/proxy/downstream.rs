@@ -7,6 +7,10 @@
 //! ([`RequestCtx::usage`]): each chunk passes one [`UsageScanner`] before the body hooks, and
 //! the usage chunk of a stream whose client did not ask for it (the upstream was asked on a
 //! plugin's behalf, see [`usage_kept_from_client`]) is removed before any hook sees it.
+//!
+//! An answer from a pool that serves another model name than the client asked for has its
+//! `model` field rewritten back here, first, chunk by chunk ([`ModelRewriter`]): every hook,
+//! the cache's tee included, sees the answer as the client gets it.
 
 use super::forwarding;
 use crate::chain::Chain;
@@ -18,6 +22,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use sluice_sdk::error::internal;
 use sluice_sdk::headers::is_event_stream;
+use sluice_sdk::model_name::ModelRewriter;
 use sluice_sdk::raw_json::{self, is_space};
 use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::usage::UsageScanner;
@@ -41,6 +46,24 @@ pub fn prepare_upstream_header(
     if let Some(watch) = ctx.state.get_mut::<AnswerUsage>() {
         watch.strip = strip.then(SseEvents::default);
     }
+    // Error answers pass as they are: only an answer carries the model's name.
+    let rewriter = match (ctx.pool(), ctx.route()) {
+        (Some(pool), Route::Llm(_)) if response.status.is_success() => pool
+            .served_model
+            .as_ref()
+            .and_then(|served| served.answer_rewriter(ctx.model())),
+        _ => None,
+    };
+    if let Some(rewriter) = rewriter {
+        // The rewritten body's length is known only once it has passed.
+        if !is_event_stream(response) {
+            response.remove_header(&http::header::CONTENT_LENGTH);
+            response
+                .insert_header(http::header::TRANSFER_ENCODING, "chunked")
+                .map_err(internal)?;
+        }
+        ctx.state.insert(ModelRewrite(rewriter));
+    }
     if let (Some(pool), Route::Llm(_)) = (ctx.pool(), ctx.route()) {
         response
             .insert_header(headers::POOL, &*pool.name)
@@ -62,6 +85,9 @@ pub async fn forward(
     mut data: Option<Bytes>,
     end: bool,
 ) -> Result<()> {
+    if let Some(ModelRewrite(rewriter)) = ctx.state.get_mut::<ModelRewrite>() {
+        data = rewriter.rewrite(data, end);
+    }
     read_usage(ctx, &mut data, end);
     chain.response_body(&mut data, end, ctx)?;
     count_sent(ctx, data.as_ref());
@@ -108,6 +134,11 @@ pub struct AnswerUsage {
     /// The stream's events, while its usage chunk is removed.
     strip: Option<SseEvents>,
 }
+
+/// The rewriter of an upstream answer's `model` field, when its pool serves another name than
+/// the client asked for: in the request's state under this type of the core's.
+#[derive(Debug)]
+pub struct ModelRewrite(ModelRewriter);
 
 /// From here on, every answer to the request (an upstream's, a cache hit, an error) is
 /// scanned for its usage as it is written.

@@ -27,7 +27,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::usage::ask_for_usage;
+use sluice_sdk::model_name::{self, ServedModel};
 use sluice_sdk::{
     Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, RetryOn, Selected,
 };
@@ -97,9 +97,18 @@ struct AttemptLoop {
     declined: Option<(Box<ResponseHeader>, Bytes)>,
     /// Retries of an error answer spent in the current pool.
     retries_in_pool: u32,
-    /// The last body asked for a stream's usage, and what it became: retries and backends of
-    /// one pool send the same body, copied once.
-    usage_body: Option<(Bytes, Bytes)>,
+    /// The last body changed for upstream, and what it became: retries and backends of one
+    /// pool send the same body, copied once.
+    sent_body: Option<SentBody>,
+}
+
+/// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
+/// usage request (when asked) spliced in.
+struct SentBody {
+    from: Bytes,
+    model: Option<Vec<u8>>,
+    ask_usage: bool,
+    sent: Bytes,
 }
 
 /// What the decide step chose.
@@ -135,7 +144,7 @@ impl AttemptLoop {
             last_error: None,
             declined: None,
             retries_in_pool: 0,
-            usage_body: None,
+            sent_body: None,
         })
     }
 
@@ -197,17 +206,14 @@ impl AttemptLoop {
         in_flight: InFlight,
     ) -> Result<Prepared> {
         // A first pool may get its own body (a draft asked for logprobs), and every pool
-        // the plugins'; whichever it is asks for a stream's usage when a plugin wants it.
+        // the plugins'; whichever it is gets the pool's model name, and asks for a stream's
+        // usage when a plugin wants it. The client's body, which the cache keyed, stays.
         let body = ctx
             .escalation()
             .and_then(|e| e.upstream_body.clone())
             .or_else(|| ctx.upstream_body().cloned())
             .unwrap_or_else(|| self.client_body.clone());
-        let body = if downstream::usage_kept_from_client(ctx) {
-            self.asking_for_usage(body)
-        } else {
-            body
-        };
+        let body = self.for_upstream(ctx, pool, body);
         let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
         let peer = session
             .client_addr()
@@ -255,17 +261,35 @@ impl AttemptLoop {
         })
     }
 
-    /// `body` with a stream's usage asked for (as it is when it cannot be, or already asks).
-    fn asking_for_usage(&mut self, body: Bytes) -> Bytes {
-        if let Some((from, asked)) = &self.usage_body {
+    /// `body` as `pool` gets it: with the pool's served model name when it is not the
+    /// client's, and with a stream's usage asked for when a plugin wants it (as it is when
+    /// neither applies or it cannot be changed).
+    fn for_upstream(&mut self, ctx: &RequestCtx, pool: &Pool, body: Bytes) -> Bytes {
+        let model = pool
+            .served_model
+            .as_ref()
+            .filter(|served| served.changes(ctx.model()))
+            .map(ServedModel::json);
+        let ask_usage = downstream::usage_kept_from_client(ctx);
+        if model.is_none() && !ask_usage {
+            return body;
+        }
+        if let Some(last) = &self.sent_body {
             // The same buffer (a clone shares it): compared by address, not byte by byte.
-            if from.as_ptr() == body.as_ptr() && from.len() == body.len() {
-                return asked.clone();
+            let same = last.from.as_ptr() == body.as_ptr() && last.from.len() == body.len();
+            if same && last.model.as_deref() == model && last.ask_usage == ask_usage {
+                return last.sent.clone();
             }
         }
-        let asked = ask_for_usage(&body).unwrap_or_else(|| body.clone());
-        self.usage_body = Some((body, asked.clone()));
-        asked
+        let sent =
+            model_name::upstream_body(&body, model, ask_usage).unwrap_or_else(|| body.clone());
+        self.sent_body = Some(SentBody {
+            from: body,
+            model: model.map(<[u8]>::to_vec),
+            ask_usage,
+            sent: sent.clone(),
+        });
+        sent
     }
 
     /// Judges the backend by the attempt, counts it, and chooses what follows.

@@ -15,6 +15,8 @@
 //!   plugins that share state through it.
 //! - [`usage`], [`sse`]: an answer's token usage (which the core finds for every plugin: see
 //!   [`RequestCtx::want_usage`]) and the splitting of a stream into its events.
+//! - [`model_name`]: the model name a pool serves, spliced into requests and rewritten back
+//!   in answers.
 //!
 //! A plugin crate owns its config type (serde, `deny_unknown_fields`, with an `enabled` key),
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
@@ -31,6 +33,7 @@ pub mod health;
 pub mod llm;
 pub mod memory;
 pub mod metrics;
+pub mod model_name;
 pub mod plugin;
 pub mod pool;
 pub mod ratio;
@@ -52,6 +55,7 @@ pub use health::{
 };
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use memory::{Held, MemoryBudget};
+pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,

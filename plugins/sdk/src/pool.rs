@@ -7,6 +7,7 @@
 use crate::header_rules::{HeaderRules, UpstreamAuth};
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
 use crate::llm::LlmCall;
+use crate::model_name::ServedModel;
 use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
@@ -406,6 +407,9 @@ pub struct Pool {
     pub retry_budget: RetryBudget,
     /// Session affinity, when the pool has it.
     pub sessions: Option<SessionAffinity>,
+    /// The model name the pool's engine serves, when it is not the client's (see
+    /// [`crate::model_name`]).
+    pub served_model: Option<ServedModel>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
     round_robin: LoadBalancer<RoundRobin>,
@@ -447,6 +451,8 @@ pub struct PoolSettings {
     pub forward_client_key: bool,
     /// Session affinity; `None`: off.
     pub sessions: Option<SessionAffinity>,
+    /// The name sent upstream as `model`; `None`: the client's.
+    pub served_model: Option<ServedModel>,
 }
 
 impl PoolSettings {
@@ -471,6 +477,7 @@ impl PoolSettings {
             upstream_auth: None,
             forward_client_key: false,
             sessions: None,
+            served_model: None,
         }
     }
 }
@@ -536,6 +543,7 @@ impl Pool {
             upstream_auth: settings.upstream_auth,
             forward_client_key: settings.forward_client_key,
             sessions: settings.sessions,
+            served_model: settings.served_model,
             admission: OnceLock::new(),
             round_robin,
             session_table,

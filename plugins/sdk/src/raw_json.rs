@@ -78,6 +78,23 @@ impl ObjectSpans<'_> {
         self.members
     }
 
+    /// Where the object's closing brace is: the place of an appended member.
+    pub fn close(&self) -> usize {
+        self.close
+    }
+
+    /// The edit that sets the member `key` to `value` (JSON text): its last occurrence's
+    /// value replaced in place, or the member appended. `key` must be one asked for.
+    pub fn set(&self, key: &str, value: &[u8]) -> Edit {
+        match self.value(key) {
+            Some(range) => Edit {
+                range,
+                text: value.to_vec(),
+            },
+            None => self.append(key, value),
+        }
+    }
+
     /// The edit that appends the member `key: value` (`value` is JSON text) at the end of
     /// the object, after a comma when it has members.
     pub fn append(&self, key: &str, value: &[u8]) -> Edit {
@@ -139,14 +156,7 @@ pub fn apply(text: &[u8], mut edits: Vec<Edit>) -> Option<Vec<u8>> {
 /// Every other byte is kept. `None` when `object` is not one valid JSON object.
 pub fn set_member(object: &[u8], key: &str, value: &[u8]) -> Option<Vec<u8>> {
     let spans = object_spans(object, &[key])?;
-    let edit = match spans.value(key) {
-        Some(range) => Edit {
-            range,
-            text: value.to_vec(),
-        },
-        None => spans.append(key, value),
-    };
-    apply(object, vec![edit])
+    apply(object, vec![spans.set(key, value)])
 }
 
 /// Writes `s` as a JSON string, quotes included.
