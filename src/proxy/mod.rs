@@ -15,16 +15,18 @@
 //!         │                │    chain.request ─── a plugin answers (cache hit) ─ reply::local ─┐
 //!         │                │    attempt loop, per attempt:                                     │
 //!         │                │      select   chain.upstream_select, pool.select                  │
-//!         │                │      prepare  chain.upstream_request                              │
-//!         │                │      run      attempt::run ─ downstream: chain.response_header,   │
-//!         │                │                              chain.response_body per chunk ───────┤
+//!         │                │      prepare  the pool's body (served model name, usage asked)│
+//!         │                │               and headers (forwarding), chain.upstream_request    │
+//!         │                │      run      attempt::run ─ downstream: the pool's rules,        │
+//!         │                │               chain.response_header; per chunk the model name     │
+//!         │                │               back, the usage found, chain.response_body ─────────┤
 //!         │                │      decide   done │ next backend │ retry │ escalate │ fail       │
 //!         │                ├─ GET /v1/models ─ chain.request, reply::send ─────────────────────┤
 //!         │                ├─ no route, wrong method ─ Err ─► fail_to_proxy                    │
 //!         │                └─ plain route ─ chain.request, then Pingora's loop:                │
 //! upstream_peer ─ chain.upstream_select, plain_route: next backend                             │
 //! fail_to_connect, error_while_proxy ─ plain_route: judge the try, retry or not                │
-//! upstream_request_filter ─ chain.upstream_request                                             │
+//! upstream_request_filter ─ forwarding (pool, route), chain.upstream_request                  │
 //! response_filter ─ downstream::prepare_upstream_header ─ chain.response_header               │
 //! response_body_filter ─ chain.response_body ──────────────────────────────────────────────────┤
 //! fail_to_proxy ─ reply::error ─ chain.error, chain.response_header, chain.response_body ──────┤
