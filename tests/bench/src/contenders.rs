@@ -161,6 +161,12 @@ pub enum Contender {
     SluiceTenantsLocal,
     /// Scenario 12: only the `tenants` plugin on, limits shared through Redis.
     SluiceTenantsRedis,
+    /// Scenario 13: Sluice in front of a draft and a target pool, balancing `round_robin`.
+    SluiceRoundRobin,
+    /// Scenario 13: the same, balancing `kv_aware`.
+    SluiceKvAware,
+    /// Scenario 13: the same, balancing `ttft`.
+    SluiceTtft,
 }
 
 impl Contender {
@@ -204,6 +210,9 @@ impl Contender {
             Contender::SluiceBreakerWaits => "sluice (kv breaker, wait on)",
             Contender::SluiceTenantsLocal => "sluice (tenants, local limits)",
             Contender::SluiceTenantsRedis => "sluice (tenants, redis limits)",
+            Contender::SluiceRoundRobin => "sluice (round_robin)",
+            Contender::SluiceKvAware => "sluice (kv_aware)",
+            Contender::SluiceTtft => "sluice (ttft)",
         }
     }
 }
@@ -427,6 +436,15 @@ pub struct SimSpec {
     /// instead of waiting (scenario 11).
     #[arg(long)]
     pub oom: bool,
+    /// Prefill time per prompt token, microseconds (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_us: f64,
+    /// The fixed part of every time to first token, milliseconds (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub overhead_ms: f64,
+    /// One prefill at a time, as vLLM without chunked prefill (scenario 13).
+    #[arg(long)]
+    pub serial_prefill: bool,
 }
 
 impl SimSpec {
@@ -436,6 +454,9 @@ impl SimSpec {
             answer_tokens: None,
             kv_blocks: None,
             oom: false,
+            prefill_us: 0.0,
+            overhead_ms: 0.0,
+            serial_prefill: false,
         }
     }
 
@@ -443,8 +464,7 @@ impl SimSpec {
         SimSpec {
             itl_ms,
             answer_tokens: Some(tokens),
-            kv_blocks: None,
-            oom: false,
+            ..SimSpec::zero()
         }
     }
 
@@ -459,12 +479,22 @@ impl SimSpec {
         if self.oom {
             a.push("--oom".to_string());
         }
+        if self.prefill_us > 0.0 {
+            a.extend(["--prefill-us".to_string(), self.prefill_us.to_string()]);
+        }
+        if self.overhead_ms > 0.0 {
+            a.extend(["--overhead-ms".to_string(), self.overhead_ms.to_string()]);
+        }
+        if self.serial_prefill {
+            a.push("--serial-prefill".to_string());
+        }
         a
     }
 
     /// The simulator's configuration: room for 8 MiB prompts (scenario 9 sends 4M token ids,
     /// one token each) and 1,000 streams, no request recording, no jitter; scenario 11 gives
-    /// it a small KV cache (`kv_blocks`) that runs out (`oom`).
+    /// it a small KV cache (`kv_blocks`) that runs out (`oom`); scenario 13 a prefill speed,
+    /// a fixed overhead and one prefill at a time.
     pub fn config(&self, listen: SocketAddr) -> vllm_sim::SimConfig {
         let mut c = vllm_sim::SimConfig::default()
             .with_listen(listen)
@@ -476,11 +506,11 @@ impl SimSpec {
             // benchmarked).
             .with_kv(1 << 24, 16)
             .with_record_requests(0);
-        if self.itl_ms > 0.0 {
+        if self.itl_ms > 0.0 || self.prefill_us > 0.0 || self.overhead_ms > 0.0 {
             c = c.with_latency(vllm_sim::Latency::new(
-                Duration::ZERO,
-                Duration::ZERO,
-                Duration::from_secs_f64(self.itl_ms / 1000.0),
+                Duration::from_secs_f64(self.overhead_ms.max(0.0) / 1e3),
+                Duration::from_secs_f64(self.prefill_us.max(0.0) / 1e6),
+                Duration::from_secs_f64(self.itl_ms.max(0.0) / 1e3),
             ));
         }
         if let Some(n) = self.answer_tokens {
@@ -490,6 +520,7 @@ impl SimSpec {
             c = c.with_kv(blocks, 16);
         }
         c.with_oom(self.oom)
+            .with_serial_prefill(self.serial_prefill)
     }
 }
 

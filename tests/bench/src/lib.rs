@@ -8,6 +8,7 @@
 pub mod abuse;
 pub mod bare;
 pub mod contenders;
+pub mod fleet;
 pub mod loadgen;
 pub mod phased;
 pub mod report;
@@ -93,6 +94,14 @@ pub struct Params {
     pub burst_steady: Duration,
     pub burst_len: Duration,
     pub burst_after: Duration,
+    /// Scenario 13: how long each strategy's schedule runs, the arrival rate of first copies
+    /// in its calm phases (3× in its bursts), the calm and burst phases' lengths, and a factor
+    /// on every simulated latency (1 in the full run; the smoke run shrinks them).
+    pub fleet_duration: Duration,
+    pub fleet_rate: f64,
+    pub fleet_calm: Duration,
+    pub fleet_burst: Duration,
+    pub fleet_time_scale: f64,
 }
 
 impl Params {
@@ -136,6 +145,11 @@ impl Params {
             burst_steady: Duration::from_secs(3),
             burst_len: Duration::from_secs(2),
             burst_after: Duration::from_secs(3),
+            fleet_duration: Duration::from_secs(40),
+            fleet_rate: 2.0,
+            fleet_calm: Duration::from_secs(6),
+            fleet_burst: Duration::from_secs(2),
+            fleet_time_scale: 1.0,
         }
     }
 
@@ -179,6 +193,11 @@ impl Params {
             burst_steady: Duration::from_millis(700),
             burst_len: Duration::from_millis(300),
             burst_after: Duration::from_millis(500),
+            fleet_duration: Duration::from_millis(1200),
+            fleet_rate: 8.0,
+            fleet_calm: Duration::from_millis(400),
+            fleet_burst: Duration::from_millis(200),
+            fleet_time_scale: 0.05,
         }
     }
 }

@@ -442,7 +442,7 @@ pub async fn killed_backend(ctx: &mut Ctx) -> Result<ScenarioReport> {
 // Scenario 11: a burst over KV capacity, the breaker refusing at once or waiting.
 
 /// The sum of every series of `name` (any labels) on a Prometheus text page.
-fn metric_sum(page: &str, name: &str) -> f64 {
+pub(crate) fn metric_sum(page: &str, name: &str) -> f64 {
     page.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
@@ -626,6 +626,7 @@ pub async fn burst(ctx: &mut Ctx) -> Result<ScenarioReport> {
         answer_tokens: Some(answer_tokens),
         kv_blocks: Some(p.burst_kv_blocks),
         oom: true,
+        ..SimSpec::zero()
     };
     let content = "abc ".repeat(95);
     let body = chat_body(&content, false, answer_tokens);

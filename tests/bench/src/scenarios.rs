@@ -63,6 +63,10 @@ pub const ALL: &[(u8, &str)] = &[
         12,
         "Tenants plugin: its cost with local and Redis-shared limits against plugins off",
     ),
+    (
+        13,
+        "Time to first token at the tail: a draft and target fleet under bursty long prompts, per balancing strategy",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -79,6 +83,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         10 => crate::resilience::killed_backend(ctx).await,
         11 => crate::resilience::burst(ctx).await,
         12 => crate::tenants::tenants_cost(ctx).await,
+        13 => crate::fleet::fleet(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -251,7 +256,10 @@ impl Stack {
                 | Contender::SluiceNoHealthChecks
                 | Contender::SluiceBackendKilled
                 | Contender::SluiceBreakerRefuses
-                | Contender::SluiceBreakerWaits => {
+                | Contender::SluiceBreakerWaits
+                | Contender::SluiceRoundRobin
+                | Contender::SluiceKvAware
+                | Contender::SluiceTtft => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }

@@ -1,0 +1,1033 @@
+//! Scenario 13 (issue #18, "Time to first token at the tail"): a draft and target fleet of
+//! simulators with realistic prefill and decode speeds, each prefilling one request at a
+//! time, behind Sluice with the speculative selector, the cache (coalescing) and the KV
+//! breaker; a seeded, open-loop, bursty schedule with long prompts, exact repeats that arrive
+//! while their first copy is still generating, and streams; the same schedule replayed with
+//! each balancing strategy (`round_robin`, `kv_aware`, `ttft`) on both pools.
+//!
+//! Every request is recorded: its time to first token (a stream's first data chunk), its
+//! total time, its status, `x-cache` and `x-sluice-pool`, and the prompt it carried, so the
+//! report can take each stream's own prefill (its prompt tokens × the per-token prefill of
+//! the pool that served it) out of its time to first token: what is left is the wait a
+//! router controls (queueing behind other prefills, plus the fixed overhead).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http::{header, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use tokio::sync::Mutex;
+
+use crate::contenders::{free_addr, start_sluice_with, Contender, RunningSim, SimSpec, MODEL};
+use crate::loadgen::{connect, fetch, Target};
+use crate::report::{Check, ScenarioReport};
+use crate::resilience::metric_sum;
+use crate::scenarios::{title, CHAT};
+use crate::{Ctx, Params};
+
+/// The longest a request may take before it counts as unanswered.
+const REQUEST_LIMIT: Duration = Duration::from_secs(60);
+/// Every request asks for this many tokens, and every simulated answer has exactly as many.
+const MAX_TOKENS: u32 = 32;
+/// The draft pool's `max_model_len` in Sluice (the draft profile's context): longer prompts
+/// go to the target (`prompt-too-long`).
+const DRAFT_MAX_MODEL_LEN: u32 = 8192;
+/// A "short" prompt: at most this many bytes of message (about 1,000 tokens).
+const SHORT_MAX_BYTES: usize = 4096;
+/// The schedule's seed: every strategy replays the same requests at the same times.
+const SEED: u64 = 0x5eed_0018;
+
+/// The workload's shares.
+const LONG_SHARE: f64 = 0.12;
+const STREAM_SHARE: f64 = 0.5;
+const FORCED_TARGET_SHARE: f64 = 0.25;
+const BURST_FACTOR: f64 = 3.0;
+
+/// One pool's simulated instances (the simulator's `Draft` and `Target` profiles' speeds
+/// and KV caches, without their jitter).
+#[derive(Clone, Copy, Debug)]
+struct Speed {
+    name: &'static str,
+    overhead_ms: f64,
+    prefill_us: f64,
+    itl_ms: f64,
+    kv_blocks: u32,
+}
+
+const DRAFT: Speed = Speed {
+    name: "draft",
+    overhead_ms: 5.0,
+    prefill_us: 20.0,
+    itl_ms: 5.0,
+    kv_blocks: 2048,
+};
+const TARGET: Speed = Speed {
+    name: "target",
+    overhead_ms: 20.0,
+    prefill_us: 200.0,
+    itl_ms: 30.0,
+    kv_blocks: 8192,
+};
+
+impl Speed {
+    fn spec(&self, scale: f64) -> SimSpec {
+        SimSpec {
+            itl_ms: self.itl_ms * scale,
+            answer_tokens: Some(MAX_TOKENS),
+            kv_blocks: Some(self.kv_blocks),
+            oom: true,
+            prefill_us: self.prefill_us * scale,
+            overhead_ms: self.overhead_ms * scale,
+            serial_prefill: true,
+        }
+    }
+
+    /// The prompt's own prefill here, ms (the overhead not included).
+    fn prefill_ms(&self, tokens: u32, scale: f64) -> f64 {
+        f64::from(tokens) * self.prefill_us * scale / 1e3
+    }
+
+    /// How long a request takes here with nothing ahead of it, ms.
+    fn unloaded_ms(&self, tokens: u32, scale: f64) -> f64 {
+        (self.overhead_ms + f64::from(MAX_TOKENS) * self.itl_ms) * scale
+            + self.prefill_ms(tokens, scale)
+    }
+
+    /// Prompt tokens per second, `ttft`'s seed (`prefill_tokens_per_second`).
+    fn tokens_per_second(&self, scale: f64) -> f64 {
+        1e6 / (self.prefill_us * scale)
+    }
+}
+
+/// The balancing strategies compared, each with its contender.
+const STRATEGIES: [(&str, Contender); 3] = [
+    ("round_robin", Contender::SluiceRoundRobin),
+    ("kv_aware", Contender::SluiceKvAware),
+    ("ttft", Contender::SluiceTtft),
+];
+
+/// splitmix64: a small seeded generator, so the schedule is the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+}
+
+/// One request of the schedule.
+#[derive(Clone, Debug)]
+struct Planned {
+    due: Duration,
+    body: Bytes,
+    stream: bool,
+    /// Carries `x-sluice-tier: target`.
+    forced: bool,
+    /// The message's bytes and the simulator's count of its prompt tokens.
+    prompt_bytes: usize,
+    prompt_tokens: u32,
+    /// For an exact repeat: the schedule index of its first copy.
+    first_copy: Option<usize>,
+    /// Due in a burst phase.
+    in_burst: bool,
+}
+
+/// The simulator's prompt tokens for one chat message: ceil((bytes + 16) / 4).
+fn prompt_tokens(bytes: usize) -> u32 {
+    u32::try_from((bytes + 16).div_ceil(4)).unwrap_or(u32::MAX)
+}
+
+fn body(content: &str, stream: bool) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "stream": stream,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        })
+        .to_string(),
+    )
+}
+
+/// A message of `bytes` bytes that no other request of the run has: a tag, then filler.
+fn content(tag: &str, i: usize, bytes: usize) -> String {
+    const FILLER: &str = "the retrieved passage says that the quick brown fox jumps over the \
+                          lazy dog while the engine keeps its cache warm and its queue short. ";
+    let mut s = format!("[{tag} {i}] ");
+    while s.len() < bytes {
+        s.push_str(FILLER);
+    }
+    s.truncate(bytes.max(1));
+    s
+}
+
+/// The pool a request should land on (the speculative selector: forced, or too long for
+/// the draft), and so how long it takes unloaded, for the repeats' delays.
+fn expected_pool(forced: bool, tokens: u32) -> Speed {
+    if forced || tokens + MAX_TOKENS > DRAFT_MAX_MODEL_LEN {
+        TARGET
+    } else {
+        DRAFT
+    }
+}
+
+/// The seeded schedule: first copies arrive as a Poisson process at `fleet_rate` per second
+/// in calm phases and 3× that in bursts; 12 % have a RAG-sized prompt (20 to 60 KB), the
+/// rest 256 B to 4 KB (log-uniform); half are streams; a quarter ask for the target tier.
+/// Each first copy gets 0, 1 or 2 exact repeats (probabilities 1/2, 1/3, 1/6: 40 % of all
+/// requests are repeats), each due 5 % to 60 % of the first copy's unloaded duration after
+/// it, so while it is still generating.
+fn schedule(p: &Params, tag: &str) -> Vec<Planned> {
+    let mut rng = Rng(SEED);
+    let cycle = (p.fleet_calm + p.fleet_burst).as_secs_f64();
+    let in_burst = |t: f64| cycle > 0.0 && t % cycle >= p.fleet_calm.as_secs_f64();
+    let end = p.fleet_duration.as_secs_f64();
+    let mut out: Vec<Planned> = Vec::new();
+    let mut t = 0.0;
+    let mut n = 0usize;
+    loop {
+        let rate = p.fleet_rate * if in_burst(t) { BURST_FACTOR } else { 1.0 };
+        t += -(1.0 - rng.unit()).ln() / rate.max(1e-3);
+        if t >= end {
+            break;
+        }
+        let long = rng.unit() < LONG_SHARE;
+        let bytes = if long {
+            rng.range(20_000.0, 60_000.0)
+        } else {
+            (rng.range(256f64.ln(), (SHORT_MAX_BYTES as f64).ln())).exp()
+        } as usize;
+        let stream = rng.unit() < STREAM_SHARE;
+        let forced = rng.unit() < FORCED_TARGET_SHARE;
+        let tokens = prompt_tokens(bytes);
+        let first = out.len();
+        let b = body(&content(tag, n, bytes), stream);
+        n += 1;
+        let planned = Planned {
+            due: Duration::from_secs_f64(t),
+            body: b,
+            stream,
+            forced,
+            prompt_bytes: bytes,
+            prompt_tokens: tokens,
+            first_copy: None,
+            in_burst: in_burst(t),
+        };
+        let u = rng.unit();
+        let repeats = if u < 0.5 {
+            0
+        } else if u < 0.5 + 1.0 / 3.0 {
+            1
+        } else {
+            2
+        };
+        let unloaded = expected_pool(forced, tokens).unloaded_ms(tokens, p.fleet_time_scale);
+        let mut copies = Vec::new();
+        for _ in 0..repeats {
+            let after = rng.range(0.05, 0.6) * unloaded / 1e3;
+            let at = t + after;
+            copies.push(Planned {
+                due: Duration::from_secs_f64(at),
+                first_copy: Some(first),
+                in_burst: in_burst(at),
+                ..planned.clone()
+            });
+        }
+        out.push(planned);
+        out.extend(copies);
+    }
+    // Sorted by due time; first-copy indices follow their requests.
+    let mut order: Vec<usize> = (0..out.len()).collect();
+    order.sort_by_key(|&i| (out[i].due, i));
+    let mut new_index = vec![0usize; out.len()];
+    for (new, &old) in order.iter().enumerate() {
+        new_index[old] = new;
+    }
+    order
+        .iter()
+        .map(|&old| {
+            let mut r = out[old].clone();
+            r.first_copy = r.first_copy.map(|f| new_index[f]);
+            r
+        })
+        .collect()
+}
+
+/// How one request ended, times from when it was due.
+#[derive(Clone, Debug, Default)]
+struct Got {
+    /// The first body chunk (a stream's first data chunk; a JSON answer's whole body).
+    first: Option<Duration>,
+    end: Duration,
+    status: Option<u16>,
+    rejected: Option<String>,
+    /// No answer, a non-2xx, or a stream that ended with an error event or without `[DONE]`.
+    error: Option<String>,
+    cache: Option<String>,
+    pool: Option<String>,
+}
+
+impl Got {
+    fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    fn hit(&self) -> bool {
+        self.cache.as_deref() == Some("HIT")
+    }
+
+    fn label(&self) -> String {
+        match (self.status, &self.rejected) {
+            (Some(s), Some(r)) => format!("{s} {r}"),
+            (Some(s), None) if !(200..300).contains(&s) => s.to_string(),
+            (Some(_), None) => "broken stream".into(),
+            (None, _) => "no answer".into(),
+        }
+    }
+}
+
+type Idle = Arc<Mutex<Vec<SendRequest<Full<Bytes>>>>>;
+
+/// Sends one request when due (on an idle kept-alive connection or a new one) and reads its
+/// answer whole, timing the first chunk.
+async fn one(addr: SocketAddr, idle: Idle, r: Planned, start: Instant, id: String) -> Got {
+    let due = start + r.due;
+    tokio::time::sleep_until(due.into()).await;
+    let mut got = Got::default();
+    let res = tokio::time::timeout(REQUEST_LIMIT, exchange(addr, &idle, &r, due, &id, &mut got));
+    match res.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => got.error = Some(format!("{e:#}")),
+        Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
+    }
+    got.end = Instant::now().saturating_duration_since(due);
+    got
+}
+
+async fn exchange(
+    addr: SocketAddr,
+    idle: &Idle,
+    r: &Planned,
+    due: Instant,
+    id: &str,
+    got: &mut Got,
+) -> Result<()> {
+    let kept = {
+        let mut idle = idle.lock().await;
+        let mut found = None;
+        while let Some(c) = idle.pop() {
+            if !c.is_closed() {
+                found = Some(c);
+                break;
+            }
+        }
+        found
+    };
+    let mut sender = match kept {
+        Some(c) => c,
+        None => connect(addr).await?,
+    };
+    sender.ready().await.context("connection closed")?;
+    let mut req = Request::builder()
+        .method(Method::POST)
+        .uri(CHAT)
+        .header(header::HOST, addr.to_string())
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", id);
+    if r.forced {
+        req = req.header("x-sluice-tier", "target");
+    }
+    let req = req
+        .body(Full::new(r.body.clone()))
+        .context("building the request")?;
+    let resp = sender.send_request(req).await.context("sending")?;
+    let status = resp.status();
+    let text = |name: &str| {
+        resp.headers()
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+    };
+    got.status = Some(status.as_u16());
+    got.rejected = text("x-sluice-rejected");
+    got.cache = text("x-cache");
+    got.pool = text("x-sluice-pool");
+    let mut body = resp.into_body();
+    let mut all = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.context("reading the answer")?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        got.first
+            .get_or_insert_with(|| Instant::now().saturating_duration_since(due));
+        all.extend_from_slice(&data);
+    }
+    idle.lock().await.push(sender);
+    if !status.is_success() {
+        bail!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&all[..all.len().min(200)])
+        );
+    }
+    if r.stream {
+        let has = |pat: &[u8]| all.windows(pat.len()).any(|w| w == pat);
+        if has(b"data: {\"error\"") {
+            bail!("the stream ended with an error event");
+        }
+        if !has(b"data: [DONE]") {
+            bail!("the stream ended without data: [DONE]");
+        }
+    }
+    Ok(())
+}
+
+/// Runs the schedule against `addr`; the results in schedule order.
+async fn replay(addr: SocketAddr, plan: &[Planned], run: usize) -> Result<Vec<Got>> {
+    let idle: Idle = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::with_capacity(plan.len());
+    for (i, r) in plan.iter().enumerate() {
+        let id = format!("fleet-{run}-{i}");
+        tasks.push(tokio::spawn(one(addr, idle.clone(), r.clone(), start, id)));
+    }
+    let mut out = Vec::with_capacity(plan.len());
+    for t in tasks {
+        out.push(t.await.context("a request task panicked")?);
+    }
+    Ok(out)
+}
+
+/// Percentile (nearest rank) of `v`, NaN when empty.
+fn pct(v: &[f64], p: f64) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The sum of the series of `name` whose labels include `label` (`result="coalesced"`).
+fn metric_with(page: &str, name: &str, label: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{') && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn page(addr: SocketAddr) -> Result<String> {
+    let (status, _, body) = fetch(&Target::get(addr, "/metrics")).await?;
+    if !status.is_success() {
+        bail!("{addr}/metrics: HTTP {status}");
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The simulators' OOMs and preemptions, summed.
+async fn sim_counts(sims: &[SocketAddr]) -> Result<(f64, f64)> {
+    let (mut oom, mut pre) = (0.0, 0.0);
+    for a in sims {
+        let p = page(*a).await?;
+        oom += metric_sum(&p, "sim_oom_total");
+        pre += metric_sum(&p, "vllm:num_preemptions_total");
+    }
+    Ok((oom, pre))
+}
+
+/// Sluice's cache counters: coalesced followers and hits.
+async fn cache_counts(admin: SocketAddr) -> Result<(f64, f64)> {
+    let p = page(admin).await?;
+    Ok((
+        metric_with(&p, "llm_cache_requests_total", "result=\"coalesced\""),
+        metric_with(&p, "llm_cache_requests_total", "result=\"hit\""),
+    ))
+}
+
+fn sluice_yaml(
+    dir: &Path,
+    name: &str,
+    (listen, admin): (SocketAddr, SocketAddr),
+    drafts: &[SocketAddr],
+    targets: &[SocketAddr],
+    strategy: &str,
+    scale: f64,
+) -> String {
+    let mut y = format!(
+        "# Generated by sluice-bench (scenario 13).\n\
+         pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  \
+         grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 1\n\
+         listeners:\n  - address: {listen}\n\
+         admin:\n  address: {admin}\n\
+         limits:\n  max_connections_per_client: 8192\n  max_requests_in_flight_per_client: 8192\n\
+         log:\n  level: warn\n  access_log: true\n\
+         pools:\n",
+        pid = dir.join(format!("{name}.pid")).display(),
+        sock = dir.join(format!("{name}.sock")).display(),
+    );
+    for (speed, backends) in [(DRAFT, drafts), (TARGET, targets)] {
+        let _ = write!(y, "  - name: {}\n    models: [\"{MODEL}\"]\n", speed.name);
+        if speed.name == DRAFT.name {
+            let _ = writeln!(y, "    max_model_len: {DRAFT_MAX_MODEL_LEN}");
+        }
+        let _ = write!(y, "    balancing:\n      strategy: {strategy}\n");
+        if strategy == "ttft" {
+            let _ = writeln!(
+                y,
+                "      prefill_tokens_per_second: {:.0}",
+                speed.tokens_per_second(scale)
+            );
+        }
+        y.push_str("    backends:\n");
+        for b in backends {
+            let _ = writeln!(y, "      - address: {b}");
+        }
+    }
+    let _ = write!(
+        y,
+        "plugins:\n  request_id:\n    enabled: true\n  cache:\n    enabled: true\n    \
+         store: memory\n    tenant: {{anonymous: share}}\n  speculative:\n    enabled: true\n    \
+         models:\n      - model: {MODEL}\n        drafts: [{{pool: draft}}]\n        \
+         target: target\n  kv_breaker:\n    enabled: true\n"
+    );
+    y
+}
+
+/// Sends a short request of its own until one answer is a 200 (Sluice and its pools are up).
+async fn first_answer(addr: SocketAddr, tag: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut i = 0;
+    loop {
+        let b = body(&content(&format!("{tag} warm-up"), i, 64), false);
+        i += 1;
+        let (status, _, answer) = fetch(&Target::post_json(addr, CHAT, b)).await?;
+        if status.is_success() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "no 200 within 10 s; last: HTTP {status}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One strategy's run and what it measured.
+struct StrategyRun {
+    strategy: &'static str,
+    contender: Contender,
+    got: Vec<Got>,
+    coalesced: f64,
+    hits: f64,
+    oom: f64,
+    preemptions: f64,
+}
+
+/// The numbers of one run, derived from the per-request records.
+#[derive(Debug, Default)]
+struct Derived {
+    errors: usize,
+    errors_by: BTreeMap<String, usize>,
+    streams: usize,
+    stream_ttft: Vec<f64>,
+    short_stream_ttft: Vec<f64>,
+    json_total: Vec<f64>,
+    /// Streams answered by a coalesced follower, their TTFT, their leaders' TTFT, and how
+    /// much later than its leader's (or its own sending, when later) the first chunk came.
+    follower_ttft: Vec<f64>,
+    leader_ttft: Vec<f64>,
+    follower_lag: Vec<f64>,
+    /// Streams that went upstream: TTFT minus the prompt's own prefill on their pool.
+    wait: Vec<f64>,
+    /// (index, wait ms, TTFT ms) of every upstream stream, for the notes.
+    waits: Vec<(usize, f64, f64)>,
+    upstream_ok: usize,
+    upstream_draft: usize,
+}
+
+fn derive(plan: &[Planned], got: &[Got], scale: f64) -> Derived {
+    let mut d = Derived::default();
+    for (i, (r, g)) in plan.iter().zip(got).enumerate() {
+        if !g.ok() {
+            d.errors += 1;
+            *d.errors_by.entry(g.label()).or_default() += 1;
+            continue;
+        }
+        if !g.hit() {
+            d.upstream_ok += 1;
+            if g.pool.as_deref() == Some(DRAFT.name) {
+                d.upstream_draft += 1;
+            }
+        }
+        if !r.stream {
+            d.json_total.push(ms(g.end));
+            continue;
+        }
+        d.streams += 1;
+        let Some(first) = g.first.map(ms) else {
+            continue;
+        };
+        d.stream_ttft.push(first);
+        if r.prompt_bytes <= SHORT_MAX_BYTES {
+            d.short_stream_ttft.push(first);
+        }
+        if g.hit() {
+            // A coalesced follower: a repeat sent while its first copy was still in flight,
+            // which went upstream itself.
+            let Some(j) = r.first_copy else { continue };
+            let (lr, lg) = (&plan[j], &got[j]);
+            let leader_end = lr.due + lg.end;
+            if !lg.ok() || lg.hit() || r.due >= leader_end {
+                continue;
+            }
+            let Some(lfirst) = lg.first else { continue };
+            d.follower_ttft.push(first);
+            d.leader_ttft.push(ms(lfirst));
+            let own = r.due + Duration::from_secs_f64(first / 1e3);
+            let after = (lr.due + lfirst).max(r.due);
+            d.follower_lag.push(ms(own.saturating_sub(after)));
+        } else {
+            let speed = match g.pool.as_deref() {
+                Some(n) if n == TARGET.name => TARGET,
+                Some(n) if n == DRAFT.name => DRAFT,
+                _ => continue,
+            };
+            let wait = first - speed.prefill_ms(r.prompt_tokens, scale);
+            d.wait.push(wait);
+            d.waits.push((i, wait, first));
+        }
+    }
+    d
+}
+
+fn f1(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.1}")
+    } else {
+        "–".into()
+    }
+}
+
+/// Scenario 13: the same seeded schedule through Sluice balancing both pools with each
+/// strategy.
+pub async fn fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(13, title(13));
+    let p = ctx.p.clone();
+    let scale = p.fleet_time_scale;
+    let tag = format!(
+        "fleet-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    );
+    let plan = schedule(&p, &tag);
+    let mut runs = Vec::new();
+    for (k, (strategy, contender)) in STRATEGIES.iter().enumerate() {
+        let dir = tempfile::tempdir_in(ctx.root.path())?;
+        let mut sims = Vec::new();
+        let (mut drafts, mut targets) = (Vec::new(), Vec::new());
+        for (i, speed) in [DRAFT, DRAFT, TARGET, TARGET].iter().enumerate() {
+            let d = dir.path().join(format!("sim{i}-{}", speed.name));
+            std::fs::create_dir_all(&d).with_context(|| format!("creating {d:?}"))?;
+            let sim = RunningSim::start(&ctx.sim, &speed.spec(scale), &d).await?;
+            if speed.name == DRAFT.name {
+                drafts.push(sim.addr);
+            } else {
+                targets.push(sim.addr);
+            }
+            sims.push(sim);
+        }
+        let all: Vec<SocketAddr> = drafts.iter().chain(&targets).copied().collect();
+        let (listen, admin) = (free_addr()?, free_addr()?);
+        let name = format!("sluice-{strategy}");
+        let yaml = sluice_yaml(
+            dir.path(),
+            &name,
+            (listen, admin),
+            &drafts,
+            &targets,
+            strategy,
+            scale,
+        );
+        let mut proc =
+            start_sluice_with(&ctx.sluice_bin, dir.path(), &name, &yaml, &[listen, admin]).await?;
+        first_answer(listen, &tag).await?;
+        // Let the health checks scrape every simulator once more.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (oom0, pre0) = sim_counts(&all).await?;
+        let (co0, hit0) = cache_counts(admin).await?;
+        let got = replay(listen, &plan, k).await?;
+        proc.check_alive()?;
+        let (oom1, pre1) = sim_counts(&all).await?;
+        let (co1, hit1) = cache_counts(admin).await?;
+        let errors: Vec<&Got> = got.iter().filter(|g| !g.ok()).collect();
+        report.measured(
+            *contender,
+            got.len() as u64,
+            errors.len() as u64,
+            errors.first().and_then(|g| g.error.clone()),
+        );
+        runs.push(StrategyRun {
+            strategy,
+            contender: *contender,
+            got,
+            coalesced: co1 - co0,
+            hits: hit1 - hit0,
+            oom: oom1 - oom0,
+            preemptions: pre1 - pre0,
+        });
+        drop(proc);
+        drop(sims);
+    }
+
+    report.header = [
+        "strategy",
+        "requests",
+        "errors",
+        "streams",
+        "stream TTFT p50 / p99 ms",
+        "short-prompt stream TTFT p99 ms",
+        "JSON total p50 / p99 ms",
+        "coalesced stream followers: n, TTFT p99 ms (their leaders' p99)",
+        "follower lag behind its leader p99 ms",
+        "wait (TTFT − own prefill) p50 / p99 ms",
+        "coalesced / hits (Sluice's count)",
+        "draft share",
+        "simulator OOMs / preemptions",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut derived = Vec::new();
+    for r in &runs {
+        let d = derive(&plan, &r.got, scale);
+        report.rows.push(vec![
+            r.strategy.to_string(),
+            r.got.len().to_string(),
+            if d.errors == 0 {
+                "0".into()
+            } else {
+                let by: Vec<String> = d
+                    .errors_by
+                    .iter()
+                    .map(|(k, v)| format!("{k}: {v}"))
+                    .collect();
+                format!("{} ({})", d.errors, by.join(", "))
+            },
+            d.streams.to_string(),
+            format!(
+                "{} / {}",
+                f1(pct(&d.stream_ttft, 50.0)),
+                f1(pct(&d.stream_ttft, 99.0))
+            ),
+            f1(pct(&d.short_stream_ttft, 99.0)),
+            format!(
+                "{} / {}",
+                f1(pct(&d.json_total, 50.0)),
+                f1(pct(&d.json_total, 99.0))
+            ),
+            format!(
+                "{}, {} ({})",
+                d.follower_ttft.len(),
+                f1(pct(&d.follower_ttft, 99.0)),
+                f1(pct(&d.leader_ttft, 99.0))
+            ),
+            f1(pct(&d.follower_lag, 99.0)),
+            format!("{} / {}", f1(pct(&d.wait, 50.0)), f1(pct(&d.wait, 99.0))),
+            format!("{:.0} / {:.0}", r.coalesced, r.hits),
+            format!(
+                "{:.0} % ({} of {})",
+                100.0 * d.upstream_draft as f64 / d.upstream_ok.max(1) as f64,
+                d.upstream_draft,
+                d.upstream_ok
+            ),
+            format!("{:.0} / {:.0}", r.oom, r.preemptions),
+        ]);
+        derived.push(d);
+    }
+
+    let originals = plan.iter().filter(|r| r.first_copy.is_none()).count();
+    let long = plan
+        .iter()
+        .filter(|r| r.prompt_bytes > SHORT_MAX_BYTES)
+        .count();
+    let streams = plan.iter().filter(|r| r.stream).count();
+    let forced = plan.iter().filter(|r| r.forced).count();
+    let too_long = plan
+        .iter()
+        .filter(|r| r.prompt_tokens + MAX_TOKENS > DRAFT_MAX_MODEL_LEN)
+        .count();
+    let bursts = plan.iter().filter(|r| r.in_burst).count();
+    report.notes.push(format!(
+        "Schedule (seed {SEED:#x}, the same for every strategy, open loop: each request sent \
+         when due on an idle kept-alive connection or a new one, times from the due time): \
+         {n} requests over {dur:?}, {originals} first copies and {repeats} exact repeats; first \
+         copies arrive as a Poisson process at {rate}/s, {bf}× that in bursts ({burst:?} of \
+         every {cycle:?}; {bursts} requests due in bursts). {long} requests ({lp:.0} %) carry a \
+         RAG-sized prompt (20 to 60 KB, 5k to 15k tokens), the rest 256 B to 4 KB; {streams} \
+         are streams, {forced} ask for the target (`x-sluice-tier: target`), {too_long} are too \
+         long for the draft pool's `max_model_len: {DRAFT_MAX_MODEL_LEN}` (`prompt-too-long`). \
+         A first copy gets 0, 1 or 2 repeats (1/2, 1/3, 1/6), each due 5 to 60 % of its \
+         unloaded duration after it, so while it is still generating. Every request: chat, \
+         `temperature: 0`, `max_tokens: {MAX_TOKENS}`.",
+        n = plan.len(),
+        dur = p.fleet_duration,
+        repeats = plan.len() - originals,
+        rate = p.fleet_rate,
+        bf = BURST_FACTOR,
+        burst = p.fleet_burst,
+        cycle = p.fleet_calm + p.fleet_burst,
+        lp = 100.0 * long as f64 / plan.len().max(1) as f64,
+    ));
+    report.notes.push(format!(
+        "Fleet, fresh for each strategy: 2 draft and 2 target simulators ({where_}), the \
+         simulator's Draft and Target profiles' speeds{scaled}: draft {do} ms + {dp} µs per \
+         prompt token to the first token, then {di} ms per token, {dk} KV blocks; target {to} \
+         ms + {tp} µs per token, {ti} ms per token, {tk} KV blocks; no jitter; one prefill at a \
+         time per instance (`serial_prefill`); vLLM's OOM answer when a request's KV does not \
+         fit; {MAX_TOKENS}-token answers. Sluice: pools `draft` (`max_model_len: \
+         {DRAFT_MAX_MODEL_LEN}`) and `target`, both serving `{MODEL}`, `balancing.strategy` \
+         set on both; for `ttft`, `prefill_tokens_per_second` seeded to the simulators' speed \
+         ({dtps:.0} draft, {ttps:.0} target); `speculative` on (draft first), `cache` on \
+         (memory, `tenant: {{anonymous: share}}`, coalescing at its defaults), `kv_breaker` on \
+         at its defaults, health checks at their defaults.",
+        where_ = match ctx.sim {
+            crate::SimMode::Process(_) => "each a process of its own",
+            crate::SimMode::InProcess => "threads of the harness, smoke test",
+        },
+        scaled = if (scale - 1.0).abs() > f64::EPSILON {
+            format!(" × {scale} (smoke run)")
+        } else {
+            String::new()
+        },
+        do = DRAFT.overhead_ms * scale,
+        dp = DRAFT.prefill_us * scale,
+        di = DRAFT.itl_ms * scale,
+        dk = DRAFT.kv_blocks,
+        to = TARGET.overhead_ms * scale,
+        tp = TARGET.prefill_us * scale,
+        ti = TARGET.itl_ms * scale,
+        tk = TARGET.kv_blocks,
+        dtps = DRAFT.tokens_per_second(scale),
+        ttps = TARGET.tokens_per_second(scale),
+    ));
+    report.notes.push(
+        "How to read: TTFT is a stream's first data chunk; JSON answers count their total time. \
+         A short prompt is at most 4 KB. Coalesced stream followers are repeats answered \
+         `x-cache: HIT` that were sent before their first copy's answer ended (the first copy \
+         a `MISS`, their leader); their lag is the follower's first chunk minus the later of \
+         its leader's first chunk and its own due time (what coalescing adds). The wait is \
+         computed for streams that went upstream (`MISS`): TTFT minus the prompt's tokens × the \
+         per-token prefill of the pool in `x-sluice-pool`; it keeps the fixed overhead (above), \
+         the proxy's time and every prefill queued ahead. Draft share: of \
+         the answers that went upstream, those from the draft pool. Coalesced and hits are \
+         Sluice's `llm_cache_requests_total` over the run; OOMs and preemptions the \
+         simulators' `sim_oom_total` and `vllm:num_preemptions_total`."
+            .to_string(),
+    );
+    // What dominates each strategy's tail: its largest waits and short-stream TTFTs.
+    for (r, d) in runs.iter().zip(&derived) {
+        let describe = |i: usize, extra: String| {
+            let (q, g) = (&plan[i], &r.got[i]);
+            format!(
+                "#{i} ({}, {} tokens{}{}, due {:.1} s{}) {extra}",
+                g.pool.as_deref().unwrap_or("?"),
+                q.prompt_tokens,
+                if q.forced { ", forced" } else { "" },
+                if q.first_copy.is_some() {
+                    ", repeat"
+                } else {
+                    ""
+                },
+                q.due.as_secs_f64(),
+                if q.in_burst { " in a burst" } else { "" },
+            )
+        };
+        let mut waits = d.waits.clone();
+        waits.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let top: Vec<String> = waits
+            .iter()
+            .take(3)
+            .map(|(i, w, t)| describe(*i, format!("wait {w:.0} ms, TTFT {t:.0} ms")))
+            .collect();
+        let mut shorts: Vec<(usize, f64)> = plan
+            .iter()
+            .zip(&r.got)
+            .enumerate()
+            .filter(|(_, (q, g))| q.stream && q.prompt_bytes <= SHORT_MAX_BYTES && g.ok())
+            .filter_map(|(i, (_, g))| Some((i, ms(g.first?))))
+            .collect();
+        shorts.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let top_short: Vec<String> = shorts
+            .iter()
+            .take(3)
+            .map(|(i, t)| {
+                describe(
+                    *i,
+                    format!(
+                        "TTFT {t:.0} ms, {}",
+                        r.got[*i].cache.as_deref().unwrap_or("no x-cache")
+                    ),
+                )
+            })
+            .collect();
+        report.notes.push(format!(
+            "{}: largest waits: {}; largest short-prompt stream TTFTs: {}.",
+            r.contender,
+            if top.is_empty() {
+                "none".into()
+            } else {
+                top.join("; ")
+            },
+            if top_short.is_empty() {
+                "none".into()
+            } else {
+                top_short.join("; ")
+            },
+        ));
+    }
+
+    for (r, d) in runs.iter().zip(&derived) {
+        let lag = pct(&d.follower_lag, 99.0);
+        report.checks.push(Check::new(
+            &format!(
+                "{}: a coalesced stream follower's first chunk within 10 ms of its leader's (p99 of the lag)",
+                r.strategy
+            ),
+            "≤ 10 ms",
+            format!(
+                "{} ms (followers' TTFT p99 {} ms, their leaders' {} ms; {} followers)",
+                f1(lag),
+                f1(pct(&d.follower_ttft, 99.0)),
+                f1(pct(&d.leader_ttft, 99.0)),
+                d.follower_ttft.len()
+            ),
+            lag.is_finite().then_some(lag <= 10.0),
+        ));
+    }
+    let find = |s: &str| runs.iter().position(|r| r.strategy == s);
+    if let (Some(rr), Some(kv), Some(tt)) = (find("round_robin"), find("kv_aware"), find("ttft")) {
+        let ratio_checks = |what: &str, f: &dyn Fn(&Derived) -> f64| -> Vec<Check> {
+            let t = f(&derived[tt]);
+            [(rr, "round_robin", 3.0), (kv, "kv_aware", 2.0)]
+                .iter()
+                .map(|(i, name, want)| {
+                    let o = f(&derived[*i]);
+                    let ratio = o / t;
+                    Check::new(
+                        &format!("ttft: {what} lower than {name}'s"),
+                        &format!("≥ {want}× lower"),
+                        format!("{ratio:.2}× ({name} {} ms, ttft {} ms)", f1(o), f1(t)),
+                        (ratio.is_finite() && t > 0.0).then_some(ratio >= *want),
+                    )
+                })
+                .collect()
+        };
+        let short = ratio_checks("short-prompt stream TTFT p99", &|d| {
+            pct(&d.short_stream_ttft, 99.0)
+        });
+        report.checks.extend(short);
+        let wait = ratio_checks("p99 wait", &|d| pct(&d.wait, 99.0));
+        report.checks.extend(wait);
+        let errs = |i: usize| derived[i].errors;
+        report.checks.push(Check::new(
+            "ttft: errors no more than round_robin's and kv_aware's",
+            "≤ both",
+            format!(
+                "ttft {}, round_robin {}, kv_aware {}",
+                errs(tt),
+                errs(rr),
+                errs(kv)
+            ),
+            Some(errs(tt) <= errs(rr) && errs(tt) <= errs(kv)),
+        ));
+        let co = |i: usize| runs[i].coalesced;
+        report.checks.push(Check::new(
+            "ttft: coalesced requests no fewer than round_robin's and kv_aware's",
+            "≥ both",
+            format!(
+                "ttft {:.0}, round_robin {:.0}, kv_aware {:.0}",
+                co(tt),
+                co(rr),
+                co(kv)
+            ),
+            Some(co(tt) >= co(rr) && co(tt) >= co(kv)),
+        ));
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_is_seeded_and_shaped() {
+        let p = Params::full();
+        let a = schedule(&p, "t");
+        let b = schedule(&p, "t");
+        assert_eq!(a.len(), b.len());
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| x.due == y.due && x.body == y.body));
+        assert!(a.windows(2).all(|w| w[0].due <= w[1].due));
+        for (i, r) in a.iter().enumerate() {
+            if let Some(j) = r.first_copy {
+                assert!(j < i, "a repeat after its first copy");
+                assert_eq!(a[j].body, r.body);
+                assert!(a[j].first_copy.is_none());
+            }
+        }
+        let repeats = a.iter().filter(|r| r.first_copy.is_some()).count();
+        let share = repeats as f64 / a.len() as f64;
+        assert!((0.3..0.5).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn prompt_tokens_as_the_simulator_counts() {
+        assert_eq!(prompt_tokens(0), 4);
+        assert_eq!(prompt_tokens(4), 5);
+        assert_eq!(content("x", 1, 100).len(), 100);
+    }
+
+    #[test]
+    fn labelled_metric_sums() {
+        let page = "llm_cache_requests_total{result=\"coalesced\"} 3\n\
+                    llm_cache_requests_total{result=\"hit\"} 2\n";
+        assert_eq!(
+            metric_with(page, "llm_cache_requests_total", "result=\"coalesced\""),
+            3.0
+        );
+    }
+}
