@@ -223,6 +223,16 @@ impl RequestCtx {
         self.usage
     }
 
+    // ---- the request itself ----
+
+    /// Replaces the parsed request with `call`, as if the client had sent it: what a request
+    /// hook may do to enforce a policy (the tenants plugin lowers `max_tokens` to a ceiling
+    /// with [`LlmCall::capped`]). Every later hook, the cache key and the attempts see the new
+    /// request. Only in `request`, before any plugin chose where the request goes from it.
+    pub fn rewrite_request(&mut self, call: LlmCall) {
+        self.llm = Some(call);
+    }
+
     // ---- routing ----
 
     /// The pool the request goes to: set by the core from the route or the model, and

@@ -271,7 +271,7 @@ impl Tenants {
         }
         if let Some(capped) = call.capped(ceiling) {
             let capped = capped.map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
-            ctx.set_llm(capped);
+            ctx.rewrite_request(capped);
         }
         Ok(())
     }
