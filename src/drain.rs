@@ -12,12 +12,17 @@
 //!   SSE error event and `[DONE]` (a clean end the client can tell from a cut), rather than
 //!   being cut when Pingora stops its runtimes.
 //!
-//! A plain thread, not a task: it must keep watching while the runtimes are stopping.
+//! A plain thread, not a task: it must keep watching while the runtimes are stopping. It is
+//! started by a background service, so after Pingora has daemonized (`-d` forks): a thread
+//! waiting on the phase channel across a fork leaves the child a waiter that does not exist,
+//! and the child panicked on the first phase sent.
 
 use crate::caps::Caps;
-use pingora_core::server::{ExecutionPhase, Server};
+use async_trait::async_trait;
+use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
+use pingora_core::services::background::BackgroundService;
 use sluice_sdk::Plugin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, watch};
 
@@ -30,23 +35,57 @@ const POLL: Duration = Duration::from_millis(25);
 /// The most the plugins get to finish their queued work once nothing is in flight.
 const FLUSH_WITHIN: Duration = Duration::from_secs(2);
 
-/// Starts the watcher for `server`. The receiver turns `true` when running streams are to
-/// end: each attempt watches it.
+/// Prepares the watcher for `server`: subscribes to its phases now (so none is missed) and
+/// returns the background service that starts the watching thread once the server runs, and
+/// the receiver that turns `true` when running streams are to end (each attempt watches it).
 pub fn watch(
     server: &Server,
     requests: Arc<Caps>,
     plugins: Vec<Arc<dyn Plugin>>,
     grace: Duration,
-) -> watch::Receiver<bool> {
+) -> (watch::Receiver<bool>, DrainService) {
     let (grace_over, streams_end) = watch::channel(false);
     let phases = server.watch_execution_phase();
+    let start: Box<dyn FnOnce() + Send> =
+        Box::new(move || spawn(phases, requests, plugins, grace, grace_over));
+    let service = DrainService {
+        start: Mutex::new(Some(start)),
+    };
+    (streams_end, service)
+}
+
+/// Starts the watching thread when the server's services start, after any fork.
+pub struct DrainService {
+    start: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+#[async_trait]
+impl BackgroundService for DrainService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let start = match self.start.lock() {
+            Ok(mut start) => start.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(start) = start {
+            start();
+        }
+        let _ = shutdown.changed().await;
+    }
+}
+
+fn spawn(
+    phases: broadcast::Receiver<ExecutionPhase>,
+    requests: Arc<Caps>,
+    plugins: Vec<Arc<dyn Plugin>>,
+    grace: Duration,
+    grace_over: watch::Sender<bool>,
+) {
     let spawned = std::thread::Builder::new()
         .name("sluice drain".into())
         .spawn(move || run(phases, requests, plugins, grace, grace_over));
     if let Err(e) = spawned {
         tracing::error!("cannot start the drain watcher, stops will take the grace period: {e}");
     }
-    streams_end
 }
 
 fn run(

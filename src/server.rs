@@ -48,7 +48,8 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         config.limits.max_requests_in_flight_per_client,
     );
     let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
-    let streams_end = crate::drain::watch(&server, requests.clone(), chain.plugins(), grace);
+    let (streams_end, drain) =
+        crate::drain::watch(&server, requests.clone(), chain.plugins(), grace);
     let plugins_for_status = chain.plugins();
     let sluice = Sluice {
         requests,
@@ -94,6 +95,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         );
     }
     server.add_service(proxy);
+    server.add_service(background_service("drain watcher", drain));
     server.add_service(background_service(
         "health checks",
         HealthService::new(pools.clone(), Arc::new(Connector::new(Some(upstream)))),

@@ -215,3 +215,56 @@ async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// `sluice -d` runs as a daemon: it serves, and stops at once on `SIGTERM` when idle. (A
+/// thread started before Pingora's fork once made the daemon panic on its first phase.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_serves_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (proxy, admin) = (reserve_port().release(), reserve_port().release());
+    let d = dir.path().display();
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "pingora:\n  pid_file: {d}/sluice.pid\n  upgrade_sock: {d}/sluice.sock\n  error_log: {d}/error.log\n  grace_period_seconds: 30\nlisteners: [{{address: \"127.0.0.1:{proxy}\"}}]\nadmin: {{address: \"127.0.0.1:{admin}\"}}\npools:\n  - name: main\n    models: [{MODEL}]\n    backends: [{{address: \"127.0.0.1:9\"}}]\n"
+        ),
+    )
+    .unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["-d", "-c"])
+        .arg(&config)
+        .status()
+        .unwrap();
+    assert!(status.success(), "the parent of the daemon exits at once");
+    let models = format!("http://127.0.0.1:{proxy}/v1/models");
+    let served = wait_for(Duration::from_secs(10), || async {
+        client()
+            .get(&models)
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    let log = || std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default();
+    assert!(served.is_some(), "the daemon never served: {}", log());
+    // Still serving a moment later: the daemon did not die after its start.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(client().get(&models).send().await.unwrap().status(), 200);
+
+    let pid: u32 = std::fs::read_to_string(dir.path().join("sluice.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    signal(pid, "TERM");
+    let gone = wait_for(Duration::from_secs(10), || async {
+        client().get(&models).send().await.is_err()
+            && !std::path::Path::new(&format!("/proc/{pid}/status")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .is_ok_and(|s| s.contains("State:\tZ"))
+    })
+    .await;
+    assert!(gone.is_some(), "the daemon did not stop: {}", log());
+    assert!(!log().contains("panicked"), "{}", log());
+}
