@@ -22,11 +22,11 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
 use tokio::sync::Mutex;
 
 use crate::contenders::{free_addr, start_sluice_with, Contender, RunningSim, SimSpec, MODEL};
-use crate::loadgen::{connect, fetch, Target};
+use crate::loadgen::{fetch, Target};
+use crate::phased::{checkout, Idle};
 use crate::report::{Check, ScenarioReport};
 use crate::resilience::metric_sum;
 use crate::scenarios::{title, CHAT};
@@ -307,7 +307,6 @@ impl Got {
     }
 }
 
-type Idle = Arc<Mutex<Vec<SendRequest<Full<Bytes>>>>>;
 
 /// Sends one request when due (on an idle kept-alive connection or a new one) and reads its
 /// answer whole, timing the first chunk.
@@ -333,22 +332,7 @@ async fn exchange(
     id: &str,
     got: &mut Got,
 ) -> Result<()> {
-    let kept = {
-        let mut idle = idle.lock().await;
-        let mut found = None;
-        while let Some(c) = idle.pop() {
-            if !c.is_closed() {
-                found = Some(c);
-                break;
-            }
-        }
-        found
-    };
-    let mut sender = match kept {
-        Some(c) => c,
-        None => connect(addr).await?,
-    };
-    sender.ready().await.context("connection closed")?;
+    let mut sender = checkout(idle, addr).await?;
     let mut req = Request::builder()
         .method(Method::POST)
         .uri(CHAT)

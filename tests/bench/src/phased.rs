@@ -104,7 +104,29 @@ pub fn percentile_ms<'a>(sent: impl IntoIterator<Item = &'a Sent>, p: f64) -> f6
 }
 
 /// Connections kept alive between requests.
-type Idle = Arc<Mutex<Vec<SendRequest<Full<Bytes>>>>>;
+/// Kept-alive connections not in use, shared by the request tasks.
+pub type Idle = Arc<Mutex<Vec<SendRequest<Full<Bytes>>>>>;
+
+/// A connection ready for a request: an idle one still open, else a new one to `addr`.
+pub async fn checkout(idle: &Idle, addr: std::net::SocketAddr) -> Result<SendRequest<Full<Bytes>>> {
+    let kept = {
+        let mut idle = idle.lock().await;
+        let mut found = None;
+        while let Some(c) = idle.pop() {
+            if !c.is_closed() {
+                found = Some(c);
+                break;
+            }
+        }
+        found
+    };
+    let mut sender = match kept {
+        Some(c) => c,
+        None => connect(addr).await?,
+    };
+    sender.ready().await.context("connection closed")?;
+    Ok(sender)
+}
 
 static NEXT_RUN: AtomicU64 = AtomicU64::new(0);
 
@@ -179,22 +201,7 @@ pub async fn run(
 /// Sends one request on an idle connection or a new one; the connection goes back to the
 /// idle ones when the answer was read whole.
 async fn one(target: &Target, idle: &Idle, request_id: &str) -> Result<Answer> {
-    let kept = {
-        let mut idle = idle.lock().await;
-        let mut found = None;
-        while let Some(c) = idle.pop() {
-            if !c.is_closed() {
-                found = Some(c);
-                break;
-            }
-        }
-        found
-    };
-    let mut sender = match kept {
-        Some(c) => c,
-        None => connect(target.addr).await?,
-    };
-    sender.ready().await.context("connection closed")?;
+    let mut sender = checkout(idle, target.addr).await?;
     let mut req = target.request()?;
     req.headers_mut().insert(
         "x-request-id",
