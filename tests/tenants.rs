@@ -595,3 +595,49 @@ async fn a_spent_budget_refuses_and_a_shadow_budget_only_counts() {
         .unwrap();
     assert!(cost > 0.01, "beta's spend counted: {cost}");
 }
+
+/// A tenant's key never reaches the backend, even from a pool that forwards client keys, and
+/// the pool's own credential (vLLM's `--api-key`) does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_key_stays_behind_and_the_pools_credential_goes_up() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_api_key("vllm-secret")
+            .with_record_requests(20),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("vllm-key");
+    std::fs::write(&secret, "vllm-secret").unwrap();
+    let keyed = pool("main", &[MODEL], &[upstream.addr()])
+        .with("upstream_auth", json!({"from_file": secret}))
+        .with("forward_client_key", true);
+    let proxy = Proxy::start(json!({
+        "pools": [keyed],
+        "plugins": {"tenants": tenants(json!({}))},
+    }))
+    .await;
+    let a = ask(
+        &proxy,
+        &chat(MODEL, "hi", false),
+        &[("x-api-key", ALPHA_KEY.to_string())],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let sent = upstream
+        .stats()
+        .recent
+        .into_iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .unwrap();
+    assert_eq!(sent.header("authorization"), Some("Bearer vllm-secret"));
+    assert_eq!(
+        sent.header("x-api-key"),
+        None,
+        "a tenant's key went upstream"
+    );
+}

@@ -46,8 +46,15 @@ fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
 
 /// What a request sent to `pool` (by `route`, for a plain route) carries: no client key unless
 /// the pool forwards it, the pool's credential, the pool's rules, the route's.
-pub fn to_pool(header: &mut RequestHeader, pool: &Pool, route: Option<&HeaderRules>) -> Result<()> {
-    if !pool.forward_client_key {
+/// A key that identified a tenant (`tenant_key`) never goes upstream, whatever the pool says.
+pub fn to_pool(
+    header: &mut RequestHeader,
+    pool: &Pool,
+    route: Option<&HeaderRules>,
+    tenant_key: bool,
+) -> Result<()> {
+    // Removed before the pool's credential is added: the credential may use the same header.
+    if !pool.forward_client_key || tenant_key {
         for name in CLIENT_KEY_HEADERS {
             header.remove_header(name);
         }

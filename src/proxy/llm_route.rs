@@ -220,7 +220,7 @@ impl AttemptLoop {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
-        forwarding::to_pool(&mut header, pool, None)?;
+        forwarding::to_pool(&mut header, pool, None, ctx.tenant().is_some())?;
         sluice.chain.upstream_request(&mut header, ctx)?;
 
         let escalation = ctx.escalation();

@@ -213,7 +213,13 @@ impl ProxyHttp for Sluice {
             .map(|a| a.ip());
         forwarding::prepare_request(upstream_request, peer, &self.limits.trusted_proxies)?;
         if let Some(pool) = ctx.req.pool() {
-            forwarding::to_pool(upstream_request, pool, ctx.route_headers.as_deref())?;
+            let tenant_key = ctx.req.tenant().is_some();
+            forwarding::to_pool(
+                upstream_request,
+                pool,
+                ctx.route_headers.as_deref(),
+                tenant_key,
+            )?;
         }
         self.chain.upstream_request(upstream_request, &mut ctx.req)
     }

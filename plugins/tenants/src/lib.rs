@@ -57,7 +57,7 @@ use limits::{Admitted, Limiter, Usage, Want};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
     api_key, ConfigError, Error, ErrorReply, Flow, Host, Plugin, PluginBuilder, Reason, RequestCtx,
-    RequestHeader, ResponseHeader, Result, Session, Tenant,
+    ResponseHeader, Result, Session, Tenant,
 };
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -329,14 +329,6 @@ impl Plugin for Tenants {
         // The real counts correct the estimate once the answer is in.
         ctx.want_usage();
         Ok(Flow::Continue)
-    }
-
-    fn upstream_request(&self, request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
-        // The core removes them too unless a pool forwards them; a tenant's key never.
-        for name in sluice_sdk::header_rules::CLIENT_KEY_HEADERS {
-            request.remove_header(name);
-        }
-        Ok(())
     }
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
