@@ -307,7 +307,6 @@ impl Got {
     }
 }
 
-
 /// Sends one request when due (on an idle kept-alive connection or a new one) and reads its
 /// answer whole, timing the first chunk.
 async fn one(addr: SocketAddr, idle: Idle, r: Planned, start: Instant, id: String) -> Got {
