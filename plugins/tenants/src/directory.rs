@@ -7,11 +7,12 @@
 //! naming another tenant is skipped and logged once per read.
 
 use crate::config::{digest_of, RedisKeys};
+use arc_swap::ArcSwap;
 use redis::AsyncCommands;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -33,7 +34,8 @@ pub struct Directory<T> {
 /// What the Redis hash says, as last read.
 struct RedisDirectory<T> {
     source: RedisKeys,
-    keys: RwLock<Arc<HashMap<KeyDigest, Arc<T>>>>,
+    /// Swapped whole at each read of the hash; requests read it without a lock.
+    keys: ArcSwap<HashMap<KeyDigest, Arc<T>>>,
     /// Flips once the first read was made (or failed): requests wait for it, briefly.
     loaded: watch::Sender<bool>,
     started: AtomicBool,
@@ -57,7 +59,7 @@ impl<T: Send + Sync + 'static> Directory<T> {
         }
         let redis = redis.map(|source| RedisDirectory {
             source,
-            keys: RwLock::new(Arc::new(HashMap::new())),
+            keys: ArcSwap::from_pointee(HashMap::new()),
             loaded: watch::channel(false).0,
             started: AtomicBool::new(false),
         });
@@ -84,11 +86,7 @@ impl<T: Send + Sync + 'static> Directory<T> {
         if !*loaded.borrow() {
             let _ = tokio::time::timeout(FIRST_READ_WAIT, loaded.wait_for(|done| *done)).await;
         }
-        let keys = match redis.keys.read() {
-            Ok(keys) => Arc::clone(&keys),
-            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
-        };
-        keys.get(digest).cloned()
+        redis.keys.load().get(digest).cloned()
     }
 
     /// Starts the task that reads the Redis keys every `refresh`, once, inside the runtime.
@@ -174,9 +172,6 @@ impl<T: Send + Sync + 'static> Directory<T> {
                 redis.source.hash
             );
         }
-        match redis.keys.write() {
-            Ok(mut current) => *current = Arc::new(keys),
-            Err(poisoned) => *poisoned.into_inner() = Arc::new(keys),
-        }
+        redis.keys.store(Arc::new(keys));
     }
 }
