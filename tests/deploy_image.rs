@@ -596,9 +596,9 @@ fn the_runtime_stage_builds_a_shell_free_non_root_image_that_checks_its_config()
             "{p}: root's, read-only to others"
         );
     }
-    assert_eq!(
-        std::fs::read_to_string(in_image(&config_dest)).unwrap(),
-        config
+    assert!(
+        std::fs::read_to_string(in_image(&config_dest)).unwrap() == config,
+        "{config_dest} in the image is not {config_source} (copied before conf/?)"
     );
     assert!(
         in_image("/etc/sluice/examples/multi-pool.yaml").is_file(),
