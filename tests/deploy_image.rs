@@ -18,6 +18,15 @@ use std::ffi::OsStr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use std::net::SocketAddr;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio_rustls::rustls::{self, ServerConfig};
+use tokio_rustls::TlsAcceptor;
 
 const BOOTSTRAP: &str = "run scripts/bootstrap --test";
 
@@ -682,4 +691,176 @@ fn buildah_reads_the_whole_containerfile_up_to_its_first_base_image() {
         log.contains(&format!("{expanded}: image not known")),
         "buildah stopped before the first base image:\n{log}"
     );
+}
+
+/// A certificate authority that signs one server certificate: its PEM and the server's TLS
+/// configuration for `name`.
+fn test_ca(name: &str) -> (String, ServerConfig) {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "Sluice image test CA");
+    let pem = params.self_signed(&key).unwrap().pem();
+    let issuer = Issuer::new(params, key);
+    let server_key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec![name.to_string()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(server_key.serialize_der()));
+    let config =
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![CertificateDer::from(cert.der().to_vec())], key)
+            .unwrap();
+    (pem, config)
+}
+
+/// Terminates TLS on a free port and passes the bytes to `backend`; stops with the test.
+async fn tls_front(config: ServerConfig, backend: SocketAddr) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let acceptor = TlsAcceptor::from(Arc::new(config));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let Ok(mut plain) = TcpStream::connect(backend).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Kills the process on drop, so that a failed assertion leaves nothing running.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_serves_as_its_user_and_trusts_the_cas_of_its_bundle() {
+    assert!(
+        run("id", &[os("-u")], &[]).stdout.starts_with(b"0\n"),
+        "this test builds with buildah and chroots into the image: run it as root"
+    );
+    let rt = runtime();
+    let buildah = Buildah::new();
+    let image = build_runtime(&buildah, &rt);
+    let container = buildah.ok(&[os("from"), os("--pull=never"), os(&image)]);
+    let rootfs = PathBuf::from(buildah.ok(&[os("mount"), os(&container)]));
+    let in_image = |p: &str| rootfs.join(p.trim_start_matches('/'));
+
+    // A vLLM behind TLS whose certificate only a CA of the test signs. The CA goes into the
+    // image's bundle, where distroless keeps Debian's (no `pingora.ca_file`): an answer
+    // proves that Sluice reads the system's CAs from there.
+    const SNI: &str = "vllm.image.test";
+    let (ca, tls) = test_ca(SNI);
+    let sim = vllm_sim::start(
+        vllm_sim::SimConfig::default().with_model("meta-llama/Llama-3.2-1B-Instruct"),
+    )
+    .await
+    .unwrap();
+    let front = tls_front(tls, sim.addr()).await;
+    let bundle = in_image("/etc/ssl/certs/ca-certificates.crt");
+    let mut cas = std::fs::read_to_string(&bundle).unwrap();
+    cas.push_str(&ca);
+    std::fs::write(&bundle, cas).unwrap();
+
+    // The container's config as shipped, on free ports, its draft pool on that vLLM.
+    let config_source = "deploy/container/sluice.yaml";
+    let mut config: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(root().join(config_source)).unwrap())
+            .unwrap();
+    let (proxy_port, admin_port) = (sluice_testkit::free_port(), sluice_testkit::free_port());
+    config["listeners"][0]["address"] = format!("0.0.0.0:{proxy_port}").into();
+    config["admin"]["address"] = format!("0.0.0.0:{admin_port}").into();
+    let draft = &mut config["pools"][0];
+    draft["backends"][0]["address"] = front.to_string().into();
+    draft["tls"] = serde_yaml_ng::from_str(&format!("{{sni: {SNI}}}")).unwrap();
+    std::fs::write(
+        in_image("/tmp/run.yaml"),
+        serde_yaml_ng::to_string(&config).unwrap(),
+    )
+    .unwrap();
+
+    // As a runtime would start it: the image's user, and no environment but the image's.
+    let user = rt.user.clone();
+    let env: Vec<String> = serde_json::from_value(
+        serde_json::from_str::<serde_json::Value>(&buildah.ok(&[
+            os("inspect"),
+            os("--type"),
+            os("image"),
+            os(&image),
+        ]))
+        .unwrap()["OCIv1"]["config"]["Env"]
+            .clone(),
+    )
+    .unwrap();
+    let log = buildah.dir.path().join("sluice.log");
+    let mut command = Command::new("/usr/sbin/chroot");
+    command.env_clear();
+    for pair in &env {
+        let (k, v) = pair.split_once('=').unwrap();
+        command.env(k, v);
+    }
+    command
+        .arg("--userspec")
+        .arg(&user)
+        .arg(&rootfs)
+        .arg(&rt.entrypoint[0])
+        .args(["-c", "/tmp/run.yaml"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut sluice = Running(command.spawn().unwrap());
+
+    let client = sluice_testkit::client();
+    let ready = sluice_testkit::wait_for(Duration::from_secs(30), || {
+        let url = format!("http://127.0.0.1:{admin_port}/readyz");
+        let client = client.clone();
+        async move { matches!(client.get(url).send().await, Ok(r) if r.status().is_success()) }
+    })
+    .await;
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        ready.is_some(),
+        "sluice in the image never became ready:\n{}",
+        logs()
+    );
+    let answer = sluice_testkit::ask_url(
+        &format!("http://127.0.0.1:{proxy_port}/v1/chat/completions"),
+        &sluice_testkit::chat("meta-llama/Llama-3.2-1B-Instruct", "Hello!", false),
+        &[],
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}\n{}", answer.body, logs());
+    assert_eq!(answer.headers["x-sluice-pool"], "draft");
+
+    // It runs as the image's user, not root.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", sluice.0.id())).unwrap();
+    let uid = numeric_user(&user).0;
+    assert!(
+        status.lines().any(
+            |l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some(&*uid.to_string())
+        ),
+        "not running as {uid}:\n{status}"
+    );
+
+    // SIGTERM, as `docker stop` sends it: a clean exit.
+    sluice_testkit::signal(sluice.0.id(), "TERM");
+    sluice_testkit::exits_within(&mut sluice.0, Duration::from_secs(40)).await;
 }
