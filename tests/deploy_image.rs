@@ -1,20 +1,24 @@
 //! deploy/Containerfile: its runtime stage, built as written with buildah, gives an image with
 //! no shell, a numeric non-root user, the binary, its config, and the entry point and ports
-//! that config needs; inside the image's root filesystem (chroot) the binary accepts its
-//! config and names the key of a broken one. And buildah reads the whole file up to its first
-//! base image.
+//! that config needs. In the image's root filesystem (chroot, as the image's user) the binary
+//! accepts its config and names the key of a broken one; started there, it serves, reaching a
+//! TLS backend through the CA bundle at distroless's path, and stops cleanly on SIGTERM. The
+//! binary links only libraries the distroless base ships. And buildah reads the whole file up
+//! to its first base image.
 //!
 //! The base images (`rust:…-bookworm`, `gcr.io/distroless/cc-debian12`) cannot be pulled here
 //! and no container may run, so the runtime stage is built on stand-ins, in a private buildah
 //! storage (vfs, in a temporary folder, removed at the end): the distroless base by an image
 //! holding what it ships and the binary needs (the libraries `ldd` names, the loader, CA
 //! certificates, passwd and group entries, /tmp), the build stage by a build context holding
-//! this test's `sluice`, stripped as the build stage strips it.
+//! this test's `sluice`, stripped as the build stage strips it. Needs root (chroot, and a
+//! mount namespace that keeps buildah's cache off the machine).
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
+use std::net::SocketAddr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -22,7 +26,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use std::net::SocketAddr;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_rustls::rustls::{self, ServerConfig};
@@ -280,6 +283,8 @@ struct Buildah {
 
 impl Buildah {
     fn new() -> Self {
+        let version = run("buildah", &[OsStr::new("--version")], &[]);
+        assert!(version.status.success(), "buildah: {}", text(&version));
         let dir = tempfile::tempdir().unwrap();
         let conf = dir.path().join("storage.conf");
         std::fs::write(
@@ -307,7 +312,26 @@ impl Buildah {
         all.extend_from_slice(args);
         // Its own storage.conf, so that the machine's cannot add image stores or options.
         let conf = self.dir.path().join("storage.conf");
-        run("buildah", &all, &[("CONTAINERS_STORAGE_CONF", &conf)])
+        // As root, buildah also writes a cache of layer digests to /var/lib/containers/cache
+        // whatever --root says: in a mount namespace of its own, on a tmpfs that goes with it.
+        let mut wrapped: Vec<&OsStr> = vec![
+            OsStr::new("--mount"),
+            OsStr::new("--propagation"),
+            OsStr::new("private"),
+            OsStr::new("sh"),
+            OsStr::new("-c"),
+            OsStr::new("mount -t tmpfs sluice-image-test /var/lib && exec buildah \"$@\""),
+            OsStr::new("sh"),
+        ];
+        wrapped.extend(all);
+        // Its temporary files (layers being committed) in the same folder, not /var/tmp.
+        let tmp = self.dir.path().join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        run(
+            "unshare",
+            &wrapped,
+            &[("CONTAINERS_STORAGE_CONF", &conf), ("TMPDIR", &tmp)],
+        )
     }
 
     /// Runs buildah; its standard output, trimmed, when it succeeds.
