@@ -1,8 +1,9 @@
 //! deploy/Containerfile: its runtime stage, built as written with buildah, gives an image with
 //! no shell, a numeric non-root user, the binary, its config, and the entry point and ports
 //! that config needs. In the image's root filesystem (chroot, as the image's user) the binary
-//! accepts its config and names the key of a broken one; started there, it serves, reaching a
-//! TLS backend through the CA bundle at distroless's path, and stops cleanly on SIGTERM. The
+//! accepts its config and names the key of a broken one; started there on a read-only root
+//! with a tmpfs /tmp, it serves, reaching a TLS backend through the CA bundle at distroless's
+//! path, and stops cleanly on SIGTERM. The
 //! binary links only libraries the distroless base ships. And buildah reads the whole file up
 //! to its first base image.
 //!
@@ -777,7 +778,7 @@ impl Drop for Running {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_image_serves_as_its_user_and_trusts_the_cas_of_its_bundle() {
+async fn the_image_serves_as_its_user_on_a_read_only_root_and_trusts_its_ca_bundle() {
     assert!(
         run("id", &[os("-u")], &[]).stdout.starts_with(b"0\n"),
         "this test builds with buildah and chroots into the image: run it as root"
@@ -816,13 +817,16 @@ async fn the_image_serves_as_its_user_and_trusts_the_cas_of_its_bundle() {
     let draft = &mut config["pools"][0];
     draft["backends"][0]["address"] = front.to_string().into();
     draft["tls"] = serde_yaml_ng::from_str(&format!("{{sni: {SNI}}}")).unwrap();
+    // Where a Kubernetes ConfigMap or `docker run -v` puts it: beside the shipped one.
     std::fs::write(
-        in_image("/tmp/run.yaml"),
+        in_image("/etc/sluice/run.yaml"),
         serde_yaml_ng::to_string(&config).unwrap(),
     )
     .unwrap();
 
-    // As a runtime would start it: the image's user, and no environment but the image's.
+    // As a runtime would start it: the image's user, no environment but the image's, and as
+    // deploy/kubernetes runs it, a read-only root with a tmpfs on /tmp. Each step execs the
+    // next (unshare without --fork, sh, chroot), so the child's pid is Sluice's.
     let user = rt.user.clone();
     let env: Vec<String> = serde_json::from_value(
         serde_json::from_str::<serde_json::Value>(&buildah.ok(&[
@@ -836,18 +840,23 @@ async fn the_image_serves_as_its_user_and_trusts_the_cas_of_its_bundle() {
     )
     .unwrap();
     let log = buildah.dir.path().join("sluice.log");
-    let mut command = Command::new("/usr/sbin/chroot");
+    let mut command = Command::new("unshare");
     command.env_clear();
     for pair in &env {
         let (k, v) = pair.split_once('=').unwrap();
         command.env(k, v);
     }
     command
-        .arg("--userspec")
-        .arg(&user)
+        .args(["--mount", "--propagation", "private", "/bin/sh", "-c"])
+        .arg(
+            "mount --bind \"$1\" \"$1\" && mount -o remount,bind,ro \"$1\" \
+             && mount -t tmpfs -o mode=1777 sluice-tmp \"$1/tmp\" \
+             && exec /usr/sbin/chroot --userspec \"$2\" \"$1\" \"$3\" -c /etc/sluice/run.yaml",
+        )
+        .arg("sh")
         .arg(&rootfs)
+        .arg(&user)
         .arg(&rt.entrypoint[0])
-        .args(["-c", "/tmp/run.yaml"])
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
     let mut sluice = Running(command.spawn().unwrap());
@@ -883,6 +892,22 @@ async fn the_image_serves_as_its_user_and_trusts_the_cas_of_its_bundle() {
         ),
         "not running as {uid}:\n{status}"
     );
+
+    // ... on a read-only root, writing only to /tmp.
+    let mounts = std::fs::read_to_string(format!("/proc/{}/mountinfo", sluice.0.id())).unwrap();
+    let options = |point: &str| {
+        mounts
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.get(4) == Some(&point))
+            .map(|f| f[5].to_string())
+            .unwrap_or_else(|| panic!("no mount on {point} in Sluice's view:\n{mounts}"))
+    };
+    assert!(
+        options("/").split(',').any(|o| o == "ro"),
+        "/ is writable:\n{mounts}"
+    );
+    assert!(options("/tmp").split(',').any(|o| o == "rw"));
 
     // SIGTERM, as `docker stop` sends it: a clean exit.
     sluice_testkit::signal(sluice.0.id(), "TERM");
