@@ -3,9 +3,8 @@
 //! that config needs. In the image's root filesystem (chroot, as the image's user) the binary
 //! accepts its config and names the key of a broken one; started there on a read-only root
 //! with a tmpfs /tmp, it serves, reaching a TLS backend through the CA bundle at distroless's
-//! path, and stops cleanly on SIGTERM. The
-//! binary links only libraries the distroless base ships. And buildah reads the whole file up
-//! to its first base image.
+//! path, and stops cleanly on SIGTERM. The binary links only libraries the distroless base
+//! ships. And buildah reads the whole file up to its first base image.
 //!
 //! The base images (`rust:…-bookworm`, `gcr.io/distroless/cc-debian12`) cannot be pulled here
 //! and no container may run, so the runtime stage is built on stand-ins, in a private buildah
