@@ -851,6 +851,8 @@ async fn the_image_serves_as_its_user_on_a_read_only_root_and_trusts_its_ca_bund
     let draft = &mut config["pools"][0];
     draft["backends"][0]["address"] = front.to_string().into();
     draft["tls"] = serde_yaml_ng::from_str(&format!("{{sni: {SNI}}}")).unwrap();
+    // The target pool on the same vLLM, in plain HTTP: no port the machine may be using.
+    config["pools"][1]["backends"][0]["address"] = sim.addr().to_string().into();
     // Where a Kubernetes ConfigMap or `docker run -v` puts it: beside the shipped one.
     std::fs::write(
         in_image("/etc/sluice/run.yaml"),
@@ -896,10 +898,25 @@ async fn the_image_serves_as_its_user_on_a_read_only_root_and_trusts_its_ca_bund
     let mut sluice = Running(command.spawn().unwrap());
 
     let client = sluice_testkit::client();
+    // Ready when the TLS backend has passed its health check (over TLS, so through the
+    // bundle too): before that, a request might find no healthy backend.
     let ready = sluice_testkit::wait_for(Duration::from_secs(30), || {
-        let url = format!("http://127.0.0.1:{admin_port}/readyz");
+        let url = format!("http://127.0.0.1:{admin_port}/status");
         let client = client.clone();
-        async move { matches!(client.get(url).send().await, Ok(r) if r.status().is_success()) }
+        let front = front.to_string();
+        async move {
+            let Ok(r) = client.get(url).send().await else {
+                return false;
+            };
+            let status: serde_json::Value = r.json().await.unwrap_or_default();
+            status["pools"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["name"] == "draft")
+                .flat_map(|p| p["backends"].as_array().cloned().unwrap_or_default())
+                .any(|b| b["address"] == front.as_str() && b["health"] == "healthy")
+        }
     })
     .await;
     let logs = || std::fs::read_to_string(&log).unwrap_or_default();
