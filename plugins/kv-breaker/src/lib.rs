@@ -323,6 +323,21 @@ impl Plugin for KvBreaker {
         KvBreakerBuilder::NAME
     }
 
+    /// The thresholds each class is shed and resumed at, for the admin page's KV bars.
+    fn status(&self) -> Option<serde_json::Value> {
+        let thresholds = self.lanes.first()?.gate.thresholds.clone();
+        let classes: serde_json::Map<String, serde_json::Value> = Priority::ALL
+            .into_iter()
+            .map(|p| {
+                let t = thresholds.of(p);
+                let v =
+                    serde_json::json!({"shed_above": t.shed_above, "resume_below": t.resume_below});
+                (p.as_str().to_string(), v)
+            })
+            .collect();
+        Some(serde_json::json!({ "thresholds": classes }))
+    }
+
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
         let priority = self.priority(session, ctx);
         ctx.set_priority(priority);
