@@ -1,5 +1,6 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/status`. On its own address
-//! (default 127.0.0.1:9090), so it can be firewalled apart from the proxy.
+//! The admin listener: `/` (a self-contained HTML dashboard of `/status` and `/metrics`),
+//! `/metrics`, `/healthz`, `/readyz`, `/status`. On its own address (default 127.0.0.1:9090),
+//! so it can be firewalled apart from the proxy.
 
 use async_trait::async_trait;
 use http::{Response, StatusCode};
@@ -9,6 +10,15 @@ use serde_json::json;
 use sluice_sdk::{Plugin, Pool, Pools, Priority};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The dashboard: one page with its CSS and script inline, so it works air-gapped.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// The page may run its own inline script and style and fetch from its own origin, nothing
+/// else: data from config (tenant and model names) cannot bring in markup or call out.
+const DASHBOARD_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
+    style-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; \
+    form-action 'none'; frame-ancestors 'none'";
 
 pub struct Admin {
     pub pools: Arc<Pools>,
@@ -28,6 +38,7 @@ impl ServeHttp for Admin {
             );
         }
         match session.req_header().uri.path() {
+            "/" | "/index.html" => dashboard(),
             "/metrics" => respond(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",
@@ -132,6 +143,32 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         },
         "backends": backends,
     })
+}
+
+fn dashboard() -> Response<Vec<u8>> {
+    let mut response = respond(
+        StatusCode::OK,
+        "text/html; charset=utf-8",
+        DASHBOARD.as_bytes().to_vec(),
+    );
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(DASHBOARD_CSP),
+    );
+    headers.insert(
+        http::header::X_CONTENT_TYPE_OPTIONS,
+        http::HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-cache"),
+    );
+    headers.insert(
+        http::header::REFERRER_POLICY,
+        http::HeaderValue::from_static("no-referrer"),
+    );
+    response
 }
 
 fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
