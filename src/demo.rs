@@ -239,7 +239,7 @@ fn print_welcome(addresses: &Addresses, draft: &Sim, target: &Sim) {
 Sluice demo: the proxy and two simulated vLLM pools, in this process.
 
   proxy: {proxy}
-  admin: {admin}   (/status /metrics /healthz /readyz)
+  admin: {admin}   (/ /status /metrics /healthz /readyz)
   draft pool  (simulated vLLM, {d}): {draft_url}
   target pool (simulated vLLM, {t}): {target_url}
 
