@@ -321,3 +321,50 @@ async fn the_admin_page_shows_the_fleet_in_a_browser_from_its_own_origin_only() 
         bytes.len()
     );
 }
+
+/// Names come from the config and reach the page as text: a model and a tenant named like
+/// markup show as those characters, and no element or script of theirs runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_from_the_config_are_shown_as_text_not_markup() {
+    const MODEL: &str = r#"<img src=x onerror="document.title='pwned'">"#;
+    const TENANT: &str = "<b id=injected>&amp;t</b>";
+    let upstream = sim_serving(MODEL).await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": {"enabled": true, "tenants": {
+            TENANT: {"keys": [format!("sha256:{}", "ab".repeat(32))]},
+        }}},
+    }))
+    .await;
+    let status = proxy.status().await;
+    assert_eq!(status["pools"][0]["models"][0], MODEL);
+
+    let profile = tempfile::tempdir().unwrap();
+    let mut dom = String::new();
+    for _ in 0..5 {
+        dom = chromium(&proxy.admin_url("/"), &["--dump-dom"], profile.path());
+        if dom.contains(r#"data-state="ok""#) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert!(dom.contains(r#"data-state="ok""#), "never rendered: {dom}");
+    // The serializer escapes text as `&lt;`/`&amp;`; markup would come out as itself.
+    assert!(
+        dom.contains(r#"&lt;img src=x onerror="document.title='pwned'"&gt;"#),
+        "the model name is not shown as text: {dom}"
+    );
+    assert!(
+        dom.contains(r#"class="tenant-name">&lt;b id=injected&gt;&amp;amp;t&lt;/b&gt;<"#),
+        "the tenant name is not shown as text: {dom}"
+    );
+    assert!(!dom.contains("<img"), "the model name became an element");
+    assert!(
+        !dom.contains("id=\"injected\""),
+        "the tenant name became an element"
+    );
+    assert!(
+        dom.contains("<title>Sluice</title>"),
+        "a script from the data ran"
+    );
+}
