@@ -42,7 +42,11 @@ fn cache_section(setup: &Setup) -> Option<String> {
         Setup::RedisHits(url) => Some(format!(
             "store: redis\nredis:\n  url: {url}\ntenant: {{anonymous: share}}"
         )),
-        Setup::Off | Setup::On | Setup::TenantsLocal(_) | Setup::TenantsRedis(..) => None,
+        Setup::Off
+        | Setup::On
+        | Setup::Only(_)
+        | Setup::TenantsLocal(_)
+        | Setup::TenantsRedis(..) => None,
     }
 }
 
@@ -118,6 +122,8 @@ pub enum Setup {
     TenantsLocal(String),
     /// Scenario 12: the same, the limits in the Redis at this URL (digest, URL).
     TenantsRedis(String, String),
+    /// Scenario 16: one section of [`PLUGINS`] on alone, every other off.
+    Only(&'static str),
 }
 
 impl Setup {
@@ -129,6 +135,13 @@ impl Setup {
             Setup::RedisHits(_) => "sluice-redis-hits",
             Setup::TenantsLocal(_) => "sluice-tenants-local",
             Setup::TenantsRedis(..) => "sluice-tenants-redis",
+            Setup::Only(section) => match *section {
+                "request_id" => "sluice-only-request-id",
+                "cache" => "sluice-only-cache",
+                "speculative" => "sluice-only-speculative",
+                "kv_breaker" => "sluice-only-kv-breaker",
+                _ => "sluice-only",
+            },
         }
     }
 }
@@ -167,6 +180,11 @@ pub enum Contender {
     SluiceKvAware,
     /// Scenario 13: the same, balancing `ttft`.
     SluiceTtft,
+    /// Scenario 16: one plugin on alone (cache misses for the cache).
+    SluiceOnlyRequestId,
+    SluiceOnlyCache,
+    SluiceOnlySpeculative,
+    SluiceOnlyKvBreaker,
 }
 
 impl Contender {
@@ -213,6 +231,10 @@ impl Contender {
             Contender::SluiceRoundRobin => "sluice (round_robin)",
             Contender::SluiceKvAware => "sluice (kv_aware)",
             Contender::SluiceTtft => "sluice (ttft)",
+            Contender::SluiceOnlyRequestId => "sluice (request_id only)",
+            Contender::SluiceOnlyCache => "sluice (cache only, miss)",
+            Contender::SluiceOnlySpeculative => "sluice (speculative only)",
+            Contender::SluiceOnlyKvBreaker => "sluice (kv_breaker only)",
         }
     }
 }
@@ -676,10 +698,11 @@ pub fn sluice_config(
     setup: &Setup,
     limits: Option<&EdgeLimits>,
 ) -> String {
-    let plugins_on = matches!(setup, Setup::On | Setup::MemoryHits | Setup::RedisHits(_));
+    let all_on = matches!(setup, Setup::On | Setup::MemoryHits | Setup::RedisHits(_));
     let cache = cache_section(setup);
     let mut plugins = String::new();
     for (section, extra) in PLUGINS {
+        let plugins_on = all_on || *setup == Setup::Only(section);
         plugins.push_str(&format!("  {section}:\n    enabled: {plugins_on}\n"));
         if plugins_on {
             let extra = match (*section, &cache) {

@@ -11,6 +11,8 @@ pub mod contenders;
 pub mod fleet;
 pub mod loadgen;
 pub mod phased;
+pub mod plugin_cost;
+pub mod public;
 pub mod report;
 pub mod resilience;
 pub mod scenarios;
@@ -102,6 +104,20 @@ pub struct Params {
     pub fleet_calm: Duration,
     pub fleet_burst: Duration,
     pub fleet_time_scale: f64,
+    /// Scenario 16: the rate search's first step (req/s), its doubling steps' cap, the
+    /// bisections after the first failing step, each step's measured time, and connections.
+    pub public_rate_start: f64,
+    pub public_rate_max: f64,
+    pub public_bisections: usize,
+    pub public_step: Duration,
+    pub public_conns: usize,
+    /// How long memory is left to settle before the "after" RSS (scenarios 4 and 16).
+    pub settle: Duration,
+    /// Scenario 18: the fixed rate at which each plugin's cost is measured (req/s).
+    pub plugin_rate: f64,
+    /// Scenario 19: each prompt's size and the streams open at once.
+    pub long_prompt_bytes: usize,
+    pub long_prompt_concurrency: usize,
 }
 
 impl Params {
@@ -150,6 +166,15 @@ impl Params {
             fleet_calm: Duration::from_secs(6),
             fleet_burst: Duration::from_secs(2),
             fleet_time_scale: 1.0,
+            public_rate_start: 250.0,
+            public_rate_max: 32_000.0,
+            public_bisections: 3,
+            public_step: Duration::from_secs(2),
+            public_conns: 512,
+            settle: Duration::from_secs(2),
+            plugin_rate: 1000.0,
+            long_prompt_bytes: 220_000,
+            long_prompt_concurrency: 150,
         }
     }
 
@@ -198,6 +223,15 @@ impl Params {
             fleet_calm: Duration::from_millis(400),
             fleet_burst: Duration::from_millis(200),
             fleet_time_scale: 0.05,
+            public_rate_start: 50.0,
+            public_rate_max: 100.0,
+            public_bisections: 0,
+            public_step: Duration::from_millis(300),
+            public_conns: 16,
+            settle: Duration::from_millis(100),
+            plugin_rate: 50.0,
+            long_prompt_bytes: 220_000,
+            long_prompt_concurrency: 4,
         }
     }
 }

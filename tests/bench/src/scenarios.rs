@@ -67,6 +67,14 @@ pub const ALL: &[(u8, &str)] = &[
         13,
         "Time to first token at the tail: a draft and target fleet under bursty long prompts, per balancing strategy",
     ),
+    (15, "Public method: added latency at concurrency 1"),
+    (
+        16,
+        "Public method: highest rate sustained behind a 20 ms mock, and RSS before, during, after",
+    ),
+    (17, "Public method: streams of 64 deltas 20 ms apart"),
+    (18, "Each plugin's cost: CPU per request and added p99"),
+    (19, "Long prompts: 220 KB streamed prompts at concurrency 150"),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -84,6 +92,11 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         11 => crate::resilience::burst(ctx).await,
         12 => crate::tenants::tenants_cost(ctx).await,
         13 => crate::fleet::fleet(ctx).await,
+        15 => crate::public::concurrency_one(ctx).await,
+        16 => crate::public::max_rate(ctx).await,
+        17 => crate::public::public_streams(ctx).await,
+        18 => crate::plugin_cost::each_plugin(ctx).await,
+        19 => crate::plugin_cost::long_prompts(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -120,7 +133,7 @@ impl Up {
     }
 
     /// The pid whose resources count (the simulator's for `direct`).
-    fn pid(&self, sim: &RunningSim) -> Option<u32> {
+    pub(crate) fn pid(&self, sim: &RunningSim) -> Option<u32> {
         match &self.proc {
             Some(p) => p.pid(),
             None => sim.pid(),
@@ -130,7 +143,7 @@ impl Up {
 
 /// `up`'s requests: `body` to `path`. "Plugins on" gets a prompt of its own per request, so
 /// that its cache misses (and stores) every time instead of answering from memory.
-fn target_for(up: &Up, path: &str, body: &Bytes) -> Arc<Target> {
+pub(crate) fn target_for(up: &Up, path: &str, body: &Bytes) -> Arc<Target> {
     let t = Target::post_json(up.addr, path, body.clone());
     Arc::new(if up.contender == Contender::SluiceOn {
         t.varied()
@@ -172,10 +185,20 @@ impl Stack {
         for &c in want {
             match c {
                 Contender::Direct => up.push(Up::plain(c, sim.addr, None)),
-                Contender::SluiceOff | Contender::SluiceOn | Contender::SluiceMemoryHit => {
+                Contender::SluiceOff
+                | Contender::SluiceOn
+                | Contender::SluiceMemoryHit
+                | Contender::SluiceOnlyRequestId
+                | Contender::SluiceOnlyCache
+                | Contender::SluiceOnlySpeculative
+                | Contender::SluiceOnlyKvBreaker => {
                     let setup = match c {
                         Contender::SluiceOff => Setup::Off,
                         Contender::SluiceOn => Setup::On,
+                        Contender::SluiceOnlyRequestId => Setup::Only("request_id"),
+                        Contender::SluiceOnlyCache => Setup::Only("cache"),
+                        Contender::SluiceOnlySpeculative => Setup::Only("speculative"),
+                        Contender::SluiceOnlyKvBreaker => Setup::Only("kv_breaker"),
                         _ => Setup::MemoryHits,
                     };
                     let (proc, addr) =
@@ -658,7 +681,7 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     Ok(report)
 }
 
-fn errors_cell_sse(results: &[sse::SseResult]) -> String {
+pub(crate) fn errors_cell_sse(results: &[sse::SseResult]) -> String {
     let errors: u64 = results.iter().map(|r| r.errors).sum();
     match results.iter().find_map(|r| r.first_error.clone()) {
         Some(e) => format!("{errors}: {}", e.chars().take(80).collect::<String>()),
@@ -674,6 +697,8 @@ struct OpenRound {
     peak_open: usize,
     rss_idle_mb: f64,
     rss_peak_mb: f64,
+    /// After the streams ended and memory settled.
+    rss_after_mb: f64,
     cpu_cores: f64,
 }
 
@@ -718,6 +743,8 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             let r = result??;
             let wall = started.elapsed();
             let after = tree_usage(pid)?;
+            tokio::time::sleep(ctx.p.settle).await;
+            let settled = tree_usage(pid)?;
             report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
             runs.entry(up.contender).or_default().push(OpenRound {
                 streams: r.streams,
@@ -726,6 +753,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 peak_open,
                 rss_idle_mb: idle.rss_bytes as f64 / 1e6,
                 rss_peak_mb: peak_rss as f64 / 1e6,
+                rss_after_mb: settled.rss_bytes as f64 / 1e6,
                 cpu_cores: (after.cpu.saturating_sub(idle.cpu)).as_secs_f64()
                     / wall.as_secs_f64().max(1e-9),
             });
@@ -737,6 +765,8 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "peak open",
         "RSS before MB",
         "RSS peak MB",
+        "RSS after MB",
+        "after × before",
         "KB per stream",
         "CPU (cores, avg)",
         "errors",
@@ -753,6 +783,8 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             s(&|r| r.peak_open as f64).show(0),
             s(&|r| r.rss_idle_mb).show(1),
             s(&|r| r.rss_peak_mb).show(1),
+            s(&|r| r.rss_after_mb).show(1),
+            s(&|r| r.rss_after_mb / r.rss_idle_mb.max(1e-9)).show(2),
             s(&|r| (r.rss_peak_mb - r.rss_idle_mb) * 1000.0 / (r.peak_open.max(1) as f64)).show(1),
             s(&|r| r.cpu_cores).show(2),
             match first {
@@ -762,10 +794,34 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         ]);
     }
     report.notes.push(format!(
-        "{n} streams opened over {:?}, each {} tokens every {} ms; RSS (VmRSS) sampled every \
-         100 ms, CPU = utime+stime over the round's wall time; nginx is master + workers. The \
-         same process serves every round, so later rounds start from a warm heap.",
-        ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms
+        "{n} streams opened over {:?}, each {} tokens every {} ms; RSS (VmRSS) before the \
+         streams, sampled every 100 ms during them (peak), and {:?} after the last ended; CPU = \
+         utime+stime over the round's wall time; nginx is master + workers. The same process \
+         serves every round, so later rounds start from a warm heap.",
+        ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms, ctx.p.settle
+    ));
+    let median = |c: Contender, f: fn(&OpenRound) -> f64| {
+        runs.get(&c)
+            .map(|r| Series(r.iter().map(f).collect()).median())
+            .unwrap_or(f64::NAN)
+    };
+    let (on_peak, bare_peak) = (
+        median(Contender::SluiceOn, |r| r.rss_peak_mb),
+        median(Contender::BarePingora, |r| r.rss_peak_mb),
+    );
+    report.checks.push(Check::new(
+        &format!("plugins on: RSS with {n} open streams vs bare Pingora's"),
+        "≤ bare Pingora's",
+        format!("{on_peak:.1} vs {bare_peak:.1} MB"),
+        (on_peak.is_finite() && bare_peak.is_finite()).then_some(on_peak <= bare_peak),
+    ));
+    report.checks.push(Check::at_most(
+        "plugins on: RSS after the streams over RSS before",
+        median(Contender::SluiceOn, |r| {
+            r.rss_after_mb / r.rss_idle_mb.max(1e-9)
+        }),
+        1.10,
+        "×",
     ));
     for c in [Contender::SluiceOff, Contender::SluiceOn] {
         let name = if c == Contender::SluiceOff {
@@ -1125,13 +1181,13 @@ async fn health_checks(admin: SocketAddr) -> Result<(f64, f64)> {
 }
 
 /// Samples the summed VmRSS of some processes on a timer until stopped: the peak between.
-struct RssSampler {
+pub(crate) struct RssSampler {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<u64>,
 }
 
 impl RssSampler {
-    fn start(pids: Vec<u32>, every: Duration) -> RssSampler {
+    pub(crate) fn start(pids: Vec<u32>, every: Duration) -> RssSampler {
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
@@ -1152,7 +1208,7 @@ impl RssSampler {
     }
 
     /// The peak, bytes.
-    async fn stop(mut self) -> Result<u64> {
+    pub(crate) async fn stop(mut self) -> Result<u64> {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -1167,14 +1223,14 @@ impl Drop for RssSampler {
 }
 
 /// The summed VmRSS of `pids`, bytes (a process that is gone counts 0).
-fn rss_sum(pids: &[u32]) -> u64 {
+pub(crate) fn rss_sum(pids: &[u32]) -> u64 {
     pids.iter()
         .filter_map(|p| status_bytes(*p, "VmRSS").ok())
         .sum()
 }
 
 /// A proxy's processes: Sluice's one, or nginx's master and workers.
-fn proxy_pids(proc: &Proc) -> Vec<u32> {
+pub(crate) fn proxy_pids(proc: &Proc) -> Vec<u32> {
     let Some(pid) = proc.pid() else {
         return Vec::new();
     };
@@ -1185,7 +1241,7 @@ fn proxy_pids(proc: &Proc) -> Vec<u32> {
 
 /// A chat request of exactly `bytes` bytes (when that is more than its JSON around the
 /// message): one user message of plain ASCII words, so nothing needs escaping.
-fn sized_chat_body(bytes: usize, max_tokens: u32) -> Bytes {
+pub(crate) fn sized_chat_body(bytes: usize, max_tokens: u32) -> Bytes {
     let overhead = chat_body("", false, max_tokens).len();
     let words = "the quick brown fox jumps over the lazy dog ";
     let content: String = words

@@ -1,0 +1,229 @@
+//! What each plugin costs, and long prompts. Scenario 18: Sluice with plugins off, each plugin
+//! on alone, and all on (cache misses), at one fixed moderate rate: the proxy's CPU time per
+//! request (/proc/PID/stat over the run ÷ requests) and added p99, each against plugins off in
+//! the same round. Scenario 19: streams with 220 KB prompts at concurrency 150: added TTFT and
+//! the proxy's CPU per stream.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use http::header::{HeaderValue, AUTHORIZATION};
+
+use crate::contenders::{tree_usage, Contender, SimSpec, TENANT_KEY};
+use crate::loadgen::{open_loop, LoadResult, Target};
+use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::scenarios::{
+    chat_body, errors_cell, errors_cell_sse, series, target_for, title, Stack, Up, CHAT,
+};
+use crate::sse::{self, SseLoad, SseResult};
+use crate::Ctx;
+
+/// Scenario 18's contenders: the floor, plugins off, each plugin alone, all on.
+const EACH_PLUGIN: [Contender; 8] = [
+    Contender::Direct,
+    Contender::SluiceOff,
+    Contender::SluiceOnlyRequestId,
+    Contender::SluiceTenantsLocal,
+    Contender::SluiceOnlyCache,
+    Contender::SluiceOnlyKvBreaker,
+    Contender::SluiceOnlySpeculative,
+    Contender::SluiceOn,
+];
+
+/// A measure of one round: its load and the proxy's CPU per request (µs).
+struct Measured<T> {
+    result: T,
+    cpu_us: f64,
+}
+
+/// `f` of `c` over `f` of `base`, round by round.
+fn per_round<T>(
+    runs: &BTreeMap<Contender, Vec<Measured<T>>>,
+    c: Contender,
+    base: Contender,
+    f: impl Fn(&Measured<T>) -> f64 + Copy,
+    op: impl Fn(f64, f64) -> f64,
+) -> Series {
+    pairwise(&series(runs.get(&c), f), &series(runs.get(&base), f), op)
+}
+
+/// CPU seconds of `up`'s processes (the simulator's for direct) since `before`.
+fn cpu_since(up: &Up, stack: &Stack, before: Option<f64>) -> Option<f64> {
+    let pid = up.pid(&stack.sim)?;
+    let after = tree_usage(pid).ok()?.cpu.as_secs_f64();
+    Some(after - before?)
+}
+
+fn cpu_now(up: &Up, stack: &Stack) -> Option<f64> {
+    let pid = up.pid(&stack.sim)?;
+    Some(tree_usage(pid).ok()?.cpu.as_secs_f64())
+}
+
+/// 18. Each plugin's cost at a fixed rate.
+pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(18, title(18));
+    let p = ctx.p.clone();
+    let stack = Stack::start(ctx, &SimSpec::zero(), &EACH_PLUGIN).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Hello! Say something short.", false, 16);
+    let auth = HeaderValue::from_str(&format!("Bearer {TENANT_KEY}"))
+        .context("the Authorization header")?;
+    let mut runs: BTreeMap<Contender, Vec<Measured<LoadResult>>> = BTreeMap::new();
+    for _ in 0..p.rounds {
+        for up in &stack.up {
+            // Every request a prompt of its own for every contender, so that the cache misses
+            // and the contenders differ by their plugins only; the tenant's key for tenants.
+            let mut target = Target::post_json(up.addr, CHAT, body.clone()).varied();
+            if up.contender == Contender::SluiceTenantsLocal {
+                target = target.with_header(AUTHORIZATION, auth.clone());
+            }
+            let before = cpu_now(up, &stack);
+            let r = open_loop(
+                Arc::new(target),
+                p.open_conns,
+                p.plugin_rate,
+                p.warmup,
+                p.duration,
+            )
+            .await?;
+            // The CPU counts the warm-up too: divided by every request due in the run.
+            let due = p.plugin_rate * (p.warmup + p.duration).as_secs_f64();
+            let cpu_us = cpu_since(up, &stack, before).map_or(f64::NAN, |s| s * 1e6 / due);
+            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
+            runs.entry(up.contender)
+                .or_default()
+                .push(Measured { result: r, cpu_us });
+        }
+    }
+    report.header = [
+        "contender",
+        "req/s done",
+        "CPU µs/req",
+        "CPU × plugins off",
+        "CPU µs/req over plugins off",
+        "p50 ms",
+        "p99 ms",
+        "added p99 ms over plugins off",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let cpu = |m: &Measured<LoadResult>| m.cpu_us;
+    let p99 = |m: &Measured<LoadResult>| m.result.ms(99.0);
+    let off = Contender::SluiceOff;
+    for (c, rounds) in &runs {
+        let c = *c;
+        let results: Vec<LoadResult> = rounds.iter().map(|m| m.result.clone()).collect();
+        report.rows.push(vec![
+            c.label().to_string(),
+            series(Some(&results), LoadResult::rps).show(0),
+            series(Some(rounds), cpu).show(1),
+            per_round(&runs, c, off, cpu, |a, b| a / b).show(2),
+            per_round(&runs, c, off, cpu, |a, b| a - b).show(1),
+            series(Some(&results), |r| r.ms(50.0)).show(3),
+            series(Some(&results), |r| r.ms(99.0)).show(3),
+            per_round(&runs, c, off, p99, |a, b| a - b).show(3),
+            errors_cell(&results),
+        ]);
+    }
+    report.notes.push(format!(
+        "Non-stream chat at {:.0} requests/s (open loop, up to {} connections, {:?} warm-up + \
+         {:?} measured per contender per round), zero-latency simulator. Every contender gets \
+         a prompt of its own per request (the cache misses and stores). CPU: utime + stime of \
+         the proxy's process from /proc/PID/stat over the whole run (warm-up included) ÷ the \
+         requests due in it (the simulator's for direct). `tenants` alone: one tenant whose \
+         key every request carries, limits local and too high to refuse (scenario 12's). \
+         \"all on\" is `PLUGINS` of src/contenders.rs (request_id, cache, speculative, \
+         kv_breaker), without tenants.",
+        p.plugin_rate, p.open_conns, p.warmup, p.duration
+    ));
+    report.checks.push(Check::at_most(
+        "all plugins on (cache miss): CPU per request vs plugins off",
+        per_round(&runs, Contender::SluiceOn, off, cpu, |a, b| a / b).median(),
+        1.15,
+        "×",
+    ));
+    Ok(report)
+}
+
+/// 19. Streams with long prompts: added TTFT and CPU per stream.
+pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(19, title(19));
+    let p = ctx.p.clone();
+    let stack = Stack::start(
+        ctx,
+        &SimSpec::streaming(0.0, 16),
+        &Contender::WITH_BARE_PINGORA,
+    )
+    .await?;
+    stack.note_down(&mut report);
+    let words = "the quick brown fox jumps over the lazy dog ";
+    let content: String = words.chars().cycle().take(p.long_prompt_bytes).collect();
+    let body = chat_body(&content, true, 16);
+    let load = SseLoad {
+        concurrency: p.long_prompt_concurrency,
+        duration: p.stream_duration,
+        once: false,
+        ramp: p.open_stream_ramp,
+    };
+    let mut runs: BTreeMap<Contender, Vec<Measured<SseResult>>> = BTreeMap::new();
+    for _ in 0..p.rounds {
+        for up in &stack.up {
+            let target = target_for(up, CHAT, &body);
+            let before = cpu_now(up, &stack);
+            let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
+            let cpu_us = cpu_since(up, &stack, before)
+                .map_or(f64::NAN, |s| s * 1e6 / (r.streams.max(1) as f64));
+            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
+            runs.entry(up.contender)
+                .or_default()
+                .push(Measured { result: r, cpu_us });
+        }
+    }
+    report.header = [
+        "contender",
+        "streams",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "added TTFT p50 ms",
+        "added TTFT p99 ms",
+        "CPU µs/stream",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let ttft = |q: f64| move |m: &Measured<SseResult>| m.result.ttft_ms(q);
+    let direct = Contender::Direct;
+    for (c, rounds) in &runs {
+        let c = *c;
+        let results: Vec<SseResult> = rounds.iter().map(|m| m.result.clone()).collect();
+        report.rows.push(vec![
+            c.label().to_string(),
+            series(Some(&results), |r| r.streams as f64).show(0),
+            series(Some(rounds), ttft(50.0)).show(3),
+            series(Some(rounds), ttft(99.0)).show(3),
+            per_round(&runs, c, direct, ttft(50.0), |a, b| a - b).show(3),
+            per_round(&runs, c, direct, ttft(99.0), |a, b| a - b).show(3),
+            series(Some(rounds), |m| m.cpu_us).show(0),
+            errors_cell_sse(&results),
+        ]);
+    }
+    report.notes.push(format!(
+        "{} streams open at a time, each on a fresh connection, each a streamed chat request \
+         with a {} byte body (one user message of plain words; plugins on: a prompt of its \
+         own per request, so the cache misses), 16 tokens from the zero-latency simulator. \
+         TTFT counts from sending the request, so it includes sending the body. CPU: the \
+         proxy's utime + stime over the round ÷ streams done.",
+        p.long_prompt_concurrency,
+        body.len()
+    ));
+    report.checks.push(Check::at_most(
+        "plugins on: added TTFT p99 with 220 KB prompts",
+        per_round(&runs, Contender::SluiceOn, direct, ttft(99.0), |a, b| a - b).median(),
+        5.0,
+        "ms",
+    ));
+    Ok(report)
+}
