@@ -91,6 +91,7 @@ pub use config::{
 use budget::{unix_now, Windows};
 use http::{HeaderName, HeaderValue};
 use remote::RedisStore;
+use reply::Readings;
 use serde::Serialize;
 use sluice_sdk::ErrorReply;
 use std::collections::HashMap;
@@ -209,32 +210,32 @@ impl Limiter {
     pub async fn admit(&self, tenant: &str, want: Want) -> Result<Admitted, ErrorReply> {
         let Some(state) = self.inner.tenants.get(tenant) else {
             return Ok(Admitted {
-                headers: Vec::new(),
+                readings: None,
                 grant: None,
             });
         };
         let slot = state.enter()?;
         let windows = Windows::at(unix_now());
-        let (headers, charged) = match &self.inner.store {
+        let (readings, charged) = match &self.inner.store {
             Store::Local => {
                 let readings = state.admit_local(&self.inner.clock, want, &windows)?;
-                (readings.headers(None), want)
+                (Some(readings), want)
             }
-            Store::Redis(_) if !state.needs_store() => (Vec::new(), Want::default()),
+            Store::Redis(_) if !state.needs_store() => (None, Want::default()),
             Store::Redis(redis) => match redis.admit(state, want, &windows).await {
                 Ok(answer) => {
                     let readings = state.decide_remote(&answer, want, &windows)?;
-                    (readings.headers(None), want)
+                    (Some(readings), want)
                 }
                 Err(_) => match self.inner.on_error {
                     // Nothing was charged: settle sends the whole usage.
-                    OnRedisError::Allow => (Vec::new(), Want::default()),
+                    OnRedisError::Allow => (None, Want::default()),
                     OnRedisError::Deny => return Err(reply::store_unavailable()),
                 },
             },
         };
         Ok(Admitted {
-            headers,
+            readings,
             grant: Some(Grant {
                 inner: Arc::clone(&self.inner),
                 tenant: Arc::clone(state),
@@ -270,14 +271,15 @@ struct Grant {
 
 /// An admitted request, held for its life; dropping it ends its concurrency slot.
 pub struct Admitted {
-    headers: Vec<(HeaderName, HeaderValue)>,
+    /// What the limits said; the headers are made from it only when the answer is written.
+    readings: Option<Readings>,
     grant: Option<Grant>,
 }
 
 impl std::fmt::Debug for Admitted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admitted")
-            .field("headers", &self.headers)
+            .field("readings", &self.readings)
             .finish_non_exhaustive()
     }
 }
@@ -285,8 +287,19 @@ impl std::fmt::Debug for Admitted {
 impl Admitted {
     /// The x-ratelimit-* headers for a successful answer of a limited tenant (empty when
     /// unlimited).
-    pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
-        &self.headers
+    pub fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        self.readings
+            .as_ref()
+            .map(|r| r.headers(None))
+            .unwrap_or_default()
+    }
+
+    /// The same headers handed to `f` one by one with static names, as the response writes
+    /// them: no list is built per request.
+    pub fn each_header(&self, f: impl FnMut(&'static str, HeaderValue)) {
+        if let Some(readings) = &self.readings {
+            readings.each_header(None, f);
+        }
     }
 
     /// After the answer: corrects the token buckets from the real usage (refunds the

@@ -52,6 +52,20 @@ impl Readings {
 
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits set.
     pub(crate) fn headers(&self, refused: Option<Refusal>) -> Vec<(HeaderName, HeaderValue)> {
+        let mut out = Vec::with_capacity(6);
+        self.each_header(refused, |name, value| {
+            out.push((HeaderName::from_static(name), value));
+        });
+        out
+    }
+
+    /// The same headers handed to `f` one by one, with static names: a successful answer
+    /// writes them straight into its response, with no list built per request.
+    pub(crate) fn each_header(
+        &self,
+        refused: Option<Refusal>,
+        mut f: impl FnMut(&'static str, HeaderValue),
+    ) {
         const REQUESTS: [&str; 3] = [
             "x-ratelimit-limit-requests",
             "x-ratelimit-remaining-requests",
@@ -62,7 +76,6 @@ impl Readings {
             "x-ratelimit-remaining-tokens",
             "x-ratelimit-reset-tokens",
         ];
-        let mut out = Vec::with_capacity(6);
         // A refusal by the request limit shows it spent, whatever rounding says.
         let spent = refused == Some(Refusal::Requests);
         let groups = [
@@ -72,46 +85,87 @@ impl Readings {
         for (names, reading, spent) in groups {
             let Some(r) = reading else { continue };
             let remaining = if spent { 0 } else { r.remaining };
-            let values = [
-                HeaderValue::from(r.limit),
-                HeaderValue::from(remaining),
-                duration_value(r.reset_us),
-            ];
-            for (name, value) in names.into_iter().zip(values) {
-                out.push((HeaderName::from_static(name), value));
-            }
+            f(names[0], HeaderValue::from(r.limit));
+            f(names[1], HeaderValue::from(remaining));
+            f(names[2], duration_value(r.reset_us));
         }
-        out
+    }
+}
+
+/// A few bytes on the stack to format into: the reset durations are at most ~20 bytes, so
+/// no `String` is allocated for them per request.
+struct StackText {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl StackText {
+    fn new() -> Self {
+        StackText {
+            buf: [0; 48],
+            len: 0,
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        // Only whole `&str`s are ever written in.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("0s")
+    }
+}
+
+impl std::fmt::Write for StackText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let dst = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        dst.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
     }
 }
 
 fn duration_value(us: i64) -> HeaderValue {
-    // Only ASCII digits and unit letters: always a valid value.
-    HeaderValue::from_str(&openai_duration(us)).unwrap_or(HeaderValue::from_static("0s"))
+    let mut text = StackText::new();
+    // Only ASCII digits, dots and unit letters: always a valid value.
+    match write_openai_duration(&mut text, us) {
+        Ok(()) => HeaderValue::from_str(text.as_str()).unwrap_or(HeaderValue::from_static("0s")),
+        Err(_) => HeaderValue::from_static("0s"),
+    }
 }
 
 /// A duration the way OpenAI writes its reset headers (Go's format): `20ms`, `1s`, `1.5s`,
 /// `6m0s`, `1h2m3s`; rounded up to the millisecond.
 pub(crate) fn openai_duration(us: i64) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = write_openai_duration(&mut out, us);
+    out
+}
+
+fn write_openai_duration(out: &mut impl std::fmt::Write, us: i64) -> std::fmt::Result {
     if us <= 0 {
-        return "0s".to_string();
+        return out.write_str("0s");
     }
     let ms = div_ceil(us, 1000);
     if ms < 1000 {
-        return format!("{ms}ms");
+        return write!(out, "{ms}ms");
     }
     let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
     let (s, frac) = (ms / 1000 % 60, ms % 1000);
-    let secs = if frac == 0 {
-        format!("{s}s")
-    } else {
-        let digits = format!("{frac:03}");
-        format!("{s}.{}s", digits.trim_end_matches('0'))
-    };
     match (h, m) {
-        (0, 0) => secs,
-        (0, m) => format!("{m}m{secs}"),
-        (h, m) => format!("{h}h{m}m{secs}"),
+        (0, 0) => {}
+        (0, m) => write!(out, "{m}m")?,
+        (h, m) => write!(out, "{h}h{m}m")?,
+    }
+    if frac == 0 {
+        write!(out, "{s}s")
+    } else {
+        // Milliseconds as a decimal fraction, trailing zeros dropped: 1.5s, 1.05s, 1.005s.
+        let (frac, width) = match (frac % 100, frac % 10) {
+            (0, _) => (frac / 100, 1),
+            (_, 0) => (frac / 10, 2),
+            _ => (frac, 3),
+        };
+        write!(out, "{s}.{frac:0width$}s")
     }
 }
 

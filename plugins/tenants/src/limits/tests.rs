@@ -149,19 +149,19 @@ mod local {
         let limiter = local(vec![tenant("alpha", rpm(5)), tenant("beta", rpm(5))]);
         let first = limiter.admit("alpha", Want::default()).await.unwrap();
         assert_eq!(
-            header(first.headers(), "x-ratelimit-limit-requests").as_deref(),
+            header(&first.headers(), "x-ratelimit-limit-requests").as_deref(),
             Some("5")
         );
         assert_eq!(
-            header(first.headers(), "x-ratelimit-remaining-requests").as_deref(),
+            header(&first.headers(), "x-ratelimit-remaining-requests").as_deref(),
             Some("4")
         );
         assert_eq!(
-            header(first.headers(), "x-ratelimit-reset-requests").as_deref(),
+            header(&first.headers(), "x-ratelimit-reset-requests").as_deref(),
             Some("12s")
         );
         // No token limit, no token headers.
-        assert_eq!(header(first.headers(), "x-ratelimit-limit-tokens"), None);
+        assert_eq!(header(&first.headers(), "x-ratelimit-limit-tokens"), None);
         for _ in 0..4 {
             limiter.admit("alpha", Want::default()).await.unwrap();
         }
@@ -219,7 +219,7 @@ mod local {
         let limiter = local(vec![tenant("alpha", tokens(Some(1000), None))]);
         let big = limiter.admit("alpha", want(800, 0)).await.unwrap();
         assert_eq!(
-            header(big.headers(), "x-ratelimit-remaining-tokens").as_deref(),
+            header(&big.headers(), "x-ratelimit-remaining-tokens").as_deref(),
             Some("200")
         );
         let refused = limiter.admit("alpha", want(300, 0)).await.unwrap_err();
@@ -243,7 +243,7 @@ mod local {
         big.settle(usage(100, 0, 0.0));
         let next = limiter.admit("alpha", want(300, 0)).await.unwrap();
         assert_eq!(
-            header(next.headers(), "x-ratelimit-remaining-tokens").as_deref(),
+            header(&next.headers(), "x-ratelimit-remaining-tokens").as_deref(),
             Some("600")
         );
     }
@@ -286,7 +286,7 @@ mod local {
         let ok = limiter.admit("alpha", want(100, 990)).await.unwrap();
         // Both buckets are now empty; the headers report one of them at 0.
         assert_eq!(
-            header(ok.headers(), "x-ratelimit-remaining-tokens").as_deref(),
+            header(&ok.headers(), "x-ratelimit-remaining-tokens").as_deref(),
             Some("0")
         );
     }
@@ -296,11 +296,11 @@ mod local {
         let limiter = local(vec![tenant("alpha", tokens(Some(10_000), Some(100)))]);
         let a = limiter.admit("alpha", want(1000, 90)).await.unwrap();
         assert_eq!(
-            header(a.headers(), "x-ratelimit-limit-tokens").as_deref(),
+            header(&a.headers(), "x-ratelimit-limit-tokens").as_deref(),
             Some("100")
         );
         assert_eq!(
-            header(a.headers(), "x-ratelimit-remaining-tokens").as_deref(),
+            header(&a.headers(), "x-ratelimit-remaining-tokens").as_deref(),
             Some("10")
         );
     }
@@ -605,7 +605,7 @@ mod shared {
         warm(&b).await;
         let big = a.admit("alpha", want(800, 0)).await.unwrap();
         assert_eq!(
-            header(big.headers(), "x-ratelimit-remaining-tokens").as_deref(),
+            header(&big.headers(), "x-ratelimit-remaining-tokens").as_deref(),
             Some("200")
         );
         let refused = b.admit("alpha", want(300, 0)).await.unwrap_err();
