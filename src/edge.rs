@@ -33,7 +33,7 @@ use sluice_sdk::{headers, ErrorReply, Reason};
 use std::fmt;
 use std::future::Future;
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::task::{ready, Context, Poll};
@@ -58,6 +58,8 @@ pub struct Guarded<A> {
     app: Arc<A>,
     header_timeout: Duration,
     open: Arc<Caps>,
+    /// The plain listeners that take h2c (prior knowledge).
+    h2c: Vec<SocketAddr>,
 }
 
 impl<A> Guarded<A> {
@@ -66,7 +68,29 @@ impl<A> Guarded<A> {
             app: Arc::new(app),
             header_timeout: limits.header_timeout,
             open: Caps::new(limits.max_connections, limits.max_connections_per_client),
+            h2c: Vec::new(),
         }
+    }
+
+    /// Connections to these listeners that open with the HTTP/2 preface are served as h2c;
+    /// the proxy's `h2c` server option must be on for them.
+    pub fn with_h2c(mut self, listeners: Vec<SocketAddr>) -> Self {
+        self.h2c = listeners;
+        self
+    }
+
+    /// Whether `stream` came in on an h2c listener (one bound to 0.0.0.0 or [::] takes
+    /// connections on any local address of its port).
+    fn takes_h2c(&self, stream: &Stream) -> bool {
+        let Some(local) = stream
+            .get_socket_digest()
+            .and_then(|d| d.local_addr().and_then(|a| a.as_inet().copied()))
+        else {
+            return false;
+        };
+        self.h2c
+            .iter()
+            .any(|l| l.port() == local.port() && (l.ip().is_unspecified() || l.ip() == local.ip()))
     }
 }
 
@@ -86,7 +110,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             }
         };
         metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
-        let mut stream: Stream = Box::new(HeaderDeadline::new(stream, self.header_timeout));
+        let h2c = self.takes_h2c(&stream);
+        let mut stream: Stream =
+            Box::new(HeaderDeadline::new(stream, self.header_timeout).with_h2c(h2c));
         // Kept-alive requests are served here, so that the slot and the deadline stay with
         // the connection for its whole life (Pingora's own loop would hand the stream back
         // to a fresh call).
@@ -182,6 +208,8 @@ pub struct HeaderDeadline {
     answered: bool,
     /// Nothing was read yet: the first bytes say whether this is HTTP/2.
     first_read: bool,
+    /// Its listener takes h2c: Pingora may peek for the preface.
+    h2c: bool,
 }
 
 const HEADER_END: &[u8; 4] = b"\r\n\r\n";
@@ -202,7 +230,13 @@ impl HeaderDeadline {
             matched: 0,
             answered: false,
             first_read: true,
+            h2c: false,
         }
+    }
+
+    pub fn with_h2c(mut self, h2c: bool) -> Self {
+        self.h2c = h2c;
+        self
     }
 
     /// Follows the header through the bytes just read.
@@ -381,7 +415,23 @@ impl GetSocketDigest for HeaderDeadline {
 
 #[async_trait]
 impl Peek for HeaderDeadline {
+    /// Pingora peeks for the h2c preface on every plain connection once h2c is on for the
+    /// service. On a listener without h2c the answer is "no preface" without reading, so h1
+    /// is served; on one with it, the peek waits no longer than a request header may.
     async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        self.inner.try_peek(buf).await
+        if !self.h2c {
+            buf.fill(0);
+            return Ok(true);
+        }
+        match tokio::time::timeout(self.timeout, self.inner.try_peek(buf)).await {
+            Ok(peeked) => peeked,
+            Err(_) => {
+                metrics::inc(&metrics::REJECTIONS, &[Reason::HeaderTimeout.as_str(), "-"]);
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the connection's first bytes did not arrive in time",
+                ))
+            }
+        }
     }
 }

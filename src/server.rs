@@ -8,9 +8,12 @@ use crate::edge::Guarded;
 use crate::health::HealthService;
 use crate::proxy::Sluice;
 use crate::router::Router;
+use pingora_core::apps::HttpServerOptions;
 use pingora_core::connectors::http::Connector;
 use pingora_core::connectors::ConnectorOptions;
+use pingora_core::listeners::tls::TlsSettings;
 use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
+use pingora_core::protocols::http::v2::server::{default_h2_options, H2Options};
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
@@ -64,10 +67,25 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         connector: Connector::new(Some(upstream.clone())),
     };
     // Below HTTP, every connection passes the connection caps and the header deadline.
-    let proxy = pingora_proxy::http_proxy(&server.configuration, sluice);
+    let h2_streams = sluice.limits.h2_max_concurrent_streams;
+    let mut proxy = pingora_proxy::http_proxy(&server.configuration, sluice);
+    proxy.h2_options = Some(h2_options(h2_streams));
+    // Pingora's h2c switch is per service: on here, and `Guarded` keeps it to the listeners
+    // that ask for it (elsewhere the preface is not looked for, and h1 is served).
+    let h2c: Vec<_> = config
+        .listeners
+        .iter()
+        .filter(|l| l.h2c)
+        .map(|l| l.address)
+        .collect();
+    if !h2c.is_empty() {
+        let mut options = HttpServerOptions::default();
+        options.h2c = true;
+        proxy.server_options = Some(options);
+    }
     let mut proxy = Service::new(
         "sluice proxy".to_string(),
-        Guarded::new(proxy, connection_limits),
+        Guarded::new(proxy, connection_limits).with_h2c(h2c),
     );
     // Plain listeners read straight into Pingora's header and body buffers, without its
     // 64 KiB L4 read buffer per connection: an open stream would hold it (zeroed, so
@@ -81,17 +99,26 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
             None => proxy.add_listener(
                 ListenerConfig::tcp(&address).l4_buffer(L4BufferSettings::default().read(0)),
             ),
-            Some(tls) => proxy
-                .add_tls(
-                    &address,
+            Some(tls) => {
+                let mut settings = TlsSettings::intermediate(
                     &tls.cert.to_string_lossy(),
                     &tls.key.to_string_lossy(),
                 )
-                .map_err(|e| format!("listener {address}: cannot load TLS files: {e}"))?,
+                .map_err(|e| format!("listener {address}: cannot load TLS files: {e}"))?;
+                if listener.http2 {
+                    settings.enable_h2();
+                }
+                proxy.add_tls_with_settings(&address, None, settings);
+            }
         }
         tracing::info!(
             "proxy listening on {address}{}",
-            if listener.tls.is_some() { " (TLS)" } else { "" }
+            match (&listener.tls, listener.http2, listener.h2c) {
+                (Some(_), true, _) => " (TLS, h2 and http/1.1)",
+                (Some(_), false, _) => " (TLS, http/1.1)",
+                (None, _, true) => " (http/1.1 and h2c)",
+                (None, _, false) => "",
+            }
         );
     }
     server.add_service(proxy);
@@ -113,4 +140,20 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         tracing::info!("admin listening on {address}");
     }
     Ok(server)
+}
+
+/// HTTP/2 settings for client connections: Pingora's bounded defaults (64 KiB of decoded
+/// headers), `streams` streams at once, and windows that bound what one connection can
+/// make Sluice hold. A client uploading sends at most 256 KiB per stream and 1 MiB per
+/// connection before Sluice reads it; an answer waits in at most 64 KiB per stream for a
+/// client that does not open its window (h2's default is 400 KiB), after which the stream's
+/// writes block and `limits.send_timeout` ends that stream alone.
+fn h2_options(streams: u32) -> H2Options {
+    let mut options = default_h2_options();
+    options
+        .max_concurrent_streams(streams)
+        .initial_window_size(256 * 1024)
+        .initial_connection_window_size(1024 * 1024)
+        .max_send_buffer_size(64 * 1024);
+    options
 }

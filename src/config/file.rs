@@ -76,12 +76,19 @@ impl Default for PingoraFile {
 pub struct ListenerFile {
     pub address: String,
     pub tls: Option<TlsFile>,
+    /// TLS listeners: offer `h2` by ALPN (default on).
+    pub http2: Option<bool>,
+    /// Plain listeners: take HTTP/2 with prior knowledge beside HTTP/1.1 (default off).
+    #[serde(default)]
+    pub h2c: bool,
 }
 
 fn default_listeners() -> Vec<ListenerFile> {
     vec![ListenerFile {
         address: "0.0.0.0:8080".into(),
         tls: None,
+        http2: None,
+        h2c: false,
     }]
 }
 
@@ -126,6 +133,7 @@ pub struct LimitsFile {
     pub max_requests_in_flight: usize,
     pub max_requests_in_flight_per_client: usize,
     pub max_buffered_bytes: usize,
+    pub h2_max_concurrent_streams: u32,
 }
 
 impl Default for LimitsFile {
@@ -142,6 +150,8 @@ impl Default for LimitsFile {
             max_requests_in_flight: 16_384,
             max_requests_in_flight_per_client: 1024,
             max_buffered_bytes: 1024 * 1024 * 1024,
+            // Envoy's and Pingora's default (nginx: 128).
+            h2_max_concurrent_streams: 100,
         }
     }
 }

@@ -1,0 +1,502 @@
+//! HTTP/2 from clients: TLS listeners negotiate h2 by ALPN, plain listeners with `h2c: true`
+//! take h2 with prior knowledge beside HTTP/1.1. Real clients on real sockets: curl (with
+//! nghttp2) for the wire as a user sees it, reqwest for h2c, and the `h2` crate where a test
+//! needs frame-level control (windows that are never released, the advertised stream cap).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use sluice_testkit::{chat, pool, reserve_port, sim_serving, sse_data, streaming_sim};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+
+const MODEL: &str = "meta-llama/Llama-3.2-1B-Instruct";
+
+/// A running `sluice` with three listeners: TLS (h2 + http/1.1), plain with h2c, plain
+/// without; killed on drop.
+struct H2Proxy {
+    child: Child,
+    tls: SocketAddr,
+    h2c: SocketAddr,
+    plain: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for H2Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.dir.path().join("sluice.log"));
+            eprintln!("sluice log:\n{}", log.unwrap_or_default());
+        }
+    }
+}
+
+fn cert(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("conf/examples/certs")
+        .join(name)
+}
+
+impl H2Proxy {
+    /// Starts the binary with `sections` (pools, plugins, limits, routes) and the three
+    /// listeners on free ports; returns once all of them accept connections.
+    async fn start(sections: Value) -> H2Proxy {
+        let dir = tempfile::tempdir().unwrap();
+        let (tls, h2c, plain, admin) = (
+            reserve_port(),
+            reserve_port(),
+            reserve_port(),
+            reserve_port(),
+        );
+        let (tls_a, h2c_a, plain_a, admin_a) = (tls.addr(), h2c.addr(), plain.addr(), admin.addr());
+        let mut config = json!({
+            "listeners": [
+                {"address": tls_a.to_string(), "tls": {
+                    "cert": cert("localhost.crt"), "key": cert("localhost.key")}},
+                {"address": h2c_a.to_string(), "h2c": true},
+                {"address": plain_a.to_string()},
+            ],
+            "admin": {"address": admin_a.to_string()},
+            "log": {"level": "info"},
+            "pingora": {
+                "threads": 2,
+                "pid_file": dir.path().join("sluice.pid"),
+                "upgrade_sock": dir.path().join("upgrade.sock"),
+                "grace_period_seconds": 3,
+                "graceful_shutdown_timeout_seconds": 5,
+            },
+        });
+        if let Value::Object(keys) = sections {
+            config.as_object_mut().unwrap().extend(keys);
+        }
+        let path = dir.path().join("sluice.yaml");
+        std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+        let log = std::fs::File::create(dir.path().join("sluice.log")).unwrap();
+        for port in [tls, h2c, plain, admin] {
+            port.release();
+        }
+        let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("-c")
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut proxy = H2Proxy {
+            child,
+            tls: tls_a,
+            h2c: h2c_a,
+            plain: plain_a,
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for addr in [tls_a, h2c_a, plain_a, admin_a] {
+            while TcpStream::connect(addr).await.is_err() {
+                if let Ok(Some(status)) = proxy.child.try_wait() {
+                    panic!("sluice exited early ({status})");
+                }
+                assert!(Instant::now() < deadline, "sluice did not start");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        proxy
+    }
+}
+
+/// Runs curl with `args`; returns its stdout (headers with `-i`, then the body). A missing
+/// curl, or one without HTTP/2, fails the test with what to run.
+fn curl(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args(["-sS", "-i", "--max-time", "30"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("curl: {e}: run scripts/bootstrap --test"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("does not support HTTP2") && !stderr.contains("option --http2"),
+        "curl without nghttp2 ({stderr}): run scripts/bootstrap --test"
+    );
+    assert!(out.status.success(), "curl {args:?} failed: {stderr}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn body_of(response: &str) -> &str {
+    response.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_speaks_h2_over_tls_and_h2c_for_json_and_sse() {
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": {"request_id": {"enabled": true}},
+    }))
+    .await;
+    let cacert = cert("localhost.crt");
+    let cacert = cacert.to_str().unwrap();
+    let tls_url = format!("https://127.0.0.1:{}/v1/chat/completions", proxy.tls.port());
+    let h2c_url = format!("http://{}/v1/chat/completions", proxy.h2c);
+    for (stream, expect_sse) in [(false, false), (true, true)] {
+        let body = chat(MODEL, "Hello over h2", stream).to_string();
+        let common = [
+            "-H",
+            "content-type: application/json",
+            "--data-binary",
+            &body,
+        ];
+        let over_tls = curl(&[&["--http2", "--cacert", cacert, &tls_url][..], &common].concat());
+        let over_h2c = curl(&[&["--http2-prior-knowledge", &h2c_url][..], &common].concat());
+        for answer in [over_tls, over_h2c] {
+            assert!(answer.starts_with("HTTP/2 200"), "{answer}");
+            let head = answer
+                .split("\r\n\r\n")
+                .next()
+                .unwrap()
+                .to_ascii_lowercase();
+            assert!(
+                head.contains("\r\nx-request-id: "),
+                "request id over h2: {head}"
+            );
+            assert!(!head.contains("\r\nconnection:") && !head.contains("transfer-encoding"));
+            if expect_sse {
+                let events = sse_data(body_of(&answer));
+                assert!(events.len() > 2, "several events: {answer}");
+                assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+            } else {
+                let v: Value = serde_json::from_str(body_of(&answer)).unwrap();
+                assert_eq!(v["object"], "chat.completion", "{answer}");
+            }
+        }
+    }
+    // A client that offers only http/1.1 on the TLS listener still gets it.
+    let h1 = curl(&[
+        "--http1.1",
+        "--cacert",
+        cacert,
+        &tls_url.replace("/chat/completions", "/models"),
+    ]);
+    assert!(h1.starts_with("HTTP/1.1 200"), "{h1}");
+}
+
+fn h2c_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_serves_every_kind_of_answer_and_h1_on_the_same_port() {
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "routes": [{"path_prefix": "/version", "pool": "main"}],
+        "limits": {"max_request_body_bytes": 4096},
+        "plugins": {
+            "request_id": {"enabled": true},
+            "cache": {"enabled": true, "tenant": {"anonymous": "share"}},
+        },
+    }))
+    .await;
+    let h2 = h2c_client();
+    let url = |path: &str| format!("http://{}{path}", proxy.h2c);
+
+    let models = h2.get(url("/v1/models")).send().await.unwrap();
+    assert_eq!(models.version(), reqwest::Version::HTTP_2);
+    assert_eq!(models.status(), 200);
+    let models: Value = models.json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL);
+
+    let version = h2.get(url("/version")).send().await.unwrap();
+    assert_eq!(
+        (version.version(), version.status().as_u16()),
+        (reqwest::Version::HTTP_2, 200)
+    );
+
+    // Cache: a miss, then (once stored) a hit, both over h2.
+    let request = chat(MODEL, "What is the capital of France?", false);
+    let first = h2
+        .post(url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.version(), reqwest::Version::HTTP_2);
+    assert_eq!(first.headers()["x-cache"], "MISS");
+    assert!(first.headers().contains_key("x-request-id"));
+    let first: Value = first.json().await.unwrap();
+    let mut hit = None;
+    for _ in 0..100 {
+        let r = h2
+            .post(url("/v1/chat/completions"))
+            .json(&request)
+            .send()
+            .await
+            .unwrap();
+        if r.headers()["x-cache"] == "HIT" {
+            hit = Some(r.json::<Value>().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let hit = hit.expect("a cache hit over h2");
+    assert_eq!(hit["choices"][0]["message"], first["choices"][0]["message"]);
+
+    // Errors Sluice makes: malformed JSON (400), a body over the limit, declared (413) and
+    // streamed without a length (413 after part of it was read).
+    let bad = h2
+        .post(url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.headers().contains_key("x-sluice-rejected"));
+    let bad: Value = bad.json().await.unwrap();
+    assert!(
+        bad["error"]["message"].is_string(),
+        "OpenAI error body: {bad}"
+    );
+
+    let big = format!(
+        "{{\"model\":\"{MODEL}\",\"pad\":\"{}\"}}",
+        "x".repeat(10_000)
+    );
+    let declared = h2
+        .post(url("/v1/chat/completions"))
+        .body(big.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(declared.status(), 413);
+    assert!(declared.headers().contains_key("x-sluice-rejected"));
+    let chunks: Vec<Result<Bytes, std::io::Error>> = big
+        .as_bytes()
+        .chunks(1000)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    let streamed = h2
+        .post(url("/v1/chat/completions"))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 413);
+    let streamed: Value = streamed.json().await.unwrap();
+    assert!(streamed["error"]["message"].is_string(), "{streamed}");
+
+    // HTTP/1.1 on the h2c port, and the plain listener without h2c refuses the preface.
+    let h1 = reqwest::Client::builder().http1_only().build().unwrap();
+    let r = h1.get(url("/v1/models")).send().await.unwrap();
+    assert_eq!(
+        (r.version(), r.status().as_u16()),
+        (reqwest::Version::HTTP_11, 200)
+    );
+    let refused = h2c_client()
+        .get(format!("http://{}/v1/models", proxy.plain))
+        .send()
+        .await;
+    assert!(
+        refused.is_err() || refused.unwrap().version() != reqwest::Version::HTTP_2,
+        "a listener without h2c does not speak h2"
+    );
+}
+
+/// An h2c connection with the `h2` crate, with per-stream receive window `window`: a stream
+/// whose data is not released holds at most that much of the connection's window.
+async fn h2_connect(addr: SocketAddr, window: u32) -> (h2::client::SendRequest<Bytes>, usize) {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (send, connection) = h2::client::Builder::new()
+        .initial_window_size(window)
+        .initial_connection_window_size(4 * 1024 * 1024)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    // The server's SETTINGS arrive with its first frames: drive the connection until then.
+    let mut connection = Box::pin(connection);
+    let settings = std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready(end) = connection.as_mut().poll(cx) {
+            panic!("the connection ended before the server's SETTINGS: {end:?}");
+        }
+        match connection.max_concurrent_send_streams() {
+            usize::MAX => std::task::Poll::Pending,
+            n => std::task::Poll::Ready(n),
+        }
+    });
+    let advertised = tokio::time::timeout(Duration::from_secs(10), settings)
+        .await
+        .expect("the server's SETTINGS");
+    let send = send.ready().await.unwrap();
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    (send, advertised)
+}
+
+/// POSTs `body` on its own stream of `send`; returns the response's parts and body stream.
+async fn h2_post(
+    send: &h2::client::SendRequest<Bytes>,
+    host: SocketAddr,
+    body: &Value,
+) -> h2::client::ResponseFuture {
+    let mut send = send.clone().ready().await.unwrap();
+    let request = http::Request::post(format!("http://{host}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(())
+        .unwrap();
+    let (response, mut stream) = send.send_request(request, false).unwrap();
+    stream
+        .send_data(Bytes::from(body.to_string()), true)
+        .unwrap();
+    response
+}
+
+/// Reads a whole body, releasing its window as it goes; returns the DATA frames' payloads.
+async fn read_frames(mut body: h2::RecvStream) -> Vec<Bytes> {
+    let mut frames = Vec::new();
+    while let Some(data) = body.data().await {
+        let data = data.unwrap();
+        let _ = body.flow_control().release_capacity(data.len());
+        frames.push(data);
+    }
+    frames
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_one_connection_are_independent_and_capped() {
+    // 400 tokens, 10 ms apart: a stream that outlives the send timeout when nobody reads it.
+    let slow = streaming_sim(MODEL, Duration::from_millis(10), 400).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[slow.addr()])],
+        "limits": {"h2_max_concurrent_streams": 8, "send_timeout": "2s"},
+    }))
+    .await;
+    // A 1 KiB window per stream: the stalled stream fills it within a few dozen events.
+    let (send, advertised) = h2_connect(proxy.h2c, 1024).await;
+    assert_eq!(advertised, 8, "the stream cap is advertised in SETTINGS");
+
+    // A long stream whose window is never released.
+    let mut stalled_body = chat(MODEL, "never read", true);
+    stalled_body["max_tokens"] = json!(400);
+    let stalled = h2_post(&send, proxy.h2c, &stalled_body)
+        .await
+        .await
+        .unwrap();
+    assert_eq!(stalled.status(), 200);
+    let mut stalled = stalled.into_body();
+
+    // Meanwhile 20 streaming requests on the same connection, at most 8 open at once (the
+    // client waits for a slot, as h2 asks), each complete, each event its own DATA frame.
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let send = send.clone();
+            let host = proxy.h2c;
+            tokio::spawn(async move {
+                let mut body = chat(MODEL, &format!("question {i}"), true);
+                body["max_tokens"] = json!(8);
+                let response = h2_post(&send, host, &body).await.await.unwrap();
+                assert_eq!(response.status(), 200);
+                read_frames(response.into_body()).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let frames = task.await.unwrap();
+        let text: Vec<u8> = frames.iter().flat_map(|f| f.to_vec()).collect();
+        let events = sse_data(std::str::from_utf8(&text).unwrap());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        assert!(
+            frames.len() >= events.len() - 1,
+            "events arrive as they come, not coalesced: {} frames for {} events",
+            frames.len(),
+            events.len()
+        );
+    }
+
+    // The stalled stream is ended after the send timeout (reset, or cut before [DONE]),
+    // without releasing its window.
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut seen = Vec::new();
+        loop {
+            match stalled.data().await {
+                Some(Ok(data)) => seen.extend_from_slice(&data),
+                Some(Err(e)) => return (seen, Some(e)),
+                None => return (seen, None),
+            }
+        }
+    })
+    .await
+    .expect("the stalled stream is ended by the send timeout");
+    let text = String::from_utf8_lossy(&ended.0);
+    assert!(
+        ended.1.is_some() || !text.contains("[DONE]"),
+        "the stalled stream did not run to its end: {:?}",
+        ended.1
+    );
+    // The connection still serves new streams after that.
+    let after = h2_post(&send, proxy.h2c, &chat(MODEL, "after", false))
+        .await
+        .await
+        .unwrap();
+    assert_eq!(after.status(), 200);
+    assert!(!read_frames(after.into_body()).await.is_empty());
+}
+
+#[test]
+fn the_new_keys_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |yaml: &str| {
+        let path = dir.path().join("sluice.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["-t", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned()
+                + &String::from_utf8_lossy(&out.stdout),
+        )
+    };
+    let pools = "pools:\n  - name: main\n    backends: [{address: 127.0.0.1:8001}]\n";
+    let crt = cert("localhost.crt");
+    let key = cert("localhost.key");
+    let tls = format!("tls: {{cert: {}, key: {}}}", crt.display(), key.display());
+    let ok = check(&format!(
+        "listeners:\n  - {{address: 127.0.0.1:18443, http2: false, {tls}}}\n  - {{address: 127.0.0.1:18080, h2c: true}}\nlimits: {{h2_max_concurrent_streams: 128}}\n{pools}"
+    ));
+    assert!(ok.0, "{}", ok.1);
+    for (yaml, key) in [
+        (
+            format!("listeners:\n  - {{address: 127.0.0.1:18443, h2c: true, {tls}}}\n{pools}"),
+            "listeners[0].h2c",
+        ),
+        (
+            "listeners:\n  - {address: 127.0.0.1:18080, http2: true}\n".to_string() + pools,
+            "listeners[0].http2",
+        ),
+        (
+            "listeners:\n  - {address: 127.0.0.1:18080, h2: true}\n".to_string() + pools,
+            "h2",
+        ),
+        (
+            "limits: {h2_max_concurrent_streams: 0}\n".to_string() + pools,
+            "limits.h2_max_concurrent_streams",
+        ),
+    ] {
+        let (passed, text) = check(&yaml);
+        assert!(!passed && text.contains(key), "{yaml}: {text}");
+    }
+}
