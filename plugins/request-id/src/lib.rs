@@ -16,8 +16,8 @@ use serde::Deserialize;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
 use sluice_sdk::{
-    async_trait, headers, ConfigError, Host, Plugin, PluginBuilder, RequestCtx, RequestHeader,
-    ResponseHeader, Result, Session,
+    async_trait, headers, Bytes, ConfigError, Host, Plugin, PluginBuilder, RequestCtx,
+    RequestHeader, ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -77,6 +77,9 @@ impl PluginBuilder for RequestIdBuilder {
 
 pub struct RequestId {
     header: HeaderName,
+    /// The header's name as Pingora's case map keeps it, made once: inserting a `HeaderName`
+    /// copies its bytes into a new buffer on every request. The same (lowercase) bytes.
+    case_name: Bytes,
     /// Ids are `<start time><counter>`: unique without a random source or a lock.
     prefix: u64,
     counter: AtomicU64,
@@ -89,6 +92,7 @@ impl RequestId {
             .map_or(0, |d| d.as_nanos() as u64)
             ^ (u64::from(std::process::id()) << 48);
         Self {
+            case_name: Bytes::copy_from_slice(header.as_str().as_bytes()),
             header,
             prefix,
             counter: AtomicU64::new(0),
@@ -132,7 +136,7 @@ impl Plugin for RequestId {
     fn upstream_request(&self, request: &mut RequestHeader, ctx: &mut RequestCtx) -> Result<()> {
         if let Some(value) = Self::header_value(ctx) {
             request
-                .insert_header(self.header.clone(), value)
+                .insert_header(self.case_name.clone(), value)
                 .map_err(internal)?;
         }
         Ok(())
@@ -141,7 +145,7 @@ impl Plugin for RequestId {
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
         if let Some(value) = Self::header_value(ctx) {
             response
-                .insert_header(self.header.clone(), value)
+                .insert_header(self.case_name.clone(), value)
                 .map_err(internal)?;
         }
         Ok(())
