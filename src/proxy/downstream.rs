@@ -66,7 +66,7 @@ pub fn prepare_upstream_header(
     }
     if let (Some(pool), Route::Llm(_)) = (ctx.pool(), ctx.route()) {
         response
-            .insert_header(headers::POOL, &*pool.name)
+            .insert_header(headers::POOL_STR, &*pool.name)
             .map_err(internal)?;
         if let Some(reason) = ctx.escalated() {
             response

@@ -392,7 +392,10 @@ impl Plugin for Cache {
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
         let upstream_ok =
             ctx.progress().upstream_status == Some(200) && response.status.as_u16() == 200;
-        let pool = ctx.pool_name().to_string();
+        // The pool itself (a reference count), not a copy of its name: the name is needed
+        // only when a stream starts being recorded.
+        let pool = ctx.pool().cloned();
+        let pool = pool.as_ref().map_or("-", |p| &*p.name);
         let label = if ctx.state.get::<Bypassed>().is_some() {
             "BYPASS"
         } else if let Some(state) = ctx.state.get_mut::<State>() {
@@ -406,7 +409,7 @@ impl Plugin for Cache {
                 state.leader.as_ref(),
                 state.live.as_ref(),
             ) {
-                let live = Live::new(state.kind, &pool);
+                let live = Live::new(state.kind, pool);
                 leader.go_live(&live);
                 state.live = Some(Writer::new(live, self.config.max_entry_bytes));
             }
@@ -418,7 +421,7 @@ impl Plugin for Cache {
             return Ok(());
         };
         response
-            .insert_header(headers::CACHE, label)
+            .insert_header(headers::CACHE_STR, label)
             .map_err(internal)
     }
 

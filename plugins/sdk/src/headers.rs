@@ -4,12 +4,17 @@
 use http::HeaderName;
 use pingora_http::ResponseHeader;
 
+/// [`POOL`]'s name as a static string: Pingora's `insert_header` takes it without copying
+/// it per request (a `HeaderName` is copied into its case map each time).
+pub const POOL_STR: &str = "x-sluice-pool";
 /// The pool that produced an answer.
-pub const POOL: HeaderName = HeaderName::from_static("x-sluice-pool");
+pub const POOL: HeaderName = HeaderName::from_static(POOL_STR);
 /// Why a request went to its escalation target.
 pub const ESCALATED: HeaderName = HeaderName::from_static("x-sluice-escalated");
+/// [`CACHE`]'s name as a static string, for `insert_header` (as [`POOL_STR`]).
+pub const CACHE_STR: &str = "x-cache";
 /// The cache's part in an answer: `HIT`, `MISS` or `BYPASS`.
-pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
+pub const CACHE: HeaderName = HeaderName::from_static(CACHE_STR);
 /// Why Sluice answered with an error of its own (the error body's reason, as a header).
 pub const REJECTED: HeaderName = HeaderName::from_static("x-sluice-rejected");
 /// The default header a client names its priority class with.

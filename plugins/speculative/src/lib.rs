@@ -342,11 +342,11 @@ impl Plugin for Speculative {
         if ctx.answered_locally() || ctx.progress().upstream_status.is_none() {
             return;
         }
-        let pool = ctx.pool_name().to_string();
-        metrics::request(&pool, ctx.escalated());
+        let pool = ctx.pool_name();
+        metrics::request(pool, ctx.escalated());
         if let (Some(usage), Some(model)) = (ctx.usage(), self.models.get(handled.model)) {
             metrics::tokens(
-                &pool,
+                pool,
                 usage.prompt_tokens,
                 usage.completion_tokens,
                 ctx.pool().map_or(0.0, |p| p.price_per_million_tokens),
