@@ -9,6 +9,7 @@ pub mod abuse;
 pub mod bare;
 pub mod contenders;
 pub mod fleet;
+pub mod h2_streams;
 pub mod loadgen;
 pub mod phased;
 pub mod plugin_cost;

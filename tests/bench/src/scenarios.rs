@@ -75,6 +75,7 @@ pub const ALL: &[(u8, &str)] = &[
     (17, "Public method: streams of 64 deltas 20 ms apart"),
     (18, "Each plugin's cost: CPU per request and added p99"),
     (19, "Long prompts: 220 KB streamed prompts at concurrency 150"),
+    (20, "HTTP/2 from clients: streams on one h2c connection beside HTTP/1.1 streams"),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -97,6 +98,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         17 => crate::public::public_streams(ctx).await,
         18 => crate::plugin_cost::each_plugin(ctx).await,
         19 => crate::plugin_cost::long_prompts(ctx).await,
+        20 => crate::h2_streams::h2_streams(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
