@@ -500,3 +500,42 @@ fn the_new_keys_are_checked() {
         assert!(!passed && text.contains(key), "{yaml}: {text}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_open_h2_stream_finish() {
+    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let mut proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+    }))
+    .await;
+    let (send, _) = h2_connect(proxy.h2c, 65_535).await;
+    let mut request = chat(MODEL, "a story", true);
+    request["max_tokens"] = json!(20);
+    let response = h2_post(&send, proxy.h2c, &request).await.await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let first = body.data().await.unwrap().unwrap();
+    let _ = body.flow_control().release_capacity(first.len());
+    sluice_testkit::signal(proxy.child.id(), "TERM");
+    let mut text = first.to_vec();
+    while let Some(data) = body.data().await {
+        let data = data.expect("the stream ends cleanly, not reset");
+        let _ = body.flow_control().release_capacity(data.len());
+        text.extend_from_slice(&data);
+    }
+    let text = String::from_utf8(text).unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "the whole answer, no error event: {text}"
+    );
+    // The role chunk, 20 tokens, the finish chunk and [DONE].
+    assert_eq!(events.len(), 23, "every token came: {text}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while proxy.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "sluice still runs after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
