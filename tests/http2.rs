@@ -23,6 +23,7 @@ struct H2Proxy {
     tls: SocketAddr,
     h2c: SocketAddr,
     plain: SocketAddr,
+    admin: SocketAddr,
     dir: tempfile::TempDir,
 }
 
@@ -94,6 +95,7 @@ impl H2Proxy {
             tls: tls_a,
             h2c: h2c_a,
             plain: plain_a,
+            admin: admin_a,
             dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -444,6 +446,27 @@ async fn streams_on_one_connection_are_independent_and_capped() {
         "the stalled stream did not run to its end: {:?}",
         ended.1
     );
+    // Its upstream request was let go: nothing is in flight to the backend any more.
+    let metrics = format!("http://{}/metrics", proxy.admin);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = reqwest::get(&metrics).await.unwrap().text().await.unwrap();
+        let series: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_backend_in_flight_requests{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .collect();
+        assert!(!series.is_empty(), "no backend in-flight gauge in {text}");
+        let in_flight: f64 = series.iter().sum();
+        if in_flight == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stalled stream still holds its upstream: {in_flight} in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // The connection still serves new streams after that.
     let after = h2_post(&send, proxy.h2c, &chat(MODEL, "after", false))
         .await
