@@ -5,6 +5,7 @@
 //! the proxy's CPU per stream.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
@@ -15,7 +16,8 @@ use crate::contenders::{tree_usage, Contender, SimSpec, TENANT_KEY};
 use crate::loadgen::{open_loop, LoadResult, Target};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::scenarios::{
-    chat_body, errors_cell, errors_cell_sse, series, target_for, title, Stack, Up, CHAT,
+    chat_body, each_round, errors_cell, errors_cell_sse, series, target_for, title, Stack, Tally,
+    CHAT,
 };
 use crate::sse::{self, SseLoad, SseResult};
 use crate::Ctx;
@@ -38,6 +40,32 @@ struct Measured<T> {
     cpu_us: f64,
 }
 
+impl<T: Tally> Tally for Measured<T> {
+    fn tally(&self) -> (u64, u64, Option<String>) {
+        self.result.tally()
+    }
+}
+
+/// Runs `load` and measures the CPU time of `pid`'s processes over it, in µs per `per` of its
+/// result (requests or streams).
+async fn with_cpu<T>(
+    pid: Option<u32>,
+    load: impl Future<Output = Result<T>>,
+    per: impl FnOnce(&T) -> f64,
+) -> Result<Measured<T>> {
+    let cpu = || {
+        pid.and_then(|p| tree_usage(p).ok())
+            .map(|u| u.cpu.as_secs_f64())
+    };
+    let before = cpu();
+    let result = load.await?;
+    let cpu_us = match (before, cpu()) {
+        (Some(b), Some(a)) => (a - b) * 1e6 / per(&result).max(1.0),
+        _ => f64::NAN,
+    };
+    Ok(Measured { result, cpu_us })
+}
+
 /// `f` of `c` over `f` of `base`, round by round.
 fn per_round<T>(
     runs: &BTreeMap<Contender, Vec<Measured<T>>>,
@@ -49,18 +77,6 @@ fn per_round<T>(
     pairwise(&series(runs.get(&c), f), &series(runs.get(&base), f), op)
 }
 
-/// CPU seconds of `up`'s processes (the simulator's for direct) since `before`.
-fn cpu_since(up: &Up, stack: &Stack, before: Option<f64>) -> Option<f64> {
-    let pid = up.pid(&stack.sim)?;
-    let after = tree_usage(pid).ok()?.cpu.as_secs_f64();
-    Some(after - before?)
-}
-
-fn cpu_now(up: &Up, stack: &Stack) -> Option<f64> {
-    let pid = up.pid(&stack.sim)?;
-    Some(tree_usage(pid).ok()?.cpu.as_secs_f64())
-}
-
 /// 18. Each plugin's cost at a fixed rate.
 pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(18, title(18));
@@ -70,33 +86,25 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let body = chat_body("Hello! Say something short.", false, 16);
     let auth = HeaderValue::from_str(&format!("Bearer {TENANT_KEY}"))
         .context("the Authorization header")?;
-    let mut runs: BTreeMap<Contender, Vec<Measured<LoadResult>>> = BTreeMap::new();
-    for _ in 0..p.rounds {
-        for up in &stack.up {
-            // Every request a prompt of its own for every contender, so that the cache misses
-            // and the contenders differ by their plugins only; the tenant's key for tenants.
-            let mut target = Target::post_json(up.addr, CHAT, body.clone()).varied();
-            if up.contender == Contender::SluiceTenantsLocal {
-                target = target.with_header(AUTHORIZATION, auth.clone());
-            }
-            let before = cpu_now(up, &stack);
-            let r = open_loop(
-                Arc::new(target),
-                p.open_conns,
-                p.plugin_rate,
-                p.warmup,
-                p.duration,
-            )
-            .await?;
-            // The CPU counts the warm-up too: divided by every request due in the run.
-            let due = p.plugin_rate * (p.warmup + p.duration).as_secs_f64();
-            let cpu_us = cpu_since(up, &stack, before).map_or(f64::NAN, |s| s * 1e6 / due);
-            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
-            runs.entry(up.contender)
-                .or_default()
-                .push(Measured { result: r, cpu_us });
+    // The CPU counts the warm-up too: divided by every request due in the run.
+    let due = p.plugin_rate * (p.warmup + p.duration).as_secs_f64();
+    let runs = each_round(p.rounds, &stack, &mut report, |up| {
+        // Every request a prompt of its own for every contender, so that the cache misses and
+        // the contenders differ by their plugins only; the tenant's key for tenants.
+        let mut target = Target::post_json(up.addr, CHAT, body.clone()).varied();
+        if up.contender == Contender::SluiceTenantsLocal {
+            target = target.with_header(AUTHORIZATION, auth.clone());
         }
-    }
+        let load = open_loop(
+            Arc::new(target),
+            p.open_conns,
+            p.plugin_rate,
+            p.warmup,
+            p.duration,
+        );
+        with_cpu(up.pid(&stack.sim), load, move |_| due)
+    })
+    .await?;
     report.header = [
         "contender",
         "req/s done",
@@ -168,20 +176,15 @@ pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         once: false,
         ramp: p.open_stream_ramp,
     };
-    let mut runs: BTreeMap<Contender, Vec<Measured<SseResult>>> = BTreeMap::new();
-    for _ in 0..p.rounds {
-        for up in &stack.up {
-            let target = target_for(up, CHAT, &body);
-            let before = cpu_now(up, &stack);
-            let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
-            let cpu_us = cpu_since(up, &stack, before)
-                .map_or(f64::NAN, |s| s * 1e6 / (r.streams.max(1) as f64));
-            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
-            runs.entry(up.contender)
-                .or_default()
-                .push(Measured { result: r, cpu_us });
-        }
-    }
+    let runs = each_round(p.rounds, &stack, &mut report, |up| {
+        let load = sse::run(
+            target_for(up, CHAT, &body),
+            load.clone(),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        with_cpu(up.pid(&stack.sim), load, |r: &SseResult| r.streams as f64)
+    })
+    .await?;
     report.header = [
         "contender",
         "streams",

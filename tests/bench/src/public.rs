@@ -5,8 +5,6 @@
 //! inter-frame gaps. Contenders: direct, nginx, bare Pingora, Sluice plugins off and on.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -15,10 +13,10 @@ use crate::contenders::{Contender, SimSpec};
 use crate::loadgen::{closed_loop, open_loop, LoadResult};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::scenarios::{
-    chat_body, errors_cell, errors_cell_sse, proxy_pids, rss_sum, series, target_for, title,
-    RssSampler, Stack, CHAT,
+    chat_body, each_round, errors_cell, errors_cell_sse, proxy_pids, rss_sum, series,
+    stream_rounds, target_for, title, RssSampler, Stack, CHAT,
 };
-use crate::sse::{self, SseLoad, SseResult};
+use crate::sse::{SseLoad, SseResult};
 use crate::Ctx;
 
 /// The public method's contenders.
@@ -59,15 +57,11 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let stack = Stack::start(ctx, &SimSpec::zero(), &PUBLIC).await?;
     stack.note_down(&mut report);
     let body = chat_body("Hello! Say something short.", false, 16);
-    let mut runs: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
-    for _ in 0..ctx.p.rounds {
-        for up in &stack.up {
-            let target = target_for(up, CHAT, &body);
-            let r = closed_loop(target, 1, ctx.p.warmup, ctx.p.duration).await?;
-            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
-            runs.entry(up.contender).or_default().push(r);
-        }
-    }
+    let p = ctx.p.clone();
+    let runs = each_round(p.rounds, &stack, &mut report, |up| {
+        closed_loop(target_for(up, CHAT, &body), 1, p.warmup, p.duration)
+    })
+    .await?;
     report.header = [
         "contender",
         "req/s",
@@ -315,15 +309,7 @@ pub async fn public_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         once: false,
         ramp: Duration::from_millis(20),
     };
-    let mut runs: BTreeMap<Contender, Vec<SseResult>> = BTreeMap::new();
-    for _ in 0..ctx.p.rounds {
-        for up in &stack.up {
-            let target = target_for(up, CHAT, &body);
-            let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
-            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
-            runs.entry(up.contender).or_default().push(r);
-        }
-    }
+    let runs = stream_rounds(ctx.p.rounds, &stack, &mut report, &body, &load).await?;
     report.header = [
         "contender",
         "streams",

@@ -391,6 +391,62 @@ pub(crate) async fn closed_rounds_with(
     Ok(out)
 }
 
+/// What a measurement reports to [`ScenarioReport::measured`]: requests (or streams), failed
+/// ones, and the first failure.
+pub(crate) trait Tally {
+    fn tally(&self) -> (u64, u64, Option<String>);
+}
+
+impl Tally for LoadResult {
+    fn tally(&self) -> (u64, u64, Option<String>) {
+        (self.ok, self.errors, self.first_error.clone())
+    }
+}
+
+impl Tally for sse::SseResult {
+    fn tally(&self) -> (u64, u64, Option<String>) {
+        (self.streams, self.errors, self.first_error.clone())
+    }
+}
+
+/// Interleaved rounds: `measure` for every contender once per round, in order, `rounds`
+/// times; each result counted in `report` and kept per contender.
+pub(crate) async fn each_round<T: Tally, F: std::future::Future<Output = Result<T>>>(
+    rounds: usize,
+    stack: &Stack,
+    report: &mut ScenarioReport,
+    mut measure: impl FnMut(&Up) -> F,
+) -> Result<BTreeMap<Contender, Vec<T>>> {
+    let mut runs: BTreeMap<Contender, Vec<T>> = BTreeMap::new();
+    for _ in 0..rounds {
+        for up in &stack.up {
+            let r = measure(up).await?;
+            let (requests, errors, first) = r.tally();
+            report.measured(up.contender, requests, errors, first);
+            runs.entry(up.contender).or_default().push(r);
+        }
+    }
+    Ok(runs)
+}
+
+/// Interleaved rounds of `load`'s streams, each contender asked with `body` ([`target_for`]).
+pub(crate) async fn stream_rounds(
+    rounds: usize,
+    stack: &Stack,
+    report: &mut ScenarioReport,
+    body: &Bytes,
+    load: &SseLoad,
+) -> Result<BTreeMap<Contender, Vec<sse::SseResult>>> {
+    each_round(rounds, stack, report, |up| {
+        sse::run(
+            target_for(up, CHAT, body),
+            load.clone(),
+            Arc::new(AtomicUsize::new(0)),
+        )
+    })
+    .await
+}
+
 pub(crate) fn series<T>(runs: Option<&Vec<T>>, f: impl Fn(&T) -> f64) -> Series {
     Series(runs.map(|v| v.iter().map(f).collect()).unwrap_or_default())
 }
@@ -530,17 +586,19 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
         }
     };
     let rate = (max / 2.0).max(10.0);
-    let mut runs: BTreeMap<Contender, Vec<LoadResult>> = BTreeMap::new();
-    for _ in 0..ctx.p.rounds {
-        for up in &stack.up {
-            let target = target_for(up, CHAT, &body);
-            let r = open_loop(target, ctx.p.open_conns, rate, ctx.p.warmup, ctx.p.duration).await?;
-            // Requests a contender could not send in time are a measurement (the table shows
-            // them as "not sent"), not an error: only failed requests count here.
-            report.measured(up.contender, r.ok, r.errors, r.first_error.clone());
-            runs.entry(up.contender).or_default().push(r);
-        }
-    }
+    // Requests a contender could not send in time are a measurement (the table shows them as
+    // "not sent"), not an error: only failed requests count in the report's tally.
+    let p = ctx.p.clone();
+    let runs = each_round(p.rounds, &stack, &mut report, |up| {
+        open_loop(
+            target_for(up, CHAT, &body),
+            p.open_conns,
+            rate,
+            p.warmup,
+            p.duration,
+        )
+    })
+    .await?;
     report.header = [
         "contender",
         "req/s done",
@@ -602,15 +660,7 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         once: false,
         ramp: Duration::from_millis(ctx.p.stream_itl_ms as u64),
     };
-    let mut runs: BTreeMap<Contender, Vec<sse::SseResult>> = BTreeMap::new();
-    for _ in 0..ctx.p.rounds {
-        for up in &stack.up {
-            let target = target_for(up, CHAT, &body);
-            let r = sse::run(target, load.clone(), Arc::new(AtomicUsize::new(0))).await?;
-            report.measured(up.contender, r.streams, r.errors, r.first_error.clone());
-            runs.entry(up.contender).or_default().push(r);
-        }
-    }
+    let runs = stream_rounds(ctx.p.rounds, &stack, &mut report, &body, &load).await?;
     let s = |c: Contender, f: &dyn Fn(&sse::SseResult) -> f64| series(runs.get(&c), f);
     let ttft99 = |c| s(c, &|r| r.ttft_ms(99.0));
     let gap50 = |c| s(c, &|r| r.gap_ms(50.0));
