@@ -562,3 +562,83 @@ async fn sigterm_lets_an_open_h2_stream_finish() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Writes one HTTP/2 frame.
+async fn write_frame(tcp: &mut TcpStream, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+    let len = payload.len() as u32;
+    let mut frame = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    tcp.write_all(&frame).await.unwrap();
+}
+
+/// Reads one HTTP/2 frame: its type, flags, stream and payload.
+async fn read_frame(tcp: &mut TcpStream) -> (u8, u8, u32, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut head = [0u8; 9];
+    tcp.read_exact(&mut head).await.unwrap();
+    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    let mut payload = vec![0u8; len];
+    tcp.read_exact(&mut payload).await.unwrap();
+    (head[3], head[4], stream, payload)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_the_stream_cap_gets_refused_stream() {
+    const SETTINGS: u8 = 4;
+    const HEADERS: u8 = 1;
+    const RST_STREAM: u8 = 3;
+    const REFUSED_STREAM: u32 = 7;
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "limits": {"h2_max_concurrent_streams": 3},
+    }))
+    .await;
+    // A hand-written client, since real ones keep to the cap.
+    let mut tcp = TcpStream::connect(proxy.h2c).await.unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+    }
+    write_frame(&mut tcp, SETTINGS, 0, 0, &[]).await;
+    let exchange = async {
+        // The server's SETTINGS (not an ACK): acknowledged, so that its cap applies.
+        loop {
+            let (kind, flags, _, payload) = read_frame(&mut tcp).await;
+            if kind == SETTINGS && flags & 1 == 0 {
+                let cap = payload
+                    .chunks(6)
+                    .find(|s| s[..2] == [0, 3])
+                    .map(|s| u32::from_be_bytes([s[2], s[3], s[4], s[5]]));
+                assert_eq!(cap, Some(3), "SETTINGS_MAX_CONCURRENT_STREAMS advertised");
+                break;
+            }
+        }
+        write_frame(&mut tcp, SETTINGS, 1, 0, &[]).await;
+        // Four POSTs whose bodies never come: they stay open, and the fourth is one too many.
+        let path = b"/v1/chat/completions";
+        let mut block = vec![0x83, 0x86, 0x04, path.len() as u8];
+        block.extend_from_slice(path);
+        block.extend_from_slice(&[0x01, 9]);
+        block.extend_from_slice(b"localhost");
+        for stream in [1, 3, 5, 7] {
+            write_frame(&mut tcp, HEADERS, 0x4, stream, &block).await;
+        }
+        loop {
+            let (kind, _, stream, payload) = read_frame(&mut tcp).await;
+            if kind == RST_STREAM {
+                let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                return (stream, code);
+            }
+        }
+    };
+    let (stream, code) = tokio::time::timeout(Duration::from_secs(20), exchange)
+        .await
+        .expect("the stream over the cap is reset");
+    assert_eq!((stream, code), (7, REFUSED_STREAM));
+}
