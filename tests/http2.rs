@@ -642,3 +642,20 @@ async fn a_client_over_the_stream_cap_gets_refused_stream() {
         .expect("the stream over the cap is reset");
     assert_eq!((stream, code), (7, REFUSED_STREAM));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_preface_on_an_h2c_port_is_cut_at_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "limits": {"client_header_timeout": "1s"},
+    }))
+    .await;
+    // Fewer bytes than the preface: Pingora's peek for it would wait for the rest forever.
+    let mut tcp = TcpStream::connect(proxy.h2c).await.unwrap();
+    tcp.write_all(b"PRI * HT").await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the connection is still open 20 s later");
+}
