@@ -1,0 +1,257 @@
+//! deploy/kubernetes/: every kustomization renders with `kubectl kustomize`, every object is
+//! valid (core kinds against the Kubernetes 1.32 schemas of `kubernetes-validate`, strictly;
+//! KEDA and prometheus-operator objects against the CRD schemas shipped beside them), the facts
+//! Sluice depends on hold (`validate.py`: probes, grace, restricted security context, admin port
+//! kept in the cluster, the PrometheusRule equal to deploy/prometheus's rules), and the rendered
+//! ConfigMap's sluice.yaml passes `sluice -t`, with the cluster's service names resolved as
+//! the cluster's DNS would (an /etc/hosts of the test's own, in a mount namespace of its own).
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run(command: &mut Command, what: &str) -> Output {
+    match command.output() {
+        Ok(output) => output,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            panic!("{what} is missing: run scripts/bootstrap --test")
+        }
+        Err(e) => panic!("{what} could not be run: {e}"),
+    }
+}
+
+fn explain(what: &str, output: &Output) -> String {
+    format!(
+        "{what} ({}):\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// `kubectl kustomize deploy/kubernetes/<dir>`, written to a file in `out`.
+fn render(dir: &str, out: &Path) -> PathBuf {
+    let output = run(
+        Command::new("kubectl")
+            .arg("kustomize")
+            .arg(root().join("deploy/kubernetes").join(dir)),
+        "kubectl",
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        explain("kubectl kustomize", &output)
+    );
+    let path = out.join(format!("{}.yaml", dir.replace('/', "-")));
+    std::fs::write(&path, &output.stdout).unwrap();
+    path
+}
+
+/// validate.py on rendered objects: its output, and whether it passed.
+fn validate(rendered: &Path, extra: &[&str]) -> (bool, String) {
+    let output = run(
+        Command::new("python3")
+            .arg(root().join("deploy/kubernetes/validate.py"))
+            .arg(rendered)
+            .args(extra),
+        "python3",
+    );
+    let text = explain("validate.py", &output);
+    if String::from_utf8_lossy(&output.stderr).contains("ModuleNotFoundError") {
+        panic!("the Python package kubernetes-validate is missing: run scripts/bootstrap --test\n{text}");
+    }
+    (output.status.success(), text)
+}
+
+/// The host names a sluice.yaml connects to: backends' `address: host:port`, `redis://host:port`.
+fn host_names(config: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in config.lines() {
+        let line = line.trim().trim_start_matches("- ");
+        let value = if let Some(rest) = line.strip_prefix("address:") {
+            rest.trim()
+        } else if let Some(at) = line.find("redis://") {
+            &line[at + "redis://".len()..]
+        } else {
+            continue;
+        };
+        let host = value.rsplit_once(':').map_or(value, |(host, _)| host);
+        if host.parse::<std::net::IpAddr>().is_err() && !host.is_empty() {
+            names.push(host.to_string());
+        }
+    }
+    names
+}
+
+/// `sluice -c <config> -t`, with every name the config uses resolving to 127.0.0.1.
+fn sluice_check(config: &Path, dir: &Path) {
+    let text = std::fs::read_to_string(config).unwrap();
+    let names = host_names(&text);
+    assert!(!names.is_empty(), "the cluster config names no service");
+    let hosts = dir.join("hosts");
+    std::fs::write(
+        &hosts,
+        format!("127.0.0.1 localhost\n127.0.0.1 {}\n", names.join(" ")),
+    )
+    .unwrap();
+    let script = format!(
+        "mount --bind '{}' /etc/hosts && exec '{}' -c '{}' -t",
+        hosts.display(),
+        env!("CARGO_BIN_EXE_sluice"),
+        config.display()
+    );
+    let output = run(
+        Command::new("unshare")
+            .args(["--mount", "sh", "-c", &script])
+            .env("VLLM_API_KEY", "test-secret"),
+        "unshare (util-linux; needs root)",
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        explain(
+            &format!("sluice -t {} (names {names:?})", config.display()),
+            &output
+        )
+    );
+}
+
+#[test]
+fn every_overlay_renders_validates_and_its_config_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    for (overlay, kinds) in [
+        (
+            "base",
+            &[
+                "Deployment",
+                "Service",
+                "ConfigMap",
+                "PodDisruptionBudget",
+                "HorizontalPodAutoscaler",
+                "NetworkPolicy",
+                "ServiceAccount",
+            ][..],
+        ),
+        (
+            "overlays/production",
+            &["ServiceMonitor", "PrometheusRule"][..],
+        ),
+        (
+            "overlays/redis",
+            &["StatefulSet", "ServiceMonitor", "PrometheusRule"][..],
+        ),
+    ] {
+        let rendered = render(overlay, dir.path());
+        let config = dir
+            .path()
+            .join(format!("{}.sluice.yaml", overlay.replace('/', "-")));
+        let (valid, report) = validate(&rendered, &["--config-out", config.to_str().unwrap()]);
+        assert!(valid, "{overlay}: {report}");
+        for kind in kinds {
+            assert!(
+                report.contains(kind),
+                "{overlay} renders no {kind}: {report}"
+            );
+        }
+        sluice_check(&config, dir.path());
+        if overlay == "overlays/redis" {
+            let text = std::fs::read_to_string(&config).unwrap();
+            assert!(
+                text.contains("store: redis") && text.contains("kind: redis"),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_keda_scaler_scales_vllm_on_queue_depth_and_validates_against_its_crd() {
+    let dir = tempfile::tempdir().unwrap();
+    let rendered = render("vllm-autoscaling", dir.path());
+    let (valid, report) = validate(&rendered, &["--schemas-only"]);
+    assert!(valid, "{report}");
+    let text = std::fs::read_to_string(&rendered).unwrap();
+    assert!(text.contains("kind: ScaledObject"), "{text}");
+    assert!(text.contains("sum(vllm:num_requests_waiting"), "{text}");
+    assert!(text.contains("threshold: \"50\""), "{text}");
+}
+
+/// The validator validates: broken objects of each family are refused, naming the field.
+#[test]
+fn the_validator_refuses_broken_objects() {
+    let dir = tempfile::tempdir().unwrap();
+    let production = std::fs::read_to_string(render("overlays/production", dir.path())).unwrap();
+    let scaler = std::fs::read_to_string(render("vllm-autoscaling", dir.path())).unwrap();
+    let cases = [
+        // A core kind with a wrong type, and with an unknown field.
+        (
+            "replicas: 3",
+            "replicas: three",
+            &production,
+            "spec.replicas",
+        ),
+        (
+            "  revisionHistoryLimit: 5",
+            "  revisionHistoryLimt: 5",
+            &production,
+            "revisionHistoryLimt",
+        ),
+        // A CRD kind with an unknown field, and with a wrong type.
+        (
+            "    scrapeTimeout: 5s",
+            "    scrapeTimeot: 5s",
+            &production,
+            "scrapeTimeot",
+        ),
+        ("threshold: \"50\"", "threshold: 50", &scaler, "threshold"),
+        // Sluice's facts: the grace period, the admin port's policy, the probes.
+        (
+            "terminationGracePeriodSeconds: 45",
+            "terminationGracePeriodSeconds: 30",
+            &production,
+            "terminationGracePeriodSeconds",
+        ),
+        (
+            "path: /readyz",
+            "path: /healthz",
+            &production,
+            "readinessProbe",
+        ),
+        (
+            "readOnlyRootFilesystem: true",
+            "readOnlyRootFilesystem: false",
+            &production,
+            "readOnlyRootFilesystem",
+        ),
+        (
+            "record: sluice:pool_requests:rate5m",
+            "record: sluice:pool_requests:rate1m",
+            &production,
+            "PrometheusRule differs",
+        ),
+    ];
+    for (from, to, source, named) in cases {
+        assert!(
+            source.contains(from),
+            "the rendered objects have no `{from}`"
+        );
+        let broken = dir.path().join("broken.yaml");
+        std::fs::write(&broken, source.replacen(from, to, 1)).unwrap();
+        let extra: &[&str] = if source == &scaler {
+            &["--schemas-only"]
+        } else {
+            &[]
+        };
+        let (valid, report) = validate(&broken, extra);
+        assert!(!valid, "`{from}` → `{to}` was accepted: {report}");
+        assert!(
+            report.contains(named),
+            "`{from}` → `{to}`: {named} not named: {report}"
+        );
+    }
+}
