@@ -12,7 +12,7 @@
 
 use crate::config::Limits;
 use bytes::{Bytes, BytesMut};
-use pingora_error::{Error, Result};
+use pingora_error::{Error, ErrorType, Result};
 use pingora_proxy::Session;
 use sluice_sdk::{ErrorReply, Held, MemoryBudget, Reason};
 use std::sync::Arc;
@@ -124,18 +124,26 @@ async fn read_chunk(
         .client_body_timeout
         .min(deadline.saturating_duration_since(Instant::now()));
     match tokio::time::timeout(wait, session.read_request_body()).await {
-        Ok(read) => read,
-        Err(_) if Instant::now() >= deadline => Err(too_slow(limits)),
-        Err(_) => Err(ErrorReply::new(
-            408,
-            Reason::BodyTimeout,
-            format!(
-                "The client sent no body data for {}.",
-                humantime::format_duration(limits.client_body_timeout)
-            ),
-        )
-        .into_error()),
+        // Pingora's own read timeout (set to the same value in early_request_filter) can fire
+        // first on a loaded machine; its error names no side, so it is answered here as ours.
+        Ok(Err(e)) if e.etype != ErrorType::ReadTimedout => Err(e),
+        Ok(read @ Ok(_)) => read,
+        _ if Instant::now() >= deadline => Err(too_slow(limits)),
+        _ => Err(body_timeout(limits)),
     }
+}
+
+/// 408: a read of the body waited `client_body_timeout` for nothing.
+fn body_timeout(limits: &Limits) -> Box<Error> {
+    ErrorReply::new(
+        408,
+        Reason::BodyTimeout,
+        format!(
+            "The client sent no body data for {}.",
+            humantime::format_duration(limits.client_body_timeout)
+        ),
+    )
+    .into_error()
 }
 
 /// Reads and drops the rest of the body, within the same bounds.
