@@ -120,12 +120,19 @@ async fn the_admin_page_shows_the_fleet_in_a_browser_from_its_own_origin_only() 
     let (proxy, admin) = (reserve_port().release(), reserve_port().release());
     let (_demo, target_sim) = start_demo(proxy, admin);
     let admin_url = format!("http://127.0.0.1:{admin}");
+    // The admin and the proxy listener are two services that start apart: wait for both.
     let ready = wait_for(Duration::from_secs(60), || async {
-        client()
+        let admin_ready = client()
             .get(format!("{admin_url}/readyz"))
             .send()
             .await
-            .is_ok_and(|r| r.status() == 200)
+            .is_ok_and(|r| r.status() == 200);
+        admin_ready
+            && client()
+                .get(format!("http://127.0.0.1:{proxy}/v1/models"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
     })
     .await;
     assert!(ready.is_some(), "the demo did not get ready");
