@@ -659,3 +659,150 @@ async fn a_slow_preface_on_an_h2c_port_is_cut_at_the_header_timeout() {
     let closed = tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut rest)).await;
     assert!(closed.is_ok(), "the connection is still open 20 s later");
 }
+
+/// Reads a whole h2 body as text, releasing its window as it goes.
+async fn read_text(body: h2::RecvStream) -> String {
+    String::from_utf8(read_frames(body).await.concat()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_and_timeouts_answer_over_h2_as_over_http1() {
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "limits": {"client_body_timeout": "500ms"},
+        "plugins": {"tenants": {"enabled": true,
+            "anonymous": {"limits": {"requests_per_minute": 1}}}},
+    }))
+    .await;
+    let url = format!("http://{}/v1/chat/completions", proxy.h2c);
+
+    // A tenant over its rate limit: 429 with retry-after and OpenAI's headers, on h2.
+    let first = h2c_client()
+        .post(&url)
+        .json(&chat(MODEL, "one", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.version(), http::Version::HTTP_2);
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        first.headers()["x-ratelimit-limit-requests"]
+            .to_str()
+            .unwrap(),
+        "1"
+    );
+    let second = h2c_client()
+        .post(&url)
+        .json(&chat(MODEL, "two", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.version(), http::Version::HTTP_2);
+    assert_eq!(second.status(), 429);
+    assert!(second.headers().contains_key("retry-after"));
+    assert_eq!(second.headers()["x-sluice-rejected"], "rate-limited");
+    assert_eq!(
+        second.headers()["x-ratelimit-remaining-requests"]
+            .to_str()
+            .unwrap(),
+        "0"
+    );
+    let body: Value = second.json().await.unwrap();
+    assert_eq!(body["error"]["reason"], "rate-limited", "{body}");
+
+    // A body that stops half way: 408 on its stream, after the body timeout; the connection
+    // serves the next stream.
+    let (send, _) = h2_connect(proxy.h2c, 65_535).await;
+    let mut ready = send.clone().ready().await.unwrap();
+    let request = http::Request::post(&url)
+        .header("content-type", "application/json")
+        .header("content-length", "1000")
+        .body(())
+        .unwrap();
+    let (response, mut stream) = ready.send_request(request, false).unwrap();
+    stream
+        .send_data(Bytes::from_static(b"{\"model\":\"meta-llama"), false)
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("answered after the body timeout")
+        .unwrap();
+    assert_eq!(response.status(), 408);
+    assert_eq!(response.headers()["x-sluice-rejected"], "body-timeout");
+    let text = read_text(response.into_body()).await;
+    assert!(text.contains("\"code\":408"), "{text}");
+    drop(stream);
+    let models = http::Request::get(format!("http://{}/v1/models", proxy.h2c))
+        .body(())
+        .unwrap();
+    let (response, _) = send
+        .ready()
+        .await
+        .unwrap()
+        .send_request(models, true)
+        .unwrap();
+    assert_eq!(response.await.unwrap().status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2() {
+    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let mut proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+    }))
+    .await;
+    let (send, _) = h2_connect(proxy.h2c, 65_535).await;
+    let mut request = chat(MODEL, "a story", true);
+    request["max_tokens"] = json!(20);
+    let response = h2_post(&send, proxy.h2c, &request).await.await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let first = body.data().await.unwrap().unwrap();
+    let _ = body.flow_control().release_capacity(first.len());
+
+    // The new process takes the listeners over the upgrade socket; the old one hands them
+    // over on SIGQUIT and finishes what it serves.
+    let log = std::fs::File::create(proxy.dir.path().join("sluice-new.log")).unwrap();
+    let new = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("-c")
+        .arg(proxy.dir.path().join("sluice.yaml"))
+        .arg("-u")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut old = std::mem::replace(&mut proxy.child, new);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sluice_testkit::signal(old.id(), "QUIT");
+
+    let mut text = first.to_vec();
+    while let Some(data) = body.data().await {
+        let data = data.expect("the stream ends cleanly, not reset");
+        let _ = body.flow_control().release_capacity(data.len());
+        text.extend_from_slice(&data);
+    }
+    let text = String::from_utf8(text).unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    assert!(events.iter().all(|e| !e.contains("\"error\"")), "{text}");
+    assert_eq!(events.len(), 23, "every token came: {text}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while old.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the old process did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The new process serves h2 on the same address.
+    let mut request = chat(MODEL, "after the upgrade", false);
+    request["max_tokens"] = json!(2);
+    let answer = h2c_client()
+        .post(format!("http://{}/v1/chat/completions", proxy.h2c))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.version(), http::Version::HTTP_2);
+    assert_eq!(answer.status(), 200);
+}
