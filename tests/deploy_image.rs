@@ -16,20 +16,13 @@
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use sluice_testkit::{tls_front, TestCa};
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
-use std::net::SocketAddr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::Arc;
 use std::time::Duration;
-
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::rustls::{self, ServerConfig};
-use tokio_rustls::TlsAcceptor;
 
 const BOOTSTRAP: &str = "run scripts/bootstrap --test";
 
@@ -752,55 +745,6 @@ fn buildah_expands_the_args_and_orders_the_stages() {
     );
 }
 
-/// A certificate authority that signs one server certificate: its PEM and the server's TLS
-/// configuration for `name`.
-fn test_ca(name: &str) -> (String, ServerConfig) {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "Sluice image test CA");
-    let pem = params.self_signed(&key).unwrap().pem();
-    let issuer = Issuer::new(params, key);
-    let server_key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![name.to_string()])
-        .unwrap()
-        .signed_by(&server_key, &issuer)
-        .unwrap();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(server_key.serialize_der()));
-    let config =
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![CertificateDer::from(cert.der().to_vec())], key)
-            .unwrap();
-    (pem, config)
-}
-
-/// Terminates TLS on a free port and passes the bytes to `backend`; stops with the test.
-async fn tls_front(config: ServerConfig, backend: SocketAddr) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let acceptor = TlsAcceptor::from(Arc::new(config));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(mut tls) = acceptor.accept(stream).await else {
-                    return;
-                };
-                let Ok(mut plain) = TcpStream::connect(backend).await else {
-                    return;
-                };
-                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
-            });
-        }
-    });
-    addr
-}
-
 /// Kills the process on drop, so that a failed assertion leaves nothing running.
 struct Running(std::process::Child);
 
@@ -828,16 +772,16 @@ async fn the_image_serves_as_its_user_on_a_read_only_root_and_trusts_its_ca_bund
     // image's bundle, where distroless keeps Debian's (no `pingora.ca_file`): an answer
     // proves that Sluice reads the system's CAs from there.
     const SNI: &str = "vllm.image.test";
-    let (ca, tls) = test_ca(SNI);
+    let ca = TestCa::new("Sluice image test CA");
     let sim = vllm_sim::start(
         vllm_sim::SimConfig::default().with_model("meta-llama/Llama-3.2-1B-Instruct"),
     )
     .await
     .unwrap();
-    let front = tls_front(tls, sim.addr()).await;
+    let front = tls_front(ca.server_config(SNI), sim.addr()).await;
     let bundle = in_image("/etc/ssl/certs/ca-certificates.crt");
     let mut cas = std::fs::read_to_string(&bundle).unwrap();
-    cas.push_str(&ca);
+    cas.push_str(&ca.pem);
     std::fs::write(&bundle, cas).unwrap();
 
     // The container's config as shipped, on free ports, its draft pool on that vLLM.

@@ -4,86 +4,17 @@
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use serde_json::json;
 use sluice_testkit::*;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::rustls::{self, ServerConfig};
-use tokio_rustls::TlsAcceptor;
 use vllm_sim::SimConfig;
 
 const SNI: &str = "vllm.internal.test";
 
-/// A certificate authority that can issue server certificates.
-struct Ca {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let key = KeyPair::generate().expect("CA key");
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        let pem = params.self_signed(&key).expect("CA certificate").pem();
-        Ca {
-            pem,
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    /// A TLS server configuration for `name`, with a certificate this CA signed.
-    fn server_config(&self, name: &str) -> ServerConfig {
-        let key = KeyPair::generate().expect("server key");
-        let cert = CertificateParams::new(vec![name.to_string()])
-            .expect("server params")
-            .signed_by(&key, &self.issuer)
-            .expect("server certificate");
-        let chain: Vec<CertificateDer<'static>> = vec![cert.der().clone()];
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .expect("protocol versions")
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .expect("server config")
-    }
-}
-
-/// Terminates TLS on a free port and passes the bytes to `backend`; stops with the test.
-async fn tls_front(config: ServerConfig, backend: SocketAddr) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let acceptor = TlsAcceptor::from(Arc::new(config));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                // A client that refuses the certificate ends its handshake here.
-                let Ok(mut tls) = acceptor.accept(stream).await else {
-                    return;
-                };
-                let Ok(mut plain) = TcpStream::connect(backend).await else {
-                    return;
-                };
-                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_pools_verify_backends_against_the_configured_ca_for_requests_and_checks() {
-    let trusted = Ca::new("Sluice test CA");
-    let stranger = Ca::new("Some other CA");
+    let trusted = TestCa::new("Sluice test CA");
+    let stranger = TestCa::new("Some other CA");
     let good_sim = vllm_sim::start(
         SimConfig::default()
             .with_model("good-model")

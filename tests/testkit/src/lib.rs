@@ -11,6 +11,8 @@
 //!   a Redis that never answers.
 //! - [`free_port`] and [`reserve_port`]: ports for what a test starts (the module docs of
 //!   [`ports`] say how collisions between parallel tests are avoided).
+//! - [`TestCa`] and [`tls_front`]: a private CA per test, the certificates it issues, and a
+//!   TLS front before a plain backend.
 //! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
 // Test code: a panic here is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -22,6 +24,7 @@ mod proc;
 mod proxy;
 mod redis;
 mod scripted;
+mod tls;
 
 pub use config::{pool, Pool};
 pub use llm::{
@@ -32,6 +35,7 @@ pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proxy::{exits_within, metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
 pub use scripted::{Received, Script, Scripted};
+pub use tls::{tls_front, Leaf, TestCa};
 
 /// `tests/fixtures`: recorded vLLM answers and metric pages; its README says where each
 /// comes from.
