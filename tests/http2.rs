@@ -1,18 +1,21 @@
 //! HTTP/2 from clients: TLS listeners negotiate h2 by ALPN, plain listeners with `h2c: true`
 //! take h2 with prior knowledge beside HTTP/1.1. Real clients on real sockets: curl (with
-//! nghttp2) for the wire as a user sees it, reqwest for h2c, and the `h2` crate where a test
-//! needs frame-level control (windows that are never released, the advertised stream cap).
+//! nghttp2) for the wire as a user sees it, reqwest over TLS (ALPN) and h2c, and the `h2`
+//! crate where a test needs frame-level control (windows never released, the stream cap).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use sluice_testkit::{chat, pool, reserve_port, sim_serving, sse_data, streaming_sim};
+use sluice_testkit::{
+    chat, pool, reserve_port, sim_serving, sse_data, streaming_sim, wait_for, TestCa,
+};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
+use vllm_sim::Faults;
 
 const MODEL: &str = "meta-llama/Llama-3.2-1B-Instruct";
 
@@ -24,6 +27,9 @@ struct H2Proxy {
     h2c: SocketAddr,
     plain: SocketAddr,
     admin: SocketAddr,
+    /// The CA that signed the TLS listener's certificate (for 127.0.0.1), as PEM and as a file.
+    ca_pem: String,
+    ca_file: PathBuf,
     dir: tempfile::TempDir,
 }
 
@@ -48,6 +54,11 @@ impl H2Proxy {
     /// Starts the binary with `sections` (pools, plugins, limits, routes) and the three
     /// listeners on free ports; returns once all of them accept connections.
     async fn start(sections: Value) -> H2Proxy {
+        H2Proxy::start_with(sections, true).await
+    }
+
+    /// As [`H2Proxy::start`], with the TLS listener's `http2` key set to `tls_http2`.
+    async fn start_with(sections: Value, tls_http2: bool) -> H2Proxy {
         let dir = tempfile::tempdir().unwrap();
         let (tls, h2c, plain, admin) = (
             reserve_port(),
@@ -56,10 +67,17 @@ impl H2Proxy {
             reserve_port(),
         );
         let (tls_a, h2c_a, plain_a, admin_a) = (tls.addr(), h2c.addr(), plain.addr(), admin.addr());
+        // A CA of the test's own: rustls refuses the example self-signed certificate as an end
+        // entity, as browsers do.
+        let ca = TestCa::new("Sluice h2 test CA");
+        let (crt, key) = ca
+            .issue(&["127.0.0.1", "localhost"])
+            .write(dir.path(), "listener");
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, &ca.pem).unwrap();
         let mut config = json!({
             "listeners": [
-                {"address": tls_a.to_string(), "tls": {
-                    "cert": cert("localhost.crt"), "key": cert("localhost.key")}},
+                {"address": tls_a.to_string(), "http2": tls_http2, "tls": {"cert": crt, "key": key}},
                 {"address": h2c_a.to_string(), "h2c": true},
                 {"address": plain_a.to_string()},
             ],
@@ -96,6 +114,8 @@ impl H2Proxy {
             h2c: h2c_a,
             plain: plain_a,
             admin: admin_a,
+            ca_pem: ca.pem,
+            ca_file,
             dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -141,8 +161,7 @@ async fn curl_speaks_h2_over_tls_and_h2c_for_json_and_sse() {
         "plugins": {"request_id": {"enabled": true}},
     }))
     .await;
-    let cacert = cert("localhost.crt");
-    let cacert = cacert.to_str().unwrap();
+    let cacert = proxy.ca_file.to_str().unwrap();
     let tls_url = format!("https://127.0.0.1:{}/v1/chat/completions", proxy.tls.port());
     let h2c_url = format!("http://{}/v1/chat/completions", proxy.h2c);
     for (stream, expect_sse) in [(false, false), (true, true)] {
@@ -177,6 +196,31 @@ async fn curl_speaks_h2_over_tls_and_h2c_for_json_and_sse() {
             }
         }
     }
+    // reqwest negotiates h2 by ALPN on its own, and reads the stream event by event.
+    let r = tls_client(&proxy.ca_pem)
+        .post(&tls_url)
+        .json(&chat(MODEL, "Hello from reqwest over TLS", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.version(), r.status().as_u16()),
+        (reqwest::Version::HTTP_2, 200)
+    );
+    let mut stream = r.bytes_stream();
+    let mut frames = 0;
+    let mut text = String::new();
+    while let Some(chunk) = futures_util::StreamExt::next(&mut stream).await {
+        frames += 1;
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    assert!(
+        frames > 2,
+        "the stream arrived in several DATA frames, not one: {text}"
+    );
+
     // A client that offers only http/1.1 on the TLS listener still gets it.
     let h1 = curl(&[
         "--http1.1",
@@ -185,6 +229,18 @@ async fn curl_speaks_h2_over_tls_and_h2c_for_json_and_sse() {
         &tls_url.replace("/chat/completions", "/models"),
     ]);
     assert!(h1.starts_with("HTTP/1.1 200"), "{h1}");
+}
+
+/// A reqwest client over TLS that trusts `ca_pem`; it offers h2 and http/1.1 by ALPN.
+fn tls_client(ca_pem: &str) -> reqwest::Client {
+    let pem = ca_pem.as_bytes();
+    reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(pem).unwrap())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
 }
 
 fn h2c_client() -> reqwest::Client {
@@ -805,4 +861,93 @@ async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2(
         .unwrap();
     assert_eq!(answer.version(), http::Version::HTTP_2);
     assert_eq!(answer.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1() {
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start_with(
+        json!({"pools": [pool("main", &[MODEL], &[sim.addr()]).without_health_checks()]}),
+        false,
+    )
+    .await;
+    let h2 = h2c_client();
+    let url = format!("http://{}/v1/chat/completions", proxy.h2c);
+
+    // An upstream that drops a stream after 3 chunks: the h2 client gets the chunks, then an
+    // error event and [DONE], as an HTTP/1.1 client does (tests/proxy.rs).
+    sim.set_faults(Faults {
+        drop_after_chunks: Some(3),
+        ..Faults::default()
+    });
+    let r = h2
+        .post(&url)
+        .json(&chat(MODEL, "tell me more over h2", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.version(), r.status().as_u16()),
+        (reqwest::Version::HTTP_2, 200)
+    );
+    let text = r.text().await.expect("a stream ended cleanly, not reset");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let error: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(error["error"]["message"].is_string(), "{text}");
+    assert!(
+        data.len() >= 5,
+        "the chunks before the failure arrived: {text}"
+    );
+
+    // A backend that refuses connections: an OpenAI-shaped 5xx naming the reason, over h2.
+    sim.set_faults(Faults {
+        refuse_connections: true,
+        ..Faults::default()
+    });
+    let r = h2
+        .post(&url)
+        .json(&chat(MODEL, "anyone there?", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert!([502, 503].contains(&r.status().as_u16()), "{}", r.status());
+    let reason = r.headers()["x-sluice-rejected"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["reason"], reason.as_str(), "{body}");
+
+    // The same h2 connection serves again once the backend is back.
+    sim.set_faults(Faults::default());
+    let ok = wait_for(Duration::from_secs(10), || async {
+        h2.post(&url)
+            .json(&chat(MODEL, "and now?", false))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    assert!(ok.is_some(), "the connection serves after the failures");
+
+    // `http2: false`: the TLS listener offers only http/1.1, so a client asking for h2 gets
+    // HTTP/1.1 by ALPN, and still its answer.
+    let answer = curl(&[
+        "--http2",
+        "--cacert",
+        proxy.ca_file.to_str().unwrap(),
+        &format!("https://127.0.0.1:{}/v1/models", proxy.tls.port()),
+    ]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let r = tls_client(&proxy.ca_pem)
+        .get(format!("https://127.0.0.1:{}/v1/models", proxy.tls.port()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.version(), r.status().as_u16()),
+        (reqwest::Version::HTTP_11, 200)
+    );
 }
