@@ -268,3 +268,26 @@ async fn a_daemon_serves_and_stops_on_sigterm() {
     assert!(gone.is_some(), "the daemon did not stop: {}", log());
     assert!(!log().contains("panicked"), "{}", log());
 }
+
+/// The allocator runs the background thread that returns freed pages to the system
+/// (`.cargo/config.toml` builds jemalloc with it): without it, the memory a burst of streams
+/// took stays resident after the burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_allocator_returns_freed_memory_from_a_background_thread() {
+    let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let mut proxy =
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
+    let child = proxy.take_child();
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", child.id())).unwrap();
+    let names: Vec<String> = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_owned())
+        .collect();
+    proxy.set_child(child);
+    assert!(
+        names.iter().any(|n| n == "jemalloc_bg_thd"),
+        "no jemalloc background thread among {names:?}"
+    );
+}
