@@ -6,7 +6,7 @@
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use bytes::Bytes;
@@ -50,12 +50,12 @@ pub async fn h2_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     .await?;
     let pid = proc.pid().ok_or_else(|| anyhow!("sluice has no pid"))?;
     let body = chat_body("Tell me a story.", true, 4096);
-    let load = SseLoad {
-        concurrency: ctx.p.stream_concurrency,
-        duration: ctx.p.stream_duration,
-        once: false,
-        ramp: Duration::from_millis(ctx.p.stream_itl_ms as u64),
-    };
+    let load = SseLoad::steady(
+        ctx.p.stream_concurrency,
+        ctx.p.stream_duration,
+        ctx.p.stream_tokens,
+        ctx.p.stream_itl_ms,
+    );
 
     report.header = [
         "client",
@@ -162,7 +162,8 @@ pub async fn h2_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         });
     }
     report.notes.push(format!(
-        "{} streams open at a time for {:?} per client and round ({} rounds), {} tokens every {} ms; \
+        "{} streams open at a time for {:?} per client and round ({} rounds), {} tokens every {} ms, \
+         starts spread over one stream's length; \
          a chunk is one read of the chunked HTTP/1.1 body or one HTTP/2 DATA frame. Sluice's \
          peak RSS (VmHWM, reset before each run) covers that run alone.",
         ctx.p.stream_concurrency,

@@ -303,12 +303,7 @@ pub async fn public_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let stack = Stack::start(ctx, &spec, &PUBLIC).await?;
     stack.note_down(&mut report);
     let body = chat_body("Tell me a story.", true, 4096);
-    let load = SseLoad {
-        concurrency: ctx.p.stream_concurrency,
-        duration: ctx.p.stream_duration,
-        once: false,
-        ramp: Duration::from_millis(20),
-    };
+    let load = SseLoad::steady(ctx.p.stream_concurrency, ctx.p.stream_duration, 64, 20.0);
     let runs = stream_rounds(ctx.p.rounds, &stack, &mut report, &body, &load).await?;
     report.header = [
         "contender",
@@ -347,9 +342,9 @@ pub async fn public_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     }
     report.notes.push(format!(
         "{} streams open at a time, each on a fresh connection, each 64 deltas 20 ms apart (no \
-         jitter, TTFT 0 at the simulator); a frame is one read of the chunked body, the gap the \
-         time between two frames of a stream.",
-        ctx.p.stream_concurrency
+         jitter, TTFT 0 at the simulator), their starts spread over {:?}; a frame is one read of \
+         the chunked body, the gap the time between two frames of a stream.",
+        ctx.p.stream_concurrency, load.ramp
     ));
     report.checks.push(Check::at_most(
         "plugins on: added TTFT p99",

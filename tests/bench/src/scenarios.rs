@@ -654,12 +654,12 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let stack = Stack::start(ctx, &spec, &Contender::WITH_BARE_PINGORA).await?;
     stack.note_down(&mut report);
     let body = chat_body("Tell me a story.", true, 4096);
-    let load = SseLoad {
-        concurrency: ctx.p.stream_concurrency,
-        duration: ctx.p.stream_duration,
-        once: false,
-        ramp: Duration::from_millis(ctx.p.stream_itl_ms as u64),
-    };
+    let load = SseLoad::steady(
+        ctx.p.stream_concurrency,
+        ctx.p.stream_duration,
+        ctx.p.stream_tokens,
+        ctx.p.stream_itl_ms,
+    );
     let runs = stream_rounds(ctx.p.rounds, &stack, &mut report, &body, &load).await?;
     let s = |c: Contender, f: &dyn Fn(&sse::SseResult) -> f64| series(runs.get(&c), f);
     let ttft99 = |c| s(c, &|r| r.ttft_ms(99.0));
@@ -700,8 +700,9 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     }
     report.notes.push(format!(
         "{} streams open at a time, each on a fresh connection; {} tokens every {} ms (no jitter, \
-         TTFT 0 at the simulator); a chunk is one read of the chunked body.",
-        ctx.p.stream_concurrency, ctx.p.stream_tokens, ctx.p.stream_itl_ms
+         TTFT 0 at the simulator), their starts spread over {:?}; a chunk is one read of the \
+         chunked body.",
+        ctx.p.stream_concurrency, ctx.p.stream_tokens, ctx.p.stream_itl_ms, load.ramp
     ));
     for c in [Contender::SluiceOff, Contender::SluiceOn] {
         let name = if c == Contender::SluiceOff {
