@@ -194,7 +194,9 @@ impl Writer {
     }
 
     /// Adds a chunk of the leader's stream. `true` when it brought the stream's first event.
-    pub fn feed(&mut self, chunk: &[u8]) -> bool {
+    /// An event that lies whole in `chunk` is kept as a slice of it (the tee holds the chunk
+    /// anyway), so the log copies only events split across chunks.
+    pub fn feed(&mut self, chunk: &Bytes) -> bool {
         if self.bytes > self.max_bytes {
             return false;
         }
@@ -215,7 +217,7 @@ impl Writer {
             };
             if data.as_ref() == b"[DONE]" {
                 *done = true;
-            } else if let Some(event) = parse(Bytes::copy_from_slice(&data)) {
+            } else if let Some(event) = parse(share_or_copy(chunk, &data)) {
                 parsed.push(event);
             }
         });
@@ -293,6 +295,15 @@ struct Shape<'a> {
 
 /// An event's data as the log keeps it, the model it names, and whether it is an error.
 /// `None`: not JSON text, which no client could read either.
+/// `part` as a reference-counted slice of `chunk` when it lies inside it, else a copy.
+fn share_or_copy(chunk: &Bytes, part: &[u8]) -> Bytes {
+    let offset = (part.as_ptr() as usize).checked_sub(chunk.as_ptr() as usize);
+    match offset {
+        Some(start) if start + part.len() <= chunk.len() => chunk.slice(start..start + part.len()),
+        _ => Bytes::copy_from_slice(part),
+    }
+}
+
 fn parse(data: Bytes) -> Option<(Event, Option<String>, bool)> {
     let text = std::str::from_utf8(&data).ok()?;
     let (identity, model, usage_only, is_error) = match serde_json::from_str::<Shape>(text) {
@@ -484,6 +495,30 @@ mod tests {
         datas(&reader.next_chunk().await.unwrap())
     }
 
+    #[test]
+    fn an_event_whole_in_its_chunk_is_kept_without_a_copy_and_a_split_one_is_copied() {
+        let live = Live::new(AnswerKind::Chat, "p");
+        let mut writer = Writer::new(live.clone(), 1 << 20);
+        let whole = Bytes::from(event(0, "Hel", None));
+        writer.feed(&whole);
+        let split = event(1, "lo", None);
+        let (a, b) = split.split_at(10);
+        writer.feed(&Bytes::copy_from_slice(a.as_bytes()));
+        writer.feed(&Bytes::copy_from_slice(b.as_bytes()));
+        let log = live.log();
+        let inside = |data: &Bytes| {
+            let (start, end) = (
+                whole.as_ptr() as usize,
+                whole.as_ptr() as usize + whole.len(),
+            );
+            (start..end).contains(&(data.as_ptr() as usize))
+        };
+        assert!(inside(&log.events[0].data), "shared with the chunk");
+        assert_eq!(log.events[0].data, whole.slice(6..whole.len() - 2));
+        assert!(!inside(&log.events[1].data));
+        assert_eq!(log.events[1].data, split.as_bytes()[6..split.len() - 2]);
+    }
+
     #[tokio::test]
     async fn a_late_reader_gets_the_prefix_at_once_then_each_event_under_its_own_id() {
         let live = Live::new(AnswerKind::Chat, "p");
@@ -491,9 +526,12 @@ mod tests {
         // The first event arrives split across chunks.
         let first = event(0, "Hel", None);
         let (a, b) = first.split_at(10);
-        assert!(!writer.feed(a.as_bytes()));
-        assert!(writer.feed(b.as_bytes()), "the first event");
-        assert!(!writer.feed(event(1, "lo", None).as_bytes()));
+        assert!(!writer.feed(&Bytes::copy_from_slice(a.as_bytes())));
+        assert!(
+            writer.feed(&Bytes::copy_from_slice(b.as_bytes())),
+            "the first event"
+        );
+        assert!(!writer.feed(&Bytes::copy_from_slice(event(1, "lo", None).as_bytes())));
         let mut reader = live.enter().reader("chatcmpl-mine".into(), 7, false);
         assert_eq!(live.readers(), 1);
         assert_eq!(reader.readiness(), Readiness::Ready);
@@ -513,10 +551,12 @@ mod tests {
             (reader, live_event)
         });
         tokio::task::yield_now().await;
-        writer.feed(event(2, "!", Some("stop")).as_bytes());
+        writer.feed(&Bytes::copy_from_slice(
+            event(2, "!", Some("stop")).as_bytes(),
+        ));
         let (mut reader, live_event) = waiting.await.unwrap();
         assert_eq!(content(&live_event), "!");
-        writer.feed(b"data: [DONE]\n\n");
+        writer.feed(&Bytes::from_static(b"data: [DONE]\n\n"));
         writer.end(None);
         assert_eq!(next(&mut reader).await, vec!["[DONE]".to_string()]);
         assert!(reader.next_chunk().await.is_none());
@@ -530,10 +570,11 @@ mod tests {
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let mut early = live.enter().reader("a".into(), 1, false);
         let mut wrote = live.enter().reader("b".into(), 1, false);
-        writer.feed(event(0, "x", None).as_bytes());
+        writer.feed(&Bytes::copy_from_slice(event(0, "x", None).as_bytes()));
         assert_eq!(content(&next(&mut wrote).await), "x");
-        writer
-            .feed(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\ndata: [DONE]\n\n");
+        writer.feed(&Bytes::from_static(
+            b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\ndata: [DONE]\n\n",
+        ));
         writer.end(None);
         let rest = next(&mut wrote).await;
         assert!(rest[0].contains("boom"), "{rest:?}");
@@ -549,7 +590,7 @@ mod tests {
         let live = Live::new(AnswerKind::Chat, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let mut reader = live.enter().reader("a".into(), 1, false);
-        writer.feed(event(0, "x", None).as_bytes());
+        writer.feed(&Bytes::copy_from_slice(event(0, "x", None).as_bytes()));
         next(&mut reader).await;
         drop(writer);
         let rest = next(&mut reader).await;
@@ -561,9 +602,9 @@ mod tests {
         let one = event(0, "x", None);
         let mut writer = Writer::new(live.clone(), one.len() + 10);
         let mut reader = live.enter().reader("a".into(), 1, false);
-        writer.feed(one.as_bytes());
+        writer.feed(&Bytes::copy_from_slice(one.as_bytes()));
         next(&mut reader).await;
-        writer.feed(one.as_bytes());
+        writer.feed(&Bytes::copy_from_slice(one.as_bytes()));
         let rest = next(&mut reader).await;
         assert!(rest[0].contains("too large"), "{rest:?}");
         assert_eq!(rest[1], "[DONE]");
@@ -577,8 +618,10 @@ mod tests {
         };
         let live = Live::new(AnswerKind::Chat, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
-        writer.feed(event(0, "x", Some("stop")).as_bytes());
-        writer.feed(b"data: [DONE]\n\n");
+        writer.feed(&Bytes::copy_from_slice(
+            event(0, "x", Some("stop")).as_bytes(),
+        ));
+        writer.feed(&Bytes::from_static(b"data: [DONE]\n\n"));
         writer.end(Some(usage));
         let mut asked = live.enter().reader("a".into(), 1, true);
         let got = next(&mut asked).await;
@@ -592,8 +635,10 @@ mod tests {
         // The stream's own usage chunk passes to those that asked, under their id.
         let live = Live::new(AnswerKind::Chat, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
-        writer.feed(event(0, "x", Some("stop")).as_bytes());
-        writer.feed(b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[ ],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n");
+        writer.feed(&Bytes::copy_from_slice(
+            event(0, "x", Some("stop")).as_bytes(),
+        ));
+        writer.feed(&Bytes::from_static(b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[ ],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n"));
         writer.end(Some(usage));
         let got = next(&mut live.enter().reader("a".into(), 1, true)).await;
         assert_eq!(got.len(), 3);
