@@ -7,7 +7,8 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 use sluice_testkit::{
-    chat, pool, reserve_port, sim_serving, sse_data, streaming_sim, wait_for, TestCa,
+    assert_ends_with_error_event, chat, pool, reserve_port, sim_serving, sse_data, streaming_sim,
+    wait_for, TestCa,
 };
 use std::future::Future;
 use std::net::SocketAddr;
@@ -580,14 +581,11 @@ fn the_new_keys_are_checked() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_lets_an_open_h2_stream_finish() {
-    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
-    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
-    let mut proxy = H2Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[sim.addr()])],
-    }))
-    .await;
+/// Opens an h2c stream of 20 tokens (the sim of the stop tests) and reads its first DATA
+/// frame; returns the connection (kept open), the rest of the body and that frame.
+async fn open_story_stream(
+    proxy: &H2Proxy,
+) -> (h2::client::SendRequest<Bytes>, h2::RecvStream, Bytes) {
     let (send, _) = h2_connect(proxy.h2c, 65_535).await;
     let mut request = chat(MODEL, "a story", true);
     request["max_tokens"] = json!(20);
@@ -596,7 +594,11 @@ async fn sigterm_lets_an_open_h2_stream_finish() {
     let mut body = response.into_body();
     let first = body.data().await.unwrap().unwrap();
     let _ = body.flow_control().release_capacity(first.len());
-    sluice_testkit::signal(proxy.child.id(), "TERM");
+    (send, body, first)
+}
+
+/// Reads the rest of [`open_story_stream`]'s stream: it must end cleanly with every event.
+async fn read_the_whole_story(mut body: h2::RecvStream, first: Bytes) {
     let mut text = first.to_vec();
     while let Some(data) = body.data().await {
         let data = data.expect("the stream ends cleanly, not reset");
@@ -612,6 +614,19 @@ async fn sigterm_lets_an_open_h2_stream_finish() {
     );
     // The role chunk, 20 tokens, the finish chunk and [DONE].
     assert_eq!(events.len(), 23, "every token came: {text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_open_h2_stream_finish() {
+    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let mut proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+    }))
+    .await;
+    let (_send, body, first) = open_story_stream(&proxy).await;
+    sluice_testkit::signal(proxy.child.id(), "TERM");
+    read_the_whole_story(body, first).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     while proxy.child.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "sluice still runs after SIGTERM");
@@ -809,14 +824,7 @@ async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2(
         "pools": [pool("main", &[MODEL], &[sim.addr()])],
     }))
     .await;
-    let (send, _) = h2_connect(proxy.h2c, 65_535).await;
-    let mut request = chat(MODEL, "a story", true);
-    request["max_tokens"] = json!(20);
-    let response = h2_post(&send, proxy.h2c, &request).await.await.unwrap();
-    assert_eq!(response.status(), 200);
-    let mut body = response.into_body();
-    let first = body.data().await.unwrap().unwrap();
-    let _ = body.flow_control().release_capacity(first.len());
+    let (_send, body, first) = open_story_stream(&proxy).await;
 
     // The new process takes the listeners over the upgrade socket; the old one hands them
     // over on SIGQUIT and finishes what it serves.
@@ -833,17 +841,7 @@ async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2(
     tokio::time::sleep(Duration::from_millis(500)).await;
     sluice_testkit::signal(old.id(), "QUIT");
 
-    let mut text = first.to_vec();
-    while let Some(data) = body.data().await {
-        let data = data.expect("the stream ends cleanly, not reset");
-        let _ = body.flow_control().release_capacity(data.len());
-        text.extend_from_slice(&data);
-    }
-    let text = String::from_utf8(text).unwrap();
-    let events = sse_data(&text);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
-    assert!(events.iter().all(|e| !e.contains("\"error\"")), "{text}");
-    assert_eq!(events.len(), 23, "every token came: {text}");
+    read_the_whole_story(body, first).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     while old.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "the old process did not exit");
@@ -891,14 +889,7 @@ async fn upstream_failures_reach_h2_clients_as_over_http1_and_http2_off_offers_o
         (reqwest::Version::HTTP_2, 200)
     );
     let text = r.text().await.expect("a stream ended cleanly, not reset");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
-    let error: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
-    assert!(error["error"]["message"].is_string(), "{text}");
-    assert!(
-        data.len() >= 5,
-        "the chunks before the failure arrived: {text}"
-    );
+    assert_ends_with_error_event(&text, 3);
 
     // A backend that refuses connections: an OpenAI-shaped 5xx naming the reason, over h2.
     sim.set_faults(Faults {

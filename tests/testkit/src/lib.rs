@@ -28,8 +28,8 @@ mod tls;
 
 pub use config::{pool, Pool};
 pub use llm::{
-    answer_confidence, ask_url, chat, client, content, sim_serving, sse_data, streaming_sim,
-    upstream_calls, wait_for, Answer,
+    answer_confidence, ask_url, assert_ends_with_error_event, chat, client, content, sim_serving,
+    sse_data, streaming_sim, upstream_calls, wait_for, Answer,
 };
 pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proxy::{exits_within, metric_value, signal, Proxy};

@@ -30,6 +30,19 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// Asserts that an SSE body cut by its upstream ends as Sluice ends it: at least
+/// `events_before` events, then an OpenAI error event, then `[DONE]`.
+pub fn assert_ends_with_error_event(body: &str, events_before: usize) {
+    let data = sse_data(body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let error: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(error["error"]["message"].is_string(), "{body}");
+    assert!(
+        data.len() >= events_before + 2,
+        "the events before the failure arrived: {body}"
+    );
+}
+
 /// An LLM answer as a test sees it.
 pub struct Answer {
     pub status: u16,
