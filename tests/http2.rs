@@ -741,7 +741,7 @@ async fn limits_and_timeouts_answer_over_h2_as_over_http1() {
     let sim = sim_serving(MODEL).await;
     let proxy = H2Proxy::start(json!({
         "pools": [pool("main", &[MODEL], &[sim.addr()])],
-        "limits": {"client_body_timeout": "500ms"},
+        "limits": {"client_body_timeout": "500ms", "client_body_deadline": "1500ms"},
         "plugins": {"tenants": {"enabled": true,
             "anonymous": {"limits": {"requests_per_minute": 1}}}},
     }))
@@ -804,6 +804,47 @@ async fn limits_and_timeouts_answer_over_h2_as_over_http1() {
     let text = read_text(response.into_body()).await;
     assert!(text.contains("\"code\":408"), "{text}");
     drop(stream);
+
+    // A body trickled a few bytes every 100 ms: no read waits long, but the whole body is cut
+    // at client_body_deadline, on its stream alone.
+    let request = http::Request::post(&url)
+        .header("content-type", "application/json")
+        .body(())
+        .unwrap();
+    let (response, mut stream) = send
+        .clone()
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, false)
+        .unwrap();
+    let started = Instant::now();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            if stream
+                .send_data(Bytes::from_static(b"    "), false)
+                .is_err()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("answered at the body deadline")
+        .unwrap();
+    let took = started.elapsed();
+    trickle.abort();
+    assert_eq!(response.status(), 408);
+    assert_eq!(response.headers()["x-sluice-rejected"], "body-timeout");
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(5),
+        "cut after {took:?}"
+    );
+    let text = read_text(response.into_body()).await;
+    assert!(text.contains("did not arrive within 1s 500ms"), "{text}");
+
     let models = http::Request::get(format!("http://{}/v1/models", proxy.h2c))
         .body(())
         .unwrap();
@@ -862,10 +903,13 @@ async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upstream_failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1() {
+async fn failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1() {
     let sim = sim_serving(MODEL).await;
     let proxy = H2Proxy::start_with(
-        json!({"pools": [pool("main", &[MODEL], &[sim.addr()]).without_health_checks()]}),
+        json!({
+            "pools": [pool("main", &[MODEL], &[sim.addr()]).with_fast_health_checks()],
+            "plugins": {"kv_breaker": {"enabled": true, "queue": {"enabled": false}}},
+        }),
         false,
     )
     .await;
@@ -922,6 +966,30 @@ async fn upstream_failures_reach_h2_clients_as_over_http1_and_http2_off_offers_o
     })
     .await;
     assert!(ok.is_some(), "the connection serves after the failures");
+
+    // A pool over its KV threshold: the breaker's 503 with retry-after, over h2.
+    sim.set_phantom_kv(0.99);
+    let mut shed = None;
+    for _ in 0..100 {
+        let r = h2
+            .post(&url)
+            .json(&chat(MODEL, "is there room?", false))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 503 {
+            shed = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let shed = shed.expect("a 503 once the pressure was scraped");
+    assert_eq!(shed.version(), reqwest::Version::HTTP_2);
+    assert_eq!(shed.headers()["x-sluice-rejected"], "kv-pressure");
+    assert!(shed.headers().contains_key("retry-after"));
+    let body: Value = shed.json().await.unwrap();
+    assert_eq!(body["error"]["reason"], "kv-pressure", "{body}");
+    sim.set_phantom_kv(0.0);
 
     // `http2: false`: the TLS listener offers only http/1.1, so a client asking for h2 gets
     // HTTP/1.1 by ALPN, and still its answer.
