@@ -335,13 +335,7 @@ impl Plugin for Tenants {
         if let Some(Held(admitted)) = ctx.state.get::<Held>() {
             // A static name goes in without the copy a `HeaderName` costs in Pingora's
             // case map; the same lowercase bytes on the wire.
-            let mut result = Ok(());
-            admitted.each_header(|name, value| {
-                if result.is_ok() {
-                    result = response.insert_header(name, value);
-                }
-            });
-            result?;
+            admitted.each_header(|name, value| response.insert_header(name, value))?;
         }
         Ok(())
     }

@@ -89,7 +89,7 @@ pub use config::{
 };
 
 use budget::{unix_now, Windows};
-use http::{HeaderName, HeaderValue};
+use http::HeaderValue;
 use remote::RedisStore;
 use reply::Readings;
 use serde::Serialize;
@@ -286,8 +286,9 @@ impl std::fmt::Debug for Admitted {
 
 impl Admitted {
     /// The x-ratelimit-* headers for a successful answer of a limited tenant (empty when
-    /// unlimited).
-    pub fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+    /// unlimited), as a list for the tests; answers use [`Admitted::each_header`].
+    #[cfg(test)]
+    pub fn headers(&self) -> Vec<(http::HeaderName, HeaderValue)> {
         self.readings
             .as_ref()
             .map(|r| r.headers(None))
@@ -295,10 +296,14 @@ impl Admitted {
     }
 
     /// The same headers handed to `f` one by one with static names, as the response writes
-    /// them: no list is built per request.
-    pub fn each_header(&self, f: impl FnMut(&'static str, HeaderValue)) {
-        if let Some(readings) = &self.readings {
-            readings.each_header(None, f);
+    /// them, until `f` fails: no list is built per request.
+    pub fn each_header<E>(
+        &self,
+        f: impl FnMut(&'static str, HeaderValue) -> Result<(), E>,
+    ) -> Result<(), E> {
+        match &self.readings {
+            Some(readings) => readings.each_header(None, f),
+            None => Ok(()),
         }
     }
 

@@ -53,19 +53,23 @@ impl Readings {
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits set.
     pub(crate) fn headers(&self, refused: Option<Refusal>) -> Vec<(HeaderName, HeaderValue)> {
         let mut out = Vec::with_capacity(6);
-        self.each_header(refused, |name, value| {
+        let pushed = self.each_header(refused, |name, value| {
             out.push((HeaderName::from_static(name), value));
+            Ok::<(), std::convert::Infallible>(())
         });
-        out
+        match pushed {
+            Ok(()) => out,
+        }
     }
 
-    /// The same headers handed to `f` one by one, with static names: a successful answer
-    /// writes them straight into its response, with no list built per request.
-    pub(crate) fn each_header(
+    /// The same headers handed to `f` one by one, with static names, until `f` fails: a
+    /// successful answer writes them straight into its response, with no list built per
+    /// request.
+    pub(crate) fn each_header<E>(
         &self,
         refused: Option<Refusal>,
-        mut f: impl FnMut(&'static str, HeaderValue),
-    ) {
+        mut f: impl FnMut(&'static str, HeaderValue) -> Result<(), E>,
+    ) -> Result<(), E> {
         const REQUESTS: [&str; 3] = [
             "x-ratelimit-limit-requests",
             "x-ratelimit-remaining-requests",
@@ -85,10 +89,11 @@ impl Readings {
         for (names, reading, spent) in groups {
             let Some(r) = reading else { continue };
             let remaining = if spent { 0 } else { r.remaining };
-            f(names[0], HeaderValue::from(r.limit));
-            f(names[1], HeaderValue::from(remaining));
-            f(names[2], duration_value(r.reset_us));
+            f(names[0], HeaderValue::from(r.limit))?;
+            f(names[1], HeaderValue::from(remaining))?;
+            f(names[2], duration_value(r.reset_us))?;
         }
+        Ok(())
     }
 }
 

@@ -2,6 +2,7 @@
 //! through real redis-server processes (single node and Cluster).
 
 use super::*;
+use http::HeaderName;
 use sluice_sdk::Reason;
 use std::time::Duration;
 
