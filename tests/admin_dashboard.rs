@@ -6,59 +6,11 @@
 
 use serde_json::{json, Value};
 use sluice_testkit::*;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
-
-/// Kills the demo however the test ends.
-struct Demo(Child);
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `sluice demo` on free ports; returns it and the target pool's simulator URL, read
-/// from the lines it prints.
-fn start_demo(proxy: u16, admin: u16) -> (Demo, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "demo",
-            "--port",
-            &proxy.to_string(),
-            "--admin-port",
-            &admin.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("sluice demo starts");
-    let stdout = child.stdout.take().expect("the demo's stdout");
-    let demo = Demo(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        // Keeps reading to the end, so the demo never blocks on a full pipe.
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if !sent && line.trim_start().starts_with("target pool") {
-                if let Some(url) = line.split_whitespace().last() {
-                    let _ = tx.send(url.to_string());
-                    sent = true;
-                }
-            }
-        }
-    });
-    let target = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the demo prints its target simulator's URL");
-    (demo, target)
-}
 
 /// Runs headless Chromium on `url` with `extra` flags (`--dump-dom`, `--screenshot=…`) and
 /// a fresh profile; returns its stdout.
@@ -118,7 +70,8 @@ fn target_dir() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_page_shows_the_fleet_in_a_browser_from_its_own_origin_only() {
     let (proxy, admin) = (reserve_port().release(), reserve_port().release());
-    let (_demo, target_sim) = start_demo(proxy, admin);
+    let demo = Demo::start(proxy, admin);
+    let target_sim = demo.target.clone();
     let admin_url = format!("http://127.0.0.1:{admin}");
     // The admin and the proxy listener are two services that start apart: wait for both.
     let ready = wait_for(Duration::from_secs(60), || async {

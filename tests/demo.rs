@@ -4,7 +4,6 @@
 
 use serde_json::json;
 use sluice_testkit::*;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// The README's keyless request hits the cache the second time; the demo's tenants get their
@@ -12,19 +11,7 @@ use std::time::Duration;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_serves_the_readmes_requests_and_its_tenants_limits() {
     let (proxy, admin) = (reserve_port().release(), reserve_port().release());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "demo",
-            "--port",
-            &proxy.to_string(),
-            "--admin-port",
-            &admin.to_string(),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("sluice demo starts");
+    let demo = Demo::start(proxy, admin);
     let url = format!("http://127.0.0.1:{proxy}/v1/chat/completions");
     let ready = wait_for(Duration::from_secs(30), || async {
         client()
@@ -34,10 +21,7 @@ async fn the_demo_serves_the_readmes_requests_and_its_tenants_limits() {
             .is_ok_and(|r| r.status() == 200)
     })
     .await;
-    if ready.is_none() {
-        let _ = child.kill();
-        panic!("the demo did not get ready");
-    }
+    assert!(ready.is_some(), "the demo did not get ready");
 
     let hello = json!({"model": "meta-llama/Llama-3.2-1B-Instruct",
                        "messages": [{"role": "user", "content": "Hello!"}], "temperature": 0});
@@ -58,8 +42,7 @@ async fn the_demo_serves_the_readmes_requests_and_its_tenants_limits() {
             json!({"model": "llama", "messages": [{"role": "user", "content": format!("q{i}")}]});
         alpha_statuses.push(ask_url(&url, &body, &alpha).await.status);
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(demo);
 
     assert_eq!(first.status, 200, "{}", first.body);
     assert_eq!(second.x_cache, "HIT", "the README's request, again");

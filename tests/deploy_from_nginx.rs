@@ -4,8 +4,9 @@
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use sluice_testkit::explain;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 /// A fresh folder holding `file` from deploy/from-nginx/ and the example certificates.
 fn layout(file: &str) -> (tempfile::TempDir, PathBuf) {
@@ -26,15 +27,6 @@ fn layout(file: &str) -> (tempfile::TempDir, PathBuf) {
     }
     let path = dir.path().join(file);
     (dir, path)
-}
-
-fn explain(what: &str, output: &Output) -> String {
-    format!(
-        "{what} ({}):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
 }
 
 #[test]

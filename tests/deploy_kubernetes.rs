@@ -8,6 +8,7 @@
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use sluice_testkit::explain;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -23,15 +24,6 @@ fn run(command: &mut Command, what: &str) -> Output {
         }
         Err(e) => panic!("{what} could not be run: {e}"),
     }
-}
-
-fn explain(what: &str, output: &Output) -> String {
-    format!(
-        "{what} ({}):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
 }
 
 /// `kubectl kustomize deploy/kubernetes/<dir>`, written to a file in `out`.

@@ -581,7 +581,18 @@ fn the_new_keys_are_checked() {
     }
 }
 
-/// Opens an h2c stream of 20 tokens (the sim of the stop tests) and reads its first DATA
+/// The stop tests' proxy, in front of a simulator that streams 20 tokens 100 ms apart: two
+/// seconds, inside the grace period of three.
+async fn story_proxy() -> (vllm_sim::Sim, H2Proxy) {
+    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+    }))
+    .await;
+    (sim, proxy)
+}
+
+/// Opens an h2c stream of 20 tokens (on [`story_proxy`]) and reads its first DATA
 /// frame; returns the connection (kept open), the rest of the body and that frame.
 async fn open_story_stream(
     proxy: &H2Proxy,
@@ -618,12 +629,7 @@ async fn read_the_whole_story(mut body: h2::RecvStream, first: Bytes) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_an_open_h2_stream_finish() {
-    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
-    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
-    let mut proxy = H2Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[sim.addr()])],
-    }))
-    .await;
+    let (_sim, mut proxy) = story_proxy().await;
     let (_send, body, first) = open_story_stream(&proxy).await;
     sluice_testkit::signal(proxy.child.id(), "TERM");
     read_the_whole_story(body, first).await;
@@ -859,12 +865,7 @@ async fn limits_and_timeouts_answer_over_h2_as_over_http1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2() {
-    // 20 tokens 100 ms apart: two seconds, inside the grace period of three.
-    let sim = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
-    let mut proxy = H2Proxy::start(json!({
-        "pools": [pool("main", &[MODEL], &[sim.addr()])],
-    }))
-    .await;
+    let (_sim, mut proxy) = story_proxy().await;
     let (_send, body, first) = open_story_stream(&proxy).await;
 
     // The new process takes the listeners over the upgrade socket; the old one hands them

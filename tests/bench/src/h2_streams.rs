@@ -15,7 +15,7 @@ use crate::contenders::{
     free_addr, reset_peak_rss, sluice_config, start_sluice_with, status_bytes, RunningSim, Setup,
     SimSpec,
 };
-use crate::loadgen::{histogram, record, Target};
+use crate::loadgen::{record, Target};
 use crate::report::{Measured, ScenarioReport};
 use crate::scenarios::{chat_body, title, CHAT};
 use crate::sse::{self, SseLoad, SseResult};
@@ -207,7 +207,7 @@ async fn h2_run(addr: std::net::SocketAddr, body: &Bytes, load: &SseLoad) -> Res
         let uri = format!("http://{addr}{CHAT}");
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let mut out = empty()?;
+            let mut out = SseResult::empty()?;
             while Instant::now() < end {
                 if let Err(e) = one_stream(&send, &uri, &body, &mut out).await {
                     out.errors += 1;
@@ -217,35 +217,12 @@ async fn h2_run(addr: std::net::SocketAddr, body: &Bytes, load: &SseLoad) -> Res
             anyhow::Ok(out)
         }));
     }
-    let mut all = empty()?;
+    let mut all = SseResult::empty()?;
     for t in tasks {
-        let r = t.await.context("h2 worker")??;
-        all.streams += r.streams;
-        all.errors += r.errors;
-        all.chunks += r.chunks;
-        all.events += r.events;
-        all.merged += r.merged;
-        if all.first_error.is_none() {
-            all.first_error = r.first_error;
-        }
-        all.ttft.add(&r.ttft).map_err(|e| anyhow!("{e:?}"))?;
-        all.gaps.add(&r.gaps).map_err(|e| anyhow!("{e:?}"))?;
+        all.merge(t.await.context("h2 worker")??);
     }
     driver.abort();
     Ok(all)
-}
-
-fn empty() -> Result<SseResult> {
-    Ok(SseResult {
-        streams: 0,
-        errors: 0,
-        first_error: None,
-        ttft: histogram()?,
-        gaps: histogram()?,
-        chunks: 0,
-        events: 0,
-        merged: 0,
-    })
 }
 
 async fn one_stream(

@@ -61,7 +61,8 @@ pub struct SseResult {
 }
 
 impl SseResult {
-    fn empty() -> Result<SseResult> {
+    /// No streams yet: what workers start from and results are merged into.
+    pub(crate) fn empty() -> Result<SseResult> {
         Ok(SseResult {
             streams: 0,
             errors: 0,
@@ -74,7 +75,8 @@ impl SseResult {
         })
     }
 
-    fn merge(&mut self, o: SseResult) {
+    /// Adds another worker's streams to these.
+    pub(crate) fn merge(&mut self, o: SseResult) {
         self.streams += o.streams;
         self.errors += o.errors;
         self.chunks += o.chunks;

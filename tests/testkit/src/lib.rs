@@ -11,6 +11,8 @@
 //!   a Redis that never answers.
 //! - [`free_port`] and [`reserve_port`]: ports for what a test starts (the module docs of
 //!   [`ports`] say how collisions between parallel tests are avoided).
+//! - [`Demo`]: `sluice demo` on free ports, killed on drop; [`explain`]: a failed command's
+//!   output as an assertion message.
 //! - [`TestCa`] and [`tls_front`]: a private CA per test, the certificates it issues, and a
 //!   TLS front before a plain backend.
 //! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
@@ -32,6 +34,7 @@ pub use llm::{
     sse_data, streaming_sim, upstream_calls, wait_for, Answer,
 };
 pub use ports::{free_port, reserve_port, ReservedPort};
+pub use proc::{explain, Demo};
 pub use proxy::{exits_within, metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
 pub use scripted::{Received, Script, Scripted};

@@ -1,4 +1,5 @@
-//! Child processes: whether one listens on a port itself, and stopping it.
+//! Child processes: whether one listens on a port itself, stopping it, `sluice demo`, and
+//! the message of a failed command.
 
 use std::collections::HashSet;
 use std::process::Child;
@@ -52,6 +53,73 @@ pub(crate) fn kill(child: &mut Option<Child>) {
     if let Some(mut c) = child.take() {
         let _ = c.kill();
         let _ = c.wait();
+    }
+}
+
+/// A command's status, stdout and stderr under `what`: the message of a failed check.
+pub fn explain(what: &str, output: &std::process::Output) -> String {
+    format!(
+        "{what} ({}):\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// `sluice demo` on the given ports, killed on drop.
+pub struct Demo {
+    child: Child,
+    /// The target pool's simulator URL, as the demo prints it.
+    pub target: String,
+}
+
+impl Demo {
+    /// Starts the demo and waits (at most a minute) for it to print its target simulator's
+    /// URL; its output is read to the end, so it never blocks on a full pipe.
+    pub fn start(proxy: u16, admin: u16) -> Demo {
+        use std::io::{BufRead, BufReader};
+        let mut child = std::process::Command::new(crate::proxy::binary())
+            // The workspace root, as the README runs it.
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .args([
+                "demo",
+                "--port",
+                &proxy.to_string(),
+                "--admin-port",
+                &admin.to_string(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("sluice demo starts");
+        let stdout = child.stdout.take().expect("the demo's stdout");
+        let mut demo = Demo {
+            child,
+            target: String::new(),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if !sent && line.trim_start().starts_with("target pool") {
+                    if let Some(url) = line.split_whitespace().last() {
+                        let _ = tx.send(url.to_string());
+                        sent = true;
+                    }
+                }
+            }
+        });
+        demo.target = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the demo prints its target simulator's URL");
+        demo
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

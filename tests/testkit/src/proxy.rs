@@ -261,7 +261,7 @@ pub fn metric_value(metrics: &str, series: &str) -> Option<f64> {
 
 /// The binary under test. Cargo builds it for the root package's integration tests and
 /// says where, when it runs them.
-fn binary() -> PathBuf {
+pub(crate) fn binary() -> PathBuf {
     std::env::var_os("CARGO_BIN_EXE_sluice")
         .map(PathBuf::from)
         .expect("CARGO_BIN_EXE_sluice: run the tests with `cargo test`")
