@@ -2,14 +2,16 @@
 //! not once it is whole (what a CDN does with request collapsing on a streaming miss).
 //!
 //! The leader's stream already passes the cache's `response_body` hook chunk by chunk (the
-//! tee). From its first `200` event-stream header on, a [`Writer`] also splits it into events
-//! and appends them to a shared, append-only [`Live`] log: each event's JSON text as the
-//! upstream sent it, with where its `id` and `created` values are. Every follower has its own
-//! [`Reader`]: a cursor in the log, and its own `id` and `created`. It renders each event as
-//! the upstream's text with its own two values spliced in (as a JSON hit is, see
+//! tee). From its first `200` event-stream header on, a [`Writer`] also appends each chunk to
+//! a shared, append-only [`Live`] log: a reference count of the chunk the tee holds anyway,
+//! nothing parsed. Every follower has its own [`Reader`]: a cursor in the log, its own SSE
+//! splitter, and its own `id` and `created`. It splits the chunks into events and renders
+//! each as the upstream's text with its own two values spliced in (as a JSON hit is, see
 //! [`crate::entry`]), so a follower sees exactly the leader's chunks (deltas, log-probs, tool
 //! calls, finish reasons) under its own identity: what was produced so far at once, in one
-//! write, then every event as it arrives.
+//! write, then every event as it arrives. Most streams never get a follower, so the events
+//! are parsed only by the readers that need them: the leader's side only looks for `[DONE]`
+//! and an error event.
 //!
 //! - **The leader never waits.** Appending takes the log's lock for a push, then wakes the
 //!   readers (a `watch` channel: a reader that was busy writing finds the news when it next
@@ -55,28 +57,15 @@ pub struct Live {
 
 #[derive(Default)]
 struct Log {
-    events: Vec<Event>,
-    /// The upstream's `model` value, as text, for a usage chunk made here.
-    model: Option<String>,
+    /// The upstream's chunks, as the tee holds them.
+    chunks: Vec<Bytes>,
     end: Option<End>,
 }
 
-/// An upstream event's JSON text.
-struct Event {
-    data: Bytes,
-    /// Where its `id` and `created` are; `None`: passed on as sent.
-    identity: Option<IdentitySpans>,
-    /// The usage chunk (no choices, a usage object).
-    usage_only: bool,
-}
-
+#[derive(Clone)]
 enum End {
-    /// `[DONE]` after a complete stream; the usage the core found, and whether the stream
-    /// had its own usage chunk.
-    Done {
-        usage: Option<Usage>,
-        had_usage_chunk: bool,
-    },
+    /// `[DONE]` after a complete stream; the usage the core found.
+    Done { usage: Option<Usage> },
     /// The SSE events a reader that has written something ends with (`[DONE]` included).
     Failed(Bytes),
 }
@@ -119,15 +108,15 @@ impl Live {
         matches!(self.log().end, Some(End::Failed(_)))
     }
 
-    /// Ends the log, once; `drop_events` frees what it held (readers then get only the end).
-    fn finish(&self, end: End, drop_events: bool) {
+    /// Ends the log, once; `drop_chunks` frees what it held (readers then get only the end).
+    fn finish(&self, end: End, drop_chunks: bool) {
         {
             let mut log = self.log();
             if log.end.is_some() {
                 return;
             }
-            if drop_events {
-                log.events = Vec::new();
+            if drop_chunks {
+                log.chunks = Vec::new();
             }
             log.end = Some(end);
         }
@@ -150,9 +139,13 @@ impl Ticket {
             ticket: self,
             more,
             next: 0,
+            events: SseEvents::default(),
+            news: Vec::new(),
             id,
             created,
             include_usage,
+            model: None,
+            had_usage_chunk: false,
             wrote: false,
             finished: false,
         }
@@ -165,7 +158,7 @@ impl Drop for Ticket {
     }
 }
 
-/// What the leader's `response_body` hook feeds: the stream's chunks, parsed into the log.
+/// What the leader's `response_body` hook feeds: the stream's chunks, into the log.
 pub struct Writer {
     live: Arc<Live>,
     events: SseEvents,
@@ -175,7 +168,6 @@ pub struct Writer {
     done: bool,
     /// The stream's own error event, if it had one.
     error: Option<Bytes>,
-    had_usage_chunk: bool,
     any_event: bool,
 }
 
@@ -188,14 +180,11 @@ impl Writer {
             max_bytes,
             done: false,
             error: None,
-            had_usage_chunk: false,
             any_event: false,
         }
     }
 
     /// Adds a chunk of the leader's stream. `true` when it brought the stream's first event.
-    /// An event that lies whole in `chunk` is kept as a slice of it (the tee holds the chunk
-    /// anyway), so the log copies only events split across chunks.
     pub fn feed(&mut self, chunk: &Bytes) -> bool {
         if self.bytes > self.max_bytes {
             return false;
@@ -209,55 +198,50 @@ impl Writer {
             self.live.finish(End::Failed(too_big), true);
             return false;
         }
-        let mut parsed = Vec::new();
-        let (done, error) = (&mut self.done, &mut self.error);
+        self.live.log().chunks.push(chunk.clone());
+        self.live.more.send_replace(());
+        let was_any = self.any_event;
+        let (done, error, any_event) = (&mut self.done, &mut self.error, &mut self.any_event);
         self.events.split(chunk, |event| {
             let Some(data) = sse::data(event) else {
                 return;
             };
             if data.as_ref() == b"[DONE]" {
                 *done = true;
-            } else if let Some(event) = parse(share_or_copy(chunk, &data)) {
-                parsed.push(event);
+            } else if is_error_event(&data) {
+                let mut text = b"data: ".to_vec();
+                text.extend_from_slice(&data);
+                text.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+                *error = Some(Bytes::from(text));
+            } else {
+                *any_event = true;
             }
         });
-        let mut first = false;
-        if !parsed.is_empty() {
-            let mut log = self.live.log();
-            for (event, model, is_error) in parsed {
-                if is_error {
-                    let mut text = b"data: ".to_vec();
-                    text.extend_from_slice(&event.data);
-                    text.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-                    *error = Some(Bytes::from(text));
-                    continue;
-                }
-                if log.model.is_none() {
-                    log.model = model;
-                }
-                self.had_usage_chunk |= event.usage_only;
-                first |= !self.any_event;
-                self.any_event = true;
-                log.events.push(event);
-            }
-            drop(log);
-            self.live.more.send_replace(());
-        }
-        first
+        !was_any && self.any_event
     }
 
     /// The leader's stream ended; `usage` is what the core found in it.
     pub fn end(&mut self, usage: Option<Usage>) {
         let end = match (&self.error, self.done && self.any_event) {
-            (None, true) => End::Done {
-                usage,
-                had_usage_chunk: self.had_usage_chunk,
-            },
+            (None, true) => End::Done { usage },
             (Some(error), _) => End::Failed(error.clone()),
             (None, false) => End::Failed(cut()),
         };
         self.live.finish(end, false);
     }
+}
+
+/// Whether an event's data is an error object (`{"error": {...}}`, as vLLM ends a stream
+/// that failed). A byte search first: almost no event says `"error"` at all, and those
+/// that do only in their text are told apart by a parse.
+fn is_error_event(data: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct ErrorShape<'a> {
+        #[serde(borrow)]
+        error: Option<&'a RawValue>,
+    }
+    memchr::memmem::find(data, b"\"error\"").is_some()
+        && serde_json::from_slice::<ErrorShape>(data).is_ok_and(|shape| shape.error.is_some())
 }
 
 impl Drop for Writer {
@@ -276,7 +260,7 @@ fn failure(message: &str) -> Bytes {
     ErrorReply::bad_gateway(message).sse_event()
 }
 
-/// What the log needs of an event, read without building it.
+/// What a reader needs of an event, read without building it.
 #[derive(Deserialize)]
 struct Shape<'a> {
     #[serde(borrow)]
@@ -293,47 +277,42 @@ struct Shape<'a> {
     error: Option<&'a RawValue>,
 }
 
-/// An event's data as the log keeps it, the model it names, and whether it is an error.
-/// `None`: not JSON text, which no client could read either.
-/// `part` as a reference-counted slice of `chunk` when it lies inside it, else a copy.
-fn share_or_copy(chunk: &Bytes, part: &[u8]) -> Bytes {
-    let offset = (part.as_ptr() as usize).checked_sub(chunk.as_ptr() as usize);
-    match offset {
-        Some(start) if start + part.len() <= chunk.len() => chunk.slice(start..start + part.len()),
-        _ => Bytes::copy_from_slice(part),
-    }
+/// An upstream event, as a reader renders it.
+enum Parsed<'a> {
+    /// An event to pass on: where its `id` and `created` are (`None`: passed on as sent),
+    /// the `model` it names, and whether it is the usage chunk (no choices, a usage object).
+    Pass {
+        identity: Option<IdentitySpans>,
+        model: Option<&'a str>,
+        usage_only: bool,
+    },
+    /// Not passed on: an error event (the log's end carries it) or text that is not JSON,
+    /// which no client could read either.
+    Skip,
 }
 
-fn parse(data: Bytes) -> Option<(Event, Option<String>, bool)> {
-    let text = std::str::from_utf8(&data).ok()?;
-    let (identity, model, usage_only, is_error) = match serde_json::from_str::<Shape>(text) {
-        Ok(shape) => {
-            let identity = match (shape.id, shape.created) {
+fn parse(text: &str) -> Parsed<'_> {
+    match serde_json::from_str::<Shape>(text) {
+        Ok(shape) if shape.error.is_some() => Parsed::Skip,
+        Ok(shape) => Parsed::Pass {
+            identity: match (shape.id, shape.created) {
                 (Some(id), Some(created)) => entry::identity_spans(text, id, created),
                 _ => None,
-            };
-            let no_choices = shape
-                .choices
-                .is_some_and(|c| c.get().trim_start_matches('[').trim_start() == "]");
-            (
-                identity,
-                shape.model.map(|m| m.get().to_string()),
-                no_choices && shape.usage.is_some(),
-                shape.error.is_some(),
-            )
-        }
+            },
+            model: shape.model.map(RawValue::get),
+            usage_only: shape.usage.is_some()
+                && shape
+                    .choices
+                    .is_some_and(|c| c.get().trim_start_matches('[').trim_start() == "]"),
+        },
         // A repeated key, say: passed on as sent.
-        Err(_) => {
-            serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
-            (None, None, false, false)
-        }
-    };
-    let event = Event {
-        data,
-        identity,
-        usage_only,
-    };
-    Some((event, model, is_error))
+        Err(_) if serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok() => Parsed::Pass {
+            identity: None,
+            model: None,
+            usage_only: false,
+        },
+        Err(_) => Parsed::Skip,
+    }
 }
 
 /// Whether a reader has something to write.
@@ -351,10 +330,17 @@ pub enum Readiness {
 pub struct Reader {
     ticket: Ticket,
     more: watch::Receiver<()>,
+    /// The next chunk of the log to read.
     next: usize,
+    events: SseEvents,
+    /// The chunks taken from the log, parsed outside its lock.
+    news: Vec<Bytes>,
     id: String,
     created: u64,
     include_usage: bool,
+    /// The upstream's `model` value, as text, for a usage chunk made here.
+    model: Option<String>,
+    had_usage_chunk: bool,
     wrote: bool,
     finished: bool,
 }
@@ -370,7 +356,7 @@ impl Reader {
         match &log.end {
             Some(End::Failed(_)) if !self.wrote => Readiness::Failed,
             Some(_) => Readiness::Ready,
-            None if log.events.len() > self.next => Readiness::Ready,
+            None if log.chunks.len() > self.next => Readiness::Ready,
             None => Readiness::Waiting,
         }
     }
@@ -385,46 +371,34 @@ impl Reader {
     /// log has ended. Empty when there is nothing yet.
     fn take(&mut self) -> Vec<u8> {
         self.more.borrow_and_update();
-        let live = &self.ticket.0;
-        let log = live.log();
+        // Under the lock only reference counts are taken: the leader never waits for a parse.
+        let end = {
+            let log = self.ticket.0.log();
+            if let Some(news) = log.chunks.get(self.next..) {
+                self.news.extend_from_slice(news);
+            }
+            self.next = self.next.max(log.chunks.len());
+            log.end.clone()
+        };
         let mut out = Vec::new();
-        for event in log.events.get(self.next..).unwrap_or_default() {
-            if event.usage_only && !self.include_usage {
-                continue;
-            }
-            out.extend_from_slice(b"data: ");
-            let spliced = event.identity.as_ref().and_then(|spans| {
-                let text = std::str::from_utf8(&event.data).ok()?;
-                entry::splice_at(&mut out, text, spans, &self.id, self.created)
-            });
-            if spliced.is_none() {
-                out.extend_from_slice(&event.data);
-            }
-            out.extend_from_slice(b"\n\n");
+        let mut news = std::mem::take(&mut self.news);
+        for chunk in news.drain(..) {
+            let mut events = std::mem::take(&mut self.events);
+            events.split(&chunk, |event| self.render(event, &mut out));
+            self.events = events;
         }
-        self.next = self.next.max(log.events.len());
-        match &log.end {
+        self.news = news;
+        match end {
             None => {}
             Some(End::Failed(events)) => {
-                out.extend_from_slice(events);
+                out.extend_from_slice(&events);
                 self.finished = true;
             }
-            Some(End::Done {
-                usage,
-                had_usage_chunk,
-            }) => {
-                if let (true, false, Some(usage)) = (self.include_usage, had_usage_chunk, usage) {
-                    let chunk = serde_json::json!({
-                        "id": self.id,
-                        "object": live.kind.chunk_object(),
-                        "created": self.created,
-                        "model": log.model.as_deref().and_then(|m| serde_json::from_str::<serde_json::Value>(m).ok()),
-                        "choices": [],
-                        "usage": entry::usage_object(*usage),
-                    });
-                    out.extend_from_slice(b"data: ");
-                    let _ = serde_json::to_writer(&mut out, &chunk);
-                    out.extend_from_slice(b"\n\n");
+            Some(End::Done { usage }) => {
+                if let (true, false, Some(usage)) =
+                    (self.include_usage, self.had_usage_chunk, usage)
+                {
+                    self.write_usage_chunk(usage, &mut out);
                 }
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.finished = true;
@@ -432,6 +406,63 @@ impl Reader {
         }
         self.wrote |= !out.is_empty();
         out
+    }
+
+    /// Writes one upstream event under this reader's identity (the end of the stream,
+    /// `[DONE]` or an error, comes from the log's end).
+    fn render(&mut self, event: &[u8], out: &mut Vec<u8>) {
+        let Some(data) = sse::data(event) else {
+            return;
+        };
+        let Ok(text) = std::str::from_utf8(&data) else {
+            return;
+        };
+        if text == "[DONE]" {
+            return;
+        }
+        let Parsed::Pass {
+            identity,
+            model,
+            usage_only,
+        } = parse(text)
+        else {
+            return;
+        };
+        if self.model.is_none() {
+            self.model = model.map(str::to_string);
+        }
+        self.had_usage_chunk |= usage_only;
+        if usage_only && !self.include_usage {
+            return;
+        }
+        out.extend_from_slice(b"data: ");
+        let spliced = identity
+            .as_ref()
+            .and_then(|spans| entry::splice_at(out, text, spans, &self.id, self.created));
+        if spliced.is_none() {
+            out.extend_from_slice(text.as_bytes());
+        }
+        out.extend_from_slice(b"\n\n");
+    }
+
+    /// The usage chunk the leader's client did not ask for, made from the usage the core
+    /// found, for a reader that did.
+    fn write_usage_chunk(&self, usage: Usage, out: &mut Vec<u8>) {
+        let model = self
+            .model
+            .as_deref()
+            .and_then(|m| serde_json::from_str::<serde_json::Value>(m).ok());
+        let chunk = serde_json::json!({
+            "id": self.id,
+            "object": self.ticket.0.kind.chunk_object(),
+            "created": self.created,
+            "model": model,
+            "choices": [],
+            "usage": entry::usage_object(usage),
+        });
+        out.extend_from_slice(b"data: ");
+        let _ = serde_json::to_writer(&mut *out, &chunk);
+        out.extend_from_slice(b"\n\n");
     }
 }
 
@@ -496,27 +527,27 @@ mod tests {
     }
 
     #[test]
-    fn an_event_whole_in_its_chunk_is_kept_without_a_copy_and_a_split_one_is_copied() {
+    fn the_log_holds_the_leaders_chunks_as_they_are_and_parses_nothing() {
         let live = Live::new(AnswerKind::Chat, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let whole = Bytes::from(event(0, "Hel", None));
-        writer.feed(&whole);
+        assert!(writer.feed(&whole), "the first event");
         let split = event(1, "lo", None);
         let (a, b) = split.split_at(10);
-        writer.feed(&Bytes::copy_from_slice(a.as_bytes()));
-        writer.feed(&Bytes::copy_from_slice(b.as_bytes()));
+        assert!(!writer.feed(&Bytes::copy_from_slice(a.as_bytes())));
+        assert!(!writer.feed(&Bytes::copy_from_slice(b.as_bytes())));
         let log = live.log();
-        let inside = |data: &Bytes| {
-            let (start, end) = (
-                whole.as_ptr() as usize,
-                whole.as_ptr() as usize + whole.len(),
-            );
-            (start..end).contains(&(data.as_ptr() as usize))
-        };
-        assert!(inside(&log.events[0].data), "shared with the chunk");
-        assert_eq!(log.events[0].data, whole.slice(6..whole.len() - 2));
-        assert!(!inside(&log.events[1].data));
-        assert_eq!(log.events[1].data, split.as_bytes()[6..split.len() - 2]);
+        assert_eq!(log.chunks.len(), 3, "one entry per chunk, not per event");
+        assert_eq!(log.chunks[0].as_ptr(), whole.as_ptr(), "the chunk itself, shared");
+    }
+
+    #[test]
+    fn only_an_error_object_is_an_error_event() {
+        assert!(is_error_event(br#"{"error": {"message": "boom", "code": 500}}"#));
+        assert!(!is_error_event(
+            br#"{"id":"c","choices":[{"delta":{"content":""error": nothing"}}]}"#
+        ));
+        assert!(!is_error_event(br#"{"id":"c","choices":[]}"#));
     }
 
     #[tokio::test]
