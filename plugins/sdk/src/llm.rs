@@ -709,9 +709,7 @@ impl LlmRequest {
         // Trailing bytes after the object are a malformed body, not something to ignore.
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
-        if let Some(raw) = messages {
-            request.messages = Some(parse_messages(body, text, raw)?);
-        }
+        request.messages = messages.map(|counted| counted.into_messages(body));
         request.validate(endpoint)?;
         Ok(request)
     }
@@ -929,8 +927,9 @@ impl Message {
 // One pass of serde_json over the body, through serde_path_to_error for the parameter's
 // path. Scalars are read as they are; every other field is read as `&RawValue` (its exact
 // text, borrowed from the body, found without building anything) and then checked and
-// counted from that text, by its type, without serde's untagged buffering. `messages`
-// is checked after the body, over its own text, so that errors inside it keep their path.
+// counted from that text, by its type, without serde's untagged buffering. `messages` is
+// checked and counted in the same pass, message by message; where its array starts is read
+// off its key's place in the body (see `KeyAt`), so nothing has to scan it again to find it.
 
 /// A slice of `shared` for `part` when `part` lies inside it, else a copy.
 fn share(shared: &Bytes, part: &[u8]) -> Bytes {
@@ -1273,6 +1272,37 @@ impl<'de> Visitor<'de> for FieldIndex {
     }
 }
 
+/// A top-level member's key: its index in [`FIELDS`] and, when the key was read in place
+/// (no escapes), where its text ends in the body.
+struct KeyAt<'b> {
+    body: &'b [u8],
+}
+
+impl<'de> DeserializeSeed<'de> for KeyAt<'_> {
+    type Value = (Option<usize>, Option<usize>);
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_identifier(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyAt<'_> {
+    type Value = (Option<usize>, Option<usize>);
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a field name")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, key: &'de str) -> Result<Self::Value, E> {
+        let end = raw_json::position(self.body, key.as_bytes()).map(|r| r.end);
+        Ok((FIELDS.iter().position(|k| *k == key), end))
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
+        Ok((FIELDS.iter().position(|k| *k == key), None))
+    }
+}
+
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
 fn first_time<E: de::Error>(
     seen: &mut u32,
@@ -1288,13 +1318,14 @@ fn first_time<E: de::Error>(
     Ok(())
 }
 
-/// The request's top level: every field but `messages`, and `messages` as its text.
+/// The request's top level, `messages` included: where its array starts (when its key
+/// said so), its count and its token estimate.
 struct RequestSeed<'b> {
     shared: &'b Bytes,
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
-    type Value = (LlmRequest, Option<&'de RawValue>);
+    type Value = (LlmRequest, Option<CountedMessages>);
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_map(self)
@@ -1302,7 +1333,7 @@ impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
 }
 
 impl<'de> Visitor<'de> for RequestSeed<'_> {
-    type Value = (LlmRequest, Option<&'de RawValue>);
+    type Value = (LlmRequest, Option<CountedMessages>);
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a JSON object")
@@ -1313,7 +1344,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         let mut r = LlmRequest::default();
         let mut messages = None;
         let mut seen = 0u32;
-        while let Some(field) = map.next_key_seed(FieldIndex(FIELDS))? {
+        while let Some((field, key_end)) = map.next_key_seed(KeyAt { body: shared })? {
             let Some(index) = field else {
                 map.next_value::<IgnoredAny>()?;
                 continue;
@@ -1321,7 +1352,14 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
             first_time(&mut seen, index, FIELDS)?;
             match FIELDS.get(index).copied().unwrap_or_default() {
                 "model" => r.model = map.next_value()?,
-                "messages" => messages = map.next_value()?,
+                "messages" => {
+                    messages = map.next_value_seed(NullableMessages { shared })?.map(|counted| {
+                        CountedMessages {
+                            start: key_end.and_then(|end| raw_json::value_after_key(shared, end)),
+                            ..counted
+                        }
+                    })
+                }
                 "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
                 "stream" => r.stream = map.next_value()?,
                 "stream_options" => r.stream_options = map.next_value()?,
@@ -1360,54 +1398,69 @@ fn raw(shared: &Bytes, value: &RawValue) -> RawJson {
     RawJson(share(shared, value.get().as_bytes()))
 }
 
-/// Checks and counts `messages` from its text `raw` (a slice of `body`), keeping only that
-/// slice. Errors name the parameter inside it (`messages[2].role`).
-fn parse_messages(shared: &Bytes, body: &str, raw: &RawValue) -> Result<Messages, InvalidRequest> {
-    let json = raw.get();
-    let mut de = serde_json::Deserializer::from_str(json);
-    let mut track = serde_path_to_error::Track::new();
-    let counted = MessagesSeed { shared }
-        .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
-    match counted {
-        Ok((len, estimated_tokens)) => Ok(Messages {
-            raw: share(shared, json.as_bytes()),
-            len,
-            estimated_tokens,
-        }),
-        Err(inner) => {
-            let inner_path = track.path().to_string();
-            let path = match inner_path.as_str() {
-                "." => "messages".to_string(),
-                p if p.starts_with('[') => format!("messages{p}"),
-                p => format!("messages.{p}"),
-            };
-            let at = raw_json::position(body.as_bytes(), json.as_bytes()).map_or(0, |r| r.start);
-            let message = located(&inner, body, at);
-            Err(invalid(
-                format!("Invalid type for '{path}': {message}"),
-                Some(path),
-            ))
+/// `messages` as the parse found it: where its array starts in the body (`None` when its
+/// key was escaped, and so not read in place), how many messages, and their token estimate.
+struct CountedMessages {
+    start: Option<usize>,
+    len: usize,
+    estimated_tokens: usize,
+}
+
+impl CountedMessages {
+    /// The messages, as a slice of `body` from their array on.
+    fn into_messages(self, body: &Bytes) -> Messages {
+        let start = self.start.or_else(|| {
+            // An escaped key (`"messag\u0065s"`): found again, once, by name.
+            let spans = raw_json::object_spans(body, &["messages"])?;
+            spans.value("messages").map(|range| range.start)
+        });
+        Messages {
+            raw: start.map_or_else(Bytes::new, |start| body.slice(start..)),
+            len: self.len,
+            estimated_tokens: self.estimated_tokens,
         }
     }
 }
 
-/// The error's message with its position in the whole body, for an error of a parse of the
-/// part of `body` that starts at byte `at`.
-fn located(error: &serde_json::Error, body: &str, at: usize) -> String {
-    let message = error.to_string();
-    let suffix = format!(" at line {} column {}", error.line(), error.column());
-    let Some(text) = message.strip_suffix(&suffix) else {
-        return message;
-    };
-    let before = body.get(..at).unwrap_or_default();
-    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    let base_line = 1 + before.bytes().filter(|b| *b == b'\n').count();
-    let (line, column) = if error.line() <= 1 {
-        (base_line, at - line_start + error.column())
-    } else {
-        (base_line + error.line() - 1, error.column())
-    };
-    format!("{text} at line {line} column {column}")
+/// `messages`, or `null` (then the request has none).
+struct NullableMessages<'b> {
+    shared: &'b Bytes,
+}
+
+impl<'de> DeserializeSeed<'de> for NullableMessages<'_> {
+    type Value = Option<CountedMessages>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NullableMessages<'_> {
+    type Value = Option<CountedMessages>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a sequence")
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        let (len, estimated_tokens) = MessagesSeed {
+            shared: self.shared,
+        }
+        .deserialize(deserializer)?;
+        Ok(Some(CountedMessages {
+            start: None,
+            len,
+            estimated_tokens,
+        }))
+    }
 }
 
 /// `messages`: a list of messages, counted, with the estimate of their tokens.
@@ -1961,6 +2014,37 @@ mod tests {
         let e =
             chat("{\"messages\":[\n{\"role\":\"u\"},\n{\"role\":\"u\",\"name\":[]}]}").unwrap_err();
         assert!(e.message.ends_with("at line 3 column 22"), "{}", e.message);
+    }
+
+    #[test]
+    fn messages_are_read_where_the_one_pass_found_them() {
+        let roles = |body: &str| -> Vec<String> {
+            let (_, r) = shared(body);
+            let m = r.messages.unwrap();
+            m.iter().map(|m| m.role.to_str().into_owned()).collect()
+        };
+        // Members after the array are not messages.
+        assert_eq!(
+            roles(r#"{"messages" :	[{"role":"a"},{"role":"b"}], "tools":[{"role":"x"}]}"#),
+            ["a", "b"]
+        );
+        // An escaped key is not read in place: the array is found by name.
+        assert_eq!(
+            roles(r#"{"model":"m","messag\u0065s":[{"role":"a"}],"n":1}"#),
+            ["a"]
+        );
+        // A repeated key is refused, so the place found is the only one.
+        assert!(chat(r#"{"messages":[{"role":"a"}],"messages":[{"role":"b"}]}"#).is_err());
+        // `null` is no messages.
+        assert_eq!(chat(r#"{"messages":null}"#).unwrap_err().param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn a_value_starts_past_its_keys_quote_colon_and_spaces() {
+        let text = br#"{"a" :  [1], "b":2}"#;
+        assert_eq!(raw_json::value_after_key(text, 3), Some(8));
+        assert_eq!(raw_json::value_after_key(text, 15), Some(17));
+        assert_eq!(raw_json::value_after_key(text, 2), None, "not at a key's end");
     }
 
     #[test]

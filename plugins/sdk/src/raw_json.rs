@@ -238,9 +238,10 @@ impl<'de> Visitor<'de> for KeyIndex<'_, '_> {
     }
 }
 
-/// The elements of a JSON array's text (whitespace around it allowed), each as its own
-/// text, without parsing them. For text a JSON parser has accepted: on anything else the
-/// elements are meaningless (but reading them is safe).
+/// The elements of a JSON array's text (whitespace before it allowed, anything after its
+/// closing bracket ignored), each as its own text, without parsing them. For text a JSON
+/// parser has accepted: on anything else the elements are meaningless (but reading them is
+/// safe).
 pub fn elements(array: &[u8]) -> Elements<'_> {
     let at = array
         .iter()
@@ -248,6 +249,28 @@ pub fn elements(array: &[u8]) -> Elements<'_> {
         .filter(|i| array.get(*i) == Some(&b'['))
         .map_or(array.len(), |i| i + 1);
     Elements { text: array, at }
+}
+
+/// Where the value of an object's member starts, given where the text of its key ends
+/// (inside the quotes): past the closing quote, the colon and any whitespace. For text a
+/// JSON parser has accepted.
+pub fn value_after_key(text: &[u8], key_end: usize) -> Option<usize> {
+    let mut at = key_end;
+    if text.get(at) != Some(&b'"') {
+        return None;
+    }
+    at += 1;
+    let mut colon = false;
+    while let Some(byte) = text.get(at) {
+        match byte {
+            b':' if !colon => colon = true,
+            b if is_space(*b) => {}
+            _ if colon => return Some(at),
+            _ => return None,
+        }
+        at += 1;
+    }
+    None
 }
 
 /// The iterator of [`elements`].
