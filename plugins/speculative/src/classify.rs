@@ -107,8 +107,9 @@ pub fn looks_like_code(text: &str) -> bool {
             return true;
         }
     }
-    score += operator_count(text.as_bytes()).min(CODE_SCORE);
-    if has_dense_punctuation(text) {
+    let punctuation = Punctuation::of(text);
+    score += punctuation.operators.min(CODE_SCORE);
+    if punctuation.is_dense() {
         score += 2;
     }
     score >= CODE_SCORE
@@ -123,8 +124,14 @@ fn line_start_points(line: &str) -> u32 {
     if line.starts_with("from ") && line.contains(" import ") {
         return 2;
     }
+    // Compared only with the keywords that start with the line's first byte: a prompt can
+    // have thousands of lines, and most start with none of them.
+    let Some(first) = line.as_bytes().first() else {
+        return 0;
+    };
     LINE_STARTS
         .iter()
+        .filter(|(keyword, _)| keyword.as_bytes().first() == Some(first))
         .find(|(keyword, _)| starts_with_word(line, keyword))
         .map_or(0, |(_, points)| *points)
 }
@@ -153,43 +160,104 @@ fn is_sql_query(line: &str) -> bool {
         || (line.starts_with("SELECT ") && line.contains(" FROM "))
 }
 
-/// Operators from [`OPERATORS`] standing alone: not inside a run like `=====` or `-->`.
-fn operator_count(bytes: &[u8]) -> u32 {
-    let mut count = 0u32;
-    for (i, pair) in bytes.windows(2).enumerate() {
-        let (Some(&first), Some(&second)) = (pair.first(), pair.get(1)) else {
-            continue;
-        };
-        if !OPERATORS.contains(&[first, second]) {
-            continue;
-        }
-        let before = i.checked_sub(1).and_then(|j| bytes.get(j));
-        let after = bytes.get(i + 2);
-        if before != Some(&first) && after != Some(&second) {
-            count = count.saturating_add(1);
-        }
+/// What a byte is to [`Punctuation`], by table: its loop runs over every byte of prompts that
+/// can be megabytes. The low two bits are a mark's weight in half marks.
+const HALF_MARK: u8 = 1;
+const MARK: u8 = 2;
+const SPACE: u8 = 4;
+const STARTS_OPERATOR: u8 = 8;
+/// A UTF-8 continuation byte: part of a character already counted.
+const CONTINUATION: u8 = 16;
+
+const CLASSES: [u8; 256] = {
+    let mut classes = [0u8; 256];
+    let mut byte = 0x80;
+    while byte < 0xC0 {
+        classes[byte] = CONTINUATION;
+        byte += 1;
     }
-    count
+    // `char::is_whitespace` of the ASCII characters.
+    let spaces = b" \t\n\x0B\x0C\r";
+    let mut i = 0;
+    while i < spaces.len() {
+        classes[spaces[i] as usize] = SPACE;
+        i += 1;
+    }
+    let marks = b"{}[];=<>";
+    let mut i = 0;
+    while i < marks.len() {
+        classes[marks[i] as usize] = MARK;
+        i += 1;
+    }
+    classes[b'(' as usize] = HALF_MARK;
+    classes[b')' as usize] = HALF_MARK;
+    let mut i = 0;
+    while i < OPERATORS.len() {
+        classes[OPERATORS[i][0] as usize] |= STARTS_OPERATOR;
+        i += 1;
+    }
+    classes
+};
+
+/// The code punctuation of a text, counted in one pass.
+struct Punctuation {
+    /// Operators from [`OPERATORS`] standing alone: not inside a run like `=====` or `-->`.
+    operators: u32,
+    /// Marks among the visible characters, in halves: parentheses count half, as prose uses
+    /// them too, and a run of one mark counts once (`=====` under a heading).
+    half_marks: usize,
+    visible: usize,
 }
 
-/// Code punctuation is at least a tenth of the visible characters (and at least 4 marks):
-/// code runs at 15-35%, prose with a parenthesis or two under 5%. Parentheses count half, as
-/// prose uses them too, and a run of one mark counts once (`=====` under a heading).
-fn has_dense_punctuation(text: &str) -> bool {
-    let (mut half_marks, mut visible) = (0usize, 0usize);
-    let mut previous = None;
-    for c in text.chars().filter(|c| !c.is_whitespace()) {
-        visible += 1;
-        if previous != Some(c) {
-            half_marks += match c {
-                '{' | '}' | '[' | ']' | ';' | '=' | '<' | '>' => 2,
-                '(' | ')' => 1,
-                _ => 0,
-            };
+impl Punctuation {
+    fn of(text: &str) -> Punctuation {
+        let bytes = text.as_bytes();
+        let (mut operators, mut half_marks, mut visible) = (0u32, 0usize, 0usize);
+        // The last visible character as its byte; 0x80 for one that is not ASCII.
+        let mut previous = 0u8;
+        for (i, &byte) in bytes.iter().enumerate() {
+            let class = CLASSES.get(usize::from(byte)).copied().unwrap_or_default();
+            if class & (SPACE | CONTINUATION) != 0 {
+                continue;
+            }
+            if !byte.is_ascii() {
+                // A character's first byte: rare enough to decode it, for its whitespace.
+                let c = text.get(i..).and_then(|rest| rest.chars().next());
+                if !c.is_some_and(char::is_whitespace) {
+                    visible += 1;
+                    previous = 0x80;
+                }
+                continue;
+            }
+            visible += 1;
+            if byte != previous {
+                half_marks += usize::from(class & (HALF_MARK | MARK));
+            }
+            previous = byte;
+            if class & STARTS_OPERATOR != 0 {
+                let next = bytes.get(i + 1).copied();
+                let before = i.checked_sub(1).and_then(|j| bytes.get(j)).copied();
+                let after = bytes.get(i + 2).copied();
+                if next.is_some_and(|next| OPERATORS.contains(&[byte, next]))
+                    && before != Some(byte)
+                    && after != next
+                {
+                    operators = operators.saturating_add(1);
+                }
+            }
         }
-        previous = Some(c);
+        Punctuation {
+            operators,
+            half_marks,
+            visible,
+        }
     }
-    half_marks >= 8 && half_marks * 10 >= visible * 2
+
+    /// Code punctuation is at least a tenth of the visible characters (and at least 4 marks):
+    /// code runs at 15-35%, prose with a parenthesis or two under 5%.
+    fn is_dense(&self) -> bool {
+        self.half_marks >= 8 && self.half_marks * 10 >= self.visible * 2
+    }
 }
 
 #[cfg(test)]
@@ -327,10 +395,58 @@ mod tests {
 
     #[test]
     fn operators_inside_runs_do_not_count() {
-        assert_eq!(operator_count(b"a == b && c != d"), 3);
-        assert_eq!(operator_count(b"=========="), 0);
-        assert_eq!(operator_count(b"<!-- comment -->"), 0);
-        assert_eq!(operator_count(b""), 0);
+        let operators = |text: &str| Punctuation::of(text).operators;
+        assert_eq!(operators("a == b && c != d"), 3);
+        assert_eq!(operators("=========="), 0);
+        assert_eq!(operators("<!-- comment -->"), 0);
+        assert_eq!(operators(""), 0);
+    }
+
+    /// The counts by their definitions, character by character, to check the table's pass.
+    fn punctuation_by_definition(text: &str) -> (u32, usize, usize) {
+        let bytes = text.as_bytes();
+        let mut operators = 0u32;
+        for (i, pair) in bytes.windows(2).enumerate() {
+            let before = i.checked_sub(1).and_then(|j| bytes.get(j));
+            if OPERATORS.contains(&[pair[0], pair[1]])
+                && before != Some(&pair[0])
+                && bytes.get(i + 2) != Some(&pair[1])
+            {
+                operators += 1;
+            }
+        }
+        let (mut half_marks, mut visible, mut previous) = (0, 0, None);
+        for c in text.chars().filter(|c| !c.is_whitespace()) {
+            visible += 1;
+            if previous != Some(c) {
+                half_marks += match c {
+                    '{' | '}' | '[' | ']' | ';' | '=' | '<' | '>' => 2,
+                    '(' | ')' => 1,
+                    _ => 0,
+                };
+            }
+            previous = Some(c);
+        }
+        (operators, half_marks, visible)
+    }
+
+    #[test]
+    fn the_one_pass_counts_as_the_definitions_do() {
+        let mut texts: Vec<&str> = CODE.iter().chain(PROSE).map(|(_, text)| *text).collect();
+        texts.extend([
+            "",
+            "x\u{a0}=\u{a0}y;\u{3000}é==é",
+            "🦀=>🦀 ((a)) [[b]] {{c}} ==== ->->",
+            "a\u{85}\u{2028}b\u{b}\u{c}c",
+        ]);
+        for text in texts {
+            let p = Punctuation::of(text);
+            assert_eq!(
+                (p.operators, p.half_marks, p.visible),
+                punctuation_by_definition(text),
+                "{text:?}"
+            );
+        }
     }
 
     #[test]
