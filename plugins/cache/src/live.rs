@@ -538,14 +538,20 @@ mod tests {
         assert!(!writer.feed(&Bytes::copy_from_slice(b.as_bytes())));
         let log = live.log();
         assert_eq!(log.chunks.len(), 3, "one entry per chunk, not per event");
-        assert_eq!(log.chunks[0].as_ptr(), whole.as_ptr(), "the chunk itself, shared");
+        assert_eq!(
+            log.chunks[0].as_ptr(),
+            whole.as_ptr(),
+            "the chunk itself, shared"
+        );
     }
 
     #[test]
     fn only_an_error_object_is_an_error_event() {
-        assert!(is_error_event(br#"{"error": {"message": "boom", "code": 500}}"#));
+        assert!(is_error_event(
+            br#"{"error": {"message": "boom", "code": 500}}"#
+        ));
         assert!(!is_error_event(
-            br#"{"id":"c","choices":[{"delta":{"content":""error": nothing"}}]}"#
+            br#"{"id":"c","choices":[{"delta":{"content":"error"}}]}"#
         ));
         assert!(!is_error_event(br#"{"id":"c","choices":[]}"#));
     }

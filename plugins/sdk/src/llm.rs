@@ -1353,12 +1353,12 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
             match FIELDS.get(index).copied().unwrap_or_default() {
                 "model" => r.model = map.next_value()?,
                 "messages" => {
-                    messages = map.next_value_seed(NullableMessages { shared })?.map(|counted| {
-                        CountedMessages {
+                    messages = map
+                        .next_value_seed(NullableMessages { shared })?
+                        .map(|counted| CountedMessages {
                             start: key_end.and_then(|end| raw_json::value_after_key(shared, end)),
                             ..counted
-                        }
-                    })
+                        })
                 }
                 "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
                 "stream" => r.stream = map.next_value()?,
@@ -2036,7 +2036,10 @@ mod tests {
         // A repeated key is refused, so the place found is the only one.
         assert!(chat(r#"{"messages":[{"role":"a"}],"messages":[{"role":"b"}]}"#).is_err());
         // `null` is no messages.
-        assert_eq!(chat(r#"{"messages":null}"#).unwrap_err().param.as_deref(), Some("messages"));
+        assert_eq!(
+            chat(r#"{"messages":null}"#).unwrap_err().param.as_deref(),
+            Some("messages")
+        );
     }
 
     #[test]
@@ -2044,7 +2047,11 @@ mod tests {
         let text = br#"{"a" :  [1], "b":2}"#;
         assert_eq!(raw_json::value_after_key(text, 3), Some(8));
         assert_eq!(raw_json::value_after_key(text, 15), Some(17));
-        assert_eq!(raw_json::value_after_key(text, 2), None, "not at a key's end");
+        assert_eq!(
+            raw_json::value_after_key(text, 2),
+            None,
+            "not at a key's end"
+        );
     }
 
     #[test]
