@@ -437,7 +437,9 @@ mod tests {
             created_unix: 0,
             kind: AnswerKind::Chat,
             pool: "p".into(),
-            answer: serde_json::value::to_raw_value(&serde_json::json!({})).unwrap(),
+            answer: serde_json::value::to_raw_value(&serde_json::json!({}))
+                .unwrap()
+                .into(),
             source_bytes: 0,
         })
     }

@@ -22,6 +22,38 @@ use serde_json::Value;
 use sluice_sdk::Usage;
 use std::borrow::Cow;
 
+/// An answer's JSON text, checked when it was made and kept as the bytes it is: a JSON
+/// answer is the upstream's own body, shared, not a copy checked a second time. The stored
+/// form (Redis) writes it as raw JSON, and reading it back checks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerText(bytes::Bytes);
+
+impl AnswerText {
+    /// The text (`null` if it were not UTF-8, which no constructor lets in).
+    pub fn get(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or("null")
+    }
+}
+
+impl From<Box<RawValue>> for AnswerText {
+    fn from(raw: Box<RawValue>) -> Self {
+        AnswerText(bytes::Bytes::from(String::from(Box::<str>::from(raw))))
+    }
+}
+
+impl Serialize for AnswerText {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let raw: &RawValue = serde_json::from_str(self.get()).map_err(serde::ser::Error::custom)?;
+        raw.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for AnswerText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Box::<RawValue>::deserialize(deserializer).map(AnswerText::from)
+    }
+}
+
 /// Which API shape an answer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -42,13 +74,13 @@ pub struct Entry {
     /// The pool that produced the answer.
     pub pool: String,
     /// The answer in non-stream form, as JSON text.
-    pub answer: Box<RawValue>,
+    pub answer: AnswerText,
     /// How many bytes the upstream's answer had; not stored, only weighed.
     #[serde(skip)]
     pub source_bytes: usize,
 }
 
-/// Equal when every field is, the answer compared as text (`RawValue` has no equality).
+/// Equal when every field is, the answer compared as text.
 impl PartialEq for Entry {
     fn eq(&self, other: &Self) -> bool {
         self.digest == other.digest
@@ -145,17 +177,28 @@ struct ChoiceShape {
     finish_reason: Option<IgnoredAny>,
 }
 
-/// A non-stream answer, kept as sent once it is known to be whole.
-pub fn from_json(kind: AnswerKind, body: &[u8]) -> Result<Box<RawValue>, NotStored> {
-    let shape: AnswerShape = serde_json::from_slice(body).map_err(|_| NotStored::NotAnAnswer)?;
+/// A non-stream answer, kept as sent once it is known to be whole: the shape check is a full
+/// JSON parse, so the body is kept as it is, without a second check or a copy.
+pub fn from_json(kind: AnswerKind, body: bytes::Bytes) -> Result<AnswerText, NotStored> {
+    let shape: AnswerShape = serde_json::from_slice(&body).map_err(|_| NotStored::NotAnAnswer)?;
     if shape.object.as_deref() != Some(kind.object()) || shape.choices.is_empty() {
         return Err(NotStored::NotAnAnswer);
     }
     if shape.choices.iter().any(|c| c.finish_reason.is_none()) {
         return Err(NotStored::Incomplete);
     }
-    let text = std::str::from_utf8(body).map_err(|_| NotStored::NotAnAnswer)?;
-    RawValue::from_string(text.trim().to_owned()).map_err(|_| NotStored::NotAnAnswer)
+    if std::str::from_utf8(&body).is_err() {
+        return Err(NotStored::NotAnAnswer);
+    }
+    let start = body
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(0);
+    let end = body
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |i| i + 1);
+    Ok(AnswerText(body.slice(start..end)))
 }
 
 /// The non-stream answer a complete event stream adds up to. Its `usage` is the stream's own
@@ -165,14 +208,16 @@ pub fn from_sse(
     kind: AnswerKind,
     chunks: &[bytes::Bytes],
     usage: Option<Usage>,
-) -> Result<Box<RawValue>, NotStored> {
+) -> Result<AnswerText, NotStored> {
     let mut answer = assemble(kind, chunks)?;
     if let (Some(usage), Some(fields)) = (usage, answer.as_object_mut()) {
         if fields.get("usage").is_none_or(Value::is_null) {
             fields.insert("usage".to_owned(), usage_object(usage));
         }
     }
-    serde_json::value::to_raw_value(&answer).map_err(|_| NotStored::NotAnAnswer)
+    serde_json::value::to_raw_value(&answer)
+        .map(AnswerText::from)
+        .map_err(|_| NotStored::NotAnAnswer)
 }
 
 /// A `usage` object in vLLM's shape.
@@ -571,18 +616,18 @@ mod tests {
             created_unix: 1,
             kind,
             pool: "draft".into(),
-            answer: serde_json::value::to_raw_value(&answer).unwrap(),
+            answer: serde_json::value::to_raw_value(&answer).unwrap().into(),
             source_bytes: 0,
         }
     }
 
-    fn tree(raw: Box<RawValue>) -> Value {
-        serde_json::from_str(RawValue::get(&raw)).unwrap()
+    fn tree(answer: AnswerText) -> Value {
+        serde_json::from_str(answer.get()).unwrap()
     }
 
     /// [`from_json`], parsed for the assertions.
     fn json_answer(kind: AnswerKind, body: &[u8]) -> Result<Value, NotStored> {
-        from_json(kind, body).map(tree)
+        from_json(kind, Bytes::copy_from_slice(body)).map(tree)
     }
 
     /// [`from_sse`], parsed for the assertions.
@@ -655,6 +700,26 @@ mod tests {
         assert_eq!(
             json_answer(AnswerKind::Chat, &body[..body.len() / 2]),
             Err(NotStored::NotAnAnswer)
+        );
+    }
+
+    #[test]
+    fn a_json_answer_is_the_upstreams_bytes_shared_and_survives_the_stored_form() {
+        let mut padded = b" \n".to_vec();
+        padded.extend_from_slice(&fixture("vllm-chat-completion.json"));
+        padded.extend_from_slice(b"\r\n");
+        let body = Bytes::from(padded);
+        let answer = from_json(AnswerKind::Chat, body.clone()).unwrap();
+        let inside = body.as_ptr_range().contains(&answer.get().as_ptr());
+        assert!(inside, "a slice of the upstream's body, not a copy");
+        assert!(answer.get().starts_with('{') && answer.get().ends_with('}'));
+        let mut stored = entry(AnswerKind::Chat, Value::Null);
+        stored.answer = answer;
+        let back = Entry::decode(&stored.encode()).unwrap();
+        assert_eq!(back, stored, "the stored form keeps the text exactly");
+        assert_eq!(
+            tree(back.answer)["choices"][0]["message"]["content"],
+            "Paris is the capital of France."
         );
     }
 

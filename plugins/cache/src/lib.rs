@@ -588,8 +588,8 @@ fn write_back(
         // tee: its usage is the one the core found.
         (true, chunks) => entry::from_sse(state.kind, chunks, usage),
         // A JSON answer usually arrives in one chunk: no copy then.
-        (false, [one]) => entry::from_json(state.kind, one),
-        (false, chunks) => entry::from_json(state.kind, &chunks.concat()),
+        (false, [one]) => entry::from_json(state.kind, one.clone()),
+        (false, chunks) => entry::from_json(state.kind, Bytes::from(chunks.concat())),
     };
     let answer = match answer {
         Ok(answer) => answer,

@@ -50,7 +50,8 @@ fn entry(digest: [u8; 32], text: &str) -> Arc<Entry> {
         answer: serde_json::value::to_raw_value(
             &json!({"object": "chat.completion", "choices": [{"message": {"content": text}}]}),
         )
-        .unwrap(),
+        .unwrap()
+        .into(),
         source_bytes: 0,
     })
 }

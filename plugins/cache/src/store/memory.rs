@@ -108,7 +108,8 @@ mod tests {
             kind: AnswerKind::Chat,
             pool: "p".into(),
             answer: serde_json::value::to_raw_value(&serde_json::json!({"pad": "x".repeat(size)}))
-                .unwrap(),
+                .unwrap()
+                .into(),
             source_bytes: size,
         })
     }
