@@ -11,7 +11,9 @@
 //! them with [`crate::RequestCtx::want_usage`] instead of scanning the body itself.
 
 use crate::raw_json::{self, Edit};
+use memchr::memmem;
 use serde::Deserialize;
+use std::sync::LazyLock;
 
 /// The token counts of one answer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -69,14 +71,24 @@ struct Counts {
 impl UsageScanner {
     /// Looks at the next bytes of the body; no allocation unless they hold a `"usage"` key.
     pub fn feed(&mut self, chunk: &[u8]) {
+        static FINDER: LazyLock<memmem::Finder<'static>> =
+            LazyLock::new(|| memmem::Finder::new(KEY));
         let mut rest = chunk;
         while !rest.is_empty() {
             if self.state == State::Seeking {
-                // Fast path: nothing can start before the next quote.
-                let Some(quote) = rest.iter().position(|&b| b == b'"') else {
-                    return;
-                };
-                rest = rest.get(quote..).unwrap_or_default();
+                // Fast path: a SIMD search for the whole key; only a key cut at the chunk's
+                // end is matched byte by byte, from its start in the next chunk.
+                match FINDER.find(rest) {
+                    Some(at) => {
+                        self.state = State::AfterKey;
+                        rest = rest.get(at + KEY.len()..).unwrap_or_default();
+                    }
+                    None => {
+                        self.state = key_start_at_end(rest);
+                        return;
+                    }
+                }
+                continue;
             }
             let Some((&byte, tail)) = rest.split_first() else {
                 return;
@@ -155,6 +167,14 @@ impl UsageScanner {
         self.object.clear();
         State::Seeking
     }
+}
+
+/// How much of [`KEY`]'s start `bytes` ends with (none of all of it: the search found none).
+fn key_start_at_end(bytes: &[u8]) -> State {
+    (1..KEY.len())
+        .rev()
+        .find(|n| KEY.get(..*n).is_some_and(|start| bytes.ends_with(start)))
+        .map_or(State::Seeking, State::Matching)
 }
 
 /// Advances the match of [`KEY`], `matched` bytes of which are already matched.
