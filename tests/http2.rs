@@ -198,16 +198,14 @@ async fn curl_speaks_h2_over_tls_and_h2c_for_json_and_sse() {
         }
     }
     // reqwest negotiates h2 by ALPN on its own, and reads the stream event by event.
-    let r = tls_client(&proxy.ca_pem)
-        .post(&tls_url)
-        .json(&chat(MODEL, "Hello from reqwest over TLS", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        (r.version(), r.status().as_u16()),
-        (reqwest::Version::HTTP_2, 200)
-    );
+    let tls = tls_client(&proxy.ca_pem);
+    let r = post_over_h2(
+        &tls,
+        &tls_url,
+        &chat(MODEL, "Hello from reqwest over TLS", true),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
     let mut stream = r.bytes_stream();
     let mut frames = 0;
     let mut text = String::new();
@@ -252,6 +250,13 @@ fn h2c_client() -> reqwest::Client {
         .unwrap()
 }
 
+/// POSTs `body` to `url` and checks the answer came over HTTP/2.
+async fn post_over_h2(client: &reqwest::Client, url: &str, body: &Value) -> reqwest::Response {
+    let r = client.post(url).json(body).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2, "{url}");
+    r
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_serves_every_kind_of_answer_and_h1_on_the_same_port() {
     let sim = sim_serving(MODEL).await;
@@ -282,13 +287,7 @@ async fn h2c_serves_every_kind_of_answer_and_h1_on_the_same_port() {
 
     // Cache: a miss, then (once stored) a hit, both over h2.
     let request = chat(MODEL, "What is the capital of France?", false);
-    let first = h2
-        .post(url("/v1/chat/completions"))
-        .json(&request)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(first.version(), reqwest::Version::HTTP_2);
+    let first = post_over_h2(&h2, &url("/v1/chat/completions"), &request).await;
     assert_eq!(first.headers()["x-cache"], "MISS");
     assert!(first.headers().contains_key("x-request-id"));
     let first: Value = first.json().await.unwrap();
@@ -923,16 +922,8 @@ async fn failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1
         drop_after_chunks: Some(3),
         ..Faults::default()
     });
-    let r = h2
-        .post(&url)
-        .json(&chat(MODEL, "tell me more over h2", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        (r.version(), r.status().as_u16()),
-        (reqwest::Version::HTTP_2, 200)
-    );
+    let r = post_over_h2(&h2, &url, &chat(MODEL, "tell me more over h2", true)).await;
+    assert_eq!(r.status(), 200);
     let text = r.text().await.expect("a stream ended cleanly, not reset");
     assert_ends_with_error_event(&text, 3);
 
@@ -941,13 +932,7 @@ async fn failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1
         refuse_connections: true,
         ..Faults::default()
     });
-    let r = h2
-        .post(&url)
-        .json(&chat(MODEL, "anyone there?", false))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    let r = post_over_h2(&h2, &url, &chat(MODEL, "anyone there?", false)).await;
     assert!([502, 503].contains(&r.status().as_u16()), "{}", r.status());
     let reason = r.headers()["x-sluice-rejected"]
         .to_str()

@@ -37,7 +37,7 @@ impl AnswerText {
 
 impl From<Box<RawValue>> for AnswerText {
     fn from(raw: Box<RawValue>) -> Self {
-        AnswerText(bytes::Bytes::from(String::from(Box::<str>::from(raw))))
+        AnswerText(bytes::Bytes::from(Box::<str>::from(raw).into_boxed_bytes()))
     }
 }
 
@@ -190,15 +190,7 @@ pub fn from_json(kind: AnswerKind, body: bytes::Bytes) -> Result<AnswerText, Not
     if std::str::from_utf8(&body).is_err() {
         return Err(NotStored::NotAnAnswer);
     }
-    let start = body
-        .iter()
-        .position(|b| !b.is_ascii_whitespace())
-        .unwrap_or(0);
-    let end = body
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .map_or(start, |i| i + 1);
-    Ok(AnswerText(body.slice(start..end)))
+    Ok(AnswerText(body.slice_ref(body.trim_ascii())))
 }
 
 /// The non-stream answer a complete event stream adds up to. Its `usage` is the stream's own

@@ -141,11 +141,13 @@ impl Ticket {
             next: 0,
             events: SseEvents::default(),
             news: Vec::new(),
-            id,
-            created,
-            include_usage,
-            model: None,
-            had_usage_chunk: false,
+            render: Render {
+                id,
+                created,
+                include_usage,
+                model: None,
+                had_usage_chunk: false,
+            },
             wrote: false,
             finished: false,
         }
@@ -335,14 +337,20 @@ pub struct Reader {
     events: SseEvents,
     /// The chunks taken from the log, parsed outside its lock.
     news: Vec<Bytes>,
+    render: Render,
+    wrote: bool,
+    finished: bool,
+}
+
+/// How a reader writes the leader's events: under its own identity, with the usage chunk
+/// only if it asked for one.
+struct Render {
     id: String,
     created: u64,
     include_usage: bool,
     /// The upstream's `model` value, as text, for a usage chunk made here.
     model: Option<String>,
     had_usage_chunk: bool,
-    wrote: bool,
-    finished: bool,
 }
 
 impl Reader {
@@ -381,13 +389,10 @@ impl Reader {
             log.end.clone()
         };
         let mut out = Vec::new();
-        let mut news = std::mem::take(&mut self.news);
-        for chunk in news.drain(..) {
-            let mut events = std::mem::take(&mut self.events);
-            events.split(&chunk, |event| self.render(event, &mut out));
-            self.events = events;
+        for chunk in self.news.drain(..) {
+            self.events
+                .split(&chunk, |event| self.render.event(event, &mut out));
         }
-        self.news = news;
         match end {
             None => {}
             Some(End::Failed(events)) => {
@@ -395,11 +400,7 @@ impl Reader {
                 self.finished = true;
             }
             Some(End::Done { usage }) => {
-                if let (true, false, Some(usage)) =
-                    (self.include_usage, self.had_usage_chunk, usage)
-                {
-                    self.write_usage_chunk(usage, &mut out);
-                }
+                self.render.usage_chunk(self.ticket.0.kind, usage, &mut out);
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.finished = true;
             }
@@ -407,10 +408,12 @@ impl Reader {
         self.wrote |= !out.is_empty();
         out
     }
+}
 
+impl Render {
     /// Writes one upstream event under this reader's identity (the end of the stream,
     /// `[DONE]` or an error, comes from the log's end).
-    fn render(&mut self, event: &[u8], out: &mut Vec<u8>) {
+    fn event(&mut self, event: &[u8], out: &mut Vec<u8>) {
         let Some(data) = sse::data(event) else {
             return;
         };
@@ -446,15 +449,18 @@ impl Reader {
     }
 
     /// The usage chunk the leader's client did not ask for, made from the usage the core
-    /// found, for a reader that did.
-    fn write_usage_chunk(&self, usage: Usage, out: &mut Vec<u8>) {
+    /// found, for a reader that did (and only when the stream had none of its own).
+    fn usage_chunk(&self, kind: AnswerKind, usage: Option<Usage>, out: &mut Vec<u8>) {
+        let (true, false, Some(usage)) = (self.include_usage, self.had_usage_chunk, usage) else {
+            return;
+        };
         let model = self
             .model
             .as_deref()
             .and_then(|m| serde_json::from_str::<serde_json::Value>(m).ok());
         let chunk = serde_json::json!({
             "id": self.id,
-            "object": self.ticket.0.kind.chunk_object(),
+            "object": kind.chunk_object(),
             "created": self.created,
             "model": model,
             "choices": [],

@@ -14,7 +14,7 @@
 //! whatever its shape: an 8 MiB `"prompt": [1, 1, ...]` is counted, not collected.
 
 use crate::pool::{Balancing, Demand};
-use crate::raw_json::{self, Unescaped};
+use crate::raw_json::{self, KeyIndex, Unescaped};
 use bytes::Bytes;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -929,7 +929,7 @@ impl Message {
 // text, borrowed from the body, found without building anything) and then checked and
 // counted from that text, by its type, without serde's untagged buffering. `messages` is
 // checked and counted in the same pass, message by message; where its array starts is read
-// off its key's place in the body (see `KeyAt`), so nothing has to scan it again to find it.
+// off its key's place in the body (`raw_json::KeyIndex::located`), so nothing has to scan it again to find it.
 
 /// A slice of `shared` for `part` when `part` lies inside it, else a copy.
 fn share(shared: &Bytes, part: &[u8]) -> Bytes {
@@ -1249,60 +1249,6 @@ const FIELDS: &[&str] = &[
     "top_logprobs",
 ];
 
-/// A member's key, as its index in a list of field names (`None`: a field not read).
-struct FieldIndex(&'static [&'static str]);
-
-impl<'de> DeserializeSeed<'de> for FieldIndex {
-    type Value = Option<usize>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_identifier(self)
-    }
-}
-
-impl<'de> Visitor<'de> for FieldIndex {
-    type Value = Option<usize>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a field name")
-    }
-
-    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
-        Ok(self.0.iter().position(|k| *k == key))
-    }
-}
-
-/// A top-level member's key: its index in [`FIELDS`] and, when the key was read in place
-/// (no escapes), where its text ends in the body.
-struct KeyAt<'b> {
-    body: &'b [u8],
-}
-
-impl<'de> DeserializeSeed<'de> for KeyAt<'_> {
-    type Value = (Option<usize>, Option<usize>);
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_identifier(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeyAt<'_> {
-    type Value = (Option<usize>, Option<usize>);
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a field name")
-    }
-
-    fn visit_borrowed_str<E: de::Error>(self, key: &'de str) -> Result<Self::Value, E> {
-        let end = raw_json::position(self.body, key.as_bytes()).map(|r| r.end);
-        Ok((FIELDS.iter().position(|k| *k == key), end))
-    }
-
-    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
-        Ok((FIELDS.iter().position(|k| *k == key), None))
-    }
-}
-
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
 fn first_time<E: de::Error>(
     seen: &mut u32,
@@ -1344,7 +1290,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         let mut r = LlmRequest::default();
         let mut messages = None;
         let mut seen = 0u32;
-        while let Some((field, key_end)) = map.next_key_seed(KeyAt { body: shared })? {
+        while let Some((field, key_end)) = map.next_key_seed(KeyIndex::located(FIELDS, shared))? {
             let Some(index) = field else {
                 map.next_value::<IgnoredAny>()?;
                 continue;
@@ -1353,12 +1299,8 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
             match FIELDS.get(index).copied().unwrap_or_default() {
                 "model" => r.model = map.next_value()?,
                 "messages" => {
-                    messages = map
-                        .next_value_seed(NullableMessages { shared })?
-                        .map(|counted| CountedMessages {
-                            start: key_end.and_then(|end| raw_json::value_after_key(shared, end)),
-                            ..counted
-                        })
+                    let start = key_end.and_then(|end| raw_json::value_after_key(shared, end));
+                    messages = map.next_value_seed(NullableMessages { shared, start })?
                 }
                 "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
                 "stream" => r.stream = map.next_value()?,
@@ -1422,9 +1364,11 @@ impl CountedMessages {
     }
 }
 
-/// `messages`, or `null` (then the request has none).
+/// `messages`, or `null` (then the request has none); `start` is where its value starts in
+/// the body, when its key said so.
 struct NullableMessages<'b> {
     shared: &'b Bytes,
+    start: Option<usize>,
 }
 
 impl<'de> DeserializeSeed<'de> for NullableMessages<'_> {
@@ -1456,7 +1400,7 @@ impl<'de> Visitor<'de> for NullableMessages<'_> {
         }
         .deserialize(deserializer)?;
         Ok(Some(CountedMessages {
-            start: None,
+            start: self.start,
             len,
             estimated_tokens,
         }))
@@ -1529,7 +1473,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
             tool_call_id: None,
         };
         let mut seen = 0u32;
-        while let Some(field) = map.next_key_seed(FieldIndex(MESSAGE_FIELDS))? {
+        while let Some((field, _)) = map.next_key_seed(KeyIndex::new(MESSAGE_FIELDS))? {
             let Some(index) = field else {
                 map.next_value::<IgnoredAny>()?;
                 continue;

@@ -197,7 +197,7 @@ impl<'de> Visitor<'de> for SpansVisitor<'_, '_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut found = vec![None; self.keys.len()];
         let mut members = 0usize;
-        while let Some(index) = map.next_key_seed(KeyIndex(self.keys))? {
+        while let Some((index, _)) = map.next_key_seed(KeyIndex::new(self.keys))? {
             members += 1;
             match index.and_then(|i| found.get_mut(i)) {
                 Some(slot) => {
@@ -215,26 +215,57 @@ impl<'de> Visitor<'de> for SpansVisitor<'_, '_> {
     }
 }
 
-/// A member's key, as its index among the keys looked for.
-struct KeyIndex<'a, 'k>(&'a [&'k str]);
+/// A member's key, read by serde: its index among the keys looked for (`None`: another
+/// key) and, when `whole` is given and the key was read in place (it has no escapes), where
+/// its text ends in `whole` (for [`value_after_key`]).
+pub(crate) struct KeyIndex<'a, 'k> {
+    keys: &'a [&'k str],
+    whole: Option<&'a [u8]>,
+}
+
+impl<'a, 'k> KeyIndex<'a, 'k> {
+    pub(crate) fn new(keys: &'a [&'k str]) -> Self {
+        KeyIndex { keys, whole: None }
+    }
+
+    /// Also says where the key ends in `whole`, the text being parsed.
+    pub(crate) fn located(keys: &'a [&'k str], whole: &'a [u8]) -> Self {
+        KeyIndex {
+            keys,
+            whole: Some(whole),
+        }
+    }
+
+    fn index(&self, key: &str) -> Option<usize> {
+        self.keys.iter().position(|k| *k == key)
+    }
+}
 
 impl<'de> DeserializeSeed<'de> for KeyIndex<'_, '_> {
-    type Value = Option<usize>;
+    type Value = (Option<usize>, Option<usize>);
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(self)
+        deserializer.deserialize_identifier(self)
     }
 }
 
 impl<'de> Visitor<'de> for KeyIndex<'_, '_> {
-    type Value = Option<usize>;
+    type Value = (Option<usize>, Option<usize>);
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a key")
     }
 
+    fn visit_borrowed_str<E>(self, key: &'de str) -> Result<Self::Value, E> {
+        let end = self
+            .whole
+            .and_then(|whole| position(whole, key.as_bytes()))
+            .map(|range| range.end);
+        Ok((self.index(key), end))
+    }
+
     fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
-        Ok(self.0.iter().position(|k| *k == key))
+        Ok((self.index(key), None))
     }
 }
 

@@ -53,13 +53,11 @@ impl Readings {
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits set.
     pub(crate) fn headers(&self, refused: Option<Refusal>) -> Vec<(HeaderName, HeaderValue)> {
         let mut out = Vec::with_capacity(6);
-        let pushed = self.each_header(refused, |name, value| {
+        let Ok(()) = self.each_header(refused, |name, value| {
             out.push((HeaderName::from_static(name), value));
             Ok::<(), std::convert::Infallible>(())
         });
-        match pushed {
-            Ok(()) => out,
-        }
+        out
     }
 
     /// The same headers handed to `f` one by one, with static names, until `f` fails: a
