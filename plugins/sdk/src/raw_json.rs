@@ -503,6 +503,24 @@ pub fn unescaped_len(raw: &str) -> usize {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_key_read_in_place_says_where_it_ends_and_an_escaped_one_does_not() {
+        let key = |text: &str| {
+            let mut de = serde_json::Deserializer::from_str(text);
+            KeyIndex::located(&["model", "messages"], text.as_bytes())
+                .deserialize(&mut de)
+                .unwrap()
+        };
+        assert_eq!(key(r#""messages""#), (Some(1), Some(9)));
+        assert_eq!(key(r#""messag\u0065s""#), (Some(1), None));
+        assert_eq!(key(r#""other""#), (None, Some(6)));
+        let mut de = serde_json::Deserializer::from_str(r#""model""#);
+        assert_eq!(
+            KeyIndex::new(&["model"]).deserialize(&mut de).unwrap(),
+            (Some(0), None)
+        );
+    }
+
     fn set(body: &str, key: &str, value: &str) -> Option<String> {
         set_member(body.as_bytes(), key, value.as_bytes()).map(|b| String::from_utf8(b).unwrap())
     }
