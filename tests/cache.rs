@@ -76,6 +76,7 @@ async fn a_repeated_request_is_answered_from_the_cache() {
 
     let first = proxy.ask(&request, &[]).await;
     assert_eq!((first.status, first.x_cache.as_str()), (200, "MISS"));
+    wait_for_writes(&proxy, "stored", 1.0).await;
     let hit = proxy.until_hit(&request, &[]).await;
     assert_eq!((hit.status, hit.x_cache.as_str()), (200, "HIT"));
     assert_eq!(upstream_calls(&upstream), 1);
@@ -103,6 +104,8 @@ async fn hits_take_the_form_the_client_asks_for() {
     let streamed = chat(MODEL, "filled by a stream", true);
     let first = proxy.ask(&streamed, &[]).await;
     assert_eq!(first.x_cache, "MISS");
+    // Stored before the next request, so that it cannot miss and go upstream again.
+    wait_for_writes(&proxy, "stored", 1.0).await;
     let as_json = proxy
         .until_hit(&chat(MODEL, "filled by a stream", false), &[])
         .await;
@@ -113,6 +116,7 @@ async fn hits_take_the_form_the_client_asks_for() {
     // Filled by JSON, served as a stream with the usage chunk asked for.
     let plain = chat(MODEL, "filled by json", false);
     let first = proxy.ask(&plain, &[]).await;
+    wait_for_writes(&proxy, "stored", 2.0).await;
     let mut streamed = chat(MODEL, "filled by json", true);
     streamed["stream_options"] = json!({"include_usage": true});
     let as_stream = proxy.until_hit(&streamed, &[]).await;
@@ -429,6 +433,7 @@ async fn a_one_mib_prompt_misses_then_hits() {
     let proxy = cached_proxy(&upstream, json!({})).await;
     let request = chat(MODEL, &"context ".repeat(140_000), false);
     assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
+    wait_for_writes(&proxy, "stored", 1.0).await;
     assert_eq!(proxy.until_hit(&request, &[]).await.x_cache, "HIT");
     assert_eq!(upstream_calls(&upstream), 1);
 }
