@@ -68,8 +68,11 @@
 //!   tenant is not over its limit, Sluice cannot tell, and 503 is what clients retry on
 //!   without treating it as their own fault.
 //!
-//! A lost correction (Redis down at `settle`) is counted (`op="settle"`) and dropped: the
-//! estimate stays charged and the spend is not counted.
+//! A replica keeps at most one correction call per tenant in flight: the corrections of the
+//! answers that end meanwhile are summed and sent in the next call, so a busy tenant costs
+//! Redis one settle per batch rather than one per answer. A lost correction (Redis down at
+//! `settle`) is counted (`op="settle"`) and dropped, with whatever was summed into it: the
+//! estimates stay charged and the spend is not counted.
 //!
 //! Tenants not given to [`Limiter::start`] are not limited.
 
@@ -315,16 +318,16 @@ impl Admitted {
         let (Some(grant), Some(usage)) = (self.grant, usage) else {
             return;
         };
-        let windows = Windows::at(unix_now());
         match &grant.inner.store {
-            Store::Local => {
-                grant
-                    .tenant
-                    .settle_local(&grant.inner.clock, grant.charged, usage, &windows)
-            }
+            Store::Local => grant.tenant.settle_local(
+                &grant.inner.clock,
+                grant.charged,
+                usage,
+                &Windows::at(unix_now()),
+            ),
             Store::Redis(redis) => {
                 let corrections = grant.tenant.corrections(grant.charged, usage);
-                redis.settle(&grant.tenant, corrections, &windows);
+                redis.settle(&grant.tenant, corrections);
             }
         }
     }

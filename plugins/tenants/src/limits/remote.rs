@@ -1,6 +1,6 @@
 //! The shared store: every check of one admission in one Lua script call (EVALSHA through
 //! redis-rs' `Script`), on a single node or a Redis Cluster, the corrections after answers in a
-//! second script sent from a spawned task.
+//! second script sent from a spawned task, summed while one is in flight (`Unsent`).
 //!
 //! Redis is never waited on for long: each admission is bounded by `timeout`, and after
 //! `failure_threshold` consecutive failures Redis is skipped for `cooldown` (admissions then
@@ -15,6 +15,8 @@ use super::tenant::TenantState;
 use super::Want;
 use redis::{Script, ScriptInvocation};
 use sluice_sdk::redis::{RedisFailure, RedisLink};
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -278,45 +280,130 @@ impl RedisStore {
         })
     }
 
-    /// Sends a correction from a spawned task: the answer is done, nobody waits for this.
+    /// Adds a correction to the tenant's unsent ones and makes sure a sender runs: the
+    /// answer is done, nobody waits for this.
     pub(crate) fn settle(
         &self,
-        tenant: &TenantState,
+        tenant: &Arc<TenantState>,
         (input, output, usd_micros): (i64, i64, u64),
-        windows: &Windows,
     ) {
         if input == 0 && output == 0 && usd_micros == 0 {
             return;
         }
+        let unsent = &tenant.unsent;
+        unsent.add(input, output, usd_micros);
+        if !unsent.claim_sender() {
+            // The running sender sends this with what it sends next.
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            unsent.release_sender();
             metrics::store_error(Op::Settle, Kind::Error);
             return;
         };
-        let s = Arc::clone(&self.shared);
-        let name = Arc::clone(&tenant.name);
-        let limits = tenant.limits.clone();
+        let shared = Arc::clone(&self.shared);
+        let tenant = Arc::clone(tenant);
+        runtime.spawn(async move {
+            while let Some(sum) = tenant.unsent.next_batch() {
+                // A lost correction is counted; the next admissions run on the estimate.
+                let _ = shared.send_settle(&tenant, sum).await;
+            }
+        });
+    }
+}
+
+impl Shared {
+    /// One settle call for a sum of corrections, in the spend windows of now.
+    async fn send_settle(
+        &self,
+        tenant: &TenantState,
+        (input, output, usd_micros): (i64, i64, u64),
+    ) -> Result<i64, Kind> {
+        let windows = Windows::at(super::budget::unix_now());
         // The spend keys outlive their window by a day, for late corrections.
         let day_ttl = windows.left(Period::Day) + 86_400;
         let month_ttl = windows.left(Period::Month) + 86_400;
-        let (day, month) = (windows.day, windows.month);
-        runtime.spawn(async move {
-            let mut call = SETTLE.prepare_invoke();
-            call.key(s.key(&name, "in"))
-                .key(s.key(&name, "out"))
-                .key(s.key(&name, &format!("usd:d:{day}")))
-                .key(s.key(&name, &format!("usd:m:{month}")))
-                .arg(WINDOW_US)
-                .arg(limits.input_tokens_per_minute.unwrap_or(0))
-                .arg(limits.output_tokens_per_minute.unwrap_or(0))
-                .arg(input)
-                .arg(output)
-                .arg(usd_micros)
-                .arg(day_ttl)
-                .arg(month_ttl);
-            // A lost correction is counted; the next admissions run on the estimate.
-            let _ = s
-                .call::<i64>(Op::Settle, s.link.connect_timeout(), &call)
-                .await;
-        });
+        let (name, limits) = (&tenant.name, &tenant.limits);
+        let mut call = SETTLE.prepare_invoke();
+        call.key(self.key(name, "in"))
+            .key(self.key(name, "out"))
+            .key(self.key(name, &format!("usd:d:{}", windows.day)))
+            .key(self.key(name, &format!("usd:m:{}", windows.month)))
+            .arg(WINDOW_US)
+            .arg(limits.input_tokens_per_minute.unwrap_or(0))
+            .arg(limits.output_tokens_per_minute.unwrap_or(0))
+            .arg(input)
+            .arg(output)
+            .arg(usd_micros)
+            .arg(day_ttl)
+            .arg(month_ttl);
+        self.call::<i64>(Op::Settle, self.link.connect_timeout(), &call)
+            .await
+    }
+}
+
+/// A tenant's corrections not yet sent to Redis. At most one settle call per tenant is in
+/// flight from a replica; the corrections of answers that end meanwhile are summed and go in
+/// the next one. A busy tenant so costs one round trip per batch, not one per answer, and an
+/// idle one still sends each correction at once.
+#[derive(Debug, Default)]
+pub(crate) struct Unsent {
+    input: AtomicI64,
+    output: AtomicI64,
+    usd_micros: AtomicU64,
+    /// A sender task is running and will send what is added before it stops.
+    sending: AtomicBool,
+}
+
+impl Unsent {
+    fn add(&self, input: i64, output: i64, usd_micros: u64) {
+        // SeqCst here and in `next_batch`: a correction added just as the sender stops must
+        // be seen either by the sender's last look or by a new claim (store, then load, on
+        // both sides).
+        let saturating = |a: &AtomicI64, d: i64| {
+            let _ = a.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_add(d)));
+        };
+        saturating(&self.input, input);
+        saturating(&self.output, output);
+        let _ = self
+            .usd_micros
+            .fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_add(usd_micros)));
+    }
+
+    /// Whether the caller became the sender.
+    fn claim_sender(&self) -> bool {
+        !self.sending.swap(true, SeqCst)
+    }
+
+    fn release_sender(&self) {
+        self.sending.store(false, SeqCst);
+    }
+
+    fn take(&self) -> (i64, i64, u64) {
+        (
+            self.input.swap(0, SeqCst),
+            self.output.swap(0, SeqCst),
+            self.usd_micros.swap(0, SeqCst),
+        )
+    }
+
+    /// For the sender: the sum to send next, or `None` once nothing is left, the sender's
+    /// claim then given up (or kept, if a correction came in as it let go).
+    fn next_batch(&self) -> Option<(i64, i64, u64)> {
+        loop {
+            let sum = self.take();
+            if sum != (0, 0, 0) {
+                return Some(sum);
+            }
+            self.release_sender();
+            let (i, o, u) = (
+                self.input.load(SeqCst),
+                self.output.load(SeqCst),
+                self.usd_micros.load(SeqCst),
+            );
+            if (i, o, u) == (0, 0, 0) || !self.claim_sender() {
+                return None;
+            }
+        }
     }
 }

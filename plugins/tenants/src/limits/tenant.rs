@@ -73,6 +73,8 @@ pub(crate) struct TenantState {
     pub budget: BudgetConfig,
     requests: Option<RequestLimiter>,
     in_flight: AtomicU32,
+    /// Corrections on their way to the shared store (Redis only).
+    pub unsent: super::remote::Unsent,
     /// Held only for arithmetic, never across an await: every check of one admission and
     /// its charge happen as one step, as the Lua script does in Redis.
     state: Mutex<Local>,
@@ -113,6 +115,7 @@ impl TenantState {
             budget,
             requests,
             in_flight: AtomicU32::new(0),
+            unsent: super::remote::Unsent::default(),
             state: Mutex::new(Local::default()),
         }
     }

@@ -466,6 +466,7 @@ mod local {
 mod shared {
     use super::*;
     use sluice_testkit::{RedisCluster, RedisServer, SilentServer};
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Instant;
 
     fn redis_store(redis: RedisConfig, on_redis_error: OnRedisError) -> StoreConfig {
@@ -635,6 +636,70 @@ mod shared {
         .await;
         let refused = a.admit("alpha", want(1, 0)).await.unwrap_err();
         assert!(refused.retry_after.unwrap() >= 60, "{refused:?}");
+    }
+
+    /// How many EVALSHA calls `redis-server` has answered.
+    fn script_calls(port: u16) -> u64 {
+        let stats = sluice_testkit::redis_cli(port, &["INFO", "commandstats"]);
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    }
+
+    /// The corrections of answers that end while one is on its way to Redis are summed into
+    /// the next call: none is lost, and far fewer calls than answers reach Redis.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn corrections_ending_together_are_summed_into_few_calls() {
+        const ANSWERS: u64 = 200;
+        let redis = RedisServer::start();
+        // 600 input tokens a minute: a token is 100 ms of the bucket, so the time the test
+        // takes pays back only a few of the 200 tokens the corrections owe.
+        let limits = LimitsConfig {
+            input_tokens_per_minute: Some(600),
+            ..LimitsConfig::default()
+        };
+        let limiter = Limiter::start(
+            &single(redis.url(), OnRedisError::Deny),
+            vec![tenant("alpha", limits), warm_tenant()],
+        );
+        warm(&limiter).await;
+        let mut admitted = Vec::new();
+        for _ in 0..ANSWERS {
+            admitted.push(limiter.admit("alpha", want(0, 0)).await.unwrap());
+        }
+
+        let before = script_calls(redis.port());
+        // Each answer used one input token more than it was charged.
+        for a in admitted {
+            a.settle(usage(1, 0, 0.0));
+        }
+        let polls = AtomicU64::new(0);
+        let remaining = |r: &Result<Admitted, ErrorReply>| -> u64 {
+            let a = r.as_ref().unwrap();
+            header(&a.headers(), "x-ratelimit-remaining-tokens")
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        // 600 - 200 owed = 400, plus at most 2 s paid back while this waits.
+        until(
+            "all 200 corrections reached Redis",
+            || {
+                polls.fetch_add(1, Ordering::Relaxed);
+                limiter.admit("alpha", want(0, 0))
+            },
+            |r| remaining(r) <= 420,
+        )
+        .await;
+        let owed_now = 600 - remaining(&limiter.admit("alpha", want(0, 0)).await);
+        assert!(owed_now >= 180, "owed {owed_now} of 200: corrections lost");
+        let settles = script_calls(redis.port()) - before - polls.load(Ordering::Relaxed) - 1;
+        assert!(
+            (1..=ANSWERS / 2).contains(&settles),
+            "{settles} settle calls for {ANSWERS} answers"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
