@@ -70,6 +70,7 @@ pub struct Entry {
     models: Option<HashSet<String>>,
     max_tokens: Option<u32>,
     over_max_tokens: OverMaxTokens,
+    series: metrics::Series,
 }
 
 impl Entry {
@@ -85,6 +86,7 @@ impl Entry {
             models: policy.models.as_ref().map(|m| m.iter().cloned().collect()),
             max_tokens: policy.max_tokens,
             over_max_tokens: policy.over_max_tokens.unwrap_or_default(),
+            series: metrics::Series::of(name),
         }
     }
 
@@ -153,8 +155,6 @@ impl PluginBuilder for TenantsBuilder {
             ));
             entry
         });
-        let names: Vec<Arc<str>> = limited.iter().map(|(n, ..)| Arc::clone(n)).collect();
-        metrics::init(&names);
         Arc::new(Tenants {
             directory: Arc::new(Directory::new(listed, config.keys_from_redis.clone())),
             anonymous,
@@ -360,10 +360,10 @@ impl Plugin for Tenants {
             // sees its correction made.
             admitted.settle(usage);
             if let Some(usage) = &usage {
-                metrics::used(entry.name(), usage);
+                entry.series.used(usage);
             }
         }
-        metrics::request(entry.name());
+        entry.series.request();
     }
 }
 

@@ -4,9 +4,9 @@
 
 use crate::limits::Usage;
 use sluice_sdk::metric;
-use sluice_sdk::metrics::{inc, inc_by, touch};
+use sluice_sdk::metrics::prometheus::{Counter, IntCounter};
+use sluice_sdk::metrics::{inc, series};
 use sluice_sdk::Reason;
-use std::sync::Arc;
 
 metric!(REQUESTS: IntCounterVec = register_int_counter_vec!(
     "sluice_tenant_requests_total",
@@ -34,25 +34,42 @@ metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
     &["tenant", "reason"]
 ));
 
-/// Creates every tenant's series at zero, so dashboards see them from start-up.
-pub fn init(tenants: &[Arc<str>]) {
-    for tenant in tenants {
-        touch(&REQUESTS, &[tenant]);
-        touch(&COST, &[tenant]);
-        for kind in ["input", "output"] {
-            touch(&TOKENS, &[tenant, kind]);
+/// One tenant's series, looked up once when the plugin starts (and so created at zero, for
+/// dashboards to see from start-up): counting a request then takes no label lookup.
+pub struct Series {
+    requests: Option<IntCounter>,
+    input_tokens: Option<IntCounter>,
+    output_tokens: Option<IntCounter>,
+    cost: Option<Counter>,
+}
+
+impl Series {
+    pub fn of(tenant: &str) -> Series {
+        Series {
+            requests: series(&REQUESTS, &[tenant]),
+            input_tokens: series(&TOKENS, &[tenant, "input"]),
+            output_tokens: series(&TOKENS, &[tenant, "output"]),
+            cost: series(&COST, &[tenant]),
         }
     }
-}
 
-pub fn request(tenant: &str) {
-    inc(&REQUESTS, &[tenant]);
-}
+    pub fn request(&self) {
+        if let Some(c) = &self.requests {
+            c.inc();
+        }
+    }
 
-pub fn used(tenant: &str, usage: &Usage) {
-    inc_by(&TOKENS, &[tenant, "input"], usage.input_tokens);
-    inc_by(&TOKENS, &[tenant, "output"], usage.output_tokens);
-    inc_by(&COST, &[tenant], usage.usd);
+    pub fn used(&self, usage: &Usage) {
+        if let Some(c) = &self.input_tokens {
+            c.inc_by(usage.input_tokens);
+        }
+        if let Some(c) = &self.output_tokens {
+            c.inc_by(usage.output_tokens);
+        }
+        if let Some(c) = &self.cost {
+            c.inc_by(usage.usd);
+        }
+    }
 }
 
 pub fn rejected(tenant: &str, reason: Reason) {
