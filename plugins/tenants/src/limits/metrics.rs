@@ -6,8 +6,9 @@ use sluice_sdk::metrics::{inc, touch};
 
 metric!(STORE_ERRORS: IntCounterVec = register_int_counter_vec!(
     "sluice_tenant_limit_store_errors_total",
-    "Calls to the shared limits store (Redis) that failed, timed out or were skipped during a \
-     cool-down; op is admit (then on_redis_error decided) or settle (the correction was lost).",
+    "What the shared limits store (Redis) did not take because it failed, timed out or was \
+     skipped during a cool-down: op admit counts admissions (on_redis_error then decided \
+     each), op settle counts calls (the corrections summed into one were lost).",
     &["op", "kind"]
 ));
 
@@ -41,6 +42,15 @@ impl Op {
 }
 
 impl Kind {
+    pub(crate) fn of(failure: &sluice_sdk::redis::RedisFailure) -> Kind {
+        use sluice_sdk::redis::RedisFailure;
+        match failure {
+            RedisFailure::CoolingDown => Kind::Cooldown,
+            RedisFailure::Error(_) => Kind::Error,
+            RedisFailure::Timeout => Kind::Timeout,
+        }
+    }
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::Timeout => "timeout",

@@ -48,14 +48,18 @@
 //!
 //! # Shared through Redis (`limits_store.kind: redis`)
 //!
-//! One round trip per admission: one Lua script (EVALSHA through redis-rs' `Script`, which
-//! reloads it on NOSCRIPT) does every per-minute and budget check of the tenant atomically,
+//! One Lua script call (EVALSHA through redis-rs' `Script`, which reloads it on NOSCRIPT)
+//! does every per-minute and budget check of an admission atomically,
 //! with the same GCRA-with-debt arithmetic as the local buckets (requests included, as Redis
 //! has no governor), on Redis' own clock (`TIME`) so replicas' clocks do not matter. Keys are
 //! `<key_prefix>{<tenant>}:req|in|out|usd:d:<day>|usd:m:<month>`: the hash tag keeps a
 //! tenant's keys on one Redis Cluster slot. Token keys expire when their bucket is full again,
 //! spend keys a day after their window. The correction after the answer is a second script,
-//! sent from a spawned task. Budget windows (day, month) are those of this replica's UTC
+//! sent from a spawned task. A replica keeps at most one admission call per tenant in flight:
+//! the admissions that arrive meanwhile go in the next call together, which checks them in
+//! order, each seeing the charges of those before it, exactly as separate calls would. Under
+//! load a round trip then serves a batch (up to 64), not one request; an admission alone goes
+//! at once. Budget windows (day, month) are those of this replica's UTC
 //! clock. [`Limiter::snapshot`] shows what this replica's last admission of each tenant saw.
 //!
 //! When Redis does not answer within `timeout` (or errs, or is in its cool-down after
@@ -225,7 +229,7 @@ impl Limiter {
                 (Some(readings), want)
             }
             Store::Redis(_) if !state.needs_store() => (None, Want::default()),
-            Store::Redis(redis) => match redis.admit(state, want, &windows).await {
+            Store::Redis(redis) => match redis.admit(state, want).await {
                 Ok(answer) => {
                     let readings = state.decide_remote(&answer, want, &windows)?;
                     (Some(readings), want)

@@ -1,6 +1,8 @@
-//! The shared store: every check of one admission in one Lua script call (EVALSHA through
-//! redis-rs' `Script`), on a single node or a Redis Cluster, the corrections after answers in a
-//! second script sent from a spawned task, summed while one is in flight (`Unsent`).
+//! The shared store: every check of an admission in one Lua script call (EVALSHA through
+//! redis-rs' `Script`), on a single node or a Redis Cluster, with the tenant's other
+//! admissions that queued while its last call was in flight (`Queue`); the corrections after
+//! answers in a second script sent from a spawned task, summed while one is in flight
+//! (`Unsent`).
 //!
 //! Redis is never waited on for long: each admission is bounded by `timeout`, and after
 //! `failure_threshold` consecutive failures Redis is skipped for `cooldown` (admissions then
@@ -14,70 +16,89 @@ use super::reply::{Reading, Readings, Refusal};
 use super::tenant::TenantState;
 use super::Want;
 use redis::{Script, ScriptInvocation};
-use sluice_sdk::redis::{RedisFailure, RedisLink};
+use sluice_sdk::redis::RedisLink;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
+use tokio::sync::oneshot;
 
-/// One admission, atomically: the budget, then the input, output and request buckets (the
-/// GCRA with debt of `gcra.rs`, on Redis' own clock so replicas agree), all charged only if
-/// none refuses. Keys that reach a full bucket expire, so idle tenants leave nothing behind.
+/// A batch of one tenant's admissions, in order, each as atomic as if alone: the budget, then
+/// the input, output and request buckets (the GCRA with debt of `gcra.rs`, on Redis' own
+/// clock so replicas agree), each admission charged only if none of its checks refuses, and
+/// seeing the charges of those before it. Keys that reach a full bucket expire, so idle
+/// tenants leave nothing behind.
 const ADMIT_LUA: &str = r"
 -- KEYS: requests TAT, input TAT, output TAT, day spend, month spend (one hash tag).
--- ARGV: window us, requests/min, input/min, output/min (0: none), input wanted,
---       output wanted, day budget, month budget (micro-dollars, 0: none), enforce (1|0).
+-- ARGV: window us, requests/min, input/min, output/min (0: none), day budget, month budget
+--       (micro-dollars, 0: none), enforce (1|0), then for each admission in order: input
+--       wanted, output wanted.
+-- Returns day spend, month spend, then per admission: verdict, retry, and the remaining
+-- and reset of the requests, input and output buckets.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local W = tonumber(ARGV[1])
-
-local function remaining(tat, limit)
-  local used = math.max(tat - now, 0)
-  if used >= W then return 0 end
-  return math.floor((W - used) * limit / W)
+local limit = {tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
+local tat, moved = {0, 0, 0}, {false, false, false}
+for k = 1, 3 do
+  if limit[k] > 0 then tat[k] = tonumber(redis.call('GET', KEYS[k]) or '0') or 0 end
 end
 
--- ok, TAT to store, remaining, reset, retry
-local function take(key, limit, n)
-  if limit <= 0 then return true, nil, 0, 0, 0 end
-  local tat = tonumber(redis.call('GET', key) or '0') or 0
-  local nxt = math.max(tat, now) + math.ceil(n * W / limit)
-  if nxt - now <= W or tat <= now then
-    return true, nxt, remaining(nxt, limit), nxt - now, 0
+local function remaining(at, lim)
+  local used = math.max(at - now, 0)
+  if used >= W then return 0 end
+  return math.floor((W - used) * lim / W)
+end
+
+-- ok, TAT after, remaining, reset, retry
+local function take(k, n)
+  local lim = limit[k]
+  if lim <= 0 then return true, nil, 0, 0, 0 end
+  local nxt = math.max(tat[k], now) + math.ceil(n * W / lim)
+  if nxt - now <= W or tat[k] <= now then
+    return true, nxt, remaining(nxt, lim), nxt - now, 0
   end
-  local retry = tat - now
-  if n <= limit then retry = nxt - W - now end
-  return false, nil, remaining(tat, limit), math.max(tat - now, 0), math.max(retry, 1)
+  local retry = tat[k] - now
+  if n <= lim then retry = nxt - W - now end
+  return false, nil, remaining(tat[k], lim), math.max(tat[k] - now, 0), math.max(retry, 1)
 end
 
 local day = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
 local month = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
-local day_limit, month_limit = tonumber(ARGV[7]), tonumber(ARGV[8])
-local spent = (day_limit > 0 and day >= day_limit) or (month_limit > 0 and month >= month_limit)
+local day_limit, month_limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local refuse_all = ARGV[7] == '1' and
+  ((day_limit > 0 and day >= day_limit) or (month_limit > 0 and month >= month_limit))
 
-local rok, rtat, rrem, rreset, rretry = take(KEYS[1], tonumber(ARGV[2]), 1)
-local iok, itat, irem, ireset, iretry = take(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[5]))
-local ook, otat, orem, oreset, oretry = take(KEYS[3], tonumber(ARGV[4]), tonumber(ARGV[6]))
-
--- 0 admitted, 1 budget, 2 input, 3 output, 4 requests: the first refusal, in the order
--- the local limiter checks them; retry is the longest wait of any that refuses.
-local verdict, retry = 0, 0
-if not rok then verdict = 4; retry = math.max(retry, rretry) end
-if not ook then verdict = 3; retry = math.max(retry, oretry) end
-if not iok then verdict = 2; retry = math.max(retry, iretry) end
-if spent and ARGV[9] == '1' then verdict = 1 end
-
-if verdict == 0 then
-  local function store(key, tat)
-    if tat ~= nil and tat > now then
-      redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1000)
+local out = {day, month}
+for i = 8, #ARGV - 1, 2 do
+  local rok, rtat, rrem, rreset, rretry = take(1, 1)
+  local iok, itat, irem, ireset, iretry = take(2, tonumber(ARGV[i]))
+  local ook, otat, orem, oreset, oretry = take(3, tonumber(ARGV[i + 1]))
+  -- 0 admitted, 1 budget, 2 input, 3 output, 4 requests: the first refusal, in the order
+  -- the local limiter checks them; retry is the longest wait of any that refuses.
+  local verdict, retry = 0, 0
+  if not rok then verdict = 4; retry = math.max(retry, rretry) end
+  if not ook then verdict = 3; retry = math.max(retry, oretry) end
+  if not iok then verdict = 2; retry = math.max(retry, iretry) end
+  if refuse_all then verdict = 1 end
+  if verdict == 0 then
+    local after = {rtat, itat, otat}
+    for k = 1, 3 do
+      if after[k] ~= nil then tat[k] = after[k]; moved[k] = true end
     end
   end
-  store(KEYS[1], rtat)
-  store(KEYS[2], itat)
-  store(KEYS[3], otat)
+  local n = #out
+  out[n + 1], out[n + 2] = verdict, retry
+  out[n + 3], out[n + 4], out[n + 5], out[n + 6] = rrem, rreset, irem, ireset
+  out[n + 7], out[n + 8] = orem, oreset
 end
-return {verdict, retry, rrem, rreset, irem, ireset, orem, oreset, day, month}
+
+for k = 1, 3 do
+  if moved[k] and tat[k] > now then
+    redis.call('SET', KEYS[k], string.format('%.0f', tat[k]), 'PX', math.ceil((tat[k] - now) / 1000) + 1000)
+  end
+end
+return out
 ";
 
 /// The correction after an answer: the token buckets moved by what the usage differs from
@@ -135,25 +156,30 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
-    fn parse(v: &[i64]) -> Option<Answer> {
-        let get = |i: usize| v.get(i).copied();
-        let count = |i: usize| get(i).map(|n| u64::try_from(n).unwrap_or(0));
-        let refused = match get(0)? {
-            2 => Some(Refusal::InputTokens),
-            3 => Some(Refusal::OutputTokens),
-            4 => Some(Refusal::Requests),
-            // The budget's refusal is decided from the spend, in Rust, for both stores.
-            _ => None,
-        };
-        Some(Answer {
-            refused,
-            retry_us: get(1)?,
-            requests: (count(2)?, get(3)?),
-            input: (count(4)?, get(5)?),
-            output: (count(6)?, get(7)?),
-            day_micros: count(8)?,
-            month_micros: count(9)?,
-        })
+    /// The answers of a batch of `n` admissions, in order: the spend, then 8 numbers each.
+    fn parse_batch(v: &[i64], n: usize) -> Option<Vec<Answer>> {
+        let count = |x: i64| u64::try_from(x).unwrap_or(0);
+        let (&day, &month) = (v.first()?, v.get(1)?);
+        let each = v.get(2..)?;
+        if each.len() != n * 8 {
+            return None;
+        }
+        let answers = each.chunks_exact(8).map(|a| Answer {
+            refused: match a[0] {
+                2 => Some(Refusal::InputTokens),
+                3 => Some(Refusal::OutputTokens),
+                4 => Some(Refusal::Requests),
+                // The budget's refusal is decided from the spend, in Rust, for both stores.
+                _ => None,
+            },
+            retry_us: a[1],
+            requests: (count(a[2]), a[3]),
+            input: (count(a[4]), a[5]),
+            output: (count(a[6]), a[7]),
+            day_micros: count(day),
+            month_micros: count(month),
+        });
+        Some(answers.collect())
     }
 
     pub(crate) fn readings(&self, limits: &LimitsConfig) -> Readings {
@@ -191,14 +217,14 @@ impl Shared {
         within: Duration,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, Kind> {
-        let kind = match self.link.invoke::<T>(invocation, within).await {
-            Ok(v) => return Ok(v),
-            Err(RedisFailure::CoolingDown) => Kind::Cooldown,
-            Err(RedisFailure::Error(_)) => Kind::Error,
-            Err(RedisFailure::Timeout) => Kind::Timeout,
-        };
-        metrics::store_error(op, kind);
-        Err(kind)
+        self.link
+            .invoke::<T>(invocation, within)
+            .await
+            .map_err(|failure| {
+                let kind = Kind::of(&failure);
+                metrics::store_error(op, kind);
+                kind
+            })
     }
 }
 
@@ -248,36 +274,41 @@ impl RedisStore {
         store
     }
 
-    /// Runs the admission script for `tenant`; `Err` when Redis did not answer usably.
+    /// Runs `tenant`'s admission through the script; `Err` when Redis did not answer usably
+    /// within the store's timeout. Admissions of one tenant that arrive while its call is in
+    /// flight wait for the next, which takes them all (`Queue`).
     pub(crate) async fn admit(
         &self,
-        tenant: &TenantState,
+        tenant: &Arc<TenantState>,
         want: Want,
-        windows: &Windows,
     ) -> Result<Answer, Kind> {
-        let s = &self.shared;
-        let name = &tenant.name;
-        let limits = &tenant.limits;
-        let mut call = ADMIT.prepare_invoke();
-        call.key(s.key(name, "req"))
-            .key(s.key(name, "in"))
-            .key(s.key(name, "out"))
-            .key(s.key(name, &format!("usd:d:{}", windows.day)))
-            .key(s.key(name, &format!("usd:m:{}", windows.month)))
-            .arg(WINDOW_US)
-            .arg(limits.requests_per_minute.unwrap_or(0))
-            .arg(limits.input_tokens_per_minute.unwrap_or(0))
-            .arg(limits.output_tokens_per_minute.unwrap_or(0))
-            .arg(want.input_tokens)
-            .arg(want.output_tokens)
-            .arg(budget_micros(tenant.budget.usd_per_day))
-            .arg(budget_micros(tenant.budget.usd_per_month))
-            .arg(u8::from(tenant.budget.mode() == super::BudgetMode::Enforce));
-        let values: Vec<i64> = s.call(Op::Admit, s.link.timeout(), &call).await?;
-        Answer::parse(&values).ok_or_else(|| {
-            metrics::store_error(Op::Admit, Kind::Error);
-            Kind::Error
-        })
+        let (reply, answer) = oneshot::channel();
+        if tenant.queue.push(Waiting { want, reply }) {
+            let shared = Arc::clone(&self.shared);
+            let tenant = Arc::clone(tenant);
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        while let Some(batch) = tenant.queue.next_batch() {
+                            shared.admit_batch(&tenant, batch).await;
+                        }
+                    });
+                }
+                // Nothing can send it: every waiter is answered with the failure at once.
+                Err(_) => tenant.queue.fail_all(Kind::Error),
+            }
+        }
+        let answer = match tokio::time::timeout(self.shared.link.timeout(), answer).await {
+            Ok(Ok(answer)) => answer,
+            // The sender is gone without an answer (its runtime stopped).
+            Ok(Err(_)) => Err(Kind::Error),
+            Err(_) => Err(Kind::Timeout),
+        };
+        // Counted here, once per admission, before anyone can see its outcome.
+        if let Err(kind) = answer {
+            metrics::store_error(Op::Admit, kind);
+        }
+        answer
     }
 
     /// Adds a correction to the tenant's unsent ones and makes sure a sender runs: the
@@ -313,6 +344,51 @@ impl RedisStore {
 }
 
 impl Shared {
+    /// One script call for a batch of one tenant's admissions; each gets its answer, or the
+    /// call's failure (which each admission counts).
+    async fn admit_batch(&self, tenant: &TenantState, batch: Vec<Waiting>) {
+        let windows = Windows::at(super::budget::unix_now());
+        let (name, limits, budget) = (&tenant.name, &tenant.limits, &tenant.budget);
+        let mut call = ADMIT.prepare_invoke();
+        call.key(self.key(name, "req"))
+            .key(self.key(name, "in"))
+            .key(self.key(name, "out"))
+            .key(self.key(name, &format!("usd:d:{}", windows.day)))
+            .key(self.key(name, &format!("usd:m:{}", windows.month)))
+            .arg(WINDOW_US)
+            .arg(limits.requests_per_minute.unwrap_or(0))
+            .arg(limits.input_tokens_per_minute.unwrap_or(0))
+            .arg(limits.output_tokens_per_minute.unwrap_or(0))
+            .arg(budget_micros(budget.usd_per_day))
+            .arg(budget_micros(budget.usd_per_month))
+            .arg(u8::from(budget.mode() == super::BudgetMode::Enforce));
+        for waiting in &batch {
+            call.arg(waiting.want.input_tokens)
+                .arg(waiting.want.output_tokens);
+        }
+        let answers = match self
+            .link
+            .invoke::<Vec<i64>>(&call, self.link.timeout())
+            .await
+        {
+            Ok(values) => Answer::parse_batch(&values, batch.len()).ok_or(Kind::Error),
+            Err(failure) => Err(Kind::of(&failure)),
+        };
+        match answers {
+            Ok(answers) => {
+                for (waiting, answer) in batch.into_iter().zip(answers) {
+                    // A waiter that gave up (timed out, or its client left) is gone.
+                    let _ = waiting.reply.send(Ok(answer));
+                }
+            }
+            Err(kind) => {
+                for waiting in batch {
+                    let _ = waiting.reply.send(Err(kind));
+                }
+            }
+        }
+    }
+
     /// One settle call for a sum of corrections, in the spend windows of now.
     async fn send_settle(
         &self,
@@ -339,6 +415,76 @@ impl Shared {
             .arg(month_ttl);
         self.call::<i64>(Op::Settle, self.link.connect_timeout(), &call)
             .await
+    }
+}
+
+/// Admissions at most this many to a script call: its arguments stay small, and a burst is
+/// spread over a few calls rather than one long one.
+const MAX_BATCH: usize = 64;
+
+/// An admission waiting for its tenant's next script call.
+pub(crate) struct Waiting {
+    want: Want,
+    reply: oneshot::Sender<Result<Answer, Kind>>,
+}
+
+/// A tenant's admissions waiting for Redis. At most one admission call per tenant is in
+/// flight from a replica; the admissions that arrive meanwhile go together in the next one,
+/// checked one after the other by the script as if each were alone. Under load that takes
+/// one round trip per batch instead of one per request, which is most of what a Redis-shared
+/// limit costs the proxy and Redis; alone, an admission goes at once.
+#[derive(Default)]
+pub(crate) struct Queue(Mutex<Queued>);
+
+#[derive(Default)]
+struct Queued {
+    waiting: Vec<Waiting>,
+    /// A sender task is running and takes what is queued before it stops.
+    sending: bool,
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, Queued> {
+        // A queue of waiters is valid whatever a panicking holder left.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues `waiting`; whether the caller must start the sender.
+    fn push(&self, waiting: Waiting) -> bool {
+        let mut q = self.lock();
+        q.waiting.push(waiting);
+        !std::mem::replace(&mut q.sending, true)
+    }
+
+    /// For the sender: the next batch, or `None` (and the sender's claim given up) once
+    /// nothing waits.
+    fn next_batch(&self) -> Option<Vec<Waiting>> {
+        let mut q = self.lock();
+        if q.waiting.is_empty() {
+            q.sending = false;
+            return None;
+        }
+        let n = q.waiting.len().min(MAX_BATCH);
+        Some(q.waiting.drain(..n).collect())
+    }
+
+    fn fail_all(&self, kind: Kind) {
+        let waiting = {
+            let mut q = self.lock();
+            q.sending = false;
+            std::mem::take(&mut q.waiting)
+        };
+        for w in waiting {
+            let _ = w.reply.send(Err(kind));
+        }
+    }
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("waiting", &self.lock().waiting.len())
+            .finish()
     }
 }
 

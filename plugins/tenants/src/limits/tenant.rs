@@ -73,7 +73,9 @@ pub(crate) struct TenantState {
     pub budget: BudgetConfig,
     requests: Option<RequestLimiter>,
     in_flight: AtomicU32,
-    /// Corrections on their way to the shared store (Redis only).
+    /// Admissions waiting for the shared store, and corrections on their way to it (Redis
+    /// only).
+    pub queue: super::remote::Queue,
     pub unsent: super::remote::Unsent,
     /// Held only for arithmetic, never across an await: every check of one admission and
     /// its charge happen as one step, as the Lua script does in Redis.
@@ -115,6 +117,7 @@ impl TenantState {
             budget,
             requests,
             in_flight: AtomicU32::new(0),
+            queue: super::remote::Queue::default(),
             unsent: super::remote::Unsent::default(),
             state: Mutex::new(Local::default()),
         }
