@@ -12,6 +12,7 @@ use crate::config::ConfigError;
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClient, ClusterConfig};
 use ::redis::cluster_async::ClusterConnection;
+use ::redis::io::tcp::TcpSettings;
 use ::redis::{
     Client, Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture, ScriptInvocation, Value,
 };
@@ -199,13 +200,22 @@ impl RedisLink {
     /// unusable `settings` (not validated) makes a link whose every call fails: see
     /// [`RedisLink::unusable`].
     pub fn new(name: &'static str, settings: &RedisSettings) -> RedisLink {
+        // Nagle's algorithm off, as Redis sets it on its side: a multiplexed connection writes
+        // a command while others are still unanswered, and Nagle would hold each such write
+        // until the reply acknowledging the previous one arrives (redis-rs leaves it on).
+        let tcp = TcpSettings::default().set_nodelay(true);
         let target = match (&settings.url, settings.cluster_nodes.is_empty()) {
-            (Some(url), true) => match Client::open(url.as_str()) {
+            (Some(url), true) => match url
+                .as_str()
+                .into_connection_info()
+                .and_then(|info| Client::open(info.set_tcp_settings(tcp)))
+            {
                 Ok(c) => Target::Single(c),
                 Err(e) => Target::Invalid(format!("redis url {:?}: {e}", redacted(url))),
             },
             (None, false) => {
                 match ClusterClient::builder(settings.cluster_nodes.iter().map(String::as_str))
+                    .tcp_settings(tcp)
                     .connection_timeout(settings.connect_timeout)
                     .response_timeout(settings.connect_timeout)
                     .build()
@@ -463,6 +473,25 @@ mod tests {
         );
         assert_eq!(redacted("redis://user:pw@h:1/0"), "redis://***@h:1/0");
         assert_eq!(redacted("redis://h:1"), "redis://h:1");
+    }
+
+    /// A multiplexed connection sends commands while others are unanswered: with Nagle's
+    /// algorithm on, each would wait for the acknowledgement of the one before.
+    #[test]
+    fn connections_are_made_with_nagle_off() {
+        let settings = RedisSettings {
+            url: Some("redis://127.0.0.1:6379".into()),
+            cluster_nodes: Vec::new(),
+            timeout: Duration::from_millis(50),
+            connect_timeout: default_connect_timeout(),
+            failure_threshold: default_failure_threshold(),
+            cooldown: default_cooldown(),
+        };
+        let link = RedisLink::new("test store", &settings);
+        let Target::Single(client) = &link.target else {
+            panic!("not a single-node link: {link:?}");
+        };
+        assert!(client.get_connection_info().tcp_settings().nodelay());
     }
 
     #[tokio::test(start_paused = true)]
