@@ -284,18 +284,19 @@ impl RedisStore {
     ) -> Result<Answer, Kind> {
         let (reply, answer) = oneshot::channel();
         if tenant.queue.push(Waiting { want, reply }) {
-            let shared = Arc::clone(&self.shared);
-            let tenant = Arc::clone(tenant);
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    runtime.spawn(async move {
-                        while let Some(batch) = tenant.queue.next_batch() {
-                            shared.admit_batch(&tenant, batch).await;
-                        }
-                    });
-                }
-                // Nothing can send it: every waiter is answered with the failure at once.
-                Err(_) => tenant.queue.fail_all(Kind::Error),
+            // This admission sends the call itself, for itself and whoever queued meanwhile:
+            // no task to wake on the way there or back. A task takes over what queues after.
+            let mut claim = Claim {
+                shared: Arc::clone(&self.shared),
+                tenant: Arc::clone(tenant),
+                armed: true,
+            };
+            if let Some(batch) = tenant.queue.next_batch() {
+                self.shared.admit_batch(tenant, batch).await;
+            }
+            claim.armed = false;
+            if let Some(rest) = tenant.queue.next_batch() {
+                claim.hand_over(Some(rest));
             }
         }
         let answer = match tokio::time::timeout(self.shared.link.timeout(), answer).await {
@@ -485,6 +486,45 @@ impl std::fmt::Debug for Queue {
         f.debug_struct("Queue")
             .field("waiting", &self.lock().waiting.len())
             .finish()
+    }
+}
+
+/// The sender's claim on a tenant's queue, held by the admission that sends. Dropped while
+/// armed (that admission was given up in the middle of its call), it hands the queue to a
+/// task, so the admissions queued behind are still sent; the call's own batch is lost then,
+/// and its admissions see an error.
+struct Claim {
+    shared: Arc<Shared>,
+    tenant: Arc<TenantState>,
+    armed: bool,
+}
+
+impl Claim {
+    /// A task sends `first`, then every batch that queues, until none does.
+    fn hand_over(&self, first: Option<Vec<Waiting>>) {
+        let (shared, tenant) = (Arc::clone(&self.shared), Arc::clone(&self.tenant));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Some(batch) = first {
+                        shared.admit_batch(&tenant, batch).await;
+                    }
+                    while let Some(batch) = tenant.queue.next_batch() {
+                        shared.admit_batch(&tenant, batch).await;
+                    }
+                });
+            }
+            // Nothing can send them: every waiter is answered with the failure at once.
+            Err(_) => tenant.queue.fail_all(Kind::Error),
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed {
+            self.hand_over(None);
+        }
     }
 }
 

@@ -721,6 +721,34 @@ mod shared {
         assert!(limiter.admit("alpha", Want::default()).await.is_ok());
     }
 
+    /// The admission sending its tenant's call is given up mid-call (its client left): the
+    /// admissions queued behind it are still sent, by a task that takes over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn admissions_queued_behind_a_sender_given_up_are_still_sent() {
+        let redis = RedisServer::start();
+        let limiter = Arc::new(Limiter::start(
+            &single(redis.url(), OnRedisError::Deny),
+            vec![tenant("alpha", rpm(1000)), warm_tenant()],
+        ));
+        warm(&limiter).await;
+        // Redis holds every command for 300 ms: the first admission's call stays in flight.
+        sluice_testkit::redis_cli(redis.port(), &["CLIENT", "PAUSE", "300", "ALL"]);
+        let sender = {
+            let limiter = Arc::clone(&limiter);
+            tokio::spawn(async move { limiter.admit("alpha", Want::default()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let queued = {
+            let limiter = Arc::clone(&limiter);
+            tokio::spawn(async move { limiter.admit("alpha", Want::default()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        sender.abort();
+        // Answered once Redis resumes, well within the 500 ms the store waits.
+        let admitted = queued.await.unwrap().unwrap();
+        assert!(!admitted.headers().is_empty());
+    }
+
     /// The corrections of answers that end while one is on its way to Redis are summed into
     /// the next call: none is lost, and far fewer calls than answers reach Redis.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
