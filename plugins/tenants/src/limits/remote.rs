@@ -33,8 +33,8 @@ const ADMIT_LUA: &str = r"
 -- ARGV: window us, requests/min, input/min, output/min (0: none), day budget, month budget
 --       (micro-dollars, 0: none), enforce (1|0), then for each admission in order: input
 --       wanted, output wanted.
--- Returns day spend, month spend, then per admission: verdict, retry, and the remaining
--- and reset of the requests, input and output buckets.
+-- Returns, space-separated: day spend, month spend, then per admission: verdict, retry,
+-- and the remaining and reset of the requests, input and output buckets.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local W = tonumber(ARGV[1])
@@ -98,7 +98,8 @@ for k = 1, 3 do
     redis.call('SET', KEYS[k], string.format('%.0f', tat[k]), 'PX', math.ceil((tat[k] - now) / 1000) + 1000)
   end
 end
-return out
+-- One string, not an array of numbers: the client reads it in one piece.
+return table.concat(out, ' ')
 ";
 
 /// The correction after an answer: the token buckets moved by what the usage differs from
@@ -156,6 +157,19 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
+    /// The answers of a batch of `n` admissions, in order, from the script's reply: the
+    /// spend, then 8 numbers each, space-separated. Lua writes a number of 15 digits or more
+    /// in exponent form, so each is read as a float (a few minutes' rounding on a wait of
+    /// years is no loss).
+    fn parse_reply(reply: &str, n: usize) -> Option<Vec<Answer>> {
+        let numbers: Option<Vec<i64>> = reply
+            .split(' ')
+            // Saturating: every number the script sends is an integer of at most 2^53.
+            .map(|t| t.parse::<f64>().ok().map(|f| f as i64))
+            .collect();
+        Self::parse_batch(&numbers?, n)
+    }
+
     /// The answers of a batch of `n` admissions, in order: the spend, then 8 numbers each.
     fn parse_batch(v: &[i64], n: usize) -> Option<Vec<Answer>> {
         let count = |x: i64| u64::try_from(x).unwrap_or(0);
@@ -367,12 +381,8 @@ impl Shared {
             call.arg(waiting.want.input_tokens)
                 .arg(waiting.want.output_tokens);
         }
-        let answers = match self
-            .link
-            .invoke::<Vec<i64>>(&call, self.link.timeout())
-            .await
-        {
-            Ok(values) => Answer::parse_batch(&values, batch.len()).ok_or(Kind::Error),
+        let answers = match self.link.invoke::<String>(&call, self.link.timeout()).await {
+            Ok(reply) => Answer::parse_reply(&reply, batch.len()).ok_or(Kind::Error),
             Err(failure) => Err(Kind::of(&failure)),
         };
         match answers {
@@ -591,5 +601,33 @@ impl Unsent {
                 return None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_is_read_whole_or_not_at_all() {
+        // Lua writes 15 digits or more in exponent form: a wait of years still reads.
+        let reply = "120 3400 4 59000 0 0 3 1.2345678901234e+15 0 0";
+        let answers = Answer::parse_reply(reply, 1).unwrap();
+        let a = &answers[0];
+        assert_eq!(a.refused, Some(Refusal::Requests));
+        assert_eq!(a.retry_us, 59_000);
+        assert_eq!(a.input, (3, 1_234_567_890_123_400));
+        assert_eq!((a.day_micros, a.month_micros), (120, 3400));
+        // Two admissions' worth, in order.
+        let two = Answer::parse_reply("0 0 0 0 9 6 0 0 0 0 2 5 8 6 0 0 0 0", 2).unwrap();
+        assert_eq!(
+            two.iter()
+                .map(|a| (a.refused, a.requests.0))
+                .collect::<Vec<_>>(),
+            [(None, 9), (Some(Refusal::InputTokens), 8)]
+        );
+        // A reply of the wrong length or with a word in it is no answer.
+        assert!(Answer::parse_reply(reply, 2).is_none());
+        assert!(Answer::parse_reply("0 0 0 0 x 6 0 0 0 0", 1).is_none());
     }
 }
