@@ -224,6 +224,14 @@ impl Shared {
         format!("{}{{{tenant}}}:{what}", self.prefix)
     }
 
+    /// The keys of `tenant`'s spend in the day and the month of `windows`.
+    fn spend_keys(&self, tenant: &str, windows: &Windows) -> [String; 2] {
+        [
+            self.key(tenant, &format!("usd:d:{}", windows.day)),
+            self.key(tenant, &format!("usd:m:{}", windows.month)),
+        ]
+    }
+
     /// One script call, bounded by `within`, counted and fed to the cool-down.
     async fn call<T: redis::FromRedisValue>(
         &self,
@@ -365,11 +373,12 @@ impl Shared {
         let windows = Windows::at(super::budget::unix_now());
         let (name, limits, budget) = (&tenant.name, &tenant.limits, &tenant.budget);
         let mut call = ADMIT.prepare_invoke();
+        let [day, month] = self.spend_keys(name, &windows);
         call.key(self.key(name, "req"))
             .key(self.key(name, "in"))
             .key(self.key(name, "out"))
-            .key(self.key(name, &format!("usd:d:{}", windows.day)))
-            .key(self.key(name, &format!("usd:m:{}", windows.month)))
+            .key(day)
+            .key(month)
             .arg(WINDOW_US)
             .arg(limits.requests_per_minute.unwrap_or(0))
             .arg(limits.input_tokens_per_minute.unwrap_or(0))
@@ -412,10 +421,11 @@ impl Shared {
         let month_ttl = windows.left(Period::Month) + 86_400;
         let (name, limits) = (&tenant.name, &tenant.limits);
         let mut call = SETTLE.prepare_invoke();
+        let [day, month] = self.spend_keys(name, &windows);
         call.key(self.key(name, "in"))
             .key(self.key(name, "out"))
-            .key(self.key(name, &format!("usd:d:{}", windows.day)))
-            .key(self.key(name, &format!("usd:m:{}", windows.month)))
+            .key(day)
+            .key(month)
             .arg(WINDOW_US)
             .arg(limits.input_tokens_per_minute.unwrap_or(0))
             .arg(limits.output_tokens_per_minute.unwrap_or(0))

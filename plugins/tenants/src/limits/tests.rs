@@ -638,6 +638,16 @@ mod shared {
         assert!(refused.retry_after.unwrap() >= 60, "{refused:?}");
     }
 
+    /// A replica (failing closed) limiting tenant `alpha` through `redis`, connected.
+    async fn alpha_on(redis: &RedisServer, limits: LimitsConfig) -> Arc<Limiter> {
+        let limiter = Arc::new(Limiter::start(
+            &single(redis.url(), OnRedisError::Deny),
+            vec![tenant("alpha", limits), warm_tenant()],
+        ));
+        warm(&limiter).await;
+        limiter
+    }
+
     /// How many EVALSHA calls `redis-server` has answered.
     fn script_calls(port: u16) -> u64 {
         let stats = sluice_testkit::redis_cli(port, &["INFO", "commandstats"]);
@@ -655,11 +665,7 @@ mod shared {
     async fn admissions_arriving_together_share_calls_and_still_count_one_by_one() {
         const ASKED: usize = 300;
         let redis = RedisServer::start();
-        let limiter = Arc::new(Limiter::start(
-            &single(redis.url(), OnRedisError::Deny),
-            vec![tenant("alpha", rpm(100)), warm_tenant()],
-        ));
-        warm(&limiter).await;
+        let limiter = alpha_on(&redis, rpm(100)).await;
         let before = script_calls(redis.port());
         let tasks: Vec<_> = (0..ASKED)
             .map(|_| {
@@ -697,11 +703,7 @@ mod shared {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_admission_dropped_while_queued_leaves_the_queue_working() {
         let redis = RedisServer::start();
-        let limiter = Arc::new(Limiter::start(
-            &single(redis.url(), OnRedisError::Deny),
-            vec![tenant("alpha", rpm(1000)), warm_tenant()],
-        ));
-        warm(&limiter).await;
+        let limiter = alpha_on(&redis, rpm(1000)).await;
         for _ in 0..20 {
             let tasks: Vec<_> = (0..10)
                 .map(|_| {
@@ -726,11 +728,7 @@ mod shared {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn admissions_queued_behind_a_sender_given_up_are_still_sent() {
         let redis = RedisServer::start();
-        let limiter = Arc::new(Limiter::start(
-            &single(redis.url(), OnRedisError::Deny),
-            vec![tenant("alpha", rpm(1000)), warm_tenant()],
-        ));
-        warm(&limiter).await;
+        let limiter = alpha_on(&redis, rpm(1000)).await;
         // Redis holds every command for 300 ms: the first admission's call stays in flight.
         sluice_testkit::redis_cli(redis.port(), &["CLIENT", "PAUSE", "300", "ALL"]);
         let sender = {
