@@ -57,13 +57,15 @@
 //! spend keys a day after their window. The correction after the answer is a second script,
 //! sent from a spawned task. A replica keeps at most one admission call per tenant in flight:
 //! the admissions that arrive meanwhile go in the next call together, which checks them in
-//! order, each seeing the charges of those before it, exactly as separate calls would. Under
-//! load a round trip then serves a batch (up to 64), not one request; an admission alone goes
-//! at once. Budget windows (day, month) are those of this replica's UTC
-//! clock. [`Limiter::snapshot`] shows what this replica's last admission of each tenant saw.
+//! order, each seeing the charges of those before it, as separate calls arriving at the same
+//! instant would. An admission that gives up while queued (timed out, or its client left) is
+//! dropped from the queue, not charged. Under load a round trip then serves a batch (up to
+//! 64), not one request; an admission alone goes at once. Budget windows (day, month) are
+//! those of this replica's UTC clock. [`Limiter::snapshot`] shows what a recent admission of
+//! each tenant saw on this replica.
 //!
 //! When Redis does not answer within `timeout` (or errs, or is in its cool-down after
-//! `failure_threshold` consecutive failures), each failure is counted in
+//! `failure_threshold` consecutive failed calls), each failed admission is counted in
 //! `sluice_tenant_limit_store_errors_total{op,kind}` and `on_redis_error` decides:
 //! - `allow` (default): fail open. The request is admitted without the shared limits (the
 //!   local concurrency limit still applies) and without `x-ratelimit-*` headers; its usage is

@@ -164,7 +164,7 @@ impl Answer {
     fn parse_reply(reply: &str, n: usize) -> Option<Vec<Answer>> {
         let numbers: Option<Vec<i64>> = reply
             .split(' ')
-            // Saturating: every number the script sends is an integer of at most 2^53.
+            // Every number the script sends is an integer; `as` saturates what i64 cannot hold.
             .map(|t| t.parse::<f64>().ok().map(|f| f as i64))
             .collect();
         Self::parse_batch(&numbers?, n)
@@ -304,34 +304,49 @@ impl RedisStore {
         tenant: &Arc<TenantState>,
         want: Want,
     ) -> Result<Answer, Kind> {
-        let (reply, answer) = oneshot::channel();
-        if tenant.queue.push(Waiting { want, reply }) {
-            // This admission sends the call itself, for itself and whoever queued meanwhile:
-            // no task to wake on the way there or back. A task takes over what queues after.
-            let mut claim = Claim {
-                shared: Arc::clone(&self.shared),
-                tenant: Arc::clone(tenant),
-                armed: true,
-            };
-            if let Some(batch) = tenant.queue.next_batch() {
-                self.shared.admit_batch(tenant, batch).await;
-            }
-            claim.armed = false;
-            if let Some(rest) = tenant.queue.next_batch() {
-                claim.hand_over(Some(rest));
-            }
-        }
-        let answer = match tokio::time::timeout(self.shared.link.timeout(), answer).await {
-            Ok(Ok(answer)) => answer,
-            // The sender is gone without an answer (its runtime stopped).
-            Ok(Err(_)) => Err(Kind::Error),
-            Err(_) => Err(Kind::Timeout),
+        let answer = if tokio::runtime::Handle::try_current().is_err() {
+            // Nothing could send the call, nor time the wait.
+            Err(Kind::Error)
+        } else {
+            self.queued(tenant, want).await
         };
         // Counted here, once per admission, before anyone can see its outcome.
         if let Err(kind) = answer {
             metrics::store_error(Op::Admit, kind);
         }
         answer
+    }
+
+    /// Queues the admission and waits for its answer, at most the store's timeout.
+    async fn queued(&self, tenant: &Arc<TenantState>, want: Want) -> Result<Answer, Kind> {
+        let (reply, answer) = oneshot::channel();
+        if tenant.queue.push(Waiting { want, reply }) {
+            let claim = Claim {
+                shared: Arc::clone(&self.shared),
+                tenant: Arc::clone(tenant),
+            };
+            match tenant.queue.next_batch() {
+                // Alone: this admission sends its own call, with no task to wake on the way
+                // there or back; given up mid-call, it loses only its own answer.
+                Some(batch) if batch.len() == 1 => {
+                    let claim = claim.armed();
+                    self.shared.admit_batch(tenant, batch).await;
+                    claim.disarm();
+                    if let Some(rest) = tenant.queue.next_batch() {
+                        hand_over(&self.shared, tenant, Some(rest));
+                    }
+                }
+                // Others queued with it: a task sends, so that none of them depends on
+                // this admission staying.
+                first => hand_over(&self.shared, tenant, first),
+            }
+        }
+        match tokio::time::timeout(self.shared.link.timeout(), answer).await {
+            Ok(Ok(answer)) => answer,
+            // The sender is gone without an answer (its task was dropped).
+            Ok(Err(_)) => Err(Kind::Error),
+            Err(_) => Err(Kind::Timeout),
+        }
     }
 
     /// Adds a correction to the tenant's unsent ones and makes sure a sender runs: the
@@ -351,6 +366,8 @@ impl RedisStore {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing can send it: lost, and counted.
+            unsent.take();
             unsent.release_sender();
             metrics::store_error(Op::Settle, Kind::Error);
             return;
@@ -358,10 +375,13 @@ impl RedisStore {
         let shared = Arc::clone(&self.shared);
         let tenant = Arc::clone(tenant);
         runtime.spawn(async move {
+            // Dropped before the end (the runtime stopping), it lets a later settle send.
+            let sending = SettleSender(&tenant.unsent);
             while let Some(sum) = tenant.unsent.next_batch() {
                 // A lost correction is counted; the next admissions run on the estimate.
                 let _ = shared.send_settle(&tenant, sum).await;
             }
+            std::mem::forget(sending);
         });
     }
 }
@@ -460,8 +480,9 @@ pub(crate) struct Queue(Mutex<Queued>);
 #[derive(Default)]
 struct Queued {
     waiting: Vec<Waiting>,
-    /// A sender task is running and takes what is queued before it stops.
-    sending: bool,
+    /// Someone sends: an admission its own call, or a task; either takes what queues before
+    /// it lets go.
+    claimed: bool,
 }
 
 impl Queue {
@@ -474,15 +495,17 @@ impl Queue {
     fn push(&self, waiting: Waiting) -> bool {
         let mut q = self.lock();
         q.waiting.push(waiting);
-        !std::mem::replace(&mut q.sending, true)
+        !std::mem::replace(&mut q.claimed, true)
     }
 
     /// For the sender: the next batch, or `None` (and the sender's claim given up) once
-    /// nothing waits.
+    /// nothing waits. Admissions given up meanwhile (timed out, or their client left) are
+    /// dropped here, not charged.
     fn next_batch(&self) -> Option<Vec<Waiting>> {
         let mut q = self.lock();
+        q.waiting.retain(|w| !w.reply.is_closed());
         if q.waiting.is_empty() {
-            q.sending = false;
+            q.claimed = false;
             return None;
         }
         let n = q.waiting.len().min(MAX_BATCH);
@@ -492,7 +515,7 @@ impl Queue {
     fn fail_all(&self, kind: Kind) {
         let waiting = {
             let mut q = self.lock();
-            q.sending = false;
+            q.claimed = false;
             std::mem::take(&mut q.waiting)
         };
         for w in waiting {
@@ -509,42 +532,74 @@ impl std::fmt::Debug for Queue {
     }
 }
 
-/// The sender's claim on a tenant's queue, held by the admission that sends. Dropped while
-/// armed (that admission was given up in the middle of its call), it hands the queue to a
-/// task, so the admissions queued behind are still sent; the call's own batch is lost then,
-/// and its admissions see an error.
+/// The claim of the admission that sends its own call. Dropped while armed (that admission
+/// was given up mid-call), it hands the queue to a task, so that the admissions queued
+/// meanwhile are still sent.
 struct Claim {
     shared: Arc<Shared>,
     tenant: Arc<TenantState>,
-    armed: bool,
 }
 
+/// An armed [`Claim`].
+struct ArmedClaim(Option<Claim>);
+
 impl Claim {
-    /// A task sends `first`, then every batch that queues, until none does.
-    fn hand_over(&self, first: Option<Vec<Waiting>>) {
-        let (shared, tenant) = (Arc::clone(&self.shared), Arc::clone(&self.tenant));
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    if let Some(batch) = first {
-                        shared.admit_batch(&tenant, batch).await;
-                    }
-                    while let Some(batch) = tenant.queue.next_batch() {
-                        shared.admit_batch(&tenant, batch).await;
-                    }
-                });
-            }
-            // Nothing can send them: every waiter is answered with the failure at once.
-            Err(_) => tenant.queue.fail_all(Kind::Error),
+    fn armed(self) -> ArmedClaim {
+        ArmedClaim(Some(self))
+    }
+}
+
+impl ArmedClaim {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for ArmedClaim {
+    fn drop(&mut self) {
+        if let Some(claim) = self.0.take() {
+            hand_over(&claim.shared, &claim.tenant, None);
         }
     }
 }
 
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if self.armed {
-            self.hand_over(None);
+/// A task sends `first`, then every batch that queues, until none does. If the task is
+/// dropped before (the runtime stopping), the queue's waiters are failed and its claim
+/// released, rather than left to time out for good.
+fn hand_over(shared: &Arc<Shared>, tenant: &Arc<TenantState>, first: Option<Vec<Waiting>>) {
+    let (shared, tenant) = (Arc::clone(shared), Arc::clone(tenant));
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tenant.queue.fail_all(Kind::Error);
+        return;
+    };
+    runtime.spawn(async move {
+        let sending = QueueSender(&tenant.queue);
+        if let Some(batch) = first {
+            shared.admit_batch(&tenant, batch).await;
         }
+        while let Some(batch) = tenant.queue.next_batch() {
+            shared.admit_batch(&tenant, batch).await;
+        }
+        // The queue was empty and its claim released by `next_batch`.
+        std::mem::forget(sending);
+    });
+}
+
+/// Held by a queue's sender task: dropped before its end, it fails what waits.
+struct QueueSender<'a>(&'a Queue);
+
+impl Drop for QueueSender<'_> {
+    fn drop(&mut self) {
+        self.0.fail_all(Kind::Error);
+    }
+}
+
+/// Held by a settle task: dropped before its end, it gives up the sender's claim.
+struct SettleSender<'a>(&'a Unsent);
+
+impl Drop for SettleSender<'_> {
+    fn drop(&mut self) {
+        self.0.release_sender();
     }
 }
 

@@ -747,6 +747,38 @@ mod shared {
         assert!(!admitted.headers().is_empty());
     }
 
+    /// Admissions given up while they wait for their call (their client left) are dropped
+    /// from the queue: Redis charges only those still waiting.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn admissions_given_up_while_queued_are_not_charged() {
+        let redis = RedisServer::start();
+        let limiter = alpha_on(&redis, rpm(1000)).await;
+        // Redis holds every command for 300 ms: the first admission's call stays in flight
+        // while the others queue behind it.
+        sluice_testkit::redis_cli(redis.port(), &["CLIENT", "PAUSE", "300", "ALL"]);
+        let admit = || {
+            let limiter = Arc::clone(&limiter);
+            tokio::spawn(async move { limiter.admit("alpha", Want::default()).await })
+        };
+        let first = admit();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let gone: Vec<_> = (0..5).map(|_| admit()).collect();
+        let kept = admit();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for task in gone {
+            task.abort();
+        }
+        let remaining = |a: Admitted| {
+            header(&a.headers(), "x-ratelimit-remaining-requests")
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        };
+        assert_eq!(remaining(first.await.unwrap().unwrap()), 999);
+        // Only `first` and `kept` were charged, not the five given up.
+        assert_eq!(remaining(kept.await.unwrap().unwrap()), 998);
+    }
+
     /// The corrections of answers that end while one is on its way to Redis are summed into
     /// the next call: none is lost, and far fewer calls than answers reach Redis.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
