@@ -15,12 +15,11 @@ use super::metrics::{self, Kind, Op};
 use super::reply::{Reading, Readings, Refusal};
 use super::tenant::TenantState;
 use super::Want;
-use redis::{Script, ScriptInvocation};
+use redis::Script;
 use sluice_sdk::redis::RedisLink;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// A batch of one tenant's admissions, in order, each as atomic as if alone: the budget, then
@@ -231,23 +230,6 @@ impl Shared {
             self.key(tenant, &format!("usd:m:{}", windows.month)),
         ]
     }
-
-    /// One script call, bounded by `within`, counted and fed to the cool-down.
-    async fn call<T: redis::FromRedisValue>(
-        &self,
-        op: Op,
-        within: Duration,
-        invocation: &ScriptInvocation<'_>,
-    ) -> Result<T, Kind> {
-        self.link
-            .invoke::<T>(invocation, within)
-            .await
-            .map_err(|failure| {
-                let kind = Kind::of(&failure);
-                metrics::store_error(op, kind);
-                kind
-            })
-    }
 }
 
 /// The Redis store; cheap to clone.
@@ -321,17 +303,16 @@ impl RedisStore {
     async fn queued(&self, tenant: &Arc<TenantState>, want: Want) -> Result<Answer, Kind> {
         let (reply, answer) = oneshot::channel();
         if tenant.queue.push(Waiting { want, reply }) {
-            let claim = Claim {
-                shared: Arc::clone(&self.shared),
-                tenant: Arc::clone(tenant),
-            };
             match tenant.queue.next_batch() {
                 // Alone: this admission sends its own call, with no task to wake on the way
                 // there or back; given up mid-call, it loses only its own answer.
                 Some(batch) if batch.len() == 1 => {
-                    let claim = claim.armed();
+                    let own = OwnCall {
+                        shared: &self.shared,
+                        tenant,
+                    };
                     self.shared.admit_batch(tenant, batch).await;
-                    claim.disarm();
+                    std::mem::forget(own);
                     if let Some(rest) = tenant.queue.next_batch() {
                         hand_over(&self.shared, tenant, Some(rest));
                     }
@@ -378,8 +359,7 @@ impl RedisStore {
             // Dropped before the end (the runtime stopping), it lets a later settle send.
             let sending = SettleSender(&tenant.unsent);
             while let Some(sum) = tenant.unsent.next_batch() {
-                // A lost correction is counted; the next admissions run on the estimate.
-                let _ = shared.send_settle(&tenant, sum).await;
+                shared.send_settle(&tenant, sum).await;
             }
             std::mem::forget(sending);
         });
@@ -429,12 +409,13 @@ impl Shared {
         }
     }
 
-    /// One settle call for a sum of corrections, in the spend windows of now.
+    /// One settle call for a sum of corrections, in the spend windows of now. A lost one is
+    /// counted; the next admissions run on the estimates.
     async fn send_settle(
         &self,
         tenant: &TenantState,
         (input, output, usd_micros): (i64, i64, u64),
-    ) -> Result<i64, Kind> {
+    ) {
         let windows = Windows::at(super::budget::unix_now());
         // The spend keys outlive their window by a day, for late corrections.
         let day_ttl = windows.left(Period::Day) + 86_400;
@@ -454,8 +435,13 @@ impl Shared {
             .arg(usd_micros)
             .arg(day_ttl)
             .arg(month_ttl);
-        self.call::<i64>(Op::Settle, self.link.connect_timeout(), &call)
-            .await
+        let sent = self
+            .link
+            .invoke::<i64>(&call, self.link.connect_timeout())
+            .await;
+        if let Err(failure) = sent {
+            metrics::store_error(Op::Settle, Kind::of(&failure));
+        }
     }
 }
 
@@ -532,34 +518,17 @@ impl std::fmt::Debug for Queue {
     }
 }
 
-/// The claim of the admission that sends its own call. Dropped while armed (that admission
-/// was given up mid-call), it hands the queue to a task, so that the admissions queued
+/// Held by the admission that sends its own call. Dropped before the call ends (that
+/// admission was given up), it hands the queue to a task, so that the admissions queued
 /// meanwhile are still sent.
-struct Claim {
-    shared: Arc<Shared>,
-    tenant: Arc<TenantState>,
+struct OwnCall<'a> {
+    shared: &'a Arc<Shared>,
+    tenant: &'a Arc<TenantState>,
 }
 
-/// An armed [`Claim`].
-struct ArmedClaim(Option<Claim>);
-
-impl Claim {
-    fn armed(self) -> ArmedClaim {
-        ArmedClaim(Some(self))
-    }
-}
-
-impl ArmedClaim {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for ArmedClaim {
+impl Drop for OwnCall<'_> {
     fn drop(&mut self) {
-        if let Some(claim) = self.0.take() {
-            hand_over(&claim.shared, &claim.tenant, None);
-        }
+        hand_over(self.shared, self.tenant, None);
     }
 }
 
