@@ -28,6 +28,9 @@ use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::usage::UsageScanner;
 use sluice_sdk::{headers, HeaderRules, RequestCtx, Route};
 
+/// How many headers an LLM answer may gain on its way to the client.
+const RESPONSE_HEADERS_ADDED: usize = 10;
+
 /// Turns an upstream's response header into the client's: hop-by-hop headers out, on LLM
 /// routes the pool (and the escalation) named, then the plugins' `response_header` hooks.
 pub fn prepare_upstream_header(
@@ -65,14 +68,18 @@ pub fn prepare_upstream_header(
         ctx.state.insert(ModelRewrite(rewriter));
     }
     if let (Some(pool), Route::Llm(_)) = (ctx.pool(), ctx.route()) {
-        response
-            .insert_header(headers::POOL_STR, &*pool.name)
-            .map_err(internal)?;
-        if let Some(reason) = ctx.escalated() {
-            response
-                .insert_header(headers::ESCALATED, reason)
-                .map_err(internal)?;
-        }
+        let pool_value = pool.header_value();
+        let escalated = ctx.escalated().map(http::HeaderValue::from_static);
+        headers::edit(response, |map| {
+            // Room for what the core and the plugins add to an answer (the pool, the
+            // escalation, `x-cache`, `x-request-id`, six `x-ratelimit-*`): the map grows at
+            // most once, here, rather than in the middle of a plugin's hook.
+            map.reserve(RESPONSE_HEADERS_ADDED);
+            map.insert(headers::POOL, pool_value);
+            if let Some(reason) = escalated {
+                map.insert(headers::ESCALATED, reason);
+            }
+        });
     }
     chain.response_header(response, ctx)
 }

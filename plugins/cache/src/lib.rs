@@ -46,12 +46,11 @@ pub use config::CacheConfig;
 use bytes::Bytes;
 use coalesce::{Follower, Inflight, Leader, Role, Waited};
 use entry::{AnswerKind, Entry};
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
 use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
 use sluice_sdk::config::header_name;
 use sluice_sdk::cpu::body_work;
-use sluice_sdk::error::internal;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
@@ -420,9 +419,10 @@ impl Plugin for Cache {
         } else {
             return Ok(());
         };
-        response
-            .insert_header(headers::CACHE_STR, label)
-            .map_err(internal)
+        headers::edit(response, |map| {
+            map.insert(headers::CACHE, HeaderValue::from_static(label));
+        });
+        Ok(())
     }
 
     fn response_body(

@@ -144,9 +144,7 @@ impl Plugin for RequestId {
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
         if let Some(value) = Self::header_value(ctx) {
-            response
-                .insert_header(self.case_name.clone(), value)
-                .map_err(internal)?;
+            sluice_sdk::headers::edit(response, |map| map.insert(self.header.clone(), value));
         }
         Ok(())
     }

@@ -1,20 +1,15 @@
 //! The header names Sluice reads and writes, in one place for the core and the plugins.
 //! Defaults for configurable names are here too; the plugin's config may choose another.
 
-use http::HeaderName;
+use http::{HeaderMap, HeaderName};
 use pingora_http::ResponseHeader;
 
-/// [`POOL`]'s name as a static string: Pingora's `insert_header` takes it without copying
-/// it per request (a `HeaderName` is copied into its case map each time).
-pub const POOL_STR: &str = "x-sluice-pool";
 /// The pool that produced an answer.
-pub const POOL: HeaderName = HeaderName::from_static(POOL_STR);
+pub const POOL: HeaderName = HeaderName::from_static("x-sluice-pool");
 /// Why a request went to its escalation target.
 pub const ESCALATED: HeaderName = HeaderName::from_static("x-sluice-escalated");
-/// [`CACHE`]'s name as a static string, for `insert_header` (as [`POOL_STR`]).
-pub const CACHE_STR: &str = "x-cache";
 /// The cache's part in an answer: `HIT`, `MISS` or `BYPASS`.
-pub const CACHE: HeaderName = HeaderName::from_static(CACHE_STR);
+pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
 /// Why Sluice answered with an error of its own (the error body's reason, as a header).
 pub const REJECTED: HeaderName = HeaderName::from_static("x-sluice-rejected");
 /// The default header a client names its priority class with.
@@ -30,4 +25,77 @@ pub fn is_event_stream(header: &ResponseHeader) -> bool {
         .headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+/// Edits a response's headers as the `http::HeaderMap` they are, with names the caller has
+/// already made (`HeaderName::from_static`). Pingora's `insert_header` parses and copies a
+/// name on every call and keeps a second map of the names' original case: for the headers
+/// Sluice adds to every answer that was most of their cost. The header comes back without
+/// that second map, so Pingora writes standard names title-cased and the others lower-case
+/// (HTTP/2 sends every name lower-case anyway); names are case-insensitive, and Envoy
+/// lower-cases them all. A reason phrase other than the status's own is kept.
+pub fn edit<R>(header: &mut ResponseHeader, edit: impl FnOnce(&mut HeaderMap) -> R) -> R {
+    let custom_reason = match header.get_reason_phrase() {
+        Some(reason) if Some(reason) != header.status.canonical_reason() => Some(reason.to_owned()),
+        _ => None,
+    };
+    // An empty map and no extensions: allocates nothing.
+    let placeholder = ResponseHeader::from(http::Response::new(()).into_parts().0);
+    let mut parts: http::response::Parts = std::mem::replace(header, placeholder).into();
+    let result = edit(&mut parts.headers);
+    *header = ResponseHeader::from(parts);
+    if custom_reason.is_some() {
+        // Only the status is checked, and it is the one the phrase came with.
+        let _ = header.set_reason_phrase(custom_reason.as_deref());
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn an_edit_adds_to_what_the_header_had_and_keeps_its_status_and_reason() {
+        let mut header = ResponseHeader::build(299, None).unwrap();
+        header
+            .insert_header("Content-Type", "application/json")
+            .unwrap();
+        header.append_header("x-upstream", "a").unwrap();
+        header.append_header("x-upstream", "b").unwrap();
+        header.set_reason_phrase(Some("Fine By Me")).unwrap();
+        let returned = edit(&mut header, |map| {
+            map.insert(POOL, HeaderValue::from_static("draft"));
+            map.len()
+        });
+        assert_eq!(returned, 4);
+        assert_eq!(header.status.as_u16(), 299);
+        assert_eq!(header.get_reason_phrase(), Some("Fine By Me"));
+        assert_eq!(header.headers["content-type"], "application/json");
+        let upstream: Vec<_> = header.headers.get_all("x-upstream").iter().collect();
+        assert_eq!(upstream, ["a", "b"]);
+        assert_eq!(header.headers[POOL], "draft");
+        // Pingora's own methods still work on the edited header, and it writes as HTTP/1.1.
+        header.insert_header("x-later", "1").unwrap();
+        let mut wire = Vec::new();
+        header.header_to_h1_wire(&mut wire);
+        let wire = String::from_utf8(wire).unwrap();
+        for line in [
+            "Content-Type: application/json\r\n",
+            "x-upstream: a\r\n",
+            "x-upstream: b\r\n",
+            "x-sluice-pool: draft\r\n",
+            "x-later: 1\r\n",
+        ] {
+            assert!(wire.contains(line), "{line:?} missing from {wire:?}");
+        }
+    }
+
+    #[test]
+    fn a_canonical_reason_stays_implicit() {
+        let mut header = ResponseHeader::build(200, None).unwrap();
+        edit(&mut header, |_| ());
+        assert_eq!(header.get_reason_phrase(), Some("OK"));
+    }
 }

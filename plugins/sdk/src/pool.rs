@@ -412,6 +412,8 @@ pub struct Pool {
     pub served_model: Option<ServedModel>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
+    /// `name` as an `x-sluice-pool` value, made once: each answer takes a reference to it.
+    name_value: http::HeaderValue,
     round_robin: LoadBalancer<RoundRobin>,
     session_table: Option<SessionTable>,
 }
@@ -516,8 +518,12 @@ impl Pool {
             .sessions
             .as_ref()
             .map(|s| SessionTable::new(s.capacity, s.idle_ttl));
+        // A pool's name is letters, digits, `-` and `_` (checked with the config).
+        let name_value = http::HeaderValue::from_str(&settings.name)
+            .unwrap_or_else(|_| http::HeaderValue::from_static("-"));
         Self {
             name: Arc::from(settings.name.as_str()),
+            name_value,
             models: settings.models,
             max_model_len: settings.max_model_len,
             timeouts: settings.timeouts,
@@ -548,6 +554,11 @@ impl Pool {
             round_robin,
             session_table,
         }
+    }
+
+    /// The pool's name as an `x-sluice-pool` header value.
+    pub fn header_value(&self) -> http::HeaderValue {
+        self.name_value.clone()
     }
 
     /// Whether the pool's model can serve `call` at all: it supports what the request asks

@@ -333,9 +333,13 @@ impl Plugin for Tenants {
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
         if let Some(Held(admitted)) = ctx.state.get::<Held>() {
-            // A static name goes in without the copy a `HeaderName` costs in Pingora's
-            // case map; the same lowercase bytes on the wire.
-            admitted.each_header(|name, value| response.insert_header(name, value))?;
+            sluice_sdk::headers::edit(response, |headers| {
+                admitted.each_header(|name, value| {
+                    headers.insert(name, value);
+                    Ok::<(), std::convert::Infallible>(())
+                })
+            })
+            .ok();
         }
         Ok(())
     }

@@ -308,7 +308,7 @@ impl Admitted {
     /// them, until `f` fails: no list is built per request.
     pub fn each_header<E>(
         &self,
-        f: impl FnMut(&'static str, HeaderValue) -> Result<(), E>,
+        f: impl FnMut(http::HeaderName, HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
         match &self.readings {
             Some(readings) => readings.each_header(None, f),

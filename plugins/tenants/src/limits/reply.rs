@@ -54,7 +54,7 @@ impl Readings {
     pub(crate) fn headers(&self, refused: Option<Refusal>) -> Vec<(HeaderName, HeaderValue)> {
         let mut out = Vec::with_capacity(6);
         let Ok(()) = self.each_header(refused, |name, value| {
-            out.push((HeaderName::from_static(name), value));
+            out.push((name, value));
             Ok::<(), std::convert::Infallible>(())
         });
         out
@@ -66,17 +66,17 @@ impl Readings {
     pub(crate) fn each_header<E>(
         &self,
         refused: Option<Refusal>,
-        mut f: impl FnMut(&'static str, HeaderValue) -> Result<(), E>,
+        mut f: impl FnMut(HeaderName, HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
-        const REQUESTS: [&str; 3] = [
-            "x-ratelimit-limit-requests",
-            "x-ratelimit-remaining-requests",
-            "x-ratelimit-reset-requests",
+        const REQUESTS: [HeaderName; 3] = [
+            HeaderName::from_static("x-ratelimit-limit-requests"),
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderName::from_static("x-ratelimit-reset-requests"),
         ];
-        const TOKENS: [&str; 3] = [
-            "x-ratelimit-limit-tokens",
-            "x-ratelimit-remaining-tokens",
-            "x-ratelimit-reset-tokens",
+        const TOKENS: [HeaderName; 3] = [
+            HeaderName::from_static("x-ratelimit-limit-tokens"),
+            HeaderName::from_static("x-ratelimit-remaining-tokens"),
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
         ];
         // A refusal by the request limit shows it spent, whatever rounding says.
         let spent = refused == Some(Refusal::Requests);
@@ -84,54 +84,89 @@ impl Readings {
             (REQUESTS, self.requests, spent),
             (TOKENS, self.tokens(refused), false),
         ];
-        for (names, reading, spent) in groups {
+        // The values are written side by side into one buffer and handed out as slices of
+        // it: one allocation per answer instead of one per header.
+        let mut text = StackText::new();
+        let mut names: [Option<HeaderName>; 6] = Default::default();
+        let mut ends = [0; 6];
+        let mut count = 0;
+        for (group, reading, spent) in groups {
             let Some(r) = reading else { continue };
             let remaining = if spent { 0 } else { r.remaining };
-            f(names[0], HeaderValue::from(r.limit))?;
-            f(names[1], HeaderValue::from(remaining))?;
-            f(names[2], duration_value(r.reset_us))?;
+            let [limit_name, remaining_name, reset_name] = group;
+            let mut value = |name: HeaderName, write: &dyn Fn(&mut StackText)| {
+                write(&mut text);
+                names[count] = Some(name);
+                ends[count] = text.len;
+                count += 1;
+            };
+            value(limit_name, &|t| t.push_u64(r.limit));
+            value(remaining_name, &|t| t.push_u64(remaining));
+            value(reset_name, &|t| write_openai_duration(t, r.reset_us));
+        }
+        let all = bytes::Bytes::copy_from_slice(text.as_bytes());
+        let mut start = 0;
+        for (name, end) in names.into_iter().zip(ends).take(count) {
+            let Some(name) = name else { continue };
+            // Only ASCII digits, dots and unit letters: always a valid value.
+            let value = HeaderValue::from_maybe_shared(all.slice(start..end))
+                .unwrap_or(HeaderValue::from_static("0"));
+            f(name, value)?;
+            start = end;
         }
         Ok(())
     }
 }
 
-/// A few bytes on the stack to format into: the reset durations are at most ~20 bytes, so
-/// no `String` is allocated for them per request.
+/// Text written on the stack: the six header values together are at most ~150 bytes.
+/// What does not fit is dropped (a shorter value, never a panic); it always fits.
 struct StackText {
-    buf: [u8; 48],
+    buf: [u8; 192],
     len: usize,
 }
 
 impl StackText {
     fn new() -> Self {
         StackText {
-            buf: [0; 48],
+            buf: [0; 192],
             len: 0,
         }
     }
 
-    fn as_str(&self) -> &str {
-        // Only whole `&str`s are ever written in.
-        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("0s")
+    fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
-}
 
-impl std::fmt::Write for StackText {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+    fn push(&mut self, s: &[u8]) {
         let end = self.len + s.len();
-        let dst = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
-        dst.copy_from_slice(s.as_bytes());
-        self.len = end;
-        Ok(())
+        if let Some(dst) = self.buf.get_mut(self.len..end) {
+            dst.copy_from_slice(s);
+            self.len = end;
+        }
+    }
+
+    fn push_u64(&mut self, n: u64) {
+        self.push(itoa::Buffer::new().format(n).as_bytes());
     }
 }
 
-fn duration_value(us: i64) -> HeaderValue {
-    let mut text = StackText::new();
-    // Only ASCII digits, dots and unit letters: always a valid value.
-    match write_openai_duration(&mut text, us) {
-        Ok(()) => HeaderValue::from_str(text.as_str()).unwrap_or(HeaderValue::from_static("0s")),
-        Err(_) => HeaderValue::from_static("0s"),
+/// Where a duration is written: into a `String` for a message, on the stack for a header.
+trait DurationOut {
+    fn push_str(&mut self, s: &str);
+    fn push_number(&mut self, n: i64) {
+        self.push_str(itoa::Buffer::new().format(n));
+    }
+}
+
+impl DurationOut for String {
+    fn push_str(&mut self, s: &str) {
+        String::push_str(self, s);
+    }
+}
+
+impl DurationOut for StackText {
+    fn push_str(&mut self, s: &str) {
+        self.push(s.as_bytes());
     }
 }
 
@@ -139,37 +174,46 @@ fn duration_value(us: i64) -> HeaderValue {
 /// `6m0s`, `1h2m3s`; rounded up to the millisecond.
 pub(crate) fn openai_duration(us: i64) -> String {
     let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = write_openai_duration(&mut out, us);
+    write_openai_duration(&mut out, us);
     out
 }
 
-fn write_openai_duration(out: &mut impl std::fmt::Write, us: i64) -> std::fmt::Result {
+/// Written by hand rather than with `write!`: it runs twice on every limited answer, and the
+/// formatting machinery was most of its cost.
+fn write_openai_duration(out: &mut impl DurationOut, us: i64) {
     if us <= 0 {
-        return out.write_str("0s");
+        return out.push_str("0s");
     }
     let ms = div_ceil(us, 1000);
     if ms < 1000 {
-        return write!(out, "{ms}ms");
+        out.push_number(ms);
+        return out.push_str("ms");
     }
     let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
     let (s, frac) = (ms / 1000 % 60, ms % 1000);
-    match (h, m) {
-        (0, 0) => {}
-        (0, m) => write!(out, "{m}m")?,
-        (h, m) => write!(out, "{h}h{m}m")?,
+    if h > 0 {
+        out.push_number(h);
+        out.push_str("h");
     }
-    if frac == 0 {
-        write!(out, "{s}s")
-    } else {
+    if h > 0 || m > 0 {
+        out.push_number(m);
+        out.push_str("m");
+    }
+    out.push_number(s);
+    if frac != 0 {
         // Milliseconds as a decimal fraction, trailing zeros dropped: 1.5s, 1.05s, 1.005s.
-        let (frac, width) = match (frac % 100, frac % 10) {
-            (0, _) => (frac / 100, 1),
-            (_, 0) => (frac / 10, 2),
-            _ => (frac, 3),
+        let digits = [frac / 100, frac / 10 % 10, frac % 10].map(|d| b'0' + d as u8);
+        let width = if frac % 100 == 0 {
+            1
+        } else if frac % 10 == 0 {
+            2
+        } else {
+            3
         };
-        write!(out, "{s}.{frac:0width$}s")
+        out.push_str(".");
+        out.push_str(std::str::from_utf8(&digits[..width]).unwrap_or("0"));
     }
+    out.push_str("s");
 }
 
 /// `retry-after`: whole seconds, rounded up, at least 1.
@@ -266,8 +310,37 @@ mod tests {
         assert_eq!(openai_duration(1_500_000), "1.5s");
         assert_eq!(openai_duration(360_000_000), "6m0s");
         assert_eq!(openai_duration(3_723_250_000), "1h2m3.25s");
+        assert_eq!(openai_duration(1_050_000), "1.05s");
+        assert_eq!(openai_duration(1_005_000), "1.005s");
+        assert_eq!(openai_duration(3_600_000_000), "1h0m0s");
+        assert_eq!(openai_duration(-5), "0s");
         assert_eq!(retry_after(1), 1);
         assert_eq!(retry_after(1_000_001), 2);
+    }
+
+    #[test]
+    fn the_largest_values_all_fit_whole() {
+        let most = Reading {
+            limit: u64::MAX,
+            remaining: u64::MAX - 1,
+            reset_us: i64::MAX,
+        };
+        let r = Readings {
+            requests: Some(most),
+            input: Some(most),
+            output: None,
+        };
+        let h = r.headers(None);
+        let values: Vec<_> = h.iter().map(|(_, v)| v.to_str().unwrap()).collect();
+        let max = u64::MAX.to_string();
+        let below = (u64::MAX - 1).to_string();
+        let reset = openai_duration(i64::MAX);
+        assert_eq!(
+            values,
+            [&*max, &*below, &*reset, &*max, &*below, &*reset],
+            "every header in order, none cut short"
+        );
+        assert_eq!(reset, "2562047788h0m54.776s");
     }
 
     #[test]
