@@ -20,9 +20,18 @@ pub struct CacheKey {
 
 impl CacheKey {
     pub fn new(prefix: &str, digest: [u8; 32]) -> Self {
+        // Built by hand: `format!` with `hex::encode` cost several times this on every
+        // request the cache looks up.
+        let mut hex = [0u8; 64];
+        let mut storage_key = String::with_capacity(prefix.len() + hex.len());
+        storage_key.push_str(prefix);
+        // Exactly twice the digest's length: encoding cannot fail, and hex is ASCII.
+        if hex::encode_to_slice(digest, &mut hex).is_ok() {
+            storage_key.push_str(std::str::from_utf8(&hex).unwrap_or_default());
+        }
         Self {
             digest,
-            storage_key: format!("{prefix}{}", hex::encode(digest)),
+            storage_key,
         }
     }
 }
@@ -71,4 +80,22 @@ pub trait Store: Send + Sync + 'static {
 
     /// Waits, at most `within`, for queued writes to be done: the server is stopping.
     async fn flush(&self, _within: Duration) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_storage_key_is_the_prefix_and_the_digest_in_lowercase_hex() {
+        let mut digest = [0u8; 32];
+        digest[0] = 0xab;
+        digest[31] = 0x0f;
+        let key = CacheKey::new("sluice:v1:", digest);
+        assert_eq!(
+            key.storage_key,
+            format!("sluice:v1:ab{}0f", "00".repeat(30))
+        );
+        assert_eq!(key.digest, digest);
+    }
 }
