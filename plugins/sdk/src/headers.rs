@@ -31,9 +31,11 @@ pub fn is_event_stream(header: &ResponseHeader) -> bool {
 /// already made (`HeaderName::from_static`). Pingora's `insert_header` parses and copies a
 /// name on every call and keeps a second map of the names' original case: for the headers
 /// Sluice adds to every answer that was most of their cost. The header comes back without
-/// that second map, so Pingora writes standard names title-cased and the others lower-case
-/// (HTTP/2 sends every name lower-case anyway); names are case-insensitive, and Envoy
-/// lower-cases them all. A reason phrase other than the status's own is kept.
+/// that second map, so the case the upstream wrote its names in is not kept either: on
+/// HTTP/1.1 Pingora then writes a dozen common names title-cased (`Content-Type`, `Date`,
+/// `Server`, ...) and every other name lower-case (`etag`, `location`). HTTP/2 sends every
+/// name lower-case anyway; names are case-insensitive (RFC 9110), and Envoy lower-cases
+/// them all. A reason phrase other than the status's own is kept.
 pub fn edit<R>(header: &mut ResponseHeader, edit: impl FnOnce(&mut HeaderMap) -> R) -> R {
     let custom_reason = match header.get_reason_phrase() {
         Some(reason) if Some(reason) != header.status.canonical_reason() => Some(reason.to_owned()),
@@ -64,12 +66,13 @@ mod tests {
             .unwrap();
         header.append_header("x-upstream", "a").unwrap();
         header.append_header("x-upstream", "b").unwrap();
+        header.insert_header("ETag", "\"v1\"").unwrap();
         header.set_reason_phrase(Some("Fine By Me")).unwrap();
         let returned = edit(&mut header, |map| {
             map.insert(POOL, HeaderValue::from_static("draft"));
             map.len()
         });
-        assert_eq!(returned, 4);
+        assert_eq!(returned, 5);
         assert_eq!(header.status.as_u16(), 299);
         assert_eq!(header.get_reason_phrase(), Some("Fine By Me"));
         assert_eq!(header.headers["content-type"], "application/json");
@@ -87,6 +90,8 @@ mod tests {
             "x-upstream: b\r\n",
             "x-sluice-pool: draft\r\n",
             "x-later: 1\r\n",
+            // The upstream's own case is not kept, beyond Pingora's dozen common names.
+            "etag: \"v1\"\r\n",
         ] {
             assert!(wire.contains(line), "{line:?} missing from {wire:?}");
         }

@@ -332,14 +332,17 @@ impl Plugin for Tenants {
     }
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
-        if let Some(Held(admitted)) = ctx.state.get::<Held>() {
-            sluice_sdk::headers::edit(response, |headers| {
+        let Some(Held(admitted)) = ctx.state.get::<Held>() else {
+            return Ok(());
+        };
+        // An unlimited tenant's answer is left as it came.
+        if admitted.has_headers() {
+            let Ok(()) = sluice_sdk::headers::edit(response, |headers| {
                 admitted.each_header(|name, value| {
                     headers.insert(name, value);
                     Ok::<(), std::convert::Infallible>(())
                 })
-            })
-            .ok();
+            });
         }
         Ok(())
     }

@@ -304,6 +304,12 @@ impl Admitted {
             .unwrap_or_default()
     }
 
+    /// Whether the answer gets `x-ratelimit-*` headers: the tenant has a per-minute limit
+    /// and the store answered.
+    pub fn has_headers(&self) -> bool {
+        self.readings.is_some()
+    }
+
     /// The same headers handed to `f` one by one with static names, as the response writes
     /// them, until `f` fails: no list is built per request.
     pub fn each_header<E>(

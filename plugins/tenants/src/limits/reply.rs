@@ -68,58 +68,59 @@ impl Readings {
         refused: Option<Refusal>,
         mut f: impl FnMut(HeaderName, HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
-        const REQUESTS: [HeaderName; 3] = [
-            HeaderName::from_static("x-ratelimit-limit-requests"),
-            HeaderName::from_static("x-ratelimit-remaining-requests"),
-            HeaderName::from_static("x-ratelimit-reset-requests"),
-        ];
-        const TOKENS: [HeaderName; 3] = [
-            HeaderName::from_static("x-ratelimit-limit-tokens"),
-            HeaderName::from_static("x-ratelimit-remaining-tokens"),
-            HeaderName::from_static("x-ratelimit-reset-tokens"),
+        // Per group: limit, remaining, reset.
+        const NAMES: [[HeaderName; 3]; 2] = [
+            [
+                HeaderName::from_static("x-ratelimit-limit-requests"),
+                HeaderName::from_static("x-ratelimit-remaining-requests"),
+                HeaderName::from_static("x-ratelimit-reset-requests"),
+            ],
+            [
+                HeaderName::from_static("x-ratelimit-limit-tokens"),
+                HeaderName::from_static("x-ratelimit-remaining-tokens"),
+                HeaderName::from_static("x-ratelimit-reset-tokens"),
+            ],
         ];
         // A refusal by the request limit shows it spent, whatever rounding says.
         let spent = refused == Some(Refusal::Requests);
-        let groups = [
-            (REQUESTS, self.requests, spent),
-            (TOKENS, self.tokens(refused), false),
+        let readings = [
+            self.requests.map(|r| (r, spent)),
+            self.tokens(refused).map(|r| (r, false)),
         ];
         // The values are written side by side into one buffer and handed out as slices of
-        // it: one allocation per answer instead of one per header.
+        // it, rather than an allocation per header.
         let mut text = StackText::new();
-        let mut names: [Option<HeaderName>; 6] = Default::default();
-        let mut ends = [0; 6];
-        let mut count = 0;
-        for (group, reading, spent) in groups {
-            let Some(r) = reading else { continue };
-            let remaining = if spent { 0 } else { r.remaining };
-            let [limit_name, remaining_name, reset_name] = group;
-            let mut value = |name: HeaderName, write: &dyn Fn(&mut StackText)| {
-                write(&mut text);
-                names[count] = Some(name);
-                ends[count] = text.len;
-                count += 1;
-            };
-            value(limit_name, &|t| t.push_u64(r.limit));
-            value(remaining_name, &|t| t.push_u64(remaining));
-            value(reset_name, &|t| write_openai_duration(t, r.reset_us));
+        let mut ends = [[0; 3]; 2];
+        for (reading, ends) in readings.iter().zip(&mut ends) {
+            let Some((r, spent)) = reading else { continue };
+            text.push_u64(r.limit);
+            ends[0] = text.len;
+            text.push_u64(if *spent { 0 } else { r.remaining });
+            ends[1] = text.len;
+            write_openai_duration(&mut text, r.reset_us);
+            ends[2] = text.len;
         }
         let all = bytes::Bytes::copy_from_slice(text.as_bytes());
         let mut start = 0;
-        for (name, end) in names.into_iter().zip(ends).take(count) {
-            let Some(name) = name else { continue };
-            // Only ASCII digits, dots and unit letters: always a valid value.
-            let value = HeaderValue::from_maybe_shared(all.slice(start..end))
-                .unwrap_or(HeaderValue::from_static("0"));
-            f(name, value)?;
-            start = end;
+        for ((reading, names), ends) in readings.iter().zip(&NAMES).zip(ends) {
+            if reading.is_none() {
+                continue;
+            }
+            for (name, end) in names.iter().zip(ends) {
+                // Only ASCII digits, dots and unit letters: always a valid value.
+                let value = HeaderValue::from_maybe_shared(all.slice(start..end))
+                    .unwrap_or(HeaderValue::from_static("0"));
+                f(name.clone(), value)?;
+                start = end;
+            }
         }
         Ok(())
     }
 }
 
-/// Text written on the stack: the six header values together are at most ~150 bytes.
-/// What does not fit is dropped (a shorter value, never a panic); it always fits.
+/// Text written on the stack. The six header values together are at most 122 bytes (four
+/// `u64`s of 20 digits, two resets of at most 21: `2562047788h59m59.999s`), so it always
+/// fits; were it not so, a piece that does not fit would be dropped, never a panic.
 struct StackText {
     buf: [u8; 192],
     len: usize,
