@@ -281,8 +281,13 @@ impl AttemptLoop {
                 return last.sent.clone();
             }
         }
-        let sent =
-            model_name::upstream_body(&body, model, ask_usage).unwrap_or_else(|| body.clone());
+        // What the core's parse saw of the body, when the body is the one it parsed.
+        let seen = ctx
+            .llm()
+            .filter(|call| call.body.as_ptr() == body.as_ptr() && call.body.len() == body.len())
+            .map(|call| &call.request.seen);
+        let sent = model_name::upstream_body(&body, seen, model, ask_usage)
+            .unwrap_or_else(|| body.clone());
         self.sent_body = Some(SentBody {
             from: body,
             model: model.map(<[u8]>::to_vec),

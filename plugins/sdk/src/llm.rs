@@ -178,6 +178,10 @@ pub struct LlmRequest {
     pub logprobs: Option<Logprobs>,
     /// `top_logprobs` (chat): alternatives returned per token with `logprobs: true`; `None`: none.
     pub top_logprobs: Option<u32>,
+    /// Where the members an upstream's body may have changed are
+    /// ([`crate::model_name::EDITED_MEMBERS`]), as the parse saw them: the edit then reads
+    /// only those, not the body again.
+    pub seen: raw_json::SeenMembers,
 }
 
 /// The `stream_options` of a streamed request.
@@ -1287,16 +1291,26 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let shared = self.shared;
-        let mut r = LlmRequest::default();
+        let mut r = LlmRequest {
+            seen: raw_json::SeenMembers::new(crate::model_name::EDITED_MEMBERS),
+            ..LlmRequest::default()
+        };
         let mut messages = None;
         let mut seen = 0u32;
         while let Some((field, key_end)) = map.next_key_seed(KeyIndex::located(FIELDS, shared))? {
+            let name = field
+                .and_then(|i| FIELDS.get(i))
+                .copied()
+                .unwrap_or_default();
+            r.seen.saw(name, || {
+                key_end.and_then(|end| raw_json::value_after_key(shared, end))
+            });
             let Some(index) = field else {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             };
             first_time(&mut seen, index, FIELDS)?;
-            match FIELDS.get(index).copied().unwrap_or_default() {
+            match name {
                 "model" => r.model = map.next_value()?,
                 "messages" => {
                     let start = key_end.and_then(|end| raw_json::value_after_key(shared, end));

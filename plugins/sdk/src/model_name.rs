@@ -10,7 +10,7 @@
 //!   answer or every event of a stream), holding back only the few bytes of a match that a
 //!   chunk boundary cuts. A chunk without a match passes as the same buffer.
 
-use crate::raw_json::{self, Edit, ObjectSpans};
+use crate::raw_json::{self, Edit, ObjectSpans, SeenMembers};
 use bytes::{Bytes, BytesMut};
 
 /// What an answer's `model` field says when a pool serves another name.
@@ -83,12 +83,26 @@ impl ServedModel {
     }
 }
 
+/// The top-level members [`upstream_body`] may change: the core's parse of a request notes
+/// where they are ([`crate::LlmRequest::seen`]).
+pub const EDITED_MEMBERS: &[&str] = &["model", "stream_options"];
+
 /// `body` (a JSON object) as sent upstream: its top-level `model` set to `model` (JSON text),
 /// and with `ask_usage` also `stream_options.include_usage` set as
 /// [`crate::usage::ask_for_usage`] sets it; both edits spliced in one copy. `None` when
-/// nothing changes or `body` is not one JSON object.
-pub fn upstream_body(body: &[u8], model: Option<&[u8]>, ask_usage: bool) -> Option<Bytes> {
-    let spans = raw_json::object_spans(body, &["model", "stream_options"])?;
+/// nothing changes or `body` is not one JSON object. `seen` is what the core's parse of
+/// this very body saw of it: with it, only the edited members are read, not the whole body
+/// again (a long prompt is hundreds of kilobytes).
+pub fn upstream_body(
+    body: &[u8],
+    seen: Option<&SeenMembers>,
+    model: Option<&[u8]>,
+    ask_usage: bool,
+) -> Option<Bytes> {
+    let spans = match seen.and_then(|seen| ObjectSpans::from_seen(body, seen)) {
+        Some(spans) => spans,
+        None => raw_json::object_spans(body, EDITED_MEMBERS)?,
+    };
     let mut edits = Vec::with_capacity(2);
     if let Some(model) = model {
         edits.push(spans.set("model", model));
@@ -437,7 +451,7 @@ mod tests {
     fn the_model_is_spliced_and_every_other_byte_kept() {
         let model = br#""big""#;
         let set = |body: &str, usage: bool| {
-            upstream_body(body.as_bytes(), Some(model), usage)
+            upstream_body(body.as_bytes(), None, Some(model), usage)
                 .map(|b| String::from_utf8(b.to_vec()).unwrap())
         };
         assert_eq!(
@@ -457,7 +471,7 @@ mod tests {
             Some(r#"{"model":"big","stream_options":{"include_usage":true}}"#)
         );
         assert_eq!(set("[1]", true), None);
-        assert_eq!(upstream_body(b"{\"a\":1}", None, false), None);
+        assert_eq!(upstream_body(b"{\"a\":1}", None, None, false), None);
     }
 
     #[test]
@@ -475,10 +489,37 @@ mod tests {
             "nope",
         ] {
             assert_eq!(
-                upstream_body(body.as_bytes(), None, true),
+                upstream_body(body.as_bytes(), None, None, true),
                 ask_for_usage(body.as_bytes()),
                 "{body}"
             );
+        }
+    }
+
+    #[test]
+    fn what_the_parse_saw_gives_the_edits_that_reading_the_body_again_gives() {
+        use crate::{Endpoint, LlmCall};
+        let bodies = [
+            r#"{"model":"llama","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            "{ \"messages\" : [{\"role\":\"user\",\"content\":\"hi\"}] , \"model\" : \"llama\" }\n",
+            r#"{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":null}"#,
+            r#"{"messages":[{"role":"user","content":"a \"quoted\" }"}],"stream":true,"stream_options":{"include_usage":false},"x":[1,{"y":"}"}]}"#,
+            r#"{"messages":[{"role":"user","content":"hi"}],"model":null,"stream":true,"stream_options":{ }}"#,
+            // An escaped key is not placed by the parse: the body is read again.
+            r#"{"messages":[{"role":"user","content":"hi"}],"mod\u0065l":"llama","stream":true}"#,
+        ];
+        let big: &[u8] = br#""big""#;
+        for body in bodies {
+            let call = LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body)).unwrap();
+            for (model, usage) in [(Some(big), false), (None, true), (Some(big), true)] {
+                let seen = upstream_body(body.as_bytes(), Some(&call.request.seen), model, usage);
+                assert!(seen.is_some(), "{body}");
+                assert_eq!(
+                    seen,
+                    upstream_body(body.as_bytes(), None, model, usage),
+                    "{body}"
+                );
+            }
         }
     }
 }

@@ -41,6 +41,73 @@ pub struct ObjectSpans<'k> {
     close: usize,
 }
 
+/// What a parse of a body (one JSON object) saw of its top-level members, kept so that an
+/// edit of those members later need not read the body again: how many there are, and where
+/// the value of each member asked for starts (none: absent), and whether each present one
+/// could be placed (not when its key was escaped: the body must then be read again).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeenMembers {
+    count: usize,
+    starts: Vec<(&'static str, Option<usize>)>,
+    placed: bool,
+}
+
+impl SeenMembers {
+    /// Nothing seen yet, of an object whose members `keys` are to be placed.
+    pub fn new(keys: &[&'static str]) -> Self {
+        SeenMembers {
+            count: 0,
+            starts: keys.iter().map(|k| (*k, None)).collect(),
+            placed: true,
+        }
+    }
+
+    /// A member was read: `key` (unescaped), and `value_at` finds where its value starts
+    /// (asked only for the members to place; `None` when its key was not read in place).
+    pub fn saw(&mut self, key: &str, value_at: impl FnOnce() -> Option<usize>) {
+        self.count += 1;
+        if let Some((_, at)) = self.starts.iter_mut().find(|(k, _)| *k == key) {
+            *at = value_at();
+            self.placed &= at.is_some();
+        }
+    }
+}
+
+impl ObjectSpans<'static> {
+    /// The spans of the object `text` whose members a parse has `seen`: only the values
+    /// asked for are read (each to its end), not the rest of the text. `None` when a member
+    /// could not be placed, or the text does not end its object where it should.
+    pub fn from_seen(text: &[u8], seen: &SeenMembers) -> Option<ObjectSpans<'static>> {
+        if !seen.placed {
+            return None;
+        }
+        let close = text.iter().rposition(|b| !is_space(*b))?;
+        if text.get(close) != Some(&b'}') {
+            return None;
+        }
+        let mut values = Vec::with_capacity(seen.starts.len());
+        for (key, start) in &seen.starts {
+            let range = match start {
+                Some(start) => Some(*start..start + value_len(text.get(*start..close)?)?),
+                None => None,
+            };
+            values.push((*key, range));
+        }
+        Some(ObjectSpans {
+            values,
+            members: seen.count,
+            close,
+        })
+    }
+}
+
+/// The length of the one JSON value `text` starts with.
+fn value_len(text: &[u8]) -> Option<usize> {
+    let mut values = serde_json::Deserializer::from_slice(text).into_iter::<IgnoredAny>();
+    values.next()?.ok()?;
+    Some(values.byte_offset())
+}
+
 /// Reads `text` as one JSON object (whitespace around it allowed) and finds the values of
 /// `keys` among its top-level members: each value's byte range in `text`, for a repeated
 /// key the last one. Keys are compared once unescaped (`"logprob\u0073"` is `logprobs`).
@@ -502,6 +569,34 @@ pub fn unescaped_len(raw: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spans_from_what_a_parse_saw_read_only_the_values_asked_for() {
+        let mut seen = SeenMembers::new(&["model", "stream_options"]);
+        // What lies between is never read: here it is not even JSON.
+        let text = br#"{"model": "a\"b" , not json at all, "stream_options":{"x":[1]} }"#;
+        seen.saw("model", || Some(10));
+        seen.saw("", || unreachable!("only the members asked for are placed"));
+        seen.saw("stream_options", || Some(53));
+        let spans = ObjectSpans::from_seen(text, &seen).unwrap();
+        assert_eq!(
+            spans.value("model").map(|r| &text[r]),
+            Some(&br#""a\"b""#[..])
+        );
+        assert_eq!(
+            spans.value("stream_options").map(|r| &text[r]),
+            Some(&br#"{"x":[1]}"#[..])
+        );
+        assert_eq!((spans.members(), spans.close()), (3, text.len() - 1));
+        // A member whose key was not read in place cannot be placed.
+        let mut escaped = SeenMembers::new(&["model"]);
+        escaped.saw("model", || None);
+        assert_eq!(ObjectSpans::from_seen(b"{}", &escaped), None);
+        // Absent members are appended where the object closes.
+        let absent = SeenMembers::new(&["model"]);
+        let spans = ObjectSpans::from_seen(b"{ } ", &absent).unwrap();
+        assert_eq!((spans.value("model"), spans.close()), (None, 2));
+    }
 
     #[test]
     fn a_key_read_in_place_says_where_it_ends_and_an_escaped_one_does_not() {
