@@ -180,7 +180,8 @@ pub struct LlmRequest {
     pub top_logprobs: Option<u32>,
     /// Where the members an upstream's body may have changed are
     /// ([`crate::model_name::EDITED_MEMBERS`]), as the parse saw them: the edit then reads
-    /// only those, not the body again.
+    /// only those, not the body again. Valid only for the body this request was parsed
+    /// from: an `LlmCall` made other than by [`LlmCall::parse`] must leave it default.
     pub seen: raw_json::SeenMembers,
 }
 

@@ -85,7 +85,7 @@ impl ServedModel {
 
 /// The top-level members [`upstream_body`] may change: the core's parse of a request notes
 /// where they are ([`crate::LlmRequest::seen`]).
-pub const EDITED_MEMBERS: &[&str] = &["model", "stream_options"];
+pub const EDITED_MEMBERS: [&str; 2] = ["model", "stream_options"];
 
 /// `body` (a JSON object) as sent upstream: its top-level `model` set to `model` (JSON text),
 /// and with `ask_usage` also `stream_options.include_usage` set as
@@ -101,7 +101,7 @@ pub fn upstream_body(
 ) -> Option<Bytes> {
     let spans = match seen.and_then(|seen| ObjectSpans::from_seen(body, seen)) {
         Some(spans) => spans,
-        None => raw_json::object_spans(body, EDITED_MEMBERS)?,
+        None => raw_json::object_spans(body, &EDITED_MEMBERS)?,
     };
     let mut edits = Vec::with_capacity(2);
     if let Some(model) = model {
@@ -511,6 +511,12 @@ mod tests {
         let big: &[u8] = br#""big""#;
         for body in bodies {
             let call = LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body)).unwrap();
+            // The parse placed the members, unless a key was escaped.
+            assert_eq!(
+                ObjectSpans::from_seen(body.as_bytes(), &call.request.seen).is_some(),
+                !body.contains("\\u0065"),
+                "{body}"
+            );
             for (model, usage) in [(Some(big), false), (None, true), (Some(big), true)] {
                 let seen = upstream_body(body.as_bytes(), Some(&call.request.seen), model, usage);
                 assert!(seen.is_some(), "{body}");

@@ -45,19 +45,31 @@ pub struct ObjectSpans<'k> {
 /// edit of those members later need not read the body again: how many there are, and where
 /// the value of each member asked for starts (none: absent), and whether each present one
 /// could be placed (not when its key was escaped: the body must then be read again).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SeenMembers {
+/// Kept in every parsed request, so a fixed array, not a vector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeenMembers<const N: usize = 2> {
     count: usize,
-    starts: Vec<(&'static str, Option<usize>)>,
+    starts: [(&'static str, Option<usize>); N],
     placed: bool,
 }
 
-impl SeenMembers {
-    /// Nothing seen yet, of an object whose members `keys` are to be placed.
-    pub fn new(keys: &[&'static str]) -> Self {
+/// Nothing seen: what it describes must be read whole.
+impl<const N: usize> Default for SeenMembers<N> {
+    fn default() -> Self {
         SeenMembers {
             count: 0,
-            starts: keys.iter().map(|k| (*k, None)).collect(),
+            starts: [("", None); N],
+            placed: false,
+        }
+    }
+}
+
+impl<const N: usize> SeenMembers<N> {
+    /// Nothing seen yet, of an object whose members `keys` are to be placed.
+    pub fn new(keys: [&'static str; N]) -> Self {
+        SeenMembers {
+            count: 0,
+            starts: keys.map(|k| (k, None)),
             placed: true,
         }
     }
@@ -77,7 +89,10 @@ impl ObjectSpans<'static> {
     /// The spans of the object `text` whose members a parse has `seen`: only the values
     /// asked for are read (each to its end), not the rest of the text. `None` when a member
     /// could not be placed, or the text does not end its object where it should.
-    pub fn from_seen(text: &[u8], seen: &SeenMembers) -> Option<ObjectSpans<'static>> {
+    pub fn from_seen<const N: usize>(
+        text: &[u8],
+        seen: &SeenMembers<N>,
+    ) -> Option<ObjectSpans<'static>> {
         if !seen.placed {
             return None;
         }
@@ -85,7 +100,7 @@ impl ObjectSpans<'static> {
         if text.get(close) != Some(&b'}') {
             return None;
         }
-        let mut values = Vec::with_capacity(seen.starts.len());
+        let mut values = Vec::with_capacity(N);
         for (key, start) in &seen.starts {
             let range = match start {
                 Some(start) => Some(*start..start + value_len(text.get(*start..close)?)?),
@@ -572,7 +587,7 @@ mod tests {
 
     #[test]
     fn spans_from_what_a_parse_saw_read_only_the_values_asked_for() {
-        let mut seen = SeenMembers::new(&["model", "stream_options"]);
+        let mut seen = SeenMembers::new(["model", "stream_options"]);
         // What lies between is never read: here it is not even JSON.
         let text = br#"{"model": "a\"b" , not json at all, "stream_options":{"x":[1]} }"#;
         seen.saw("model", || Some(10));
@@ -589,13 +604,18 @@ mod tests {
         );
         assert_eq!((spans.members(), spans.close()), (3, text.len() - 1));
         // A member whose key was not read in place cannot be placed.
-        let mut escaped = SeenMembers::new(&["model"]);
+        let mut escaped = SeenMembers::new(["model"]);
         escaped.saw("model", || None);
         assert_eq!(ObjectSpans::from_seen(b"{}", &escaped), None);
         // Absent members are appended where the object closes.
-        let absent = SeenMembers::new(&["model"]);
+        let absent = SeenMembers::new(["model"]);
         let spans = ObjectSpans::from_seen(b"{ } ", &absent).unwrap();
         assert_eq!((spans.value("model"), spans.close()), (None, 2));
+        // Nothing seen (a request not made by a parse): read whole.
+        assert_eq!(
+            ObjectSpans::from_seen(b"{}", &SeenMembers::<1>::default()),
+            None
+        );
     }
 
     #[test]
