@@ -275,16 +275,17 @@ impl AttemptLoop {
             return body;
         }
         if let Some(last) = &self.sent_body {
-            // The same buffer (a clone shares it): compared by address, not byte by byte.
-            let same = last.from.as_ptr() == body.as_ptr() && last.from.len() == body.len();
-            if same && last.model.as_deref() == model && last.ask_usage == ask_usage {
+            if same_buffer(&last.from, &body)
+                && last.model.as_deref() == model
+                && last.ask_usage == ask_usage
+            {
                 return last.sent.clone();
             }
         }
         // What the core's parse saw of the body, when the body is the one it parsed.
         let seen = ctx
             .llm()
-            .filter(|call| call.body.as_ptr() == body.as_ptr() && call.body.len() == body.len())
+            .filter(|call| same_buffer(&call.body, &body))
             .map(|call| &call.request.seen);
         let sent = model_name::upstream_body(&body, seen, model, ask_usage)
             .unwrap_or_else(|| body.clone());
@@ -466,6 +467,12 @@ fn upstream_header(
     }
     header.set_version(http::Version::HTTP_11);
     Ok(header)
+}
+
+/// Whether `a` and `b` are the same buffer (a clone shares it): compared by address, not
+/// byte by byte.
+fn same_buffer(a: &Bytes, b: &Bytes) -> bool {
+    a.as_ptr() == b.as_ptr() && a.len() == b.len()
 }
 
 #[cfg(test)]
