@@ -9,7 +9,7 @@ use crate::health::HealthService;
 use crate::proxy::Sluice;
 use crate::router::Router;
 use pingora_core::apps::HttpServerOptions;
-use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::http::{v1 as http1, Connector};
 use pingora_core::connectors::ConnectorOptions;
 use pingora_core::listeners::tls::TlsSettings;
 use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
@@ -64,7 +64,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         router: Router::new(config.routes),
         chain,
         access_log: config.log.access_log,
-        connector: Connector::new(Some(upstream.clone())),
+        connector: http1::Connector::new(Some(upstream.clone())),
     };
     // Below HTTP, every connection passes the connection caps and the header deadline.
     let h2_streams = sluice.limits.h2_max_concurrent_streams;

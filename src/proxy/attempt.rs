@@ -17,8 +17,8 @@ use super::downstream::{forward, frame_by_length, prepare_upstream_header, write
 use super::{tries, Sluice};
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
-use pingora_core::connectors::http::Connector;
-use pingora_core::protocols::http::client::HttpSession;
+use pingora_core::connectors::http::v1::Connector;
+use pingora_core::protocols::http::v1::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -195,8 +195,16 @@ pub async fn run(
     deadlines: Deadlines,
     hold: &Hold,
 ) -> Outcome {
-    let connecting = sluice.connector.get_http_session(&attempt.peer);
-    let connected = watch(session, connecting, deadlines.first_byte).await;
+    // A pooled connection first. Only when there is none is the connect future made, boxed:
+    // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
+    // which every open stream holds to its end and which is moved (copied) as it is boxed.
+    let connected = match sluice.connector.reused_http_session(&attempt.peer).await {
+        Some(http) => Watched::Done(Ok((http, true))),
+        None => {
+            let connecting = Box::pin(sluice.connector.get_http_session(&attempt.peer));
+            watch(session, connecting, deadlines.first_byte).await
+        }
+    };
     // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
     let connected = connected.not_started("no connection in time", |mut e| {
         e.retry.decide_reuse(false);
@@ -234,9 +242,10 @@ pub async fn run(
 async fn send(http: &mut HttpSession, header: RequestHeader, body: Bytes) -> Result<()> {
     http.write_request_header(Box::new(header)).await?;
     if !body.is_empty() {
-        http.write_request_body(body, true).await?;
+        http.write_body(&body).await?;
     }
-    http.finish_request_body().await
+    http.finish_body().await?;
+    Ok(())
 }
 
 async fn pipe(
@@ -320,7 +329,7 @@ async fn pipe(
             Next::Chunk(data) => {
                 // The chunk that completes the body ends the response at once: the client may
                 // send its next request meanwhile, which the client watch in `next` would read.
-                if up.http.response_done() {
+                if up.http.is_body_done() {
                     up.release().await;
                     return finish(sluice, session, ctx, Some(data)).await;
                 }
@@ -352,12 +361,12 @@ async fn read_header(
     deadline: Instant,
 ) -> Result<Box<ResponseHeader>, Outcome> {
     loop {
-        watch(session, up.http.read_response_header(), deadline)
+        watch(session, up.http.read_response(), deadline)
             .await
             .not_started("no response header before the first-byte timeout", |e| {
                 up.failed_before_answer(e)
             })?;
-        match up.http.response_header() {
+        match up.http.resp_header() {
             Some(header) if header.status.is_informational() => continue,
             Some(header) => return Ok(Box::new(header.clone())),
             None => {
@@ -465,7 +474,7 @@ enum Next {
 /// Reads the next chunk of the response body, until `deadline`, while watching the client
 /// and the server's stop.
 async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -> Next {
-    if up.http.response_done() {
+    if up.http.is_body_done() {
         return Next::End;
     }
     if *up.streams_end.borrow() {
@@ -474,14 +483,14 @@ async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -
     let mut streams_end = up.streams_end.clone();
     let reading = async {
         tokio::select! {
-            read = up.http.read_response_body() => read,
+            read = up.http.read_body_bytes() => read,
             _ = streams_end.wait_for(|end| *end) => Err(stopping()),
         }
     };
     let read = watch(session, reading, deadline).await;
     if let Watched::Done(Ok(_)) = read {
         // The answer's first byte: the request's prefill is over (every body is read here).
-        tries::first_byte(&mut up.in_flight, up.http.response_header());
+        tries::first_byte(&mut up.in_flight, up.http.resp_header());
     }
     match read {
         Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),

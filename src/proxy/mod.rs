@@ -50,7 +50,7 @@ use crate::metrics::{self, AttemptOutcome};
 use crate::router::{Decision, Router};
 use async_trait::async_trait;
 use bytes::Bytes;
-use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::http::v1::Connector;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -75,7 +75,7 @@ pub struct Sluice {
     pub router: Router,
     pub chain: Chain,
     pub access_log: bool,
-    /// The LLM attempts' connections to backends, pooled.
+    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves.
     pub connector: Connector,
 }
 
