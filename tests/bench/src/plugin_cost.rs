@@ -1,6 +1,6 @@
 //! What each plugin costs, and long prompts. Scenario 18: Sluice with plugins off, each plugin
 //! on alone, and all on (cache misses), at one fixed moderate rate: the proxy's CPU time per
-//! request (/proc/PID/stat over the run ÷ requests) and added p99, each against plugins off in
+//! request (its threads' run time over the run ÷ requests) and added p99, each against plugins off in
 //! the same round. Scenario 19: streams with 220 KB prompts at concurrency 150: added TTFT and
 //! the proxy's CPU per stream.
 
@@ -139,9 +139,9 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
     report.notes.push(format!(
         "Non-stream chat at {:.0} requests/s (open loop, up to {} connections, {:?} warm-up + \
          {:?} measured per contender per round), zero-latency simulator. Every contender gets \
-         a prompt of its own per request (the cache misses and stores). CPU: utime + stime of \
-         the proxy's process from /proc/PID/stat over the whole run (warm-up included) ÷ the \
-         requests due in it (the simulator's for direct). `tenants` alone: one tenant whose \
+         a prompt of its own per request (the cache misses and stores). CPU: the run time of \
+         the proxy's threads (/proc/PID/task/*/schedstat, in ns) over the whole run (warm-up \
+         included) ÷ the requests due in it (the simulator's for direct). `tenants` alone: one tenant whose \
          key every request carries, limits local and too high to refuse (scenario 12's). \
          \"all on\" is `PLUGINS` of src/contenders.rs (request_id, cache, speculative, \
          kv_breaker), without tenants.",
@@ -218,7 +218,7 @@ pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
          with a {} byte body (one user message of plain words; plugins on: a prompt of its \
          own per request, so the cache misses), 16 tokens from the zero-latency simulator. \
          TTFT counts from sending the request, so it includes sending the body. CPU: the \
-         proxy's utime + stime over the round ÷ streams done.",
+         run time of the proxy's threads over the round ÷ streams done.",
         p.long_prompt_concurrency,
         body.len()
     ));

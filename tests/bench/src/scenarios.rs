@@ -849,7 +849,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     report.notes.push(format!(
         "{n} streams opened over {:?}, each {} tokens every {} ms; RSS (VmRSS) before the \
          streams, sampled every 100 ms during them (peak), and {:?} after the last ended; CPU = \
-         utime+stime over the round's wall time; nginx is master + workers. The same process \
+         the threads' run time over the round's wall time; nginx is master + workers. The same process \
          serves every round, so later rounds start from a warm heap.",
         ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms, ctx.p.settle
     ));
@@ -1204,7 +1204,7 @@ async fn health_scraping(ctx: &mut Ctx) -> Result<ScenarioReport> {
     report.notes.push(format!(
         "{n} simulated backends (in the harness's process), each probed and scraped every 250 ms: \
          a check is one `/health` probe or one `/metrics` scrape, counted by \
-         `sluice_health_checks_total`. CPU = utime+stime of the Sluice process over {:?} of \
+         `sluice_health_checks_total`. CPU = the run time of the Sluice process's threads over {:?} of \
          idling; per check, above the health-checks-off floor. No requests are sent.",
         ctx.p.health_idle
     ));
