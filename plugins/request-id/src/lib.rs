@@ -99,14 +99,14 @@ impl RequestId {
         }
     }
 
-    fn next_id(&self) -> String {
+    fn next_id(&self) -> HeaderValue {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        format!("{:016x}{:016x}", self.prefix, n)
-    }
-
-    fn header_value(ctx: &RequestCtx) -> Option<HeaderValue> {
-        ctx.request_id()
-            .and_then(|id| HeaderValue::from_str(id).ok())
+        let mut id = [0u8; 32];
+        let (prefix, count) = id.split_at_mut(16);
+        // Both halves are exactly 16 hex digits long: neither can fail.
+        let _ = hex::encode_to_slice(self.prefix.to_be_bytes(), prefix);
+        let _ = hex::encode_to_slice(n.to_be_bytes(), count);
+        HeaderValue::from_bytes(&id).unwrap_or(HeaderValue::from_static("0"))
     }
 }
 
@@ -125,25 +125,24 @@ impl Plugin for RequestId {
             .req_header()
             .headers
             .get(&self.header)
-            .map(HeaderValue::as_bytes)
-            .filter(|v| is_acceptable(v))
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .map(str::to_owned);
+            .filter(|v| is_acceptable(v.as_bytes()))
+            .cloned();
         ctx.set_request_id(from_client.unwrap_or_else(|| self.next_id()));
         Ok(())
     }
 
     fn upstream_request(&self, request: &mut RequestHeader, ctx: &mut RequestCtx) -> Result<()> {
-        if let Some(value) = Self::header_value(ctx) {
+        if let Some(value) = ctx.request_id_value() {
             request
-                .insert_header(self.case_name.clone(), value)
+                .insert_header(self.case_name.clone(), value.clone())
                 .map_err(internal)?;
         }
         Ok(())
     }
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
-        if let Some(value) = Self::header_value(ctx) {
+        if let Some(value) = ctx.request_id_value() {
+            let value = value.clone();
             sluice_sdk::headers::edit(response, |map| map.insert(self.header.clone(), value));
         }
         Ok(())
@@ -161,7 +160,11 @@ mod tests {
         let b = p.next_id();
         assert_ne!(a, b);
         assert_eq!(a.len(), 32);
-        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert!(a.as_bytes().iter().all(|c| c.is_ascii_hexdigit()));
+        // The counter is the second half: the first two ids differ only there.
+        assert_eq!(a.as_bytes()[..16], b.as_bytes()[..16]);
+        assert_eq!(&a.as_bytes()[16..], b"0000000000000000");
+        assert_eq!(&b.as_bytes()[16..], b"0000000000000001");
     }
 
     #[test]
@@ -176,7 +179,7 @@ mod tests {
     fn sets_the_header_on_the_upstream_request_and_the_response() {
         let p = RequestId::new(headers::REQUEST_ID);
         let mut ctx = RequestCtx::new();
-        ctx.set_request_id("rid-1".into());
+        ctx.set_request_id(HeaderValue::from_static("rid-1"));
         let mut req = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
         p.upstream_request(&mut req, &mut ctx).unwrap();
         assert_eq!(req.headers.get("x-request-id").unwrap(), "rid-1");

@@ -65,7 +65,9 @@ pub struct RequestCtx {
     started: Instant,
     route: Route,
     llm: Option<LlmCall>,
-    request_id: Option<String>,
+    /// As the header value it is sent as: the upstream request and the answer take clones of
+    /// one buffer.
+    request_id: Option<http::HeaderValue>,
     priority: Option<Priority>,
     tenant: Option<Arc<Tenant>>,
     answered_locally: bool,
@@ -158,14 +160,20 @@ impl RequestCtx {
 
     // ---- what plugins tell each other ----
 
-    /// The request's id, for logs and answers, once a plugin gave it one.
+    /// The request's id, for logs and errors, once a plugin gave it one (`None` as well for an
+    /// id that is not visible ASCII, which the request-id plugin never gives).
     pub fn request_id(&self) -> Option<&str> {
-        self.request_id.as_deref()
+        self.request_id.as_ref().and_then(|v| v.to_str().ok())
+    }
+
+    /// The request's id as the header value it is sent as (clone it: that copies nothing).
+    pub fn request_id_value(&self) -> Option<&http::HeaderValue> {
+        self.request_id.as_ref()
     }
 
     /// Gives the request its id (the request-id plugin does, in `early_request`); a later call
     /// replaces it.
-    pub fn set_request_id(&mut self, id: String) {
+    pub fn set_request_id(&mut self, id: http::HeaderValue) {
         self.request_id = Some(id);
     }
 
