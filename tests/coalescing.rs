@@ -509,7 +509,7 @@ async fn a_late_joiner_gets_the_prefix_at_once_then_live_chunks() {
     assert_eq!(finish(&follower).len(), 1);
     // Its time to first byte is counted on its own.
     let series = r#"sluice_cache_coalesced_first_byte_seconds_count{via="live"}"#;
-    assert_eq!(proxy.metric(series).await, Some(1.0));
+    assert_eq!(proxy.metric_once(series, 1.0).await, Some(1.0));
     assert_eq!(requests(&proxy, "coalesced").await, 1.0);
     // The whole answer was stored too: a later request is a plain hit.
     let again = proxy.until_hit(&request, &[]).await;
@@ -697,5 +697,5 @@ async fn a_stream_follower_of_a_json_leader_goes_upstream_unless_the_leader_fini
         Some("[DONE]")
     );
     let series = r#"sluice_cache_coalesced_first_byte_seconds_count{via="answer"}"#;
-    assert_eq!(proxy.metric(series).await, Some(1.0));
+    assert_eq!(proxy.metric_once(series, 1.0).await, Some(1.0));
 }

@@ -240,6 +240,19 @@ impl Proxy {
     pub async fn metric(&self, series: &str) -> Option<f64> {
         metric_value(&self.metrics().await, series)
     }
+
+    /// The value of one series once it is `want`, or its last value after 5 s: what a request
+    /// counts when it ends (its logging hook) is counted just after the client has its answer.
+    pub async fn metric_once(&self, series: &str, want: f64) -> Option<f64> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let value = self.metric(series).await;
+            if value == Some(want) || Instant::now() > deadline {
+                return value;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for Proxy {
