@@ -32,13 +32,41 @@ impl ProxyHttp for Bare {
     }
 }
 
-/// Runs the bare proxy on `listen` in front of `upstream`, with Sluice's thread count, until
-/// the process is stopped. Must not run inside a tokio runtime: Pingora starts its own.
-pub fn run(listen: SocketAddr, upstream: SocketAddr, dir: &Path) -> Result<()> {
+/// Pingora's own knobs (its `ServerConf`), for scenario 21; the default is the `pingora
+/// (bare)` contender: Sluice's thread count, Pingora's defaults otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Knobs {
+    pub threads: usize,
+    pub work_stealing: bool,
+    pub listener_tasks_per_fd: usize,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            threads: 2,
+            work_stealing: true,
+            listener_tasks_per_fd: 1,
+        }
+    }
+}
+
+/// Runs the bare proxy on `listen` in front of `upstream` until the process is stopped; its
+/// pid file and upgrade socket are `dir/name.*`. Must not run inside a tokio runtime: Pingora
+/// starts its own.
+pub fn run(
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    dir: &Path,
+    name: &str,
+    knobs: Knobs,
+) -> Result<()> {
     let conf = ServerConf {
-        threads: 2,
-        pid_file: dir.join("bare-pingora.pid").display().to_string(),
-        upgrade_sock: dir.join("bare-pingora.sock").display().to_string(),
+        threads: knobs.threads,
+        work_stealing: knobs.work_stealing,
+        listener_tasks_per_fd: knobs.listener_tasks_per_fd,
+        pid_file: dir.join(format!("{name}.pid")).display().to_string(),
+        upgrade_sock: dir.join(format!("{name}.sock")).display().to_string(),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);

@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+
+use crate::bare::Knobs;
 use sluice_testkit::free_port;
 
 /// The model name the simulator serves and the benchmarks ask for.
@@ -156,6 +158,11 @@ pub enum Contender {
     /// Scenarios 1, 3, 4 and 6: the smallest Pingora proxy (`bare.rs`), the floor of any proxy
     /// built on Pingora.
     BarePingora,
+    /// Scenario 21: the bare Pingora proxy with one of Pingora's knobs turned
+    /// ([`Contender::bare_knobs`]).
+    BarePingoraNoWorkStealing,
+    BarePingoraOneThread,
+    BarePingoraTwoListenerTasks,
     /// Scenario 5: Sluice answering from its cache, memory store.
     SluiceMemoryHit,
     /// Scenario 5: Sluice answering from its cache, Redis store.
@@ -219,6 +226,9 @@ impl Contender {
             Contender::SluiceOn => "sluice (plugins on)",
             Contender::Nginx => "nginx",
             Contender::BarePingora => "pingora (bare)",
+            Contender::BarePingoraNoWorkStealing => "pingora (bare, work_stealing: false)",
+            Contender::BarePingoraOneThread => "pingora (bare, threads: 1)",
+            Contender::BarePingoraTwoListenerTasks => "pingora (bare, listener_tasks_per_fd: 2)",
             Contender::SluiceMemoryHit => "sluice (cache hits, memory)",
             Contender::SluiceRedisHit => "sluice (cache hits, redis)",
             Contender::SluiceHealthChecks => "sluice (health checks on)",
@@ -235,6 +245,27 @@ impl Contender {
             Contender::SluiceOnlyCache => "sluice (cache only, miss)",
             Contender::SluiceOnlySpeculative => "sluice (speculative only)",
             Contender::SluiceOnlyKvBreaker => "sluice (kv_breaker only)",
+        }
+    }
+
+    /// The bare Pingora proxy's knobs, for its contenders; `None` for the others.
+    pub fn bare_knobs(self) -> Option<Knobs> {
+        let default = Knobs::default();
+        match self {
+            Contender::BarePingora => Some(default),
+            Contender::BarePingoraNoWorkStealing => Some(Knobs {
+                work_stealing: false,
+                ..default
+            }),
+            Contender::BarePingoraOneThread => Some(Knobs {
+                threads: 1,
+                ..default
+            }),
+            Contender::BarePingoraTwoListenerTasks => Some(Knobs {
+                listener_tasks_per_fd: 2,
+                ..default
+            }),
+            _ => None,
         }
     }
 }
@@ -773,8 +804,14 @@ pub async fn start_bare_pingora(
     exe: &Path,
     dir: &Path,
     upstream: SocketAddr,
+    knobs: Knobs,
 ) -> Result<(Proc, SocketAddr)> {
     let listen = free_addr()?;
+    // Each variant its own pid file, socket and log.
+    let name = format!(
+        "bare-pingora-t{}-ws{}-l{}",
+        knobs.threads, knobs.work_stealing as u8, knobs.listener_tasks_per_fd
+    );
     let mut cmd = Command::new(exe);
     cmd.arg("bare-pingora")
         .arg("--listen")
@@ -782,8 +819,17 @@ pub async fn start_bare_pingora(
         .arg("--upstream")
         .arg(upstream.to_string())
         .arg("--dir")
-        .arg(dir);
-    let mut proc = Proc::spawn("bare-pingora", cmd, &dir.join("bare-pingora.log"), false)?;
+        .arg(dir)
+        .arg("--name")
+        .arg(&name)
+        .arg("--threads")
+        .arg(knobs.threads.to_string())
+        .arg("--listener-tasks")
+        .arg(knobs.listener_tasks_per_fd.to_string());
+    if !knobs.work_stealing {
+        cmd.arg("--no-work-stealing");
+    }
+    let mut proc = Proc::spawn(&name, cmd, &dir.join(format!("{name}.log")), false)?;
     proc.wait_ready(&[listen]).await?;
     Ok((proc, listen))
 }

@@ -54,6 +54,18 @@ enum Cmd {
         /// Where its pid file and upgrade socket go.
         #[arg(long)]
         dir: PathBuf,
+        /// The name of its pid file and upgrade socket in `dir`.
+        #[arg(long, default_value = "bare-pingora")]
+        name: String,
+        /// Pingora's `threads`.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Pingora's `work_stealing: false`.
+        #[arg(long)]
+        no_work_stealing: bool,
+        /// Pingora's `listener_tasks_per_fd`.
+        #[arg(long, default_value_t = 1)]
+        listener_tasks: usize,
     },
 }
 
@@ -108,9 +120,18 @@ fn main() -> Result<()> {
         listen,
         upstream,
         dir,
+        name,
+        threads,
+        no_work_stealing,
+        listener_tasks,
     }) = &args.command
     {
-        return sluice_bench::bare::run(*listen, *upstream, dir);
+        let knobs = sluice_bench::bare::Knobs {
+            threads: *threads,
+            work_stealing: !no_work_stealing,
+            listener_tasks_per_fd: *listener_tasks,
+        };
+        return sluice_bench::bare::run(*listen, *upstream, dir, name, knobs);
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
