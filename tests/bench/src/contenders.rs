@@ -155,8 +155,8 @@ pub enum Contender {
     SluiceOff,
     SluiceOn,
     Nginx,
-    /// Scenarios 1, 3, 4 and 6: the smallest Pingora proxy (`bare.rs`), the floor of any proxy
-    /// built on Pingora.
+    /// Scenarios 1, 3, 4, 6, 15-17, 19 and 21: the smallest Pingora proxy (`bare.rs`), the
+    /// floor of any proxy built on Pingora.
     BarePingora,
     /// Scenario 21: the bare Pingora proxy with one of Pingora's knobs turned
     /// ([`Contender::bare_knobs`]).
@@ -426,8 +426,11 @@ fn clock_ticks() -> u64 {
 /// nanoseconds, from each thread's /proc/PID/task/TID/schedstat. /proc/PID/stat's utime +
 /// stime come in clock ticks (10 ms), 2 µs per request at 1,000 requests/s over a 5 s round,
 /// as large as the plugin costs being measured; it is the fallback when schedstat is missing
-/// (a kernel without CONFIG_SCHED_INFO). A thread that ends between two samples takes its
-/// time with it: the contenders' threads live as long as they do.
+/// (a kernel without CONFIG_SCHED_INFO, or with its statistics off: all zeros). A running
+/// thread's count lags until its next tick or switch (a few ms). A thread that ends between
+/// two samples takes its time with it: the contenders' threads live as long as they do, but
+/// for Sluice's blocking-pool threads (large bodies), which end after 10 s without work,
+/// longer than a measured run.
 pub fn usage(pid: u32) -> Result<Usage> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;
@@ -462,10 +465,17 @@ fn threads_run_time(pid: u32) -> Option<Duration> {
         let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
             continue;
         };
-        ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
-        any = true;
+        // One unreadable line loses that thread, not the sample.
+        if let Some(ran) = text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            ns += ran;
+            any = true;
+        }
     }
-    any.then(|| Duration::from_nanos(ns))
+    (any && ns > 0).then(|| Duration::from_nanos(ns))
 }
 
 /// The usage of a process and its children (nginx: master and workers).

@@ -60,7 +60,8 @@ async fn with_cpu<T>(
     let before = cpu();
     let result = load.await?;
     let cpu_us = match (before, cpu()) {
-        (Some(b), Some(a)) => (a - b) * 1e6 / per(&result).max(1.0),
+        // Never below zero, as the other scenarios' `saturating_sub` (see `usage`).
+        (Some(b), Some(a)) => (a - b).max(0.0) * 1e6 / per(&result).max(1.0),
         _ => f64::NAN,
     };
     Ok(Measured { result, cpu_us })

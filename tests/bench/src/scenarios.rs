@@ -617,8 +617,8 @@ async fn pingora_floor(ctx: &mut Ctx) -> Result<ScenarioReport> {
     report.notes.push(format!(
         "Scenario 1's load: {} connections, keep-alive, {:?} per contender per round after {:?} \
          of warm-up; the non-stream chat request; simulator in zero-latency mode. pingora \
-         (bare) is scenario 1's (`threads: 2`, Pingora's defaults otherwise); each variant \
-         turns one `ServerConf` knob. nginx runs 2 workers. The load generator and the \
+         (bare) is scenario 1's (`threads: 2`, no L4 read buffer as Sluice's plain listeners, \
+         Pingora's defaults otherwise); each variant turns one `ServerConf` knob. nginx runs 2 workers. The load generator and the \
          simulator share the 2 cores, so fewer proxy threads can mean more for them.",
         ctx.p.conns, ctx.p.duration, ctx.p.warmup
     ));
