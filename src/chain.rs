@@ -143,14 +143,25 @@ pub fn resolve(mut sections: Sections, host: &Host) -> Result<ResolvedPlugins, C
 
 pub struct Chain {
     plugins: Vec<Arc<dyn Plugin>>,
+    /// The sum of the plugins' [`Plugin::response_headers_added`].
+    response_headers_added: usize,
 }
 
 impl Chain {
     /// Starts the resolved plugins: their metrics, stores and background work.
     pub fn start(resolved: ResolvedPlugins) -> Self {
+        let plugins: Vec<Arc<dyn Plugin>> =
+            resolved.0.into_iter().map(|r| r.ready.start()).collect();
+        let response_headers_added = plugins.iter().map(|p| p.response_headers_added()).sum();
         Self {
-            plugins: resolved.0.into_iter().map(|r| r.ready.start()).collect(),
+            plugins,
+            response_headers_added,
         }
+    }
+
+    /// The most headers the plugins' `response_header` hooks add to one answer together.
+    pub fn response_headers_added(&self) -> usize {
+        self.response_headers_added
     }
 
     /// The plugin names in chain order.

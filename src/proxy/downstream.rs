@@ -28,8 +28,8 @@ use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::usage::UsageScanner;
 use sluice_sdk::{headers, HeaderRules, RequestCtx, Route};
 
-/// How many headers an LLM answer may gain on its way to the client.
-const RESPONSE_HEADERS_ADDED: usize = 10;
+/// The headers the core adds to an LLM answer: the pool, the escalation.
+const CORE_HEADERS_ADDED: usize = 2;
 
 /// Turns an upstream's response header into the client's: hop-by-hop headers out, on LLM
 /// routes the pool (and the escalation) named, then the plugins' `response_header` hooks.
@@ -71,10 +71,9 @@ pub fn prepare_upstream_header(
         let pool_value = pool.header_value();
         let escalated = ctx.escalated().map(http::HeaderValue::from_static);
         headers::edit(response, |map| {
-            // Room for what the core and the plugins add to an answer (the pool, the
-            // escalation, `x-cache`, `x-request-id`, six `x-ratelimit-*`): the map grows at
-            // most once, here, rather than in the middle of a plugin's hook.
-            map.reserve(RESPONSE_HEADERS_ADDED);
+            // Room for what the core and the chain's plugins add to an answer: the map grows
+            // at most once, here, and no more than they need.
+            map.reserve(CORE_HEADERS_ADDED + chain.response_headers_added());
             map.insert(headers::POOL, pool_value);
             if let Some(reason) = escalated {
                 map.insert(headers::ESCALATED, reason);

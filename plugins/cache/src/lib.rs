@@ -425,6 +425,10 @@ impl Plugin for Cache {
         Ok(())
     }
 
+    fn response_headers_added(&self) -> usize {
+        1
+    }
+
     fn response_body(
         &self,
         body: &mut Option<Bytes>,

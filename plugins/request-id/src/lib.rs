@@ -147,6 +147,10 @@ impl Plugin for RequestId {
         }
         Ok(())
     }
+
+    fn response_headers_added(&self) -> usize {
+        1
+    }
 }
 
 #[cfg(test)]

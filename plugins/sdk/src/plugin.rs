@@ -181,6 +181,13 @@ pub trait Plugin: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The most headers [`Plugin::response_header`] adds to one answer. The core makes room
+    /// for every plugin's at once, so an answer's header map grows once, and by no more than
+    /// the chain needs (each open stream holds its map to the end).
+    fn response_headers_added(&self) -> usize {
+        0
+    }
+
     /// Runs on each response body chunk before it is sent to the client. `end_of_stream`
     /// is true on the last call. The plugin may read the chunk (cloning `Bytes` is a
     /// reference count) or replace it. Must not block.

@@ -347,6 +347,10 @@ impl Plugin for Tenants {
         Ok(())
     }
 
+    fn response_headers_added(&self) -> usize {
+        Admitted::MAX_HEADERS
+    }
+
     /// Each tenant's limits and what is left of them, its spend against its budget.
     fn status(&self) -> Option<serde_json::Value> {
         serde_json::to_value(self.limiter.snapshot()).ok()

@@ -294,6 +294,9 @@ impl std::fmt::Debug for Admitted {
 }
 
 impl Admitted {
+    /// The most `x-ratelimit-*` headers [`Admitted::each_header`] gives.
+    pub const MAX_HEADERS: usize = reply::HEADER_COUNT;
+
     /// The x-ratelimit-* headers for a successful answer of a limited tenant (empty when
     /// unlimited), as a list for the tests; answers use [`Admitted::each_header`].
     #[cfg(test)]

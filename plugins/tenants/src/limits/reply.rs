@@ -38,6 +38,26 @@ pub(crate) struct Readings {
     pub output: Option<Reading>,
 }
 
+/// OpenAI's rate-limit headers, per group (requests, tokens): limit, remaining, reset.
+const NAMES: [[HeaderName; PER_GROUP]; GROUPS] = [
+    [
+        HeaderName::from_static("x-ratelimit-limit-requests"),
+        HeaderName::from_static("x-ratelimit-remaining-requests"),
+        HeaderName::from_static("x-ratelimit-reset-requests"),
+    ],
+    [
+        HeaderName::from_static("x-ratelimit-limit-tokens"),
+        HeaderName::from_static("x-ratelimit-remaining-tokens"),
+        HeaderName::from_static("x-ratelimit-reset-tokens"),
+    ],
+];
+
+const GROUPS: usize = 2;
+const PER_GROUP: usize = 3;
+
+/// How many rate-limit headers an answer carries at most.
+pub(crate) const HEADER_COUNT: usize = GROUPS * PER_GROUP;
+
 impl Readings {
     /// The token limit the `-tokens` headers report: OpenAI has one, Sluice may have two, so
     /// the one that refused, else the one nearest exhaustion.
@@ -68,19 +88,6 @@ impl Readings {
         refused: Option<Refusal>,
         mut f: impl FnMut(HeaderName, HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
-        // Per group: limit, remaining, reset.
-        const NAMES: [[HeaderName; 3]; 2] = [
-            [
-                HeaderName::from_static("x-ratelimit-limit-requests"),
-                HeaderName::from_static("x-ratelimit-remaining-requests"),
-                HeaderName::from_static("x-ratelimit-reset-requests"),
-            ],
-            [
-                HeaderName::from_static("x-ratelimit-limit-tokens"),
-                HeaderName::from_static("x-ratelimit-remaining-tokens"),
-                HeaderName::from_static("x-ratelimit-reset-tokens"),
-            ],
-        ];
         // A refusal by the request limit shows it spent, whatever rounding says.
         let spent = refused == Some(Refusal::Requests);
         let readings = [
@@ -90,7 +97,7 @@ impl Readings {
         // The values are written side by side into one buffer and handed out as slices of
         // it, rather than an allocation per header.
         let mut text = StackText::new();
-        let mut ends = [[0; 3]; 2];
+        let mut ends = [[0; PER_GROUP]; GROUPS];
         for (reading, ends) in readings.iter().zip(&mut ends) {
             let Some((r, spent)) = reading else { continue };
             text.push_u64(r.limit);
@@ -317,6 +324,21 @@ mod tests {
         assert_eq!(openai_duration(-5), "0s");
         assert_eq!(retry_after(1), 1);
         assert_eq!(retry_after(1_000_001), 2);
+    }
+
+    #[test]
+    fn every_group_limited_gives_as_many_headers_as_room_is_made_for() {
+        let one = Reading {
+            limit: 5,
+            remaining: 4,
+            reset_us: 12_000_000,
+        };
+        let r = Readings {
+            requests: Some(one),
+            input: Some(one),
+            output: Some(one),
+        };
+        assert_eq!(r.headers(None).len(), HEADER_COUNT);
     }
 
     #[test]
