@@ -53,11 +53,11 @@ use config::{OverMaxTokens, Policy};
 use directory::{digest, Directory};
 use http::{HeaderName, HeaderValue};
 use ipnet::IpNet;
-use limits::{Admitted, Limiter, Usage, Want};
+use limits::{Admitted, Limiter, TenantLimits, Usage, Want};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    api_key, ConfigError, Error, ErrorReply, Flow, Host, Plugin, PluginBuilder, Reason, RequestCtx,
-    ResponseHeader, Result, Session, Tenant,
+    api_key, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Reason,
+    RequestCtx, ResponseHeader, Result, Session, Tenant,
 };
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -70,11 +70,13 @@ pub struct Entry {
     models: Option<HashSet<String>>,
     max_tokens: Option<u32>,
     over_max_tokens: OverMaxTokens,
+    /// Its limits, `None` when it has none.
+    limits: Option<TenantLimits>,
     series: metrics::Series,
 }
 
 impl Entry {
-    fn new(name: &str, identified: bool, policy: &Policy) -> Self {
+    fn new(name: &str, identified: bool, policy: &Policy, limiter: &Limiter) -> Self {
         Self {
             tenant: Arc::new(Tenant {
                 name: name.into(),
@@ -86,12 +88,9 @@ impl Entry {
             models: policy.models.as_ref().map(|m| m.iter().cloned().collect()),
             max_tokens: policy.max_tokens,
             over_max_tokens: policy.over_max_tokens.unwrap_or_default(),
+            limits: limiter.tenant(name),
             series: metrics::Series::of(name),
         }
-    }
-
-    fn name(&self) -> &str {
-        &self.tenant.name
     }
 }
 
@@ -133,34 +132,45 @@ impl PluginBuilder for TenantsBuilder {
 
     fn start(self) -> Arc<dyn Plugin> {
         let config = self.config;
-        let mut listed = Vec::new();
         let mut limited = Vec::new();
+        let mut policies = Vec::new();
         for (name, section) in &config.tenants {
             let policy = section.over(&config.defaults);
-            let entry = Arc::new(Entry::new(name, true, &policy));
+            let name: Arc<str> = name.as_str().into();
             limited.push((
-                Arc::clone(&entry.tenant.name),
+                Arc::clone(&name),
                 policy.limits.clone(),
                 policy.budget.clone(),
             ));
-            listed.push((Arc::clone(&entry.tenant.name), policy.keys.clone(), entry));
+            policies.push((name, policy));
         }
         let anonymous = config.anonymous.as_ref().map(|section| {
             let policy = section.over(&config.defaults);
-            let entry = Arc::new(Entry::new(Tenant::ANONYMOUS, false, &policy));
             limited.push((
-                Arc::clone(&entry.tenant.name),
+                Tenant::ANONYMOUS.into(),
                 policy.limits.clone(),
                 policy.budget.clone(),
             ));
-            entry
+            policy
         });
+        // The limits first: each tenant's entry holds its own, so that no request looks
+        // them up by name.
+        let limiter = Limiter::start(&config.limits_store, limited);
+        let listed = policies
+            .into_iter()
+            .map(|(name, policy)| {
+                let entry = Arc::new(Entry::new(&name, true, &policy, &limiter));
+                (name, policy.keys, entry)
+            })
+            .collect();
+        let anonymous = anonymous
+            .map(|policy| Arc::new(Entry::new(Tenant::ANONYMOUS, false, &policy, &limiter)));
         Arc::new(Tenants {
             directory: Arc::new(Directory::new(listed, config.keys_from_redis.clone())),
             anonymous,
             trusted_proxies: self.trusted_proxies,
             tenant_header: self.tenant_header,
-            limiter: Limiter::start(&config.limits_store, limited),
+            limiter,
         })
     }
 }
@@ -180,11 +190,12 @@ pub struct Tenants {
     limiter: Limiter,
 }
 
-/// The request's tenant, for the later hooks.
-struct Caller(Arc<Entry>);
-
-/// The request's admission by the limits: its concurrency slot, its estimate, its headers.
-struct Held(Admitted);
+/// The request's tenant and, once admitted, its admission by the limits (its concurrency
+/// slot, its estimate, its headers): one entry of the request's state for both.
+struct Caller {
+    entry: Arc<Entry>,
+    admitted: Option<Admitted>,
+}
 
 impl Tenants {
     /// The tenant of a request, or the 401 it gets.
@@ -230,11 +241,8 @@ impl Tenants {
 
     /// What the tenant may not ask for: a model outside its list (403), more output tokens
     /// than its ceiling when it refuses rather than clamps (400). A request over a clamping
-    /// ceiling is rewritten to it, as if the client had asked so.
-    fn apply_policy(&self, entry: &Entry, ctx: &mut RequestCtx) -> Result<()> {
-        let Some(call) = ctx.llm() else {
-            return Ok(());
-        };
+    /// ceiling comes back rewritten to it, as if the client had asked so.
+    fn apply_policy(entry: &Entry, call: &LlmCall) -> Result<Option<LlmCall>> {
         if let Some(models) = &entry.models {
             let model = call.request.model.as_deref().unwrap_or("");
             if !models.contains(model) {
@@ -250,7 +258,7 @@ impl Tenants {
             }
         }
         let Some(ceiling) = entry.max_tokens else {
-            return Ok(());
+            return Ok(None);
         };
         let asked = call.request.max_output_tokens();
         if entry.over_max_tokens == OverMaxTokens::Refuse && asked.is_some_and(|n| n > ceiling) {
@@ -269,11 +277,9 @@ impl Tenants {
             }
             .into_error());
         }
-        if let Some(capped) = call.capped(ceiling) {
-            let capped = capped.map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
-            ctx.rewrite_request(capped);
-        }
-        Ok(())
+        call.capped(ceiling)
+            .transpose()
+            .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())
     }
 }
 
@@ -300,19 +306,20 @@ impl Plugin for Tenants {
             .await
             .map_err(ErrorReply::into_error)?;
         ctx.set_tenant(Arc::clone(&entry.tenant));
-        ctx.state.insert(Caller(entry));
+        ctx.state.insert(Caller {
+            entry,
+            admitted: None,
+        });
         Ok(())
     }
 
     async fn request(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
-        let Some(Caller(entry)) = ctx.state.get::<Caller>() else {
+        let (Some(caller), Some(call)) = (ctx.state.get::<Caller>(), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
-        let entry = Arc::clone(entry);
-        self.apply_policy(&entry, ctx)?;
-        let Some(call) = ctx.llm() else {
-            return Ok(Flow::Continue);
-        };
+        let entry = &caller.entry;
+        let capped = Self::apply_policy(entry, call)?;
+        let call = capped.as_ref().unwrap_or(call);
         let demand = call.demand;
         let want = Want {
             input_tokens: demand.prompt_tokens,
@@ -320,19 +327,27 @@ impl Plugin for Tenants {
                 .output_tokens
                 .saturating_mul(u64::from(demand.sequences.max(1))),
         };
-        let admitted = self
-            .limiter
-            .admit(entry.name(), want)
-            .await
-            .map_err(ErrorReply::into_error)?;
-        ctx.state.insert(Held(admitted));
+        let admitted = match &entry.limits {
+            Some(limits) => Some(limits.admit(want).await.map_err(ErrorReply::into_error)?),
+            None => None,
+        };
+        if let Some(capped) = capped {
+            ctx.rewrite_request(capped);
+        }
+        if let Some(caller) = ctx.state.get_mut::<Caller>() {
+            caller.admitted = admitted;
+        }
         // The real counts correct the estimate once the answer is in.
         ctx.want_usage();
         Ok(Flow::Continue)
     }
 
     fn response_header(&self, response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
-        let Some(Held(admitted)) = ctx.state.get::<Held>() else {
+        let Some(Caller {
+            admitted: Some(admitted),
+            ..
+        }) = ctx.state.get::<Caller>()
+        else {
             return Ok(());
         };
         // An unlimited tenant's answer is left as it came.
@@ -362,17 +377,17 @@ impl Plugin for Tenants {
     }
 
     fn logging(&self, _error: Option<&Error>, ctx: &mut RequestCtx) {
-        let Some(Caller(entry)) = ctx.state.remove::<Caller>() else {
+        let Some(Caller { entry, admitted }) = ctx.state.remove::<Caller>() else {
             return;
         };
-        if let Some(Held(admitted)) = ctx.state.remove::<Held>() {
-            let usage = used(ctx);
+        let usage = used(ctx);
+        if let Some(admitted) = admitted {
             // Settled before anything else is recorded: whoever sees this request counted
             // sees its correction made.
             admitted.settle(usage);
-            if let Some(usage) = &usage {
-                entry.series.used(usage);
-            }
+        }
+        if let Some(usage) = &usage {
+            entry.series.used(usage);
         }
         entry.series.request();
     }

@@ -59,14 +59,16 @@ impl Series {
         }
     }
 
+    /// Zero counts are not added: an add is a write to a line every worker thread shares.
     pub fn used(&self, usage: &Usage) {
-        if let Some(c) = &self.input_tokens {
-            c.inc_by(usage.input_tokens);
-        }
-        if let Some(c) = &self.output_tokens {
-            c.inc_by(usage.output_tokens);
-        }
-        if let Some(c) = &self.cost {
+        let add = |counter: &Option<IntCounter>, n: u64| {
+            if let Some(c) = counter.as_ref().filter(|_| n > 0) {
+                c.inc_by(n);
+            }
+        };
+        add(&self.input_tokens, usage.input_tokens);
+        add(&self.output_tokens, usage.output_tokens);
+        if let Some(c) = self.cost.as_ref().filter(|_| usage.usd > 0.0) {
             c.inc_by(usage.usd);
         }
     }

@@ -151,27 +151,32 @@ pub struct TenantUse {
     pub budget_mode: BudgetMode,
 }
 
-enum Store {
+pub(crate) enum Store {
     Local,
     Redis(RedisStore),
 }
 
-struct Inner {
-    clock: Clock,
-    store: Store,
-    on_error: OnRedisError,
-    tenants: HashMap<Arc<str>, Arc<TenantState>>,
+/// Where every tenant's limits are kept: one per process, shared by the tenants' states.
+pub(crate) struct Backing {
+    pub clock: Clock,
+    pub store: Store,
+    pub on_error: OnRedisError,
 }
 
 /// Every tenant's limits; one per process, shared by all requests.
 pub struct Limiter {
-    inner: Arc<Inner>,
+    backing: Arc<Backing>,
+    tenants: HashMap<Arc<str>, TenantLimits>,
 }
+
+/// One tenant's limits, looked up once (when the plugin starts), not per request.
+#[derive(Clone)]
+pub struct TenantLimits(Arc<TenantState>);
 
 impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter")
-            .field("tenants", &self.inner.tenants.len())
+            .field("tenants", &self.tenants.len())
             .finish_non_exhaustive()
     }
 }
@@ -185,7 +190,6 @@ impl Limiter {
         store: &StoreConfig,
         tenants: Vec<(Arc<str>, LimitsConfig, BudgetConfig)>,
     ) -> Limiter {
-        let clock = Clock::new();
         let store_kind = match store.kind {
             StoreKind::Local => Store::Local,
             StoreKind::Redis => {
@@ -193,50 +197,69 @@ impl Limiter {
                 Store::Redis(RedisStore::connect(store.redis.as_ref()))
             }
         };
+        let backing = Arc::new(Backing {
+            clock: Clock::new(),
+            store: store_kind,
+            on_error: store.on_redis_error,
+        });
         let tenants = tenants
             .into_iter()
             .map(|(name, limits, budget)| {
                 if budget.is_set() {
                     metrics::init_budget(&name, budget.mode().as_str());
                 }
-                let state = TenantState::new(Arc::clone(&name), limits, budget, clock);
-                (name, Arc::new(state))
+                let state =
+                    TenantState::new(Arc::clone(&name), limits, budget, Arc::clone(&backing));
+                (name, TenantLimits(Arc::new(state)))
             })
             .collect();
-        Limiter {
-            inner: Arc::new(Inner {
-                clock,
-                store: store_kind,
-                on_error: store.on_redis_error,
-                tenants,
+        Limiter { backing, tenants }
+    }
+
+    /// The limits of the tenant named so; `None`: it is not limited.
+    pub fn tenant(&self, name: &str) -> Option<TenantLimits> {
+        self.tenants.get(name).cloned()
+    }
+
+    /// [`TenantLimits::admit`] by the tenant's name; a tenant not given to
+    /// [`Limiter::start`] is admitted unlimited.
+    pub async fn admit(&self, tenant: &str, want: Want) -> Result<Admitted, ErrorReply> {
+        match self.tenants.get(tenant) {
+            Some(limits) => limits.admit(want).await,
+            None => Ok(Admitted {
+                readings: None,
+                grant: None,
             }),
         }
     }
 
+    /// Every configured tenant's limits and use, by name.
+    pub fn snapshot(&self) -> Vec<TenantUse> {
+        let windows = Windows::at(unix_now());
+        let shared = matches!(self.backing.store, Store::Redis(_));
+        let mut all: Vec<TenantUse> = self
+            .tenants
+            .values()
+            .map(|t| t.0.snapshot(&windows, shared))
+            .collect();
+        all.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        all
+    }
+}
+
+impl TenantLimits {
     /// At admission, once the body is parsed: `want` is the estimate (prompt tokens, and the
     /// output budget = max_tokens × sequences). Checks, in one go, concurrency, requests/min,
     /// input and output tokens/min, and the budget (day and month).
-    pub async fn admit(&self, tenant: &str, want: Want) -> Result<Admitted, ErrorReply> {
-        let Some(state) = self.inner.tenants.get(tenant) else {
-            return Ok(Admitted {
-                readings: None,
-                grant: None,
-            });
-        };
+    pub async fn admit(&self, want: Want) -> Result<Admitted, ErrorReply> {
+        let state = &self.0;
         let slot = state.enter()?;
-        let windows = Windows::at(unix_now());
-        let (readings, charged) = match &self.inner.store {
-            Store::Local => {
-                let readings = state.admit_local(&self.inner.clock, want, &windows)?;
-                (Some(readings), want)
-            }
+        let (readings, charged) = match &state.backing.store {
+            Store::Local => (Some(state.admit_local(want)?), want),
             Store::Redis(_) if !state.needs_store() => (None, Want::default()),
             Store::Redis(redis) => match redis.admit(state, want).await {
-                Ok(answer) => {
-                    let readings = state.decide_remote(&answer, want, &windows)?;
-                    (Some(readings), want)
-                }
-                Err(_) => match self.inner.on_error {
+                Ok(answer) => (Some(state.decide_remote(&answer, want)?), want),
+                Err(_) => match state.backing.on_error {
                     // Nothing was charged: settle sends the whole usage.
                     OnRedisError::Allow => (None, Want::default()),
                     OnRedisError::Deny => return Err(reply::store_unavailable()),
@@ -245,37 +268,16 @@ impl Limiter {
         };
         Ok(Admitted {
             readings,
-            grant: Some(Grant {
-                inner: Arc::clone(&self.inner),
-                tenant: Arc::clone(state),
-                charged,
-                _slot: slot,
-            }),
+            grant: Some(Grant { slot, charged }),
         })
-    }
-
-    /// Every configured tenant's limits and use, by name.
-    pub fn snapshot(&self) -> Vec<TenantUse> {
-        let windows = Windows::at(unix_now());
-        let shared = matches!(self.inner.store, Store::Redis(_));
-        let mut all: Vec<TenantUse> = self
-            .inner
-            .tenants
-            .values()
-            .map(|t| t.snapshot(&self.inner.clock, &windows, shared))
-            .collect();
-        all.sort_by(|a, b| a.tenant.cmp(&b.tenant));
-        all
     }
 }
 
 struct Grant {
-    inner: Arc<Inner>,
-    tenant: Arc<TenantState>,
+    /// The tenant's state; dropped with the grant: the request is no longer in flight.
+    slot: Slot,
     /// What the admission charged to the token buckets (nothing when it failed open).
     charged: Want,
-    /// Dropped with the grant: the request is no longer in flight.
-    _slot: Slot,
 }
 
 /// An admitted request, held for its life; dropping it ends its concurrency slot.
@@ -333,16 +335,12 @@ impl Admitted {
         let (Some(grant), Some(usage)) = (self.grant, usage) else {
             return;
         };
-        match &grant.inner.store {
-            Store::Local => grant.tenant.settle_local(
-                &grant.inner.clock,
-                grant.charged,
-                usage,
-                &Windows::at(unix_now()),
-            ),
+        let tenant = grant.slot.tenant();
+        match &tenant.backing.store {
+            Store::Local => tenant.settle_local(grant.charged, usage),
             Store::Redis(redis) => {
-                let corrections = grant.tenant.corrections(grant.charged, usage);
-                redis.settle(&grant.tenant, corrections);
+                let corrections = tenant.corrections(grant.charged, usage);
+                redis.settle(tenant, corrections);
             }
         }
     }

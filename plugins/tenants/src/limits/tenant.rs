@@ -2,12 +2,12 @@
 //! the token buckets' TATs and the spend when the store is local, the concurrency count
 //! always, and what Redis last said when it is not.
 
-use super::budget::{self, micros, usd, Spend, Windows};
+use super::budget::{self, micros, unix_now, usd, Spend, Windows};
 use super::config::{BudgetConfig, BudgetMode, LimitsConfig};
 use super::gcra;
 use super::metrics;
 use super::reply::{self, Reading, Readings, Refusal};
-use super::{TenantUse, Usage, Want};
+use super::{Backing, TenantUse, Usage, Want};
 use governor::clock::Clock as _;
 use governor::middleware::StateInformationMiddleware;
 use governor::nanos::Nanos;
@@ -71,6 +71,8 @@ pub(crate) struct TenantState {
     pub name: Arc<str>,
     pub limits: LimitsConfig,
     pub budget: BudgetConfig,
+    /// The clock and the store, shared by every tenant.
+    pub backing: Arc<Backing>,
     requests: Option<RequestLimiter>,
     in_flight: AtomicU32,
     /// Admissions waiting for the shared store, and corrections on their way to it (Redis
@@ -84,6 +86,12 @@ pub(crate) struct TenantState {
 
 /// A request in flight, counted until dropped.
 pub(crate) struct Slot(Arc<TenantState>);
+
+impl Slot {
+    pub(crate) fn tenant(&self) -> &Arc<TenantState> {
+        &self.0
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -102,19 +110,20 @@ impl TenantState {
         name: Arc<str>,
         limits: LimitsConfig,
         budget: BudgetConfig,
-        clock: Clock,
+        backing: Arc<Backing>,
     ) -> TenantState {
         let requests = limits
             .requests_per_minute
             .and_then(NonZeroU32::new)
             .map(|n| {
-                RateLimiter::direct_with_clock(Quota::per_minute(n), clock)
+                RateLimiter::direct_with_clock(Quota::per_minute(n), backing.clock)
                     .with_middleware::<StateInformationMiddleware>()
             });
         TenantState {
             name,
             limits,
             budget,
+            backing,
             requests,
             in_flight: AtomicU32::new(0),
             queue: super::remote::Queue::default(),
@@ -134,14 +143,20 @@ impl TenantState {
     }
 
     /// Counts one more request in flight, or refuses over `max_concurrent`.
+    ///
+    /// One add, taken back when over, rather than a read and a compare-and-swap: every
+    /// worker thread writes this counter, and each access can move its cache line. A request
+    /// racing one that is being refused may see the count one too high and be refused too.
     pub(crate) fn enter(self: &Arc<Self>) -> Result<Slot, ErrorReply> {
         let max = self.limits.max_concurrent.unwrap_or(u32::MAX);
-        self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .map(|_| Slot(Arc::clone(self)))
-            .map_err(|_| reply::too_many_in_flight(max))
+        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        // The slot is made first: refused, it takes its count back as it drops.
+        let slot = Slot(Arc::clone(self));
+        if before < max {
+            Ok(slot)
+        } else {
+            Err(reply::too_many_in_flight(max))
+        }
     }
 
     /// The request limiter as of `now`, from its last answer.
@@ -162,7 +177,6 @@ impl TenantState {
         &self,
         day_micros: u64,
         month_micros: u64,
-        windows: &Windows,
         readings: &Readings,
     ) -> Result<(), ErrorReply> {
         let Some((period, spent, limit)) = budget::spent(
@@ -181,22 +195,16 @@ impl TenantState {
                 period,
                 spent,
                 limit,
-                windows.left(period),
+                Windows::at(unix_now()).left(period),
                 readings,
             )),
         }
     }
 
     /// Every check of one admission against this process's state, charged only when all pass.
-    pub(crate) fn admit_local(
-        &self,
-        clock: &Clock,
-        want: Want,
-        windows: &Windows,
-    ) -> Result<Readings, ErrorReply> {
+    pub(crate) fn admit_local(&self, want: Want) -> Result<Readings, ErrorReply> {
         let mut local = self.lock();
-        let now = clock.now_us();
-        local.spend.roll(windows);
+        let now = self.backing.clock.now_us();
         let take =
             |limit: Option<u64>, tat: i64, n: u64| limit.map(|l| (l, gcra::take(tat, now, n, l)));
         let input = take(
@@ -219,13 +227,12 @@ impl TenantState {
             input: input.map(reading),
             output: output.map(reading),
         };
-        // The budget first: once spent it refuses for hours, whatever the minute says.
-        self.over_budget(
-            local.spend.day_micros,
-            local.spend.month_micros,
-            windows,
-            &readings,
-        )?;
+        // The budget first: once spent it refuses for hours, whatever the minute says. The
+        // calendar is read only for a tenant with a budget.
+        if self.budget.is_set() {
+            local.spend.roll(&Windows::at(unix_now()));
+            self.over_budget(local.spend.day_micros, local.spend.month_micros, &readings)?;
+        }
         let refused_tokens = [
             (Refusal::InputTokens, input, want.input_tokens),
             (Refusal::OutputTokens, output, want.output_tokens),
@@ -286,24 +293,25 @@ impl TenantState {
     }
 
     /// Corrects the local buckets from the usage, and adds its cost to the spend.
-    pub(crate) fn settle_local(
-        &self,
-        clock: &Clock,
-        charged: Want,
-        usage: Usage,
-        windows: &Windows,
-    ) {
+    pub(crate) fn settle_local(&self, charged: Want, usage: Usage) {
+        let spend = micros(usage.usd);
+        let (input, output, _) = self.corrections(charged, usage);
+        // An estimate that was right and an answer that cost nothing: nothing to write.
+        if input == 0 && output == 0 && spend == 0 {
+            return;
+        }
         let mut local = self.lock();
-        let now = clock.now_us();
-        if let Some(limit) = self.limits.input_tokens_per_minute {
-            let d = delta(usage.input_tokens, charged.input_tokens);
-            local.input_tat = gcra::adjust(local.input_tat, now, d, limit);
+        let now = self.backing.clock.now_us();
+        if let Some(limit) = self.limits.input_tokens_per_minute.filter(|_| input != 0) {
+            local.input_tat = gcra::adjust(local.input_tat, now, input, limit);
         }
-        if let Some(limit) = self.limits.output_tokens_per_minute {
-            let d = delta(usage.output_tokens, charged.output_tokens);
-            local.output_tat = gcra::adjust(local.output_tat, now, d, limit);
+        if let Some(limit) = self.limits.output_tokens_per_minute.filter(|_| output != 0) {
+            local.output_tat = gcra::adjust(local.output_tat, now, output, limit);
         }
-        local.spend.add(windows, micros(usage.usd));
+        // Nothing to add (a cached answer, a pool without a price): no calendar to read.
+        if spend > 0 {
+            local.spend.add(&Windows::at(unix_now()), spend);
+        }
     }
 
     /// The corrections to send to the shared store: (input, output, micro-dollars), zero for
@@ -331,7 +339,6 @@ impl TenantState {
         &self,
         answer: &super::remote::Answer,
         want: Want,
-        windows: &Windows,
     ) -> Result<Readings, ErrorReply> {
         let readings = answer.readings(&self.limits);
         self.lock().remote = Some(RemoteSeen {
@@ -339,7 +346,7 @@ impl TenantState {
             day_micros: answer.day_micros,
             month_micros: answer.month_micros,
         });
-        self.over_budget(answer.day_micros, answer.month_micros, windows, &readings)?;
+        self.over_budget(answer.day_micros, answer.month_micros, &readings)?;
         match answer.refused {
             Some(Refusal::Requests) => Err(reply::rate_limited(
                 &readings,
@@ -365,9 +372,9 @@ impl TenantState {
 
     /// What /status shows of this tenant: exact for the local store, as last seen by this
     /// replica for Redis.
-    pub(crate) fn snapshot(&self, clock: &Clock, windows: &Windows, shared: bool) -> TenantUse {
+    pub(crate) fn snapshot(&self, windows: &Windows, shared: bool) -> TenantUse {
         let local = self.lock();
-        let now = clock.now_us();
+        let now = self.backing.clock.now_us();
         let (readings, day, month) = if shared {
             match &local.remote {
                 Some(seen) => (
