@@ -70,7 +70,8 @@ pub struct Entry {
     models: Option<HashSet<String>>,
     max_tokens: Option<u32>,
     over_max_tokens: OverMaxTokens,
-    /// Its limits, `None` when it has none.
+    /// Its limits. Every configured tenant and `anonymous` has them, even with no limit set
+    /// (its concurrency is counted for `/status`); `None` would leave it unlimited.
     limits: Option<TenantLimits>,
     series: metrics::Series,
 }

@@ -1,9 +1,11 @@
 //! Per-tenant rate limits and budgets, kept in this process or shared through Redis.
 //!
-//! One [`Limiter`] per process serves every request: [`Limiter::admit`] once the body is
-//! parsed, with the estimate ([`Want`]: the prompt's tokens, and `max_tokens` × sequences);
-//! [`Admitted::settle`] after the answer, with its `usage`; dropping the [`Admitted`] ends the
-//! request's concurrency slot.
+//! One [`Limiter`] per process holds every tenant's limits. The plugin takes each tenant's
+//! [`TenantLimits`] from it once, at start ([`Limiter::tenant`]), and with it serves each of
+//! the tenant's requests: [`TenantLimits::admit`] once the body is parsed, with the estimate
+//! ([`Want`]: the prompt's tokens, and `max_tokens` × sequences); [`Admitted::settle`] after
+//! the answer, with its `usage`; dropping the [`Admitted`] ends the request's concurrency
+//! slot. [`Limiter::admit`] does the same by the tenant's name.
 //!
 //! # What is limited, and how
 //!

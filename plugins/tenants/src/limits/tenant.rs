@@ -145,18 +145,20 @@ impl TenantState {
     /// Counts one more request in flight, or refuses over `max_concurrent`.
     ///
     /// One add, taken back when over, rather than a read and a compare-and-swap: every
-    /// worker thread writes this counter, and each access can move its cache line. A request
-    /// racing one that is being refused may see the count one too high and be refused too.
+    /// worker thread writes this counter, and each access can move its cache line. At the
+    /// limit, a request racing others being refused may see the count too high by as many
+    /// and be refused too, and `/status` may show it over `max_concurrent` for that instant.
     pub(crate) fn enter(self: &Arc<Self>) -> Result<Slot, ErrorReply> {
         let max = self.limits.max_concurrent.unwrap_or(u32::MAX);
         let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        // The slot is made first: refused, it takes its count back as it drops.
+        // Made at once: refused, it takes its count back as it drops, before the reply is
+        // written.
         let slot = Slot(Arc::clone(self));
         if before < max {
-            Ok(slot)
-        } else {
-            Err(reply::too_many_in_flight(max))
+            return Ok(slot);
         }
+        drop(slot);
+        Err(reply::too_many_in_flight(max))
     }
 
     /// The request limiter as of `now`, from its last answer.
@@ -177,6 +179,7 @@ impl TenantState {
         &self,
         day_micros: u64,
         month_micros: u64,
+        windows: &Windows,
         readings: &Readings,
     ) -> Result<(), ErrorReply> {
         let Some((period, spent, limit)) = budget::spent(
@@ -195,7 +198,7 @@ impl TenantState {
                 period,
                 spent,
                 limit,
-                Windows::at(unix_now()).left(period),
+                windows.left(period),
                 readings,
             )),
         }
@@ -230,8 +233,10 @@ impl TenantState {
         // The budget first: once spent it refuses for hours, whatever the minute says. The
         // calendar is read only for a tenant with a budget.
         if self.budget.is_set() {
-            local.spend.roll(&Windows::at(unix_now()));
-            self.over_budget(local.spend.day_micros, local.spend.month_micros, &readings)?;
+            let windows = Windows::at(unix_now());
+            local.spend.roll(&windows);
+            let (day, month) = (local.spend.day_micros, local.spend.month_micros);
+            self.over_budget(day, month, &windows, &readings)?;
         }
         let refused_tokens = [
             (Refusal::InputTokens, input, want.input_tokens),
@@ -346,7 +351,10 @@ impl TenantState {
             day_micros: answer.day_micros,
             month_micros: answer.month_micros,
         });
-        self.over_budget(answer.day_micros, answer.month_micros, &readings)?;
+        if self.budget.is_set() {
+            let windows = Windows::at(unix_now());
+            self.over_budget(answer.day_micros, answer.month_micros, &windows, &readings)?;
+        }
         match answer.refused {
             Some(Refusal::Requests) => Err(reply::rate_limited(
                 &readings,
