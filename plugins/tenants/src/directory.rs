@@ -24,10 +24,12 @@ pub fn digest(key: &[u8]) -> KeyDigest {
     Sha256::digest(key).into()
 }
 
-/// Key digests → tenants, from the config and from Redis.
+/// Key digests → tenants, from the config and from Redis. A tenant is a small `Copy` value
+/// (the plugin's id of it): a lookup copies it, and no count shared by every worker thread
+/// is written per request.
 pub struct Directory<T> {
-    configured: HashMap<KeyDigest, Arc<T>>,
-    by_name: HashMap<Arc<str>, Arc<T>>,
+    configured: HashMap<KeyDigest, T>,
+    by_name: HashMap<Arc<str>, T>,
     redis: Option<RedisDirectory<T>>,
 }
 
@@ -35,7 +37,7 @@ pub struct Directory<T> {
 struct RedisDirectory<T> {
     source: RedisKeys,
     /// Swapped whole at each read of the hash; requests read it without a lock.
-    keys: ArcSwap<HashMap<KeyDigest, Arc<T>>>,
+    keys: ArcSwap<HashMap<KeyDigest, T>>,
     /// Flips once the first read was made (or failed): requests wait for it, briefly.
     loaded: watch::Sender<bool>,
     started: AtomicBool,
@@ -44,15 +46,15 @@ struct RedisDirectory<T> {
 /// How long a request waits for the first read of the Redis keys after start-up.
 const FIRST_READ_WAIT: Duration = Duration::from_secs(1);
 
-impl<T: Send + Sync + 'static> Directory<T> {
+impl<T: Copy + Send + Sync + 'static> Directory<T> {
     /// `tenants` by name, with their configured key digests (already validated).
-    pub fn new(tenants: Vec<(Arc<str>, Vec<String>, Arc<T>)>, redis: Option<RedisKeys>) -> Self {
+    pub fn new(tenants: Vec<(Arc<str>, Vec<String>, T)>, redis: Option<RedisKeys>) -> Self {
         let mut configured = HashMap::new();
         let mut by_name = HashMap::new();
         for (name, keys, tenant) in tenants {
             for written in keys {
                 if let Ok(d) = digest_of(&written) {
-                    configured.insert(d, Arc::clone(&tenant));
+                    configured.insert(d, tenant);
                 }
             }
             by_name.insert(name, tenant);
@@ -71,14 +73,14 @@ impl<T: Send + Sync + 'static> Directory<T> {
     }
 
     /// The tenant configured under `name`.
-    pub fn named(&self, name: &str) -> Option<&Arc<T>> {
-        self.by_name.get(name)
+    pub fn named(&self, name: &str) -> Option<T> {
+        self.by_name.get(name).copied()
     }
 
     /// The tenant whose key has `digest`, if any.
-    pub async fn find(self: &Arc<Self>, digest: &KeyDigest) -> Option<Arc<T>> {
-        if let Some(found) = self.configured.get(digest) {
-            return Some(Arc::clone(found));
+    pub async fn find(self: &Arc<Self>, digest: &KeyDigest) -> Option<T> {
+        if let Some(&found) = self.configured.get(digest) {
+            return Some(found);
         }
         let redis = self.redis.as_ref()?;
         self.start_reading();
@@ -86,7 +88,7 @@ impl<T: Send + Sync + 'static> Directory<T> {
         if !*loaded.borrow() {
             let _ = tokio::time::timeout(FIRST_READ_WAIT, loaded.wait_for(|done| *done)).await;
         }
-        redis.keys.load().get(digest).cloned()
+        redis.keys.load().get(digest).copied()
     }
 
     /// Starts the task that reads the Redis keys every `refresh`, once, inside the runtime.
@@ -160,8 +162,8 @@ impl<T: Send + Sync + 'static> Directory<T> {
         let mut skipped = 0usize;
         for (written, name) in entries {
             match (digest_of(&written), self.by_name.get(name.as_str())) {
-                (Ok(d), Some(tenant)) => {
-                    keys.insert(d, Arc::clone(tenant));
+                (Ok(d), Some(&tenant)) => {
+                    keys.insert(d, tenant);
                 }
                 _ => skipped += 1,
             }

@@ -76,6 +76,11 @@ pub struct Entry {
     series: metrics::Series,
 }
 
+/// A tenant's place among the plugin's entries: what the directory gives and a request
+/// keeps, copied rather than counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EntryId(usize);
+
 impl Entry {
     fn new(name: &str, identified: bool, policy: &Policy, limiter: &Limiter) -> Self {
         Self {
@@ -157,17 +162,19 @@ impl PluginBuilder for TenantsBuilder {
         // The limits first: each tenant's entry holds its own, so that no request looks
         // them up by name.
         let limiter = Limiter::start(&config.limits_store, limited);
-        let listed = policies
-            .into_iter()
-            .map(|(name, policy)| {
-                let entry = Arc::new(Entry::new(&name, true, &policy, &limiter));
-                (name, policy.keys, entry)
-            })
-            .collect();
-        let anonymous = anonymous
-            .map(|policy| Arc::new(Entry::new(Tenant::ANONYMOUS, false, &policy, &limiter)));
+        let mut entries = Vec::with_capacity(policies.len() + 1);
+        let mut listed = Vec::with_capacity(policies.len());
+        for (name, policy) in policies {
+            entries.push(Entry::new(&name, true, &policy, &limiter));
+            listed.push((name, policy.keys, EntryId(entries.len() - 1)));
+        }
+        let anonymous = anonymous.map(|policy| {
+            entries.push(Entry::new(Tenant::ANONYMOUS, false, &policy, &limiter));
+            EntryId(entries.len() - 1)
+        });
         Arc::new(Tenants {
             directory: Arc::new(Directory::new(listed, config.keys_from_redis.clone())),
+            entries,
             anonymous,
             trusted_proxies: self.trusted_proxies,
             tenant_header: self.tenant_header,
@@ -184,8 +191,10 @@ fn address_or_network(text: &str) -> std::result::Result<IpNet, String> {
 }
 
 pub struct Tenants {
-    directory: Arc<Directory<Entry>>,
-    anonymous: Option<Arc<Entry>>,
+    directory: Arc<Directory<EntryId>>,
+    /// Every configured tenant's entry, then `anonymous`'s when it is let in.
+    entries: Vec<Entry>,
+    anonymous: Option<EntryId>,
     trusted_proxies: Vec<IpNet>,
     tenant_header: Option<HeaderName>,
     limiter: Limiter,
@@ -194,13 +203,13 @@ pub struct Tenants {
 /// The request's tenant and, once admitted, its admission by the limits (its concurrency
 /// slot, its estimate, its headers): one entry of the request's state for both.
 struct Caller {
-    entry: Arc<Entry>,
+    entry: EntryId,
     admitted: Option<Admitted>,
 }
 
 impl Tenants {
     /// The tenant of a request, or the 401 it gets.
-    async fn identify(&self, session: &Session) -> std::result::Result<Arc<Entry>, ErrorReply> {
+    async fn identify(&self, session: &Session) -> std::result::Result<EntryId, ErrorReply> {
         let headers = &session.req_header().headers;
         if let Some(named) = self.tenant_header.as_ref().and_then(|h| headers.get(h)) {
             // From anyone but a trusted proxy, the header means nothing.
@@ -209,25 +218,29 @@ impl Tenants {
                     .to_str()
                     .ok()
                     .and_then(|name| self.directory.named(name.trim()))
-                    .cloned()
                     .ok_or_else(|| {
                         unauthorized("The tenant the proxy in front named is not configured.")
                     });
             }
         }
         match api_key(headers) {
-            Some(key) => self.directory.find(&digest(key)).await.ok_or_else(|| {
-                unauthorized(
-                    "Incorrect API key provided. Check the key, or ask the operator for one.",
-                )
-            }),
-            None => self.anonymous.clone().ok_or_else(|| {
+            Some(key) => self
+                .directory
+                .find(&digest(key))
+                .await
+                .ok_or_else(|| unauthorized(UNKNOWN_KEY)),
+            None => self.anonymous.ok_or_else(|| {
                 unauthorized(
                     "You didn't provide an API key. Provide it in an Authorization header \
                      using Bearer auth (Authorization: Bearer YOUR_KEY).",
                 )
             }),
         }
+    }
+
+    /// The entry the directory's id names (always one of ours).
+    fn entry(&self, id: EntryId) -> Option<&Entry> {
+        self.entries.get(id.0)
     }
 
     fn peer_is_trusted_proxy(&self, session: &Session) -> bool {
@@ -284,6 +297,9 @@ impl Tenants {
     }
 }
 
+/// The 401's message for a key no tenant has.
+const UNKNOWN_KEY: &str = "Incorrect API key provided. Check the key, or ask the operator for one.";
+
 /// 401 in OpenAI's shape, with the challenge HTTP asks for.
 fn unauthorized(message: &str) -> ErrorReply {
     ErrorReply {
@@ -302,13 +318,18 @@ impl Plugin for Tenants {
     }
 
     async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
-        let entry = self
+        let id = self
             .identify(session)
             .await
             .map_err(ErrorReply::into_error)?;
+        // Every id the directory gives is one of the entries; were it not, the request
+        // would be refused, never let through without a tenant.
+        let entry = self
+            .entry(id)
+            .ok_or_else(|| unauthorized(UNKNOWN_KEY).into_error())?;
         ctx.set_tenant(Arc::clone(&entry.tenant));
         ctx.state.insert(Caller {
-            entry,
+            entry: id,
             admitted: None,
         });
         Ok(())
@@ -318,7 +339,9 @@ impl Plugin for Tenants {
         let (Some(caller), Some(call)) = (ctx.state.get::<Caller>(), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
-        let entry = &caller.entry;
+        let Some(entry) = self.entry(caller.entry) else {
+            return Ok(Flow::Continue);
+        };
         let capped = Self::apply_policy(entry, call)?;
         let call = capped.as_ref().unwrap_or(call);
         let demand = call.demand;
@@ -387,10 +410,12 @@ impl Plugin for Tenants {
             // sees its correction made.
             admitted.settle(usage);
         }
-        if let Some(usage) = &usage {
-            entry.series.used(usage);
+        if let Some(entry) = self.entry(entry) {
+            if let Some(usage) = &usage {
+                entry.series.used(usage);
+            }
+            entry.series.request();
         }
-        entry.series.request();
     }
 }
 

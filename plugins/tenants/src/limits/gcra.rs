@@ -16,10 +16,15 @@ pub(crate) fn div_ceil(a: i64, b: i64) -> i64 {
 }
 
 /// TAT charged for `n` tokens of a `limit`-per-minute bucket, rounded up to whole
-/// microseconds (exact in u128; saturates far beyond any real TAT).
+/// microseconds (exact; saturates far beyond any real TAT). In u64 whenever the product
+/// fits, which is any real count: a u128 division is a call into a software routine, and
+/// an admission makes several.
 pub(crate) fn cost(n: u64, limit: u64) -> i64 {
-    let limit = u128::from(limit.max(1));
-    let us = (u128::from(n) * WINDOW_US as u128).div_ceil(limit);
+    let limit = limit.max(1);
+    let us = match n.checked_mul(WINDOW_US as u64) {
+        Some(product) => u128::from(product.div_ceil(limit)),
+        None => (u128::from(n) * WINDOW_US as u128).div_ceil(u128::from(limit)),
+    };
     i64::try_from(us).unwrap_or(i64::MAX / 4).min(i64::MAX / 4)
 }
 
@@ -29,8 +34,12 @@ pub(crate) fn remaining(tat: i64, now: i64, limit: u64) -> u64 {
     if used >= WINDOW_US {
         return 0;
     }
-    let free = u128::try_from(WINDOW_US - used).unwrap_or(0);
-    u64::try_from(free * u128::from(limit) / WINDOW_US as u128).unwrap_or(u64::MAX)
+    let free = u64::try_from(WINDOW_US - used).unwrap_or(0);
+    match free.checked_mul(limit) {
+        Some(product) => product / WINDOW_US as u64,
+        None => u64::try_from(u128::from(free) * u128::from(limit) / WINDOW_US as u128)
+            .unwrap_or(u64::MAX),
+    }
 }
 
 /// A bucket's answer to a take.
@@ -128,6 +137,36 @@ mod tests {
         assert_eq!(adjust(tat, now, -800, 1000), 6 * S);
         // Never past full.
         assert_eq!(adjust(tat, now, -5000, 1000), now);
+    }
+
+    #[test]
+    fn the_u64_arithmetic_agrees_with_u128_on_both_sides_of_its_overflow() {
+        let exact_cost = |n: u64, limit: u64| {
+            let us = (u128::from(n) * WINDOW_US as u128).div_ceil(u128::from(limit.max(1)));
+            i64::try_from(us).unwrap_or(i64::MAX / 4).min(i64::MAX / 4)
+        };
+        let exact_remaining = |free: i64, limit: u64| {
+            let r = u128::from(free.unsigned_abs()) * u128::from(limit) / WINDOW_US as u128;
+            u64::try_from(r).unwrap_or(u64::MAX)
+        };
+        let edge = u64::MAX / WINDOW_US as u64;
+        let counts = [0, 1, 7, 999, 1_000_000, edge - 1, edge, edge + 1, u64::MAX];
+        let limits = [0, 1, 3, 1000, 100_000_000, edge, edge + 1, u64::MAX];
+        for n in counts {
+            for limit in limits {
+                assert_eq!(cost(n, limit), exact_cost(n, limit), "cost({n}, {limit})");
+            }
+        }
+        for limit in limits {
+            for free in [0, 1, 59_999_999, WINDOW_US] {
+                let tat = WINDOW_US - free;
+                assert_eq!(
+                    remaining(tat, 0, limit),
+                    exact_remaining(free, limit),
+                    "remaining with {free} µs free of {limit}"
+                );
+            }
+        }
     }
 
     #[test]
