@@ -1,6 +1,6 @@
 //! The real `sluice` binary, started on free ports with a config a test builds as JSON.
 
-use crate::llm::{ask_url, client, Answer};
+use crate::llm::{ask_url, client, wait_for, Answer};
 use crate::ports::reserve_port;
 use crate::proc::{kill, listens};
 use serde_json::{json, Value};
@@ -244,14 +244,11 @@ impl Proxy {
     /// The value of one series once it is `want`, or its last value after 5 s: what a request
     /// counts when it ends (its logging hook) is counted just after the client has its answer.
     pub async fn metric_once(&self, series: &str, want: f64) -> Option<f64> {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let value = self.metric(series).await;
-            if value == Some(want) || Instant::now() > deadline {
-                return value;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for(Duration::from_secs(5), || async {
+            self.metric(series).await == Some(want)
+        })
+        .await;
+        self.metric(series).await
     }
 }
 

@@ -300,7 +300,7 @@ impl TenantState {
     /// Corrects the local buckets from the usage, and adds its cost to the spend.
     pub(crate) fn settle_local(&self, charged: Want, usage: Usage) {
         let spend = micros(usage.usd);
-        let (input, output, _) = self.corrections(charged, usage);
+        let (input, output) = self.token_corrections(charged, usage);
         // An estimate that was right and an answer that cost nothing: nothing to write.
         if input == 0 && output == 0 && spend == 0 {
             return;
@@ -322,6 +322,17 @@ impl TenantState {
     /// The corrections to send to the shared store: (input, output, micro-dollars), zero for
     /// what the tenant does not limit.
     pub(crate) fn corrections(&self, charged: Want, usage: Usage) -> (i64, i64, u64) {
+        let (input, output) = self.token_corrections(charged, usage);
+        let usd = if self.budget.is_set() {
+            micros(usage.usd)
+        } else {
+            0
+        };
+        (input, output, usd)
+    }
+
+    /// The token buckets' part of [`TenantState::corrections`]: (input, output).
+    fn token_corrections(&self, charged: Want, usage: Usage) -> (i64, i64) {
         let input = self
             .limits
             .input_tokens_per_minute
@@ -330,12 +341,7 @@ impl TenantState {
             .limits
             .output_tokens_per_minute
             .map_or(0, |_| delta(usage.output_tokens, charged.output_tokens));
-        let usd = if self.budget.is_set() {
-            micros(usage.usd)
-        } else {
-            0
-        };
-        (input, output, usd)
+        (input, output)
     }
 
     /// The verdict of the shared store's answer: counted, remembered for snapshots, and
