@@ -1039,7 +1039,7 @@ async fn cache_hits(ctx: &mut Ctx) -> Result<ScenarioReport> {
             let t = match up.contender {
                 Contender::Nginx => Target::get(up.addr, STATIC),
                 Contender::SluiceMemoryHit | Contender::SluiceRedisHit => {
-                    Target::post_json(up.addr, CHAT, body.clone()).expecting("x-cache", "HIT")
+                    Target::post_json(up.addr, CHAT, body.clone()).expecting(X_CACHE, "HIT")
                 }
                 _ => Target::post_json(up.addr, CHAT, body.clone()),
             };
@@ -1738,6 +1738,9 @@ struct BodyCase {
 /// Room left in each body for the per-request counter of "plugins on" (see `Target::varied`),
 /// so that the varied body stays within `max_request_body_bytes`.
 const VARY_ROOM: usize = 24;
+
+/// Scenario 5's cache contenders: only hits count.
+const X_CACHE: http::HeaderName = http::HeaderName::from_static("x-cache");
 
 /// Scenario 9, large request bodies: a fresh proxy's peak RSS above idle while 4 connections
 /// send 8 MiB bodies (a chat message; a completion's token ids), plugins off and on; nginx for

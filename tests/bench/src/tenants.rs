@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use http::header::{HeaderValue, AUTHORIZATION};
+use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
 
 use crate::contenders::{Contender, SimSpec, TENANT_KEY, TENANT_NAME, TENANT_REQUESTS_PER_MINUTE};
 use crate::loadgen::{fetch, open_loop, LoadResult, Target};
@@ -30,7 +30,7 @@ use crate::scenarios::{
 use crate::Ctx;
 
 /// The header the limiter puts on every answer it admitted (see the module header).
-const ADMITTED: &str = "x-ratelimit-limit-requests";
+const ADMITTED: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
 
 const WANT: [Contender; 4] = [
     Contender::Direct,
