@@ -203,3 +203,32 @@ impl<T: Copy + Send + Sync + 'static> Directory<T> {
         redis.keys.store(Arc::new(keys));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn written(d: &KeyDigest) -> String {
+        format!("sha256:{}", hex::encode(d))
+    }
+
+    #[tokio::test]
+    async fn a_digest_is_found_by_all_its_bytes_not_by_the_eight_it_is_hashed_by() {
+        let alpha = digest(b"sk-alpha");
+        // Another digest that hashes the same: the same first eight bytes, then different.
+        let mut twin = alpha;
+        twin[8..].iter_mut().for_each(|b| *b = !*b);
+        let directory = Arc::new(Directory::new(
+            vec![
+                ("alpha".into(), vec![written(&alpha)], 1u8),
+                ("beta".into(), vec![written(&digest(b"sk-beta"))], 2u8),
+            ],
+            None,
+        ));
+        assert_eq!(directory.find(&alpha).await, Some(1));
+        assert_eq!(directory.find(&digest(b"sk-beta")).await, Some(2));
+        assert_eq!(directory.find(&twin).await, None, "same hash, other key");
+        assert_eq!(directory.find(&digest(b"sk-other")).await, None);
+        assert_eq!(directory.named("beta"), Some(2));
+    }
+}
