@@ -70,9 +70,9 @@ pub struct Entry {
     models: Option<HashSet<String>>,
     max_tokens: Option<u32>,
     over_max_tokens: OverMaxTokens,
-    /// Its limits. Every configured tenant and `anonymous` has them, even with no limit set
-    /// (its concurrency is counted for `/status`); `None` would leave it unlimited.
-    limits: Option<TenantLimits>,
+    /// Its limits. Every tenant has them, even with no limit set: its concurrency is
+    /// counted for `/status`.
+    limits: TenantLimits,
     series: metrics::Series,
 }
 
@@ -82,10 +82,16 @@ pub struct Entry {
 struct EntryId(usize);
 
 impl Entry {
-    fn new(name: &str, identified: bool, policy: &Policy, limiter: &Limiter) -> Self {
+    fn new(name: Arc<str>, identified: bool, policy: &Policy, limiter: &mut Limiter) -> Self {
         Self {
+            limits: limiter.add(
+                Arc::clone(&name),
+                policy.limits.clone(),
+                policy.budget.clone(),
+            ),
+            series: metrics::Series::of(&name),
             tenant: Arc::new(Tenant {
-                name: name.into(),
+                name,
                 identified,
                 default_priority: policy.priority.default,
                 max_priority: policy.priority.max,
@@ -94,8 +100,6 @@ impl Entry {
             models: policy.models.as_ref().map(|m| m.iter().cloned().collect()),
             max_tokens: policy.max_tokens,
             over_max_tokens: policy.over_max_tokens.unwrap_or_default(),
-            limits: limiter.tenant(name),
-            series: metrics::Series::of(name),
         }
     }
 }
@@ -138,38 +142,19 @@ impl PluginBuilder for TenantsBuilder {
 
     fn start(self) -> Arc<dyn Plugin> {
         let config = self.config;
-        let mut limited = Vec::new();
-        let mut policies = Vec::new();
+        let mut limiter = Limiter::new(&config.limits_store);
+        let mut entries = Vec::with_capacity(config.tenants.len() + 1);
+        let mut listed = Vec::with_capacity(config.tenants.len());
         for (name, section) in &config.tenants {
             let policy = section.over(&config.defaults);
             let name: Arc<str> = name.as_str().into();
-            limited.push((
-                Arc::clone(&name),
-                policy.limits.clone(),
-                policy.budget.clone(),
-            ));
-            policies.push((name, policy));
+            entries.push(Entry::new(Arc::clone(&name), true, &policy, &mut limiter));
+            listed.push((name, policy.keys, EntryId(entries.len() - 1)));
         }
         let anonymous = config.anonymous.as_ref().map(|section| {
             let policy = section.over(&config.defaults);
-            limited.push((
-                Tenant::ANONYMOUS.into(),
-                policy.limits.clone(),
-                policy.budget.clone(),
-            ));
-            policy
-        });
-        // The limits first: each tenant's entry holds its own, so that no request looks
-        // them up by name.
-        let limiter = Limiter::start(&config.limits_store, limited);
-        let mut entries = Vec::with_capacity(policies.len() + 1);
-        let mut listed = Vec::with_capacity(policies.len());
-        for (name, policy) in policies {
-            entries.push(Entry::new(&name, true, &policy, &limiter));
-            listed.push((name, policy.keys, EntryId(entries.len() - 1)));
-        }
-        let anonymous = anonymous.map(|policy| {
-            entries.push(Entry::new(Tenant::ANONYMOUS, false, &policy, &limiter));
+            let name = Tenant::ANONYMOUS.into();
+            entries.push(Entry::new(name, false, &policy, &mut limiter));
             EntryId(entries.len() - 1)
         });
         Arc::new(Tenants {
@@ -351,15 +336,16 @@ impl Plugin for Tenants {
                 .output_tokens
                 .saturating_mul(u64::from(demand.sequences.max(1))),
         };
-        let admitted = match &entry.limits {
-            Some(limits) => Some(limits.admit(want).await.map_err(ErrorReply::into_error)?),
-            None => None,
-        };
+        let admitted = entry
+            .limits
+            .admit(want)
+            .await
+            .map_err(ErrorReply::into_error)?;
         if let Some(capped) = capped {
             ctx.rewrite_request(capped);
         }
         if let Some(caller) = ctx.state.get_mut::<Caller>() {
-            caller.admitted = admitted;
+            caller.admitted = Some(admitted);
         }
         // The real counts correct the estimate once the answer is in.
         ctx.want_usage();

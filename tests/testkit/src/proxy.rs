@@ -244,11 +244,16 @@ impl Proxy {
     /// The value of one series once it is `want`, or its last value after 5 s: what a request
     /// counts when it ends (its logging hook) is counted just after the client has its answer.
     pub async fn metric_once(&self, series: &str, want: f64) -> Option<f64> {
-        wait_for(Duration::from_secs(5), || async {
-            self.metric(series).await == Some(want)
+        // The value the last look read: the one that matched, without asking again.
+        let last = &std::sync::Mutex::new(None);
+        wait_for(Duration::from_secs(5), move || async move {
+            let value = self.metric(series).await;
+            *last.lock().unwrap_or_else(|e| e.into_inner()) = value;
+            value == Some(want)
         })
         .await;
-        self.metric(series).await
+        let value = *last.lock().unwrap_or_else(|e| e.into_inner());
+        value
     }
 }
 

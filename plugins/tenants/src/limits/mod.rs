@@ -1,11 +1,11 @@
 //! Per-tenant rate limits and budgets, kept in this process or shared through Redis.
 //!
-//! One [`Limiter`] per process holds every tenant's limits. The plugin takes each tenant's
-//! [`TenantLimits`] from it once, at start ([`Limiter::tenant`]), and with it serves each of
-//! the tenant's requests: [`TenantLimits::admit`] once the body is parsed, with the estimate
-//! ([`Want`]: the prompt's tokens, and `max_tokens` × sequences); [`Admitted::settle`] after
-//! the answer, with its `usage`; dropping the [`Admitted`] ends the request's concurrency
-//! slot. [`Limiter::admit`] does the same by the tenant's name.
+//! One [`Limiter`] per process holds every tenant's limits. The plugin adds each tenant to
+//! it once, at start ([`Limiter::add`]), and keeps the [`TenantLimits`] it gets back to serve
+//! each of the tenant's requests: [`TenantLimits::admit`] once the body is parsed, with the
+//! estimate ([`Want`]: the prompt's tokens, and `max_tokens` × sequences);
+//! [`Admitted::settle`] after the answer, with its `usage`; dropping the [`Admitted`] ends
+//! the request's concurrency slot.
 //!
 //! # What is limited, and how
 //!
@@ -171,7 +171,7 @@ pub struct Limiter {
     tenants: HashMap<Arc<str>, TenantLimits>,
 }
 
-/// One tenant's limits, looked up once (when the plugin starts), not per request.
+/// One tenant's limits, handed out once (when the plugin starts), not looked up per request.
 #[derive(Clone)]
 pub struct TenantLimits(Arc<TenantState>);
 
@@ -184,14 +184,9 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    /// Built in the plugin's start(); `tenants` are the configured tenants' names with their
-    /// merged limits and budgets (the anonymous tenant included, under
-    /// `sluice_sdk::Tenant::ANONYMOUS`). Redis connects in the background: start never waits
-    /// for it.
-    pub fn start(
-        store: &StoreConfig,
-        tenants: Vec<(Arc<str>, LimitsConfig, BudgetConfig)>,
-    ) -> Limiter {
+    /// Built in the plugin's start(), before its tenants are added. Redis connects in the
+    /// background: this never waits for it.
+    pub fn new(store: &StoreConfig) -> Limiter {
         let store_kind = match store.kind {
             StoreKind::Local => Store::Local,
             StoreKind::Redis => {
@@ -204,27 +199,45 @@ impl Limiter {
             store: store_kind,
             on_error: store.on_redis_error,
         });
-        let tenants = tenants
-            .into_iter()
-            .map(|(name, limits, budget)| {
-                if budget.is_set() {
-                    metrics::init_budget(&name, budget.mode().as_str());
-                }
-                let state =
-                    TenantState::new(Arc::clone(&name), limits, budget, Arc::clone(&backing));
-                (name, TenantLimits(Arc::new(state)))
-            })
-            .collect();
-        Limiter { backing, tenants }
+        Limiter {
+            backing,
+            tenants: HashMap::new(),
+        }
     }
 
-    /// The limits of the tenant named so; `None`: it is not limited.
-    pub fn tenant(&self, name: &str) -> Option<TenantLimits> {
-        self.tenants.get(name).cloned()
+    /// A tenant's limits (the anonymous tenant's under `sluice_sdk::Tenant::ANONYMOUS`): kept
+    /// here for `/status`, and handed back for the plugin to admit the tenant's requests with.
+    pub fn add(
+        &mut self,
+        name: Arc<str>,
+        limits: LimitsConfig,
+        budget: BudgetConfig,
+    ) -> TenantLimits {
+        if budget.is_set() {
+            metrics::init_budget(&name, budget.mode().as_str());
+        }
+        let state = TenantState::new(Arc::clone(&name), limits, budget, Arc::clone(&self.backing));
+        let tenant = TenantLimits(Arc::new(state));
+        self.tenants.insert(name, tenant.clone());
+        tenant
     }
 
-    /// [`TenantLimits::admit`] by the tenant's name; a tenant not given to
-    /// [`Limiter::start`] is admitted unlimited.
+    /// A limiter with `tenants` added.
+    #[cfg(test)]
+    pub fn start(
+        store: &StoreConfig,
+        tenants: Vec<(Arc<str>, LimitsConfig, BudgetConfig)>,
+    ) -> Limiter {
+        let mut limiter = Limiter::new(store);
+        for (name, limits, budget) in tenants {
+            limiter.add(name, limits, budget);
+        }
+        limiter
+    }
+
+    /// [`TenantLimits::admit`] by the tenant's name; a tenant not added is admitted
+    /// unlimited.
+    #[cfg(test)]
     pub async fn admit(&self, tenant: &str, want: Want) -> Result<Admitted, ErrorReply> {
         match self.tenants.get(tenant) {
             Some(limits) => limits.admit(want).await,
