@@ -207,7 +207,9 @@ async fn a_first_byte_timeout_is_retried_only_when_the_pool_lists_it() {
     let healthy = vllm_sim::start(SimConfig::default().with_model(MODEL))
         .await
         .unwrap();
-    let timeouts = json!({"timeouts": {"first_byte": "300ms"}});
+    // The silent backend never answers; the healthy one must always beat the bound, even on a
+    // busy machine.
+    let timeouts = json!({"timeouts": {"first_byte": "2s"}});
 
     let proxy = retrying_on(silent, healthy.addr(), &["http_503"], timeouts.clone()).await;
     let got = statuses(&proxy, 4).await;
