@@ -317,3 +317,45 @@ async fn a_request_waits_in_a_bounded_queue_for_capacity_before_it_is_refused() 
     assert!(left.is_some(), "the wait ended when the client left");
     assert_eq!(proxy.metric(depth).await, Some(0.0));
 }
+
+/// The class is a fact decided before any plugin's `request` hook reads it: the selector
+/// judges the draft for a `critical` request as `critical`. At KV 0.9 the draft sheds
+/// `standard` (0.85) but not `critical` (0.95): a critical request stays on the draft, a
+/// standard one goes to the 9× target. (The selector read the class before the breaker
+/// decided it, and judged every request as `standard`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_selector_judges_a_critical_request_as_critical() {
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(json!({
+        "pools": [
+            scraped_often(pool("draft", &[MODEL], &[draft.addr()])),
+            scraped_often(pool("target", &[MODEL], &[target.addr()])),
+        ],
+        "plugins": {
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+            "kv_breaker": {"enabled": true},
+        },
+    }))
+    .await;
+    draft.set_phantom_kv(0.9);
+    assert!(
+        scraped(&proxy, 0, |kv| kv >= 0.89).await,
+        "pressure scraped"
+    );
+    let ask = |priority: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let a = proxy
+                .ask(
+                    &chat(MODEL, &format!("a {priority} question"), false),
+                    &[("x-sluice-priority", priority)],
+                )
+                .await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            a.headers["x-sluice-pool"].to_str().unwrap().to_string()
+        }
+    };
+    assert_eq!(ask("standard").await, "target");
+    assert_eq!(ask("critical").await, "draft");
+}

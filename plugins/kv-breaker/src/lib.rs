@@ -338,9 +338,16 @@ impl Plugin for KvBreaker {
         Some(serde_json::json!({ "thresholds": classes }))
     }
 
-    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+    /// The class is a fact about the request: decided here, before any plugin's `request`
+    /// hook (the selector's among them) reads it. The tenant is known by now.
+    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
         let priority = self.priority(session, ctx);
         ctx.set_priority(priority);
+        Ok(())
+    }
+
+    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+        let priority = ctx.priority().unwrap_or(self.priority.default);
         let (Some(pool), Some(call)) = (ctx.pool().cloned(), ctx.llm()) else {
             return Ok(Flow::Continue);
         };

@@ -29,6 +29,11 @@
 //! Body hooks run per chunk and must be incremental: anything slow or async (a Redis write)
 //! is spawned, or done from `logging`.
 //!
+//! Facts about a request (who is calling, its priority class) are decided in
+//! `early_request`, by the plugin that owns them, so that every `request` hook can read them;
+//! intents (where the request goes, a local answer) are made in `request`. A `request` hook
+//! never reads a fact that a later plugin's `request` hook decides.
+//!
 //! Sluice's own answers (an error it makes, a plugin's local answer such as a cache hit,
 //! `/v1/models`) run `response_header`, `response_body` and `logging` too, so every answer
 //! carries the request id and the cache status; `error` runs for every error answer.

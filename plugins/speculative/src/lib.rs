@@ -294,7 +294,8 @@ impl Plugin for Speculative {
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
             .filter(|_| may_force);
-        // Until a plugin decided the class, the draft is judged for a standard request.
+        // The class is decided in `early_request` (the breaker's); without a plugin that
+        // decides it, every request is standard.
         let priority = ctx.priority().unwrap_or(Priority::Standard);
         // Decided before any copy of the body is made: the code classifier may unescape a
         // prompt's text, and that copy is gone before the body's is made.
