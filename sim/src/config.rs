@@ -35,8 +35,13 @@ pub enum MetricsFlavor {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ErrorShape {
-    /// vLLM >= 0.10.1: `{"error":{"message","type","param","code"}}`.
+    /// vLLM 0.32 (the default): `New`'s body, with `param` naming the field at fault on a
+    /// context-length refusal (`input_tokens`); a prompt that fits but leaves less room than
+    /// `max_tokens` is no longer refused: the answer stops at the context's end.
     #[default]
+    #[serde(rename = "0.32")]
+    V0_32,
+    /// vLLM 0.10.1 to 0.31: `{"error":{"message","type","param","code"}}`.
     New,
     /// vLLM < 0.10.1: `{"object":"error","message","type","param","code"}`.
     Old,
@@ -104,6 +109,9 @@ pub struct SimConfig {
     /// Context length in tokens (`--max-model-len`): a request whose prompt plus `max_tokens`
     /// exceeds it gets vLLM's 400. Every served name of this instance shares it.
     pub max_model_len: u32,
+    /// Prompt bytes per token, as the served model's tokenizer makes them: 4 (English prose,
+    /// the default), 2.5-3 for code, numbers and most other languages.
+    pub bytes_per_token: f64,
     pub latency: Latency,
     pub num_gpu_blocks: u32,
     pub block_size: u32,
@@ -151,6 +159,7 @@ impl SimConfig {
             model: "meta-llama/Llama-3.1-8B-Instruct".to_string(),
             served_model_names: Vec::new(),
             max_model_len: 32768,
+            bytes_per_token: 4.0,
             latency: Latency::zero(),
             num_gpu_blocks: 1_000_000,
             block_size: 16,
@@ -158,7 +167,7 @@ impl SimConfig {
             max_waiting: None,
             oom_on_overload: false,
             metrics: MetricsFlavor::V1,
-            error_shape: ErrorShape::New,
+            error_shape: ErrorShape::V0_32,
             speculative: None,
             low_confidence_share: 0.0,
             default_temperature: 1.0,
@@ -224,6 +233,10 @@ impl SimConfig {
     }
     pub fn with_served_model_names(mut self, names: Vec<String>) -> Self {
         self.served_model_names = names;
+        self
+    }
+    pub fn with_bytes_per_token(mut self, bytes_per_token: f64) -> Self {
+        self.bytes_per_token = bytes_per_token;
         self
     }
     pub fn with_max_model_len(mut self, len: u32) -> Self {

@@ -21,6 +21,8 @@ enum MetricsArg {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum ShapeArg {
+    #[value(name = "0.32")]
+    V0_32,
     New,
     Old,
 }
@@ -49,9 +51,12 @@ struct Args {
     served_model_name: Vec<String>,
     #[arg(long)]
     max_model_len: Option<u32>,
+    /// Prompt bytes per token of the simulated tokenizer (4: English prose).
+    #[arg(long)]
+    bytes_per_token: Option<f64>,
     #[arg(long, value_enum, default_value = "v1")]
     metrics: MetricsArg,
-    #[arg(long, value_enum, default_value = "new")]
+    #[arg(long, value_enum, default_value = "0.32")]
     error_shape: ShapeArg,
     /// vLLM's `--api-key`: `/v1` requests must carry `Authorization: Bearer <key>`.
     #[arg(long)]
@@ -123,11 +128,15 @@ fn config(args: &Args) -> Result<SimConfig, String> {
     if let Some(max_model_len) = args.max_model_len {
         config.max_model_len = max_model_len;
     }
+    if let Some(bytes_per_token) = args.bytes_per_token {
+        config.bytes_per_token = bytes_per_token;
+    }
     config.metrics = match args.metrics {
         MetricsArg::V1 => MetricsFlavor::V1,
         MetricsArg::V0 => MetricsFlavor::V0,
     };
     config.error_shape = match args.error_shape {
+        ShapeArg::V0_32 => ErrorShape::V0_32,
         ShapeArg::New => ErrorShape::New,
         ShapeArg::Old => ErrorShape::Old,
     };

@@ -31,6 +31,8 @@ pub struct ApiError {
     pub status: u16,
     pub message: String,
     pub err_type: &'static str,
+    /// The field at fault, as vLLM 0.32 names it (`input_tokens`, `max_tokens`).
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -39,7 +41,14 @@ impl ApiError {
             status,
             message: message.into(),
             err_type: error_type(status),
+            param: None,
         }
+    }
+
+    /// The same error, naming the field at fault.
+    pub fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
         ApiError::new(400, message)
@@ -67,7 +76,7 @@ struct ErrorInner<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     err_type: &'a str,
-    param: Option<()>,
+    param: Option<&'a str>,
     code: u16,
 }
 
@@ -77,18 +86,18 @@ struct OldError<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     err_type: &'a str,
-    param: Option<()>,
+    param: Option<&'a str>,
     code: u16,
 }
 
 /// The JSON error body in the configured shape.
 pub fn error_body(shape: ErrorShape, error: &ApiError) -> Vec<u8> {
     let serialized = match shape {
-        ErrorShape::New => serde_json::to_vec(&NewError {
+        ErrorShape::V0_32 | ErrorShape::New => serde_json::to_vec(&NewError {
             error: ErrorInner {
                 message: &error.message,
                 err_type: error.err_type,
-                param: None,
+                param: error.param,
                 code: error.status,
             },
         }),
@@ -108,7 +117,7 @@ pub fn error_body(shape: ErrorShape, error: &ApiError) -> Vec<u8> {
 pub fn stream_error_event(shape: ErrorShape, error: &ApiError) -> String {
     let message = serde_json::to_string(&error.message).unwrap_or_else(|_| "\"\"".into());
     let inner = match shape {
-        ErrorShape::New => format!(
+        ErrorShape::V0_32 | ErrorShape::New => format!(
             "{{\"message\": {message}, \"type\": \"{}\", \"param\": null, \"code\": {}}}",
             error.err_type, error.status
         ),
@@ -144,6 +153,8 @@ pub struct CompletionRequest {
 pub struct Prompt {
     pub hash: u64,
     pub tokens: u32,
+    /// What the tokens were counted from: the rendered prompt's bytes.
+    pub bytes: usize,
 }
 
 impl Prompt {
@@ -151,7 +162,15 @@ impl Prompt {
         Prompt {
             hash: hasher.finish(),
             tokens: text::tokens_for_bytes(bytes).max(1),
+            bytes,
         }
+    }
+
+    /// Counts the prompt again at `bytes_per_token` (real tokenizers make 2.5-3 bytes a
+    /// token of code, numbers and most languages; 4 of English prose).
+    pub fn count_at(&mut self, bytes_per_token: f64) {
+        let tokens = (self.bytes as f64 / bytes_per_token.max(0.5)).ceil();
+        self.tokens = (tokens as u32).max(1);
     }
 }
 
@@ -257,6 +276,12 @@ fn parse_messages(fields: &Fields) -> Result<Prompt, ApiError> {
     for message in messages {
         bytes += message_bytes(&mut hasher, message)?;
     }
+    // The chat template renders the tool definitions into the prompt.
+    if let Some(tools) = fields.get("tools").filter(|t| !t.is_null()) {
+        let json = tools.to_string();
+        hasher.bytes(json.as_bytes());
+        bytes += json.len();
+    }
     Ok(Prompt::new(&hasher, bytes))
 }
 
@@ -288,7 +313,15 @@ fn message_bytes(hasher: &mut Hasher, message: &Value) -> Result<usize, ApiError
     hasher.bytes(role.as_bytes());
     hasher.separator();
     let content = message.get("content").unwrap_or(&Value::Null);
-    let bytes = content_bytes(hasher, content)? + CHAT_TEMPLATE_BYTES;
+    let mut bytes = content_bytes(hasher, content)? + CHAT_TEMPLATE_BYTES;
+    // An assistant's tool calls and a tool result's call id are rendered too.
+    for rendered in ["tool_calls", "tool_call_id"] {
+        if let Some(value) = message.get(rendered).filter(|v| !v.is_null()) {
+            let json = value.to_string();
+            hasher.bytes(json.as_bytes());
+            bytes += json.len();
+        }
+    }
     hasher.separator();
     Ok(bytes)
 }

@@ -426,9 +426,50 @@ fn prompt_of(tokens: usize) -> String {
     "abcd".repeat(tokens)
 }
 
+/// The body of one of the vLLM 0.32 captures (`tests/fixtures/vllm-0.32/NAME.http`).
+fn captured_body(name: &str) -> Value {
+    let http = fixture(&format!("vllm-0.32/{name}.http"));
+    let body = http
+        .split("\r\n\r\n")
+        .nth(1)
+        .or_else(|| http.split("\n\n").nth(1));
+    serde_json::from_str(body.unwrap().trim()).unwrap()
+}
+
+/// vLLM 0.32 refuses only a prompt that leaves no room for output, naming `input_tokens`;
+/// an answer whose `max_tokens` does not fit runs to the context's end.
 #[tokio::test]
-async fn requests_over_max_model_len_get_vllms_400() {
-    let sim = sim(SimConfig::default().with_max_model_len(100)).await;
+async fn vllm_0_32_answers_to_the_context_end_and_refuses_only_a_prompt_that_fills_it() {
+    let sim = sim(SimConfig::default()
+        .with_max_model_len(2048)
+        .with_answer_tokens(300, 300))
+    .await;
+    let complete = |prompt_tokens: usize, max_tokens: u32| json!({"prompt": prompt_of(prompt_tokens), "max_tokens": max_tokens, "temperature": 0});
+    let (status, body) = post(&sim, "/v1/completions", &complete(2049, 10)).await;
+    assert_eq!(status, 400);
+    let captured = captured_body("err-prompt-too-long-completions");
+    assert_eq!(skeleton(&body), skeleton(&captured));
+    assert_eq!(body, captured, "the same numbers as the capture");
+
+    let (status, body) = post(&sim, "/v1/completions", &complete(2048, 10)).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "max_tokens");
+
+    // 1,900 prompt tokens and 1,000 asked: 148 generated, stopped by the context.
+    let (status, answer) = post(&sim, "/v1/completions", &complete(1900, 1000)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    assert_eq!(answer["usage"]["completion_tokens"], 148);
+    assert_eq!(answer["usage"]["total_tokens"], 2048);
+    sim.shutdown();
+}
+
+#[tokio::test]
+async fn requests_over_max_model_len_get_vllms_400_before_0_32() {
+    let sim = sim(SimConfig::default()
+        .with_max_model_len(100)
+        .with_error_shape(ErrorShape::New))
+    .await;
     let complete = |prompt_tokens: usize, max_tokens: Option<u32>| {
         let mut body = json!({"prompt": prompt_of(prompt_tokens), "temperature": 0});
         if let Some(max_tokens) = max_tokens {

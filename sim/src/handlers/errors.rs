@@ -39,11 +39,27 @@ pub fn context_length(
     prompt_tokens: u32,
     max_tokens: Option<u32>,
 ) -> ApiError {
+    if shape == ErrorShape::V0_32 {
+        return if prompt_tokens == max_model_len {
+            // The prompt fits exactly: no room for even one output token.
+            ApiError::bad_request(
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+            )
+            .with_param("max_tokens")
+        } else {
+            // vLLM stops counting one token past the context.
+            let at_least = max_model_len.saturating_add(1);
+            ApiError::bad_request(format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least {at_least} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={at_least})"
+            ))
+            .with_param("input_tokens")
+        };
+    }
     let message = match (shape, max_tokens) {
-        (ErrorShape::New, Some(max_tokens)) if prompt_tokens < max_model_len => format!(
+        (ErrorShape::V0_32 | ErrorShape::New, Some(max_tokens)) if prompt_tokens < max_model_len => format!(
             "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context length is {max_model_len} tokens and your request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})."
         ),
-        (ErrorShape::New, _) => format!(
+        (ErrorShape::V0_32 | ErrorShape::New, _) => format!(
             "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt_tokens} input tokens. Please reduce the length of the input messages."
         ),
         (ErrorShape::Old, Some(max_tokens)) => format!(

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use crate::config::SimConfig;
+use crate::config::{ErrorShape, SimConfig};
 use crate::openai::{self, ApiError, CompletionRequest, Kind, ModelCard, ModelList};
 use crate::server::{self, HttpResponse};
 use crate::Shared;
@@ -84,7 +84,10 @@ fn validate(
     kind: Kind,
     body: &[u8],
 ) -> Result<(CompletionRequest, u32), ApiError> {
-    let request = openai::parse(kind, body, shared.config.default_temperature)?;
+    let mut request = openai::parse(kind, body, shared.config.default_temperature)?;
+    if shared.config.bytes_per_token != 4.0 {
+        request.prompt.count_at(shared.config.bytes_per_token);
+    }
     if let Some(model) = &request.model {
         if !shared.served_names.iter().any(|served| served == model) {
             return Err(ApiError::new(
@@ -97,11 +100,27 @@ fn validate(
     Ok((request, max_tokens))
 }
 
-/// vLLM refuses a request whose prompt plus `max_tokens` exceeds `max_model_len` (or, without
-/// `max_tokens`, whose prompt alone fills it); otherwise the answer may use the rest.
+/// vLLM before 0.32 refuses a request whose prompt plus `max_tokens` exceeds `max_model_len`
+/// (or, without `max_tokens`, whose prompt alone fills it); otherwise the answer may use the
+/// rest. vLLM 0.32 refuses only a prompt that leaves no room, and an answer whose
+/// `max_tokens` does not fit stops at the context's end (`finish_reason: "length"`).
 fn token_budget(config: &SimConfig, request: &CompletionRequest) -> Result<u32, ApiError> {
     let max_model_len = config.max_model_len;
     let prompt_tokens = request.prompt.tokens;
+    if config.error_shape == ErrorShape::V0_32 {
+        let room = max_model_len
+            .checked_sub(prompt_tokens)
+            .filter(|room| *room > 0);
+        let Some(room) = room else {
+            return Err(errors::context_length(
+                config.error_shape,
+                max_model_len,
+                prompt_tokens,
+                request.max_tokens,
+            ));
+        };
+        return Ok(request.max_tokens.map_or(room, |max| max.min(room)));
+    }
     let too_long = match request.max_tokens {
         Some(max_tokens) => {
             u64::from(prompt_tokens) + u64::from(max_tokens) > u64::from(max_model_len)
