@@ -550,3 +550,224 @@ async fn the_hold_back_window_costs_the_time_of_its_tokens() {
         "the window holds the stream back"
     );
 }
+
+/// A draft whose context is 2,048 tokens, unknown to Sluice (its pool declares none), whose
+/// answers run 300 tokens: only the engine knows the request will not fit.
+async fn small_context_draft() -> vllm_sim::Sim {
+    sim_with(
+        SimConfig::default()
+            .with_max_model_len(2048)
+            .with_answer_tokens(300, 300),
+        0.0,
+    )
+    .await
+}
+
+/// What the client of an escalated request got, and what each pool was asked.
+fn completed(sim: &vllm_sim::Sim) -> u64 {
+    sim.stats().completed
+}
+
+/// vLLM 0.32 refuses a prompt longer than the draft's context with a 400 naming
+/// `input_tokens`: nothing has reached the client, so the request escalates to the target
+/// (whose context holds it) as `prompt-too-long`, where it used to get the draft's 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_refusing_the_context_length_escalates_as_prompt_too_long() {
+    let (draft, target) = (small_context_draft().await, sim(0.0).await);
+    let undeclared = pool("draft", &[MODEL], &[draft.addr()]);
+    let proxy = Proxy::start(config(undeclared, &target, None)).await;
+    // About 2,750 prompt tokens as the engine counts them.
+    for stream in [false, true] {
+        // A prompt of its own each time: the first answer is cached, for streams too.
+        let long = chat(
+            MODEL,
+            &format!("{stream} {}", "many words ".repeat(1000)),
+            stream,
+        );
+        let a = proxy.ask(&long, &[]).await;
+        assert_eq!(a.status, 200, "stream {stream}: {}", a.body);
+        assert_eq!(
+            (pool_of(&a), escalated(&a)),
+            ("target".into(), Some("prompt-too-long".into())),
+            "stream {stream}"
+        );
+    }
+    assert_eq!(draft.stats().errors, 2, "the draft refused both");
+    assert_eq!(completed(&target), 2);
+    // Any other 400 of the draft is the client's own mistake: passed on as it is.
+    let mut bad = chat(MODEL, "hello", false);
+    bad["max_tokens"] = json!("many");
+    let a = proxy.ask(&bad, &[]).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+}
+
+/// vLLM 0.32 no longer refuses a prompt whose `max_tokens` does not fit: it answers up to the
+/// context's end. A held draft answer cut that way escalates (nothing reached the client);
+/// a streamed one reached the client, and is never cached as a complete answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_answer_cut_by_its_context_escalates_and_is_never_cached() {
+    let draft = small_context_draft().await;
+    let target = sim_with(SimConfig::default().with_answer_tokens(300, 300), 0.0).await;
+    let undeclared = pool("draft", &[MODEL], &[draft.addr()]);
+    let proxy = Proxy::start(config(undeclared, &target, None)).await;
+    // About 1,900 prompt tokens and 1,000 asked: the draft stops after 148.
+    let mut request = chat(MODEL, &"abcd".repeat(1890), false);
+    request["max_tokens"] = json!(1000);
+    request["temperature"] = json!(0);
+    let a = proxy.ask(&request, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("prompt-too-long".into()))
+    );
+    let v: Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(
+        v["usage"]["completion_tokens"], 300,
+        "the whole answer: {v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+
+    let incomplete = r#"sluice_cache_writes_total{outcome="incomplete"}"#;
+    let before = proxy.metric(incomplete).await.unwrap_or(0.0);
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["messages"][0]["content"] = json!("efgh".repeat(1890));
+    let a = proxy.ask(&streamed, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!((pool_of(&a), escalated(&a)), ("draft".into(), None));
+    assert!(a.body.contains(r#""finish_reason":"length""#), "{}", a.body);
+    let judged = wait_for(Duration::from_secs(5), || async {
+        proxy.metric(incomplete).await.unwrap_or(0.0) > before
+    })
+    .await;
+    assert!(judged.is_some(), "the cut stream was not judged incomplete");
+    let again = proxy.ask(&streamed, &[]).await;
+    assert_ne!(again.headers["x-cache"], "HIT", "a cut answer was cached");
+}
+
+/// The breaker moves a request off a draft that cannot take it onto the target: the
+/// request has escalated there, and the target's answer is never judged against the target
+/// again (it was generated twice, and "escalated" from the target to itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_rerouted_onto_the_target_is_generated_there_once() {
+    // 16,000 tokens of KV cache, 80 % held: the draft admits only small requests.
+    let draft = sim_with(SimConfig::default().with_kv(1000, 16), 0.0).await;
+    let target = sim(1.0).await;
+    let mut cfg = config(
+        pool("draft", &[MODEL], &[draft.addr()]).with(
+            "health",
+            json!({"interval": "100ms", "timeout": "300ms", "stale_after": "1s"}),
+        ),
+        &target,
+        Some(json!({"enabled": true, "measure": "mean", "window": 16, "min_logprob": -1.0})),
+    );
+    cfg["plugins"]["kv_breaker"] = json!({"enabled": true});
+    let proxy = Proxy::start(cfg).await;
+    draft.set_phantom_kv(0.8);
+    let seen = wait_for(Duration::from_secs(5), || async {
+        let status = proxy.backend_status("draft", draft.addr()).await;
+        status["kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv >= 0.79)
+    })
+    .await;
+    assert!(seen.is_some(), "the draft's KV was scraped");
+    // About 1,000 prompt tokens and 1,500 output: 16 % of the draft's cache more.
+    let mut request = chat(MODEL, &"word ".repeat(800), false);
+    request["max_tokens"] = json!(1500);
+    let a = proxy.ask(&request, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("draft-unavailable".into()))
+    );
+    assert_eq!(draft.stats().requests_total, draft_probes(&draft));
+    assert_eq!(completed(&target), 1, "the target generated it once");
+}
+
+/// The draft's requests that were health checks and scrapes, not completions.
+fn draft_probes(sim: &vllm_sim::Sim) -> u64 {
+    let stats = sim.stats();
+    stats
+        .requests_by_path
+        .iter()
+        .filter(|(path, _)| !path.starts_with("/v1/"))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// The prompt-size estimate counts four bytes a token; this draft's tokenizer makes 2.5. The
+/// pool learns that from its answers' `usage.prompt_tokens`, and then decides a prompt too
+/// long for the draft before sending it, where it first had to be refused by the draft.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_learns_its_tokenizer_from_usage_and_decides_prompt_too_long_before_sending() {
+    let draft = sim_with(
+        SimConfig::default()
+            .with_max_model_len(2048)
+            .with_bytes_per_token(2.5),
+        0.0,
+    )
+    .await;
+    let target = sim(0.0).await;
+    let proxy = Proxy::start(config(draft_pool(&draft), &target, None)).await;
+    // 5,600 bytes: 1,404 tokens by the estimate, 2,240 by this tokenizer.
+    let long = |tag: &str| {
+        let mut request = chat(
+            MODEL,
+            &format!("{tag:>8}{}", "0123456789".repeat(559)),
+            false,
+        );
+        request["max_tokens"] = json!(16);
+        request
+    };
+    let a = proxy.ask(&long("first"), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(escalated(&a).as_deref(), Some("prompt-too-long"));
+    assert_eq!(draft.stats().errors, 1, "sent, and refused by the draft");
+
+    for i in 0..8 {
+        let mut request = chat(MODEL, &format!("{i:>8}{}", "0123456789".repeat(200)), false);
+        request["max_tokens"] = json!(16);
+        let a = proxy.ask(&request, &[]).await;
+        assert_eq!((a.status, pool_of(&a)), (200, "draft".into()), "{}", a.body);
+    }
+    let status = proxy.status().await;
+    let scale = status["pools"][0]["prompt_scale"].as_f64().unwrap();
+    assert!(scale > 1.4, "learned {scale}");
+
+    let a = proxy.ask(&long("second"), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(escalated(&a).as_deref(), Some("prompt-too-long"));
+    assert_eq!(draft.stats().errors, 1, "decided before sending");
+}
+
+/// What a chat template renders besides the messages' text counts in the estimate: an agent's
+/// tool list, its calls' arguments. A first agent turn with a long tool list is too long for
+/// the draft, and is known so before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tools_a_template_renders_count_toward_the_draft_context() {
+    let (draft, target) = (
+        sim_with(SimConfig::default().with_max_model_len(2048), 0.0).await,
+        sim(0.0).await,
+    );
+    let proxy = Proxy::start(config(draft_pool(&draft), &target, None)).await;
+    let tools: Vec<Value> = (0..40)
+        .map(|i| {
+            json!({"type": "function", "function": {
+                "name": format!("tool_{i}"),
+                "description": "Reads a file of the repository and returns its lines, numbered.",
+                "parameters": {"type": "object", "properties": {
+                    "path": {"type": "string"}, "start": {"type": "integer"}}}}})
+        })
+        .collect();
+    let mut request = chat(MODEL, "Fix the failing test.", false);
+    request["tools"] = json!(tools);
+    request["max_tokens"] = json!(256);
+    let a = proxy.ask(&request, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (pool_of(&a), escalated(&a)),
+        ("target".into(), Some("prompt-too-long".into()))
+    );
+    assert_eq!(draft.stats().errors, 0, "decided before sending");
+}

@@ -132,6 +132,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         "name": &*pool.name,
         "models": pool.models,
         "max_model_len": pool.max_model_len,
+        "prompt_scale": pool.prompt_scale(),
         "health_checks": pool.health.enabled,
         "kv_cache_usage": pressure.kv_usage,
         "usable_backends": pressure.usable,

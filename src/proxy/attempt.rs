@@ -23,6 +23,8 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
+use sluice_sdk::context;
+use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{
     AnswerCheck, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
@@ -124,6 +126,11 @@ pub struct Hold {
     pub check: Option<Arc<dyn AnswerCheck>>,
     /// A 200 event stream is kept back until this judges its start (the hold-back window).
     pub stream_check: Option<Arc<dyn StreamCheck>>,
+    /// Another pool may take the request if this one's context is too small for it: a 400
+    /// refusing it for the context length is held, and so is a non-stream 200 answer, which
+    /// is judged cut by the context when it stops for `length` short of this many tokens
+    /// (the client's budget for all its choices; see `sluice_sdk::context`).
+    pub context_budget: Option<u64>,
 }
 
 /// The most of a held answer kept in memory: a larger one fails the attempt (a hold-back
@@ -266,9 +273,11 @@ async fn pipe(
     let is_sse = is_event_stream(&header);
     let status = header.status.as_u16();
     let declined = hold.error_statuses && (status >= 500 || status == 429);
-    let judged = status == 200 && !is_sse && hold.check.is_some();
+    let refused_for_context = status == 400 && hold.context_budget.is_some();
+    let judged =
+        status == 200 && !is_sse && (hold.check.is_some() || hold.context_budget.is_some());
     // Held answers are read whole first: an error to decline, or an answer to judge.
-    if declined || judged {
+    if declined || judged || refused_for_context {
         let body = match read_held(session, &mut up, &deadlines, &sluice.memory).await {
             Ok(body) => body,
             Err(outcome) => return outcome,
@@ -276,6 +285,18 @@ async fn pipe(
         up.release().await;
         if declined {
             return Outcome::Declined(header, body);
+        }
+        if refused_for_context {
+            if context::is_context_length_error(&body) {
+                return Outcome::Judged(reason::PROMPT_TOO_LONG);
+            }
+            return send_answer(sluice, session, ctx, header, Some(body)).await;
+        }
+        let cut = hold
+            .context_budget
+            .is_some_and(|budget| context::cut_by_context(&body, budget));
+        if cut {
+            return Outcome::Judged(reason::PROMPT_TOO_LONG);
         }
         let body = match hold.check.as_ref().map(|c| c.judge(&body)) {
             Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),

@@ -175,7 +175,18 @@ fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
     }
     // A stream's running totals (`continuous_usage_stats`): the last one found is the answer's.
     if let Some(found) = watch.scanner.usage().filter(|u| ctx.usage() != Some(*u)) {
+        if ctx.usage().is_none() && !ctx.answered_locally() {
+            learn_prompt_scale(ctx, found);
+        }
         ctx.set_usage(found);
+    }
+}
+
+/// The engine's own count of the prompt teaches its pool how far the estimate is off (see
+/// `Pool::prompt_tokens`); only an upstream's answer does, not a replayed one.
+fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
+    if let (Some(pool), Some(call)) = (ctx.pool(), ctx.llm()) {
+        pool.learn_prompt_tokens(call.demand.prompt_tokens, usage.prompt_tokens);
     }
 }
 

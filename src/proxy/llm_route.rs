@@ -88,6 +88,9 @@ struct AttemptLoop {
     /// The client's body, sent to every attempt unless a plugin asked for another.
     client_body: Bytes,
     max_tokens: Option<u32>,
+    /// The tokens the client allowed for all its choices (`u64::MAX`: no limit but the
+    /// context's).
+    output_budget: u64,
     is_stream: bool,
     /// Backends of the current pool already tried.
     tried: Vec<SocketAddr>,
@@ -139,6 +142,7 @@ impl AttemptLoop {
         Ok(Self {
             client_body: call.body.clone(),
             max_tokens: call.request.max_output_tokens(),
+            output_budget: sluice_sdk::context::output_budget(call),
             is_stream: call.request.is_stream(),
             tried: Vec::new(),
             last_error: None,
@@ -248,6 +252,7 @@ impl AttemptLoop {
             stream_check: escalation
                 .filter(|_| self.is_stream)
                 .and_then(|e| e.stream_check.clone()),
+            context_budget: escalation.map(|_| self.output_budget),
         };
         Ok(Prepared {
             attempt: Attempt {

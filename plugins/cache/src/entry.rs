@@ -33,6 +33,12 @@ impl AnswerText {
     pub fn get(&self) -> &str {
         std::str::from_utf8(&self.0).unwrap_or("null")
     }
+
+    /// Whether the answer was cut by a model's context short of `budget`, the tokens the
+    /// client allowed: not the whole answer to its request.
+    pub fn cut_by_context(&self, budget: u64) -> bool {
+        sluice_sdk::context::cut_by_context(&self.0, budget)
+    }
 }
 
 impl From<Box<RawValue>> for AnswerText {

@@ -45,7 +45,7 @@ pub use config::CacheConfig;
 
 use bytes::Bytes;
 use coalesce::{Follower, Inflight, Leader, Role, Waited};
-use entry::{AnswerKind, Entry};
+use entry::{AnswerKind, Entry, NotStored};
 use http::{HeaderName, HeaderValue};
 use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
@@ -122,6 +122,9 @@ struct State {
     live: Option<Writer>,
     /// A coalesced follower that read the leader's stream live (not its stored answer).
     followed_live: bool,
+    /// The tokens the client allowed (`sluice_sdk::context::output_budget`): an answer that
+    /// stopped for `length` short of it was cut by a model's context, and is not stored.
+    output_budget: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,6 +314,7 @@ impl Plugin for Cache {
             Endpoint::Completions => AnswerKind::Completion,
         };
         let ttl = policy::ttl(&self.config, call.request.model.as_deref(), call.endpoint);
+        let output_budget = sluice_sdk::context::output_budget(call);
         let mut state = State {
             result: Lookup::Miss,
             key,
@@ -320,6 +324,7 @@ impl Plugin for Cache {
             leader: None,
             live: None,
             followed_live: false,
+            output_budget,
         };
 
         if use_ == Use::LookupAndStore {
@@ -596,6 +601,11 @@ fn write_back(
         (false, chunks) => entry::from_json(state.kind, Bytes::from(chunks.concat())),
     };
     let answer = match answer {
+        // Cut by a draft's context: another pool would have answered in full.
+        Ok(answer) if answer.cut_by_context(state.output_budget) => {
+            metrics::write(NotStored::Incomplete.label());
+            return;
+        }
         Ok(answer) => answer,
         Err(reason) => {
             metrics::write(reason.label());

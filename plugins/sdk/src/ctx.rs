@@ -254,9 +254,20 @@ impl RequestCtx {
         self.pool.as_ref().map_or("-", |p| &p.name)
     }
 
-    /// Send the request's attempts to `pool`.
+    /// Send the request's attempts to `pool`. When that is the pending escalation's target
+    /// (the breaker moved a request off a draft that could not take it), the request has
+    /// escalated there: the draft's body, deadline and checks are dropped, and the target's
+    /// answer is never judged against itself.
     pub fn send_to(&mut self, pool: Arc<Pool>) {
-        self.pool = Some(pool);
+        let onto_target = self
+            .escalation
+            .as_ref()
+            .is_some_and(|e| Arc::ptr_eq(&e.target, &pool));
+        if onto_target {
+            self.escalate_to(pool, crate::escalation::reason::DRAFT_UNAVAILABLE);
+        } else {
+            self.pool = Some(pool);
+        }
     }
 
     /// Try `pool` first (a draft), and move to `escalation.target` if it fails or its

@@ -22,6 +22,7 @@
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
 
 pub mod config;
+pub mod context;
 pub mod cpu;
 pub mod ctx;
 pub mod duration;

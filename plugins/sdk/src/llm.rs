@@ -790,7 +790,13 @@ impl LlmRequest {
     /// parse: no text is read again.
     pub fn estimated_prompt_tokens(&self) -> usize {
         if let Some(messages) = &self.messages {
-            return messages.estimated_tokens;
+            // The chat template renders the tool definitions into the prompt too: for an
+            // agent's long tool list, most of it.
+            let tools = self
+                .tools
+                .as_ref()
+                .map_or(0, |t| t.as_bytes().len().div_ceil(CHARS_PER_TOKEN));
+            return messages.estimated_tokens.saturating_add(tools);
         }
         match &self.prompt {
             Some(Prompt::Text(t)) => t.len().div_ceil(CHARS_PER_TOKEN),
@@ -917,6 +923,16 @@ impl Fnv1a {
 }
 
 impl Message {
+    /// The bytes a chat template renders of the message besides its markers: its text, its
+    /// tool calls (names and arguments, counted as their JSON), its name and the id of the
+    /// call it answers.
+    pub fn rendered_len(&self) -> usize {
+        self.text_len()
+            .saturating_add(self.tool_calls.as_ref().map_or(0, |c| c.as_bytes().len()))
+            .saturating_add(self.name.as_ref().map_or(0, Text::len))
+            .saturating_add(self.tool_call_id.as_ref().map_or(0, Text::len))
+    }
+
     /// The number of bytes of text in the message (text parts only).
     pub fn text_len(&self) -> usize {
         match &self.content {
@@ -1448,7 +1464,7 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
             shared: self.shared,
         })? {
             len += 1;
-            let estimate = m.text_len().div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE;
+            let estimate = m.rendered_len().div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE;
             tokens = tokens.saturating_add(estimate);
         }
         Ok((len, tokens))

@@ -197,6 +197,11 @@ pub struct SessionAffinity {
     pub capacity: usize,
 }
 
+/// A prompt scale of 1 ([`Pool::prompt_tokens`]), in thousandths.
+const PROMPT_SCALE_ONE: u64 = 1000;
+/// The shortest estimated prompt a pool learns its prompt scale from.
+const MIN_PROMPT_TO_LEARN: u64 = 64;
+
 /// What the balancer knows of a request's size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Demand {
@@ -412,6 +417,9 @@ pub struct Pool {
     pub served_model: Option<ServedModel>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
+    /// The pool's tokens per estimated prompt token, in thousandths: learned from its
+    /// answers' `usage.prompt_tokens` (see [`Pool::prompt_tokens`]).
+    prompt_scale: AtomicU64,
     /// `name` as an `x-sluice-pool` value, made once: each answer takes a reference to it.
     name_value: http::HeaderValue,
     round_robin: LoadBalancer<RoundRobin>,
@@ -551,6 +559,7 @@ impl Pool {
             sessions: settings.sessions,
             served_model: settings.served_model,
             admission: OnceLock::new(),
+            prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             round_robin,
             session_table,
         }
@@ -577,13 +586,47 @@ impl Pool {
         if !supported {
             return Err(Unfit::Unsupported);
         }
+        let context = self
+            .prompt_tokens(call.demand.prompt_tokens)
+            .saturating_add(call.demand.output_tokens);
         let too_long = self
             .max_model_len
-            .is_some_and(|max| call.demand.context_tokens() > u64::from(max));
+            .is_some_and(|max| context > u64::from(max));
         if too_long {
             return Err(Unfit::TooLong);
         }
         Ok(())
+    }
+
+    /// The prompt tokens this pool's tokenizer makes of `estimate` (a request's
+    /// [`Demand::prompt_tokens`]): the estimate counts about four bytes a token, and real
+    /// tokenizers make 2.5-3 bytes a token of code, numbers and most languages; the scale is
+    /// learned from what the pool's answers report ([`Pool::learn_prompt_tokens`]).
+    pub fn prompt_tokens(&self, estimate: u64) -> u64 {
+        let scale = self.prompt_scale.load(Relaxed);
+        u64::try_from(u128::from(estimate) * u128::from(scale) / u128::from(PROMPT_SCALE_ONE))
+            .unwrap_or(u64::MAX)
+    }
+
+    /// Learns the pool's prompt scale from one answer: `estimated` prompt tokens were
+    /// `reported` by the engine (`usage.prompt_tokens`). A moving average, bounded, so that
+    /// one odd prompt (mostly token ids, say) moves it little; prompts too short to say
+    /// anything (the template's own tokens dominate) are skipped.
+    pub fn learn_prompt_tokens(&self, estimated: u64, reported: u64) {
+        if estimated < MIN_PROMPT_TO_LEARN {
+            return;
+        }
+        let ratio = (reported.saturating_mul(PROMPT_SCALE_ONE) / estimated)
+            .clamp(PROMPT_SCALE_ONE / 2, PROMPT_SCALE_ONE * 4);
+        // Two answers learning at once may lose one sample: harmless for an average.
+        let old = self.prompt_scale.load(Relaxed);
+        let new = (old * 3 + ratio) / 4;
+        self.prompt_scale.store(new, Relaxed);
+    }
+
+    /// The learned prompt scale: the pool's tokens per estimated token.
+    pub fn prompt_scale(&self) -> f64 {
+        self.prompt_scale.load(Relaxed) as f64 / PROMPT_SCALE_ONE as f64
     }
 
     /// Whether one more backend may be ejected: fewer than the pool's
