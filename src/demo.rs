@@ -228,6 +228,9 @@ tenants:
     limits: {output_tokens_per_minute: 10000}
 anonymous:
   limits: {requests_per_minute: 600}
+unknown_key_message: >-
+  Incorrect API key provided. This is the Sluice demo: it accepts the keys sk-alpha-demo and
+  sk-beta-demo, and requests without a key (as the tenant `anonymous`).
 "#;
 
 fn print_welcome(addresses: &Addresses, draft: &Sim, target: &Sim) {

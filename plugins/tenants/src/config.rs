@@ -26,6 +26,9 @@ pub struct TenantsConfig {
     pub keys_from_redis: Option<RedisKeys>,
     /// Where the limits' counters live: in this process, or in Redis shared by replicas.
     pub limits_store: StoreConfig,
+    /// The 401's message for a key no tenant has; absent: OpenAI's wording. Where to get a key,
+    /// say (the demo names its own keys here).
+    pub unknown_key_message: Option<String>,
 }
 
 /// What a tenant may ask for, and how much. Every field is optional: a tenant's section is

@@ -59,6 +59,7 @@ use sluice_sdk::{
     api_key, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Reason,
     RequestCtx, ResponseHeader, Result, Session, Tenant,
 };
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -164,6 +165,10 @@ impl PluginBuilder for TenantsBuilder {
             trusted_proxies: self.trusted_proxies,
             tenant_header: self.tenant_header,
             limiter,
+            unknown_key: config
+                .unknown_key_message
+                .clone()
+                .map_or(Cow::Borrowed(UNKNOWN_KEY), Cow::Owned),
         })
     }
 }
@@ -183,6 +188,8 @@ pub struct Tenants {
     trusted_proxies: Vec<IpNet>,
     tenant_header: Option<HeaderName>,
     limiter: Limiter,
+    /// The 401's message for a key no tenant has.
+    unknown_key: Cow<'static, str>,
 }
 
 /// The request's tenant and, once admitted, its admission by the limits (its concurrency
@@ -213,7 +220,7 @@ impl Tenants {
                 .directory
                 .find(&digest(key))
                 .await
-                .ok_or_else(|| unauthorized(UNKNOWN_KEY)),
+                .ok_or_else(|| unauthorized(&self.unknown_key)),
             None => self.anonymous.ok_or_else(|| {
                 unauthorized(
                     "You didn't provide an API key. Provide it in an Authorization header \
@@ -311,7 +318,7 @@ impl Plugin for Tenants {
         // would be refused, never let through without a tenant.
         let entry = self
             .entry(id)
-            .ok_or_else(|| unauthorized(UNKNOWN_KEY).into_error())?;
+            .ok_or_else(|| unauthorized(&self.unknown_key).into_error())?;
         ctx.set_tenant(Arc::clone(&entry.tenant));
         ctx.state.insert(Caller {
             entry: id,
