@@ -441,6 +441,74 @@ async fn expect_100_continue_is_answered_and_not_forwarded() {
     assert!(recorded.header("expect").is_none());
 }
 
+/// What a client only declares costs nothing: sockets that declared bodies, were invited to
+/// send them (`100 Continue`) and sent nothing held the whole memory budget, and every other
+/// request got `503 memory-budget`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_declared_and_never_sent_do_not_spend_the_memory_budget() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "limits": {"max_request_body_bytes": 1_048_576, "max_buffered_bytes": 8_388_608},
+        "pools": [main_pool(&[upstream.addr()])],
+    }))
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..8 {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nexpect: 100-continue\r\ncontent-length: 1048576\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        // Invited: its request is being read, its body awaited.
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100"));
+        idle.push(s);
+    }
+    let a = proxy
+        .ask(&chat(MODEL, "a normal request", false), &[])
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    // Once the normal request's own body is given back, nothing is held for the others.
+    let none_held = wait_for(Duration::from_secs(5), || async {
+        proxy.metric("sluice_memory_buffered_bytes").await == Some(0.0)
+    })
+    .await;
+    assert!(none_held.is_some(), "bytes held for bodies never sent");
+    drop(idle);
+}
+
+/// A client's `Connection` header cannot name the framing or the target away: named there,
+/// `Content-Length` was removed after Sluice set it, and the upstream got an empty body;
+/// `Host`, and uvicorn answered 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_header_cannot_remove_the_body_length_or_the_host() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({"pools": [main_pool(&[upstream.addr()])]})).await;
+    let body = serde_json::to_vec(&chat(MODEL, "framed", false)).unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: keep-alive, content-length, host\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&body).await.unwrap();
+    let mut answer = vec![0u8; 8192];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let recorded = last_chat(&upstream);
+    assert_eq!(recorded.body, body, "the body arrived whole");
+    assert!(recorded.header("host").is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_drops_mid_stream_ends_with_an_error_event() {
     let upstream = sim().await;

@@ -6,8 +6,10 @@
 //! - `client_body_timeout` bounds each read, as nginx's does, and `client_body_deadline` the
 //!   whole body: a client that stops sending, trickles, or whose `Content-Length` promises
 //!   more than it sends, gets 408.
-//! - Every byte kept is taken from the process's memory budget first: when it is spent, 503
-//!   `memory-budget` with `retry-after`, before the body is read any further.
+//! - Every byte kept is taken from the process's memory budget as it arrives: when it is
+//!   spent, 503 `memory-budget` with `retry-after`, before the body is read any further. What
+//!   a client only declares costs nothing: 128 idle sockets that declared 8 MiB each and
+//!   sent nothing took the whole budget, and every other request got 503.
 //! - `Expect: 100-continue` is answered before reading.
 
 use crate::config::Limits;
@@ -17,6 +19,9 @@ use pingora_proxy::Session;
 use sluice_sdk::{ErrorReply, Held, MemoryBudget, Reason};
 use std::sync::Arc;
 use tokio::time::Instant;
+
+/// A body's buffer is made this large at once when its declared size is no larger.
+const EAGER_ROOM: usize = 256 << 10;
 
 /// Bodies declared up to this many times the limit are drained before the 413 is sent;
 /// larger ones are refused at once and the connection closed.
@@ -38,12 +43,12 @@ pub async fn read_whole(
         }
         return Err(ErrorReply::payload_too_large(limit).into_error());
     }
-    // What the client declared is taken at once, so that a body the budget cannot hold is
-    // refused before it is sent (and before `100 Continue` invites it).
-    let mut held = memory.none();
-    if !held.grow(declared.unwrap_or(0)) {
+    // A body the budget could not hold now is refused before it is sent (and before
+    // `100 Continue` invites it); nothing is taken until bytes arrive.
+    if !memory.has_room_for(declared.unwrap_or(0)) {
         return Err(budget_spent());
     }
+    let mut held = memory.none();
     if expects_continue(session) {
         session.downstream_session.write_continue_response().await?;
     }
@@ -63,9 +68,13 @@ pub async fn read_whole(
         match (&mut first, &mut joined) {
             (None, None) => first = Some(chunk),
             (Some(f), None) => {
-                // Room for the whole body at once when its size was declared (and taken from
-                // the memory budget already): no copy as it grows, no doubling past it.
-                let room = declared.unwrap_or(total * 2).clamp(total, limit);
+                // Room for what was declared, up to twice what came (at least 256 KiB): no
+                // copy as most bodies grow, and a client that declares 8 MiB and sends two
+                // chunks gets no 8 MiB buffer.
+                let room = declared
+                    .unwrap_or(limit)
+                    .min(total.saturating_mul(2).max(EAGER_ROOM))
+                    .clamp(total, limit);
                 let mut buf = BytesMut::with_capacity(room);
                 buf.extend_from_slice(f);
                 buf.extend_from_slice(&chunk);

@@ -32,7 +32,14 @@ const HOP_BY_HOP: [&str; 6] = [
     "upgrade",
 ];
 
-/// The headers the message's `Connection` header names, lower-cased.
+/// Headers that are never one connection's, whatever `Connection` says: the message's framing
+/// and its target, which this hop sets for the next. Named in `Connection` (a client's
+/// `Connection: content-length`), removing them would send an LLM request upstream without
+/// its length, so with an empty body, or without its `Host`.
+const NEVER_CONNECTION_OPTIONS: [&str; 3] = ["content-length", "transfer-encoding", "host"];
+
+/// The headers the message's `Connection` header names, lower-cased, but for the framing
+/// ones ([`NEVER_CONNECTION_OPTIONS`]).
 fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
     headers
         .get_all(http::header::CONNECTION)
@@ -40,7 +47,7 @@ fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(|name| name.trim().to_ascii_lowercase())
-        .filter(|name| !name.is_empty())
+        .filter(|name| !name.is_empty() && !NEVER_CONNECTION_OPTIONS.contains(&name.as_str()))
         .collect()
 }
 
@@ -172,6 +179,22 @@ mod tests {
         assert!(down.headers.get("x-internal").is_none());
         assert!(down.headers.get("upgrade").is_none());
         assert!(down.headers.get("content-type").is_some());
+    }
+
+    #[test]
+    fn the_connection_header_cannot_remove_the_framing_or_the_host() {
+        let mut up = request(&[
+            (
+                "connection",
+                "keep-alive, Content-Length, host, transfer-encoding",
+            ),
+            ("content-length", "12"),
+            ("host", "api.example"),
+        ]);
+        prepare_request(&mut up, None, &[]).unwrap();
+        assert_eq!(up.headers.get("content-length").unwrap(), "12");
+        assert_eq!(up.headers.get("host").unwrap(), "api.example");
+        assert!(up.headers.get("connection").is_none());
     }
 
     #[test]

@@ -39,6 +39,11 @@ impl MemoryBudget {
         self.used.load(Relaxed)
     }
 
+    /// Whether `bytes` more would fit now (nothing is taken: see [`Held::grow`]).
+    pub fn has_room_for(&self, bytes: usize) -> bool {
+        self.used().saturating_add(bytes) <= self.limit
+    }
+
     /// Nothing held yet, for what grows chunk by chunk ([`Held::grow`]).
     pub fn none(self: &Arc<Self>) -> Held {
         Held {
