@@ -267,3 +267,60 @@ async fn an_over_pressure_pool_sends_requests_to_another_pool_of_the_model() {
         let _ = f.await;
     }
 }
+
+/// A waiter too large to fit yet, kept at the head of the queue, held back every request
+/// behind it: an almost idle pool answered every standard request `queue-timeout`. A request
+/// that fits is now admitted at once, whatever waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_waiter_at_the_head_does_not_hold_back_requests_that_fit() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_kv(1000, 16)
+            .with_answer_tokens(5, 5),
+    )
+    .await
+    .expect("sim");
+    sim.set_phantom_kv(0.1);
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()]).with_fast_health_checks()],
+        "plugins": {"kv_breaker": {"enabled": true,
+            "queue": {"max_wait": {"critical": "20s", "standard": "2s"}}}},
+    }))
+    .await;
+    let proxy = Arc::new(proxy);
+    let scraped = wait_for(Duration::from_secs(5), || async {
+        proxy.backend_status("main", sim.addr()).await["kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv >= 0.09)
+    })
+    .await;
+    assert!(scraped.is_some(), "the pool's usage was scraped");
+    // 9 × 1,600 tokens: 90 % of the cache, on top of the 10 % held: it waits.
+    let big = tokio::spawn({
+        let proxy = proxy.clone();
+        async move {
+            let request = json!({"model": MODEL, "n": 9, "max_tokens": 1600,
+                                 "messages": [{"role": "user", "content": "big"}]});
+            proxy
+                .ask(&request, &[("x-sluice-priority", "critical")])
+                .await
+        }
+    });
+    let depth = r#"sluice_admission_queue_depth{pool="main",priority="critical"}"#;
+    let waiting = wait_for(Duration::from_secs(5), || async {
+        proxy.metric(depth).await == Some(1.0)
+    })
+    .await;
+    assert!(waiting.is_some(), "the large request waits at the head");
+    for i in 0..5 {
+        let mut small = chat(MODEL, &format!("small {i}"), false);
+        small["max_tokens"] = json!(5);
+        let a = proxy
+            .ask(&small, &[("x-sluice-priority", "standard")])
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    assert_eq!(proxy.metric(depth).await, Some(1.0), "still waiting");
+    big.abort();
+}

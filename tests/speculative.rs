@@ -771,3 +771,78 @@ async fn the_tools_a_template_renders_count_toward_the_draft_context() {
     );
     assert_eq!(draft.stats().errors, 0, "decided before sending");
 }
+
+/// A non-stream draft answer comes only once generated: one slower than the selector's
+/// first-byte budget escalates as `draft-timeout`, and is no failure of the draft's (three
+/// such requests ejected it, and every request then went to the 9× target). And a runtime
+/// escalation is admitted by the target's KV breaker as any request sent there first: with
+/// the target shedding its class, it is refused, not sent past the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_slower_than_its_budget_escalates_without_blame_and_through_the_breaker() {
+    let slow = SimConfig::default()
+        .with_answer_tokens(100, 100)
+        .with_latency(vllm_sim::Latency::new(
+            Duration::ZERO,
+            Duration::ZERO,
+            Duration::from_millis(10),
+        ));
+    let (draft, target) = (sim_with(slow, 0.0).await, sim(0.0).await);
+    let scraped_often = json!({"interval": "100ms", "timeout": "300ms", "stale_after": "1s"});
+    let mut cfg = config(
+        draft_pool(&draft)
+            .with("health", scraped_often.clone())
+            .with("outlier_detection", json!({"consecutive_failures": 3})),
+        &target,
+        None,
+    );
+    cfg["pools"][1]["health"] = scraped_often;
+    cfg["plugins"]["speculative"]["models"][0]["draft_first_byte_budget"] = json!("300ms");
+    cfg["plugins"]["kv_breaker"] = json!({"enabled": true});
+    let proxy = Proxy::start(cfg).await;
+    let slow_request = |i: u32| {
+        let mut request = chat(MODEL, &format!("a long answer {i}"), false);
+        request["max_tokens"] = json!(100);
+        request
+    };
+    for i in 0..4 {
+        let a = proxy.ask(&slow_request(i), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(
+            (pool_of(&a), escalated(&a)),
+            ("target".into(), Some("draft-timeout".into()))
+        );
+    }
+    let state = proxy.backend_status("draft", draft.addr()).await;
+    assert_ne!(state["health"], "ejected", "{state}");
+    let ejections = proxy
+        .metric(r#"sluice_backend_ejections_total{pool="draft"}"#)
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(ejections, 0.0);
+
+    target.set_phantom_kv(0.9);
+    let seen = wait_for(Duration::from_secs(5), || async {
+        let state = proxy.backend_status("target", target.addr()).await;
+        state["kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv >= 0.89)
+    })
+    .await;
+    assert!(seen.is_some(), "the target's pressure was scraped");
+    let before = completed(&target);
+    let a = proxy.ask(&slow_request(99), &[]).await;
+    assert_eq!(
+        a.headers
+            .get("x-sluice-rejected")
+            .map(|v| v.to_str().unwrap()),
+        Some("kv-pressure"),
+        "{} {}",
+        a.status,
+        a.body
+    );
+    assert_eq!(
+        completed(&target),
+        before,
+        "nothing sent past the target's line"
+    );
+}

@@ -22,7 +22,7 @@ use super::tries::{self, no_backend};
 use super::{body, downstream, forwarding, reply, Sluice};
 use crate::metrics;
 use bytes::Bytes;
-use pingora_error::{Error, Result};
+use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
@@ -311,7 +311,18 @@ impl AttemptLoop {
         backend: &Selected,
         outcome: Outcome,
     ) -> Then {
-        if let Some(verdict) = outcome.verdict(ctx.progress().upstream_status) {
+        // A draft cut by the selector's first-byte budget, shorter than the pool's own bound,
+        // was slower than the budget, not broken: it escalates without blame. (Three long
+        // non-stream requests, which vLLM answers only once generated, ejected the draft.)
+        let cut_by_budget = matches!(&outcome, Outcome::NotStarted(e) if e.etype() == &ErrorType::ReadTimedout)
+            && ctx
+                .escalation()
+                .and_then(|e| e.first_byte_budget)
+                .is_some_and(|budget| budget < pool.timeouts.first_byte);
+        let verdict = outcome
+            .verdict(ctx.progress().upstream_status)
+            .filter(|_| !cut_by_budget);
+        if let Some(verdict) = verdict {
             tries::judge(pool, backend.addr, &backend.live, verdict);
         }
         if let Some(label) = outcome.label() {

@@ -154,6 +154,11 @@ struct Admitted {
     _place: Place,
 }
 
+/// The pool the breaker admitted the request to. A request the core moves to another pool at
+/// run time (an escalation after a draft attempt) is judged again for that pool before its
+/// attempt there.
+struct AdmittedTo(Arc<Pool>);
+
 /// One pool's admission control, installed on the pool: everyone who asks the pool whether
 /// it takes a request (this plugin, the speculative selector, `/status`) gets an answer
 /// computed from the pool's live pressure.
@@ -347,15 +352,51 @@ impl Plugin for KvBreaker {
     }
 
     async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+        let flow = self.admit(session, ctx).await?;
+        if let Some(pool) = ctx.pool().cloned() {
+            ctx.state.insert(AdmittedTo(pool));
+        }
+        Ok(flow)
+    }
+
+    fn upstream_select(&self, ctx: &mut RequestCtx) -> Result<()> {
+        // The attempt starts now: the next waiter may ask the pool.
+        ctx.state.remove::<Admitted>();
+        let Some(pool) = ctx.pool().cloned() else {
+            return Ok(());
+        };
+        let moved = ctx
+            .state
+            .get::<AdmittedTo>()
+            .is_some_and(|admitted| !Arc::ptr_eq(&admitted.0, &pool));
+        if !moved {
+            return Ok(());
+        }
+        // Escalated at run time (a draft's timeout, error or weak answer): the target's line
+        // holds for it as for any request sent there first. No wait: the client has waited
+        // for the draft already.
+        ctx.state.insert(AdmittedTo(Arc::clone(&pool)));
+        let priority = ctx.priority().unwrap_or(self.priority.default);
+        let tokens = ctx.llm().map_or(0, |call| call.demand.tokens());
+        if self.lane(&pool).is_some() && !pool.admits(priority, tokens) {
+            return Err(self.refusal(&pool, priority, Reason::KvPressure));
+        }
+        Ok(())
+    }
+}
+
+impl KvBreaker {
+    /// Admits the request to its pool, moves it to another that admits it, waits in the
+    /// pool's queue, or refuses it.
+    async fn admit(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
         let priority = ctx.priority().unwrap_or(self.priority.default);
         let (Some(pool), Some(call)) = (ctx.pool().cloned(), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
         let tokens = call.demand.tokens();
         let queue = self.lane(&pool).and_then(|lane| lane.queue.as_ref());
-        // Requests already waiting for this pool go first: no overtaking them.
-        let queued_ahead = queue.is_some_and(|q| q.has_waiters_at_or_above(priority));
-        if !queued_ahead && pool.admits(priority, tokens) {
+        // A request that fits is admitted whatever waits (see `queue`).
+        if pool.admits(priority, tokens) {
             return Ok(Flow::Continue);
         }
         if self.reroute {
@@ -395,14 +436,6 @@ impl Plugin for KvBreaker {
         Ok(Flow::Continue)
     }
 
-    fn upstream_select(&self, ctx: &mut RequestCtx) -> Result<()> {
-        // The attempt starts now: the next waiter may ask the pool.
-        ctx.state.remove::<Admitted>();
-        Ok(())
-    }
-}
-
-impl KvBreaker {
     /// Whether the request alone would take the pool past its class's line, however empty
     /// the pool: no wait can help it.
     fn never_fits(&self, pool: &Arc<Pool>, priority: Priority, tokens: u64) -> bool {

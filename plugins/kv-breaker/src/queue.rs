@@ -2,10 +2,12 @@
 //! in number, for capacity to come back, instead of being shed at once. A short burst is then
 //! absorbed rather than answered 503 and retried at once by every client.
 //!
-//! Order: highest class first, then oldest first. Only the request at the head of the queue
-//! asks the pool whether it admits it now (every [`POLL`], and at once when it becomes the
-//! head), so capacity that frees up goes to the head, and a new request never overtakes
-//! waiters of its class or above ([`Queue::has_waiters_at_or_above`]).
+//! Only a request the pool cannot admit now waits: one that fits is admitted at once, whatever
+//! waits (a waiter too large to fit yet, kept at the head, made an almost idle pool refuse
+//! every request behind it). Among waiters, order is highest class first, then oldest first:
+//! the head asks the pool whether it admits it every [`POLL`] (and at once when it becomes
+//! the head), the others every [`POLL_BEHIND`], so capacity that frees up goes to the head
+//! when it fits, and to a smaller waiter behind it when only that one does.
 //!
 //! The head keeps its place until the core starts its attempt (its [`Place`] travels in the
 //! request's context and is dropped in `upstream_select`), so the next waiter asks the pool
@@ -27,6 +29,8 @@ use tokio::time::{sleep_until, Instant};
 /// How often the head of a queue asks its pool again. Capacity frees up when a request ends
 /// (the pool sees it at once) or when a scrape comes (every 250 ms by default).
 pub const POLL: Duration = Duration::from_millis(5);
+/// How often a waiter behind the head asks.
+pub const POLL_BEHIND: Duration = Duration::from_millis(25);
 
 /// Highest class first, then first come.
 type Key = (Reverse<Priority>, u64);
@@ -60,18 +64,6 @@ impl Queue {
     fn lock(&self) -> MutexGuard<'_, Waiting> {
         // Nothing panics while holding it; a poisoned map is still a consistent one.
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Whether a request of `priority` must queue behind requests already waiting.
-    pub fn has_waiters_at_or_above(&self, priority: Priority) -> bool {
-        if self.len.load(Relaxed) == 0 {
-            return false;
-        }
-        self.lock()
-            .turns
-            .keys()
-            .next()
-            .is_some_and(|(Reverse(first), _)| *first >= priority)
     }
 
     /// A place in the queue, or `None` when it is full.
@@ -108,23 +100,20 @@ impl Place {
         self.queue.lock().turns.keys().next() == Some(&self.key)
     }
 
-    /// Waits until this place is the head and `admits()` says yes (true), or until `deadline`
-    /// (false). The place is kept either way: drop it to leave.
+    /// Waits until `admits()` says yes (true), or until `deadline` (false); the head asks
+    /// every [`POLL`], the others every [`POLL_BEHIND`]. The place is kept either way: drop it
+    /// to leave.
     pub async fn wait_for(&self, deadline: Instant, admits: impl Fn() -> bool) -> bool {
         loop {
-            let head = self.is_head();
-            if head && admits() {
+            if admits() {
                 return true;
             }
             if Instant::now() >= deadline {
                 return false;
             }
-            // Not the head: woken when a waiter ahead leaves. The head: asks again soon.
-            let until = if head {
-                (Instant::now() + POLL).min(deadline)
-            } else {
-                deadline
-            };
+            // Woken early when a waiter ahead leaves (this one may be the head now).
+            let every = if self.is_head() { POLL } else { POLL_BEHIND };
+            let until = (Instant::now() + every).min(deadline);
             tokio::select! {
                 _ = self.turn.notified() => {}
                 _ = sleep_until(until) => {}
@@ -164,18 +153,12 @@ mod tests {
         let critical = q.join(Priority::Critical).unwrap();
         let later_standard = q.join(Priority::Standard).unwrap();
         assert!(critical.is_head());
-        assert!(q.has_waiters_at_or_above(Priority::Critical));
         drop(critical);
         assert!(standard.is_head());
-        assert!(!q.has_waiters_at_or_above(Priority::Critical));
-        assert!(q.has_waiters_at_or_above(Priority::Standard));
         drop(standard);
         assert!(later_standard.is_head());
         drop(later_standard);
         assert!(sheddable.is_head());
-        assert!(!q.has_waiters_at_or_above(Priority::Standard));
-        drop(sheddable);
-        assert!(!q.has_waiters_at_or_above(Priority::Sheddable));
     }
 
     #[tokio::test(start_paused = true)]
@@ -189,27 +172,33 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn only_the_head_is_admitted_and_the_next_follows_when_it_leaves() {
+    async fn a_waiter_that_fits_goes_past_a_head_that_does_not() {
         let q = queue(8);
         let open = Arc::new(AtomicBool::new(false));
-        let first = q.join(Priority::Standard).unwrap();
-        let second = q.join(Priority::Standard).unwrap();
+        let big = q.join(Priority::Critical).unwrap();
+        let small = q.join(Priority::Standard).unwrap();
         let deadline = Instant::now() + Duration::from_secs(2);
-        let admits = {
+        let fits = {
             let open = Arc::clone(&open);
             move || open.load(Relaxed)
         };
-
-        // The second waits although the pool admits: the first is ahead of it.
+        // The head never fits; the one behind it does once room comes.
+        let waiting_small = tokio::spawn({
+            let fits = fits.clone();
+            async move { small.wait_for(deadline, fits).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
         open.store(true, Relaxed);
-        let waits = tokio::time::timeout(
-            Duration::from_millis(100),
-            second.wait_for(deadline, admits.clone()),
+        let started = Instant::now();
+        assert!(waiting_small.await.unwrap());
+        assert!(
+            started.elapsed() <= POLL_BEHIND,
+            "asked again within its poll"
         );
-        assert!(waits.await.is_err(), "the second went before the first");
-        assert!(first.wait_for(deadline, admits.clone()).await);
-        drop(first);
-        assert!(second.wait_for(deadline, admits).await);
+        assert!(
+            !big.wait_for(deadline, || false).await,
+            "the head timed out"
+        );
     }
 
     #[tokio::test(start_paused = true)]
