@@ -270,6 +270,33 @@ async fn a_tenant_gets_only_what_its_policy_allows() {
     assert_eq!(refused.status, 400, "{}", refused.body);
     assert_eq!(error_body(&refused)["error"]["param"], "max_tokens");
 
+    // On /v1/completions vLLM reads only `max_tokens`: a `max_completion_tokens` there must
+    // not stand for the budget (it passed any ceiling, and vLLM generated 100,000).
+    let completions = proxy.url("/v1/completions");
+    let sneaky = json!({"model": MODEL, "prompt": "count", "max_completion_tokens": 1,
+                        "max_tokens": 100_000});
+    let headers = [("authorization", format!("Bearer {BETA_KEY}"))];
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let refused = ask_url(&completions, &sneaky, &headers).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert_eq!(error_body(&refused)["error"]["param"], "max_tokens");
+    let alpha_headers = [("authorization", format!("Bearer {ALPHA_KEY}"))];
+    let alpha_headers: Vec<(&str, &str)> = alpha_headers
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .collect();
+    let clamped = ask_url(&completions, &sneaky, &alpha_headers).await;
+    assert_eq!(clamped.status, 200, "{}", clamped.body);
+    let sent = draft
+        .stats()
+        .recent
+        .into_iter()
+        .rev()
+        .find(|r| r.path == "/v1/completions")
+        .unwrap();
+    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    assert_eq!(sent["max_tokens"], 32, "{sent}");
+
     // alpha may not force the target: the header is ignored. beta may.
     let forced = |key| [bearer(key), ("x-sluice-tier", "target".to_string())];
     let a = ask(&proxy, &chat(MODEL, "tier", false), &forced(ALPHA_KEY)).await;
@@ -640,4 +667,119 @@ async fn a_tenants_key_stays_behind_and_the_pools_credential_goes_up() {
         None,
         "a tenant's key went upstream"
     );
+}
+
+/// Requests Sluice itself refused (the KV breaker shedding them) generated nothing: their
+/// estimates are given back. Three shed requests of 4,000 tokens each left a tenant limited to
+/// 10,000 output tokens a minute refused for the rest of the minute although nothing was made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sluice_refused_are_not_charged() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_kv(1000, 16),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()]).with_fast_health_checks()],
+        "plugins": {
+            "tenants": tenants(json!({
+                "tenants": {"beta": {"limits": {"output_tokens_per_minute": 10_000}}}})),
+            "kv_breaker": {"enabled": true, "queue": {"enabled": false}},
+        },
+    }))
+    .await;
+    let scraped = |want: f64| {
+        let proxy = &proxy;
+        let addr = upstream.addr();
+        async move {
+            wait_for(std::time::Duration::from_secs(5), || async {
+                proxy.backend_status("main", addr).await["kv_cache_usage"]
+                    .as_f64()
+                    .is_some_and(|kv| (kv - want).abs() < 0.02)
+            })
+            .await
+            .is_some()
+        }
+    };
+    upstream.set_phantom_kv(0.95);
+    assert!(scraped(0.95).await, "the pressure was scraped");
+    let mut big = chat(MODEL, "a long one", false);
+    big["max_tokens"] = json!(4_000);
+    for _ in 0..3 {
+        let shed = ask(&proxy, &big, &[bearer(BETA_KEY)]).await;
+        assert_eq!(
+            shed.headers["x-sluice-rejected"], "kv-pressure",
+            "{} {}",
+            shed.status, shed.body
+        );
+    }
+    upstream.set_phantom_kv(0.0);
+    assert!(scraped(0.0).await, "the pressure's end was scraped");
+    let a = ask(&proxy, &big, &[bearer(BETA_KEY)]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}
+
+/// A stream closed before its usage chunk spent nothing of a budget: ten such streams by a
+/// tenant with $0.005 a day were all admitted, `usd_spent_today` 0. A cut answer is now
+/// charged its estimate, in dollars too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_before_its_usage_is_charged_its_estimate() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_answer_tokens(20, 20)
+            .with_latency(vllm_sim::Latency::new(
+                std::time::Duration::ZERO,
+                std::time::Duration::ZERO,
+                std::time::Duration::from_millis(20),
+            )),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])
+            .with("price_per_million_tokens", 1000.0)],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"beta": {"budget": {"usd_per_day": 0.005}}}}))},
+    }))
+    .await;
+    let mut request = chat(MODEL, "cut me", true);
+    request["max_tokens"] = json!(20);
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("authorization", format!("Bearer {BETA_KEY}"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut stream = response.bytes_stream();
+    let mut seen = String::new();
+    use futures_util::StreamExt;
+    while let Some(chunk) = stream.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        if seen.contains(r#""finish_reason":"length""#)
+            || seen.contains(r#""finish_reason":"stop""#)
+        {
+            break;
+        }
+    }
+    drop(stream);
+    let spent = wait_for(std::time::Duration::from_secs(5), || async {
+        let status = proxy.status().await;
+        status["plugin_status"]["tenants"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tenant"] == "beta").cloned())
+            .and_then(|beta| beta["usd_spent_today"].as_f64())
+            .is_some_and(|usd| usd > 0.005)
+    })
+    .await;
+    assert!(spent.is_some(), "the cut stream spent nothing");
+    let next = ask(&proxy, &chat(MODEL, "again", false), &[bearer(BETA_KEY)]).await;
+    assert_eq!(next.status, 429, "{}", next.body);
+    assert_eq!(next.headers["x-sluice-rejected"], "budget-exceeded");
 }

@@ -672,6 +672,8 @@ impl<'de> Visitor<'de> for LogprobsVisitor {
 const CHARS_PER_TOKEN: usize = 4;
 /// Tokens a chat template adds around each message (role markers, separators).
 const TOKENS_PER_MESSAGE: usize = 4;
+/// The most choices (`n`, `best_of`) one request may ask for, as OpenAI's API allows.
+pub const MAX_CHOICES: u32 = 128;
 
 impl LlmRequest {
     /// Parses a body for `endpoint`. Errors name the parameter, as OpenAI's `param` does.
@@ -715,6 +717,11 @@ impl LlmRequest {
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
         request.messages = messages.map(|counted| counted.into_messages(body));
+        if endpoint == Endpoint::Completions {
+            // vLLM's completions read only `max_tokens`: a `max_completion_tokens` there is
+            // ignored, so it must not stand for the budget (a ceiling, an estimate) either.
+            request.max_completion_tokens = None;
+        }
         request.validate(endpoint)?;
         Ok(request)
     }
@@ -739,6 +746,16 @@ impl LlmRequest {
         }
         if self.n == Some(0) {
             return Err(invalid("'n' must be at least 1.", Some("n".into())));
+        }
+        // OpenAI's bound. Unbounded, one request's estimate (`max_tokens` × `n`) put a
+        // tenant's token limits in debt for years.
+        for (name, value) in [("n", self.n), ("best_of", self.best_of)] {
+            if value.is_some_and(|v| v > MAX_CHOICES) {
+                return Err(invalid(
+                    format!("'{name}' must be at most {MAX_CHOICES}."),
+                    Some(name.into()),
+                ));
+            }
         }
         if self.max_output_tokens() == Some(0) {
             return Err(invalid(

@@ -401,35 +401,43 @@ impl Plugin for Tenants {
         if let Some(admitted) = admitted {
             // Settled before anything else is recorded: whoever sees this request counted
             // sees its correction made.
-            admitted.settle(usage);
+            admitted.settle(Some(usage));
         }
         if let Some(entry) = self.entry(entry) {
-            if let Some(usage) = &usage {
-                entry.series.used(usage);
-            }
+            entry.series.used(&usage);
             entry.series.request();
         }
     }
 }
 
-/// What an answer used: nothing for a cached answer (it used no GPU); the counts the core
-/// found, at the answering pool's price; `None` when unknown (an answer cut short), so the
-/// estimate stands.
-fn used(ctx: &RequestCtx) -> Option<Usage> {
+/// What an answer used, in tokens and dollars at the answering pool's price:
+/// - nothing for a cached answer (it used no GPU), nor for a request no upstream generated
+///   for: refused by Sluice before any attempt (a shed request, a queue timeout), or answered
+///   with an upstream's error (five shed requests left a tenant rate-limited for nothing);
+/// - the counts the core found in the answer;
+/// - else (a stream cut before its usage chunk, a timeout mid-generation) the estimate the
+///   request was admitted with, in dollars too: closing a stream before its usage chunk no
+///   longer spends nothing of a budget.
+fn used(ctx: &RequestCtx) -> Usage {
+    let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
+    let priced = |input_tokens: u64, output_tokens: u64| Usage {
+        input_tokens,
+        output_tokens,
+        usd: input_tokens.saturating_add(output_tokens) as f64 * price / 1e6,
+    };
     if ctx.answered_locally() {
-        return Some(Usage {
-            input_tokens: 0,
-            output_tokens: 0,
-            usd: 0.0,
-        });
+        return priced(0, 0);
     }
-    ctx.usage().map(|u| {
-        let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
-        let tokens = u.prompt_tokens.saturating_add(u.completion_tokens);
-        Usage {
-            input_tokens: u.prompt_tokens,
-            output_tokens: u.completion_tokens,
-            usd: tokens as f64 * price / 1e6,
-        }
-    })
+    if let Some(u) = ctx.usage() {
+        return priced(u.prompt_tokens, u.completion_tokens);
+    }
+    let progress = ctx.progress();
+    if progress.attempts == 0 || progress.upstream_status.is_some_and(|s| s >= 400) {
+        return priced(0, 0);
+    }
+    let demand = ctx.llm().map(|call| call.demand).unwrap_or_default();
+    let output = demand
+        .output_tokens
+        .saturating_mul(u64::from(demand.sequences.max(1)));
+    priced(demand.prompt_tokens, output)
 }

@@ -344,8 +344,8 @@ impl Admitted {
 
     /// After the answer: corrects the token buckets from the real usage (refunds the
     /// over-estimate, charges the under-estimate) and charges the budget with `usage.usd`.
-    /// Never waits on the network. `None` usage (answer cut, no usage known): the estimate
-    /// stays charged, and no dollars are.
+    /// Never waits on the network. `None` usage: the estimate stays charged, and no dollars
+    /// are (the plugin always settles with a usage: the estimate when none is known).
     pub fn settle(self, usage: Option<Usage>) {
         let (Some(grant), Some(usage)) = (self.grant, usage) else {
             return;
