@@ -46,8 +46,9 @@ async fn dies_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, dropped)
 }
 
-/// Reads one request, head and `content-length` body; `None` when the connection ends first.
-async fn read_request(s: &mut tokio::net::TcpStream) -> Option<()> {
+/// Reads one request, head and `content-length` body; its head, lower-cased, or `None` when
+/// the connection ends first.
+async fn read_request(s: &mut tokio::net::TcpStream) -> Option<String> {
     let mut got = Vec::new();
     let mut buf = [0u8; 8192];
     let head_end = loop {
@@ -67,7 +68,115 @@ async fn read_request(s: &mut tokio::net::TcpStream) -> Option<()> {
         let n = s.read(&mut buf).await.ok().filter(|n| *n > 0)?;
         got.extend_from_slice(&buf[..n]);
     }
-    Some(())
+    Some(head)
+}
+
+/// An upstream that rate-limits one API key (as a provider, or another Sluice, does): a
+/// request with `Bearer throttled` gets 429 with OpenAI's reset header, any other the chat
+/// answer. Counts the 429s.
+async fn throttles_one_key() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let throttled = Arc::new(AtomicUsize::new(0));
+    let count = throttled.clone();
+    let answer = fixture("vllm-chat-completion.json");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (count, answer) = (count.clone(), answer.clone());
+            tokio::spawn(async move {
+                while let Some(head) = read_request(&mut s).await {
+                    let (status, extra, body) = if head.contains("authorization: bearer throttled")
+                    {
+                        count.fetch_add(1, Ordering::Relaxed);
+                        let body = br#"{"error":{"message":"Rate limit reached for your key","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#;
+                        (
+                            "429 Too Many Requests",
+                            "x-ratelimit-reset-requests: 60s\r\n",
+                            body.to_vec(),
+                        )
+                    } else {
+                        ("200 OK", "", answer.clone())
+                    };
+                    let head = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if s.write_all(head.as_bytes()).await.is_err()
+                        || s.write_all(&body).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, throttled)
+}
+
+/// One client's upstream 429, about its own key (the pool forwards clients' keys), paused
+/// the backends for everyone: two requests with that key took the whole pool out, and every
+/// other client got `503 no-healthy-backend` for a minute. The pause is now the client's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_clients_own_429_does_not_pause_the_pool_for_everyone() {
+    let (a, throttled_a) = throttles_one_key().await;
+    let (b, throttled_b) = throttles_one_key().await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[a, b])
+            .without_health_checks()
+            .with("forward_client_key", true)
+            .with("balancing", json!({"strategy": "round_robin"})),
+    ]}))
+    .await;
+    for i in 0..2 {
+        let r = proxy
+            .ask(
+                &chat(MODEL, &format!("over {i}"), false),
+                &[("authorization", "Bearer throttled")],
+            )
+            .await;
+        assert_eq!(r.status, 429, "{}", r.body);
+    }
+    let throttled = throttled_a.load(Ordering::Relaxed) + throttled_b.load(Ordering::Relaxed);
+    assert!(throttled >= 2, "both backends said 429: {throttled}");
+    for i in 0..4 {
+        let r = proxy
+            .ask(
+                &chat(MODEL, &format!("fine {i}"), false),
+                &[("authorization", "Bearer fine")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "another client: {}", r.body);
+    }
+    for backend in [a, b] {
+        let state = proxy.backend_status("main", backend).await;
+        assert_ne!(state["health"], "cooling_down", "{state}");
+    }
+}
+
+/// Back-pressure pauses are bounded as ejections are: when every backend asks for one, at
+/// most `max_ejection_percent` of them (one always) pause, and the rest keep answering with
+/// their own 429, which the client gets, never a 503 of Sluice's for a pool emptied by pauses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_pressure_pauses_at_most_the_share_ejections_may_take() {
+    let (a, _) = failing_upstream(Some(429), "retry-after: 30\r\n").await;
+    let (b, _) = failing_upstream(Some(429), "retry-after: 30\r\n").await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[a, b])
+            .without_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"})),
+    ]}))
+    .await;
+    for i in 0..6 {
+        let r = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
+        assert_eq!(r.status, 429, "request {i}: {}", r.body);
+    }
+    let mut cooling = 0;
+    for backend in [a, b] {
+        if proxy.backend_status("main", backend).await["health"] == "cooling_down" {
+            cooling += 1;
+        }
+    }
+    assert_eq!(cooling, 1, "one of two may pause (max_ejection_percent 50)");
 }
 
 /// A request sent on a pooled connection that turns out dead (no byte of answer came) is sent

@@ -269,7 +269,7 @@ async fn pipe(
         Err(outcome) => return outcome,
     };
 
-    tries::honour_back_pressure(ctx.pool_name(), up.in_flight.backend(), &header);
+    tries::honour_back_pressure(ctx, up.in_flight.backend(), &header);
     let is_sse = is_event_stream(&header);
     let status = header.status.as_u16();
     let declined = hold.error_statuses && (status >= 500 || status == 429);

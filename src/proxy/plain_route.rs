@@ -45,7 +45,7 @@ impl PlainTries {
     /// Honours the backend's back-pressure (a 429 or 503 with `Retry-After`).
     pub fn honour_back_pressure(&self, ctx: &RequestCtx, header: &ResponseHeader) {
         if let Some(in_flight) = &self.in_flight {
-            tries::honour_back_pressure(ctx.pool_name(), in_flight.backend(), header);
+            tries::honour_back_pressure(ctx, in_flight.backend(), header);
         }
     }
 

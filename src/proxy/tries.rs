@@ -100,15 +100,38 @@ pub fn back_pressure(header: &ResponseHeader) -> Option<Duration> {
 }
 
 /// Honours a backend's back-pressure: no new request goes to it until its pause is over.
-pub fn honour_back_pressure(pool: &str, live: &BackendLive, header: &ResponseHeader) {
-    if let Some(pause) = back_pressure(header) {
-        live.cool_down(pause);
+///
+/// Scoped to what caused it. When the pool forwards the client's own API key and no tenant
+/// was identified, the 429 may be about that key's quota upstream (another Sluice, a
+/// provider), not the backend: one client's limit must not pause the backend for everyone.
+/// And a pause is bounded as ejections are ([`Pool::may_pause_another`]).
+pub fn honour_back_pressure(ctx: &RequestCtx, live: &BackendLive, header: &ResponseHeader) {
+    let Some(pause) = back_pressure(header) else {
+        return;
+    };
+    let Some(pool) = ctx.pool() else {
+        return;
+    };
+    let clients_own = pool.forward_client_key && ctx.tenant().is_none();
+    if clients_own || !pool.may_pause_another() {
         tracing::info!(
-            pool,
-            "backend asked for a pause of {}",
-            humantime::format_duration(pause)
+            pool = &*pool.name,
+            "backend asked for a pause of {}; not taken: {}",
+            humantime::format_duration(pause),
+            if clients_own {
+                "it may be about the client's own key"
+            } else {
+                "too many of the pool's backends are out"
+            }
         );
+        return;
     }
+    live.cool_down(pause);
+    tracing::info!(
+        pool = &*pool.name,
+        "backend asked for a pause of {}",
+        humantime::format_duration(pause)
+    );
 }
 
 #[cfg(test)]

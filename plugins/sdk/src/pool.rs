@@ -637,6 +637,21 @@ impl Pool {
         ejected < share.max(1)
     }
 
+    /// Whether one more backend may be paused for its back-pressure (a 429 or 503 with
+    /// `Retry-After`): fewer than the pool's `max_ejection_percent` are out, paused or ejected
+    /// (one always may be). A backend that asks for a pause while the rest are out keeps
+    /// taking requests, and answering its own 429s: the client then hears the upstream's
+    /// own `retry-after`, not a 503 of Sluice's.
+    pub fn may_pause_another(&self) -> bool {
+        let out = self
+            .live
+            .iter()
+            .filter(|l| l.is_ejected() || l.is_cooling())
+            .count();
+        let share = self.live.len() * self.outlier.max_ejection_percent as usize / 100;
+        out < share.max(1)
+    }
+
     /// Whether the pool serves `model`.
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m == model)
