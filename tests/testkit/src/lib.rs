@@ -15,6 +15,8 @@
 //!   output as an assertion message.
 //! - [`TestCa`] and [`tls_front`]: a private CA per test, the certificates it issues, and a
 //!   TLS front before a plain backend.
+//! - [`RealVllm`], [`real_fleet`]: real vLLM servers (its CPU build) serving tiny models,
+//!   for the real-vLLM tier.
 //! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
 // Test code: a panic here is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -27,6 +29,7 @@ mod proxy;
 mod redis;
 mod scripted;
 mod tls;
+mod vllm;
 
 pub use config::{pool, Pool};
 pub use llm::{
@@ -39,6 +42,7 @@ pub use proxy::{exits_within, metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
 pub use scripted::{Received, Script, Scripted};
 pub use tls::{tls_front, Leaf, TestCa};
+pub use vllm::{real_fleet, tiny_models, vllm_python, RealFleet, RealVllm, TinyModel};
 
 /// `tests/fixtures`: recorded vLLM answers and metric pages; its README says where each
 /// comes from.

@@ -1,0 +1,509 @@
+//! The real-vLLM tier: Sluice, with every plugin on, in front of real vLLM 0.32 servers (its
+//! CPU build) serving two tiny Llama-shaped models with random weights made here (see
+//! `tests/real_vllm/`). The answers are noise; every wire shape, metric, error and limit is
+//! vLLM's own. One draft (1 layer, 2,048-token context) and one target (2 layers, 4,096, the
+//! `hermes` tool parser) are started once for this binary and shared; the tests that kill an
+//! engine or fill its KV cache start their own.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use sluice_testkit::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The model name clients ask for: the draft and target pools both serve it.
+const MODEL: &str = "tiny";
+const KEY: &str = "sk-real-vllm";
+
+fn digest(key: &str) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+}
+
+/// A pool of one real server, scraped often, serving `tiny` under the server's own name.
+fn real_pool(name: &str, server: &RealVllm) -> Pool {
+    pool(name, &[MODEL, server.model().name()], &[server.addr()])
+        .with("served_model", server.model().name())
+        .with("max_model_len", server.model().max_model_len())
+        .with(
+            "health",
+            json!({"interval": "200ms", "timeout": "2s", "stale_after": "3s"}),
+        )
+}
+
+/// Every plugin on: request ids, a tenant with a key, the cache, the selector (the draft
+/// first; `min_logprob` judges its answers: the random models' logprobs are about -6.5), the
+/// KV breaker.
+fn config(draft: &RealVllm, target: &RealVllm, min_logprob: f64) -> Value {
+    json!({
+        "pools": [
+            real_pool("draft", draft).with("supports", json!({"tools": false})),
+            real_pool("target", target),
+        ],
+        "plugins": {
+            "request_id": {"enabled": true},
+            "tenants": {"enabled": true, "tenants": {"real": {"keys": [digest(KEY)]}}},
+            "cache": {"enabled": true},
+            "speculative": {"enabled": true, "models": [{
+                "model": MODEL, "drafts": [{"pool": "draft"}], "target": "target",
+                "confidence": {"enabled": true, "measure": "mean", "window": 8,
+                               "min_logprob": min_logprob}}]},
+            "kv_breaker": {"enabled": true},
+        },
+    })
+}
+
+/// Sluice in front of the shared fleet; the draft's answers are kept (any logprob passes).
+async fn proxy() -> Proxy {
+    let fleet = real_fleet();
+    Proxy::start(config(&fleet.draft, &fleet.target, -1000.0)).await
+}
+
+const AUTH: (&str, &str) = ("authorization", "Bearer sk-real-vllm");
+
+fn header(a: &Answer, name: &str) -> Option<String> {
+    a.headers.get(name).map(|v| v.to_str().unwrap().to_string())
+}
+
+fn body(a: &Answer) -> Value {
+    serde_json::from_str(&a.body).unwrap_or_else(|e| panic!("{e}: {}", a.body))
+}
+
+/// The JSON events of a stream, `[DONE]` excluded; asserts it ended with `[DONE]`.
+fn events(a: &Answer) -> Vec<Value> {
+    let data = sse_data(&a.body);
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        a.body
+    );
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+async fn post(proxy: &Proxy, path: &str, request: &Value) -> Answer {
+    ask_url(&proxy.url(path), request, &[AUTH]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_as_json_and_streams_with_and_without_usage() {
+    let proxy = proxy().await;
+    for stream in [false, true] {
+        for usage in [false, true] {
+            let mut chat = json!({"model": MODEL, "max_tokens": 12, "stream": stream,
+                "messages": [{"role": "user", "content": format!("chat {stream} {usage}")}]});
+            let mut completion = json!({"model": MODEL, "max_tokens": 12, "stream": stream,
+                "prompt": format!("completion {stream} {usage}")});
+            if stream && usage {
+                chat["stream_options"] = json!({"include_usage": true});
+                completion["stream_options"] = json!({"include_usage": true});
+            }
+            for (path, request, object) in [
+                ("/v1/chat/completions", &chat, "chat.completion"),
+                ("/v1/completions", &completion, "text_completion"),
+            ] {
+                let a = post(&proxy, path, request).await;
+                assert_eq!(a.status, 200, "{path} {stream} {usage}: {}", a.body);
+                assert_eq!(header(&a, "x-sluice-pool").as_deref(), Some("draft"));
+                assert!(header(&a, "x-request-id").is_some());
+                if !stream {
+                    let v = body(&a);
+                    assert_eq!(v["object"], object, "{v}");
+                    assert_eq!(v["model"], MODEL, "the client's name: {v}");
+                    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+                    continue;
+                }
+                let events = events(&a);
+                assert!(events.iter().all(|e| e["model"] == MODEL), "{}", a.body);
+                let with_usage = events.iter().filter(|e| !e["usage"].is_null()).count();
+                assert_eq!(with_usage, usize::from(usage), "{}", a.body);
+                let finished = events.iter().any(|e| {
+                    e["choices"]
+                        .as_array()
+                        .is_some_and(|c| c.iter().any(|c| !c["finish_reason"].is_null()))
+                });
+                assert!(finished, "{}", a.body);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_and_logprobs_and_structured_outputs_pass_through() {
+    let proxy = proxy().await;
+    let request = json!({"model": MODEL, "max_tokens": 6, "n": 2, "logprobs": true,
+        "top_logprobs": 2, "messages": [{"role": "user", "content": "two choices"}]});
+    let a = post(&proxy, "/v1/chat/completions", &request).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let v = body(&a);
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    let tokens = &v["choices"][0]["logprobs"]["content"];
+    assert!(
+        tokens[0]["top_logprobs"].as_array().unwrap().len() == 2,
+        "{v}"
+    );
+
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                        "required": ["a"], "additionalProperties": false});
+    let request = json!({"model": MODEL, "max_tokens": 40, "temperature": 0,
+        "messages": [{"role": "user", "content": "an object"}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "o", "schema": schema}}});
+    let a = post(&proxy, "/v1/chat/completions", &request).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let content = body(&a)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    if body(&a)["choices"][0]["finish_reason"] == "stop" {
+        let object: Value = serde_json::from_str(&content).unwrap();
+        assert!(object["a"].is_i64(), "{content}");
+    }
+}
+
+/// A cache MISS, then a HIT in the other form: JSON replayed as a stream and a stream as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_are_cached_and_replayed_both_ways() {
+    let proxy = proxy().await;
+    for first_streamed in [false, true] {
+        let mut request = json!({"model": MODEL, "max_tokens": 10, "temperature": 0,
+            "messages": [{"role": "user", "content": format!("cache {first_streamed}")}]});
+        request["stream"] = json!(first_streamed);
+        let first = post(&proxy, "/v1/chat/completions", &request).await;
+        assert_eq!(first.status, 200, "{}", first.body);
+        assert_eq!(first.x_cache, "MISS");
+        request["stream"] = json!(!first_streamed);
+        let hit = proxy.until_hit(&request, &[AUTH]).await;
+        let text = |a: &Answer, streamed: bool| -> String {
+            if streamed {
+                events(a)
+                    .iter()
+                    .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+                    .collect()
+            } else {
+                body(a)["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            }
+        };
+        assert_eq!(
+            text(&hit, !first_streamed),
+            text(&first, first_streamed),
+            "the same answer, replayed"
+        );
+    }
+}
+
+/// A tool call, streamed from the target (the draft declares no tools), then replayed from
+/// the cache as JSON; and the other way round. The random model never closes a call's JSON by
+/// itself: vLLM's `structured_outputs` regex makes it write one in the Hermes form, which
+/// vLLM's `hermes` parser reads as a tool call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_tool_call_is_cached_and_replayed_both_ways() {
+    let proxy = proxy().await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]);
+    for first_streamed in [true, false] {
+        let city = if first_streamed { "Paris" } else { "Rome" };
+        let forced = format!(
+            r#"<tool_call>\n\{{"name": "get_weather", "arguments": \{{"city": "{city}"\}}\}}\n</tool_call>"#
+        );
+        let mut request = json!({"model": MODEL, "max_tokens": 200, "temperature": 0,
+            "tools": tools, "stream": first_streamed, "tool_choice": "auto",
+            "structured_outputs": {"regex": forced},
+            "messages": [{"role": "user", "content": format!("weather in {city}?")}]});
+        let first = post(&proxy, "/v1/chat/completions", &request).await;
+        assert_eq!(first.status, 200, "{}", first.body);
+        assert_eq!(header(&first, "x-sluice-pool").as_deref(), Some("target"));
+        request["stream"] = json!(!first_streamed);
+        let hit = proxy.until_hit(&request, &[AUTH]).await;
+        let (streamed, json_answer) = if first_streamed {
+            (&first, &hit)
+        } else {
+            (&hit, &first)
+        };
+        let call = &body(json_answer)["choices"][0]["message"]["tool_calls"][0];
+        assert_eq!(
+            call["function"]["name"], "get_weather",
+            "{}",
+            json_answer.body
+        );
+        let arguments: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(arguments["city"], city);
+        let arguments: String = events(streamed)
+            .iter()
+            .filter_map(|e| {
+                e["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
+            })
+            .collect();
+        assert_eq!(
+            arguments,
+            call["function"]["arguments"].as_str().unwrap(),
+            "the same call both ways"
+        );
+    }
+}
+
+/// vLLM's own errors reach the client byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_errors_pass_through_byte_for_byte() {
+    let proxy = proxy().await;
+    let fleet = real_fleet();
+    let bad = |model: &str| {
+        json!({"model": model, "max_tokens": 4, "logprobs": true, "top_logprobs": 30,
+               "messages": [{"role": "user", "content": "too many alternatives"}]})
+    };
+    let direct = ask_url(
+        &format!("{}/v1/chat/completions", fleet.draft.url()),
+        &bad("tiny-draft"),
+        &[],
+    )
+    .await;
+    assert_eq!(direct.status, 400, "{}", direct.body);
+    let through = post(&proxy, "/v1/chat/completions", &bad(MODEL)).await;
+    assert_eq!(through.status, 400);
+    assert_eq!(through.body, direct.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_are_listed_as_the_pools_serve_them() {
+    let proxy = proxy().await;
+    let a = client()
+        .get(proxy.url("/v1/models"))
+        .header(AUTH.0, AUTH.1)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status(), 200);
+    let v: Value = a.json().await.unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    for id in [MODEL, "tiny-draft", "tiny-target"] {
+        assert!(ids.contains(&id), "{id} missing: {v}");
+    }
+}
+
+/// A prompt the estimate fits into the draft's context, but this tokenizer does not: digits
+/// make many more tokens than four bytes each. The draft refuses it (vLLM 0.32's 400 with
+/// `param: input_tokens`), and the request escalates to the target, whose context holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_too_long_for_the_drafts_real_tokenizer_escalates() {
+    let proxy = proxy().await;
+    let fleet = real_fleet();
+    // Numbers until the target's tokenizer (the draft's too) counts more than the draft's
+    // context, while the estimate (four bytes a token) still fits it.
+    let mut digits = String::new();
+    let mut i = 0u32;
+    loop {
+        for _ in 0..50 {
+            i += 1;
+            digits.push_str(&format!("{} ", i * 7919 % 100_000));
+        }
+        if tokens(&fleet.target, &digits).await > 2_200 {
+            break;
+        }
+    }
+    assert!(digits.len() < 4 * 2_000, "the estimate fits the draft");
+    assert!(
+        tokens(&fleet.target, &digits).await < 4_000,
+        "the target holds it"
+    );
+    let request = json!({"model": MODEL, "max_tokens": 8,
+        "messages": [{"role": "user", "content": digits}]});
+    let a = post(&proxy, "/v1/chat/completions", &request).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (
+            header(&a, "x-sluice-pool"),
+            header(&a, "x-sluice-escalated")
+        ),
+        (Some("target".into()), Some("prompt-too-long".into()))
+    );
+    let prompt_tokens = body(&a)["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 2048, "really too long: {prompt_tokens}");
+}
+
+/// What vLLM's tokenizer makes of `text` (`POST /tokenize`).
+async fn tokens(server: &RealVllm, text: &str) -> u64 {
+    let a = ask_url(
+        &format!("{}/tokenize", server.url()),
+        &json!({"model": server.model().name(), "prompt": text}),
+        &[],
+    )
+    .await;
+    body(&a)["count"].as_u64().unwrap()
+}
+
+/// The random models' logprobs are about -6.5: with `min_logprob: -1` every draft answer is
+/// judged wanting and the target answers instead, once; with a bound below them, kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn low_confidence_on_real_logprobs_escalates_to_the_target_once() {
+    let fleet = real_fleet();
+    let strict = Proxy::start(config(&fleet.draft, &fleet.target, -1.0)).await;
+    let request = json!({"model": MODEL, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "judge me"}]});
+    let a = post(&strict, "/v1/chat/completions", &request).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (
+            header(&a, "x-sluice-pool"),
+            header(&a, "x-sluice-escalated")
+        ),
+        (Some("target".into()), Some("low-confidence".into()))
+    );
+    assert!(
+        body(&a)["choices"][0]["logprobs"].is_null(),
+        "not asked for"
+    );
+    let attempts = strict
+        .metric(r#"sluice_upstream_attempts_total{outcome="rejected_answer",pool="target"}"#)
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(attempts, 0.0, "the target's answer is never judged");
+
+    let lenient = proxy().await;
+    let a = post(&lenient, "/v1/chat/completions", &request).await;
+    assert_eq!(header(&a, "x-sluice-pool").as_deref(), Some("draft"));
+}
+
+/// A draft engine killed under Sluice: requests go on to the target (no failure); restarted,
+/// the draft takes them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_and_restarted_draft() {
+    let fleet = real_fleet();
+    let mut draft = RealVllm::start(TinyModel::Draft, &[]);
+    let proxy = Proxy::start(config(&draft, &fleet.target, -1000.0)).await;
+    let ask = |i: u32| {
+        json!({"model": MODEL, "max_tokens": 4,
+               "messages": [{"role": "user", "content": format!("while killed {i}")}]})
+    };
+    let a = post(&proxy, "/v1/chat/completions", &ask(0)).await;
+    assert_eq!(header(&a, "x-sluice-pool").as_deref(), Some("draft"));
+    draft.kill();
+    for i in 1..6 {
+        let a = post(&proxy, "/v1/chat/completions", &ask(i)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(header(&a, "x-sluice-pool").as_deref(), Some("target"));
+    }
+    draft.restart();
+    let back = wait_for(Duration::from_secs(30), || async {
+        let a = post(&proxy, "/v1/chat/completions", &ask(99)).await;
+        a.status == 200 && header(&a, "x-sluice-pool").as_deref() == Some("draft")
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "the restarted draft never took a request again"
+    );
+}
+
+/// Long requests fill a small real KV cache: the breaker, fed by vLLM's own `/metrics` and
+/// its projections, sheds the `sheddable` class before the engine runs out, and every
+/// request it admitted is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_sheds_on_real_kv_pressure() {
+    let engine = RealVllm::start(TinyModel::Target, &[]);
+    let proxy = Arc::new(
+        Proxy::start(json!({
+            "pools": [real_pool("main", &engine)],
+            "plugins": {"kv_breaker": {"enabled": true}},
+        }))
+        .await,
+    );
+    let capacity = wait_for(Duration::from_secs(10), || async {
+        proxy.backend_status("main", engine.addr()).await["kv_capacity_tokens"]
+            .as_f64()
+            .is_some_and(|c| c > 0.0)
+    })
+    .await;
+    assert!(capacity.is_some(), "vLLM's KV capacity was read");
+    let capacity = proxy.backend_status("main", engine.addr()).await["kv_capacity_tokens"]
+        .as_f64()
+        .unwrap();
+    // Each request may hold 3,000 tokens (prompt and output); enough of them for twice the
+    // cache.
+    let count = (2.0 * capacity / 3_000.0).ceil() as usize;
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let proxy = proxy.clone();
+        tasks.push(tokio::spawn(async move {
+            let request = json!({"model": MODEL, "max_tokens": 2_500, "ignore_eos": true,
+                "messages": [{"role": "user", "content": format!("{i} {}", "fill ".repeat(400))}]});
+            let a = proxy
+                .ask(&request, &[("x-sluice-priority", "sheddable")])
+                .await;
+            (a.status, header(&a, "x-sluice-rejected"))
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    let shed = results
+        .iter()
+        .filter(|(_, why)| why.as_deref() == Some("kv-pressure"))
+        .count();
+    let answered = results.iter().filter(|(s, _)| *s == 200).count();
+    assert!(shed > 0, "nothing shed: {results:?}");
+    assert!(answered > 0, "nothing admitted: {results:?}");
+    assert_eq!(shed + answered, count, "{results:?}");
+}
+
+/// The `openai` SDK, as users' code calls it, through Sluice to the real engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client() {
+    let fleet = real_fleet();
+    let mut cfg = config(&fleet.draft, &fleet.target, -1000.0);
+    cfg["plugins"]["tenants"]["tenants"]["real"]["keys"] = json!([digest("sk-test")]);
+    let proxy = Proxy::start(cfg).await;
+    let script = format!("{}/tests/openai_client.py", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new("python3")
+        .arg(&script)
+        .args([&format!("http://{}", proxy.addr), MODEL])
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        explain("openai_client.py", &out)
+    );
+}
+
+/// Twenty streams at once, each whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_streams() {
+    let proxy = Arc::new(proxy().await);
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let proxy = proxy.clone();
+        tasks.push(tokio::spawn(async move {
+            let request = json!({"model": MODEL, "max_tokens": 24, "stream": true,
+                "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": format!("stream {i}")}]});
+            post(&proxy, "/v1/chat/completions", &request).await
+        }));
+    }
+    for t in tasks {
+        let a = t.await.unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        let events = events(&a);
+        let usage = &events.last().unwrap()["usage"];
+        assert!(
+            usage["completion_tokens"].as_u64().unwrap() > 0,
+            "{}",
+            a.body
+        );
+    }
+}

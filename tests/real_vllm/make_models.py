@@ -1,0 +1,97 @@
+"""Makes the two tiny models the real-vLLM tier serves: Llama-shaped, random weights, and a
+byte-level BPE tokenizer trained here on text already on the machine (Python's own sources),
+with a chat template that renders tools as the Hermes template does. No weights can be
+downloaded; the answers are noise, but every wire, metric and error path is vLLM's own.
+
+Usage: python make_models.py OUT_DIR   -> OUT_DIR/tiny-draft (1 layer), OUT_DIR/tiny-target (2)
+"""
+
+import glob
+import json
+import os
+import sys
+import sysconfig
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+# ChatML with tools, after the Hermes template vLLM's `hermes` tool parser reads: the tool
+# list as JSON in the system turn, calls as <tool_call>{json}</tool_call>.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}"
+    "{%- elif message.content %}{%- for part in message.content %}{%- if part.type == 'text' %}{{ part.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>{%- endfor %}{%- endif %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def corpus():
+    """Python's standard library sources: text every machine with Python has."""
+    lib = sysconfig.get_paths()["stdlib"]
+    for path in sorted(glob.glob(os.path.join(lib, "*.py")))[:400]:
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            yield f.read()
+
+
+def tokenizer(out):
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<|end_of_text|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def model(out, layers, fast):
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        # One head of 64: vLLM's CPU attention kernels take head sizes of 32 and up.
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+
+
+def main():
+    root = sys.argv[1]
+    for name, layers in [("tiny-draft", 1), ("tiny-target", 2)]:
+        out = os.path.join(root, name)
+        os.makedirs(out, exist_ok=True)
+        fast = tokenizer(out)
+        model(out, layers, fast)
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id}, f)
+    print(root)
+
+
+if __name__ == "__main__":
+    main()
