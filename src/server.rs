@@ -68,6 +68,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     };
     // Below HTTP, every connection passes the connection caps and the header deadline.
     let h2_streams = sluice.limits.h2_max_concurrent_streams;
+    let client_header_timeout = connection_limits.header_timeout;
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, sluice);
     proxy.h2_options = Some(h2_options(h2_streams));
     // Pingora's h2c switch is per service: on here, and `Guarded` keeps it to the listeners
@@ -78,11 +79,13 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         .filter(|l| l.h2c)
         .map(|l| l.address)
         .collect();
-    if !h2c.is_empty() {
-        let mut options = HttpServerOptions::default();
-        options.h2c = true;
-        proxy.server_options = Some(options);
-    }
+    let mut options = HttpServerOptions::default();
+    options.h2c = !h2c.is_empty();
+    // An HTTP/2 connection with no stream open is closed after the time a request's head may
+    // take, as an idle HTTP/1.1 one is: connections that sent only the preface held
+    // `max_connections` for ever.
+    options.h2_idle_timeout = Some(client_header_timeout);
+    proxy.server_options = Some(options);
     let mut proxy = Service::new(
         "sluice proxy".to_string(),
         Guarded::new(proxy, connection_limits).with_h2c(h2c),

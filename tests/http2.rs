@@ -7,8 +7,8 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 use sluice_testkit::{
-    assert_ends_with_error_event, chat, pool, reserve_port, sim_serving, sse_data, streaming_sim,
-    wait_for, TestCa,
+    ask_url, assert_ends_with_error_event, chat, pool, reserve_port, sim_serving, sse_data,
+    streaming_sim, wait_for, TestCa,
 };
 use std::future::Future;
 use std::net::SocketAddr;
@@ -995,4 +995,45 @@ async fn failures_reach_h2_clients_as_over_http1_and_http2_off_offers_only_http1
         (r.version(), r.status().as_u16()),
         (reqwest::Version::HTTP_11, 200)
     );
+}
+
+/// HTTP/2 connections that open and then send nothing are closed after
+/// `client_header_timeout`, as idle HTTP/1.1 ones are: twenty h2c connections that sent the
+/// preface and an empty SETTINGS frame held `max_connections` for ever, and every other
+/// client got `503 too-many-connections`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_h2_connections_are_closed_and_free_their_place() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "limits": {"max_connections": 20, "client_header_timeout": "2s"},
+    }))
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(proxy.h2c).await.unwrap();
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+        // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
+        s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+        idle.push(s);
+    }
+    // Each is closed by the proxy (its SETTINGS and a GOAWAY first, then the end).
+    for mut s in idle {
+        let closed = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut buf = [0u8; 1024];
+            while s.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        })
+        .await;
+        assert!(closed.is_ok(), "an idle h2 connection was kept open");
+    }
+    let a = ask_url(
+        &format!("http://{}/v1/chat/completions", proxy.plain),
+        &chat(MODEL, "room again", false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.body);
 }
