@@ -47,7 +47,11 @@ impl Router {
     }
 
     pub fn route(&self, req: &RequestHeader) -> Decision<'_> {
-        let path = req.uri.path();
+        // The built-in endpoints are matched as the upstream will read the path: vLLM's
+        // server decodes it, so `/v1/chat/%63ompletions` through a catch-all route reached
+        // its chat endpoint unmetered.
+        let normalized = unreserved_decoded(req.uri.path());
+        let path = normalized.as_ref();
         if let Some(endpoint) = Endpoint::from_path(path) {
             return if req.method == http::Method::POST {
                 Decision::Llm(endpoint)
@@ -75,6 +79,38 @@ impl Router {
     }
 }
 
+/// `path` with its percent-encoded unreserved characters (letters, digits, `-._~`) decoded,
+/// as RFC 3986 (6.2.2.2) holds them equivalent; every other escape is kept. Borrowed when
+/// there is none.
+fn unreserved_decoded(path: &str) -> std::borrow::Cow<'_, str> {
+    if !path.contains('%') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let decoded = (bytes[i] == b'%')
+            .then(|| path.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+            .filter(|b| b.is_ascii_alphanumeric() || b"-._~".contains(b));
+        match decoded {
+            Some(b) => {
+                out.push(char::from(b));
+                i += 3;
+            }
+            None => {
+                // Copy up to the next `%` (char boundaries: `%` is ASCII).
+                let next = path[i + 1..].find('%').map_or(bytes.len(), |at| i + 1 + at);
+                out.push_str(&path[i..next]);
+                i = next;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// The request's host without port: from the URI (HTTP/2, absolute form) or `Host`.
 fn request_host(req: &RequestHeader) -> Option<&str> {
     let raw = req
@@ -100,6 +136,25 @@ mod tests {
     use super::*;
     use sluice_sdk::{BackendSpec, Pool, PoolSettings};
     use std::sync::Arc;
+
+    #[test]
+    fn escaped_unreserved_characters_are_the_built_in_endpoints_all_the_same() {
+        let router = Router::new(vec![rule("all", "/", None)]);
+        for path in [
+            "/v1/chat/%63ompletions",
+            "/v1/chat/%63%6F%6d%70letions",
+            "/v1/%63hat/completions",
+        ] {
+            let req = RequestHeader::build("POST", path.as_bytes(), None).unwrap();
+            assert!(
+                matches!(router.route(&req), Decision::Llm(Endpoint::ChatCompletions)),
+                "{path}"
+            );
+        }
+        // Other escapes stay: `%2F` is not `/`.
+        assert_eq!(unreserved_decoded("/v1%2Fchat/%zz/é%"), "/v1%2Fchat/%zz/é%");
+        assert_eq!(unreserved_decoded("/a%7Eb%2d"), "/a~b-");
+    }
 
     fn rule(name: &str, prefix: &str, host: Option<&str>) -> RouteRule {
         let resolved = ([127, 0, 0, 1], 1).into();

@@ -783,3 +783,32 @@ async fn a_stream_cut_before_its_usage_is_charged_its_estimate() {
     assert_eq!(next.status, 429, "{}", next.body);
     assert_eq!(next.headers["x-sluice-rejected"], "budget-exceeded");
 }
+
+/// Every route is metered: a tenant limited to 2 requests a minute was served 20
+/// `POST /tokenize` through a plain route (which carries the pool's credential).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_routes_count_against_a_tenants_limits() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 2}}}}))},
+    }))
+    .await;
+    let url = proxy.url("/tokenize");
+    let body = json!({"model": MODEL, "prompt": "count me"});
+    let key = format!("Bearer {ALPHA_KEY}");
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let a = ask_url(&url, &body, &[("authorization", key.as_str())]).await;
+        statuses.push((a.status, a.headers.get("x-sluice-rejected").cloned()));
+    }
+    assert!(statuses[..2].iter().all(|(s, _)| *s != 429), "{statuses:?}");
+    assert!(
+        statuses[2..]
+            .iter()
+            .all(|(s, why)| *s == 429 && why.as_ref().is_some_and(|w| w == "rate-limited")),
+        "{statuses:?}"
+    );
+}

@@ -328,10 +328,27 @@ impl Plugin for Tenants {
     }
 
     async fn request(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
-        let (Some(caller), Some(call)) = (ctx.state.get::<Caller>(), ctx.llm()) else {
+        let Some(caller) = ctx.state.get::<Caller>() else {
             return Ok(Flow::Continue);
         };
         let Some(entry) = self.entry(caller.entry) else {
+            return Ok(Flow::Continue);
+        };
+        let Some(call) = ctx.llm() else {
+            // Every route is metered: a plain one (`/tokenize`, a catch-all to vLLM) counts as a
+            // request and holds a concurrency slot; it carries no token estimate.
+            let want = Want {
+                input_tokens: 0,
+                output_tokens: 0,
+            };
+            let admitted = entry
+                .limits
+                .admit(want)
+                .await
+                .map_err(ErrorReply::into_error)?;
+            if let Some(caller) = ctx.state.get_mut::<Caller>() {
+                caller.admitted = Some(admitted);
+            }
             return Ok(Flow::Continue);
         };
         let capped = Self::apply_policy(entry, call)?;
