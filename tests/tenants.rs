@@ -172,6 +172,13 @@ async fn a_tenant_header_counts_only_from_a_trusted_proxy() {
         ask(&trusted, &request, &[header("gamma")]).await.status,
         401
     );
+    // A gateway that appends its value after the client's: several values name no one.
+    assert_eq!(
+        ask(&trusted, &request, &[header("beta"), header("alpha")])
+            .await
+            .status,
+        401
+    );
 }
 
 /// Two tenants asking the same thing never share a cache entry; and a forced-target request
@@ -552,6 +559,17 @@ async fn keys_from_redis_are_added_and_revoked_without_a_reload() {
     .await;
     assert!(added.is_some(), "a key added to Redis was never accepted");
 
+    // A field that is not UTF-8 is skipped; it froze the directory: no key revoked after it
+    // took effect.
+    redis_cli(
+        redis.port(),
+        &[
+            "EVAL",
+            "return redis.call('HSET', KEYS[1], string.char(255), 'x')",
+            "1",
+            "sluice:tenant-keys",
+        ],
+    );
     redis_cli(
         redis.port(),
         &["HDEL", "sluice:tenant-keys", &digest(gamma_key)],

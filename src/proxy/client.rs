@@ -49,8 +49,10 @@ pub fn address(session: &Session, trusted: &[IpNet]) -> Option<IpAddr> {
     Some(client)
 }
 
-/// Whether `address` is one of the trusted proxies.
+/// Whether `address` is one of the trusted proxies. An IPv4 peer on a dual-stack listener
+/// comes as `::ffff:a.b.c.d`: compared as the IPv4 address it is.
 pub fn is_trusted(address: IpAddr, trusted: &[IpNet]) -> bool {
+    let address = address.to_canonical();
     trusted.iter().any(|net| net.contains(&address))
 }
 
@@ -60,4 +62,17 @@ pub fn admit(requests: &Arc<Caps>, client: Option<IpAddr>) -> Result<Slot, Box<E
         over.reply(Reason::TooManyRequests, "requests in flight")
             .into_error()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv4_peer_on_a_dual_stack_listener_is_compared_as_ipv4() {
+        let trusted: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
+        let mapped: IpAddr = "::ffff:10.1.2.3".parse().unwrap();
+        assert!(is_trusted(mapped, &trusted));
+        assert!(!is_trusted("::ffff:192.0.2.1".parse().unwrap(), &trusted));
+    }
 }

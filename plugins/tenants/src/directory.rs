@@ -156,8 +156,10 @@ impl<T: Copy + Send + Sync + 'static> Directory<T> {
                     connection = Some(client.get_multiplexed_async_connection().await?);
                 }
                 match connection.as_mut() {
+                    // Read as bytes: one field that is not UTF-8 failed the whole read, and
+                    // every key added or revoked after it never took effect.
                     Some(c) => {
-                        c.hgetall::<_, HashMap<String, String>>(&redis.source.hash)
+                        c.hgetall::<_, HashMap<Vec<u8>, Vec<u8>>>(&redis.source.hash)
                             .await
                     }
                     None => Ok(HashMap::new()),
@@ -165,7 +167,26 @@ impl<T: Copy + Send + Sync + 'static> Directory<T> {
             })
             .await;
             match read {
-                Ok(Ok(entries)) => self.replace_redis_keys(redis, entries),
+                Ok(Ok(raw)) => {
+                    let read = raw.len();
+                    let entries: HashMap<String, String> = raw
+                        .into_iter()
+                        .filter_map(|(field, value)| {
+                            Some((
+                                String::from_utf8(field).ok()?,
+                                String::from_utf8(value).ok()?,
+                            ))
+                        })
+                        .collect();
+                    if entries.len() < read {
+                        tracing::warn!(
+                            "tenants: {} entries of the Redis hash `{}` are not UTF-8; skipped",
+                            read - entries.len(),
+                            redis.source.hash
+                        );
+                    }
+                    self.replace_redis_keys(redis, entries);
+                }
                 Ok(Err(e)) => {
                     connection = None;
                     tracing::warn!(

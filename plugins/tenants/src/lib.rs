@@ -203,9 +203,21 @@ impl Tenants {
     /// The tenant of a request, or the 401 it gets.
     async fn identify(&self, session: &Session) -> std::result::Result<EntryId, ErrorReply> {
         let headers = &session.req_header().headers;
-        if let Some(named) = self.tenant_header.as_ref().and_then(|h| headers.get(h)) {
+        if let Some(header) = self
+            .tenant_header
+            .as_ref()
+            .filter(|h| headers.contains_key(*h))
+        {
             // From anyone but a trusted proxy, the header means nothing.
             if self.peer_is_trusted_proxy(session) {
+                // A gateway that appends rather than replaces would let the client's own
+                // value stand first: several values name no one.
+                let mut values = headers.get_all(header).iter();
+                let (Some(named), None) = (values.next(), values.next()) else {
+                    return Err(unauthorized(
+                        "The tenant header came more than once; the proxy in front must set it, once.",
+                    ));
+                };
                 return named
                     .to_str()
                     .ok()
