@@ -23,7 +23,8 @@ use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::{
-    ConfigError, ErrorReply, Flow, Host, LocalResponse, Plugin, PluginBuilder, RequestCtx,
+    AttemptReport, ConfigError, ErrorReply, Flow, Host, LocalResponse, Plugin, PluginBuilder,
+    RequestCtx,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -232,11 +233,81 @@ impl Chain {
             .try_for_each(|p| p.response_body(body, end_of_stream, ctx))
     }
 
+    /// An upstream attempt ended; reverse order, as the response hooks.
+    pub fn attempt_end(&self, attempt: &AttemptReport, ctx: &mut RequestCtx) {
+        self.plugins
+            .iter()
+            .rev()
+            .for_each(|p| p.attempt_end(attempt, ctx));
+    }
+
     pub fn error(&self, reply: &ErrorReply, ctx: &mut RequestCtx) {
         self.plugins.iter().for_each(|p| p.error(reply, ctx));
     }
 
     pub fn logging(&self, error: Option<&Error>, ctx: &mut RequestCtx) {
         self.plugins.iter().for_each(|p| p.logging(error, ctx));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Records the attempts it is told of, under its name.
+    struct Observer {
+        name: &'static str,
+        seen: Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>,
+    }
+
+    impl Plugin for Observer {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn attempt_end(&self, attempt: &AttemptReport, _ctx: &mut RequestCtx) {
+            self.seen
+                .lock()
+                .unwrap()
+                .push((self.name, attempt.number, attempt.outcome));
+        }
+    }
+
+    #[test]
+    fn every_plugin_hears_of_each_attempt_nearest_the_upstream_first() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let observer = |name| -> Arc<dyn Plugin> {
+            Arc::new(Observer {
+                name,
+                seen: Arc::clone(&seen),
+            })
+        };
+        let chain = Chain {
+            plugins: vec![observer("first"), observer("second")],
+            response_headers_added: 0,
+        };
+        let mut ctx = RequestCtx::new();
+        for (number, outcome) in [(1, "timeout"), (2, "response")] {
+            let attempt = AttemptReport {
+                number,
+                pool: "draft".into(),
+                backend: ([127, 0, 0, 1], 8000).into(),
+                started: std::time::Instant::now(),
+                elapsed: std::time::Duration::ZERO,
+                status: None,
+                outcome,
+            };
+            chain.attempt_end(&attempt, &mut ctx);
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                ("second", 1, "timeout"),
+                ("first", 1, "timeout"),
+                ("second", 2, "response"),
+                ("first", 2, "response"),
+            ]
+        );
     }
 }

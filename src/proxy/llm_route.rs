@@ -29,7 +29,8 @@ use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel};
 use sluice_sdk::{
-    Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx, RetryOn, Selected,
+    AttemptReport, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx,
+    RetryOn, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -183,8 +184,10 @@ impl AttemptLoop {
                         deadlines,
                         hold,
                     } = prepared;
+                    let started = std::time::Instant::now();
                     let outcome =
                         attempt::run(sluice, session, ctx, attempt, deadlines, &hold).await;
+                    report_attempt(sluice, ctx, &pool, &backend, started, &outcome);
                     // 4. decide
                     self.decide(ctx, &pool, &backend, outcome).await
                 }
@@ -463,6 +466,29 @@ impl AttemptLoop {
         self.retries_in_pool = 0;
         true
     }
+}
+
+/// Hands the attempt that just ended to the plugins' `attempt_end` hooks.
+fn report_attempt(
+    sluice: &Sluice,
+    ctx: &mut RequestCtx,
+    pool: &Pool,
+    backend: &Selected,
+    started: std::time::Instant,
+    outcome: &Outcome,
+) {
+    let report = AttemptReport {
+        number: ctx.progress().attempts,
+        pool: Arc::clone(&pool.name),
+        backend: backend.addr,
+        started,
+        elapsed: started.elapsed(),
+        status: ctx.progress().upstream_status,
+        outcome: outcome
+            .label()
+            .map_or("client_gone", |label| label.as_str()),
+    };
+    sluice.chain.attempt_end(&report, ctx);
 }
 
 /// The request header an upstream gets: the client's, framed anew (the body by its exact

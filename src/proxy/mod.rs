@@ -308,6 +308,9 @@ impl ProxyHttp for Sluice {
         {
             ctx.plain.judge(&ctx.req, Verdict::Success);
         }
+        if let Some(attempt) = ctx.plain.last_attempt(&ctx.req, e) {
+            self.chain.attempt_end(&attempt, &mut ctx.req);
+        }
         self.chain.logging(e, &mut ctx.req);
         crate::access_log::record(self.access_log, &ctx.req, e);
     }

@@ -2,12 +2,14 @@
 //! loop's hooks share about the current try, so that each try counts once for or against
 //! its backend and a refused connection moves on to another backend of the pool.
 
+use super::attempt::{is_connect_failure, is_timeout};
 use super::tries::{self, no_backend};
+use crate::metrics::AttemptOutcome;
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_error::Result;
+use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::ResponseHeader;
 use sluice_sdk::error::ErrorReply;
-use sluice_sdk::{Demand, InFlight, RequestCtx, Verdict};
+use sluice_sdk::{AttemptReport, Demand, InFlight, RequestCtx, Verdict};
 use std::net::SocketAddr;
 
 /// The tries of one plain-route request.
@@ -19,6 +21,8 @@ pub struct PlainTries {
     in_flight: Option<InFlight>,
     /// The current try has counted for or against its backend.
     judged: bool,
+    /// When the current try started.
+    started: Option<std::time::Instant>,
 }
 
 impl PlainTries {
@@ -33,6 +37,7 @@ impl PlainTries {
             .ok_or_else(|| no_backend(&pool))?;
         self.in_flight = Some(tries::begin(ctx, &mut self.tried, &backend, 0));
         self.judged = false;
+        self.started = Some(std::time::Instant::now());
         Ok(Box::new(pool.peer(backend.addr)))
     }
 
@@ -60,5 +65,33 @@ impl PlainTries {
         if !std::mem::replace(&mut self.judged, true) {
             tries::judge(pool, addr, in_flight.backend(), verdict);
         }
+    }
+
+    /// The last try, as it ended with the request (`error`, if it failed), for the
+    /// plugins' `attempt_end`; `None` when no try was made.
+    pub fn last_attempt(&self, ctx: &RequestCtx, error: Option<&Error>) -> Option<AttemptReport> {
+        let (Some(started), Some(pool), Some(backend)) =
+            (self.started, ctx.pool(), ctx.progress().backend)
+        else {
+            return None;
+        };
+        let status = ctx.progress().upstream_status;
+        let outcome = match error {
+            None => AttemptOutcome::Response.as_str(),
+            Some(e) if e.esource() == &ErrorSource::Downstream => "client_gone",
+            Some(_) if status.is_some() => AttemptOutcome::Broken.as_str(),
+            Some(e) if is_connect_failure(e) => AttemptOutcome::ConnectError.as_str(),
+            Some(e) if is_timeout(e) => AttemptOutcome::Timeout.as_str(),
+            Some(_) => AttemptOutcome::Error.as_str(),
+        };
+        Some(AttemptReport {
+            number: ctx.progress().attempts,
+            pool: std::sync::Arc::clone(&pool.name),
+            backend,
+            started,
+            elapsed: started.elapsed(),
+            status,
+            outcome,
+        })
     }
 }

@@ -57,7 +57,7 @@ pub use health::{
 pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
-pub use plugin::{Flow, Host, LocalResponse, Plugin, PluginBuilder};
+pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,

@@ -17,6 +17,7 @@
 //! | `request`          | `request_filter`              | async |
 //! | `upstream_select`  | `upstream_peer`               | sync  |
 //! | `upstream_request` | `upstream_request_filter`     | sync  |
+//! | `attempt_end`      | (after each upstream attempt) | sync  |
 //! | `response_header`  | `response_filter`             | sync  |
 //! | `response_body`    | `response_body_filter`        | sync  |
 //! | `error`            | `fail_to_proxy`               | sync  |
@@ -53,6 +54,28 @@ use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
 use crate::memory::MemoryBudget;
 use crate::pool::Pools;
+
+/// One upstream attempt as it ended: the fact [`Plugin::attempt_end`] hands each plugin, so
+/// that tracing, accounting and metrics per attempt hang off one place.
+#[derive(Debug, Clone)]
+pub struct AttemptReport {
+    /// Its number among the request's attempts, from 1.
+    pub number: u32,
+    /// The pool it went to.
+    pub pool: Arc<str>,
+    /// The backend it went to.
+    pub backend: std::net::SocketAddr,
+    /// When it started (the backend was chosen).
+    pub started: std::time::Instant,
+    /// How long it lasted, until it ended.
+    pub elapsed: std::time::Duration,
+    /// The status the backend answered with, if it answered.
+    pub status: Option<u16>,
+    /// How it ended, as `sluice_upstream_attempts_total` labels it (`response`,
+    /// `connect_error`, `timeout`, `error`, `declined`, `rejected_answer`, `broken`), or
+    /// `client_gone`.
+    pub outcome: &'static str,
+}
 
 /// What the core lends every plugin to build it with: what is shared by the whole process.
 #[derive(Debug, Clone)]
@@ -179,6 +202,12 @@ pub trait Plugin: Send + Sync + 'static {
     fn upstream_request(&self, _request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
         Ok(())
     }
+
+    /// Runs when an upstream attempt has ended, however it ended (see [`AttemptReport`]):
+    /// on LLM routes after each attempt of the request (a retry, an escalation), before the
+    /// core decides what follows; on plain routes once, when the request ends. Observe only
+    /// (count, trace, account per attempt); the request goes on as the core decides.
+    fn attempt_end(&self, _attempt: &AttemptReport, _ctx: &mut RequestCtx) {}
 
     /// Runs on the response header before it is sent to the client. `Err` fails the request
     /// (only sensible before any byte was sent, which is always the case here).
