@@ -65,6 +65,19 @@ async fn a_pool_sends_its_own_credential_and_never_the_clients_key() {
         "the secret in the log"
     );
 
+    // Not even at `trace`: Pingora's HTTP/1 client logs each request's raw header there.
+    let traced = Proxy::start(json!({
+        "log": {"level": "trace"},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])
+            .with("upstream_auth", json!({"from_file": secret}))],
+    }))
+    .await;
+    let a = traced.ask(&chat(MODEL, "traced", false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let logs = traced.logs();
+    assert!(logs.contains("TRACE"), "the log is at trace");
+    assert!(!logs.contains("vllm-secret"), "the secret in a trace log");
+
     // Without the pool's credential, the backend refuses; the client's key is not passed on.
     let bare = Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
     let a = bare

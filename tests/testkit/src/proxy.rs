@@ -111,7 +111,8 @@ impl Proxy {
             .arg("-c")
             .arg(&self.config)
             .args(extra)
-            .env("RUST_LOG", "info")
+            // The config's `log.level` decides (the harness sets `info` unless a test says).
+            .env_remove("RUST_LOG")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
