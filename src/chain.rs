@@ -255,10 +255,13 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
+    /// Who heard of which attempt, and how it ended.
+    type Heard = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
+
     /// Records the attempts it is told of, under its name.
     struct Observer {
         name: &'static str,
-        seen: Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>,
+        seen: Heard,
     }
 
     impl Plugin for Observer {

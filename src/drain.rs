@@ -18,6 +18,8 @@
 //! and the child panicked on the first phase sent.
 
 use crate::caps::Caps;
+use crate::proxy::Sluice;
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
@@ -36,22 +38,22 @@ const POLL: Duration = Duration::from_millis(25);
 const FLUSH_WITHIN: Duration = Duration::from_secs(2);
 
 /// Prepares the watcher for `server`: subscribes to its phases now (so none is missed) and
-/// returns the background service that starts the watching thread once the server runs, and
-/// the receiver that turns `true` when running streams are to end (each attempt watches it).
+/// returns the background service that starts the watching thread once the server runs.
+/// `grace_over` is set when running streams are to end (each attempt watches it); the
+/// plugins finished at the end are the current generation's (`current`).
 pub fn watch(
     server: &Server,
     requests: Arc<Caps>,
-    plugins: Vec<Arc<dyn Plugin>>,
+    current: Arc<ArcSwap<Sluice>>,
     grace: Duration,
-) -> (watch::Receiver<bool>, DrainService) {
-    let (grace_over, streams_end) = watch::channel(false);
+    grace_over: watch::Sender<bool>,
+) -> DrainService {
     let phases = server.watch_execution_phase();
     let start: Box<dyn FnOnce() + Send> =
-        Box::new(move || spawn(phases, requests, plugins, grace, grace_over));
-    let service = DrainService {
+        Box::new(move || spawn(phases, requests, current, grace, grace_over));
+    DrainService {
         start: Mutex::new(Some(start)),
-    };
-    (streams_end, service)
+    }
 }
 
 /// Starts the watching thread when the server's services start, after any fork.
@@ -76,13 +78,13 @@ impl BackgroundService for DrainService {
 fn spawn(
     phases: broadcast::Receiver<ExecutionPhase>,
     requests: Arc<Caps>,
-    plugins: Vec<Arc<dyn Plugin>>,
+    current: Arc<ArcSwap<Sluice>>,
     grace: Duration,
     grace_over: watch::Sender<bool>,
 ) {
     let spawned = std::thread::Builder::new()
         .name("sluice drain".into())
-        .spawn(move || run(phases, requests, plugins, grace, grace_over));
+        .spawn(move || run(phases, requests, current, grace, grace_over));
     if let Err(e) = spawned {
         tracing::error!("cannot start the drain watcher, stops will take the grace period: {e}");
     }
@@ -91,7 +93,7 @@ fn spawn(
 fn run(
     mut phases: broadcast::Receiver<ExecutionPhase>,
     requests: Arc<Caps>,
-    plugins: Vec<Arc<dyn Plugin>>,
+    current: Arc<ArcSwap<Sluice>>,
     grace: Duration,
     grace_over: watch::Sender<bool>,
 ) {
@@ -110,7 +112,7 @@ fn run(
                 "nothing in flight {:?} into the grace period: stopping now",
                 started.elapsed()
             );
-            finish(&plugins);
+            finish(&current.load().chain.plugins());
             std::process::exit(0);
         }
         if started.elapsed() >= end_streams_at && !*grace_over.borrow() {

@@ -23,5 +23,6 @@ pub mod logging;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
+pub mod reload;
 pub mod router;
 pub mod server;

@@ -60,6 +60,13 @@ metric!(REJECTIONS: IntCounterVec = register_int_counter_vec!(
     &["reason", "priority"]
 ));
 
+metric!(RELOADS: IntCounterVec = register_int_counter_vec!(
+    "sluice_config_reloads_total",
+    "Config reloads asked for with SIGHUP, by result: ok (a new generation serves new \
+     requests) or refused (the file did not pass the checks; the running config stays).",
+    &["result"]
+));
+
 metric!(OPEN_CONNECTIONS: IntGauge = register_int_gauge!(
     "sluice_connections_open",
     "Client connections open on the proxy listeners."
@@ -209,6 +216,11 @@ impl AttemptOutcome {
 }
 
 /// Counts one upstream attempt of `pool`.
+/// Counts a `SIGHUP` reload, done or refused.
+pub fn reload(done: bool) {
+    inc(&RELOADS, &[if done { "ok" } else { "refused" }]);
+}
+
 pub fn attempt(pool: &str, outcome: AttemptOutcome) {
     inc(&UPSTREAM_ATTEMPTS, &[pool, outcome.as_str()]);
 }
@@ -232,6 +244,9 @@ pub fn ttft_prediction(pool: &str, predicted: f64, observed: f64) {
 /// find them from start-up rather than after the first request of each kind.
 pub fn init(pools: &Pools) {
     let _ = (&*LLM_REQUEST_DURATION, &*REQUESTS);
+    for result in ["ok", "refused"] {
+        touch(&RELOADS, &[result]);
+    }
     for reason in Reason::ALL {
         touch(&REJECTIONS, &[reason.as_str(), "-"]);
     }

@@ -6,8 +6,10 @@ use crate::chain::Chain;
 use crate::config::Config;
 use crate::edge::Guarded;
 use crate::health::HealthService;
-use crate::proxy::Sluice;
+use crate::proxy::{Proxy, Sluice};
+use crate::reload::{Frozen, Lasting, Reload};
 use crate::router::Router;
+use arc_swap::ArcSwap;
 use pingora_core::apps::HttpServerOptions;
 use pingora_core::connectors::http::{v1 as http1, Connector};
 use pingora_core::connectors::ConnectorOptions;
@@ -23,58 +25,49 @@ use std::time::{Duration, Instant};
 
 /// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
 /// a TLS key that does not load) come back as text for the command line.
-pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
-    let pools = config.pools;
-    let chain = Chain::start(config.plugins);
-    let names = chain.names();
-    tracing::info!(
-        "plugin chain: [{}]{}",
-        names.join(" → "),
-        if names.is_empty() {
-            " (no plugins)"
-        } else {
-            ""
-        }
-    );
-    for pool in pools.iter() {
-        let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
-        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
-    }
-    crate::metrics::init(&pools);
-
-    let mut server = Server::new_with_opt_and_conf(opt, config.server);
+pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
+    let frozen = Frozen::of(&config);
+    let mut server = Server::new_with_opt_and_conf(opt, std::mem::take(&mut config.server));
     server.bootstrap();
     let upstream = ConnectorOptions::from_server_conf(&server.configuration);
     let connection_limits = config.limits.connections.clone();
-    let requests = Caps::new(
-        config.limits.max_requests_in_flight,
-        config.limits.max_requests_in_flight_per_client,
-    );
     let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
-    let (streams_end, drain) =
-        crate::drain::watch(&server, requests.clone(), chain.plugins(), grace);
-    let plugins_for_status = chain.plugins();
-    let sluice = Sluice {
-        requests,
+    let (grace_over, streams_end) = tokio::sync::watch::channel(false);
+    // What every generation of the config shares: the in-flight caps, the upstream
+    // connections, the end of the grace period.
+    let lasting = Lasting {
+        requests: Caps::new(
+            config.limits.max_requests_in_flight,
+            config.limits.max_requests_in_flight_per_client,
+        ),
         streams_end,
-        memory: config.memory,
-        limits: config.limits,
-        models: crate::models::list(&pools),
-        pools: pools.clone(),
-        router: Router::new(config.routes),
-        chain,
-        access_log: config.log.access_log,
-        connector: http1::Connector::new(Some(upstream.clone())),
+        connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
     };
-    // Below HTTP, every connection passes the connection caps and the header deadline.
-    let h2_streams = sluice.limits.h2_max_concurrent_streams;
+    let h2_streams = config.limits.h2_max_concurrent_streams;
     let client_header_timeout = connection_limits.header_timeout;
-    let mut proxy = pingora_proxy::http_proxy(&server.configuration, sluice);
+    let admin_address = config.admin;
+    let listeners = config.listeners.clone();
+    let source = config.source.clone();
+    let sluice = generation(config, &lasting);
+    let pools = Arc::clone(&sluice.pools);
+    let current = Arc::new(ArcSwap::from_pointee(sluice));
+    let (pools_now, pools_changes) = tokio::sync::watch::channel(pools);
+    let drain = crate::drain::watch(
+        &server,
+        lasting.requests.clone(),
+        Arc::clone(&current),
+        grace,
+        grace_over,
+    );
+    // Below HTTP, every connection passes the connection caps and the header deadline.
+    let proxy_service = Proxy {
+        current: Arc::clone(&current),
+    };
+    let mut proxy = pingora_proxy::http_proxy(&server.configuration, proxy_service);
     proxy.h2_options = Some(h2_options(h2_streams));
     // Pingora's h2c switch is per service: on here, and `Guarded` keeps it to the listeners
     // that ask for it (elsewhere the preface is not looked for, and h1 is served).
-    let h2c: Vec<_> = config
-        .listeners
+    let h2c: Vec<_> = listeners
         .iter()
         .filter(|l| l.h2c)
         .map(|l| l.address)
@@ -96,7 +89,7 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     // bodies are read into the 64 KiB body buffer, past the L4 buffer, either way. Measured
     // with 1,000 open streams: 209 -> 144 KB per stream. TLS listeners keep it: rustls reads
     // record by record, and the buffer saves those syscalls.
-    for listener in &config.listeners {
+    for listener in &listeners {
         let address = listener.address.to_string();
         match &listener.tls {
             None => proxy.add_listener(
@@ -128,13 +121,22 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
     server.add_service(background_service("drain watcher", drain));
     server.add_service(background_service(
         "health checks",
-        HealthService::new(pools.clone(), Arc::new(Connector::new(Some(upstream)))),
+        HealthService::new(pools_changes, Arc::new(Connector::new(Some(upstream)))),
+    ));
+    server.add_service(background_service(
+        "config reload",
+        Reload {
+            source,
+            current: Arc::clone(&current),
+            lasting,
+            frozen,
+            pools_now,
+        },
     ));
 
-    if let Some(address) = config.admin {
+    if let Some(address) = admin_address {
         let admin = Admin {
-            pools,
-            plugins: plugins_for_status,
+            current,
             started: Instant::now(),
         };
         let mut service = Service::new("sluice admin".to_string(), admin);
@@ -143,6 +145,41 @@ pub fn build(config: Config, opt: Opt) -> Result<Server, String> {
         tracing::info!("admin listening on {address}");
     }
     Ok(server)
+}
+
+/// What a config makes of the proxy, for new requests: its pools (live state, health), its
+/// plugin chain started, its routes and limits; `lasting` is what every generation shares.
+pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
+    let pools = config.pools;
+    let chain = Chain::start(config.plugins);
+    let names = chain.names();
+    tracing::info!(
+        "plugin chain: [{}]{}",
+        names.join(" → "),
+        if names.is_empty() {
+            " (no plugins)"
+        } else {
+            ""
+        }
+    );
+    for pool in pools.iter() {
+        let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
+        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
+    }
+    crate::metrics::init(&pools);
+    Sluice {
+        requests: lasting.requests.clone(),
+        streams_end: lasting.streams_end.clone(),
+        memory: config.memory,
+        limits: config.limits,
+        models: crate::models::list(&pools),
+        pools,
+        router: Router::new(config.routes),
+        chain,
+        access_log: config.log.access_log,
+        connector: Arc::clone(&lasting.connector),
+        retired: std::sync::atomic::AtomicBool::new(false),
+    }
 }
 
 /// HTTP/2 settings for client connections: Pingora's bounded defaults (64 KiB of decoded

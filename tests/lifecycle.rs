@@ -291,3 +291,99 @@ async fn the_allocator_returns_freed_memory_from_a_background_thread() {
         "no jemalloc background thread among {names:?}"
     );
 }
+
+/// `SIGHUP` reloads the config in place, as nginx does: a revoked key is refused at once on
+/// every connection, kept-alive ones included, and a new key works; a stream that began
+/// before finishes whole on the old config; a file that does not pass `sluice -t`'s checks
+/// leaves the running config as it is. (`SIGHUP` used to end the process.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_config_in_place_and_a_bad_file_changes_nothing() {
+    use sha2::{Digest, Sha256};
+    let digest = |key: &str| format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())));
+    let upstream = streaming_sim(MODEL, Duration::from_millis(100), 20).await;
+    let mut proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": {"enabled": true,
+            "tenants": {"team": {"keys": [digest("sk-old")]}}}},
+    }))
+    .await;
+    // One kept-alive connection for every request below.
+    let kept_alive = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    let url = proxy.url("/v1/chat/completions");
+    let ask = |key: &'static str| {
+        let (client, url) = (kept_alive.clone(), url.clone());
+        async move {
+            client
+                .post(&url)
+                .bearer_auth(key)
+                .json(&chat(MODEL, "hello", false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(ask("sk-old").await, 200);
+    assert_eq!(ask("sk-new").await, 401);
+
+    // A stream that began before the reload: two seconds long.
+    let streaming = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let r = client()
+                .post(&url)
+                .bearer_auth("sk-old")
+                .json(&chat(MODEL, "a story", true))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // sk-old revoked, sk-new added.
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(proxy.config_file()).unwrap()).unwrap();
+    config["plugins"]["tenants"]["tenants"]["team"]["keys"] = json!([digest("sk-new")]);
+    std::fs::write(proxy.config_file(), config.to_string()).unwrap();
+    signal(proxy.pid(), "HUP");
+    let switched = wait_for(Duration::from_secs(10), || async {
+        ask("sk-new").await == 200
+    })
+    .await;
+    assert!(
+        switched.is_some(),
+        "the new key never worked\n{}",
+        proxy.logs()
+    );
+    assert_eq!(
+        ask("sk-old").await,
+        401,
+        "a revoked key on a kept-alive connection"
+    );
+
+    let (status, body) = streaming.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+
+    // A bad file: refused, and the running config stays.
+    std::fs::write(proxy.config_file(), "pools: [this is not a pool").unwrap();
+    signal(proxy.pid(), "HUP");
+    let refused = wait_for(Duration::from_secs(10), || async {
+        proxy
+            .metric(r#"sluice_config_reloads_total{result="refused"}"#)
+            .await
+            == Some(1.0)
+    })
+    .await;
+    assert!(refused.is_some(), "{}", proxy.logs());
+    assert!(!proxy.exited(), "SIGHUP ended the process");
+    assert_eq!(ask("sk-new").await, 200);
+    assert!(proxy.logs().contains("config reload refused"));
+}

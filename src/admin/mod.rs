@@ -2,12 +2,14 @@
 //! `/metrics`, `/healthz`, `/readyz`, `/status`. On its own address (default 127.0.0.1:9090),
 //! so it can be firewalled apart from the proxy.
 
+use crate::proxy::Sluice;
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 use serde_json::json;
-use sluice_sdk::{Plugin, Pool, Pools, Priority};
+use sluice_sdk::{Pool, Priority};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,9 +23,9 @@ const DASHBOARD_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
     form-action 'none'; frame-ancestors 'none'";
 
 pub struct Admin {
-    pub pools: Arc<Pools>,
-    /// The plugin chain, in order: its names, and what each shows of itself.
-    pub plugins: Vec<Arc<dyn Plugin>>,
+    /// The current generation: its pools, and its plugin chain in order (their names, and
+    /// what each shows of itself).
+    pub current: Arc<ArcSwap<Sluice>>,
     pub started: Instant,
 }
 
@@ -69,14 +71,19 @@ impl ServeHttp for Admin {
 impl Admin {
     /// Ready when some pool has a backend that may take a request now.
     fn ready(&self) -> bool {
-        self.pools.iter().any(|p| p.has_usable_backend())
+        self.current
+            .load()
+            .pools
+            .iter()
+            .any(|p| p.has_usable_backend())
     }
 
     fn status(&self) -> serde_json::Value {
-        let pools: Vec<_> = self.pools.iter().map(|p| pool_status(p)).collect();
-        let names: Vec<&str> = self.plugins.iter().map(|p| p.name()).collect();
-        let plugin_status: serde_json::Map<String, serde_json::Value> = self
-            .plugins
+        let current = self.current.load();
+        let pools: Vec<_> = current.pools.iter().map(|p| pool_status(p)).collect();
+        let plugins = current.chain.plugins();
+        let names: Vec<&str> = plugins.iter().map(|p| p.name()).collect();
+        let plugin_status: serde_json::Map<String, serde_json::Value> = plugins
             .iter()
             .filter_map(|p| Some((p.name().to_string(), p.status()?)))
             .collect();

@@ -36,7 +36,9 @@ use tokio::time::{interval, MissedTickBehavior};
 
 /// The background service that keeps every backend's live state current.
 pub struct HealthService {
-    pools: Arc<Pools>,
+    /// The current generation's pools: checked from when they come (a `SIGHUP` reload) to
+    /// when the next ones replace them.
+    pools: tokio::sync::watch::Receiver<Arc<Pools>>,
     /// Built from the server's upstream settings (`pingora.ca_file`, ...) as the proxy's own
     /// connector is, so a probe reaches a backend exactly as a request does. Built before the
     /// server starts: a daemon has changed its directory (and maybe its user) by then.
@@ -44,7 +46,7 @@ pub struct HealthService {
 }
 
 impl HealthService {
-    pub fn new(pools: Arc<Pools>, connector: Arc<Connector>) -> Self {
+    pub fn new(pools: tokio::sync::watch::Receiver<Arc<Pools>>, connector: Arc<Connector>) -> Self {
         Self { pools, connector }
     }
 }
@@ -52,8 +54,30 @@ impl HealthService {
 #[async_trait]
 impl BackgroundService for HealthService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut pools = self.pools.clone();
+        loop {
+            let mut tasks = self.check(&pools.borrow_and_update());
+            tokio::select! {
+                _ = shutdown.changed() => {
+                    tasks.abort_all();
+                    return;
+                }
+                changed = pools.changed() => {
+                    tasks.abort_all();
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl HealthService {
+    /// Starts a checker for every backend of `pools`.
+    fn check(&self, pools: &Pools) -> tokio::task::JoinSet<()> {
         let mut tasks = tokio::task::JoinSet::new();
-        for pool in self.pools.iter() {
+        for pool in pools.iter() {
             for index in 0..pool.backends.len() {
                 let Some(spec) = pool.backends.get(index) else {
                     continue;
@@ -69,8 +93,7 @@ impl BackgroundService for HealthService {
                 tasks.spawn(checker.run());
             }
         }
-        let _ = shutdown.changed().await;
-        tasks.abort_all();
+        tasks
     }
 }
 

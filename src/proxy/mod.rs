@@ -48,6 +48,7 @@ use crate::chain::Chain;
 use crate::config::Limits;
 use crate::metrics::{self, AttemptOutcome};
 use crate::router::{Decision, Router};
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
@@ -70,18 +71,48 @@ pub struct Sluice {
     /// Bytes held in memory for requests (bodies, held answers).
     pub memory: Arc<MemoryBudget>,
     pub pools: Arc<Pools>,
-    /// The `/v1/models` answer, built once: pools do not change while running.
+    /// The `/v1/models` answer, built once per generation.
     pub models: Bytes,
     pub router: Router,
     pub chain: Chain,
     pub access_log: bool,
-    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves.
-    pub connector: Connector,
+    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves. Shared
+    /// by every generation.
+    pub connector: Arc<Connector>,
+    /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
+    /// once its last request has ended.
+    pub retired: std::sync::atomic::AtomicBool,
+}
+
+/// The most a retired generation's plugins get to finish their queued work.
+const RETIRED_FLUSH_WITHIN: Duration = Duration::from_secs(2);
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        if !self.retired.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let plugins = self.chain.plugins();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for plugin in plugins {
+                    plugin.stop(RETIRED_FLUSH_WITHIN).await;
+                }
+            });
+        }
+    }
+}
+
+/// The proxy service: each request runs on the generation of [`Sluice`] current when it
+/// begins (see `crate::reload`: `SIGHUP` swaps in a new one for new requests).
+pub struct Proxy {
+    pub current: Arc<ArcSwap<Sluice>>,
 }
 
 /// Per-session state: the plugins' view, plus what only the core uses.
-#[derive(Default)]
 pub struct ProxyCtx {
+    /// The generation this request runs on, to its end.
+    sluice: Arc<Sluice>,
     pub req: RequestCtx,
     plain: PlainTries,
     /// The request's place under the in-flight caps, until it ends.
@@ -93,26 +124,43 @@ pub struct ProxyCtx {
     body_deadline: Option<Instant>,
 }
 
+impl ProxyCtx {
+    fn new(sluice: Arc<Sluice>) -> Self {
+        Self {
+            sluice,
+            req: RequestCtx::default(),
+            plain: PlainTries::default(),
+            slot: None,
+            route_headers: None,
+            body_read: 0,
+            body_deadline: None,
+        }
+    }
+}
+
 #[async_trait]
-impl ProxyHttp for Sluice {
+impl ProxyHttp for Proxy {
     type CTX = ProxyCtx;
 
+    /// The request runs on the generation current when it begins, to its end.
     fn new_ctx(&self) -> ProxyCtx {
-        ProxyCtx::default()
+        ProxyCtx::new(self.current.load_full())
     }
 
     async fn early_request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<()> {
+        let this = Arc::clone(&ctx.sluice);
         // Every write to this client is bounded: one that stops reading is cut, and what its
         // request held (an upstream attempt, its KV accounting) is released.
-        session.set_write_timeout(Some(self.limits.send_timeout));
-        session.set_read_timeout(Some(self.limits.client_body_timeout));
-        let address = client::address(session, &self.limits.trusted_proxies);
-        ctx.slot = Some(client::admit(&self.requests, address)?);
-        self.chain.early_request(session, &mut ctx.req).await
+        session.set_write_timeout(Some(this.limits.send_timeout));
+        session.set_read_timeout(Some(this.limits.client_body_timeout));
+        let address = client::address(session, &this.limits.trusted_proxies);
+        ctx.slot = Some(client::admit(&this.requests, address)?);
+        this.chain.early_request(session, &mut ctx.req).await
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<bool> {
-        let decision = self.router.route(session.req_header());
+        let this = Arc::clone(&ctx.sluice);
+        let decision = this.router.route(session.req_header());
         ctx.req.set_route(decision.route());
         if let Decision::Plain(rule) = &decision {
             ctx.route_headers = Some(Arc::clone(&rule.headers));
@@ -120,23 +168,23 @@ impl ProxyHttp for Sluice {
         let ctx = &mut ctx.req;
         match decision {
             Decision::Llm(endpoint) => {
-                llm_route::serve(self, session, ctx, endpoint).await?;
+                llm_route::serve(&this, session, ctx, endpoint).await?;
                 Ok(true)
             }
             Decision::Models => {
-                if !self.answered_by_plugins(session, ctx).await? {
-                    let body = self.models.clone();
-                    reply::send(&self.chain, session, ctx, "application/json", body).await?;
+                if !this.answered_by_plugins(session, ctx).await? {
+                    let body = this.models.clone();
+                    reply::send(&this.chain, session, ctx, "application/json", body).await?;
                 }
                 Ok(true)
             }
             Decision::Plain(rule) => {
-                body::refuse_declared_over_limit(session, &self.limits)?;
+                body::refuse_declared_over_limit(session, &this.limits)?;
                 ctx.send_to(rule.pool.clone());
-                self.answered_by_plugins(session, ctx).await
+                this.answered_by_plugins(session, ctx).await
             }
             Decision::NotFound => {
-                if self.answered_by_plugins(session, ctx).await? {
+                if this.answered_by_plugins(session, ctx).await? {
                     return Ok(true);
                 }
                 let path = session.req_header().uri.path();
@@ -159,7 +207,8 @@ impl ProxyHttp for Sluice {
         _session: &mut Session,
         ctx: &mut ProxyCtx,
     ) -> Result<Box<HttpPeer>> {
-        self.chain.upstream_select(&mut ctx.req)?;
+        let this = Arc::clone(&ctx.sluice);
+        this.chain.upstream_select(&mut ctx.req)?;
         ctx.plain.next_peer(&mut ctx.req)
     }
 
@@ -186,17 +235,18 @@ impl ProxyHttp for Sluice {
         _end_of_stream: bool,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
+        let this = Arc::clone(&ctx.sluice);
         let deadline = *ctx
             .body_deadline
-            .get_or_insert_with(|| Instant::now() + self.limits.client_body_deadline);
+            .get_or_insert_with(|| Instant::now() + this.limits.client_body_deadline);
         ctx.body_read += body.as_ref().map_or(0, Bytes::len);
-        if ctx.body_read > self.limits.max_request_body_bytes {
+        if ctx.body_read > this.limits.max_request_body_bytes {
             return Err(
-                ErrorReply::payload_too_large(self.limits.max_request_body_bytes).into_error(),
+                ErrorReply::payload_too_large(this.limits.max_request_body_bytes).into_error(),
             );
         }
         if Instant::now() > deadline {
-            return Err(body::too_slow(&self.limits));
+            return Err(body::too_slow(&this.limits));
         }
         Ok(())
     }
@@ -207,11 +257,12 @@ impl ProxyHttp for Sluice {
         upstream_request: &mut RequestHeader,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
+        let this = Arc::clone(&ctx.sluice);
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
-        forwarding::prepare_request(upstream_request, peer, &self.limits.trusted_proxies)?;
+        forwarding::prepare_request(upstream_request, peer, &this.limits.trusted_proxies)?;
         if let Some(pool) = ctx.req.pool() {
             let tenant_key = ctx.req.tenant().is_some();
             forwarding::to_pool(
@@ -221,7 +272,7 @@ impl ProxyHttp for Sluice {
                 tenant_key,
             )?;
         }
-        self.chain.upstream_request(upstream_request, &mut ctx.req)
+        this.chain.upstream_request(upstream_request, &mut ctx.req)
     }
 
     async fn response_filter(
@@ -230,6 +281,7 @@ impl ProxyHttp for Sluice {
         response: &mut ResponseHeader,
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
+        let this = Arc::clone(&ctx.sluice);
         metrics::attempt(ctx.req.pool_name(), AttemptOutcome::Response);
         ctx.plain.honour_back_pressure(&ctx.req, response);
         // A 5xx fails the try now; a success is known only once the body has come whole
@@ -238,7 +290,7 @@ impl ProxyHttp for Sluice {
             ctx.plain.judge(&ctx.req, Verdict::Failure);
         }
         let route = ctx.route_headers.as_deref();
-        downstream::prepare_upstream_header(&self.chain, response, &mut ctx.req, route)
+        downstream::prepare_upstream_header(&this.chain, response, &mut ctx.req, route)
     }
 
     fn response_body_filter(
@@ -248,7 +300,8 @@ impl ProxyHttp for Sluice {
         end_of_stream: bool,
         ctx: &mut ProxyCtx,
     ) -> Result<Option<Duration>> {
-        self.chain
+        let this = Arc::clone(&ctx.sluice);
+        this.chain
             .response_body(body, end_of_stream, &mut ctx.req)?;
         downstream::count_sent(&mut ctx.req, body.as_ref());
         Ok(None)
@@ -285,8 +338,9 @@ impl ProxyHttp for Sluice {
         e: &Error,
         ctx: &mut ProxyCtx,
     ) -> FailToProxy {
+        let this = Arc::clone(&ctx.sluice);
         reply::error(
-            &self.chain,
+            &this.chain,
             session,
             &mut ctx.req,
             ErrorReply::from_error(e),
@@ -301,6 +355,7 @@ impl ProxyHttp for Sluice {
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut ProxyCtx) {
+        let this = Arc::clone(&ctx.sluice);
         // A plain route's last try that nothing failed: it answered (a client that left
         // does not count against the backend).
         if ctx.req.progress().upstream_status.is_some()
@@ -309,10 +364,10 @@ impl ProxyHttp for Sluice {
             ctx.plain.judge(&ctx.req, Verdict::Success);
         }
         if let Some(attempt) = ctx.plain.last_attempt(&ctx.req, e) {
-            self.chain.attempt_end(&attempt, &mut ctx.req);
+            this.chain.attempt_end(&attempt, &mut ctx.req);
         }
-        self.chain.logging(e, &mut ctx.req);
-        crate::access_log::record(self.access_log, &ctx.req, e);
+        this.chain.logging(e, &mut ctx.req);
+        crate::access_log::record(this.access_log, &ctx.req, e);
     }
 }
 

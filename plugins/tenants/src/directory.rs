@@ -150,6 +150,10 @@ impl<T: Copy + Send + Sync + 'static> Directory<T> {
         let mut connection = None;
         loop {
             tick.tick().await;
+            // The plugin is gone (a reload replaced it): nobody reads these keys any more.
+            if Arc::strong_count(&self) == 1 {
+                return;
+            }
             let timeout = redis.source.refresh.min(Duration::from_secs(2));
             let read = tokio::time::timeout(timeout, async {
                 if connection.is_none() {

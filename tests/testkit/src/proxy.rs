@@ -155,6 +155,23 @@ impl Proxy {
         format!("http://{}{path}", self.admin)
     }
 
+    /// The config file the process runs with (JSON): a reload test rewrites it.
+    pub fn config_file(&self) -> &std::path::Path {
+        &self.config
+    }
+
+    /// The running process's id, for signals.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some())
+    }
+
     /// Everything the processes of this proxy logged.
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
