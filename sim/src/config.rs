@@ -24,27 +24,40 @@ pub enum Profile {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MetricsFlavor {
-    /// vLLM V1 (0.11): `vllm:kv_cache_usage_perc`, labels `engine` and `model_name`, `_created` series.
+    /// vLLM V1 as of 0.32: `vllm:kv_cache_usage_perc`, 0.32's families, labels `engine` and
+    /// `model_name`, `_created` series, exposition format 1.0.0.
     #[default]
     V1,
     /// vLLM V0 (~0.6): `vllm:gpu_cache_usage_perc`, label `model_name` only, no `_created`.
     V0,
 }
 
-/// Which vLLM error body to send.
+/// Which vLLM generation's wire format to speak: its error bodies and messages, and (for
+/// `V0_32`) its answers, chunks and stream layout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ErrorShape {
-    /// vLLM 0.32 (the default): `New`'s body, with `param` naming the field at fault on a
-    /// context-length refusal (`input_tokens`); a prompt that fits but leaves less room than
-    /// `max_tokens` is no longer refused: the answer stops at the context's end.
+    /// vLLM 0.32 (the default): `New`'s body, with `param` naming the field at fault
+    /// (`input_tokens`, `max_tokens`, `body.messages`), validation errors typed `"Bad
+    /// Request"`; a prompt that fits but leaves less room than `max_tokens` is no longer
+    /// refused: the answer stops at the context's end. Answers and chunks carry 0.32's fields
+    /// (`system_fingerprint`, `token_ids`, `stop_reason` of EOS and stop strings...), and
+    /// streams put the finish reason on the last token's chunk. See README.md.
     #[default]
     #[serde(rename = "0.32")]
     V0_32,
-    /// vLLM 0.10.1 to 0.31: `{"error":{"message","type","param","code"}}`.
+    /// vLLM 0.10.1 to 0.31 (answers as vLLM 0.11 sends them): errors are
+    /// `{"error":{"message","type","param","code"}}`.
     New,
     /// vLLM < 0.10.1: `{"object":"error","message","type","param","code"}`.
     Old,
+}
+
+impl ErrorShape {
+    /// Whether this is vLLM 0.32's format (the default).
+    pub fn is_v0_32(self) -> bool {
+        self == ErrorShape::V0_32
+    }
 }
 
 /// Latency model: TTFT = overhead + prompt_tokens * prefill_per_token (+ time queued),
@@ -106,8 +119,9 @@ pub struct SimConfig {
     /// Names the server answers to (`--served-model-name`); empty means `[model]`.
     /// The first one is reported in answers, like vLLM.
     pub served_model_names: Vec<String>,
-    /// Context length in tokens (`--max-model-len`): a request whose prompt plus `max_tokens`
-    /// exceeds it gets vLLM's 400. Every served name of this instance shares it.
+    /// Context length in tokens (`--max-model-len`): a prompt longer than it gets vLLM's 400
+    /// (before 0.32, a prompt plus `max_tokens` over it). Every served name of this instance
+    /// shares it.
     pub max_model_len: u32,
     /// Prompt bytes per token, as the served model's tokenizer makes them: 4 (English prose,
     /// the default), 2.5-3 for code, numbers and most other languages.

@@ -7,6 +7,9 @@
 //! `oom_on_overload`, a request whose reservation does not fit fails like a CUDA OOM instead of
 //! waiting.
 //!
+//! As in vLLM's block pool, one of the `num_gpu_blocks` is the null block, never handed out:
+//! requests share the other `num_gpu_blocks - 1`, and the usage is held / (num_gpu_blocks - 1).
+//!
 //! Phantom blocks (`set_phantom_usage`) stand for memory taken by something the simulator does
 //! not model. They count as held and as reserved: new requests wait (or OOM) as on a full GPU,
 //! and a running request that needs a block that is no longer free is preempted, as vLLM does:
@@ -68,6 +71,7 @@ pub struct EngineSnapshot {
     /// Blocks held by requests (phantom blocks not included).
     pub used_blocks: u64,
     pub reserved_blocks: u64,
+    /// Blocks requests can have: `num_gpu_blocks - 1` (vLLM keeps one as its null block).
     pub total_blocks: u64,
     /// Blocks taken by phantom KV pressure (`Sim::set_phantom_kv`).
     pub phantom_blocks: u64,
@@ -94,14 +98,15 @@ pub enum Admission {
 
 impl Engine {
     pub fn new(
-        total_blocks: u32,
+        num_gpu_blocks: u32,
         block_size: u32,
         max_num_seqs: u32,
         max_waiting: Option<usize>,
         oom: bool,
     ) -> Arc<Self> {
         Arc::new(Engine {
-            total_blocks: u64::from(total_blocks.max(1)),
+            // The null block is never handed out.
+            total_blocks: u64::from(num_gpu_blocks.saturating_sub(1).max(1)),
             block_size: u64::from(block_size.max(1)),
             max_num_seqs: max_num_seqs.max(1),
             max_waiting,
@@ -387,7 +392,7 @@ mod tests {
 
     #[tokio::test]
     async fn queue_and_blocks() {
-        let engine = Engine::new(10, 16, 2, None, false);
+        let engine = Engine::new(11, 16, 2, None, false);
         let Ok(Admission::Running(mut first)) = engine.admit(64) else {
             panic!("first")
         };
@@ -442,7 +447,7 @@ mod tests {
 
     #[tokio::test]
     async fn phantom_blocks_are_reported_and_make_new_requests_wait() {
-        let engine = Engine::new(10, 16, 8, None, false);
+        let engine = Engine::new(11, 16, 8, None, false);
         engine.set_phantom_usage(0.85);
         let snapshot = engine.snapshot();
         // Rounded up: at least the share asked for.
@@ -468,7 +473,7 @@ mod tests {
 
     #[tokio::test]
     async fn phantom_pressure_preempts_a_growing_request() {
-        let engine = Engine::new(10, 16, 8, None, true);
+        let engine = Engine::new(11, 16, 8, None, true);
         let Ok(Admission::Running(mut ticket)) = engine.admit(64) else {
             panic!("running")
         };

@@ -1,8 +1,9 @@
 //! # vllm-sim: a simulated vLLM OpenAI-compatible server
 //!
-//! It speaks vLLM 0.11's wire format byte for byte (chat and text completions as JSON and SSE,
-//! both error shapes, V0 or V1 `/metrics`), generates deterministic text, models latency, the KV
-//! cache and the request queue, and injects faults at run time. Sluice's tests, demo and
+//! It speaks vLLM 0.32's wire format by default (chat and text completions as JSON and SSE,
+//! errors, V1 `/metrics`; `ErrorShape::New`/`Old` and `MetricsFlavor::V0` give older
+//! generations'), generates deterministic text, models latency, the KV cache and the request
+//! queue, and injects faults at run time. Sluice's tests, demo and
 //! benchmarks run it in process; the `vllm-sim` binary serves the same thing on a port.
 //!
 //! [`start`] binds an instance described by a [`SimConfig`] and returns a [`Sim`] handle. The
@@ -41,6 +42,7 @@ mod faults;
 mod handlers;
 mod metrics;
 mod openai;
+mod responses;
 mod server;
 mod stats;
 pub mod text;
@@ -120,12 +122,25 @@ impl Shared {
         }
     }
 
-    /// A vLLM-looking id (`prefix` + 32 hex digits), unique per instance.
+    /// A vLLM-looking id, unique per instance: `prefix` + 16 hex digits as vLLM 0.32 makes
+    /// them, 32 before.
     fn next_id(&self, prefix: &str) -> String {
         let count = self.id_counter.fetch_add(1, Ordering::Relaxed);
         let high = text::mix(self.nonce ^ count);
+        if self.config.error_shape.is_v0_32() {
+            return format!("{prefix}{high:016x}");
+        }
         let low = text::mix(high ^ count.rotate_left(17));
         format!("{prefix}{high:016x}{low:016x}")
+    }
+
+    /// vLLM 0.32's `system_fingerprint`: the version and a hash of the instance's model and
+    /// context, so it stays the same for the life of a configuration.
+    fn system_fingerprint(&self) -> String {
+        let mut hasher = text::Hasher::default();
+        hasher.bytes(self.config.model.as_bytes());
+        hasher.u64(u64::from(self.config.max_model_len));
+        format!("vllm-{VLLM_0_32}-{:08x}", hasher.finish() >> 32)
     }
 
     fn stats(&self) -> Stats {
@@ -151,6 +166,9 @@ impl Shared {
         }
     }
 }
+
+/// The vLLM version that `ErrorShape::V0_32` speaks.
+pub(crate) const VLLM_0_32: &str = "0.32.0";
 
 pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
@@ -192,13 +210,7 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
             config.max_waiting,
             config.oom_on_overload,
         ),
-        metrics: Metrics::new(
-            config.metrics,
-            model_name,
-            config.block_size,
-            config.num_gpu_blocks,
-            config.speculative.clone(),
-        ),
+        metrics: Metrics::new(&config, model_name),
         stats: Recorder::new(config.record_requests),
         faults: RwLock::new(Arc::new(Faults::default())),
         fault_counter: AtomicU64::new(0),

@@ -54,8 +54,11 @@ struct Args {
     /// Prompt bytes per token of the simulated tokenizer (4: English prose).
     #[arg(long)]
     bytes_per_token: Option<f64>,
+    /// Prometheus names: v1 (vLLM 0.32's families) or v0 (vLLM ~0.6's).
     #[arg(long, value_enum, default_value = "v1")]
     metrics: MetricsArg,
+    /// The vLLM generation whose wire format to speak: 0.32 (answers, streams and errors as
+    /// vLLM 0.32), new (0.10.1 to 0.31) or old (before 0.10.1).
     #[arg(long, value_enum, default_value = "0.32")]
     error_shape: ShapeArg,
     /// vLLM's `--api-key`: `/v1` requests must carry `Authorization: Bearer <key>`.

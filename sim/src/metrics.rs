@@ -1,16 +1,18 @@
-//! vLLM's Prometheus metrics, rendered by hand in text format 0.0.4 exactly as
-//! prometheus_client writes them (HELP/TYPE lines, sorted labels, `_total` on counters,
-//! `_created` gauges in V1, Go-style float formatting).
+//! vLLM's Prometheus metrics, rendered by hand exactly as prometheus_client writes them
+//! (HELP/TYPE lines, sorted labels, `_total` on counters, `_created` gauges in V1, Go-style
+//! float formatting).
 //!
-//! V0 and V1 expose mostly the same families in the same order; [`FlavorNames`] holds the names
-//! and help texts that differ, and `render` adds the families only one generation has.
+//! V1 is vLLM 0.32's set of families (`tests/fixtures/vllm-0.32/metric-names.txt`, less the
+//! process, Python, HTTP, FLOPs and LoRA ones); V0 is vLLM ~0.6's. [`FlavorNames`] holds the
+//! names and help texts that differ, and `render` adds the families only one generation has.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::config::{MetricsFlavor, SpecDecode};
+use crate::config::{MetricsFlavor, SimConfig, SpecDecode};
 use crate::engine::EngineSnapshot;
+use crate::openai::python_float;
 use crate::text::Finish;
 
 const V1_TTFT: &[f64] = &[
@@ -32,19 +34,44 @@ const V0_TPOT: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 ];
 const V0_E2E: &[f64] = &[1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+/// vLLM 0.32's tokens per engine step.
+const V1_ITERATION_TOKENS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
+const V1_PARAMS_N: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0];
+const V1_PREEMPTIONS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0];
+
+/// vLLM's 1-2-5 buckets up to `max`: 1, 2, 5, 10, 20, 50, ... (token-count histograms go
+/// up to the context length).
+fn buckets_1_2_5(max: u32) -> Vec<f64> {
+    let max = f64::from(max.max(1));
+    let mut bounds = Vec::new();
+    let mut exponent = 1.0;
+    'outer: loop {
+        for mantissa in [1.0, 2.0, 5.0] {
+            let bound = mantissa * exponent;
+            if bound > max {
+                break 'outer;
+            }
+            bounds.push(bound);
+        }
+        exponent *= 10.0;
+    }
+    bounds
+}
 
 #[derive(Debug)]
 pub struct Histogram {
-    bounds: &'static [f64],
+    bounds: Vec<f64>,
     bucket_counts: Vec<AtomicU64>,
     count: AtomicU64,
     sum_bits: AtomicU64,
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
+    fn new(bounds: &[f64]) -> Self {
         Histogram {
-            bounds,
+            bounds: bounds.to_vec(),
             bucket_counts: (0..bounds.len()).map(|_| AtomicU64::new(0)).collect(),
             count: AtomicU64::new(0),
             sum_bits: AtomicU64::new(0f64.to_bits()),
@@ -72,12 +99,15 @@ pub struct Metrics {
     model_name: String,
     block_size: u32,
     num_gpu_blocks: u32,
+    max_model_len: u32,
     speculative: Option<SpecDecode>,
     created: f64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// `vllm:request_success_total` by finished_reason, in [`FINISHED_REASONS`] order.
-    finished: [AtomicU64; 3],
+    finished: [AtomicU64; 5],
+    /// `vllm:admission_rejections_total{reason="max_num_queued_reqs"}`: the queue was full.
+    rejected: AtomicU64,
     pub oom: AtomicU64,
     spec_drafts: AtomicU64,
     spec_draft_tokens: AtomicU64,
@@ -88,15 +118,103 @@ pub struct Metrics {
     pub itl: Histogram,
     /// End-to-end request latency.
     pub e2e: Histogram,
+    /// Tokens per engine step (the prefill's, then each step's).
+    pub iteration_tokens: Histogram,
+    /// The per-request histograms of vLLM 0.32 (V1 only).
+    requests: RequestHistograms,
 }
 
-const FINISHED_REASONS: [&str; 3] = ["stop", "length", "abort"];
+/// vLLM 0.32's histograms of finished requests.
+#[derive(Debug)]
+struct RequestHistograms {
+    prompt_tokens: Histogram,
+    generation_tokens: Histogram,
+    max_num_generation_tokens: Histogram,
+    params_n: Histogram,
+    params_max_tokens: Histogram,
+    time_per_output_token: Histogram,
+    queue_time: Histogram,
+    inference_time: Histogram,
+    prefill_time: Histogram,
+    decode_time: Histogram,
+    num_preemptions: Histogram,
+    prefill_kv_computed_tokens: Histogram,
+}
+
+impl RequestHistograms {
+    fn new(max_model_len: u32) -> Self {
+        let tokens = buckets_1_2_5(max_model_len);
+        RequestHistograms {
+            prompt_tokens: Histogram::new(&tokens),
+            generation_tokens: Histogram::new(&tokens),
+            max_num_generation_tokens: Histogram::new(&tokens),
+            params_n: Histogram::new(V1_PARAMS_N),
+            params_max_tokens: Histogram::new(&tokens),
+            time_per_output_token: Histogram::new(V1_ITL),
+            queue_time: Histogram::new(V1_E2E),
+            inference_time: Histogram::new(V1_E2E),
+            prefill_time: Histogram::new(V1_E2E),
+            decode_time: Histogram::new(V1_E2E),
+            num_preemptions: Histogram::new(V1_PREEMPTIONS),
+            prefill_kv_computed_tokens: Histogram::new(&tokens),
+        }
+    }
+
+    fn observe(&self, request: &FinishedRequest) {
+        let prompt_tokens = f64::from(request.prompt_tokens);
+        self.prompt_tokens.observe(prompt_tokens);
+        self.generation_tokens.observe(request.generated as f64);
+        self.max_num_generation_tokens
+            .observe(f64::from(request.max_tokens));
+        self.params_n.observe(f64::from(request.choices));
+        self.params_max_tokens
+            .observe(f64::from(request.max_tokens));
+        if let Some(time_per_output_token) = request.time_per_output_token {
+            self.time_per_output_token.observe(time_per_output_token);
+        }
+        self.queue_time.observe(request.queued);
+        self.inference_time
+            .observe(request.prefill + request.decode);
+        self.prefill_time.observe(request.prefill);
+        self.decode_time.observe(request.decode);
+        self.num_preemptions.observe(f64::from(request.preemptions));
+        // No prefix cache: every prompt token is computed.
+        self.prefill_kv_computed_tokens.observe(prompt_tokens);
+    }
+}
+
+/// What /metrics records of a request that finished (seconds for the times).
+#[derive(Clone, Copy, Debug)]
+pub struct FinishedRequest {
+    pub prompt_tokens: u32,
+    /// Tokens of every choice.
+    pub generated: u64,
+    pub choices: u32,
+    /// The token budget it ran with.
+    pub max_tokens: u32,
+    pub e2e: f64,
+    /// Waiting for a place in the batch.
+    pub queued: f64,
+    /// From its place in the batch to its first token.
+    pub prefill: f64,
+    /// From its first token to its last.
+    pub decode: f64,
+    /// The mean time between its tokens, when it had two or more.
+    pub time_per_output_token: Option<f64>,
+    pub preemptions: u32,
+}
+
+const FINISHED_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
+/// V0 knew only the first three.
+const V0_FINISHED_REASONS: usize = 3;
 
 /// How a request ended, for `vllm:request_success_total{finished_reason}`.
 #[derive(Clone, Copy, Debug)]
 pub enum Ended {
     Finished(Finish),
     Abort,
+    /// An error part-way through (an injected error event in a stream).
+    Error,
 }
 
 /// The names and help texts that differ between vLLM generations.
@@ -140,13 +258,8 @@ struct SpecCounts {
 }
 
 impl Metrics {
-    pub fn new(
-        flavor: MetricsFlavor,
-        model_name: String,
-        block_size: u32,
-        num_gpu_blocks: u32,
-        speculative: Option<SpecDecode>,
-    ) -> Self {
+    pub fn new(config: &SimConfig, model_name: String) -> Self {
+        let flavor = config.metrics;
         let (ttft, itl, e2e) = match flavor {
             MetricsFlavor::V1 => (V1_TTFT, V1_ITL, V1_E2E),
             MetricsFlavor::V0 => (V0_TTFT, V0_TPOT, V0_E2E),
@@ -158,13 +271,15 @@ impl Metrics {
         Metrics {
             flavor,
             model_name,
-            block_size,
-            num_gpu_blocks,
-            speculative,
+            block_size: config.block_size,
+            num_gpu_blocks: config.num_gpu_blocks,
+            max_model_len: config.max_model_len,
+            speculative: config.speculative.clone(),
             created,
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             finished: Default::default(),
+            rejected: AtomicU64::new(0),
             oom: AtomicU64::new(0),
             spec_drafts: AtomicU64::new(0),
             spec_draft_tokens: AtomicU64::new(0),
@@ -172,17 +287,32 @@ impl Metrics {
             ttft: Histogram::new(ttft),
             itl: Histogram::new(itl),
             e2e: Histogram::new(e2e),
+            iteration_tokens: Histogram::new(V1_ITERATION_TOKENS),
+            requests: RequestHistograms::new(config.max_model_len),
         }
     }
 
-    /// A request ended after generating `generated` tokens.
-    pub fn ended(&self, how: Ended, generated: u64) {
+    /// A request was refused because the waiting queue was full.
+    pub fn admission_rejected(&self) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request ended after generating `generated` tokens; `finished` is what a request that
+    /// ran to its end records in the latency and per-request histograms.
+    pub fn ended(&self, how: Ended, generated: u64, finished: Option<&FinishedRequest>) {
         let reason = match how {
-            Ended::Finished(Finish::Stop) => &self.finished[0],
-            Ended::Finished(Finish::Length) => &self.finished[1],
-            Ended::Abort => &self.finished[2],
+            Ended::Finished(Finish::Stop) => 0,
+            Ended::Finished(Finish::Length) => 1,
+            Ended::Abort => 2,
+            Ended::Error => 3,
         };
-        reason.fetch_add(1, Ordering::Relaxed);
+        if let Some(counter) = self.finished.get(reason) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(request) = finished {
+            self.e2e.observe(request.e2e);
+            self.requests.observe(request);
+        }
         if let Some(spec) = &self.speculative {
             // Each step proposes k draft tokens; accepted ones plus the bonus token are emitted.
             let per_draft = u64::from(spec.num_speculative_tokens.max(1));
@@ -212,6 +342,9 @@ impl Metrics {
             render_spec_counters_v1(&mut out, spec);
         }
         render_scheduler(&mut out, &names, engine);
+        if v1 {
+            self.render_caches(&mut out);
+        }
         if let (false, Some(spec)) = (v1, &spec) {
             self.render_spec_gauges_v0(&mut out, spec);
         }
@@ -225,7 +358,13 @@ impl Metrics {
             render_spec_counters_v0(&mut out, spec);
         }
         self.render_finished(&mut out);
+        if v1 {
+            self.render_request_histograms(&mut out);
+        }
         self.render_latencies(&mut out, &names);
+        if v1 {
+            self.render_phase_histograms(&mut out);
+        }
         out.counter(
             "sim_oom",
             "Requests failed with a simulated CUDA out-of-memory error.",
@@ -235,12 +374,158 @@ impl Metrics {
         out.text
     }
 
+    /// vLLM 0.32's cache counters: every prompt token is a prefix-cache query that misses
+    /// (the simulator caches nothing), and there is no external or multi-modal cache.
+    fn render_caches(&self, out: &mut Renderer) {
+        let queried = load(&self.prompt_tokens);
+        for (name, help, value) in [
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                queried,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                0.0,
+            ),
+            (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+                0.0,
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+                0.0,
+            ),
+            (
+                "vllm:mm_cache_queries",
+                "Multi-modal cache queries, in terms of number of queried items.",
+                0.0,
+            ),
+            (
+                "vllm:mm_cache_hits",
+                "Multi-modal cache hits, in terms of number of cached items.",
+                0.0,
+            ),
+        ] {
+            out.counter(name, help, value);
+        }
+    }
+
+    /// vLLM 0.32's per-request histograms that come before the latencies.
+    fn render_request_histograms(&self, out: &mut Renderer) {
+        let requests = &self.requests;
+        out.histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            &requests.prompt_tokens,
+        );
+        out.histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            &requests.generation_tokens,
+        );
+        out.histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            &self.iteration_tokens,
+        );
+        out.histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            &requests.max_num_generation_tokens,
+        );
+        out.histogram(
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            &requests.params_n,
+        );
+        out.histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            &requests.params_max_tokens,
+        );
+    }
+
+    /// vLLM 0.32's per-request histograms that come after the latencies.
+    fn render_phase_histograms(&self, out: &mut Renderer) {
+        let requests = &self.requests;
+        for (name, help, histogram) in [
+            (
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                &requests.queue_time,
+            ),
+            (
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                &requests.inference_time,
+            ),
+            (
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                &requests.prefill_time,
+            ),
+            (
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                &requests.decode_time,
+            ),
+            (
+                "vllm:request_num_preemptions",
+                "Histogram of the number of times a request was preempted.",
+                &requests.num_preemptions,
+            ),
+            (
+                "vllm:request_prefill_kv_computed_tokens",
+                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                &requests.prefill_kv_computed_tokens,
+            ),
+        ] {
+            out.histogram(name, help, histogram);
+        }
+    }
+
     fn render_token_counters(&self, out: &mut Renderer) {
+        let prompt_tokens = load(&self.prompt_tokens);
         out.counter(
             "vllm:prompt_tokens",
             "Number of prefill tokens processed.",
-            load(&self.prompt_tokens),
+            prompt_tokens,
         );
+        if out.v1 {
+            out.labeled_counter(
+                "vllm:prompt_tokens_by_source",
+                "Number of prompt tokens by source.",
+                "source",
+                &[
+                    ("local_compute", prompt_tokens),
+                    ("local_cache_hit", 0.0),
+                    ("external_kv_transfer", 0.0),
+                ],
+                true,
+            );
+            out.counter(
+                "vllm:prompt_tokens_cached",
+                "Number of cached prompt tokens (local + external).",
+                0.0,
+            );
+            out.labeled_counter(
+                "vllm:prompt_tokens_cached_by_source",
+                "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+                "source",
+                &[
+                    ("device", 0.0),
+                    ("host", 0.0),
+                    ("p2p", 0.0),
+                    ("disk", 0.0),
+                    ("external_unspecified", 0.0),
+                ],
+                true,
+            );
+        }
         out.counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
@@ -276,21 +561,36 @@ impl Metrics {
     }
 
     fn render_finished(&self, out: &mut Renderer) {
-        let name = "vllm:request_success";
-        let help = "Count of successfully processed requests.";
-        let total = format!("{name}_total");
-        out.header(&total, help, "counter");
-        for (reason, counter) in FINISHED_REASONS.iter().zip(&self.finished) {
-            let labels = out.labels(&[("finished_reason", reason)]);
-            out.sample(&total, &labels, load(counter));
-        }
+        let known = if out.v1 {
+            FINISHED_REASONS.len()
+        } else {
+            V0_FINISHED_REASONS
+        };
+        let counts: Vec<(&str, f64)> = FINISHED_REASONS
+            .iter()
+            .zip(&self.finished)
+            .take(known)
+            .map(|(reason, counter)| (*reason, load(counter)))
+            .collect();
+        out.labeled_counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            "finished_reason",
+            &counts,
+            true,
+        );
         if out.v1 {
-            let created = format!("{name}_created");
-            out.header(&created, help, "gauge");
-            for reason in FINISHED_REASONS {
-                let labels = out.labels(&[("finished_reason", reason)]);
-                out.sample(&created, &labels, out.created);
-            }
+            // vLLM labels these with the model only, not the engine.
+            out.labeled_counter(
+                "vllm:admission_rejections",
+                "Number of admission attempts rejected by a queue limit, by reason.",
+                "reason",
+                &[
+                    ("max_num_queued_reqs", load(&self.rejected)),
+                    ("max_num_queued_tokens", 0.0),
+                ],
+                false,
+            );
         }
     }
 
@@ -301,6 +601,13 @@ impl Metrics {
             &self.ttft,
         );
         out.histogram(names.inter_token, names.inter_token_help, &self.itl);
+        if out.v1 {
+            out.histogram(
+                "vllm:request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                &self.requests.time_per_output_token,
+            );
+        }
         out.histogram(
             "vllm:e2e_request_latency_seconds",
             names.e2e_help,
@@ -313,9 +620,12 @@ impl Metrics {
         let num_gpu_blocks = self.num_gpu_blocks;
         // The label sets differ: V1 has `engine`, and the two print their defaults differently.
         let (help, labels) = if out.v1 {
+            // vLLM 0.32's labels (sorted), with this instance's sizes.
+            let tokens = u64::from(block_size) * u64::from(num_gpu_blocks);
+            let concurrency = python_float(tokens as f64 / f64::from(self.max_model_len.max(1)));
             (
                 "Information of the LLMEngine CacheConfig",
-                format!("block_size=\"{block_size}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{num_gpu_blocks}\",swap_space=\"4.0\""),
+                format!("_block_size_resolved=\"True\",block_size=\"{block_size}\",cache_dtype=\"auto\",cache_hit_alignment_tokens=\"None\",effective_attention_block_size=\"{block_size}\",enable_mamba_shared_prefix_checkpoint=\"False\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",hash_block_size=\"None\",is_attention_free=\"False\",kv_cache_dtype_skip_layers=\"[]\",kv_cache_layout=\"None\",kv_cache_max_concurrency=\"{concurrency}\",kv_cache_memory_bytes=\"None\",kv_cache_size_tokens=\"{tokens}\",kv_offloading_backend=\"native\",kv_offloading_size=\"None\",kv_sharing_fast_prefill=\"False\",mamba_block_size=\"None\",mamba_cache_dtype=\"auto\",mamba_cache_mode=\"none\",mamba_page_size_padded=\"None\",mamba_ssm_cache_dtype=\"auto\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{num_gpu_blocks}\",num_gpu_blocks_override=\"None\",prefix_cache_retention_interval=\"0\",prefix_caching_hash_algo=\"sha256\",prefix_match_unit=\"None\",replayssm_buffer_len=\"16\",skip_page_size_padded=\"None\",sliding_window=\"None\",swa_bounded_replay=\"True\",use_kda_recoverssm=\"False\",use_replayssm=\"False\",user_specified_block_size=\"False\""),
             )
         } else {
             (
@@ -347,6 +657,21 @@ fn render_scheduler(out: &mut Renderer, names: &FlavorNames, engine: &EngineSnap
         "Number of requests waiting to be processed.",
         f64::from(engine.waiting),
     );
+    if out.v1 {
+        // Every waiting request waits for capacity: nothing defers one in the simulator.
+        out.labeled_gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            "reason",
+            &[("capacity", f64::from(engine.waiting)), ("deferred", 0.0)],
+        );
+        out.labeled_gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            "sleep_state",
+            &[("awake", 1.0), ("weights_offloaded", 0.0), ("discard_all", 0.0)],
+        );
+    }
     out.gauge(names.kv_usage, names.kv_usage_help, engine.kv_usage());
     if !out.v1 {
         out.gauge(
@@ -422,8 +747,13 @@ impl Renderer {
 
     /// The instance labels plus `extra`, sorted by name like the fixtures.
     fn labels(&self, extra: &[(&str, &str)]) -> String {
+        self.labels_with(extra, true)
+    }
+
+    /// As `labels`, with the `engine` label (V1) only when `engine`.
+    fn labels_with(&self, extra: &[(&str, &str)], engine: bool) -> String {
         let mut all: Vec<(&str, &str)> = vec![("model_name", self.model.as_str())];
-        if self.v1 {
+        if self.v1 && engine {
             all.push(("engine", "0"));
         }
         all.extend_from_slice(extra);
@@ -443,6 +773,41 @@ impl Renderer {
         self.header(name, help, "gauge");
         let labels = self.labels(&[]);
         self.sample(name, &labels, value);
+    }
+
+    /// A gauge with one sample per value of `label`.
+    fn labeled_gauge(&mut self, name: &str, help: &str, label: &str, values: &[(&str, f64)]) {
+        self.header(name, help, "gauge");
+        for (label_value, value) in values {
+            let labels = self.labels(&[(label, label_value)]);
+            self.sample(name, &labels, *value);
+        }
+    }
+
+    /// A counter with one sample per value of `label`, then its `_created` family (V1).
+    fn labeled_counter(
+        &mut self,
+        base: &str,
+        help: &str,
+        label: &str,
+        values: &[(&str, f64)],
+        engine: bool,
+    ) {
+        let total = format!("{base}_total");
+        self.header(&total, help, "counter");
+        for (label_value, value) in values {
+            let labels = self.labels_with(&[(label, label_value)], engine);
+            self.sample(&total, &labels, *value);
+        }
+        if self.v1 {
+            let created = format!("{base}_created");
+            self.header(&created, help, "gauge");
+            for (label_value, _) in values {
+                let labels = self.labels_with(&[(label, label_value)], engine);
+                let timestamp = self.created;
+                self.sample(&created, &labels, timestamp);
+            }
+        }
     }
 
     fn counter(&mut self, base: &str, help: &str, value: f64) {

@@ -5,19 +5,20 @@ use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE, DATE, SERVER, VARY};
 use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 
+use crate::config::MetricsFlavor;
 use crate::control;
 use crate::handlers;
 use crate::openai::{self, ApiError, Kind};
@@ -120,27 +121,98 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream, admin: bool) {
     }
 }
 
+/// Answer headers in uvicorn's order: `date`, `server`, then the caller's, then `vary:
+/// Origin` (vLLM's CORS middleware adds it to every answer).
+fn uvicorn_headers(
+    response: &mut HttpResponse,
+    status: u16,
+    extra: &[(hyper::header::HeaderName, HeaderValue)],
+) {
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    if let Ok(date) = HeaderValue::from_str(&http_date(SystemTime::now())) {
+        headers.insert(DATE, date);
+    }
+    headers.insert(SERVER, HeaderValue::from_static("uvicorn"));
+    for (name, value) in extra {
+        headers.insert(name, value.clone());
+    }
+    headers.insert(VARY, HeaderValue::from_static("Origin"));
+}
+
 pub fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> HttpResponse {
+    full_with(status, content_type, body, None)
+}
+
+/// As [`full`], with an `allow` header (a 405 names the methods the path takes).
+fn full_with(
+    status: u16,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+    allow: Option<&'static str>,
+) -> HttpResponse {
+    let body: Bytes = body.into();
+    let length = body.len();
     let mut response = Response::new(
-        Full::new(body.into())
+        Full::new(body)
             .map_err(|never: Infallible| match never {})
             .boxed(),
     );
-    *response.status_mut() =
-        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    if !content_type.is_empty() {
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    let mut extra = Vec::with_capacity(3);
+    if let Some(allow) = allow {
+        extra.push((ALLOW, HeaderValue::from_static(allow)));
     }
-    response
-        .headers_mut()
-        .insert("server", HeaderValue::from_static("uvicorn"));
+    extra.push((CONTENT_LENGTH, HeaderValue::from(length)));
+    if !content_type.is_empty() {
+        extra.push((CONTENT_TYPE, HeaderValue::from_static(content_type)));
+    }
+    uvicorn_headers(&mut response, status, &extra);
     response
 }
 
 pub fn json(status: u16, body: impl Into<Bytes>) -> HttpResponse {
     full(status, "application/json", body)
+}
+
+/// `date` as HTTP writes it (RFC 9110 IMF-fixdate): `Thu, 26 Nov 2026 13:47:34 GMT`.
+fn http_date(now: SystemTime) -> String {
+    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let seconds = now
+        .duration_since(UNIX_EPOCH)
+        .map(|since| since.as_secs())
+        .unwrap_or(0);
+    let days = seconds / 86_400;
+    let of_day = seconds % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let shifted = days + 719_468;
+    let era = shifted / 146_097;
+    let day_of_era = shifted % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    let weekday = DAYS.get((days % 7) as usize).copied().unwrap_or("Thu");
+    let month_name = MONTHS
+        .get((month as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or("Jan");
+    format!(
+        "{weekday}, {day:02} {month_name} {year} {:02}:{:02}:{:02} GMT",
+        of_day / 3600,
+        of_day / 60 % 60,
+        of_day % 60
+    )
 }
 
 /// A body fed from a channel: every item is written as its own chunk when it arrives; an
@@ -157,20 +229,30 @@ pub fn channel_body(receiver: mpsc::Receiver<Result<Bytes, io::Error>>) -> Body 
 
 pub fn stream_response(status: u16, content_type: &'static str, body: Body) -> HttpResponse {
     let mut response = Response::new(body);
-    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    response
-        .headers_mut()
-        .insert("server", HeaderValue::from_static("uvicorn"));
+    uvicorn_headers(
+        &mut response,
+        status,
+        &[(CONTENT_TYPE, HeaderValue::from_static(content_type))],
+    );
     response
 }
 
-pub fn with_content_length(mut response: HttpResponse, length: usize) -> HttpResponse {
-    response
-        .headers_mut()
-        .insert(CONTENT_LENGTH, HeaderValue::from(length));
+/// A streamed body that promises `length` bytes: the headers of a JSON answer.
+pub fn with_content_length(
+    status: u16,
+    content_type: &'static str,
+    body: Body,
+    length: usize,
+) -> HttpResponse {
+    let mut response = Response::new(body);
+    uvicorn_headers(
+        &mut response,
+        status,
+        &[
+            (CONTENT_LENGTH, HeaderValue::from(length)),
+            (CONTENT_TYPE, HeaderValue::from_static(content_type)),
+        ],
+    );
     response
 }
 
@@ -216,32 +298,56 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
     if path.starts_with("/v1") && !authorized(&shared, &parts) {
         return json(401, &br#"{"error":"Unauthorized"}"#[..]);
     }
+    // vLLM makes the client's X-Request-Id the answer's id (and does not echo the header).
+    let request_id = parts
+        .headers
+        .get("x-request-id")
+        .and_then(|value| value.to_str().ok());
     match (&parts.method, path) {
         (&Method::POST, "/v1/chat/completions") => {
-            handlers::completion(&shared, Kind::Chat, body).await
+            handlers::completion(&shared, Kind::Chat, body, request_id).await
         }
         (&Method::POST, "/v1/completions") => {
-            handlers::completion(&shared, Kind::Completion, body).await
+            handlers::completion(&shared, Kind::Completion, body, request_id).await
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
         (&Method::GET, "/health") => health(&shared),
         (&Method::GET, "/metrics") => full(
             200,
-            "text/plain; version=0.0.4; charset=utf-8",
+            metrics_content_type(shared.config.metrics),
             shared.metrics_text(),
         ),
-        (&Method::GET, "/version") => json(200, &br#"{"version":"0.11.0"}"#[..]),
-        (
-            _,
-            "/v1/chat/completions"
-            | "/v1/completions"
-            | "/v1/models"
-            | "/health"
-            | "/metrics"
-            | "/version",
-        ) => json(405, &br#"{"detail":"Method Not Allowed"}"#[..]),
+        (&Method::GET, "/version") => {
+            let version = if shared.config.error_shape.is_v0_32() {
+                crate::VLLM_0_32
+            } else {
+                "0.11.0"
+            };
+            json(200, format!("{{\"version\":\"{version}\"}}"))
+        }
+        (_, "/v1/chat/completions" | "/v1/completions") => method_not_allowed("POST"),
+        (_, "/v1/models" | "/health" | "/metrics" | "/version") => method_not_allowed("GET"),
         _ => not_found(),
     }
+}
+
+/// vLLM 0.32's prometheus_client writes exposition format 1.0.0; the V0 generation 0.0.4.
+fn metrics_content_type(flavor: MetricsFlavor) -> &'static str {
+    match flavor {
+        MetricsFlavor::V1 => "text/plain; version=1.0.0; charset=utf-8",
+        MetricsFlavor::V0 => "text/plain; version=0.0.4; charset=utf-8",
+    }
+}
+
+/// Starlette's 405, naming the method the path takes (even `HEAD /health`: vLLM's route
+/// takes GET alone).
+fn method_not_allowed(allow: &'static str) -> HttpResponse {
+    full_with(
+        405,
+        "application/json",
+        &br#"{"detail":"Method Not Allowed"}"#[..],
+        Some(allow),
+    )
 }
 
 /// Whether the request carries the instance's API key, when it has one (vLLM's `--api-key`).

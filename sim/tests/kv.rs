@@ -146,7 +146,8 @@ async fn phantom_kv_shows_on_both_metric_flavours_and_clearing_restores_the_real
             .with_metrics(flavor)
             .with_latency(token_every(Duration::from_secs(10)))
             .with_answer_tokens(40, 40)
-            .with_kv(1000, 16);
+            // 1,000 blocks to share, the usage's denominator (one more is the null block).
+            .with_kv(1001, 16);
         let sim = sim(config).await;
         // A request in flight holds real blocks: (ceil(7 prompt + 1 token) / 16) = 1 block.
         let in_flight = send(&sim, CHAT, &streaming(chat_body("hold a block"))).await;
@@ -177,7 +178,8 @@ async fn phantom_kv_shows_on_both_metric_flavours_and_clearing_restores_the_real
 
 #[tokio::test]
 async fn phantom_kv_over_http() {
-    let sim = sim(SimConfig::default().with_kv(1000, 16)).await;
+    // 1,000 blocks to share: vLLM keeps one of the 1,001 as its null block.
+    let sim = sim(SimConfig::default().with_kv(1001, 16)).await;
     let (status, kv) = post_text(&kv_url(&sim), r#"{"phantom_usage": 0.9}"#).await;
     assert_eq!(status, 200, "{kv}");
     assert_eq!(kv["phantom_usage"], 0.9);
@@ -302,12 +304,22 @@ async fn phantom_kv_preempts_a_running_stream_until_cleared() {
         "stays preempted under pressure"
     );
     sim.clear_phantom_kv();
-    // It resumes where it stopped: every token once, then the finish and usage chunks.
+    // It resumes where it stopped: every token once (the text is the non-stream answer's),
+    // the last with the finish reason, then the usage chunk.
     let events = json_events(&sse_events(&stream.await.unwrap()));
     let usage = &events[events.len() - 1]["usage"];
     assert_eq!(usage["completion_tokens"], 40);
-    assert_eq!(events.len(), 1 + 40 + 1 + 1);
-    assert_eq!(sim.stats().completed, 1);
+    assert_eq!(
+        events[events.len() - 2]["choices"][0]["finish_reason"],
+        "stop"
+    );
+    let streamed: String = events
+        .iter()
+        .filter_map(|event| event["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let (_, whole) = post(&sim, CHAT, &chat_body("preempt me")).await;
+    assert_eq!(whole["choices"][0]["message"]["content"], streamed);
+    assert_eq!(sim.stats().completed, 2);
     assert_eq!(sim.engine_state().used_blocks, 0);
     sim.shutdown();
 }

@@ -57,7 +57,9 @@ def main():
             if f.name.startswith("vllm:") and f.name not in ("vllm:lora_requests_info", "vllm:cache_config_info"):
                 if "model_name" not in labels:
                     errors.append(f"{s.name} has no model_name label")
-                if mode == "v1" and labels.get("engine") != "0":
+                # vLLM 0.32 counts admission rejections per model, not per engine.
+                per_engine = not f.name.startswith("vllm:admission_rejections")
+                if mode == "v1" and per_engine and labels.get("engine") != "0":
                     errors.append(f"{s.name} has no engine=\"0\" label")
                 if mode == "v0" and "engine" in labels:
                     errors.append(f"{s.name} has an engine label in v0 mode")

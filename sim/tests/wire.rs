@@ -9,9 +9,15 @@ use vllm_sim::{ErrorShape, Sim, SimConfig};
 
 const CHAT: &str = "/v1/chat/completions";
 
+/// vLLM 0.11's shapes (`ErrorShape::New`, as in `tests/fixtures/*.json`); vLLM 0.32's, the
+/// default, are compared with real captures in `golden_0_32.rs`.
+fn vllm_0_11() -> SimConfig {
+    SimConfig::default().with_error_shape(ErrorShape::New)
+}
+
 #[tokio::test]
 async fn chat_completion_matches_fixture_shape() {
-    let sim = sim(SimConfig::default()).await;
+    let sim = sim(vllm_0_11()).await;
     let (status, answer) = post(&sim, CHAT, &chat_body("What is the capital of France?")).await;
     assert_eq!(status, 200, "{answer}");
     let fixture = json_fixture("vllm-chat-completion.json");
@@ -28,7 +34,7 @@ async fn chat_completion_matches_fixture_shape() {
 
 #[tokio::test]
 async fn completion_matches_fixture_shape_and_content_length() {
-    let sim = sim(SimConfig::default()).await;
+    let sim = sim(vllm_0_11()).await;
     let response = send(
         &sim,
         "/v1/completions",
@@ -66,7 +72,7 @@ async fn stream(sim: &Sim, path: &str, body: Value) -> (reqwest::header::HeaderM
 
 #[tokio::test]
 async fn chat_stream_event_sequence_matches_fixture() {
-    let sim = sim(SimConfig::default()).await;
+    let sim = sim(vllm_0_11()).await;
     let mut body = streaming(chat_body("Tell me about Paris"));
     body["stream_options"] = json!({"include_usage": true});
     let (headers, events) = stream(&sim, CHAT, body.clone()).await;
@@ -251,13 +257,38 @@ async fn models_health_version() {
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
+    assert_eq!(health.headers()["vary"], "Origin");
+    assert!(health.headers().get("content-type").is_none());
     assert_eq!(health.bytes().await.unwrap().len(), 0);
+    // vLLM's /health takes GET alone.
+    let head = client()
+        .head(format!("{}/health", sim.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (head.status().as_u16(), &head.headers()["allow"]),
+        (405, &"GET".parse().unwrap())
+    );
+    let get_chat = client()
+        .get(format!("{}{CHAT}", sim.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get_chat.status(), 405);
+    assert_eq!(get_chat.headers()["allow"], "POST");
     let version = client()
         .get(format!("{}/version", sim.url()))
         .send()
         .await
         .unwrap();
-    assert_eq!(version.text().await.unwrap(), r#"{"version":"0.11.0"}"#);
+    assert_eq!(version.text().await.unwrap(), r#"{"version":"0.32.0"}"#);
+    let old = common::sim(vllm_0_11()).await;
+    assert_eq!(
+        get_json(&format!("{}/version", old.url())).await,
+        json!({"version": "0.11.0"})
+    );
+    old.shutdown();
     // Alias accepted; the answer names the first served name.
     let (status, answer) = post(
         &sim,
@@ -555,4 +586,161 @@ fn max_model_len_defaults_per_profile() {
     assert_eq!(SimConfig::default().max_model_len, 32768);
     assert_eq!(SimConfig::profile(Profile::Draft).max_model_len, 8192);
     assert_eq!(SimConfig::profile(Profile::Target).max_model_len, 32768);
+}
+
+/// vLLM makes the client's `X-Request-Id` the answer's id (without echoing the header); chat
+/// takes the body's `request_id` when there is no header. Otherwise ids are 16 hex digits.
+#[tokio::test]
+async fn x_request_id_names_the_answer() {
+    let sim = sim(SimConfig::default()).await;
+    let ask = |path: &'static str, body: Value, id: Option<&'static str>| {
+        let mut request = client().post(format!("{}{path}", sim.url())).json(&body);
+        if let Some(id) = id {
+            request = request.header("X-Request-Id", id);
+        }
+        async move {
+            let response = request.send().await.unwrap();
+            assert!(response.headers().get("x-request-id").is_none());
+            response.text().await.unwrap()
+        }
+    };
+    let chat = ask(CHAT, chat_body("hi"), Some("rid-1")).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&chat).unwrap()["id"],
+        "chatcmpl-rid-1"
+    );
+    let completion = json!({"prompt": "hi", "max_tokens": 3});
+    let text = ask("/v1/completions", completion.clone(), Some("rid-2")).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).unwrap()["id"],
+        "cmpl-rid-2"
+    );
+    let stream = ask(CHAT, streaming(chat_body("hi")), Some("rid-3")).await;
+    for event in json_events(&sse_events(&stream)) {
+        assert_eq!(event["id"], "chatcmpl-rid-3");
+    }
+    let mut named = chat_body("hi");
+    named["request_id"] = json!("from-body");
+    let chat = ask(CHAT, named, None).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&chat).unwrap()["id"],
+        "chatcmpl-from-body"
+    );
+    let text = ask("/v1/completions", completion, None).await;
+    let id = serde_json::from_str::<Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let digits = id.strip_prefix("cmpl-").unwrap();
+    assert!(
+        digits.len() == 16 && digits.chars().all(|c| c.is_ascii_hexdigit()),
+        "{id}"
+    );
+    sim.shutdown();
+}
+
+/// A natural end is vLLM 0.32's EOS token: counted, no text, `stop_reason` its id, and in a
+/// stream an empty last chunk; `max_tokens` cuts with `length` on the last token's chunk.
+#[tokio::test]
+async fn eos_and_length_as_vllm_0_32_ends_answers() {
+    let sim = sim(SimConfig::default().with_answer_tokens(10, 10)).await;
+    let (_, whole) = post(&sim, CHAT, &chat_body("the end")).await;
+    let choice = &whole["choices"][0];
+    assert_eq!(
+        (&choice["finish_reason"], &choice["stop_reason"]),
+        (&json!("stop"), &json!(128009))
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], 10);
+    // Nine words: the tenth token is the EOS.
+    let content = choice["message"]["content"].as_str().unwrap();
+    assert_eq!(content.split_whitespace().count(), 9);
+
+    let (_, events) = stream(&sim, CHAT, streaming(chat_body("the end"))).await;
+    let events = json_events(&events);
+    let last = &events[events.len() - 1]["choices"][0];
+    assert_eq!(last["delta"], json!({"content": ""}));
+    assert_eq!(
+        (&last["finish_reason"], &last["stop_reason"]),
+        (&json!("stop"), &json!(128009))
+    );
+    assert!(events[events.len() - 1].get("system_fingerprint").is_some());
+    let streamed: String = events
+        .iter()
+        .filter_map(|event| event["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, content);
+
+    let mut cut = streaming(chat_body("the end"));
+    cut["max_tokens"] = json!(4);
+    let (_, events) = stream(&sim, CHAT, cut).await;
+    let events = json_events(&events);
+    assert_eq!(
+        events.len(),
+        1 + 4,
+        "role, then a chunk per token: {events:?}"
+    );
+    let last = &events[4]["choices"][0];
+    assert_eq!(
+        (&last["finish_reason"], &last["stop_reason"]),
+        (&json!("length"), &Value::Null)
+    );
+    assert_ne!(last["delta"]["content"], "");
+
+    // Completions too: the last chunk carries it, after the EOS with no text.
+    let (_, events) = stream(
+        &sim,
+        "/v1/completions",
+        json!({"prompt": "the end", "stream": true, "temperature": 0}),
+    )
+    .await;
+    let events = json_events(&events);
+    let last = &events[events.len() - 1]["choices"][0];
+    assert_eq!(
+        (&last["text"], &last["stop_reason"]),
+        (&json!(""), &json!(128009))
+    );
+    sim.shutdown();
+}
+
+/// A stop string ends the answer at the token that completes it; the text stops before it,
+/// and `stop_reason` is the string. Streams hold back what could begin a stop string.
+#[tokio::test]
+async fn stop_strings_end_the_answer() {
+    let sim = sim(SimConfig::default().with_answer_tokens(60, 60)).await;
+    let (_, whole) = post(&sim, CHAT, &chat_body("stop here")).await;
+    let text = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let words: Vec<&str> = text.split_inclusive(' ').collect();
+    // Stop at the fourth word's text, which a later token could not have started earlier.
+    let stop = words[4].trim().to_string();
+    let start = text.find(&stop).unwrap();
+    for streamed in [false, true] {
+        let mut body = chat_body("stop here");
+        body["stop"] = json!(["never-there", stop]);
+        body["stream"] = json!(streamed);
+        let (content, choice) = if streamed {
+            let (_, events) = stream(&sim, CHAT, body).await;
+            let events = json_events(&events);
+            let content: String = events
+                .iter()
+                .filter_map(|event| event["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            (content, events[events.len() - 1]["choices"][0].clone())
+        } else {
+            let (_, answer) = post(&sim, CHAT, &body).await;
+            let choice = answer["choices"][0].clone();
+            (
+                choice["message"]["content"].as_str().unwrap().to_string(),
+                choice,
+            )
+        };
+        assert_eq!(content, text[..start], "streamed: {streamed}");
+        assert_eq!(
+            (&choice["finish_reason"], &choice["stop_reason"]),
+            (&json!("stop"), &json!(stop))
+        );
+    }
+    sim.shutdown();
 }

@@ -30,6 +30,7 @@ pub async fn hold(
     while let Some(pending) = ticket.set_tokens(tokens) {
         tracing::debug!(tokens, "request preempted: KV blocks not free");
         *ticket = pending.wait().await?;
+        generation.preempted();
         preempted = true;
     }
     if preempted {
@@ -51,6 +52,9 @@ pub fn refused(shared: &Shared, refusal: Refusal) -> ApiError {
             tracing::warn!(need_blocks, free_blocks, "simulated CUDA OOM");
             errors::out_of_memory(need_blocks, free_blocks, shared.config.block_size)
         }
-        Refusal::QueueFull => ApiError::new(503, "Service Unavailable: the waiting queue is full."),
+        Refusal::QueueFull => {
+            shared.metrics.admission_rejected();
+            ApiError::new(503, "Service Unavailable: the waiting queue is full.")
+        }
     }
 }

@@ -4,10 +4,10 @@
 use bytes::Bytes;
 
 use crate::openai::{
-    self, ChatChoice, ChatLogprobs, ChatMessage, Chunk, ChunkChoice, Completion, CompletionRequest,
-    Delta, Kind, StreamUsage, TextChoice, TextChunkChoice, TextLogprobs, Usage,
+    self, null_if, ChatChoice, ChatLogprobs, ChatMessage, Chunk, ChunkChoice, Completion,
+    CompletionRequest, Delta, Kind, StreamUsage, TextChoice, TextChunkChoice, TextLogprobs, Usage,
 };
-use crate::text::{self, ChoicePlan, Finish, PlanInput};
+use crate::text::{self, ChoicePlan, Finish, PlanInput, StopReason};
 use crate::{unix_now, Shared};
 
 pub struct Answer {
@@ -16,12 +16,36 @@ pub struct Answer {
     pub created: u64,
     pub request: CompletionRequest,
     pub choices: Vec<ChoicePlan>,
+    /// The token budget: `max_tokens`, or what is left of the context.
+    pub max_tokens: u32,
+    /// vLLM 0.32's shapes (else the older ones).
+    v0_32: bool,
+    /// `system_fingerprint` (vLLM 0.32; `null` before).
+    fingerprint: Option<String>,
+}
+
+/// What a stream has sent of one choice so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sent {
+    /// Bytes of the choice's text.
+    text: usize,
+    /// Tokens (their logprobs went out with them).
+    tokens: usize,
+    /// Where the next token starts in the text, for completions' `text_offset`.
+    offset: u32,
 }
 
 impl Answer {
-    /// Plan every choice; `max_tokens` is the request's token budget.
-    pub fn plan(shared: &Shared, request: CompletionRequest, max_tokens: u32) -> Self {
+    /// Plan every choice; `max_tokens` is the request's token budget, `request_id` the
+    /// client's `X-Request-Id`, which vLLM makes the answer's id.
+    pub fn plan(
+        shared: &Shared,
+        request: CompletionRequest,
+        max_tokens: u32,
+        request_id: Option<&str>,
+    ) -> Self {
         let config = &shared.config;
+        let v0_32 = config.error_shape.is_v0_32();
         let sampling = request.sampling;
         let sampling_hash = if sampling.temperature > 0.0 && sampling.seed.is_none() {
             // Unseeded sampling: a fresh draw each time.
@@ -39,19 +63,30 @@ impl Answer {
                 request.prompt.hash,
                 config.low_confidence_share,
             ),
+            v0_32,
+            ignore_eos: request.ignore_eos,
+            stop: &request.stop,
         };
         let choices = (0..request.choice_count)
             .map(|index| text::plan_choice(&input, index))
             .collect();
+        let prefix = match request.kind {
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+        };
+        let id = match request_id.or(request.request_id.as_deref()) {
+            Some(id) => format!("{prefix}{id}"),
+            None => shared.next_id(prefix),
+        };
         Answer {
-            id: shared.next_id(match request.kind {
-                Kind::Chat => "chatcmpl-",
-                Kind::Completion => "cmpl-",
-            }),
+            id,
             model: shared.model_name().to_string(),
             created: unix_now(),
-            request,
             choices,
+            max_tokens,
+            v0_32,
+            fingerprint: v0_32.then(|| shared.system_fingerprint()),
+            request,
         }
     }
 
@@ -101,6 +136,10 @@ impl Answer {
             .unwrap_or(Finish::Stop)
     }
 
+    pub fn is_v0_32(&self) -> bool {
+        self.v0_32
+    }
+
     fn usage(&self) -> Usage {
         let completion_tokens = self.completion_tokens();
         Usage {
@@ -108,6 +147,7 @@ impl Answer {
             total_tokens: self.prompt_tokens().saturating_add(completion_tokens),
             completion_tokens,
             prompt_tokens_details: None,
+            completion_tokens_details: null_if(self.v0_32),
         }
     }
 
@@ -115,8 +155,8 @@ impl Answer {
         &self,
         object: &'static str,
         choices: Vec<Choice>,
-        prompt_logprobs: Option<Option<()>>,
     ) -> Completion<'_, Choice> {
+        let chat = self.request.kind == Kind::Chat;
         Completion {
             id: &self.id,
             object,
@@ -124,10 +164,14 @@ impl Answer {
             model: &self.model,
             choices,
             service_tier: None,
-            system_fingerprint: None,
+            system_fingerprint: self.fingerprint.as_deref(),
             usage: self.usage(),
-            prompt_logprobs,
+            prompt_logprobs: null_if(chat),
+            prompt_token_ids: null_if(chat && self.v0_32),
+            prompt_text: null_if(chat && self.v0_32),
             kv_transfer_params: None,
+            ec_transfer_params: null_if(self.v0_32),
+            metrics: null_if(self.v0_32),
         }
     }
 
@@ -138,15 +182,13 @@ impl Answer {
                 let choices = self
                     .indexed()
                     .map(|(index, plan)| self.chat_choice(index, plan));
-                let body = self.completion("chat.completion", choices.collect(), Some(None));
-                serde_json::to_vec(&body)
+                serde_json::to_vec(&self.completion("chat.completion", choices.collect()))
             }
             Kind::Completion => {
                 let choices = self
                     .indexed()
                     .map(|(index, plan)| self.text_choice(index, plan));
-                let body = self.completion("text_completion", choices.collect(), None);
-                serde_json::to_vec(&body)
+                serde_json::to_vec(&self.completion("text_completion", choices.collect()))
             }
         };
         // Plain structs of strings and numbers always serialize.
@@ -157,22 +199,43 @@ impl Answer {
         (0u32..).zip(&self.choices)
     }
 
+    fn chat_logprobs(&self, tokens: &[u16], logprobs: &[f32]) -> Option<ChatLogprobs> {
+        self.request.logprobs.then(|| ChatLogprobs {
+            content: tokens
+                .iter()
+                .zip(logprobs)
+                .map(|(token, logprob)| {
+                    openai::chat_logprob(*token, *logprob, self.request.top_logprobs)
+                })
+                .collect(),
+        })
+    }
+
+    /// Completions logprobs of `tokens`, the first starting at character `offset`; returns
+    /// them and where the text goes on after them.
+    fn text_logprobs(
+        &self,
+        tokens: &[u16],
+        logprobs: &[f32],
+        mut offset: u32,
+    ) -> (Option<TextLogprobs>, u32) {
+        let mut out = TextLogprobs::default();
+        for (token, logprob) in tokens.iter().zip(logprobs) {
+            out.push(offset, *token, *logprob, self.request.top_logprobs);
+            offset += text::token_text(*token).len() as u32;
+        }
+        (self.request.logprobs.then_some(out), offset)
+    }
+
     fn chat_choice(&self, index: u32, plan: &ChoicePlan) -> ChatChoice {
         ChatChoice {
             index,
-            message: ChatMessage::assistant(plan.text()),
-            logprobs: self.request.logprobs.then(|| ChatLogprobs {
-                content: plan
-                    .tokens
-                    .iter()
-                    .zip(&plan.logprobs)
-                    .map(|(token, logprob)| {
-                        openai::chat_logprob(*token, *logprob, self.request.top_logprobs)
-                    })
-                    .collect(),
-            }),
+            message: ChatMessage::assistant(plan.text(), self.v0_32),
+            logprobs: self.chat_logprobs(&plan.tokens, &plan.logprobs),
             finish_reason: plan.finish.as_str(),
-            stop_reason: None,
+            stop_reason: plan.stop_reason.clone(),
+            token_ids: null_if(self.v0_32),
+            routed_experts: null_if(self.v0_32),
         }
     }
 
@@ -180,18 +243,13 @@ impl Answer {
         TextChoice {
             index,
             text: plan.text(),
-            logprobs: self.request.logprobs.then(|| {
-                let mut logprobs = TextLogprobs::default();
-                let mut offset = 0u32;
-                for (token, logprob) in plan.tokens.iter().zip(&plan.logprobs) {
-                    logprobs.push(offset, *token, *logprob, self.request.top_logprobs);
-                    offset += text::token_str(*token).len() as u32;
-                }
-                logprobs
-            }),
+            logprobs: self.text_logprobs(&plan.tokens, &plan.logprobs, 0).0,
             finish_reason: plan.finish.as_str(),
-            stop_reason: None,
+            stop_reason: plan.stop_reason.clone(),
+            token_ids: null_if(self.v0_32),
             prompt_logprobs: None,
+            prompt_token_ids: null_if(self.v0_32),
+            routed_experts: null_if(self.v0_32),
         }
     }
 
@@ -199,6 +257,8 @@ impl Answer {
         &self,
         choices: Choices,
         usage: Option<Option<StreamUsage>>,
+        role_chunk: bool,
+        fingerprint: bool,
     ) -> Bytes {
         openai::sse(&Chunk {
             id: &self.id,
@@ -207,16 +267,26 @@ impl Answer {
             model: &self.model,
             choices,
             usage,
+            prompt_token_ids: null_if(role_chunk && self.v0_32),
+            prompt_text: null_if(role_chunk && self.v0_32),
+            system_fingerprint: self.fingerprint.as_deref().filter(|_| fingerprint),
         })
     }
 
-    fn chat_chunk(&self, choice: ChunkChoice<'_>) -> Bytes {
-        self.chunk([choice], None)
+    /// `continuous_usage_stats`: the counts so far of one choice, on each of its chunks.
+    fn running_usage(&self, completion_tokens: usize) -> Option<StreamUsage> {
+        let completion_tokens = u32::try_from(completion_tokens).unwrap_or(u32::MAX);
+        self.request.continuous_usage.then(|| StreamUsage {
+            prompt_tokens: self.prompt_tokens(),
+            total_tokens: self.prompt_tokens().saturating_add(completion_tokens),
+            completion_tokens,
+            completion_tokens_details: null_if(self.v0_32),
+        })
     }
 
     /// Chat: the first event of each choice, `{"role":"assistant","content":""}`.
     pub fn role_chunk(&self, index: u32) -> Bytes {
-        self.chat_chunk(ChunkChoice {
+        let choice = ChunkChoice {
             index,
             delta: Delta {
                 role: Some("assistant"),
@@ -225,65 +295,104 @@ impl Answer {
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
-        })
+            token_ids: None,
+        };
+        self.chunk([choice], self.running_usage(0).map(Some), true, false)
     }
 
-    /// Chat: one token of choice `index`.
-    pub fn content_chunk(&self, index: u32, token: u16, logprob: f32) -> Bytes {
-        self.chat_chunk(ChunkChoice {
-            index,
-            delta: Delta {
-                role: None,
-                content: text::token_str(token),
-            },
-            logprobs: self.request.logprobs.then(|| ChatLogprobs {
-                content: vec![openai::chat_logprob(
-                    token,
-                    logprob,
-                    self.request.top_logprobs,
-                )],
-            }),
-            finish_reason: None,
-            stop_reason: None,
-        })
+    /// The event for choice `index` once its token `step` is out, or `None` when that token
+    /// has no chunk of its own (it goes out with the next one). It carries the text shown
+    /// since the last event and the logprobs of every token since; in vLLM 0.32 (and always
+    /// for completions) the last one carries the finish reason. `fingerprint` puts the
+    /// `system_fingerprint` on it (vLLM 0.32's last event before `[DONE]`).
+    pub fn token_event(
+        &self,
+        index: u32,
+        step: usize,
+        sent: &mut Sent,
+        fingerprint: bool,
+    ) -> Option<Bytes> {
+        let plan = self.choices.get(usize::try_from(index).ok()?)?;
+        let shown = (*plan.visible.get(step)?)?;
+        let content = plan.text_str().get(sent.text..shown).unwrap_or("");
+        let tokens = plan.tokens.get(sent.tokens..=step).unwrap_or(&[]);
+        let logprobs = plan.logprobs.get(sent.tokens..=step).unwrap_or(&[]);
+        let last = step + 1 == plan.tokens.len();
+        let finish = last && (self.v0_32 || self.request.kind == Kind::Completion);
+        let usage = self.running_usage(step + 1);
+        let event = match self.request.kind {
+            Kind::Chat => {
+                let choice = ChunkChoice {
+                    index,
+                    delta: Delta {
+                        role: None,
+                        content,
+                    },
+                    logprobs: self.chat_logprobs(tokens, logprobs),
+                    finish_reason: finish.then(|| plan.finish.as_str()),
+                    stop_reason: finish.then_some(&plan.stop_reason),
+                    token_ids: null_if(self.v0_32),
+                };
+                self.chunk([choice], usage.map(Some), false, fingerprint)
+            }
+            Kind::Completion => {
+                let (text_logprobs, offset) = self.text_logprobs(tokens, logprobs, sent.offset);
+                sent.offset = offset;
+                let choice = TextChunkChoice {
+                    index,
+                    text: content,
+                    logprobs: text_logprobs,
+                    finish_reason: finish.then(|| plan.finish.as_str()),
+                    stop_reason: if finish {
+                        &plan.stop_reason
+                    } else {
+                        &StopReason::None
+                    },
+                    prompt_token_ids: null_if(self.v0_32),
+                    token_ids: null_if(self.v0_32),
+                };
+                // Before 0.32 every text chunk had `"usage":null`.
+                let usage = match usage {
+                    Some(usage) => Some(Some(usage)),
+                    None => (!self.v0_32).then_some(None),
+                };
+                self.chunk([choice], usage, false, fingerprint)
+            }
+        };
+        sent.text = shown.max(sent.text);
+        sent.tokens = step + 1;
+        Some(event)
     }
 
-    /// Chat: the event after a choice's last token, with an empty delta and the finish reason.
-    pub fn finish_chunk(&self, index: u32, finish: Finish) -> Bytes {
-        self.chat_chunk(ChunkChoice {
+    /// Chat before vLLM 0.32: the event after a choice's last token, with an empty delta and
+    /// the finish reason.
+    pub fn finish_chunk(&self, index: u32) -> Option<Bytes> {
+        let plan = self.choices.get(usize::try_from(index).ok()?)?;
+        let choice = ChunkChoice {
             index,
             delta: Delta {
                 role: None,
                 content: "",
             },
             logprobs: None,
-            finish_reason: Some(finish.as_str()),
-            stop_reason: Some(None),
-        })
+            finish_reason: Some(plan.finish.as_str()),
+            stop_reason: Some(&plan.stop_reason),
+            token_ids: None,
+        };
+        let usage = self.running_usage(plan.tokens.len());
+        Some(self.chunk([choice], usage.map(Some), false, false))
     }
 
-    /// Completions: one token of choice `index`, which starts at character `offset` of its
-    /// text. The last token's chunk carries the finish reason, as vLLM sends it.
-    pub fn text_chunk(
-        &self,
-        index: u32,
-        offset: u32,
-        token: u16,
-        logprob: f32,
-        finish: Option<Finish>,
-    ) -> Bytes {
-        let choice = TextChunkChoice {
-            index,
-            text: text::token_str(token),
-            logprobs: self.request.logprobs.then(|| {
-                let mut logprobs = TextLogprobs::default();
-                logprobs.push(offset, token, logprob, self.request.top_logprobs);
-                logprobs
-            }),
-            finish_reason: finish.map(Finish::as_str),
-            stop_reason: None,
-        };
-        self.chunk([choice], Some(None))
+    /// The choice and step whose event is the stream's last before the usage chunk and
+    /// `[DONE]`: the last choice that runs the longest.
+    pub fn last_token_event(&self) -> Option<(u32, usize)> {
+        let steps = self.steps();
+        let index = self
+            .indexed()
+            .filter(|(_, plan)| plan.tokens.len() == steps)
+            .map(|(index, _)| index)
+            .last()?;
+        Some((index, steps.checked_sub(1)?))
     }
 
     /// The usage event (`"choices":[]`) sent with `stream_options.include_usage`.
@@ -293,7 +402,8 @@ impl Answer {
             prompt_tokens: usage.prompt_tokens,
             total_tokens: usage.total_tokens,
             completion_tokens: usage.completion_tokens,
+            completion_tokens_details: None,
         };
-        self.chunk([(); 0], Some(Some(stream_usage)))
+        self.chunk([(); 0], Some(Some(stream_usage)), false, true)
     }
 }

@@ -31,6 +31,43 @@ pub fn out_of_memory(need_blocks: u64, free_blocks: u64, block_size: u32) -> Api
     )
 }
 
+/// vLLM 0.32 refuses, before tokenizing it, a prompt of more characters than this many per
+/// token of the context.
+pub const CHARS_PER_TOKEN_BOUND: u64 = 17;
+
+/// vLLM 0.32's 400 for a prompt of more than [`CHARS_PER_TOKEN_BOUND`] characters per token
+/// of the context.
+pub fn prompt_too_many_chars(max_model_len: u32, chars: usize) -> ApiError {
+    let bound = u64::from(max_model_len) * CHARS_PER_TOKEN_BOUND;
+    ApiError::bad_request(format!(
+        "This model's maximum context length is {max_model_len} tokens. However, your prompt contains {chars} characters (more than {bound} characters, which is the upper bound for {max_model_len} input tokens). Please reduce the length of the input prompt. (parameter=input_text, value={chars})"
+    ))
+    .with_param("input_text")
+}
+
+/// vLLM 0.32's 400 for a `max_tokens` larger than the whole context.
+pub fn max_tokens_over_context(max_tokens: u32, max_model_len: u32) -> ApiError {
+    ApiError::bad_request(format!(
+        "max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+    ))
+    .with_param("max_tokens")
+}
+
+/// The 404 for a model the instance does not serve; vLLM 0.32 lists the names it does.
+pub fn unknown_model(shape: ErrorShape, model: &str, served: &[String]) -> ApiError {
+    if shape != ErrorShape::V0_32 {
+        return ApiError::new(404, format!("The model `{model}` does not exist."));
+    }
+    ApiError::new(
+        404,
+        format!(
+            "The model `{model}` does not exist. Valid aliases: {}.",
+            served.join(", ")
+        ),
+    )
+    .with_param("model")
+}
+
 /// The 400 for a request over `max_model_len`, worded as the configured vLLM generation
 /// words it (vLLM ≥ 0.10.1 for `New`, older for `Old`).
 pub fn context_length(
@@ -40,20 +77,12 @@ pub fn context_length(
     max_tokens: Option<u32>,
 ) -> ApiError {
     if shape == ErrorShape::V0_32 {
-        return if prompt_tokens == max_model_len {
-            // The prompt fits exactly: no room for even one output token.
-            ApiError::bad_request(
-                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-            )
-            .with_param("max_tokens")
-        } else {
-            // vLLM stops counting one token past the context.
-            let at_least = max_model_len.saturating_add(1);
-            ApiError::bad_request(format!(
-                "This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least {at_least} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={at_least})"
-            ))
-            .with_param("input_tokens")
-        };
+        // vLLM stops counting one token past the context.
+        let at_least = max_model_len.saturating_add(1);
+        return ApiError::bad_request(format!(
+            "This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least {at_least} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={at_least})"
+        ))
+        .with_param("input_tokens");
     }
     let message = match (shape, max_tokens) {
         (ErrorShape::V0_32 | ErrorShape::New, Some(max_tokens)) if prompt_tokens < max_model_len => format!(

@@ -1,12 +1,13 @@
 //! One admitted request's generation: when its tokens are due (the latency model) and what it
 //! reports (metrics and stats).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::answer::Answer;
 use crate::faults::Faults;
-use crate::metrics::Ended;
+use crate::metrics::{Ended, FinishedRequest};
 use crate::text::Finish;
 use crate::Shared;
 
@@ -17,8 +18,18 @@ const A_DAY: Duration = Duration::from_secs(86_400);
 pub struct Generation {
     shared: Arc<Shared>,
     started: Instant,
+    /// When the request got its place in the batch (it waited in the queue until then).
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     generated: u64,
+    /// Engine steps that produced tokens.
+    steps: u64,
+    /// Times the request was preempted (a shared reference counts them, hence atomic).
+    preemptions: AtomicU32,
+    prompt_tokens: u32,
+    choices: u32,
+    max_tokens: u32,
     finished: bool,
     slowdown: f64,
     jitter: f64,
@@ -26,7 +37,7 @@ pub struct Generation {
 }
 
 impl Generation {
-    pub fn new(shared: Arc<Shared>, started: Instant, faults: &Faults) -> Self {
+    pub fn new(shared: Arc<Shared>, started: Instant, faults: &Faults, answer: &Answer) -> Self {
         let latency = &shared.config.latency;
         Generation {
             slowdown: faults.slowdown_factor(),
@@ -34,10 +45,27 @@ impl Generation {
             zero_latency: latency.is_zero(),
             shared,
             started,
+            admitted: None,
+            first_token: None,
             last_token: None,
             generated: 0,
+            steps: 0,
+            preemptions: AtomicU32::new(0),
+            prompt_tokens: answer.prompt_tokens(),
+            choices: answer.request.choice_count,
+            max_tokens: answer.max_tokens,
             finished: false,
         }
+    }
+
+    /// The request got its place in the batch.
+    pub fn admitted(&mut self) {
+        self.admitted.get_or_insert_with(Instant::now);
+    }
+
+    /// The request was preempted once more.
+    pub fn preempted(&self) {
+        self.preemptions.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn shared(&self) -> &Arc<Shared> {
@@ -94,10 +122,10 @@ impl Generation {
     }
 
     pub fn count_prompt(&self, tokens: u64) {
-        self.shared
-            .metrics
-            .prompt_tokens
-            .fetch_add(tokens, Ordering::Relaxed);
+        let metrics = &self.shared.metrics;
+        metrics.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+        // The prefill is one engine step of the prompt's tokens.
+        metrics.iteration_tokens.observe(tokens as f64);
     }
 
     /// `tokens` tokens were produced in one engine step (one per running choice).
@@ -112,18 +140,47 @@ impl Generation {
                 .itl
                 .observe(now.saturating_duration_since(previous).as_secs_f64()),
         }
+        self.first_token.get_or_insert(now);
         self.last_token = Some(now);
         self.generated += tokens;
+        self.steps += 1;
         metrics
             .generation_tokens
             .fetch_add(tokens, Ordering::Relaxed);
+        metrics.iteration_tokens.observe(tokens as f64);
     }
 
     pub fn finish(&mut self, how: Finish) {
-        let metrics = &self.shared.metrics;
-        metrics.e2e.observe(self.started.elapsed().as_secs_f64());
-        metrics.ended(Ended::Finished(how), self.generated);
+        let now = Instant::now();
+        let started = self.started;
+        let admitted = self.admitted.unwrap_or(started);
+        let first_token = self.first_token.unwrap_or(now);
+        let seconds = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
+        let decode = seconds(first_token, now);
+        let request = FinishedRequest {
+            prompt_tokens: self.prompt_tokens,
+            generated: self.generated,
+            choices: self.choices,
+            max_tokens: self.max_tokens,
+            e2e: seconds(started, now),
+            queued: seconds(started, admitted),
+            prefill: seconds(admitted, first_token),
+            decode,
+            time_per_output_token: (self.steps > 1).then(|| decode / (self.steps - 1) as f64),
+            preemptions: self.preemptions.load(Ordering::Relaxed),
+        };
+        self.shared
+            .metrics
+            .ended(Ended::Finished(how), self.generated, Some(&request));
         self.shared.stats.count_completed();
+        self.finished = true;
+    }
+
+    /// The request ended with an error part-way (an injected error event).
+    pub fn fail(&mut self) {
+        self.shared
+            .metrics
+            .ended(Ended::Error, self.generated, None);
         self.finished = true;
     }
 }
@@ -131,7 +188,9 @@ impl Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         if !self.finished {
-            self.shared.metrics.ended(Ended::Abort, self.generated);
+            self.shared
+                .metrics
+                .ended(Ended::Abort, self.generated, None);
         }
     }
 }

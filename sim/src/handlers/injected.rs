@@ -97,7 +97,9 @@ pub fn truncated_body(shared: &Arc<Shared>, body: Vec<u8>, faults: &Faults) -> H
         }
     });
     server::with_content_length(
-        server::stream_response(200, "application/json", server::channel_body(receiver)),
+        200,
+        "application/json",
+        server::channel_body(receiver),
         length,
     )
 }

@@ -1,6 +1,7 @@
 //! Sending an answer as an SSE stream: headers at once (like vLLM), then each event as its own
-//! chunk when its token is due. Chat streams go role chunk, content chunks, finish chunk;
-//! completion streams put the finish reason on the last token's chunk.
+//! chunk when its token is due. Chat streams start with a role chunk per choice; the finish
+//! reason rides on a choice's last token chunk (before vLLM 0.32, chat sent a finish chunk of
+//! its own after it).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -10,14 +11,13 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::admission;
-use super::answer::Answer;
+use super::answer::{Answer, Sent};
 use super::generation::Generation;
 use super::injected::{self, BodySender, MidStream};
 use crate::engine::{Admission, Ticket};
 use crate::faults::Faults;
 use crate::openai::{self, ApiError, Kind};
 use crate::server::{self, HttpResponse};
-use crate::text;
 use crate::Shared;
 
 /// Start the stream; the events are produced by a task of their own.
@@ -33,6 +33,7 @@ pub fn respond(
         body,
         faults,
         sent: 0,
+        failed: false,
     };
     tokio::spawn(run(generation, admission, answer, events));
     server::stream_response(
@@ -54,6 +55,8 @@ struct EventSender {
     body: BodySender,
     faults: Arc<Faults>,
     sent: u32,
+    /// An injected error event ended the stream (vLLM counts the request as an error).
+    failed: bool,
 }
 
 impl EventSender {
@@ -75,6 +78,7 @@ impl EventSender {
             }
             Some(MidStream::Error) => {
                 self.shared.stats.count_fault();
+                self.failed = true;
                 self.error(&ApiError::new(500, "Internal Server Error"))
                     .await;
                 return Flow::Stop;
@@ -127,6 +131,7 @@ async fn run(
     let Some(mut ticket) = admit(&mut events, admission).await else {
         return;
     };
+    generation.admitted();
     let prompt_tokens = u64::from(answer.prompt_tokens());
     if let Flow::Stop = hold(&mut events, &mut ticket, prompt_tokens, &generation).await {
         return;
@@ -141,6 +146,9 @@ async fn run(
         return;
     }
     if let Flow::Stop = send_tokens(&mut generation, &mut ticket, &answer, &mut events).await {
+        if events.failed {
+            generation.fail();
+        }
         return;
     }
     generation.finish(answer.finish());
@@ -197,7 +205,11 @@ async fn send_tokens(
     answer: &Answer,
     events: &mut EventSender,
 ) -> Flow {
-    let mut offsets = vec![0u32; answer.choices.len()];
+    let mut sent = vec![Sent::default(); answer.choices.len()];
+    // vLLM 0.32 puts the fingerprint on the last event; with usage, that is the usage chunk.
+    let fingerprint_on = (answer.is_v0_32() && !answer.request.include_usage)
+        .then(|| answer.last_token_event())
+        .flatten();
     let mut held = u64::from(answer.prompt_tokens());
     for step in 0..answer.steps() {
         if step > 0 {
@@ -211,64 +223,30 @@ async fn send_tokens(
             return Flow::Stop;
         }
         generation.step(tokens);
-        let sent = match answer.request.kind {
-            Kind::Chat => send_chat_step(answer, step, events).await,
-            Kind::Completion => send_text_step(answer, step, &mut offsets, events).await,
-        };
-        if let Flow::Stop = sent {
-            return Flow::Stop;
-        }
-    }
-    Flow::Continue
-}
-
-/// Chat: the role chunks come with the first token; a finish chunk follows each choice's
-/// last token.
-async fn send_chat_step(answer: &Answer, step: usize, events: &mut EventSender) -> Flow {
-    if step == 0 {
-        for (index, _) in (0u32..).zip(&answer.choices) {
-            if let Flow::Stop = events.send(answer.role_chunk(index)).await {
-                return Flow::Stop;
+        if step == 0 && answer.request.kind == Kind::Chat {
+            // The role chunks come with the first token.
+            for (index, _) in (0u32..).zip(&answer.choices) {
+                if let Flow::Stop = events.send(answer.role_chunk(index)).await {
+                    return Flow::Stop;
+                }
             }
         }
-    }
-    for (index, plan) in (0u32..).zip(&answer.choices) {
-        let (Some(&token), Some(&logprob)) = (plan.tokens.get(step), plan.logprobs.get(step))
-        else {
-            continue;
-        };
-        if let Flow::Stop = events
-            .send(answer.content_chunk(index, token, logprob))
-            .await
-        {
-            return Flow::Stop;
-        }
-        if step + 1 == plan.tokens.len() {
-            if let Flow::Stop = events.send(answer.finish_chunk(index, plan.finish)).await {
-                return Flow::Stop;
+        for ((index, plan), sent) in (0u32..).zip(&answer.choices).zip(sent.iter_mut()) {
+            let fingerprint = fingerprint_on == Some((index, step));
+            if let Some(event) = answer.token_event(index, step, sent, fingerprint) {
+                if let Flow::Stop = events.send(event).await {
+                    return Flow::Stop;
+                }
             }
-        }
-    }
-    Flow::Continue
-}
-
-/// Completions: one chunk per choice's token, the last one with the finish reason.
-async fn send_text_step(
-    answer: &Answer,
-    step: usize,
-    offsets: &mut [u32],
-    events: &mut EventSender,
-) -> Flow {
-    for ((index, plan), offset) in (0u32..).zip(&answer.choices).zip(offsets.iter_mut()) {
-        let (Some(&token), Some(&logprob)) = (plan.tokens.get(step), plan.logprobs.get(step))
-        else {
-            continue;
-        };
-        let last = step + 1 == plan.tokens.len();
-        let chunk = answer.text_chunk(index, *offset, token, logprob, last.then_some(plan.finish));
-        *offset += text::token_str(token).len() as u32;
-        if let Flow::Stop = events.send(chunk).await {
-            return Flow::Stop;
+            // Before vLLM 0.32 a chat choice ended with a finish chunk of its own.
+            let separate_finish = !answer.is_v0_32() && answer.request.kind == Kind::Chat;
+            if separate_finish && step + 1 == plan.tokens.len() {
+                if let Some(event) = answer.finish_chunk(index) {
+                    if let Flow::Stop = events.send(event).await {
+                        return Flow::Stop;
+                    }
+                }
+            }
         }
     }
     Flow::Continue

@@ -142,17 +142,18 @@ pub async fn raw_post(
     (received, error)
 }
 
-/// Shape of a JSON value: keys in order, value kinds; arrays by their first element.
+/// Shape of a JSON value: keys in order, value kinds; arrays by the distinct shapes of their
+/// elements (`[a|b]` when they differ, sorted). `null` is a kind of its own.
 pub fn skeleton(value: &Value) -> String {
     match value {
         Value::Null => "null".into(),
         Value::Bool(_) => "b".into(),
         Value::Number(_) => "n".into(),
         Value::String(_) => "s".into(),
-        Value::Array(items) => match items.first() {
-            None => "[]".into(),
-            Some(first) => format!("[{}]", skeleton(first)),
-        },
+        Value::Array(items) => {
+            let shapes: std::collections::BTreeSet<String> = items.iter().map(skeleton).collect();
+            format!("[{}]", shapes.into_iter().collect::<Vec<_>>().join("|"))
+        }
         Value::Object(fields) => {
             let parts: Vec<String> = fields
                 .iter()
