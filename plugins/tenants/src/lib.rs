@@ -57,7 +57,7 @@ use limits::{Admitted, Limiter, TenantLimits, Usage, Want};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
     api_key, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Reason,
-    RequestCtx, ResponseHeader, Result, Session, Tenant,
+    RequestCtx, ResponseHeader, Result, Route, Session, Tenant,
 };
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -347,8 +347,12 @@ impl Plugin for Tenants {
             return Ok(Flow::Continue);
         };
         let Some(call) = ctx.llm() else {
-            // Every route is metered: a plain one (`/tokenize`, a catch-all to vLLM) counts as a
-            // request and holds a concurrency slot; it carries no token estimate.
+            // Every route to an upstream is metered: a plain one (`/tokenize`, a catch-all to
+            // vLLM) counts as a request and holds a concurrency slot; it carries no token
+            // estimate. What Sluice answers itself (`/v1/models`) is not.
+            if !matches!(ctx.route(), Route::Plain(_)) {
+                return Ok(Flow::Continue);
+            }
             let want = Want {
                 input_tokens: 0,
                 output_tokens: 0,
