@@ -1,0 +1,206 @@
+//! Property tests of the parsers that face the network: a client's request body, an
+//! upstream's event stream and answer (usage, model name, context refusals), a backend's
+//! Prometheus page. Arbitrary bytes never panic them, and what they find does not depend on
+//! how the bytes were cut into chunks, which the network decides.
+//!
+//! Bounded for CI by `PROPTEST_CASES` (default 256 cases a property); a failing case is kept
+//! in `tests/parsers.proptest-regressions` and tried first on every later run.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use sluice::health::exposition;
+use sluice_sdk::sse::SseEvents;
+use sluice_sdk::usage::UsageScanner;
+use sluice_sdk::{context, Endpoint, LlmCall, ModelRewriter};
+
+/// `bytes` cut at `cuts` (positions, taken modulo its length, in any order).
+fn chunks(bytes: &[u8], cuts: &[usize]) -> Vec<Bytes> {
+    let mut at: Vec<usize> = cuts
+        .iter()
+        .map(|c| if bytes.is_empty() { 0 } else { c % bytes.len() })
+        .collect();
+    at.push(0);
+    at.push(bytes.len());
+    at.sort_unstable();
+    at.dedup();
+    at.windows(2)
+        .map(|w| Bytes::copy_from_slice(&bytes[w[0]..w[1]]))
+        .collect()
+}
+
+/// The events `SseEvents` finds in `pieces`, in order, the unfinished rest last.
+fn events_of(pieces: &[Bytes]) -> Vec<Vec<u8>> {
+    let mut split = SseEvents::default();
+    let mut events = Vec::new();
+    for piece in pieces {
+        split.split(piece, |event| events.push(event.to_vec()));
+    }
+    let rest = split.take_rest();
+    if !rest.is_empty() {
+        events.push(rest);
+    }
+    events
+}
+
+/// A stream of `data:` events with these payloads (no line breaks in them), and its usage.
+fn sse_stream(payloads: &[String], usage: (u32, u32)) -> Vec<u8> {
+    let mut text = String::new();
+    for p in payloads {
+        text.push_str(&format!("data: {{\"choices\":[{{\"delta\":{{\"content\":{p:?}}}}}]}}\n\n"));
+    }
+    text.push_str(&format!(
+        "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
+        usage.0,
+        u64::from(usage.0) + u64::from(usage.1),
+        usage.1
+    ));
+    text.into_bytes()
+}
+
+/// A chat request body with these messages, model and budget.
+fn chat_body(model: &str, messages: &[String], max_tokens: u32) -> Vec<u8> {
+    let messages: Vec<_> = messages
+        .iter()
+        .map(|m| serde_json::json!({"role": "user", "content": m}))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "model": model, "messages": messages, "max_tokens": max_tokens}))
+    .unwrap()
+}
+
+proptest! {
+    #[test]
+    fn the_request_parse_never_panics_on_any_body(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            let _ = LlmCall::parse(endpoint, Bytes::from(body.clone()));
+        }
+    }
+
+    #[test]
+    fn a_valid_request_parses_to_what_it_says_and_a_cut_one_is_refused(
+        model in "[a-zA-Z0-9./_-]{1,40}",
+        messages in proptest::collection::vec("\\PC{0,60}", 1..6),
+        max_tokens in 1u32..100_000,
+        cut in any::<usize>(),
+    ) {
+        let body = chat_body(&model, &messages, max_tokens);
+        let call = LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body.clone())).unwrap();
+        prop_assert_eq!(call.request.model.as_deref(), Some(model.as_str()));
+        prop_assert_eq!(call.request.messages.as_ref().map(|m| m.len()), Some(messages.len()));
+        prop_assert_eq!(call.request.max_output_tokens(), Some(max_tokens));
+        let texts: Vec<String> = call.request.messages.as_ref().unwrap().iter()
+            .map(|m| match m.content {
+                Some(sluice_sdk::llm::Content::Text(t)) => t.to_str().into_owned(),
+                _ => String::new(),
+            })
+            .collect();
+        prop_assert_eq!(&texts, &messages);
+        // Any strict prefix of a JSON object is not one.
+        let cut = cut % body.len();
+        let short = LlmCall::parse(Endpoint::ChatCompletions, Bytes::copy_from_slice(&body[..cut]));
+        prop_assert!(short.is_err());
+    }
+
+    #[test]
+    fn events_are_the_same_however_the_stream_is_cut(
+        payloads in proptest::collection::vec("[^\r\n]{0,40}", 0..8),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let stream = sse_stream(&payloads, (7, 3));
+        let whole = events_of(&[Bytes::from(stream.clone())]);
+        prop_assert_eq!(whole.len(), payloads.len() + 2);
+        prop_assert_eq!(events_of(&chunks(&stream, &cuts)), whole);
+    }
+
+    #[test]
+    fn the_event_splitter_never_panics_and_loses_no_byte(
+        bytes in proptest::collection::vec(any::<u8>(), 0..1024),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let events = events_of(&chunks(&bytes, &cuts));
+        prop_assert_eq!(events.concat(), bytes);
+    }
+
+    #[test]
+    fn the_usage_is_found_however_the_answer_is_cut(
+        payloads in proptest::collection::vec("[^\r\n]{0,40}", 0..6),
+        prompt in 0u32..1_000_000,
+        completion in 0u32..1_000_000,
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let stream = sse_stream(&payloads, (prompt, completion));
+        let mut scanner = UsageScanner::default();
+        for piece in chunks(&stream, &cuts) {
+            scanner.feed(&piece);
+        }
+        let usage = scanner.usage().unwrap();
+        prop_assert_eq!((usage.prompt_tokens, usage.completion_tokens), (u64::from(prompt), u64::from(completion)));
+    }
+
+    #[test]
+    fn the_usage_scanner_never_panics(
+        bytes in proptest::collection::vec(any::<u8>(), 0..1024),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let mut scanner = UsageScanner::default();
+        for piece in chunks(&bytes, &cuts) {
+            scanner.feed(&piece);
+        }
+        let _ = scanner.usage();
+    }
+
+    #[test]
+    fn the_model_name_is_rewritten_however_the_answer_is_cut(
+        served in "[a-z0-9/_.-]{1,30}",
+        asked in "[a-z0-9/_.-]{1,30}",
+        payloads in proptest::collection::vec("[^\r\n]{0,40}", 0..6),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let mut answer = Vec::new();
+        for p in &payloads {
+            answer.extend_from_slice(format!("data: {{\"model\":{served:?},\"content\":{p:?}}}\n\n").as_bytes());
+        }
+        let rewrite = |pieces: Vec<Bytes>| {
+            let mut rewriter = ModelRewriter::new(&served, &asked);
+            let last = pieces.len().saturating_sub(1);
+            let mut out = Vec::new();
+            for (i, piece) in pieces.into_iter().enumerate() {
+                if let Some(b) = rewriter.rewrite(Some(piece), i == last) {
+                    out.extend_from_slice(&b);
+                }
+            }
+            out
+        };
+        let whole = rewrite(vec![Bytes::from(answer.clone())]);
+        prop_assert_eq!(rewrite(chunks(&answer, &cuts)), whole.clone());
+        let expected = String::from_utf8(answer).unwrap()
+            .replace(&format!("\"model\":{served:?}"), &format!("\"model\":{asked:?}"));
+        prop_assert_eq!(String::from_utf8(whole).unwrap(), expected);
+    }
+
+    #[test]
+    fn the_context_readers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), budget in any::<u64>()) {
+        let _ = context::is_context_length_error(&bytes);
+        let _ = context::cut_by_context(&bytes, budget);
+    }
+
+    #[test]
+    fn a_metrics_page_never_panics_the_parsers(text in "\\PC{0,400}") {
+        let _ = exposition::parse(&text);
+        let _ = exposition::read_page(text.as_bytes(), &exposition::Limits::default(), |_| true);
+    }
+
+    #[test]
+    fn every_well_formed_sample_is_read(
+        values in proptest::collection::vec((0u8..8, -1.0e9f64..1.0e9), 1..20),
+    ) {
+        let mut text = String::new();
+        for (i, (label, value)) in values.iter().enumerate() {
+            text.push_str(&format!("vllm:m{i}{{engine=\"{label}\"}} {value}\n"));
+        }
+        let samples = exposition::parse(&text).unwrap();
+        prop_assert_eq!(samples.len(), values.len());
+    }
+}
