@@ -48,7 +48,9 @@ fn events_of(pieces: &[Bytes]) -> Vec<Vec<u8>> {
 fn sse_stream(payloads: &[String], usage: (u32, u32)) -> Vec<u8> {
     let mut text = String::new();
     for p in payloads {
-        text.push_str(&format!("data: {{\"choices\":[{{\"delta\":{{\"content\":{p:?}}}}}]}}\n\n"));
+        text.push_str(&format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":{p:?}}}}}]}}\n\n"
+        ));
     }
     text.push_str(&format!(
         "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{}}}}}\n\ndata: [DONE]\n\n",

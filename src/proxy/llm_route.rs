@@ -168,7 +168,7 @@ impl AttemptLoop {
                 .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
             let demand = ctx
                 .llm()
-                .map_or_else(Demand::default, |call| call.demand_for(&pool.balancing));
+                .map_or_else(Demand::default, |call| pool.demand_for(call));
             let then = match pool.select(&self.tried, &demand) {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {

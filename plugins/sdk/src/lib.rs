@@ -1,5 +1,13 @@
 #![warn(missing_docs)]
-//! The Sluice plugin SDK: what every plugin depends on.
+//! The Sluice plugin SDK: the contract between the core and its plugins, and what every
+//! plugin depends on.
+//!
+//! It is the contract (hooks, the per-request context, config errors, error replies, the
+//! metric macro, escalation, the tenant) plus the infrastructure plugins share (Redis, the
+//! memory budget, CPU work off the async workers). The LLM wire model lives in `sluice-llm`
+//! and the pools in `sluice-pools`; both are re-exported here under their old paths
+//! (`sluice_sdk::llm`, `sluice_sdk::pool`, ...), so a plugin depends on this crate alone. It
+//! must not depend on the core (`sluice`) nor on any plugin.
 //!
 //! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.
 //! - [`RequestCtx`]: the per-request state the core fills and plugins read.
@@ -22,28 +30,21 @@
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
 
 pub mod config;
-pub mod context;
 pub mod cpu;
 pub mod ctx;
 pub mod duration;
 pub mod error;
 pub mod escalation;
-pub mod header_rules;
 pub mod headers;
-pub mod health;
-pub mod llm;
 pub mod memory;
 pub mod metrics;
-pub mod model_name;
 pub mod plugin;
-pub mod pool;
-pub mod ratio;
-pub mod raw_json;
 pub mod redis;
-pub mod retry;
-pub mod sse;
 pub mod tenant;
-pub mod usage;
+
+// The LLM wire model and the pools, re-exported where plugins have always found them.
+pub use sluice_llm::{context, llm, model_name, raw_json, sse, usage};
+pub use sluice_pools::{header_rules, health, pool, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;
@@ -54,13 +55,13 @@ pub use header_rules::{HeaderRules, UpstreamAuth};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
-pub use llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
+pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
-    Admission, BackendSpec, Balancing, Capabilities, Demand, Pool, PoolSettings, Pools, Pressure,
-    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, BackendSpec, Balancing, Capabilities, Pool, PoolSettings, Pools, Pressure, Priority,
+    Selected, Timeouts, TokensPerSecond, Unfit,
 };
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};

@@ -13,7 +13,6 @@
 //! bytes when a plugin asks, one at a time. A request costs its body and a few hundred bytes,
 //! whatever its shape: an 8 MiB `"prompt": [1, 1, ...]` is counted, not collected.
 
-use crate::pool::{Balancing, Demand};
 use crate::raw_json::{self, KeyIndex, Unescaped};
 use bytes::Bytes;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -68,7 +67,7 @@ pub struct LlmCall {
     /// The typed fields, parsed from `body`.
     pub request: LlmRequest,
     /// The request's size estimate, computed once at parse for the balancer, the breaker and
-    /// the selector (without prefix affinity: see [`LlmCall::demand_for`]).
+    /// the selector (without prefix affinity: see [`LlmCall::demand_with_prefix`]).
     pub demand: Demand,
 }
 
@@ -121,16 +120,49 @@ impl LlmCall {
         })
     }
 
-    /// The demand as a pool balancing this way needs it: with the prompt-prefix hash when
-    /// the pool uses prefix affinity.
-    pub fn demand_for(&self, balancing: &Balancing) -> Demand {
-        match balancing.prefix_affinity() {
+    /// The demand with a hash of the prompt's first `affinity_bytes` bytes, for a pool that
+    /// balances by prefix affinity (`None`: the demand as parsed).
+    pub fn demand_with_prefix(&self, affinity_bytes: Option<usize>) -> Demand {
+        match affinity_bytes {
             Some(bytes) => Demand {
                 affinity: Some(self.request.prompt_prefix_hash(bytes)),
                 ..self.demand
             },
             None => self.demand,
         }
+    }
+}
+
+/// What the balancer knows of a request's size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// The prompt's estimated size in tokens (about four characters a token).
+    pub prompt_tokens: u64,
+    /// The output budget of each sequence (`max_tokens`, or a default when the request
+    /// states none).
+    pub output_tokens: u64,
+    /// A hash of the prompt's first bytes, for prefix affinity.
+    pub affinity: Option<u64>,
+    /// Sequences the engine generates at once: `max(n, best_of)` (with beam search,
+    /// `best_of` is the beam width); 0 counts as 1.
+    pub sequences: u32,
+    /// A hash of the request's session id, for session affinity (`sluice_pools::Pool::session_key`).
+    pub session: Option<u64>,
+}
+
+impl Demand {
+    /// The KV tokens the request may come to hold: the prompt once (its blocks are shared
+    /// by the sequences), every sequence's output.
+    pub fn tokens(&self) -> u64 {
+        let sequences = u64::from(self.sequences.max(1));
+        self.prompt_tokens
+            .saturating_add(self.output_tokens.saturating_mul(sequences))
+    }
+
+    /// The context one sequence needs (prompt and its output), for a model's
+    /// `max_model_len`.
+    pub fn context_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.output_tokens)
     }
 }
 

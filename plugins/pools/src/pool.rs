@@ -6,11 +6,11 @@
 
 use crate::header_rules::{HeaderRules, UpstreamAuth};
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
-use crate::llm::LlmCall;
-use crate::model_name::ServedModel;
 use crate::retry::{RetryBudget, RetryPolicy};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
+use sluice_llm::model_name::ServedModel;
+use sluice_llm::{Demand, LlmCall};
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
@@ -202,39 +202,6 @@ const PROMPT_SCALE_ONE: u64 = 1000;
 /// The shortest estimated prompt a pool learns its prompt scale from.
 const MIN_PROMPT_TO_LEARN: u64 = 64;
 
-/// What the balancer knows of a request's size.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Demand {
-    /// The prompt's estimated size in tokens (about four characters a token).
-    pub prompt_tokens: u64,
-    /// The output budget of each sequence (`max_tokens`, or a default when the request
-    /// states none).
-    pub output_tokens: u64,
-    /// A hash of the prompt's first bytes, for prefix affinity.
-    pub affinity: Option<u64>,
-    /// Sequences the engine generates at once: `max(n, best_of)` (with beam search,
-    /// `best_of` is the beam width); 0 counts as 1.
-    pub sequences: u32,
-    /// A hash of the request's session id, for session affinity ([`Pool::session_key`]).
-    pub session: Option<u64>,
-}
-
-impl Demand {
-    /// The KV tokens the request may come to hold: the prompt once (its blocks are shared
-    /// by the sequences), every sequence's output.
-    pub fn tokens(&self) -> u64 {
-        let sequences = u64::from(self.sequences.max(1));
-        self.prompt_tokens
-            .saturating_add(self.output_tokens.saturating_mul(sequences))
-    }
-
-    /// The context one sequence needs (prompt and its output), for a model's
-    /// `max_model_len`.
-    pub fn context_tokens(&self) -> u64 {
-        self.prompt_tokens.saturating_add(self.output_tokens)
-    }
-}
-
 /// The backend chosen for an attempt.
 #[derive(Debug, Clone)]
 pub struct Selected {
@@ -413,7 +380,7 @@ pub struct Pool {
     /// Session affinity, when the pool has it.
     pub sessions: Option<SessionAffinity>,
     /// The model name the pool's engine serves, when it is not the client's (see
-    /// [`crate::model_name`]).
+    /// [`sluice_llm::model_name`]).
     pub served_model: Option<ServedModel>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
@@ -563,6 +530,12 @@ impl Pool {
             round_robin,
             session_table,
         }
+    }
+
+    /// `call`'s demand as this pool balances: with the prompt-prefix hash when the pool uses
+    /// prefix affinity.
+    pub fn demand_for(&self, call: &LlmCall) -> Demand {
+        call.demand_with_prefix(self.balancing.prefix_affinity())
     }
 
     /// The pool's name as an `x-sluice-pool` header value.

@@ -7,8 +7,8 @@
 //! the `"usage"` key byte by byte and copies only the object that follows it.
 //!
 //! The core runs one [`UsageScanner`] over every LLM answer and records what it finds in the
-//! request's context ([`crate::RequestCtx::usage`]); a plugin that needs the counts asks for
-//! them with [`crate::RequestCtx::want_usage`] instead of scanning the body itself.
+//! request's context (`sluice_sdk::RequestCtx::usage`); a plugin that needs the counts asks for
+//! them with `sluice_sdk::RequestCtx::want_usage` instead of scanning the body itself.
 
 use crate::raw_json::{self, Edit};
 use memchr::memmem;

@@ -1,0 +1,26 @@
+#![warn(missing_docs)]
+//! Sluice's LLM wire model: what an OpenAI-compatible request and answer are made of, read
+//! without a second parse and without copying the body.
+//!
+//! - [`llm`]: the request parse ([`LlmCall`], [`LlmRequest`]) and its size estimate
+//!   ([`Demand`]), for the balancer, the breaker and the selector.
+//! - [`raw_json`]: the byte-level JSON reading and splicing the parse and the edits share.
+//! - [`usage`]: an answer's token usage, found as it streams.
+//! - [`sse`]: a stream's chunks split into events.
+//! - [`model_name`]: the model name a pool serves, spliced into requests and rewritten back
+//!   in answers.
+//! - [`context`]: what an engine says when a request outgrew its context.
+//!
+//! Pure data and bytes: it must not depend on Pingora, on pools or on the plugin contract
+//! (`sluice-pools` and `sluice-sdk` depend on it, never the other way).
+
+pub mod context;
+pub mod llm;
+pub mod model_name;
+pub mod raw_json;
+pub mod sse;
+pub mod usage;
+
+pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
+pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
+pub use usage::Usage;

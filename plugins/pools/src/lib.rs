@@ -1,0 +1,28 @@
+#![warn(missing_docs)]
+//! Sluice's upstream pools: the backends a model is served by, what is known of each live
+//! (health, KV load, learned prefill speed, ejection), how a backend is chosen for an attempt,
+//! and what a pool changes in requests and answers.
+//!
+//! - [`pool`]: [`Pool`] and [`Pools`], balancing ([`Balancing`]) and admission ([`Admission`]).
+//! - [`health`]: each backend's live state ([`BackendLive`]) and the requests in flight on it.
+//! - [`retry`]: retries within a pool and their budget.
+//! - [`ratio`]: a windowed ratio, for acceptance and hit rates.
+//! - [`header_rules`]: the headers a pool sets, adds and hides, and its upstream credential.
+//!
+//! It depends on the LLM wire model (`sluice-llm`: a request's demand) and on Pingora's peer
+//! and load-balancing types; it must not depend on the plugin contract (`sluice-sdk` depends
+//! on it, never the other way).
+
+pub mod header_rules;
+pub mod health;
+pub mod pool;
+pub mod ratio;
+pub mod retry;
+
+pub use health::{
+    BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
+};
+pub use pool::{
+    Admission, BackendSpec, Balancing, Capabilities, Pool, PoolSettings, Pools, Pressure, Priority,
+    Selected, Timeouts, TokensPerSecond, Unfit,
+};
