@@ -29,6 +29,22 @@ fn scraped_often(p: Pool) -> Pool {
     )
 }
 
+/// A draft and a target pool, scraped often, with the selector and the breaker.
+async fn speculative_with_breaker(draft: &vllm_sim::Sim, target: &vllm_sim::Sim) -> Proxy {
+    Proxy::start(json!({
+        "pools": [
+            scraped_often(pool("draft", &[MODEL], &[draft.addr()])),
+            scraped_often(pool("target", &[MODEL], &[target.addr()])),
+        ],
+        "plugins": {
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+            "kv_breaker": {"enabled": true},
+        },
+    }))
+    .await
+}
+
 /// The pools that served `n` requests for the speculative model, in order.
 async fn pools_serving(proxy: &Proxy, n: usize) -> Vec<String> {
     let mut served = Vec::new();
@@ -73,18 +89,7 @@ async fn scraped(proxy: &Proxy, pool: usize, seen: impl Fn(f64) -> bool) -> bool
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_draft_pool_takes_traffic_again_within_one_scrape_after_its_pressure_falls() {
     let (draft, target) = (sim().await, sim().await);
-    let proxy = Proxy::start(json!({
-        "pools": [
-            scraped_often(pool("draft", &[MODEL], &[draft.addr()])),
-            scraped_often(pool("target", &[MODEL], &[target.addr()])),
-        ],
-        "plugins": {
-            "speculative": {"enabled": true, "models": [
-                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
-            "kv_breaker": {"enabled": true},
-        },
-    }))
-    .await;
+    let proxy = speculative_with_breaker(&draft, &target).await;
     let first = scraped(&proxy, 0, |_| true).await;
     assert!(first, "the draft was scraped");
     assert_eq!(pools_serving(&proxy, 10).await, vec!["draft"; 10]);
@@ -326,18 +331,7 @@ async fn a_request_waits_in_a_bounded_queue_for_capacity_before_it_is_refused() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_selector_judges_a_critical_request_as_critical() {
     let (draft, target) = (sim().await, sim().await);
-    let proxy = Proxy::start(json!({
-        "pools": [
-            scraped_often(pool("draft", &[MODEL], &[draft.addr()])),
-            scraped_often(pool("target", &[MODEL], &[target.addr()])),
-        ],
-        "plugins": {
-            "speculative": {"enabled": true, "models": [
-                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
-            "kv_breaker": {"enabled": true},
-        },
-    }))
-    .await;
+    let proxy = speculative_with_breaker(&draft, &target).await;
     draft.set_phantom_kv(0.9);
     assert!(
         scraped(&proxy, 0, |kv| kv >= 0.89).await,

@@ -164,16 +164,7 @@ fn alive(pid: u32) -> bool {
 
 /// Status code of `GET path`, or None when nothing answers.
 fn get(port: u16, path: &str) -> Option<u16> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).ok()?;
-    answer.split_whitespace().nth(1)?.parse().ok()
+    body(port, path)?.split_whitespace().nth(1)?.parse().ok()
 }
 
 fn wait_for(what: &str, mut done: impl FnMut() -> bool) {

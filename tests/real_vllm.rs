@@ -70,21 +70,6 @@ fn body(a: &Answer) -> Value {
     serde_json::from_str(&a.body).unwrap_or_else(|e| panic!("{e}: {}", a.body))
 }
 
-/// The JSON events of a stream, `[DONE]` excluded; asserts it ended with `[DONE]`.
-fn events(a: &Answer) -> Vec<Value> {
-    let data = sse_data(&a.body);
-    assert_eq!(
-        data.last().map(String::as_str),
-        Some("[DONE]"),
-        "{}",
-        a.body
-    );
-    data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
-
 async fn post(proxy: &Proxy, path: &str, request: &Value) -> Answer {
     ask_url(&proxy.url(path), request, &[AUTH]).await
 }
@@ -117,7 +102,7 @@ async fn chat_and_completions_as_json_and_streams_with_and_without_usage() {
                     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
                     continue;
                 }
-                let events = events(&a);
+                let events = sse_events(&a);
                 assert!(events.iter().all(|e| e["model"] == MODEL), "{}", a.body);
                 let with_usage = events.iter().filter(|e| !e["usage"].is_null()).count();
                 assert_eq!(with_usage, usize::from(usage), "{}", a.body);
@@ -180,7 +165,7 @@ async fn answers_are_cached_and_replayed_both_ways() {
         let hit = proxy.until_hit(&request, &[AUTH]).await;
         let text = |a: &Answer, streamed: bool| -> String {
             if streamed {
-                events(a)
+                sse_events(a)
                     .iter()
                     .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
                     .collect()
@@ -237,7 +222,7 @@ async fn a_streamed_tool_call_is_cached_and_replayed_both_ways() {
         let arguments: Value =
             serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
         assert_eq!(arguments["city"], city);
-        let arguments: String = events(streamed)
+        let arguments: String = sse_events(streamed)
             .iter()
             .filter_map(|e| {
                 e["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
@@ -498,7 +483,7 @@ async fn twenty_concurrent_streams() {
     for t in tasks {
         let a = t.await.unwrap();
         assert_eq!(a.status, 200, "{}", a.body);
-        let events = events(&a);
+        let events = sse_events(&a);
         let usage = &events.last().unwrap()["usage"];
         assert!(
             usage["completion_tokens"].as_u64().unwrap() > 0,

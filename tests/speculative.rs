@@ -391,17 +391,7 @@ fn hold_back() -> Value {
 /// The stream's data events, checked for what a client that asked for neither logprobs nor
 /// usage must not see.
 fn plain_stream_events(a: &Answer) -> Vec<Value> {
-    let data = sse_data(&a.body);
-    assert_eq!(
-        data.last().map(String::as_str),
-        Some("[DONE]"),
-        "{}",
-        a.body
-    );
-    let events: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let events = sse_events(a);
     for e in &events {
         let choices = e["choices"].as_array().unwrap();
         assert!(!choices.is_empty(), "a usage chunk nobody asked for: {e}");

@@ -65,17 +65,7 @@ async fn direct_usage(sim: &vllm_sim::Sim, path: &str, body: &Value) -> (u64, u6
 
 /// The stream's data events before `[DONE]`, checked for a usage chunk nobody asked for.
 fn events_without_usage(a: &Answer) -> Vec<Value> {
-    let data = sse_data(&a.body);
-    assert_eq!(
-        data.last().map(String::as_str),
-        Some("[DONE]"),
-        "{}",
-        a.body
-    );
-    let events: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let events = sse_events(a);
     assert!(!events.is_empty());
     for e in &events {
         let choices = e["choices"].as_array().unwrap();

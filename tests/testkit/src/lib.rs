@@ -34,7 +34,7 @@ mod vllm;
 pub use config::{pool, Pool};
 pub use llm::{
     answer_confidence, ask_url, assert_ends_with_error_event, chat, client, content, sim_serving,
-    sse_data, streaming_sim, upstream_calls, wait_for, Answer,
+    sse_data, sse_events, streaming_sim, upstream_calls, wait_for, Answer,
 };
 pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proc::{explain, Demo};

@@ -30,6 +30,21 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The JSON events of an SSE answer before its `[DONE]`, which it must end with.
+pub fn sse_events(answer: &Answer) -> Vec<serde_json::Value> {
+    let data = sse_data(&answer.body);
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        answer.body
+    );
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect()
+}
+
 /// Asserts that an SSE body cut by its upstream ends as Sluice ends it: at least
 /// `events_before` events, then an OpenAI error event, then `[DONE]`.
 pub fn assert_ends_with_error_event(body: &str, events_before: usize) {
