@@ -303,6 +303,20 @@ async fn a_tenant_gets_only_what_its_policy_allows() {
         .unwrap();
     let sent: Value = serde_json::from_slice(&sent.body).unwrap();
     assert_eq!(sent["max_tokens"], 32, "{sent}");
+    // A text completion that states no budget gets vLLM's 16, within the ceiling: it is not
+    // raised to the ceiling (and billed so).
+    let bare = json!({"model": MODEL, "prompt": "count"});
+    let a = ask_url(&completions, &bare, &alpha_headers).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let sent = draft
+        .stats()
+        .recent
+        .into_iter()
+        .rev()
+        .find(|r| r.path == "/v1/completions")
+        .unwrap();
+    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    assert!(sent.get("max_tokens").is_none(), "{sent}");
 
     // alpha may not force the target: the header is ignored. beta may.
     let forced = |key| [bearer(key), ("x-sluice-tier", "target".to_string())];

@@ -11,9 +11,6 @@
 use crate::llm::{Endpoint, LlmCall};
 use serde::Deserialize;
 
-/// vLLM's `max_tokens` for a text completion that states none.
-const VLLM_DEFAULT_COMPLETION_TOKENS: u64 = 16;
-
 /// The tokens a request allows for all its choices: `max_tokens` (or
 /// `max_completion_tokens`) for each of `n`; without one, a chat answer may run to the
 /// context's end (`u64::MAX`), and a text completion stops at vLLM's default of 16.
@@ -21,7 +18,7 @@ pub fn output_budget(call: &LlmCall) -> u64 {
     let choices = u64::from(call.request.n.unwrap_or(1).max(1));
     let each = match (call.request.max_output_tokens(), call.endpoint) {
         (Some(max), _) => u64::from(max),
-        (None, Endpoint::Completions) => VLLM_DEFAULT_COMPLETION_TOKENS,
+        (None, Endpoint::Completions) => u64::from(crate::llm::COMPLETIONS_DEFAULT_MAX_TOKENS),
         (None, Endpoint::ChatCompletions) => return u64::MAX,
     };
     each.saturating_mul(choices)

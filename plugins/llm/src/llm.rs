@@ -84,10 +84,15 @@ impl LlmCall {
     /// Parses and validates `body` for `endpoint`.
     pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Self, InvalidRequest> {
         let request = LlmRequest::parse_shared(endpoint, &body)?;
+        let mut demand = request.demand(None);
+        if endpoint == Endpoint::Completions && request.max_tokens.is_none() {
+            // vLLM's own default there: an answer of at most 16 tokens, not the context.
+            demand.output_tokens = u64::from(COMPLETIONS_DEFAULT_MAX_TOKENS);
+        }
         Ok(Self {
             endpoint,
             body,
-            demand: request.demand(None),
+            demand,
             request,
         })
     }
@@ -95,14 +100,16 @@ impl LlmCall {
     /// The same request with an output budget of at most `ceiling` tokens per sequence, as if
     /// the client had asked so: `max_completion_tokens` (when the client used it, since it
     /// wins) or `max_tokens` set to `ceiling` in the body, every other byte kept, and the
-    /// request parsed again. `None` when the budget is within `ceiling` already. A request
-    /// without a budget gets `ceiling`: vLLM would otherwise generate to the context's end.
+    /// request parsed again. `None` when the budget is within `ceiling` already. A chat
+    /// request without a budget gets `ceiling`: vLLM would otherwise generate to the
+    /// context's end; a text completion without one keeps vLLM's default of 16 when that is
+    /// within `ceiling` (setting the ceiling raised it, and the tenant's bill with it).
     pub fn capped(&self, ceiling: u32) -> Option<Result<LlmCall, InvalidRequest>> {
-        if self
-            .request
-            .max_output_tokens()
-            .is_some_and(|asked| asked <= ceiling)
-        {
+        let budget = match (self.request.max_output_tokens(), self.endpoint) {
+            (None, Endpoint::Completions) => Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+            (asked, _) => asked,
+        };
+        if budget.is_some_and(|asked| asked <= ceiling) {
             return None;
         }
         let key = if self.request.max_completion_tokens.is_some() {
@@ -856,6 +863,9 @@ impl LlmRequest {
         }
     }
 }
+
+/// vLLM's `max_tokens` for a text completion that states none.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// The output budget assumed for a request that states none: vLLM would allow up to the
 /// model's context, but most answers are far shorter.
