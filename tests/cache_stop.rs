@@ -195,3 +195,72 @@ async fn a_redis_that_never_answers_does_not_hold_the_exit_beyond_the_flush_boun
         "the drain, not the grace period, ended the process:\n{logs}"
     );
 }
+
+/// Writes queued for a slow Redis hold at most a quarter of the memory budget: a Redis that
+/// answers each SET 0.9 s late, while large answers missed the cache, filled the whole budget
+/// with queued writes, and every LLM request got `503 memory-budget` until they drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_queued_for_a_slow_redis_leave_the_requests_their_memory() {
+    // About 150 KB an answer.
+    let upstream = vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model(MODEL)
+            .with_answer_tokens(30_000, 30_000),
+    )
+    .await
+    .unwrap();
+    let redis = RedisServer::start();
+    let redis_addr = SocketAddr::from(([127, 0, 0, 1], redis.port()));
+    let slow = SlowRelay::start(redis_addr, Duration::from_millis(900)).await;
+    let proxy = Proxy::start(json!({
+        "limits": {"max_request_body_bytes": 1_048_576, "max_buffered_bytes": 4_194_304},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": {
+            "enabled": true,
+            "store": "redis",
+            "redis": {"url": slow.url(), "lookup_timeout": "5s", "failure_threshold": 1000},
+        }},
+    }))
+    .await;
+    let asks = (0..30).map(|i| {
+        let mut body = chat(MODEL, &format!("a long answer {i}"), false);
+        body["max_tokens"] = json!(30_000);
+        let proxy = &proxy;
+        async move {
+            proxy
+                .ask(&body, &[("authorization", "Bearer test-key")])
+                .await
+        }
+    });
+    for a in futures_util::future::join_all(asks).await {
+        assert_eq!((a.status, a.x_cache.as_str()), (200, "MISS"), "{}", a.body);
+        assert!(
+            a.body.len() > 100_000,
+            "a short answer: {} bytes",
+            a.body.len()
+        );
+    }
+    // Every write-back handed to the store, or dropped by it.
+    let handed = wait_for(Duration::from_secs(10), || async {
+        let stored = proxy
+            .metric(r#"sluice_cache_writes_total{outcome="stored"}"#)
+            .await
+            .unwrap_or(0.0);
+        let dropped = proxy
+            .metric(r#"sluice_cache_writes_total{outcome="dropped"}"#)
+            .await
+            .unwrap_or(0.0);
+        stored + dropped >= 30.0
+    })
+    .await;
+    assert!(handed.is_some(), "the write-backs were not all handed over");
+    let held = proxy.metric("sluice_memory_buffered_bytes").await.unwrap();
+    assert!(
+        held <= 1_048_576.0,
+        "queued writes hold {held} bytes of a 4 MiB budget"
+    );
+    let a = proxy
+        .ask(&chat(MODEL, "a normal request", false), &[])
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}

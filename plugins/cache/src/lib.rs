@@ -63,6 +63,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use store::{memory::MemoryStore, redis::RedisStore, CacheKey, Store, WriteOutcome};
 
+/// Writes queued for Redis hold at most this fraction of the memory budget (N12).
+const WRITE_SHARE_OF_BUDGET: usize = 4;
+
 /// The section, checked, with its header names parsed.
 pub struct CacheBuilder {
     config: CacheConfig,
@@ -154,7 +157,10 @@ impl Cache {
         } = ready;
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => {
-                Arc::new(RedisStore::connect(redis.clone(), Arc::clone(&memory)))
+                // Queued writes are optional: a quarter of the budget at most, so that a slow
+                // Redis never leaves the requests without memory.
+                let share = memory.share(memory.limit() / WRITE_SHARE_OF_BUDGET);
+                Arc::new(RedisStore::connect(redis.clone(), share))
             }
             _ => Arc::new(MemoryStore::new(config.memory.max_bytes)),
         };

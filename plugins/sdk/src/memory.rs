@@ -23,6 +23,8 @@ metric!(
 pub struct MemoryBudget {
     limit: usize,
     used: AtomicUsize,
+    /// A share ([`MemoryBudget::share`]) takes from the budget it is a share of, too.
+    parent: Option<Arc<MemoryBudget>>,
 }
 
 impl MemoryBudget {
@@ -31,7 +33,24 @@ impl MemoryBudget {
         Arc::new(Self {
             limit,
             used: AtomicUsize::new(0),
+            parent: None,
         })
+    }
+
+    /// A share of this budget of at most `limit` bytes, for optional work (queued cache
+    /// writes): what it holds is taken from this budget too, but it can never hold more than
+    /// its share, so it cannot starve the requests.
+    pub fn share(self: &Arc<Self>, limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            limit: limit.min(self.limit),
+            used: AtomicUsize::new(0),
+            parent: Some(Arc::clone(self)),
+        })
+    }
+
+    /// The bytes it may hold at once.
+    pub fn limit(&self) -> usize {
+        self.limit
     }
 
     /// The bytes held now.
@@ -62,15 +81,28 @@ impl MemoryBudget {
         let taken = self.used.fetch_update(Relaxed, Relaxed, |used| {
             used.checked_add(bytes).filter(|after| *after <= self.limit)
         });
-        if let Ok(before) = taken {
-            set_gauge(&BUFFERED, before.saturating_add(bytes) as i64);
+        let Ok(before) = taken else {
+            return false;
+        };
+        match &self.parent {
+            Some(parent) if !parent.add(bytes) => {
+                self.used.fetch_sub(bytes, Relaxed);
+                false
+            }
+            Some(_) => true,
+            None => {
+                set_gauge(&BUFFERED, before.saturating_add(bytes) as i64);
+                true
+            }
         }
-        taken.is_ok()
     }
 
     fn give_back(&self, bytes: usize) {
         let before = self.used.fetch_sub(bytes, Relaxed);
-        set_gauge(&BUFFERED, before.saturating_sub(bytes) as i64);
+        match &self.parent {
+            Some(parent) => parent.give_back(bytes),
+            None => set_gauge(&BUFFERED, before.saturating_sub(bytes) as i64),
+        }
     }
 }
 
@@ -124,5 +156,27 @@ mod tests {
         assert!(b.grow(60));
         drop(b);
         assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_share_holds_no_more_than_its_limit_and_counts_in_the_whole() {
+        let budget = MemoryBudget::new(100);
+        let share = budget.share(25);
+        let a = share.take(20).unwrap();
+        assert_eq!(budget.used(), 20, "taken from the whole too");
+        assert!(share.take(10).is_none(), "over the share");
+        assert!(
+            budget.take(80).is_some_and(|b| b.bytes() == 80),
+            "the rest is the requests'"
+        );
+        let whole = budget.take(80).unwrap();
+        assert!(share.take(1).is_none(), "nor over the whole");
+        assert_eq!(
+            share.used(),
+            20,
+            "a refused take leaves the share as it was"
+        );
+        drop((a, whole));
+        assert_eq!((budget.used(), share.used()), (0, 0));
     }
 }
