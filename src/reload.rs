@@ -46,7 +46,7 @@ impl Frozen {
         let limits = &config.limits;
         Self {
             listeners: format!("{:?}", config.listeners),
-            admin: format!("{:?}", config.admin),
+            admin: format!("{:?} {:?}", config.admin, config.admin_hosts),
             server: format!("{:?}", config.server),
             caps: format!(
                 "{:?} {} {}",

@@ -46,6 +46,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let h2_streams = config.limits.h2_max_concurrent_streams;
     let client_header_timeout = connection_limits.header_timeout;
     let admin_address = config.admin;
+    let admin_hosts = config.admin_hosts.clone();
     let listeners = config.listeners.clone();
     let source = config.source.clone();
     let sluice = generation(config, &lasting);
@@ -138,6 +139,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
         let admin = Admin {
             current,
             started: Instant::now(),
+            hosts: admin_hosts,
         };
         let mut service = Service::new("sluice admin".to_string(), admin);
         service.add_tcp(&address.to_string());

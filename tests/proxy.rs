@@ -631,6 +631,17 @@ async fn admin_endpoints() {
 
     let get = |path: &str| client().get(proxy.admin_url(path)).send();
     assert_eq!(get("/healthz").await.unwrap().status(), 200);
+    // Only an address, `localhost` or a configured name, as the Host: a page in a browser
+    // cannot read the admin through DNS rebinding.
+    let as_host = |host: &'static str| {
+        client()
+            .get(proxy.admin_url("/status"))
+            .header("host", host)
+            .send()
+    };
+    assert_eq!(as_host("attacker.example").await.unwrap().status(), 421);
+    assert_eq!(as_host("localhost:9090").await.unwrap().status(), 200);
+    assert_eq!(as_host("[::1]:9090").await.unwrap().status(), 200);
     assert_eq!(get("/readyz").await.unwrap().status(), 200);
     assert_eq!(get("/nope").await.unwrap().status(), 404);
 

@@ -27,11 +27,23 @@ pub struct Admin {
     /// what each shows of itself).
     pub current: Arc<ArcSwap<Sluice>>,
     pub started: Instant,
+    /// Host names answered besides IP addresses and `localhost` (`admin.hosts`).
+    pub hosts: Vec<String>,
 }
 
 #[async_trait]
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        // A page in an operator's browser could read the admin through DNS rebinding (its own
+        // name, resolved to 127.0.0.1): only an address, `localhost` or a configured name is
+        // answered, as a Host. (No Host at all: an HTTP/1.0 client, on a local socket.)
+        if !self.serves_host(session.req_header()) {
+            return respond(
+                StatusCode::MISDIRECTED_REQUEST,
+                "text/plain",
+                b"this host is not served here (admin.hosts)\n".to_vec(),
+            );
+        }
         if session.req_header().method != http::Method::GET {
             return respond(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -69,6 +81,25 @@ impl ServeHttp for Admin {
 }
 
 impl Admin {
+    /// Whether the request names a host the admin answers to.
+    fn serves_host(&self, req: &pingora_http::RequestHeader) -> bool {
+        let host = req
+            .uri
+            .host()
+            .or_else(|| req.headers.get(http::header::HOST)?.to_str().ok());
+        let Some(host) = host else {
+            return true;
+        };
+        // Without its port; an IPv6 literal keeps its brackets off.
+        let name = match host.strip_prefix('[') {
+            Some(rest) => rest.split(']').next().unwrap_or(rest),
+            None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+        };
+        name.parse::<std::net::IpAddr>().is_ok()
+            || name.eq_ignore_ascii_case("localhost")
+            || self.hosts.iter().any(|h| h.eq_ignore_ascii_case(name))
+    }
+
     /// Ready when some pool has a backend that may take a request now.
     fn ready(&self) -> bool {
         self.current

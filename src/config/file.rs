@@ -104,6 +104,8 @@ pub struct TlsFile {
 pub struct AdminFile {
     pub enabled: bool,
     pub address: String,
+    /// Host names the admin answers to, besides IP addresses and `localhost`.
+    pub hosts: Vec<String>,
 }
 
 impl Default for AdminFile {
@@ -111,6 +113,7 @@ impl Default for AdminFile {
         Self {
             enabled: true,
             address: "127.0.0.1:9090".into(),
+            hosts: Vec::new(),
         }
     }
 }

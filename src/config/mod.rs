@@ -62,6 +62,8 @@ pub struct Config {
     pub server: ServerConf,
     pub listeners: Vec<Listener>,
     pub admin: Option<SocketAddr>,
+    /// Host names the admin answers to, besides IP addresses and `localhost` (lower case).
+    pub admin_hosts: Vec<String>,
     pub limits: Limits,
     pub log: LogSettings,
     pub pools: Arc<Pools>,
@@ -333,6 +335,12 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         server,
         listeners,
         admin,
+        admin_hosts: raw
+            .admin
+            .hosts
+            .iter()
+            .map(|h| h.to_ascii_lowercase())
+            .collect(),
         limits: Limits {
             max_request_body_bytes: limits.max_request_body_bytes,
             client_body_timeout: limits.client_body_timeout,
