@@ -20,6 +20,9 @@ use crate::openai::{self, ApiError, Kind};
 use crate::server::{self, HttpResponse};
 use crate::Shared;
 
+/// Events a stream may have generated ahead of its reader: more than any answer here has.
+const STREAM_QUEUE: usize = 1 << 16;
+
 /// Start the stream; the events are produced by a task of their own.
 pub fn respond(
     generation: Generation,
@@ -27,7 +30,10 @@ pub fn respond(
     answer: Answer,
     faults: Arc<Faults>,
 ) -> HttpResponse {
-    let (body, receiver) = mpsc::channel(16);
+    // vLLM's engine generates whatever the client reads (its output queue has no bound), and
+    // frees the request's KV when it is done: so does this one. The answer's own length
+    // bounds what waits here for a slow reader.
+    let (body, receiver) = mpsc::channel(STREAM_QUEUE);
     let events = EventSender {
         shared: Arc::clone(generation.shared()),
         body,
