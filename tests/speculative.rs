@@ -117,6 +117,16 @@ async fn the_draft_answers_and_each_pre_send_reason_goes_to_the_target() {
         ("target".into(), Some("draft-unavailable".into()))
     );
 
+    // Each request is counted as it ends (after its answer reached the client): wait for the
+    // last one's count.
+    let counted = wait_for(Duration::from_secs(5), || async {
+        proxy
+            .metric(r#"sluice_speculative_escalations_total{reason="draft-unavailable"}"#)
+            .await
+            == Some(1.0)
+    })
+    .await;
+    assert!(counted.is_some(), "the last request was never counted");
     let metrics = proxy.metrics().await;
     for reason in [
         "forced",
@@ -473,12 +483,25 @@ async fn streams_are_judged_in_the_hold_back_window() {
             "{body}"
         );
     }
+    // Counted as each request ends, after its answer reached the client: the last one's
+    // count may come a moment after it.
+    let series = |pool: &str| format!(r#"sluice_tokens_total{{kind="completion",pool="{pool}"}}"#);
+    let counted = |metrics: &str| {
+        ["draft", "target"].map(|pool| {
+            metric_value(metrics, &series(pool)).unwrap_or(0.0) as usize == answered_tokens[pool]
+        })
+    };
+    let all_counted = wait_for(Duration::from_secs(5), || async {
+        counted(&proxy.metrics().await) == [true, true]
+    })
+    .await;
     let metrics = proxy.metrics().await;
-    for pool in ["draft", "target"] {
-        let series = format!(r#"sluice_tokens_total{{kind="completion",pool="{pool}"}}"#);
-        let tokens = metric_value(&metrics, &series).unwrap_or(0.0);
-        assert_eq!(tokens as usize, answered_tokens[pool], "{series}");
-    }
+    assert!(
+        all_counted.is_some(),
+        "{answered_tokens:?} answered, counted: {:?} {:?}",
+        metric_value(&metrics, &series("draft")),
+        metric_value(&metrics, &series("target"))
+    );
 
     // A client that asks for logprobs and usage gets both.
     let mut request = chat(MODEL, "streamed question with everything", true);
