@@ -569,9 +569,7 @@ impl BackendLive {
             let sent = f64::from(self.sent_since_scrape.load(Relaxed));
             match capacity {
                 Some(capacity) => {
-                    let committed = self.committed_tokens.load(Relaxed) as f64
-                        * self.still_running_share(load, sent)
-                        / capacity;
+                    let committed = self.committed_tokens.load(Relaxed) as f64 / capacity;
                     let since = self.tokens_since_scrape.load(Relaxed) as f64 / capacity;
                     (usage + since).max(committed)
                 }
@@ -587,24 +585,6 @@ impl BackendLive {
             waiting: load.waiting,
             kv_capacity_tokens: capacity,
         }
-    }
-
-    /// The share of this proxy's requests in flight on the backend that the engine still
-    /// runs, by its last scrape. A request is in flight here until its whole answer has been
-    /// read from the backend, which a slow client delays; the engine frees its KV as soon as
-    /// it is done generating. When the engine runs (or queues) fewer requests than this proxy
-    /// has had in flight there since before that scrape, the difference is finished and
-    /// holds nothing: its committed tokens no longer count (a reader of 1 KB every 5 s kept a
-    /// stream's whole projection for minutes, and the breaker shed others on load that no
-    /// longer existed). Another proxy's requests only make the engine's count larger.
-    fn still_running_share(&self, load: &Load, sent_since_scrape: f64) -> f64 {
-        let own = f64::from(self.in_flight.load(Relaxed));
-        let seen_by_scrape = (own - sent_since_scrape).max(0.0);
-        let engine = load.running + load.waiting;
-        if own <= 0.0 || seen_by_scrape <= engine {
-            return 1.0;
-        }
-        ((engine + sent_since_scrape) / own).clamp(0.0, 1.0)
     }
 
     /// The projected KV usage alone, from a fresh scrape (see [`BackendLive::outlook`]).
