@@ -414,7 +414,7 @@ impl KvBreaker {
         let Some(queue) = queue.filter(|_| waits) else {
             return Err(self.refusal(&pool, priority, Reason::KvPressure));
         };
-        let Some(place) = queue.join(priority) else {
+        let Some(mut place) = queue.join(priority) else {
             return Err(self.refusal(&pool, priority, Reason::QueueFull));
         };
         let started = tokio::time::Instant::now();

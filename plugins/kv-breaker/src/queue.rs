@@ -41,6 +41,8 @@ pub struct Queue {
     max_queued: usize,
     /// The number of waiters, read without the lock on every request.
     len: AtomicUsize,
+    /// 1 while a waiter that was let in has not started its attempt (see [`Place::wait_for`]).
+    letting_in: AtomicUsize,
     waiting: Mutex<Waiting>,
 }
 
@@ -57,6 +59,7 @@ impl Queue {
             pool,
             max_queued,
             len: AtomicUsize::new(0),
+            letting_in: AtomicUsize::new(0),
             waiting: Mutex::new(Waiting::default()),
         }
     }
@@ -83,6 +86,7 @@ impl Queue {
             queue: Arc::clone(self),
             key,
             turn,
+            admitted: false,
         })
     }
 }
@@ -93,6 +97,8 @@ pub struct Place {
     queue: Arc<Queue>,
     key: Key,
     turn: Arc<Notify>,
+    /// It was let in, and its demand is not counted by the pool yet: no other waiter is.
+    admitted: bool,
 }
 
 impl Place {
@@ -103,9 +109,13 @@ impl Place {
     /// Waits until `admits()` says yes (true), or until `deadline` (false); the head asks
     /// every [`POLL`], the others every [`POLL_BEHIND`]. The place is kept either way: drop it
     /// to leave.
-    pub async fn wait_for(&self, deadline: Instant, admits: impl Fn() -> bool) -> bool {
+    pub async fn wait_for(&mut self, deadline: Instant, admits: impl Fn() -> bool) -> bool {
         loop {
-            if admits() {
+            // One waiter at a time is let in, until its place is dropped (its attempt starts
+            // and the pool counts its demand): several let in at once would all be judged
+            // against the same load, and together take the pool past its line.
+            let free = self.queue.letting_in.load(Relaxed) == 0;
+            if free && admits() && self.claim() {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -122,8 +132,24 @@ impl Place {
     }
 }
 
+impl Place {
+    /// Takes the one turn to be let in; `false` when another waiter took it first.
+    fn claim(&mut self) -> bool {
+        let taken = self
+            .queue
+            .letting_in
+            .compare_exchange(0, 1, Relaxed, Relaxed)
+            .is_ok();
+        self.admitted = taken;
+        taken
+    }
+}
+
 impl Drop for Place {
     fn drop(&mut self) {
+        if self.admitted {
+            self.queue.letting_in.store(0, Relaxed);
+        }
         let mut waiting = self.queue.lock();
         waiting.turns.remove(&self.key);
         self.queue.len.store(waiting.turns.len(), Relaxed);
@@ -175,8 +201,8 @@ mod tests {
     async fn a_waiter_that_fits_goes_past_a_head_that_does_not() {
         let q = queue(8);
         let open = Arc::new(AtomicBool::new(false));
-        let big = q.join(Priority::Critical).unwrap();
-        let small = q.join(Priority::Standard).unwrap();
+        let mut big = q.join(Priority::Critical).unwrap();
+        let mut small = q.join(Priority::Standard).unwrap();
         let deadline = Instant::now() + Duration::from_secs(2);
         let fits = {
             let open = Arc::clone(&open);
@@ -202,9 +228,26 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn waiters_are_let_in_one_at_a_time_until_the_last_ones_attempt_starts() {
+        let q = queue(8);
+        let mut first = q.join(Priority::Standard).unwrap();
+        let mut second = q.join(Priority::Standard).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        assert!(first.wait_for(deadline, || true).await);
+        // The pool still admits, but the first one's demand is not counted yet.
+        let waits = tokio::time::timeout(
+            Duration::from_millis(200),
+            second.wait_for(deadline, || true),
+        );
+        assert!(waits.await.is_err(), "two let in at once");
+        drop(first);
+        assert!(second.wait_for(deadline, || true).await);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_waiter_gives_up_at_its_deadline() {
         let q = queue(8);
-        let place = q.join(Priority::Critical).unwrap();
+        let mut place = q.join(Priority::Critical).unwrap();
         let start = Instant::now();
         let deadline = start + Duration::from_secs(2);
         assert!(!place.wait_for(deadline, || false).await);
