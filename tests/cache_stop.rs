@@ -76,6 +76,16 @@ async fn relay(client: TcpStream, upstream: SocketAddr, delay: Duration) {
     down.abort();
 }
 
+/// The cache section on a Redis behind `slow`. A slow Redis is not a failing one here:
+/// lookups wait for it, and no cool-down drops the writes.
+fn slow_redis_cache(slow: &SlowRelay) -> serde_json::Value {
+    json!({
+        "enabled": true,
+        "store": "redis",
+        "redis": {"url": slow.url(), "lookup_timeout": "5s", "failure_threshold": 1000},
+    })
+}
+
 /// Cache keys in a single Redis.
 fn cache_keys(port: u16) -> usize {
     redis_cli(port, &["--scan", "--pattern", "llm:cache:*"])
@@ -117,13 +127,7 @@ async fn answers_stored_just_before_sigterm_are_in_redis_once_the_process_has_ex
         // Long enough that only the drain (nothing in flight, then the flush) ends the process.
         "pingora": {"grace_period_seconds": 30},
         "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"cache": {
-            "enabled": true,
-            "store": "redis",
-            // A slow Redis is not a failing one here: lookups wait for it, and no cool-down
-            // drops the writes.
-            "redis": {"url": slow.url(), "lookup_timeout": "5s", "failure_threshold": 1000},
-        }},
+        "plugins": {"cache": slow_redis_cache(&slow)},
     }))
     .await;
 
@@ -215,11 +219,7 @@ async fn writes_queued_for_a_slow_redis_leave_the_requests_their_memory() {
     let proxy = Proxy::start(json!({
         "limits": {"max_request_body_bytes": 1_048_576, "max_buffered_bytes": 4_194_304},
         "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "plugins": {"cache": {
-            "enabled": true,
-            "store": "redis",
-            "redis": {"url": slow.url(), "lookup_timeout": "5s", "failure_threshold": 1000},
-        }},
+        "plugins": {"cache": slow_redis_cache(&slow)},
     }))
     .await;
     let asks = (0..30).map(|i| {

@@ -578,7 +578,7 @@ async fn small_context_draft() -> vllm_sim::Sim {
     .await
 }
 
-/// What the client of an escalated request got, and what each pool was asked.
+/// The completions a simulator finished generating.
 fn completed(sim: &vllm_sim::Sim) -> u64 {
     sim.stats().completed
 }
