@@ -6,6 +6,8 @@
 //! - [`chain`]: the plugins, in their defined order.
 //! - [`edge`]: connection caps and the header deadline, below HTTP.
 //! - [`health`]: the background service that probes backends and scrapes their vLLM metrics.
+//! - [`discovery`]: the background service that keeps pools equal to the fleet (DNS,
+//!   Kubernetes EndpointSlices).
 //! - [`admin`], [`metrics`], [`access_log`]: what operators see.
 //! - `demo` (the default feature `demo`): the proxy with simulated vLLM pools, in one process.
 
@@ -16,6 +18,7 @@ pub mod chain;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod discovery;
 pub mod drain;
 pub mod edge;
 pub mod health;

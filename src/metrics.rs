@@ -149,6 +149,32 @@ metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
     TTFB_BUCKETS.to_vec()
 ));
 
+metric!(DISCOVERY_ENDPOINTS: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_discovery_endpoints",
+    "Each pool's backends by state: ready, draining (no new requests; leaving once idle), \
+     unknown (joined, not yet scraped: a growing share) and ejected.",
+    &["pool", "state"]
+));
+
+metric!(DISCOVERY_UPDATES: IntCounterVec = register_int_counter_vec!(
+    "sluice_discovery_updates_total",
+    "Changes of each pool's backends made by its discovery source.",
+    &["pool"]
+));
+
+metric!(DISCOVERY_ERRORS: IntCounterVec = register_int_counter_vec!(
+    "sluice_discovery_errors_total",
+    "Discovery failures by pool and source (dns, static_dns, kubernetes): the pool kept the \
+     backends it knew.",
+    &["pool", "source"]
+));
+
+metric!(DISCOVERY_LAST_CHANGE: GaugeVec = register_gauge_vec!(
+    "sluice_discovery_last_change_timestamp_seconds",
+    "When each pool's backends last changed (Unix time).",
+    &["pool"]
+));
+
 metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
     "sluice_health_checks_total",
     "Health probes and metrics scrapes by pool, kind (health, metrics) and result (ok, \
@@ -258,8 +284,8 @@ pub fn init(pools: &Pools) {
             touch(&TTFT_PREDICTION_ERROR, &[&pool.name, direction]);
         }
         if pool.health.enabled {
-            for backend in &pool.backends {
-                touch(&METRIC_LINES_SKIPPED, &[&pool.name, &backend.address]);
+            for endpoint in pool.members().iter() {
+                touch(&METRIC_LINES_SKIPPED, &[&pool.name, &endpoint.spec.address]);
             }
         }
         for outcome in AttemptOutcome::ALL {

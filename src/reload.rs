@@ -11,6 +11,7 @@
 
 use crate::caps::Caps;
 use crate::config::Config;
+use crate::discovery::PoolDiscovery;
 use crate::proxy::Sluice;
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -83,6 +84,8 @@ pub struct Reload {
     pub frozen: Frozen,
     /// The health checks follow the pools of the current generation.
     pub pools_now: tokio::sync::watch::Sender<Arc<Pools>>,
+    /// Discovery follows the sources of the current generation.
+    pub discovery_now: tokio::sync::watch::Sender<Arc<Vec<PoolDiscovery>>>,
 }
 
 #[async_trait]
@@ -107,7 +110,7 @@ impl BackgroundService for Reload {
 
 impl Reload {
     fn reload(&self) {
-        let config = match Config::load(&self.source) {
+        let mut config = match Config::load(&self.source) {
             Ok(config) => config,
             Err(e) => {
                 tracing::error!("config reload refused, the running config stays: {e}");
@@ -122,11 +125,22 @@ impl Reload {
                 kept.join(", ")
             );
         }
+        let discovery = Arc::new(std::mem::take(&mut config.discovery));
         let next = crate::server::generation(config, &self.lasting);
         let pools = Arc::clone(&next.pools);
+        // A pool that stays keeps what is known of its backends (and a discovered pool its
+        // backends): a reload must not make the fleet unknown, or empty, for a moment.
+        let running = self.current.load();
+        for pool in pools.iter() {
+            if let Some(old) = running.pools.get(&pool.name) {
+                pool.inherit(old);
+            }
+        }
+        drop(running);
         let previous = self.current.swap(Arc::new(next));
         previous.retired.store(true, Relaxed);
         self.pools_now.send_replace(pools);
+        self.discovery_now.send_replace(discovery);
         crate::metrics::reload(true);
         tracing::info!(
             "config reloaded from {}: new requests use it; running ones finish on the old",

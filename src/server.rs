@@ -4,6 +4,7 @@ use crate::admin::Admin;
 use crate::caps::Caps;
 use crate::chain::Chain;
 use crate::config::Config;
+use crate::discovery::DiscoveryService;
 use crate::edge::Guarded;
 use crate::health::HealthService;
 use crate::proxy::{Proxy, Sluice};
@@ -49,10 +50,12 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let admin_hosts = config.admin_hosts.clone();
     let listeners = config.listeners.clone();
     let source = config.source.clone();
+    let discovery = Arc::new(std::mem::take(&mut config.discovery));
     let sluice = generation(config, &lasting);
     let pools = Arc::clone(&sluice.pools);
     let current = Arc::new(ArcSwap::from_pointee(sluice));
     let (pools_now, pools_changes) = tokio::sync::watch::channel(pools);
+    let (discovery_now, discovery_changes) = tokio::sync::watch::channel(discovery);
     let drain = crate::drain::watch(
         &server,
         lasting.requests.clone(),
@@ -125,6 +128,10 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
         HealthService::new(pools_changes, Arc::new(Connector::new(Some(upstream)))),
     ));
     server.add_service(background_service(
+        "discovery",
+        DiscoveryService::new(discovery_changes),
+    ));
+    server.add_service(background_service(
         "config reload",
         Reload {
             source,
@@ -132,6 +139,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
             lasting,
             frozen,
             pools_now,
+            discovery_now,
         },
     ));
 
@@ -165,8 +173,9 @@ pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
         }
     );
     for pool in pools.iter() {
-        let backends: Vec<_> = pool.backends.iter().map(|b| b.address.as_str()).collect();
-        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, "pool");
+        let members = pool.members();
+        let backends: Vec<_> = members.iter().map(|e| e.spec.address.as_str()).collect();
+        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, source = %pool.source, "pool");
     }
     crate::metrics::init(&pools);
     Sluice {

@@ -2,9 +2,11 @@
 //! valid (core kinds against the Kubernetes 1.32 schemas of `kubernetes-validate`, strictly;
 //! KEDA and prometheus-operator objects against the CRD schemas shipped beside them), the facts
 //! Sluice depends on hold (`validate.py`: probes, grace, restricted security context, admin port
-//! kept in the cluster, the PrometheusRule equal to deploy/prometheus's rules), and the rendered
-//! ConfigMap's sluice.yaml passes `sluice -t`, with the cluster's service names resolved as
-//! the cluster's DNS would (an /etc/hosts of the test's own, in a mount namespace of its own).
+//! kept in the cluster, the PrometheusRule equal to deploy/prometheus's rules, and for the pools
+//! that follow EndpointSlices the headless Services and the Role of `vllm-discovery`, bound to
+//! the Deployment's ServiceAccount, whose token is mounted), and the rendered ConfigMap's
+//! sluice.yaml passes `sluice -t`, with the cluster's service names resolved as the cluster's
+//! DNS would (an /etc/hosts of the test's own, in a mount namespace of its own).
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -80,17 +82,17 @@ fn host_names(config: &str) -> Vec<String> {
     names
 }
 
-/// `sluice -c <config> -t`, with every name the config uses resolving to 127.0.0.1.
+/// `sluice -c <config> -t`, with every name the config uses resolving to 127.0.0.1 (pools
+/// that follow EndpointSlices name none: `-t` does not reach the cluster).
 fn sluice_check(config: &Path, dir: &Path) {
     let text = std::fs::read_to_string(config).unwrap();
     let names = host_names(&text);
-    assert!(!names.is_empty(), "the cluster config names no service");
     let hosts = dir.join("hosts");
-    std::fs::write(
-        &hosts,
-        format!("127.0.0.1 localhost\n127.0.0.1 {}\n", names.join(" ")),
-    )
-    .unwrap();
+    let mut lines = String::from("127.0.0.1 localhost\n");
+    if !names.is_empty() {
+        lines += &format!("127.0.0.1 {}\n", names.join(" "));
+    }
+    std::fs::write(&hosts, lines).unwrap();
     let script = format!(
         "mount --bind '{}' /etc/hosts && exec '{}' -c '{}' -t",
         hosts.display(),
@@ -116,6 +118,8 @@ fn sluice_check(config: &Path, dir: &Path) {
 #[test]
 fn every_overlay_renders_validates_and_its_config_checks() {
     let dir = tempfile::tempdir().unwrap();
+    // The vLLM namespace's side of discovery, checked with each overlay's Sluice.
+    let vllm = render("vllm-discovery", dir.path());
     for (overlay, kinds) in [
         (
             "base",
@@ -127,6 +131,8 @@ fn every_overlay_renders_validates_and_its_config_checks() {
                 "HorizontalPodAutoscaler",
                 "NetworkPolicy",
                 "ServiceAccount",
+                "Role",
+                "RoleBinding",
             ][..],
         ),
         (
@@ -142,7 +148,14 @@ fn every_overlay_renders_validates_and_its_config_checks() {
         let config = dir
             .path()
             .join(format!("{}.sluice.yaml", overlay.replace('/', "-")));
-        let (valid, report) = validate(&rendered, &["--config-out", config.to_str().unwrap()]);
+        let (valid, report) = validate(
+            &rendered,
+            &[
+                vllm.to_str().unwrap(),
+                "--config-out",
+                config.to_str().unwrap(),
+            ],
+        );
         assert!(valid, "{overlay}: {report}");
         for kind in kinds {
             assert!(
@@ -151,6 +164,11 @@ fn every_overlay_renders_validates_and_its_config_checks() {
             );
         }
         sluice_check(&config, dir.path());
+        let text = std::fs::read_to_string(&config).unwrap();
+        assert!(
+            text.matches("service: vllm-").count() == 2 && !text.contains("backends:"),
+            "{overlay}: both pools follow their EndpointSlices: {text}"
+        );
         if overlay == "overlays/redis" {
             let text = std::fs::read_to_string(&config).unwrap();
             assert!(
@@ -177,7 +195,10 @@ fn the_keda_scaler_scales_vllm_on_queue_depth_and_validates_against_its_crd() {
 #[test]
 fn the_validator_refuses_broken_objects() {
     let dir = tempfile::tempdir().unwrap();
-    let production = std::fs::read_to_string(render("overlays/production", dir.path())).unwrap();
+    // Production with the vLLM namespace's side, as they are checked together.
+    let production = std::fs::read_to_string(render("overlays/production", dir.path())).unwrap()
+        + "---\n"
+        + &std::fs::read_to_string(render("vllm-discovery", dir.path())).unwrap();
     let scaler = std::fs::read_to_string(render("vllm-autoscaling", dir.path())).unwrap();
     let cases = [
         // A core kind with a wrong type, and with an unknown field.
@@ -219,6 +240,26 @@ fn the_validator_refuses_broken_objects() {
             "readOnlyRootFilesystem: false",
             &production,
             "readOnlyRootFilesystem",
+        ),
+        // Discovery: the Role, the token, the ServiceAccount, the Service's port name.
+        ("  - watch\n", "", &production, "list and watch"),
+        (
+            "automountServiceAccountToken: true",
+            "automountServiceAccountToken: false",
+            &production,
+            "automountServiceAccountToken",
+        ),
+        (
+            "serviceAccountName: sluice",
+            "serviceAccountName: sluice-gateway",
+            &production,
+            "serviceAccountName",
+        ),
+        (
+            "  - name: http\n    port: 8000",
+            "  - name: web\n    port: 8000",
+            &production,
+            "no port named http",
         ),
         (
             "record: sluice:pool_requests:rate5m",

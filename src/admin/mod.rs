@@ -135,18 +135,18 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         .filter(|p| pool.sheds(*p))
         .map(Priority::as_str)
         .collect();
-    let backends: Vec<_> = pool
-        .backends
+    let members = pool.members();
+    let backends: Vec<_> = members
         .iter()
-        .zip(&pool.live)
-        .enumerate()
-        .map(|(index, (spec, live))| {
+        .map(|endpoint| {
+            let (spec, live) = (&endpoint.spec, &endpoint.live);
             let load = live.load();
             let own = live.accounting();
             json!({
                 "address": spec.address,
                 "resolved": spec.resolved.to_string(),
                 "weight": spec.weight,
+                "membership": endpoint.discovery_state(),
                 "health": live.state(&pool.health).as_str(),
                 "kv_cache_usage": load.as_ref().and_then(|l| l.kv_usage),
                 "projected_kv_cache_usage": live.projected_kv(&pool.health),
@@ -162,7 +162,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "decode_tokens": own.decode_tokens,
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
-                "predicted_ttft_seconds": pool.reference_ttft(index),
+                "predicted_ttft_seconds": pool.reference_ttft(live),
             })
         })
         .collect();
@@ -174,6 +174,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         "health_checks": pool.health.enabled,
         "kv_cache_usage": pressure.kv_usage,
         "usable_backends": pressure.usable,
+        "source": pool.source,
         "balancing": pool.balancing.name(),
         "sessions": pool.sessions.as_ref().map(|_| pool.sessions_remembered()),
         "breaker": {

@@ -192,7 +192,11 @@ pub struct PoolFile {
     pub models: Vec<String>,
     #[serde(default)]
     pub max_model_len: Option<u32>,
+    #[serde(default)]
     pub backends: Vec<BackendFile>,
+    /// Where the backends come from instead of `backends`.
+    #[serde(default)]
+    pub discovery: Option<DiscoveryFile>,
     #[serde(default)]
     pub timeouts: TimeoutsFile,
     #[serde(default)]
@@ -450,6 +454,83 @@ pub enum SessionModeFile {
 
 fn optional_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     duration(d).map(Some)
+}
+
+/// `pools[].discovery`: one source (checked by `super::validate`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryFile {
+    #[serde(default)]
+    pub dns: Option<DnsFile>,
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesFile>,
+}
+
+/// `pools[].discovery.dns`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsFile {
+    pub name: String,
+    pub port: u16,
+    /// `ip` or `ip:port`; absent: the system's resolver configuration.
+    #[serde(default)]
+    pub resolver: Option<String>,
+    #[serde(default = "default_min_refresh", deserialize_with = "duration")]
+    pub min_refresh: Duration,
+    #[serde(default = "default_max_refresh", deserialize_with = "duration")]
+    pub max_refresh: Duration,
+    /// One query's bound, retries included.
+    #[serde(default = "default_dns_timeout", deserialize_with = "duration")]
+    pub timeout: Duration,
+    #[serde(default)]
+    pub on_empty: OnEmptyFile,
+}
+
+fn default_min_refresh() -> Duration {
+    Duration::from_secs(1)
+}
+
+fn default_max_refresh() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_dns_timeout() -> Duration {
+    Duration::from_secs(2)
+}
+
+/// `pools[].discovery.dns.on_empty`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnEmptyFile {
+    #[default]
+    Drain,
+    Keep,
+}
+
+/// `pools[].discovery.kubernetes`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesFile {
+    pub service: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub port: PortFile,
+    #[serde(default)]
+    pub kubeconfig: Option<String>,
+    #[serde(default = "default_debounce", deserialize_with = "duration")]
+    pub debounce: Duration,
+}
+
+fn default_debounce() -> Duration {
+    Duration::from_millis(300)
+}
+
+/// A port by number or by name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PortFile {
+    Number(u16),
+    Name(String),
 }
 
 #[derive(Debug, Deserialize)]

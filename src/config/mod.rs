@@ -6,6 +6,7 @@
 pub mod file;
 
 use crate::chain::ResolvedPlugins;
+use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
 use crate::edge::ConnectionLimits;
 use ipnet::IpNet;
 use pingora_core::server::configuration::ServerConf;
@@ -67,6 +68,8 @@ pub struct Config {
     pub limits: Limits,
     pub log: LogSettings,
     pub pools: Arc<Pools>,
+    /// The pools whose backends come from a discovery source, with it.
+    pub discovery: Vec<PoolDiscovery>,
     /// The budget of bytes held in memory for requests, shared with the plugins.
     pub memory: Arc<MemoryBudget>,
     pub routes: Vec<RouteRule>,
@@ -322,7 +325,8 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         ));
     }
 
-    let pools = Arc::new(pools(&raw)?);
+    let (pools, discovery) = pools(&raw, base)?;
+    let pools = Arc::new(pools);
     let routes = routes(&raw, &pools)?;
     let host = Host {
         pools: Arc::clone(&pools),
@@ -363,6 +367,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
             access_log: raw.log.access_log,
         },
         pools: host.pools,
+        discovery,
         memory: host.memory,
         routes,
         plugins,
@@ -420,12 +425,13 @@ fn check_ca_file(path: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
+fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDiscovery>), Invalid> {
     if raw.pools.is_empty() {
         return Err(Invalid::new("pools", "at least one pool is needed"));
     }
     let mut names = HashSet::new();
     let mut pools = Vec::new();
+    let mut discovery = Vec::new();
     for (i, p) in raw.pools.iter().enumerate() {
         let key = format!("pools[{i}]");
         if p.name.is_empty()
@@ -445,35 +451,7 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
                 format!("pool `{}` is defined twice", p.name),
             ));
         }
-        if p.backends.is_empty() {
-            return Err(Invalid::new(
-                format!("{key}.backends"),
-                "at least one backend is needed",
-            ));
-        }
-        let mut backends = Vec::new();
-        for (j, b) in p.backends.iter().enumerate() {
-            let bkey = format!("{key}.backends[{j}]");
-            if b.weight == 0 {
-                return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
-            }
-            let resolved = socket_address(&b.address)
-                .map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
-            if backends
-                .iter()
-                .any(|x: &BackendSpec| x.resolved == resolved)
-            {
-                return Err(Invalid::new(
-                    format!("{bkey}.address"),
-                    format!("{resolved} is listed twice in this pool"),
-                ));
-            }
-            backends.push(BackendSpec {
-                address: b.address.clone(),
-                resolved,
-                weight: b.weight,
-            });
-        }
+        let (backends, source) = backends_and_source(p, &key, base)?;
         let t = &p.timeouts;
         let tkey = format!("{key}.timeouts");
         for (name, d) in [
@@ -547,12 +525,15 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             keepalive_idle: t.keepalive_idle,
             sized_by_max_tokens,
         };
-        pools.push(Arc::new(Pool::new(PoolSettings {
+        let pool = Arc::new(Pool::new(PoolSettings {
             name: p.name.clone(),
             models: p.models.clone(),
             max_model_len: p.max_model_len,
             timeouts,
             backends,
+            source: source
+                .as_ref()
+                .map_or_else(|| "static".to_string(), Source::describe),
             tls_sni: p.tls.as_ref().map(|t| t.sni.clone()),
             health: health_policy(&p.health, &format!("{key}.health"))?,
             outlier: outlier_policy(&p.outlier_detection, &format!("{key}.outlier_detection"))?,
@@ -573,9 +554,228 @@ fn pools(raw: &FileConfig) -> Result<Pools, Invalid> {
             forward_client_key: p.forward_client_key,
             sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
             served_model: served_model(p, &key)?,
-        })));
+        }));
+        if let Some(source) = source {
+            discovery.push(PoolDiscovery {
+                pool: Arc::clone(&pool),
+                source,
+            });
+        }
+        pools.push(pool);
     }
-    Ok(Pools::new(pools))
+    Ok((Pools::new(pools), discovery))
+}
+
+/// A pool's configured backends, and the source that changes them at run time: its
+/// `discovery`, or the re-resolution of the host names among its `backends`.
+fn backends_and_source(
+    p: &file::PoolFile,
+    key: &str,
+    base: &Path,
+) -> Result<(Vec<BackendSpec>, Option<Source>), Invalid> {
+    if let Some(d) = &p.discovery {
+        if !p.backends.is_empty() {
+            return Err(Invalid::new(
+                format!("{key}.discovery"),
+                "a pool has `backends` or `discovery`, not both",
+            ));
+        }
+        let dkey = format!("{key}.discovery");
+        let source = match (&d.dns, &d.kubernetes) {
+            (Some(dns), None) => Source::Dns(dns_source(dns, &format!("{dkey}.dns"))?),
+            (None, Some(k)) => {
+                Source::Kubernetes(kubernetes_source(k, &format!("{dkey}.kubernetes"), base)?)
+            }
+            _ => return Err(Invalid::new(dkey, "give one source: `dns` or `kubernetes`")),
+        };
+        return Ok((Vec::new(), Some(source)));
+    }
+    if p.backends.is_empty() {
+        return Err(Invalid::new(
+            format!("{key}.backends"),
+            "at least one backend is needed (or a `discovery` source)",
+        ));
+    }
+    let mut backends = Vec::new();
+    let mut named = Vec::new();
+    for (j, b) in p.backends.iter().enumerate() {
+        let bkey = format!("{key}.backends[{j}]");
+        if b.weight == 0 {
+            return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
+        }
+        let resolved =
+            socket_address(&b.address).map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
+        if backends
+            .iter()
+            .any(|x: &BackendSpec| x.resolved == resolved)
+        {
+            return Err(Invalid::new(
+                format!("{bkey}.address"),
+                format!("{resolved} is listed twice in this pool"),
+            ));
+        }
+        if b.address.parse::<SocketAddr>().is_err() {
+            if let Some((host, port)) = b.address.rsplit_once(':') {
+                named.push(dns::NamedBackend {
+                    address: b.address.clone(),
+                    host: host
+                        .trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_string(),
+                    port: port.parse().unwrap_or(resolved.port()),
+                    weight: b.weight,
+                    resolved,
+                });
+            }
+        }
+        backends.push(BackendSpec {
+            address: b.address.clone(),
+            resolved,
+            weight: b.weight,
+        });
+    }
+    // Only when every backend is named: a pool's update lists all of its backends.
+    let source =
+        (!named.is_empty() && named.len() == backends.len()).then_some(Source::Names(named));
+    Ok((backends, source))
+}
+
+/// The longest refresh or debounce accepted.
+const MAX_REFRESH: Duration = Duration::from_secs(3600);
+
+fn dns_source(d: &file::DnsFile, key: &str) -> Result<dns::DnsSource, Invalid> {
+    let name = d.name.trim_end_matches('.');
+    let valid_name = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        });
+    if !valid_name {
+        return Err(Invalid::new(
+            format!("{key}.name"),
+            format!("`{}` is not a DNS name", d.name),
+        ));
+    }
+    if d.port == 0 {
+        return Err(Invalid::new(format!("{key}.port"), "must be at least 1"));
+    }
+    let resolver = match &d.resolver {
+        None => None,
+        Some(text) => Some(
+            text.parse::<SocketAddr>()
+                .or_else(|_| {
+                    text.parse::<std::net::IpAddr>()
+                        .map(|ip| SocketAddr::new(ip, 53))
+                })
+                .map_err(|_| {
+                    Invalid::new(
+                        format!("{key}.resolver"),
+                        format!("`{text}` is not an IP address or ip:port"),
+                    )
+                })?,
+        ),
+    };
+    if d.min_refresh.is_zero() || d.min_refresh > MAX_REFRESH {
+        return Err(Invalid::new(
+            format!("{key}.min_refresh"),
+            "must be longer than 0 and at most 1h",
+        ));
+    }
+    if d.max_refresh < d.min_refresh || d.max_refresh > MAX_REFRESH {
+        return Err(Invalid::new(
+            format!("{key}.max_refresh"),
+            "must be at least min_refresh and at most 1h",
+        ));
+    }
+    if d.timeout.is_zero() || d.timeout > Duration::from_secs(60) {
+        return Err(Invalid::new(
+            format!("{key}.timeout"),
+            "must be longer than 0 and at most 60s",
+        ));
+    }
+    Ok(dns::DnsSource {
+        name: name.to_string(),
+        port: d.port,
+        resolver,
+        min_refresh: d.min_refresh,
+        max_refresh: d.max_refresh,
+        timeout: d.timeout,
+        on_empty: match d.on_empty {
+            file::OnEmptyFile::Drain => dns::OnEmpty::Drain,
+            file::OnEmptyFile::Keep => dns::OnEmpty::Keep,
+        },
+    })
+}
+
+/// Whether `text` is a Kubernetes object name of the DNS-label kind (a Service, a namespace).
+fn is_dns_label(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= 63
+        && text
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !text.starts_with('-')
+        && !text.ends_with('-')
+}
+
+fn kubernetes_source(
+    k: &file::KubernetesFile,
+    key: &str,
+    base: &Path,
+) -> Result<kubernetes::KubernetesSource, Invalid> {
+    if !is_dns_label(&k.service) {
+        return Err(Invalid::new(
+            format!("{key}.service"),
+            format!(
+                "`{}` is not a Service name (lower-case letters, digits and -)",
+                k.service
+            ),
+        ));
+    }
+    if let Some(namespace) = k.namespace.as_deref().filter(|n| !is_dns_label(n)) {
+        return Err(Invalid::new(
+            format!("{key}.namespace"),
+            format!("`{namespace}` is not a namespace name (lower-case letters, digits and -)"),
+        ));
+    }
+    let port = match &k.port {
+        file::PortFile::Number(0) => {
+            return Err(Invalid::new(format!("{key}.port"), "must be at least 1"))
+        }
+        file::PortFile::Number(n) => kubernetes::PortRef::Number(*n),
+        file::PortFile::Name(name) if name.len() <= 15 && is_dns_label(name) => {
+            kubernetes::PortRef::Name(name.clone())
+        }
+        file::PortFile::Name(name) => {
+            return Err(Invalid::new(
+                format!("{key}.port"),
+                format!("`{name}` is not a port number or port name"),
+            ))
+        }
+    };
+    let kubeconfig = match &k.kubeconfig {
+        None => None,
+        Some(path) => Some(
+            existing_file(base, path).map_err(|m| Invalid::new(format!("{key}.kubeconfig"), m))?,
+        ),
+    };
+    if k.debounce > Duration::from_secs(10) {
+        return Err(Invalid::new(
+            format!("{key}.debounce"),
+            "must be at most 10s",
+        ));
+    }
+    Ok(kubernetes::KubernetesSource {
+        service: k.service.clone(),
+        namespace: k.namespace.clone(),
+        port,
+        kubeconfig,
+        debounce: k.debounce,
+    })
 }
 
 /// The pool's served model name, and what its answers say.

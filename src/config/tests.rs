@@ -100,8 +100,7 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
     assert!(c
         .pools
         .iter()
-        .flat_map(|p| &p.backends)
-        .any(|b| b.weight > 1));
+        .any(|p| p.members().iter().any(|m| m.spec.weight > 1)));
     assert!(c.pools.iter().any(|p| p.models.is_empty()));
     assert!(c
         .pools
@@ -224,8 +223,8 @@ fn pools_are_required() {
 fn a_pool_needs_backends_and_a_name() {
     refused(
         "pools: [{ name: a }]\n",
-        "pools[0]",
-        "missing field `backends`",
+        "pools[0].backends",
+        "at least one backend is needed (or a `discovery` source)",
     );
     refused(
         "pools: [{ backends: [{ address: 127.0.0.1:9 }] }]\n",
@@ -488,6 +487,112 @@ fn a_pool_needs_at_least_one_backend() {
 }
 
 #[test]
+fn discovery_sources_are_read_with_their_defaults() {
+    let c = ok("pools:
+  - name: a
+    discovery:
+      dns: { name: vllm.llm.svc.cluster.local., port: 8000, resolver: 10.96.0.10 }
+  - name: b
+    discovery:
+      kubernetes: { service: vllm-draft, namespace: llm, port: http }
+  - name: c
+    backends: [{ address: localhost:9 }]
+");
+    assert_eq!(c.discovery.len(), 3);
+    match &c.discovery[0].source {
+        Source::Dns(d) => {
+            assert_eq!(d.name, "vllm.llm.svc.cluster.local");
+            assert_eq!(d.resolver, Some("10.96.0.10:53".parse().unwrap()));
+            assert_eq!(d.min_refresh, Duration::from_secs(1));
+            assert_eq!(d.max_refresh, Duration::from_secs(30));
+            assert_eq!(d.on_empty, dns::OnEmpty::Drain);
+        }
+        other => panic!("{other:?}"),
+    }
+    match &c.discovery[1].source {
+        Source::Kubernetes(k) => {
+            assert_eq!(k.port, kubernetes::PortRef::Name("http".into()));
+            assert_eq!(k.debounce, Duration::from_millis(300));
+            assert_eq!(k.kubeconfig, None);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A static pool named by host name is re-resolved; one by address is not.
+    assert!(matches!(&c.discovery[2].source, Source::Names(n) if n[0].host == "localhost"));
+    assert!(c.pools.get("a").unwrap().members().is_empty());
+    assert_eq!(
+        c.pools.get("a").unwrap().source,
+        "dns vllm.llm.svc.cluster.local:8000"
+    );
+}
+
+#[test]
+fn discovery_keys_are_checked() {
+    let pool = |discovery: &str| format!("pools: [{{ name: a, discovery: {discovery} }}]\n");
+    refused(
+        "pools: [{ name: a, backends: [{ address: 127.0.0.1:9 }], discovery: { dns: { name: x, port: 1 } } }]\n",
+        "pools[0].discovery",
+        "not both",
+    );
+    refused(&pool("{}"), "pools[0].discovery", "give one source");
+    refused(
+        &pool("{ dns: { name: x, port: 1 }, kubernetes: { service: x, port: 1 } }"),
+        "pools[0].discovery",
+        "give one source",
+    );
+    refused(
+        &pool("{ dns: { name: 'a b', port: 1 } }"),
+        "pools[0].discovery.dns.name",
+        "not a DNS name",
+    );
+    refused(
+        &pool("{ dns: { name: x, port: 0 } }"),
+        "pools[0].discovery.dns.port",
+        "at least 1",
+    );
+    refused(
+        &pool("{ dns: { name: x, port: 1, resolver: nowhere } }"),
+        "pools[0].discovery.dns.resolver",
+        "not an IP address",
+    );
+    refused(
+        &pool("{ dns: { name: x, port: 1, min_refresh: 10s, max_refresh: 5s } }"),
+        "pools[0].discovery.dns.max_refresh",
+        "at least min_refresh",
+    );
+    refused(
+        &pool("{ dns: { name: x, port: 1, on_empty: forget } }"),
+        "pools[0].discovery.dns.on_empty",
+        "unknown variant `forget`, expected `drain` or `keep`",
+    );
+    refused(
+        &pool("{ kubernetes: { service: Vllm, port: http } }"),
+        "pools[0].discovery.kubernetes.service",
+        "not a Service name",
+    );
+    refused(
+        &pool("{ kubernetes: { service: vllm, namespace: LLM, port: http } }"),
+        "pools[0].discovery.kubernetes.namespace",
+        "not a namespace name",
+    );
+    refused(
+        &pool("{ kubernetes: { service: vllm, port: 'not a port' } }"),
+        "pools[0].discovery.kubernetes.port",
+        "not a port number or port name",
+    );
+    refused(
+        &pool("{ kubernetes: { service: vllm, port: http, kubeconfig: /no/such/kubeconfig } }"),
+        "pools[0].discovery.kubernetes.kubeconfig",
+        "/no/such/kubeconfig",
+    );
+    refused(
+        &pool("{ kubernetes: { service: vllm, port: http, debounce: 1m } }"),
+        "pools[0].discovery.kubernetes.debounce",
+        "at most 10s",
+    );
+}
+
+#[test]
 fn a_zero_weight_is_refused() {
     refused(
         "pools: [{ name: a, backends: [{ address: 127.0.0.1:9, weight: 0 }] }]\n",
@@ -662,8 +767,11 @@ fn a_minimal_config_gets_the_documented_defaults() {
     assert!(pool.models.is_empty());
     assert_eq!(pool.max_model_len, None);
     assert_eq!(pool.tls_sni, None);
-    assert_eq!(pool.backends[0].weight, 1);
-    assert_eq!(pool.backends[0].address, "127.0.0.1:9");
+    let members = pool.members();
+    assert_eq!(members.get(0).unwrap().spec.weight, 1);
+    assert_eq!(members.get(0).unwrap().spec.address, "127.0.0.1:9");
+    assert_eq!(pool.source, "static");
+    assert!(c.discovery.is_empty());
     let t = &pool.timeouts;
     assert_eq!(t.connect, Duration::from_secs(2));
     assert_eq!(t.first_byte, Duration::from_secs(60));

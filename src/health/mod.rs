@@ -4,7 +4,9 @@
 //! speculative selector read without locks.
 //!
 //! One task per backend, on the service's own thread, so a slow backend delays only its own
-//! checks. Probes reuse their connections (Pingora's connector pool). A large page is parsed
+//! checks. A pool's backends may change at run time (discovery): one task per pool follows
+//! its set, starts a backend's checks when it joins and stops them when it leaves, and lets
+//! drained backends go once nothing runs on them. Probes reuse their connections (Pingora's connector pool). A large page is parsed
 //! on Tokio's blocking pool, within the pool's health timeout, so that a hostile or broken page
 //! cannot hold that one thread and stall every other backend's checks.
 //!
@@ -29,7 +31,9 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;
-use sluice_sdk::{BackendLive, BackendState, Load, Pool, Pools, Priority, Probe};
+use sluice_sdk::{BackendLive, BackendState, Load, Member, Pool, Pools, Priority, Probe};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::time::{interval, MissedTickBehavior};
@@ -74,33 +78,121 @@ impl BackgroundService for HealthService {
 }
 
 impl HealthService {
-    /// Starts a checker for every backend of `pools`.
+    /// Starts a follower for every pool of `pools`.
     fn check(&self, pools: &Pools) -> tokio::task::JoinSet<()> {
         let mut tasks = tokio::task::JoinSet::new();
         for pool in pools.iter() {
-            for index in 0..pool.backends.len() {
-                let Some(spec) = pool.backends.get(index) else {
-                    continue;
-                };
-                let checker = Checker {
-                    peer: probe::peer(pool, spec.resolved),
-                    pool: Arc::clone(pool),
-                    index,
-                    connector: Arc::clone(&self.connector),
-                    spec: None,
-                    page: PageState::Clean,
-                };
-                tasks.spawn(checker.run());
-            }
+            tasks.spawn(follow(Arc::clone(pool), Arc::clone(&self.connector)));
         }
         tasks
     }
 }
 
-/// Checks one backend, forever.
+/// Keeps one pool's backends checked as its set changes: a checker per backend, started when
+/// it joins and stopped when it leaves; on the pool's interval, lets drained backends go and
+/// asks the pool's admission control, so that what it reports (the breaker's shedding gauge)
+/// follows the pool's load even while no request comes.
+async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
+    let mut changes = pool.subscribe();
+    // Each backend's checker, and the address its series are labelled with.
+    let mut checkers: HashMap<SocketAddr, (tokio::task::AbortHandle, String)> = HashMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut tick = interval(pool.health.interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        changes.borrow_and_update();
+        let members = pool.members();
+        checkers.retain(|addr, (task, label)| {
+            let stays = members.find(*addr).is_some();
+            if !stays {
+                task.abort();
+                if !members.iter().any(|e| &e.spec.address == label) {
+                    forget_backend(&pool.name, label);
+                }
+            }
+            stays
+        });
+        for endpoint in members.iter() {
+            let addr = endpoint.spec.resolved;
+            if checkers.contains_key(&addr) {
+                continue;
+            }
+            let checker = Checker {
+                peer: probe::peer(&pool, addr),
+                pool: Arc::clone(&pool),
+                endpoint: endpoint.clone(),
+                connector: Arc::clone(&connector),
+                spec: None,
+                page: PageState::Clean,
+            };
+            let label = endpoint.spec.address.clone();
+            checkers.insert(addr, (tasks.spawn(checker.run()), label));
+        }
+        drop(members);
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            _ = tick.tick() => {
+                pool.sweep();
+                for priority in Priority::ALL {
+                    pool.sheds(priority);
+                }
+                publish_membership(&pool);
+            }
+            // Reaps finished checkers (they only end when aborted).
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+}
+
+/// Counts the pool's backends by discovery state (`sluice_discovery_endpoints`).
+fn publish_membership(pool: &Pool) {
+    const STATES: [&str; 4] = ["ready", "draining", "unknown", "ejected"];
+    let mut counts = [0i64; 4];
+    for member in pool.members().iter() {
+        let state = member.discovery_state();
+        if let Some(i) = STATES.iter().position(|s| *s == state) {
+            counts[i] += 1;
+        }
+    }
+    for (state, count) in STATES.iter().zip(counts) {
+        metrics::set(&metrics::DISCOVERY_ENDPOINTS, &[&pool.name, state], count);
+    }
+}
+
+/// Removes the per-backend series of a backend that left its pool.
+fn forget_backend(pool: &str, backend: &str) {
+    use sluice_sdk::metrics::forget;
+    for s in BackendState::ALL {
+        forget(&metrics::BACKEND_STATE, &[pool, backend, s.as_str()]);
+    }
+    for gauge in [
+        &metrics::BACKEND_KV_USAGE,
+        &metrics::BACKEND_RUNNING,
+        &metrics::BACKEND_WAITING,
+        &metrics::BACKEND_PREFILL_SPEED,
+        &metrics::BACKEND_PREDICTED_TTFT,
+    ] {
+        forget(gauge, &[pool, backend]);
+    }
+    for gauge in [
+        &metrics::BACKEND_HEALTHY,
+        &metrics::BACKEND_IN_FLIGHT,
+        &metrics::BACKEND_PREFILL_TOKENS,
+    ] {
+        forget(gauge, &[pool, backend]);
+    }
+    forget(&metrics::METRIC_LINES_SKIPPED, &[pool, backend]);
+}
+
+/// Checks one backend, until its pool's follower stops it.
 struct Checker {
     pool: Arc<Pool>,
-    index: usize,
+    /// The backend: its address, and its live state (the same `Arc` the pool's set holds).
+    endpoint: Member,
     connector: Arc<Connector>,
     /// Where the checks go: the pool's TLS settings, the checks' timeout.
     peer: HttpPeer,
@@ -157,25 +249,19 @@ impl Checker {
         }
     }
 
-    fn live(&self) -> Option<&Arc<BackendLive>> {
-        self.pool.live.get(self.index)
+    fn live(&self) -> &Arc<BackendLive> {
+        &self.endpoint.live
     }
 
     fn address(&self) -> &str {
-        self.pool
-            .backends
-            .get(self.index)
-            .map_or("-", |b| b.address.as_str())
+        &self.endpoint.spec.address
     }
 
     /// Probes `/health` and scrapes `/metrics` at once; each has the pool's timeout.
     async fn check(&mut self) {
-        let pool = Arc::clone(&self.pool);
-        let (Some(spec), Some(live)) = (pool.backends.get(self.index), pool.live.get(self.index))
-        else {
-            return;
-        };
-        let (policy, name, host) = (&pool.health, &*pool.name, spec.address.as_str());
+        let (pool, endpoint) = (Arc::clone(&self.pool), self.endpoint.clone());
+        let live = &endpoint.live;
+        let (policy, name, host) = (&pool.health, &*pool.name, endpoint.spec.address.as_str());
         let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
         let (health, scrape) = tokio::join!(get(&policy.health_path), get(&policy.metrics_path));
 
@@ -293,16 +379,7 @@ impl Checker {
 
     /// Mirrors the backend's state into the per-backend gauges.
     fn publish_state(&self) {
-        let Some(live) = self.live() else {
-            return;
-        };
-        if self.index == 0 {
-            // Asks the pool's admission control once a tick, so that what it reports (the
-            // breaker's shedding gauge) follows the pool's load even while no request comes.
-            for priority in Priority::ALL {
-                self.pool.sheds(priority);
-            }
-        }
+        let live = self.live();
         live.decay_ejections(&self.pool.outlier);
         let (pool, backend) = (&*self.pool.name, self.address());
         let state = live.state(&self.pool.health);
@@ -333,9 +410,11 @@ impl Checker {
             &[pool, backend],
             live.prefill_speed(),
         );
-        if let Some(ttft) = self.pool.reference_ttft(self.index) {
-            metrics::set(&metrics::BACKEND_PREDICTED_TTFT, &[pool, backend], ttft);
-        }
+        metrics::set(
+            &metrics::BACKEND_PREDICTED_TTFT,
+            &[pool, backend],
+            self.pool.reference_ttft(live),
+        );
         if let Some(load) = live.load() {
             if let Some(kv) = load.kv_usage {
                 metrics::set(&metrics::BACKEND_KV_USAGE, &[pool, backend], kv);

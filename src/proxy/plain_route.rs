@@ -44,7 +44,7 @@ impl PlainTries {
     /// Whether the pool has a backend left to try after a refused connection.
     pub fn backends_left(&self, ctx: &RequestCtx) -> bool {
         ctx.pool()
-            .is_some_and(|pool| self.tried.len() < pool.backends.len())
+            .is_some_and(|pool| self.tried.len() < pool.members().ready())
     }
 
     /// Honours the backend's back-pressure (a 429 or 503 with `Retry-After`).

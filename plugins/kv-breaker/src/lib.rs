@@ -518,7 +518,7 @@ mod tests {
 
     /// The pool's one backend reports `kv_usage` of a 100,000-token cache.
     fn set_usage(pool: &Pool, kv_usage: f64) {
-        pool.live[0].publish_load(Load {
+        pool.live_at(0).unwrap().publish_load(Load {
             kv_usage: Some(kv_usage),
             running: 1.0,
             waiting: 0.0,
@@ -536,7 +536,7 @@ mod tests {
                 stale_as,
                 ..KvBreakerConfig::default()
             });
-            let live = &pool.live[0];
+            let live = &pool.live_at(0).unwrap();
             for _ in 0..pool.health.healthy_after {
                 live.record_probe(true, &pool.health);
             }

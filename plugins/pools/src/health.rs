@@ -282,6 +282,11 @@ impl BackendLive {
         self.load.load_full()
     }
 
+    /// Whether a scrape was ever published: a backend that joined the pool warms up until then.
+    pub fn scraped(&self) -> bool {
+        self.load.load().is_some()
+    }
+
     /// The last scrape, if it is fresh.
     pub fn fresh_load(&self, policy: &HealthPolicy) -> Option<Arc<Load>> {
         self.load

@@ -4,17 +4,20 @@
 //! and what a pool changes in requests and answers.
 //!
 //! - [`pool`]: [`Pool`] and [`Pools`], balancing ([`Balancing`]) and admission ([`Admission`]).
+//! - [`members`]: a pool's backends as they stand now, and the one door through which they
+//!   change (discovery, re-resolved names): joined, drained, warmed up.
 //! - [`health`]: each backend's live state ([`BackendLive`]) and the requests in flight on it.
 //! - [`retry`]: retries within a pool and their budget.
 //! - [`ratio`]: a windowed ratio, for acceptance and hit rates.
 //! - [`header_rules`]: the headers a pool sets, adds and hides, and its upstream credential.
 //!
 //! It depends on the LLM wire model (`sluice-llm`: a request's demand) and on Pingora's peer
-//! and load-balancing types; it must not depend on the plugin contract (`sluice-sdk` depends
+//! type; it must not depend on the plugin contract (`sluice-sdk` depends
 //! on it, never the other way).
 
 pub mod header_rules;
 pub mod health;
+pub mod members;
 pub mod pool;
 pub mod ratio;
 pub mod retry;
@@ -22,6 +25,7 @@ pub mod retry;
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
+pub use members::{Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
     Admission, BackendSpec, Balancing, Capabilities, Pool, PoolSettings, Pools, Pressure, Priority,
     Selected, Timeouts, TokensPerSecond, Unfit,

@@ -1,21 +1,22 @@
 //! Upstream pools as plugins see them: named sets of backends serving some models.
 //!
-//! A pool is built once from config and shared (`Arc<Pool>`). Choosing a backend is lock-free:
-//! it reads each backend's live state (`crate::health`), then balances by KV-cache room or by
-//! Pingora's weighted round robin.
+//! A pool is built once from config and shared (`Arc<Pool>`); its backends may change at run
+//! time through one door ([`Pool::update`], see `crate::members`). Choosing a backend is
+//! lock-free: it loads the current set and each backend's live state (`crate::health`), then
+//! balances by KV-cache room, predicted time to first token, or weighted round robin.
 
 use crate::header_rules::{HeaderRules, UpstreamAuth};
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
+use crate::members::{self, Change, Member, Members, Wanted};
 use crate::retry::{RetryBudget, RetryPolicy};
+use arc_swap::{ArcSwap, Guard};
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_load_balancing::{discovery, selection::RoundRobin, Backend, Backends, LoadBalancer};
 use sluice_llm::model_name::ServedModel;
 use sluice_llm::{Demand, LlmCall};
-use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Timeouts of one pool's upstream requests.
@@ -76,12 +77,13 @@ impl Default for Timeouts {
     }
 }
 
-/// One backend as configured.
+/// One backend as configured or discovered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendSpec {
-    /// As written in the config (`host:port`), for logs and `/status`.
+    /// As written in the config (`host:port`) or discovered (`ip:port`), for logs and
+    /// `/status`.
     pub address: String,
-    /// The address `address` resolved to when the config was loaded; attempts connect here.
+    /// The address `address` resolves to now; attempts connect here.
     pub resolved: SocketAddr,
     /// Its share of the pool's requests under round robin (≥ 1); KV-aware balancing ignores it.
     pub weight: usize,
@@ -348,10 +350,9 @@ pub struct Pool {
     pub max_model_len: Option<u32>,
     /// The pool's upstream timeouts.
     pub timeouts: Timeouts,
-    /// The pool's backends, in config order.
-    pub backends: Vec<BackendSpec>,
-    /// Live state of each backend, in the order of `backends`.
-    pub live: Vec<Arc<BackendLive>>,
+    /// Where the pool's backends come from, for `/status` and the logs: `static`, or the
+    /// discovery source (`dns vllm.llm.svc:8000`, ...).
+    pub source: String,
     /// Use TLS to the backends, with this SNI.
     pub tls_sni: Option<String>,
     /// Active health checks of the pool's backends.
@@ -389,7 +390,14 @@ pub struct Pool {
     prompt_scale: AtomicU64,
     /// `name` as an `x-sluice-pool` value, made once: each answer takes a reference to it.
     name_value: http::HeaderValue,
-    round_robin: LoadBalancer<RoundRobin>,
+    /// The backends now: read without a lock, replaced whole by [`Pool::update`].
+    members: ArcSwap<Members>,
+    /// Serialises updates (rare); readers never take it.
+    updating: Mutex<()>,
+    /// Counts changes of `members`, for whoever follows them (the health service).
+    changes: tokio::sync::watch::Sender<u64>,
+    /// The prefill speed a backend that joins starts from.
+    prefill_seed: f64,
     session_table: Option<SessionTable>,
 }
 
@@ -404,8 +412,10 @@ pub struct PoolSettings {
     pub max_model_len: Option<u32>,
     /// The pool's upstream timeouts.
     pub timeouts: Timeouts,
-    /// The pool's backends, at least one.
+    /// The pool's backends at start; a pool with a discovery source starts with none.
     pub backends: Vec<BackendSpec>,
+    /// Where the backends come from (see [`Pool::source`]).
+    pub source: String,
     /// Reach the backends over TLS with this SNI; `None`: plain HTTP.
     pub tls_sni: Option<String>,
     /// Active health checks of the backends.
@@ -441,6 +451,7 @@ impl PoolSettings {
             max_model_len: None,
             timeouts: Timeouts::default(),
             backends,
+            source: "static".into(),
             tls_sni: None,
             health: HealthPolicy::default(),
             outlier: OutlierPolicy::default(),
@@ -464,7 +475,8 @@ impl std::fmt::Debug for Pool {
         f.debug_struct("Pool")
             .field("name", &self.name)
             .field("models", &self.models)
-            .field("backends", &self.backends)
+            .field("source", &self.source)
+            .field("members", &self.members.load().len())
             .finish_non_exhaustive()
     }
 }
@@ -473,18 +485,6 @@ impl Pool {
     /// Builds the pool: a live state per backend, a retry budget holding `min_retries`, and no
     /// admission control until one is installed.
     pub fn new(settings: PoolSettings) -> Self {
-        let set: BTreeSet<Backend> = settings
-            .backends
-            .iter()
-            .map(|b| Backend {
-                addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(b.resolved),
-                weight: b.weight,
-                ext: Default::default(),
-            })
-            .collect();
-        let round_robin = LoadBalancer::from_backends(Backends::new(discovery::Static::new(set)));
-        // A static discovery answers at once; polling the future once builds the selector.
-        let _ = futures_lite_poll(round_robin.update());
         let seed = match &settings.balancing {
             Balancing::Ttft(ttft) => ttft.prefill_tokens_per_second,
             _ => DEFAULT_PREFILL_SPEED,
@@ -502,16 +502,11 @@ impl Pool {
             models: settings.models,
             max_model_len: settings.max_model_len,
             timeouts: settings.timeouts,
-            live: settings
-                .backends
-                .iter()
-                .map(|_| {
-                    let live = BackendLive::default();
-                    live.seed_prefill_speed(seed);
-                    Arc::new(live)
-                })
-                .collect(),
-            backends: settings.backends,
+            members: ArcSwap::from_pointee(first_members(settings.backends, seed)),
+            updating: Mutex::new(()),
+            changes: tokio::sync::watch::channel(0).0,
+            prefill_seed: seed,
+            source: settings.source,
             tls_sni: settings.tls_sni,
             health: settings.health,
             outlier: settings.outlier,
@@ -527,9 +522,75 @@ impl Pool {
             served_model: settings.served_model,
             admission: OnceLock::new(),
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
-            round_robin,
             session_table,
         }
+    }
+
+    /// The pool's backends now: a snapshot, cheap to take, that an update does not change.
+    pub fn members(&self) -> Guard<Arc<Members>> {
+        self.members.load()
+    }
+
+    /// The live state of the backend at `index` of [`Pool::members`] now.
+    pub fn live_at(&self, index: usize) -> Option<Arc<BackendLive>> {
+        self.members().get(index).map(|e| Arc::clone(&e.live))
+    }
+
+    /// The one door through which the backends change: a source now lists `wanted`.
+    /// Addresses kept keep what is known about them; new ones join and warm up; ones no
+    /// longer listed as ready drain (see `crate::members`). Returns what changed.
+    pub fn update(&self, wanted: &[Wanted]) -> Change {
+        let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
+        let seed = self.prefill_seed;
+        let (next, change) = self.members.load().updated(wanted, || fresh_live(seed));
+        if !change.is_empty() || next.len() != self.members.load().len() {
+            self.members.store(Arc::new(next));
+            self.changes.send_modify(|n| *n += 1);
+        }
+        change
+    }
+
+    /// Removes the draining backends that have nothing running any more; returns their
+    /// addresses. Called on a tick by whoever runs the pool's discovery.
+    pub fn sweep(&self) -> Vec<String> {
+        let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((next, left)) = self.members.load().swept() else {
+            return Vec::new();
+        };
+        self.members.store(Arc::new(next));
+        self.changes.send_modify(|n| *n += 1);
+        left
+    }
+
+    /// Takes over what `old` (this pool in the generation a reload replaces) knows: the live
+    /// state of every backend both have, and, for a pool that starts without backends (a
+    /// discovered one), `old`'s backends themselves until its source answers.
+    pub fn inherit(&self, old: &Pool) {
+        let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
+        let theirs = old.members();
+        let mine = self.members.load();
+        let list: Vec<Member> = if mine.is_empty() {
+            theirs.iter().cloned().collect()
+        } else {
+            mine.iter()
+                .map(|m| match theirs.find(m.spec.resolved) {
+                    Some(old) => Member {
+                        live: Arc::clone(&old.live),
+                        ..m.clone()
+                    },
+                    None => m.clone(),
+                })
+                .collect()
+        };
+        let mut list = list;
+        members::give_slots(&mut list);
+        self.members.store(Arc::new(Members::new(list)));
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Tells of each change of the backends (a counter), for whoever follows them.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     /// `call`'s demand as this pool balances: with the prompt-prefix hash when the pool uses
@@ -605,8 +666,10 @@ impl Pool {
     /// Whether one more backend may be ejected: fewer than the pool's
     /// `max_ejection_percent` are out (one always may be).
     pub fn may_eject_another(&self) -> bool {
-        let ejected = self.live.iter().filter(|l| l.is_ejected()).count();
-        let share = self.live.len() * self.outlier.max_ejection_percent as usize / 100;
+        let members = self.members();
+        let ready = members.iter().filter(|e| e.is_ready());
+        let ejected = ready.clone().filter(|e| e.live.is_ejected()).count();
+        let share = ready.count() * self.outlier.max_ejection_percent as usize / 100;
         ejected < share.max(1)
     }
 
@@ -616,12 +679,13 @@ impl Pool {
     /// taking requests, and answering its own 429s: the client then hears the upstream's
     /// own `retry-after`, not a 503 of Sluice's.
     pub fn may_pause_another(&self) -> bool {
-        let out = self
-            .live
-            .iter()
-            .filter(|l| l.is_ejected() || l.is_cooling())
+        let members = self.members();
+        let ready = members.iter().filter(|e| e.is_ready());
+        let out = ready
+            .clone()
+            .filter(|e| e.live.is_ejected() || e.live.is_cooling())
             .count();
-        let share = self.live.len() * self.outlier.max_ejection_percent as usize / 100;
+        let share = ready.count() * self.outlier.max_ejection_percent as usize / 100;
         out < share.max(1)
     }
 
@@ -635,36 +699,62 @@ impl Pool {
     /// A request of a session ([`Demand::session`]) goes to the session's backend while the
     /// pool's [`SessionAffinity`] allows, and binds the session to wherever it goes.
     pub fn select(&self, tried: &[SocketAddr], demand: &Demand) -> Option<Selected> {
+        let members = self.members();
+        let m = Choice {
+            members: &members,
+            tried,
+            warm_only: members.has_late_joiners(),
+        };
         let session = demand.session.zip(self.session_table.as_ref());
         let kept = session.and_then(|(key, table)| {
-            let index = table.get(key)?;
-            self.session_stays(index, tried, demand).then_some(index)
+            let index = members.by_slot(table.get(key)?)?;
+            self.session_stays(&m, index, demand).then_some(index)
         });
         let index = match kept {
             Some(index) => index,
-            None => match &self.balancing {
-                Balancing::RoundRobin => self.select_round_robin(tried),
-                Balancing::KvAware { .. } => self.select_kv_aware(tried, demand),
-                Balancing::Ttft(ttft) => self.select_ttft(tried, demand, ttft),
-            }?,
+            // Endpoints warming up at their share are left out, unless nothing else is left.
+            None => self.balance(&m, demand).or_else(|| {
+                m.warm_only
+                    .then(|| {
+                        self.balance(
+                            &Choice {
+                                warm_only: false,
+                                ..m
+                            },
+                            demand,
+                        )
+                    })
+                    .flatten()
+            })?,
         };
+        let endpoint = members.get(index)?;
         if let Some((key, table)) = session {
-            table.bind(key, index);
+            table.bind(key, endpoint.slot);
         }
-        let live = self.live.get(index)?;
         let predicted_ttft = (demand.prompt_tokens > 0).then(|| {
-            let cached = if self.prefix_home(tried, demand) == Some(index) {
+            let cached = if self.prefix_home(&m, demand) == Some(index) {
                 self.cached_tokens(demand)
             } else {
                 0
             };
-            live.predicted_ttft(demand.prompt_tokens, cached, &self.health)
+            endpoint
+                .live
+                .predicted_ttft(demand.prompt_tokens, cached, &self.health)
         });
         Some(Selected {
-            addr: self.backends.get(index)?.resolved,
-            live: Arc::clone(live),
+            addr: endpoint.spec.resolved,
+            live: Arc::clone(&endpoint.live),
             predicted_ttft,
         })
+    }
+
+    /// The pool's balancing among `m`'s candidates.
+    fn balance(&self, m: &Choice<'_>, demand: &Demand) -> Option<usize> {
+        match &self.balancing {
+            Balancing::RoundRobin => self.select_round_robin(m),
+            Balancing::KvAware { .. } => self.select_kv_aware(m, demand),
+            Balancing::Ttft(ttft) => self.select_ttft(m, demand, ttft),
+        }
     }
 
     /// The session key of a request that names its session in the pool's session header;
@@ -678,13 +768,14 @@ impl Pool {
     }
 
     /// Whether a session bound to backend `index` stays there for this request.
-    fn session_stays(&self, index: usize, tried: &[SocketAddr], demand: &Demand) -> bool {
-        let (Some(sessions), Some(live)) = (&self.sessions, self.live.get(index)) else {
+    fn session_stays(&self, m: &Choice<'_>, index: usize, demand: &Demand) -> bool {
+        let (Some(sessions), Some(endpoint)) = (&self.sessions, m.members.get(index)) else {
             return false;
         };
-        if !self.candidate(index, tried) {
+        if !m.candidate(index) {
             return false;
         }
+        let live = &endpoint.live;
         if sessions.mode == SessionMode::Hard {
             return true;
         }
@@ -702,12 +793,10 @@ impl Pool {
     }
 
     /// The backend prefix affinity prefers for `demand` among the usable ones not tried.
-    fn prefix_home(&self, tried: &[SocketAddr], demand: &Demand) -> Option<usize> {
+    fn prefix_home(&self, m: &Choice<'_>, demand: &Demand) -> Option<usize> {
         self.balancing.prefix_affinity()?;
         let key = demand.affinity?;
-        (0..self.backends.len())
-            .filter(|&i| self.candidate(i, tried))
-            .max_by_key(|&i| rendezvous(key, i))
+        m.candidates().max_by_key(|&i| m.rendezvous(key, i))
     }
 
     /// The prompt tokens prefix affinity says the prefix's home probably has cached:
@@ -722,31 +811,24 @@ impl Pool {
 
     /// The usable backend, not in `tried`, with the least predicted time to first token;
     /// a random one for an `exploration` share of requests.
-    fn select_ttft(
-        &self,
-        tried: &[SocketAddr],
-        demand: &Demand,
-        ttft: &TtftBalancing,
-    ) -> Option<usize> {
-        let n = self.backends.len();
-        let count = (0..n).filter(|&i| self.candidate(i, tried)).count();
+    fn select_ttft(&self, m: &Choice<'_>, demand: &Demand, ttft: &TtftBalancing) -> Option<usize> {
+        let n = m.members.len();
+        let count = m.candidates().count();
         if count == 0 {
             return None;
         }
         if count > 1 && ttft.exploration > 0.0 && fastrand::f64() < ttft.exploration {
-            return (0..n)
-                .filter(|&i| self.candidate(i, tried))
-                .nth(fastrand::usize(..count));
+            return m.candidates().nth(fastrand::usize(..count));
         }
-        let home = self.prefix_home(tried, demand);
+        let home = self.prefix_home(m, demand);
         // From a random start, so that ties rotate rather than pile onto the first backend.
         let start = fastrand::usize(..n);
         let mut best: Option<(usize, f64)> = None;
         for i in (0..n).map(|k| (start + k) % n) {
-            if !self.candidate(i, tried) {
+            if !m.candidate(i) {
                 continue;
             }
-            let cost = self.ttft_cost(i, demand, home == Some(i));
+            let cost = self.ttft_cost(m.members, i, demand, home == Some(i));
             if best.is_none_or(|(_, b)| cost < b) {
                 best = Some((i, cost));
             }
@@ -758,8 +840,8 @@ impl Pool {
     /// prefix cache credited when it is the prefix's home: so the home keeps the request
     /// only while the wait it adds is less than the prefill the cache saves. A backend whose
     /// KV cache cannot take the request also waits for room.
-    fn ttft_cost(&self, index: usize, demand: &Demand, home: bool) -> f64 {
-        let Some(live) = self.live.get(index) else {
+    fn ttft_cost(&self, members: &Members, index: usize, demand: &Demand, home: bool) -> f64 {
+        let Some(live) = members.get(index).map(|e| &e.live) else {
             return f64::MAX;
         };
         let cached = if home { self.cached_tokens(demand) } else { 0 };
@@ -778,10 +860,9 @@ impl Pool {
     }
 
     /// The time to first token a [`REFERENCE_PROMPT_TOKENS`] prompt may expect on backend
-    /// `index` now, in seconds (`/status` and the metrics).
-    pub fn reference_ttft(&self, index: usize) -> Option<f64> {
-        let live = self.live.get(index)?;
-        Some(live.predicted_ttft(REFERENCE_PROMPT_TOKENS, 0, &self.health))
+    /// `live` now, in seconds (`/status` and the metrics).
+    pub fn reference_ttft(&self, live: &BackendLive) -> f64 {
+        live.predicted_ttft(REFERENCE_PROMPT_TOKENS, 0, &self.health)
     }
 
     /// Sessions remembered now (bounded by [`SessionAffinity::capacity`]).
@@ -789,35 +870,15 @@ impl Pool {
         self.session_table.as_ref().map_or(0, SessionTable::len)
     }
 
-    fn candidate(&self, index: usize, tried: &[SocketAddr]) -> bool {
-        match (self.backends.get(index), self.live.get(index)) {
-            (Some(spec), Some(live)) => live.is_usable() && !tried.contains(&spec.resolved),
-            _ => false,
-        }
+    /// The next candidate of the weighted cycle: one turn of it at most.
+    fn select_round_robin(&self, m: &Choice<'_>) -> Option<usize> {
+        m.members.round_robin().find(|&i| m.candidate(i))
     }
 
-    fn select_round_robin(&self, tried: &[SocketAddr]) -> Option<usize> {
-        let iterations = self.backends.len().max(1) * 4;
-        let addr = self
-            .round_robin
-            .select_with(b"", iterations, |backend, healthy| {
-                healthy
-                    && backend.addr.as_inet().is_some_and(|a| {
-                        self.index_of(*a).is_some_and(|i| self.candidate(i, tried))
-                    })
-            })
-            .and_then(|b| b.addr.as_inet().copied())?;
-        self.index_of(addr)
-    }
-
-    fn index_of(&self, addr: SocketAddr) -> Option<usize> {
-        self.backends.iter().position(|b| b.resolved == addr)
-    }
-
-    fn select_kv_aware(&self, tried: &[SocketAddr], demand: &Demand) -> Option<usize> {
-        let candidates = (0..self.backends.len()).filter(|&i| self.candidate(i, tried));
+    fn select_kv_aware(&self, m: &Choice<'_>, demand: &Demand) -> Option<usize> {
+        let candidates = m.candidates();
         let count = candidates.clone().count();
-        let scored = |i: usize| (i, self.score(i, demand));
+        let scored = |i: usize| (i, self.score(m.members, i, demand));
         let (best, best_score) = match count {
             0 => return None,
             1 => scored(candidates.clone().next()?),
@@ -838,9 +899,13 @@ impl Pool {
         // is only set for pools that use it.)
         let home = demand
             .affinity
-            .and_then(|key| candidates.max_by_key(|&i| rendezvous(key, i)));
+            .and_then(|key| candidates.max_by_key(|&i| m.rendezvous(key, i)));
         match home {
-            Some(h) if h != best && self.score(h, demand) >= best_score - AFFINITY_SLACK => Some(h),
+            Some(h)
+                if h != best && self.score(m.members, h, demand) >= best_score - AFFINITY_SLACK =>
+            {
+                Some(h)
+            }
             _ => Some(best),
         }
     }
@@ -848,8 +913,8 @@ impl Pool {
     /// How good a home backend `index` is for `demand`; higher is better. Free KV cache
     /// counts most, and more so for large prompts; queued requests and a cache that cannot
     /// hold the request count against it.
-    fn score(&self, index: usize, demand: &Demand) -> f64 {
-        let Some(live) = self.live.get(index) else {
+    fn score(&self, members: &Members, index: usize, demand: &Demand) -> f64 {
+        let Some(live) = members.get(index).map(|e| &e.live) else {
             return f64::MIN;
         };
         let outlook = live.outlook(&self.health);
@@ -873,7 +938,9 @@ impl Pool {
     /// Whether some backend may take a request now (not unhealthy, ejected or cooling down):
     /// cheaper than [`Pool::pressure`] when that is all one needs to know.
     pub fn has_usable_backend(&self) -> bool {
-        self.live.iter().any(|l| l.is_usable())
+        self.members()
+            .iter()
+            .any(|e| e.is_ready() && e.live.is_usable())
     }
 
     /// The pool's headroom now.
@@ -881,7 +948,12 @@ impl Pool {
         let (mut usable, mut stale, mut measured) = (0, 0, 0);
         let (mut weighted, mut weights) = (0.0, 0.0);
         let mut capacity = Some(0.0);
-        for live in self.live.iter().filter(|l| l.is_usable()) {
+        let members = self.members();
+        for live in members
+            .iter()
+            .filter(|e| e.is_ready() && e.live.is_usable())
+            .map(|e| &e.live)
+        {
             usable += 1;
             let outlook = live.outlook(&self.health);
             if outlook.stale {
@@ -947,11 +1019,69 @@ impl Pool {
     }
 }
 
+/// One choice of a backend: the set it is made from, the backends already tried, and whether
+/// backends warming up at their share are left out.
+#[derive(Clone, Copy)]
+struct Choice<'a> {
+    members: &'a Members,
+    tried: &'a [SocketAddr],
+    warm_only: bool,
+}
+
+impl Choice<'_> {
+    /// Whether the backend at `index` may take this attempt: ready, usable (not unhealthy,
+    /// ejected or cooling down), not tried, and not warming up at its share.
+    fn candidate(&self, index: usize) -> bool {
+        self.members.get(index).is_some_and(|e| {
+            e.is_ready()
+                && e.live.is_usable()
+                && !self.tried.contains(&e.spec.resolved)
+                && !(self.warm_only && e.warming_full())
+        })
+    }
+
+    fn candidates(&self) -> impl Iterator<Item = usize> + Clone + '_ {
+        (0..self.members.len()).filter(|&i| self.candidate(i))
+    }
+
+    /// The rendezvous weight of `key` on the backend at `index`.
+    fn rendezvous(&self, key: u64, index: usize) -> u64 {
+        self.members
+            .get(index)
+            .map_or(0, |e| rendezvous(key, e.key))
+    }
+}
+
+/// The first members of a pool: its configured backends, there from the start.
+fn first_members(backends: Vec<BackendSpec>, seed: f64) -> Members {
+    let mut list: Vec<Member> = backends
+        .into_iter()
+        .map(|spec| Member {
+            key: members::address_key(spec.resolved),
+            spec,
+            live: fresh_live(seed),
+            membership: members::Membership::Ready,
+            joined: None,
+            slot: 0,
+        })
+        .collect();
+    members::give_slots(&mut list);
+    Members::new(list)
+}
+
+/// A backend's live state as it joins: nothing known, its prefill speed seeded.
+fn fresh_live(seed: f64) -> Arc<BackendLive> {
+    let live = BackendLive::default();
+    live.seed_prefill_speed(seed);
+    Arc::new(live)
+}
+
 /// Rendezvous (highest random weight) hashing: each key prefers one backend, and removing
-/// a backend moves only the keys that preferred it.
-fn rendezvous(key: u64, index: usize) -> u64 {
+/// a backend moves only the keys that preferred it. Backends are named by a hash of their
+/// address, so every proxy agrees.
+fn rendezvous(key: u64, backend: u64) -> u64 {
     // SplitMix64's finaliser: a good mix of key and backend in a few instructions.
-    let mut z = key ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut z = key ^ backend.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -962,8 +1092,9 @@ fn rendezvous(key: u64, index: usize) -> u64 {
 /// binding takes a lock. A new session takes an empty or expired slot of its two, else the
 /// one seen longest ago; a session whose slots were taken is just balanced afresh.
 ///
-/// A slot packs, in one `u64`: 24 bits of the session's hash (a tag), the backend's index
-/// + 1 (12 bits; 0: empty) and when it was last seen (28 bits of seconds, wrapping).
+/// A slot packs, in one `u64`: 24 bits of the session's hash (a tag), the backend's session
+/// slot (12 bits; 0: empty; see `crate::members`) and when it was last seen (28 bits of
+/// seconds, wrapping). A backend keeps its slot while it stays in the pool.
 struct SessionTable {
     slots: Box<[AtomicU64]>,
     idle_ttl_secs: u64,
@@ -997,16 +1128,19 @@ impl SessionTable {
         [first, first + 1]
     }
 
-    /// The slot's backend, when it holds `tag` and has not expired at `now`.
-    fn live_index(&self, entry: u64, tag: Option<u64>, now: u64) -> Option<usize> {
-        let index = (entry >> SESSION_TIME_BITS) & ((1 << SESSION_INDEX_BITS) - 1);
+    /// The slot's backend (its session slot), when it holds `tag` and has not expired at
+    /// `now`.
+    fn live_index(&self, entry: u64, tag: Option<u64>, now: u64) -> Option<u16> {
+        let slot = (entry >> SESSION_TIME_BITS) & ((1 << SESSION_INDEX_BITS) - 1);
         let seen = entry & SESSION_TIME_MASK;
         let idle = now.wrapping_sub(seen) & SESSION_TIME_MASK;
         let matches = tag.is_none_or(|t| entry >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == t);
-        (index > 0 && matches && idle <= self.idle_ttl_secs).then(|| index as usize - 1)
+        (slot > 0 && matches && idle <= self.idle_ttl_secs)
+            .then(|| u16::try_from(slot).ok())
+            .flatten()
     }
 
-    fn get(&self, key: u64) -> Option<usize> {
+    fn get(&self, key: u64) -> Option<u16> {
         let (tag, now) = (Self::tag(key), Self::now());
         self.pair(key).into_iter().find_map(|slot| {
             let entry = self.slots.get(slot)?.load(Relaxed);
@@ -1014,13 +1148,14 @@ impl SessionTable {
         })
     }
 
-    fn bind(&self, key: u64, index: usize) {
-        if index + 1 >= 1 << SESSION_INDEX_BITS {
-            return; // Beyond what a slot can name: such a pool is balanced without sessions.
+    /// Binds the session `key` to the backend with session slot `slot`.
+    fn bind(&self, key: u64, slot: u16) {
+        if slot == 0 {
+            return; // A backend beyond what slots can name: balanced without sessions.
         }
         let (tag, now) = (Self::tag(key), Self::now());
         let entry = tag << (SESSION_TIME_BITS + SESSION_INDEX_BITS)
-            | ((index as u64 + 1) << SESSION_TIME_BITS)
+            | (u64::from(slot) << SESSION_TIME_BITS)
             | now;
         let [a, b] = self.pair(key);
         let (Some(sa), Some(sb)) = (self.slots.get(a), self.slots.get(b)) else {
@@ -1053,16 +1188,6 @@ impl SessionTable {
             .iter()
             .filter(|s| self.live_index(s.load(Relaxed), None, now).is_some())
             .count()
-    }
-}
-
-/// Polls a future that is known to be ready at once (static discovery), without a runtime.
-fn futures_lite_poll<F: std::future::Future>(fut: F) -> Option<F::Output> {
-    use std::task::{Context, Poll, Waker};
-    let mut fut = std::pin::pin!(fut);
-    match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(v) => Some(v),
-        Poll::Pending => None,
     }
 }
 
@@ -1103,6 +1228,7 @@ impl Pools {
 mod tests {
     use super::*;
     use crate::health::{Load, Verdict};
+    use std::collections::BTreeSet;
 
     fn spec(port: u16, weight: usize) -> BackendSpec {
         let resolved: SocketAddr = ([127, 0, 0, 1], port).into();
@@ -1160,12 +1286,12 @@ mod tests {
                 unhealthy_after: 1,
                 ..HealthPolicy::default()
             };
-            pool.live[0].record_probe(false, &policy);
+            pool.live_at(0).unwrap().record_probe(false, &policy);
             let outlier = OutlierPolicy {
                 consecutive_failures: 1,
                 ..OutlierPolicy::default()
             };
-            pool.live[2].record(Verdict::Failure, &outlier);
+            pool.live_at(2).unwrap().record(Verdict::Failure, &outlier);
             for _ in 0..20 {
                 let picked = pool.select(&[], &Demand::default()).unwrap();
                 assert_eq!(picked.addr.port(), 2);
@@ -1185,9 +1311,9 @@ mod tests {
                 prefix_affinity: None,
             },
         );
-        pool.live[0].publish_load(load(0.9, 4.0));
-        pool.live[1].publish_load(load(0.2, 0.0));
-        pool.live[2].publish_load(load(0.25, 0.0));
+        pool.live_at(0).unwrap().publish_load(load(0.9, 4.0));
+        pool.live_at(1).unwrap().publish_load(load(0.2, 0.0));
+        pool.live_at(2).unwrap().publish_load(load(0.25, 0.0));
         let demand = Demand {
             prompt_tokens: 500,
             output_tokens: 500,
@@ -1218,8 +1344,8 @@ mod tests {
                 prefix_affinity: None,
             },
         );
-        pool.live[0].publish_load(load(0.7, 0.0)); // 30,000 tokens free
-        pool.live[1].publish_load(load(0.6, 3.0)); // 40,000 free, but a queue
+        pool.live_at(0).unwrap().publish_load(load(0.7, 0.0)); // 30,000 tokens free
+        pool.live_at(1).unwrap().publish_load(load(0.6, 3.0)); // 40,000 free, but a queue
         let small = Demand {
             prompt_tokens: 100,
             output_tokens: 100,
@@ -1246,7 +1372,7 @@ mod tests {
                 prefix_affinity: Some(256),
             },
         );
-        for live in &pool.live {
+        for live in pool.members().iter().map(|e| &e.live) {
             live.publish_load(load(0.3, 0.0));
         }
         let demand = Demand {
@@ -1260,8 +1386,14 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(pool.select(&[], &demand).unwrap().addr, home);
         }
-        let home_index = pool.index_of(home).unwrap();
-        pool.live[home_index].publish_load(load(0.95, 8.0));
+        let home_index = pool
+            .members()
+            .iter()
+            .position(|e| e.spec.resolved == home)
+            .unwrap();
+        pool.live_at(home_index)
+            .unwrap()
+            .publish_load(load(0.95, 8.0));
         for _ in 0..20 {
             assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
         }
@@ -1288,8 +1420,8 @@ mod tests {
     #[test]
     fn ttft_avoids_a_backend_busy_prefilling() {
         let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], ttft(None));
-        let busy = pool.live[1].begin_request(20_000, 16_000);
-        let mut queued = pool.live[2].begin_request(5_000, 3_000);
+        let busy = pool.live_at(1).unwrap().begin_request(20_000, 16_000);
+        let mut queued = pool.live_at(2).unwrap().begin_request(5_000, 3_000);
         for _ in 0..20 {
             let s = pool.select(&[], &prompt(100, None)).unwrap();
             assert_eq!(s.addr.port(), 1);
@@ -1322,13 +1454,13 @@ mod tests {
                 ..TtftBalancing::default()
             }),
         );
-        let _busy = pool.live[1].begin_request(200_000, 100_000);
+        let _busy = pool.live_at(1).unwrap().begin_request(200_000, 100_000);
         let to_busy = (0..200)
             .filter(|_| pool.select(&[], &prompt(100, None)).unwrap().addr.port() == 2)
             .count();
         // Half the requests explore, and half of those draw the busy backend.
         assert!((20..=90).contains(&to_busy), "{to_busy}");
-        let none = pool.live[0].speed_samples();
+        let none = pool.live_at(0).unwrap().speed_samples();
         assert_eq!(none, 0);
     }
 
@@ -1344,12 +1476,19 @@ mod tests {
                 "idle: sticky"
             );
         }
-        let home_index = pool.index_of(home).unwrap();
+        let home_index = pool
+            .members()
+            .iter()
+            .position(|e| e.spec.resolved == home)
+            .unwrap();
         // 500 tokens ahead cost 0.5 s, less than the 1,000 cached tokens save: it stays.
-        let small = pool.live[home_index].begin_request(600, 500);
+        let small = pool.live_at(home_index).unwrap().begin_request(600, 500);
         assert_eq!(pool.select(&[], &shared).unwrap().addr, home);
         // 5,000 ahead cost more than the cache saves: it goes elsewhere.
-        let long = pool.live[home_index].begin_request(6_000, 5_000);
+        let long = pool
+            .live_at(home_index)
+            .unwrap()
+            .begin_request(6_000, 5_000);
         for _ in 0..10 {
             assert_ne!(pool.select(&[], &shared).unwrap().addr, home);
         }
@@ -1360,9 +1499,9 @@ mod tests {
     #[test]
     fn ttft_sends_nothing_where_the_kv_cache_is_full() {
         let pool = pool(vec![spec(1, 1), spec(2, 1)], ttft(None));
-        pool.live[0].publish_load(load(0.999, 0.0));
-        pool.live[1].publish_load(load(0.1, 0.0));
-        let _backlog = pool.live[1].begin_request(2_000, 1_000); // 1 s of prefill
+        pool.live_at(0).unwrap().publish_load(load(0.999, 0.0));
+        pool.live_at(1).unwrap().publish_load(load(0.1, 0.0));
+        let _backlog = pool.live_at(1).unwrap().begin_request(2_000, 1_000); // 1 s of prefill
         assert_eq!(pool.select(&[], &prompt(500, None)).unwrap().addr.port(), 2);
     }
 
@@ -1399,9 +1538,13 @@ mod tests {
             let demand = in_session(&pool, "conversation-1");
             assert!(demand.session.is_some());
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool.index_of(home).unwrap();
+            let home_index = pool
+                .members()
+                .iter()
+                .position(|e| e.spec.resolved == home)
+                .unwrap();
             // Its backend gets busier than the others, but not overloaded: it stays.
-            let _a = pool.live[home_index].begin_request(400, 300);
+            let _a = pool.live_at(home_index).unwrap().begin_request(400, 300);
             for _ in 0..10 {
                 assert_eq!(pool.select(&[], &demand).unwrap().addr, home, "{mode:?}");
             }
@@ -1422,9 +1565,16 @@ mod tests {
             let pool = sessions(mode, 1_024);
             let demand = in_session(&pool, "conversation-2");
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool.index_of(home).unwrap();
+            let home_index = pool
+                .members()
+                .iter()
+                .position(|e| e.spec.resolved == home)
+                .unwrap();
             // Five seconds of prefill queued ahead.
-            let _backlog = pool.live[home_index].begin_request(6_000, 5_000);
+            let _backlog = pool
+                .live_at(home_index)
+                .unwrap()
+                .begin_request(6_000, 5_000);
             let next = pool.select(&[], &demand).unwrap().addr;
             assert_eq!(next == home, stays, "{mode:?}");
             // A soft session moved with the request: it stays where it went.
@@ -1432,8 +1582,14 @@ mod tests {
             // A full KV cache is overload too.
             let pool = sessions(mode, 1_024);
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool.index_of(home).unwrap();
-            pool.live[home_index].publish_load(load(0.97, 0.0));
+            let home_index = pool
+                .members()
+                .iter()
+                .position(|e| e.spec.resolved == home)
+                .unwrap();
+            pool.live_at(home_index)
+                .unwrap()
+                .publish_load(load(0.97, 0.0));
             assert_eq!(pool.select(&[], &demand).unwrap().addr == home, stays);
         }
     }
@@ -1449,7 +1605,12 @@ mod tests {
         // The latest sessions are still remembered (each evicts only older ones).
         let demand = in_session(&pool, "client-chosen-9999");
         let home = pool.select(&[], &demand).unwrap().addr;
-        let _busy = pool.live[pool.index_of(home).unwrap()].begin_request(60_000, 50_000);
+        let _busy = pool
+            .members()
+            .find(home)
+            .unwrap()
+            .live
+            .begin_request(60_000, 50_000);
         assert_eq!(pool.select(&[], &demand).unwrap().addr, home);
     }
 
@@ -1463,10 +1624,14 @@ mod tests {
             consecutive_failures: 1,
             ..OutlierPolicy::default()
         };
-        for live in &pool.live {
+        for live in pool.members().iter().map(|e| &e.live) {
             live.record_in_pool(Verdict::Failure, &outlier, pool.may_eject_another());
         }
-        let ejected = pool.live.iter().filter(|l| l.is_ejected()).count();
+        let ejected = pool
+            .members()
+            .iter()
+            .filter(|e| e.live.is_ejected())
+            .count();
         assert_eq!(ejected, 2, "50% of 4");
         let one = self::pool(vec![spec(1, 1)], Balancing::RoundRobin);
         assert!(one.may_eject_another(), "one backend may always be ejected");
@@ -1482,10 +1647,10 @@ mod tests {
             },
             ..PoolSettings::new("p", vec!["m".into()], vec![spec(1, 1), spec(2, 1)])
         });
-        for live in &pool.live {
+        for live in pool.members().iter().map(|e| &e.live) {
             live.record_probe(true, &pool.health);
         }
-        pool.live[0].publish_load(load(kv, 0.0));
+        pool.live_at(0).unwrap().publish_load(load(kv, 0.0));
         pool
     }
 
@@ -1513,7 +1678,7 @@ mod tests {
 
         // Every backend stale: nothing known, unless stale counts as full.
         let pool = pool_with_a_stale_backend(0.5, StaleAs::Saturated);
-        pool.live[0].publish_load(Load {
+        pool.live_at(0).unwrap().publish_load(Load {
             scraped_at: std::time::Instant::now() - Duration::from_secs(60),
             ..load(0.5, 0.0)
         });
@@ -1564,7 +1729,7 @@ mod tests {
     #[test]
     fn admission_is_asked_of_the_pool_and_follows_its_load() {
         let pool = pool(vec![spec(1, 1)], Balancing::RoundRobin);
-        pool.live[0].publish_load(load(0.9, 0.0));
+        pool.live_at(0).unwrap().publish_load(load(0.9, 0.0));
         assert!(pool.admits(Priority::Sheddable, 100), "no gate: everything");
         assert!(!pool.sheds(Priority::Sheddable));
         assert!(pool.install_admission(Arc::new(Line(0.8))));
@@ -1574,7 +1739,7 @@ mod tests {
         );
         assert!(pool.sheds(Priority::Standard));
         assert!(!pool.admits(Priority::Standard, 100));
-        pool.live[0].publish_load(load(0.1, 0.0));
+        pool.live_at(0).unwrap().publish_load(load(0.1, 0.0));
         assert!(!pool.sheds(Priority::Standard));
         assert!(pool.admits(Priority::Standard, 100));
         assert_eq!(Priority::parse(" Critical"), Some(Priority::Critical));

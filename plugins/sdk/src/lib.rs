@@ -44,7 +44,7 @@ pub mod tenant;
 
 // The LLM wire model and the pools, re-exported where plugins have always found them.
 pub use sluice_llm::{context, llm, model_name, raw_json, sse, usage};
-pub use sluice_pools::{header_rules, health, pool, ratio, retry};
+pub use sluice_pools::{header_rules, health, members, pool, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;
@@ -56,6 +56,7 @@ pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
 pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
+pub use members::{Change, Member, Members, Membership, Wanted};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};

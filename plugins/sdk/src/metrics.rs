@@ -55,6 +55,14 @@ pub fn touch<P: MetricVecBuilder>(vec: &Lazy<MetricVec<P>>, labels: &[&str]) {
     let _ = series(vec, labels);
 }
 
+/// Removes the series of `vec` with `labels`: what a backend that left the pool reported
+/// must not stay on the page (nor in memory) for ever.
+pub fn forget<P: MetricVecBuilder>(vec: &Lazy<MetricVec<P>>, labels: &[&str]) {
+    if let Some(vec) = vec.as_ref() {
+        let _ = vec.remove_label_values(labels);
+    }
+}
+
 /// Adds 1 to the series of `counter` with `labels`; nothing if the vector did not register or
 /// the labels do not fit it.
 pub fn inc<P: Atomic>(counter: &Lazy<GenericCounterVec<P>>, labels: &[&str]) {

@@ -17,11 +17,18 @@
 //!   TLS front before a plain backend.
 //! - [`RealVllm`], [`real_fleet`]: real vLLM servers (its CPU build) serving tiny models,
 //!   for the real-vLLM tier.
+//! - [`dns`]: a real DNS server ([`DnsServer`], `dnsmasq`) whose records a test sets,
+//!   resolvers that misbehave ([`BadDns`]), and simulators sharing one port on several
+//!   loopback addresses ([`sims_on_loopbacks`]), for pools discovered through DNS.
+//! - [`kube_api::FakeKubeApi`]: a fake Kubernetes API server speaking the list and watch
+//!   protocol for EndpointSlices, scripted by the test ([`kube_api::endpoint_slice`] builds one).
 //! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
 // Test code: a panic here is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod config;
+pub mod dns;
+pub mod kube_api;
 mod llm;
 pub mod ports;
 mod proc;
@@ -32,6 +39,7 @@ mod tls;
 mod vllm;
 
 pub use config::{pool, Pool};
+pub use dns::{sims_on_loopbacks, BadDns, DnsServer, Misbehaviour};
 pub use llm::{
     answer_confidence, ask_url, assert_ends_with_error_event, chat, client, content, sim_serving,
     sse_data, sse_events, streaming_sim, upstream_calls, wait_for, Answer,

@@ -1,0 +1,502 @@
+//! Discovery end to end, against real servers: a real DNS server (dnsmasq) whose records
+//! change under steady load, simulated vLLM backends on several loopback addresses sharing
+//! one port (as pods behind a headless Service), and a DNS server that stops or lies.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::dns::{sims_on_loopbacks_with, BadDns, DnsServer, Misbehaviour};
+use sluice_testkit::*;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use vllm_sim::{Latency, SimConfig};
+
+const MODEL: &str = "test-model";
+const NAME: &str = "vllm.fleet.test";
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, last))
+}
+
+/// A pool that follows `NAME` on `dns`, checked every 100 ms.
+fn dns_pool(dns: SocketAddr, port: u16, extra: Value) -> Pool {
+    let mut source = json!({"name": NAME, "port": port, "resolver": dns.to_string(),
+                            "min_refresh": "1s", "max_refresh": "2s"});
+    if let (Some(source), Some(extra)) = (source.as_object_mut(), extra.as_object()) {
+        source.extend(extra.clone());
+    }
+    pool("fleet", &[MODEL], &[])
+        .with_fast_health_checks()
+        .with("discovery", json!({"dns": source}))
+}
+
+/// Streams that take about `tokens × 10 ms`: long enough to be running when the fleet
+/// changes.
+fn slow_streams(count: usize, tokens: u32) -> Vec<SimConfig> {
+    let config = SimConfig::default()
+        .with_model(MODEL)
+        .with_latency(Latency::new(
+            Duration::ZERO,
+            Duration::ZERO,
+            Duration::from_millis(10),
+        ))
+        .with_answer_tokens(tokens, tokens);
+    vec![config; count]
+}
+
+/// Requests sent one after another by `workers` clients until stopped: every answer that is
+/// not a whole 200 is kept, with what it said.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    failures: Arc<Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(proxy: &Proxy, workers: usize) -> Load {
+        let (stop, sent) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let url = proxy.url("/v1/chat/completions");
+        let tasks = (0..workers)
+            .map(|w| {
+                let (stop, sent, failures, url) =
+                    (stop.clone(), sent.clone(), failures.clone(), url.clone());
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    while !stop.load(Relaxed) {
+                        n += 1;
+                        let body = chat(MODEL, &format!("worker {w} request {n}"), true);
+                        let answer = ask_url(&url, &body, &[]).await;
+                        sent.fetch_add(1, Relaxed);
+                        let whole = answer.body.trim_end().ends_with("data: [DONE]")
+                            && !answer.body.contains("\"error\"");
+                        if answer.status != 200 || !whole {
+                            failures
+                                .lock()
+                                .unwrap()
+                                .push(format!("{} {}", answer.status, answer.body));
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            sent,
+            failures,
+            tasks,
+        }
+    }
+
+    fn sent(&self) -> u64 {
+        self.sent.load(Relaxed)
+    }
+
+    /// Stops the clients, waits for their last answers, and returns the failures.
+    async fn finish(self) -> (u64, Vec<String>) {
+        self.stop.store(true, Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        let failures = self.failures.lock().unwrap().clone();
+        (self.sent.load(Relaxed), failures)
+    }
+}
+
+fn chat_calls(sim: &vllm_sim::Sim) -> u64 {
+    sim.stats()
+        .requests_by_path
+        .get("/v1/chat/completions")
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The pool's backends as `/status` lists them: address → membership.
+async fn members(proxy: &Proxy) -> Vec<(String, String)> {
+    let status = proxy.status().await;
+    let pool = status["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "fleet")
+        .cloned()
+        .unwrap();
+    let mut out: Vec<(String, String)> = pool["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["address"].as_str().unwrap().to_string(),
+                b["membership"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_named_in_dns_is_followed_under_load_without_a_failed_request() {
+    let ttl = Duration::from_secs(1);
+    let dns = DnsServer::start(ttl).await;
+    let (port, sims) = sims_on_loopbacks_with(slow_streams(3, 30)).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let proxy = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    let both = wait_for(Duration::from_secs(10), || async {
+        members(&proxy).await.len() == 2
+    })
+    .await;
+    assert!(both.is_some(), "{}", proxy.status().await);
+    assert_eq!(
+        proxy.status().await["pools"][0]["source"],
+        format!("dns {NAME}:{port}")
+    );
+
+    let load = Load::start(&proxy, 4);
+    wait_for(Duration::from_secs(10), || async { load.sent() >= 8 }).await;
+
+    // A record added: its backend gets requests within two TTLs.
+    let before = chat_calls(&sims[2]);
+    dns.set(NAME, &[ip(2), ip(3), ip(4)]).await;
+    let joined = wait_for(2 * ttl + Duration::from_millis(500), || async {
+        chat_calls(&sims[2]) > before
+    })
+    .await;
+    assert!(
+        joined.is_some(),
+        "127.0.0.4 got no request within 2 × TTL: {}",
+        proxy.status().await
+    );
+
+    // A record removed: its backend drains (its running streams end whole), then leaves;
+    // only then is it killed.
+    let gone = format!("127.0.0.2:{port}");
+    dns.set(NAME, &[ip(3), ip(4)]).await;
+    let left = wait_for(Duration::from_secs(10), || async {
+        !members(&proxy).await.iter().any(|(a, _)| *a == gone)
+    })
+    .await;
+    assert!(left.is_some(), "{}", proxy.status().await);
+    let served_before_kill = chat_calls(&sims[0]);
+    sims[0].shutdown();
+
+    // The DNS server stopped: the pool keeps what it knew, and counts the errors.
+    let mut dns = dns;
+    dns.stop().await;
+    let counted = wait_for(Duration::from_secs(10), || async {
+        proxy
+            .metric(r#"sluice_discovery_errors_total{pool="fleet",source="dns"}"#)
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    assert!(counted.is_some(), "{}", proxy.metrics().await);
+    let sent = load.sent();
+    wait_for(Duration::from_secs(10), || async {
+        load.sent() >= sent + 8
+    })
+    .await;
+    assert_eq!(
+        members(&proxy).await,
+        vec![
+            (format!("127.0.0.3:{port}"), "ready".to_string()),
+            (format!("127.0.0.4:{port}"), "ready".to_string()),
+        ]
+    );
+
+    let (sent, failures) = load.finish().await;
+    assert!(sent >= 24, "only {sent} requests were sent");
+    assert!(
+        failures.is_empty(),
+        "{} failed: {failures:#?}",
+        failures.len()
+    );
+    assert!(
+        served_before_kill > 0,
+        "the removed backend served nothing before"
+    );
+    assert!(
+        proxy.logs().contains("pool backends changed"),
+        "{}",
+        proxy.logs()
+    );
+    let metrics = proxy.metrics().await;
+    assert!(
+        metric_value(&metrics, r#"sluice_discovery_updates_total{pool="fleet"}"#).unwrap() >= 3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"sluice_discovery_endpoints{pool="fleet",state="ready"}"#
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_answer_drains_the_pool_or_keeps_it_as_on_empty_says() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let draining = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    let keeping = Proxy::start(json!({"pools": [
+        dns_pool(dns.addr(), port, json!({"on_empty": "keep"}))
+    ]}))
+    .await;
+    for proxy in [&draining, &keeping] {
+        let both = wait_for(Duration::from_secs(10), || async {
+            members(proxy).await.len() == 2
+        })
+        .await;
+        assert!(both.is_some(), "{}", proxy.status().await);
+    }
+
+    dns.set(NAME, &[]).await;
+    let emptied = wait_for(Duration::from_secs(10), || async {
+        members(&draining).await.is_empty()
+    })
+    .await;
+    assert!(emptied.is_some(), "{}", draining.status().await);
+    let answer = draining.ask(&chat(MODEL, "anyone?", false), &[]).await;
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(
+        answer.body.contains("no-healthy-backend"),
+        "{}",
+        answer.body
+    );
+
+    // The keeping pool saw the same empty answers and still serves from its two.
+    assert_eq!(members(&keeping).await.len(), 2);
+    let answer = keeping.ask(&chat(MODEL, "anyone?", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolver_that_lies_or_is_silent_leaves_the_pool_serving_what_it_knew() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let proxy = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    let both = wait_for(Duration::from_secs(10), || async {
+        members(&proxy).await.len() == 2
+    })
+    .await;
+    assert!(both.is_some(), "{}", proxy.status().await);
+
+    let mut resolver = dns.addr().to_string();
+    for how in [
+        Misbehaviour::Garbage,
+        Misbehaviour::Silent,
+        Misbehaviour::ServFail,
+    ] {
+        let bad = BadDns::start(how).await;
+        // A reload points the pool at the bad resolver: the new generation starts from the
+        // backends the old one knew.
+        let config = std::fs::read_to_string(proxy.config_file()).unwrap();
+        assert!(config.contains(&resolver), "{config}");
+        let config = config.replace(&resolver, &bad.addr().to_string());
+        resolver = bad.addr().to_string();
+        std::fs::write(proxy.config_file(), config).unwrap();
+        let before = dns_errors(&proxy).await;
+        signal(proxy.pid(), "HUP");
+        let counted = wait_for(Duration::from_secs(15), || async {
+            dns_errors(&proxy).await > before
+        })
+        .await;
+        assert!(counted.is_some(), "{how:?}: {}", proxy.logs());
+        assert_eq!(members(&proxy).await.len(), 2, "{how:?}");
+        let answer = proxy.ask(&chat(MODEL, "still there?", false), &[]).await;
+        assert_eq!(answer.status, 200, "{how:?}: {}", answer.body);
+    }
+}
+
+async fn dns_errors(proxy: &Proxy) -> f64 {
+    proxy
+        .metric(r#"sluice_discovery_errors_total{pool="fleet",source="dns"}"#)
+        .await
+        .unwrap_or(0.0)
+}
+
+mod kubernetes {
+    //! The EndpointSlice watcher against a local server that speaks the Kubernetes API's
+    //! list and watch protocol (`sluice_testkit::kube_api`): no API server can be installed
+    //! on these machines, so this is the real protocol, not a real cluster.
+    use super::*;
+    use sluice_testkit::kube_api::{endpoint_slice, Endpoint, FakeKubeApi};
+
+    const NAMESPACE: &str = "llm";
+
+    fn slice(name: &str, port: u16, endpoints: &[Endpoint]) -> Value {
+        endpoint_slice(NAMESPACE, "vllm", name, "http", port, endpoints)
+    }
+
+    fn ep(last: u8) -> String {
+        format!("127.0.0.{last}")
+    }
+
+    async fn kube_proxy(api: &FakeKubeApi, dir: &std::path::Path) -> Proxy {
+        let kubeconfig = api.kubeconfig(dir, "default");
+        Proxy::start(json!({"pools": [
+            pool("fleet", &[MODEL], &[])
+                .with_fast_health_checks()
+                .with("discovery", json!({"kubernetes": {
+                    "service": "vllm", "namespace": NAMESPACE, "port": "http",
+                    "kubeconfig": kubeconfig.to_string_lossy(), "debounce": "100ms"}}))
+        ]}))
+        .await
+    }
+
+    async fn until_members(proxy: &Proxy, want: &[(String, &str)]) {
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(a, s)| (a.clone(), s.to_string()))
+            .collect();
+        let seen = wait_for(Duration::from_secs(15), || async {
+            members(proxy).await == want
+        })
+        .await;
+        assert!(
+            seen.is_some(),
+            "wanted {want:?}, have {:?}\n{}",
+            members(proxy).await,
+            proxy.logs()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn endpoint_slices_are_followed_through_a_rollout_without_a_failed_request() {
+        let api = FakeKubeApi::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let (port, sims) = sims_on_loopbacks_with(slow_streams(3, 30)).await;
+        let at = |last: u8| format!("127.0.0.{last}:{port}");
+        api.apply(slice(
+            "vllm-a",
+            port,
+            &[Endpoint::ready(&ep(2)), Endpoint::ready(&ep(3))],
+        ));
+        // Another slice of another Service: not this pool's.
+        api.apply(endpoint_slice(
+            NAMESPACE,
+            "other",
+            "other-a",
+            "http",
+            port,
+            &[Endpoint::ready(&ep(9))],
+        ));
+        let proxy = kube_proxy(&api, dir.path()).await;
+        until_members(&proxy, &[(at(2), "ready"), (at(3), "ready")]).await;
+        assert!(api.requests().iter().any(|r| r
+            .contains("/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices")
+            && r.contains("labelSelector=kubernetes.io%2Fservice-name%3Dvllm")));
+
+        let load = Load::start(&proxy, 4);
+        wait_for(Duration::from_secs(10), || async { load.sent() >= 8 }).await;
+
+        // Two new pods in a second slice: one ready (it gets traffic), one not ready yet
+        // (nothing listens there: a request sent to it would fail).
+        api.bookmark();
+        let before = chat_calls(&sims[2]);
+        api.apply(slice(
+            "vllm-b",
+            port,
+            &[Endpoint::not_ready(&ep(7)), Endpoint::ready(&ep(4))],
+        ));
+        let joined = wait_for(Duration::from_secs(5), || async {
+            chat_calls(&sims[2]) > before
+        })
+        .await;
+        assert!(joined.is_some(), "{}", proxy.status().await);
+        until_members(
+            &proxy,
+            &[(at(2), "ready"), (at(3), "ready"), (at(4), "ready")],
+        )
+        .await;
+
+        // The first pod terminates: drained, its streams finish; then its slice entry goes.
+        api.apply(slice(
+            "vllm-a",
+            port,
+            &[Endpoint::terminating(&ep(2)), Endpoint::ready(&ep(3))],
+        ));
+        until_members(&proxy, &[(at(3), "ready"), (at(4), "ready")]).await;
+        api.apply(slice("vllm-a", port, &[Endpoint::ready(&ep(3))]));
+        sims[0].shutdown();
+
+        // A lost watch is resumed, an expired one relisted: changes made meanwhile arrive.
+        api.drop_watches();
+        api.apply(slice(
+            "vllm-a",
+            port,
+            &[Endpoint::ready(&ep(3)), Endpoint::not_ready(&ep(5))],
+        ));
+        api.expire_watches();
+        api.delete(NAMESPACE, "vllm-b");
+        until_members(&proxy, &[(at(3), "ready")]).await;
+
+        // The API server refuses (403): the pool keeps what it knows, and counts it.
+        api.fail_with(Some(403));
+        api.drop_watches();
+        let counted = wait_for(Duration::from_secs(15), || async {
+            proxy
+                .metric(r#"sluice_discovery_errors_total{pool="fleet",source="kubernetes"}"#)
+                .await
+                .unwrap_or(0.0)
+                >= 1.0
+        })
+        .await;
+        assert!(counted.is_some(), "{}", proxy.logs());
+        assert_eq!(members(&proxy).await, vec![(at(3), "ready".to_string())]);
+        api.fail_with(None);
+        api.apply(slice("vllm-b", port, &[Endpoint::ready(&ep(4))]));
+        until_members(&proxy, &[(at(3), "ready"), (at(4), "ready")]).await;
+
+        let (sent, failures) = load.finish().await;
+        assert!(sent >= 16, "only {sent} requests were sent");
+        assert!(
+            failures.is_empty(),
+            "{} failed: {failures:#?}",
+            failures.len()
+        );
+        assert!(
+            proxy.logs().contains("discovery answers again"),
+            "{}",
+            proxy.logs()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_api_server_leaves_an_empty_pool_that_says_why() {
+        let api = FakeKubeApi::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        api.fail_with(Some(403));
+        let proxy = kube_proxy(&api, dir.path()).await;
+        let counted = wait_for(Duration::from_secs(15), || async {
+            proxy
+                .metric(r#"sluice_discovery_errors_total{pool="fleet",source="kubernetes"}"#)
+                .await
+                .unwrap_or(0.0)
+                >= 1.0
+        })
+        .await;
+        assert!(counted.is_some(), "{}", proxy.logs());
+        assert!(proxy.logs().contains("403"), "{}", proxy.logs());
+        let ready = client()
+            .get(proxy.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ready.status(), 503);
+        let answer = proxy.ask(&chat(MODEL, "anyone?", false), &[]).await;
+        assert_eq!(answer.status, 503, "{}", answer.body);
+    }
+}
