@@ -207,11 +207,22 @@ async fn the_admin_page_shows_the_fleet_in_a_browser_from_its_own_origin_only() 
     for pool in after["pools"].as_array().unwrap() {
         let name = pool["name"].as_str().unwrap();
         assert!(shown("pool-name", name), "pool {name} is not shown");
+        let source = format!("backends: {}", pool["source"].as_str().unwrap());
+        assert!(
+            shown("sub pool-source", &source),
+            "{source} of {name} is not shown"
+        );
         for backend in pool["backends"].as_array().unwrap() {
             let address = backend["address"].as_str().unwrap();
             assert!(
                 shown("mono backend-address", address),
                 "backend {address} of {name} is not shown"
+            );
+            let membership = backend["membership"].as_str().unwrap();
+            let class = format!("pill membership {membership}");
+            assert!(
+                shown(&class, membership),
+                "{address}'s membership is not shown"
             );
         }
     }

@@ -1769,4 +1769,103 @@ mod tests {
         };
         assert_eq!(tiny.total_for(Some(u32::MAX)), Duration::from_secs(100));
     }
+
+    fn wanted(port: u16, ready: bool) -> Wanted {
+        Wanted {
+            spec: spec(port, 1),
+            ready,
+        }
+    }
+
+    #[test]
+    fn a_joiner_gets_a_small_share_until_scraped_and_a_drainer_none() {
+        for balancing in [
+            Balancing::RoundRobin,
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
+            Balancing::Ttft(TtftBalancing::default()),
+        ] {
+            let pool = pool(vec![spec(1, 1)], balancing);
+            pool.update(&[wanted(1, true), wanted(2, true)]);
+            // The newcomer takes one request at a time while nothing is known of it...
+            let mut held = Vec::new();
+            for _ in 0..20 {
+                let picked = pool.select(&[], &Demand::default()).unwrap();
+                held.push(picked.live.begin(10));
+            }
+            let on_new = |pool: &Pool| {
+                pool.members()
+                    .find(spec(2, 1).resolved)
+                    .unwrap()
+                    .live
+                    .in_flight()
+            };
+            assert_eq!(on_new(&pool), 1, "{:?}", pool.balancing);
+            // ...but is not starved when it is all there is.
+            let only = pool.select(&[spec(1, 1).resolved], &Demand::default());
+            assert_eq!(only.unwrap().addr, spec(2, 1).resolved);
+            // Scraped, it is balanced as any other.
+            pool.members()
+                .find(spec(2, 1).resolved)
+                .unwrap()
+                .live
+                .publish_load(load(0.0, 0.0));
+            assert!(pool.members().get(1).unwrap().warming_cap().is_none());
+            drop(held);
+
+            // Draining: no new request, even when it is the only backend left.
+            pool.update(&[wanted(1, true), wanted(2, false)]);
+            for _ in 0..10 {
+                assert_eq!(pool.select(&[], &Demand::default()).unwrap().addr.port(), 1);
+            }
+            assert!(pool
+                .select(&[spec(1, 1).resolved], &Demand::default())
+                .is_none());
+            assert_eq!(pool.pressure().usable, 1);
+            // Nothing runs there: the next sweep lets it go.
+            assert_eq!(pool.sweep(), vec![spec(2, 1).address]);
+            assert_eq!(pool.members().len(), 1);
+        }
+    }
+
+    #[test]
+    fn a_session_and_a_prefix_home_survive_an_update_that_keeps_their_backend() {
+        let mut settings = PoolSettings::new("p", vec!["m".into()], vec![spec(1, 1), spec(2, 1)]);
+        settings.balancing = Balancing::KvAware {
+            prefix_affinity: Some(64),
+        };
+        settings.sessions = Some(SessionAffinity {
+            header: "x-session-id".into(),
+            mode: SessionMode::Hard,
+            idle_ttl: Duration::from_secs(60),
+            capacity: 64,
+        });
+        let pool = Pool::new(settings);
+        let session = Demand {
+            session: Some(42),
+            ..Demand::default()
+        };
+        let home = pool.select(&[], &session).unwrap().addr;
+        // Two backends join (before it, in the list) and the other one leaves.
+        let other = if home.port() == 1 { 2 } else { 1 };
+        let mut next = vec![wanted(7, true), wanted(8, true), wanted(home.port(), true)];
+        next.retain(|w| w.spec.resolved.port() != other);
+        let change = pool.update(&next);
+        assert_eq!(change.joined.len(), 2);
+        assert_eq!(change.left, vec![spec(other, 1).address]);
+        for _ in 0..10 {
+            assert_eq!(pool.select(&[], &session).unwrap().addr, home);
+        }
+    }
+
+    #[test]
+    fn a_source_listing_too_many_endpoints_is_cut_at_the_limit() {
+        let pool = pool(vec![], Balancing::RoundRobin);
+        let many: Vec<Wanted> = (1..=5000).map(|p| wanted(p, true)).collect();
+        let change = pool.update(&many);
+        assert_eq!(change.over_limit, 5000 - crate::MAX_ENDPOINTS);
+        assert_eq!(pool.members().len(), crate::MAX_ENDPOINTS);
+        assert!(pool.select(&[], &Demand::default()).is_some());
+    }
 }
