@@ -1,5 +1,6 @@
 //! `GET /v1/models`: the union of the models the pools serve, in OpenAI's list shape as vLLM
-//! answers it. Built once at start-up; the pools do not change while running.
+//! answers it. Built once per generation of the config, or on each request when a pool
+//! learns its models from its backends (`models: auto`).
 
 use bytes::Bytes;
 use serde_json::json;
@@ -13,8 +14,11 @@ pub fn list(pools: &Pools) -> Bytes {
     let mut seen = std::collections::HashSet::new();
     let data: Vec<_> = pools
         .iter()
-        .flat_map(|pool| pool.models.iter().map(move |m| (pool, m)))
-        .filter(|(_, model)| seen.insert(model.as_str()))
+        .flat_map(|pool| {
+            let models = pool.models();
+            (0..models.len()).filter_map(move |i| Some((pool, models.get(i)?.clone())))
+        })
+        .filter(|(_, model)| seen.insert(model.clone()))
         .map(|(pool, model)| {
             json!({
                 "id": model,

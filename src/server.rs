@@ -175,7 +175,7 @@ pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
     for pool in pools.iter() {
         let members = pool.members();
         let backends: Vec<_> = members.iter().map(|e| e.spec.address.as_str()).collect();
-        tracing::info!(pool = &*pool.name, models = ?pool.models, backends = ?backends, source = %pool.source, "pool");
+        tracing::info!(pool = &*pool.name, models = ?pool.models(), backends = ?backends, source = %pool.source, "pool");
     }
     crate::metrics::init(&pools);
     Sluice {

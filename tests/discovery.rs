@@ -327,6 +327,35 @@ async fn dns_errors(proxy: &Proxy) -> f64 {
         .unwrap_or(0.0)
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_declared_by_discovery_alone_learns_its_models_from_its_backends() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let proxy = Proxy::start(json!({"pools": [
+        dns_pool(dns.addr(), port, json!({})).with("models", "auto")
+    ]}))
+    .await;
+    let learned = wait_for(Duration::from_secs(10), || async {
+        proxy.status().await["pools"][0]["models"] == json!([MODEL])
+    })
+    .await;
+    assert!(learned.is_some(), "{}", proxy.status().await);
+    let answer = proxy.ask(&chat(MODEL, "hello", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let listed: Value = client()
+        .get(proxy.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["data"][0]["id"], MODEL, "{listed}");
+    let unknown = proxy.ask(&chat("another-model", "hello", false), &[]).await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+}
+
 mod kubernetes {
     //! The EndpointSlice watcher against a local server that speaks the Kubernetes API's
     //! list and watch protocol (`sluice_testkit::kube_api`): no API server can be installed

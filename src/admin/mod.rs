@@ -168,7 +168,8 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         .collect();
     json!({
         "name": &*pool.name,
-        "models": pool.models,
+        "models": *pool.models(),
+        "models_auto": pool.auto_models,
         "max_model_len": pool.max_model_len,
         "prompt_scale": pool.prompt_scale(),
         "health_checks": pool.health.enabled,

@@ -189,7 +189,7 @@ pub enum LogFormat {
 pub struct PoolFile {
     pub name: String,
     #[serde(default)]
-    pub models: Vec<String>,
+    pub models: ModelsFile,
     #[serde(default)]
     pub max_model_len: Option<u32>,
     #[serde(default)]
@@ -454,6 +454,20 @@ pub enum SessionModeFile {
 
 fn optional_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     duration(d).map(Some)
+}
+
+/// `pools[].models`: a list of names, or `auto` (learned from the backends' `/v1/models`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ModelsFile {
+    Names(Vec<String>),
+    Word(String),
+}
+
+impl Default for ModelsFile {
+    fn default() -> Self {
+        ModelsFile::Names(Vec::new())
+    }
 }
 
 /// `pools[].discovery`: one source (checked by `super::validate`).

@@ -452,6 +452,16 @@ fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDiscovery>), I
             ));
         }
         let (backends, source) = backends_and_source(p, &key, base)?;
+        let (models, auto_models) = match &p.models {
+            file::ModelsFile::Names(names) => (names.clone(), false),
+            file::ModelsFile::Word(word) if word == "auto" => (Vec::new(), true),
+            file::ModelsFile::Word(word) => {
+                return Err(Invalid::new(
+                    format!("{key}.models"),
+                    format!("`{word}` is neither a list of model names nor `auto`"),
+                ))
+            }
+        };
         let t = &p.timeouts;
         let tkey = format!("{key}.timeouts");
         for (name, d) in [
@@ -525,9 +535,18 @@ fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDiscovery>), I
             keepalive_idle: t.keepalive_idle,
             sized_by_max_tokens,
         };
+        let health = health_policy(&p.health, &format!("{key}.health"))?;
+        if auto_models && !health.enabled {
+            return Err(Invalid::new(
+                format!("{key}.models"),
+                "`auto` learns the models from the backends' /v1/models with the health checks: \
+                 they must be on (or list the models)",
+            ));
+        }
         let pool = Arc::new(Pool::new(PoolSettings {
             name: p.name.clone(),
-            models: p.models.clone(),
+            models,
+            auto_models,
             max_model_len: p.max_model_len,
             timeouts,
             backends,
@@ -535,7 +554,7 @@ fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDiscovery>), I
                 .as_ref()
                 .map_or_else(|| "static".to_string(), Source::describe),
             tls_sni: p.tls.as_ref().map(|t| t.sni.clone()),
-            health: health_policy(&p.health, &format!("{key}.health"))?,
+            health,
             outlier: outlier_policy(&p.outlier_detection, &format!("{key}.outlier_detection"))?,
             balancing: balancing(&p.balancing, &format!("{key}.balancing"))?,
             supports: Capabilities {

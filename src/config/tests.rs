@@ -101,17 +101,17 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
         .pools
         .iter()
         .any(|p| p.members().iter().any(|m| m.spec.weight > 1)));
-    assert!(c.pools.iter().any(|p| p.models.is_empty()));
+    assert!(c.pools.iter().any(|p| p.is_catch_all()));
     assert!(c
         .pools
         .iter()
-        .all(|p| p.models.is_empty() || p.timeouts.sized_by_max_tokens.is_some()));
+        .all(|p| p.is_catch_all() || p.timeouts.sized_by_max_tokens.is_some()));
     assert!(c.routes.iter().any(|r| r.host.is_some()));
     // Public names: the pools sharing `llama` each send their engine's own name.
     let served: Vec<&str> = c
         .pools
         .iter()
-        .filter(|p| p.models.iter().any(|m| m == "llama"))
+        .filter(|p| p.serves("llama"))
         .filter_map(|p| p.served_model.as_ref().map(|s| s.name()))
         .collect();
     assert_eq!(
@@ -527,6 +527,24 @@ fn discovery_sources_are_read_with_their_defaults() {
 }
 
 #[test]
+fn models_are_listed_or_learned() {
+    let c =
+        ok("pools: [{ name: a, models: auto, discovery: { dns: { name: vllm, port: 8000 } } }]\n");
+    let pool = c.pools.get("a").unwrap();
+    assert!(pool.auto_models && !pool.is_catch_all());
+    refused(
+        "pools: [{ name: a, models: llama, backends: [{ address: 127.0.0.1:9 }] }]\n",
+        "pools[0].models",
+        "`llama` is neither a list of model names nor `auto`",
+    );
+    refused(
+        "pools: [{ name: a, models: auto, health: { enabled: false }, backends: [{ address: 127.0.0.1:9 }] }]\n",
+        "pools[0].models",
+        "they must be on",
+    );
+}
+
+#[test]
 fn discovery_keys_are_checked() {
     let pool = |discovery: &str| format!("pools: [{{ name: a, discovery: {discovery} }}]\n");
     refused(
@@ -764,7 +782,7 @@ fn a_minimal_config_gets_the_documented_defaults() {
     assert_eq!(s.ca_file, None);
 
     let pool = c.pools.get("a").unwrap();
-    assert!(pool.models.is_empty());
+    assert!(pool.models().is_empty());
     assert_eq!(pool.max_model_len, None);
     assert_eq!(pool.tls_sni, None);
     let members = pool.members();

@@ -124,6 +124,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 connector: Arc::clone(&connector),
                 spec: None,
                 page: PageState::Clean,
+                models_due: 0,
             };
             let label = endpoint.spec.address.clone();
             checkers.insert(addr, (tasks.spawn(checker.run()), label));
@@ -137,6 +138,9 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
             }
             _ = tick.tick() => {
                 pool.sweep();
+                if let Some(models) = pool.learn_models() {
+                    tracing::info!(pool = &*pool.name, models = ?models, "pool serves the models its backends list");
+                }
                 for priority in Priority::ALL {
                     pool.sheds(priority);
                 }
@@ -200,7 +204,13 @@ struct Checker {
     spec: Option<vllm::SpecCounters>,
     /// How the last `/metrics` page read: a change is logged once, not every scrape.
     page: PageState,
+    /// Checks until `/v1/models` is asked again (a pool with `models: auto`); 0: now.
+    models_due: u32,
 }
+
+/// How often a backend of a pool with `models: auto` is asked for its models, in checks:
+/// every 10 s at the default interval. A backend is asked at its first check.
+const MODELS_EVERY: u32 = 40;
 
 /// How a `/metrics` page that was fetched read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +291,10 @@ impl Checker {
             None => {}
         }
 
+        if pool.auto_models {
+            self.ask_models().await;
+        }
+
         let result = match &scrape {
             Ok(answer) if answer.status == 200 => {
                 let read = self.read_metrics(answer.body.clone()).await;
@@ -297,6 +311,41 @@ impl Checker {
             other => probe::result_label(other, false),
         };
         metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
+    }
+
+    /// Asks the backend's `/v1/models` when it is due, and records the names it lists. An
+    /// answer that cannot be read leaves what was known.
+    async fn ask_models(&mut self) {
+        if self.models_due > 0 {
+            self.models_due -= 1;
+            return;
+        }
+        let pool = &self.pool;
+        let answer = probe::get_with(
+            &self.connector,
+            &self.peer,
+            &self.endpoint.spec.address,
+            "/v1/models",
+            pool.health.timeout,
+            pool.upstream_auth.as_ref(),
+        )
+        .await;
+        let names = match &answer {
+            Ok(a) if a.status == 200 => model_names(&a.body),
+            _ => None,
+        };
+        match names {
+            Some(names) => {
+                self.endpoint.live.publish_models(names);
+                self.models_due = MODELS_EVERY;
+            }
+            None => tracing::debug!(
+                pool = &*pool.name,
+                backend = self.address(),
+                "cannot read /v1/models: {}",
+                probe::describe(&answer)
+            ),
+        }
     }
 
     /// Counts a read page's skipped lines, and logs when the way pages read changes: once,
@@ -423,6 +472,21 @@ impl Checker {
             metrics::set(&metrics::BACKEND_WAITING, &[pool, backend], load.waiting);
         }
     }
+}
+
+/// The `id`s of a `/v1/models` answer (OpenAI's list shape, as vLLM serves it); `None` when
+/// it is not one.
+fn model_names(body: &[u8]) -> Option<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct List {
+        data: Vec<Entry>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        id: String,
+    }
+    let list: List = serde_json::from_slice(body).ok()?;
+    Some(list.data.into_iter().map(|e| e.id).collect())
 }
 
 /// Reads a page: what Sluice uses of it, and the lines skipped. Runs off the async thread for

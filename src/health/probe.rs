@@ -6,7 +6,7 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType};
 use pingora_http::RequestHeader;
-use sluice_sdk::Pool;
+use sluice_sdk::{Pool, UpstreamAuth};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -45,7 +45,20 @@ pub async fn get(
     path: &str,
     deadline: Duration,
 ) -> Result<Answer, Failure> {
-    match tokio::time::timeout(deadline, exchange(connector, peer, host, path)).await {
+    get_with(connector, peer, host, path, deadline, None).await
+}
+
+/// [`get`] with the pool's upstream credential, for what vLLM's `--api-key` guards
+/// (`/v1/models`; `/health` and `/metrics` are open).
+pub async fn get_with(
+    connector: &Connector,
+    peer: &HttpPeer,
+    host: &str,
+    path: &str,
+    deadline: Duration,
+    auth: Option<&UpstreamAuth>,
+) -> Result<Answer, Failure> {
+    match tokio::time::timeout(deadline, exchange(connector, peer, host, path, auth)).await {
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(Failure::Error(e)),
         Err(_) => Err(Failure::Timeout),
@@ -57,11 +70,15 @@ async fn exchange(
     peer: &HttpPeer,
     host: &str,
     path: &str,
+    auth: Option<&UpstreamAuth>,
 ) -> Result<Answer, Box<Error>> {
     let (mut session, _reused) = connector.get_http_session(peer).await?;
     let mut request = RequestHeader::build("GET", path.as_bytes(), None)?;
     request.insert_header(http::header::HOST, host)?;
     request.insert_header(http::header::USER_AGENT, "sluice-health")?;
+    if let Some(auth) = auth {
+        request.insert_header(auth.header.clone(), auth.value.clone())?;
+    }
     session.write_request_header(Box::new(request)).await?;
     session.finish_request_body().await?;
     session.read_response_header().await?;

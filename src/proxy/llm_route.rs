@@ -71,7 +71,7 @@ fn pool_for(pools: &Pools, model: Option<&str>) -> Result<Arc<Pool>> {
     let found = match model {
         Some(model) => pools
             .for_model(model)
-            .or_else(|| pools.iter().find(|p| p.models.is_empty()))
+            .or_else(|| pools.iter().find(|p| p.is_catch_all()))
             .ok_or_else(|| ErrorReply::unknown_model(model).into_error())?,
         None => pools
             .default_pool()

@@ -173,7 +173,12 @@ impl ProxyHttp for Proxy {
             }
             Decision::Models => {
                 if !this.answered_by_plugins(session, ctx).await? {
-                    let body = this.models.clone();
+                    // Built once, unless some pool learns its models from its backends.
+                    let body = if this.pools.any_auto_models() {
+                        crate::models::list(&this.pools)
+                    } else {
+                        this.models.clone()
+                    };
                     reply::send(&this.chain, session, ctx, "application/json", body).await?;
                 }
                 Ok(true)

@@ -233,9 +233,22 @@ pub struct BackendLive {
     /// The backend asked for a pause (a 429 or 503 with `Retry-After`): no traffic until
     /// then (ms on the process clock; 0: none). Load, not a fault: no ejection is counted.
     cooling_until_ms: AtomicU64,
+    /// The model names its `/v1/models` last listed, for a pool that learns its models
+    /// (`models: auto`).
+    served_models: ArcSwapOption<Vec<String>>,
 }
 
 impl BackendLive {
+    /// Records the model names the backend's `/v1/models` lists.
+    pub fn publish_models(&self, models: Vec<String>) {
+        self.served_models.store(Some(Arc::new(models)));
+    }
+
+    /// The model names the backend last listed, if it was asked.
+    pub fn served_models(&self) -> Option<Arc<Vec<String>>> {
+        self.served_models.load_full()
+    }
+
     /// The backend's active health, as its probes last decided it.
     pub fn probe(&self) -> Probe {
         match self.probe.load(Relaxed) {

@@ -344,8 +344,11 @@ const SESSION_MAX_WAIT: f64 = 1.0;
 pub struct Pool {
     /// The pool's name: in `x-sluice-pool`, metric labels and `/status`.
     pub name: Arc<str>,
-    /// The model names this pool serves (the `model` field of requests).
-    pub models: Vec<String>,
+    /// The model names this pool serves (the `model` field of requests): as configured, or
+    /// as its backends list them (`models: auto`, see [`Pool::learn_models`]).
+    models: ArcSwap<Vec<String>>,
+    /// Whether the model names are learned from the backends.
+    pub auto_models: bool,
     /// The longest context (prompt + output tokens) its model accepts, if known.
     pub max_model_len: Option<u32>,
     /// The pool's upstream timeouts.
@@ -406,8 +409,10 @@ pub struct Pool {
 pub struct PoolSettings {
     /// The pool's name: letters, digits, `-` and `_`; unique.
     pub name: String,
-    /// The `model` values the pool serves; empty for a catch-all.
+    /// The `model` values the pool serves; empty for a catch-all (unless `auto_models`).
     pub models: Vec<String>,
+    /// Learn the model names from the backends' `/v1/models` (`models: auto`).
+    pub auto_models: bool,
     /// The model's longest context (prompt + output tokens), as vLLM's `--max-model-len`.
     pub max_model_len: Option<u32>,
     /// The pool's upstream timeouts.
@@ -448,6 +453,7 @@ impl PoolSettings {
         Self {
             name: name.to_string(),
             models,
+            auto_models: false,
             max_model_len: None,
             timeouts: Timeouts::default(),
             backends,
@@ -474,7 +480,7 @@ impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pool")
             .field("name", &self.name)
-            .field("models", &self.models)
+            .field("models", &self.models.load())
             .field("source", &self.source)
             .field("members", &self.members.load().len())
             .finish_non_exhaustive()
@@ -499,7 +505,8 @@ impl Pool {
         Self {
             name: Arc::from(settings.name.as_str()),
             name_value,
-            models: settings.models,
+            models: ArcSwap::from_pointee(settings.models),
+            auto_models: settings.auto_models,
             max_model_len: settings.max_model_len,
             timeouts: settings.timeouts,
             members: ArcSwap::from_pointee(first_members(settings.backends, seed)),
@@ -691,7 +698,45 @@ impl Pool {
 
     /// Whether the pool serves `model`.
     pub fn serves(&self, model: &str) -> bool {
-        self.models.iter().any(|m| m == model)
+        self.models.load().iter().any(|m| m == model)
+    }
+
+    /// The model names the pool serves now.
+    pub fn models(&self) -> Arc<Vec<String>> {
+        self.models.load_full()
+    }
+
+    /// Whether the pool takes requests for any model (it names none, and learns none).
+    pub fn is_catch_all(&self) -> bool {
+        !self.auto_models && self.models.load().is_empty()
+    }
+
+    /// For a pool that learns its models: sets them to what its ready backends list now
+    /// (their union, sorted). A backend not yet asked adds nothing; a pool none of whose
+    /// backends has answered keeps what it had. Returns the names when they changed.
+    pub fn learn_models(&self) -> Option<Arc<Vec<String>>> {
+        if !self.auto_models {
+            return None;
+        }
+        let members = self.members();
+        let mut names: Vec<String> = Vec::new();
+        let mut asked = false;
+        for listed in members
+            .iter()
+            .filter(|m| m.is_ready())
+            .filter_map(|m| m.live.served_models())
+        {
+            asked = true;
+            names.extend(listed.iter().cloned());
+        }
+        names.sort();
+        names.dedup();
+        if !asked || **self.models.load() == names {
+            return None;
+        }
+        let names = Arc::new(names);
+        self.models.store(Arc::clone(&names));
+        Some(names)
     }
 
     /// The backend for the next attempt: a usable one (not unhealthy, not ejected) that is
@@ -1211,6 +1256,11 @@ impl Pools {
     /// The pool named `name`.
     pub fn get(&self, name: &str) -> Option<&Arc<Pool>> {
         self.pools.iter().find(|p| &*p.name == name)
+    }
+
+    /// Whether some pool learns its models from its backends: the model list then changes.
+    pub fn any_auto_models(&self) -> bool {
+        self.pools.iter().any(|p| p.auto_models)
     }
 
     /// The first pool (in config order) that serves `model`.

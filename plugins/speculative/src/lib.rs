@@ -371,7 +371,7 @@ fn resolve(
             })?;
             let serves_all = std::iter::once(&m.model)
                 .chain(&m.aliases)
-                .all(|n| p.models.is_empty() || p.serves(n));
+                .all(|n| p.auto_models || p.is_catch_all() || p.serves(n));
             if !serves_all {
                 return Err(ConfigError::new(
                     key,
