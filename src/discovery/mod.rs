@@ -139,6 +139,7 @@ pub(crate) fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
         draining = ?change.draining,
         ready_again = ?change.ready_again,
         left = ?change.left,
+        respecified = ?change.respecified,
         ready = members.ready(),
         total = members.len(),
         "pool backends changed"

@@ -131,6 +131,8 @@ pub struct Change {
     pub ready_again: Vec<String>,
     /// Addresses removed at once: draining with nothing running on them.
     pub left: Vec<String>,
+    /// Addresses kept whose weight or written address changed.
+    pub respecified: Vec<String>,
     /// Listed endpoints left out beyond [`MAX_ENDPOINTS`].
     pub over_limit: usize,
 }
@@ -142,6 +144,7 @@ impl Change {
             && self.draining.is_empty()
             && self.ready_again.is_empty()
             && self.left.is_empty()
+            && self.respecified.is_empty()
     }
 }
 
@@ -279,6 +282,9 @@ impl Members {
                             change.ready_again.push(old.spec.address.clone());
                         }
                         _ => {}
+                    }
+                    if old.spec != w.spec {
+                        change.respecified.push(w.spec.address.clone());
                     }
                     list.push(Member {
                         spec: w.spec.clone(),
@@ -461,6 +467,17 @@ mod tests {
         assert!(!endpoint.warming_full());
         assert_eq!(endpoint.discovery_state(), "ready");
         drop(first);
+    }
+
+    #[test]
+    fn a_new_weight_is_a_change() {
+        let (one, _) = Members::default().updated(&[wanted(1, true)], fresh);
+        let mut heavier = wanted(1, true);
+        heavier.spec.weight = 3;
+        let (two, change) = one.updated(&[heavier], fresh);
+        assert_eq!(change.respecified, vec!["127.0.0.1:1".to_string()]);
+        assert!(Arc::ptr_eq(&one.list[0].live, &two.list[0].live));
+        assert_eq!(two.round_robin().count(), 3);
     }
 
     #[test]

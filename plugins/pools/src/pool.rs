@@ -550,7 +550,7 @@ impl Pool {
         let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
         let seed = self.prefill_seed;
         let (next, change) = self.members.load().updated(wanted, || fresh_live(seed));
-        if !change.is_empty() || next.len() != self.members.load().len() {
+        if !change.is_empty() {
             self.members.store(Arc::new(next));
             self.changes.send_modify(|n| *n += 1);
         }
