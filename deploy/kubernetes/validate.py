@@ -2,14 +2,19 @@
 """Validates rendered Kubernetes objects offline, and checks the facts Sluice depends on.
 
     kubectl kustomize deploy/kubernetes/overlays/production > rendered.yaml
-    python3 deploy/kubernetes/validate.py rendered.yaml [--config-out sluice.yaml]
+    kubectl kustomize deploy/kubernetes/vllm-discovery > vllm.yaml
+    python3 deploy/kubernetes/validate.py rendered.yaml vllm.yaml [--config-out sluice.yaml]
     python3 deploy/kubernetes/validate.py --write-prometheusrule
 
 Core kinds are validated, strictly (unknown fields are errors), against the Kubernetes
 schemas of the `kubernetes-validate` package; custom resources against the openAPIV3Schema of
-the CRDs in schemas/. An object of any other kind is an error. Then Sluice's own facts: the
-probes, the grace period against sluice.yaml's, the restricted security context, the admin
-port's NetworkPolicy, and the PrometheusRule against deploy/prometheus/sluice-rules.yaml.
+the CRDs in schemas/. An object of any other kind is an error. Then Sluice's own facts, over
+the objects of every file given: the probes, the grace period against sluice.yaml's, the
+restricted security context, the admin port's NetworkPolicy, the PrometheusRule against
+deploy/prometheus/sluice-rules.yaml, and for each pool with `discovery.kubernetes` the
+Service it names (with a selector and the port), a Role bound to the Deployment's
+ServiceAccount that lets it list and watch that namespace's EndpointSlices, and the
+service-account token mounted (hence vllm-discovery/ rendered beside an overlay).
 `--config-out` writes the rendered ConfigMap's sluice.yaml, for `sluice -t`.
 
 `--write-prometheusrule` regenerates components/monitoring/prometheusrule.yaml from the rules
@@ -35,7 +40,8 @@ CRDS = {
 }
 CORE_KINDS = {
     "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
-    "PodDisruptionBudget", "Secret", "Service", "ServiceAccount", "StatefulSet",
+    "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount",
+    "StatefulSet",
 }
 
 
@@ -106,6 +112,110 @@ def seconds(duration):
     return int(duration)
 
 
+def namespace_of(obj):
+    return obj.get("metadata", {}).get("namespace")
+
+
+def grants(rule, group, resource, verbs):
+    """Whether an RBAC rule allows `verbs` on `resource` of API `group`."""
+    return (
+        ({group, "*"} & set(rule.get("apiGroups", [])))
+        and ({resource, "*"} & set(rule.get("resources", [])))
+        and ("*" in rule.get("verbs", []) or verbs <= set(rule.get("verbs", [])))
+    )
+
+
+def discovery_facts(by_kind, config, deployment, pod):
+    """What the pools' discovery sources need from the cluster: the ServiceAccount, its token,
+    its right to list and watch EndpointSlices where a `kubernetes` pool looks, and Services
+    that select pods and carry the port; a `dns` name of a rendered Service is headless."""
+    errors = []
+    home = namespace_of(deployment)   # None: the base, whose namespace the overlay sets
+    account = pod.get("serviceAccountName", "default")
+    accounts = [
+        a for a in by_kind.get("ServiceAccount", [])
+        if a["metadata"]["name"] == account and namespace_of(a) == home
+    ]
+    if account != "default" and not accounts:
+        errors.append(f"the Deployment's serviceAccountName {account} is not rendered")
+    mounted = pod.get(
+        "automountServiceAccountToken",
+        accounts[0].get("automountServiceAccountToken", True) if accounts else True,
+    )
+    pools = [p for p in config.get("pools", []) if isinstance(p.get("discovery"), dict)]
+    watching = [
+        (p["name"], p["discovery"]["kubernetes"]) for p in pools if "kubernetes" in p["discovery"]
+    ]
+    needs_token = any(not k.get("kubeconfig") for _, k in watching)
+    if needs_token and mounted is not True:
+        errors.append(
+            "kubernetes discovery reads EndpointSlices with the service-account token: "
+            "automountServiceAccountToken must be true"
+        )
+    if not needs_token and mounted is not False:
+        errors.append("securityContext: no service account token (no pool watches Kubernetes)")
+
+    def in_namespace(kind, name, namespace):
+        return [
+            o for o in by_kind.get(kind, [])
+            if o["metadata"]["name"] == name and namespace_of(o) == namespace
+        ]
+
+    for pool, source in watching:
+        if source.get("kubeconfig"):
+            continue   # another cluster's credentials: nothing here to check
+        namespace = source.get("namespace") or home
+        shown = namespace or "<Sluice's namespace>"
+        where = f"{shown}/{source['service']}"
+        services = in_namespace("Service", source["service"], namespace)
+        if not services:
+            errors.append(f"pool {pool}: its Service {where} is not rendered")
+        for service in services:
+            spec = service["spec"]
+            if not spec.get("selector"):
+                errors.append(f"pool {pool}: Service {where} has no selector, so no EndpointSlices")
+            # A port by name is the slices' name for it, the Service's port name.
+            port = source["port"]
+            if isinstance(port, str) and port not in {p.get("name") for p in spec["ports"]}:
+                errors.append(f"pool {pool}: Service {where} has no port named {port}")
+        allowed = False
+        for binding in by_kind.get("RoleBinding", []):
+            if namespace_of(binding) != namespace:
+                continue
+            bound = any(
+                s.get("kind") == "ServiceAccount" and s.get("name") == account
+                and (home is None or s.get("namespace", namespace) == home)
+                for s in binding.get("subjects", [])
+            )
+            ref = binding["roleRef"]
+            scope = namespace if ref["kind"] == "Role" else None   # a ClusterRole has none
+            roles = in_namespace(ref["kind"], ref["name"], scope)
+            if bound and any(
+                grants(rule, "discovery.k8s.io", "endpointslices", {"list", "watch"})
+                for role in roles for rule in role.get("rules", [])
+            ):
+                allowed = True
+        if not allowed:
+            errors.append(
+                f"pool {pool}: no rendered Role in namespace {shown} lets "
+                f"ServiceAccount {account} list and watch discovery.k8s.io endpointslices "
+                "(render deploy/kubernetes/vllm-discovery with it)"
+            )
+
+    # A `dns` name of a rendered Service: headless, or it answers one address, not the pods.
+    for p in pools:
+        name = p["discovery"].get("dns", {}).get("name", "")
+        labels = name.rstrip(".").split(".")
+        if len(labels) >= 3 and labels[2] == "svc":
+            for service in in_namespace("Service", labels[0], labels[1]):
+                if service["spec"].get("clusterIP") != "None":
+                    errors.append(
+                        f"pool {p['name']}: {name} is not a headless Service (clusterIP: None), "
+                        "so it answers one address for every pod"
+                    )
+    return errors
+
+
 def check_facts(objects, config_out):
     errors = []
     by_kind = {}
@@ -164,7 +274,6 @@ def check_facts(objects, config_out):
         "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
         "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
         "seccompProfile RuntimeDefault": sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") == "RuntimeDefault",
-        "no service account token": pod.get("automountServiceAccountToken") is False,
     }
     errors += [f"securityContext: {what}" for what, ok in restricted.items() if not ok]
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
@@ -191,6 +300,8 @@ def check_facts(objects, config_out):
                         f"NetworkPolicy {policy['metadata']['name']} lets the admin port in from outside the cluster"
                     )
 
+    errors += discovery_facts(by_kind, config, deployment, pod)
+
     # prometheus-operator loads exactly the shipped rules.
     for rule in by_kind.get("PrometheusRule", []):
         if rule["spec"] != prometheus_rule()["spec"]:
@@ -203,7 +314,9 @@ def check_facts(objects, config_out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rendered", nargs="?", help="output of kubectl kustomize")
+    parser.add_argument(
+        "rendered", nargs="*", help="output of kubectl kustomize (several: checked together)"
+    )
     parser.add_argument("--config-out", help="write the ConfigMap's sluice.yaml here")
     parser.add_argument("--schemas-only", action="store_true", help="skip Sluice's facts")
     parser.add_argument("--write-prometheusrule", action="store_true")
@@ -218,7 +331,9 @@ def main():
         return 0
     if not args.rendered:
         parser.error("give the rendered objects, or --write-prometheusrule")
-    objects = [o for o in yaml.safe_load_all(pathlib.Path(args.rendered).read_text()) if o]
+    objects = [
+        o for path in args.rendered for o in yaml.safe_load_all(pathlib.Path(path).read_text()) if o
+    ]
     errors = [e for obj in objects for e in validate_object(obj)]
     if not args.schemas_only and not errors:
         errors = check_facts(objects, args.config_out)

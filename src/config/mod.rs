@@ -633,29 +633,28 @@ fn backends_and_source(
                 format!("{resolved} is listed twice in this pool"),
             ));
         }
-        if b.address.parse::<SocketAddr>().is_err() {
-            if let Some((host, port)) = b.address.rsplit_once(':') {
-                named.push(dns::NamedBackend {
-                    address: b.address.clone(),
-                    host: host
-                        .trim_start_matches('[')
-                        .trim_end_matches(']')
-                        .to_string(),
-                    port: port.parse().unwrap_or(resolved.port()),
-                    weight: b.weight,
-                    resolved,
-                });
-            }
-        }
+        let host = b.address.rsplit_once(':').map_or("", |(host, _)| {
+            host.trim_start_matches('[').trim_end_matches(']')
+        });
+        named.push(dns::NamedBackend {
+            address: b.address.clone(),
+            host: host.to_string(),
+            port: resolved.port(),
+            weight: b.weight,
+            resolved,
+        });
         backends.push(BackendSpec {
             address: b.address.clone(),
             resolved,
             weight: b.weight,
         });
     }
-    // Only when every backend is named: a pool's update lists all of its backends.
-    let source =
-        (!named.is_empty() && named.len() == backends.len()).then_some(Source::Names(named));
+    // Re-resolved when some backend is given by name; the others are listed as they are,
+    // since an update lists all of a pool's backends.
+    let by_name = named
+        .iter()
+        .any(|n| n.host.parse::<std::net::IpAddr>().is_err());
+    let source = by_name.then_some(Source::Names(named));
     Ok((backends, source))
 }
 

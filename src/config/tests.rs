@@ -496,9 +496,11 @@ fn discovery_sources_are_read_with_their_defaults() {
     discovery:
       kubernetes: { service: vllm-draft, namespace: llm, port: http }
   - name: c
-    backends: [{ address: localhost:9 }]
+    backends: [{ address: localhost:9 }, { address: 127.0.0.2:9 }]
+  - name: d
+    backends: [{ address: 127.0.0.3:9 }]
 ");
-    assert_eq!(c.discovery.len(), 3);
+    assert_eq!(c.discovery.len(), 3, "pool d has nothing to re-resolve");
     match &c.discovery[0].source {
         Source::Dns(d) => {
             assert_eq!(d.name, "vllm.llm.svc.cluster.local");

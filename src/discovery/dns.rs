@@ -40,7 +40,8 @@ pub struct DnsSource {
     pub on_empty: OnEmpty,
 }
 
-/// A `backends[]` entry given by host name.
+/// A `backends[]` entry of a pool some of whose backends are given by host name (those
+/// given by address are listed as they are).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NamedBackend {
     /// As written: `host:port`.
@@ -187,6 +188,9 @@ pub async fn follow_names(pool: Arc<Pool>, names: Vec<NamedBackend>) {
         let mut shortest = NAMES_MAX_REFRESH;
         let mut failed = None;
         for (named, now) in names.iter().zip(current.iter_mut()) {
+            if named.host.parse::<IpAddr>().is_ok() {
+                continue;
+            }
             match lookup(&resolver, &named.host, NAMES_TIMEOUT).await {
                 Ok(Answer::Records(ips, ttl)) => {
                     // Kept while the name still lists it, so an entry does not hop between
