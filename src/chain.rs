@@ -300,6 +300,7 @@ mod tests {
                 elapsed: std::time::Duration::ZERO,
                 status: None,
                 outcome,
+                span: tracing::Span::none(),
             };
             chain.attempt_end(&attempt, &mut ctx);
         }

@@ -378,3 +378,36 @@ async fn a_backend_that_asks_for_a_pause_gets_one() {
         "never asked again after its pause"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_attempt_is_a_span_under_its_request_span() {
+    let dead = reserve_port();
+    let sim = sim_serving(MODEL).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[dead.addr(), sim.addr()])
+            .without_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"}))
+    ]}))
+    .await;
+    // Round robin: one of two requests starts on the dead backend, then moves on.
+    for n in 0..2 {
+        let id = format!("span-test-{n}");
+        let answer = proxy
+            .ask(&chat(MODEL, "hello", false), &[("x-request-id", &id)])
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let dead = dead.addr().to_string();
+    let logs = proxy.logs();
+    let failed = logs
+        .lines()
+        .find(|l| l.contains("upstream attempt failed"))
+        .unwrap_or_else(|| panic!("no failed attempt in\n{logs}"));
+    // The failure is logged inside the attempt's span, inside the request's.
+    let request = failed
+        .find("request{request_id=\"span-test-")
+        .unwrap_or(usize::MAX);
+    let attempt = failed.find("attempt{number=1").unwrap_or(usize::MAX);
+    assert!(request < attempt && attempt < failed.len(), "{failed}");
+    assert!(failed.contains(&dead), "{failed}");
+}

@@ -14,7 +14,8 @@
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
-use super::{tries, Sluice};
+use super::tries;
+use crate::chain::Chain;
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
@@ -33,6 +34,16 @@ use sluice_sdk::{
 use std::future::Future;
 use std::sync::Arc;
 use tokio::time::{sleep_until, Instant};
+
+/// What an attempt uses of the running generation: the upstream connections, the memory
+/// budget held answers count against, the end of the grace period, and the chain's
+/// response hooks. Nothing else of it: an attempt does not route, choose or judge.
+pub struct Upstreams<'a> {
+    pub connector: &'a Connector,
+    pub memory: &'a Arc<MemoryBudget>,
+    pub streams_end: &'a tokio::sync::watch::Receiver<bool>,
+    pub chain: &'a Chain,
+}
 
 /// What an attempt sends: where to connect, and the exact request.
 pub struct Attempt {
@@ -195,7 +206,7 @@ impl Upstream<'_> {
 
 /// Sends `attempt` and pipes the answer to the client.
 pub async fn run(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     attempt: Attempt,
@@ -205,10 +216,10 @@ pub async fn run(
     // A pooled connection first. Only when there is none is the connect future made, boxed:
     // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
     // which every open stream holds to its end and which is moved (copied) as it is boxed.
-    let connected = match sluice.connector.reused_http_session(&attempt.peer).await {
+    let connected = match upstreams.connector.reused_http_session(&attempt.peer).await {
         Some(http) => Watched::Done(Ok((http, true))),
         None => {
-            let connecting = Box::pin(sluice.connector.get_http_session(&attempt.peer));
+            let connecting = Box::pin(upstreams.connector.get_http_session(&attempt.peer));
             watch(session, connecting, deadlines.first_byte).await
         }
     };
@@ -228,12 +239,12 @@ pub async fn run(
         in_flight,
     } = attempt;
     let mut upstream = Upstream {
-        connector: &sluice.connector,
+        connector: upstreams.connector,
         peer: &peer,
         http,
         reused,
         in_flight,
-        streams_end: sluice.streams_end.clone(),
+        streams_end: upstreams.streams_end.clone(),
     };
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
@@ -242,7 +253,7 @@ pub async fn run(
     }) {
         return outcome;
     }
-    pipe(sluice, session, ctx, upstream, deadlines, hold).await
+    pipe(upstreams, session, ctx, upstream, deadlines, hold).await
 }
 
 /// Writes the whole request.
@@ -255,8 +266,11 @@ async fn send(http: &mut HttpSession, header: RequestHeader, body: Bytes) -> Res
     Ok(())
 }
 
+/// The answer of a sent request: its header read, then held whole (an error that may be
+/// declined, an answer to judge), or streamed to the client (after a hold-back window when
+/// one is asked for).
 async fn pipe(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     mut up: Upstream<'_>,
@@ -264,69 +278,116 @@ async fn pipe(
     hold: &Hold,
 ) -> Outcome {
     // Until the response header: nothing has reached the client, so failures are retryable.
-    let mut header = match read_header(session, &mut up, deadlines.first_byte).await {
+    let header = match read_header(session, &mut up, deadlines.first_byte).await {
         Ok(header) => header,
         Err(outcome) => return outcome,
     };
-
     tries::honour_back_pressure(ctx, up.in_flight.backend(), &header);
     let is_sse = is_event_stream(&header);
     let status = header.status.as_u16();
-    let declined = hold.error_statuses && (status >= 500 || status == 429);
-    let refused_for_context = status == 400 && hold.context_budget.is_some();
-    let judged =
-        status == 200 && !is_sse && (hold.check.is_some() || hold.context_budget.is_some());
-    // Held answers are read whole first: an error to decline, or an answer to judge.
-    if declined || judged || refused_for_context {
-        let body = match read_held(session, &mut up, &deadlines, &sluice.memory).await {
-            Ok(body) => body,
-            Err(outcome) => return outcome,
-        };
-        up.release().await;
-        if declined {
-            return Outcome::Declined(header, body);
-        }
-        if refused_for_context {
-            if context::is_context_length_error(&body) {
-                return Outcome::Judged(reason::PROMPT_TOO_LONG);
-            }
-            return send_answer(sluice, session, ctx, header, Some(body)).await;
-        }
-        let cut = hold
-            .context_budget
-            .is_some_and(|budget| context::cut_by_context(&body, budget));
-        if cut {
-            return Outcome::Judged(reason::PROMPT_TOO_LONG);
-        }
-        let body = match hold.check.as_ref().map(|c| c.judge(&body)) {
-            Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
-            Some(Judgement::Keep(Some(replaced))) => {
-                if let Err(e) = frame_by_length(&mut header, replaced.len()) {
-                    return Outcome::NotStarted(e);
-                }
-                replaced
-            }
-            Some(Judgement::Keep(None)) | None => body,
-        };
-        return send_answer(sluice, session, ctx, header, Some(body)).await;
+    let held = HeldFor {
+        declined: hold.error_statuses && (status >= 500 || status == 429),
+        refused_for_context: status == 400 && hold.context_budget.is_some(),
+        judged: status == 200 && !is_sse && (hold.check.is_some() || hold.context_budget.is_some()),
+    };
+    if held.declined || held.judged || held.refused_for_context {
+        return answer_held(upstreams, session, ctx, up, header, &deadlines, hold, held).await;
     }
     // The hold-back window: the stream's start is kept until it is judged, so that a
     // rejected draft can still give way to the target.
     let mut window = Window {
         chunks: Vec::new(),
         ended: false,
-        held: sluice.memory.none(),
+        held: upstreams.memory.none(),
     };
     if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
-        window = match hold_back(session, &mut up, &deadlines, check.start(), &sluice.memory).await
+        window = match hold_back(
+            session,
+            &mut up,
+            &deadlines,
+            check.start(),
+            upstreams.memory,
+        )
+        .await
         {
             Ok(window) => window,
             Err(outcome) => return outcome,
         };
     }
-    if let Err(outcome) = start_answer(sluice, session, ctx, header).await {
+    if let Err(outcome) = start_answer(upstreams, session, ctx, header).await {
         return outcome;
     }
+    stream(upstreams, session, ctx, up, window, &deadlines, is_sse).await
+}
+
+/// Why an answer is read whole before the client sees any of it.
+#[derive(Clone, Copy)]
+struct HeldFor {
+    /// An error status another attempt may replace.
+    declined: bool,
+    /// A 400 that may be the context-length refusal another pool would not give.
+    refused_for_context: bool,
+    /// A 200 answer to judge (a check, or the context's cut).
+    judged: bool,
+}
+
+/// An answer read whole first: declined, judged, or sent as it is (or as the check
+/// replaced it).
+#[allow(clippy::too_many_arguments)]
+async fn answer_held(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut up: Upstream<'_>,
+    mut header: Box<ResponseHeader>,
+    deadlines: &Deadlines,
+    hold: &Hold,
+    held: HeldFor,
+) -> Outcome {
+    let body = match read_held(session, &mut up, deadlines, upstreams.memory).await {
+        Ok(body) => body,
+        Err(outcome) => return outcome,
+    };
+    up.release().await;
+    if held.declined {
+        return Outcome::Declined(header, body);
+    }
+    if held.refused_for_context {
+        if context::is_context_length_error(&body) {
+            return Outcome::Judged(reason::PROMPT_TOO_LONG);
+        }
+        return send_answer(upstreams, session, ctx, header, Some(body)).await;
+    }
+    let cut = hold
+        .context_budget
+        .is_some_and(|budget| context::cut_by_context(&body, budget));
+    if cut {
+        return Outcome::Judged(reason::PROMPT_TOO_LONG);
+    }
+    let body = match hold.check.as_ref().map(|c| c.judge(&body)) {
+        Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
+        Some(Judgement::Keep(Some(replaced))) => {
+            if let Err(e) = frame_by_length(&mut header, replaced.len()) {
+                return Outcome::NotStarted(e);
+            }
+            replaced
+        }
+        Some(Judgement::Keep(None)) | None => body,
+    };
+    send_answer(upstreams, session, ctx, header, Some(body)).await
+}
+
+/// The rest of a started answer, chunk by chunk as it comes: a kept window first; the end,
+/// a failure (an SSE error event ends a stream) or the total deadline.
+async fn stream(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut up: Upstream<'_>,
+    window: Window,
+    deadlines: &Deadlines,
+    is_sse: bool,
+) -> Outcome {
     // A kept window goes first; a stream that ended within it ends here.
     let Window {
         chunks,
@@ -335,16 +396,15 @@ async fn pipe(
         ..
     } = window;
     for chunk in chunks {
-        if let Err(e) = forward(&sluice.chain, session, ctx, Some(chunk), false).await {
+        if let Err(e) = forward(upstreams.chain, session, ctx, Some(chunk), false).await {
             return Outcome::ClientGone(e);
         }
     }
     drop(held);
     if ended {
         up.release().await;
-        return finish(sluice, session, ctx, None).await;
+        return finish(upstreams, session, ctx, None).await;
     }
-
     loop {
         match next(session, &mut up, deadlines.total).await {
             Next::Chunk(data) => {
@@ -352,20 +412,20 @@ async fn pipe(
                 // send its next request meanwhile, which the client watch in `next` would read.
                 if up.http.is_body_done() {
                     up.release().await;
-                    return finish(sluice, session, ctx, Some(data)).await;
+                    return finish(upstreams, session, ctx, Some(data)).await;
                 }
-                if let Err(e) = forward(&sluice.chain, session, ctx, Some(data), false).await {
+                if let Err(e) = forward(upstreams.chain, session, ctx, Some(data), false).await {
                     return Outcome::ClientGone(e);
                 }
             }
             Next::End => {
                 up.release().await;
-                return finish(sluice, session, ctx, None).await;
+                return finish(upstreams, session, ctx, None).await;
             }
-            Next::Failed(e) => return broken(sluice, session, ctx, is_sse, e).await,
+            Next::Failed(e) => return broken(upstreams, session, ctx, is_sse, e).await,
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out mid-response");
-                return broken(sluice, session, ctx, is_sse, e).await;
+                return broken(upstreams, session, ctx, is_sse, e).await;
             }
             Next::ClientGone(e) => {
                 ctx.progress_mut().response_incomplete = true;
@@ -400,12 +460,12 @@ async fn read_header(
 
 /// Writes the client's response header, after the plugins' hooks.
 async fn start_answer(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     mut header: Box<ResponseHeader>,
 ) -> Result<(), Outcome> {
-    if let Err(e) = prepare_upstream_header(&sluice.chain, &mut header, ctx, None) {
+    if let Err(e) = prepare_upstream_header(upstreams.chain, &mut header, ctx, None) {
         return Err(Outcome::NotStarted(e));
     }
     session
@@ -416,26 +476,26 @@ async fn start_answer(
 
 /// Sends a whole answer that was held.
 async fn send_answer(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     header: Box<ResponseHeader>,
     body: Option<Bytes>,
 ) -> Outcome {
-    if let Err(outcome) = start_answer(sluice, session, ctx, header).await {
+    if let Err(outcome) = start_answer(upstreams, session, ctx, header).await {
         return outcome;
     }
-    finish(sluice, session, ctx, body).await
+    finish(upstreams, session, ctx, body).await
 }
 
 /// Writes the last chunk of an answer, if any, and ends it.
 async fn finish(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     last: Option<Bytes>,
 ) -> Outcome {
-    match forward(&sluice.chain, session, ctx, last, true).await {
+    match forward(upstreams.chain, session, ctx, last, true).await {
         Ok(()) => Outcome::Complete,
         Err(e) => Outcome::ClientGone(e),
     }
@@ -641,22 +701,22 @@ async fn hold_back(
 
 /// Sends an upstream's answer that an attempt had held back (a declined error) as it is.
 pub async fn send_held(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     mut header: Box<ResponseHeader>,
     body: Bytes,
 ) -> Result<()> {
     frame_by_length(&mut header, body.len())?;
-    prepare_upstream_header(&sluice.chain, &mut header, ctx, None)?;
-    write_whole(&sluice.chain, session, ctx, header, body).await
+    prepare_upstream_header(upstreams.chain, &mut header, ctx, None)?;
+    write_whole(upstreams.chain, session, ctx, header, body).await
 }
 
 /// The response started and then failed. An event stream ends with an error event and
 /// `[DONE]`, as vLLM ends its own failed streams; any other body can only be cut, which the
 /// client sees as a short body.
 async fn broken(
-    sluice: &Sluice,
+    upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
     is_sse: bool,
@@ -664,10 +724,10 @@ async fn broken(
 ) -> Outcome {
     ctx.progress_mut().response_incomplete = true;
     let reply = ErrorReply::from_error(&error);
-    sluice.chain.error(&reply, ctx);
+    upstreams.chain.error(&reply, ctx);
     if is_sse {
         let event = Some(reply.sse_event());
-        if let Err(e) = forward(&sluice.chain, session, ctx, event, true).await {
+        if let Err(e) = forward(upstreams.chain, session, ctx, event, true).await {
             return Outcome::ClientGone(e);
         }
     }

@@ -3,29 +3,22 @@
 //! passes the plugins' `response_header` hooks and every chunk their `response_body` hooks
 //! here, and the bytes that reach the client are counted here.
 //!
-//! An LLM answer's token usage is found here too, once for every plugin
-//! ([`RequestCtx::usage`]): each chunk passes one [`UsageScanner`] before the body hooks, and
-//! the usage chunk of a stream whose client did not ask for it (the upstream was asked on a
-//! plugin's behalf, see [`usage_kept_from_client`]) is removed before any hook sees it.
+//! An LLM answer's token usage is read here too, once for every plugin, before the body
+//! hooks (see [`super::usage`]).
 //!
 //! An answer from a pool that serves another model name than the client asked for has its
 //! `model` field rewritten back here, first, chunk by chunk ([`ModelRewriter`]): every hook,
 //! the cache's tee included, sees the answer as the client gets it.
 
-use super::forwarding;
+use super::{forwarding, usage};
 use crate::chain::Chain;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pingora_error::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use sluice_sdk::error::internal;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::model_name::ModelRewriter;
-use sluice_sdk::raw_json::{self, is_space};
-use sluice_sdk::sse::{self, SseEvents};
-use sluice_sdk::usage::UsageScanner;
 use sluice_sdk::{headers, HeaderRules, RequestCtx, Route};
 
 /// The headers the core adds to an LLM answer: the pool, the escalation.
@@ -45,10 +38,8 @@ pub fn prepare_upstream_header(
     progress.status = Some(status);
     forwarding::strip_response(response);
     forwarding::from_pool(response, ctx.pool().map(|p| &**p), route)?;
-    let strip = is_event_stream(response) && usage_kept_from_client(ctx);
-    if let Some(watch) = ctx.state.get_mut::<AnswerUsage>() {
-        watch.strip = strip.then(SseEvents::default);
-    }
+    let strip = is_event_stream(response) && usage::usage_kept_from_client(ctx);
+    usage::strip_usage_chunk(ctx, strip);
     // Error answers pass as they are: only an answer carries the model's name.
     let rewriter = match (ctx.pool(), ctx.route()) {
         (Some(pool), Route::Llm(_)) if response.status.is_success() => pool
@@ -94,7 +85,7 @@ pub async fn forward(
     if let Some(ModelRewrite(rewriter)) = ctx.state.get_mut::<ModelRewrite>() {
         data = rewriter.rewrite(data, end);
     }
-    read_usage(ctx, &mut data, end);
+    usage::read_usage(ctx, &mut data, end);
     chain.response_body(&mut data, end, ctx)?;
     count_sent(ctx, data.as_ref());
     session.write_response_body(data, end).await
@@ -131,240 +122,7 @@ pub fn count_sent(ctx: &mut RequestCtx, chunk: Option<&Bytes>) {
     ctx.progress_mut().response_bytes += chunk.len();
 }
 
-/// What the core reads of an LLM answer as it passes: its usage, and on a stream whose usage
-/// is kept from the client, where its events are. Kept in the request's state under this
-/// type of the core's, as a plugin keeps its own.
-#[derive(Debug, Default)]
-pub struct AnswerUsage {
-    scanner: UsageScanner,
-    /// The stream's events, while its usage chunk is removed.
-    strip: Option<SseEvents>,
-}
-
 /// The rewriter of an upstream answer's `model` field, when its pool serves another name than
 /// the client asked for: in the request's state under this type of the core's.
 #[derive(Debug)]
 pub struct ModelRewrite(ModelRewriter);
-
-/// From here on, every answer to the request (an upstream's, a cache hit, an error) is
-/// scanned for its usage as it is written.
-pub fn watch_usage(ctx: &mut RequestCtx) {
-    ctx.state.insert(AnswerUsage::default());
-}
-
-/// A plugin wants the usage of a stream whose client did not ask for it: the upstream is
-/// asked for it, and the usage chunk is kept from the client.
-pub fn usage_kept_from_client(ctx: &RequestCtx) -> bool {
-    ctx.usage_wanted()
-        && ctx
-            .llm()
-            .is_some_and(|call| call.request.is_stream() && !call.request.include_usage())
-}
-
-/// Scans a chunk for the answer's usage, records it, and removes the usage chunk when it is
-/// kept from the client.
-fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
-    let Some(watch) = ctx.state.get_mut::<AnswerUsage>() else {
-        return;
-    };
-    if let Some(chunk) = body.as_ref() {
-        watch.scanner.feed(chunk);
-    }
-    if let Some(events) = watch.strip.as_mut() {
-        drop_usage_chunk(events, body, end);
-    }
-    // A stream's running totals (`continuous_usage_stats`): the last one found is the answer's.
-    if let Some(found) = watch.scanner.usage().filter(|u| ctx.usage() != Some(*u)) {
-        if ctx.usage().is_none() && !ctx.answered_locally() {
-            learn_prompt_scale(ctx, found);
-        }
-        ctx.set_usage(found);
-    }
-}
-
-/// The engine's own count of the prompt teaches its pool how far the estimate is off (see
-/// `Pool::prompt_tokens`); only an upstream's answer does, not a replayed one.
-fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
-    if let (Some(pool), Some(call)) = (ctx.pool(), ctx.llm()) {
-        pool.learn_prompt_tokens(call.demand.prompt_tokens, usage.prompt_tokens);
-    }
-}
-
-/// Removes the usage chunk from a stream's chunk; `end` marks its last. A chunk of whole
-/// events without it passes as the same buffer, and whole events before an unfinished one as
-/// a slice of it: nothing is copied until an event is dropped or an event spans chunks.
-fn drop_usage_chunk(events: &mut SseEvents, body: &mut Option<Bytes>, end: bool) {
-    let Some(chunk) = body.take() else {
-        let rest = if end { events.take_rest() } else { Vec::new() };
-        *body = (!rest.is_empty()).then(|| Bytes::from(rest));
-        return;
-    };
-    // `chunk[..passed]` is passed on as it is, until `out` takes over.
-    let mut passed = 0;
-    let mut out: Option<BytesMut> = None;
-    events.split(&chunk, |event| {
-        let keep = !is_usage_chunk(event);
-        if out.is_none() {
-            let next = raw_json::position(&chunk, event).filter(|at| at.start == passed);
-            match next {
-                Some(at) if keep => {
-                    passed = at.end;
-                    return;
-                }
-                _ => out = Some(BytesMut::from(chunk.get(..passed).unwrap_or_default())),
-            }
-        }
-        if let (true, Some(out)) = (keep, out.as_mut()) {
-            out.extend_from_slice(event);
-        }
-    });
-    if end {
-        // An unfinished last event goes out as it is: the client sees what the upstream sent.
-        let rest = events.take_rest();
-        if !rest.is_empty() {
-            out.get_or_insert_with(|| BytesMut::from(chunk.get(..passed).unwrap_or_default()))
-                .extend_from_slice(&rest);
-        }
-    }
-    *body = match out {
-        Some(out) => (!out.is_empty()).then(|| out.freeze()),
-        None if passed == chunk.len() => Some(chunk),
-        None => (passed > 0).then(|| chunk.slice(..passed)),
-    };
-}
-
-/// The usage chunk vLLM ends a stream with when asked: no choices, and a `usage` object.
-/// Looked for as text first: most events have no `"usage"` key (vLLM's completions stream
-/// has `"usage":null` in each, which is then read without copying).
-fn is_usage_chunk(event: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct Shape<'a> {
-        #[serde(borrow)]
-        choices: Option<&'a RawValue>,
-        #[serde(borrow)]
-        usage: Option<&'a RawValue>,
-    }
-    let Some(data) = sse::data(event) else {
-        return false;
-    };
-    if !data.windows(7).any(|w| w == b"\"usage\"") {
-        return false;
-    }
-    let Ok(shape) = serde_json::from_slice::<Shape>(&data) else {
-        return false;
-    };
-    let no_choices = shape.choices.is_some_and(|c| {
-        let inner = c.get().as_bytes();
-        let inner = inner.strip_prefix(b"[").and_then(|i| i.strip_suffix(b"]"));
-        inner.is_some_and(|i| i.iter().all(|&b| is_space(b)))
-    });
-    no_choices && shape.usage.is_some_and(|u| u.get().starts_with('{'))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const STREAM: &str = include_str!("../../tests/fixtures/vllm-chat-stream.sse");
-
-    /// The stream as a client that did not ask for usage sees it, from these chunks.
-    fn stripped(chunks: &[&[u8]]) -> String {
-        let mut events = SseEvents::default();
-        let mut out = String::new();
-        for (i, chunk) in chunks.iter().enumerate() {
-            let mut body = Some(Bytes::copy_from_slice(chunk));
-            drop_usage_chunk(&mut events, &mut body, i + 1 == chunks.len());
-            if let Some(b) = body {
-                out.push_str(std::str::from_utf8(&b).unwrap());
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn the_usage_chunk_is_dropped_and_nothing_else_however_the_stream_is_cut() {
-        let expected: String = STREAM
-            .split_inclusive("\n\n")
-            .filter(|e| !e.contains("\"usage\""))
-            .collect();
-        assert_eq!(expected.matches("\n\n").count(), 6);
-        assert_eq!(stripped(&[STREAM.as_bytes()]), expected);
-        for cut in 1..STREAM.len() {
-            let (a, b) = STREAM.as_bytes().split_at(cut);
-            assert_eq!(stripped(&[a, b]), expected, "cut at {cut}");
-        }
-        let bytes: Vec<&[u8]> = STREAM.as_bytes().chunks(7).collect();
-        assert_eq!(stripped(&bytes), expected);
-    }
-
-    #[test]
-    fn unchanged_events_pass_as_the_same_buffer_or_a_slice_of_it() {
-        let first = STREAM.split_inclusive("\n\n").next().unwrap();
-        let mut events = SseEvents::default();
-        let chunk = Bytes::copy_from_slice(first.as_bytes());
-        let mut body = Some(chunk.clone());
-        drop_usage_chunk(&mut events, &mut body, false);
-        let passed = body.unwrap();
-        assert_eq!(
-            (passed.as_ptr(), passed.len()),
-            (chunk.as_ptr(), chunk.len())
-        );
-        // Whole events, then the start of the next: the whole ones go, uncopied.
-        let chunk = Bytes::from(format!("{first}data: {{\"cho"));
-        let mut body = Some(chunk.clone());
-        drop_usage_chunk(&mut events, &mut body, false);
-        let passed = body.unwrap();
-        assert_eq!(
-            (passed.as_ptr(), passed.len()),
-            (chunk.as_ptr(), first.len())
-        );
-    }
-
-    #[test]
-    fn only_a_usage_chunk_is_one() {
-        let usage =
-            br#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}
-
-"#;
-        assert!(is_usage_chunk(usage));
-        assert!(is_usage_chunk(
-            b"data: {\"choices\": [ ],\"usage\": {\"prompt_tokens\":1}}\r\n\r\n"
-        ));
-        for other in [
-            // Every chunk of vLLM's completions stream, and continuous usage stats.
-            &br#"data: {"choices":[{"index":0,"text":" usage"}],"usage":null}
-
-"#[..],
-            br#"data: {"choices":[{"index":0,"text":"x"}],"usage":{"prompt_tokens":1}}
-
-"#,
-            br#"data: {"choices":[],"usage":null}
-
-"#,
-            b"data: [DONE]\n\n",
-            b": usage\n\n",
-            br#"data: {"text":"\"usage\"","choices":[]}
-
-"#,
-        ] {
-            assert!(!is_usage_chunk(other), "{}", String::from_utf8_lossy(other));
-        }
-    }
-
-    #[test]
-    fn a_cut_last_event_is_kept_and_no_chunk_stays_none() {
-        assert_eq!(
-            stripped(&[b"data: 1\n\nda", b"ta: {\"usa"]),
-            "data: 1\n\ndata: {\"usa"
-        );
-        let mut events = SseEvents::default();
-        let mut body = None;
-        drop_usage_chunk(&mut events, &mut body, false);
-        assert!(body.is_none());
-        let mut body = Some(Bytes::from_static(b"data: 1\n\nda"));
-        drop_usage_chunk(&mut events, &mut body, false);
-        let mut body = None;
-        drop_usage_chunk(&mut events, &mut body, true);
-        assert_eq!(body.as_deref(), Some(&b"da"[..]));
-    }
-}

@@ -19,7 +19,7 @@
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
 use super::tries::{self, no_backend};
-use super::{body, downstream, forwarding, reply, Sluice};
+use super::{body, forwarding, reply, usage, Sluice};
 use crate::metrics;
 use bytes::Bytes;
 use pingora_error::{Error, ErrorType, Result};
@@ -35,6 +35,7 @@ use sluice_sdk::{
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 /// Serves an LLM request from `request_filter`: on return, it has been answered (or the
 /// error is for `fail_to_proxy` to answer).
@@ -57,7 +58,7 @@ pub async fn serve(
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
-    downstream::watch_usage(ctx);
+    usage::watch_usage(ctx);
 
     if let Some(answer) = sluice.chain.request(session, ctx).await? {
         return reply::local(&sluice.chain, session, ctx, answer).await;
@@ -174,6 +175,7 @@ impl AttemptLoop {
                 Some(backend) => {
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
+                    let span = tries::span(ctx, &pool, backend.addr);
                     let prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
                     // 3. run: the attempt's load on the backend ends with it (or as soon as
@@ -185,18 +187,23 @@ impl AttemptLoop {
                         hold,
                     } = prepared;
                     let started = std::time::Instant::now();
-                    let outcome =
-                        attempt::run(sluice, session, ctx, attempt, deadlines, &hold).await;
-                    report_attempt(sluice, ctx, &pool, &backend, started, &outcome);
+                    let upstreams = sluice.upstreams();
+                    let outcome = attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold)
+                        .instrument(span.clone())
+                        .await;
+                    report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
                     // 4. decide
-                    self.decide(ctx, &pool, &backend, outcome).await
+                    self.decide(ctx, &pool, &backend, outcome)
+                        .instrument(span)
+                        .await
                 }
             };
             match then {
                 Then::TryAgain => continue,
                 Then::Finished(result) => return result,
                 Then::SendDeclined(header, body) => {
-                    return attempt::send_held(sluice, session, ctx, header, body).await
+                    return attempt::send_held(&sluice.upstreams(), session, ctx, header, body)
+                        .await
                 }
             }
         }
@@ -278,7 +285,7 @@ impl AttemptLoop {
             .as_ref()
             .filter(|served| served.changes(ctx.model()))
             .map(ServedModel::json);
-        let ask_usage = downstream::usage_kept_from_client(ctx);
+        let ask_usage = usage::usage_kept_from_client(ctx);
         if model.is_none() && !ask_usage {
             return body;
         }
@@ -379,7 +386,6 @@ impl AttemptLoop {
         e: Box<Error>,
     ) -> Then {
         tracing::warn!(
-            request_id = ctx.request_id().unwrap_or("-"),
             pool = &*pool.name,
             backend = %backend,
             "upstream attempt failed: {e}"
@@ -417,7 +423,6 @@ impl AttemptLoop {
         body: Bytes,
     ) -> Then {
         tracing::info!(
-            request_id = ctx.request_id().unwrap_or("-"),
             pool = &*pool.name,
             backend = %backend,
             "upstream answered {}",
@@ -455,7 +460,6 @@ impl AttemptLoop {
             return false;
         };
         tracing::info!(
-            request_id = ctx.request_id().unwrap_or("-"),
             from = ctx.pool_name(),
             to = &*escalation.target.name,
             "escalated: {why}"
@@ -476,17 +480,22 @@ fn report_attempt(
     backend: &Selected,
     started: std::time::Instant,
     outcome: &Outcome,
+    span: &tracing::Span,
 ) {
+    let status = ctx.progress().upstream_status;
+    let label = outcome
+        .label()
+        .map_or("client_gone", |label| label.as_str());
+    tries::ended(span, status, label);
     let report = AttemptReport {
         number: ctx.progress().attempts,
         pool: Arc::clone(&pool.name),
         backend: backend.addr,
         started,
         elapsed: started.elapsed(),
-        status: ctx.progress().upstream_status,
-        outcome: outcome
-            .label()
-            .map_or("client_gone", |label| label.as_str()),
+        status,
+        outcome: label,
+        span: span.clone(),
     };
     sluice.chain.attempt_end(&report, ctx);
 }

@@ -41,67 +41,27 @@ mod forwarding;
 mod llm_route;
 mod plain_route;
 mod reply;
+mod state;
 mod tries;
+mod usage;
 
-use crate::caps::{Caps, Slot};
-use crate::chain::Chain;
-use crate::config::Limits;
+pub use state::Sluice;
+
+use crate::caps::Slot;
 use crate::metrics::{self, AttemptOutcome};
-use crate::router::{Decision, Router};
+use crate::router::Decision;
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
-use pingora_core::connectors::http::v1::Connector;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use plain_route::PlainTries;
-use sluice_sdk::{ErrorReply, HeaderRules, MemoryBudget, Pools, Reason, RequestCtx, Verdict};
+use sluice_sdk::{ErrorReply, HeaderRules, Reason, RequestCtx, Verdict};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Everything the proxy needs at run time, built once from config.
-pub struct Sluice {
-    pub limits: Limits,
-    /// Requests in flight, per client and in total.
-    pub requests: Arc<Caps>,
-    /// Turns `true` when the server's grace period is ending: running streams end then.
-    pub streams_end: tokio::sync::watch::Receiver<bool>,
-    /// Bytes held in memory for requests (bodies, held answers).
-    pub memory: Arc<MemoryBudget>,
-    pub pools: Arc<Pools>,
-    /// The `/v1/models` answer, built once per generation.
-    pub models: Bytes,
-    pub router: Router,
-    pub chain: Chain,
-    pub access_log: bool,
-    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves. Shared
-    /// by every generation.
-    pub connector: Arc<Connector>,
-    /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
-    /// once its last request has ended.
-    pub retired: std::sync::atomic::AtomicBool,
-}
-
-/// The most a retired generation's plugins get to finish their queued work.
-const RETIRED_FLUSH_WITHIN: Duration = Duration::from_secs(2);
-
-impl Drop for Sluice {
-    fn drop(&mut self) {
-        if !self.retired.load(std::sync::atomic::Ordering::Relaxed) {
-            return;
-        }
-        let plugins = self.chain.plugins();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                for plugin in plugins {
-                    plugin.stop(RETIRED_FLUSH_WITHIN).await;
-                }
-            });
-        }
-    }
-}
+use tracing::Instrument;
 
 /// The proxy service: each request runs on the generation of [`Sluice`] current when it
 /// begins (see `crate::reload`: `SIGHUP` swaps in a new one for new requests).
@@ -155,7 +115,22 @@ impl ProxyHttp for Proxy {
         session.set_read_timeout(Some(this.limits.client_body_timeout));
         let address = client::address(session, &this.limits.trusted_proxies);
         ctx.slot = Some(client::admit(&this.requests, address)?);
-        this.chain.early_request(session, &mut ctx.req).await
+        let decided = this.chain.early_request(session, &mut ctx.req).await;
+        // The request's span opens once its identity is known (the request-id plugin gave
+        // it its id), and closes with the context, after `logging`.
+        let span = tracing::info_span!(
+            target: "sluice::request",
+            "request",
+            request_id = ctx.req.request_id().unwrap_or("-"),
+            route = tracing::field::Empty,
+            model = tracing::field::Empty,
+            pool = tracing::field::Empty,
+            tenant = tracing::field::Empty,
+            status = tracing::field::Empty,
+            cache = tracing::field::Empty,
+        );
+        ctx.req.set_span(span);
+        decided
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut ProxyCtx) -> Result<bool> {
@@ -168,7 +143,10 @@ impl ProxyHttp for Proxy {
         let ctx = &mut ctx.req;
         match decision {
             Decision::Llm(endpoint) => {
-                llm_route::serve(&this, session, ctx, endpoint).await?;
+                let span = ctx.span().clone();
+                llm_route::serve(&this, session, ctx, endpoint)
+                    .instrument(span)
+                    .await?;
                 Ok(true)
             }
             Decision::Models => {
@@ -372,8 +350,31 @@ impl ProxyHttp for Proxy {
             this.chain.attempt_end(&attempt, &mut ctx.req);
         }
         this.chain.logging(e, &mut ctx.req);
+        record_on_span(&ctx.req);
         crate::access_log::record(this.access_log, &ctx.req, e);
     }
+}
+
+/// Records what the request came to on its span, as it ends.
+fn record_on_span(ctx: &RequestCtx) {
+    let span = ctx.span();
+    if span.is_disabled() {
+        return;
+    }
+    span.record("route", ctx.route().label());
+    if let Some(model) = ctx.model() {
+        span.record("model", model);
+    }
+    if let Some(pool) = ctx.pool() {
+        span.record("pool", &*pool.name);
+    }
+    if let Some(tenant) = ctx.tenant() {
+        span.record("tenant", &*tenant.name);
+    }
+    if let Some(status) = ctx.progress().status {
+        span.record("status", status);
+    }
+    span.record("cache", if ctx.answered_locally() { "hit" } else { "-" });
 }
 
 impl Sluice {

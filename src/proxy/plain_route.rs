@@ -23,6 +23,8 @@ pub struct PlainTries {
     judged: bool,
     /// When the current try started.
     started: Option<std::time::Instant>,
+    /// The current try's span (see `tries::span`); `None` before the first try.
+    span: Option<tracing::Span>,
 }
 
 impl PlainTries {
@@ -36,6 +38,7 @@ impl PlainTries {
             .select(&self.tried, &Demand::default())
             .ok_or_else(|| no_backend(&pool))?;
         self.in_flight = Some(tries::begin(ctx, &mut self.tried, &backend, 0));
+        self.span = Some(tries::span(ctx, &pool, backend.addr));
         self.judged = false;
         self.started = Some(std::time::Instant::now());
         Ok(Box::new(pool.peer(backend.addr)))
@@ -84,6 +87,8 @@ impl PlainTries {
             Some(e) if is_timeout(e) => AttemptOutcome::Timeout.as_str(),
             Some(_) => AttemptOutcome::Error.as_str(),
         };
+        let span = self.span.clone().unwrap_or_else(tracing::Span::none);
+        tries::ended(&span, status, outcome);
         Some(AttemptReport {
             number: ctx.progress().attempts,
             pool: std::sync::Arc::clone(&pool.name),
@@ -92,6 +97,7 @@ impl PlainTries {
             elapsed: started.elapsed(),
             status,
             outcome,
+            span,
         })
     }
 }

@@ -1,6 +1,14 @@
 //! One try of one backend, for both paths: counted against the backend while it runs (the
 //! balancer and the breaker see it before the next scrape does), and judged once it ends
-//! (passive health: failures in a row eject the backend for a while).
+//! (passive health: failures in a row eject the backend for a while). Each try has a span,
+//! a child of the request's: [`span`] opens it, [`ended`] records how it ended.
+//!
+//! ```text
+//! request span    early_request hooks done ─────────────────────────── logging: status, pool… ┐
+//!  (RequestCtx)     │                                                                        closed
+//!   attempt span    ├─ begin (backend chosen) ── run ── ended: status, outcome ─ attempt_end ┘
+//!   attempt span    └─ begin (next backend / retry / escalation) ── … ─ ended ─ attempt_end
+//! ```
 
 use crate::metrics;
 use pingora_error::Error;
@@ -31,6 +39,29 @@ pub fn begin(
         in_flight.predict(backend.predicted_ttft, pool);
     }
     in_flight
+}
+
+/// The span of a try of `backend` of `pool`, the request's `number`th, under the request's
+/// span. Disabled (no cost but a branch) when the `sluice::attempt` target is off.
+pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
+    tracing::info_span!(
+        target: "sluice::attempt",
+        parent: ctx.span(),
+        "attempt",
+        number = ctx.progress().attempts,
+        pool = &*pool.name,
+        backend = %backend,
+        status = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    )
+}
+
+/// Records how a try ended on its span.
+pub fn ended(span: &tracing::Span, status: Option<u16>, outcome: &str) {
+    if let Some(status) = status {
+        span.record("status", status);
+    }
+    span.record("outcome", outcome);
 }
 
 /// The attempt's first answer byte came (`header` is the upstream's response header): the

@@ -78,6 +78,10 @@ pub struct RequestCtx {
     usage_wanted: bool,
     usage: Option<Usage>,
     progress: Progress,
+    /// The request's span: opened by the core once the request's identity is known (after
+    /// the `early_request` hooks), closed when the request ends. Attempt spans are its
+    /// children. A disabled span when tracing is off at that level.
+    span: tracing::Span,
     /// Per-plugin state.
     pub state: PluginState,
 }
@@ -127,6 +131,7 @@ impl RequestCtx {
             usage_wanted: false,
             usage: None,
             progress: Progress::default(),
+            span: tracing::Span::none(),
             state: PluginState::default(),
         }
     }
@@ -159,6 +164,17 @@ impl RequestCtx {
     }
 
     // ---- what plugins tell each other ----
+
+    /// The request's span (see the field): plugins may add events to it, and its fields
+    /// (`route`, `model`, `pool`, `tenant`, `status`, `cache`) are recorded by the core.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Sets the request's span. The core's; plugins read [`RequestCtx::span`].
+    pub fn set_span(&mut self, span: tracing::Span) {
+        self.span = span;
+    }
 
     /// The request's id, for logs and errors, once a plugin gave it one (`None` as well for an
     /// id that is not visible ASCII, which the request-id plugin never gives).

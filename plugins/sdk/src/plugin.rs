@@ -75,6 +75,9 @@ pub struct AttemptReport {
     /// `connect_error`, `timeout`, `error`, `declined`, `rejected_answer`, `broken`), or
     /// `client_gone`.
     pub outcome: &'static str,
+    /// The attempt's span, a child of the request's (see [`crate::RequestCtx::span`]), with
+    /// `status` and `outcome` recorded; it closes once the core and every plugin drop it.
+    pub span: tracing::Span,
 }
 
 /// What the core lends every plugin to build it with: what is shared by the whole process.

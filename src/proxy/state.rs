@@ -1,0 +1,69 @@
+//! One generation of the running config, as the request path sees it: the pools, the
+//! router, the plugin chain and the limits, with what every generation shares (the in-flight
+//! caps, the upstream connections). A request holds the generation it began on to its end
+//! (`crate::reload`).
+
+use super::attempt;
+use crate::caps::Caps;
+use crate::chain::Chain;
+use crate::config::Limits;
+use crate::router::Router;
+use bytes::Bytes;
+use pingora_core::connectors::http::v1::Connector;
+use sluice_sdk::{MemoryBudget, Pools};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything the proxy needs at run time, built once from config.
+pub struct Sluice {
+    pub limits: Limits,
+    /// Requests in flight, per client and in total.
+    pub requests: Arc<Caps>,
+    /// Turns `true` when the server's grace period is ending: running streams end then.
+    pub streams_end: tokio::sync::watch::Receiver<bool>,
+    /// Bytes held in memory for requests (bodies, held answers).
+    pub memory: Arc<MemoryBudget>,
+    pub pools: Arc<Pools>,
+    /// The `/v1/models` answer, built once per generation.
+    pub models: Bytes,
+    pub router: Router,
+    pub chain: Chain,
+    pub access_log: bool,
+    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves. Shared
+    /// by every generation.
+    pub connector: Arc<Connector>,
+    /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
+    /// once its last request has ended.
+    pub retired: std::sync::atomic::AtomicBool,
+}
+
+/// The most a retired generation's plugins get to finish their queued work.
+const RETIRED_FLUSH_WITHIN: Duration = Duration::from_secs(2);
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        if !self.retired.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let plugins = self.chain.plugins();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for plugin in plugins {
+                    plugin.stop(RETIRED_FLUSH_WITHIN).await;
+                }
+            });
+        }
+    }
+}
+
+impl Sluice {
+    /// What an upstream attempt uses of this generation (see [`attempt::Upstreams`]).
+    pub(super) fn upstreams(&self) -> attempt::Upstreams<'_> {
+        attempt::Upstreams {
+            connector: &self.connector,
+            memory: &self.memory,
+            streams_end: &self.streams_end,
+            chain: &self.chain,
+        }
+    }
+}
