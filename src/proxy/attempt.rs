@@ -24,6 +24,7 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
+use sluice_sdk::client::{watch, Watched};
 use sluice_sdk::context;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
@@ -31,9 +32,8 @@ use sluice_sdk::{
     AnswerCheck, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
     StreamCheck, StreamJudge, Verdict,
 };
-use std::future::Future;
 use std::sync::Arc;
-use tokio::time::{sleep_until, Instant};
+use tokio::time::Instant;
 
 /// What an attempt uses of the running generation: the upstream connections, the memory
 /// budget held answers count against, the end of the grace period, and the chain's
@@ -224,7 +224,7 @@ pub async fn run(
         }
     };
     // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
-    let connected = connected.not_started("no connection in time", |mut e| {
+    let connected = not_started(connected, "no connection in time", |mut e| {
         e.retry.decide_reuse(false);
         e.into_up()
     });
@@ -248,7 +248,7 @@ pub async fn run(
     };
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
-    if let Err(outcome) = sent.not_started("the request was not sent in time", |e| {
+    if let Err(outcome) = not_started(sent, "the request was not sent in time", |e| {
         upstream.failed_before_answer(e)
     }) {
         return outcome;
@@ -442,11 +442,12 @@ async fn read_header(
     deadline: Instant,
 ) -> Result<Box<ResponseHeader>, Outcome> {
     loop {
-        watch(session, up.http.read_response(), deadline)
-            .await
-            .not_started("no response header before the first-byte timeout", |e| {
-                up.failed_before_answer(e)
-            })?;
+        let read = watch(session, up.http.read_response(), deadline).await;
+        not_started(
+            read,
+            "no response header before the first-byte timeout",
+            |e| up.failed_before_answer(e),
+        )?;
         match up.http.resp_header() {
             Some(header) if header.status.is_informational() => continue,
             Some(header) => return Ok(Box::new(header.clone())),
@@ -501,43 +502,18 @@ async fn finish(
     }
 }
 
-/// What a wait gave, or why it gave nothing.
-enum Watched<T> {
-    Done(T),
-    Deadline,
-    /// The client closed its connection (or sent more than its request) meanwhile.
-    ClientGone(Box<Error>),
-}
-
-impl<T> Watched<Result<T>> {
-    /// The outcome of a step taken before anything reached the client, when it did not
-    /// succeed: another attempt may follow. `failed` makes the step's error final.
-    fn not_started(
-        self,
-        late: &'static str,
-        failed: impl FnOnce(Box<Error>) -> Box<Error>,
-    ) -> Result<T, Outcome> {
-        match self {
-            Watched::Done(Ok(done)) => Ok(done),
-            Watched::Done(Err(e)) => Err(Outcome::NotStarted(failed(e))),
-            Watched::Deadline => Err(Outcome::NotStarted(timed_out(late))),
-            Watched::ClientGone(e) => Err(Outcome::ClientGone(e)),
-        }
-    }
-}
-
-/// Waits for `work` until `deadline`, while watching the client.
-async fn watch<T>(
-    session: &mut Session,
-    work: impl Future<Output = T>,
-    deadline: Instant,
-) -> Watched<T> {
-    tokio::select! {
-        done = work => Watched::Done(done),
-        _ = sleep_until(deadline) => Watched::Deadline,
-        gone = session.downstream_session.read_body_or_idle(true) => {
-            Watched::ClientGone(client_gone(gone))
-        }
+/// The outcome of a step taken before anything reached the client, when it did not
+/// succeed: another attempt may follow. `failed` makes the step's error final.
+fn not_started<T>(
+    watched: Watched<Result<T>>,
+    late: &'static str,
+    failed: impl FnOnce(Box<Error>) -> Box<Error>,
+) -> Result<T, Outcome> {
+    match watched {
+        Watched::Done(Ok(done)) => Ok(done),
+        Watched::Done(Err(e)) => Err(Outcome::NotStarted(failed(e))),
+        Watched::Deadline => Err(Outcome::NotStarted(timed_out(late))),
+        Watched::ClientGone(e) => Err(Outcome::ClientGone(e)),
     }
 }
 
@@ -732,15 +708,4 @@ async fn broken(
         }
     }
     Outcome::Broken(error)
-}
-
-fn client_gone(read: Result<Option<Bytes>>) -> Box<Error> {
-    match read {
-        Err(e) => e,
-        Ok(_) => Error::explain(
-            ErrorType::ConnectionClosed,
-            "the client sent data after its request",
-        ),
-    }
-    .into_down()
 }

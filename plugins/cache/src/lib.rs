@@ -49,14 +49,14 @@ use entry::{AnswerKind, Entry, NotStored};
 use http::{HeaderName, HeaderValue};
 use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
+use sluice_sdk::client::{watch, while_connected, Watched};
 use sluice_sdk::config::header_name;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
-    async_trait, ConfigError, Endpoint, Error, ErrorReply, ErrorType, Flow, Host, LlmCall,
-    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
-    Usage,
+    async_trait, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall, LocalResponse,
+    Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant, Usage,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -543,12 +543,10 @@ impl Cache {
                 Readiness::Failed => return Ok(None),
                 Readiness::Waiting => {}
             }
-            tokio::select! {
-                () = reader.changed() => {}
-                () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
-                gone = session.downstream_session.read_body_or_idle(true) => {
-                    return Err(client_left(gone));
-                }
+            match watch(session, reader.changed(), deadline).await {
+                Watched::Done(()) => {}
+                Watched::Deadline => return Err(timed_out()),
+                Watched::ClientGone(e) => return Err(client_left(e)),
             }
         }
     }
@@ -564,25 +562,17 @@ fn timed_out() -> Box<Error> {
 }
 
 /// A waiting follower's client left (or sent data it should not have): counted as a miss.
-fn client_left(gone: Result<Option<Bytes>>) -> Box<Error> {
+fn client_left(gone: Box<Error>) -> Box<Error> {
     metrics::request(metrics::Outcome::Miss);
-    match gone {
-        Err(e) => e,
-        Ok(_) => Error::explain(
-            ErrorType::ConnectionClosed,
-            "the client sent data while waiting for an identical request",
-        ),
-    }
-    .into_down()
+    gone
 }
 
 /// Waits as a follower while watching the client: `Err` when the client left (its place in
 /// the queue, and any lead it was handed, pass on).
 async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
-    tokio::select! {
-        waited = follower.wait() => Ok(waited),
-        gone = session.downstream_session.read_body_or_idle(true) => Err(client_left(gone)),
-    }
+    while_connected(session, follower.wait())
+        .await
+        .map_err(client_left)
 }
 
 /// Marks a request the cache stays out of (`x-cache: BYPASS`).

@@ -58,10 +58,11 @@ use drain::Drain;
 use http::HeaderName;
 use metrics::WaitResult;
 use queue::{Place, Queue};
+use sluice_sdk::client::while_connected;
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, Error, ErrorReply, ErrorType, Flow, Host, LlmCall, Plugin,
-    PluginBuilder, Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs,
+    Admission, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Pool,
+    Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -420,16 +421,15 @@ impl KvBreaker {
         let started = tokio::time::Instant::now();
         let deadline = started + max_wait;
         let admits = || pool.admits(priority, tokens);
-        let (result, answer) = tokio::select! {
-            admitted = place.wait_for(deadline, admits) => if admitted {
-                (WaitResult::Admitted, Ok(()))
-            } else {
-                (WaitResult::Timeout, Err(self.refusal(&pool, priority, Reason::QueueTimeout)))
-            },
-            gone = session.downstream_session.read_body_or_idle(true) => {
-                (WaitResult::ClientGone, Err(client_left(gone)))
-            }
-        };
+        let (result, answer) =
+            match while_connected(session, place.wait_for(deadline, admits)).await {
+                Ok(true) => (WaitResult::Admitted, Ok(())),
+                Ok(false) => (
+                    WaitResult::Timeout,
+                    Err(self.refusal(&pool, priority, Reason::QueueTimeout)),
+                ),
+                Err(gone) => (WaitResult::ClientGone, Err(gone)),
+            };
         metrics::waited(&pool.name, result, started.elapsed().as_secs_f64());
         answer?;
         ctx.state.insert(Admitted { _place: place });
@@ -468,18 +468,6 @@ impl KvBreaker {
         }
         .into_error()
     }
-}
-
-/// The error for a client that left (or sent more) while its request waited.
-fn client_left(gone: Result<Option<sluice_sdk::Bytes>>) -> Box<Error> {
-    match gone {
-        Err(e) => e,
-        Ok(_) => Error::explain(
-            ErrorType::ConnectionClosed,
-            "the client sent data while its request waited for capacity",
-        ),
-    }
-    .into_down()
 }
 
 #[cfg(test)]

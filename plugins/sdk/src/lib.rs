@@ -19,6 +19,7 @@
 //! - [`PluginBuilder`] / [`ConfigError`]: how a plugin is made from its config section.
 //! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
 //! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
+//! - [`client`]: waiting on something while watching the client, which may leave.
 //! - [`redis`]: the way to Redis (single node or Cluster) with timeouts and a cool-down, for
 //!   plugins that share state through it.
 //! - [`usage`], [`sse`]: an answer's token usage (which the core finds for every plugin: see
@@ -29,6 +30,7 @@
 //! A plugin crate owns its config type (serde, `deny_unknown_fields`, with an `enabled` key),
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
 
+pub mod client;
 pub mod config;
 pub mod cpu;
 pub mod ctx;
