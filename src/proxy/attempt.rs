@@ -29,7 +29,7 @@ use sluice_sdk::context;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{
-    AnswerCheck, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
+    AnswerCheck, Endpoint, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
     StreamCheck, StreamJudge, Verdict,
 };
 use std::sync::Arc;
@@ -702,7 +702,10 @@ async fn broken(
     let reply = ErrorReply::from_error(&error);
     upstreams.chain.error(&reply, ctx);
     if is_sse {
-        let event = Some(reply.sse_event());
+        let endpoint = ctx
+            .llm()
+            .map_or(Endpoint::ChatCompletions, |call| call.endpoint);
+        let event = Some(reply.sse_event_for(endpoint));
         if let Err(e) = forward(upstreams.chain, session, ctx, event, true).await {
             return Outcome::ClientGone(e);
         }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use pingora_error::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, Session};
-use sluice_sdk::{headers, ErrorReply, LocalResponse, Priority, RequestCtx};
+use sluice_sdk::{headers, ErrorReply, LocalResponse, Priority, RequestCtx, Route};
 
 /// Sends a complete document, after the plugins' `response_header` hooks.
 pub async fn send(
@@ -82,7 +82,12 @@ pub async fn error(
             can_reuse_downstream: false,
         };
     }
-    let body = reply.body();
+    // An LLM route's error in its family's shape; any other in OpenAI's.
+    let endpoint = match ctx.route() {
+        Route::Llm(endpoint) => Some(*endpoint),
+        _ => None,
+    };
+    let body = reply.body_for(endpoint);
     let written = match error_header(&reply, body.len()) {
         Ok(h) => write(chain, session, ctx, h, body).await,
         Err(e) => Err(e),

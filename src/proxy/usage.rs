@@ -6,12 +6,10 @@
 //! what to do with each chunk.
 
 use bytes::{Bytes, BytesMut};
-use serde::Deserialize;
-use serde_json::value::RawValue;
-use sluice_sdk::raw_json::{self, is_space};
-use sluice_sdk::sse::{self, SseEvents};
+use sluice_sdk::raw_json;
+use sluice_sdk::sse::SseEvents;
 use sluice_sdk::usage::UsageScanner;
-use sluice_sdk::RequestCtx;
+use sluice_sdk::{ApiFamily, RequestCtx};
 
 /// What the core reads of an LLM answer as it passes: its usage, and on a stream whose usage
 /// is kept from the client, where its events are. Kept in the request's state under this
@@ -19,8 +17,9 @@ use sluice_sdk::RequestCtx;
 #[derive(Debug, Default)]
 pub struct AnswerUsage {
     scanner: UsageScanner,
-    /// The stream's events, while its usage chunk is removed.
-    strip: Option<SseEvents>,
+    /// The stream's events, while its usage chunk is removed, and the family that says which
+    /// event that is.
+    strip: Option<(SseEvents, &'static dyn ApiFamily)>,
 }
 
 /// From here on, every answer to the request (an upstream's, a cache hit, an error) is
@@ -47,8 +46,8 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
     if let Some(chunk) = body.as_ref() {
         watch.scanner.feed(chunk);
     }
-    if let Some(events) = watch.strip.as_mut() {
-        drop_usage_chunk(events, body, end);
+    if let Some((events, family)) = watch.strip.as_mut() {
+        drop_usage_chunk(*family, events, body, end);
     }
     // A stream's running totals (`continuous_usage_stats`): the last one found is the answer's.
     if let Some(found) = watch.scanner.usage().filter(|u| ctx.usage() != Some(*u)) {
@@ -70,7 +69,12 @@ fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
 /// Removes the usage chunk from a stream's chunk; `end` marks its last. A chunk of whole
 /// events without it passes as the same buffer, and whole events before an unfinished one as
 /// a slice of it: nothing is copied until an event is dropped or an event spans chunks.
-fn drop_usage_chunk(events: &mut SseEvents, body: &mut Option<Bytes>, end: bool) {
+fn drop_usage_chunk(
+    family: &dyn ApiFamily,
+    events: &mut SseEvents,
+    body: &mut Option<Bytes>,
+    end: bool,
+) {
     let Some(chunk) = body.take() else {
         let rest = if end { events.take_rest() } else { Vec::new() };
         *body = (!rest.is_empty()).then(|| Bytes::from(rest));
@@ -80,7 +84,7 @@ fn drop_usage_chunk(events: &mut SseEvents, body: &mut Option<Bytes>, end: bool)
     let mut passed = 0;
     let mut out: Option<BytesMut> = None;
     events.split(&chunk, |event| {
-        let keep = !is_usage_chunk(event);
+        let keep = !family.is_usage_event(event);
         if out.is_none() {
             let next = raw_json::position(&chunk, event).filter(|at| at.start == passed);
             match next {
@@ -110,44 +114,18 @@ fn drop_usage_chunk(events: &mut SseEvents, body: &mut Option<Bytes>, end: bool)
     };
 }
 
-/// The usage chunk vLLM ends a stream with when asked: no choices, and a `usage` object.
-/// Looked for as text first: most events have no `"usage"` key (vLLM's completions stream
-/// has `"usage":null` in each, which is then read without copying).
-fn is_usage_chunk(event: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct Shape<'a> {
-        #[serde(borrow)]
-        choices: Option<&'a RawValue>,
-        #[serde(borrow)]
-        usage: Option<&'a RawValue>,
-    }
-    let Some(data) = sse::data(event) else {
-        return false;
-    };
-    if !data.windows(7).any(|w| w == b"\"usage\"") {
-        return false;
-    }
-    let Ok(shape) = serde_json::from_slice::<Shape>(&data) else {
-        return false;
-    };
-    let no_choices = shape.choices.is_some_and(|c| {
-        let inner = c.get().as_bytes();
-        let inner = inner.strip_prefix(b"[").and_then(|i| i.strip_suffix(b"]"));
-        inner.is_some_and(|i| i.iter().all(|&b| is_space(b)))
-    });
-    no_choices && shape.usage.is_some_and(|u| u.get().starts_with('{'))
-}
-
 /// Whether the stream now answered has its usage chunk removed before the client sees it.
 pub fn strip_usage_chunk(ctx: &mut RequestCtx, strip: bool) {
+    let family = ctx.llm().map(|call| call.endpoint.family());
     if let Some(watch) = ctx.state.get_mut::<AnswerUsage>() {
-        watch.strip = strip.then(SseEvents::default);
+        watch.strip = family.filter(|_| strip).map(|f| (SseEvents::default(), f));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_sdk::family::openai::CHAT;
 
     const STREAM: &str = include_str!("../../tests/fixtures/vllm-chat-stream.sse");
 
@@ -157,7 +135,12 @@ mod tests {
         let mut out = String::new();
         for (i, chunk) in chunks.iter().enumerate() {
             let mut body = Some(Bytes::copy_from_slice(chunk));
-            drop_usage_chunk(&mut events, &mut body, i + 1 == chunks.len());
+            drop_usage_chunk(
+                &sluice_sdk::family::openai::CHAT,
+                &mut events,
+                &mut body,
+                i + 1 == chunks.len(),
+            );
             if let Some(b) = body {
                 out.push_str(std::str::from_utf8(&b).unwrap());
             }
@@ -187,7 +170,12 @@ mod tests {
         let mut events = SseEvents::default();
         let chunk = Bytes::copy_from_slice(first.as_bytes());
         let mut body = Some(chunk.clone());
-        drop_usage_chunk(&mut events, &mut body, false);
+        drop_usage_chunk(
+            &sluice_sdk::family::openai::CHAT,
+            &mut events,
+            &mut body,
+            false,
+        );
         let passed = body.unwrap();
         assert_eq!(
             (passed.as_ptr(), passed.len()),
@@ -196,7 +184,12 @@ mod tests {
         // Whole events, then the start of the next: the whole ones go, uncopied.
         let chunk = Bytes::from(format!("{first}data: {{\"cho"));
         let mut body = Some(chunk.clone());
-        drop_usage_chunk(&mut events, &mut body, false);
+        drop_usage_chunk(
+            &sluice_sdk::family::openai::CHAT,
+            &mut events,
+            &mut body,
+            false,
+        );
         let passed = body.unwrap();
         assert_eq!(
             (passed.as_ptr(), passed.len()),
@@ -210,10 +203,9 @@ mod tests {
             br#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}
 
 "#;
-        assert!(is_usage_chunk(usage));
-        assert!(is_usage_chunk(
-            b"data: {\"choices\": [ ],\"usage\": {\"prompt_tokens\":1}}\r\n\r\n"
-        ));
+        assert!(CHAT.is_usage_event(usage));
+        assert!(CHAT
+            .is_usage_event(b"data: {\"choices\": [ ],\"usage\": {\"prompt_tokens\":1}}\r\n\r\n"));
         for other in [
             // Every chunk of vLLM's completions stream, and continuous usage stats.
             &br#"data: {"choices":[{"index":0,"text":" usage"}],"usage":null}
@@ -231,7 +223,11 @@ mod tests {
 
 "#,
         ] {
-            assert!(!is_usage_chunk(other), "{}", String::from_utf8_lossy(other));
+            assert!(
+                !CHAT.is_usage_event(other),
+                "{}",
+                String::from_utf8_lossy(other)
+            );
         }
     }
 
@@ -243,12 +239,27 @@ mod tests {
         );
         let mut events = SseEvents::default();
         let mut body = None;
-        drop_usage_chunk(&mut events, &mut body, false);
+        drop_usage_chunk(
+            &sluice_sdk::family::openai::CHAT,
+            &mut events,
+            &mut body,
+            false,
+        );
         assert!(body.is_none());
         let mut body = Some(Bytes::from_static(b"data: 1\n\nda"));
-        drop_usage_chunk(&mut events, &mut body, false);
+        drop_usage_chunk(
+            &sluice_sdk::family::openai::CHAT,
+            &mut events,
+            &mut body,
+            false,
+        );
         let mut body = None;
-        drop_usage_chunk(&mut events, &mut body, true);
+        drop_usage_chunk(
+            &sluice_sdk::family::openai::CHAT,
+            &mut events,
+            &mut body,
+            true,
+        );
         assert_eq!(body.as_deref(), Some(&b"da"[..]));
     }
 }

@@ -426,8 +426,8 @@ impl Drop for Follower {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::entry::AnswerKind;
     use crate::live::Live;
+    use sluice_sdk::Endpoint;
 
     const LONG: Duration = Duration::from_secs(30);
 
@@ -435,7 +435,7 @@ mod tests {
         Arc::new(Entry {
             digest: [1; 32],
             created_unix: 0,
-            kind: AnswerKind::Chat,
+            kind: Endpoint::ChatCompletions,
             pool: "p".into(),
             answer: serde_json::value::to_raw_value(&serde_json::json!({}))
                 .unwrap()
@@ -653,7 +653,7 @@ mod tests {
         let streams = tokio::spawn(streams.wait());
         let json = follow(&inflight, [11; 32]);
         settle().await;
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         leader.go_live(&live);
         assert!(matches!(streams.await.unwrap(), Waited::Live(_)));
         settle().await;
@@ -681,7 +681,7 @@ mod tests {
         let Role::Leader(leader) = join_stream(&inflight, [12; 32]) else {
             panic!("leads")
         };
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         leader.go_live(&live);
         let mut writer = crate::live::Writer::new(live.clone(), 1 << 20);
         writer.end(None);

@@ -1,7 +1,7 @@
 //! The `plugins.cache` config section.
 
 use serde::Deserialize;
-use sluice_sdk::{duration, ConfigError};
+use sluice_sdk::{duration, ConfigError, Endpoint};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -37,9 +37,9 @@ pub struct CacheConfig {
     /// TTL per model (the request's `model` field); wins over `ttl_by_endpoint`.
     #[serde(default)]
     pub ttl_by_model: BTreeMap<String, HumanDuration>,
-    /// TTL per endpoint: `chat` or `completions`.
+    /// TTL per endpoint, by its API family's name: `chat` or `completions`.
     #[serde(default)]
-    pub ttl_by_endpoint: BTreeMap<EndpointName, HumanDuration>,
+    pub ttl_by_endpoint: BTreeMap<String, HumanDuration>,
     /// Answers larger than this (as the upstream sent them) are not stored.
     #[serde(default = "default_max_entry_bytes")]
     pub max_entry_bytes: usize,
@@ -148,13 +148,6 @@ impl Default for CoalesceConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EndpointName {
-    Chat,
-    Completions,
-}
-
 /// A duration in a map value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 pub struct HumanDuration(#[serde(deserialize_with = "duration::deserialize")] pub Duration);
@@ -183,6 +176,15 @@ impl CacheConfig {
                 return Err(ConfigError::new(
                     format!("ttl_by_model.{model}"),
                     "must be longer than 0",
+                ));
+            }
+        }
+        for name in self.ttl_by_endpoint.keys() {
+            if !Endpoint::ALL.iter().any(|e| e.label() == name) {
+                let names: Vec<&str> = Endpoint::ALL.iter().map(|e| e.label()).collect();
+                return Err(ConfigError::new(
+                    format!("ttl_by_endpoint.{name}"),
+                    format!("no endpoint is named `{name}` ({})", names.join(", ")),
                 ));
             }
         }

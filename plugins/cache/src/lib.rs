@@ -45,7 +45,7 @@ pub use config::CacheConfig;
 
 use bytes::Bytes;
 use coalesce::{Follower, Inflight, Leader, Role, Waited};
-use entry::{AnswerKind, Entry, NotStored};
+use entry::{not_stored_label, Entry, NotStored};
 use http::{HeaderName, HeaderValue};
 use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
@@ -118,7 +118,7 @@ struct State {
     result: Lookup,
     key: CacheKey,
     ttl: Duration,
-    kind: AnswerKind,
+    kind: Endpoint,
     tee: Tee,
     leader: Option<Leader>,
     /// The leader's stream, published to its live followers.
@@ -181,11 +181,8 @@ impl Cache {
     }
 
     /// A fresh `id` for an answer Sluice serves itself.
-    fn fresh_id(&self, kind: AnswerKind) -> String {
-        let prefix = match kind {
-            AnswerKind::Chat => "chatcmpl",
-            AnswerKind::Completion => "cmpl",
-        };
+    fn fresh_id(&self, kind: Endpoint) -> String {
+        let prefix = kind.family().id_prefix();
         let n = self.id_counter.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}-{:016x}{n:016x}", self.id_nonce)
     }
@@ -315,10 +312,7 @@ impl Plugin for Cache {
             ctx.state.insert(Bypassed);
             return Ok(Flow::Continue);
         };
-        let kind = match call.endpoint {
-            Endpoint::ChatCompletions => AnswerKind::Chat,
-            Endpoint::Completions => AnswerKind::Completion,
-        };
+        let kind = call.endpoint;
         let ttl = policy::ttl(&self.config, call.request.model.as_deref(), call.endpoint);
         let output_budget = sluice_sdk::context::output_budget(call);
         let mut state = State {
@@ -599,12 +593,12 @@ fn write_back(
     let answer = match answer {
         // Cut by a draft's context: another pool would have answered in full.
         Ok(answer) if answer.cut_by_context(state.output_budget) => {
-            metrics::write(NotStored::Incomplete.label());
+            metrics::write(not_stored_label(NotStored::Incomplete));
             return;
         }
         Ok(answer) => answer,
         Err(reason) => {
-            metrics::write(reason.label());
+            metrics::write(not_stored_label(reason));
             return;
         }
     };

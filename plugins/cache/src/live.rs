@@ -31,21 +31,20 @@
 //!   goes back to coalescing ([`Reader::readiness`]): the failed leader's lead is handed on as
 //!   before.
 
-use crate::entry::{self, AnswerKind, IdentitySpans};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use sluice_sdk::error::ErrorReply;
 use sluice_sdk::plugin::LocalStream;
 use sluice_sdk::sse::{self, SseEvents};
-use sluice_sdk::{async_trait, Usage};
+use sluice_sdk::{async_trait, ApiFamily, Endpoint, Usage};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::watch;
 
 /// One leader's stream, as far as it has come.
 pub struct Live {
-    kind: AnswerKind,
+    kind: Endpoint,
     /// The pool that makes the answer, for the followers' `x-sluice-pool`.
     pool: String,
     log: Mutex<Log>,
@@ -71,7 +70,7 @@ enum End {
 }
 
 impl Live {
-    pub fn new(kind: AnswerKind, pool: &str) -> Arc<Self> {
+    pub fn new(kind: Endpoint, pool: &str) -> Arc<Self> {
         Arc::new(Self {
             kind,
             pool: pool.to_string(),
@@ -135,6 +134,7 @@ impl Ticket {
 
     pub fn reader(self, id: String, created: u64, include_usage: bool) -> Reader {
         let more = self.0.more.subscribe();
+        let family = self.0.kind.family();
         Reader {
             ticket: self,
             more,
@@ -142,6 +142,7 @@ impl Ticket {
             events: SseEvents::default(),
             news: Vec::new(),
             render: Render {
+                family,
                 id,
                 created,
                 include_usage,
@@ -194,6 +195,7 @@ impl Writer {
         self.bytes += chunk.len();
         if self.bytes > self.max_bytes {
             let too_big = failure(
+                self.live.kind,
                 "The answer this request shared with an identical one was too large to share; \
                  try again.",
             );
@@ -227,7 +229,7 @@ impl Writer {
         let end = match (&self.error, self.done && self.any_event) {
             (None, true) => End::Done { usage },
             (Some(error), _) => End::Failed(error.clone()),
-            (None, false) => End::Failed(cut()),
+            (None, false) => End::Failed(cut(self.live.kind)),
         };
         self.live.finish(end, false);
     }
@@ -250,71 +252,20 @@ impl Drop for Writer {
     /// A leader that leaves before its stream ended (its client gone, its attempt broken)
     /// fails its log.
     fn drop(&mut self) {
-        self.live.finish(End::Failed(cut()), false);
+        self.live.finish(End::Failed(cut(self.live.kind)), false);
     }
 }
 
-fn cut() -> Bytes {
-    failure("The answer this request shared with an identical one ended early; try again.")
+fn cut(kind: Endpoint) -> Bytes {
+    failure(
+        kind,
+        "The answer this request shared with an identical one ended early; try again.",
+    )
 }
 
-fn failure(message: &str) -> Bytes {
-    ErrorReply::bad_gateway(message).sse_event()
-}
-
-/// What a reader needs of an event, read without building it.
-#[derive(Deserialize)]
-struct Shape<'a> {
-    #[serde(borrow)]
-    id: Option<&'a RawValue>,
-    #[serde(borrow)]
-    created: Option<&'a RawValue>,
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    choices: Option<&'a RawValue>,
-    #[serde(borrow)]
-    usage: Option<&'a RawValue>,
-    #[serde(borrow)]
-    error: Option<&'a RawValue>,
-}
-
-/// An upstream event, as a reader renders it.
-enum Parsed<'a> {
-    /// An event to pass on: where its `id` and `created` are (`None`: passed on as sent),
-    /// the `model` it names, and whether it is the usage chunk (no choices, a usage object).
-    Pass {
-        identity: Option<IdentitySpans>,
-        model: Option<&'a str>,
-        usage_only: bool,
-    },
-    /// Not passed on: an error event (the log's end carries it) or text that is not JSON,
-    /// which no client could read either.
-    Skip,
-}
-
-fn parse(text: &str) -> Parsed<'_> {
-    match serde_json::from_str::<Shape>(text) {
-        Ok(shape) if shape.error.is_some() => Parsed::Skip,
-        Ok(shape) => Parsed::Pass {
-            identity: match (shape.id, shape.created) {
-                (Some(id), Some(created)) => entry::identity_spans(text, id, created),
-                _ => None,
-            },
-            model: shape.model.map(RawValue::get),
-            usage_only: shape.usage.is_some()
-                && shape
-                    .choices
-                    .is_some_and(|c| c.get().trim_start_matches('[').trim_start() == "]"),
-        },
-        // A repeated key, say: passed on as sent.
-        Err(_) if serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok() => Parsed::Pass {
-            identity: None,
-            model: None,
-            usage_only: false,
-        },
-        Err(_) => Parsed::Skip,
-    }
+/// Sluice's error event, in the family's shape, for the readers of a failed log.
+fn failure(kind: Endpoint, message: &str) -> Bytes {
+    ErrorReply::bad_gateway(message).sse_event_for(kind)
 }
 
 /// Whether a reader has something to write.
@@ -345,6 +296,8 @@ pub struct Reader {
 /// How a reader writes the leader's events: under its own identity, with the usage chunk
 /// only if it asked for one.
 struct Render {
+    /// The stream's family: it reads and restamps each event.
+    family: &'static dyn ApiFamily,
     id: String,
     created: u64,
     include_usage: bool,
@@ -400,7 +353,7 @@ impl Reader {
                 self.finished = true;
             }
             Some(End::Done { usage }) => {
-                self.render.usage_chunk(self.ticket.0.kind, usage, &mut out);
+                self.render.usage_chunk(usage, &mut out);
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.finished = true;
             }
@@ -423,51 +376,35 @@ impl Render {
         if text == "[DONE]" {
             return;
         }
-        let Parsed::Pass {
-            identity,
-            model,
-            usage_only,
-        } = parse(text)
-        else {
+        // Not passed on: an error event (the log's end carries it), or text no client could
+        // read either.
+        let Some(facts) = self.family.read_event(text) else {
             return;
         };
         if self.model.is_none() {
-            self.model = model.map(str::to_string);
+            self.model = facts.model.map(str::to_string);
         }
-        self.had_usage_chunk |= usage_only;
-        if usage_only && !self.include_usage {
+        self.had_usage_chunk |= facts.usage_only;
+        if facts.usage_only && !self.include_usage {
             return;
         }
         out.extend_from_slice(b"data: ");
-        let spliced = identity
-            .as_ref()
-            .and_then(|spans| entry::splice_at(out, text, spans, &self.id, self.created));
-        if spliced.is_none() {
-            out.extend_from_slice(text.as_bytes());
-        }
+        self.family
+            .write_event(text, &facts, &self.id, self.created, out);
         out.extend_from_slice(b"\n\n");
     }
 
     /// The usage chunk the leader's client did not ask for, made from the usage the core
     /// found, for a reader that did (and only when the stream had none of its own).
-    fn usage_chunk(&self, kind: AnswerKind, usage: Option<Usage>, out: &mut Vec<u8>) {
+    fn usage_chunk(&self, usage: Option<Usage>, out: &mut Vec<u8>) {
         let (true, false, Some(usage)) = (self.include_usage, self.had_usage_chunk, usage) else {
             return;
         };
-        let model = self
-            .model
-            .as_deref()
-            .and_then(|m| serde_json::from_str::<serde_json::Value>(m).ok());
-        let chunk = serde_json::json!({
-            "id": self.id,
-            "object": kind.chunk_object(),
-            "created": self.created,
-            "model": model,
-            "choices": [],
-            "usage": entry::usage_object(usage),
-        });
+        let event = self
+            .family
+            .usage_event(&self.id, self.created, self.model.as_deref(), usage);
         out.extend_from_slice(b"data: ");
-        let _ = serde_json::to_writer(&mut *out, &chunk);
+        out.extend_from_slice(&event);
         out.extend_from_slice(b"\n\n");
     }
 }
@@ -534,7 +471,7 @@ mod tests {
 
     #[test]
     fn the_log_holds_the_leaders_chunks_as_they_are_and_parses_nothing() {
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let whole = Bytes::from(event(0, "Hel", None));
         assert!(writer.feed(&whole), "the first event");
@@ -564,7 +501,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_late_reader_gets_the_prefix_at_once_then_each_event_under_its_own_id() {
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         // The first event arrives split across chunks.
         let first = event(0, "Hel", None);
@@ -609,7 +546,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_stream_ends_a_reader_that_wrote_with_an_error_event() {
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let mut early = live.enter().reader("a".into(), 1, false);
         let mut wrote = live.enter().reader("b".into(), 1, false);
@@ -630,7 +567,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_leader_that_leaves_or_outgrows_the_bound_fails_its_readers() {
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         let mut reader = live.enter().reader("a".into(), 1, false);
         writer.feed(&Bytes::copy_from_slice(event(0, "x", None).as_bytes()));
@@ -641,7 +578,7 @@ mod tests {
         assert!(error["error"]["message"].is_string(), "{rest:?}");
         assert_eq!(rest[1], "[DONE]");
 
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let one = event(0, "x", None);
         let mut writer = Writer::new(live.clone(), one.len() + 10);
         let mut reader = live.enter().reader("a".into(), 1, false);
@@ -659,7 +596,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: 2,
         };
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         writer.feed(&Bytes::copy_from_slice(
             event(0, "x", Some("stop")).as_bytes(),
@@ -676,7 +613,7 @@ mod tests {
         assert_eq!(next(&mut not).await.len(), 2, "the event and [DONE]");
 
         // The stream's own usage chunk passes to those that asked, under their id.
-        let live = Live::new(AnswerKind::Chat, "p");
+        let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
         writer.feed(&Bytes::copy_from_slice(
             event(0, "x", Some("stop")).as_bytes(),

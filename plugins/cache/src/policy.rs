@@ -1,6 +1,6 @@
 //! What the cache may do with a request, and for how long an answer is kept.
 
-use crate::config::{CacheConfig, Cacheable, EndpointName};
+use crate::config::{CacheConfig, Cacheable};
 use http::HeaderMap;
 use sluice_sdk::{Endpoint, LlmRequest};
 use std::time::Duration;
@@ -47,12 +47,8 @@ fn is_deterministic(request: &LlmRequest) -> bool {
 /// The entry's lifetime: by model, else by endpoint, else the default.
 pub fn ttl(config: &CacheConfig, model: Option<&str>, endpoint: Endpoint) -> Duration {
     let by_model = model.and_then(|m| config.ttl_by_model.get(m));
-    let name = match endpoint {
-        Endpoint::ChatCompletions => EndpointName::Chat,
-        Endpoint::Completions => EndpointName::Completions,
-    };
     by_model
-        .or_else(|| config.ttl_by_endpoint.get(&name))
+        .or_else(|| config.ttl_by_endpoint.get(endpoint.label()))
         .map_or(config.ttl, |d| d.0)
 }
 
@@ -118,10 +114,8 @@ mod tests {
         let mut c = CacheConfig::default();
         c.ttl_by_model
             .insert("big".into(), HumanDuration(Duration::from_secs(5)));
-        c.ttl_by_endpoint.insert(
-            EndpointName::Completions,
-            HumanDuration(Duration::from_secs(7)),
-        );
+        c.ttl_by_endpoint
+            .insert("completions".into(), HumanDuration(Duration::from_secs(7)));
         assert_eq!(
             ttl(&c, Some("big"), Endpoint::Completions),
             Duration::from_secs(5)

@@ -3,7 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use serde_json::json;
-use sluice_plugin_cache::entry::{AnswerKind, Entry};
+use sluice_plugin_cache::entry::Entry;
+use sluice_sdk::Endpoint;
 use sluice_plugin_cache::store::redis::{RedisConfig, RedisStore};
 use sluice_plugin_cache::store::{CacheKey, Store, StoreError, WriteOutcome};
 use sluice_testkit::{redis_cli, reserve_port, RedisCluster, RedisServer, SilentServer};
@@ -45,7 +46,7 @@ fn entry(digest: [u8; 32], text: &str) -> Arc<Entry> {
     Arc::new(Entry {
         digest,
         created_unix: 1_700_000_000,
-        kind: AnswerKind::Chat,
+        kind: Endpoint::ChatCompletions,
         pool: "default".into(),
         answer: serde_json::value::to_raw_value(
             &json!({"object": "chat.completion", "choices": [{"message": {"content": text}}]}),

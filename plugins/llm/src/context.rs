@@ -8,7 +8,7 @@
 //! with a longer context, could have answered in full, and nothing has reached the client yet
 //! when the core reads these (the answer is held).
 
-use crate::llm::{Endpoint, LlmCall};
+use crate::llm::LlmCall;
 use serde::Deserialize;
 
 /// The tokens a request allows for all its choices: `max_tokens` (or
@@ -16,10 +16,13 @@ use serde::Deserialize;
 /// context's end (`u64::MAX`), and a text completion stops at vLLM's default of 16.
 pub fn output_budget(call: &LlmCall) -> u64 {
     let choices = u64::from(call.request.n.unwrap_or(1).max(1));
-    let each = match (call.request.max_output_tokens(), call.endpoint) {
-        (Some(max), _) => u64::from(max),
-        (None, Endpoint::Completions) => u64::from(crate::llm::COMPLETIONS_DEFAULT_MAX_TOKENS),
-        (None, Endpoint::ChatCompletions) => return u64::MAX,
+    let each = match call
+        .request
+        .max_output_tokens()
+        .or_else(|| call.endpoint.family().default_max_tokens())
+    {
+        Some(max) => u64::from(max),
+        None => return u64::MAX,
     };
     each.saturating_mul(choices)
 }

@@ -4,6 +4,8 @@
 //!
 //! - [`llm`]: the request parse ([`LlmCall`], [`LlmRequest`]) and its size estimate
 //!   ([`Demand`]), for the balancer, the breaker and the selector.
+//! - [`family`]: the API families (OpenAI chat and completions), each owning what is
+//!   particular to its wire format, behind [`family::ApiFamily`].
 //! - [`raw_json`]: the byte-level JSON reading and splicing the parse and the edits share.
 //! - [`usage`]: an answer's token usage, found as it streams.
 //! - [`sse`]: a stream's chunks split into events.
@@ -15,12 +17,14 @@
 //! (`sluice-pools` and `sluice-sdk` depend on it, never the other way).
 
 pub mod context;
+pub mod family;
 pub mod llm;
 pub mod model_name;
 pub mod raw_json;
 pub mod sse;
 pub mod usage;
 
+pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt, WireError};
 pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use usage::Usage;

@@ -21,40 +21,16 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
 
-/// The two OpenAI endpoints that go through the LLM pipeline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The LLM routes: each is an API family's id (see [`crate::family`], where a family is
+/// registered, and [`Endpoint::family`]). Kept in cache entries under these names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Endpoint {
     /// `POST /v1/chat/completions`
+    #[serde(rename = "chat")]
     ChatCompletions,
     /// `POST /v1/completions`
+    #[serde(rename = "completion")]
     Completions,
-}
-
-impl Endpoint {
-    /// The endpoint served at `path`, if any. Matches exactly, as vLLM's router does.
-    pub fn from_path(path: &str) -> Option<Self> {
-        match path {
-            "/v1/chat/completions" => Some(Self::ChatCompletions),
-            "/v1/completions" => Some(Self::Completions),
-            _ => None,
-        }
-    }
-
-    /// The path of the endpoint.
-    pub fn path(self) -> &'static str {
-        match self {
-            Self::ChatCompletions => "/v1/chat/completions",
-            Self::Completions => "/v1/completions",
-        }
-    }
-
-    /// A short label for metrics and logs.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::ChatCompletions => "chat",
-            Self::Completions => "completions",
-        }
-    }
 }
 
 /// A parsed LLM request together with the exact bytes the client sent.
@@ -81,13 +57,24 @@ pub struct InvalidRequest {
 }
 
 impl LlmCall {
-    /// Parses and validates `body` for `endpoint`.
+    /// Parses and validates `body` for `endpoint`, as its family reads it.
     pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Self, InvalidRequest> {
+        endpoint.family().parse(endpoint, body)
+    }
+
+    /// An OpenAI family's parse: the request model, and the demand with the family's output
+    /// default (`default_max_tokens`) for a request that sets no limit.
+    pub(crate) fn parse_openai(
+        endpoint: Endpoint,
+        body: Bytes,
+        default_max_tokens: Option<u32>,
+    ) -> Result<Self, InvalidRequest> {
         let request = LlmRequest::parse_shared(endpoint, &body)?;
         let mut demand = request.demand(None);
-        if endpoint == Endpoint::Completions && request.max_tokens.is_none() {
-            // vLLM's own default there: an answer of at most 16 tokens, not the context.
-            demand.output_tokens = u64::from(COMPLETIONS_DEFAULT_MAX_TOKENS);
+        if let (Some(default), None) = (default_max_tokens, request.max_tokens) {
+            // The engine's own default: an answer of at most that many tokens, not the
+            // context.
+            demand.output_tokens = u64::from(default);
         }
         Ok(Self {
             endpoint,
@@ -105,10 +92,10 @@ impl LlmCall {
     /// context's end; a text completion without one keeps vLLM's default of 16 when that is
     /// within `ceiling` (setting the ceiling raised it, and the tenant's bill with it).
     pub fn capped(&self, ceiling: u32) -> Option<Result<LlmCall, InvalidRequest>> {
-        let budget = match (self.request.max_output_tokens(), self.endpoint) {
-            (None, Endpoint::Completions) => Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
-            (asked, _) => asked,
-        };
+        let budget = self
+            .request
+            .max_output_tokens()
+            .or_else(|| self.endpoint.family().default_max_tokens());
         if budget.is_some_and(|asked| asked <= ceiling) {
             return None;
         }
@@ -865,7 +852,7 @@ impl LlmRequest {
 }
 
 /// vLLM's `max_tokens` for a text completion that states none.
-pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+pub use crate::family::openai::COMPLETIONS_DEFAULT_MAX_TOKENS;
 
 /// The output budget assumed for a request that states none: vLLM would allow up to the
 /// model's context, but most answers are far shorter.

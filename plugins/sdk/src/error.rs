@@ -8,10 +8,10 @@
 
 use bytes::Bytes;
 use pingora_error::{Error, ErrorType};
-use serde::Serialize;
 use std::fmt;
 
-use crate::llm::InvalidRequest;
+use crate::llm::{Endpoint, InvalidRequest};
+use sluice_llm::family::WireError;
 
 /// The innermost Pingora error of `e`'s cause chain, and the reply it carries, if any.
 /// Pingora nests errors as `Box<Error>` (`more_context`, `because`).
@@ -329,56 +329,42 @@ impl ErrorReply {
 
     /// The OpenAI error type for the status, as vLLM names them.
     pub fn openai_type(&self) -> &'static str {
-        match self.status {
-            400 | 413 => "BadRequestError",
-            401 => "AuthenticationError",
-            403 => "PermissionDeniedError",
-            404 => "NotFoundError",
-            408 => "RequestTimeoutError",
-            429 => "RateLimitError",
-            503 | 529 => "ServiceUnavailableError",
-            502 | 504 => "APIConnectionError",
-            _ => "InternalServerError",
+        sluice_llm::family::openai::error_type(self.status)
+    }
+
+    /// What the error says, for a family to shape.
+    fn wire(&self) -> WireError<'_> {
+        WireError {
+            status: self.status,
+            message: &self.message,
+            param: self.param.as_deref(),
+            reason: self.reason.as_str(),
         }
     }
 
-    /// `{"error": {"message", "type", "param", "code", "reason"}}`: the status as `code`, as
-    /// vLLM does, and Sluice's reason token, which OpenAI clients ignore and scripts can read.
+    /// The body in OpenAI's shape (`{"error": {"message", "type", "param", "code",
+    /// "reason"}}`): Sluice's own API's, for every route that is not an API family's.
     pub fn body(&self) -> Bytes {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            error: Inner<'a>,
-        }
-        #[derive(Serialize)]
-        struct Inner<'a> {
-            message: &'a str,
-            #[serde(rename = "type")]
-            kind: &'a str,
-            param: Option<&'a str>,
-            code: u16,
-            reason: &'a str,
-        }
-        let body = Body {
-            error: Inner {
-                message: &self.message,
-                kind: self.openai_type(),
-                param: self.param.as_deref(),
-                code: self.status,
-                reason: self.reason.as_str(),
-            },
-        };
-        // Serializing plain strings and integers cannot fail.
-        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+        Bytes::from(sluice_llm::family::openai::error_body(&self.wire()))
     }
 
-    /// The same error as one SSE event, for a stream that has already started.
+    /// The body in the shape of `endpoint`'s family, or OpenAI's when none.
+    pub fn body_for(&self, endpoint: Option<Endpoint>) -> Bytes {
+        match endpoint {
+            Some(endpoint) => Bytes::from(endpoint.family().error_body(&self.wire())),
+            None => self.body(),
+        }
+    }
+
+    /// The same error as the last event of a stream that has already started, in OpenAI's
+    /// shape (`data: {...}`, `data: [DONE]`).
     pub fn sse_event(&self) -> Bytes {
-        let body = self.body();
-        let mut event = Vec::with_capacity(body.len() + 24);
-        event.extend_from_slice(b"data: ");
-        event.extend_from_slice(&body);
-        event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-        Bytes::from(event)
+        self.sse_event_for(Endpoint::ChatCompletions)
+    }
+
+    /// The same error as the last event of `endpoint`'s stream, as its family ends one.
+    pub fn sse_event_for(&self, endpoint: Endpoint) -> Bytes {
+        Bytes::from(endpoint.family().error_event(&self.wire()))
     }
 }
 

@@ -45,7 +45,7 @@ pub mod redis;
 pub mod tenant;
 
 // The LLM wire model and the pools, re-exported where plugins have always found them.
-pub use sluice_llm::{context, llm, model_name, raw_json, sse, usage};
+pub use sluice_llm::{context, family, llm, model_name, raw_json, sse, usage};
 pub use sluice_pools::{header_rules, health, members, pool, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
@@ -53,6 +53,7 @@ pub use config::ConfigError;
 pub use ctx::{PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
+pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt};
 pub use header_rules::{HeaderRules, UpstreamAuth};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,

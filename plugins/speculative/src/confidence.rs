@@ -13,7 +13,7 @@ use serde_json::Value;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::raw_json::{self, Edit};
 use sluice_sdk::sse::{self, SseEvents};
-use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, StreamCheck, StreamJudge};
+use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, LogprobsAt, StreamCheck, StreamJudge};
 use std::fmt;
 
 /// How an answer's confidence is measured over its first `window` tokens.
@@ -147,9 +147,11 @@ impl<'a> Answer<'a> {
 /// first prompt token under `echo`), which is skipped. Reads the text as it goes: nothing
 /// is collected.
 fn add_logprobs(endpoint: Endpoint, logprobs: &[u8], tally: &mut Tally, limit: usize) {
-    let field = match endpoint {
-        Endpoint::ChatCompletions => "content",
-        Endpoint::Completions => "token_logprobs",
+    let at = endpoint.family().logprobs_at();
+    let field = match at {
+        LogprobsAt::ChatContent => "content",
+        LogprobsAt::CompletionTokens => "token_logprobs",
+        LogprobsAt::Nowhere => return,
     };
     let Some(tokens) = raw_json::object_spans(logprobs, &[field])
         .and_then(|s| s.value(field))
@@ -160,7 +162,7 @@ fn add_logprobs(endpoint: Endpoint, logprobs: &[u8], tally: &mut Tally, limit: u
     };
     let mut de = serde_json::Deserializer::from_slice(tokens);
     let _ = de.deserialize_seq(TokensVisitor {
-        chat: endpoint == Endpoint::ChatCompletions,
+        chat: at == LogprobsAt::ChatContent,
         tally,
         limit,
     });
@@ -475,18 +477,22 @@ pub(crate) fn clear_logprobs(answer: &mut Value) -> bool {
 /// - completions with `"echo": true`: vLLM would also score the prompt, and the token
 ///   log-probabilities would start with the prompt's rather than the answer's.
 pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
+    let at = endpoint.family().logprobs_at();
+    if at == LogprobsAt::Nowhere {
+        return None;
+    }
     let spans = raw_json::object_spans(body, &["logprobs", "top_logprobs", "echo"])?;
     let value = |key| spans.value(key).and_then(|range| body.get(range));
     let not_asked = match value("logprobs") {
         None | Some(b"null") => true,
-        Some(b"false") => endpoint == Endpoint::ChatCompletions,
+        Some(b"false") => at == LogprobsAt::ChatContent,
         Some(_) => false,
     };
     if !not_asked {
         return None;
     }
-    let asked_for: &[u8] = match endpoint {
-        Endpoint::ChatCompletions => {
+    let asked_for: &[u8] = match at {
+        LogprobsAt::ChatContent => {
             let wants_top = value("top_logprobs")
                 .and_then(|top| serde_json::from_slice::<u64>(top).ok())
                 .is_some_and(|top| top > 0);
@@ -495,12 +501,13 @@ pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
             }
             b"true"
         }
-        Endpoint::Completions => {
+        LogprobsAt::CompletionTokens => {
             if value("echo") == Some(b"true") {
                 return None;
             }
             b"0"
         }
+        LogprobsAt::Nowhere => return None,
     };
     let edit = match spans.value("logprobs") {
         Some(range) => Edit {

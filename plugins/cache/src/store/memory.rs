@@ -99,13 +99,13 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::entry::AnswerKind;
+    use sluice_sdk::Endpoint;
 
     fn entry(digest: [u8; 32], size: usize) -> Arc<Entry> {
         Arc::new(Entry {
             digest,
             created_unix: 0,
-            kind: AnswerKind::Chat,
+            kind: Endpoint::ChatCompletions,
             pool: "p".into(),
             answer: serde_json::value::to_raw_value(&serde_json::json!({"pad": "x".repeat(size)}))
                 .unwrap()

@@ -1,0 +1,224 @@
+//! The API families: each wire format of LLM requests and answers that Sluice serves as an LLM
+//! route (OpenAI chat completions and text completions today) owns, behind [`ApiFamily`], all
+//! that is particular to it: its path, its request parse and demand estimate, its output
+//! default, where its answers carry token log-probabilities and usage, how a whole answer is
+//! assembled from its stream and replayed in either form, and the shape of its errors. The
+//! core, the cache and the selector ask the request's family; none of them matches on a
+//! format.
+//!
+//! Adding a family is one module implementing [`ApiFamily`] and one registration: a variant
+//! of [`Endpoint`] (the family's stable id, in cache entries and labels) and its arm in
+//! [`Endpoint::family`].
+
+pub mod openai;
+
+use crate::llm::{Endpoint, InvalidRequest, LlmCall};
+use crate::usage::Usage;
+use bytes::Bytes;
+
+/// Where an answer's token log-probabilities are, for a confidence check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogprobsAt {
+    /// OpenAI chat: each choice's `logprobs.content[].logprob`; asked with `logprobs: true`.
+    ChatContent,
+    /// OpenAI text completions: each choice's `logprobs.token_logprobs[]` (`null` for a token
+    /// without one); asked with `logprobs: 0`.
+    CompletionTokens,
+    /// The family's answers carry none.
+    Nowhere,
+}
+
+/// Why an answer is not a whole, well-formed answer of its family (the cache stores none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerError {
+    /// It ended early: no end of stream, or a choice without a finish reason.
+    Incomplete,
+    /// The stream carried an error event.
+    ErrorEvent,
+    /// Not an answer of the family's shape.
+    NotAnAnswer,
+}
+
+/// An answer's JSON text in its non-stream form, checked when it was made and kept as the
+/// bytes it is (see [`ApiFamily::answer_from_json`]).
+pub use openai::AnswerText;
+
+/// What a family reads of one event of its stream in a single pass, for relaying it to
+/// another client under that client's own response id ([`ApiFamily::read_event`]).
+#[derive(Debug, Clone)]
+pub struct EventFacts<'a> {
+    /// The `model` it names, as JSON text.
+    pub model: Option<&'a str>,
+    /// It carries the usage alone.
+    pub usage_only: bool,
+    /// Where its response id and creation time are in its text, when it has both once.
+    stamp: Option<Stamp>,
+}
+
+/// Where an event's (or answer's) response id and creation time are in its JSON text.
+#[derive(Debug, Clone)]
+struct Stamp {
+    id: std::ops::Range<usize>,
+    created: std::ops::Range<usize>,
+}
+
+/// What Sluice says when it refuses or ends a request itself, for the family to shape.
+#[derive(Debug, Clone, Copy)]
+pub struct WireError<'a> {
+    /// The HTTP status.
+    pub status: u16,
+    /// What went wrong, for people.
+    pub message: &'a str,
+    /// The offending parameter, if one.
+    pub param: Option<&'a str>,
+    /// Sluice's reason token (`kv-pressure`, ...), for scripts.
+    pub reason: &'a str,
+}
+
+/// One wire format of LLM requests and answers. Implementations are stateless values (one
+/// `static` each), found through [`Endpoint::family`].
+pub trait ApiFamily: Send + Sync + std::fmt::Debug {
+    /// Its short name: the `route` label of metrics and logs, and the cache's key and TTL
+    /// name (`chat`, `completions`).
+    fn name(&self) -> &'static str;
+    /// The path it is served at (`POST`), matched exactly.
+    fn path(&self) -> &'static str;
+    /// Reads and checks a request body, with its demand estimate.
+    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest>;
+    /// The output tokens an engine generates for a request that sets no limit, when the
+    /// format has a default (text completions: 16); `None`: up to the context's end.
+    fn default_max_tokens(&self) -> Option<u32>;
+    /// Where its answers carry token log-probabilities.
+    fn logprobs_at(&self) -> LogprobsAt;
+    /// Whether one event of its stream carries the usage alone (the event an upstream sends
+    /// when asked for usage, kept from a client that did not ask).
+    fn is_usage_event(&self, event: &[u8]) -> bool;
+    /// A whole non-stream answer, checked, as it will be kept.
+    fn answer_from_json(&self, body: Bytes) -> Result<AnswerText, AnswerError>;
+    /// The non-stream answer a whole stream (its chunks, as the client got them) adds up to,
+    /// with `usage` when the stream carried none.
+    fn answer_from_stream(
+        &self,
+        chunks: &[Bytes],
+        usage: Option<Usage>,
+    ) -> Result<AnswerText, AnswerError>;
+    /// A kept answer as a JSON body, with a response's own `id` and `created`.
+    fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes;
+    /// A kept answer as the family's event stream, ended as the format ends a stream.
+    fn render_stream(
+        &self,
+        answer: &AnswerText,
+        id: &str,
+        created: u64,
+        include_usage: bool,
+    ) -> Bytes;
+    /// Reads one event's JSON text (its `data`) for relaying: `None` for an event not to pass
+    /// on (an error event, whose news the stream's end carries; text no client could read).
+    fn read_event<'a>(&self, json: &'a str) -> Option<EventFacts<'a>>;
+    /// Writes an event read by [`ApiFamily::read_event`] to `out` under response `id` and
+    /// `created` (as it is when it has no stamp to replace).
+    fn write_event(
+        &self,
+        json: &str,
+        facts: &EventFacts<'_>,
+        id: &str,
+        created: u64,
+        out: &mut Vec<u8>,
+    );
+    /// The usage-only event of a stream, made here (for a client that asked for usage when
+    /// the stream it shares did not carry one); `model` as JSON text.
+    fn usage_event(&self, id: &str, created: u64, model: Option<&str>, usage: Usage) -> Vec<u8>;
+    /// The prefix of a response id it makes (`chatcmpl`, `cmpl`).
+    fn id_prefix(&self) -> &'static str;
+    /// An error body in the family's shape.
+    fn error_body(&self, error: &WireError<'_>) -> Vec<u8>;
+    /// The same error as the last event of a stream that had started.
+    fn error_event(&self, error: &WireError<'_>) -> Vec<u8>;
+}
+
+impl Endpoint {
+    /// Every family served, for the router.
+    pub const ALL: [Endpoint; 2] = [Endpoint::ChatCompletions, Endpoint::Completions];
+
+    /// The family of requests to this endpoint: the one registration of a family.
+    pub fn family(self) -> &'static dyn ApiFamily {
+        match self {
+            Endpoint::ChatCompletions => &openai::CHAT,
+            Endpoint::Completions => &openai::COMPLETIONS,
+        }
+    }
+
+    /// The endpoint served at `path`, if any. Matches exactly, as vLLM's router does.
+    pub fn from_path(path: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|e| e.family().path() == path)
+    }
+
+    /// The path of the endpoint.
+    pub fn path(self) -> &'static str {
+        self.family().path()
+    }
+
+    /// A short label for metrics and logs.
+    pub fn label(self) -> &'static str {
+        self.family().name()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_found_by_its_path_and_named_once() {
+        let mut names = std::collections::HashSet::new();
+        for endpoint in Endpoint::ALL {
+            let family = endpoint.family();
+            assert_eq!(Endpoint::from_path(family.path()), Some(endpoint));
+            assert!(names.insert(family.name()), "{} twice", family.name());
+            assert_eq!(endpoint.label(), family.name());
+        }
+        assert_eq!(Endpoint::from_path("/v1/chat/completions/"), None);
+    }
+
+    #[test]
+    fn a_kept_answer_replays_in_both_forms_through_its_family() {
+        let family = Endpoint::Completions.family();
+        let body = Bytes::from_static(
+            br#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"hi","logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+        );
+        let kept = family.answer_from_json(body).unwrap();
+        let stream = family.render_stream(&kept, "cmpl-x", 9, true);
+        let back = family.answer_from_stream(&[stream], None).unwrap();
+        let back: serde_json::Value = serde_json::from_str(back.get()).unwrap();
+        assert_eq!(back["choices"][0]["text"], "hi");
+        assert_eq!(back["usage"]["total_tokens"], 2);
+        let json: serde_json::Value =
+            serde_json::from_slice(&family.render_json(&kept, "cmpl-y", 7)).unwrap();
+        assert_eq!(
+            (json["id"].as_str(), json["created"].as_u64()),
+            (Some("cmpl-y"), Some(7))
+        );
+        // A chat answer is not a completion.
+        let chat = Endpoint::ChatCompletions.family();
+        assert_eq!(
+            chat.answer_from_json(Bytes::from(serde_json::to_vec(&json).unwrap())),
+            Err(AnswerError::NotAnAnswer)
+        );
+    }
+
+    #[test]
+    fn errors_take_the_familys_shape() {
+        let error = WireError {
+            status: 503,
+            message: "busy",
+            param: None,
+            reason: "kv-pressure",
+        };
+        let body: serde_json::Value =
+            serde_json::from_slice(&Endpoint::ChatCompletions.family().error_body(&error)).unwrap();
+        assert_eq!(body["error"]["type"], "ServiceUnavailableError");
+        assert_eq!(body["error"]["code"], 503);
+        let event = Endpoint::Completions.family().error_event(&error);
+        assert!(event.ends_with(b"data: [DONE]\n\n"));
+    }
+}

@@ -1,0 +1,751 @@
+//! The OpenAI families, as vLLM serves them: chat completions (`/v1/chat/completions`) and
+//! text completions (`/v1/completions`). Their request model is [`crate::llm::LlmRequest`];
+//! here is the rest of what is theirs: the output default, the log-probabilities' place, the
+//! usage-only stream event, the error shape, and the answer codec.
+//!
+//! The answer codec: a kept answer is the non-stream form (a `chat.completion` or
+//! `text_completion` object), whatever form filled it: a JSON answer is kept as sent; a
+//! stream is assembled from its deltas. It is replayed in the form a client asks for, with a
+//! fresh `id` and `created`: the JSON object, or an event stream (role chunk, content chunk,
+//! finish chunk, usage chunk when asked, `[DONE]`) in vLLM's shapes. The answer is kept as
+//! raw JSON text, not as a parsed tree: storing is on every miss, and checking an answer's
+//! shape without building it costs a fraction of building it. A JSON replay splices its fresh
+//! `id` and `created` into the text; only a stream replay parses it.
+
+use super::{AnswerError, ApiFamily, EventFacts, LogprobsAt, Stamp, WireError};
+use crate::llm::{Endpoint, InvalidRequest, LlmCall};
+use crate::raw_json::is_space;
+use crate::sse;
+use crate::usage::Usage;
+use bytes::Bytes;
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::Value;
+use std::borrow::Cow;
+
+/// Which of the two an answer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn object(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat.completion",
+            Kind::Completion => "text_completion",
+        }
+    }
+
+    fn chunk_object(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        }
+    }
+}
+
+/// One OpenAI family.
+#[derive(Debug)]
+pub struct OpenAi {
+    kind: Kind,
+}
+
+/// `POST /v1/chat/completions`.
+pub static CHAT: OpenAi = OpenAi { kind: Kind::Chat };
+/// `POST /v1/completions`.
+pub static COMPLETIONS: OpenAi = OpenAi {
+    kind: Kind::Completion,
+};
+
+/// vLLM's `max_tokens` for a text completion that sets none.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
+impl ApiFamily for OpenAi {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+
+    fn path(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+
+    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
+        LlmCall::parse_openai(endpoint, body, self.default_max_tokens())
+    }
+
+    fn default_max_tokens(&self) -> Option<u32> {
+        match self.kind {
+            Kind::Chat => None,
+            Kind::Completion => Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        }
+    }
+
+    fn logprobs_at(&self) -> LogprobsAt {
+        match self.kind {
+            Kind::Chat => LogprobsAt::ChatContent,
+            Kind::Completion => LogprobsAt::CompletionTokens,
+        }
+    }
+
+    fn is_usage_event(&self, event: &[u8]) -> bool {
+        is_usage_chunk(event)
+    }
+
+    fn answer_from_json(&self, body: Bytes) -> Result<AnswerText, AnswerError> {
+        from_json(self.kind, body)
+    }
+
+    fn answer_from_stream(
+        &self,
+        chunks: &[Bytes],
+        usage: Option<Usage>,
+    ) -> Result<AnswerText, AnswerError> {
+        from_sse(self.kind, chunks, usage)
+    }
+
+    fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes {
+        render_json(answer, id, created)
+    }
+
+    fn render_stream(
+        &self,
+        answer: &AnswerText,
+        id: &str,
+        created: u64,
+        include_usage: bool,
+    ) -> Bytes {
+        render_sse(self.kind, answer, id, created, include_usage)
+    }
+
+    fn read_event<'a>(&self, json: &'a str) -> Option<EventFacts<'a>> {
+        read_event(json)
+    }
+
+    fn write_event(
+        &self,
+        json: &str,
+        facts: &EventFacts<'_>,
+        id: &str,
+        created: u64,
+        out: &mut Vec<u8>,
+    ) {
+        let spliced = facts
+            .stamp
+            .as_ref()
+            .and_then(|stamp| splice_at(out, json, stamp, id, created));
+        if spliced.is_none() {
+            out.extend_from_slice(json.as_bytes());
+        }
+    }
+
+    fn usage_event(&self, id: &str, created: u64, model: Option<&str>, usage: Usage) -> Vec<u8> {
+        let model = model.and_then(|m| serde_json::from_str::<Value>(m).ok());
+        let chunk = serde_json::json!({
+            "id": id,
+            "object": self.kind.chunk_object(),
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage_object(usage),
+        });
+        serde_json::to_vec(&chunk).unwrap_or_default()
+    }
+
+    fn id_prefix(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+
+    fn error_body(&self, error: &WireError<'_>) -> Vec<u8> {
+        error_body(error)
+    }
+
+    fn error_event(&self, error: &WireError<'_>) -> Vec<u8> {
+        let body = error_body(error);
+        let mut event = Vec::with_capacity(body.len() + 24);
+        event.extend_from_slice(b"data: ");
+        event.extend_from_slice(&body);
+        event.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        event
+    }
+}
+
+/// The OpenAI error type for a status, as vLLM names them.
+pub fn error_type(status: u16) -> &'static str {
+    match status {
+        400 | 413 => "BadRequestError",
+        401 => "AuthenticationError",
+        403 => "PermissionDeniedError",
+        404 => "NotFoundError",
+        408 => "RequestTimeoutError",
+        429 => "RateLimitError",
+        503 | 529 => "ServiceUnavailableError",
+        502 | 504 => "APIConnectionError",
+        _ => "InternalServerError",
+    }
+}
+
+/// `{"error": {"message", "type", "param", "code", "reason"}}`: the status as `code`, as
+/// vLLM does, and Sluice's reason token, which OpenAI clients ignore and scripts can read.
+pub fn error_body(error: &WireError<'_>) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Body<'a> {
+        error: Inner<'a>,
+    }
+    #[derive(Serialize)]
+    struct Inner<'a> {
+        message: &'a str,
+        #[serde(rename = "type")]
+        kind: &'a str,
+        param: Option<&'a str>,
+        code: u16,
+        reason: &'a str,
+    }
+    let body = Body {
+        error: Inner {
+            message: error.message,
+            kind: error_type(error.status),
+            param: error.param,
+            code: error.status,
+            reason: error.reason,
+        },
+    };
+    // Serializing plain strings and integers cannot fail.
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// What relaying reads of an event, in one parse.
+#[derive(Deserialize)]
+struct EventShape<'a> {
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    choices: Option<&'a RawValue>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
+    #[serde(borrow)]
+    error: Option<&'a RawValue>,
+}
+
+/// An event as relaying reads it: an error event is not passed on (the stream's end
+/// carries the news), nor text that no client could read either.
+fn read_event(json: &str) -> Option<EventFacts<'_>> {
+    match serde_json::from_str::<EventShape>(json) {
+        Ok(shape) if shape.error.is_some() => None,
+        Ok(shape) => Some(EventFacts {
+            stamp: match (shape.id, shape.created) {
+                (Some(id), Some(created)) => identity_spans(json, id, created),
+                _ => None,
+            },
+            model: shape.model.map(RawValue::get),
+            usage_only: shape.usage.is_some()
+                && shape
+                    .choices
+                    .is_some_and(|c| c.get().trim_start_matches('[').trim_start() == "]"),
+        }),
+        // A repeated key, say: passed on as sent.
+        Err(_) if serde_json::from_str::<IgnoredAny>(json).is_ok() => Some(EventFacts {
+            stamp: None,
+            model: None,
+            usage_only: false,
+        }),
+        Err(_) => None,
+    }
+}
+
+/// The usage chunk vLLM ends a stream with when asked: no choices, and a `usage` object.
+/// Looked for as text first: most events have no `"usage"` key (vLLM's completions stream
+/// has `"usage":null` in each, which is then read without copying).
+fn is_usage_chunk(event: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Shape<'a> {
+        #[serde(borrow)]
+        choices: Option<&'a RawValue>,
+        #[serde(borrow)]
+        usage: Option<&'a RawValue>,
+    }
+    let Some(data) = sse::data(event) else {
+        return false;
+    };
+    if !data.windows(7).any(|w| w == b"\"usage\"") {
+        return false;
+    }
+    let Ok(shape) = serde_json::from_slice::<Shape>(&data) else {
+        return false;
+    };
+    let no_choices = shape.choices.is_some_and(|c| {
+        let inner = c.get().as_bytes();
+        let inner = inner.strip_prefix(b"[").and_then(|i| i.strip_suffix(b"]"));
+        inner.is_some_and(|i| i.iter().all(|&b| is_space(b)))
+    });
+    no_choices && shape.usage.is_some_and(|u| u.get().starts_with('{'))
+}
+
+/// An answer's JSON text, checked when it was made and kept as the bytes it is: a JSON
+/// answer is the upstream's own body, shared, not a copy checked a second time. The stored
+/// form (Redis) writes it as raw JSON, and reading it back checks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerText(bytes::Bytes);
+
+impl AnswerText {
+    /// The text (`null` if it were not UTF-8, which no constructor lets in).
+    pub fn get(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or("null")
+    }
+
+    /// Whether the answer was cut by a model's context short of `budget`, the tokens the
+    /// client allowed: not the whole answer to its request.
+    pub fn cut_by_context(&self, budget: u64) -> bool {
+        crate::context::cut_by_context(&self.0, budget)
+    }
+}
+
+impl From<Box<RawValue>> for AnswerText {
+    fn from(raw: Box<RawValue>) -> Self {
+        AnswerText(bytes::Bytes::from(Box::<str>::from(raw).into_boxed_bytes()))
+    }
+}
+
+impl Serialize for AnswerText {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let raw: &RawValue = serde_json::from_str(self.get()).map_err(serde::ser::Error::custom)?;
+        raw.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for AnswerText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Box::<RawValue>::deserialize(deserializer).map(AnswerText::from)
+    }
+}
+
+/// What storing checks of a JSON answer; everything else is skipped unparsed.
+#[derive(Deserialize)]
+struct AnswerShape<'a> {
+    #[serde(borrow)]
+    object: Option<Cow<'a, str>>,
+    #[serde(default)]
+    choices: Vec<ChoiceShape>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceShape {
+    /// `null` and absent alike are `None`.
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+}
+
+/// A non-stream answer, kept as sent once it is known to be whole: the shape check is a full
+/// JSON parse, so the body is kept as it is, without a second check or a copy.
+fn from_json(kind: Kind, body: bytes::Bytes) -> Result<AnswerText, AnswerError> {
+    let shape: AnswerShape = serde_json::from_slice(&body).map_err(|_| AnswerError::NotAnAnswer)?;
+    if shape.object.as_deref() != Some(kind.object()) || shape.choices.is_empty() {
+        return Err(AnswerError::NotAnAnswer);
+    }
+    if shape.choices.iter().any(|c| c.finish_reason.is_none()) {
+        return Err(AnswerError::Incomplete);
+    }
+    if std::str::from_utf8(&body).is_err() {
+        return Err(AnswerError::NotAnAnswer);
+    }
+    Ok(AnswerText(body.slice_ref(body.trim_ascii())))
+}
+
+/// The non-stream answer a complete event stream adds up to. Its `usage` is the stream's own
+/// usage chunk, else `usage` (what the core found in the upstream's stream, whose usage chunk
+/// was kept from the client), else `null`.
+fn from_sse(
+    kind: Kind,
+    chunks: &[bytes::Bytes],
+    usage: Option<Usage>,
+) -> Result<AnswerText, AnswerError> {
+    let mut answer = assemble(kind, chunks)?;
+    if let (Some(usage), Some(fields)) = (usage, answer.as_object_mut()) {
+        if fields.get("usage").is_none_or(Value::is_null) {
+            fields.insert("usage".to_owned(), usage_object(usage));
+        }
+    }
+    serde_json::value::to_raw_value(&answer)
+        .map(AnswerText::from)
+        .map_err(|_| AnswerError::NotAnAnswer)
+}
+
+/// A `usage` object in vLLM's shape.
+fn usage_object(usage: Usage) -> Value {
+    serde_json::json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
+        "completion_tokens": usage.completion_tokens,
+    })
+}
+
+fn assemble(kind: Kind, chunks: &[bytes::Bytes]) -> Result<Value, AnswerError> {
+    let body: Vec<u8> = chunks.concat();
+    let text = std::str::from_utf8(&body).map_err(|_| AnswerError::NotAnAnswer)?;
+    let mut head: Option<Value> = None;
+    let mut choices: std::collections::BTreeMap<u64, ChoiceBuilder> = Default::default();
+    let mut usage = Value::Null;
+    let mut done = false;
+    for event in text.split("\n\n") {
+        let data = event
+            .lines()
+            .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if data.is_empty() {
+            continue;
+        }
+        if done {
+            return Err(AnswerError::NotAnAnswer);
+        }
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&data).map_err(|_| AnswerError::NotAnAnswer)?;
+        if chunk.get("error").is_some() {
+            return Err(AnswerError::ErrorEvent);
+        }
+        head.get_or_insert_with(|| chunk.clone());
+        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            usage = u.clone();
+        }
+        for c in chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
+            choices.entry(index).or_default().absorb(kind, c);
+        }
+    }
+    if !done || choices.is_empty() || choices.values().any(|c| c.finish_reason.is_null()) {
+        return Err(AnswerError::Incomplete);
+    }
+    let head = head.unwrap_or(Value::Null);
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|(index, c)| c.build(kind, index))
+        .collect();
+    let mut answer = serde_json::json!({
+        "id": head.get("id").cloned().unwrap_or(Value::Null),
+        "object": kind.object(),
+        "created": head.get("created").cloned().unwrap_or(Value::Null),
+        "model": head.get("model").cloned().unwrap_or(Value::Null),
+        "choices": choices,
+        "usage": usage,
+    });
+    if let Some(fp) = head.get("system_fingerprint") {
+        answer["system_fingerprint"] = fp.clone();
+    }
+    Ok(answer)
+}
+
+/// One choice, assembled from its deltas.
+#[derive(Default)]
+struct ChoiceBuilder {
+    role: Option<String>,
+    text: String,
+    reasoning: Option<String>,
+    tool_calls: std::collections::BTreeMap<u64, Value>,
+    /// Chat: the `logprobs.content` entries; completions: the four parallel arrays.
+    logprobs: Option<serde_json::Map<String, Value>>,
+    finish_reason: Value,
+    stop_reason: Value,
+}
+
+impl ChoiceBuilder {
+    fn absorb(&mut self, kind: Kind, c: &Value) {
+        match kind {
+            Kind::Chat => {
+                let delta = c.get("delta").unwrap_or(&Value::Null);
+                if let Some(role) = delta.get("role").and_then(Value::as_str) {
+                    self.role = Some(role.to_string());
+                }
+                if let Some(t) = delta.get("content").and_then(Value::as_str) {
+                    self.text.push_str(t);
+                }
+                if let Some(t) = delta.get("reasoning_content").and_then(Value::as_str) {
+                    self.reasoning.get_or_insert_with(String::new).push_str(t);
+                }
+                for call in delta
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    self.absorb_tool_call(call);
+                }
+            }
+            Kind::Completion => {
+                if let Some(t) = c.get("text").and_then(Value::as_str) {
+                    self.text.push_str(t);
+                }
+            }
+        }
+        if let Some(lp) = c.get("logprobs").and_then(Value::as_object) {
+            let acc = self.logprobs.get_or_insert_with(Default::default);
+            for (field, value) in lp {
+                if let Some(items) = value.as_array() {
+                    let slot = acc
+                        .entry(field.clone())
+                        .or_insert_with(|| Value::Array(vec![]));
+                    if let Some(all) = slot.as_array_mut() {
+                        all.extend(items.iter().cloned());
+                    }
+                }
+            }
+        }
+        if let Some(reason) = c.get("finish_reason").filter(|r| !r.is_null()) {
+            self.finish_reason = reason.clone();
+            self.stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
+        }
+    }
+
+    /// Tool calls stream as fragments keyed by `index`: the id, type and name once, the
+    /// arguments in pieces to be joined.
+    fn absorb_tool_call(&mut self, call: &Value) {
+        let index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
+        let slot = self.tool_calls.entry(index).or_insert_with(|| {
+            serde_json::json!({"id": null, "type": "function", "function": {"name": "", "arguments": ""}})
+        });
+        for field in ["id", "type"] {
+            if let Some(v) = call.get(field).filter(|v| !v.is_null()) {
+                slot[field] = v.clone();
+            }
+        }
+        if let Some(f) = call.get("function") {
+            for field in ["name", "arguments"] {
+                if let Some(piece) = f.get(field).and_then(Value::as_str) {
+                    // Appended in place: arguments come in many small fragments.
+                    match slot.get_mut("function").and_then(|f| f.get_mut(field)) {
+                        Some(Value::String(joined)) => joined.push_str(piece),
+                        _ => slot["function"][field] = Value::String(piece.to_owned()),
+                    }
+                }
+            }
+        }
+    }
+
+    fn build(self, kind: Kind, index: u64) -> Value {
+        let logprobs = self.logprobs.map_or(Value::Null, Value::Object);
+        match kind {
+            Kind::Chat => {
+                let tool_calls: Vec<Value> = self.tool_calls.into_values().collect();
+                let content = if self.text.is_empty() && !tool_calls.is_empty() {
+                    Value::Null
+                } else {
+                    Value::String(self.text)
+                };
+                serde_json::json!({
+                    "index": index,
+                    "message": {
+                        "role": self.role.unwrap_or_else(|| "assistant".into()),
+                        "content": content,
+                        "tool_calls": tool_calls,
+                        "reasoning_content": self.reasoning,
+                    },
+                    "logprobs": logprobs,
+                    "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason,
+                })
+            }
+            Kind::Completion => serde_json::json!({
+                "index": index,
+                "text": self.text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }),
+        }
+    }
+}
+
+/// The answer as a JSON body, with this response's `id` and `created`.
+fn render_json(answer_text: &AnswerText, id: &str, created: u64) -> bytes::Bytes {
+    if let Some(spliced) = splice_identity(answer_text.get(), id, created) {
+        return bytes::Bytes::from(spliced);
+    }
+    // An answer without both fields once each: through the parsed form.
+    let mut answer = parsed(answer_text);
+    // Through `as_object_mut`, not indexing: indexing a non-object panics, and a stored
+    // answer comes from an upstream (or a shared Redis).
+    if let Some(fields) = answer.as_object_mut() {
+        fields.insert("id".to_owned(), Value::from(id));
+        fields.insert("created".to_owned(), Value::from(created));
+    }
+    bytes::Bytes::from(serde_json::to_vec(&answer).unwrap_or_default())
+}
+
+fn parsed(answer: &AnswerText) -> Value {
+    serde_json::from_str(answer.get()).unwrap_or(Value::Null)
+}
+
+/// The answer as a Server-Sent Events stream, in vLLM's event sequence: per choice a role
+/// chunk, one content chunk and a finish chunk; a usage chunk when asked; `[DONE]`.
+fn render_sse(
+    kind: Kind,
+    answer_text: &AnswerText,
+    id: &str,
+    created: u64,
+    include_usage: bool,
+) -> bytes::Bytes {
+    let answer = parsed(answer_text);
+    let model = answer.get("model").cloned().unwrap_or(Value::Null);
+    let chunk = |choices: Value| {
+        serde_json::json!({
+            "id": id,
+            "object": kind.chunk_object(),
+            "created": created,
+            "model": model,
+            "choices": choices,
+        })
+    };
+    let mut out = Vec::with_capacity(512);
+    let mut event = |v: &Value| {
+        out.extend_from_slice(b"data: ");
+        let _ = serde_json::to_writer(&mut out, v);
+        out.extend_from_slice(b"\n\n");
+    };
+    let choices = answer.get("choices").and_then(Value::as_array);
+    for c in choices.into_iter().flatten() {
+        let index = c.get("index").cloned().unwrap_or(Value::from(0));
+        let logprobs = c.get("logprobs").cloned().unwrap_or(Value::Null);
+        let finish_reason = c.get("finish_reason").cloned().unwrap_or(Value::Null);
+        let stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
+        match kind {
+            Kind::Chat => {
+                let message = c.get("message").unwrap_or(&Value::Null);
+                event(&chunk(
+                    serde_json::json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                ));
+                let mut delta = serde_json::json!({
+                    "content": message.get("content").and_then(Value::as_str).unwrap_or(""),
+                });
+                if let Some(calls) = message
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .filter(|c| !c.is_empty())
+                {
+                    let indexed: Vec<Value> = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(i, call)| {
+                            let mut call = call.clone();
+                            if let Some(fields) = call.as_object_mut() {
+                                fields.insert("index".to_owned(), Value::from(i));
+                            }
+                            call
+                        })
+                        .collect();
+                    delta["tool_calls"] = Value::Array(indexed);
+                }
+                if let Some(r) = message.get("reasoning_content").filter(|r| !r.is_null()) {
+                    delta["reasoning_content"] = r.clone();
+                }
+                event(&chunk(
+                    serde_json::json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
+                ));
+                event(&chunk(
+                    serde_json::json!([{"index": index, "delta": {"content": ""}, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+                ));
+            }
+            Kind::Completion => {
+                let text = c.get("text").cloned().unwrap_or(Value::from(""));
+                event(&chunk(
+                    serde_json::json!([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null, "stop_reason": null}]),
+                ));
+                event(&chunk(
+                    serde_json::json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+                ));
+            }
+        }
+    }
+    let usage = answer.get("usage").filter(|u| !u.is_null());
+    if let (true, Some(usage)) = (include_usage, usage) {
+        let mut last = chunk(Value::Array(vec![]));
+        last["usage"] = usage.clone();
+        event(&last);
+    }
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    bytes::Bytes::from(out)
+}
+
+/// Where the top-level `id` and `created` of an answer are, borrowed from its text.
+#[derive(Deserialize)]
+struct Identity<'a> {
+    #[serde(borrow)]
+    id: &'a RawValue,
+    #[serde(borrow)]
+    created: &'a RawValue,
+}
+
+/// `json` with its top-level `id` and `created` values replaced, without parsing the rest
+/// into a tree; `None` when it does not have both, once each.
+fn splice_identity(json: &str, id: &str, created: u64) -> Option<Vec<u8>> {
+    let found: Identity = serde_json::from_str(json).ok()?;
+    let spans = identity_spans(json, found.id, found.created)?;
+    let mut out = Vec::with_capacity(json.len() + id.len() + 16);
+    splice_at(&mut out, json, &spans, id, created)?;
+    Some(out)
+}
+
+/// Where `id` and `created`, two values borrowed from `json`, are in it.
+fn identity_spans(json: &str, id: &RawValue, created: &RawValue) -> Option<Stamp> {
+    // Both values are slices of `json`: their offsets locate them in it.
+    let span = |raw: &RawValue| {
+        let start = (raw.get().as_ptr() as usize).checked_sub(json.as_ptr() as usize)?;
+        let range = start..start + raw.get().len();
+        json.get(range.clone()).map(|_| range)
+    };
+    Some(Stamp {
+        id: span(id)?,
+        created: span(created)?,
+    })
+}
+
+/// Appends `json` to `out` with the values at `spans` (from [`identity_spans`]) replaced by
+/// this response's `id` and `created`; `None`, with `out` unchanged, when the spans do not fit.
+fn splice_at(out: &mut Vec<u8>, json: &str, spans: &Stamp, id: &str, created: u64) -> Option<()> {
+    let id_value = serde_json::to_string(id).ok()?;
+    let created_value = created.to_string();
+    let mut parts = [
+        (spans.id.clone(), id_value.as_str()),
+        (spans.created.clone(), created_value.as_str()),
+    ];
+    parts.sort_by_key(|(range, _)| range.start);
+    let before = out.len();
+    let mut at = 0;
+    for (range, value) in parts {
+        let Some(text) = json.get(at..range.start) else {
+            out.truncate(before);
+            return None;
+        };
+        out.extend_from_slice(text.as_bytes());
+        out.extend_from_slice(value.as_bytes());
+        at = range.end;
+    }
+    let Some(rest) = json.get(at..) else {
+        out.truncate(before);
+        return None;
+    };
+    out.extend_from_slice(rest.as_bytes());
+    Some(())
+}
