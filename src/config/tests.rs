@@ -2,7 +2,8 @@
 //! message that says what is wrong, and an almost empty file gets the documented defaults.
 
 use super::*;
-use sluice_sdk::TokensPerSecond;
+use crate::discovery::{dns, kubernetes, Source};
+use sluice_sdk::{Balancing, HealthPolicy, OutlierPolicy, StaleAs, Timeouts, TokensPerSecond};
 
 /// One pool with one backend: the smallest valid file.
 const MINIMAL: &str = "

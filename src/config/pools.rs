@@ -1,0 +1,821 @@
+//! `pools`: each pool's backends or discovery source, models, timeouts, health checks, outlier
+//! detection, balancing, sessions, retries, price, header rules and upstream credential.
+
+use super::file::{self, FileConfig};
+use super::{existing_file, socket_address, MAX_TIMEOUT};
+use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
+use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
+use sluice_sdk::ConfigError as Invalid;
+use sluice_sdk::{
+    AnswerModel, BackendSpec, Balancing, Capabilities, HeaderRules, HealthPolicy, OutlierPolicy,
+    Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
+    TokensPerSecond, UpstreamAuth,
+};
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The pools, in file order, and the discovery source of each pool that has one.
+pub(super) fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDiscovery>), Invalid> {
+    if raw.pools.is_empty() {
+        return Err(Invalid::new("pools", "at least one pool is needed"));
+    }
+    let mut names = HashSet::new();
+    let mut pools = Vec::new();
+    let mut discovery = Vec::new();
+    for (i, p) in raw.pools.iter().enumerate() {
+        let key = format!("pools[{i}]");
+        check_name(p, &key, &mut names)?;
+        let (pool, source) = pool(p, &key, base)?;
+        if let Some(source) = source {
+            discovery.push(PoolDiscovery {
+                pool: Arc::clone(&pool),
+                source,
+            });
+        }
+        pools.push(pool);
+    }
+    Ok((Pools::new(pools), discovery))
+}
+
+/// A pool's name is a plain word (it is a metric label and a route's target), and unique.
+fn check_name<'a>(
+    p: &'a file::PoolFile,
+    key: &str,
+    names: &mut HashSet<&'a str>,
+) -> Result<(), Invalid> {
+    if p.name.is_empty()
+        || !p
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
+    {
+        return Err(Invalid::new(
+            format!("{key}.name"),
+            format!("`{}` is not a name: use letters, digits, - and _", p.name),
+        ));
+    }
+    if !names.insert(p.name.as_str()) {
+        return Err(Invalid::new(
+            format!("{key}.name"),
+            format!("pool `{}` is defined twice", p.name),
+        ));
+    }
+    Ok(())
+}
+
+/// One pool, and the source that changes its backends at run time, if any.
+fn pool(
+    p: &file::PoolFile,
+    key: &str,
+    base: &Path,
+) -> Result<(Arc<Pool>, Option<Source>), Invalid> {
+    let (backends, source) = backends_and_source(p, key, base)?;
+    let (models, auto_models) = models(&p.models, key)?;
+    let timeouts = timeouts(&p.timeouts, &format!("{key}.timeouts"))?;
+    if p.max_model_len == Some(0) {
+        return Err(Invalid::new(
+            format!("{key}.max_model_len"),
+            "must be at least 1",
+        ));
+    }
+    let health = health_policy(&p.health, &format!("{key}.health"))?;
+    if auto_models && !health.enabled {
+        return Err(Invalid::new(
+            format!("{key}.models"),
+            "`auto` learns the models from the backends' /v1/models with the health checks: \
+             they must be on (or list the models)",
+        ));
+    }
+    // The fallible fields are checked in the order they are written.
+    let pool = Arc::new(Pool::new(PoolSettings {
+        name: p.name.clone(),
+        models,
+        auto_models,
+        max_model_len: p.max_model_len,
+        timeouts,
+        backends,
+        source: source
+            .as_ref()
+            .map_or_else(|| "static".to_string(), Source::describe),
+        tls_sni: p.tls.as_ref().map(|t| t.sni.clone()),
+        health,
+        outlier: outlier_policy(&p.outlier_detection, &format!("{key}.outlier_detection"))?,
+        balancing: balancing(&p.balancing, &format!("{key}.balancing"))?,
+        supports: Capabilities {
+            tools: p.supports.tools,
+            logprobs: p.supports.logprobs,
+            multiple_choices: p.supports.multiple_choices,
+            best_of: p.supports.best_of,
+        },
+        retry: retry_policy(&p.retry, &format!("{key}.retry"))?,
+        price_per_million_tokens: price(p.price_per_million_tokens, key)?,
+        headers: header_rules(&p.headers, &format!("{key}.headers"))?,
+        upstream_auth: match &p.upstream_auth {
+            Some(auth) => Some(upstream_auth(auth, &format!("{key}.upstream_auth"))?),
+            None => None,
+        },
+        forward_client_key: p.forward_client_key,
+        sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
+        served_model: served_model(p, key)?,
+    }));
+    Ok((pool, source))
+}
+
+/// The pool's model names, and whether they are learned (`auto`) instead.
+fn models(m: &file::ModelsFile, key: &str) -> Result<(Vec<String>, bool), Invalid> {
+    match m {
+        file::ModelsFile::Names(names) => Ok((names.clone(), false)),
+        file::ModelsFile::Word(word) if word == "auto" => Ok((Vec::new(), true)),
+        file::ModelsFile::Word(word) => Err(Invalid::new(
+            format!("{key}.models"),
+            format!("`{word}` is neither a list of model names nor `auto`"),
+        )),
+    }
+}
+
+/// `tkey` is the section's key, `pools[i].timeouts`.
+fn timeouts(t: &file::TimeoutsFile, tkey: &str) -> Result<Timeouts, Invalid> {
+    check_timeout_bounds(t, tkey)?;
+    if t.first_byte > t.total {
+        return Err(Invalid::new(
+            format!("{tkey}.first_byte"),
+            format!(
+                "must not be longer than {tkey}.total ({} > {})",
+                humantime::format_duration(t.first_byte),
+                humantime::format_duration(t.total)
+            ),
+        ));
+    }
+    if t.connect > t.total {
+        return Err(Invalid::new(
+            format!("{tkey}.connect"),
+            format!("must not be longer than {tkey}.total"),
+        ));
+    }
+    let sized_by_max_tokens = match t.min_tokens_per_second {
+        None => None,
+        Some(rate) if rate.is_finite() && rate > 0.0 => Some(TokensPerSecond {
+            min_tokens_per_second: rate,
+            margin: t.margin,
+        }),
+        Some(rate) => {
+            return Err(Invalid::new(
+                format!("{tkey}.min_tokens_per_second"),
+                format!("must be a number above 0 (got {rate})"),
+            ))
+        }
+    };
+    Ok(Timeouts {
+        connect: t.connect,
+        first_byte: t.first_byte,
+        total: t.total,
+        keepalive_idle: t.keepalive_idle,
+        sized_by_max_tokens,
+    })
+}
+
+/// Every timeout is at most a day; those a request waits on are above 0.
+fn check_timeout_bounds(t: &file::TimeoutsFile, tkey: &str) -> Result<(), Invalid> {
+    for (name, d) in [
+        ("connect", t.connect),
+        ("first_byte", t.first_byte),
+        ("total", t.total),
+        ("keepalive_idle", t.keepalive_idle),
+        ("margin", t.margin),
+    ] {
+        if d > MAX_TIMEOUT {
+            return Err(Invalid::new(
+                format!("{tkey}.{name}"),
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_TIMEOUT)
+                ),
+            ));
+        }
+    }
+    for (name, d) in [
+        ("connect", t.connect),
+        ("first_byte", t.first_byte),
+        ("total", t.total),
+    ] {
+        if d.is_zero() {
+            return Err(Invalid::new(
+                format!("{tkey}.{name}"),
+                "must be longer than 0",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A pool's configured backends, and the source that changes them at run time: its
+/// `discovery`, or the re-resolution of the host names among its `backends`.
+fn backends_and_source(
+    p: &file::PoolFile,
+    key: &str,
+    base: &Path,
+) -> Result<(Vec<BackendSpec>, Option<Source>), Invalid> {
+    if let Some(d) = &p.discovery {
+        if !p.backends.is_empty() {
+            return Err(Invalid::new(
+                format!("{key}.discovery"),
+                "a pool has `backends` or `discovery`, not both",
+            ));
+        }
+        let source = discovery_source(d, &format!("{key}.discovery"), base)?;
+        return Ok((Vec::new(), Some(source)));
+    }
+    if p.backends.is_empty() {
+        return Err(Invalid::new(
+            format!("{key}.backends"),
+            "at least one backend is needed (or a `discovery` source)",
+        ));
+    }
+    let mut backends = Vec::new();
+    let mut named = Vec::new();
+    for (j, b) in p.backends.iter().enumerate() {
+        let (backend, name) = backend(b, &format!("{key}.backends[{j}]"), &backends)?;
+        named.push(name);
+        backends.push(backend);
+    }
+    // Re-resolved when some backend is given by name; the others are listed as they are,
+    // since an update lists all of a pool's backends.
+    let by_name = named
+        .iter()
+        .any(|n| n.host.parse::<std::net::IpAddr>().is_err());
+    let source = by_name.then_some(Source::Names(named));
+    Ok((backends, source))
+}
+
+/// `dkey` is the section's key, `pools[i].discovery`.
+fn discovery_source(d: &file::DiscoveryFile, dkey: &str, base: &Path) -> Result<Source, Invalid> {
+    match (&d.dns, &d.kubernetes) {
+        (Some(dns), None) => Ok(Source::Dns(dns_source(dns, &format!("{dkey}.dns"))?)),
+        (None, Some(k)) => Ok(Source::Kubernetes(kubernetes_source(
+            k,
+            &format!("{dkey}.kubernetes"),
+            base,
+        )?)),
+        _ => Err(Invalid::new(dkey, "give one source: `dns` or `kubernetes`")),
+    }
+}
+
+/// One listed backend, resolved, as the pool starts with it and as the name re-resolution
+/// knows it; `listed` are the pool's backends before it.
+fn backend(
+    b: &file::BackendFile,
+    bkey: &str,
+    listed: &[BackendSpec],
+) -> Result<(BackendSpec, dns::NamedBackend), Invalid> {
+    if b.weight == 0 {
+        return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
+    }
+    let resolved =
+        socket_address(&b.address).map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
+    if listed.iter().any(|x| x.resolved == resolved) {
+        return Err(Invalid::new(
+            format!("{bkey}.address"),
+            format!("{resolved} is listed twice in this pool"),
+        ));
+    }
+    let host = b.address.rsplit_once(':').map_or("", |(host, _)| {
+        host.trim_start_matches('[').trim_end_matches(']')
+    });
+    let named = dns::NamedBackend {
+        address: b.address.clone(),
+        host: host.to_string(),
+        port: resolved.port(),
+        weight: b.weight,
+        resolved,
+    };
+    let spec = BackendSpec {
+        address: b.address.clone(),
+        resolved,
+        weight: b.weight,
+    };
+    Ok((spec, named))
+}
+
+/// The longest refresh or debounce accepted.
+const MAX_REFRESH: Duration = Duration::from_secs(3600);
+
+fn dns_source(d: &file::DnsFile, key: &str) -> Result<dns::DnsSource, Invalid> {
+    let name = d.name.trim_end_matches('.');
+    if !is_dns_name(name) {
+        return Err(Invalid::new(
+            format!("{key}.name"),
+            format!("`{}` is not a DNS name", d.name),
+        ));
+    }
+    if d.port == 0 {
+        return Err(Invalid::new(format!("{key}.port"), "must be at least 1"));
+    }
+    let resolver = match &d.resolver {
+        None => None,
+        Some(text) => Some(
+            text.parse::<SocketAddr>()
+                .or_else(|_| {
+                    text.parse::<std::net::IpAddr>()
+                        .map(|ip| SocketAddr::new(ip, 53))
+                })
+                .map_err(|_| {
+                    Invalid::new(
+                        format!("{key}.resolver"),
+                        format!("`{text}` is not an IP address or ip:port"),
+                    )
+                })?,
+        ),
+    };
+    if d.min_refresh.is_zero() || d.min_refresh > MAX_REFRESH {
+        return Err(Invalid::new(
+            format!("{key}.min_refresh"),
+            "must be longer than 0 and at most 1h",
+        ));
+    }
+    if d.max_refresh < d.min_refresh || d.max_refresh > MAX_REFRESH {
+        return Err(Invalid::new(
+            format!("{key}.max_refresh"),
+            "must be at least min_refresh and at most 1h",
+        ));
+    }
+    if d.timeout.is_zero() || d.timeout > Duration::from_secs(60) {
+        return Err(Invalid::new(
+            format!("{key}.timeout"),
+            "must be longer than 0 and at most 60s",
+        ));
+    }
+    Ok(dns::DnsSource {
+        name: name.to_string(),
+        port: d.port,
+        resolver,
+        min_refresh: d.min_refresh,
+        max_refresh: d.max_refresh,
+        timeout: d.timeout,
+        on_empty: match d.on_empty {
+            file::OnEmptyFile::Drain => dns::OnEmpty::Drain,
+            file::OnEmptyFile::Keep => dns::OnEmpty::Keep,
+        },
+    })
+}
+
+/// Whether `name` (without its final dot) is a DNS name: labels of letters, digits, - and _.
+fn is_dns_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
+}
+
+/// Whether `text` is a Kubernetes object name of the DNS-label kind (a Service, a namespace).
+fn is_dns_label(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= 63
+        && text
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !text.starts_with('-')
+        && !text.ends_with('-')
+}
+
+fn kubernetes_source(
+    k: &file::KubernetesFile,
+    key: &str,
+    base: &Path,
+) -> Result<kubernetes::KubernetesSource, Invalid> {
+    if !is_dns_label(&k.service) {
+        return Err(Invalid::new(
+            format!("{key}.service"),
+            format!(
+                "`{}` is not a Service name (lower-case letters, digits and -)",
+                k.service
+            ),
+        ));
+    }
+    if let Some(namespace) = k.namespace.as_deref().filter(|n| !is_dns_label(n)) {
+        return Err(Invalid::new(
+            format!("{key}.namespace"),
+            format!("`{namespace}` is not a namespace name (lower-case letters, digits and -)"),
+        ));
+    }
+    let port = match &k.port {
+        file::PortFile::Number(0) => {
+            return Err(Invalid::new(format!("{key}.port"), "must be at least 1"))
+        }
+        file::PortFile::Number(n) => kubernetes::PortRef::Number(*n),
+        file::PortFile::Name(name) if name.len() <= 15 && is_dns_label(name) => {
+            kubernetes::PortRef::Name(name.clone())
+        }
+        file::PortFile::Name(name) => {
+            return Err(Invalid::new(
+                format!("{key}.port"),
+                format!("`{name}` is not a port number or port name"),
+            ))
+        }
+    };
+    let kubeconfig = match &k.kubeconfig {
+        None => None,
+        Some(path) => Some(
+            existing_file(base, path).map_err(|m| Invalid::new(format!("{key}.kubeconfig"), m))?,
+        ),
+    };
+    if k.debounce > Duration::from_secs(10) {
+        return Err(Invalid::new(
+            format!("{key}.debounce"),
+            "must be at most 10s",
+        ));
+    }
+    Ok(kubernetes::KubernetesSource {
+        service: k.service.clone(),
+        namespace: k.namespace.clone(),
+        port,
+        kubeconfig,
+        debounce: k.debounce,
+    })
+}
+
+/// The pool's served model name, and what its answers say.
+fn served_model(p: &file::PoolFile, key: &str) -> Result<Option<ServedModel>, Invalid> {
+    let answer = match p.answer_model {
+        None | Some(file::AnswerModelFile::Requested) => AnswerModel::Requested,
+        Some(file::AnswerModelFile::Served) => AnswerModel::Served,
+    };
+    let Some(name) = &p.served_model else {
+        if p.answer_model.is_some() {
+            return Err(Invalid::new(
+                format!("{key}.answer_model"),
+                "is only read with served_model (without it, answers say what the engine serves)",
+            ));
+        }
+        return Ok(None);
+    };
+    ServedModel::new(name, answer)
+        .map(Some)
+        .map_err(|m| Invalid::new(format!("{key}.served_model"), m))
+}
+
+/// Headers a rule may not touch: the message's framing and the hops are the proxy's.
+const UNRULED_HEADERS: [&str; 8] = [
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+fn ruled_header_name(key: &str, name: &str) -> Result<http::HeaderName, Invalid> {
+    let parsed = sluice_sdk::config::header_name(key, name)?;
+    if UNRULED_HEADERS.contains(&parsed.as_str()) {
+        return Err(Invalid::new(
+            key,
+            format!("`{name}` frames the message or the connection: the proxy sets it"),
+        ));
+    }
+    Ok(parsed)
+}
+
+fn header_pairs(
+    set: &std::collections::BTreeMap<String, String>,
+    key: &str,
+) -> Result<Vec<(http::HeaderName, http::HeaderValue)>, Invalid> {
+    set.iter()
+        .map(|(name, value)| {
+            let key = format!("{key}.{name}");
+            let name = ruled_header_name(&key, name)?;
+            let value = http::HeaderValue::from_str(value).map_err(|_| {
+                Invalid::new(
+                    &key,
+                    "is not a valid header value (visible ASCII, no line breaks)",
+                )
+            })?;
+            Ok((name, value))
+        })
+        .collect()
+}
+
+fn header_names(names: &[String], key: &str) -> Result<Vec<http::HeaderName>, Invalid> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| ruled_header_name(&format!("{key}[{i}]"), name))
+        .collect()
+}
+
+pub(super) fn header_rules(h: &file::HeaderRulesFile, key: &str) -> Result<HeaderRules, Invalid> {
+    Ok(HeaderRules {
+        request_set: header_pairs(&h.request.set, &format!("{key}.request.set"))?,
+        request_remove: header_names(&h.request.remove, &format!("{key}.request.remove"))?,
+        response_set: header_pairs(&h.response.set, &format!("{key}.response.set"))?,
+        response_hide: header_names(&h.response.hide, &format!("{key}.response.hide"))?,
+    })
+}
+
+/// The pool's credential, read now from the environment or a file: a missing one is a
+/// config error (`sluice -t` says so), and the secret is never in an error or a log.
+fn upstream_auth(a: &file::UpstreamAuthFile, key: &str) -> Result<UpstreamAuth, Invalid> {
+    let secret = match (&a.from_env, &a.from_file) {
+        (Some(var), None) => std::env::var(var).map_err(|_| {
+            Invalid::new(
+                format!("{key}.from_env"),
+                format!("the environment variable `{var}` is not set (or not UTF-8)"),
+            )
+        })?,
+        (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
+            Invalid::new(
+                format!("{key}.from_file"),
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?,
+        _ => {
+            return Err(Invalid::new(
+                key,
+                "needs exactly one of from_env and from_file: the secret is never written in the config",
+            ))
+        }
+    };
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Err(Invalid::new(key, "the secret is empty"));
+    }
+    let header = match &a.header {
+        Some(name) => ruled_header_name(&format!("{key}.header"), name)?,
+        None => http::header::AUTHORIZATION,
+    };
+    let text = if header == http::header::AUTHORIZATION {
+        format!("Bearer {secret}")
+    } else {
+        secret.to_owned()
+    };
+    let mut value = http::HeaderValue::from_str(&text)
+        .map_err(|_| Invalid::new(key, "the secret is not a valid header value"))?;
+    value.set_sensitive(true);
+    Ok(UpstreamAuth { header, value })
+}
+
+fn price(dollars: f64, key: &str) -> Result<f64, Invalid> {
+    if dollars.is_finite() && dollars >= 0.0 {
+        Ok(dollars)
+    } else {
+        Err(Invalid::new(
+            format!("{key}.price_per_million_tokens"),
+            format!("must be a number of dollars, 0 or more (got {dollars})"),
+        ))
+    }
+}
+
+/// The shortest health-check interval: faster scraping costs the backends more than it helps.
+const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(50);
+
+fn health_policy(h: &file::HealthFile, key: &str) -> Result<HealthPolicy, Invalid> {
+    if h.interval < MIN_HEALTH_INTERVAL {
+        return Err(Invalid::new(
+            format!("{key}.interval"),
+            format!(
+                "must be at least {} (got {})",
+                humantime::format_duration(MIN_HEALTH_INTERVAL),
+                humantime::format_duration(h.interval)
+            ),
+        ));
+    }
+    if h.timeout.is_zero() {
+        return Err(Invalid::new(
+            format!("{key}.timeout"),
+            "must be longer than 0",
+        ));
+    }
+    if h.stale_after < h.interval {
+        return Err(Invalid::new(
+            format!("{key}.stale_after"),
+            format!("must not be shorter than {key}.interval"),
+        ));
+    }
+    for (name, n) in [
+        ("unhealthy_after", h.unhealthy_after),
+        ("healthy_after", h.healthy_after),
+    ] {
+        if n == 0 {
+            return Err(Invalid::new(format!("{key}.{name}"), "must be at least 1"));
+        }
+    }
+    for (name, path) in [
+        ("health_path", &h.health_path),
+        ("metrics_path", &h.metrics_path),
+    ] {
+        if !path.starts_with('/') {
+            return Err(Invalid::new(format!("{key}.{name}"), "must start with /"));
+        }
+    }
+    Ok(HealthPolicy {
+        enabled: h.enabled,
+        interval: h.interval,
+        timeout: h.timeout,
+        unhealthy_after: h.unhealthy_after,
+        healthy_after: h.healthy_after,
+        stale_after: h.stale_after,
+        stale_as: match h.stale_as {
+            file::StaleAsFile::Saturated => StaleAs::Saturated,
+            file::StaleAsFile::Unknown => StaleAs::Unknown,
+        },
+        health_path: h.health_path.clone(),
+        metrics_path: h.metrics_path.clone(),
+    })
+}
+
+fn outlier_policy(o: &file::OutlierFile, key: &str) -> Result<OutlierPolicy, Invalid> {
+    if o.consecutive_failures > 0 && o.base_ejection.is_zero() {
+        return Err(Invalid::new(
+            format!("{key}.base_ejection"),
+            "must be longer than 0",
+        ));
+    }
+    if o.max_ejection < o.base_ejection {
+        return Err(Invalid::new(
+            format!("{key}.max_ejection"),
+            format!("must not be shorter than {key}.base_ejection"),
+        ));
+    }
+    if o.max_ejection_percent > 100 {
+        return Err(Invalid::new(
+            format!("{key}.max_ejection_percent"),
+            format!("must be between 0 and 100 (got {})", o.max_ejection_percent),
+        ));
+    }
+    Ok(OutlierPolicy {
+        consecutive_failures: o.consecutive_failures,
+        base_ejection: o.base_ejection,
+        max_ejection: o.max_ejection,
+        max_ejection_percent: o.max_ejection_percent,
+    })
+}
+
+fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
+    use file::StrategyFile;
+    if b.strategy != StrategyFile::Ttft {
+        for (name, set) in [
+            (
+                "prefill_tokens_per_second",
+                b.prefill_tokens_per_second.is_some(),
+            ),
+            ("exploration", b.exploration.is_some()),
+        ] {
+            if set {
+                return Err(Invalid::new(
+                    format!("{key}.{name}"),
+                    "needs strategy: ttft",
+                ));
+            }
+        }
+    }
+    match (b.strategy, b.prefix_affinity_bytes) {
+        (_, Some(0)) => Err(Invalid::new(
+            format!("{key}.prefix_affinity_bytes"),
+            "must be at least 1",
+        )),
+        (StrategyFile::RoundRobin, Some(_)) => Err(Invalid::new(
+            format!("{key}.prefix_affinity_bytes"),
+            "needs strategy: kv_aware or ttft",
+        )),
+        (StrategyFile::RoundRobin, None) => Ok(Balancing::RoundRobin),
+        (StrategyFile::KvAware, prefix_affinity) => Ok(Balancing::KvAware { prefix_affinity }),
+        (StrategyFile::Ttft, prefix_affinity) => {
+            let defaults = TtftBalancing::default();
+            let speed = b
+                .prefill_tokens_per_second
+                .unwrap_or(defaults.prefill_tokens_per_second);
+            if !(speed.is_finite() && speed > 0.0) {
+                return Err(Invalid::new(
+                    format!("{key}.prefill_tokens_per_second"),
+                    format!("must be a number above 0 (got {speed})"),
+                ));
+            }
+            let exploration = b.exploration.unwrap_or(defaults.exploration);
+            if !(0.0..=1.0).contains(&exploration) {
+                return Err(Invalid::new(
+                    format!("{key}.exploration"),
+                    format!("must be between 0 and 1 (got {exploration})"),
+                ));
+            }
+            Ok(Balancing::Ttft(TtftBalancing {
+                prefix_affinity,
+                prefill_tokens_per_second: speed,
+                exploration,
+            }))
+        }
+    }
+}
+
+/// The header sessions are named by when `session_header` is absent.
+const DEFAULT_SESSION_HEADER: &str = "x-session-id";
+/// How long an idle session is remembered when `session_idle_ttl` is absent.
+const DEFAULT_SESSION_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+/// The most sessions remembered per pool when `session_capacity` is absent.
+const DEFAULT_SESSION_CAPACITY: usize = 65_536;
+/// The largest `session_capacity`: the table is allocated whole (8 bytes a session).
+const MAX_SESSION_CAPACITY: usize = 1 << 24;
+
+fn session_affinity(
+    b: &file::BalancingFile,
+    key: &str,
+) -> Result<Option<SessionAffinity>, Invalid> {
+    let mode = match b.session_affinity {
+        file::SessionModeFile::Off => {
+            for (name, set) in [
+                ("session_header", b.session_header.is_some()),
+                ("session_idle_ttl", b.session_idle_ttl.is_some()),
+                ("session_capacity", b.session_capacity.is_some()),
+            ] {
+                if set {
+                    return Err(Invalid::new(
+                        format!("{key}.{name}"),
+                        "needs session_affinity: soft or hard",
+                    ));
+                }
+            }
+            return Ok(None);
+        }
+        file::SessionModeFile::Soft => SessionMode::Soft,
+        file::SessionModeFile::Hard => SessionMode::Hard,
+    };
+    let header = b
+        .session_header
+        .as_deref()
+        .unwrap_or(DEFAULT_SESSION_HEADER)
+        .to_ascii_lowercase();
+    if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+        return Err(Invalid::new(
+            format!("{key}.session_header"),
+            format!("is not a header name (got `{header}`)"),
+        ));
+    }
+    let idle_ttl = b.session_idle_ttl.unwrap_or(DEFAULT_SESSION_IDLE_TTL);
+    if idle_ttl < Duration::from_secs(1) {
+        return Err(Invalid::new(
+            format!("{key}.session_idle_ttl"),
+            "must be at least 1s",
+        ));
+    }
+    let capacity = b.session_capacity.unwrap_or(DEFAULT_SESSION_CAPACITY);
+    if !(2..=MAX_SESSION_CAPACITY).contains(&capacity) {
+        return Err(Invalid::new(
+            format!("{key}.session_capacity"),
+            format!("must be between 2 and {MAX_SESSION_CAPACITY} (got {capacity})"),
+        ));
+    }
+    Ok(Some(SessionAffinity {
+        header,
+        mode,
+        idle_ttl,
+        capacity,
+    }))
+}
+
+fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> {
+    if !(0.0..=1.0).contains(&r.budget_ratio) {
+        return Err(Invalid::new(
+            format!("{key}.budget_ratio"),
+            format!("must be between 0 and 1 (got {})", r.budget_ratio),
+        ));
+    }
+    if r.backoff_max < r.backoff_base {
+        return Err(Invalid::new(
+            format!("{key}.backoff_max"),
+            format!("must not be shorter than {key}.backoff_base"),
+        ));
+    }
+    let mut on = RetryOn::NONE;
+    for (i, name) in r.on.iter().enumerate() {
+        match RetryOn::named(name) {
+            Some(condition) => on = on.with(condition),
+            // Always on: what failed before reaching the upstream's application.
+            None if name == "error" => {}
+            None => {
+                let known: Vec<&str> = RetryOn::NAMED.iter().map(|(n, _)| *n).collect();
+                return Err(Invalid::new(
+                    format!("{key}.on[{i}]"),
+                    format!(
+                        "unknown condition `{name}`; known: error, {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(RetryPolicy {
+        max_retries: r.max_retries,
+        on,
+        budget_ratio: r.budget_ratio,
+        min_retries: r.min_retries,
+        backoff_base: r.backoff_base,
+        backoff_max: r.backoff_max,
+    })
+}
