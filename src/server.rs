@@ -3,9 +3,9 @@
 use crate::admin::Admin;
 use crate::caps::Caps;
 use crate::chain::Chain;
-use crate::config::Config;
+use crate::config::{Config, Listener};
 use crate::discovery::DiscoveryService;
-use crate::edge::Guarded;
+use crate::edge::{ConnectionLimits, Guarded};
 use crate::health::HealthService;
 use crate::proxy::{Proxy, Sluice};
 use crate::reload::{Frozen, Lasting, Reload};
@@ -21,6 +21,8 @@ use pingora_core::server::configuration::Opt;
 use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
+use pingora_proxy::HttpProxy;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,21 +33,12 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let mut server = Server::new_with_opt_and_conf(opt, std::mem::take(&mut config.server));
     server.bootstrap();
     let upstream = ConnectorOptions::from_server_conf(&server.configuration);
-    let connection_limits = config.limits.connections.clone();
     let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
     let (grace_over, streams_end) = tokio::sync::watch::channel(false);
-    // What every generation of the config shares: the in-flight caps, the upstream
-    // connections, the end of the grace period.
-    let lasting = Lasting {
-        requests: Caps::new(
-            config.limits.max_requests_in_flight,
-            config.limits.max_requests_in_flight_per_client,
-        ),
-        streams_end,
-        connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
-    };
+    let lasting = lasting(&config, streams_end, &upstream);
+    // What the services keep of the config: the first generation takes the rest.
+    let connection_limits = config.limits.connections.clone();
     let h2_streams = config.limits.h2_max_concurrent_streams;
-    let client_header_timeout = connection_limits.header_timeout;
     let admin_address = config.admin;
     let admin_hosts = config.admin_hosts.clone();
     let listeners = config.listeners.clone();
@@ -63,9 +56,66 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
         grace,
         grace_over,
     );
-    // Below HTTP, every connection passes the connection caps and the header deadline.
+    let mut proxy = proxy_service(&server, &current, &listeners, connection_limits, h2_streams);
+    add_listeners(&mut proxy, &listeners)?;
+    server.add_service(proxy);
+    server.add_service(background_service("drain watcher", drain));
+    server.add_service(background_service(
+        "health checks",
+        HealthService::new(pools_changes, Arc::new(Connector::new(Some(upstream)))),
+    ));
+    server.add_service(background_service(
+        "discovery",
+        DiscoveryService::new(discovery_changes),
+    ));
+    server.add_service(background_service(
+        "config reload",
+        Reload {
+            source,
+            current: Arc::clone(&current),
+            lasting,
+            frozen,
+            pools_now,
+            discovery_now,
+        },
+    ));
+    if let Some(address) = admin_address {
+        server.add_service(admin_service(address, current, admin_hosts));
+        tracing::info!("admin listening on {address}");
+    }
+    Ok(server)
+}
+
+/// What every generation of the config shares: the in-flight caps, the upstream
+/// connections, the end of the grace period.
+fn lasting(
+    config: &Config,
+    streams_end: tokio::sync::watch::Receiver<bool>,
+    upstream: &ConnectorOptions,
+) -> Lasting {
+    Lasting {
+        requests: Caps::new(
+            config.limits.max_requests_in_flight,
+            config.limits.max_requests_in_flight_per_client,
+        ),
+        streams_end,
+        connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
+    }
+}
+
+/// The proxy service, without its listeners: HTTP/1.1 and HTTP/2 to the current
+/// generation, and below HTTP, on every connection, the connection caps and the header
+/// deadline.
+fn proxy_service(
+    server: &Server,
+    current: &Arc<ArcSwap<Sluice>>,
+    listeners: &[Listener],
+    connection_limits: ConnectionLimits,
+    h2_streams: u32,
+) -> Service<Guarded<HttpProxy<Proxy>>> {
+    let client_header_timeout = connection_limits.header_timeout;
     let proxy_service = Proxy {
-        current: Arc::clone(&current),
+        current: Arc::clone(current),
     };
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, proxy_service);
     proxy.h2_options = Some(h2_options(h2_streams));
@@ -83,17 +133,22 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     // `max_connections` for ever.
     options.h2_idle_timeout = Some(client_header_timeout);
     proxy.server_options = Some(options);
-    let mut proxy = Service::new(
+    Service::new(
         "sluice proxy".to_string(),
         Guarded::new(proxy, connection_limits).with_h2c(h2c),
-    );
-    // Plain listeners read straight into Pingora's header and body buffers, without its
-    // 64 KiB L4 read buffer per connection: an open stream would hold it (zeroed, so
-    // resident) for its whole life, and a request head fits the header buffer anyway; large
-    // bodies are read into the 64 KiB body buffer, past the L4 buffer, either way. Measured
-    // with 1,000 open streams: 209 -> 144 KB per stream. TLS listeners keep it: rustls reads
-    // record by record, and the buffer saves those syscalls.
-    for listener in &listeners {
+    )
+}
+
+/// Binds the proxy to its listeners; a TLS listener whose files do not load is an error.
+///
+/// Plain listeners read straight into Pingora's header and body buffers, without its
+/// 64 KiB L4 read buffer per connection: an open stream would hold it (zeroed, so
+/// resident) for its whole life, and a request head fits the header buffer anyway; large
+/// bodies are read into the 64 KiB body buffer, past the L4 buffer, either way. Measured
+/// with 1,000 open streams: 209 -> 144 KB per stream. TLS listeners keep it: rustls reads
+/// record by record, and the buffer saves those syscalls.
+fn add_listeners<A>(proxy: &mut Service<A>, listeners: &[Listener]) -> Result<(), String> {
+    for listener in listeners {
         let address = listener.address.to_string();
         match &listener.tls {
             None => proxy.add_listener(
@@ -121,40 +176,23 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
             }
         );
     }
-    server.add_service(proxy);
-    server.add_service(background_service("drain watcher", drain));
-    server.add_service(background_service(
-        "health checks",
-        HealthService::new(pools_changes, Arc::new(Connector::new(Some(upstream)))),
-    ));
-    server.add_service(background_service(
-        "discovery",
-        DiscoveryService::new(discovery_changes),
-    ));
-    server.add_service(background_service(
-        "config reload",
-        Reload {
-            source,
-            current: Arc::clone(&current),
-            lasting,
-            frozen,
-            pools_now,
-            discovery_now,
-        },
-    ));
+    Ok(())
+}
 
-    if let Some(address) = admin_address {
-        let admin = Admin {
-            current,
-            started: Instant::now(),
-            hosts: admin_hosts,
-        };
-        let mut service = Service::new("sluice admin".to_string(), admin);
-        service.add_tcp(&address.to_string());
-        server.add_service(service);
-        tracing::info!("admin listening on {address}");
-    }
-    Ok(server)
+/// The admin service on `address`, reading the current generation.
+fn admin_service(
+    address: SocketAddr,
+    current: Arc<ArcSwap<Sluice>>,
+    hosts: Vec<String>,
+) -> Service<Admin> {
+    let admin = Admin {
+        current,
+        started: Instant::now(),
+        hosts,
+    };
+    let mut service = Service::new("sluice admin".to_string(), admin);
+    service.add_tcp(&address.to_string());
+    service
 }
 
 /// What a config makes of the proxy, for new requests: its pools (live state, health), its
