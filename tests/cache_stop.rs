@@ -8,73 +8,9 @@
 use serde_json::json;
 use sluice_testkit::*;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use std::time::Duration;
 
 const MODEL: &str = "test-model";
-
-/// A TCP relay in front of `upstream` that holds every chunk coming back from it for `delay`
-/// (in order, pipelined): a Redis that answers everything `delay` late.
-struct SlowRelay {
-    addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl SlowRelay {
-    async fn start(upstream: SocketAddr, delay: Duration) -> SlowRelay {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(relay(client, upstream, delay));
-            }
-        });
-        SlowRelay { addr, task }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}", self.addr)
-    }
-}
-
-impl Drop for SlowRelay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn relay(client: TcpStream, upstream: SocketAddr, delay: Duration) {
-    let Ok(server) = TcpStream::connect(upstream).await else {
-        return;
-    };
-    let (mut from_client, mut to_client) = client.into_split();
-    let (mut from_server, mut to_server) = server.into_split();
-    let up = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
-    });
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let down = tokio::spawn(async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        while let Ok(n) = from_server.read(&mut buf).await {
-            if n == 0
-                || tx
-                    .send((Instant::now() + delay, buf[..n].to_vec()))
-                    .is_err()
-            {
-                break;
-            }
-        }
-    });
-    while let Some((due, bytes)) = rx.recv().await {
-        tokio::time::sleep_until(due.into()).await;
-        if to_client.write_all(&bytes).await.is_err() {
-            break;
-        }
-    }
-    up.abort();
-    down.abort();
-}
 
 /// The cache section on a Redis behind `slow`. A slow Redis is not a failing one here:
 /// lookups wait for it, and no cool-down drops the writes.

@@ -5,6 +5,7 @@
 
 use serde_json::{json, Value};
 use sluice_testkit::*;
+use std::time::Duration;
 use vllm_sim::SimConfig;
 
 const MODEL: &str = "llama";
@@ -843,4 +844,69 @@ async fn plain_routes_count_against_a_tenants_limits() {
             .all(|(s, why)| *s == 429 && why.as_ref().is_some_and(|w| w == "rate-limited")),
         "{statuses:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_the_slow_store_charged_after_it_gave_up_is_given_back() {
+    // Answers of 4 tokens; each request asks for up to 100.
+    let upstream = vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model(MODEL)
+            .with_answer_tokens(4, 4),
+    )
+    .await
+    .unwrap();
+    let redis = RedisServer::start();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", redis.port()).parse().unwrap();
+    let slow = SlowRelay::start(addr, Duration::ZERO).await;
+    let proxy = tenants_proxy(
+        &upstream,
+        json!({
+            "tenants": {"alpha": {"limits": {"output_tokens_per_minute": 120}}},
+            "limits_store": {"kind": "redis",
+                             "redis": {"url": slow.url(), "timeout": "50ms",
+                                       "failure_threshold": 1000},
+                             "on_redis_error": "allow"},
+        }),
+    )
+    .await;
+    let alpha = [bearer(ALPHA_KEY)];
+    let body = |i: usize| {
+        let mut body = chat(MODEL, &format!("q{i}"), false);
+        body["max_tokens"] = json!(100);
+        body
+    };
+    // Redis answers after the admissions gave up: each request is let in uncharged (fail
+    // open) and settles its 4 tokens; each one the script ran meanwhile (the first, and any
+    // that found no call in flight) was charged 100 there.
+    slow.set_delay(Duration::from_millis(120));
+    for i in 0..10 {
+        let a = ask(&proxy, &body(i), &alpha).await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+    }
+    let refunded = wait_for(Duration::from_secs(10), || async {
+        proxy
+            .metric("sluice_tenant_limit_refunded_admissions_total")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    assert!(refunded.is_some(), "{}", proxy.metrics().await);
+    // Redis fast again. A charge of 100 kept, plus the 40 tokens settled, would be over the
+    // 120 a minute: this request would be refused for seconds.
+    slow.set_delay(Duration::ZERO);
+    // The first answer the store decided (it carries the limits' headers; one admitted while
+    // a slow call was still in flight was let in without them).
+    let mut decided = None;
+    for _ in 0..100 {
+        let a = ask(&proxy, &body(99), &alpha).await;
+        if a.headers.contains_key("x-ratelimit-limit-tokens") {
+            decided = Some(a);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let decided = decided.expect("no admission answered by the store");
+    assert_eq!(decided.status, 200, "{}", decided.body);
 }

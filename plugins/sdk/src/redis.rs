@@ -371,15 +371,38 @@ impl RedisLink {
                 Ok(v)
             }
             Ok(Err(e)) => {
-                let e = e.to_string();
-                self.failure(&e);
-                Err(RedisFailure::Error(e))
+                // Redis answered with an error of the command (a script's, say): it serves,
+                // and one caller's bad command must not cool the link down for every other.
+                if says_unavailable(&e) {
+                    self.failure(&e.to_string());
+                } else {
+                    self.success();
+                }
+                Err(RedisFailure::Error(e.to_string()))
             }
             Err(_) => {
                 self.failure("timed out");
                 Err(RedisFailure::Timeout)
             }
         }
+    }
+}
+
+/// Whether an error means Redis cannot serve now (no connection, a dump loading after a
+/// restart, a cluster down or read-only), rather than that it refused one command.
+fn says_unavailable(e: &::redis::RedisError) -> bool {
+    use ::redis::{ErrorKind, ServerErrorKind};
+    match e.kind() {
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        ErrorKind::Extension | ErrorKind::UnexpectedReturnType | ErrorKind::Parse => false,
+        _ => true,
     }
 }
 
@@ -575,5 +598,34 @@ mod tests {
         }
         let r = link.query::<()>(&ping, link.timeout()).await;
         assert_eq!(r, Err(RedisFailure::CoolingDown));
+    }
+
+    /// A server's error reply, as the client reads it.
+    fn reply_error(resp: &[u8]) -> ::redis::RedisError {
+        let value = ::redis::parse_redis_value(resp).unwrap();
+        value.extract_error().unwrap_err()
+    }
+
+    #[test]
+    fn only_errors_saying_redis_cannot_serve_cool_the_link_down() {
+        // A command's own error (a script's): Redis serves.
+        assert!(!says_unavailable(&reply_error(
+            b"-ERR user_script:1: boom\r\n"
+        )));
+        assert!(!says_unavailable(&reply_error(
+            b"-NOSCRIPT No matching script\r\n"
+        )));
+        // A dump loading after a restart, a cluster down: it does not.
+        assert!(says_unavailable(&reply_error(
+            b"-LOADING Redis is loading\r\n"
+        )));
+        assert!(says_unavailable(&reply_error(
+            b"-CLUSTERDOWN The cluster is down\r\n"
+        )));
+        let io = ::redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(says_unavailable(&io));
     }
 }

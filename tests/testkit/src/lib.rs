@@ -47,7 +47,7 @@ pub use llm::{
 pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proc::{explain, Demo};
 pub use proxy::{exits_within, metric_value, signal, Proxy};
-pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer};
+pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer, SlowRelay};
 pub use scripted::{Received, Script, Scripted};
 pub use tls::{tls_front, Leaf, TestCa};
 pub use vllm::{real_fleet, tiny_models, vllm_python, RealFleet, RealVllm, TinyModel};

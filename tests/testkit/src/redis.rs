@@ -319,3 +319,91 @@ impl Drop for SilentServer {
         self.task.abort();
     }
 }
+
+/// A TCP relay in front of a Redis that holds every chunk coming back from it for a delay
+/// (in order, pipelined): a Redis that answers everything that late. The delay can change
+/// while it runs ([`SlowRelay::set_delay`]); a chunk keeps the delay it came under.
+pub struct SlowRelay {
+    addr: std::net::SocketAddr,
+    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowRelay {
+    pub async fn start(upstream: std::net::SocketAddr, delay: std::time::Duration) -> SlowRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let delay_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
+            u64::try_from(delay.as_millis()).unwrap(),
+        ));
+        let shared = delay_ms.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(relay(client, upstream, shared.clone()));
+            }
+        });
+        SlowRelay {
+            addr,
+            delay_ms,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// The delay of the answers that come from now on.
+    pub fn set_delay(&self, delay: std::time::Duration) {
+        self.delay_ms.store(
+            u64::try_from(delay.as_millis()).unwrap(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+}
+
+impl Drop for SlowRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay(
+    client: tokio::net::TcpStream,
+    upstream: std::net::SocketAddr,
+    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    let up = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let down = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = from_server.read(&mut buf).await {
+            let delay = std::time::Duration::from_millis(
+                delay_ms.load(std::sync::atomic::Ordering::SeqCst),
+            );
+            if n == 0
+                || tx
+                    .send((tokio::time::Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+            {
+                break;
+            }
+        }
+    });
+    while let Some((due, bytes)) = rx.recv().await {
+        tokio::time::sleep_until(due).await;
+        if to_client.write_all(&bytes).await.is_err() {
+            break;
+        }
+    }
+    up.abort();
+    down.abort();
+}

@@ -19,6 +19,20 @@ metric!(BUDGET_OVERRUNS: IntCounterVec = register_int_counter_vec!(
     &["tenant", "mode"]
 ));
 
+metric!(REFUNDED_ADMISSIONS: IntCounter = register_int_counter!(
+    "sluice_tenant_limit_refunded_admissions_total",
+    "Admissions the shared store (Redis) charged after the request had stopped waiting for \
+     it (timed out, or its client left): their charge is given back, so that a request \
+     admitted without the shared limits is not charged twice.",
+));
+
+/// Counts an admission charged after its request stopped waiting, and given back.
+pub(crate) fn refunded_admission() {
+    if let Some(c) = REFUNDED_ADMISSIONS.as_ref() {
+        c.inc();
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
     Admit,

@@ -302,27 +302,40 @@ impl RedisStore {
     /// Queues the admission and waits for its answer, at most the store's timeout.
     async fn queued(&self, tenant: &Arc<TenantState>, want: Want) -> Result<Answer, Kind> {
         let (reply, answer) = oneshot::channel();
+        let deadline = tokio::time::Instant::now() + self.shared.link.timeout();
         if tenant.queue.push(Waiting { want, reply }) {
             match tenant.queue.next_batch() {
                 // Alone: this admission sends its own call, with no task to wake on the way
-                // there or back; given up mid-call, it loses only its own answer.
+                // there or back unless Redis is slow; given up mid-call (its client left), it
+                // loses only its own answer.
                 Some(batch) if batch.len() == 1 => {
                     let own = OwnCall {
                         shared: &self.shared,
                         tenant,
                     };
-                    self.shared.admit_batch(tenant, batch).await;
-                    std::mem::forget(own);
-                    if let Some(rest) = tenant.queue.next_batch() {
-                        hand_over(&self.shared, tenant, Some(rest));
+                    let (shared, owner) = (Arc::clone(&self.shared), Arc::clone(tenant));
+                    let mut call = Box::pin(async move {
+                        shared.admit_batch(&owner, batch).await;
+                        if let Some(rest) = owner.queue.next_batch() {
+                            hand_over(&shared, &owner, Some(rest));
+                        }
+                    });
+                    tokio::select! {
+                        () = &mut call => {}
+                        // Past the admission's wait, the call goes on in a task: its answer
+                        // says what the script charged, which is then given back.
+                        () = tokio::time::sleep_until(deadline) => {
+                            tokio::spawn(call);
+                        }
                     }
+                    std::mem::forget(own);
                 }
                 // Others queued with it: a task sends, so that none of them depends on
                 // this admission staying.
                 first => hand_over(&self.shared, tenant, first),
             }
         }
-        match tokio::time::timeout(self.shared.link.timeout(), answer).await {
+        match tokio::time::timeout_at(deadline, answer).await {
             Ok(Ok(answer)) => answer,
             // The sender is gone without an answer (its task was dropped).
             Ok(Err(_)) => Err(Kind::Error),
@@ -332,44 +345,53 @@ impl RedisStore {
 
     /// Adds a correction to the tenant's unsent ones and makes sure a sender runs: the
     /// answer is done, nobody waits for this.
-    pub(crate) fn settle(
-        &self,
-        tenant: &Arc<TenantState>,
-        (input, output, usd_micros): (i64, i64, u64),
-    ) {
-        if input == 0 && output == 0 && usd_micros == 0 {
-            return;
-        }
-        let unsent = &tenant.unsent;
-        unsent.add(input, output, usd_micros);
-        if !unsent.claim_sender() {
-            // The running sender sends this with what it sends next.
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            // Nothing can send it: lost, and counted.
-            unsent.take();
-            unsent.release_sender();
-            metrics::store_error(Op::Settle, Kind::Error);
-            return;
-        };
-        let shared = Arc::clone(&self.shared);
-        let tenant = Arc::clone(tenant);
-        runtime.spawn(async move {
-            // Dropped before the end (the runtime stopping), it lets a later settle send.
-            let sending = SettleSender(&tenant.unsent);
-            while let Some(sum) = tenant.unsent.next_batch() {
-                shared.send_settle(&tenant, sum).await;
-            }
-            std::mem::forget(sending);
-        });
+    pub(crate) fn settle(&self, tenant: &Arc<TenantState>, amounts: (i64, i64, u64)) {
+        settle_with(&self.shared, tenant, amounts);
     }
 }
+
+/// [`RedisStore::settle`]'s work: adds the correction to the tenant's unsent ones and makes
+/// sure a sender runs.
+fn settle_with(
+    shared: &Arc<Shared>,
+    tenant: &Arc<TenantState>,
+    (input, output, usd_micros): (i64, i64, u64),
+) {
+    if input == 0 && output == 0 && usd_micros == 0 {
+        return;
+    }
+    let unsent = &tenant.unsent;
+    unsent.add(input, output, usd_micros);
+    if !unsent.claim_sender() {
+        // The running sender sends this with what it sends next.
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // Nothing can send it: lost, and counted.
+        unsent.take();
+        unsent.release_sender();
+        metrics::store_error(Op::Settle, Kind::Error);
+        return;
+    };
+    let shared = Arc::clone(shared);
+    let tenant = Arc::clone(tenant);
+    runtime.spawn(async move {
+        // Dropped before the end (the runtime stopping), it lets a later settle send.
+        let sending = SettleSender(&tenant.unsent);
+        while let Some(sum) = tenant.unsent.next_batch() {
+            shared.send_settle(&tenant, sum).await;
+        }
+        std::mem::forget(sending);
+    });
+}
+
+/// How many times an admission's timeout its script call waits for Redis' answer.
+const CALL_PATIENCE: u32 = 4;
 
 impl Shared {
     /// One script call for a batch of one tenant's admissions; each gets its answer, or the
     /// call's failure (which each admission counts).
-    async fn admit_batch(&self, tenant: &TenantState, batch: Vec<Waiting>) {
+    async fn admit_batch(self: &Arc<Self>, tenant: &Arc<TenantState>, batch: Vec<Waiting>) {
         let windows = Windows::at(super::budget::unix_now());
         let (name, limits, budget) = (&tenant.name, &tenant.limits, &tenant.budget);
         let mut call = ADMIT.prepare_invoke();
@@ -390,23 +412,53 @@ impl Shared {
             call.arg(waiting.want.input_tokens)
                 .arg(waiting.want.output_tokens);
         }
-        let answers = match self.link.invoke::<String>(&call, self.link.timeout()).await {
+        // The call waits longer than its admissions do: an admission that gave up still
+        // learns what the script charged it, which is then given back (below).
+        let patience = self.link.timeout().saturating_mul(CALL_PATIENCE);
+        let answers = match self.link.invoke::<String>(&call, patience).await {
             Ok(reply) => Answer::parse_reply(&reply, batch.len()).ok_or(Kind::Error),
             Err(failure) => Err(Kind::of(&failure)),
         };
         match answers {
             Ok(answers) => {
                 for (waiting, answer) in batch.into_iter().zip(answers) {
-                    // A waiter that gave up (timed out, or its client left) is gone.
-                    let _ = waiting.reply.send(Ok(answer));
+                    let charged = answer.refused.is_none();
+                    let want = waiting.want;
+                    // A waiter that gave up (timed out, or its client left) is gone: what
+                    // the script charged it is given back, or its request (admitted
+                    // uncharged when the store fails open) would be charged twice.
+                    if waiting.reply.send(Ok(answer)).is_err() && charged {
+                        self.refund(tenant, want);
+                    }
                 }
             }
             Err(kind) => {
                 for waiting in batch {
+                    // A call that timed out most likely ran in a slow Redis and charged
+                    // its admissions, which were answered as failures: given back too.
+                    // (Had it not run, the refund only empties the buckets sooner: the
+                    // settle script never takes a bucket below empty.)
+                    if kind == Kind::Timeout {
+                        self.refund(tenant, waiting.want);
+                    }
                     let _ = waiting.reply.send(Err(kind));
                 }
             }
         }
+    }
+
+    /// Gives back what an admission's script call charged, through the settle path.
+    fn refund(self: &Arc<Self>, tenant: &Arc<TenantState>, want: Want) {
+        metrics::refunded_admission();
+        settle_with(
+            self,
+            tenant,
+            (
+                -i64::try_from(want.input_tokens).unwrap_or(i64::MAX),
+                -i64::try_from(want.output_tokens).unwrap_or(i64::MAX),
+                0,
+            ),
+        );
     }
 
     /// One settle call for a sum of corrections, in the spend windows of now. A lost one is
