@@ -184,6 +184,15 @@ async fn a_fleet_named_in_dns_is_followed_under_load_without_a_failed_request() 
     })
     .await;
     assert!(left.is_some(), "{}", proxy.status().await);
+    // Its leaving is said, as every change is.
+    let said = wait_for(Duration::from_secs(5), || async {
+        proxy
+            .logs()
+            .lines()
+            .any(|l| l.contains(&format!("left=[\"{gone}\"]")))
+    })
+    .await;
+    assert!(said.is_some(), "{}", proxy.logs());
     let served_before_kill = chat_calls(&sims[0]);
     sims[0].shutdown();
 

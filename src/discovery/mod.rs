@@ -147,6 +147,25 @@ pub(crate) fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
     change
 }
 
+/// Says that drained backends, with nothing running on them any more, left the pool: the
+/// change their source began.
+pub(crate) fn drained(pool: &Pool, left: &[String]) {
+    let name = &*pool.name;
+    metrics::inc(&metrics::DISCOVERY_UPDATES, &[name]);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    metrics::set(&metrics::DISCOVERY_LAST_CHANGE, &[name], now.as_secs_f64());
+    let members = pool.members();
+    tracing::info!(
+        pool = name,
+        left = ?left,
+        ready = members.ready(),
+        total = members.len(),
+        "pool backends changed: drained backends left"
+    );
+}
+
 /// Counts a source's error, and logs it when a streak of errors begins (`first`) or goes on
 /// with another cause; the pool keeps what it last knew.
 pub(crate) fn report_error(

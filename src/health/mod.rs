@@ -137,7 +137,10 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 }
             }
             _ = tick.tick() => {
-                pool.sweep();
+                let left = pool.sweep();
+                if !left.is_empty() {
+                    crate::discovery::drained(&pool, &left);
+                }
                 if let Some(models) = pool.learn_models() {
                     tracing::info!(pool = &*pool.name, models = ?models, "pool serves the models its backends list");
                 }
