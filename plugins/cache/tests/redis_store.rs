@@ -4,9 +4,9 @@
 
 use serde_json::json;
 use sluice_plugin_cache::entry::Entry;
-use sluice_sdk::Endpoint;
 use sluice_plugin_cache::store::redis::{RedisConfig, RedisStore};
 use sluice_plugin_cache::store::{CacheKey, Store, StoreError, WriteOutcome};
+use sluice_sdk::Endpoint;
 use sluice_testkit::{redis_cli, reserve_port, RedisCluster, RedisServer, SilentServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
