@@ -194,6 +194,13 @@ pub enum Contender {
     SluiceOnlyCache,
     SluiceOnlySpeculative,
     SluiceOnlyKvBreaker,
+    /// Scenario 22: Sluice with every plugin on, its draft pool discovered by DNS while the
+    /// fleet scales out and in and a pod is killed.
+    SluiceDiscovery,
+    /// Scenario 22: an idle Sluice whose pool discovers its endpoints by DNS.
+    SluiceDiscoveredIdle,
+    /// Scenario 22: an idle Sluice with the same endpoints as static `backends`.
+    SluiceStaticIdle,
 }
 
 impl Contender {
@@ -247,6 +254,9 @@ impl Contender {
             Contender::SluiceOnlyCache => "sluice (cache only, miss)",
             Contender::SluiceOnlySpeculative => "sluice (speculative only)",
             Contender::SluiceOnlyKvBreaker => "sluice (kv_breaker only)",
+            Contender::SluiceDiscovery => "sluice (draft pool discovered by DNS, plugins on)",
+            Contender::SluiceDiscoveredIdle => "sluice (endpoints discovered by DNS)",
+            Contender::SluiceStaticIdle => "sluice (the same endpoints as static backends)",
         }
     }
 
@@ -634,18 +644,39 @@ pub struct RunningSim {
 }
 
 impl RunningSim {
+    /// A simulator on a free port of 127.0.0.1.
     pub async fn start(mode: &SimMode, spec: &SimSpec, dir: &Path) -> Result<RunningSim> {
-        let addr = free_addr()?;
+        RunningSim::start_on(mode, spec, dir, free_addr()?).await
+    }
+
+    /// A simulator listening on `addr`: another loopback address than 127.0.0.1 (several
+    /// simulators on one port, as the pods behind one DNS name), or `0.0.0.0` (one simulator
+    /// answering every address of 127.0.0.0/8). Fails when `addr` cannot be bound; the
+    /// caller picks another port.
+    pub async fn start_on(
+        mode: &SimMode,
+        spec: &SimSpec,
+        dir: &Path,
+        addr: SocketAddr,
+    ) -> Result<RunningSim> {
+        // Where readiness is checked: 0.0.0.0 is reached through 127.0.0.1.
+        let probe = if addr.ip().is_unspecified() {
+            SocketAddr::from(([127, 0, 0, 1], addr.port()))
+        } else {
+            addr
+        };
         match mode {
             SimMode::Process(exe) => {
                 let mut cmd = Command::new(exe);
                 cmd.arg("sim-serve")
+                    .arg("--host")
+                    .arg(addr.ip().to_string())
                     .arg("--port")
                     .arg(addr.port().to_string())
                     .args(spec.args())
                     .env("RUST_LOG", "warn");
                 let mut proc = Proc::spawn("vllm-sim", cmd, &dir.join("sim.log"), false)?;
-                proc.wait_ready(&[addr]).await?;
+                proc.wait_ready(&[probe]).await?;
                 Ok(RunningSim {
                     addr,
                     proc: Some(proc),

@@ -8,6 +8,7 @@
 pub mod abuse;
 pub mod bare;
 pub mod contenders;
+pub mod discovery;
 pub mod fleet;
 pub mod h2_streams;
 pub mod loadgen;
@@ -119,6 +120,20 @@ pub struct Params {
     /// Scenario 19: each prompt's size and the streams open at once.
     pub long_prompt_bytes: usize,
     pub long_prompt_concurrency: usize,
+    /// Scenario 22: the open-loop rate, the simulators' inter-token interval (16 tokens each),
+    /// when the fleet scales out, how long the four backends serve together after the new
+    /// ones are ready, the pause between killing the drained backends and killing a pod
+    /// still in DNS, and how long the load runs after that kill.
+    pub discovery_rate: f64,
+    pub discovery_itl_ms: f64,
+    pub discovery_scale_out_at: Duration,
+    pub discovery_hold: Duration,
+    pub discovery_kill_after: Duration,
+    pub discovery_tail: Duration,
+    /// Scenario 22: the idle fleet's endpoints (one DNS name's A records, and the same as
+    /// static backends), and the idle time measured per round.
+    pub discovery_endpoints: usize,
+    pub discovery_idle: Duration,
 }
 
 impl Params {
@@ -176,6 +191,14 @@ impl Params {
             plugin_rate: 1000.0,
             long_prompt_bytes: 220_000,
             long_prompt_concurrency: 150,
+            discovery_rate: 300.0,
+            discovery_itl_ms: 2.0,
+            discovery_scale_out_at: Duration::from_secs(2),
+            discovery_hold: Duration::from_secs(4),
+            discovery_kill_after: Duration::from_secs(1),
+            discovery_tail: Duration::from_secs(4),
+            discovery_endpoints: 200,
+            discovery_idle: Duration::from_secs(5),
         }
     }
 
@@ -233,6 +256,14 @@ impl Params {
             plugin_rate: 50.0,
             long_prompt_bytes: 220_000,
             long_prompt_concurrency: 4,
+            discovery_rate: 40.0,
+            discovery_itl_ms: 2.0,
+            discovery_scale_out_at: Duration::from_millis(500),
+            discovery_hold: Duration::from_millis(500),
+            discovery_kill_after: Duration::from_millis(200),
+            discovery_tail: Duration::from_secs(1),
+            discovery_endpoints: 20,
+            discovery_idle: Duration::from_secs(1),
         }
     }
 }

@@ -39,6 +39,11 @@ enum Cmd {
     /// Runs the simulator in this process (used by the harness itself).
     #[command(hide = true)]
     SimServe {
+        /// The address it listens on: several simulators share one port on different
+        /// loopback addresses (scenario 22's fleet, whose DNS records carry addresses only),
+        /// or one answers every address of 127.0.0.0/8 on `0.0.0.0`.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
         #[arg(long)]
         port: u16,
         #[command(flatten)]
@@ -101,10 +106,11 @@ fn build() -> Result<()> {
     Ok(())
 }
 
-async fn sim_serve(port: u16, spec: SimSpec) -> Result<()> {
-    let sim = vllm_sim::start(spec.config(([127, 0, 0, 1], port).into()))
+async fn sim_serve(host: std::net::IpAddr, port: u16, spec: SimSpec) -> Result<()> {
+    let listen = std::net::SocketAddr::new(host, port);
+    let sim = vllm_sim::start(spec.config(listen))
         .await
-        .with_context(|| format!("starting the simulator on port {port}"))?;
+        .with_context(|| format!("starting the simulator on {listen}"))?;
     println!("vllm-sim listening on {}", sim.addr());
     tokio::signal::ctrl_c()
         .await
@@ -141,8 +147,8 @@ fn main() -> Result<()> {
 }
 
 async fn harness(args: Args) -> Result<()> {
-    if let Some(Cmd::SimServe { port, spec }) = args.command {
-        return sim_serve(port, spec).await;
+    if let Some(Cmd::SimServe { host, port, spec }) = args.command {
+        return sim_serve(host, port, spec).await;
     }
     if !args.no_build && args.sluice.is_none() {
         build()?;

@@ -1,14 +1,15 @@
 //! An open-loop load whose rate changes in phases (steady, burst, steady again), with a record
 //! of every request: when it was due, how long it took from then, and how it ended (status,
-//! `x-sluice-rejected` reason, the request id it was sent with). Scenarios 10 and 11 judge
-//! requests by when they were due (before or after a backend was killed; in which phase).
+//! `x-sluice-rejected` reason, the request id it was sent with). Scenarios 10, 11 and 22
+//! judge requests by when they were due (before or after a backend was killed; in which
+//! phase; before or after the fleet changed).
 //!
 //! Unlike [`crate::loadgen::open_loop`], no request ever waits for a free connection: each is
 //! sent when due, on an idle kept-alive connection if there is one, else on a new one. So the
 //! proxy sees every request the schedule asks for, however long earlier ones take (a burst
 //! whose requests wait seconds in an admission queue), and latency counts from the due time.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,6 +139,26 @@ pub async fn run(
     start: Instant,
     limit: Duration,
 ) -> Result<Run> {
+    run_until(
+        target,
+        phases,
+        start,
+        limit,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .await
+}
+
+/// As [`run`], but no request is due after `stop` is set (the requests sent still finish):
+/// for a run whose end depends on what happens during it (scenario 22 stops its load a few
+/// seconds after its last event); `phases` is then the longest it may run.
+pub async fn run_until(
+    target: Arc<Target>,
+    phases: &[Phase],
+    start: Instant,
+    limit: Duration,
+    stop: Arc<AtomicBool>,
+) -> Result<Run> {
     let run_id = NEXT_RUN.fetch_add(1, Ordering::Relaxed);
     let mut due: Vec<Duration> = Vec::new();
     let mut phase_start = Duration::ZERO;
@@ -162,7 +183,7 @@ pub async fn run(
             if at > now {
                 std::thread::sleep(at - now);
             }
-            if tx.send((i, d)).is_err() {
+            if stop.load(Ordering::Relaxed) || tx.send((i, d)).is_err() {
                 break;
             }
         }

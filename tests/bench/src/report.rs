@@ -127,6 +127,15 @@ pub struct Measured {
     pub first_error: Option<String>,
 }
 
+/// A table of a scenario after its main one, under a caption of its own (scenario 22 shows
+/// its fleet's rounds and its idle CPU, which share no columns).
+#[derive(Clone, Debug)]
+pub struct Table {
+    pub caption: String,
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
 /// A scenario's results.
 #[derive(Clone, Debug)]
 pub struct ScenarioReport {
@@ -135,6 +144,8 @@ pub struct ScenarioReport {
     pub outcome: Outcome,
     pub header: Vec<String>,
     pub rows: Vec<Vec<String>>,
+    /// More tables, shown after the main one.
+    pub tables: Vec<Table>,
     pub checks: Vec<Check>,
     pub notes: Vec<String>,
     pub measured: Vec<Measured>,
@@ -148,6 +159,7 @@ impl ScenarioReport {
             outcome: Outcome::Done,
             header: Vec::new(),
             rows: Vec::new(),
+            tables: Vec::new(),
             checks: Vec::new(),
             notes: Vec::new(),
             measured: Vec::new(),
@@ -199,6 +211,11 @@ impl ScenarioReport {
         }
         if !self.header.is_empty() {
             s.push_str(&table(&self.header, &self.rows));
+            s.push('\n');
+        }
+        for t in &self.tables {
+            let _ = writeln!(s, "{}\n", t.caption);
+            s.push_str(&table(&t.header, &t.rows));
             s.push('\n');
         }
         for n in &self.notes {

@@ -80,7 +80,7 @@ fn pool_config(
 }
 
 /// Sends `body` to `addr` until one answer is a 200 (the proxy and its backends are up).
-async fn first_answer(addr: SocketAddr, body: &bytes::Bytes) -> Result<()> {
+pub(crate) async fn first_answer(addr: SocketAddr, body: &bytes::Bytes) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (status, _, answer) = fetch(&Target::post_json(addr, CHAT, body.clone())).await?;
@@ -116,7 +116,7 @@ struct LogFacts {
 
 /// Unix seconds of an RFC 3339 UTC timestamp as tracing writes it
 /// (`2025-01-02T03:04:05.123456Z`).
-fn unix_secs(ts: &str) -> Option<f64> {
+pub(crate) fn unix_secs(ts: &str) -> Option<f64> {
     let ts = ts.strip_suffix('Z')?;
     let (date, time) = ts.split_once('T')?;
     let mut d = date.split('-').map(|v| v.parse::<i64>().ok());

@@ -80,6 +80,10 @@ pub const ALL: &[(u8, &str)] = &[
         21,
         "The Pingora floor: bare Pingora with its own knobs turned, against nginx",
     ),
+    (
+        22,
+        "Discovery: a fleet scaled 2 → 4 → 2 under load with every plugin on, a pod killed with discovery on, and CPU at idle with 200 discovered endpoints",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -104,6 +108,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         19 => crate::plugin_cost::long_prompts(ctx).await,
         20 => crate::h2_streams::h2_streams(ctx).await,
         21 => pingora_floor(ctx).await,
+        22 => crate::discovery::discovery(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -294,7 +299,10 @@ impl Stack {
                 | Contender::SluiceBreakerWaits
                 | Contender::SluiceRoundRobin
                 | Contender::SluiceKvAware
-                | Contender::SluiceTtft => {
+                | Contender::SluiceTtft
+                | Contender::SluiceDiscovery
+                | Contender::SluiceDiscoveredIdle
+                | Contender::SluiceStaticIdle => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
