@@ -312,78 +312,24 @@ impl Plugin for Cache {
             ctx.state.insert(Bypassed);
             return Ok(Flow::Continue);
         };
-        let kind = call.endpoint;
-        let ttl = policy::ttl(&self.config, call.request.model.as_deref(), call.endpoint);
-        let output_budget = sluice_sdk::context::output_budget(call);
-        let mut state = State {
-            result: Lookup::Miss,
-            key,
-            ttl,
-            kind,
-            tee: Tee::default(),
-            leader: None,
-            live: None,
-            followed_live: false,
-            output_budget,
-        };
-
+        let mut state = self.state(key, call);
         if use_ == Use::LookupAndStore {
-            let mut found = self.lookup(&state.key).await.map(|e| (e, Lookup::Hit));
-            if found.is_none() && self.config.coalesce.enabled {
-                let stream = call.request.is_stream();
-                let mut role = self.inflight.join(state.key.digest, stream);
-                loop {
-                    let ticket = match role {
-                        Role::Leader(leader) => {
-                            state.leader = Some(leader);
-                            break;
-                        }
-                        Role::Alone => break,
-                        Role::Follower(follower) => match follow(session, follower).await? {
-                            Waited::Answer(entry) => {
-                                found = Some((entry, Lookup::Coalesced));
-                                break;
-                            }
-                            Waited::Lead(leader) => {
-                                state.leader = Some(leader);
-                                break;
-                            }
-                            Waited::Live(ticket) => ticket,
-                            Waited::TimedOut => return Err(timed_out()),
-                        },
-                        Role::Live(ticket) => ticket,
-                    };
-                    let reader = ticket.reader(
-                        self.fresh_id(kind),
-                        unix_now(),
-                        call.request.include_usage(),
-                    );
-                    match self.first_bytes(session, reader).await? {
-                        Some(reader) => {
-                            metrics::request(metrics::Outcome::Coalesced);
-                            let response = self.live_answer(reader)?;
-                            ctx.mark_answered_locally();
-                            state.result = Lookup::Coalesced;
-                            state.followed_live = true;
-                            ctx.state.insert(state);
-                            return Ok(Flow::Respond(Box::new(response)));
-                        }
-                        // The leader failed before this follower wrote anything: it coalesces
-                        // again, as a follower of a failed leader would.
-                        None => role = self.inflight.join(state.key.digest, stream),
-                    }
+            match self.find(session, call, &state.key).await? {
+                Found::Entry(entry, result) => {
+                    let response = self.answer(&entry, call)?;
+                    metrics::request(match result {
+                        Lookup::Coalesced => metrics::Outcome::Coalesced,
+                        _ => metrics::Outcome::Hit,
+                    });
+                    return Ok(answered_locally(ctx, state, result, response));
                 }
-            }
-            if let Some((entry, result)) = found {
-                let response = self.answer(&entry, call)?;
-                metrics::request(match result {
-                    Lookup::Coalesced => metrics::Outcome::Coalesced,
-                    _ => metrics::Outcome::Hit,
-                });
-                ctx.mark_answered_locally();
-                state.result = result;
-                ctx.state.insert(state);
-                return Ok(Flow::Respond(Box::new(response)));
+                Found::Live(reader) => {
+                    metrics::request(metrics::Outcome::Coalesced);
+                    let response = self.live_answer(reader)?;
+                    state.followed_live = true;
+                    return Ok(answered_locally(ctx, state, Lookup::Coalesced, response));
+                }
+                Found::Upstream(leader) => state.leader = leader,
             }
         }
         metrics::request(metrics::Outcome::Miss);
@@ -522,6 +468,69 @@ impl Plugin for Cache {
 }
 
 impl Cache {
+    /// What the cache keeps of a request it takes part in, before the lookup: a miss.
+    fn state(&self, key: CacheKey, call: &LlmCall) -> State {
+        State {
+            result: Lookup::Miss,
+            key,
+            ttl: policy::ttl(&self.config, call.request.model.as_deref(), call.endpoint),
+            kind: call.endpoint,
+            tee: Tee::default(),
+            leader: None,
+            live: None,
+            followed_live: false,
+            output_budget: sluice_sdk::context::output_budget(call),
+        }
+    }
+
+    /// The stored answer to `key`; on a miss, with coalescing on, what the identical requests
+    /// in flight give this one.
+    async fn find(&self, session: &mut Session, call: &LlmCall, key: &CacheKey) -> Result<Found> {
+        if let Some(entry) = self.lookup(key).await {
+            return Ok(Found::Entry(entry, Lookup::Hit));
+        }
+        if !self.config.coalesce.enabled {
+            return Ok(Found::Upstream(None));
+        }
+        self.coalesce(session, call, key).await
+    }
+
+    /// Joins the identical requests in flight: waits for their answer, follows their stream
+    /// live, or leads them upstream (or goes alone when there is no room to wait).
+    async fn coalesce(
+        &self,
+        session: &mut Session,
+        call: &LlmCall,
+        key: &CacheKey,
+    ) -> Result<Found> {
+        let stream = call.request.is_stream();
+        let mut role = self.inflight.join(key.digest, stream);
+        loop {
+            let ticket = match role {
+                Role::Leader(leader) => return Ok(Found::Upstream(Some(leader))),
+                Role::Alone => return Ok(Found::Upstream(None)),
+                Role::Follower(follower) => match follow(session, follower).await? {
+                    Waited::Answer(entry) => return Ok(Found::Entry(entry, Lookup::Coalesced)),
+                    Waited::Lead(leader) => return Ok(Found::Upstream(Some(leader))),
+                    Waited::Live(ticket) => ticket,
+                    Waited::TimedOut => return Err(timed_out()),
+                },
+                Role::Live(ticket) => ticket,
+            };
+            let reader = ticket.reader(
+                self.fresh_id(call.endpoint),
+                unix_now(),
+                call.request.include_usage(),
+            );
+            match self.first_bytes(session, reader).await? {
+                Some(reader) => return Ok(Found::Live(reader)),
+                // The leader failed before this follower wrote anything: it coalesces
+                // again, as a follower of a failed leader would.
+                None => role = self.inflight.join(key.digest, stream),
+            }
+        }
+    }
+
     /// Waits for a live follower's first bytes while watching the client, at most
     /// `max_wait`: the reader, or `None` when the leader failed before this follower wrote
     /// anything.
@@ -567,6 +576,30 @@ async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
     while_connected(session, follower.wait())
         .await
         .map_err(client_left)
+}
+
+/// What a request that may be answered from the cache gets before going upstream.
+enum Found {
+    /// A stored answer (`Hit`), or the one an identical request published (`Coalesced`).
+    Entry(Arc<Entry>, Lookup),
+    /// An identical request's stream, followed live, its first bytes already there.
+    Live(Reader),
+    /// Nothing: the request goes upstream, leading the identical ones when it holds the lead.
+    Upstream(Option<Leader>),
+}
+
+/// The request is answered by the cache with `response`: the core sends it, and the later
+/// hooks know how the request was served.
+fn answered_locally(
+    ctx: &mut RequestCtx,
+    mut state: State,
+    result: Lookup,
+    response: LocalResponse,
+) -> Flow {
+    ctx.mark_answered_locally();
+    state.result = result;
+    ctx.state.insert(state);
+    Flow::Respond(Box::new(response))
 }
 
 /// Marks a request the cache stays out of (`x-cache: BYPASS`).
