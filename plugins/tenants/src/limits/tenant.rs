@@ -105,6 +105,44 @@ fn delta(used: u64, charged: u64) -> i64 {
     i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
 }
 
+/// A token bucket's limit and what taking from it would do; `None` when the tenant has no
+/// such limit.
+type Taken = Option<(u64, gcra::Take)>;
+
+/// Takes `n` tokens from a bucket of `limit` a minute, at `tat`, without charging yet.
+fn take_tokens(limit: Option<u64>, tat: i64, now: i64, n: u64) -> Taken {
+    limit.map(|l| (l, gcra::take(tat, now, n, l)))
+}
+
+fn bucket_reading((limit, t): (u64, gcra::Take)) -> Reading {
+    Reading {
+        limit,
+        remaining: t.remaining,
+        reset_us: t.reset_us,
+    }
+}
+
+/// Refuses when a token bucket is short: in the name of the first one (with the tokens it
+/// was asked for), retried after the longest wait of all.
+fn refuse_short_buckets(
+    readings: &Readings,
+    buckets: [(Refusal, Taken, u64); 2],
+) -> Result<(), ErrorReply> {
+    let refused = buckets
+        .into_iter()
+        .filter_map(|(r, t, n)| t.filter(|(_, t)| !t.ok).map(|(_, t)| (r, t.retry_us, n)));
+    let mut first: Option<(Refusal, u64)> = None;
+    let mut retry = 0;
+    for (refusal, retry_us, wanted) in refused {
+        first.get_or_insert((refusal, wanted));
+        retry = retry.max(retry_us);
+    }
+    match first {
+        Some((refusal, wanted)) => Err(reply::rate_limited(readings, refusal, wanted, retry)),
+        None => Ok(()),
+    }
+}
+
 impl TenantState {
     pub(crate) fn new(
         name: Arc<str>,
@@ -208,86 +246,35 @@ impl TenantState {
     pub(crate) fn admit_local(&self, want: Want) -> Result<Readings, ErrorReply> {
         let mut local = self.lock();
         let now = self.backing.clock.now_us();
-        let take =
-            |limit: Option<u64>, tat: i64, n: u64| limit.map(|l| (l, gcra::take(tat, now, n, l)));
-        let input = take(
+        let input = take_tokens(
             self.limits.input_tokens_per_minute,
             local.input_tat,
+            now,
             want.input_tokens,
         );
-        let output = take(
+        let output = take_tokens(
             self.limits.output_tokens_per_minute,
             local.output_tat,
+            now,
             want.output_tokens,
         );
-        let reading = |(limit, t): (u64, gcra::Take)| Reading {
-            limit,
-            remaining: t.remaining,
-            reset_us: t.reset_us,
-        };
         let mut readings = Readings {
             requests: self.requests_reading(&local, now),
-            input: input.map(reading),
-            output: output.map(reading),
+            input: input.map(bucket_reading),
+            output: output.map(bucket_reading),
         };
-        // The budget first: once spent it refuses for hours, whatever the minute says. The
-        // calendar is read only for a tenant with a budget.
-        if self.budget.is_set() {
-            let windows = Windows::at(unix_now());
-            local.spend.roll(&windows);
-            let (day, month) = (local.spend.day_micros, local.spend.month_micros);
-            self.over_budget(day, month, &windows, &readings)?;
-        }
-        let refused_tokens = [
-            (Refusal::InputTokens, input, want.input_tokens),
-            (Refusal::OutputTokens, output, want.output_tokens),
-        ]
-        .into_iter()
-        .filter_map(|(r, t, n)| t.filter(|(_, t)| !t.ok).map(|(_, t)| (r, t.retry_us, n)));
-        let mut first: Option<(Refusal, u64)> = None;
-        let mut retry = 0;
-        for (refusal, retry_us, wanted) in refused_tokens {
-            first.get_or_insert((refusal, wanted));
-            retry = retry.max(retry_us);
-        }
-        if let Some((refusal, wanted)) = first {
-            return Err(reply::rate_limited(&readings, refusal, wanted, retry));
-        }
+        // The budget first: once spent it refuses for hours, whatever the minute says.
+        self.check_local_budget(&mut local, &readings)?;
+        refuse_short_buckets(
+            &readings,
+            [
+                (Refusal::InputTokens, input, want.input_tokens),
+                (Refusal::OutputTokens, output, want.output_tokens),
+            ],
+        )?;
         // Requests last: governor takes its cell when it says yes, so nothing after it may
         // refuse.
-        if let (Some(limiter), Some(limit)) = (&self.requests, self.limits.requests_per_minute) {
-            let limit = u64::from(limit);
-            let per = gcra::cost(1, limit);
-            match limiter.check() {
-                Ok(state) => {
-                    let left = u64::from(state.remaining_burst_capacity());
-                    let to_full =
-                        per.saturating_mul(i64::try_from(limit - left.min(limit)).unwrap_or(0));
-                    local.requests_full_at = now.saturating_add(to_full);
-                    readings.requests = Some(Reading {
-                        limit,
-                        remaining: left,
-                        reset_us: to_full,
-                    });
-                }
-                Err(not_until) => {
-                    let wait = not_until.wait_time_from(limiter.clock().now());
-                    let wait = i64::try_from(wait.as_micros())
-                        .unwrap_or(i64::MAX / 4)
-                        .max(1);
-                    // Full once the next cell is due and the rest of the burst refilled.
-                    let to_full = wait
-                        .saturating_add(per.saturating_mul(i64::try_from(limit - 1).unwrap_or(0)));
-                    local.requests_full_at = now.saturating_add(to_full);
-                    readings.requests = Some(Reading {
-                        limit,
-                        remaining: 0,
-                        reset_us: to_full,
-                    });
-                    return Err(reply::rate_limited(&readings, Refusal::Requests, 1, wait));
-                }
-            }
-        }
+        self.take_request(&mut local, now, &mut readings)?;
         if let Some((_, t)) = input {
             local.input_tat = t.tat;
         }
@@ -295,6 +282,64 @@ impl TenantState {
             local.output_tat = t.tat;
         }
         Ok(readings)
+    }
+
+    /// Rolls this process's spend into the current windows and counts (and, enforced,
+    /// refuses) an admission over a spent budget. The calendar is read only for a tenant
+    /// with a budget.
+    fn check_local_budget(&self, local: &mut Local, readings: &Readings) -> Result<(), ErrorReply> {
+        if !self.budget.is_set() {
+            return Ok(());
+        }
+        let windows = Windows::at(unix_now());
+        local.spend.roll(&windows);
+        let (day, month) = (local.spend.day_micros, local.spend.month_micros);
+        self.over_budget(day, month, &windows, readings)
+    }
+
+    /// Takes a cell of the request limiter, if the tenant has one, and records when it is
+    /// full again; `readings.requests` says what it has left, refused or not.
+    fn take_request(
+        &self,
+        local: &mut Local,
+        now: i64,
+        readings: &mut Readings,
+    ) -> Result<(), ErrorReply> {
+        let (Some(limiter), Some(limit)) = (&self.requests, self.limits.requests_per_minute) else {
+            return Ok(());
+        };
+        let limit = u64::from(limit);
+        let per = gcra::cost(1, limit);
+        match limiter.check() {
+            Ok(state) => {
+                let left = u64::from(state.remaining_burst_capacity());
+                let to_full =
+                    per.saturating_mul(i64::try_from(limit - left.min(limit)).unwrap_or(0));
+                local.requests_full_at = now.saturating_add(to_full);
+                readings.requests = Some(Reading {
+                    limit,
+                    remaining: left,
+                    reset_us: to_full,
+                });
+                Ok(())
+            }
+            Err(not_until) => {
+                let wait = not_until.wait_time_from(limiter.clock().now());
+                let wait = i64::try_from(wait.as_micros())
+                    .unwrap_or(i64::MAX / 4)
+                    .max(1);
+                // Full once the next cell is due and the rest of the burst refilled.
+                let to_full =
+                    wait.saturating_add(per.saturating_mul(i64::try_from(limit - 1).unwrap_or(0)));
+                local.requests_full_at = now.saturating_add(to_full);
+                readings.requests = Some(Reading {
+                    limit,
+                    remaining: 0,
+                    reset_us: to_full,
+                });
+                Err(reply::rate_limited(readings, Refusal::Requests, 1, wait))
+            }
+        }
     }
 
     /// Corrects the local buckets from the usage, and adds its cost to the spend.
