@@ -496,7 +496,7 @@ impl Cache {
     }
 
     /// Joins the identical requests in flight: waits for their answer, follows their stream
-    /// live, or leads them upstream (or goes alone when there is no room to wait).
+    /// live, leads them upstream, or goes upstream uncoalesced ([`Role::Alone`]).
     async fn coalesce(
         &self,
         session: &mut Session,
