@@ -55,6 +55,18 @@ pub async fn local(
     forward(chain, session, ctx, None, true).await
 }
 
+/// How long an answer given before the request's body was read (a 413 for a declared size,
+/// say) waits, reading and dropping what the client still sends, before the connection
+/// closes: closed at once, the socket resets and the client often loses the answer in its
+/// upload's error, as nginx's `lingering_close` knows. Bounded: the client's own time.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads and drops the rest of the request's body for at most [`LINGER`].
+async fn linger(session: &mut Session) {
+    let draining = async { while let Ok(Some(_)) = session.read_request_body().await {} };
+    let _ = tokio::time::timeout(LINGER, draining).await;
+}
+
 /// Answers with `reply` if nothing was sent yet. Returns what Pingora needs to know.
 pub async fn error(
     chain: &Chain,
@@ -94,6 +106,8 @@ pub async fn error(
     };
     if let Err(e) = written {
         tracing::debug!("could not send the error response: {e}");
+    } else if !can_reuse_downstream {
+        linger(session).await;
     }
     ctx.progress_mut().status = Some(reply.status);
     FailToProxy {
