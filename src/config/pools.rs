@@ -461,21 +461,16 @@ fn served_model(p: &file::PoolFile, key: &str) -> Result<Option<ServedModel>, In
         .map_err(|m| Invalid::new(format!("{key}.served_model"), m))
 }
 
-/// Headers a rule may not touch: the message's framing and the hops are the proxy's.
-const UNRULED_HEADERS: [&str; 8] = [
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
-];
+/// Headers a rule may not touch: the message's framing, and the hop-by-hop ones (the
+/// proxy's).
+fn unruled(name: &str) -> bool {
+    ["content-length", "transfer-encoding"].contains(&name)
+        || sluice_sdk::headers::HOP_BY_HOP.contains(&name)
+}
 
 fn ruled_header_name(key: &str, name: &str) -> Result<http::HeaderName, Invalid> {
     let parsed = sluice_sdk::config::header_name(key, name)?;
-    if UNRULED_HEADERS.contains(&parsed.as_str()) {
+    if unruled(parsed.as_str()) {
         return Err(Invalid::new(
             key,
             format!("`{name}` frames the message or the connection: the proxy sets it"),

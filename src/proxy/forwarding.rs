@@ -22,15 +22,7 @@ use std::net::IpAddr;
 
 use super::client::is_trusted;
 
-/// Always hop-by-hop.
-const HOP_BY_HOP: [&str; 6] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
-];
+use sluice_sdk::headers::HOP_BY_HOP;
 
 /// Headers that are never one connection's, whatever `Connection` says: the message's framing
 /// and its target, which this hop sets for the next. Named in `Connection` (a client's

@@ -4,6 +4,17 @@
 use http::{HeaderMap, HeaderName};
 use pingora_http::ResponseHeader;
 
+/// The headers that are always one connection's (hop-by-hop), whatever `Connection` says:
+/// the proxy removes them before forwarding, and no header rule may set them.
+pub const HOP_BY_HOP: [&str; 6] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
 /// The pool that produced an answer.
 pub const POOL: HeaderName = HeaderName::from_static("x-sluice-pool");
 /// Why a request went to its escalation target.
