@@ -365,6 +365,47 @@ async fn a_pool_declared_by_discovery_alone_learns_its_models_from_its_backends(
     assert_eq!(unknown.status, 404, "{}", unknown.body);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_endpoint_is_followed_and_leaves_nothing_behind() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2)]).await;
+    let proxy = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    let flapper = format!("127.0.0.3:{port}");
+    let series = format!(r#"sluice_backend_healthy{{backend="{flapper}",pool="fleet"}}"#);
+    for round in 0..3 {
+        dns.set(NAME, &[ip(2), ip(3)]).await;
+        let joined = wait_for(Duration::from_secs(10), || async {
+            proxy.metric(&series).await == Some(1.0)
+        })
+        .await;
+        assert!(joined.is_some(), "round {round}: {}", proxy.status().await);
+        dns.set(NAME, &[ip(2)]).await;
+        // Gone: its series too, so that an endpoint coming and going does not grow the page.
+        let left = wait_for(Duration::from_secs(10), || async {
+            proxy.metric(&series).await.is_none()
+        })
+        .await;
+        assert!(left.is_some(), "round {round}: {}", proxy.metrics().await);
+        let answer = proxy.ask(&chat(MODEL, "still here", false), &[]).await;
+        assert_eq!(answer.status, 200, "round {round}: {}", answer.body);
+    }
+    let updates = proxy
+        .metric(r#"sluice_discovery_updates_total{pool="fleet"}"#)
+        .await
+        .unwrap();
+    assert!(
+        updates >= 7.0,
+        "{updates} updates for 1 + 3 joins and 3 leaves"
+    );
+    let changes = proxy
+        .logs()
+        .lines()
+        .filter(|l| l.contains("pool backends changed"))
+        .count();
+    assert!(changes >= 7, "{changes} change lines:\n{}", proxy.logs());
+}
+
 mod kubernetes {
     //! The EndpointSlice watcher against a local server that speaks the Kubernetes API's
     //! list and watch protocol (`sluice_testkit::kube_api`): no API server can be installed
