@@ -25,7 +25,15 @@ pub struct AnswerUsage {
 /// From here on, every answer to the request (an upstream's, a cache hit, an error) is
 /// scanned for its usage as it is written.
 pub fn watch_usage(ctx: &mut RequestCtx) {
-    ctx.state.insert(AnswerUsage::default());
+    // The request's family knows where its answers carry their usage.
+    let scanner = ctx
+        .llm()
+        .map(|call| call.endpoint.family().usage_scanner())
+        .unwrap_or_default();
+    ctx.state.insert(AnswerUsage {
+        scanner,
+        strip: None,
+    });
 }
 
 /// A plugin wants the usage of a stream whose client did not ask for it: the upstream is

@@ -32,8 +32,6 @@
 //!   before.
 
 use bytes::Bytes;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use sluice_sdk::error::ErrorReply;
 use sluice_sdk::plugin::LocalStream;
 use sluice_sdk::sse::{self, SseEvents};
@@ -206,13 +204,14 @@ impl Writer {
         self.live.more.send_replace(());
         let was_any = self.any_event;
         let (done, error, any_event) = (&mut self.done, &mut self.error, &mut self.any_event);
+        let family = self.live.kind.family();
         self.events.split(chunk, |event| {
             let Some(data) = sse::data(event) else {
                 return;
             };
             if data.as_ref() == b"[DONE]" {
                 *done = true;
-            } else if is_error_event(&data) {
+            } else if family.is_error_event(&data) {
                 let mut text = b"data: ".to_vec();
                 text.extend_from_slice(&data);
                 text.extend_from_slice(b"\n\ndata: [DONE]\n\n");
@@ -233,19 +232,6 @@ impl Writer {
         };
         self.live.finish(end, false);
     }
-}
-
-/// Whether an event's data is an error object (`{"error": {...}}`, as vLLM ends a stream
-/// that failed). A byte search first: almost no event says `"error"` at all, and those
-/// that do only in their text are told apart by a parse.
-fn is_error_event(data: &[u8]) -> bool {
-    #[derive(Deserialize)]
-    struct ErrorShape<'a> {
-        #[serde(borrow)]
-        error: Option<&'a RawValue>,
-    }
-    memchr::memmem::find(data, b"\"error\"").is_some()
-        && serde_json::from_slice::<ErrorShape>(data).is_ok_and(|shape| shape.error.is_some())
 }
 
 impl Drop for Writer {
@@ -490,13 +476,10 @@ mod tests {
 
     #[test]
     fn only_an_error_object_is_an_error_event() {
-        assert!(is_error_event(
-            br#"{"error": {"message": "boom", "code": 500}}"#
-        ));
-        assert!(!is_error_event(
-            br#"{"id":"c","choices":[{"delta":{"content":"error"}}]}"#
-        ));
-        assert!(!is_error_event(br#"{"id":"c","choices":[]}"#));
+        let family = Endpoint::ChatCompletions.family();
+        assert!(family.is_error_event(br#"{"error": {"message": "boom", "code": 500}}"#));
+        assert!(!family.is_error_event(br#"{"id":"c","choices":[{"delta":{"content":"error"}}]}"#));
+        assert!(!family.is_error_event(br#"{"id":"c","choices":[]}"#));
     }
 
     #[tokio::test]

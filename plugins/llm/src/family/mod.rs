@@ -90,6 +90,10 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn default_max_tokens(&self) -> Option<u32>;
     /// Where its answers carry token log-probabilities.
     fn logprobs_at(&self) -> LogprobsAt;
+    /// A new reader of an answer's token usage, fed the answer's chunks as they pass.
+    fn usage_scanner(&self) -> crate::usage::UsageScanner;
+    /// Whether one event's data (a stream's) is an error the upstream ended it with.
+    fn is_error_event(&self, data: &[u8]) -> bool;
     /// Whether one event of its stream carries the usage alone (the event an upstream sends
     /// when asked for usage, kept from a client that did not ask).
     fn is_usage_event(&self, event: &[u8]) -> bool;

@@ -96,6 +96,14 @@ impl ApiFamily for OpenAi {
         }
     }
 
+    fn usage_scanner(&self) -> crate::usage::UsageScanner {
+        crate::usage::UsageScanner::default()
+    }
+
+    fn is_error_event(&self, data: &[u8]) -> bool {
+        is_error_event(data)
+    }
+
     fn is_usage_event(&self, event: &[u8]) -> bool {
         is_usage_chunk(event)
     }
@@ -223,6 +231,19 @@ pub fn error_body(error: &WireError<'_>) -> Vec<u8> {
     };
     // Serializing plain strings and integers cannot fail.
     serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// Whether an event's data is an error object (`{"error": {...}}`, as vLLM ends a stream
+/// that failed). A byte search first: almost no event says `"error"` at all, and those
+/// that do only in their text are told apart by a parse.
+fn is_error_event(data: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct ErrorShape<'a> {
+        #[serde(borrow)]
+        error: Option<&'a RawValue>,
+    }
+    data.windows(7).any(|w| w == b"\"error\"")
+        && serde_json::from_slice::<ErrorShape>(data).is_ok_and(|shape| shape.error.is_some())
 }
 
 /// What relaying reads of an event, in one parse.
@@ -626,56 +647,8 @@ fn render_sse(
     };
     let choices = answer.get("choices").and_then(Value::as_array);
     for c in choices.into_iter().flatten() {
-        let index = c.get("index").cloned().unwrap_or(Value::from(0));
-        let logprobs = c.get("logprobs").cloned().unwrap_or(Value::Null);
-        let finish_reason = c.get("finish_reason").cloned().unwrap_or(Value::Null);
-        let stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
-        match kind {
-            Kind::Chat => {
-                let message = c.get("message").unwrap_or(&Value::Null);
-                event(&chunk(
-                    serde_json::json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-                ));
-                let mut delta = serde_json::json!({
-                    "content": message.get("content").and_then(Value::as_str).unwrap_or(""),
-                });
-                if let Some(calls) = message
-                    .get("tool_calls")
-                    .and_then(Value::as_array)
-                    .filter(|c| !c.is_empty())
-                {
-                    let indexed: Vec<Value> = calls
-                        .iter()
-                        .enumerate()
-                        .map(|(i, call)| {
-                            let mut call = call.clone();
-                            if let Some(fields) = call.as_object_mut() {
-                                fields.insert("index".to_owned(), Value::from(i));
-                            }
-                            call
-                        })
-                        .collect();
-                    delta["tool_calls"] = Value::Array(indexed);
-                }
-                if let Some(r) = message.get("reasoning_content").filter(|r| !r.is_null()) {
-                    delta["reasoning_content"] = r.clone();
-                }
-                event(&chunk(
-                    serde_json::json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
-                ));
-                event(&chunk(
-                    serde_json::json!([{"index": index, "delta": {"content": ""}, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
-                ));
-            }
-            Kind::Completion => {
-                let text = c.get("text").cloned().unwrap_or(Value::from(""));
-                event(&chunk(
-                    serde_json::json!([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null, "stop_reason": null}]),
-                ));
-                event(&chunk(
-                    serde_json::json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
-                ));
-            }
+        for choices in choice_deltas(kind, c) {
+            event(&chunk(choices));
         }
     }
     let usage = answer.get("usage").filter(|u| !u.is_null());
@@ -686,6 +659,62 @@ fn render_sse(
     }
     out.extend_from_slice(b"data: [DONE]\n\n");
     bytes::Bytes::from(out)
+}
+
+/// One kept choice as the `choices` of its stream's events, in vLLM's sequence: chat a role
+/// delta, the content delta and a finish delta; completions the text and a finish event.
+fn choice_deltas(kind: Kind, c: &Value) -> Vec<Value> {
+    let index = c.get("index").cloned().unwrap_or(Value::from(0));
+    let logprobs = c.get("logprobs").cloned().unwrap_or(Value::Null);
+    let finish_reason = c.get("finish_reason").cloned().unwrap_or(Value::Null);
+    let stop_reason = c.get("stop_reason").cloned().unwrap_or(Value::Null);
+    match kind {
+        Kind::Chat => {
+            let message = c.get("message").unwrap_or(&Value::Null);
+            vec![
+                serde_json::json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                serde_json::json!([{"index": index, "delta": chat_delta(message), "logprobs": logprobs, "finish_reason": null}]),
+                serde_json::json!([{"index": index, "delta": {"content": ""}, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+            ]
+        }
+        Kind::Completion => {
+            let text = c.get("text").cloned().unwrap_or(Value::from(""));
+            vec![
+                serde_json::json!([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null, "stop_reason": null}]),
+                serde_json::json!([{"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason}]),
+            ]
+        }
+    }
+}
+
+/// A kept chat message as one delta: its content, its tool calls (indexed, as a stream
+/// numbers them) and its reasoning.
+fn chat_delta(message: &Value) -> Value {
+    let mut delta = serde_json::json!({
+        "content": message.get("content").and_then(Value::as_str).unwrap_or(""),
+    });
+    if let Some(calls) = message
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .filter(|c| !c.is_empty())
+    {
+        let indexed: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, call)| {
+                let mut call = call.clone();
+                if let Some(fields) = call.as_object_mut() {
+                    fields.insert("index".to_owned(), Value::from(i));
+                }
+                call
+            })
+            .collect();
+        delta["tool_calls"] = Value::Array(indexed);
+    }
+    if let Some(r) = message.get("reasoning_content").filter(|r| !r.is_null()) {
+        delta["reasoning_content"] = r.clone();
+    }
+    delta
 }
 
 /// Where the top-level `id` and `created` of an answer are, borrowed from its text.
