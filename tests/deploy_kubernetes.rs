@@ -2,9 +2,12 @@
 //! valid (core kinds against the Kubernetes 1.32 schemas of `kubernetes-validate`, strictly;
 //! KEDA and prometheus-operator objects against the CRD schemas shipped beside them), the facts
 //! Sluice depends on hold (`validate.py`: probes, grace, restricted security context, admin port
-//! kept in the cluster, the PrometheusRule equal to deploy/prometheus's rules, and for the pools
-//! that follow EndpointSlices the headless Services and the Role of `vllm-discovery`, bound to
-//! the Deployment's ServiceAccount, whose token is mounted), and the rendered ConfigMap's
+//! kept in the cluster and open to Prometheus's pods only, by concrete selectors, the
+//! PrometheusRule equal to deploy/prometheus's rules, for the pools that follow EndpointSlices
+//! the headless Services and the Role of `vllm-discovery`, bound to the Deployment's
+//! ServiceAccount, whose token is mounted, and for the Redis overlay a password on every Redis,
+//! filled into Sluice's URLs from the same Secret, and the tenants' keys, limits and budgets in
+//! a Redis of their own that evicts nothing), and the rendered ConfigMap's
 //! sluice.yaml passes `sluice -t`, with the cluster's service names resolved as the cluster's
 //! DNS would (an /etc/hosts of the test's own, in a mount namespace of its own).
 // Test code: a panic is a failed test, which is what it should be.
@@ -62,7 +65,8 @@ fn validate(rendered: &Path, extra: &[&str]) -> (bool, String) {
     (output.status.success(), text)
 }
 
-/// The host names a sluice.yaml connects to: backends' `address: host:port`, `redis://host:port`.
+/// The host names a sluice.yaml connects to: backends' `address: host:port`,
+/// `redis://[:password@]host:port[/db]`.
 fn host_names(config: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in config.lines() {
@@ -70,7 +74,13 @@ fn host_names(config: &str) -> Vec<String> {
         let value = if let Some(rest) = line.strip_prefix("address:") {
             rest.trim()
         } else if let Some(at) = line.find("redis://") {
-            &line[at + "redis://".len()..]
+            let authority = line[at + "redis://".len()..]
+                .split('/')
+                .next()
+                .unwrap_or("");
+            authority
+                .rsplit_once('@')
+                .map_or(authority, |(_, host)| host)
         } else {
             continue;
         };
@@ -175,6 +185,25 @@ fn every_overlay_renders_validates_and_its_config_checks() {
                 text.contains("store: redis") && text.contains("kind: redis"),
                 "{text}"
             );
+            // The cache in one Redis, the keys and limits in the other; the password is a
+            // placeholder the init container fills from the Secret, never the ConfigMap's.
+            assert!(
+                text.contains("redis://:__REDIS_PASSWORD__@sluice-redis-cache:6379/0")
+                    && text
+                        .matches("redis://:__REDIS_PASSWORD__@sluice-redis-limits:6379/0")
+                        .count()
+                        == 2,
+                "{text}"
+            );
+            assert_eq!(
+                host_names(&text),
+                [
+                    "sluice-redis-cache",
+                    "sluice-redis-limits",
+                    "sluice-redis-limits"
+                ],
+                "{text}"
+            );
         }
     }
 }
@@ -199,7 +228,14 @@ fn the_validator_refuses_broken_objects() {
     let production = std::fs::read_to_string(render("overlays/production", dir.path())).unwrap()
         + "---\n"
         + &std::fs::read_to_string(render("vllm-discovery", dir.path())).unwrap();
+    let redis = std::fs::read_to_string(render("overlays/redis", dir.path())).unwrap()
+        + "---\n"
+        + &std::fs::read_to_string(render("vllm-discovery", dir.path())).unwrap();
     let scaler = std::fs::read_to_string(render("vllm-autoscaling", dir.path())).unwrap();
+    // The admin port's peer: Prometheus's namespace and pods, by label.
+    let prometheus_peer = "    - namespaceSelector:\n        matchLabels:\n          \
+        kubernetes.io/metadata.name: monitoring\n      podSelector:\n        matchExpressions:\n        \
+        - key: app.kubernetes.io/name\n          operator: In\n          values:\n          - prometheus\n";
     let cases = [
         // A core kind with a wrong type, and with an unknown field.
         (
@@ -266,6 +302,101 @@ fn the_validator_refuses_broken_objects() {
             "record: sluice:pool_requests:rate1m",
             &production,
             "PrometheusRule differs",
+        ),
+        // The admin port (N14): every namespace's pods, as it once was; every pod of
+        // Prometheus's namespace; Sluice's own labels, as kustomize's `labels` would write them.
+        (
+            prometheus_peer,
+            "    - namespaceSelector: {}\n",
+            &production,
+            "namespaceSelector {} (every namespace)",
+        ),
+        (
+            "      podSelector:\n        matchExpressions:\n        - key: app.kubernetes.io/name\n          \
+             operator: In\n          values:\n          - prometheus\n",
+            "",
+            &production,
+            "no concrete podSelector",
+        ),
+        (
+            "        matchExpressions:\n        - key: app.kubernetes.io/name\n          operator: In\n          \
+             values:\n          - prometheus\n",
+            "        matchLabels:\n          app.kubernetes.io/name: sluice\n          \
+             app.kubernetes.io/part-of: llm-gateway\n",
+            &production,
+            "selects Sluice's own labels",
+        ),
+        // Redis requires a password (the cache's instance, first rendered), from a Secret.
+        (
+            "        - --requirepass\n        - $(REDIS_PASSWORD)\n",
+            "",
+            &redis,
+            "sluice-redis-cache requires no password",
+        ),
+        (
+            "        - --requirepass\n        - $(REDIS_PASSWORD)\n",
+            "        - --requirepass\n        - hunter2\n",
+            &redis,
+            "--requirepass is written in the manifest",
+        ),
+        // Sluice uses it: in every URL, never written in the ConfigMap, filled in by the init
+        // container (Sluice reading the ConfigMap itself gets the placeholder), from the Secret
+        // Redis requires.
+        (
+            "redis://:__REDIS_PASSWORD__@sluice-redis-limits",
+            "redis://sluice-redis-limits",
+            &redis,
+            "keys_from_redis.url: redis://sluice-redis-limits:6379/0 has no password",
+        ),
+        (
+            "redis://:__REDIS_PASSWORD__@sluice-redis-cache",
+            "redis://:hunter2@sluice-redis-cache",
+            &redis,
+            "password is written in the ConfigMap",
+        ),
+        (
+            "          name: rendered-config\n",
+            "          name: config\n",
+            &redis,
+            "is never filled in",
+        ),
+        (
+            "              name: sluice-redis\n        image: redis:7.4-alpine\n        name: config\n",
+            "              name: sluice-redis-auth\n        image: redis:7.4-alpine\n        name: config\n",
+            &redis,
+            "comes from Secret sluice-redis-auth/password",
+        ),
+        // Cache writes never evict the tenants' keys, limits or budgets: not by an allkeys-*
+        // or volatile-* policy of theirs, not by sharing the cache's Redis (another DB number
+        // shares its maxmemory).
+        (
+            "        - noeviction\n",
+            "        - allkeys-lru\n",
+            &redis,
+            "maxmemory-policy allkeys-lru, which evicts them",
+        ),
+        (
+            "        - noeviction\n",
+            "        - volatile-lru\n",
+            &redis,
+            "maxmemory-policy volatile-lru, which evicts them",
+        ),
+        (
+            "@sluice-redis-cache:6379/0",
+            "@sluice-redis-limits:6379/1",
+            &redis,
+            "share Redis Service sluice-redis-limits",
+        ),
+        // The init container that writes the config has the restricted profile too.
+        (
+            "        name: config\n        resources:\n          limits:\n            memory: 16Mi\n          \
+             requests:\n            cpu: 10m\n            memory: 16Mi\n        securityContext:\n          \
+             allowPrivilegeEscalation: false\n",
+            "        name: config\n        resources:\n          limits:\n            memory: 16Mi\n          \
+             requests:\n            cpu: 10m\n            memory: 16Mi\n        securityContext:\n          \
+             allowPrivilegeEscalation: true\n",
+            &redis,
+            "initContainer config: securityContext: allowPrivilegeEscalation false",
         ),
     ];
     for (from, to, source, named) in cases {

@@ -10,12 +10,19 @@ Core kinds are validated, strictly (unknown fields are errors), against the Kube
 schemas of the `kubernetes-validate` package; custom resources against the openAPIV3Schema of
 the CRDs in schemas/. An object of any other kind is an error. Then Sluice's own facts, over
 the objects of every file given: the probes, the grace period against sluice.yaml's, the
-restricted security context, the admin port's NetworkPolicy, the PrometheusRule against
-deploy/prometheus/sluice-rules.yaml, and for each pool with `discovery.kubernetes` the
-Service it names (with a selector and the port), a Role bound to the Deployment's
-ServiceAccount that lets it list and watch that namespace's EndpointSlices, and the
-service-account token mounted (hence vllm-discovery/ rendered beside an overlay).
-`--config-out` writes the rendered ConfigMap's sluice.yaml, for `sluice -t`.
+restricted security context (init containers included), the admin port's NetworkPolicy (no
+peer outside the cluster, none that is every namespace or every pod: a concrete selector), the
+PrometheusRule against deploy/prometheus/sluice-rules.yaml, and for each pool with
+`discovery.kubernetes` the Service it names (with a selector and the port), a Role bound to the
+Deployment's ServiceAccount that lets it list and watch that namespace's EndpointSlices, and the
+service-account token mounted (hence vllm-discovery/ rendered beside an overlay). For each
+Redis URL of the config: a password, never written in the ConfigMap but the placeholder an init
+container fills from a Secret; a rendered Redis behind it that requires that same Secret's
+password; and the tenants' keys, limits and budgets in a Redis of their own that evicts
+nothing (`noeviction`), apart from the cache's.
+`--config-out` writes the rendered ConfigMap's sluice.yaml, for `sluice -t`. The config is the
+ConfigMap the Sluice container's `-c` file comes from: mounted directly, or through an init
+container that writes it into an emptyDir (overlays/redis).
 
 `--write-prometheusrule` regenerates components/monitoring/prometheusrule.yaml from the rules
 file (Kustomize cannot embed a file in a custom resource).
@@ -23,7 +30,10 @@ file (Kustomize cannot embed a file in a custom resource).
 
 import argparse
 import pathlib
+import posixpath
+import re
 import sys
+import urllib.parse
 
 import jsonschema
 import kubernetes_validate
@@ -33,6 +43,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 RULES = HERE.parent / "prometheus" / "sluice-rules.yaml"
 PROMETHEUS_RULE = HERE / "components" / "monitoring" / "prometheusrule.yaml"
 KUBERNETES_VERSION = "1.32.0"
+# overlays/redis: sluice.yaml's Redis URLs carry this instead of the password, and the init
+# container that writes the config Sluice reads puts the Secret's value (its env REDIS_PASSWORD)
+# in its place.
+PASSWORD_PLACEHOLDER = "__REDIS_PASSWORD__"
+PASSWORD_ENV = "REDIS_PASSWORD"
 CRDS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
@@ -216,6 +231,244 @@ def discovery_facts(by_kind, config, deployment, pod):
     return errors
 
 
+def config_source(pod, container):
+    """Where the Sluice container's `-c` file comes from: (ConfigMap name, its key, the init
+    container that writes the file or None), or an error."""
+    args = container.get("args", [])
+    if len(args) != 2 or args[0] != "-c":
+        return f"the container must run -c <a mounted directory>/sluice.yaml, not {args}"
+    directory, key = posixpath.split(args[1])
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = [
+        m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == directory
+    ]
+    if len(mounts) != 1 or mounts[0]["name"] not in volumes:
+        return f"the container must run -c <a mounted directory>/sluice.yaml, not {args}"
+    volume = volumes[mounts[0]["name"]]
+    if "configMap" in volume:
+        return volume["configMap"]["name"], key, None
+    if "emptyDir" not in volume:
+        return f"-c {args[1]}: its volume {volume['name']} is neither a ConfigMap nor an emptyDir"
+    writers = [
+        i for i in pod.get("initContainers", [])
+        if any(m["name"] == volume["name"] and not m.get("readOnly") for m in i.get("volumeMounts", []))
+    ]
+    if len(writers) != 1:
+        return f"-c {args[1]}: exactly one init container must write the emptyDir {volume['name']}"
+    templates = [
+        volumes[m["name"]]["configMap"]["name"] for m in writers[0].get("volumeMounts", [])
+        if "configMap" in volumes.get(m["name"], {})
+    ]
+    if len(templates) != 1:
+        return f"initContainer {writers[0]['name']} writes the config from no (or several) ConfigMap"
+    return templates[0], key, writers[0]
+
+
+def admits_port(rule, name, number):
+    """Whether a NetworkPolicy ingress rule lets in the port of that name or number."""
+    ports = rule.get("ports", [])
+    if not ports:
+        return True
+    for port in ports:
+        value = port.get("port")
+        if value is None or value in (name, number):
+            return True
+        if isinstance(value, int) and value <= number <= port.get("endPort", value):
+            return True
+    return False
+
+
+def concrete(selector):
+    """A label selector that selects some pods or namespaces, not all (`{}`)."""
+    return bool(
+        selector and (selector.get("matchLabels") or selector.get("matchExpressions"))
+    )
+
+
+def admin_peer_errors(peers, sluice_labels):
+    """The admin port (no authentication, no connection cap) is for Prometheus: each peer must
+    name pods by label, and a namespace by label when it is not Sluice's own."""
+    errors = []
+    for peer in peers:
+        namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+        if namespaces is not None and not concrete(namespaces):
+            errors.append(
+                "the admin port's peer has namespaceSelector {} (every namespace): "
+                "name Prometheus's namespace by label"
+            )
+        if not concrete(pods):
+            errors.append(
+                "the admin port's peer has no concrete podSelector (every pod of "
+                f"{'the selected namespaces' if namespaces is not None else 'the namespace'}): "
+                "name Prometheus's pods by label"
+            )
+        elif (pods.get("matchLabels") or {}).items() >= sluice_labels.items():
+            errors.append(
+                "the admin port's peer selects Sluice's own labels (a kustomization's `labels` "
+                "rewrite matchLabels: use matchExpressions), so no Prometheus reaches it"
+            )
+    return errors
+
+
+def redis_uses(config):
+    """The Redis servers the config talks to: (where in sluice.yaml, role, URL)."""
+    plugins = config.get("plugins") or {}
+    uses = []
+
+    def add(where, role, section):
+        if not isinstance(section, dict):
+            return
+        if section.get("url"):
+            uses.append((f"{where}.url", role, section["url"]))
+        for i, node in enumerate(section.get("cluster_nodes") or []):
+            uses.append((f"{where}.cluster_nodes[{i}]", role, node))
+
+    cache = plugins.get("cache") or {}
+    if cache.get("enabled") and cache.get("store") == "redis":
+        add("plugins.cache.redis", "cache", cache.get("redis"))
+    tenants = plugins.get("tenants") or {}
+    if tenants.get("enabled"):
+        add("plugins.tenants.keys_from_redis", "key directory", tenants.get("keys_from_redis"))
+        store = tenants.get("limits_store") or {}
+        if store.get("kind") == "redis":
+            add("plugins.tenants.limits_store.redis", "limits and budgets", store.get("redis"))
+    return uses
+
+
+def secret_ref(container, variable):
+    """(Secret, key) that a container's environment variable comes from, or None."""
+    for env in container.get("env", []):
+        if env.get("name") == variable:
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            return (ref["name"], ref["key"]) if ref else None
+    return None
+
+
+def redis_server(by_kind, host, port, home):
+    """The rendered Service a Redis URL's host names, and the container behind it:
+    (Service name, container or None), or None when the host is not a rendered Service."""
+    labels = host.rstrip(".").split(".")
+    namespace = labels[1] if len(labels) >= 2 else home
+    if len(labels) >= 3 and labels[2] != "svc":
+        return None
+    services = [
+        s for s in by_kind.get("Service", [])
+        if s["metadata"]["name"] == labels[0] and namespace_of(s) == namespace
+    ]
+    if not services:
+        return None
+    service = services[0]
+    name = f"Service {labels[0]}"
+    selector = service["spec"].get("selector") or {}
+    targets = {p.get("targetPort", p["port"]) for p in service["spec"]["ports"] if p["port"] == port}
+    for kind in ("StatefulSet", "Deployment"):
+        for workload in by_kind.get(kind, []):
+            template = workload["spec"]["template"]
+            if namespace_of(workload) != namespace or not selector or not (
+                selector.items() <= (template["metadata"].get("labels") or {}).items()
+            ):
+                continue
+            for c in template["spec"]["containers"]:
+                if any({p.get("name"), p["containerPort"]} & targets for p in c.get("ports", [])):
+                    return name, c
+    return name, None
+
+
+def redis_flags(container):
+    """A Redis container's command-line configuration: flag → value."""
+    words = container.get("command", []) + container.get("args", [])
+    return {
+        word[2:]: (words[i + 1] if i + 1 < len(words) else "")
+        for i, word in enumerate(words) if word.startswith("--")
+    }
+
+
+def redis_facts(by_kind, config, home, pod, renderer):
+    """Redis requires a password, Sluice knows it without a ConfigMap holding it, and nothing
+    that evicts can drop the tenants' keys, limits or budgets (N14)."""
+    errors = []
+    filled_from = secret_ref(renderer, PASSWORD_ENV) if renderer else None
+    if renderer and PASSWORD_PLACEHOLDER not in " ".join(
+        renderer.get("command", []) + renderer.get("args", [])
+    ):
+        filled_from = None
+    servers = {}   # name → roles
+    for where, role, url in redis_uses(config):
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host, port = parts.hostname or "", parts.port or 6379
+        except ValueError:
+            continue   # sluice -t says why
+        shown = re.sub(r"//[^@/]*@", "//***@", url)
+        if not parts.password:
+            errors.append(
+                f"{where}: {shown} has no password: Redis must require one "
+                f"(redis://:{PASSWORD_PLACEHOLDER}@host:port/db, filled from a Secret)"
+            )
+        elif parts.password != PASSWORD_PLACEHOLDER:
+            errors.append(
+                f"{where}: the Redis password is written in the ConfigMap: write "
+                f"{PASSWORD_PLACEHOLDER} and let an init container fill it from a Secret "
+                "(overlays/redis/deployment.yaml)"
+            )
+        elif not filled_from:
+            errors.append(
+                f"{where}: {PASSWORD_PLACEHOLDER} is never filled in: no init container writes "
+                f"Sluice's config with {PASSWORD_ENV} from a Secret (overlays/redis/deployment.yaml)"
+            )
+        found = redis_server(by_kind, host, port, home)
+        if found is None:
+            continue   # a Redis outside these objects (managed): its settings are not here
+        name, container = found
+        servers.setdefault(name, (container, set()))[1].add(role)
+        if container is None:
+            errors.append(f"{where}: no rendered container serves {name}'s port {port}")
+            continue
+        flags = redis_flags(container)
+        if "aclfile" in flags:
+            continue   # users and passwords from a file: not checked here
+        required = flags.get("requirepass", "")
+        variable = re.fullmatch(r"\$\((\w+)\)", required)
+        if not required:
+            errors.append(
+                f"Redis {name} requires no password: give it --requirepass $(VAR), VAR from a Secret"
+            )
+        elif not variable or not secret_ref(container, variable.group(1)):
+            errors.append(
+                f"Redis {name}: its --requirepass is written in the manifest: take it from a "
+                "Secret ($(VAR), VAR from a secretKeyRef)"
+            )
+        elif filled_from and secret_ref(container, variable.group(1)) != filled_from:
+            errors.append(
+                f"{where}: Sluice's Redis password comes from Secret {'/'.join(filled_from)}, "
+                f"but {name} requires Secret {'/'.join(secret_ref(container, variable.group(1)))}'s"
+            )
+
+    # Eviction. Every limits and budget key expires (a TTL), so volatile-* evicts them as
+    # allkeys-* does; the key directory does not, but allkeys-* evicts it. maxmemory and its
+    # policy are per instance, not per DB number.
+    for name, (container, roles) in sorted(servers.items()):
+        kept = sorted(roles - {"cache"})
+        if container is None or not kept:
+            continue
+        policy = redis_flags(container).get("maxmemory-policy", "noeviction")
+        if "cache" in roles:
+            errors.append(
+                f"the cache and the tenants' {', '.join(kept)} share Redis {name} "
+                f"(maxmemory-policy {policy}; DB numbers share one maxmemory): cache writes "
+                "evict them, or fail them when nothing may be evicted. Give the cache a Redis "
+                "of its own"
+            )
+        if policy != "noeviction":
+            errors.append(
+                f"Redis {name} holds the tenants' {', '.join(kept)} with maxmemory-policy "
+                f"{policy}, which evicts them ("
+                + ("any key" if policy.startswith("allkeys") else "their keys all expire")
+                + "): an evicted spend or debt lets a tenant in again. Use noeviction"
+            )
+    return errors
+
+
 def check_facts(objects, config_out):
     errors = []
     by_kind = {}
@@ -229,18 +482,21 @@ def check_facts(objects, config_out):
     container = next(c for c in pod["containers"] if c["name"] == "sluice")
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
-    # The config the pod mounts.
-    config_name = next(v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "config")
+    # The config the pod reads: a ConfigMap mounted where `-c` points, or written there by an
+    # init container from a ConfigMap it mounts (overlays/redis: the Redis password filled in).
+    found = config_source(pod, container)
+    if isinstance(found, str):
+        return [found]
+    config_name, key, renderer = found
     config_maps = [c for c in by_kind.get("ConfigMap", []) if c["metadata"]["name"] == config_name]
     if len(config_maps) != 1:
         return [f"the Deployment mounts ConfigMap {config_name}, which is not rendered"]
-    config_text = config_maps[0]["data"]["sluice.yaml"]
+    if key not in config_maps[0].get("data", {}):
+        return [f"ConfigMap {config_name} has no {key}, the file the container's -c names"]
+    config_text = config_maps[0]["data"][key]
     config = yaml.safe_load(config_text)
     if config_out:
         pathlib.Path(config_out).write_text(config_text)
-    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")["mountPath"]
-    if container["args"] != ["-c", f"{mount}/sluice.yaml"]:
-        errors.append(f"the container must run -c {mount}/sluice.yaml, not {container['args']}")
 
     admin_port = int(config["admin"]["address"].rsplit(":", 1)[1])
     proxy_port = int(config["listeners"][0]["address"].rsplit(":", 1)[1])
@@ -265,17 +521,21 @@ def check_facts(objects, config_out):
             f"terminationGracePeriodSeconds {grace} < preStop {pre_stop} + Sluice's drain {drain}"
         )
 
-    # The restricted profile.
-    pod_sc, sc = pod.get("securityContext", {}), container.get("securityContext", {})
-    restricted = {
-        "runAsNonRoot": sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True,
-        "runAsUser non-zero": (sc.get("runAsUser", pod_sc.get("runAsUser")) or 0) > 0,
-        "readOnlyRootFilesystem": sc.get("readOnlyRootFilesystem") is True,
-        "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
-        "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
-        "seccompProfile RuntimeDefault": sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") == "RuntimeDefault",
-    }
-    errors += [f"securityContext: {what}" for what, ok in restricted.items() if not ok]
+    # The restricted profile, for Sluice and for every init container of its pod.
+    pod_sc = pod.get("securityContext", {})
+    for c, prefix in [(container, "")] + [
+        (i, f"initContainer {i['name']}: ") for i in pod.get("initContainers", [])
+    ]:
+        sc = c.get("securityContext", {})
+        restricted = {
+            "runAsNonRoot": sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True,
+            "runAsUser non-zero": (sc.get("runAsUser", pod_sc.get("runAsUser")) or 0) > 0,
+            "readOnlyRootFilesystem": sc.get("readOnlyRootFilesystem") is True,
+            "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
+            "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
+            "seccompProfile RuntimeDefault": sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") == "RuntimeDefault",
+        }
+        errors += [f"{prefix}securityContext: {what}" for what, ok in restricted.items() if not ok]
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
     for path in (pingora.get("pid_file"), pingora.get("upgrade_sock")):
         if path and not any(path.startswith(w.rstrip("/") + "/") for w in writable):
@@ -292,15 +552,17 @@ def check_facts(objects, config_out):
         errors.append("no NetworkPolicy selects Sluice's pods")
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
-            rule_ports = {p.get("port") for p in rule.get("ports", [])}
-            if not rule_ports or rule_ports & {"admin", admin_port}:
-                peers = rule.get("from", [])
-                if not peers or any("ipBlock" in peer for peer in peers):
-                    errors.append(
-                        f"NetworkPolicy {policy['metadata']['name']} lets the admin port in from outside the cluster"
-                    )
+            if not admits_port(rule, "admin", admin_port):
+                continue
+            peers = rule.get("from", [])
+            name = policy["metadata"]["name"]
+            if not peers or any("ipBlock" in peer for peer in peers):
+                errors.append(f"NetworkPolicy {name} lets the admin port in from outside the cluster")
+                continue
+            errors += [f"NetworkPolicy {name}: {e}" for e in admin_peer_errors(peers, labels)]
 
     errors += discovery_facts(by_kind, config, deployment, pod)
+    errors += redis_facts(by_kind, config, namespace_of(deployment), pod, renderer)
 
     # prometheus-operator loads exactly the shipped rules.
     for rule in by_kind.get("PrometheusRule", []):
