@@ -126,11 +126,7 @@ pub(crate) fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
         return change;
     }
     let name = &*pool.name;
-    metrics::inc(&metrics::DISCOVERY_UPDATES, &[name]);
-    let now = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO);
-    metrics::set(&metrics::DISCOVERY_LAST_CHANGE, &[name], now.as_secs_f64());
+    count_change(name);
     let members = pool.members();
     tracing::info!(
         pool = name,
@@ -147,15 +143,20 @@ pub(crate) fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
     change
 }
 
+/// Counts a change of a pool's backends, and when it came.
+fn count_change(pool: &str) {
+    metrics::inc(&metrics::DISCOVERY_UPDATES, &[pool]);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    metrics::set(&metrics::DISCOVERY_LAST_CHANGE, &[pool], now.as_secs_f64());
+}
+
 /// Says that drained backends, with nothing running on them any more, left the pool: the
 /// change their source began.
 pub(crate) fn drained(pool: &Pool, left: &[String]) {
     let name = &*pool.name;
-    metrics::inc(&metrics::DISCOVERY_UPDATES, &[name]);
-    let now = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO);
-    metrics::set(&metrics::DISCOVERY_LAST_CHANGE, &[name], now.as_secs_f64());
+    count_change(name);
     let members = pool.members();
     tracing::info!(
         pool = name,
