@@ -67,6 +67,18 @@ async fn tenants_proxy(upstream: &vllm_sim::Sim, extra: Value) -> Proxy {
     .await
 }
 
+/// The body of the last request `sim` received at `path`, as JSON.
+fn last_sent(sim: &vllm_sim::Sim, path: &str) -> Value {
+    let sent = sim
+        .stats()
+        .recent
+        .into_iter()
+        .rev()
+        .find(|r| r.path == path)
+        .unwrap_or_else(|| panic!("no request at {path}"));
+    serde_json::from_slice(&sent.body).unwrap()
+}
+
 async fn ask(proxy: &Proxy, body: &Value, headers: &[(&str, String)]) -> Answer {
     let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     proxy.ask(body, &headers).await
@@ -263,14 +275,7 @@ async fn a_tenant_gets_only_what_its_policy_allows() {
     long["max_tokens"] = json!(500);
     let a = ask(&proxy, &long, &alpha).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    let sent = draft
-        .stats()
-        .recent
-        .into_iter()
-        .rev()
-        .find(|r| r.path == "/v1/chat/completions")
-        .unwrap();
-    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    let sent = last_sent(&draft, "/v1/chat/completions");
     assert_eq!(sent["max_tokens"], 32, "{sent}");
     assert_eq!(sent["messages"], long["messages"]);
     // beta's are refused.
@@ -295,28 +300,14 @@ async fn a_tenant_gets_only_what_its_policy_allows() {
         .collect();
     let clamped = ask_url(&completions, &sneaky, &alpha_headers).await;
     assert_eq!(clamped.status, 200, "{}", clamped.body);
-    let sent = draft
-        .stats()
-        .recent
-        .into_iter()
-        .rev()
-        .find(|r| r.path == "/v1/completions")
-        .unwrap();
-    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    let sent = last_sent(&draft, "/v1/completions");
     assert_eq!(sent["max_tokens"], 32, "{sent}");
     // A text completion that states no budget gets vLLM's 16, within the ceiling: it is not
     // raised to the ceiling (and billed so).
     let bare = json!({"model": MODEL, "prompt": "count"});
     let a = ask_url(&completions, &bare, &alpha_headers).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    let sent = draft
-        .stats()
-        .recent
-        .into_iter()
-        .rev()
-        .find(|r| r.path == "/v1/completions")
-        .unwrap();
-    let sent: Value = serde_json::from_slice(&sent.body).unwrap();
+    let sent = last_sent(&draft, "/v1/completions");
     assert!(sent.get("max_tokens").is_none(), "{sent}");
 
     // alpha may not force the target: the header is ignored. beta may.

@@ -151,8 +151,10 @@ impl Change {
 /// A pool's backends at one moment.
 pub struct Members {
     list: Vec<Member>,
-    /// Pingora's weighted round robin over the ready endpoints.
+    /// Pingora's weighted round robin over the ready endpoints, and the sum of their
+    /// weights (one turn of its cycle).
     round_robin: Arc<RoundRobin>,
+    cycle: usize,
     /// Whether some endpoint joined after the pool was built (and may be warming up).
     has_late_joiners: bool,
 }
@@ -183,9 +185,15 @@ impl Members {
             })
             .collect();
         let has_late_joiners = list.iter().any(|e| e.joined.is_some());
+        let cycle = list
+            .iter()
+            .filter(|e| e.is_ready())
+            .map(|e| e.spec.weight)
+            .sum();
         Self {
             list,
             round_robin: Arc::new(RoundRobin::build(&ready)),
+            cycle,
             has_late_joiners,
         }
     }
@@ -225,14 +233,8 @@ impl Members {
     pub(crate) fn round_robin(&self) -> impl Iterator<Item = usize> + '_ {
         use pingora_load_balancing::selection::BackendIter;
         let mut turn = self.round_robin.iter(b"");
-        let total: usize = self
-            .list
-            .iter()
-            .filter(|e| e.is_ready())
-            .map(|e| e.spec.weight)
-            .sum();
         std::iter::from_fn(move || turn.next().and_then(|b| b.addr.as_inet().copied()))
-            .take(total)
+            .take(self.cycle)
             .filter_map(|addr| self.list.iter().position(|e| e.spec.resolved == addr))
     }
 

@@ -1296,6 +1296,11 @@ mod tests {
         })
     }
 
+    /// The live state of the backend at `addr`.
+    fn live_of(pool: &Pool, addr: SocketAddr) -> Arc<BackendLive> {
+        Arc::clone(&pool.members().find(addr).unwrap().live)
+    }
+
     fn load(kv: f64, waiting: f64) -> Load {
         Load {
             kv_usage: Some(kv),
@@ -1436,14 +1441,7 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(pool.select(&[], &demand).unwrap().addr, home);
         }
-        let home_index = pool
-            .members()
-            .iter()
-            .position(|e| e.spec.resolved == home)
-            .unwrap();
-        pool.live_at(home_index)
-            .unwrap()
-            .publish_load(load(0.95, 8.0));
+        live_of(&pool, home).publish_load(load(0.95, 8.0));
         for _ in 0..20 {
             assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
         }
@@ -1526,19 +1524,11 @@ mod tests {
                 "idle: sticky"
             );
         }
-        let home_index = pool
-            .members()
-            .iter()
-            .position(|e| e.spec.resolved == home)
-            .unwrap();
         // 500 tokens ahead cost 0.5 s, less than the 1,000 cached tokens save: it stays.
-        let small = pool.live_at(home_index).unwrap().begin_request(600, 500);
+        let small = live_of(&pool, home).begin_request(600, 500);
         assert_eq!(pool.select(&[], &shared).unwrap().addr, home);
         // 5,000 ahead cost more than the cache saves: it goes elsewhere.
-        let long = pool
-            .live_at(home_index)
-            .unwrap()
-            .begin_request(6_000, 5_000);
+        let long = live_of(&pool, home).begin_request(6_000, 5_000);
         for _ in 0..10 {
             assert_ne!(pool.select(&[], &shared).unwrap().addr, home);
         }
@@ -1588,13 +1578,8 @@ mod tests {
             let demand = in_session(&pool, "conversation-1");
             assert!(demand.session.is_some());
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool
-                .members()
-                .iter()
-                .position(|e| e.spec.resolved == home)
-                .unwrap();
             // Its backend gets busier than the others, but not overloaded: it stays.
-            let _a = pool.live_at(home_index).unwrap().begin_request(400, 300);
+            let _a = live_of(&pool, home).begin_request(400, 300);
             for _ in 0..10 {
                 assert_eq!(pool.select(&[], &demand).unwrap().addr, home, "{mode:?}");
             }
@@ -1615,16 +1600,8 @@ mod tests {
             let pool = sessions(mode, 1_024);
             let demand = in_session(&pool, "conversation-2");
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool
-                .members()
-                .iter()
-                .position(|e| e.spec.resolved == home)
-                .unwrap();
             // Five seconds of prefill queued ahead.
-            let _backlog = pool
-                .live_at(home_index)
-                .unwrap()
-                .begin_request(6_000, 5_000);
+            let _backlog = live_of(&pool, home).begin_request(6_000, 5_000);
             let next = pool.select(&[], &demand).unwrap().addr;
             assert_eq!(next == home, stays, "{mode:?}");
             // A soft session moved with the request: it stays where it went.
@@ -1632,14 +1609,7 @@ mod tests {
             // A full KV cache is overload too.
             let pool = sessions(mode, 1_024);
             let home = pool.select(&[], &demand).unwrap().addr;
-            let home_index = pool
-                .members()
-                .iter()
-                .position(|e| e.spec.resolved == home)
-                .unwrap();
-            pool.live_at(home_index)
-                .unwrap()
-                .publish_load(load(0.97, 0.0));
+            live_of(&pool, home).publish_load(load(0.97, 0.0));
             assert_eq!(pool.select(&[], &demand).unwrap().addr == home, stays);
         }
     }
