@@ -94,21 +94,21 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
     // The slices as last seen, by name; a relist builds the next set aside until it is whole.
     let mut slices: BTreeMap<String, Vec<Wanted>> = BTreeMap::new();
     let mut relisting: Option<BTreeMap<String, Vec<Wanted>>> = None;
-    let mut dirty = false;
+    // When the changes seen since the last update are applied: a debounce window that
+    // starts with the first of them (a steady trickle of events cannot hold it off).
+    let mut apply_at: Option<tokio::time::Instant> = None;
     loop {
-        // Once something changed, more events within `debounce` join the same update.
-        let next = if dirty {
-            match tokio::time::timeout(source.debounce, events.next()).await {
+        let next = match apply_at {
+            Some(at) => match tokio::time::timeout_at(at, events.next()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    dirty = false;
+                    apply_at = None;
                     let wanted: Vec<Wanted> = slices.values().flatten().cloned().collect();
                     apply(&pool, "kubernetes", &wanted);
                     continue;
                 }
-            }
-        } else {
-            events.next().await
+            },
+            None => events.next().await,
         };
         let Some(event) = next else {
             return; // The watcher never ends by itself.
@@ -126,16 +126,20 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
                     Event::InitDone => {
                         if let Some(next) = relisting.take() {
                             slices = next;
-                            dirty = true;
+                            apply_at.get_or_insert_with(|| {
+                                tokio::time::Instant::now() + source.debounce
+                            });
                         }
                     }
                     Event::Apply(slice) => {
                         slices.insert(slice_name(&slice), wanted(&pool, &source, &slice));
-                        dirty = true;
+                        apply_at
+                            .get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
                     }
                     Event::Delete(slice) => {
                         slices.remove(&slice_name(&slice));
-                        dirty = true;
+                        apply_at
+                            .get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
                     }
                 }
             }
