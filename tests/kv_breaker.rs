@@ -324,3 +324,74 @@ async fn a_large_waiter_at_the_head_does_not_hold_back_requests_that_fit() {
     assert_eq!(proxy.metric(depth).await, Some(1.0), "still waiting");
     big.abort();
 }
+
+/// A stream read slowly kept its whole projected KV until the client had read it all, long
+/// after the engine had finished it and freed its blocks: the breaker shed others on load
+/// that no longer existed. The projection now counts only what the engine still runs, by
+/// its scrapes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_engine_has_finished_holds_no_projected_kv_while_its_reader_is_slow() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_kv(4000, 16)
+            .with_answer_tokens(4000, 4000)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(1),
+            )),
+    )
+    .await
+    .expect("sim");
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()]).with_fast_health_checks()],
+        "plugins": {"kv_breaker": {"enabled": true}},
+    }))
+    .await;
+    // A client that reads the start of its answer, then nothing: about 8 MB of events wait.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut slow = socket.connect(proxy.addr).await.unwrap();
+    let body = serde_json::to_vec(&json!({"model": MODEL, "stream": true, "n": 8,
+        "max_tokens": 4000, "messages": [{"role": "user", "content": "a long story"}]}))
+    .unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&body).await.unwrap();
+    let mut start = [0u8; 512];
+    let n = slow.read(&mut start).await.unwrap();
+    assert!(String::from_utf8_lossy(&start[..n]).starts_with("HTTP/1.1 200"));
+
+    // The engine finishes generating (its blocks freed) while the client reads nothing.
+    let began = wait_for(Duration::from_secs(10), || async {
+        sim.engine_state().running > 0
+    })
+    .await;
+    assert!(began.is_some(), "the engine never ran the request");
+    let finished = wait_for(Duration::from_secs(30), || async {
+        sim.engine_state().running == 0
+    })
+    .await;
+    assert!(finished.is_some(), "the engine never finished");
+    let released = wait_for(Duration::from_secs(10), || async {
+        let state = proxy.backend_status("main", sim.addr()).await;
+        state["projected_kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|kv| kv < 0.1)
+    })
+    .await;
+    let state = proxy.backend_status("main", sim.addr()).await;
+    assert!(released.is_some(), "still projected: {state}");
+    let mut sheddable = chat(MODEL, "room for me", false);
+    sheddable["max_tokens"] = json!(2000);
+    let a = proxy
+        .ask(&sheddable, &[("x-sluice-priority", "sheddable")])
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    drop(slow);
+}

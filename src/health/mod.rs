@@ -276,6 +276,7 @@ impl Checker {
         let live = &endpoint.live;
         let (policy, name, host) = (&pool.health, &*pool.name, endpoint.spec.address.as_str());
         let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
+        live.scrape_started();
         let (health, scrape) = tokio::join!(get(&policy.health_path), get(&policy.metrics_path));
 
         let alive = matches!(&health, Ok(answer) if answer.status == 200);

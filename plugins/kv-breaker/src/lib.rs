@@ -5,7 +5,8 @@
 //! request may enter, from the pool's *projected* KV usage (`Pool::pressure`): the usage its
 //! backends last published, plus what this proxy sent since that scrape and what its requests
 //! in flight may still grow to, plus the request itself. So a burst inside one scrape
-//! interval cannot overshoot.
+//! interval cannot overshoot. A request the engine has finished holds nothing, however slowly
+//! its client reads the rest of the answer (`BackendLive::finished_tokens`).
 //!
 //! - Priority classes: `sheddable`, `standard`, `critical`, each with its own `shed_above` and
 //!   `resume_below` (hysteresis), so low priority is shed first and a pool does not flap at

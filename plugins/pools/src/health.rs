@@ -221,6 +221,18 @@ pub struct BackendLive {
     prefill_tokens: AtomicU64,
     decoding: AtomicU32,
     decode_tokens: AtomicU64,
+    /// Requests with a prompt past their first byte (the engine has had them), their KV
+    /// tokens, and how many of them came after the current scrape began: those before it
+    /// that the engine no longer runs are finished there, however slowly their client reads
+    /// (see [`BackendLive::finished_tokens`]).
+    answered: AtomicU32,
+    answered_tokens: AtomicU64,
+    answered_since_scrape: AtomicU32,
+    /// Counts the scrapes begun, so that a request knows whether it came after the current one.
+    scrape_epoch: AtomicU64,
+    /// A scrape began and its numbers are not in yet: the last ones do not cover what was
+    /// answered since, so nothing counts as finished meanwhile.
+    scraping: AtomicBool,
     /// The learned prefill speed in tokens per second (`f64` bits); 0 until seeded.
     prefill_speed: AtomicU64,
     /// TTFTs the speed was learned from.
@@ -283,11 +295,46 @@ impl BackendLive {
         Some(next)
     }
 
+    /// A scrape of the backend's `/metrics` is being sent: requests answered from now on
+    /// may not be in its numbers. Until [`BackendLive::publish_load`], nothing counts as
+    /// finished (a failed scrape keeps it so until the next one succeeds).
+    pub fn scrape_started(&self) {
+        self.scraping.store(true, Relaxed);
+        self.scrape_epoch.fetch_add(1, Relaxed);
+        self.answered_since_scrape.store(0, Relaxed);
+    }
+
     /// Publishes a scrape; what was sent before it is now in its numbers.
     pub fn publish_load(&self, load: Load) {
         self.load.store(Some(Arc::new(load)));
         self.sent_since_scrape.store(0, Relaxed);
         self.tokens_since_scrape.store(0, Relaxed);
+        self.scraping.store(false, Relaxed);
+    }
+
+    /// The KV tokens this proxy has committed to requests the engine has finished but whose
+    /// answer is still being read: a stream to a slow client is in flight here until its
+    /// last byte is read, while vLLM frees its blocks as soon as it has generated it (a
+    /// reader of 1 KB every 5 s kept a stream's reservation for minutes, and the breaker shed
+    /// others on load that no longer existed).
+    ///
+    /// Only requests answered before the scrape began are weighed against it, since the
+    /// engine had each of them by then (its first token came): at most `running + waiting`
+    /// of them can still be there, and the rest are finished. Requests sent but not answered
+    /// are never counted finished, so a burst in transit, which no scrape shows yet, keeps
+    /// its whole reservation. Another proxy's requests only make the engine's count larger.
+    /// Which of them finished is unknown: each is taken at the average reservation.
+    fn finished_tokens(&self, load: &Load) -> f64 {
+        if self.scraping.load(Relaxed) {
+            return 0.0;
+        }
+        let answered = self.answered.load(Relaxed);
+        let before_scrape = answered.saturating_sub(self.answered_since_scrape.load(Relaxed));
+        let finished = (f64::from(before_scrape) - (load.running + load.waiting).max(0.0)).max(0.0);
+        if finished <= 0.0 || answered == 0 {
+            return 0.0;
+        }
+        finished * self.answered_tokens.load(Relaxed) as f64 / f64::from(answered)
     }
 
     /// The last scrape, however old; [`BackendLive::fresh_load`] gives one that is still current.
@@ -388,6 +435,7 @@ impl BackendLive {
             learns: ahead == 0 && queue <= 0.0,
             predicted_ttft: None,
             pool: None,
+            answered_in_scrape: None,
         }
     }
 
@@ -587,7 +635,10 @@ impl BackendLive {
             let sent = f64::from(self.sent_since_scrape.load(Relaxed));
             match capacity {
                 Some(capacity) => {
-                    let committed = self.committed_tokens.load(Relaxed) as f64 / capacity;
+                    let committed = (self.committed_tokens.load(Relaxed) as f64
+                        - self.finished_tokens(load))
+                    .max(0.0)
+                        / capacity;
                     let since = self.tokens_since_scrape.load(Relaxed) as f64 / capacity;
                     (usage + since).max(committed)
                 }
@@ -656,6 +707,9 @@ pub struct InFlight {
     learns: bool,
     predicted_ttft: Option<f64>,
     pool: Option<Arc<str>>,
+    /// The scrape during which a request with a prompt was answered (see
+    /// [`BackendLive::finished_tokens`]).
+    answered_in_scrape: Option<u64>,
 }
 
 /// One request's time to first byte, and what was predicted for it.
@@ -699,6 +753,12 @@ impl InFlight {
         b.prefill_tokens.fetch_sub(self.prompt_tokens, Relaxed);
         b.decoding.fetch_add(1, Relaxed);
         b.decode_tokens.fetch_add(self.tokens, Relaxed);
+        if self.tokens > 0 {
+            self.answered_in_scrape = Some(b.scrape_epoch.load(Relaxed));
+            b.answered.fetch_add(1, Relaxed);
+            b.answered_tokens.fetch_add(self.tokens, Relaxed);
+            b.answered_since_scrape.fetch_add(1, Relaxed);
+        }
         let observed = self.sent.elapsed().as_secs_f64();
         if is_first_token && self.learns {
             b.learn_prefill(self.prompt_tokens, observed);
@@ -764,6 +824,16 @@ impl Drop for InFlight {
             // ahead of anyone.
             b.prefilling.fetch_sub(1, Relaxed);
             b.prefill_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        }
+        if let Some(epoch) = self.answered_in_scrape {
+            b.answered.fetch_sub(1, Relaxed);
+            b.answered_tokens.fetch_sub(self.tokens, Relaxed);
+            if epoch == b.scrape_epoch.load(Relaxed) {
+                // Saturating: a scrape may have begun (and reset the count) since the load.
+                let _ = b
+                    .answered_since_scrape
+                    .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+            }
         }
     }
 }
@@ -838,6 +908,49 @@ mod tests {
         std::thread::sleep(Duration::from_millis(110));
         assert_eq!(b.record(Verdict::Success, &policy), None);
         assert_eq!(b.state(&HealthPolicy::default()), BackendState::Unchecked);
+    }
+
+    /// Requests the engine no longer runs keep no reservation once a scrape begun after
+    /// their first token shows it; requests in transit keep theirs whatever a scrape says.
+    #[test]
+    fn only_answered_requests_the_engine_no_longer_runs_are_released() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        let idle = |running| Load {
+            running,
+            ..load(0.0, Some(10_000))
+        };
+        b.scrape_started();
+        b.publish_load(idle(0.0));
+        let mut slow_reader = b.begin_request(5_000, 100);
+        slow_reader.first_byte(true);
+        let in_transit = b.begin_request(2_000, 100);
+        assert_eq!(
+            b.projected_kv(&policy),
+            Some(0.7),
+            "the scrape predates both"
+        );
+
+        // A scrape begun after the first token: until its numbers come, nothing changes.
+        b.scrape_started();
+        assert_eq!(b.projected_kv(&policy), Some(0.7));
+        b.publish_load(idle(1.0));
+        assert_eq!(
+            b.projected_kv(&policy),
+            Some(0.7),
+            "the engine may still run it"
+        );
+        b.scrape_started();
+        b.publish_load(idle(0.0));
+        assert_eq!(
+            b.projected_kv(&policy),
+            Some(0.2),
+            "finished at the engine; the request in transit keeps its 2,000 tokens"
+        );
+        drop(slow_reader);
+        assert_eq!(b.projected_kv(&policy), Some(0.2));
+        drop(in_transit);
+        assert_eq!(b.projected_kv(&policy), Some(0.0));
     }
 
     #[test]
