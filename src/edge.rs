@@ -35,6 +35,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -111,12 +112,16 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         };
         metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
         let h2c = self.takes_h2c(&stream);
-        let mut stream: Stream =
-            Box::new(HeaderDeadline::new(stream, self.header_timeout).with_h2c(h2c));
+        let deadline = HeaderDeadline::new(stream, self.header_timeout).with_h2c(h2c);
+        let next_request = deadline.next_request();
+        let mut stream: Stream = Box::new(deadline);
         // Kept-alive requests are served here, so that the slot and the deadline stay with
         // the connection for its whole life (Pingora's own loop would hand the stream back
         // to a fresh call).
         while let Some(reused) = self.app.process_new(stream, shutdown).await {
+            // The exchange is over (its answer written, its body read): what comes next is
+            // the next request's header.
+            next_request.store(true, Relaxed);
             stream = reused;
         }
         drop(slot);
@@ -204,8 +209,11 @@ pub struct HeaderDeadline {
     deadline: Option<Pin<Box<Sleep>>>,
     /// How much of the blank line (`\r\n\r\n`) that ends a header was seen last.
     matched: usize,
-    /// A final answer was written since the header: the next read starts a new request.
-    answered: bool,
+    /// Set when Pingora hands the connection back for its next request: the next read
+    /// starts a new header. (Not on the answer's first write: on a route that answers before
+    /// the upload ends, the rest of the body would be taken for a header and cut at the
+    /// deadline, a 408 written into the middle of the answer.)
+    next_request: Arc<AtomicBool>,
     /// Nothing was read yet: the first bytes say whether this is HTTP/2.
     first_read: bool,
     /// Its listener takes h2c: Pingora may peek for the preface.
@@ -228,7 +236,7 @@ impl HeaderDeadline {
             },
             deadline: Some(Box::pin(sleep(timeout))),
             matched: 0,
-            answered: false,
+            next_request: Arc::new(AtomicBool::new(false)),
             first_read: true,
             h2c: false,
         }
@@ -237,6 +245,11 @@ impl HeaderDeadline {
     pub fn with_h2c(mut self, h2c: bool) -> Self {
         self.h2c = h2c;
         self
+    }
+
+    /// The flag that says the exchange is over and the next read starts a new request.
+    fn next_request(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.next_request)
     }
 
     /// Follows the header through the bytes just read.
@@ -287,7 +300,7 @@ impl AsyncRead for HeaderDeadline {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.phase == Phase::Message && std::mem::take(&mut this.answered) {
+        if this.phase == Phase::Message && this.next_request.swap(false, Relaxed) {
             // The next request on a kept-alive connection: its deadline starts with its
             // first byte (waiting for it is Pingora's keep-alive timeout).
             this.phase = Phase::Header;
@@ -324,11 +337,6 @@ impl AsyncWrite for HeaderDeadline {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        // An interim answer (`100 Continue`) is followed by the same request's body.
-        let interim = buf.starts_with(b"HTTP/1.1 1") || buf.starts_with(b"HTTP/1.0 1");
-        if self.phase == Phase::Message && !interim {
-            self.answered = true;
-        }
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 

@@ -513,3 +513,87 @@ async fn hop_by_hop_headers_are_stripped_and_forwarded_for_is_set() {
         assert!(head.contains("forwarded: for=127.0.0.1"), "{path}: {head}");
     }
 }
+
+/// An upstream that answers 200 as soon as a request's header is in, then reads whatever body
+/// still comes.
+async fn early_answering_upstream() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = vec![0u8; 1 << 16];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// N17: on a route whose upstream answers before the upload ends, the rest of the body is
+/// body, not the next request's header: an upload slower than `client_header_timeout` (and
+/// within the body's own deadlines) gets one answer, not a 408 written into it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_an_upload_after_an_early_answer_is_not_a_header() {
+    let upstream = early_answering_upstream().await;
+    let proxy = Proxy::start(json!({
+        "limits": {"client_header_timeout": "1s", "client_body_deadline": "20s",
+                   "client_body_timeout": "10s"},
+        "pools": [pool("main", &[MODEL], &[upstream])],
+        "routes": [{"path_prefix": "/upload", "pool": "main"}],
+    }))
+    .await;
+    let chunk = [b'x'; 100];
+    let chunks = 30;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        chunk.len() * chunks
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let (mut reader, mut writer) = s.into_split();
+    let collect = tokio::spawn(async move {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_secs(5), reader.read(&mut buf)).await
+        {
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    // 3 s of upload, 100 ms between writes: three times the header deadline.
+    let mut sent = 0;
+    for _ in 0..chunks {
+        if writer.write_all(&chunk).await.is_err() {
+            break;
+        }
+        sent += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(writer);
+    let answer = collect.await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(
+        answer.matches("HTTP/1.1 ").count(),
+        1,
+        "one answer, nothing written into it: {answer:?} ({sent} chunks sent)"
+    );
+}
