@@ -151,14 +151,11 @@ fn point_at_simulators(
             );
         }
     }
-    let tmp = std::env::temp_dir();
-    let id = std::process::id();
-    set_str(yaml, "pid_file", tmp.join(format!("sluice-demo-{id}.pid")));
-    set_str(
-        yaml,
-        "upgrade_sock",
-        tmp.join(format!("sluice-demo-{id}.sock")),
-    );
+    // A directory of the demo's own (see `run_dir`): created private, refused if another
+    // user made it first.
+    let run = std::env::temp_dir().join(format!("sluice-demo-{}", std::process::id()));
+    set_str(yaml, "pid_file", run.join("sluice.pid"));
+    set_str(yaml, "upgrade_sock", run.join("upgrade.sock"));
     Ok(Addresses { proxy, admin })
 }
 

@@ -28,4 +28,5 @@ pub mod models;
 pub mod proxy;
 pub mod reload;
 pub mod router;
+pub mod run_dir;
 pub mod server;

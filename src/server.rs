@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 /// Builds the Pingora server for `config`. Start-up errors (a plugin that refuses its config,
 /// a TLS key that does not load) come back as text for the command line.
 pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
+    crate::run_dir::make_private(&config.server.pid_file, "pingora.pid_file")?;
+    crate::run_dir::make_private(&config.server.upgrade_sock, "pingora.upgrade_sock")?;
     let frozen = Frozen::of(&config);
     let mut server = Server::new_with_opt_and_conf(opt, std::mem::take(&mut config.server));
     server.bootstrap();

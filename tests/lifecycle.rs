@@ -387,3 +387,63 @@ async fn sighup_reloads_the_config_in_place_and_a_bad_file_changes_nothing() {
     assert_eq!(ask("sk-new").await, 200);
     assert!(proxy.logs().contains("config reload refused"));
 }
+
+/// N23: at an upgrade, whoever holds `upgrade_sock` receives the listening sockets, so a
+/// socket in a directory other users can write to (a shared `/tmp`) is refused at start, with
+/// why; a missing directory is created private.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_socket_in_a_directory_others_can_write_is_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let (proxy, admin) = (reserve_port().release(), reserve_port().release());
+    let config = dir.path().join("sluice.yaml");
+    let write = |sock: &std::path::Path, pid: &std::path::Path| {
+        std::fs::write(
+            &config,
+            format!(
+                "pingora:\n  pid_file: {}\n  upgrade_sock: {}\nlisteners: [{{address: \"127.0.0.1:{proxy}\"}}]\nadmin: {{address: \"127.0.0.1:{admin}\"}}\npools:\n  - name: main\n    models: [{MODEL}]\n    backends: [{{address: \"127.0.0.1:9\"}}]\n",
+                pid.display(),
+                sock.display()
+            ),
+        )
+        .unwrap();
+    };
+    write(&shared.join("upgrade.sock"), &dir.path().join("sluice.pid"));
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("-c")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started: {text}");
+    assert!(
+        text.contains("pingora.upgrade_sock") && text.contains("other users can write"),
+        "{text}"
+    );
+
+    // A directory that does not exist yet is made, for this user alone; the proxy serves.
+    let run = dir.path().join("run/sluice");
+    write(&run.join("upgrade.sock"), &run.join("sluice.pid"));
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("-c")
+        .arg(&config)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let models = format!("http://127.0.0.1:{proxy}/v1/models");
+    let served = wait_for(Duration::from_secs(10), || async {
+        client()
+            .get(&models)
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    assert!(served.is_some(), "the proxy never served");
+    let made = std::fs::metadata(&run).unwrap();
+    assert_eq!(made.mode() & 0o777, 0o700);
+    child.kill().await.unwrap();
+}

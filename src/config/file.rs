@@ -55,8 +55,8 @@ impl Default for PingoraFile {
         Self {
             threads: d.threads,
             work_stealing: d.work_stealing,
-            pid_file: "/tmp/sluice.pid".into(),
-            upgrade_sock: "/tmp/sluice_upgrade.sock".into(),
+            pid_file: "/tmp/sluice/sluice.pid".into(),
+            upgrade_sock: "/tmp/sluice/upgrade.sock".into(),
             error_log: None,
             user: None,
             group: None,

@@ -772,8 +772,8 @@ fn a_minimal_config_gets_the_documented_defaults() {
     let s = &c.server;
     assert_eq!(s.threads, 1);
     assert!(s.work_stealing);
-    assert_eq!(s.pid_file, "/tmp/sluice.pid");
-    assert_eq!(s.upgrade_sock, "/tmp/sluice_upgrade.sock");
+    assert_eq!(s.pid_file, "/tmp/sluice/sluice.pid");
+    assert_eq!(s.upgrade_sock, "/tmp/sluice/upgrade.sock");
     assert_eq!(s.error_log, None);
     assert_eq!(s.user, None);
     assert_eq!(s.group, None);
