@@ -1043,3 +1043,108 @@ async fn idle_h2_connections_are_closed_and_free_their_place() {
     .await;
     assert_eq!(a.status, 200, "{}", a.body);
 }
+
+/// Rapid reset, paced past the accept: a client opens 10 streams, waits for a PING's answer
+/// (so the server has accepted them and sent them upstream), resets all 10, and again. The
+/// `h2` crate cuts only resets of streams not yet accepted; Sluice's per-connection budget
+/// closes the connection once more than 100 streams and more than half of those opened were
+/// reset, so the upstream sees a few hundred requests, not one per stream for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_resets_the_streams_it_opens_is_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    const SETTINGS: u8 = 4;
+    const HEADERS: u8 = 1;
+    const RST_STREAM: u8 = 3;
+    const PING: u8 = 6;
+    const CANCEL: [u8; 4] = [0, 0, 0, 8];
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+    }))
+    .await;
+    let mut tcp = TcpStream::connect(proxy.h2c).await.unwrap();
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    write_frame(&mut tcp, SETTINGS, 0, 0, &[]).await;
+    // GET /tokenize, END_STREAM | END_HEADERS.
+    let path = b"/tokenize";
+    let mut block = vec![0x82, 0x86, 0x04, path.len() as u8];
+    block.extend_from_slice(path);
+    block.extend_from_slice(&[0x01, 9]);
+    block.extend_from_slice(b"localhost");
+    let rounds: u32 = 100;
+    let attack = async {
+        let mut stream = 1u32;
+        for round in 0..rounds {
+            let batch: Vec<u32> = (0..10).map(|i| stream + 2 * i).collect();
+            stream += 20;
+            for s in &batch {
+                write_frame_or_end(&mut tcp, HEADERS, 0x5, *s, &block).await;
+            }
+            write_frame_or_end(&mut tcp, PING, 0, 0, &round.to_be_bytes().repeat(2)).await;
+            // Paced: the PING's ACK comes after the server has taken the streams.
+            loop {
+                let (kind, flags, _, _) = match read_frame_or_end(&mut tcp).await {
+                    Some(frame) => frame,
+                    None => return round,
+                };
+                if kind == PING && flags & 1 == 1 {
+                    break;
+                }
+            }
+            for s in &batch {
+                write_frame_or_end(&mut tcp, RST_STREAM, 0, *s, &CANCEL).await;
+            }
+        }
+        rounds
+    };
+    let cut_at = tokio::time::timeout(Duration::from_secs(60), attack)
+        .await
+        .expect("the attack ran");
+    assert!(
+        cut_at < rounds,
+        "the connection stayed open for all {rounds} rounds"
+    );
+    assert!(cut_at <= 20, "cut only after round {cut_at}");
+    let upstream = sim.stats().count("/tokenize");
+    assert!(upstream <= 200, "{upstream} upstream requests");
+    let text = reqwest::get(format!("http://{}/metrics", proxy.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("reason=\"too-many-resets\"") && !l.ends_with(" 0")),
+        "counted: {}",
+        text.lines()
+            .filter(|l| l.contains("too-many-resets") && !l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Reads one frame, or `None` when the connection ended.
+async fn read_frame_or_end(tcp: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut head = [0u8; 9];
+    tcp.read_exact(&mut head).await.ok()?;
+    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    let mut payload = vec![0u8; len];
+    tcp.read_exact(&mut payload).await.ok()?;
+    Some((head[3], head[4], stream, payload))
+}
+
+/// Writes one frame, if the connection still takes it.
+async fn write_frame_or_end(tcp: &mut TcpStream, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+    let len = payload.len() as u32;
+    let mut frame = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    let _ = tcp.write_all(&frame).await;
+}

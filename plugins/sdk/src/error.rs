@@ -72,6 +72,9 @@ pub enum Reason {
     HeaderTimeout,
     /// Over a connection cap: per client (429) or in total (503).
     TooManyConnections,
+    /// An HTTP/2 connection whose client reset too many of the streams it opened (rapid
+    /// reset, paced or not): closed.
+    TooManyResets,
     /// Over a cap of requests in flight: per client (429) or in total (503).
     TooManyRequests,
     /// The budget for bytes held in the proxy's memory (bodies, held answers) is spent.
@@ -115,12 +118,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 24] = [
+    pub const ALL: [Reason; 25] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
         Reason::HeaderTimeout,
         Reason::TooManyConnections,
+        Reason::TooManyResets,
         Reason::TooManyRequests,
         Reason::MemoryBudget,
         Reason::Stopping,
@@ -150,6 +154,7 @@ impl Reason {
             Reason::BodyTimeout => "body-timeout",
             Reason::HeaderTimeout => "header-timeout",
             Reason::TooManyConnections => "too-many-connections",
+            Reason::TooManyResets => "too-many-resets",
             Reason::TooManyRequests => "too-many-requests",
             Reason::MemoryBudget => "memory-budget",
             Reason::Stopping => "stopping",
