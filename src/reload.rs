@@ -5,6 +5,13 @@
 //! alive ones included; requests already running, streams included, finish on the generation
 //! they began on, whose plugins then finish their queued work.
 //!
+//! At a binary upgrade (`-u`, then `SIGQUIT` to the old process), Pingora's old process
+//! still accepts on the listeners it handed over, and serves the connections it keeps alive,
+//! for 5 s before it stops: fresh connections met the old and the new key sets in turn, and
+//! a key revoked in the file served on. So the old process, once it has handed its listeners
+//! over, reloads the file as `SIGHUP` would (both processes then agree), and closes each
+//! connection after its current answer ([`HANDED_OVER`]).
+//!
 //! What is bound at start-up stays until an upgrade (`-u`) or a restart, and a reload that
 //! changes it says so: the listeners and the admin address (their sockets), the `pingora`
 //! section, the connection caps and the in-flight caps.
@@ -16,13 +23,18 @@ use crate::proxy::Sluice;
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::connectors::http::v1::Connector;
-use pingora_core::server::ShutdownWatch;
+use pingora_core::server::{ExecutionPhase, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
 use sluice_sdk::Pools;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::broadcast;
+
+/// This process has handed its listeners to a new one (a binary upgrade): no connection is
+/// kept alive past its current answer, so that the next request goes to the new process.
+pub static HANDED_OVER: AtomicBool = AtomicBool::new(false);
 
 /// What every generation shares.
 pub struct Lasting {
@@ -86,6 +98,25 @@ pub struct Reload {
     pub pools_now: tokio::sync::watch::Sender<Arc<Pools>>,
     /// Discovery follows the sources of the current generation.
     pub discovery_now: tokio::sync::watch::Sender<Arc<Vec<PoolDiscovery>>>,
+    /// Pingora's execution phases (subscribed at build, so none is missed; taken by `start`,
+    /// after a daemon's fork).
+    pub phases: Mutex<Option<broadcast::Receiver<ExecutionPhase>>>,
+}
+
+/// The next phase; never, once the channel is closed.
+async fn next_phase(
+    phases: &mut Option<broadcast::Receiver<ExecutionPhase>>,
+) -> Option<ExecutionPhase> {
+    loop {
+        let Some(receiver) = phases.as_mut() else {
+            return std::future::pending().await;
+        };
+        match receiver.recv().await {
+            Ok(phase) => return Some(phase),
+            Err(broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(broadcast::error::RecvError::Closed) => *phases = None,
+        }
+    }
 }
 
 #[async_trait]
@@ -99,9 +130,19 @@ impl BackgroundService for Reload {
                 return;
             }
         };
+        let mut phases = self.phases.lock().ok().and_then(|mut p| p.take());
         loop {
             tokio::select! {
                 _ = hangups.recv() => self.reload(),
+                phase = next_phase(&mut phases) => {
+                    if matches!(phase, Some(ExecutionPhase::GracefulUpgradeTransferringFds)) {
+                        HANDED_OVER.store(true, Relaxed);
+                        tracing::info!(
+                            "listeners handed to the new process: the config is read again, and connections close after their answer"
+                        );
+                        self.reload();
+                    }
+                }
                 _ = shutdown.changed() => return,
             }
         }

@@ -70,9 +70,11 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
         "discovery",
         DiscoveryService::new(discovery_changes),
     ));
+    let phases = std::sync::Mutex::new(Some(server.watch_execution_phase()));
     server.add_service(background_service(
         "config reload",
         Reload {
+            phases,
             source,
             current: Arc::clone(&current),
             lasting,

@@ -447,3 +447,84 @@ async fn an_upgrade_socket_in_a_directory_others_can_write_is_refused() {
     assert_eq!(made.mode() & 0o777, 0o700);
     child.kill().await.unwrap();
 }
+
+/// At a binary upgrade the old process, which Pingora keeps accepting and serving kept-alive
+/// connections for 5 s after it has handed its listeners over, reads the config again and
+/// closes each connection after its answer: a key revoked in the file is refused on a
+/// connection kept alive from before, and fresh connections never meet the old key set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_never_lets_a_revoked_key_through() {
+    use sha2::{Digest, Sha256};
+    let digest = |key: &str| format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())));
+    let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    let mut proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": {"enabled": true,
+            "tenants": {"team": {"keys": [digest("sk-old")]}}}},
+    }))
+    .await;
+    let kept_alive = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    let url = proxy.url("/v1/chat/completions");
+    let ask = |client: reqwest::Client, key: &'static str| {
+        let url = url.clone();
+        async move {
+            client
+                .post(&url)
+                .bearer_auth(key)
+                .json(&chat(MODEL, "hello", false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(ask(kept_alive.clone(), "sk-old").await, 200);
+
+    // sk-old revoked in the file, then the upgrade.
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(proxy.config_file()).unwrap()).unwrap();
+    config["plugins"]["tenants"]["tenants"]["team"]["keys"] = json!([digest("sk-new")]);
+    std::fs::write(proxy.config_file(), config.to_string()).unwrap();
+    let socket = proxy.config_file().with_file_name("upgrade.sock");
+    let mut old = proxy.take_child();
+    let new = proxy.spawn(&["-u"]);
+    proxy.set_child(new);
+    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
+    assert!(
+        waiting.is_some(),
+        "the new process never waited for the listeners"
+    );
+    signal(old.id(), "QUIT");
+    let handed = wait_for(Duration::from_secs(10), || async {
+        proxy.logs().contains("listeners handed to the new process")
+            && proxy.logs().contains("config reloaded")
+    })
+    .await;
+    assert!(handed.is_some(), "{}", proxy.logs());
+    assert!(
+        old.try_wait().unwrap().is_none(),
+        "the old process still runs"
+    );
+
+    assert_eq!(
+        ask(kept_alive.clone(), "sk-old").await,
+        401,
+        "a revoked key on a connection kept alive from before the upgrade"
+    );
+    for _ in 0..20 {
+        let fresh = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        assert_eq!(ask(fresh.clone(), "sk-old").await, 401);
+        assert_eq!(ask(fresh, "sk-new").await, 200);
+    }
+    assert_eq!(ask(kept_alive, "sk-new").await, 200);
+    let _ = old.kill();
+}

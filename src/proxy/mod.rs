@@ -113,6 +113,10 @@ impl ProxyHttp for Proxy {
         // request held (an upstream attempt, its KV accounting) is released.
         session.set_write_timeout(Some(this.limits.send_timeout));
         session.set_read_timeout(Some(this.limits.client_body_timeout));
+        if crate::reload::HANDED_OVER.load(std::sync::atomic::Ordering::Relaxed) {
+            // A new process has the listeners: this connection's next request goes there.
+            session.set_keepalive(None);
+        }
         let address = client::address(session, &this.limits.trusted_proxies);
         ctx.slot = Some(client::admit(&this.requests, address)?);
         let decided = this.chain.early_request(session, &mut ctx.req).await;
