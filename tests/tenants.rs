@@ -514,6 +514,68 @@ async fn two_replicas_share_a_limit_through_redis_and_fail_open_when_it_dies() {
     assert!(errors >= 4.0, "Redis failures counted: {errors}");
 }
 
+/// Redis killed and restarted empty: meanwhile each replica holds the tenant to its limits
+/// with its own buckets (failing open let 78 requests through a limit of 5), and the
+/// restarted Redis is used again at once, found by the link's own probe, not by a request
+/// after a second cool-down (10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_redis_is_down_the_limits_hold_locally_and_a_restarted_redis_is_used_again() {
+    let upstream = sim().await;
+    let mut redis = RedisServer::start();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"requests_per_minute": 5}}},
+            "limits_store": {"kind": "redis",
+                             "redis": {"url": redis.url(), "timeout": "200ms", "cooldown": "30s"}},
+        }))},
+    }))
+    .await;
+    let alpha = [bearer(ALPHA_KEY)];
+    assert_eq!(
+        ask(&proxy, &chat(MODEL, "before", false), &alpha)
+            .await
+            .status,
+        200
+    );
+
+    redis.stop();
+    let mut statuses = Vec::new();
+    for i in 0..20 {
+        let a = ask(&proxy, &chat(MODEL, &format!("down {i}"), false), &alpha).await;
+        statuses.push(a.status);
+    }
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    assert!(
+        served <= 5,
+        "{served} of 20 let in with Redis down: {statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 429),
+        "{statuses:?}"
+    );
+    assert!(
+        proxy
+            .logs()
+            .contains("failing, skipping it for a cool-down"),
+        "{}",
+        proxy.logs()
+    );
+
+    // Back, empty. No request is sent: the link finds it by itself, well within the
+    // 30 s cool-down.
+    redis.restart();
+    let back = wait_for(Duration::from_secs(10), || async {
+        proxy.logs().contains("answers again, cool-down over")
+    })
+    .await;
+    assert!(back.is_some(), "{}", proxy.logs());
+    let a = ask(&proxy, &chat(MODEL, "after", false), &alpha).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let keys = redis_cli(redis.port(), &["KEYS", "sluice:limits:*"]);
+    assert!(!keys.trim().is_empty(), "the admission went to Redis");
+}
+
 /// `sluice hash-key` prints the digest the config wants, from standard input.
 #[test]
 fn hash_key_prints_the_digest_the_config_takes() {

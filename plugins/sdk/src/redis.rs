@@ -17,7 +17,7 @@ use ::redis::{
     Client, Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisFuture, ScriptInvocation, Value,
 };
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 // Tokio's clock: the same as std's in production, and paused time moves it in tests.
 use tokio::time::Instant;
@@ -182,7 +182,7 @@ enum Target {
 pub struct RedisLink {
     target: Target,
     connection: OnceLock<RedisConnection>,
-    cool_down: CoolDown,
+    cool_down: Arc<CoolDown>,
     timeout: Duration,
     connect_timeout: Duration,
 }
@@ -246,7 +246,11 @@ impl RedisLink {
         RedisLink {
             target,
             connection: OnceLock::new(),
-            cool_down: CoolDown::new(name, settings.failure_threshold, settings.cooldown),
+            cool_down: Arc::new(CoolDown::new(
+                name,
+                settings.failure_threshold,
+                settings.cooldown,
+            )),
             timeout: settings.timeout,
             connect_timeout: settings.connect_timeout,
         }
@@ -324,9 +328,45 @@ impl RedisLink {
         self.cool_down.success();
     }
 
-    /// Records a failure (`why` is logged when it starts a cool-down).
+    /// Records a failure (`why` is logged when it starts a cool-down). A cool-down that
+    /// starts here is ended as soon as Redis answers again (see [`RedisLink::probe_until_back`]).
     pub fn failure(&self, why: &str) {
-        self.cool_down.failure(why);
+        if self.cool_down.failure(why) {
+            self.probe_until_back();
+        }
+    }
+
+    /// PINGs Redis every [`PROBE_EVERY`] while the link cools down, and ends the cool-down at
+    /// the first answer. Otherwise the cool-down ends only with the first request after it,
+    /// whose call on a connection Redis's restart broke fails and starts another: a Redis
+    /// restarted in a second went unused for two cool-downs (10 s), the requests meanwhile
+    /// following `on_redis_error`.
+    fn probe_until_back(&self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let Ok(mut connection) = self.connection() else {
+            return;
+        };
+        let (cool_down, within) = (Arc::downgrade(&self.cool_down), self.connect_timeout);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                let Some(cool_down) = cool_down.upgrade().filter(|c| c.cooling()) else {
+                    return;
+                };
+                let ping = ::redis::cmd("PING");
+                let answer = tokio::time::timeout(
+                    within,
+                    ping.query_async::<::redis::Value>(&mut connection),
+                )
+                .await;
+                if let Ok(Ok(_)) = answer {
+                    cool_down.success();
+                    return;
+                }
+            }
+        });
     }
 
     /// Sends `cmd` unless Redis is cooling down, waits for its answer at most `within`, and
@@ -406,6 +446,9 @@ fn says_unavailable(e: &::redis::RedisError) -> bool {
     }
 }
 
+/// How often a cooling link asks Redis whether it is back.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+
 /// The cool-down after consecutive failures, lock-free: a failure count and a cool-down
 /// deadline in nanoseconds since `base` (0 = not cooling down).
 struct CoolDown {
@@ -465,13 +508,20 @@ impl CoolDown {
         }
     }
 
-    fn failure(&self, why: &str) {
+    fn cooling(&self) -> bool {
+        self.cooling_until.load(Ordering::Acquire) != 0
+    }
+
+    /// Counts a failure; `true` when it starts a cool-down.
+    fn failure(&self, why: &str) -> bool {
         let n = self
             .failures
             .fetch_add(1, Ordering::AcqRel)
             .saturating_add(1);
         // Logged when entering a cool-down only, so a dead Redis logs once, not per call.
-        if n >= self.threshold && self.cooling_until.swap(self.deadline(), Ordering::AcqRel) == 0 {
+        let starts =
+            n >= self.threshold && self.cooling_until.swap(self.deadline(), Ordering::AcqRel) == 0;
+        if starts {
             tracing::warn!(
                 store = "redis",
                 failures = n,
@@ -481,6 +531,7 @@ impl CoolDown {
                 self.name
             );
         }
+        starts
     }
 }
 

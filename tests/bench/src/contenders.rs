@@ -103,7 +103,7 @@ pub fn hash_key(sluice_bin: &Path, key: &str) -> Result<String> {
 fn tenants_section(digest: &str, redis: Option<&str>) -> String {
     let store = match redis {
         None => "{kind: local}".to_string(),
-        Some(url) => format!("{{kind: redis, redis: {{url: \"{url}\"}}}}"),
+        Some(url) => format!("{{kind: redis, on_redis_error: allow, redis: {{url: \"{url}\"}}}}"),
     };
     format!(
         "  tenants:\n    enabled: true\n    tenants:\n      {TENANT_NAME}:\n        \

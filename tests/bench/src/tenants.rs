@@ -229,8 +229,8 @@ pub async fn tenants_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
          {TENANT_REQUESTS_PER_MINUTE}`, input and output tokens per minute 10^12 (the most the \
          config takes), `max_concurrent: 1000000`: never refused, so every request is admitted \
          through every check and settled from the answer's usage; `limits_store` `local`, or \
-         `redis` on a `redis-server` of its own (default `timeout: 50ms`, `on_redis_error: \
-         allow`). Every tenants answer must carry `{ADMITTED}: {TENANT_REQUESTS_PER_MINUTE}`, \
+         `redis` on a `redis-server` of its own (default `timeout: 50ms`; `on_redis_error: \
+         allow`, so that an answer Redis did not decide shows). Every tenants answer must carry `{ADMITTED}: {TENANT_REQUESTS_PER_MINUTE}`, \
          which the limiter sets only on requests it admitted (not on those let in because Redis \
          did not answer): any answer without it counts as an error."
     ));

@@ -177,9 +177,14 @@ pub enum StoreKind {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnRedisError {
-    /// Fail open: admit without the shared limits, counted in
+    /// Fall back to this replica's own buckets (the default): each replica admits up to the
+    /// tenant's limits by itself until Redis answers again, so N replicas let in at most N
+    /// times the limit, never an unlimited flood. Counted in
     /// `sluice_tenant_limit_store_errors_total`.
     #[default]
+    Local,
+    /// Fail open: admit without the shared limits, counted in
+    /// `sluice_tenant_limit_store_errors_total`.
     Allow,
     /// Fail closed: refuse with 503 `rate-limited` and `retry-after`.
     Deny,
@@ -280,7 +285,8 @@ pub struct StoreConfig {
     /// Required with `kind: redis`, refused otherwise.
     #[serde(default)]
     pub redis: Option<RedisConfig>,
-    /// `allow` (default: fail open, counted) or `deny` (503).
+    /// `local` (default: this replica's own buckets), `allow` (fail open) or `deny` (503);
+    /// each counted.
     #[serde(default)]
     pub on_redis_error: OnRedisError,
 }

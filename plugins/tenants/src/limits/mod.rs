@@ -69,7 +69,13 @@
 //! When Redis does not answer within `timeout` (or errs, or is in its cool-down after
 //! `failure_threshold` consecutive failed calls), each failed admission is counted in
 //! `sluice_tenant_limit_store_errors_total{op,kind}` and `on_redis_error` decides:
-//! - `allow` (default): fail open. The request is admitted without the shared limits (the
+//! - `local` (default): this replica's own buckets decide, with the same arithmetic as the
+//!   `local` store, as if it were the only replica (N replicas: at most N times the limits,
+//!   where failing open let a flood through: 78 requests over a limit of 5 while a restarted
+//!   Redis was not used again). The answer's usage corrects the local buckets and is sent to
+//!   Redis too, if it is back by then, as with `allow`. A cooling link asks Redis every 250 ms
+//!   whether it is back and uses it again at its first answer.
+//! - `allow`: fail open. The request is admitted without the shared limits (the
 //!   local concurrency limit still applies) and without `x-ratelimit-*` headers; its usage is
 //!   still sent to Redis by `settle`, if Redis is back by then.
 //! - `deny`: fail closed, with **503** `rate-limited` and `retry-after: 1`. Not 429: the
@@ -275,7 +281,18 @@ impl TenantLimits {
             Store::Redis(redis) => match redis.admit(state, want).await {
                 Ok(answer) => (Some(state.decide_remote(&answer, want)?), want),
                 Err(_) => match state.backing.on_error {
-                    // Nothing was charged: settle sends the whole usage.
+                    // Nothing was charged in Redis: settle sends the whole usage there.
+                    OnRedisError::Local => {
+                        let readings = state.admit_local(want)?;
+                        return Ok(Admitted {
+                            readings: Some(readings),
+                            grant: Some(Grant {
+                                slot,
+                                charged: Want::default(),
+                                charged_locally: Some(want),
+                            }),
+                        });
+                    }
                     OnRedisError::Allow => (None, Want::default()),
                     OnRedisError::Deny => return Err(reply::store_unavailable()),
                 },
@@ -283,7 +300,11 @@ impl TenantLimits {
         };
         Ok(Admitted {
             readings,
-            grant: Some(Grant { slot, charged }),
+            grant: Some(Grant {
+                slot,
+                charged,
+                charged_locally: None,
+            }),
         })
     }
 }
@@ -293,6 +314,9 @@ struct Grant {
     slot: Slot,
     /// What the admission charged to the token buckets (nothing when it failed open).
     charged: Want,
+    /// What a Redis-backed admission charged to this replica's buckets instead, when Redis
+    /// could not answer (`on_redis_error: local`).
+    charged_locally: Option<Want>,
 }
 
 /// An admitted request, held for its life; dropping it ends its concurrency slot.
@@ -354,6 +378,9 @@ impl Admitted {
         match &tenant.backing.store {
             Store::Local => tenant.settle_local(grant.charged, usage),
             Store::Redis(redis) => {
+                if let Some(charged) = grant.charged_locally {
+                    tenant.settle_local(charged, usage);
+                }
                 let corrections = tenant.corrections(grant.charged, usage);
                 redis.settle(tenant, corrections);
             }

@@ -108,7 +108,7 @@ mod config {
         let c: StoreConfig = serde_json::from_value(serde_json::json!({})).unwrap();
         assert_eq!(c, StoreConfig::default());
         assert_eq!(c.kind, StoreKind::Local);
-        assert_eq!(c.on_redis_error, OnRedisError::Allow);
+        assert_eq!(c.on_redis_error, OnRedisError::Local);
         let c: StoreConfig = serde_json::from_value(serde_json::json!({
             "kind": "redis", "on_redis_error": "deny",
             "redis": {"url": "redis://127.0.0.1:6379", "timeout": "20ms"}
