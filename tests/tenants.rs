@@ -576,6 +576,58 @@ async fn while_redis_is_down_the_limits_hold_locally_and_a_restarted_redis_is_us
     assert!(!keys.trim().is_empty(), "the admission went to Redis");
 }
 
+/// N21: vLLM shares its prefix cache across every request, and how fast a prompt's prefix
+/// comes back tells whether someone sent it before: each tenant's requests get a
+/// `cache_salt` of their own, which no client can choose for another tenant. The fields that
+/// act on the engine beyond the request (`priority` reorders vLLM's own queue,
+/// `request_id` is what vLLM aborts by) are reset; a pool may pass them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_gets_its_own_cache_salt_and_engine_controls_are_reset() {
+    let upstream = sim().await;
+    let trusted = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("main", &[MODEL], &[upstream.addr()]),
+            pool("trusted", &["trusted-model"], &[trusted.addr()])
+                .with("served_model", MODEL)
+                .with("client_fields", json!({"cache_salt": "as_sent", "engine_controls": "pass"})),
+        ],
+        "plugins": {"tenants": tenants(json!({}))},
+    }))
+    .await;
+    let mut body = chat(MODEL, "the same long system prompt", false);
+    body["priority"] = json!(-100);
+    body["request_id"] = json!("someone-elses-request");
+    body["cache_salt"] = json!("alpha-chosen");
+    body["kv_transfer_params"] = json!({"do_remote_prefill": true});
+    let answer = ask(&proxy, &body, &[bearer(ALPHA_KEY)]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let alpha = last_sent(&upstream, "/v1/chat/completions");
+    assert_eq!(ask(&proxy, &body, &[bearer(BETA_KEY)]).await.status, 200);
+    let beta = last_sent(&upstream, "/v1/chat/completions");
+    let salt = |v: &Value| v["cache_salt"].as_str().unwrap_or_default().to_string();
+    assert_eq!(salt(&alpha).len(), 32, "{alpha}");
+    assert_ne!(salt(&alpha), salt(&beta), "one salt per tenant");
+    assert_ne!(salt(&alpha), "alpha-chosen");
+    assert_eq!(alpha["priority"], 0);
+    assert!(alpha["kv_transfer_params"].is_null());
+    let request_id = answer.headers["x-request-id"].to_str().unwrap().to_string();
+    assert_eq!(alpha["request_id"], json!(request_id), "Sluice's own id");
+    assert_eq!(
+        alpha["messages"], body["messages"],
+        "the request itself as sent"
+    );
+
+    // A pool whose clients are trusted with the engine gets their fields as sent.
+    let mut passed = body.clone();
+    passed["model"] = json!("trusted-model");
+    assert_eq!(ask(&proxy, &passed, &[bearer(ALPHA_KEY)]).await.status, 200);
+    let sent = last_sent(&trusted, "/v1/chat/completions");
+    assert_eq!(sent["priority"], -100);
+    assert_eq!(sent["request_id"], "someone-elses-request");
+    assert_eq!(sent["cache_salt"], "alpha-chosen");
+}
+
 /// `sluice hash-key` prints the digest the config wants, from standard input.
 #[test]
 fn hash_key_prints_the_digest_the_config_takes() {

@@ -228,6 +228,42 @@ pub struct PoolFile {
     /// What the answers' `model` says when `served_model` is set.
     #[serde(default)]
     pub answer_model: Option<AnswerModelFile>,
+    /// What of the client's body the engine gets as sent.
+    #[serde(default)]
+    pub client_fields: ClientFieldsFile,
+}
+
+/// `pools[].client_fields`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientFieldsFile {
+    #[serde(default)]
+    pub cache_salt: CacheSaltFile,
+    #[serde(default)]
+    pub engine_controls: EngineControlsFile,
+}
+
+/// `pools[].client_fields.cache_salt`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheSaltFile {
+    /// A salt of the tenant's own on each request: vLLM's prefix cache shared within a tenant.
+    #[default]
+    PerTenant,
+    /// The client's `cache_salt` as sent (none: the cache is shared by all).
+    AsSent,
+}
+
+/// `pools[].client_fields.engine_controls`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineControlsFile {
+    /// `priority`, `kv_transfer_params`, `vllm_xargs` reset to vLLM's defaults; `request_id`
+    /// replaced by Sluice's.
+    #[default]
+    Reset,
+    /// Passed as sent: for clients trusted with the engine.
+    Pass,
 }
 
 /// `pools[].answer_model`.

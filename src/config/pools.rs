@@ -7,8 +7,8 @@ use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
-    AnswerModel, BackendSpec, Balancing, Capabilities, HeaderRules, HealthPolicy, OutlierPolicy,
-    Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
+    AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, HeaderRules, HealthPolicy,
+    OutlierPolicy, Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
     TokensPerSecond, UpstreamAuth,
 };
 use std::collections::HashSet;
@@ -120,6 +120,13 @@ fn pool(
         forward_client_key: p.forward_client_key,
         sessions: session_affinity(&p.balancing, &format!("{key}.balancing"))?,
         served_model: served_model(p, key)?,
+        client_fields: ClientFields {
+            tenant_cache_salt: matches!(p.client_fields.cache_salt, file::CacheSaltFile::PerTenant),
+            reset_engine_controls: matches!(
+                p.client_fields.engine_controls,
+                file::EngineControlsFile::Reset
+            ),
+        },
     }));
     Ok((pool, source))
 }

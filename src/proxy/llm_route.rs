@@ -27,10 +27,10 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::model_name::{self, ServedModel};
+use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::{
-    AttemptReport, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools, RequestCtx,
-    RetryOn, Selected,
+    AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
+    RequestCtx, RetryOn, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -54,7 +54,8 @@ pub async fn serve(
     let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
     // A conversation's session id, when its pool keeps sessions on one backend.
     let mut call = call;
-    call.demand.session = pool.session_key(session.req_header());
+    let tenant = ctx.tenant().map(|t| &*t.name);
+    call.demand.session = pool.session_key(session.req_header(), tenant);
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
@@ -113,7 +114,24 @@ struct SentBody {
     from: Bytes,
     model: Option<Vec<u8>>,
     ask_usage: bool,
+    client_fields: ClientFields,
     sent: Bytes,
+}
+
+/// The `request_id` the engine gets in place of a client's: Sluice's own id for the request,
+/// which its logs and `x-request-id` carry, or a fresh one when it has none.
+fn engine_request_id(ctx: &RequestCtx) -> std::borrow::Cow<'_, str> {
+    match ctx.request_id() {
+        Some(own) => std::borrow::Cow::Borrowed(own),
+        None => {
+            use std::hash::BuildHasher;
+            static KEY: std::sync::LazyLock<std::collections::hash_map::RandomState> =
+                std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
+            static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::borrow::Cow::Owned(format!("sluice-{:016x}", KEY.hash_one(n)))
+        }
+    }
 }
 
 /// What the decide step chose.
@@ -277,8 +295,9 @@ impl AttemptLoop {
     }
 
     /// `body` as `pool` gets it: with the pool's served model name when it is not the
-    /// client's, and with a stream's usage asked for when a plugin wants it (as it is when
-    /// neither applies or it cannot be changed).
+    /// client's, a stream's usage asked for when a plugin wants it, the tenant's
+    /// `cache_salt` and the engine's controls reset as the pool's `client_fields` say (as it
+    /// is when nothing applies or it cannot be changed).
     fn for_upstream(&mut self, ctx: &RequestCtx, pool: &Pool, body: Bytes) -> Bytes {
         let model = pool
             .served_model
@@ -286,13 +305,25 @@ impl AttemptLoop {
             .filter(|served| served.changes(ctx.model()))
             .map(ServedModel::json);
         let ask_usage = usage::usage_kept_from_client(ctx);
-        if model.is_none() && !ask_usage {
+        let fields = pool.client_fields;
+        let request_id = fields.reset_engine_controls.then(|| engine_request_id(ctx));
+        let edits = UpstreamEdits {
+            model,
+            ask_usage,
+            salt_for_tenant: ctx
+                .tenant()
+                .filter(|_| fields.tenant_cache_salt)
+                .map(|t| &*t.name),
+            reset_engine_controls: request_id.as_deref(),
+        };
+        if !edits.any() {
             return body;
         }
         if let Some(last) = &self.sent_body {
             if same_buffer(&last.from, &body)
                 && last.model.as_deref() == model
                 && last.ask_usage == ask_usage
+                && last.client_fields == fields
             {
                 return last.sent.clone();
             }
@@ -302,12 +333,12 @@ impl AttemptLoop {
             .llm()
             .filter(|call| same_buffer(&call.body, &body))
             .map(|call| &call.request.seen);
-        let sent = model_name::upstream_body(&body, seen, model, ask_usage)
-            .unwrap_or_else(|| body.clone());
+        let sent = model_name::upstream_body(&body, seen, &edits).unwrap_or_else(|| body.clone());
         self.sent_body = Some(SentBody {
             from: body,
             model: model.map(<[u8]>::to_vec),
             ask_usage,
+            client_fields: fields,
             sent: sent.clone(),
         });
         sent

@@ -26,5 +26,5 @@ pub mod usage;
 
 pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt, WireError};
 pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
-pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
+pub use model_name::{AnswerModel, ModelRewriter, ServedModel, UpstreamEdits};
 pub use usage::Usage;

@@ -1314,6 +1314,13 @@ const FIELDS: &[&str] = &[
     "response_format",
     "logprobs",
     "top_logprobs",
+    // Not read, only placed, for the edits of `model_name::upstream_body` (and, as every
+    // field here, refused when repeated: the engine would take the last, an edit the first).
+    "cache_salt",
+    "priority",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "request_id",
 ];
 
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.

@@ -5,7 +5,8 @@
 //!
 //! Both ways work on the bytes, never on a tree:
 //! - [`upstream_body`] splices the `model` value (and, composed with it, the usage request of
-//!   [`crate::usage::ask_for_usage`]) into a body, copied once, every other byte kept;
+//!   [`crate::usage::ask_for_usage`], the tenant's `cache_salt` and the reset of the engine's
+//!   control fields, see [`UpstreamEdits`]) into a body, copied once, every other byte kept;
 //! - [`ModelRewriter`] rewrites `"model":"<served>"` in an answer as its chunks pass (a JSON
 //!   answer or every event of a stream), holding back only the few bytes of a match that a
 //!   chunk boundary cuts. A chunk without a match passes as the same buffer.
@@ -85,42 +86,132 @@ impl ServedModel {
 
 /// The top-level members [`upstream_body`] may change: the core's parse of a request notes
 /// where they are ([`crate::LlmRequest::seen`]).
-pub const EDITED_MEMBERS: [&str; 2] = ["model", "stream_options"];
+pub const EDITED_MEMBERS: [&str; 7] = [
+    "model",
+    "stream_options",
+    "cache_salt",
+    "priority",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "request_id",
+];
 
-/// `body` (a JSON object) as sent upstream: its top-level `model` set to `model` (JSON text),
-/// and with `ask_usage` also `stream_options.include_usage` set as
-/// [`crate::usage::ask_for_usage`] sets it; both edits spliced in one copy. `None` when
-/// nothing changes or `body` is not one JSON object. `seen` is what the core's parse of
-/// this very body saw of it: with it, only the edited members are read, not the whole body
-/// again (a long prompt is hundreds of kilobytes).
+/// The members of a vLLM request that act on the engine beyond the client's own request,
+/// with the value that makes each do nothing (vLLM's default): `priority` reorders vLLM's
+/// queue under `--scheduling-policy priority`, beneath Sluice's own classes;
+/// `kv_transfer_params` steers a disaggregated prefill's KV transfer; `vllm_xargs` hands
+/// arguments to engine plugins. `request_id` is vLLM's id for the request, which it aborts
+/// by when its client leaves: a client choosing another's id could end that one. It gets
+/// Sluice's own id instead.
+pub const ENGINE_CONTROLS: [(&str, &[u8]); 3] = [
+    ("priority", b"0"),
+    ("kv_transfer_params", b"null"),
+    ("vllm_xargs", b"null"),
+];
+
+/// What [`upstream_body`] changes in a request body for one pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpstreamEdits<'a> {
+    /// The `model` value to set (JSON text); `None`: the client's stays.
+    pub model: Option<&'a [u8]>,
+    /// Ask a stream for its usage (as [`crate::usage::ask_for_usage`]).
+    pub ask_usage: bool,
+    /// The tenant whose requests alone may share the engine's prefix cache: `cache_salt` is
+    /// set to a salt of its name (and of the client's own salt, if any). vLLM's prefix cache
+    /// is shared by every request otherwise, and how fast a prompt's prefix comes back tells
+    /// whether another tenant sent it.
+    pub salt_for_tenant: Option<&'a str>,
+    /// Reset [`ENGINE_CONTROLS`] to their defaults where the client set them, and a
+    /// client's `request_id` to this.
+    pub reset_engine_controls: Option<&'a str>,
+}
+
+impl UpstreamEdits<'_> {
+    /// Whether any edit may apply.
+    pub fn any(&self) -> bool {
+        self.model.is_some()
+            || self.ask_usage
+            || self.salt_for_tenant.is_some()
+            || self.reset_engine_controls.is_some()
+    }
+}
+
+/// The `cache_salt` of `tenant`'s requests (JSON text): a digest of its name and of the
+/// client's own salt (`client`, JSON text), so that no client can name another tenant's.
+pub fn tenant_cache_salt(tenant: &str, client: Option<&[u8]>) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    hash.update(b"sluice cache_salt\0");
+    hash.update(tenant.as_bytes());
+    if let Some(client) = client {
+        hash.update(b"\0");
+        hash.update(client);
+    }
+    let digest = hash.finalize();
+    let mut salt = Vec::with_capacity(34);
+    salt.push(b'"');
+    for byte in digest.iter().take(16) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        salt.push(HEX[usize::from(byte >> 4)]);
+        salt.push(HEX[usize::from(byte & 0xf)]);
+    }
+    salt.push(b'"');
+    salt
+}
+
+/// `body` (a JSON object) as sent upstream, with `edits` made (see [`UpstreamEdits`]), all
+/// spliced in one copy. `None` when nothing changes or `body` is not one JSON object. `seen`
+/// is what the core's parse of this very body saw of it: with it, only the edited members
+/// are read, not the whole body again (a long prompt is hundreds of kilobytes).
 pub fn upstream_body(
     body: &[u8],
     seen: Option<&SeenMembers>,
-    model: Option<&[u8]>,
-    ask_usage: bool,
+    edits: &UpstreamEdits<'_>,
 ) -> Option<Bytes> {
+    if !edits.any() {
+        return None;
+    }
     let spans = match seen.and_then(|seen| ObjectSpans::from_seen(body, seen)) {
         Some(spans) => spans,
         None => raw_json::object_spans(body, &EDITED_MEMBERS)?,
     };
-    let mut edits = Vec::with_capacity(2);
-    if let Some(model) = model {
-        edits.push(spans.set("model", model));
+    let mut made = Vec::with_capacity(4);
+    if let Some(model) = edits.model {
+        made.push(spans.set("model", model));
     }
-    if ask_usage {
-        if let Some(mut edit) = usage_edit(body, &spans) {
-            // Two members appended to an empty object: the second needs its comma.
-            let appended = |e: &Edit| e.range.is_empty() && e.range.start == spans.close();
-            if spans.members() == 0 && edits.first().is_some_and(appended) && appended(&edit) {
-                edit.text.insert(0, b',');
+    if edits.ask_usage {
+        made.extend(usage_edit(body, &spans));
+    }
+    if let Some(request_id) = edits.reset_engine_controls {
+        for (key, neutral) in ENGINE_CONTROLS {
+            if spans
+                .value(key)
+                .is_some_and(|at| body.get(at) != Some(neutral))
+            {
+                made.push(spans.set(key, neutral));
             }
-            edits.push(edit);
+        }
+        if spans.value("request_id").is_some() {
+            let mut id = Vec::with_capacity(request_id.len() + 2);
+            raw_json::write_string(&mut id, request_id);
+            made.push(spans.set("request_id", &id));
         }
     }
-    if edits.is_empty() {
+    if let Some(tenant) = edits.salt_for_tenant {
+        let client = spans.value("cache_salt").and_then(|at| body.get(at));
+        made.push(spans.set("cache_salt", &tenant_cache_salt(tenant, client)));
+    }
+    if made.is_empty() {
         return None;
     }
-    raw_json::apply(body, edits).map(Bytes::from)
+    // Members appended to an empty object: each after the first needs its comma.
+    if spans.members() == 0 {
+        let appended = |e: &Edit| e.range.is_empty() && e.range.start == spans.close();
+        for edit in made.iter_mut().filter(|e| appended(e)).skip(1) {
+            edit.text.insert(0, b',');
+        }
+    }
+    raw_json::apply(body, made).map(Bytes::from)
 }
 
 /// The edit that asks a stream for its usage (see [`crate::usage::ask_for_usage`], which this
@@ -447,11 +538,19 @@ mod tests {
         assert!(served.answer_rewriter(Some("llama")).is_none());
     }
 
+    fn edits(model: Option<&[u8]>, ask_usage: bool) -> UpstreamEdits<'_> {
+        UpstreamEdits {
+            model,
+            ask_usage,
+            ..UpstreamEdits::default()
+        }
+    }
+
     #[test]
     fn the_model_is_spliced_and_every_other_byte_kept() {
         let model = br#""big""#;
         let set = |body: &str, usage: bool| {
-            upstream_body(body.as_bytes(), None, Some(model), usage)
+            upstream_body(body.as_bytes(), None, &edits(Some(model), usage))
                 .map(|b| String::from_utf8(b.to_vec()).unwrap())
         };
         assert_eq!(
@@ -471,7 +570,55 @@ mod tests {
             Some(r#"{"model":"big","stream_options":{"include_usage":true}}"#)
         );
         assert_eq!(set("[1]", true), None);
-        assert_eq!(upstream_body(b"{\"a\":1}", None, None, false), None);
+        assert_eq!(upstream_body(b"{\"a\":1}", None, &edits(None, false)), None);
+    }
+
+    #[test]
+    fn a_tenant_gets_its_own_cache_salt_and_the_engine_controls_are_reset() {
+        let id = "sluice-1";
+        let salted = |body: &str, tenant: &str| {
+            let e = UpstreamEdits {
+                salt_for_tenant: Some(tenant),
+                reset_engine_controls: Some(id),
+                ..UpstreamEdits::default()
+            };
+            let sent = upstream_body(body.as_bytes(), None, &e).unwrap();
+            serde_json::from_slice::<serde_json::Value>(&sent).unwrap()
+        };
+        let a = salted(r#"{"model":"m"}"#, "a");
+        let b = salted(r#"{"model":"m"}"#, "b");
+        assert_ne!(a["cache_salt"], b["cache_salt"]);
+        assert_eq!(a["cache_salt"].as_str().unwrap().len(), 32);
+        // A client's own salt separates its requests within its tenant, never across.
+        let own = salted(r#"{"model":"m","cache_salt":"x"}"#, "a");
+        assert_ne!(own["cache_salt"], a["cache_salt"]);
+        assert_ne!(own["cache_salt"], "x");
+        assert_eq!(salted(r#"{}"#, "a")["cache_salt"], a["cache_salt"]);
+
+        let controls = salted(
+            r#"{"model":"m","priority":-100,"kv_transfer_params":{"do_remote_prefill":true},"vllm_xargs":{"k":1},"request_id":"victim","priority":-5}"#,
+            "a",
+        );
+        assert_eq!(controls["priority"], 0);
+        assert!(controls["kv_transfer_params"].is_null());
+        assert!(controls["vllm_xargs"].is_null());
+        assert_eq!(controls["request_id"], "sluice-1");
+        // Absent ones stay absent; the request's own fields are kept.
+        let plain = salted(r#"{"model":"m","max_tokens":5}"#, "a");
+        assert!(plain.get("priority").is_none() && plain.get("request_id").is_none());
+        assert_eq!(plain["max_tokens"], 5);
+        // Appended to an empty object, each member after the first gets its comma.
+        let e = UpstreamEdits {
+            model: Some(br#""big""#),
+            ask_usage: true,
+            salt_for_tenant: Some("a"),
+            reset_engine_controls: None,
+        };
+        let sent = upstream_body(b"{}", None, &e).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(v["model"], "big");
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["cache_salt"], a["cache_salt"]);
     }
 
     #[test]
@@ -489,7 +636,7 @@ mod tests {
             "nope",
         ] {
             assert_eq!(
-                upstream_body(body.as_bytes(), None, None, true),
+                upstream_body(body.as_bytes(), None, &edits(None, true)),
                 ask_for_usage(body.as_bytes()),
                 "{body}"
             );
@@ -505,6 +652,7 @@ mod tests {
             r#"{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":null}"#,
             r#"{"messages":[{"role":"user","content":"a \"quoted\" }"}],"stream":true,"stream_options":{"include_usage":false},"x":[1,{"y":"}"}]}"#,
             r#"{"messages":[{"role":"user","content":"hi"}],"model":null,"stream":true,"stream_options":{ }}"#,
+            r#"{"messages":[{"role":"user","content":"hi"}],"priority":-9,"request_id":"x","cache_salt":"s","vllm_xargs":{"a":1}}"#,
             // An escaped key is not placed by the parse: the body is read again.
             r#"{"messages":[{"role":"user","content":"hi"}],"mod\u0065l":"llama","stream":true}"#,
         ];
@@ -518,14 +666,29 @@ mod tests {
                 "{body}"
             );
             for (model, usage) in [(Some(big), false), (None, true), (Some(big), true)] {
-                let seen = upstream_body(body.as_bytes(), Some(&call.request.seen), model, usage);
+                let seen = upstream_body(
+                    body.as_bytes(),
+                    Some(&call.request.seen),
+                    &edits(model, usage),
+                );
                 assert!(seen.is_some(), "{body}");
                 assert_eq!(
                     seen,
-                    upstream_body(body.as_bytes(), None, model, usage),
+                    upstream_body(body.as_bytes(), None, &edits(model, usage)),
                     "{body}"
                 );
             }
+            let all = UpstreamEdits {
+                model: Some(big),
+                ask_usage: true,
+                salt_for_tenant: Some("t"),
+                reset_engine_controls: Some("id"),
+            };
+            assert_eq!(
+                upstream_body(body.as_bytes(), Some(&call.request.seen), &all),
+                upstream_body(body.as_bytes(), None, &all),
+                "{body}"
+            );
         }
     }
 }

@@ -27,6 +27,6 @@ pub use health::{
 };
 pub use members::{Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
-    Admission, BackendSpec, Balancing, Capabilities, Pool, PoolSettings, Pools, Pressure, Priority,
-    Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, BackendSpec, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools,
+    Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };

@@ -103,6 +103,28 @@ pub struct Capabilities {
     pub best_of: bool,
 }
 
+/// What of a client's request body reaches the pool's engine as sent (`pools[].client_fields`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientFields {
+    /// Each tenant's requests get a `cache_salt` of their own, so that vLLM's prefix cache is
+    /// shared only within a tenant (`cache_salt: per_tenant`, the default); off: the client's
+    /// `cache_salt` goes as sent (`as_sent`).
+    pub tenant_cache_salt: bool,
+    /// The fields that act on the engine beyond the request (`priority`,
+    /// `kv_transfer_params`, `vllm_xargs`, `request_id`) are reset (`engine_controls: reset`,
+    /// the default; see [`sluice_llm::model_name::ENGINE_CONTROLS`]); off: passed (`pass`).
+    pub reset_engine_controls: bool,
+}
+
+impl Default for ClientFields {
+    fn default() -> Self {
+        Self {
+            tenant_cache_salt: true,
+            reset_engine_controls: true,
+        }
+    }
+}
+
 impl Default for Capabilities {
     fn default() -> Self {
         Self {
@@ -386,6 +408,8 @@ pub struct Pool {
     /// The model name the pool's engine serves, when it is not the client's (see
     /// [`sluice_llm::model_name`]).
     pub served_model: Option<ServedModel>,
+    /// What of the client's body the engine gets as sent.
+    pub client_fields: ClientFields,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
     /// The pool's tokens per estimated prompt token, in thousandths: learned from its
@@ -445,6 +469,8 @@ pub struct PoolSettings {
     pub sessions: Option<SessionAffinity>,
     /// The name sent upstream as `model`; `None`: the client's.
     pub served_model: Option<ServedModel>,
+    /// What of the client's body the engine gets as sent.
+    pub client_fields: ClientFields,
 }
 
 impl PoolSettings {
@@ -472,6 +498,7 @@ impl PoolSettings {
             forward_client_key: false,
             sessions: None,
             served_model: None,
+            client_fields: ClientFields::default(),
         }
     }
 }
@@ -527,6 +554,7 @@ impl Pool {
             forward_client_key: settings.forward_client_key,
             sessions: settings.sessions,
             served_model: settings.served_model,
+            client_fields: settings.client_fields,
             admission: OnceLock::new(),
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             session_table,
@@ -804,12 +832,17 @@ impl Pool {
 
     /// The session key of a request that names its session in the pool's session header;
     /// `None` when the pool has no session affinity or the request names none. Hashed with
-    /// a per-process key: client-chosen ids cannot aim at one another's slots.
-    pub fn session_key(&self, header: &pingora_http::RequestHeader) -> Option<u64> {
+    /// a per-process key: client-chosen ids cannot aim at one another's slots. Scoped to
+    /// `tenant`: one tenant's session id never joins another's session (and its backend).
+    pub fn session_key(
+        &self,
+        header: &pingora_http::RequestHeader,
+        tenant: Option<&str>,
+    ) -> Option<u64> {
         static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
         let name = &self.sessions.as_ref()?.header;
         let value = header.headers.get(name.as_str())?.as_bytes();
-        (!value.is_empty()).then(|| KEY.hash_one(value))
+        (!value.is_empty()).then(|| KEY.hash_one((tenant, value)))
     }
 
     /// Whether a session bound to backend `index` stays there for this request.
@@ -1566,7 +1599,7 @@ mod tests {
         let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
         header.insert_header("x-session-id", id).unwrap();
         Demand {
-            session: pool.session_key(&header),
+            session: pool.session_key(&header, None),
             ..prompt(100, None)
         }
     }
@@ -1589,9 +1622,20 @@ mod tests {
         }
         let pool = sessions(SessionMode::Soft, 1_024);
         let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
-        assert_eq!(pool.session_key(&header), None, "no header: no session");
+        assert_eq!(
+            pool.session_key(&header, None),
+            None,
+            "no header: no session"
+        );
         header.insert_header("x-session-id", "").unwrap();
-        assert_eq!(pool.session_key(&header), None);
+        assert_eq!(pool.session_key(&header, None), None);
+        // One tenant's session id is not another's session (N21).
+        header.insert_header("x-session-id", "shared-id").unwrap();
+        let alpha = pool.session_key(&header, Some("alpha"));
+        assert!(alpha.is_some());
+        assert_eq!(alpha, pool.session_key(&header, Some("alpha")));
+        assert_ne!(alpha, pool.session_key(&header, Some("beta")));
+        assert_ne!(alpha, pool.session_key(&header, None));
     }
 
     #[test]

@@ -64,8 +64,8 @@ pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
-    Admission, BackendSpec, Balancing, Capabilities, Pool, PoolSettings, Pools, Pressure, Priority,
-    Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, BackendSpec, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools,
+    Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};
