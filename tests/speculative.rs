@@ -861,3 +861,51 @@ async fn a_draft_slower_than_its_budget_escalates_without_blame_and_through_the_
         "nothing sent past the target's line"
     );
 }
+
+/// N22: a draft answer the selector rejected was generated all the same: its tenant is
+/// charged for it (tokens at their count, dollars at the draft pool's price), besides the
+/// target's answer it got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_draft_is_charged_to_the_tenant() {
+    use sha2::{Digest, Sha256};
+    let (draft, target) = (sim(1.0).await, sim(0.0).await);
+    let confidence = json!({"enabled": true, "measure": "mean", "window": 16, "min_logprob": -1.0});
+    let mut config = config(draft_pool(&draft), &target, Some(confidence));
+    let key = "sk-team";
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())));
+    config["plugins"]["tenants"] =
+        json!({"enabled": true, "tenants": {"team": {"keys": [digest]}}});
+    let proxy = Proxy::start(config).await;
+
+    let mut request = chat(MODEL, "a question the draft is unsure of", false);
+    request["max_tokens"] = json!(16);
+    // What the draft answers it (the simulator answers the same content alike).
+    let direct: Value = client()
+        .post(format!("http://{}/v1/chat/completions", draft.addr()))
+        .json(&request)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let auth = format!("Bearer {key}");
+    let a = proxy.ask(&request, &[("authorization", &auth)]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(escalated(&a).as_deref(), Some("low-confidence"));
+    let answer: Value = serde_json::from_str(&a.body).unwrap();
+    let tokens = |v: &Value, k: &str| v["usage"][k].as_f64().unwrap();
+    let want_output = tokens(&answer, "completion_tokens") + tokens(&direct, "completion_tokens");
+    let want_input = tokens(&answer, "prompt_tokens") + tokens(&direct, "prompt_tokens");
+    let output = proxy
+        .metric_once(
+            r#"sluice_tenant_tokens_total{kind="output",tenant="team"}"#,
+            want_output,
+        )
+        .await;
+    assert_eq!(output, Some(want_output), "draft and target outputs");
+    let input = proxy
+        .metric(r#"sluice_tenant_tokens_total{kind="input",tenant="team"}"#)
+        .await;
+    assert_eq!(input, Some(want_input));
+}

@@ -30,7 +30,7 @@ use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{
     AnswerCheck, Endpoint, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
-    StreamCheck, StreamJudge, Verdict,
+    StreamCheck, StreamJudge, Usage, Verdict,
 };
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -71,7 +71,8 @@ pub enum Outcome {
     /// none does.
     Declined(Box<ResponseHeader>, Bytes),
     /// The answer was held for a check that rejected it, for this reason; nothing was sent.
-    Judged(&'static str),
+    /// What it used, when known: the engine generated it all the same (N22).
+    Judged(&'static str, Option<Usage>),
 }
 
 impl Outcome {
@@ -87,7 +88,7 @@ impl Outcome {
             Outcome::Declined(header, _) if header.status.is_server_error() => {
                 Some(Verdict::Failure)
             }
-            Outcome::Complete | Outcome::Declined(..) | Outcome::Judged(_) => {
+            Outcome::Complete | Outcome::Declined(..) | Outcome::Judged(..) => {
                 Some(Verdict::Success)
             }
             // A refusal of Sluice's own (an answer too large to hold, the memory budget) says
@@ -106,7 +107,7 @@ impl Outcome {
             Outcome::NotStarted(e) if is_connect_failure(e) => AttemptOutcome::ConnectError,
             Outcome::NotStarted(_) => AttemptOutcome::Error,
             Outcome::Declined(..) => AttemptOutcome::Declined,
-            Outcome::Judged(_) => AttemptOutcome::RejectedAnswer,
+            Outcome::Judged(..) => AttemptOutcome::RejectedAnswer,
             Outcome::Broken(_) => AttemptOutcome::Broken,
             Outcome::ClientGone(_) => return None,
         })
@@ -311,6 +312,15 @@ async fn pipe(
         .await
         {
             Ok(window) => window,
+            // The window's events were generated: one token each, after the whole prompt.
+            Err(Outcome::Judged(why, Some(seen))) => {
+                let prompt_tokens = ctx.llm().map_or(0, |call| call.demand.prompt_tokens);
+                let used = Usage {
+                    prompt_tokens,
+                    ..seen
+                };
+                return Outcome::Judged(why, Some(used));
+            }
             Err(outcome) => return outcome,
         };
     }
@@ -354,7 +364,8 @@ async fn answer_held(
     }
     if held.refused_for_context {
         if context::is_context_length_error(&body) {
-            return Outcome::Judged(reason::PROMPT_TOO_LONG);
+            // A refusal: nothing was generated.
+            return Outcome::Judged(reason::PROMPT_TOO_LONG, None);
         }
         return send_answer(upstreams, session, ctx, header, Some(body)).await;
     }
@@ -362,10 +373,12 @@ async fn answer_held(
         .context_budget
         .is_some_and(|budget| context::cut_by_context(&body, budget));
     if cut {
-        return Outcome::Judged(reason::PROMPT_TOO_LONG);
+        return Outcome::Judged(reason::PROMPT_TOO_LONG, answer_usage(ctx, &body));
     }
     let body = match hold.check.as_ref().map(|c| c.judge(&body)) {
-        Some(Judgement::Escalate(reason)) => return Outcome::Judged(reason),
+        Some(Judgement::Escalate(reason)) => {
+            return Outcome::Judged(reason, answer_usage(ctx, &body))
+        }
         Some(Judgement::Keep(Some(replaced))) => {
             if let Err(e) = frame_by_length(&mut header, replaced.len()) {
                 return Outcome::NotStarted(e);
@@ -618,6 +631,13 @@ async fn read_held(
     }
 }
 
+/// The usage a whole answer reports, read as its API family writes it.
+fn answer_usage(ctx: &RequestCtx, body: &[u8]) -> Option<Usage> {
+    let mut scanner = ctx.llm()?.endpoint.family().usage_scanner();
+    scanner.feed(body);
+    scanner.usage()
+}
+
 /// The start of a stream kept back for judgement, once it was kept.
 struct Window {
     chunks: Vec<Bytes>,
@@ -670,7 +690,18 @@ async fn hold_back(
         }
     };
     match judgement {
-        Judgement::Escalate(reason) => Err(Outcome::Judged(reason)),
+        Judgement::Escalate(reason) => {
+            let events = window
+                .chunks
+                .iter()
+                .map(|c| c.windows(5).filter(|w| w == b"data:").count() as u64)
+                .sum();
+            let seen = Usage {
+                prompt_tokens: 0,
+                completion_tokens: events,
+            };
+            Err(Outcome::Judged(reason, Some(seen)))
+        }
         Judgement::Keep(_) => Ok(window),
     }
 }

@@ -376,7 +376,12 @@ impl AttemptLoop {
                 self.declined_answer(ctx, pool, backend.addr, header, body)
                     .await
             }
-            Outcome::Judged(why) => {
+            Outcome::Judged(why, used) => {
+                if let Some(used) = used {
+                    // Not sent, but generated: the tenant is charged for it (N22).
+                    ctx.progress_mut()
+                        .discard(used, pool.price_per_million_tokens);
+                }
                 if self.escalate(ctx, why) {
                     Then::TryAgain
                 } else {

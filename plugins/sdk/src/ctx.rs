@@ -104,6 +104,32 @@ pub struct Progress {
     /// The response body ended early (upstream failure or client gone): such a response is
     /// incomplete and must never be stored.
     pub response_incomplete: bool,
+    /// What answers that were generated but not sent used (a draft rejected by the
+    /// speculative selector's check, or cut by its context): the engine spent it all the same.
+    pub discarded: Discarded,
+}
+
+/// Tokens generated for a request and thrown away, and their price.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Discarded {
+    /// Prompt tokens the engine read for answers not sent.
+    pub prompt_tokens: u64,
+    /// Tokens it generated for them.
+    pub completion_tokens: u64,
+    /// At the price of the pool that generated them.
+    pub usd: f64,
+}
+
+impl Progress {
+    /// Counts an answer not sent, generated on a pool at `price_per_million_tokens`.
+    pub fn discard(&mut self, used: crate::Usage, price_per_million_tokens: f64) {
+        let d = &mut self.discarded;
+        d.prompt_tokens = d.prompt_tokens.saturating_add(used.prompt_tokens);
+        d.completion_tokens = d.completion_tokens.saturating_add(used.completion_tokens);
+        d.usd += used.prompt_tokens.saturating_add(used.completion_tokens) as f64
+            * price_per_million_tokens
+            / 1e6;
+    }
 }
 
 impl Default for RequestCtx {

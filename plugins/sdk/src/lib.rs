@@ -50,7 +50,7 @@ pub use sluice_pools::{header_rules, health, members, pool, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;
-pub use ctx::{PluginState, Progress, RequestCtx, Route};
+pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
 pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt};

@@ -450,13 +450,16 @@ impl Plugin for Tenants {
 /// - the counts the core found in the answer;
 /// - else (a stream cut before its usage chunk, a timeout mid-generation) the estimate the
 ///   request was admitted with, in dollars too: closing a stream before its usage chunk no
-///   longer spends nothing of a budget.
+///   longer spends nothing of a budget;
+/// - and in every case, what answers generated but not sent used (a draft the speculative
+///   selector rejected, at the draft pool's price): the engine spent it for this request.
 fn used(ctx: &RequestCtx) -> Usage {
     let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
+    let discarded = ctx.progress().discarded;
     let priced = |input_tokens: u64, output_tokens: u64| Usage {
-        input_tokens,
-        output_tokens,
-        usd: input_tokens.saturating_add(output_tokens) as f64 * price / 1e6,
+        input_tokens: input_tokens.saturating_add(discarded.prompt_tokens),
+        output_tokens: output_tokens.saturating_add(discarded.completion_tokens),
+        usd: input_tokens.saturating_add(output_tokens) as f64 * price / 1e6 + discarded.usd,
     };
     if ctx.answered_locally() {
         return priced(0, 0);
