@@ -78,6 +78,13 @@ metric!(POOL_RETRIES: IntCounterVec = register_int_counter_vec!(
     &["pool"]
 ));
 
+metric!(STALE_CONNECTION_RETRIES: IntCounterVec = register_int_counter_vec!(
+    "sluice_upstream_stale_connection_retries_total",
+    "Requests sent again on another backend because the pooled connection they were written \
+     on failed before any byte of answer (the backend had closed it, or died), by pool.",
+    &["pool"]
+));
+
 metric!(EJECTIONS: IntCounterVec = register_int_counter_vec!(
     "sluice_backend_ejections_total",
     "Backends ejected by passive outlier detection (connect failures, 5xx), by pool.",
@@ -280,6 +287,7 @@ pub fn init(pools: &Pools) {
         touch(&ROUTER_REQUEST_DURATION, &[&pool.name]);
         touch(&STREAM_FIRST_BYTE, &[&pool.name]);
         touch(&EJECTIONS, &[&pool.name]);
+        touch(&STALE_CONNECTION_RETRIES, &[&pool.name]);
         for direction in ["late", "early"] {
             touch(&TTFT_PREDICTION_ERROR, &[&pool.name, direction]);
         }

@@ -199,10 +199,18 @@ async fn a_request_on_a_dead_reused_connection_goes_to_another_backend() {
         let a = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
         assert_eq!(a.status, 200, "request {i}: {}", a.body);
     }
+    let dropped = dropped.load(Ordering::Relaxed);
     assert!(
-        dropped.load(Ordering::Relaxed) >= 1,
+        dropped >= 1,
         "no request met a dead reused connection: the test proves nothing"
     );
+    let retried = proxy
+        .metric_once(
+            r#"sluice_upstream_stale_connection_retries_total{pool="main"}"#,
+            dropped as f64,
+        )
+        .await;
+    assert_eq!(retried, Some(dropped as f64), "each counted");
 }
 
 /// An upstream that answers every request with `status`, an OpenAI error body and the

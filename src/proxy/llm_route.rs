@@ -427,6 +427,10 @@ impl AttemptLoop {
             "upstream attempt failed: {e}"
         );
         if is_connect_failure(&e) || e.retry() {
+            if !is_connect_failure(&e) {
+                // The keep-alive race (see `attempt::Upstream::failed_before_answer`).
+                metrics::inc(&metrics::STALE_CONNECTION_RETRIES, &[&pool.name]);
+            }
             // Another backend of the pool; when none is left, the escalation target.
             self.last_error = Some(e);
             return Then::TryAgain;
