@@ -65,6 +65,8 @@ pub struct Guarded<A> {
     open: Arc<Caps>,
     /// The plain listeners that take h2c (prior knowledge).
     h2c: Vec<SocketAddr>,
+    /// Its connections are the proxy's, shown in `sluice_connections_open` (not the admin's).
+    counted: bool,
 }
 
 impl<A> Guarded<A> {
@@ -74,7 +76,14 @@ impl<A> Guarded<A> {
             header_timeout: limits.header_timeout,
             open: Caps::new(limits.max_connections, limits.max_connections_per_client),
             h2c: Vec::new(),
+            counted: true,
         }
+    }
+
+    /// Connections not shown in `sluice_connections_open` (the admin listener's).
+    pub fn uncounted(mut self) -> Self {
+        self.counted = false;
+        self
     }
 
     /// Connections to these listeners that open with the HTTP/2 preface are served as h2c;
@@ -114,7 +123,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
                 return None;
             }
         };
-        metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
+        if self.counted {
+            metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
+        }
         let h2c = self.takes_h2c(&stream);
         let deadline = HeaderDeadline::new(stream, self.header_timeout).with_h2c(h2c);
         let next_request = deadline.next_request();
@@ -129,7 +140,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             stream = reused;
         }
         drop(slot);
-        metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
+        if self.counted {
+            metrics::set_gauge(&metrics::OPEN_CONNECTIONS, self.open.total() as i64);
+        }
         None
     }
 

@@ -184,16 +184,30 @@ fn add_listeners<A>(proxy: &mut Service<A>, listeners: &[Listener]) -> Result<()
 }
 
 /// The admin service on `address`, reading the current generation.
+/// The admin listener's connection caps and header deadline (see [`admin_service`]).
+const ADMIN_MAX_CONNECTIONS: usize = 64;
+const ADMIN_MAX_CONNECTIONS_PER_CLIENT: usize = 16;
+const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn admin_service(
     address: SocketAddr,
     current: Arc<ArcSwap<Sluice>>,
     hosts: Vec<String>,
-) -> Service<Admin> {
+) -> Service<Guarded<Admin>> {
     let admin = Admin {
         current,
         started: Instant::now(),
         hosts,
     };
+    // The admin answers operators and Prometheus: a few connections, short headers. Bounded
+    // as the proxy's are, so that a client that reaches it cannot hold it (slowloris, a
+    // flood of idle connections) and blind the monitoring.
+    let limits = ConnectionLimits {
+        max_connections: ADMIN_MAX_CONNECTIONS,
+        max_connections_per_client: ADMIN_MAX_CONNECTIONS_PER_CLIENT,
+        header_timeout: ADMIN_HEADER_TIMEOUT,
+    };
+    let admin = Guarded::new(admin, limits).uncounted();
     let mut service = Service::new("sluice admin".to_string(), admin);
     service.add_tcp(&address.to_string());
     service

@@ -597,3 +597,33 @@ async fn the_rest_of_an_upload_after_an_early_answer_is_not_a_header() {
         "one answer, nothing written into it: {answer:?} ({sent} chunks sent)"
     );
 }
+
+/// N14: the admin listener is bounded as the proxy's are: one client holding idle connections
+/// to it gets 429 past 16, an idle connection is answered 408 once its header is 10 s late,
+/// and then the admin answers again (Prometheus is not blinded by one client's flood).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_caps_connections_and_bounds_headers() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
+    let mut idle = Vec::new();
+    for _ in 0..20 {
+        idle.push(TcpStream::connect(proxy.admin).await.unwrap());
+    }
+    // Every connection is answered: the 4 over the cap at once, the others at the deadline.
+    let answers = futures_util::future::join_all(
+        idle.iter_mut()
+            .map(|s| read_answer(s, Duration::from_secs(60))),
+    )
+    .await;
+    let status = |code: &str| answers.iter().filter(|a| a.starts_with(code)).count();
+    assert_eq!(status("HTTP/1.1 429"), 4, "{answers:?}");
+    assert_eq!(status("HTTP/1.1 408"), 16, "{answers:?}");
+    drop(idle);
+    let back = wait_for(Duration::from_secs(10), || async {
+        reqwest::get(format!("http://{}/healthz", proxy.admin))
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    assert!(back.is_some(), "the admin never answered again");
+}
