@@ -374,3 +374,24 @@ async fn filled_by_a_stream_served_as_json_through_redis() {
     assert_eq!(content(&as_json), content(&streamed));
     assert_eq!(upstream_calls(&upstream), 1);
 }
+
+/// A Redis URL (its password, in production) need not be written in the config: read from a
+/// file (or an environment variable) when the config is loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_url_may_come_from_a_file() {
+    let redis = RedisServer::start();
+    let upstream = sim().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-url");
+    std::fs::write(&file, format!("{}\n", redis.url())).unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+        "plugins": {"cache": {"enabled": true, "store": "redis",
+            "redis": {"url": {"from_file": file}, "lookup_timeout": "1s"},
+            "tenant": {"anonymous": "share"}}},
+    }))
+    .await;
+    let request = chat(MODEL, "stored where the file says", false);
+    assert_eq!(proxy.ask(&request, &[]).await.x_cache, "MISS");
+    wait_for_keys(1, || cache_keys(redis.port()).len()).await;
+}

@@ -55,6 +55,15 @@ fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
             "listeners",
             "at least one listener",
         ),
+        (
+            json!({
+                "pools": [{"name": "a", "backends": backends}],
+                "plugins": {"cache": {"enabled": true, "store": "redis",
+                    "redis": {"url": {"from_env": "SLUICE_TEST_NEVER_SET"}}}},
+            }),
+            "plugins.cache.redis.url",
+            "`SLUICE_TEST_NEVER_SET` is not set",
+        ),
     ] {
         let path = dir.path().join("bad.yaml");
         std::fs::write(&path, config.to_string()).unwrap();

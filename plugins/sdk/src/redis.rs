@@ -32,6 +32,63 @@ pub fn default_failure_threshold() -> u32 {
     3
 }
 
+/// A Redis URL as a config gives it: written out (`redis://…`), or, so that its password
+/// need not be in the file, `{from_env: VAR}` or `{from_file: /path}`, read when the config
+/// is loaded (surrounding whitespace trimmed). For every Redis URL of every plugin:
+/// `#[serde(deserialize_with = "sluice_sdk::redis::url")]` (and [`urls`], [`required_url`]).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum UrlSource {
+    Written(String),
+    Env { from_env: String },
+    File { from_file: std::path::PathBuf },
+}
+
+impl UrlSource {
+    fn read(self) -> Result<String, String> {
+        let url = match self {
+            UrlSource::Written(url) => return Ok(url),
+            UrlSource::Env { from_env } => std::env::var(&from_env).map_err(|_| {
+                format!("the environment variable `{from_env}` is not set (or not UTF-8)")
+            })?,
+            UrlSource::File { from_file } => std::fs::read_to_string(&from_file)
+                .map_err(|e| format!("cannot read {}: {e}", from_file.display()))?,
+        };
+        let url = url.trim();
+        if url.is_empty() {
+            return Err("the URL read is empty".into());
+        }
+        Ok(url.to_string())
+    }
+}
+
+/// An optional Redis URL (see [`UrlSource`]).
+pub fn url<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    use serde::Deserialize;
+    Option::<UrlSource>::deserialize(d)?
+        .map(UrlSource::read)
+        .transpose()
+        .map_err(serde::de::Error::custom)
+}
+
+/// A required Redis URL (see [`UrlSource`]).
+pub fn required_url<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    use serde::Deserialize;
+    UrlSource::deserialize(d)?
+        .read()
+        .map_err(serde::de::Error::custom)
+}
+
+/// A list of Redis URLs, each as [`url`] takes it.
+pub fn urls<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    use serde::Deserialize;
+    Vec::<UrlSource>::deserialize(d)?
+        .into_iter()
+        .map(UrlSource::read)
+        .collect::<Result<_, _>>()
+        .map_err(serde::de::Error::custom)
+}
+
 /// The default `cooldown` of a plugin's Redis section: `5s`.
 pub fn default_cooldown() -> Duration {
     Duration::from_secs(5)

@@ -76,7 +76,8 @@ pub enum OverMaxTokens {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisKeys {
-    /// `redis://host:port/db`.
+    /// `redis://host:port/db` (or `{from_env: VAR}`, `{from_file: path}`).
+    #[serde(deserialize_with = "sluice_sdk::redis::required_url")]
     pub url: String,
     /// The hash's name.
     #[serde(default = "default_hash")]

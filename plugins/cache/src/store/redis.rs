@@ -25,11 +25,11 @@ use tokio::sync::mpsc;
 pub struct RedisConfig {
     /// A single node, e.g. `redis://127.0.0.1:6379`. Exactly one of `url` and `cluster_nodes`
     /// is set. Default: none.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "sluice_sdk::redis::url")]
     pub url: Option<String>,
     /// Redis Cluster seed nodes, e.g. `["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"]`;
     /// the rest of the cluster is discovered from them. Default: empty.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "sluice_sdk::redis::urls")]
     pub cluster_nodes: Vec<String>,
     /// The longest a lookup may wait on Redis before it counts as a miss (and a failure).
     /// Default: `25ms`.

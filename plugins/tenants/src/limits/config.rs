@@ -195,10 +195,10 @@ pub enum OnRedisError {
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
     /// A single node, `redis://host:port`. Exactly one of `url` and `cluster_nodes` is set.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "sluice_sdk::redis::url")]
     pub url: Option<String>,
     /// Redis Cluster seed nodes; the rest of the cluster is discovered from them.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "sluice_sdk::redis::urls")]
     pub cluster_nodes: Vec<String>,
     /// The longest an admission waits on Redis before `on_redis_error` applies. Default `50ms`.
     #[serde(
