@@ -206,3 +206,69 @@ proptest! {
         prop_assert_eq!(samples.len(), values.len());
     }
 }
+
+/// A cache entry as a store could hold it: well-formed around an `answer` of any JSON.
+fn stored_entry(answer: &str, kind: &str) -> Vec<u8> {
+    format!(
+        r#"{{"digest":"{}","created_unix":1,"kind":"{kind}","pool":"p","answer":{answer}}}"#,
+        "ab".repeat(32)
+    )
+    .into_bytes()
+}
+
+/// Arbitrary JSON text, nested a few levels, with the names an answer has.
+fn json_text() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("null".to_string()),
+        any::<i64>().prop_map(|n| n.to_string()),
+        any::<bool>().prop_map(|b| b.to_string()),
+        "\\PC{0,12}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        let key = prop_oneof![
+            Just("choices".to_string()),
+            Just("message".to_string()),
+            Just("content".to_string()),
+            Just("text".to_string()),
+            Just("usage".to_string()),
+            Just("index".to_string()),
+            Just("finish_reason".to_string()),
+            "[a-z_]{1,8}",
+        ];
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4)
+                .prop_map(|items| format!("[{}]", items.join(","))),
+            proptest::collection::vec((key, inner), 0..4).prop_map(|members| {
+                let members: Vec<String> = members
+                    .into_iter()
+                    .map(|(k, v)| format!("{}:{v}", serde_json::to_string(&k).unwrap()))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+}
+
+proptest! {
+    /// What a Redis holds is read back as a cache entry, or refused: arbitrary bytes never
+    /// panic the decode, and an entry that decodes, whatever its answer, renders as JSON and
+    /// as a stream without panicking (a store is a network peer: it may be wrong or hostile).
+    #[test]
+    fn a_stored_cache_entry_is_read_or_refused_never_a_panic(
+        bytes in proptest::collection::vec(any::<u8>(), 0..256),
+        answer in json_text(),
+        stream in any::<bool>(),
+        chat in any::<bool>(),
+    ) {
+        use sluice_plugin_cache::entry::Entry;
+        let _ = Entry::decode(&bytes);
+        let kind = if chat { "chat" } else { "completion" };
+        if let Ok(entry) = Entry::decode(&stored_entry(&answer, kind)) {
+            if stream {
+                let _ = entry.render_sse("id", 1, true);
+            } else {
+                let _ = entry.render_json("id", 1);
+            }
+        }
+    }
+}

@@ -215,4 +215,46 @@ mod tests {
         prepare_request(&mut v6, Some("::1".parse().unwrap()), &trusted).unwrap();
         assert_eq!(v6.headers.get("forwarded").unwrap(), "for=\"[::1]\"");
     }
+
+    proptest::proptest! {
+        /// Whatever a client's `Connection` and `X-Forwarded-For` say, the request goes
+        /// upstream framed (its `content-length` and `host` kept), with no hop-by-hop header
+        /// and with the peer last in `x-forwarded-for`; no input panics the rules.
+        #[test]
+        fn any_connection_header_leaves_the_request_framed(
+            tokens in proptest::collection::vec(
+                "content-length|host|transfer-encoding|keep-alive|x-[a-z]{1,6}|upgrade|te|[ -~]{0,12}",
+                0..6,
+            ),
+            forwarded in "[ -~]{0,40}",
+            trusted in proptest::bool::ANY,
+        ) {
+            let connection = tokens.join(",");
+            let mut pairs = vec![
+                ("content-length", "12"),
+                ("host", "backend"),
+                ("x-keep", "1"),
+                ("x-forwarded-for", forwarded.as_str()),
+            ];
+            if http::HeaderValue::from_str(&connection).is_ok() {
+                pairs.push(("connection", connection.as_str()));
+            }
+            pairs.retain(|(_, v)| http::HeaderValue::from_str(v).is_ok());
+            let mut h = request(&pairs);
+            let peer: IpAddr = "10.1.2.3".parse().unwrap();
+            let nets: Vec<IpNet> = if trusted {
+                vec!["10.0.0.0/8".parse().unwrap()]
+            } else {
+                Vec::new()
+            };
+            prepare_request(&mut h, Some(peer), &nets).unwrap();
+            proptest::prop_assert_eq!(h.headers.get("content-length").map(|v| v.as_bytes()), Some(&b"12"[..]));
+            proptest::prop_assert_eq!(h.headers.get("host").map(|v| v.as_bytes()), Some(&b"backend"[..]));
+            for name in sluice_sdk::headers::HOP_BY_HOP {
+                proptest::prop_assert!(h.headers.get(name).is_none(), "{} kept", name);
+            }
+            let xff = h.headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()).unwrap_or_default();
+            proptest::prop_assert!(xff.ends_with("10.1.2.3"), "{}", xff);
+        }
+    }
 }

@@ -716,4 +716,25 @@ mod tests {
         assert!(Answer::parse_reply(reply, 2).is_none());
         assert!(Answer::parse_reply("0 0 0 0 x 6 0 0 0 0", 1).is_none());
     }
+
+    proptest::proptest! {
+        /// Redis is a network peer: whatever its reply says, it is read whole or refused,
+        /// never a panic, and a reply of the right length gives one answer per admission.
+        #[test]
+        fn any_reply_is_read_whole_or_refused(
+            text in "[0-9eE+. -]{0,80}|\\PC{0,40}",
+            numbers in proptest::collection::vec(proptest::num::f64::ANY, 0..40),
+            n in 0usize..5,
+        ) {
+            let _ = Answer::parse_reply(&text, n);
+            // Numbers as Lua may write them (exponents, `inf`, `nan` included).
+            let reply: Vec<String> = numbers.iter().map(|f| f.to_string()).collect();
+            let parsed = Answer::parse_reply(&reply.join(" "), n);
+            if numbers.len() == 2 + 8 * n {
+                proptest::prop_assert_eq!(parsed.map(|a| a.len()), Some(n));
+            } else {
+                proptest::prop_assert!(parsed.is_none());
+            }
+        }
+    }
 }
