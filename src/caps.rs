@@ -63,6 +63,7 @@ impl Caps {
     /// A slot for one more of `client`'s (`None`: a client without an address, counted in
     /// the total only), held until dropped.
     pub fn admit(self: &Arc<Self>, client: Option<IpAddr>) -> Result<Slot, Over> {
+        let client = client.map(client_of);
         let mut held = self.held.lock().map_err(|_| Over::Everyone)?;
         if held.total >= self.max_total {
             return Err(Over::Everyone);
@@ -102,6 +103,19 @@ impl Caps {
     }
 }
 
+/// Who a client address counts as: an IPv6 address as its /64 (one host is given a whole
+/// /64 and may use any address in it, so per address it would have 2^64 caps), an
+/// IPv4-mapped one as its IPv4 address.
+fn client_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(prefix.into())
+        }
+        v4 => v4,
+    }
+}
+
 /// One connection's or request's place under the caps.
 #[derive(Debug)]
 pub struct Slot {
@@ -133,5 +147,26 @@ mod tests {
         drop(first);
         assert!(caps.admit(a).is_ok(), "an ended one frees its slot");
         assert_eq!(caps.total(), 2, "the one just admitted was dropped at once");
+    }
+
+    /// N9: one IPv6 host has a /64 to pick addresses from; it is one client.
+    #[test]
+    fn an_ipv6_slash_64_is_one_client() {
+        let caps = Caps::new(100, 2);
+        let ip = |s: &str| Some(s.parse::<IpAddr>().unwrap());
+        let _a = caps.admit(ip("2001:db8:1:2::1")).unwrap();
+        let _b = caps.admit(ip("2001:db8:1:2:ffff::9")).unwrap();
+        assert_eq!(
+            caps.admit(ip("2001:db8:1:2:dead:beef:0:1")).err(),
+            Some(Over::Client)
+        );
+        assert!(caps.admit(ip("2001:db8:1:3::1")).is_ok(), "another /64");
+        let _c = caps.admit(ip("::ffff:10.0.0.1")).unwrap();
+        let _d = caps.admit(ip("10.0.0.1")).unwrap();
+        assert_eq!(
+            caps.admit(ip("10.0.0.1")).err(),
+            Some(Over::Client),
+            "v4-mapped is v4"
+        );
     }
 }

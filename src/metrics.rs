@@ -78,6 +78,13 @@ metric!(POOL_RETRIES: IntCounterVec = register_int_counter_vec!(
     &["pool"]
 ));
 
+metric!(LOG_LINES_DROPPED: IntCounterVec = register_int_counter_vec!(
+    "sluice_log_lines_dropped_total",
+    "Pingora's log lines not written because their target wrote more than 10 a second (a \
+     client failing handshakes by the thousand), by target.",
+    &["target"]
+));
+
 metric!(STALE_CONNECTION_RETRIES: IntCounterVec = register_int_counter_vec!(
     "sluice_upstream_stale_connection_retries_total",
     "Requests sent again on another backend because the pooled connection they were written \
