@@ -96,7 +96,23 @@ fn host_names(config: &str) -> Vec<String> {
 /// that follow EndpointSlices name none: `-t` does not reach the cluster).
 fn sluice_check(config: &Path, dir: &Path) {
     let text = std::fs::read_to_string(config).unwrap();
-    let names = host_names(&text);
+    let mut names = host_names(&text);
+    // overlays/redis reads its Redis URLs from the environment, as its Deployment composes
+    // them from the Secret.
+    let redis_urls = [
+        (
+            "SLUICE_REDIS_CACHE_URL",
+            "redis://:test@sluice-redis-cache:6379/0",
+        ),
+        (
+            "SLUICE_REDIS_LIMITS_URL",
+            "redis://:test@sluice-redis-limits:6379/0",
+        ),
+    ];
+    names.extend([
+        "sluice-redis-cache".to_string(),
+        "sluice-redis-limits".to_string(),
+    ]);
     let hosts = dir.join("hosts");
     let mut lines = String::from("127.0.0.1 localhost\n");
     if !names.is_empty() {
@@ -112,7 +128,8 @@ fn sluice_check(config: &Path, dir: &Path) {
     let output = run(
         Command::new("unshare")
             .args(["--mount", "sh", "-c", &script])
-            .env("VLLM_API_KEY", "test-secret"),
+            .env("VLLM_API_KEY", "test-secret")
+            .envs(redis_urls),
         "unshare (util-linux; needs root)",
     );
     assert!(
@@ -185,23 +202,16 @@ fn every_overlay_renders_validates_and_its_config_checks() {
                 text.contains("store: redis") && text.contains("kind: redis"),
                 "{text}"
             );
-            // The cache in one Redis, the keys and limits in the other; the password is a
-            // placeholder the init container fills from the Secret, never the ConfigMap's.
+            // The cache in one Redis, the keys and limits in the other; the URLs, password
+            // included, from the environment the Deployment composes from the Secret, never
+            // the ConfigMap's.
             assert!(
-                text.contains("redis://:__REDIS_PASSWORD__@sluice-redis-cache:6379/0")
+                text.contains("url: {from_env: SLUICE_REDIS_CACHE_URL}")
                     && text
-                        .matches("redis://:__REDIS_PASSWORD__@sluice-redis-limits:6379/0")
+                        .matches("url: {from_env: SLUICE_REDIS_LIMITS_URL}")
                         .count()
-                        == 2,
-                "{text}"
-            );
-            assert_eq!(
-                host_names(&text),
-                [
-                    "sluice-redis-cache",
-                    "sluice-redis-limits",
-                    "sluice-redis-limits"
-                ],
+                        == 2
+                    && !text.contains("redis://"),
                 "{text}"
             );
         }
@@ -339,30 +349,35 @@ fn the_validator_refuses_broken_objects() {
             &redis,
             "--requirepass is written in the manifest",
         ),
-        // Sluice uses it: in every URL, never written in the ConfigMap, filled in by the init
-        // container (Sluice reading the ConfigMap itself gets the placeholder), from the Secret
-        // Redis requires.
+        // Sluice uses it: in every URL, never written in the ConfigMap, read from the
+        // environment, composed from the Secret Redis requires.
         (
-            "redis://:__REDIS_PASSWORD__@sluice-redis-limits",
-            "redis://sluice-redis-limits",
+            "url: {from_env: SLUICE_REDIS_LIMITS_URL}",
+            "url: redis://sluice-redis-limits:6379/0",
             &redis,
             "keys_from_redis.url: redis://sluice-redis-limits:6379/0 has no password",
         ),
         (
-            "redis://:__REDIS_PASSWORD__@sluice-redis-cache",
-            "redis://:hunter2@sluice-redis-cache",
+            "url: {from_env: SLUICE_REDIS_CACHE_URL}",
+            "url: redis://:hunter2@sluice-redis-cache:6379/0",
             &redis,
             "password is written in the ConfigMap",
         ),
         (
-            "          name: rendered-config\n",
-            "          name: config\n",
+            "        - name: SLUICE_REDIS_CACHE_URL\n",
+            "        - name: SLUICE_REDIS_CACHE\n",
             &redis,
-            "is never filled in",
+            "from_env SLUICE_REDIS_CACHE_URL, which the Sluice container does not define",
         ),
         (
-            "              name: sluice-redis\n        image: redis:7.4-alpine\n        name: config\n",
-            "              name: sluice-redis-auth\n        image: redis:7.4-alpine\n        name: config\n",
+            "value: redis://:$(REDIS_PASSWORD)@sluice-redis-cache",
+            "value: redis://:hunter2@sluice-redis-cache",
+            &redis,
+            "must carry the password as $(VAR)",
+        ),
+        (
+            "              name: sluice-redis\n        - name: SLUICE_REDIS_CACHE_URL\n",
+            "              name: sluice-redis-auth\n        - name: SLUICE_REDIS_CACHE_URL\n",
             &redis,
             "comes from Secret sluice-redis-auth/password",
         ),
@@ -386,17 +401,6 @@ fn the_validator_refuses_broken_objects() {
             "@sluice-redis-limits:6379/1",
             &redis,
             "share Redis Service sluice-redis-limits",
-        ),
-        // The init container that writes the config has the restricted profile too.
-        (
-            "        name: config\n        resources:\n          limits:\n            memory: 16Mi\n          \
-             requests:\n            cpu: 10m\n            memory: 16Mi\n        securityContext:\n          \
-             allowPrivilegeEscalation: false\n",
-            "        name: config\n        resources:\n          limits:\n            memory: 16Mi\n          \
-             requests:\n            cpu: 10m\n            memory: 16Mi\n        securityContext:\n          \
-             allowPrivilegeEscalation: true\n",
-            &redis,
-            "initContainer config: securityContext: allowPrivilegeEscalation false",
         ),
     ];
     for (from, to, source, named) in cases {

@@ -16,13 +16,14 @@ PrometheusRule against deploy/prometheus/sluice-rules.yaml, and for each pool wi
 `discovery.kubernetes` the Service it names (with a selector and the port), a Role bound to the
 Deployment's ServiceAccount that lets it list and watch that namespace's EndpointSlices, and the
 service-account token mounted (hence vllm-discovery/ rendered beside an overlay). For each
-Redis URL of the config: a password, never written in the ConfigMap but the placeholder an init
-container fills from a Secret; a rendered Redis behind it that requires that same Secret's
-password; and the tenants' keys, limits and budgets in a Redis of their own that evicts
-nothing (`noeviction`), apart from the cache's.
+Redis URL of the config: a password, never written in the ConfigMap but read from the Sluice
+container's environment (`url: {from_env: VAR}`), VAR composed from a Secret's value
+(`redis://:$(PASSWORD)@host:port/db`, PASSWORD from a secretKeyRef); a rendered Redis behind it
+that requires that same Secret's password; and the tenants' keys, limits and budgets in a
+Redis of their own that evicts nothing (`noeviction`), apart from the cache's.
 `--config-out` writes the rendered ConfigMap's sluice.yaml, for `sluice -t`. The config is the
 ConfigMap the Sluice container's `-c` file comes from: mounted directly, or through an init
-container that writes it into an emptyDir (overlays/redis).
+container that writes it into an emptyDir.
 
 `--write-prometheusrule` regenerates components/monitoring/prometheusrule.yaml from the rules
 file (Kustomize cannot embed a file in a custom resource).
@@ -43,11 +44,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 RULES = HERE.parent / "prometheus" / "sluice-rules.yaml"
 PROMETHEUS_RULE = HERE / "components" / "monitoring" / "prometheusrule.yaml"
 KUBERNETES_VERSION = "1.32.0"
-# overlays/redis: sluice.yaml's Redis URLs carry this instead of the password, and the init
-# container that writes the config Sluice reads puts the Secret's value (its env REDIS_PASSWORD)
-# in its place.
-PASSWORD_PLACEHOLDER = "__REDIS_PASSWORD__"
-PASSWORD_ENV = "REDIS_PASSWORD"
 CRDS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
@@ -383,39 +379,70 @@ def redis_flags(container):
     }
 
 
-def redis_facts(by_kind, config, home, pod, renderer):
+def env_value(container, variable):
+    """The literal value of a container's environment variable, or None."""
+    for env in container.get("env", []):
+        if env.get("name") == variable:
+            return env.get("value")
+    return None
+
+
+def redis_url(where, url, sluice):
+    """A Redis URL of the config as the pod will read it: (URL with the password's variable
+    in place of the password, the (Secret, key) the password comes from), or an error."""
+    if isinstance(url, dict) and set(url) == {"from_env"}:
+        variable = url["from_env"]
+        value = env_value(sluice, variable)
+        if value is None:
+            if secret_ref(sluice, variable):
+                return None   # the whole URL in a Secret: nothing here to check
+            return f"{where}: from_env {variable}, which the Sluice container does not define"
+        reference = re.search(r"//:\$\((\w+)\)@", value)
+        if not reference:
+            return (
+                f"{where}: {variable} must carry the password as $(VAR), VAR from a Secret "
+                "(redis://:$(REDIS_PASSWORD)@host:port/db)"
+            )
+        secret = secret_ref(sluice, reference.group(1))
+        if not secret:
+            return f"{where}: {variable}'s password variable {reference.group(1)} is not from a Secret"
+        return value, secret
+    if isinstance(url, dict):
+        return None   # from_file: a mounted Secret, not checked here
+    shown = re.sub(r"//[^@/]*@", "//***@", url)
+    try:
+        has_password = bool(urllib.parse.urlsplit(url).password)
+    except ValueError:
+        return None   # sluice -t says why
+    if has_password:
+        return (
+            f"{where}: the Redis password is written in the ConfigMap: read the URL from the "
+            "environment ({from_env: VAR}, VAR composed from a Secret: overlays/redis/deployment.yaml)"
+        )
+    return (
+        f"{where}: {shown} has no password: Redis must require one (url: {{from_env: VAR}}, "
+        "VAR composed from a Secret)"
+    )
+
+
+def redis_facts(by_kind, config, home, pod, sluice):
     """Redis requires a password, Sluice knows it without a ConfigMap holding it, and nothing
     that evicts can drop the tenants' keys, limits or budgets (N14)."""
     errors = []
-    filled_from = secret_ref(renderer, PASSWORD_ENV) if renderer else None
-    if renderer and PASSWORD_PLACEHOLDER not in " ".join(
-        renderer.get("command", []) + renderer.get("args", [])
-    ):
-        filled_from = None
     servers = {}   # name → roles
-    for where, role, url in redis_uses(config):
+    for where, role, written in redis_uses(config):
+        read = redis_url(where, written, sluice)
+        if read is None:
+            continue
+        if isinstance(read, str):
+            errors.append(read)
+            continue
+        url, filled_from = read
         try:
-            parts = urllib.parse.urlsplit(url)
+            parts = urllib.parse.urlsplit(re.sub(r"\$\(\w+\)", "password", url))
             host, port = parts.hostname or "", parts.port or 6379
         except ValueError:
             continue   # sluice -t says why
-        shown = re.sub(r"//[^@/]*@", "//***@", url)
-        if not parts.password:
-            errors.append(
-                f"{where}: {shown} has no password: Redis must require one "
-                f"(redis://:{PASSWORD_PLACEHOLDER}@host:port/db, filled from a Secret)"
-            )
-        elif parts.password != PASSWORD_PLACEHOLDER:
-            errors.append(
-                f"{where}: the Redis password is written in the ConfigMap: write "
-                f"{PASSWORD_PLACEHOLDER} and let an init container fill it from a Secret "
-                "(overlays/redis/deployment.yaml)"
-            )
-        elif not filled_from:
-            errors.append(
-                f"{where}: {PASSWORD_PLACEHOLDER} is never filled in: no init container writes "
-                f"Sluice's config with {PASSWORD_ENV} from a Secret (overlays/redis/deployment.yaml)"
-            )
         found = redis_server(by_kind, host, port, home)
         if found is None:
             continue   # a Redis outside these objects (managed): its settings are not here
@@ -483,11 +510,11 @@ def check_facts(objects, config_out):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
     # The config the pod reads: a ConfigMap mounted where `-c` points, or written there by an
-    # init container from a ConfigMap it mounts (overlays/redis: the Redis password filled in).
+    # init container from a ConfigMap it mounts.
     found = config_source(pod, container)
     if isinstance(found, str):
         return [found]
-    config_name, key, renderer = found
+    config_name, key, _renderer = found
     config_maps = [c for c in by_kind.get("ConfigMap", []) if c["metadata"]["name"] == config_name]
     if len(config_maps) != 1:
         return [f"the Deployment mounts ConfigMap {config_name}, which is not rendered"]
@@ -562,7 +589,7 @@ def check_facts(objects, config_out):
             errors += [f"NetworkPolicy {name}: {e}" for e in admin_peer_errors(peers, labels)]
 
     errors += discovery_facts(by_kind, config, deployment, pod)
-    errors += redis_facts(by_kind, config, namespace_of(deployment), pod, renderer)
+    errors += redis_facts(by_kind, config, namespace_of(deployment), pod, container)
 
     # prometheus-operator loads exactly the shipped rules.
     for rule in by_kind.get("PrometheusRule", []):
