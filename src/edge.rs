@@ -342,6 +342,11 @@ impl AsyncRead for HeaderDeadline {
                             "the client reset too many of its HTTP/2 streams",
                         )));
                     }
+                    if !this.resets.awaits_preface() {
+                        // The connection preface came: an idle h2 connection is Pingora's
+                        // `h2_idle_timeout`'s from here.
+                        this.deadline = None;
+                    }
                 }
                 Poll::Ready(Ok(()))
             }
@@ -350,6 +355,20 @@ impl AsyncRead for HeaderDeadline {
                 Some(deadline) if this.phase == Phase::Header => {
                     ready!(deadline.as_mut().poll(cx));
                     this.expire(cx)
+                }
+                // HTTP/2 over TLS: the client's connection preface is its first header. The
+                // h2 handshake waits for it without a deadline of its own, so a client that
+                // finished TLS and sends nothing held its connection for ever.
+                Some(deadline)
+                    if this.phase == Phase::Passthrough && this.resets.awaits_preface() =>
+                {
+                    ready!(deadline.as_mut().poll(cx));
+                    this.deadline = None;
+                    metrics::inc(&metrics::REJECTIONS, &[Reason::HeaderTimeout.as_str(), "-"]);
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the HTTP/2 connection preface did not arrive in time",
+                    )))
                 }
                 _ => Poll::Pending,
             },
@@ -399,6 +418,11 @@ impl ResetBudget {
     const FREE_RESETS: u32 = 100;
     const HEADERS: u8 = 0x1;
     const RST_STREAM: u8 = 0x3;
+
+    /// Whether the client's connection preface has not all come yet.
+    fn awaits_preface(&self) -> bool {
+        self.preface > 0
+    }
 
     /// Counts what `bytes`, the next ones the client sent, hold; `false` once the client is
     /// over its budget.

@@ -1202,3 +1202,46 @@ async fn failed_handshakes_cannot_flood_the_log() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// A client that finishes TLS with ALPN `h2` and sends nothing, not even the connection
+/// preface: the h2 handshake waits for it without a deadline of its own, and held the
+/// connection (and its place under `max_connections`) for ever. The preface is its first
+/// header: it must come within `client_header_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_h2_client_that_sends_no_preface_is_cut_at_the_header_timeout() {
+    use tokio::io::AsyncReadExt;
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    let sim = sim_serving(MODEL).await;
+    let proxy = H2Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "limits": {"client_header_timeout": "1s"},
+    }))
+    .await;
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = rustls::pki_types::CertificateDer::from_pem_slice(proxy.ca_pem.as_bytes()).unwrap();
+    roots.add(ca).unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = TcpStream::connect(proxy.tls).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    // Nothing sent: the proxy closes the connection (well within the 20 s waited here).
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 1024];
+        while tls.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "a TLS h2 connection without a preface was kept open"
+    );
+}
