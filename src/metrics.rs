@@ -85,10 +85,10 @@ metric!(LOG_LINES_DROPPED: IntCounterVec = register_int_counter_vec!(
     &["target"]
 ));
 
-metric!(STALE_CONNECTION_RETRIES: IntCounterVec = register_int_counter_vec!(
-    "sluice_upstream_stale_connection_retries_total",
-    "Requests sent again on another backend because the pooled connection they were written \
-     on failed before any byte of answer (the backend had closed it, or died), by pool.",
+metric!(UNANSWERED_RETRIES: IntCounterVec = register_int_counter_vec!(
+    "sluice_upstream_unanswered_retries_total",
+    "Requests sent again on another backend because their connection failed before any byte \
+     of answer (a pooled one the backend had closed, or a backend that died), by pool.",
     &["pool"]
 ));
 
@@ -294,7 +294,7 @@ pub fn init(pools: &Pools) {
         touch(&ROUTER_REQUEST_DURATION, &[&pool.name]);
         touch(&STREAM_FIRST_BYTE, &[&pool.name]);
         touch(&EJECTIONS, &[&pool.name]);
-        touch(&STALE_CONNECTION_RETRIES, &[&pool.name]);
+        touch(&UNANSWERED_RETRIES, &[&pool.name]);
         for direction in ["late", "early"] {
             touch(&TTFT_PREDICTION_ERROR, &[&pool.name, direction]);
         }

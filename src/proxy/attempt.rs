@@ -190,17 +190,18 @@ impl Upstream<'_> {
         e.into_up()
     }
 
-    /// An error of this connection before any byte of the answer came. On a connection taken
-    /// from the pool it is the keep-alive race (the backend closed it, or died, while it sat
-    /// idle): the request is sent again elsewhere, as nginx's `proxy_next_upstream error`
-    /// does. On a fresh connection it is final, as [`Upstream::failed`].
+    /// An error of this connection before any byte of the answer came: the backend closed
+    /// it (on a connection taken from the pool, the keep-alive race) or died with it. No
+    /// answer was made, and a backend that dropped the connection is no longer working on
+    /// the request (vLLM aborts a request whose client is gone), so it is sent again
+    /// elsewhere, as nginx's `proxy_next_upstream error` does: a backend killed under load
+    /// cost clients 502s. A timeout is final: the backend may still be generating.
     fn failed_before_answer(&self, mut e: Box<Error>) -> Box<Error> {
-        // A timeout is a slow backend, not a dead connection: it may be generating.
         let timed_out = matches!(
             e.etype(),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout
         );
-        e.set_retry(self.reused && !timed_out);
+        e.set_retry(!timed_out);
         e.into_up()
     }
 }

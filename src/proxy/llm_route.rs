@@ -428,8 +428,8 @@ impl AttemptLoop {
         );
         if is_connect_failure(&e) || e.retry() {
             if !is_connect_failure(&e) {
-                // The keep-alive race (see `attempt::Upstream::failed_before_answer`).
-                metrics::inc(&metrics::STALE_CONNECTION_RETRIES, &[&pool.name]);
+                // Sent, and never answered (see `attempt::Upstream::failed_before_answer`).
+                metrics::inc(&metrics::UNANSWERED_RETRIES, &[&pool.name]);
             }
             // Another backend of the pool; when none is left, the escalation target.
             self.last_error = Some(e);
