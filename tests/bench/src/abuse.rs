@@ -75,7 +75,8 @@ pub struct AttackStats {
 }
 
 impl AttackStats {
-    fn merge(&mut self, o: AttackStats) {
+    /// Adds another attack's counts to these (scenario 23 sums its abuse windows).
+    pub(crate) fn merge(&mut self, o: AttackStats) {
         self.stalled_sent += o.stalled_sent;
         self.stalled_streaming += o.stalled_streaming;
         self.stalled_other = self.stalled_other.take().or(o.stalled_other);

@@ -64,7 +64,7 @@ pub const TENANT_NAME: &str = "bench";
 /// `requests_per_minute` is a `u32`; the token limits may be at most 10^12
 /// (plugins/tenants/src/limits/config.rs).
 pub const TENANT_REQUESTS_PER_MINUTE: &str = "100000000";
-const TENANT_LIMITS: &str = "{requests_per_minute: 100000000, \
+pub(crate) const TENANT_LIMITS: &str = "{requests_per_minute: 100000000, \
      input_tokens_per_minute: 1000000000000, output_tokens_per_minute: 1000000000000, \
      max_concurrent: 1000000}";
 
@@ -201,6 +201,9 @@ pub enum Contender {
     SluiceDiscoveredIdle,
     /// Scenario 22: an idle Sluice with the same endpoints as static `backends`.
     SluiceStaticIdle,
+    /// Scenario 23: Sluice with every plugin on in front of a fleet, for a long run with
+    /// faults (backends killed, Redis restarted, reloads, abusive clients).
+    SluiceSoak,
 }
 
 impl Contender {
@@ -257,6 +260,7 @@ impl Contender {
             Contender::SluiceDiscovery => "sluice (draft pool discovered by DNS, plugins on)",
             Contender::SluiceDiscoveredIdle => "sluice (endpoints discovered by DNS)",
             Contender::SluiceStaticIdle => "sluice (the same endpoints as static backends)",
+            Contender::SluiceSoak => "sluice (soak: plugins on, faults)",
         }
     }
 
@@ -959,6 +963,13 @@ pub async fn start_fleet_sluice(
 /// its address.
 pub async fn start_redis(dir: &Path) -> Result<(Proc, SocketAddr)> {
     let addr = free_addr()?;
+    let proc = start_redis_on(dir, addr).await?;
+    Ok((proc, addr))
+}
+
+/// Starts a redis-server on `addr` (no persistence, so empty: scenario 23 restarts one on its
+/// port); returns once it accepts connections.
+pub async fn start_redis_on(dir: &Path, addr: SocketAddr) -> Result<Proc> {
     let rdir = dir.join(format!("redis-{}", addr.port()));
     std::fs::create_dir_all(&rdir).with_context(|| format!("creating {rdir:?}"))?;
     let mut cmd = Command::new("redis-server");
@@ -968,7 +979,24 @@ pub async fn start_redis(dir: &Path) -> Result<(Proc, SocketAddr)> {
         .arg(&rdir);
     let mut proc = Proc::spawn("redis-server", cmd, &rdir.join("redis.log"), false)?;
     proc.wait_ready(&[addr]).await?;
-    Ok((proc, addr))
+    Ok(proc)
+}
+
+/// Whether the Redis at `addr` answers `PING` with `+PONG` (it accepts connections a moment
+/// before it serves them, while it loads).
+pub async fn redis_pong(addr: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(b"PING\r\n").await?;
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).await?;
+        Ok::<bool, std::io::Error>(buf.get(..n).is_some_and(|b| b.starts_with(b"+PONG")))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), exchange).await,
+        Ok(Ok(true))
+    )
 }
 
 /// Finds nginx, installing Debian's `nginx-light` when it is missing. The error says why

@@ -18,6 +18,7 @@ pub mod public;
 pub mod report;
 pub mod resilience;
 pub mod scenarios;
+pub mod soak;
 pub mod sse;
 pub mod tenants;
 
@@ -42,6 +43,8 @@ pub struct Options {
     pub scenarios: Vec<u8>,
     /// Fail when nginx is unavailable instead of reporting it as such.
     pub require_nginx: bool,
+    /// Scenario 23's length instead of [`Params::soak`] (`--soak-minutes`).
+    pub soak: Option<Duration>,
 }
 
 /// How hard and how long each scenario pushes.
@@ -134,6 +137,14 @@ pub struct Params {
     /// static backends), and the idle time measured per round.
     pub discovery_endpoints: usize,
     pub discovery_idle: Duration,
+    /// Scenario 23: how long the soak runs (its first sixth is the warm-up), its open-loop
+    /// rate (req/s), the stalled readers and slowloris connections of each abuse window (as
+    /// many of each), and the size of the body its one big-body connection sends again and
+    /// again.
+    pub soak: Duration,
+    pub soak_rate: f64,
+    pub soak_attackers: usize,
+    pub soak_body_bytes: usize,
 }
 
 impl Params {
@@ -199,6 +210,10 @@ impl Params {
             discovery_tail: Duration::from_secs(4),
             discovery_endpoints: 200,
             discovery_idle: Duration::from_secs(5),
+            soak: Duration::from_secs(30 * 60),
+            soak_rate: 60.0,
+            soak_attackers: 20,
+            soak_body_bytes: 8 << 20,
         }
     }
 
@@ -264,6 +279,10 @@ impl Params {
             discovery_tail: Duration::from_secs(1),
             discovery_endpoints: 20,
             discovery_idle: Duration::from_secs(1),
+            soak: Duration::from_secs(20),
+            soak_rate: 40.0,
+            soak_attackers: 3,
+            soak_body_bytes: 256 << 10,
         }
     }
 }
@@ -291,6 +310,7 @@ pub async fn smoke(sluice_bin: PathBuf) -> Result<Report> {
         smoke: true,
         scenarios: Vec::new(),
         require_nginx: true,
+        soak: None,
     })
     .await
 }
@@ -312,16 +332,20 @@ pub async fn run(opts: Options) -> Result<Report> {
         .prefix("sluice-bench.")
         .tempdir()
         .context("creating the temporary directory")?;
+    let mut p = if opts.smoke {
+        Params::smoke()
+    } else {
+        Params::full()
+    };
+    if let Some(soak) = opts.soak {
+        p.soak = soak;
+    }
     let mut ctx = Ctx {
         sluice_bin: opts.sluice_bin.clone(),
         sim: opts.sim.clone(),
         nginx,
         require_nginx: opts.require_nginx,
-        p: if opts.smoke {
-            Params::smoke()
-        } else {
-            Params::full()
-        },
+        p,
         root,
         max_rps: Vec::new(),
     };

@@ -30,6 +30,10 @@ struct Args {
     /// single scenarios write nothing unless given).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Scenario 23 (the soak) runs this many minutes instead of 30 (fractions allowed; also
+    /// from the environment variable SLUICE_BENCH_SOAK_MINUTES).
+    #[arg(long)]
+    soak_minutes: Option<f64>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -119,6 +123,26 @@ async fn sim_serve(host: std::net::IpAddr, port: u16, spec: SimSpec) -> Result<(
     Ok(())
 }
 
+/// The soak's length from `--soak-minutes`, else from SLUICE_BENCH_SOAK_MINUTES; `None`:
+/// the scenario's own (30 minutes, or the smoke run's seconds).
+fn soak_length(flag: Option<f64>) -> Result<Option<std::time::Duration>> {
+    const VAR: &str = "SLUICE_BENCH_SOAK_MINUTES";
+    let minutes = match flag {
+        Some(m) => m,
+        None => match std::env::var(VAR) {
+            Ok(v) if !v.trim().is_empty() => v
+                .trim()
+                .parse::<f64>()
+                .with_context(|| format!("{VAR}={v:?} is not a number of minutes"))?,
+            _ => return Ok(None),
+        },
+    };
+    if !(minutes.is_finite() && minutes > 0.0 && minutes <= 24.0 * 60.0) {
+        bail!("the soak's length must be more than 0 and at most a day, not {minutes} minutes");
+    }
+    Ok(Some(std::time::Duration::from_secs_f64(minutes * 60.0)))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // Pingora starts its own runtimes, so the bare proxy runs outside tokio's.
@@ -150,6 +174,8 @@ async fn harness(args: Args) -> Result<()> {
     if let Some(Cmd::SimServe { host, port, spec }) = args.command {
         return sim_serve(host, port, spec).await;
     }
+    // Checked before the build, which takes minutes.
+    let soak = soak_length(args.soak_minutes)?;
     if !args.no_build && args.sluice.is_none() {
         build()?;
     }
@@ -164,6 +190,7 @@ async fn harness(args: Args) -> Result<()> {
         smoke: args.smoke,
         scenarios: args.scenarios.clone(),
         require_nginx: false,
+        soak,
     };
     // Ctrl-C drops the run, and with it every process it started.
     let report = tokio::select! {

@@ -84,6 +84,10 @@ pub const ALL: &[(u8, &str)] = &[
         22,
         "Discovery: a fleet scaled 2 → 4 → 2 under load with every plugin on, a pod killed with discovery on, and CPU at idle with 200 discovered endpoints",
     ),
+    (
+        23,
+        "Soak: 30 minutes of mixed traffic with faults (backend kills, Redis restarts, reloads, stalled and abusive clients): RSS growth after warm-up and lost requests",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -109,6 +113,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         20 => crate::h2_streams::h2_streams(ctx).await,
         21 => pingora_floor(ctx).await,
         22 => crate::discovery::discovery(ctx).await,
+        23 => crate::soak::soak(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -302,7 +307,8 @@ impl Stack {
                 | Contender::SluiceTtft
                 | Contender::SluiceDiscovery
                 | Contender::SluiceDiscoveredIdle
-                | Contender::SluiceStaticIdle => {
+                | Contender::SluiceStaticIdle
+                | Contender::SluiceSoak => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }

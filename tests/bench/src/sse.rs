@@ -114,7 +114,7 @@ impl SseResult {
 }
 
 /// Counts the SSE events that start in `data`.
-fn count_events(data: &[u8]) -> u64 {
+pub(crate) fn count_events(data: &[u8]) -> u64 {
     let mut n = 0;
     let mut at_line_start = true;
     let mut i = 0;
