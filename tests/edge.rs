@@ -627,3 +627,65 @@ async fn the_admin_listener_caps_connections_and_bounds_headers() {
     .await;
     assert!(back.is_some(), "the admin never answered again");
 }
+
+/// A client that stops reading a streamed answer, then resets its connection, has gone: the
+/// proxy's blocked write fails, and the request ends as the client's going (a 499, which
+/// counts as no rejection), never as an internal error of the proxy (a slow-client attack
+/// showed up as `internal` on dashboards, and as ERROR lines).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_resets_a_stalled_stream_counts_as_gone_not_as_an_internal_error() {
+    // About 6 MB of events, generated at once: more than the sockets between hold.
+    let upstream = vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model(MODEL)
+            .with_max_model_len(65_536)
+            .with_kv(8_192, 16)
+            .with_latency(vllm_sim::Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::ZERO,
+            ))
+            .with_answer_tokens(40_000, 40_000),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
+    let mut request = chat(MODEL, "a long story", true);
+    request["max_tokens"] = json!(40_000);
+    let body = serde_json::to_vec(&request).unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&body).await.unwrap();
+    let mut start = [0u8; 512];
+    let n = s.read(&mut start).await.unwrap();
+    assert!(String::from_utf8_lossy(&start[..n]).starts_with("HTTP/1.1 200"));
+    // The engine is done; its answer waits in the proxy, whose write to us is blocked.
+    let generated = wait_for(Duration::from_secs(30), || async {
+        upstream.engine_state().running == 0
+    })
+    .await;
+    assert!(generated.is_some(), "the engine never finished");
+    s.set_linger(Some(Duration::ZERO)).unwrap();
+    drop(s);
+    // The request ends (its access-log line), as the client's going, not the proxy's fault.
+    let ended = wait_for(Duration::from_secs(30), || async {
+        proxy.logs().contains("Downstream WriteError")
+    })
+    .await;
+    assert!(ended.is_some(), "{}", proxy.logs());
+    assert_eq!(
+        proxy
+            .metric(r#"router_rejections_total{priority="-",reason="internal"}"#)
+            .await,
+        Some(0.0),
+        "{}",
+        proxy.logs()
+    );
+    assert!(!proxy.logs().contains("ERROR"), "{}", proxy.logs());
+}

@@ -389,7 +389,13 @@ impl AttemptLoop {
                     Then::Finished(Err(rejected.into_error()))
                 }
             }
-            Outcome::Broken(e) | Outcome::ClientGone(e) => Then::Finished(Err(e)),
+            Outcome::Broken(e) => Then::Finished(Err(e)),
+            Outcome::ClientGone(mut e) => {
+                // Pingora's own write errors to the client carry no source: without it, a
+                // client that reset its connection mid-answer counted as an internal error.
+                e.as_down();
+                Then::Finished(Err(e))
+            }
         }
     }
 
