@@ -671,7 +671,7 @@ async fn a_client_that_resets_a_stalled_stream_counts_as_gone_not_as_an_internal
     })
     .await;
     assert!(generated.is_some(), "the engine never finished");
-    s.set_linger(Some(Duration::ZERO)).unwrap();
+    s.set_zero_linger().unwrap();
     drop(s);
     // The request ends (its access-log line), as the client's going, not the proxy's fault.
     let ended = wait_for(Duration::from_secs(30), || async {
