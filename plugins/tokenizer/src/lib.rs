@@ -1,0 +1,610 @@
+#![warn(missing_docs)]
+//! A prompt's token ids as vLLM makes them: a Hugging Face tokenizer folder read with the
+//! `tokenizers` crate, and its chat template rendered with `minijinja`, set up as transformers
+//! sets up Jinja for chat templates (`trim_blocks`, `lstrip_blocks`, loop controls, Python's
+//! string methods, `raise_exception`, and a `tojson` that writes what Python's `json.dumps`
+//! writes: `", "` and `": "` between items, keys in their order, non-ASCII kept).
+//!
+//! The template is picked as transformers and vLLM pick it: `chat_template.jinja` when the
+//! folder has one, else `tokenizer_config.json`'s `chat_template` (a string, or a list of named
+//! templates, of which `default` is taken). Chat messages are rendered with
+//! `add_generation_prompt` (the request's, `true` by default) and the request's `tools` and
+//! `chat_template_kwargs`, then encoded without special tokens (the template writes them);
+//! a text prompt is encoded with them, as vLLM's completions endpoint does. As vLLM does,
+//! a tool call's `arguments` string is parsed into the object the template expects.
+//!
+//! Written here, not taken from a crate: no maintained crate renders Hugging Face chat
+//! templates the way transformers does (minijinja alone lacks the Python-compatible `tojson`
+//! and the globals), and the part that is ours is small.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::Environment;
+use serde::Deserialize;
+
+/// Why a tokenizer folder cannot be used, or a prompt cannot be tokenized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The folder's files are missing or malformed.
+    Load(String),
+    /// The chat template failed to render (or raised, as templates do for unsupported input).
+    Template(String),
+    /// The request is not one the tokenizer can read (no messages, no prompt).
+    Request(String),
+    /// The tokenizer failed to encode the text.
+    Encode(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Load(why) => write!(f, "cannot load the tokenizer: {why}"),
+            Error::Template(why) => write!(f, "the chat template failed: {why}"),
+            Error::Request(why) => write!(f, "cannot tokenize the request: {why}"),
+            Error::Encode(why) => write!(f, "cannot encode the prompt: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// The name the chat template is registered under in the environment.
+const CHAT: &str = "chat";
+
+/// A tokenizer folder, ready to tokenize requests.
+pub struct PromptTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    env: Environment<'static>,
+    has_template: bool,
+    /// `bos_token`, `eos_token`, `pad_token`, `unk_token`, as the template sees them.
+    specials: Vec<(&'static str, String)>,
+}
+
+impl std::fmt::Debug for PromptTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptTokenizer")
+            .field("vocab", &self.tokenizer.get_vocab_size(true))
+            .field("has_template", &self.has_template)
+            .finish()
+    }
+}
+
+/// The parts of `tokenizer_config.json` that matter here.
+#[derive(Deserialize, Default)]
+struct TokenizerConfig {
+    #[serde(default)]
+    chat_template: Option<TemplateField>,
+    #[serde(default)]
+    bos_token: Option<SpecialToken>,
+    #[serde(default)]
+    eos_token: Option<SpecialToken>,
+    #[serde(default)]
+    pad_token: Option<SpecialToken>,
+    #[serde(default)]
+    unk_token: Option<SpecialToken>,
+}
+
+/// A special token: a string, or an `AddedToken` object with its `content`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SpecialToken {
+    Text(String),
+    Added { content: String },
+}
+
+impl SpecialToken {
+    fn into_text(self) -> String {
+        match self {
+            SpecialToken::Text(text) | SpecialToken::Added { content: text } => text,
+        }
+    }
+}
+
+/// `chat_template`: one template, or named ones.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TemplateField {
+    One(String),
+    Named(Vec<NamedTemplate>),
+}
+
+#[derive(Deserialize)]
+struct NamedTemplate {
+    name: String,
+    template: String,
+}
+
+/// The fields of a chat request the template reads.
+#[derive(Deserialize)]
+struct ChatFields {
+    messages: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+}
+
+/// The field of a text completion request that is tokenized.
+#[derive(Deserialize)]
+struct CompletionFields {
+    prompt: Option<serde_json::Value>,
+}
+
+impl PromptTokenizer {
+    /// Reads a Hugging Face tokenizer folder: `tokenizer.json`, and `tokenizer_config.json`
+    /// and `chat_template.jinja` when present.
+    pub fn load(dir: &Path) -> Result<Self, Error> {
+        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| Error::Load(format!("{}: {e}", dir.join("tokenizer.json").display())))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: TokenizerConfig = match std::fs::read(&config_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| Error::Load(format!("{}: {e}", config_path.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => TokenizerConfig::default(),
+            Err(e) => return Err(Error::Load(format!("{}: {e}", config_path.display()))),
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let template = match std::fs::read_to_string(&jinja_path) {
+            Ok(text) => Some(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match config.chat_template {
+                Some(TemplateField::One(text)) => Some(text),
+                Some(TemplateField::Named(list)) => list
+                    .into_iter()
+                    .find(|t| t.name == "default")
+                    .map(|t| t.template),
+                None => None,
+            },
+            Err(e) => return Err(Error::Load(format!("{}: {e}", jinja_path.display()))),
+        };
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| Error::Load(format!("the template syntax: {e}")))?;
+        env.set_syntax(syntax);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", python_tojson);
+        env.add_function("raise_exception", raise_exception);
+        let has_template = template.is_some();
+        if let Some(template) = template {
+            env.add_template_owned(CHAT, template)
+                .map_err(|e| Error::Load(format!("the chat template: {e}")))?;
+        }
+        let specials = [
+            ("bos_token", config.bos_token),
+            ("eos_token", config.eos_token),
+            ("pad_token", config.pad_token),
+            ("unk_token", config.unk_token),
+        ]
+        .into_iter()
+        .filter_map(|(name, token)| Some((name, token?.into_text())))
+        .collect();
+        Ok(PromptTokenizer {
+            tokenizer,
+            env,
+            has_template,
+            specials,
+        })
+    }
+
+    /// Whether the folder has a chat template (without one, chat requests cannot be read).
+    pub fn has_chat_template(&self) -> bool {
+        self.has_template
+    }
+
+    /// The chat request `body` as the template renders it.
+    pub fn render_chat(&self, body: &[u8]) -> Result<String, Error> {
+        let fields: ChatFields =
+            serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
+        let messages = fields
+            .messages
+            .ok_or_else(|| Error::Request("no messages".to_string()))?;
+        let messages = parse_tool_arguments(messages);
+        let template = self
+            .env
+            .get_template(CHAT)
+            .map_err(|_| Error::Template("the tokenizer has no chat template".to_string()))?;
+        let mut context: Vec<(String, Value)> = self
+            .specials
+            .iter()
+            .map(|(name, text)| ((*name).to_string(), Value::from(text.as_str())))
+            .collect();
+        let continue_final = fields.continue_final_message.unwrap_or(false);
+        // vLLM: the generation prompt is off when the last message is continued.
+        let generation_prompt = fields.add_generation_prompt.unwrap_or(true) && !continue_final;
+        context.push(("messages".to_string(), messages));
+        context.push(("tools".to_string(), fields.tools.unwrap_or(Value::from(()))));
+        context.push((
+            "add_generation_prompt".to_string(),
+            Value::from(generation_prompt),
+        ));
+        if let Some(kwargs) = fields.chat_template_kwargs {
+            if let Ok(keys) = kwargs.try_iter() {
+                for key in keys {
+                    if let (Some(name), Ok(value)) = (key.as_str(), kwargs.get_item(&key)) {
+                        context.push((name.to_string(), value));
+                    }
+                }
+            }
+        }
+        let context: std::collections::BTreeMap<String, Value> = context.into_iter().collect();
+        let context = Value::from(context);
+        template
+            .render(context)
+            .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// The token ids of a chat request (`/v1/chat/completions` body).
+    pub fn chat(&self, body: &[u8]) -> Result<Vec<u32>, Error> {
+        let text = self.render_chat(body)?;
+        self.encode(&text, false)
+    }
+
+    /// The token ids of a text completion request (`/v1/completions` body): its prompt, or
+    /// the first of a list of prompts; a prompt given as token ids is taken as it is.
+    pub fn completion(&self, body: &[u8]) -> Result<Vec<u32>, Error> {
+        let fields: CompletionFields =
+            serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
+        let prompt = fields
+            .prompt
+            .ok_or_else(|| Error::Request("no prompt".to_string()))?;
+        let first = match prompt {
+            serde_json::Value::Array(mut items) if !items.is_empty() => {
+                if items.iter().all(serde_json::Value::is_u64) {
+                    return Ok(items
+                        .iter()
+                        .filter_map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                        .collect());
+                }
+                items.swap_remove(0)
+            }
+            other => other,
+        };
+        match first {
+            serde_json::Value::String(text) => self.encode(&text, true),
+            serde_json::Value::Array(ids) => Ok(ids
+                .iter()
+                .filter_map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect()),
+            _ => Err(Error::Request("the prompt is not text".to_string())),
+        }
+    }
+
+    /// Encodes `text`; with `special`, the tokenizer's post-processor adds its special tokens.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, Error> {
+        self.tokenizer
+            .encode_fast(text, special)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| Error::Encode(e.to_string()))
+    }
+}
+
+/// vLLM parses each tool call's `arguments` string into an object before rendering, since
+/// templates write it with `tojson`. Rebuilt as minijinja values, which keep keys in order.
+fn parse_tool_arguments(messages: Value) -> Value {
+    let has_calls = messages.try_iter().is_ok_and(|mut all| {
+        all.any(|m| {
+            m.get_attr("tool_calls")
+                .is_ok_and(|c| c.kind() == ValueKind::Seq)
+        })
+    });
+    if !has_calls {
+        return messages;
+    }
+    let Ok(list) = messages.try_iter() else {
+        return messages;
+    };
+    list.map(|message| {
+        map_entries(&message, |key, value| match key {
+            "tool_calls" => value
+                .try_iter()
+                .map(|calls| calls.map(|call| parse_call(&call)).collect())
+                .unwrap_or(value),
+            _ => value,
+        })
+    })
+    .collect()
+}
+
+fn parse_call(call: &Value) -> Value {
+    map_entries(call, |key, value| match key {
+        "function" => map_entries(&value, |key, value| match (key, value.as_str()) {
+            ("arguments", Some(text)) => serde_json::from_str::<Value>(text).unwrap_or(value),
+            _ => value,
+        }),
+        _ => value,
+    })
+}
+
+/// A map with each entry's value passed through `edit`, in the map's order; other values as
+/// they are.
+fn map_entries(map: &Value, edit: impl Fn(&str, Value) -> Value) -> Value {
+    if map.kind() != ValueKind::Map {
+        return map.clone();
+    }
+    let Ok(keys) = map.try_iter() else {
+        return map.clone();
+    };
+    let edited: indexmap::IndexMap<Value, Value> = keys
+        .map(|key| {
+            let value = map.get_item(&key).unwrap_or_default();
+            let value = match key.as_str() {
+                Some(name) => edit(name, value),
+                None => value,
+            };
+            (key, value)
+        })
+        .collect();
+    Value::from(edited)
+}
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(
+        minijinja::ErrorKind::InvalidOperation,
+        message,
+    ))
+}
+
+/// transformers' `tojson`: `json.dumps(value, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, marked safe.
+fn python_tojson(
+    value: &Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> Result<Value, minijinja::Error> {
+    let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
+        Some(v) if v.is_number() => i64::try_from(v).ok().map(|n| " ".repeat(n.max(0) as usize)),
+        Some(v) => v.as_str().map(str::to_string),
+        None => None,
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let _ = kwargs.get::<Option<Value>>("ensure_ascii")?;
+    let _ = kwargs.get::<Option<Value>>("separators")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    let style = JsonStyle { indent, sort_keys };
+    write_json(&mut out, value, &style, 0);
+    Ok(Value::from_safe_string(out))
+}
+
+struct JsonStyle {
+    indent: Option<String>,
+    sort_keys: bool,
+}
+
+impl JsonStyle {
+    /// A newline and `depth` indents, when indenting.
+    fn break_line(&self, out: &mut String, depth: usize) {
+        if let Some(indent) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(indent);
+            }
+        }
+    }
+
+    /// Python's item separator: `", "`, or `","` before a newline when indenting.
+    fn item_separator(&self) -> &'static str {
+        if self.indent.is_some() {
+            ","
+        } else {
+            ", "
+        }
+    }
+}
+
+fn write_json(out: &mut String, value: &Value, style: &JsonStyle, depth: usize) {
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => match (i64::try_from(value.clone()), f64::try_from(value.clone())) {
+            (Ok(int), _) if value.is_integer() => {
+                let _ = write!(out, "{int}");
+            }
+            (_, Ok(float)) => write_python_float(out, float),
+            _ => out.push_str("null"),
+        },
+        ValueKind::String => write_json_string(out, value.as_str().unwrap_or_default()),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = value.try_iter().map(Iterator::collect).unwrap_or_default();
+            if items.is_empty() {
+                out.push_str("[]");
+                return;
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(style.item_separator());
+                }
+                style.break_line(out, depth + 1);
+                write_json(out, item, style, depth + 1);
+            }
+            style.break_line(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = value.try_iter().map(Iterator::collect).unwrap_or_default();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return;
+            }
+            if style.sort_keys {
+                keys.sort_by_key(ToString::to_string);
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(style.item_separator());
+                }
+                style.break_line(out, depth + 1);
+                match key.as_str() {
+                    Some(text) => write_json_string(out, text),
+                    None => write_json_string(out, &key.to_string()),
+                }
+                out.push_str(": ");
+                let item = value.get_item(key).unwrap_or_default();
+                write_json(out, &item, style, depth + 1);
+            }
+            style.break_line(out, depth);
+            out.push('}');
+        }
+        _ => write_json_string(out, &value.to_string()),
+    }
+}
+
+/// A float as Python's `repr` writes it: `1.0`, `0.5`, `1e+20`.
+fn write_python_float(out: &mut String, float: f64) {
+    if !float.is_finite() {
+        out.push_str(if float.is_nan() {
+            "NaN"
+        } else if float > 0.0 {
+            "Infinity"
+        } else {
+            "-Infinity"
+        });
+    } else if float.fract() == 0.0 && float.abs() < 1e16 {
+        let _ = write!(out, "{float:.1}");
+    } else {
+        let text = format!("{float:?}");
+        // Rust writes `1e20`, Python `1e+20`.
+        match text.split_once('e') {
+            Some((mantissa, exp)) if !exp.starts_with('-') => {
+                let _ = write!(out, "{mantissa}e+{exp}");
+            }
+            _ => out.push_str(&text),
+        }
+    }
+}
+
+/// A JSON string as Python's `json.dumps(..., ensure_ascii=False)` writes it.
+fn write_json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn fixture() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer-chatml")
+    }
+
+    /// The ids transformers 5 makes of each case (`golden.json`, written by the script in
+    /// tests/fixtures/README.md): the same chat template, the same tokenizer.
+    #[test]
+    fn token_ids_equal_transformers() {
+        let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
+        assert!(tokenizer.has_chat_template());
+        // Read raw, so that each case's keys reach the tokenizer in the file's order.
+        #[derive(serde::Deserialize)]
+        struct Case {
+            chat: Option<Box<serde_json::value::RawValue>>,
+            prompt: Option<String>,
+            ids: Vec<u32>,
+        }
+        let golden: Vec<Case> =
+            serde_json::from_slice(&std::fs::read(fixture().join("golden.json")).unwrap()).unwrap();
+        assert!(golden.len() >= 7);
+        for case in golden {
+            let ids = match (&case.chat, &case.prompt) {
+                (Some(chat), _) => tokenizer.chat(chat.get().as_bytes()).unwrap(),
+                (None, Some(prompt)) => {
+                    let body = serde_json::json!({ "prompt": prompt });
+                    tokenizer
+                        .completion(&serde_json::to_vec(&body).unwrap())
+                        .unwrap()
+                }
+                (None, None) => panic!("a case without input"),
+            };
+            assert_eq!(
+                ids,
+                case.ids,
+                "case {:?}",
+                case.chat.as_ref().map(|c| c.get())
+            );
+        }
+    }
+
+    #[test]
+    fn tool_arguments_given_as_text_render_as_objects() {
+        let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
+        let as_text = br#"{"messages":[{"role":"assistant","content":"","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"city\": \"Paris\", \"a\": 1}"}}]}]}"#;
+        let rendered = tokenizer.render_chat(as_text).unwrap();
+        assert!(
+            rendered.contains(r#"{"name": "f", "arguments": {"city": "Paris", "a": 1}}"#),
+            "{rendered}"
+        );
+    }
+
+    #[test]
+    fn python_json() {
+        let value: Value = serde_json::from_str(
+            r#"{"b": [1, 2.5, 3.0, "é\n\"x\"", null, true], "a": {}, "c": []}"#,
+        )
+        .unwrap();
+        let mut out = String::new();
+        let style = JsonStyle {
+            indent: None,
+            sort_keys: false,
+        };
+        write_json(&mut out, &value, &style, 0);
+        assert_eq!(
+            out,
+            r#"{"b": [1, 2.5, 3.0, "é\n\"x\"", null, true], "a": {}, "c": []}"#
+        );
+        let mut out = String::new();
+        let style = JsonStyle {
+            indent: Some("  ".to_string()),
+            sort_keys: true,
+        };
+        write_json(&mut out, &value, &style, 0);
+        assert_eq!(out, "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    3.0,\n    \"é\\n\\\"x\\\"\",\n    null,\n    true\n  ],\n  \"c\": []\n}");
+    }
+
+    #[test]
+    fn requests_it_cannot_read_are_errors() {
+        let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
+        assert!(matches!(tokenizer.chat(b"{}"), Err(Error::Request(_))));
+        assert!(matches!(
+            tokenizer.chat(b"not json"),
+            Err(Error::Request(_))
+        ));
+        assert!(matches!(
+            tokenizer.completion(br#"{"prompt": 5}"#),
+            Err(Error::Request(_))
+        ));
+        assert_eq!(
+            tokenizer.completion(br#"{"prompt": [1, 2, 3]}"#).unwrap(),
+            vec![1, 2, 3]
+        );
+        assert!(matches!(
+            PromptTokenizer::load(Path::new("/nonexistent")),
+            Err(Error::Load(_))
+        ));
+    }
+}
