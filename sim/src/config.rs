@@ -158,6 +158,45 @@ pub struct SimConfig {
     /// vLLM's `--api-key`: every `/v1` request must carry `Authorization: Bearer <key>`, else
     /// 401 `{"error": "Unauthorized"}`, as vLLM answers. `/health` and `/metrics` stay open.
     pub api_key: Option<String>,
+    /// A Hugging Face tokenizer folder (`--tokenizer`): prompts are tokenized and chat
+    /// templates applied with it, so token counts, block hashes and KV events are what a real
+    /// engine with that tokenizer makes. Without one, a prompt's tokens are made up from its
+    /// bytes (about four a token, as counted above).
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Automatic prefix caching (`--enable-prefix-caching`, on by default in vLLM V1): see
+    /// `prefix_cache.rs`. Off by default here, so that other tests keep their timing.
+    pub prefix_caching: bool,
+    /// Chunked prefill with this per-step token budget (`--max-num-batched-tokens`): see
+    /// `prefill.rs`. Takes precedence over `serial_prefill`.
+    pub max_num_batched_tokens: Option<u32>,
+    /// KV cache events (`--kv-events-config`): a ZMQ publisher, announced on
+    /// `GET /kv_event_sources`. Needs `prefix_caching`.
+    pub kv_events: Option<KvEventsConfig>,
+    /// `--enable-prompt-tokens-details`: answers' usage carries
+    /// `prompt_tokens_details.cached_tokens` (else `null`, as vLLM's default).
+    pub prompt_tokens_details: bool,
+}
+
+/// vLLM's `KVEventsConfig`, as far as the simulator publishes: the ZMQ PUB socket's port
+/// (0: a free one), the replay socket's (`None`: no replay), the topic, and how many batches
+/// the replay keeps (`buffer_steps`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    pub port: u16,
+    pub replay_port: Option<u16>,
+    pub topic: String,
+    pub buffer_steps: usize,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            port: 0,
+            replay_port: Some(0),
+            topic: String::new(),
+            buffer_steps: 10_000,
+        }
+    }
 }
 
 impl Default for SimConfig {
@@ -192,6 +231,11 @@ impl SimConfig {
             faults: Faults::default(),
             serial_prefill: false,
             api_key: None,
+            tokenizer: None,
+            prefix_caching: false,
+            max_num_batched_tokens: None,
+            kv_events: None,
+            prompt_tokens_details: false,
         };
         match profile {
             Profile::Zero => base,
@@ -315,6 +359,26 @@ impl SimConfig {
     /// One prefill at a time (see [`SimConfig::serial_prefill`]).
     pub fn with_serial_prefill(mut self, on: bool) -> Self {
         self.serial_prefill = on;
+        self
+    }
+
+    /// The engine of vLLM V1 as the seeds run it: chunked prefill with `max_num_batched_tokens`
+    /// per step, automatic prefix caching, `prompt_tokens_details` in usage.
+    pub fn v1_engine(mut self, max_num_batched_tokens: u32) -> Self {
+        self.max_num_batched_tokens = Some(max_num_batched_tokens.max(1));
+        self.prefix_caching = true;
+        self.prompt_tokens_details = true;
+        self
+    }
+    /// Tokenize with a Hugging Face tokenizer folder (see [`SimConfig::tokenizer`]).
+    pub fn with_tokenizer(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.tokenizer = Some(dir.into());
+        self
+    }
+    /// Publish KV cache events (turns prefix caching on).
+    pub fn with_kv_events(mut self, events: KvEventsConfig) -> Self {
+        self.prefix_caching = true;
+        self.kv_events = Some(events);
         self
     }
 

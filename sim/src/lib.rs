@@ -40,8 +40,11 @@ mod control;
 mod engine;
 mod faults;
 mod handlers;
+mod kv_events;
 mod metrics;
 mod openai;
+mod prefill;
+mod prefix_cache;
 mod responses;
 mod server;
 mod stats;
@@ -54,7 +57,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 
-pub use config::{ErrorShape, Latency, MetricsFlavor, Profile, SimConfig, SpecDecode};
+pub use config::{
+    ErrorShape, KvEventsConfig, Latency, MetricsFlavor, Profile, SimConfig, SpecDecode,
+};
 pub use engine::EngineSnapshot;
 pub use faults::Faults;
 pub use stats::{RecordedRequest, Stats};
@@ -85,6 +90,14 @@ pub(crate) struct Shared {
     started: u64,
     /// Held through each prefill when `serial_prefill` is on.
     prefill_turn: tokio::sync::Mutex<()>,
+    /// Chunked prefill's step loop, when `max_num_batched_tokens` is set.
+    prefill_queue: Option<Arc<prefill::PrefillQueue>>,
+    /// The prefix cache, when `prefix_caching` is on.
+    prefix_cache: Option<prefix_cache::PrefixCache>,
+    /// The tokenizer folder, loaded.
+    tokenizer: Option<sluice_tokenizer::PromptTokenizer>,
+    /// Where the KV events are published (`GET /kv_event_sources`).
+    kv_events: Option<kv_events::Endpoints>,
 }
 
 impl Shared {
@@ -202,7 +215,30 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
         .first()
         .cloned()
         .unwrap_or_else(|| config.model.clone());
-    let shared = Arc::new(Shared {
+    let tokenizer = match &config.tokenizer {
+        Some(dir) => Some(
+            sluice_tokenizer::PromptTokenizer::load(dir)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+        ),
+        None => None,
+    };
+    let (kv_events, event_sink) = match &config.kv_events {
+        Some(events) if config.prefix_caching => {
+            let (endpoints, sink) = kv_events::publish(addr.ip(), events).await?;
+            (Some(endpoints), Some(sink))
+        }
+        _ => (None, None),
+    };
+    let prefix_cache = config
+        .prefix_caching
+        .then(|| prefix_cache::PrefixCache::new(config.block_size, event_sink));
+    let shared = Arc::new_cyclic(|weak| Shared {
+        prefill_queue: config
+            .max_num_batched_tokens
+            .map(|budget| prefill::PrefillQueue::start(budget, weak.clone())),
+        prefix_cache,
+        tokenizer,
+        kv_events,
         engine: Engine::new(
             config.num_gpu_blocks,
             config.block_size,
@@ -270,6 +306,28 @@ impl Sim {
     /// Running and waiting requests, and the KV blocks in use.
     pub fn engine_state(&self) -> EngineSnapshot {
         self.shared.engine.snapshot()
+    }
+    /// Blocks the prefix cache holds now (0 without prefix caching).
+    pub fn cached_blocks(&self) -> usize {
+        self.shared
+            .prefix_cache
+            .as_ref()
+            .map_or(0, prefix_cache::PrefixCache::len)
+    }
+    /// Empties the prefix cache, as vLLM's `POST /reset_prefix_cache` does (its KV event
+    /// publisher sends `AllBlocksCleared`).
+    pub fn reset_prefix_cache(&self) {
+        if let Some(cache) = &self.shared.prefix_cache {
+            cache.clear();
+        }
+    }
+    /// The KV event publisher's endpoints (`tcp://HOST:PORT`), when events are on: the
+    /// publisher's and the replay's.
+    pub fn kv_event_endpoints(&self) -> Option<(String, Option<String>)> {
+        self.shared
+            .kv_events
+            .as_ref()
+            .map(|e| (e.publisher.clone(), e.replay.clone()))
     }
     /// What `GET /metrics` returns.
     pub fn metrics_text(&self) -> String {

@@ -109,6 +109,52 @@ struct Args {
     /// Initial faults as JSON (same shape as POST /sim/faults).
     #[arg(long)]
     faults: Option<String>,
+    /// A Hugging Face tokenizer folder: tokenize and apply the chat template with it.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+    /// vLLM's automatic prefix caching.
+    #[arg(long)]
+    enable_prefix_caching: bool,
+    /// Chunked prefill with this per-step token budget.
+    #[arg(long)]
+    max_num_batched_tokens: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens` in answers.
+    #[arg(long)]
+    enable_prompt_tokens_details: bool,
+    /// vLLM's `--kv-events-config` JSON: `{"enable_kv_cache_events": true, "publisher":
+    /// "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "",
+    /// "buffer_steps": 10000}` (the host part is this instance's).
+    #[arg(long)]
+    kv_events_config: Option<String>,
+}
+
+/// The ports and topic of a `--kv-events-config`.
+fn kv_events(json: &str) -> Result<Option<vllm_sim::KvEventsConfig>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|error| format!("--kv-events-config: {error}"))?;
+    if value["enable_kv_cache_events"] != serde_json::Value::Bool(true) {
+        return Ok(None);
+    }
+    let port = |field: &str| -> Result<Option<u16>, String> {
+        match value[field].as_str() {
+            None => Ok(None),
+            Some(endpoint) => endpoint
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .map(Some)
+                .ok_or_else(|| format!("--kv-events-config: {field} {endpoint:?} has no port")),
+        }
+    };
+    let defaults = vllm_sim::KvEventsConfig::default();
+    Ok(Some(vllm_sim::KvEventsConfig {
+        port: port("endpoint")?.unwrap_or(5557),
+        replay_port: port("replay_endpoint")?,
+        topic: value["topic"].as_str().unwrap_or("").to_string(),
+        buffer_steps: value["buffer_steps"]
+            .as_u64()
+            .map_or(defaults.buffer_steps, |n| n as usize),
+    }))
 }
 
 /// Milliseconds as a `Duration`; negative or absurd values become zero.
@@ -147,6 +193,16 @@ fn config(args: &Args) -> Result<SimConfig, String> {
     apply_engine(args, &mut config);
     config.api_key.clone_from(&args.api_key);
     apply_answers(args, &mut config);
+    config.tokenizer.clone_from(&args.tokenizer);
+    config.prefix_caching = args.enable_prefix_caching;
+    config.max_num_batched_tokens = args.max_num_batched_tokens;
+    config.prompt_tokens_details = args.enable_prompt_tokens_details;
+    if let Some(json) = &args.kv_events_config {
+        config.kv_events = kv_events(json)?;
+        if config.kv_events.is_some() {
+            config.prefix_caching = true;
+        }
+    }
     if let Some(faults) = &args.faults {
         config.faults =
             serde_json::from_str::<Faults>(faults).map_err(|error| format!("--faults: {error}"))?;

@@ -103,6 +103,8 @@ pub struct Metrics {
     speculative: Option<SpecDecode>,
     created: f64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens the prefix cache served.
+    pub cached_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// `vllm:request_success_total` by finished_reason, in [`FINISHED_REASONS`] order.
     finished: [AtomicU64; 5],
@@ -178,8 +180,9 @@ impl RequestHistograms {
         self.prefill_time.observe(request.prefill);
         self.decode_time.observe(request.decode);
         self.num_preemptions.observe(f64::from(request.preemptions));
-        // No prefix cache: every prompt token is computed.
-        self.prefill_kv_computed_tokens.observe(prompt_tokens);
+        // What the prefix cache did not serve was computed.
+        self.prefill_kv_computed_tokens
+            .observe(prompt_tokens - f64::from(request.cached_tokens));
     }
 }
 
@@ -202,6 +205,8 @@ pub struct FinishedRequest {
     /// The mean time between its tokens, when it had two or more.
     pub time_per_output_token: Option<f64>,
     pub preemptions: u32,
+    /// Of its prompt, the tokens the prefix cache served.
+    pub cached_tokens: u32,
 }
 
 const FINISHED_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
@@ -277,6 +282,7 @@ impl Metrics {
             speculative: config.speculative.clone(),
             created,
             prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             finished: Default::default(),
             rejected: AtomicU64::new(0),
@@ -374,10 +380,12 @@ impl Metrics {
         out.text
     }
 
-    /// vLLM 0.32's cache counters: every prompt token is a prefix-cache query that misses
-    /// (the simulator caches nothing), and there is no external or multi-modal cache.
+    /// vLLM 0.32's cache counters: every prompt token is a prefix-cache query, the tokens the
+    /// prefix cache served are its hits (none without prefix caching), and there is no
+    /// external or multi-modal cache.
     fn render_caches(&self, out: &mut Renderer) {
         let queried = load(&self.prompt_tokens);
+        let hits = load(&self.cached_tokens);
         for (name, help, value) in [
             (
                 "vllm:prefix_cache_queries",
@@ -387,7 +395,7 @@ impl Metrics {
             (
                 "vllm:prefix_cache_hits",
                 "Prefix cache hits, in terms of number of cached tokens.",
-                0.0,
+                hits,
             ),
             (
                 "vllm:external_prefix_cache_queries",
@@ -490,6 +498,7 @@ impl Metrics {
 
     fn render_token_counters(&self, out: &mut Renderer) {
         let prompt_tokens = load(&self.prompt_tokens);
+        let cached = load(&self.cached_tokens);
         out.counter(
             "vllm:prompt_tokens",
             "Number of prefill tokens processed.",
@@ -501,8 +510,8 @@ impl Metrics {
                 "Number of prompt tokens by source.",
                 "source",
                 &[
-                    ("local_compute", prompt_tokens),
-                    ("local_cache_hit", 0.0),
+                    ("local_compute", prompt_tokens - cached),
+                    ("local_cache_hit", cached),
                     ("external_kv_transfer", 0.0),
                 ],
                 true,
@@ -510,14 +519,14 @@ impl Metrics {
             out.counter(
                 "vllm:prompt_tokens_cached",
                 "Number of cached prompt tokens (local + external).",
-                0.0,
+                cached,
             );
             out.labeled_counter(
                 "vllm:prompt_tokens_cached_by_source",
                 "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
                 "source",
                 &[
-                    ("device", 0.0),
+                    ("device", cached),
                     ("host", 0.0),
                     ("p2p", 0.0),
                     ("disk", 0.0),

@@ -168,6 +168,11 @@ pub struct CompletionRequest {
     pub ignore_eos: bool,
     /// Chat's `request_id` field: the answer's id when no `X-Request-Id` header names one.
     pub request_id: Option<String>,
+    /// vLLM's `cache_salt`: salts the prompt's first block in the prefix cache.
+    pub cache_salt: Option<String>,
+    /// The prompt's token ids, when the instance needs them (a tokenizer, prefix caching);
+    /// set after parsing (see `handlers::tokenize`).
+    pub prompt_ids: Vec<u32>,
 }
 
 /// What the answer's text and the KV model need of the prompt.
@@ -267,6 +272,11 @@ pub fn parse(
         stop,
         ignore_eos,
         request_id,
+        cache_salt: fields
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        prompt_ids: Vec::new(),
     })
 }
 

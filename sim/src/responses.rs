@@ -32,10 +32,16 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub total_tokens: u32,
     pub completion_tokens: u32,
-    pub prompt_tokens_details: Option<()>,
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
     /// vLLM 0.32.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub completion_tokens_details: Null,
+}
+
+/// `usage.prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`).
+#[derive(Serialize, Clone, Copy, Debug)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
 }
 
 /// The usage of a stream: on the last chunk, or on every chunk with `continuous_usage_stats`
@@ -45,6 +51,9 @@ pub struct StreamUsage {
     pub prompt_tokens: u32,
     pub total_tokens: u32,
     pub completion_tokens: u32,
+    /// Only with `--enable-prompt-tokens-details`, on the final usage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub completion_tokens_details: Null,
 }

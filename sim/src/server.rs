@@ -311,6 +311,17 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             handlers::completion(&shared, Kind::Completion, body, request_id).await
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
+        // vLLM serves it with VLLM_SERVER_DEV_MODE=1.
+        (&Method::POST, "/reset_prefix_cache") => {
+            if let Some(cache) = &shared.prefix_cache {
+                cache.clear();
+            }
+            full(200, "application/json", Bytes::new())
+        }
+        (&Method::GET, "/kv_event_sources") => json(
+            200,
+            crate::kv_events::sources_body(shared.kv_events.as_ref()),
+        ),
         (&Method::GET, "/health") => health(&shared),
         (&Method::GET, "/metrics") => full(
             200,
@@ -326,7 +337,9 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             json(200, format!("{{\"version\":\"{version}\"}}"))
         }
         (_, "/v1/chat/completions" | "/v1/completions") => method_not_allowed("POST"),
-        (_, "/v1/models" | "/health" | "/metrics" | "/version") => method_not_allowed("GET"),
+        (_, "/v1/models" | "/health" | "/metrics" | "/version" | "/kv_event_sources") => {
+            method_not_allowed("GET")
+        }
         _ => not_found(),
     }
 }

@@ -22,6 +22,10 @@ pub struct Answer {
     v0_32: bool,
     /// `system_fingerprint` (vLLM 0.32; `null` before).
     fingerprint: Option<String>,
+    /// Prompt tokens the prefix cache served, once the prefill began.
+    cached_tokens: std::sync::atomic::AtomicU32,
+    /// `--enable-prompt-tokens-details`: usage tells them.
+    prompt_details: bool,
 }
 
 /// What a stream has sent of one choice so far.
@@ -87,7 +91,24 @@ impl Answer {
             v0_32,
             fingerprint: v0_32.then(|| shared.system_fingerprint()),
             request,
+            cached_tokens: std::sync::atomic::AtomicU32::new(0),
+            prompt_details: config.prompt_tokens_details,
         }
+    }
+
+    /// The prefix cache served `tokens` of the prompt.
+    pub fn set_cached_tokens(&self, tokens: u32) {
+        self.cached_tokens
+            .store(tokens, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `usage.prompt_tokens_details`, with `--enable-prompt-tokens-details`.
+    fn prompt_tokens_details(&self) -> Option<openai::PromptTokensDetails> {
+        self.prompt_details.then(|| openai::PromptTokensDetails {
+            cached_tokens: self
+                .cached_tokens
+                .load(std::sync::atomic::Ordering::Relaxed),
+        })
     }
 
     pub fn prompt_tokens(&self) -> u32 {
@@ -146,7 +167,7 @@ impl Answer {
             prompt_tokens: self.prompt_tokens(),
             total_tokens: self.prompt_tokens().saturating_add(completion_tokens),
             completion_tokens,
-            prompt_tokens_details: None,
+            prompt_tokens_details: self.prompt_tokens_details(),
             completion_tokens_details: null_if(self.v0_32),
         }
     }
@@ -280,6 +301,7 @@ impl Answer {
             prompt_tokens: self.prompt_tokens(),
             total_tokens: self.prompt_tokens().saturating_add(completion_tokens),
             completion_tokens,
+            prompt_tokens_details: None,
             completion_tokens_details: null_if(self.v0_32),
         })
     }
@@ -402,6 +424,7 @@ impl Answer {
             prompt_tokens: usage.prompt_tokens,
             total_tokens: usage.total_tokens,
             completion_tokens: usage.completion_tokens,
+            prompt_tokens_details: usage.prompt_tokens_details,
             completion_tokens_details: None,
         };
         self.chunk([(); 0], Some(Some(stream_usage)), false, true)

@@ -31,6 +31,10 @@ pub struct Generation {
     choices: u32,
     max_tokens: u32,
     finished: bool,
+    /// Prefix-cache blocks kept for this request while it runs (see `prefix_cache.rs`).
+    pinned_blocks: usize,
+    /// Of the prompt, the tokens the prefix cache served.
+    cached_tokens: u32,
     slowdown: f64,
     jitter: f64,
     zero_latency: bool,
@@ -55,6 +59,8 @@ impl Generation {
             choices: answer.request.choice_count,
             max_tokens: answer.max_tokens,
             finished: false,
+            pinned_blocks: 0,
+            cached_tokens: 0,
         }
     }
 
@@ -102,9 +108,43 @@ impl Generation {
         self.delay(latency.overhead.saturating_add(prefill))
     }
 
-    /// Prefills `tokens`: waits out [`Generation::prefill_delay`], after the prefills ahead
-    /// of it when the instance prefills one request at a time.
+    /// Prefills the prompt of `answer`: with prefix caching, only what the cache does not
+    /// hold, then keeps its blocks in the cache. Tells `answer` how many tokens were cached.
+    pub async fn prefill_prompt(&mut self, answer: &Answer) {
+        let shared = Arc::clone(&self.shared);
+        let Some(cache) = shared.prefix_cache.as_ref() else {
+            self.prefill(answer.prompt_tokens()).await;
+            return;
+        };
+        let ids = &answer.request.prompt_ids;
+        let lookup = cache.lookup(ids, answer.request.cache_salt.as_deref());
+        answer.set_cached_tokens(lookup.cached_tokens);
+        self.cached_tokens = lookup.cached_tokens;
+        shared
+            .metrics
+            .cached_tokens
+            .fetch_add(u64::from(lookup.cached_tokens), Ordering::Relaxed);
+        self.prefill(answer.prompt_tokens().saturating_sub(lookup.cached_tokens))
+            .await;
+        let engine = shared.engine.snapshot();
+        let free = engine
+            .total_blocks
+            .saturating_sub(engine.phantom_blocks + engine.used_blocks);
+        cache.store(&lookup, ids, free);
+        self.pinned_blocks += lookup.hashes.len();
+    }
+
+    /// Prefills `tokens`: waits out [`Generation::prefill_delay`], in chunked prefill's steps
+    /// when the instance has them, or after the prefills ahead of it when it prefills one
+    /// request at a time.
     pub async fn prefill(&self, tokens: u32) {
+        if let Some(queue) = &self.shared.prefill_queue {
+            if !self.zero_latency {
+                sleep(self.delay(self.shared.config.latency.overhead)).await;
+            }
+            queue.prefill(tokens).await;
+            return;
+        }
         let delay = self.prefill_delay(tokens);
         if delay.is_zero() {
             return;
@@ -159,6 +199,7 @@ impl Generation {
         let decode = seconds(first_token, now);
         let request = FinishedRequest {
             prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
             generated: self.generated,
             choices: self.choices,
             max_tokens: self.max_tokens,
@@ -187,6 +228,9 @@ impl Generation {
 
 impl Drop for Generation {
     fn drop(&mut self) {
+        if let Some(cache) = &self.shared.prefix_cache {
+            cache.unpin(self.pinned_blocks);
+        }
         if !self.finished {
             self.shared
                 .metrics

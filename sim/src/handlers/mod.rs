@@ -95,6 +95,7 @@ fn validate(
     if shared.config.bytes_per_token != 4.0 {
         request.prompt.count_at(shared.config.bytes_per_token);
     }
+    tokenize(shared, kind, body, &mut request)?;
     if let Some(model) = &request.model {
         if !shared.served_names.iter().any(|served| served == model) {
             return Err(errors::unknown_model(shape, model, &shared.served_names));
@@ -110,6 +111,79 @@ fn validate(
         request.check_values(max_tokens)?;
     }
     Ok((request, max_tokens))
+}
+
+/// The prompt's token ids, when the instance needs them: with a tokenizer folder, as the
+/// engine makes them (the prompt's token count becomes theirs); with prefix caching alone,
+/// made up from the rendered prompt's bytes (one id for each `bytes_per_token` of them, as
+/// many as the prompt was counted), so that prompts sharing their beginning share their first
+/// blocks.
+fn tokenize(
+    shared: &Shared,
+    kind: Kind,
+    body: &[u8],
+    request: &mut CompletionRequest,
+) -> Result<(), ApiError> {
+    if let Some(tokenizer) = &shared.tokenizer {
+        let ids = match kind {
+            Kind::Chat => tokenizer.chat(body),
+            Kind::Completion => tokenizer.completion(body),
+        }
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        request.prompt.tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1);
+        request.prompt_ids = ids;
+    } else if shared.prefix_cache.is_some() {
+        request.prompt_ids = synthetic_ids(
+            kind,
+            body,
+            request.prompt.tokens,
+            shared.config.bytes_per_token,
+        );
+    }
+    Ok(())
+}
+
+/// Made-up token ids (see [`tokenize`]): each `bytes_per_token` bytes of the rendered prompt
+/// hashed into Llama 3's vocabulary, padded or cut to `tokens`.
+fn synthetic_ids(kind: Kind, body: &[u8], tokens: u32, bytes_per_token: f64) -> Vec<u32> {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let mut rendered = Vec::new();
+    match kind {
+        Kind::Chat => {
+            for message in value["messages"].as_array().into_iter().flatten() {
+                rendered.extend_from_slice(message["role"].as_str().unwrap_or("").as_bytes());
+                rendered.push(b'\n');
+                match &message["content"] {
+                    serde_json::Value::String(text) => rendered.extend_from_slice(text.as_bytes()),
+                    serde_json::Value::Array(parts) => {
+                        for part in parts {
+                            let text = part["text"].as_str().unwrap_or("");
+                            rendered.extend_from_slice(text.as_bytes());
+                        }
+                    }
+                    _ => {}
+                }
+                rendered.push(b'\n');
+            }
+        }
+        Kind::Completion => match &value["prompt"] {
+            serde_json::Value::String(text) => rendered.extend_from_slice(text.as_bytes()),
+            other => rendered.extend_from_slice(other.to_string().as_bytes()),
+        },
+    }
+    let step = bytes_per_token.max(0.5);
+    (0..tokens)
+        .map(|i| {
+            let start = (f64::from(i) * step) as usize;
+            let end = ((f64::from(i + 1) * step) as usize).min(rendered.len());
+            let mut hasher = crate::text::Hasher::default();
+            match rendered.get(start..end) {
+                Some(piece) if !piece.is_empty() => hasher.bytes(piece),
+                _ => hasher.u64(u64::from(i)),
+            }
+            (hasher.finish() % 128_000) as u32
+        })
+        .collect()
 }
 
 /// vLLM before 0.32 refuses a request whose prompt plus `max_tokens` exceeds `max_model_len`

@@ -42,7 +42,7 @@ async fn generate(
     let prompt_tokens = u64::from(answer.prompt_tokens());
     admission::hold(&mut ticket, prompt_tokens, generation).await?;
     generation.count_prompt(prompt_tokens);
-    generation.prefill(answer.prompt_tokens()).await;
+    generation.prefill_prompt(answer).await;
     if generation.is_zero_latency() {
         let all = u64::from(answer.completion_tokens());
         admission::hold(&mut ticket, prompt_tokens + all, generation).await?;

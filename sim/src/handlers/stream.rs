@@ -145,7 +145,7 @@ async fn run(
     generation.count_prompt(prompt_tokens);
     // A client that leaves stops the prefill, and gives up its turn when prefills are serial.
     if events
-        .unless_client_gone(generation.prefill(answer.prompt_tokens()))
+        .unless_client_gone(generation.prefill_prompt(&answer))
         .await
         .is_none()
     {
