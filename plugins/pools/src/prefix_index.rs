@@ -1,0 +1,711 @@
+//! The exact prefix index of a pool: which of its backends hold which prompt blocks in their
+//! prefix cache, known from vLLM's KV cache events (`BlockStored`, `BlockRemoved`,
+//! `AllBlocksCleared`), and the lookup of a tokenized request in it.
+//!
+//! An engine names a block by its own hash, which Sluice cannot compute (vLLM seeds it, salts
+//! it, and may use any of several algorithms). So the index keys blocks by a hash of its own,
+//! chained like the engine's: a block's key is the hash of its parent's key and its token ids,
+//! both of which every `BlockStored` event carries. Each backend keeps the map from its
+//! engine's hashes to these keys, for its `BlockRemoved` events and for the parents of later
+//! blocks. A request's keys are computed the same way from the token ids Sluice makes of it
+//! (see `sluice-tokenizer`), so a lookup is one map probe per block.
+//!
+//! Bounded: each backend holds at most [`MAX_BLOCKS_PER_BACKEND`] blocks in the index; a
+//! backend that stores more loses the overflow (counted), as if the engine had evicted it.
+//!
+//! Written here rather than taken from NVIDIA Dynamo's `dynamo-kv-router` (Apache-2.0): that
+//! crate's radix tree is built for Dynamo's runtime (its worker ids, its event types, its NATS
+//! and ZMQ plumbing behind features), and what Sluice needs of it, a map of chained keys to
+//! holders, is a few hundred lines.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::RwLock;
+
+/// The most blocks the index keeps for one backend (about 25 MB of index at most): enough
+/// for the prefix cache of an engine with 4M tokens of KV cache at vLLM's 16-token blocks.
+pub const MAX_BLOCKS_PER_BACKEND: usize = 262_144;
+
+/// The block size vLLM uses unless told otherwise, until an event says what the pool's is.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// A block as an engine names it: vLLM sends an integer by default, the hash's bytes when
+/// configured so. Bytes are folded into 64 bits.
+pub type EngineHash = u64;
+
+/// One KV cache event, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Blocks stored: `hashes[i]` holds `token_ids[i * block_size..][..block_size]`; the
+    /// first is chained on `parent` (`None`: a prompt's first block). `lora` names the
+    /// adapter the blocks were computed with (its id or name, hashed), if any.
+    Stored {
+        /// The blocks, in prompt order.
+        hashes: Vec<EngineHash>,
+        /// The block the first one chains on.
+        parent: Option<EngineHash>,
+        /// The blocks' tokens, `block_size` each.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: usize,
+        /// The adapter, hashed.
+        lora: Option<u64>,
+    },
+    /// Blocks evicted.
+    Removed {
+        /// The blocks evicted.
+        hashes: Vec<EngineHash>,
+    },
+    /// The cache was emptied.
+    AllCleared,
+}
+
+/// A batch of events as one message carries it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// When the engine sent it (seconds since the epoch).
+    pub ts: f64,
+    /// The events, in the order the engine made them.
+    pub events: Vec<KvEvent>,
+    /// The data-parallel rank that sent it, if the engine says.
+    pub data_parallel_rank: Option<i64>,
+    /// Events of kinds this version does not know, skipped.
+    pub unknown: usize,
+}
+
+/// Why a message is not a KV event batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError(pub String);
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "not a KV event batch: {}", self.0)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+impl KvEventBatch {
+    /// Decodes a msgpack `KVEventBatch` as vLLM sends it: msgspec's `array_like` form (`[ts,
+    /// events, rank?]`, each event `[tag, fields...]`) or the map form (`{"ts", "events",
+    /// "data_parallel_rank"}`, each event `{"type": tag, field: value...}`). Unknown event
+    /// kinds are counted and skipped; unknown fields are ignored.
+    pub fn decode(mut bytes: &[u8]) -> Result<Self, DecodeError> {
+        let value = rmpv::decode::read_value(&mut bytes)
+            .map_err(|e| DecodeError(format!("msgpack: {e}")))?;
+        let (ts, events, rank) = match &value {
+            rmpv::Value::Array(items) => (items.first(), items.get(1), items.get(2)),
+            rmpv::Value::Map(_) => (
+                field(&value, "ts"),
+                field(&value, "events"),
+                field(&value, "data_parallel_rank"),
+            ),
+            _ => return Err(DecodeError("neither an array nor a map".to_string())),
+        };
+        let ts = ts.and_then(rmpv::Value::as_f64).unwrap_or(0.0);
+        let events = events
+            .and_then(rmpv::Value::as_array)
+            .ok_or_else(|| DecodeError("no event list".to_string()))?;
+        let mut batch = KvEventBatch {
+            ts,
+            events: Vec::with_capacity(events.len()),
+            data_parallel_rank: rank.and_then(rmpv::Value::as_i64),
+            unknown: 0,
+        };
+        for event in events {
+            match decode_event(event)? {
+                Some(event) => batch.events.push(event),
+                None => batch.unknown += 1,
+            }
+        }
+        Ok(batch)
+    }
+}
+
+fn field<'v>(map: &'v rmpv::Value, name: &str) -> Option<&'v rmpv::Value> {
+    map.as_map()?
+        .iter()
+        .find(|(key, _)| key.as_str() == Some(name))
+        .map(|(_, value)| value)
+        .filter(|value| !value.is_nil())
+}
+
+/// The fields of one event, by name, whichever form it came in.
+struct Fields<'v> {
+    tag: &'v str,
+    array: Option<&'v [rmpv::Value]>,
+    map: Option<&'v rmpv::Value>,
+}
+
+impl<'v> Fields<'v> {
+    /// Field `name`, the `position`th after the tag in the array form.
+    fn get(&self, position: usize, name: &str) -> Option<&'v rmpv::Value> {
+        match (self.array, self.map) {
+            (Some(items), _) => items.get(position + 1).filter(|v| !v.is_nil()),
+            (None, Some(map)) => field(map, name),
+            (None, None) => None,
+        }
+    }
+}
+
+fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
+    let fields = match value {
+        rmpv::Value::Array(items) => Fields {
+            tag: items.first().and_then(rmpv::Value::as_str).unwrap_or(""),
+            array: Some(items),
+            map: None,
+        },
+        rmpv::Value::Map(_) => Fields {
+            tag: field(value, "type")
+                .and_then(rmpv::Value::as_str)
+                .unwrap_or(""),
+            array: None,
+            map: Some(value),
+        },
+        _ => {
+            return Err(DecodeError(
+                "an event is neither an array nor a map".to_string(),
+            ))
+        }
+    };
+    let bad = |what: &str| DecodeError(format!("{}: {what}", fields.tag));
+    Ok(Some(match fields.tag {
+        "BlockStored" => {
+            let hashes =
+                engine_hashes(fields.get(0, "block_hashes")).ok_or_else(|| bad("block_hashes"))?;
+            let parent = fields.get(1, "parent_block_hash").and_then(engine_hash);
+            let token_ids = fields
+                .get(2, "token_ids")
+                .and_then(rmpv::Value::as_array)
+                .ok_or_else(|| bad("token_ids"))?
+                .iter()
+                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| bad("token_ids"))?;
+            let block_size = fields
+                .get(3, "block_size")
+                .and_then(rmpv::Value::as_u64)
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|n| *n > 0)
+                .ok_or_else(|| bad("block_size"))?;
+            if token_ids.len() < hashes.len() * block_size {
+                return Err(bad("fewer token ids than blocks"));
+            }
+            // The adapter: `lora_id` (an integer), or `lora_name` in newer vLLM.
+            let lora = fields
+                .get(4, "lora_id")
+                .and_then(rmpv::Value::as_u64)
+                .or_else(|| {
+                    fields
+                        .get(6, "lora_name")
+                        .and_then(rmpv::Value::as_str)
+                        .map(|name| fold(name.as_bytes()))
+                });
+            KvEvent::Stored {
+                hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora,
+            }
+        }
+        "BlockRemoved" => KvEvent::Removed {
+            hashes: engine_hashes(fields.get(0, "block_hashes"))
+                .ok_or_else(|| bad("block_hashes"))?,
+        },
+        "AllBlocksCleared" => KvEvent::AllCleared,
+        _ => return Ok(None),
+    }))
+}
+
+fn engine_hashes(value: Option<&rmpv::Value>) -> Option<Vec<EngineHash>> {
+    value?.as_array()?.iter().map(engine_hash).collect()
+}
+
+/// An engine's block hash: an integer (negative ones as their two's complement), or bytes.
+fn engine_hash(value: &rmpv::Value) -> Option<EngineHash> {
+    match value {
+        rmpv::Value::Integer(n) => n.as_u64().or_else(|| n.as_i64().map(|n| n as u64)),
+        rmpv::Value::Binary(bytes) => Some(fold(bytes)),
+        rmpv::Value::String(text) => Some(fold(text.as_bytes())),
+        _ => None,
+    }
+}
+
+/// 64 bits of FNV-1a over `bytes`, spread by splitmix's finaliser.
+fn fold(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in bytes {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix(hash)
+}
+
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The key of a block: its parent's key and its token ids.
+fn chain(parent: u64, tokens: &[u32]) -> u64 {
+    let mut hash = parent ^ 0x51_7cc1_b727_220a;
+    for token in tokens {
+        hash = mix(hash ^ u64::from(*token));
+    }
+    hash
+}
+
+/// The key a prompt's first block chains on: the adapter it is computed with, if any.
+fn root(lora: Option<u64>) -> u64 {
+    lora.map_or(0x2545_f491_4f6c_dd1d, |lora| {
+        mix(lora ^ 0x6a09_e667_f3bc_c908)
+    })
+}
+
+/// The keys of a prompt's full blocks of `block_size` tokens, computed with `lora` (an
+/// adapter's id, hashed as the events give it), as the index keys what the engines store.
+pub fn block_keys(token_ids: &[u32], block_size: usize, lora: Option<u64>) -> Vec<u64> {
+    let mut parent = root(lora);
+    token_ids
+        .chunks_exact(block_size.max(1))
+        .map(|block| {
+            parent = chain(parent, block);
+            parent
+        })
+        .collect()
+}
+
+/// What one backend holds, as its events told.
+#[derive(Debug, Default)]
+struct Holdings {
+    /// Its engine's hash → the index's key.
+    keys: HashMap<EngineHash, u64>,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// Block key → the backends holding it (their index ids).
+    holders: HashMap<u64, Vec<u32>>,
+    backends: HashMap<u32, Holdings>,
+}
+
+impl Index {
+    fn forget_block(&mut self, key: u64, id: u32) {
+        if let Some(list) = self.holders.get_mut(&key) {
+            list.retain(|holder| *holder != id);
+            if list.is_empty() {
+                self.holders.remove(&key);
+            }
+        }
+    }
+}
+
+/// A request's blocks found in the index: for each backend (by address), how many of the
+/// request's leading blocks it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Matches {
+    /// (backend, leading blocks held), backends with none left out.
+    pub held: Vec<(SocketAddr, usize)>,
+    /// The block size the keys were cut at.
+    pub block_size: usize,
+}
+
+impl Matches {
+    /// Tokens of the request `addr` holds in its prefix cache.
+    pub fn cached_tokens(&self, addr: SocketAddr) -> u64 {
+        self.held
+            .iter()
+            .find(|(a, _)| *a == addr)
+            .map_or(0, |(_, blocks)| (*blocks * self.block_size) as u64)
+    }
+
+    /// The most tokens any backend holds.
+    pub fn best(&self) -> u64 {
+        self.held
+            .iter()
+            .map(|(_, blocks)| (*blocks * self.block_size) as u64)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// A pool's prefix index (see the module's header).
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    index: RwLock<Index>,
+    /// Backend address → its id in the index.
+    ids: RwLock<HashMap<SocketAddr, u32>>,
+    next_id: AtomicU64,
+    /// The pool's block size, as the last `BlockStored` said.
+    block_size: AtomicUsize,
+    /// Blocks not indexed because their backend was at [`MAX_BLOCKS_PER_BACKEND`].
+    pub overflowed: AtomicU64,
+    /// Stored blocks whose parent the index did not know (events missed): not indexed.
+    pub orphans: AtomicU64,
+}
+
+impl PrefixIndex {
+    /// The block size requests are cut at: the engines', once an event told it.
+    pub fn block_size(&self) -> usize {
+        match self.block_size.load(Relaxed) {
+            0 => DEFAULT_BLOCK_SIZE,
+            size => size,
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        self.index.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
+        self.index.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn id_of(&self, addr: SocketAddr) -> Option<u32> {
+        self.ids
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&addr)
+            .copied()
+    }
+
+    /// The id of `addr`, given one if it has none.
+    fn register(&self, addr: SocketAddr) -> u32 {
+        if let Some(id) = self.id_of(addr) {
+            return id;
+        }
+        let mut ids = self.ids.write().unwrap_or_else(|p| p.into_inner());
+        *ids.entry(addr)
+            .or_insert_with(|| self.next_id.fetch_add(1, Relaxed) as u32)
+    }
+
+    /// Applies `addr`'s events, in order.
+    pub fn apply(&self, addr: SocketAddr, events: &[KvEvent]) {
+        let id = self.register(addr);
+        let mut index = self.write();
+        for event in events {
+            match event {
+                KvEvent::Stored {
+                    hashes,
+                    parent,
+                    token_ids,
+                    block_size,
+                    lora,
+                } => {
+                    self.block_size.store(*block_size, Relaxed);
+                    let index = &mut *index;
+                    let holdings = index.backends.entry(id).or_default();
+                    let mut parent_key = match parent {
+                        None => root(*lora),
+                        Some(parent) => match holdings.keys.get(parent) {
+                            Some(key) => *key,
+                            None => {
+                                self.orphans.fetch_add(hashes.len() as u64, Relaxed);
+                                continue;
+                            }
+                        },
+                    };
+                    for (hash, tokens) in hashes.iter().zip(token_ids.chunks_exact(*block_size)) {
+                        let key = chain(parent_key, tokens);
+                        parent_key = key;
+                        if holdings.keys.len() >= MAX_BLOCKS_PER_BACKEND
+                            && !holdings.keys.contains_key(hash)
+                        {
+                            self.overflowed.fetch_add(1, Relaxed);
+                            continue;
+                        }
+                        if let Some(old) = holdings.keys.insert(*hash, key) {
+                            if old == key {
+                                continue;
+                            }
+                            // The same engine hash for other tokens (a hash collision or a
+                            // restarted engine): the old block is gone.
+                            let list = index.holders.entry(old).or_default();
+                            list.retain(|holder| *holder != id);
+                        }
+                        let list = index.holders.entry(key).or_default();
+                        if !list.contains(&id) {
+                            list.push(id);
+                        }
+                    }
+                }
+                KvEvent::Removed { hashes } => {
+                    for hash in hashes {
+                        let key = index
+                            .backends
+                            .get_mut(&id)
+                            .and_then(|holdings| holdings.keys.remove(hash));
+                        if let Some(key) = key {
+                            index.forget_block(key, id);
+                        }
+                    }
+                }
+                KvEvent::AllCleared => forget_all(&mut index, id),
+            }
+        }
+    }
+
+    /// Forgets everything `addr` holds: its engine restarted, its events were lost, or it
+    /// left the pool.
+    pub fn clear(&self, addr: SocketAddr) {
+        if let Some(id) = self.id_of(addr) {
+            forget_all(&mut self.write(), id);
+        }
+    }
+
+    /// Blocks the index holds for `addr`.
+    pub fn blocks_of(&self, addr: SocketAddr) -> usize {
+        self.id_of(addr).map_or(0, |id| {
+            self.read()
+                .backends
+                .get(&id)
+                .map_or(0, |holdings| holdings.keys.len())
+        })
+    }
+
+    /// How many of `keys`' leading blocks each backend holds.
+    pub fn lookup(&self, keys: &[u64]) -> Matches {
+        let block_size = self.block_size();
+        let index = self.read();
+        // (id, blocks matched so far); a backend drops out at its first missing block.
+        let mut held: Vec<(u32, usize)> = Vec::new();
+        for (position, key) in keys.iter().enumerate() {
+            let Some(holders) = index.holders.get(key) else {
+                break;
+            };
+            if position == 0 {
+                held = holders.iter().map(|id| (*id, 1)).collect();
+                continue;
+            }
+            let mut advanced = false;
+            for (id, count) in held.iter_mut() {
+                if *count == position && holders.contains(id) {
+                    *count += 1;
+                    advanced = true;
+                }
+            }
+            if !advanced {
+                break;
+            }
+        }
+        drop(index);
+        if held.is_empty() {
+            return Matches {
+                held: Vec::new(),
+                block_size,
+            };
+        }
+        let ids = self.ids.read().unwrap_or_else(|p| p.into_inner());
+        let held = ids
+            .iter()
+            .filter_map(|(addr, id)| {
+                held.iter()
+                    .find(|(held_id, _)| held_id == id)
+                    .map(|(_, count)| (*addr, *count))
+            })
+            .collect();
+        Matches { held, block_size }
+    }
+}
+
+fn forget_all(index: &mut Index, id: u32) {
+    let Some(holdings) = index.backends.remove(&id) else {
+        return;
+    };
+    for key in holdings.keys.into_values() {
+        index.forget_block(key, id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rmpv::Value;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
+        KvEvent::Stored {
+            hashes: hashes.to_vec(),
+            parent,
+            token_ids: tokens.to_vec(),
+            block_size: 4,
+            lora: None,
+        }
+    }
+
+    fn encode(value: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, value).unwrap();
+        out
+    }
+
+    #[test]
+    fn decodes_the_array_form_as_msgspec_writes_it() {
+        let batch = Value::Array(vec![
+            Value::F64(1.5),
+            Value::Array(vec![
+                Value::Array(vec![
+                    "BlockStored".into(),
+                    Value::Array(vec![Value::from(7u64), Value::from(u64::MAX)]),
+                    Value::Nil,
+                    Value::Array((0..8u32).map(Value::from).collect()),
+                    Value::from(4),
+                    Value::Nil,
+                    "GPU".into(),
+                ]),
+                Value::Array(vec![
+                    "BlockRemoved".into(),
+                    Value::Array(vec![Value::Binary(vec![1, 2, 3])]),
+                    "GPU".into(),
+                ]),
+                Value::Array(vec!["AllBlocksCleared".into()]),
+                Value::Array(vec!["SomethingNew".into(), Value::from(1)]),
+            ]),
+        ]);
+        let decoded = KvEventBatch::decode(&encode(&batch)).unwrap();
+        assert_eq!(decoded.ts, 1.5);
+        assert_eq!(decoded.unknown, 1);
+        assert_eq!(decoded.data_parallel_rank, None);
+        assert_eq!(
+            decoded.events,
+            vec![
+                KvEvent::Stored {
+                    hashes: vec![7, u64::MAX],
+                    parent: None,
+                    token_ids: (0..8).collect(),
+                    block_size: 4,
+                    lora: None,
+                },
+                KvEvent::Removed {
+                    hashes: vec![fold(&[1, 2, 3])]
+                },
+                KvEvent::AllCleared,
+            ]
+        );
+    }
+
+    #[test]
+    fn decodes_the_map_form() {
+        let map = |pairs: Vec<(&str, Value)>| {
+            Value::Map(
+                pairs
+                    .into_iter()
+                    .map(|(k, v)| (Value::from(k), v))
+                    .collect(),
+            )
+        };
+        let batch = map(vec![
+            ("ts", Value::F64(2.0)),
+            (
+                "events",
+                Value::Array(vec![map(vec![
+                    ("type", "BlockStored".into()),
+                    ("block_hashes", Value::Array(vec![Value::from(-5i64)])),
+                    ("parent_block_hash", Value::from(9u64)),
+                    (
+                        "token_ids",
+                        Value::Array((0..4u32).map(Value::from).collect()),
+                    ),
+                    ("block_size", Value::from(4)),
+                    ("lora_id", Value::from(3)),
+                    ("medium", "GPU".into()),
+                    ("extra_field_of_a_newer_vllm", Value::from(true)),
+                ])]),
+            ),
+            ("data_parallel_rank", Value::from(1)),
+        ]);
+        let decoded = KvEventBatch::decode(&encode(&batch)).unwrap();
+        assert_eq!(decoded.data_parallel_rank, Some(1));
+        assert_eq!(
+            decoded.events,
+            vec![KvEvent::Stored {
+                hashes: vec![(-5i64) as u64],
+                parent: Some(9),
+                token_ids: (0..4).collect(),
+                block_size: 4,
+                lora: Some(3),
+            }]
+        );
+    }
+
+    #[test]
+    fn malformed_batches_are_errors() {
+        assert!(KvEventBatch::decode(b"").is_err());
+        assert!(KvEventBatch::decode(&encode(&Value::from(1))).is_err());
+        let short = Value::Array(vec![
+            Value::F64(0.0),
+            Value::Array(vec![Value::Array(vec![
+                "BlockStored".into(),
+                Value::Array(vec![Value::from(1), Value::from(2)]),
+                Value::Nil,
+                Value::Array(vec![Value::from(1)]),
+                Value::from(4),
+            ])]),
+        ]);
+        assert!(KvEventBatch::decode(&encode(&short)).is_err());
+    }
+
+    #[test]
+    fn lookups_follow_stores_evictions_and_clears() {
+        let index = PrefixIndex::default();
+        let tokens: Vec<u32> = (100..116).collect();
+        let keys = block_keys(&tokens, 4, None);
+        // Backend 1 holds the first three blocks, stored in two events chained by parent.
+        index.apply(addr(1), &[stored(&[11, 12], None, &tokens[..8])]);
+        index.apply(addr(1), &[stored(&[13], Some(12), &tokens[8..12])]);
+        // Backend 2 holds the first block only, under other engine hashes.
+        index.apply(addr(2), &[stored(&[91], None, &tokens[..4])]);
+        let matches = index.lookup(&keys);
+        assert_eq!(matches.cached_tokens(addr(1)), 12);
+        assert_eq!(matches.cached_tokens(addr(2)), 4);
+        assert_eq!(matches.best(), 12);
+        assert_eq!(index.blocks_of(addr(1)), 3);
+        // Evicting the middle block cuts backend 1's prefix there.
+        index.apply(addr(1), &[KvEvent::Removed { hashes: vec![12] }]);
+        assert_eq!(index.lookup(&keys).cached_tokens(addr(1)), 4);
+        // A block whose parent the index never saw is not indexed.
+        index.apply(addr(2), &[stored(&[95], Some(12345), &tokens[4..8])]);
+        assert_eq!(index.orphans.load(Relaxed), 1);
+        index.apply(addr(1), &[KvEvent::AllCleared]);
+        assert_eq!(index.lookup(&keys).cached_tokens(addr(1)), 0);
+        assert_eq!(index.blocks_of(addr(1)), 0);
+        index.clear(addr(2));
+        assert_eq!(
+            index.lookup(&keys),
+            Matches {
+                held: vec![],
+                block_size: 4
+            }
+        );
+        // An adapter's blocks are not the base model's.
+        index.apply(
+            addr(3),
+            &[KvEvent::Stored {
+                hashes: vec![1],
+                parent: None,
+                token_ids: tokens[..4].to_vec(),
+                block_size: 4,
+                lora: Some(7),
+            }],
+        );
+        assert_eq!(index.lookup(&keys).best(), 0);
+        assert_eq!(index.lookup(&block_keys(&tokens, 4, Some(7))).best(), 4);
+    }
+
+    #[test]
+    fn a_backend_holds_at_most_its_bound() {
+        let index = PrefixIndex::default();
+        let hashes: Vec<u64> = (0..MAX_BLOCKS_PER_BACKEND as u64 + 10).collect();
+        let tokens: Vec<u32> = (0..hashes.len() as u32 * 4).collect();
+        index.apply(addr(1), &[stored(&hashes, None, &tokens)]);
+        assert_eq!(index.blocks_of(addr(1)), MAX_BLOCKS_PER_BACKEND);
+        assert_eq!(index.overflowed.load(Relaxed), 10);
+    }
+}
