@@ -196,6 +196,40 @@ metric!(HEALTH_CHECKS: IntCounterVec = register_int_counter_vec!(
     &["pool", "kind", "result"]
 ));
 
+metric!(PREFIX_INDEX_BLOCKS: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_prefix_index_blocks",
+    "Prompt blocks the exact prefix index holds for each backend, from its KV cache events.",
+    &["pool", "backend"]
+));
+
+metric!(KV_EVENT_BATCHES: IntCounterVec = register_int_counter_vec!(
+    "sluice_kv_event_batches_total",
+    "KV cache event batches received from each backend.",
+    &["pool", "backend"]
+));
+
+metric!(KV_EVENT_LAG: GaugeVec = register_gauge_vec!(
+    "sluice_kv_event_lag_seconds",
+    "How old each backend's last KV event batch was when it arrived (its timestamp to now).",
+    &["pool", "backend"]
+));
+
+metric!(KV_EVENT_GAPS: IntCounterVec = register_int_counter_vec!(
+    "sluice_kv_event_gaps_total",
+    "Batches missed from a backend's KV events, by what was done: replayed (from its replay \
+     socket), cleared (no replay: its blocks forgotten), restarted (its sequence began again: \
+     the engine restarted), joined (Sluice subscribed after the engine began publishing).",
+    &["pool", "backend", "outcome"]
+));
+
+metric!(PREFIX_TOKENS: IntCounterVec = register_int_counter_vec!(
+    "sluice_prefix_tokens_total",
+    "Prompt tokens of requests routed with the exact prefix index: looked_up (all of them), \
+     predicted (those the index said the chosen backend had cached), reported (those the \
+     engines reported cached, `usage.prompt_tokens_details.cached_tokens`).",
+    &["pool", "kind"]
+));
+
 metric!(METRIC_LINES_SKIPPED: IntCounterVec = register_int_counter_vec!(
     "sluice_health_metric_lines_skipped_total",
     "Invalid lines skipped on backends' /metrics pages that were otherwise read (a page that \
@@ -305,6 +339,11 @@ pub fn init(pools: &Pools) {
         }
         for outcome in AttemptOutcome::ALL {
             touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
+        }
+        if pool.prefix.is_some() {
+            for kind in ["looked_up", "predicted", "reported"] {
+                touch(&PREFIX_TOKENS, &[&pool.name, kind]);
+            }
         }
     }
 }

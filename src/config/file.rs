@@ -231,6 +231,28 @@ pub struct PoolFile {
     /// What of the client's body the engine gets as sent.
     #[serde(default)]
     pub client_fields: ClientFieldsFile,
+    /// The pool's Hugging Face tokenizer folder, for the exact prefix index.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Where the backends publish their KV cache events: `auto` or `{port: N}`.
+    #[serde(default)]
+    pub kv_events: Option<KvEventsFile>,
+}
+
+/// `pools[].kv_events`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum KvEventsFile {
+    /// `auto`: ask each backend's `GET /kv_event_sources`.
+    Word(String),
+    /// `{port: N}`: each backend's publisher on that port of its own address.
+    Port(KvEventsPortFile),
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsPortFile {
+    pub port: u16,
 }
 
 /// `pools[].client_fields`.

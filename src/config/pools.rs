@@ -5,6 +5,8 @@ use super::file::{self, FileConfig};
 use super::{existing_file, socket_address, MAX_TIMEOUT};
 use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
+use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
+use sluice_tokenizer::PromptTokenizer;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, HeaderRules, HealthPolicy,
@@ -127,8 +129,52 @@ fn pool(
                 file::EngineControlsFile::Reset
             ),
         },
+        prefix: prefix_routing(p, key, base)?,
     }));
     Ok((pool, source))
+}
+
+/// The pool's tokenizer and exact prefix index (`tokenizer`, `kv_events`): the index needs
+/// both, and a balancing that reads it (`ttft` or `kv_aware`).
+fn prefix_routing(
+    p: &file::PoolFile,
+    key: &str,
+    base: &Path,
+) -> Result<Option<Arc<PrefixRouting>>, Invalid> {
+    let source = match &p.kv_events {
+        None => None,
+        Some(file::KvEventsFile::Word(word)) if word == "auto" => Some(KvEventSource::Auto),
+        Some(file::KvEventsFile::Port(port)) if port.port > 0 => Some(KvEventSource::Port(port.port)),
+        Some(_) => {
+            return Err(Invalid::new(
+                format!("{key}.kv_events"),
+                "must be `auto` (each backend's GET /kv_event_sources) or `{port: N}`",
+            ))
+        }
+    };
+    let (Some(dir), Some(source)) = (&p.tokenizer, source) else {
+        return match (&p.tokenizer, source) {
+            (None, Some(_)) => Err(Invalid::new(
+                format!("{key}.kv_events"),
+                "needs `tokenizer`: the index is looked up by the prompt's tokens, as the engine makes them",
+            )),
+            (Some(_), None) => Err(Invalid::new(
+                format!("{key}.tokenizer"),
+                "is used by the exact prefix index: set `kv_events` too",
+            )),
+            _ => Ok(None),
+        };
+    };
+    if matches!(p.balancing.strategy, file::StrategyFile::RoundRobin) {
+        return Err(Invalid::new(
+            format!("{key}.kv_events"),
+            "the prefix index is read by the `ttft` and `kv_aware` strategies, not `round_robin`",
+        ));
+    }
+    let dir = base.join(dir);
+    let tokenizer = PromptTokenizer::load(&dir)
+        .map_err(|e| Invalid::new(format!("{key}.tokenizer"), e.to_string()))?;
+    Ok(Some(Arc::new(PrefixRouting::new(Arc::new(tokenizer), source))))
 }
 
 /// The pool's model names, and whether they are learned (`auto`) instead.

@@ -18,8 +18,11 @@
 //! - [`exposition`]: the Prometheus text-format parser.
 //! - [`vllm`]: what Sluice reads from vLLM's metrics (V0 and V1 names).
 //! - [`probe`]: one HTTP GET with a deadline.
+//! - [`kv_events`]: a backend's KV cache events, followed into its pool's prefix index
+//!   (pools with `kv_events`): a subscriber per backend, beside its checker.
 
 pub mod exposition;
+pub mod kv_events;
 mod probe;
 pub mod vllm;
 
@@ -96,6 +99,9 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
     let mut changes = pool.subscribe();
     // Each backend's checker, and the address its series are labelled with.
     let mut checkers: HashMap<SocketAddr, (tokio::task::AbortHandle, String)> = HashMap::new();
+    // Each backend's KV event subscriber, when the pool has an exact prefix index.
+    let mut subscribers: HashMap<SocketAddr, tokio::task::AbortHandle> = HashMap::new();
+    let mut prefix_seen = PrefixCounts::default();
     let mut tasks = tokio::task::JoinSet::new();
     let mut tick = interval(pool.health.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -106,6 +112,12 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
             let stays = members.find(*addr).is_some();
             if !stays {
                 task.abort();
+                if let Some(subscriber) = subscribers.remove(addr) {
+                    subscriber.abort();
+                }
+                if let Some(routing) = &pool.prefix {
+                    routing.index.clear(*addr);
+                }
                 if !members.iter().any(|e| &e.spec.address == label) {
                     forget_backend(&pool.name, label);
                 }
@@ -127,6 +139,17 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 models_due: 0,
             };
             let label = endpoint.spec.address.clone();
+            if let Some(routing) = &pool.prefix {
+                let subscriber = kv_events::Subscriber {
+                    pool: Arc::clone(&pool),
+                    routing: Arc::clone(routing),
+                    addr,
+                    label: label.clone(),
+                    connector: Arc::clone(&connector),
+                    peer: probe::peer(&pool, addr),
+                };
+                subscribers.insert(addr, tasks.spawn(subscriber.run()));
+            }
             checkers.insert(addr, (tasks.spawn(checker.run()), label));
         }
         drop(members);
@@ -148,9 +171,40 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                     pool.sheds(priority);
                 }
                 publish_membership(&pool);
+                prefix_seen.publish(&pool);
             }
             // Reaps finished checkers (they only end when aborted).
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+}
+
+/// The pool's prefix index counters (atomics of the pool's), as last published to the
+/// `sluice_prefix_tokens_total` counters.
+#[derive(Default)]
+struct PrefixCounts {
+    looked_up: u64,
+    predicted: u64,
+    reported: u64,
+}
+
+impl PrefixCounts {
+    /// Adds what the pool counted since the last call.
+    fn publish(&mut self, pool: &Pool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(routing) = &pool.prefix else {
+            return;
+        };
+        for (kind, seen, now) in [
+            ("looked_up", &mut self.looked_up, routing.looked_up_tokens.load(Relaxed)),
+            ("predicted", &mut self.predicted, routing.predicted_tokens.load(Relaxed)),
+            ("reported", &mut self.reported, routing.reported_tokens.load(Relaxed)),
+        ] {
+            let delta = now.saturating_sub(*seen);
+            if delta > 0 {
+                sluice_sdk::metrics::inc_by(&metrics::PREFIX_TOKENS, &[&pool.name, kind], delta);
+            }
+            *seen = now;
         }
     }
 }
@@ -193,6 +247,12 @@ fn forget_backend(pool: &str, backend: &str) {
         forget(gauge, &[pool, backend]);
     }
     forget(&metrics::METRIC_LINES_SKIPPED, &[pool, backend]);
+    forget(&metrics::PREFIX_INDEX_BLOCKS, &[pool, backend]);
+    forget(&metrics::KV_EVENT_BATCHES, &[pool, backend]);
+    forget(&metrics::KV_EVENT_LAG, &[pool, backend]);
+    for outcome in ["replayed", "cleared", "restarted", "joined"] {
+        forget(&metrics::KV_EVENT_GAPS, &[pool, backend, outcome]);
+    }
 }
 
 /// Checks one backend, until its pool's follower stops it.

@@ -32,6 +32,7 @@ use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
     RequestCtx, RetryOn, Selected,
 };
+use sluice_sdk::prefix::PrefixKeys;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -106,6 +107,8 @@ struct AttemptLoop {
     /// The last body changed for upstream, and what it became: retries and backends of one
     /// pool send the same body, copied once.
     sent_body: Option<SentBody>,
+    /// The request's prompt blocks, as the last pool with an exact prefix index keyed them.
+    prefix: Option<(Arc<str>, Option<Arc<PrefixKeys>>)>,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -152,6 +155,24 @@ struct Prepared {
 }
 
 impl AttemptLoop {
+    /// The request's prompt blocks as `pool` keys them, when the pool has an exact prefix
+    /// index: tokenized once per pool (a retry or an escalation back to a pool reuses them).
+    async fn prefix_keys(&mut self, ctx: &RequestCtx, pool: &Pool) -> Option<Arc<PrefixKeys>> {
+        let routing = pool.prefix.as_ref()?;
+        if let Some((name, keys)) = &self.prefix {
+            if Arc::ptr_eq(name, &pool.name) {
+                return keys.clone();
+            }
+        }
+        let call = ctx.llm()?;
+        let keys = routing
+            .keys_off_worker(call.endpoint, call.body.clone())
+            .await
+            .map(Arc::new);
+        self.prefix = Some((Arc::clone(&pool.name), keys.clone()));
+        keys
+    }
+
     fn new(ctx: &RequestCtx) -> Result<Self> {
         let call = ctx
             .llm()
@@ -169,6 +190,7 @@ impl AttemptLoop {
             declined: None,
             retries_in_pool: 0,
             sent_body: None,
+            prefix: None,
         })
     }
 
@@ -188,7 +210,8 @@ impl AttemptLoop {
             let demand = ctx
                 .llm()
                 .map_or_else(Demand::default, |call| pool.demand_for(call));
-            let then = match pool.select(&self.tried, &demand) {
+            let prefix = self.prefix_keys(ctx, &pool).await;
+            let then = match pool.select_prefixed(&self.tried, &demand, prefix.as_deref()) {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {
                     // 2. prepare

@@ -21,7 +21,9 @@ use std::time::Duration;
 
 /// Starts a try of `backend`, which may come to hold `tokens` KV tokens: it joins `tried`,
 /// becomes the request's backend, and counts as in flight until the guard is dropped; an
-/// LLM request's prompt counts as prefilling there until [`first_byte`].
+/// LLM request's prompt, less what the backend's prefix cache is credited with, counts as
+/// prefilling there until [`first_byte`], and only that part's TTFT teaches the backend's
+/// prefill speed (none when the credit is a guess).
 pub fn begin(
     ctx: &mut RequestCtx,
     tried: &mut Vec<SocketAddr>,
@@ -34,7 +36,11 @@ pub fn begin(
     let progress = ctx.progress_mut();
     progress.backend = Some(backend.addr);
     progress.attempts += 1;
-    let mut in_flight = backend.live.begin_request(tokens, prompt_tokens);
+    let computed = prompt_tokens.saturating_sub(backend.cached_tokens.unwrap_or(0));
+    let mut in_flight = backend.live.begin_request(tokens, computed);
+    if backend.cached_tokens.is_none() {
+        in_flight.without_learning();
+    }
     if let Some(pool) = pool.filter(|_| prompt_tokens > 0) {
         in_flight.predict(backend.predicted_ttft, pool);
     }

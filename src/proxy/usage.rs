@@ -57,10 +57,12 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
     if let Some((events, family)) = watch.strip.as_mut() {
         drop_usage_chunk(*family, events, body, end);
     }
+    let (found, cached) = (watch.scanner.usage(), watch.scanner.cached_tokens());
     // A stream's running totals (`continuous_usage_stats`): the last one found is the answer's.
-    if let Some(found) = watch.scanner.usage().filter(|u| ctx.usage() != Some(*u)) {
+    if let Some(found) = found.filter(|u| ctx.usage() != Some(*u)) {
         if ctx.usage().is_none() && !ctx.answered_locally() {
             learn_prompt_scale(ctx, found);
+            report_cached_tokens(ctx, cached);
         }
         ctx.set_usage(found);
     }
@@ -71,6 +73,16 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
 fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
     if let (Some(pool), Some(call)) = (ctx.pool(), ctx.llm()) {
         pool.learn_prompt_tokens(call.demand.prompt_tokens, usage.prompt_tokens);
+    }
+}
+
+/// What the engine's prefix cache served, beside what the pool's exact index predicted.
+fn report_cached_tokens(ctx: &RequestCtx, cached: Option<u64>) {
+    let routing = ctx.pool().and_then(|pool| pool.prefix.as_ref());
+    if let (Some(routing), Some(cached)) = (routing, cached) {
+        routing
+            .reported_tokens
+            .fetch_add(cached, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

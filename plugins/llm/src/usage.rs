@@ -41,6 +41,8 @@ pub struct UsageScanner {
     /// The candidate object's bytes, from its `{`.
     object: Vec<u8>,
     found: Option<Usage>,
+    /// The prompt tokens the engine's prefix cache served, when the found usage says.
+    cached_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -61,11 +63,21 @@ enum State {
     },
 }
 
-/// The fields read from a `usage` object; others (`total_tokens`, details) are ignored.
+/// The fields read from a `usage` object; others (`total_tokens`, the completion's details)
+/// are ignored.
 #[derive(Deserialize)]
 struct Counts {
     prompt_tokens: u64,
     completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+/// `usage.prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`).
+#[derive(Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 impl UsageScanner {
@@ -103,6 +115,12 @@ impl UsageScanner {
     /// the last) does not count.
     pub fn usage(&self) -> Option<Usage> {
         self.found
+    }
+
+    /// Of the found usage's prompt, the tokens the engine's prefix cache served
+    /// (`prompt_tokens_details.cached_tokens`), when it says.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        self.cached_tokens
     }
 
     fn step(&mut self, byte: u8) {
@@ -163,6 +181,9 @@ impl UsageScanner {
                 prompt_tokens: counts.prompt_tokens,
                 completion_tokens: counts.completion_tokens,
             });
+            self.cached_tokens = counts
+                .prompt_tokens_details
+                .and_then(|details| details.cached_tokens);
         }
         self.object.clear();
         State::Seeking

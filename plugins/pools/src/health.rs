@@ -734,6 +734,12 @@ impl InFlight {
         self.pool = Some(pool);
     }
 
+    /// Its TTFT must not teach the backend's prefill speed: what its prefix cache served is
+    /// not known (the approximate affinity guessed), so the prompt's computed part is not.
+    pub fn without_learning(&mut self) {
+        self.learns = false;
+    }
+
     /// The pool given to [`InFlight::predict`].
     pub fn pool(&self) -> Option<&str> {
         self.pool.as_deref()

@@ -20,6 +20,7 @@ pub mod header_rules;
 pub mod health;
 pub mod members;
 pub mod pool;
+pub mod prefix;
 pub mod prefix_index;
 pub mod ratio;
 pub mod retry;

@@ -8,6 +8,7 @@
 use crate::header_rules::{HeaderRules, UpstreamAuth};
 use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_PREFILL_SPEED};
 use crate::members::{self, Change, Member, Members, Wanted};
+use crate::prefix::{Credit, PrefixKeys, PrefixRouting};
 use crate::retry::{RetryBudget, RetryPolicy};
 use arc_swap::{ArcSwap, Guard};
 use pingora_core::upstreams::peer::HttpPeer;
@@ -236,6 +237,10 @@ pub struct Selected {
     /// The time to first token predicted for the request there, in seconds, when it has a
     /// prompt.
     pub predicted_ttft: Option<f64>,
+    /// The prompt tokens (estimated) its prefix cache is taken to serve: the exact index's
+    /// count, 0 when nothing is credited, `None` when the approximate affinity guessed (the
+    /// backend's TTFT then cannot teach its prefill speed).
+    pub cached_tokens: Option<u64>,
 }
 
 /// A request's class: who is shed first when a pool is under pressure. Written in config
@@ -346,6 +351,9 @@ pub trait Admission: Send + Sync {
     fn admits(&self, pool: &Pool, priority: Priority, tokens: u64) -> bool;
 }
 
+/// An address no backend has, for a candidate that vanished between two reads.
+const UNSPECIFIED: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+
 /// How close to the best-of-two score the prefix-affine backend must be to be taken.
 const AFFINITY_SLACK: f64 = 0.15;
 
@@ -410,6 +418,8 @@ pub struct Pool {
     pub served_model: Option<ServedModel>,
     /// What of the client's body the engine gets as sent.
     pub client_fields: ClientFields,
+    /// The pool's tokenizer and exact prefix index (`tokenizer` and `kv_events`), if set.
+    pub prefix: Option<Arc<PrefixRouting>>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
     /// The pool's tokens per estimated prompt token, in thousandths: learned from its
@@ -471,6 +481,8 @@ pub struct PoolSettings {
     pub served_model: Option<ServedModel>,
     /// What of the client's body the engine gets as sent.
     pub client_fields: ClientFields,
+    /// The tokenizer and exact prefix index; `None`: the approximate affinity only.
+    pub prefix: Option<Arc<PrefixRouting>>,
 }
 
 impl PoolSettings {
@@ -499,6 +511,7 @@ impl PoolSettings {
             sessions: None,
             served_model: None,
             client_fields: ClientFields::default(),
+            prefix: None,
         }
     }
 }
@@ -555,6 +568,7 @@ impl Pool {
             sessions: settings.sessions,
             served_model: settings.served_model,
             client_fields: settings.client_fields,
+            prefix: settings.prefix,
             admission: OnceLock::new(),
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             session_table,
@@ -772,12 +786,25 @@ impl Pool {
     /// A request of a session ([`Demand::session`]) goes to the session's backend while the
     /// pool's [`SessionAffinity`] allows, and binds the session to wherever it goes.
     pub fn select(&self, tried: &[SocketAddr], demand: &Demand) -> Option<Selected> {
+        self.select_prefixed(tried, demand, None)
+    }
+
+    /// [`Pool::select`] for a request whose prompt blocks are `prefix` (see
+    /// [`PrefixRouting::keys`]): with the pool's exact index, each backend is credited with
+    /// the prompt tokens its prefix cache holds.
+    pub fn select_prefixed(
+        &self,
+        tried: &[SocketAddr],
+        demand: &Demand,
+        prefix: Option<&PrefixKeys>,
+    ) -> Option<Selected> {
         let members = self.members();
         let m = Choice {
             members: &members,
             tried,
             warm_only: members.has_late_joiners(),
         };
+        let credit = self.credit(demand, prefix);
         let session = demand.session.zip(self.session_table.as_ref());
         let kept = session.and_then(|(key, table)| {
             let index = members.by_slot(table.get(key)?)?;
@@ -786,7 +813,7 @@ impl Pool {
         let index = match kept {
             Some(index) => index,
             // Endpoints warming up at their share are left out, unless nothing else is left.
-            None => self.balance(&m, demand).or_else(|| {
+            None => self.balance(&m, demand, &credit).or_else(|| {
                 m.warm_only
                     .then(|| {
                         self.balance(
@@ -795,6 +822,7 @@ impl Pool {
                                 ..m
                             },
                             demand,
+                            &credit,
                         )
                     })
                     .flatten()
@@ -804,29 +832,71 @@ impl Pool {
         if let Some((key, table)) = session {
             table.bind(key, endpoint.slot);
         }
+        let cached_tokens = self.cached_at(&m, index, demand, &credit);
         let predicted_ttft = (demand.prompt_tokens > 0).then(|| {
-            let cached = if self.prefix_home(&m, demand) == Some(index) {
-                self.cached_tokens(demand)
-            } else {
-                0
-            };
-            endpoint
-                .live
-                .predicted_ttft(demand.prompt_tokens, cached, &self.health)
+            endpoint.live.predicted_ttft(
+                demand.prompt_tokens,
+                cached_tokens.unwrap_or_else(|| self.cached_tokens(demand)),
+                &self.health,
+            )
         });
+        if let (Some(routing), Some(keys), Credit::Exact { matches, .. }) =
+            (&self.prefix, prefix, &credit)
+        {
+            let exact = matches.cached_tokens(endpoint.spec.resolved).min(keys.tokens as u64);
+            routing.predicted_tokens.fetch_add(exact, Relaxed);
+            routing
+                .looked_up_tokens
+                .fetch_add(keys.tokens as u64, Relaxed);
+        }
         Some(Selected {
             addr: endpoint.spec.resolved,
             live: Arc::clone(&endpoint.live),
             predicted_ttft,
+            cached_tokens,
         })
     }
 
+    /// What this selection credits the backends' prefix caches with: the exact index when
+    /// the pool has one and the request's blocks are known, else the approximate affinity's
+    /// guess when the pool uses it, else nothing.
+    fn credit(&self, demand: &Demand, prefix: Option<&PrefixKeys>) -> Credit {
+        match (&self.prefix, prefix) {
+            (Some(routing), Some(keys)) => Credit::Exact {
+                matches: routing.index.lookup(&keys.keys),
+                tokens: keys.tokens as u64,
+                estimate: demand.prompt_tokens,
+            },
+            _ if self.balancing.prefix_affinity().is_some() && demand.affinity.is_some() => {
+                Credit::Guess
+            }
+            _ => Credit::Nothing,
+        }
+    }
+
+    /// The prompt tokens backend `index`'s cache is credited with (see
+    /// [`Selected::cached_tokens`]): `None` for the approximate affinity's home.
+    fn cached_at(
+        &self,
+        m: &Choice<'_>,
+        index: usize,
+        demand: &Demand,
+        credit: &Credit,
+    ) -> Option<u64> {
+        let addr = m.members.get(index)?.spec.resolved;
+        match credit {
+            Credit::Exact { .. } => credit.exact(addr),
+            Credit::Guess if self.prefix_home(m, demand) == Some(index) => None,
+            _ => Some(0),
+        }
+    }
+
     /// The pool's balancing among `m`'s candidates.
-    fn balance(&self, m: &Choice<'_>, demand: &Demand) -> Option<usize> {
+    fn balance(&self, m: &Choice<'_>, demand: &Demand, credit: &Credit) -> Option<usize> {
         match &self.balancing {
             Balancing::RoundRobin => self.select_round_robin(m),
-            Balancing::KvAware { .. } => self.select_kv_aware(m, demand),
-            Balancing::Ttft(ttft) => self.select_ttft(m, demand, ttft),
+            Balancing::KvAware { .. } => self.select_kv_aware(m, demand, credit),
+            Balancing::Ttft(ttft) => self.select_ttft(m, demand, ttft, credit),
         }
     }
 
@@ -889,7 +959,13 @@ impl Pool {
 
     /// The usable backend, not in `tried`, with the least predicted time to first token;
     /// a random one for an `exploration` share of requests.
-    fn select_ttft(&self, m: &Choice<'_>, demand: &Demand, ttft: &TtftBalancing) -> Option<usize> {
+    fn select_ttft(
+        &self,
+        m: &Choice<'_>,
+        demand: &Demand,
+        ttft: &TtftBalancing,
+        credit: &Credit,
+    ) -> Option<usize> {
         let n = m.members.len();
         let count = m.candidates().count();
         if count == 0 {
@@ -906,7 +982,12 @@ impl Pool {
             if !m.candidate(i) {
                 continue;
             }
-            let cost = self.ttft_cost(m.members, i, demand, home == Some(i));
+            let cached = match credit.exact(m.members.get(i).map_or(UNSPECIFIED, |e| e.spec.resolved)) {
+                Some(exact) => exact,
+                None if home == Some(i) => self.cached_tokens(demand),
+                None => 0,
+            };
+            let cost = self.ttft_cost(m.members, i, demand, cached);
             if best.is_none_or(|(_, b)| cost < b) {
                 best = Some((i, cost));
             }
@@ -914,15 +995,15 @@ impl Pool {
         best.map(|(i, _)| i)
     }
 
-    /// The predicted time to first token of `demand` on backend `index` (seconds), with the
-    /// prefix cache credited when it is the prefix's home: so the home keeps the request
-    /// only while the wait it adds is less than the prefill the cache saves. A backend whose
-    /// KV cache cannot take the request also waits for room.
-    fn ttft_cost(&self, members: &Members, index: usize, demand: &Demand, home: bool) -> f64 {
+    /// The predicted time to first token of `demand` on backend `index` (seconds), its
+    /// prefix cache credited with `cached` prompt tokens (the exact index's count, or the
+    /// approximate affinity's guess for the prefix's home): so a backend that holds the
+    /// prefix keeps the request only while the wait it adds is less than the prefill its
+    /// cache saves. A backend whose KV cache cannot take the request also waits for room.
+    fn ttft_cost(&self, members: &Members, index: usize, demand: &Demand, cached: u64) -> f64 {
         let Some(live) = members.get(index).map(|e| &e.live) else {
             return f64::MAX;
         };
-        let cached = if home { self.cached_tokens(demand) } else { 0 };
         let mut cost = live.predicted_ttft(demand.prompt_tokens, cached, &self.health);
         let outlook = live.outlook(&self.health);
         let full = outlook
@@ -953,7 +1034,7 @@ impl Pool {
         m.members.round_robin().find(|&i| m.candidate(i))
     }
 
-    fn select_kv_aware(&self, m: &Choice<'_>, demand: &Demand) -> Option<usize> {
+    fn select_kv_aware(&self, m: &Choice<'_>, demand: &Demand, credit: &Credit) -> Option<usize> {
         let candidates = m.candidates();
         let count = candidates.clone().count();
         let scored = |i: usize| (i, self.score(m.members, i, demand));
@@ -973,11 +1054,21 @@ impl Pool {
                 }
             }
         };
-        // Prefix affinity: the prefix's home backend, unless clearly worse. (`demand.affinity`
-        // is only set for pools that use it.)
-        let home = demand
-            .affinity
-            .and_then(|key| candidates.max_by_key(|&i| m.rendezvous(key, i)));
+        // Prefix affinity: the prefix's home backend, unless clearly worse: with the exact
+        // index, the backend holding most of the prompt; else the approximate affinity's
+        // (`demand.affinity` is only set for pools that use it).
+        let home = if credit.any_exact() {
+            candidates.max_by_key(|&i| {
+                m.members
+                    .get(i)
+                    .and_then(|e| credit.exact(e.spec.resolved))
+                    .unwrap_or(0)
+            })
+        } else {
+            demand
+                .affinity
+                .and_then(|key| candidates.max_by_key(|&i| m.rendezvous(key, i)))
+        };
         match home {
             Some(h)
                 if h != best && self.score(m.members, h, demand) >= best_score - AFFINITY_SLACK =>

@@ -46,7 +46,7 @@ pub mod tenant;
 
 // The LLM wire model and the pools, re-exported where plugins have always found them.
 pub use sluice_llm::{context, family, llm, model_name, raw_json, sse, usage};
-pub use sluice_pools::{header_rules, health, members, pool, ratio, retry};
+pub use sluice_pools::{header_rules, health, members, pool, prefix, prefix_index, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;

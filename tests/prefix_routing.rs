@@ -1,0 +1,157 @@
+//! The exact prefix index: Sluice in front of simulated vLLM V1 engines (chunked prefill,
+//! prefix caching, KV events over ZMQ, the same tokenizer folder as the pool's), following
+//! their events and sending each conversation's next turn where its history is cached.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use std::time::Duration;
+use vllm_sim::{KvEventsConfig, Sim, SimConfig};
+
+const MODEL: &str = "m";
+
+fn tokenizer_dir() -> String {
+    format!("{}/tests/fixtures/tokenizer-chatml", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A V1-like engine publishing its KV events, tokenizing with the pool's tokenizer.
+async fn engine() -> Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_served_model_names(vec![MODEL.to_string()])
+            .with_tokenizer(tokenizer_dir())
+            .v1_engine(2048)
+            .with_kv_events(KvEventsConfig::default()),
+    )
+    .await
+    .unwrap()
+}
+
+fn config(sims: &[Sim], strategy: &str, exact: bool) -> Value {
+    let addrs: Vec<_> = sims.iter().map(Sim::addr).collect();
+    let mut pool = pool("fleet", &[MODEL], &addrs)
+        .with_fast_health_checks()
+        .with("balancing", json!({"strategy": strategy, "exploration": 0.0}));
+    if exact {
+        pool = pool
+            .with("tokenizer", tokenizer_dir())
+            .with("kv_events", "auto");
+    }
+    json!({"pools": [pool]})
+}
+
+/// A conversation's request at `turns` turns: a long system prompt of its own, its history.
+fn turn(conversation: usize, turns: usize) -> Value {
+    let mut messages = vec![json!({"role": "system", "content": format!("Conversation {conversation}. {}", "Keep every answer short and exact. ".repeat(30))})];
+    for t in 0..turns {
+        messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {conversation}: what holds block {t}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Block {t} holds the tokens of turn {t}.")}));
+    }
+    messages.push(json!({"role": "user", "content": "And the next one?"}));
+    json!({"model": MODEL, "messages": messages, "max_tokens": 4})
+}
+
+/// Which engine served the last request: the one whose count went up.
+fn served_by(sims: &[Sim], before: &[u64]) -> usize {
+    let now: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+    let moved: Vec<usize> = (0..sims.len()).filter(|&i| now[i] > before[i]).collect();
+    assert_eq!(moved.len(), 1, "one engine served it: {before:?} -> {now:?}");
+    moved[0]
+}
+
+/// The index's blocks for each backend, from the admin's metrics.
+async fn indexed_blocks(proxy: &Proxy) -> f64 {
+    let text = reqwest::get(proxy.admin_url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("sluice_prefix_index_blocks{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_turn_goes_where_its_history_is_cached() {
+    let sims = vec![engine().await, engine().await, engine().await, engine().await];
+    let proxy = Proxy::start(config(&sims, "ttft", true)).await;
+    // The subscribers are up once a request's blocks reach the index. ZMQ drops what is
+    // published before a subscription arrives: a warm-up conversation is sent until its
+    // blocks are seen.
+    let warm = turn(999, 1);
+    wait_for(Duration::from_secs(30), || async {
+        proxy.ask(&warm, &[]).await;
+        indexed_blocks(&proxy).await > 0.0
+    })
+    .await
+    .expect("the index follows the engines' events");
+    // Every backend's subscriber must be live before the test's turns: reset each engine's
+    // cache until every one's clear has been seen (a reset publishes AllBlocksCleared).
+    for sim in &sims {
+        sim.reset_prefix_cache();
+    }
+    wait_for(Duration::from_secs(10), || async { indexed_blocks(&proxy).await == 0.0 })
+        .await
+        .expect("the clears reach the index");
+
+    let mut home = Vec::new();
+    for conversation in 0..8 {
+        let before: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+        let answer = proxy.ask(&turn(conversation, 1), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        home.push(served_by(&sims, &before));
+    }
+    // Turn 1 of each conversation teaches the index where its blocks are: each backend
+    // stores them after the prefill, and Sluice hears of it.
+    wait_for(Duration::from_secs(10), || async {
+        let held: usize = sims.iter().map(Sim::cached_blocks).sum();
+        indexed_blocks(&proxy).await as usize == held
+    })
+    .await
+    .expect("the index holds what the engines hold");
+    for turns in 2..5 {
+        for (conversation, &home) in home.iter().enumerate() {
+            let before: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+            let answer = proxy.ask(&turn(conversation, turns), &[]).await;
+            assert_eq!(answer.status, 200);
+            assert_eq!(
+                served_by(&sims, &before),
+                home,
+                "conversation {conversation}, turn {turns}: where its history is"
+            );
+            let body: Value = serde_json::from_str(&answer.body).unwrap();
+            let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            assert!(cached > 100, "served from the prefix cache: {cached}");
+            // The next turn's blocks are indexed before it is asked.
+            wait_for(Duration::from_secs(10), || async {
+                let held: usize = sims.iter().map(Sim::cached_blocks).sum();
+                indexed_blocks(&proxy).await as usize == held
+            })
+            .await
+            .expect("the index holds what the engines hold");
+        }
+    }
+    // The conversations were spread: not all on one backend.
+    let mut used = home.clone();
+    used.sort_unstable();
+    used.dedup();
+    assert!(used.len() > 1, "turns 1 were spread: {home:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_tokenizer_the_pool_routes_as_before() {
+    let sims = vec![engine().await, engine().await];
+    let proxy = Proxy::start(config(&sims, "ttft", false)).await;
+    for conversation in 0..4 {
+        let answer = proxy.ask(&turn(conversation, 2), &[]).await;
+        assert_eq!(answer.status, 200);
+    }
+    assert_eq!(indexed_blocks(&proxy).await, 0.0, "no index without its keys");
+    let served: u64 = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).sum();
+    assert_eq!(served, 4);
+}
