@@ -12,7 +12,10 @@ use vllm_sim::{KvEventsConfig, Sim, SimConfig};
 const MODEL: &str = "m";
 
 fn tokenizer_dir() -> String {
-    format!("{}/tests/fixtures/tokenizer-chatml", env!("CARGO_MANIFEST_DIR"))
+    format!(
+        "{}/tests/fixtures/tokenizer-chatml",
+        env!("CARGO_MANIFEST_DIR")
+    )
 }
 
 /// A V1-like engine publishing its KV events, tokenizing with the pool's tokenizer.
@@ -32,7 +35,10 @@ fn config(sims: &[Sim], strategy: &str, exact: bool) -> Value {
     let addrs: Vec<_> = sims.iter().map(Sim::addr).collect();
     let mut pool = pool("fleet", &[MODEL], &addrs)
         .with_fast_health_checks()
-        .with("balancing", json!({"strategy": strategy, "exploration": 0.0}));
+        .with(
+            "balancing",
+            json!({"strategy": strategy, "exploration": 0.0}),
+        );
     if exact {
         pool = pool
             .with("tokenizer", tokenizer_dir())
@@ -43,7 +49,9 @@ fn config(sims: &[Sim], strategy: &str, exact: bool) -> Value {
 
 /// A conversation's request at `turns` turns: a long system prompt of its own, its history.
 fn turn(conversation: usize, turns: usize) -> Value {
-    let mut messages = vec![json!({"role": "system", "content": format!("Conversation {conversation}. {}", "Keep every answer short and exact. ".repeat(30))})];
+    let mut messages = vec![
+        json!({"role": "system", "content": format!("Conversation {conversation}. {}", "Keep every answer short and exact. ".repeat(30))}),
+    ];
     for t in 0..turns {
         messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {conversation}: what holds block {t}?")}));
         messages.push(json!({"role": "assistant", "content": format!("Block {t} holds the tokens of turn {t}.")}));
@@ -54,9 +62,16 @@ fn turn(conversation: usize, turns: usize) -> Value {
 
 /// Which engine served the last request: the one whose count went up.
 fn served_by(sims: &[Sim], before: &[u64]) -> usize {
-    let now: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+    let now: Vec<u64> = sims
+        .iter()
+        .map(|s| s.stats().count("/v1/chat/completions"))
+        .collect();
     let moved: Vec<usize> = (0..sims.len()).filter(|&i| now[i] > before[i]).collect();
-    assert_eq!(moved.len(), 1, "one engine served it: {before:?} -> {now:?}");
+    assert_eq!(
+        moved.len(),
+        1,
+        "one engine served it: {before:?} -> {now:?}"
+    );
     moved[0]
 }
 
@@ -76,7 +91,12 @@ async fn indexed_blocks(proxy: &Proxy) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_turn_goes_where_its_history_is_cached() {
-    let sims = vec![engine().await, engine().await, engine().await, engine().await];
+    let sims = vec![
+        engine().await,
+        engine().await,
+        engine().await,
+        engine().await,
+    ];
     let proxy = Proxy::start(config(&sims, "ttft", true)).await;
     // The subscribers are up once a request's blocks reach the index. ZMQ drops what is
     // published before a subscription arrives: a warm-up conversation is sent until its
@@ -93,13 +113,18 @@ async fn each_turn_goes_where_its_history_is_cached() {
     for sim in &sims {
         sim.reset_prefix_cache();
     }
-    wait_for(Duration::from_secs(10), || async { indexed_blocks(&proxy).await == 0.0 })
-        .await
-        .expect("the clears reach the index");
+    wait_for(Duration::from_secs(10), || async {
+        indexed_blocks(&proxy).await == 0.0
+    })
+    .await
+    .expect("the clears reach the index");
 
     let mut home = Vec::new();
     for conversation in 0..8 {
-        let before: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+        let before: Vec<u64> = sims
+            .iter()
+            .map(|s| s.stats().count("/v1/chat/completions"))
+            .collect();
         let answer = proxy.ask(&turn(conversation, 1), &[]).await;
         assert_eq!(answer.status, 200, "{}", answer.body);
         home.push(served_by(&sims, &before));
@@ -114,7 +139,10 @@ async fn each_turn_goes_where_its_history_is_cached() {
     .expect("the index holds what the engines hold");
     for turns in 2..5 {
         for (conversation, &home) in home.iter().enumerate() {
-            let before: Vec<u64> = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).collect();
+            let before: Vec<u64> = sims
+                .iter()
+                .map(|s| s.stats().count("/v1/chat/completions"))
+                .collect();
             let answer = proxy.ask(&turn(conversation, turns), &[]).await;
             assert_eq!(answer.status, 200);
             assert_eq!(
@@ -151,7 +179,14 @@ async fn without_a_tokenizer_the_pool_routes_as_before() {
         let answer = proxy.ask(&turn(conversation, 2), &[]).await;
         assert_eq!(answer.status, 200);
     }
-    assert_eq!(indexed_blocks(&proxy).await, 0.0, "no index without its keys");
-    let served: u64 = sims.iter().map(|s| s.stats().count("/v1/chat/completions")).sum();
+    assert_eq!(
+        indexed_blocks(&proxy).await,
+        0.0,
+        "no index without its keys"
+    );
+    let served: u64 = sims
+        .iter()
+        .map(|s| s.stats().count("/v1/chat/completions"))
+        .sum();
     assert_eq!(served, 4);
 }

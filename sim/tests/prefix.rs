@@ -20,10 +20,12 @@ fn tokenizer_dir() -> String {
 }
 
 fn conversation(turns: usize) -> Value {
-    let mut messages = vec![json!({"role": "system", "content": "You are a careful assistant. ".repeat(12)})];
+    let mut messages =
+        vec![json!({"role": "system", "content": "You are a careful assistant. ".repeat(12)})];
     for turn in 0..turns {
         messages.push(json!({"role": "user", "content": format!("Question {turn}: what does block {turn} hold?")}));
-        messages.push(json!({"role": "assistant", "content": format!("Block {turn} holds tokens.")}));
+        messages
+            .push(json!({"role": "assistant", "content": format!("Block {turn} holds tokens.")}));
     }
     messages.push(json!({"role": "user", "content": "And now?"}));
     json!({"model": MODEL, "messages": messages, "max_tokens": 4})
@@ -76,12 +78,17 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
     }
     let tokenizer = PromptTokenizer::load(std::path::Path::new(&tokenizer_dir())).unwrap();
     let first = conversation(1);
-    let ids = tokenizer.chat(&serde_json::to_vec(&first).unwrap()).unwrap();
+    let ids = tokenizer
+        .chat(&serde_json::to_vec(&first).unwrap())
+        .unwrap();
     let (status, answer) = post(&sim, CHAT, &first).await;
     assert_eq!(status, 200, "{answer}");
     // The engine counts what the tokenizer makes of the chat template.
     assert_eq!(answer["usage"]["prompt_tokens"], json!(ids.len()));
-    assert_eq!(answer["usage"]["prompt_tokens_details"], json!({"cached_tokens": 0}));
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"],
+        json!({"cached_tokens": 0})
+    );
     let (_, batch) = next_batch(&mut sub).await;
     let stored = &batch[1][0];
     // ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]
@@ -109,17 +116,30 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
         .unwrap();
     // The blocks the two prompts share whole: the history, up to the first turn's last
     // question.
-    let second_ids = tokenizer.chat(&serde_json::to_vec(&second).unwrap()).unwrap();
-    let shared = ids.iter().zip(&second_ids).take_while(|(a, b)| a == b).count();
+    let second_ids = tokenizer
+        .chat(&serde_json::to_vec(&second).unwrap())
+        .unwrap();
+    let shared = ids
+        .iter()
+        .zip(&second_ids)
+        .take_while(|(a, b)| a == b)
+        .count();
     assert!(shared > 100);
-    assert_eq!(cached as usize, shared / 16 * 16, "every block the prompts share");
+    assert_eq!(
+        cached as usize,
+        shared / 16 * 16,
+        "every block the prompts share"
+    );
     let after = sim.metrics_text();
     let hits = metric_value(&after, "vllm:prefix_cache_hits_total")
         - metric_value(&before, "vllm:prefix_cache_hits_total");
     assert_eq!(hits as u64, cached);
     let queries = metric_value(&after, "vllm:prefix_cache_queries_total")
         - metric_value(&before, "vllm:prefix_cache_queries_total");
-    assert_eq!(queries as u64, answer["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert_eq!(
+        queries as u64,
+        answer["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
     // Its new blocks chain on the last cached one.
     let (_, batch) = next_batch(&mut sub).await;
     let stored = &batch[1][0];
@@ -171,7 +191,11 @@ async fn a_short_prompt_is_not_held_behind_a_long_prefill() {
         std::time::Instant::now()
     });
     // Once the long prompt is prefilling, the short one comes.
-    wait_until(|| sim.engine_state().running == 1, "the long prompt running").await;
+    wait_until(
+        || sim.engine_state().running == 1,
+        "the long prompt running",
+    )
+    .await;
     let mut response = send(&sim, CHAT, &short).await;
     response.chunk().await.unwrap();
     let short_first = std::time::Instant::now();

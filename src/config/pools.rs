@@ -6,13 +6,13 @@ use super::{existing_file, socket_address, MAX_TIMEOUT};
 use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
-use sluice_tokenizer::PromptTokenizer;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, HeaderRules, HealthPolicy,
     OutlierPolicy, Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
     TokensPerSecond, UpstreamAuth,
 };
+use sluice_tokenizer::PromptTokenizer;
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -144,7 +144,9 @@ fn prefix_routing(
     let source = match &p.kv_events {
         None => None,
         Some(file::KvEventsFile::Word(word)) if word == "auto" => Some(KvEventSource::Auto),
-        Some(file::KvEventsFile::Port(port)) if port.port > 0 => Some(KvEventSource::Port(port.port)),
+        Some(file::KvEventsFile::Port(port)) if port.port > 0 => {
+            Some(KvEventSource::Port(port.port))
+        }
         Some(_) => {
             return Err(Invalid::new(
                 format!("{key}.kv_events"),
@@ -174,7 +176,10 @@ fn prefix_routing(
     let dir = base.join(dir);
     let tokenizer = PromptTokenizer::load(&dir)
         .map_err(|e| Invalid::new(format!("{key}.tokenizer"), e.to_string()))?;
-    Ok(Some(Arc::new(PrefixRouting::new(Arc::new(tokenizer), source))))
+    Ok(Some(Arc::new(PrefixRouting::new(
+        Arc::new(tokenizer),
+        source,
+    ))))
 }
 
 /// The pool's model names, and whether they are learned (`auto`) instead.

@@ -1814,3 +1814,57 @@ fn served_model_names_are_checked() {
         "unknown variant",
     );
 }
+
+/// MINIMAL's pool with `keys` added (block style, pool-level).
+fn pool_with(keys: &str) -> String {
+    format!("{MINIMAL}{keys}")
+}
+
+#[test]
+fn the_exact_prefix_index_needs_a_tokenizer_events_and_a_reading_strategy() {
+    let tokenizer = root().join("tests/fixtures/tokenizer-chatml");
+    let tokenizer = tokenizer.display();
+    let config = ok(&pool_with(&format!(
+        "    tokenizer: {tokenizer}\n    kv_events: auto\n    balancing: {{strategy: ttft}}\n"
+    )));
+    let routing = config.pools.iter().next().unwrap().prefix.clone().unwrap();
+    assert_eq!(routing.kv_events, sluice_sdk::prefix::KvEventSource::Auto);
+    assert!(routing.tokenizer.has_chat_template());
+    let config = ok(&pool_with(&format!(
+        "    tokenizer: {tokenizer}\n    kv_events: {{port: 5557}}\n"
+    )));
+    let routing = config.pools.iter().next().unwrap().prefix.clone().unwrap();
+    assert_eq!(
+        routing.kv_events,
+        sluice_sdk::prefix::KvEventSource::Port(5557)
+    );
+    refused(
+        &pool_with("    kv_events: auto\n"),
+        "pools[0].kv_events",
+        "needs `tokenizer`",
+    );
+    refused(
+        &pool_with(&format!("    tokenizer: {tokenizer}\n")),
+        "pools[0].tokenizer",
+        "set `kv_events` too",
+    );
+    refused(
+        &pool_with(&format!(
+            "    tokenizer: {tokenizer}\n    kv_events: auto\n    balancing: {{strategy: round_robin}}\n"
+        )),
+        "pools[0].kv_events",
+        "not `round_robin`",
+    );
+    refused(
+        &pool_with(&format!(
+            "    tokenizer: {tokenizer}\n    kv_events: sometimes\n"
+        )),
+        "pools[0].kv_events",
+        "must be `auto`",
+    );
+    refused(
+        &pool_with("    tokenizer: no-such-folder\n    kv_events: auto\n"),
+        "pools[0].tokenizer",
+        "/tmp/no-such-folder/tokenizer.json",
+    );
+}

@@ -197,13 +197,23 @@ async fn follow(
     let mut sub = zeromq::SubSocket::new();
     let connected = tokio::time::timeout(CONNECT, sub.connect(&source.endpoint)).await;
     if !matches!(connected, Ok(Ok(()))) {
-        tracing::warn!(pool = &*pool, backend = &label, endpoint = &source.endpoint, "cannot reach the KV event publisher");
+        tracing::warn!(
+            pool = &*pool,
+            backend = &label,
+            endpoint = &source.endpoint,
+            "cannot reach the KV event publisher"
+        );
         return;
     }
     if sub.subscribe(&source.topic).await.is_err() {
         return;
     }
-    tracing::info!(pool = &*pool, backend = &label, endpoint = &source.endpoint, "following the backend's KV cache events");
+    tracing::info!(
+        pool = &*pool,
+        backend = &label,
+        endpoint = &source.endpoint,
+        "following the backend's KV cache events"
+    );
     let mut next: u64 = 0;
     while let Ok(message) = sub.recv().await {
         let frames = message.into_vec();
@@ -247,8 +257,11 @@ async fn catch_up(
     if seq <= from {
         return;
     }
+    // From the start (joined late, or the engine restarted), whatever the replay still
+    // keeps is the best there is; a gap must be filled whole, or the blocks forgotten.
+    let whole = from > 0;
     let replayed = match &source.replay {
-        Some(replay) => replay_range(routing, addr, replay, from, seq).await,
+        Some(replay) => replay_range(routing, addr, replay, from, seq, whole).await,
         None => false,
     };
     let outcome = if replayed {
@@ -274,7 +287,11 @@ fn apply(routing: &PrefixRouting, pool: &str, label: &str, addr: SocketAddr, pay
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
             if batch.ts > 0.0 {
-                metrics::set(&metrics::KV_EVENT_LAG, &[pool, label], (now - batch.ts).max(0.0));
+                metrics::set(
+                    &metrics::KV_EVENT_LAG,
+                    &[pool, label],
+                    (now - batch.ts).max(0.0),
+                );
             }
             publish_blocks(routing, pool, label, addr);
         }
@@ -290,17 +307,22 @@ fn publish_blocks(routing: &PrefixRouting, pool: &str, label: &str, addr: Socket
 }
 
 /// Asks `replay` (vLLM's ROUTER socket) for the batches from `from` up to (not including)
-/// `until`, and applies them. Whether the range came whole.
+/// `until`, and applies them. Whether the range came whole; unless `whole` is asked, a
+/// replay that keeps only the end of the range is applied and counts.
 async fn replay_range(
     routing: &PrefixRouting,
     addr: SocketAddr,
     replay: &str,
     from: u64,
     until: u64,
+    whole: bool,
 ) -> bool {
     let work = async {
         let mut dealer = zeromq::DealerSocket::new();
-        tokio::time::timeout(CONNECT, dealer.connect(replay)).await.ok()?.ok()?;
+        tokio::time::timeout(CONNECT, dealer.connect(replay))
+            .await
+            .ok()?
+            .ok()?;
         // A DEALER's request: an empty delimiter, then the first sequence number wanted.
         let mut ask = ZmqMessage::from(Bytes::new());
         ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
@@ -322,8 +344,11 @@ async fn replay_range(
                 return Some(expected >= until);
             }
             if seq != expected {
-                // The replay no longer keeps the start of the range.
-                return Some(false);
+                if whole || seq < expected {
+                    // The replay no longer keeps the start of the range.
+                    return Some(false);
+                }
+                expected = seq;
             }
             if let Ok(batch) = KvEventBatch::decode(payload) {
                 routing.index.apply(addr, &batch.events);
@@ -337,6 +362,9 @@ async fn replay_range(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rmpv::Value;
+    use std::sync::Mutex;
+    use zeromq::Socket;
 
     const BACKEND: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 1, 2, 3));
 
@@ -378,5 +406,226 @@ mod tests {
         assert!(sources(b"not json", BACKEND).is_empty());
         assert!(sources(br#"{"0": {"enable_kv_cache_events": false}}"#, BACKEND).is_empty());
         assert!(sources(br#"[{"endpoint": "ipc:///tmp/kv"}]"#, BACKEND).is_empty());
+    }
+
+    fn stored(hash: u64, tokens: u32) -> Vec<u8> {
+        let event = Value::Array(vec![
+            "BlockStored".into(),
+            Value::Array(vec![Value::from(hash)]),
+            Value::Nil,
+            Value::Array((0..16).map(|i| Value::from(tokens + i)).collect()),
+            Value::from(16),
+            Value::Nil,
+            "GPU".into(),
+        ]);
+        let mut out = Vec::new();
+        rmpv::encode::write_value(
+            &mut out,
+            &Value::Array(vec![Value::F64(1.0), Value::Array(vec![event])]),
+        )
+        .unwrap();
+        out
+    }
+
+    fn message(seq: u64, payload: &[u8]) -> ZmqMessage {
+        ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::copy_from_slice(payload),
+        ])
+        .unwrap()
+    }
+
+    /// A publisher as vLLM's: PUB (keeping what it sends for the replay), in a runtime of its
+    /// own on its own thread, so that stopping it closes its sockets as a dying engine's are.
+    struct Engine {
+        commands: Option<tokio::sync::mpsc::UnboundedSender<(u64, Vec<u8>)>>,
+        thread: Option<std::thread::JoinHandle<()>>,
+        port: u16,
+    }
+
+    impl Engine {
+        fn start(port: u16, kept: Arc<Mutex<Vec<(u64, Vec<u8>)>>>) -> Engine {
+            let (commands, mut orders) = tokio::sync::mpsc::unbounded_channel::<(u64, Vec<u8>)>();
+            let (bound_tx, bound) = std::sync::mpsc::channel();
+            let thread = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async move {
+                    let mut publisher = zeromq::PubSocket::new();
+                    // The port of a publisher just stopped may take a moment to be free.
+                    let endpoint = loop {
+                        match publisher.bind(&format!("tcp://127.0.0.1:{port}")).await {
+                            Ok(endpoint) => break endpoint,
+                            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                        }
+                    };
+                    let zeromq::Endpoint::Tcp(_, port) = endpoint else {
+                        panic!("tcp")
+                    };
+                    bound_tx.send(port).unwrap();
+                    while let Some((seq, payload)) = orders.recv().await {
+                        kept.lock().unwrap().push((seq, payload.clone()));
+                        publisher.send(message(seq, &payload)).await.unwrap();
+                    }
+                });
+                // The runtime goes with every task and socket it ran.
+            });
+            let port = bound.recv().unwrap();
+            Engine {
+                commands: Some(commands),
+                thread: Some(thread),
+                port,
+            }
+        }
+
+        fn publish(&self, seq: u64, payload: Vec<u8>) {
+            self.commands
+                .as_ref()
+                .unwrap()
+                .send((seq, payload))
+                .unwrap();
+        }
+
+        fn stop(mut self) {
+            drop(self.commands.take());
+            self.thread.take().unwrap().join().unwrap();
+        }
+    }
+
+    async fn serve_replay(kept: Arc<Mutex<Vec<(u64, Vec<u8>)>>>) -> u16 {
+        let mut router = zeromq::RouterSocket::new();
+        let zeromq::Endpoint::Tcp(_, port) = router.bind("tcp://127.0.0.1:0").await.unwrap() else {
+            panic!("tcp")
+        };
+        tokio::spawn(async move {
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let start = u64::from_be_bytes(frames[2].as_ref().try_into().unwrap());
+                let batches: Vec<_> = kept
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(s, _)| *s >= start)
+                    .cloned()
+                    .collect();
+                for (seq, payload) in batches {
+                    let reply = vec![
+                        frames[0].clone(),
+                        Bytes::new(),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        Bytes::from(payload),
+                    ];
+                    router
+                        .send(ZmqMessage::try_from(reply).unwrap())
+                        .await
+                        .unwrap();
+                }
+                let end = vec![
+                    frames[0].clone(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                    Bytes::new(),
+                ];
+                router
+                    .send(ZmqMessage::try_from(end).unwrap())
+                    .await
+                    .unwrap();
+            }
+        });
+        port
+    }
+
+    fn keys(tokens: u32) -> Vec<u64> {
+        let ids: Vec<u32> = (0..16).map(|i| tokens + i).collect();
+        sluice_sdk::prefix_index::block_keys(&ids, 16, None)
+    }
+
+    async fn until(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..400 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("{what}: not within 10 s");
+    }
+
+    /// Real ZMQ sockets over TCP: a subscriber that joins late, misses a batch (replayed),
+    /// and sees its publisher restart (the engine's blocks forgotten, the new ones indexed).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_replays_gaps_and_follows_a_restarted_engine() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tokenizer-chatml");
+        let tokenizer = Arc::new(sluice_tokenizer::PromptTokenizer::load(&dir).unwrap());
+        let routing = Arc::new(PrefixRouting::new(tokenizer, KvEventSource::Port(0)));
+        let backend = SocketAddr::from(([127, 0, 0, 1], 1));
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let engine = Engine::start(0, Arc::clone(&kept));
+        let port = engine.port;
+        let replay = serve_replay(Arc::clone(&kept)).await;
+        let source = Source {
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            replay: Some(format!("tcp://127.0.0.1:{replay}")),
+            topic: String::new(),
+        };
+        let follower = tokio::spawn(follow(
+            Arc::clone(&routing),
+            Arc::from("kv-events-test"),
+            backend,
+            "b".to_string(),
+            source,
+        ));
+        let held = |tokens: u32| routing.index.lookup(&keys(tokens)).cached_tokens(backend) == 16;
+        // The subscriber joins while the engine is at batch 1000: batches 1000.. are kept.
+        // The engine published long before: what came before the subscription reached the
+        // publisher is replayed, as far as the replay keeps it.
+        let mut seq = 1000;
+        while !held(0) {
+            assert!(seq < 1500, "the subscriber never received a batch");
+            engine.publish(seq, stored(seq, (seq as u32 - 1000) * 100));
+            seq += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        until("every batch, replayed or received", || {
+            (1000..seq).all(|s| held((s as u32 - 1000) * 100))
+        })
+        .await;
+        // A batch lost on the way: the next one's number shows the gap, the replay fills it.
+        kept.lock().unwrap().push((seq, stored(5000, 5000)));
+        engine.publish(seq + 1, stored(6000, 6000));
+        until("the missed batch, replayed", || held(5000) && held(6000)).await;
+        // The engine restarts: a new publisher on the same port, its count from 0, its cache
+        // empty, its replay kept anew.
+        engine.stop();
+        kept.lock().unwrap().clear();
+        let restarted = Engine::start(port, Arc::clone(&kept));
+        let mut seq = 0;
+        loop {
+            assert!(
+                seq < 500,
+                "the restarted publisher never reached the subscriber"
+            );
+            restarted.publish(seq, stored(90_000 + seq, 9000 + seq as u32 * 100));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if held(9000 + seq as u32 * 100) {
+                break;
+            }
+            seq += 1;
+        }
+        until("the old engine's blocks forgotten", || {
+            !held(0) && !held(5000) && !held(6000)
+        })
+        .await;
+        // What the new engine published before the subscriber heard it was replayed.
+        until("the new engine's blocks, all of them", || {
+            (0..=seq).all(|s| held(9000 + s as u32 * 100))
+        })
+        .await;
+        assert_eq!(routing.index.blocks_of(backend), seq as usize + 1);
+        follower.abort();
+        restarted.stop();
     }
 }

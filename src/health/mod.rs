@@ -196,9 +196,21 @@ impl PrefixCounts {
             return;
         };
         for (kind, seen, now) in [
-            ("looked_up", &mut self.looked_up, routing.looked_up_tokens.load(Relaxed)),
-            ("predicted", &mut self.predicted, routing.predicted_tokens.load(Relaxed)),
-            ("reported", &mut self.reported, routing.reported_tokens.load(Relaxed)),
+            (
+                "looked_up",
+                &mut self.looked_up,
+                routing.looked_up_tokens.load(Relaxed),
+            ),
+            (
+                "predicted",
+                &mut self.predicted,
+                routing.predicted_tokens.load(Relaxed),
+            ),
+            (
+                "reported",
+                &mut self.reported,
+                routing.reported_tokens.load(Relaxed),
+            ),
         ] {
             let delta = now.saturating_sub(*seen);
             if delta > 0 {

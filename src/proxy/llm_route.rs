@@ -28,11 +28,11 @@ use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
+use sluice_sdk::prefix::PrefixKeys;
 use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
     RequestCtx, RetryOn, Selected,
 };
-use sluice_sdk::prefix::PrefixKeys;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;

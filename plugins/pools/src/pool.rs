@@ -352,7 +352,8 @@ pub trait Admission: Send + Sync {
 }
 
 /// An address no backend has, for a candidate that vanished between two reads.
-const UNSPECIFIED: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+const UNSPECIFIED: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
 
 /// How close to the best-of-two score the prefix-affine backend must be to be taken.
 const AFFINITY_SLACK: f64 = 0.15;
@@ -843,7 +844,9 @@ impl Pool {
         if let (Some(routing), Some(keys), Credit::Exact { matches, .. }) =
             (&self.prefix, prefix, &credit)
         {
-            let exact = matches.cached_tokens(endpoint.spec.resolved).min(keys.tokens as u64);
+            let exact = matches
+                .cached_tokens(endpoint.spec.resolved)
+                .min(keys.tokens as u64);
             routing.predicted_tokens.fetch_add(exact, Relaxed);
             routing
                 .looked_up_tokens
@@ -982,11 +985,12 @@ impl Pool {
             if !m.candidate(i) {
                 continue;
             }
-            let cached = match credit.exact(m.members.get(i).map_or(UNSPECIFIED, |e| e.spec.resolved)) {
-                Some(exact) => exact,
-                None if home == Some(i) => self.cached_tokens(demand),
-                None => 0,
-            };
+            let cached =
+                match credit.exact(m.members.get(i).map_or(UNSPECIFIED, |e| e.spec.resolved)) {
+                    Some(exact) => exact,
+                    None if home == Some(i) => self.cached_tokens(demand),
+                    None => 0,
+                };
             let cost = self.ttft_cost(m.members, i, demand, cached);
             if best.is_none_or(|(_, b)| cost < b) {
                 best = Some((i, cost));

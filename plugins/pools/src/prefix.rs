@@ -136,10 +136,10 @@ impl Credit {
                 let cached = matches.cached_tokens(addr).min(*tokens);
                 Some(match *tokens {
                     0 => 0,
-                    tokens => {
-                        u64::try_from(u128::from(cached) * u128::from(*estimate) / u128::from(tokens))
-                            .unwrap_or(*estimate)
-                    }
+                    tokens => u64::try_from(
+                        u128::from(cached) * u128::from(*estimate) / u128::from(tokens),
+                    )
+                    .unwrap_or(*estimate),
                 })
             }
             _ => None,
