@@ -408,6 +408,9 @@ mod tests {
         assert!(sources(br#"[{"endpoint": "ipc:///tmp/kv"}]"#, BACKEND).is_empty());
     }
 
+    /// The batches an engine keeps for its replay socket: (sequence number, payload).
+    type Kept = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
     fn stored(hash: u64, tokens: u32) -> Vec<u8> {
         let event = Value::Array(vec![
             "BlockStored".into(),
@@ -445,7 +448,7 @@ mod tests {
     }
 
     impl Engine {
-        fn start(port: u16, kept: Arc<Mutex<Vec<(u64, Vec<u8>)>>>) -> Engine {
+        fn start(port: u16, kept: Kept) -> Engine {
             let (commands, mut orders) = tokio::sync::mpsc::unbounded_channel::<(u64, Vec<u8>)>();
             let (bound_tx, bound) = std::sync::mpsc::channel();
             let thread = std::thread::spawn(move || {
@@ -495,7 +498,7 @@ mod tests {
         }
     }
 
-    async fn serve_replay(kept: Arc<Mutex<Vec<(u64, Vec<u8>)>>>) -> u16 {
+    async fn serve_replay(kept: Kept) -> u16 {
         let mut router = zeromq::RouterSocket::new();
         let zeromq::Endpoint::Tcp(_, port) = router.bind("tcp://127.0.0.1:0").await.unwrap() else {
             panic!("tcp")
