@@ -190,3 +190,106 @@ async fn without_a_tokenizer_the_pool_routes_as_before() {
         .sum();
     assert_eq!(served, 4);
 }
+
+fn digest(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+}
+
+/// The pool's prefix index counters, from `/status`.
+async fn prefix_status(proxy: &Proxy) -> Value {
+    let status: Value = reqwest::get(proxy.admin_url("/status"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    status["pools"][0]["prefix_index"].clone()
+}
+
+/// Each tenant's requests carry a salt of their own (`client_fields.cache_salt: per_tenant`):
+/// the engine shares no block across tenants, and the index credits none either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
+    let sims = vec![engine().await, engine().await];
+    let mut config = config(&sims, "ttft", true);
+    config["plugins"] = json!({"tenants": {"enabled": true, "tenants": {
+        "a": {"keys": [digest("sk-a")]},
+        "b": {"keys": [digest("sk-b")]},
+    }}});
+    let proxy = Proxy::start(config).await;
+    let a = [("authorization", "Bearer sk-a")];
+    let b = [("authorization", "Bearer sk-b")];
+    // Until the subscribers are live, as above.
+    let warm = turn(999, 1);
+    wait_for(Duration::from_secs(30), || async {
+        proxy.ask(&warm, &a).await;
+        indexed_blocks(&proxy).await > 0.0
+    })
+    .await
+    .expect("the index follows the engines' events");
+    let before: Vec<u64> = sims
+        .iter()
+        .map(|s| s.stats().count("/v1/chat/completions"))
+        .collect();
+    assert_eq!(proxy.ask(&turn(1, 1), &a).await.status, 200);
+    let home = served_by(&sims, &before);
+    wait_for(Duration::from_secs(10), || async {
+        let held: usize = sims.iter().map(Sim::cached_blocks).sum();
+        indexed_blocks(&proxy).await as usize == held
+    })
+    .await
+    .expect("the index holds what the engines hold");
+    // Tenant b's same conversation: nothing of it is cached for b, and nothing is predicted.
+    let predicted = prefix_status(&proxy).await["predicted_cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let answer = proxy.ask(&turn(1, 2), &b).await;
+    assert_eq!(answer.status, 200);
+    let body: Value = serde_json::from_str(&answer.body).unwrap();
+    assert_eq!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"],
+        json!(0)
+    );
+    assert_eq!(
+        prefix_status(&proxy).await["predicted_cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        predicted,
+        "no block of tenant a's is credited to tenant b"
+    );
+    // Tenant a's next turn is credited, goes home, and is served from the cache.
+    let before: Vec<u64> = sims
+        .iter()
+        .map(|s| s.stats().count("/v1/chat/completions"))
+        .collect();
+    let answer = proxy.ask(&turn(1, 2), &a).await;
+    assert_eq!(served_by(&sims, &before), home);
+    let body: Value = serde_json::from_str(&answer.body).unwrap();
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 100);
+    let status = prefix_status(&proxy).await;
+    assert_eq!(
+        status["predicted_cached_tokens"].as_u64().unwrap() - predicted,
+        cached,
+        "the index predicted exactly what the engine served"
+    );
+    let backends: Vec<Value> = reqwest::get(proxy.admin_url("/status"))
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap()["pools"][0]["backends"]
+        .as_array()
+        .unwrap()
+        .clone();
+    for (sim, backend) in sims.iter().zip(&backends) {
+        assert_eq!(backend["resolved"], json!(sim.addr().to_string()));
+        assert_eq!(
+            backend["prefix_index"]["blocks"],
+            json!(sim.cached_blocks())
+        );
+    }
+}

@@ -2,15 +2,18 @@
 //! a ZMQ PUB socket sending, for each batch of events, the frames `[topic, seq, payload]`
 //! (`seq` a big-endian 8-byte counter from 0, `payload` the msgpack of a `KVEventBatch`), and
 //! a ZMQ ROUTER socket that replays the batches it still keeps (`buffer_steps` of them) to a
-//! client that sends the first sequence number it wants: `[seq, payload]` for each, then
-//! `[-1, ""]`.
+//! DEALER that sends `["", seq]`, the first sequence number it wants: `["", topic, seq,
+//! payload]` for each, then `["", "", -1, ""]`.
 //!
-//! The encoding is msgspec's for vLLM's structs, which are `array_like` and tagged: a batch is
-//! `[ts, [event, ...]]` (its `data_parallel_rank` is left out when it is none, as
-//! `omit_defaults` does), and an event is an array of its tag (the class name) and its fields
-//! in order: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-//! medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. Block hashes are
-//! integers, as vLLM sends them by default.
+//! The encoding is msgspec's for vLLM 0.32's structs (checked against what vLLM 0.32's own
+//! publisher sends): a batch is `array_like`, `[ts, [event, ...], data_parallel_rank]`
+//! (msgspec keeps trailing defaults in arrays); an event is a tagged map, `"type"` first, then
+//! its fields in declaration order, those with defaults left out when at their default:
+//! `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+//! "lora_id", "medium", "lora_name", ["extra_keys",] "group_idx"}`, `{"type": "BlockRemoved",
+//! "block_hashes", "medium", "group_idx"}` (one per evicted block), `{"type":
+//! "AllBlocksCleared"}`. Block hashes are unsigned 64-bit integers, as vLLM sends them by
+//! default; a salted prompt's first block carries `extra_keys: [[salt], null, ...]`.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -81,7 +84,11 @@ pub async fn publish(
     let (sink, events) = tokio::sync::mpsc::unbounded_channel();
     let kept = Arc::new(Mutex::new(VecDeque::<(u64, Bytes)>::new()));
     if let Some(router) = replay {
-        tokio::spawn(serve_replay(router, Arc::clone(&kept)));
+        tokio::spawn(serve_replay(
+            router,
+            Arc::clone(&kept),
+            Bytes::from(config.topic.clone().into_bytes()),
+        ));
     }
     tokio::spawn(send_batches(
         publisher,
@@ -136,7 +143,11 @@ async fn send_batches(
 
 /// Answers replay requests: a client's 8-byte start sequence gets every kept batch from it
 /// on, then the end marker (sequence -1, empty payload).
-async fn serve_replay(mut router: zeromq::RouterSocket, kept: Arc<Mutex<VecDeque<(u64, Bytes)>>>) {
+async fn serve_replay(
+    mut router: zeromq::RouterSocket,
+    kept: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
+    topic: Bytes,
+) {
     while let Ok(request) = router.recv().await {
         let frames = request.into_vec();
         let Some(identity) = frames.first().cloned() else {
@@ -148,8 +159,10 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Arc<Mutex<VecDeque
         else {
             continue;
         };
-        // A DEALER client sends an empty delimiter frame first; answer as it asked.
-        let delimited = frames.len() > 2;
+        // vLLM takes only a DEALER's `[identity, "", seq]`.
+        if frames.len() != 3 {
+            continue;
+        }
         let start = u64::from_be_bytes(start);
         let batches: Vec<(u64, Bytes)> = kept
             .lock()
@@ -158,22 +171,19 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Arc<Mutex<VecDeque
             .filter(|(seq, _)| *seq >= start)
             .cloned()
             .collect();
-        let reply = |seq: Bytes, payload: Bytes| {
-            let mut frames = vec![identity.clone()];
-            if delimited {
-                frames.push(Bytes::new());
-            }
-            frames.extend([seq, payload]);
-            ZmqMessage::try_from(frames).ok()
+        let reply = |topic: Bytes, seq: Bytes, payload: Bytes| {
+            ZmqMessage::try_from(vec![identity.clone(), Bytes::new(), topic, seq, payload]).ok()
         };
         for (seq, payload) in batches {
-            if let Some(message) = reply(Bytes::copy_from_slice(&seq.to_be_bytes()), payload) {
+            let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
+            if let Some(message) = reply(topic.clone(), seq, payload) {
                 if router.send(message).await.is_err() {
                     break;
                 }
             }
         }
-        if let Some(end) = reply(Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()) {
+        let end = Bytes::copy_from_slice(&(-1i64).to_be_bytes());
+        if let Some(end) = reply(Bytes::new(), end, Bytes::new()) {
             let _ = router.send(end).await;
         }
     }
@@ -185,7 +195,7 @@ pub fn encode_batch(events: &[KvEvent]) -> Vec<u8> {
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     let events = events.iter().map(encode_event).collect();
-    let batch = Value::Array(vec![Value::F64(ts), Value::Array(events)]);
+    let batch = Value::Array(vec![Value::F64(ts), Value::Array(events), Value::from(0)]);
     let mut out = Vec::new();
     // Writing into a Vec cannot fail.
     let _ = rmpv::encode::write_value(&mut out, &batch);
@@ -196,6 +206,15 @@ fn hashes(hashes: &[u64]) -> Value {
     Value::Array(hashes.iter().map(|h| Value::from(*h)).collect())
 }
 
+fn map(pairs: Vec<(&str, Value)>) -> Value {
+    Value::Map(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (Value::from(k), v))
+            .collect(),
+    )
+}
+
 fn encode_event(event: &KvEvent) -> Value {
     match event {
         KvEvent::Stored {
@@ -203,26 +222,41 @@ fn encode_event(event: &KvEvent) -> Value {
             parent,
             token_ids,
             block_size,
-        } => Value::Array(vec![
-            Value::from("BlockStored"),
-            hashes(stored),
-            parent.map_or(Value::Nil, Value::from),
-            Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
-            Value::from(*block_size),
-            Value::Nil,
-            Value::from(MEDIUM_GPU),
+            salt,
+        } => {
+            let mut fields = vec![
+                ("type", Value::from("BlockStored")),
+                ("block_hashes", hashes(stored)),
+                ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+                (
+                    "token_ids",
+                    Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
+                ),
+                ("block_size", Value::from(*block_size)),
+                ("lora_id", Value::Nil),
+                ("medium", Value::from(MEDIUM_GPU)),
+                ("lora_name", Value::Nil),
+            ];
+            if let Some(salt) = salt {
+                let mut extra = vec![Value::Array(vec![Value::from(salt.as_str())])];
+                extra.resize(stored.len(), Value::Nil);
+                fields.push(("extra_keys", Value::Array(extra)));
+            }
+            fields.push(("group_idx", Value::from(0)));
+            map(fields)
+        }
+        KvEvent::Removed { hashes: removed } => map(vec![
+            ("type", Value::from("BlockRemoved")),
+            ("block_hashes", hashes(removed)),
+            ("medium", Value::from(MEDIUM_GPU)),
+            ("group_idx", Value::from(0)),
         ]),
-        KvEvent::Removed { hashes: removed } => Value::Array(vec![
-            Value::from("BlockRemoved"),
-            hashes(removed),
-            Value::from(MEDIUM_GPU),
-        ]),
-        KvEvent::AllCleared => Value::Array(vec![Value::from("AllBlocksCleared")]),
+        KvEvent::AllCleared => map(vec![("type", Value::from("AllBlocksCleared"))]),
     }
 }
 
-/// `GET /kv_event_sources` as vLLM 0.32 answers it: the config of each data-parallel rank
-/// (one here), keyed by rank.
+/// `GET /kv_event_sources` as vLLM 0.32 answers it: the publisher's config for each
+/// data-parallel rank (one here), keyed by rank; `{}` when events are off.
 pub fn sources_body(endpoints: Option<&Endpoints>) -> Vec<u8> {
     let body = match endpoints {
         Some(e) => serde_json::json!({"0": {
@@ -235,16 +269,7 @@ pub fn sources_body(endpoints: Option<&Endpoints>) -> Vec<u8> {
             "max_queue_size": 100_000,
             "topic": e.topic,
         }}),
-        None => serde_json::json!({"0": {
-            "enable_kv_cache_events": false,
-            "publisher": "null",
-            "endpoint": "tcp://*:5557",
-            "replay_endpoint": null,
-            "buffer_steps": 10_000,
-            "hwm": 100_000,
-            "max_queue_size": 100_000,
-            "topic": "",
-        }}),
+        None => serde_json::json!({}),
     };
     serde_json::to_vec(&body).unwrap_or_default()
 }

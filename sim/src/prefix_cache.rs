@@ -31,6 +31,9 @@ pub enum KvEvent {
         parent: Option<u64>,
         token_ids: Vec<u32>,
         block_size: u32,
+        /// The `cache_salt` of a run that starts at the prompt's first block: that block's
+        /// extra key, as vLLM publishes it.
+        salt: Option<String>,
     },
     /// Blocks evicted.
     Removed { hashes: Vec<u64> },
@@ -73,6 +76,8 @@ pub struct PrefixCache {
 #[derive(Debug, Default)]
 pub struct Lookup {
     pub hashes: Vec<u64>,
+    /// The request's `cache_salt`.
+    pub salt: Option<String>,
     /// Tokens served from the cache.
     pub cached_tokens: u32,
 }
@@ -140,6 +145,7 @@ impl PrefixCache {
         Lookup {
             cached_tokens: u32::try_from(hit * self.block_size).unwrap_or(u32::MAX),
             hashes,
+            salt: salt.map(str::to_string),
         }
     }
 
@@ -184,6 +190,7 @@ impl PrefixCache {
                     token_ids: ids[first * self.block_size..lookup.hashes.len() * self.block_size]
                         .to_vec(),
                     block_size: self.block_size as u32,
+                    salt: lookup.salt.clone().filter(|_| first == 0),
                 });
             } else {
                 // Evicted blocks in the middle came back: one event per block.
@@ -195,13 +202,15 @@ impl PrefixCache {
                             token_ids: ids[index * self.block_size..(index + 1) * self.block_size]
                                 .to_vec(),
                             block_size: self.block_size as u32,
+                            salt: lookup.salt.clone().filter(|_| index == 0),
                         });
                     }
                 }
             }
         }
-        if !removed.is_empty() {
-            let _ = events.send(KvEvent::Removed { hashes: removed });
+        // vLLM tells each evicted block in an event of its own.
+        for hash in removed {
+            let _ = events.send(KvEvent::Removed { hashes: vec![hash] });
         }
     }
 
@@ -249,6 +258,7 @@ mod tests {
             parent,
             token_ids,
             block_size,
+            ..
         }) = rx.try_recv()
         else {
             panic!("stored")
@@ -286,11 +296,19 @@ mod tests {
         let lookup_b = cache.lookup(&b, None);
         cache.store(&lookup_b, &b, 2);
         let events: Vec<KvEvent> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        let removed: Vec<&KvEvent> = events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::Removed { .. }))
+            .collect();
         assert_eq!(
-            events.last(),
-            Some(&KvEvent::Removed {
-                hashes: lookup_a.hashes.clone()
-            })
+            removed,
+            lookup_a
+                .hashes
+                .iter()
+                .map(|h| KvEvent::Removed { hashes: vec![*h] })
+                .collect::<Vec<_>>()
+                .iter()
+                .collect::<Vec<_>>()
         );
         assert_eq!(cache.len(), 2);
         assert_eq!(cache.lookup(&a, None).cached_tokens, 0);

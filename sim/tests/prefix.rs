@@ -31,6 +31,16 @@ fn conversation(turns: usize) -> Value {
     json!({"model": MODEL, "messages": messages, "max_tokens": 4})
 }
 
+/// Field `name` of a msgpack map.
+fn field<'v>(map: &'v Msgpack, name: &str) -> &'v Msgpack {
+    map.as_map()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no {name} in {map}"))
+}
+
 /// The frames of one published message: topic, sequence number, decoded batch.
 async fn next_batch(sub: &mut zeromq::SubSocket) -> (u64, Msgpack) {
     let message = tokio::time::timeout(Duration::from_secs(10), sub.recv())
@@ -72,7 +82,10 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
             () = tokio::time::sleep(Duration::from_millis(200)) => None,
         };
         if let Some((_, batch)) = received {
-            assert_eq!(batch[1][0][0].as_str(), Some("AllBlocksCleared"));
+            assert_eq!(
+                field(&batch[1][0], "type").as_str(),
+                Some("AllBlocksCleared")
+            );
             break;
         }
     }
@@ -91,20 +104,48 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
     );
     let (_, batch) = next_batch(&mut sub).await;
     let stored = &batch[1][0];
-    // ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]
-    assert_eq!(stored[0].as_str(), Some("BlockStored"));
+    // As vLLM 0.32 sends it: a batch [ts, events, rank], each event a map, "type" first.
+    assert_eq!(batch.as_array().unwrap().len(), 3);
+    assert_eq!(batch[2].as_u64(), Some(0));
+    let keys: Vec<&str> = stored
+        .as_map()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "type",
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "group_idx"
+        ]
+    );
+    assert_eq!(field(stored, "type").as_str(), Some("BlockStored"));
     let blocks = ids.len() / 16;
-    assert_eq!(stored[1].as_array().unwrap().len(), blocks);
-    assert!(stored[2].is_nil(), "the prompt's first block has no parent");
-    let token_ids: Vec<u32> = stored[3]
+    assert_eq!(
+        field(stored, "block_hashes").as_array().unwrap().len(),
+        blocks
+    );
+    assert!(
+        field(stored, "parent_block_hash").is_nil(),
+        "the prompt's first block has no parent"
+    );
+    let token_ids: Vec<u32> = field(stored, "token_ids")
         .as_array()
         .unwrap()
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
     assert_eq!(token_ids, ids[..blocks * 16].to_vec());
-    assert_eq!(stored[4].as_u64(), Some(16));
-    assert_eq!(stored[6].as_str(), Some("GPU"));
+    assert_eq!(field(stored, "block_size").as_u64(), Some(16));
+    assert_eq!(field(stored, "medium").as_str(), Some("GPU"));
 
     // The next turn shares the history: served from the cache, counted as vLLM counts it.
     let before = sim.metrics_text();
@@ -143,8 +184,11 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
     // Its new blocks chain on the last cached one.
     let (_, batch) = next_batch(&mut sub).await;
     let stored = &batch[1][0];
-    assert_eq!(stored[0].as_str(), Some("BlockStored"));
-    assert!(stored[2].as_u64().is_some(), "chained on a parent");
+    assert_eq!(field(stored, "type").as_str(), Some("BlockStored"));
+    assert!(
+        field(stored, "parent_block_hash").as_u64().is_some(),
+        "chained on a parent"
+    );
 
     // The replay socket sends what it kept from a sequence number on, then the end marker.
     let mut dealer = zeromq::DealerSocket::new();
@@ -159,7 +203,9 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
             .unwrap()
             .unwrap()
             .into_vec();
-        let seq = i64::from_be_bytes(frames[frames.len() - 2].as_ref().try_into().unwrap());
+        // ["", topic, seq, payload], as vLLM's ROUTER answers a DEALER.
+        assert_eq!(frames.len(), 4);
+        let seq = i64::from_be_bytes(frames[2].as_ref().try_into().unwrap());
         if seq == -1 {
             break;
         }

@@ -163,9 +163,29 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
                 "predicted_ttft_seconds": pool.reference_ttft(live),
+                "prefix_index": pool.prefix.as_ref().map(|routing| json!({
+                    "blocks": routing.index.blocks_of(spec.resolved),
+                    "event_lag_seconds": routing.index.lag_of(spec.resolved),
+                })),
             })
         })
         .collect();
+    let prefix = pool.prefix.as_ref().map(|routing| {
+        use std::sync::atomic::Ordering::Relaxed;
+        json!({
+            "kv_events": match routing.kv_events {
+                sluice_sdk::prefix::KvEventSource::Auto => json!("auto"),
+                sluice_sdk::prefix::KvEventSource::Port(port) => json!({"port": port}),
+            },
+            "block_size": routing.index.block_size(),
+            "looked_up_tokens": routing.looked_up_tokens.load(Relaxed),
+            "predicted_cached_tokens": routing.predicted_tokens.load(Relaxed),
+            "reported_cached_tokens": routing.reported_tokens.load(Relaxed),
+            "unreadable_prompts": routing.unreadable.load(Relaxed),
+            "orphan_blocks": routing.index.orphans.load(Relaxed),
+            "overflowed_blocks": routing.index.overflowed.load(Relaxed),
+        })
+    });
     json!({
         "name": &*pool.name,
         "models": *pool.models(),
@@ -178,6 +198,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         "source": pool.source,
         "balancing": pool.balancing.name(),
         "sessions": pool.sessions.as_ref().map(|_| pool.sessions_remembered()),
+        "prefix_index": prefix,
         "breaker": {
             "state": if shedding.is_empty() { "closed" } else { "shedding" },
             "shedding": shedding,

@@ -2,8 +2,9 @@
 //! per backend of a pool with `kv_events`, started and stopped with the backend's checks.
 //!
 //! Where the events come from: `kv_events: auto` asks the backend's `GET /kv_event_sources`
-//! (vLLM 0.32 answers its config keyed by data-parallel rank, newer vLLM a list of
-//! `{data_parallel_rank, endpoint, replay_endpoint, topic}`; both are read, and a `*`, `0.0.0.0`
+//! (vLLM 0.32 answers its config keyed by data-parallel rank, `{}` when events are off; a list of
+//! `{data_parallel_rank, endpoint, replay_endpoint, topic}`, bare or under `sources`, is read
+//! too), and a `*`, `0.0.0.0`
 //! or `::` host means the backend's own address); `kv_events: {port: N}` is the backend's own
 //! address on that port. Each publishing rank is subscribed to (ZMQ SUB, reconnecting by
 //! itself when the backend restarts).
@@ -159,6 +160,11 @@ pub fn sources(body: &[u8], backend: IpAddr) -> Vec<Source> {
             .collect(),
         serde_json::Value::Array(list) => list.iter().collect(),
         _ => Vec::new(),
+    };
+    // A later shape wraps the list: `{"sources": [...]}`.
+    let entries = match value.get("sources").and_then(serde_json::Value::as_array) {
+        Some(list) => list.iter().collect(),
+        None => entries,
     };
     entries
         .into_iter()
@@ -330,9 +336,9 @@ async fn replay_range(
         let mut expected = from;
         loop {
             let frames = dealer.recv().await.ok()?.into_vec();
-            // [empty, seq, payload]; the end marker's seq is -1.
+            // vLLM's ROUTER answers `["", topic, seq, payload]`; the end marker's seq is -1.
             let (seq, payload) = match frames.as_slice() {
-                [_, seq, payload] | [seq, payload] => (seq, payload),
+                [_, _, seq, payload] | [_, seq, payload] => (seq, payload),
                 _ => return None,
             };
             let seq = i64::from_be_bytes(<[u8; 8]>::try_from(seq.as_ref()).ok()?);
@@ -405,6 +411,15 @@ mod tests {
         // Not events, or not reachable from here: none.
         assert!(sources(b"not json", BACKEND).is_empty());
         assert!(sources(br#"{"0": {"enable_kv_cache_events": false}}"#, BACKEND).is_empty());
+        assert!(sources(b"{}", BACKEND).is_empty());
+        assert_eq!(
+            sources(
+                br#"{"sources": [{"data_parallel_rank": 0, "endpoint": "tcp://*:9"}]}"#,
+                BACKEND
+            )[0]
+            .endpoint,
+            "tcp://10.1.2.3:9"
+        );
         assert!(sources(br#"[{"endpoint": "ipc:///tmp/kv"}]"#, BACKEND).is_empty());
     }
 

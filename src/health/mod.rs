@@ -116,7 +116,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                     subscriber.abort();
                 }
                 if let Some(routing) = &pool.prefix {
-                    routing.index.clear(*addr);
+                    routing.index.remove(*addr);
                 }
                 if !members.iter().any(|e| &e.spec.address == label) {
                     forget_backend(&pool.name, label);

@@ -165,8 +165,12 @@ impl AttemptLoop {
             }
         }
         let call = ctx.llm()?;
+        let salt_for_tenant = ctx
+            .tenant()
+            .filter(|_| pool.client_fields.tenant_cache_salt)
+            .map(|t| Arc::clone(&t.name));
         let keys = routing
-            .keys_off_worker(call.endpoint, call.body.clone())
+            .keys_off_worker(call.endpoint, call.body.clone(), salt_for_tenant)
             .await
             .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use sluice_llm::model_name::tenant_cache_salt;
 use sluice_llm::Endpoint;
 use sluice_tokenizer::PromptTokenizer;
 
@@ -71,17 +72,34 @@ impl PrefixRouting {
     }
 
     /// The keys of `body` (a request to `endpoint`) as the index keys blocks; `None` when the
-    /// tokenizer cannot read it (it then goes without the index).
-    pub fn keys(&self, endpoint: Endpoint, body: &[u8]) -> Option<PrefixKeys> {
-        let ids = match endpoint {
-            Endpoint::ChatCompletions => self.tokenizer.chat(body),
-            Endpoint::Completions => self.tokenizer.completion(body),
+    /// tokenizer cannot read it (it then goes without the index). The engine salts the
+    /// prompt's first block with the request's `cache_salt` as it gets it: `tenant`'s own
+    /// when the pool gives each tenant one (`salt_for_tenant`), else the client's.
+    pub fn keys(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+        salt_for_tenant: Option<&str>,
+    ) -> Option<PrefixKeys> {
+        let tokenized = match endpoint {
+            Endpoint::ChatCompletions => self.tokenizer.tokenize_chat(body),
+            Endpoint::Completions => self.tokenizer.tokenize_completion(body),
         };
-        match ids {
-            Ok(ids) => Some(PrefixKeys {
-                keys: block_keys(&ids, self.index.block_size(), None),
-                tokens: ids.len(),
-            }),
+        match tokenized {
+            Ok(tokenized) => {
+                let client = tokenized.cache_salt.as_deref();
+                let salt = match salt_for_tenant {
+                    Some(tenant) => {
+                        let json = tenant_cache_salt(tenant, client.map(str::as_bytes));
+                        serde_json::from_slice::<String>(&json).ok()
+                    }
+                    None => client.and_then(|json| serde_json::from_str::<String>(json).ok()),
+                };
+                Some(PrefixKeys {
+                    keys: block_keys(&tokenized.ids, self.index.block_size(), salt.as_deref()),
+                    tokens: tokenized.ids.len(),
+                })
+            }
             Err(error) => {
                 self.unreadable.fetch_add(1, Relaxed);
                 tracing::debug!(%error, "a prompt the pool's tokenizer cannot read");
@@ -95,15 +113,18 @@ impl PrefixRouting {
         self: &Arc<Self>,
         endpoint: Endpoint,
         body: bytes::Bytes,
+        salt_for_tenant: Option<Arc<str>>,
     ) -> Option<PrefixKeys> {
         if body.len() <= Self::INLINE_BYTES {
-            return self.keys(endpoint, &body);
+            return self.keys(endpoint, &body, salt_for_tenant.as_deref());
         }
         let routing = Arc::clone(self);
-        tokio::task::spawn_blocking(move || routing.keys(endpoint, &body))
-            .await
-            .ok()
-            .flatten()
+        tokio::task::spawn_blocking(move || {
+            routing.keys(endpoint, &body, salt_for_tenant.as_deref())
+        })
+        .await
+        .ok()
+        .flatten()
     }
 }
 
@@ -133,7 +154,7 @@ impl Credit {
                 tokens,
                 estimate,
             } => {
-                let cached = matches.cached_tokens(addr).min(*tokens);
+                let cached = matches.served_tokens(addr, *tokens);
                 Some(match *tokens {
                     0 => 0,
                     tokens => u64::try_from(

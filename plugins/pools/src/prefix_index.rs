@@ -38,8 +38,9 @@ pub type EngineHash = u64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     /// Blocks stored: `hashes[i]` holds `token_ids[i * block_size..][..block_size]`; the
-    /// first is chained on `parent` (`None`: a prompt's first block). `lora` names the
-    /// adapter the blocks were computed with (its id or name, hashed), if any.
+    /// first is chained on `parent` (`None`: a prompt's first block). `extra[i]` is block
+    /// `i`'s extra keys, hashed (the engine hashes them with its tokens: a LoRA adapter's
+    /// name, the request's `cache_salt` on its first block, multi-modal inputs), if any.
     Stored {
         /// The blocks, in prompt order.
         hashes: Vec<EngineHash>,
@@ -49,8 +50,8 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
-        /// The adapter, hashed.
-        lora: Option<u64>,
+        /// Each block's extra keys, hashed; empty when no block has any.
+        extra: Vec<Option<u64>>,
     },
     /// Blocks evicted.
     Removed {
@@ -192,22 +193,21 @@ fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
             if token_ids.len() < hashes.len() * block_size {
                 return Err(bad("fewer token ids than blocks"));
             }
-            // The adapter: `lora_id` (an integer), or `lora_name` in newer vLLM.
-            let lora = fields
-                .get(4, "lora_id")
-                .and_then(rmpv::Value::as_u64)
-                .or_else(|| {
-                    fields
-                        .get(6, "lora_name")
-                        .and_then(rmpv::Value::as_str)
-                        .map(|name| fold(name.as_bytes()))
-                });
+            // Per block, its extra keys (`[lora_name?, cache_salt?]`) or nil; the field is
+            // left out when no block has any.
+            let extra = match fields.get(7, "extra_keys").and_then(rmpv::Value::as_array) {
+                Some(list) => list
+                    .iter()
+                    .map(|keys| keys.as_array().map(|keys| extra_hash(keys)))
+                    .collect(),
+                None => Vec::new(),
+            };
             KvEvent::Stored {
                 hashes,
                 parent,
                 token_ids,
                 block_size,
-                lora,
+                extra,
             }
         }
         "BlockRemoved" => KvEvent::Removed {
@@ -231,6 +231,14 @@ fn engine_hash(value: &rmpv::Value) -> Option<EngineHash> {
         rmpv::Value::String(text) => Some(fold(text.as_bytes())),
         _ => None,
     }
+}
+
+/// A block's extra keys, hashed as the index keys them: their msgpack encoding, folded.
+pub fn extra_hash(keys: &[rmpv::Value]) -> u64 {
+    let mut bytes = Vec::new();
+    // Writing into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut bytes, &rmpv::Value::Array(keys.to_vec()));
+    fold(&bytes)
 }
 
 /// 64 bits of FNV-1a over `bytes`, spread by splitmix's finaliser.
@@ -259,21 +267,28 @@ fn chain(parent: u64, tokens: &[u32]) -> u64 {
     hash
 }
 
-/// The key a prompt's first block chains on: the adapter it is computed with, if any.
-fn root(lora: Option<u64>) -> u64 {
-    lora.map_or(0x2545_f491_4f6c_dd1d, |lora| {
-        mix(lora ^ 0x6a09_e667_f3bc_c908)
-    })
+/// The key a prompt's first block chains on.
+const ROOT: u64 = 0x2545_f491_4f6c_dd1d;
+
+/// The key of a block whose parent's key is `parent`, with its extra keys' hash if any.
+fn block_key(parent: u64, tokens: &[u32], extra: Option<u64>) -> u64 {
+    let key = chain(parent, tokens);
+    match extra {
+        Some(extra) => mix(key ^ extra),
+        None => key,
+    }
 }
 
-/// The keys of a prompt's full blocks of `block_size` tokens, computed with `lora` (an
-/// adapter's id, hashed as the events give it), as the index keys what the engines store.
-pub fn block_keys(token_ids: &[u32], block_size: usize, lora: Option<u64>) -> Vec<u64> {
-    let mut parent = root(lora);
+/// The keys of a prompt's full blocks of `block_size` tokens, as the index keys what the
+/// engines store; `cache_salt`, the salt the engine gets, is its first block's extra key.
+pub fn block_keys(token_ids: &[u32], block_size: usize, cache_salt: Option<&str>) -> Vec<u64> {
+    let first_extra = cache_salt.map(|salt| extra_hash(&[rmpv::Value::from(salt)]));
+    let mut parent = ROOT;
     token_ids
         .chunks_exact(block_size.max(1))
-        .map(|block| {
-            parent = chain(parent, block);
+        .enumerate()
+        .map(|(index, block)| {
+            parent = block_key(parent, block, first_extra.filter(|_| index == 0));
             parent
         })
         .collect()
@@ -323,6 +338,15 @@ impl Matches {
             .map_or(0, |(_, blocks)| (*blocks * self.block_size) as u64)
     }
 
+    /// Of a prompt of `tokens`, those `addr`'s engine would serve from its cache: what it
+    /// holds, but at least one token computed (vLLM recomputes the last block of a prompt it
+    /// holds whole).
+    pub fn served_tokens(&self, addr: SocketAddr, tokens: u64) -> u64 {
+        let size = self.block_size.max(1) as u64;
+        self.cached_tokens(addr)
+            .min(tokens.saturating_sub(1) / size * size)
+    }
+
     /// The most tokens any backend holds.
     pub fn best(&self) -> u64 {
         self.held
@@ -346,6 +370,8 @@ pub struct PrefixIndex {
     pub overflowed: AtomicU64,
     /// Stored blocks whose parent the index did not know (events missed): not indexed.
     pub orphans: AtomicU64,
+    /// Each backend's last event lag: how old its last batch was when it came, seconds.
+    lags: RwLock<HashMap<SocketAddr, f64>>,
 }
 
 impl PrefixIndex {
@@ -394,13 +420,13 @@ impl PrefixIndex {
                     parent,
                     token_ids,
                     block_size,
-                    lora,
+                    extra,
                 } => {
                     self.block_size.store(*block_size, Relaxed);
                     let index = &mut *index;
                     let holdings = index.backends.entry(id).or_default();
                     let mut parent_key = match parent {
-                        None => root(*lora),
+                        None => ROOT,
                         Some(parent) => match holdings.keys.get(parent) {
                             Some(key) => *key,
                             None => {
@@ -409,8 +435,10 @@ impl PrefixIndex {
                             }
                         },
                     };
-                    for (hash, tokens) in hashes.iter().zip(token_ids.chunks_exact(*block_size)) {
-                        let key = chain(parent_key, tokens);
+                    let blocks = hashes.iter().zip(token_ids.chunks_exact(*block_size));
+                    for (position, (hash, tokens)) in blocks.enumerate() {
+                        let key =
+                            block_key(parent_key, tokens, extra.get(position).copied().flatten());
                         parent_key = key;
                         if holdings.keys.len() >= MAX_BLOCKS_PER_BACKEND
                             && !holdings.keys.contains_key(hash)
@@ -455,6 +483,36 @@ impl PrefixIndex {
         if let Some(id) = self.id_of(addr) {
             forget_all(&mut self.write(), id);
         }
+    }
+
+    /// Forgets `addr` altogether: it left the pool.
+    pub fn remove(&self, addr: SocketAddr) {
+        self.clear(addr);
+        self.lags
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
+        self.ids
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
+    }
+
+    /// Records that `addr`'s last batch was `seconds` old when it came.
+    pub fn record_lag(&self, addr: SocketAddr, seconds: f64) {
+        self.lags
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr, seconds);
+    }
+
+    /// How old `addr`'s last batch was when it came, if one came.
+    pub fn lag_of(&self, addr: SocketAddr) -> Option<f64> {
+        self.lags
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&addr)
+            .copied()
     }
 
     /// Blocks the index holds for `addr`.
@@ -536,7 +594,7 @@ mod tests {
             parent,
             token_ids: tokens.to_vec(),
             block_size: 4,
-            lora: None,
+            extra: Vec::new(),
         }
     }
 
@@ -581,7 +639,7 @@ mod tests {
                     parent: None,
                     token_ids: (0..8).collect(),
                     block_size: 4,
-                    lora: None,
+                    extra: Vec::new(),
                 },
                 KvEvent::Removed {
                     hashes: vec![fold(&[1, 2, 3])]
@@ -614,8 +672,14 @@ mod tests {
                         Value::Array((0..4u32).map(Value::from).collect()),
                     ),
                     ("block_size", Value::from(4)),
-                    ("lora_id", Value::from(3)),
+                    ("lora_id", Value::Nil),
                     ("medium", "GPU".into()),
+                    ("lora_name", Value::Nil),
+                    (
+                        "extra_keys",
+                        Value::Array(vec![Value::Array(vec!["salt".into()])]),
+                    ),
+                    ("group_idx", Value::from(0)),
                     ("extra_field_of_a_newer_vllm", Value::from(true)),
                 ])]),
             ),
@@ -630,7 +694,7 @@ mod tests {
                 parent: Some(9),
                 token_ids: (0..4).collect(),
                 block_size: 4,
-                lora: Some(3),
+                extra: vec![Some(extra_hash(&["salt".into()]))],
             }]
         );
     }
@@ -684,19 +748,30 @@ mod tests {
                 block_size: 4
             }
         );
-        // An adapter's blocks are not the base model's.
+        // A salted prompt's blocks are not the unsalted one's, nor another salt's.
         index.apply(
             addr(3),
             &[KvEvent::Stored {
-                hashes: vec![1],
+                hashes: vec![1, 2],
                 parent: None,
-                token_ids: tokens[..4].to_vec(),
+                token_ids: tokens[..8].to_vec(),
                 block_size: 4,
-                lora: Some(7),
+                extra: vec![Some(extra_hash(&["tenant-a".into()])), None],
             }],
         );
         assert_eq!(index.lookup(&keys).best(), 0);
-        assert_eq!(index.lookup(&block_keys(&tokens, 4, Some(7))).best(), 4);
+        assert_eq!(
+            index
+                .lookup(&block_keys(&tokens, 4, Some("tenant-b")))
+                .best(),
+            0
+        );
+        assert_eq!(
+            index
+                .lookup(&block_keys(&tokens, 4, Some("tenant-a")))
+                .best(),
+            8
+        );
     }
 
     #[test]

@@ -116,9 +116,21 @@ struct NamedTemplate {
     template: String,
 }
 
+/// A request's prompt, tokenized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The request's `cache_salt`, as JSON text, if it has one (the engine salts the prompt's
+    /// first block in its prefix cache with it).
+    pub cache_salt: Option<String>,
+}
+
 /// The fields of a chat request the template reads.
 #[derive(Deserialize)]
 struct ChatFields {
+    #[serde(default)]
+    cache_salt: Option<Box<serde_json::value::RawValue>>,
     messages: Option<Value>,
     #[serde(default)]
     tools: Option<Value>,
@@ -134,6 +146,8 @@ struct ChatFields {
 #[derive(Deserialize)]
 struct CompletionFields {
     prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    cache_salt: Option<Box<serde_json::value::RawValue>>,
 }
 
 impl PromptTokenizer {
@@ -204,6 +218,10 @@ impl PromptTokenizer {
     pub fn render_chat(&self, body: &[u8]) -> Result<String, Error> {
         let fields: ChatFields =
             serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
+        self.render_fields(fields)
+    }
+
+    fn render_fields(&self, fields: ChatFields) -> Result<String, Error> {
         let messages = fields
             .messages
             .ok_or_else(|| Error::Request("no messages".to_string()))?;
@@ -244,18 +262,38 @@ impl PromptTokenizer {
 
     /// The token ids of a chat request (`/v1/chat/completions` body).
     pub fn chat(&self, body: &[u8]) -> Result<Vec<u32>, Error> {
-        let text = self.render_chat(body)?;
-        self.encode(&text, false)
+        Ok(self.tokenize_chat(body)?.ids)
+    }
+
+    /// A chat request's token ids and `cache_salt`, from one parse of its body.
+    pub fn tokenize_chat(&self, body: &[u8]) -> Result<Tokenized, Error> {
+        let mut fields: ChatFields =
+            serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
+        let cache_salt = fields.cache_salt.take().map(|raw| raw.get().to_string());
+        let text = self.render_fields(fields)?;
+        Ok(Tokenized {
+            ids: self.encode(&text, false)?,
+            cache_salt,
+        })
     }
 
     /// The token ids of a text completion request (`/v1/completions` body): its prompt, or
     /// the first of a list of prompts; a prompt given as token ids is taken as it is.
     pub fn completion(&self, body: &[u8]) -> Result<Vec<u32>, Error> {
+        Ok(self.tokenize_completion(body)?.ids)
+    }
+
+    /// A text completion request's token ids and `cache_salt`, from one parse of its body.
+    pub fn tokenize_completion(&self, body: &[u8]) -> Result<Tokenized, Error> {
         let fields: CompletionFields =
             serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
-        let prompt = fields
-            .prompt
-            .ok_or_else(|| Error::Request("no prompt".to_string()))?;
+        let cache_salt = fields.cache_salt.map(|raw| raw.get().to_string());
+        let ids = self.prompt_ids(fields.prompt)?;
+        Ok(Tokenized { ids, cache_salt })
+    }
+
+    fn prompt_ids(&self, prompt: Option<serde_json::Value>) -> Result<Vec<u32>, Error> {
+        let prompt = prompt.ok_or_else(|| Error::Request("no prompt".to_string()))?;
         let first = match prompt {
             serde_json::Value::Array(mut items) if !items.is_empty() => {
                 if items.iter().all(serde_json::Value::is_u64) {
