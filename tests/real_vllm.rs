@@ -492,3 +492,139 @@ async fn twenty_concurrent_streams() {
         );
     }
 }
+
+/// vLLM started with `--kv-events-config` publishes its KV cache events; Sluice's index
+/// follows them, its tokenizer makes the engine's own token ids, and what it predicts cached
+/// is what the engine serves from its prefix cache, on a scripted conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefix_index_follows_a_real_engines_kv_events() {
+    let events_port = reserve_port().release();
+    let kv_events = format!(
+        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events_port}", "topic": ""}}"#
+    );
+    let engine = RealVllm::start(
+        TinyModel::Draft,
+        &[
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            &kv_events,
+        ],
+    );
+    let tokenizer_dir = tiny_models().join(TinyModel::Draft.name());
+    // vLLM 0.32 announces its publisher keyed by rank, the host a wildcard.
+    let sources: Value = reqwest::get(format!("{}/kv_event_sources", engine.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        sources["0"]["enable_kv_cache_events"],
+        json!(true),
+        "{sources}"
+    );
+    assert_eq!(
+        sources["0"]["endpoint"],
+        json!(format!("tcp://*:{events_port}"))
+    );
+
+    // The conversation: a long system prompt, a history growing by a turn.
+    let conversation = |turns: usize| {
+        let mut messages = vec![
+            json!({"role": "system", "content": "You are the assistant of a careful engineer. Answer in full sentences, name every assumption, and keep to the facts you were given. ".repeat(6)}),
+        ];
+        for t in 0..turns {
+            messages.push(json!({"role": "user", "content": format!("Step {t}: what does the cache hold now, and why?")}));
+            messages.push(json!({"role": "assistant", "content": format!("After step {t} it holds the blocks of every earlier step.")}));
+        }
+        messages.push(json!({"role": "user", "content": "And after the next step?"}));
+        json!({"model": MODEL, "messages": messages, "max_tokens": 4})
+    };
+
+    // Sluice's tokenizer makes vLLM's own ids, chat template included.
+    let tokenizer = sluice_tokenizer::PromptTokenizer::load(&tokenizer_dir).unwrap();
+    for turns in [0, 1, 3] {
+        let request = conversation(turns);
+        let mut asked = request.clone();
+        asked["model"] = json!(TinyModel::Draft.name());
+        let a = ask_url(&format!("{}/tokenize", engine.url()), &asked, &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let engine_ids: Vec<u32> = serde_json::from_value(body(&a)["tokens"].clone()).unwrap();
+        let ours = tokenizer
+            .chat(&serde_json::to_vec(&request).unwrap())
+            .unwrap();
+        assert_eq!(ours, engine_ids, "{turns} turns");
+    }
+
+    let pool = real_pool("draft", &engine)
+        .with("tokenizer", tokenizer_dir.display().to_string())
+        .with("kv_events", "auto")
+        .with("balancing", json!({"strategy": "ttft", "exploration": 0.0}));
+    let proxy = Proxy::start(json!({"pools": [pool]})).await;
+    let status = || async {
+        let status: Value = reqwest::get(proxy.admin_url("/status"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        status["pools"][0].clone()
+    };
+    // ZMQ drops what is published before the subscription reaches the engine: turn 0 is
+    // asked until its blocks are indexed (the engine keeps them, so later asks hit them).
+    let first = conversation(0);
+    wait_for(Duration::from_secs(60), || async {
+        let a = post(&proxy, "/v1/chat/completions", &first).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        status().await["backends"][0]["prefix_index"]["blocks"]
+            .as_u64()
+            .is_some_and(|blocks| blocks > 0)
+    })
+    .await
+    .expect("the real engine's BlockStored events reach the index");
+    let pool = status().await;
+    assert_eq!(
+        pool["prefix_index"]["block_size"],
+        json!(128),
+        "the CPU build's blocks"
+    );
+    for turns in 1..4 {
+        let before = status().await["prefix_index"]["predicted_cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let a = post(&proxy, "/v1/chat/completions", &conversation(turns)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let cached = body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(
+            cached >= 128,
+            "turn {turns}: the history is cached: {cached}"
+        );
+        let predicted = status().await["prefix_index"]["predicted_cached_tokens"]
+            .as_u64()
+            .unwrap()
+            - before;
+        assert_eq!(
+            predicted, cached,
+            "turn {turns}: the index agrees with the engine"
+        );
+        // This turn's blocks reach the index before the next turn is asked.
+        let expected = body(&a)["usage"]["prompt_tokens"].as_u64().unwrap() / 128;
+        wait_for(Duration::from_secs(10), || async {
+            status().await["backends"][0]["prefix_index"]["blocks"]
+                .as_u64()
+                .is_some_and(|blocks| blocks >= expected)
+        })
+        .await
+        .expect("the turn's blocks are indexed");
+    }
+    let reported = status().await["prefix_index"]["reported_cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        reported >= 3 * 128,
+        "the engines' reports are counted: {reported}"
+    );
+}
