@@ -224,9 +224,10 @@ metric!(KV_EVENT_GAPS: IntCounterVec = register_int_counter_vec!(
 
 metric!(PREFIX_TOKENS: IntCounterVec = register_int_counter_vec!(
     "sluice_prefix_tokens_total",
-    "Prompt tokens of requests routed with the exact prefix index: looked_up (all of them), \
-     predicted (those the index said the chosen backend had cached), reported (those the \
-     engines reported cached, `usage.prompt_tokens_details.cached_tokens`).",
+    "Prompt tokens of requests routed with the exact prefix index: looked_up (all of them); \
+     of the answers whose engine reported its cached tokens \
+     (`usage.prompt_tokens_details.cached_tokens`), reported (those) and predicted (those the \
+     index said the chosen backend held).",
     &["pool", "kind"]
 ));
 

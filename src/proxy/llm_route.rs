@@ -28,7 +28,7 @@ use pingora_proxy::Session;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
-use sluice_sdk::prefix::PrefixKeys;
+use sluice_sdk::prefix::{Predicted, PrefixKeys};
 use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
     RequestCtx, RetryOn, Selected,
@@ -218,6 +218,9 @@ impl AttemptLoop {
             let then = match pool.select_prefixed(&self.tried, &demand, prefix.as_deref()) {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {
+                    if let Some(tokens) = backend.predicted_cached {
+                        ctx.state.insert(Predicted { tokens });
+                    }
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
                     let span = tries::span(ctx, &pool, backend.addr);

@@ -76,13 +76,17 @@ fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
     }
 }
 
-/// What the engine's prefix cache served, beside what the pool's exact index predicted.
+/// What the engine's prefix cache served, beside what the pool's exact index predicted of
+/// the same attempt (answers that do not say are left out of both).
 fn report_cached_tokens(ctx: &RequestCtx, cached: Option<u64>) {
+    use std::sync::atomic::Ordering::Relaxed;
     let routing = ctx.pool().and_then(|pool| pool.prefix.as_ref());
-    if let (Some(routing), Some(cached)) = (routing, cached) {
+    let predicted = ctx.state.get::<sluice_sdk::prefix::Predicted>();
+    if let (Some(routing), Some(cached), Some(predicted)) = (routing, cached, predicted) {
+        routing.reported_tokens.fetch_add(cached, Relaxed);
         routing
-            .reported_tokens
-            .fetch_add(cached, std::sync::atomic::Ordering::Relaxed);
+            .predicted_tokens
+            .fetch_add(predicted.tokens, Relaxed);
     }
 }
 

@@ -241,6 +241,9 @@ pub struct Selected {
     /// count, 0 when nothing is credited, `None` when the approximate affinity guessed (the
     /// backend's TTFT then cannot teach its prefill speed).
     pub cached_tokens: Option<u64>,
+    /// With the exact index: the prompt tokens (the engine's) it predicts the backend's
+    /// prefix cache serves.
+    pub predicted_cached: Option<u64>,
 }
 
 /// A request's class: who is shed first when a pool is under pressure. Written in config
@@ -841,22 +844,23 @@ impl Pool {
                 &self.health,
             )
         });
-        if let (Some(routing), Some(keys), Credit::Exact { matches, .. }) =
-            (&self.prefix, prefix, &credit)
-        {
-            let exact = matches
-                .cached_tokens(endpoint.spec.resolved)
-                .min(keys.tokens as u64);
-            routing.predicted_tokens.fetch_add(exact, Relaxed);
-            routing
-                .looked_up_tokens
-                .fetch_add(keys.tokens as u64, Relaxed);
-        }
+        // The index's prediction, in the prompt's own tokens, to be set beside what the
+        // engine reports it served.
+        let predicted_cached = match (&self.prefix, prefix, &credit) {
+            (Some(routing), Some(keys), Credit::Exact { matches, .. }) => {
+                routing
+                    .looked_up_tokens
+                    .fetch_add(keys.tokens as u64, Relaxed);
+                Some(matches.served_tokens(endpoint.spec.resolved, keys.tokens as u64))
+            }
+            _ => None,
+        };
         Some(Selected {
             addr: endpoint.spec.resolved,
             live: Arc::clone(&endpoint.live),
             predicted_ttft,
             cached_tokens,
+            predicted_cached,
         })
     }
 
@@ -974,7 +978,10 @@ impl Pool {
         if count == 0 {
             return None;
         }
-        if count > 1 && ttft.exploration > 0.0 && fastrand::f64() < ttft.exploration {
+        // Exploring costs nothing when no backend holds the prompt (it is prefilled whole
+        // wherever it goes); when one does, it would throw the cache away.
+        let explores = count > 1 && ttft.exploration > 0.0 && !credit.any_exact();
+        if explores && fastrand::f64() < ttft.exploration {
             return m.candidates().nth(fastrand::usize(..count));
         }
         let home = self.prefix_home(m, demand);
@@ -1572,6 +1579,82 @@ mod tests {
         live_of(&pool, home).publish_load(load(0.95, 8.0));
         for _ in 0..20 {
             assert_ne!(pool.select(&[], &demand).unwrap().addr, home);
+        }
+    }
+
+    /// A pool of three with an exact prefix index in which backend 2 holds `tokens`.
+    fn indexed_pool(tokens: &[u32], exploration: f64) -> Pool {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tokenizer-chatml");
+        let tokenizer = sluice_tokenizer::PromptTokenizer::load(&dir).unwrap();
+        let routing = Arc::new(PrefixRouting::new(
+            Arc::new(tokenizer),
+            crate::prefix::KvEventSource::Port(1),
+        ));
+        routing.index.apply(
+            spec(2, 1).resolved,
+            &[crate::prefix_index::KvEvent::Stored {
+                hashes: (0..tokens.len() as u64 / 16).collect(),
+                parent: None,
+                token_ids: tokens.to_vec(),
+                block_size: 16,
+                extra: Vec::new(),
+            }],
+        );
+        Pool::new(PoolSettings {
+            balancing: Balancing::Ttft(TtftBalancing {
+                prefix_affinity: None,
+                prefill_tokens_per_second: 1_000.0,
+                exploration,
+            }),
+            prefix: Some(routing),
+            ..PoolSettings::new(
+                "p",
+                vec!["m".into()],
+                vec![spec(1, 1), spec(2, 1), spec(3, 1)],
+            )
+        })
+    }
+
+    #[test]
+    fn the_exact_index_sends_a_prompt_where_it_is_held_and_never_explores_away() {
+        let tokens: Vec<u32> = (0..1024).collect();
+        let keys = PrefixKeys {
+            keys: crate::prefix_index::block_keys(&tokens, 16, None),
+            tokens: 1030,
+        };
+        let demand = prompt(1030, None);
+        // Even exploring every request: the held prompt goes where it is held.
+        let pool = indexed_pool(&tokens, 1.0);
+        for _ in 0..30 {
+            let s = pool.select_prefixed(&[], &demand, Some(&keys)).unwrap();
+            assert_eq!(s.addr.port(), 2);
+            assert_eq!(s.predicted_cached, Some(1024));
+            assert_eq!(s.cached_tokens, Some(1024));
+        }
+        // Another prompt, held nowhere: explored, spread over the three.
+        let other: Vec<u32> = (5000..6024).collect();
+        let keys = PrefixKeys {
+            keys: crate::prefix_index::block_keys(&other, 16, None),
+            tokens: 1024,
+        };
+        let ports: std::collections::HashSet<u16> = (0..60)
+            .map(|_| pool.select_prefixed(&[], &demand, Some(&keys)).unwrap().addr.port())
+            .collect();
+        assert_eq!(ports.len(), 3, "{ports:?}");
+        // Busy enough, the holder is left: its queue costs more than the prefill it saves.
+        let pool = indexed_pool(&tokens, 0.0);
+        let holder = pool.live_at(1).unwrap();
+        let _queue: Vec<_> = (0..4).map(|_| holder.begin_request(3000, 3000)).collect();
+        let s = pool.select_prefixed(&[], &demand, Some(&keys_of(&tokens))).unwrap();
+        assert_ne!(s.addr.port(), 2, "12,000 tokens queued there outweigh 1,024 cached");
+        assert_eq!(s.cached_tokens, Some(0));
+    }
+
+    fn keys_of(tokens: &[u32]) -> PrefixKeys {
+        PrefixKeys {
+            keys: crate::prefix_index::block_keys(tokens, 16, None),
+            tokens: tokens.len() + 6,
         }
     }
 

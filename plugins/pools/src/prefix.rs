@@ -34,14 +34,23 @@ pub struct PrefixRouting {
     pub kv_events: KvEventSource,
     /// Which backend holds which blocks.
     pub index: PrefixIndex,
-    /// Prompt tokens the index predicted cached where requests were sent.
+    /// Of the answers whose engine reported its cached tokens, those the index predicted.
     pub predicted_tokens: AtomicU64,
     /// Prompt tokens of the requests sent with a lookup.
     pub looked_up_tokens: AtomicU64,
-    /// Prompt tokens the engines reported cached (`prompt_tokens_details.cached_tokens`).
+    /// Prompt tokens the engines reported cached (`prompt_tokens_details.cached_tokens`), of
+    /// requests routed with the index.
     pub reported_tokens: AtomicU64,
     /// Requests whose prompt the tokenizer could not read (sent without the index).
     pub unreadable: AtomicU64,
+}
+
+/// What the index predicted of a request's attempt: kept in the request's state until its
+/// answer's usage says what the engine served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Predicted {
+    /// Prompt tokens predicted cached on the backend chosen.
+    pub tokens: u64,
 }
 
 /// A request's prompt as the index sees it: its blocks' keys and its token count.

@@ -17,6 +17,8 @@
 //! templates the way transformers does (minijinja alone lacks the Python-compatible `tojson`
 //! and the globals), and the part that is ours is small.
 
+mod pieces;
+
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -56,6 +58,8 @@ const CHAT: &str = "chat";
 /// A tokenizer folder, ready to tokenize requests.
 pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
+    /// Splits rendered chats at the added tokens and remembers the pieces (see `pieces.rs`).
+    pieces: Option<pieces::Pieces>,
     env: Environment<'static>,
     has_template: bool,
     /// `bos_token`, `eos_token`, `pad_token`, `unk_token`, as the template sees them.
@@ -202,6 +206,7 @@ impl PromptTokenizer {
         .filter_map(|(name, token)| Some((name, token?.into_text())))
         .collect();
         Ok(PromptTokenizer {
+            pieces: pieces::Pieces::of(&tokenizer),
             tokenizer,
             env,
             has_template,
@@ -271,10 +276,11 @@ impl PromptTokenizer {
             serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
         let cache_salt = fields.cache_salt.take().map(|raw| raw.get().to_string());
         let text = self.render_fields(fields)?;
-        Ok(Tokenized {
-            ids: self.encode(&text, false)?,
-            cache_salt,
-        })
+        let ids = match &self.pieces {
+            Some(pieces) => pieces.encode(&text, |piece| self.encode(piece, false))?,
+            None => self.encode(&text, false)?,
+        };
+        Ok(Tokenized { ids, cache_salt })
     }
 
     /// The token ids of a text completion request (`/v1/completions` body): its prompt, or
@@ -586,6 +592,52 @@ mod tests {
                 case.chat.as_ref().map(|c| c.get())
             );
         }
+    }
+
+    /// Piece by piece, remembered or not, the ids are the whole text's.
+    #[test]
+    fn pieces_make_the_same_ids_as_the_whole_text() {
+        let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
+        let pieces = tokenizer
+            .pieces
+            .as_ref()
+            .expect("ChatML's added tokens are plain");
+        let mut seed = 7u64;
+        let mut word = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            [
+                "the ",
+                "cache ",
+                "éé ",
+                "<|im",
+                "_end|>",
+                "\n",
+                "  ",
+                "def f(x):\n",
+                "x",
+                ".",
+            ][(seed >> 33) as usize % 10]
+        };
+        let mut history = vec![
+            serde_json::json!({"role": "system", "content": (0..400).map(|_| word()).collect::<String>()}),
+        ];
+        for turn in 0..6 {
+            history.push(serde_json::json!({"role": "user", "content": (0..(60 + turn * 40)).map(|_| word()).collect::<String>()}));
+            let body = serde_json::to_vec(&serde_json::json!({"messages": history})).unwrap();
+            let text = tokenizer.render_chat(&body).unwrap();
+            assert_eq!(
+                tokenizer.chat(&body).unwrap(),
+                tokenizer.encode(&text, false).unwrap(),
+                "turn {turn}"
+            );
+            history.push(serde_json::json!({"role": "assistant", "content": (0..30).map(|_| word()).collect::<String>()}));
+        }
+        assert!(
+            pieces.remembered() >= 2,
+            "the system prompt and the long turns are remembered"
+        );
     }
 
     #[test]

@@ -204,6 +204,13 @@ pub enum Contender {
     /// Scenario 23: Sluice with every plugin on in front of a fleet, for a long run with
     /// faults (backends killed, Redis restarted, reloads, abusive clients).
     SluiceSoak,
+    /// Scenario 24: `ttft` with the approximate prefix affinity (the prompt's leading bytes).
+    SluicePrefixGuess,
+    /// Scenario 24: `ttft` with the exact prefix index (tokenizer and KV events).
+    SluicePrefixExact,
+    /// Scenario 24: every turn on its session's previous backend (`session_affinity: hard`
+    /// with a session header): the oracle of conversation locality.
+    SluiceSessionOracle,
 }
 
 impl Contender {
@@ -261,6 +268,9 @@ impl Contender {
             Contender::SluiceDiscoveredIdle => "sluice (endpoints discovered by DNS)",
             Contender::SluiceStaticIdle => "sluice (the same endpoints as static backends)",
             Contender::SluiceSoak => "sluice (soak: plugins on, faults)",
+            Contender::SluicePrefixGuess => "sluice (ttft, approximate affinity)",
+            Contender::SluicePrefixExact => "sluice (ttft, exact prefix index)",
+            Contender::SluiceSessionOracle => "sluice (oracle: session affinity)",
         }
     }
 

@@ -427,6 +427,11 @@ fn metric_with(page: &str, name: &str, label: &str) -> f64 {
         .sum()
 }
 
+/// `addr`'s `/metrics` page.
+pub(crate) async fn page_of(addr: SocketAddr) -> Result<String> {
+    page(addr).await
+}
+
 async fn page(addr: SocketAddr) -> Result<String> {
     let (status, _, body) = fetch(&Target::get(addr, "/metrics")).await?;
     if !status.is_success() {

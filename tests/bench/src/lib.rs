@@ -14,6 +14,7 @@ pub mod h2_streams;
 pub mod loadgen;
 pub mod phased;
 pub mod plugin_cost;
+pub mod prefix_fleet;
 pub mod public;
 pub mod report;
 pub mod resilience;
@@ -145,6 +146,9 @@ pub struct Params {
     pub soak_rate: f64,
     pub soak_attackers: usize,
     pub soak_body_bytes: usize,
+    /// Scenario 24: how long sessions keep starting, and how many start.
+    pub prefix_duration: Duration,
+    pub prefix_sessions: usize,
 }
 
 impl Params {
@@ -214,6 +218,8 @@ impl Params {
             soak_rate: 60.0,
             soak_attackers: 20,
             soak_body_bytes: 8 << 20,
+            prefix_duration: Duration::from_secs(75),
+            prefix_sessions: 192,
         }
     }
 
@@ -283,6 +289,8 @@ impl Params {
             soak_rate: 40.0,
             soak_attackers: 3,
             soak_body_bytes: 256 << 10,
+            prefix_duration: Duration::from_secs(4),
+            prefix_sessions: 10,
         }
     }
 }

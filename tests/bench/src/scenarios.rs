@@ -88,6 +88,10 @@ pub const ALL: &[(u8, &str)] = &[
         23,
         "Soak: 30 minutes of mixed traffic with faults (backend kills, Redis restarts, reloads, stalled and abusive clients): RSS growth after warm-up and lost requests",
     ),
+    (
+        24,
+        "Prefix routing on a vLLM V1-like fleet: conversations, agents and RAG, per strategy, the exact prefix index against the approximate affinity and a session oracle",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -114,6 +118,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         21 => pingora_floor(ctx).await,
         22 => crate::discovery::discovery(ctx).await,
         23 => crate::soak::soak(ctx).await,
+        24 => crate::prefix_fleet::prefix_fleet(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -308,7 +313,10 @@ impl Stack {
                 | Contender::SluiceDiscovery
                 | Contender::SluiceDiscoveredIdle
                 | Contender::SluiceStaticIdle
-                | Contender::SluiceSoak => {
+                | Contender::SluiceSoak
+                | Contender::SluicePrefixGuess
+                | Contender::SluicePrefixExact
+                | Contender::SluiceSessionOracle => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }

@@ -1,0 +1,990 @@
+//! Scenario 24 (issue #36, "Routing where it pays most"): a fleet that behaves like vLLM V1
+//! (chunked prefill, automatic prefix caching, KV cache events, the same tokenizer folder as
+//! Sluice's pools) of 4 draft and 4 target simulators, and a seeded, open-loop, bursty
+//! schedule of the traffic whose prefixes repeat: multi-turn conversations whose history
+//! grows (3-12 turns, a few long shared system prompts), agent sessions (a long system prompt
+//! and tool list resent with every call, a tool result added each time) and RAG questions
+//! over a shared document set; streams and non-streams. Every strategy replays the same
+//! schedule on a fresh fleet (cold caches): `round_robin`, `kv_aware`, `ttft` with the
+//! approximate affinity (the prompt's first 256 bytes), `ttft` with the exact prefix index,
+//! and an oracle that keeps every session on the backend of its previous turn (`session
+//! affinity: hard` with a session header).
+//!
+//! Answers are deterministic (`temperature: 0`), so each session's later turns carry the same
+//! history whatever the strategy. Reported per strategy: streams' TTFT over all requests and
+//! over turns ≥ 2, the engines' own prefix-cache hit rate and the prompt tokens they computed
+//! (`vllm:prefix_cache_queries_total` − `_hits_total`), output tokens per second, errors, and
+//! the spread of KV usage across each pool (max − min, sampled every 250 ms). A second table
+//! measures what tokenizing a request costs the request path.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http::{header, Method, Request};
+use http_body_util::{BodyExt, Full};
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+
+use crate::contenders::{free_addr, start_sluice_with, Contender};
+use crate::phased::{checkout, Idle};
+use crate::report::{Check, ScenarioReport, Table};
+use crate::scenarios::{title, CHAT};
+use crate::Ctx;
+
+const ID: u8 = 24;
+/// The longest a request may take before it counts as unanswered.
+const REQUEST_LIMIT: Duration = Duration::from_secs(120);
+const SEED: u64 = 0x5eed_0036;
+const BIG: &str = "big";
+const SMALL: &str = "small";
+/// Answers are cut here (the simulators answer 32 to 96 tokens).
+const MAX_TOKENS: u32 = 96;
+
+/// The tokenizer folder the simulators and Sluice's pools share.
+fn tokenizer_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer-chatml")
+}
+
+/// One pool's engines: the simulator's draft and target speeds, chunked prefill of 8,192
+/// tokens a step.
+#[derive(Clone, Copy)]
+struct Engine {
+    model: &'static str,
+    overhead_ms: u64,
+    prefill_us: u64,
+    itl_ms: u64,
+    kv_blocks: u32,
+}
+
+const TARGET: Engine = Engine {
+    model: BIG,
+    overhead_ms: 20,
+    // 13,300 tokens a second.
+    prefill_us: 75,
+    itl_ms: 30,
+    kv_blocks: 8192,
+};
+const DRAFT: Engine = Engine {
+    model: SMALL,
+    overhead_ms: 5,
+    prefill_us: 20,
+    itl_ms: 8,
+    kv_blocks: 4096,
+};
+
+impl Engine {
+    fn config(&self) -> vllm_sim::SimConfig {
+        vllm_sim::SimConfig::default()
+            .with_served_model_names(vec![self.model.to_string()])
+            .with_latency(vllm_sim::Latency {
+                overhead: Duration::from_millis(self.overhead_ms),
+                prefill_per_token: Duration::from_micros(self.prefill_us),
+                inter_token: Duration::from_millis(self.itl_ms),
+                jitter: 0.1,
+            })
+            .with_kv(self.kv_blocks, 16)
+            .with_max_num_seqs(256)
+            .with_answer_tokens(32, 96)
+            .with_record_requests(0)
+            .with_tokenizer(tokenizer_dir())
+            .v1_engine(8192)
+            .with_kv_events(vllm_sim::KvEventsConfig::default())
+    }
+
+    fn tokens_per_second(&self) -> f64 {
+        1e6 / self.prefill_us as f64
+    }
+}
+
+/// A strategy under test.
+struct Strategy {
+    contender: Contender,
+    name: &'static str,
+    /// The pool's `balancing` keys, and more pool keys.
+    balancing: &'static str,
+    exact: bool,
+    session_header: bool,
+}
+
+const STRATEGIES: [Strategy; 5] = [
+    Strategy {
+        contender: Contender::SluiceRoundRobin,
+        name: "round_robin",
+        balancing: "{strategy: round_robin}",
+        exact: false,
+        session_header: false,
+    },
+    Strategy {
+        contender: Contender::SluiceKvAware,
+        name: "kv_aware",
+        balancing: "{strategy: kv_aware}",
+        exact: false,
+        session_header: false,
+    },
+    Strategy {
+        contender: Contender::SluicePrefixGuess,
+        name: "ttft, approximate",
+        balancing: "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: SPEED}",
+        exact: false,
+        session_header: false,
+    },
+    Strategy {
+        contender: Contender::SluicePrefixExact,
+        name: "ttft, exact index",
+        balancing: "{strategy: ttft, prefill_tokens_per_second: SPEED}",
+        exact: true,
+        session_header: false,
+    },
+    Strategy {
+        contender: Contender::SluiceSessionOracle,
+        name: "oracle (session)",
+        balancing: "{strategy: ttft, prefill_tokens_per_second: SPEED, session_affinity: hard}",
+        exact: false,
+        session_header: true,
+    },
+];
+
+/// splitmix64, seeded: every strategy gets the same schedule.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+    /// An exponential draw of mean `mean` seconds, capped at 4× it.
+    fn think(&mut self, mean: f64) -> Duration {
+        let draw = -mean * (1.0 - self.unit()).max(1e-9).ln();
+        Duration::from_secs_f64(draw.min(mean * 4.0))
+    }
+}
+
+/// Words for made-up text: prose the tokenizer cuts like English.
+const WORDS: &[&str] = &[
+    "the", "request", "cache", "engine", "prefix", "block", "token", "model", "answer", "system",
+    "history", "agent", "tool", "result", "document", "shared", "within", "every", "turn", "route",
+    "backend", "memory", "prompt", "stream", "server", "value", "first", "last", "next", "time",
+    "data", "file", "line", "check", "error", "state", "queue", "write", "read", "index",
+];
+
+fn text(rng: &mut Rng, words: usize) -> String {
+    let mut out = String::with_capacity(words * 7);
+    for i in 0..words {
+        if i > 0 {
+            out.push(if i % 13 == 0 { '.' } else { ' ' });
+            if i % 13 == 0 {
+                out.push(' ');
+            }
+        }
+        out.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+    }
+    out
+}
+
+/// Text of `lo` to `hi` words.
+fn words(rng: &mut Rng, lo: usize, hi: usize) -> String {
+    let count = rng.range(lo, hi);
+    text(rng, count)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Conversation,
+    Agent,
+    Rag,
+}
+
+/// One request of a session: what it adds to the session's messages.
+#[derive(Clone, Debug)]
+struct Step {
+    /// Messages added before this request (a user question, a tool result).
+    adds: Vec<Value>,
+    /// The wait after the previous answer.
+    think: Duration,
+    stream: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Session {
+    kind: Kind,
+    model: &'static str,
+    start: Duration,
+    /// The messages every request of it starts with (system prompt, documents).
+    opening: Vec<Value>,
+    tools: Option<Value>,
+    steps: Vec<Step>,
+    /// RAG questions are single requests: no history carried between them.
+    carries_history: bool,
+}
+
+/// The seeded schedule: `count` sessions starting over `over`, half of them in three bursts.
+fn schedule(count: usize, over: Duration) -> Vec<Session> {
+    let mut rng = Rng(SEED);
+    let systems: Vec<String> = (0..4)
+        .map(|_| {
+            let words = rng.range(1500, 2500);
+            text(&mut rng, words)
+        })
+        .collect();
+    let agent_system = format!("You are a coding agent. {}", text(&mut rng, 1800));
+    let tools: Vec<Value> = (0..32)
+        .map(|i| {
+            json!({"type": "function", "function": {
+                "name": format!("tool_{i}"),
+                "description": text(&mut rng, 40),
+                "parameters": {"type": "object", "properties": {
+                    "path": {"type": "string", "description": text(&mut rng, 12)},
+                    "limit": {"type": "integer"}},
+                    "required": ["path"]}}})
+        })
+        .collect();
+    let documents: Vec<String> = (0..16).map(|_| text(&mut rng, 900)).collect();
+    let burst_centres = [0.2, 0.5, 0.8].map(|f| over.as_secs_f64() * f);
+    (0..count)
+        .map(|i| {
+            let start = if i % 2 == 0 {
+                over.as_secs_f64() * rng.unit()
+            } else {
+                let centre = burst_centres[i % 3];
+                (centre + 2.5 * (rng.unit() - 0.5)).clamp(0.0, over.as_secs_f64())
+            };
+            let pick = rng.unit();
+            let kind = if pick < 0.55 {
+                Kind::Conversation
+            } else if pick < 0.8 {
+                Kind::Agent
+            } else {
+                Kind::Rag
+            };
+            let model = if kind == Kind::Rag || rng.unit() < 0.5 {
+                BIG
+            } else {
+                SMALL
+            };
+            let stream = |rng: &mut Rng| rng.unit() < 0.7;
+            match kind {
+                Kind::Conversation => {
+                    let system = &systems[(rng.next_u64() % systems.len() as u64) as usize];
+                    let steps = (0..rng.range(3, 12))
+                        .map(|_| Step {
+                            adds: vec![
+                                json!({"role": "user", "content": words(&mut rng, 20, 120)}),
+                            ],
+                            think: rng.think(2.0),
+                            stream: stream(&mut rng),
+                        })
+                        .collect();
+                    Session {
+                        kind,
+                        model,
+                        start: Duration::from_secs_f64(start),
+                        opening: vec![json!({"role": "system", "content": system})],
+                        tools: None,
+                        steps,
+                        carries_history: true,
+                    }
+                }
+                Kind::Agent => {
+                    let task = text(&mut rng, 80);
+                    let mut steps = vec![Step {
+                        adds: vec![json!({"role": "user", "content": task})],
+                        think: Duration::ZERO,
+                        stream: stream(&mut rng),
+                    }];
+                    for _ in 1..rng.range(5, 12) {
+                        steps.push(Step {
+                            adds: vec![
+                                json!({"role": "tool", "content": words(&mut rng, 60, 500)}),
+                            ],
+                            think: rng.think(0.5),
+                            stream: stream(&mut rng),
+                        });
+                    }
+                    Session {
+                        kind,
+                        model,
+                        start: Duration::from_secs_f64(start),
+                        opening: vec![json!({"role": "system", "content": agent_system})],
+                        tools: Some(Value::Array(tools.clone())),
+                        steps,
+                        carries_history: true,
+                    }
+                }
+                Kind::Rag => {
+                    let a = rng.next_u64() as usize % documents.len();
+                    let b =
+                        (a + 1 + rng.next_u64() as usize % (documents.len() - 1)) % documents.len();
+                    let context = format!(
+                        "Answer from these documents only.\n\n{}\n\n{}",
+                        documents[a], documents[b]
+                    );
+                    let steps = (0..rng.range(1, 3))
+                        .map(|_| Step {
+                            adds: vec![json!({"role": "user", "content": text(&mut rng, 25)})],
+                            think: rng.think(1.0),
+                            stream: stream(&mut rng),
+                        })
+                        .collect();
+                    Session {
+                        kind,
+                        model,
+                        start: Duration::from_secs_f64(start),
+                        opening: vec![json!({"role": "system", "content": context})],
+                        tools: None,
+                        steps,
+                        carries_history: false,
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// What one request did.
+#[derive(Clone, Debug, Default)]
+struct Got {
+    kind: Option<Kind>,
+    turn: usize,
+    stream: bool,
+    status: Option<u16>,
+    /// Streams: to the first data chunk.
+    ttft: Option<Duration>,
+    total: Duration,
+    error: Option<String>,
+}
+
+/// The answer's text, from a JSON answer or a stream's deltas.
+fn answer_text(body: &[u8], stream: bool) -> String {
+    if !stream {
+        return serde_json::from_slice::<Value>(body)
+            .ok()
+            .and_then(|v| {
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .unwrap_or_default();
+    }
+    let mut out = String::new();
+    for line in String::from_utf8_lossy(body).lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if let Ok(v) = serde_json::from_str::<Value>(data) {
+            if let Some(piece) = v["choices"][0]["delta"]["content"].as_str() {
+                out.push_str(piece);
+            }
+        }
+    }
+    out
+}
+
+/// Runs one session against `addr`: each step after the previous answer and its think time.
+async fn run_session(
+    addr: SocketAddr,
+    idle: Idle,
+    session: Session,
+    index: usize,
+    start: Instant,
+    session_header: bool,
+) -> Vec<Got> {
+    tokio::time::sleep_until((start + session.start).into()).await;
+    let mut messages = session.opening.clone();
+    let mut out = Vec::with_capacity(session.steps.len());
+    for (turn, step) in session.steps.iter().enumerate() {
+        if !step.think.is_zero() {
+            tokio::time::sleep(step.think).await;
+        }
+        let mut asked = if session.carries_history {
+            messages.clone()
+        } else {
+            session.opening.clone()
+        };
+        asked.extend(step.adds.iter().cloned());
+        let mut body = json!({
+            "model": session.model, "messages": asked, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": step.stream,
+        });
+        if let Some(tools) = &session.tools {
+            body["tools"] = tools.clone();
+        }
+        let mut got = Got {
+            kind: Some(session.kind),
+            turn: turn + 1,
+            stream: step.stream,
+            ..Got::default()
+        };
+        let sent = Instant::now();
+        let outcome = tokio::time::timeout(
+            REQUEST_LIMIT,
+            exchange(
+                addr,
+                &idle,
+                &body,
+                step.stream,
+                session_header.then_some(index),
+                &mut got,
+                sent,
+            ),
+        )
+        .await;
+        got.total = sent.elapsed();
+        let answer = match outcome {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => {
+                got.error = Some(format!("{e:#}"));
+                String::new()
+            }
+            Err(_) => {
+                got.error = Some(format!("no answer within {REQUEST_LIMIT:?}"));
+                String::new()
+            }
+        };
+        out.push(got);
+        messages.extend(step.adds.iter().cloned());
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    out
+}
+
+async fn exchange(
+    addr: SocketAddr,
+    idle: &Idle,
+    body: &Value,
+    stream: bool,
+    session: Option<usize>,
+    got: &mut Got,
+    sent: Instant,
+) -> Result<String> {
+    let mut sender = checkout(idle, addr).await?;
+    let mut req = Request::builder()
+        .method(Method::POST)
+        .uri(CHAT)
+        .header(header::HOST, addr.to_string())
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(session) = session {
+        req = req.header("x-session-id", format!("session-{session}"));
+    }
+    let req = req
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))
+        .context("building the request")?;
+    let resp = sender.send_request(req).await.context("sending")?;
+    let status = resp.status();
+    got.status = Some(status.as_u16());
+    let mut body = resp.into_body();
+    let mut all = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.context("reading the answer")?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        got.ttft.get_or_insert_with(|| sent.elapsed());
+        all.extend_from_slice(&data);
+    }
+    idle.lock().await.push(sender);
+    if !status.is_success() {
+        bail!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&all[..all.len().min(200)])
+        );
+    }
+    if stream && !all.windows(12).any(|w| w == b"data: [DONE]") {
+        bail!("the stream ended without data: [DONE]");
+    }
+    Ok(answer_text(&all, stream))
+}
+
+/// The simulators of one run, on a runtime of their own (so the load's tasks do not slow
+/// them), stopped when dropped.
+struct Fleet {
+    sims: Vec<vllm_sim::Sim>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Fleet {
+    fn start() -> Result<Fleet> {
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async move {
+                let mut sims = Vec::new();
+                for engine in [DRAFT, DRAFT, DRAFT, DRAFT, TARGET, TARGET, TARGET, TARGET] {
+                    match vllm_sim::start(engine.config()).await {
+                        Ok(sim) => sims.push(sim),
+                        Err(e) => {
+                            let _ =
+                                ready_tx.send(Err(anyhow::anyhow!("starting a simulator: {e}")));
+                            return;
+                        }
+                    }
+                }
+                let _ = ready_tx.send(Ok(sims.clone()));
+                let _ = stopped.await;
+                for sim in &sims {
+                    sim.shutdown();
+                }
+            });
+        });
+        let sims = ready.recv().context("the fleet's thread")??;
+        Ok(Fleet {
+            sims,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    fn addrs(&self, model: &str) -> Vec<SocketAddr> {
+        self.sims
+            .iter()
+            .filter(|s| s.model() == model)
+            .map(vllm_sim::Sim::addr)
+            .collect()
+    }
+
+    /// Summed over the fleet: (prefix-cache queries, hits, generation tokens).
+    fn counters(&self) -> (f64, f64, f64) {
+        let mut sums = (0.0, 0.0, 0.0);
+        for sim in &self.sims {
+            let page = sim.metrics_text();
+            sums.0 += metric(&page, "vllm:prefix_cache_queries_total");
+            sums.1 += metric(&page, "vllm:prefix_cache_hits_total");
+            sums.2 += metric(&page, "vllm:generation_tokens_total");
+        }
+        sums
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn sluice_yaml(
+    dir: &Path,
+    (listen, admin): (SocketAddr, SocketAddr),
+    fleet: &Fleet,
+    s: &Strategy,
+) -> String {
+    let mut y = format!(
+        "# Generated by sluice-bench (scenario 24).\n\
+         pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  \
+         grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 1\n\
+         listeners:\n  - address: {listen}\n\
+         admin:\n  address: {admin}\n\
+         limits:\n  max_connections_per_client: 8192\n  max_requests_in_flight_per_client: 8192\n\
+         log:\n  level: warn\n\
+         pools:\n",
+        pid = dir.join("prefix.pid").display(),
+        sock = dir.join("prefix.sock").display(),
+    );
+    for engine in [DRAFT, TARGET] {
+        let balancing = s
+            .balancing
+            .replace("SPEED", &format!("{:.0}", engine.tokens_per_second()));
+        let _ = write!(
+            y,
+            "  - name: {m}\n    models: [\"{m}\"]\n    balancing: {balancing}\n    \
+             health: {{interval: 250ms, timeout: 1s, stale_after: 2s}}\n",
+            m = engine.model
+        );
+        if s.exact {
+            let _ = write!(
+                y,
+                "    tokenizer: {}\n    kv_events: auto\n",
+                tokenizer_dir().display()
+            );
+        }
+        y.push_str("    backends:\n");
+        for b in fleet.addrs(engine.model) {
+            let _ = writeln!(y, "      - address: {b}");
+        }
+    }
+    y
+}
+
+/// With the exact index, waits until every backend's subscriber hears its engine: each engine
+/// resets its (empty) cache, publishing a batch, until Sluice has counted one from each.
+async fn subscribers_live(admin: SocketAddr, fleet: &Fleet) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        for sim in &fleet.sims {
+            sim.reset_prefix_cache();
+        }
+        let page = crate::fleet::page_of(admin).await?;
+        let heard = page
+            .lines()
+            .filter(|l| l.starts_with("sluice_kv_event_batches_total{"))
+            .filter(|l| {
+                l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .is_some_and(|v| v > 0.0)
+            })
+            .count();
+        if heard >= fleet.sims.len() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {heard} of {} subscribers heard their engine in 30 s",
+                fleet.sims.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What one strategy's run measured.
+struct Run {
+    got: Vec<Got>,
+    queries: f64,
+    hits: f64,
+    generated: f64,
+    seconds: f64,
+    /// Per pool, the KV usage spread (max − min over its engines) at each sample.
+    spread: BTreeMap<&'static str, Vec<f64>>,
+    predicted: f64,
+    reported: f64,
+}
+
+async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<Run> {
+    let fleet = Fleet::start()?;
+    let dir = ctx.root.path().join("prefix");
+    std::fs::create_dir_all(&dir)?;
+    let (listen, admin) = (free_addr()?, free_addr()?);
+    let yaml = sluice_yaml(&dir, (listen, admin), &fleet, s);
+    let _sluice =
+        start_sluice_with(&ctx.sluice_bin, &dir, "prefix", &yaml, &[listen, admin]).await?;
+    if s.exact {
+        subscribers_live(admin, &fleet).await?;
+    }
+    let idle: Idle = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now() + Duration::from_millis(100);
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sims = fleet.sims.clone();
+        let sampling = Arc::clone(&sampling);
+        tokio::spawn(async move {
+            let mut spread: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                for model in [SMALL, BIG] {
+                    let usage: Vec<f64> = sims
+                        .iter()
+                        .filter(|s| s.model() == model)
+                        .map(vllm_sim::Sim::kv_usage)
+                        .collect();
+                    let max = usage.iter().copied().fold(0.0, f64::max);
+                    let min = usage.iter().copied().fold(1.0, f64::min);
+                    spread.entry(model).or_default().push(max - min);
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            spread
+        })
+    };
+    let tasks: Vec<_> = sessions
+        .iter()
+        .enumerate()
+        .map(|(i, session)| {
+            tokio::spawn(run_session(
+                listen,
+                idle.clone(),
+                session.clone(),
+                i,
+                start,
+                s.session_header,
+            ))
+        })
+        .collect();
+    let mut got = Vec::new();
+    for task in tasks {
+        got.extend(task.await.context("a session's task")?);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let spread = sampler.await.context("the sampler")?;
+    let (queries, hits, generated) = fleet.counters();
+    let page = crate::fleet::page_of(admin).await.unwrap_or_default();
+    let labelled = |kind: &str| {
+        page.lines()
+            .filter(|l| {
+                l.starts_with("sluice_prefix_tokens_total{")
+                    && l.contains(&format!("kind=\"{kind}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    Ok(Run {
+        got,
+        queries,
+        hits,
+        generated,
+        seconds,
+        spread,
+        predicted: labelled("predicted"),
+        reported: labelled("reported"),
+    })
+}
+
+fn pct(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// TTFT of streams (ms): all of them, and turns ≥ 2.
+fn ttfts(run: &Run) -> (Vec<f64>, Vec<f64>) {
+    let ok = run.got.iter().filter(|g| g.stream && g.error.is_none());
+    let all = ok.clone().filter_map(|g| g.ttft.map(ms)).collect();
+    let later = ok
+        .filter(|g| g.turn >= 2)
+        .filter_map(|g| g.ttft.map(ms))
+        .collect();
+    (all, later)
+}
+
+/// What tokenizing costs the request path: microseconds per chat request of each size.
+fn tokenizing_cost() -> Result<Vec<Vec<String>>> {
+    let tokenizer = sluice_tokenizer::PromptTokenizer::load(&tokenizer_dir())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut rng = Rng(SEED ^ 7);
+    let mut rows = Vec::new();
+    for words in [150, 2_500, 16_000] {
+        let body = serde_json::to_vec(&json!({"model": BIG, "messages": [
+            {"role": "system", "content": text(&mut rng, words / 2)},
+            {"role": "user", "content": text(&mut rng, words / 2)}]}))?;
+        let mut times = Vec::new();
+        let mut tokens = 0;
+        for _ in 0..30 {
+            let started = Instant::now();
+            tokens = tokenizer
+                .chat(&body)
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .len();
+            times.push(started.elapsed().as_secs_f64() * 1e6);
+        }
+        rows.push(vec![
+            format!("{:.1} KB", body.len() as f64 / 1024.0),
+            tokens.to_string(),
+            format!("{:.0}", pct(&times, 0.5)),
+            format!("{:.0}", pct(&times, 0.99)),
+            format!("{:.0}", tokens as f64 / TARGET.tokens_per_second() * 1e6),
+        ]);
+    }
+    Ok(rows)
+}
+
+pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(ID, title(ID));
+    let sessions = schedule(ctx.p.prefix_sessions, ctx.p.prefix_duration);
+    let requests: usize = sessions.iter().map(|s| s.steps.len()).sum();
+    report.header = [
+        "strategy",
+        "TTFT p50 / p90 / p99 ms (streams)",
+        "turns ≥ 2: p50 / p90 / p99 ms",
+        "engine prefix hits",
+        "prompt tokens computed",
+        "output tok/s",
+        "errors",
+        "KV spread p50 (small / big)",
+        "index: predicted / reported cached",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut by_kind = Table {
+        caption: "Turns ≥ 2, streams' TTFT p50 / p99 ms by kind of session".into(),
+        header: ["strategy", "conversations", "agents", "RAG (questions ≥ 2)"]
+            .map(String::from)
+            .to_vec(),
+        rows: Vec::new(),
+    };
+    let mut p99_later: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut computed: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut errors: BTreeMap<&str, usize> = BTreeMap::new();
+    for s in &STRATEGIES {
+        let run = match run_strategy(ctx, s, &sessions).await {
+            Ok(run) => run,
+            Err(e) => {
+                report.notes.push(format!("{}: did not run: {e:#}", s.name));
+                continue;
+            }
+        };
+        let (all, later) = ttfts(&run);
+        let failed: Vec<&Got> = run.got.iter().filter(|g| g.error.is_some()).collect();
+        report.measured(
+            s.contender,
+            run.got.len() as u64,
+            failed.len() as u64,
+            failed.first().and_then(|g| g.error.clone()),
+        );
+        let spread = |model: &str| run.spread.get(model).map_or(f64::NAN, |v| pct(v, 0.5));
+        report.rows.push(vec![
+            s.name.to_string(),
+            format!(
+                "{:.0} / {:.0} / {:.0}",
+                pct(&all, 0.5),
+                pct(&all, 0.9),
+                pct(&all, 0.99)
+            ),
+            format!(
+                "{:.0} / {:.0} / {:.0}",
+                pct(&later, 0.5),
+                pct(&later, 0.9),
+                pct(&later, 0.99)
+            ),
+            format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
+            format!("{:.0}", run.queries - run.hits),
+            format!("{:.0}", run.generated / run.seconds.max(1e-9)),
+            failed.len().to_string(),
+            format!("{:.2} / {:.2}", spread(SMALL), spread(BIG)),
+            if s.exact {
+                format!("{:.0} / {:.0}", run.predicted, run.reported)
+            } else {
+                "-".to_string()
+            },
+        ]);
+        let mut row = vec![s.name.to_string()];
+        for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
+            let of_kind: Vec<f64> = run
+                .got
+                .iter()
+                .filter(|g| g.kind == Some(kind) && g.stream && g.turn >= 2 && g.error.is_none())
+                .filter_map(|g| g.ttft.map(ms))
+                .collect();
+            row.push(format!(
+                "{:.0} / {:.0}",
+                pct(&of_kind, 0.5),
+                pct(&of_kind, 0.99)
+            ));
+        }
+        by_kind.rows.push(row);
+        p99_later.insert(s.name, pct(&later, 0.99));
+        computed.insert(s.name, run.queries - run.hits);
+        errors.insert(s.name, failed.len());
+    }
+    let get = |m: &BTreeMap<&str, f64>, k: &str| m.get(k).copied().unwrap_or(f64::NAN);
+    let exact = get(&p99_later, "ttft, exact index");
+    report.checks.push(Check::at_least(
+        "turns ≥ 2, TTFT p99: round_robin ÷ exact index",
+        get(&p99_later, "round_robin") / exact,
+        2.0,
+        "×",
+    ));
+    report.checks.push(Check::at_least(
+        "turns ≥ 2, TTFT p99: approximate affinity ÷ exact index",
+        get(&p99_later, "ttft, approximate") / exact,
+        1.5,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "turns ≥ 2, TTFT p99: exact index ÷ oracle",
+        exact / get(&p99_later, "oracle (session)"),
+        1.1,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "prompt tokens computed: exact index ÷ oracle",
+        get(&computed, "ttft, exact index") / get(&computed, "oracle (session)"),
+        1.0,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "errors: exact index − round_robin",
+        errors
+            .get("ttft, exact index")
+            .copied()
+            .unwrap_or(usize::MAX) as f64
+            - errors.get("round_robin").copied().unwrap_or(0) as f64,
+        0.0,
+        "",
+    ));
+    report.notes.push(format!(
+        "{} sessions ({requests} requests) starting over {:?}, the same schedule for every strategy, each on a fresh fleet: 4 `small` engines (50k prompt tokens/s, 8 ms a token, 4,096 blocks) and 4 `big` (13.3k tokens/s, 30 ms, 8,192 blocks), chunked prefill of 8,192 tokens a step, prefix caching, KV events; Sluice's pools balance as the row says.",
+        sessions.len(),
+        ctx.p.prefix_duration
+    ));
+    report.tables.push(by_kind);
+    match tokenizing_cost() {
+        Ok(rows) => report.tables.push(Table {
+            caption: "Tokenizing a chat request for the index (this machine, one thread; bodies over 16 KB are tokenized on the blocking pool), against the prefill it can save on a `big` engine".into(),
+            header: ["body", "tokens", "new: p50 / p99 µs", "seen before: p50 / p99 µs", "the prefill of those tokens, µs"].map(String::from).to_vec(),
+            rows,
+        }),
+        Err(e) => report.notes.push(format!("tokenizing cost not measured: {e:#}")),
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schedule_is_seeded_and_mixed() {
+        let a = schedule(60, Duration::from_secs(30));
+        let b = schedule(60, Duration::from_secs(30));
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
+            assert!(a.iter().any(|s| s.kind == kind), "{kind:?}");
+        }
+        assert!(a.iter().all(|s| s.start <= Duration::from_secs(30)));
+        assert!(a
+            .iter()
+            .filter(|s| s.kind == Kind::Conversation)
+            .all(|s| (3..=12).contains(&s.steps.len())));
+    }
+
+    #[test]
+    fn answers_are_read_from_json_and_streams() {
+        let json = br#"{"choices":[{"message":{"content":"a b"}}]}"#;
+        assert_eq!(answer_text(json, false), "a b");
+        let sse = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\" x\"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(answer_text(sse, true), " x");
+    }
+}
