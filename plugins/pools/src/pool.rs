@@ -1639,15 +1639,26 @@ mod tests {
             tokens: 1024,
         };
         let ports: std::collections::HashSet<u16> = (0..60)
-            .map(|_| pool.select_prefixed(&[], &demand, Some(&keys)).unwrap().addr.port())
+            .map(|_| {
+                pool.select_prefixed(&[], &demand, Some(&keys))
+                    .unwrap()
+                    .addr
+                    .port()
+            })
             .collect();
         assert_eq!(ports.len(), 3, "{ports:?}");
         // Busy enough, the holder is left: its queue costs more than the prefill it saves.
         let pool = indexed_pool(&tokens, 0.0);
         let holder = pool.live_at(1).unwrap();
         let _queue: Vec<_> = (0..4).map(|_| holder.begin_request(3000, 3000)).collect();
-        let s = pool.select_prefixed(&[], &demand, Some(&keys_of(&tokens))).unwrap();
-        assert_ne!(s.addr.port(), 2, "12,000 tokens queued there outweigh 1,024 cached");
+        let s = pool
+            .select_prefixed(&[], &demand, Some(&keys_of(&tokens)))
+            .unwrap();
+        assert_ne!(
+            s.addr.port(),
+            2,
+            "12,000 tokens queued there outweigh 1,024 cached"
+        );
         assert_eq!(s.cached_tokens, Some(0));
     }
 

@@ -149,6 +149,9 @@ pub struct Params {
     /// Scenario 24: how long sessions keep starting, and how many start.
     pub prefix_duration: Duration,
     pub prefix_sessions: usize,
+    /// Scenario 24: each session cut to this many requests, its waits scaled by this.
+    pub prefix_max_steps: usize,
+    pub prefix_think_scale: f64,
 }
 
 impl Params {
@@ -220,6 +223,8 @@ impl Params {
             soak_body_bytes: 8 << 20,
             prefix_duration: Duration::from_secs(75),
             prefix_sessions: 192,
+            prefix_max_steps: usize::MAX,
+            prefix_think_scale: 1.0,
         }
     }
 
@@ -289,8 +294,10 @@ impl Params {
             soak_rate: 40.0,
             soak_attackers: 3,
             soak_body_bytes: 256 << 10,
-            prefix_duration: Duration::from_secs(4),
-            prefix_sessions: 10,
+            prefix_duration: Duration::from_secs(3),
+            prefix_sessions: 8,
+            prefix_max_steps: 3,
+            prefix_think_scale: 0.1,
         }
     }
 }

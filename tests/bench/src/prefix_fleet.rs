@@ -232,8 +232,21 @@ struct Session {
     carries_history: bool,
 }
 
-/// The seeded schedule: `count` sessions starting over `over`, half of them in three bursts.
-fn schedule(count: usize, over: Duration) -> Vec<Session> {
+/// The seeded schedule: `count` sessions starting over `over`, half of them in three bursts;
+/// each session cut to `max_steps` requests and its waits scaled by `think_scale` (the smoke
+/// run's).
+fn schedule(count: usize, over: Duration, max_steps: usize, think_scale: f64) -> Vec<Session> {
+    let mut sessions = full_schedule(count, over);
+    for session in &mut sessions {
+        session.steps.truncate(max_steps);
+        for step in &mut session.steps {
+            step.think = step.think.mul_f64(think_scale);
+        }
+    }
+    sessions
+}
+
+fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
     let mut rng = Rng(SEED);
     let systems: Vec<String> = (0..4)
         .map(|_| {
@@ -799,21 +812,29 @@ fn tokenizing_cost() -> Result<Vec<Vec<String>>> {
         let body = serde_json::to_vec(&json!({"model": BIG, "messages": [
             {"role": "system", "content": text(&mut rng, words / 2)},
             {"role": "user", "content": text(&mut rng, words / 2)}]}))?;
-        let mut times = Vec::new();
+        // New: every body unseen (its pieces never tokenized); seen before: the same body
+        // again (its pieces remembered, as a conversation's history is at its next turn).
+        let mut new = Vec::new();
+        let mut seen = Vec::new();
         let mut tokens = 0;
-        for _ in 0..30 {
-            let started = Instant::now();
-            tokens = tokenizer
-                .chat(&body)
-                .map_err(|e| anyhow::anyhow!("{e}"))?
-                .len();
-            times.push(started.elapsed().as_secs_f64() * 1e6);
+        for round in 0..20 {
+            let fresh = serde_json::to_vec(&json!({"model": BIG, "messages": [
+                {"role": "system", "content": format!("{round} {}", text(&mut rng, words / 2))},
+                {"role": "user", "content": text(&mut rng, words / 2)}]}))?;
+            for times in [&mut new, &mut seen] {
+                let started = Instant::now();
+                tokens = tokenizer
+                    .chat(&fresh)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .len();
+                times.push(started.elapsed().as_secs_f64() * 1e6);
+            }
         }
         rows.push(vec![
             format!("{:.1} KB", body.len() as f64 / 1024.0),
             tokens.to_string(),
-            format!("{:.0}", pct(&times, 0.5)),
-            format!("{:.0}", pct(&times, 0.99)),
+            format!("{:.0} / {:.0}", pct(&new, 0.5), pct(&new, 0.99)),
+            format!("{:.0} / {:.0}", pct(&seen, 0.5), pct(&seen, 0.99)),
             format!("{:.0}", tokens as f64 / TARGET.tokens_per_second() * 1e6),
         ]);
     }
@@ -822,7 +843,12 @@ fn tokenizing_cost() -> Result<Vec<Vec<String>>> {
 
 pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(ID, title(ID));
-    let sessions = schedule(ctx.p.prefix_sessions, ctx.p.prefix_duration);
+    let sessions = schedule(
+        ctx.p.prefix_sessions,
+        ctx.p.prefix_duration,
+        ctx.p.prefix_max_steps,
+        ctx.p.prefix_think_scale,
+    );
     let requests: usize = sessions.iter().map(|s| s.steps.len()).sum();
     report.header = [
         "strategy",
@@ -852,6 +878,7 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
             Ok(run) => run,
             Err(e) => {
                 report.notes.push(format!("{}: did not run: {e:#}", s.name));
+                report.measured(s.contender, 0, 1, Some(format!("did not run: {e:#}")));
                 continue;
             }
         };
@@ -967,8 +994,8 @@ mod tests {
 
     #[test]
     fn the_schedule_is_seeded_and_mixed() {
-        let a = schedule(60, Duration::from_secs(30));
-        let b = schedule(60, Duration::from_secs(30));
+        let a = schedule(60, Duration::from_secs(30), usize::MAX, 1.0);
+        let b = schedule(60, Duration::from_secs(30), usize::MAX, 1.0);
         assert_eq!(format!("{a:?}"), format!("{b:?}"));
         for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
             assert!(a.iter().any(|s| s.kind == kind), "{kind:?}");
@@ -978,6 +1005,12 @@ mod tests {
             .iter()
             .filter(|s| s.kind == Kind::Conversation)
             .all(|s| (3..=12).contains(&s.steps.len())));
+        let short = schedule(60, Duration::from_secs(30), 2, 0.5);
+        assert!(short.iter().all(|s| s.steps.len() <= 2));
+        assert_eq!(
+            short[0].steps[0].adds, a[0].steps[0].adds,
+            "the same sessions, cut"
+        );
     }
 
     #[test]
