@@ -107,14 +107,14 @@ async fn a_redis_that_never_answers_does_not_hold_the_exit_beyond_the_flush_boun
     .await;
 
     misses(&proxy, 3).await;
-    let stored = proxy
-        .metric("sluice_cache_writes_total{outcome=\"stored\"}")
-        .await;
-    assert_eq!(
-        stored,
-        Some(3.0),
-        "the three answers were handed to the store"
-    );
+    // An answer is handed to the store when its last byte has passed, just after the client
+    // has it: wait for the third.
+    let stored = "sluice_cache_writes_total{outcome=\"stored\"}";
+    wait_for(Duration::from_secs(10), || async {
+        proxy.metric(stored).await == Some(3.0)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the three answers were handed to the store"));
     let dropped = proxy
         .metric("sluice_cache_write_queue_dropped_total{store=\"redis\"}")
         .await

@@ -30,6 +30,7 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
+use vllm_sim::text::Rng;
 
 use crate::contenders::{free_addr, start_sluice_with, Contender};
 use crate::phased::{checkout, Idle};
@@ -150,24 +151,19 @@ const STRATEGIES: [Strategy; 5] = [
     },
 ];
 
-/// splitmix64, seeded: every strategy gets the same schedule.
-struct Rng(u64);
+/// What the schedule draws of the simulator's seeded generator (splitmix64), besides its own
+/// draws: every strategy gets the same schedule.
+trait Draws {
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize;
+    /// An exponential draw of mean `mean` seconds, capped at 4× it.
+    fn think(&mut self, mean: f64) -> Duration;
+}
 
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
+impl Draws for Rng {
     fn range(&mut self, lo: usize, hi: usize) -> usize {
         lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
     }
-    /// An exponential draw of mean `mean` seconds, capped at 4× it.
     fn think(&mut self, mean: f64) -> Duration {
         let draw = -mean * (1.0 - self.unit()).max(1e-9).ln();
         Duration::from_secs_f64(draw.min(mean * 4.0))
@@ -247,7 +243,7 @@ fn schedule(count: usize, over: Duration, max_steps: usize, think_scale: f64) ->
 }
 
 fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
-    let mut rng = Rng(SEED);
+    let mut rng = Rng::new(SEED);
     let systems: Vec<String> = (0..4)
         .map(|_| {
             let words = rng.range(1500, 2500);
@@ -806,7 +802,7 @@ fn ttfts(run: &Run) -> (Vec<f64>, Vec<f64>) {
 fn tokenizing_cost() -> Result<Vec<Vec<String>>> {
     let tokenizer = sluice_tokenizer::PromptTokenizer::load(&tokenizer_dir())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut rng = Rng(SEED ^ 7);
+    let mut rng = Rng::new(SEED ^ 7);
     let mut rows = Vec::new();
     for words in [150, 2_500, 16_000] {
         let body = serde_json::to_vec(&json!({"model": BIG, "messages": [
