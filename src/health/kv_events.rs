@@ -68,6 +68,7 @@ impl Subscriber {
     /// Follows the backend's events until aborted (when the backend leaves the pool).
     pub async fn run(self) {
         let mut said_none = false;
+        let said_unreachable = Arc::new(std::sync::atomic::AtomicBool::new(false));
         loop {
             let sources = match self.routing.kv_events {
                 KvEventSource::Port(port) => vec![Source {
@@ -99,6 +100,7 @@ impl Subscriber {
                     self.addr,
                     self.label.clone(),
                     source,
+                    Arc::clone(&said_unreachable),
                 ));
             }
             // A rank's subscription ends only when its publisher cannot be reached: ask
@@ -192,25 +194,31 @@ fn on_backend(endpoint: &str, backend: IpAddr) -> Option<String> {
     }
 }
 
-/// Follows one rank's events into the index, until its publisher cannot be reached.
+/// Follows one rank's events into the index, until its publisher cannot be reached. Said
+/// once per backend, not at every retry.
 async fn follow(
     routing: Arc<PrefixRouting>,
     pool: Arc<str>,
     addr: SocketAddr,
     label: String,
     source: Source,
+    said_unreachable: Arc<std::sync::atomic::AtomicBool>,
 ) {
+    use std::sync::atomic::Ordering::Relaxed;
     let mut sub = zeromq::SubSocket::new();
     let connected = tokio::time::timeout(CONNECT, sub.connect(&source.endpoint)).await;
     if !matches!(connected, Ok(Ok(()))) {
-        tracing::warn!(
-            pool = &*pool,
-            backend = &label,
-            endpoint = &source.endpoint,
-            "cannot reach the KV event publisher"
-        );
+        if !said_unreachable.swap(true, Relaxed) {
+            tracing::warn!(
+                pool = &*pool,
+                backend = &label,
+                endpoint = &source.endpoint,
+                "cannot reach the KV event publisher (tried again every few seconds)"
+            );
+        }
         return;
     }
+    said_unreachable.store(false, Relaxed);
     if sub.subscribe(&source.topic).await.is_err() {
         return;
     }
@@ -595,6 +603,7 @@ mod tests {
             backend,
             "b".to_string(),
             source,
+            Arc::new(std::sync::atomic::AtomicBool::new(false)),
         ));
         let held = |tokens: u32| routing.index.lookup(&keys(tokens)).cached_tokens(backend) == 16;
         // The subscriber joins while the engine is at batch 1000: batches 1000.. are kept.
