@@ -191,11 +191,6 @@ async fn without_a_tokenizer_the_pool_routes_as_before() {
     assert_eq!(served, 4);
 }
 
-fn digest(key: &str) -> String {
-    use sha2::{Digest, Sha256};
-    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
-}
-
 /// The pool's prefix index counters, from `/status`.
 async fn prefix_status(proxy: &Proxy) -> Value {
     let status: Value = reqwest::get(proxy.admin_url("/status"))
@@ -214,8 +209,8 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
     let sims = vec![engine().await, engine().await];
     let mut config = config(&sims, "ttft", true);
     config["plugins"] = json!({"tenants": {"enabled": true, "tenants": {
-        "a": {"keys": [digest("sk-a")]},
-        "b": {"keys": [digest("sk-b")]},
+        "a": {"keys": [key_digest("sk-a")]},
+        "b": {"keys": [key_digest("sk-b")]},
     }}});
     let proxy = Proxy::start(config).await;
     let a = [("authorization", "Bearer sk-a")];

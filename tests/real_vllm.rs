@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 use sluice_testkit::*;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,10 +15,6 @@ use std::time::Duration;
 /// The model name clients ask for: the draft and target pools both serve it.
 const MODEL: &str = "tiny";
 const KEY: &str = "sk-real-vllm";
-
-fn digest(key: &str) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
-}
 
 /// A pool of one real server, scraped often, serving `tiny` under the server's own name.
 fn real_pool(name: &str, server: &RealVllm) -> Pool {
@@ -43,7 +38,7 @@ fn config(draft: &RealVllm, target: &RealVllm, min_logprob: f64) -> Value {
         ],
         "plugins": {
             "request_id": {"enabled": true},
-            "tenants": {"enabled": true, "tenants": {"real": {"keys": [digest(KEY)]}}},
+            "tenants": {"enabled": true, "tenants": {"real": {"keys": [key_digest(KEY)]}}},
             "cache": {"enabled": true},
             "speculative": {"enabled": true, "models": [{
                 "model": MODEL, "drafts": [{"pool": "draft"}], "target": "target",
@@ -450,7 +445,7 @@ async fn the_breaker_sheds_on_real_kv_pressure() {
 async fn the_openai_client() {
     let fleet = real_fleet();
     let mut cfg = config(&fleet.draft, &fleet.target, -1000.0);
-    cfg["plugins"]["tenants"]["tenants"]["real"]["keys"] = json!([digest("sk-test")]);
+    cfg["plugins"]["tenants"]["tenants"]["real"]["keys"] = json!([key_digest("sk-test")]);
     let proxy = Proxy::start(cfg).await;
     let script = format!("{}/tests/openai_client.py", env!("CARGO_MANIFEST_DIR"));
     let out = tokio::process::Command::new("python3")

@@ -12,12 +12,6 @@ const MODEL: &str = "llama";
 const ALPHA_KEY: &str = "sk-alpha-test";
 const BETA_KEY: &str = "sk-beta-test";
 
-/// How the config writes a key: its SHA-256.
-fn digest(key: &str) -> String {
-    use sha2::{Digest, Sha256};
-    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
-}
-
 fn bearer(key: &str) -> (&'static str, String) {
     ("authorization", format!("Bearer {key}"))
 }
@@ -38,8 +32,8 @@ fn tenants(extra: Value) -> Value {
     let mut section = json!({
         "enabled": true,
         "tenants": {
-            "alpha": {"keys": [digest(ALPHA_KEY)]},
-            "beta": {"keys": [digest(BETA_KEY)], "may_force_target": true},
+            "alpha": {"keys": [key_digest(ALPHA_KEY)]},
+            "beta": {"keys": [key_digest(BETA_KEY)], "may_force_target": true},
         },
     });
     merge(&mut section, extra);
@@ -649,7 +643,7 @@ fn hash_key_prints_the_digest_the_config_takes() {
     assert!(out.status.success());
     assert_eq!(
         String::from_utf8(out.stdout).unwrap().trim(),
-        digest(ALPHA_KEY)
+        key_digest(ALPHA_KEY)
     );
 }
 
@@ -671,7 +665,7 @@ async fn keys_from_redis_are_added_and_revoked_without_a_reload() {
 
     redis_cli(
         redis.port(),
-        &["HSET", "sluice:tenant-keys", &digest(gamma_key), "beta"],
+        &["HSET", "sluice:tenant-keys", &key_digest(gamma_key), "beta"],
     );
     let added = wait_for(std::time::Duration::from_secs(5), || async {
         status().await == 200
@@ -692,7 +686,7 @@ async fn keys_from_redis_are_added_and_revoked_without_a_reload() {
     );
     redis_cli(
         redis.port(),
-        &["HDEL", "sluice:tenant-keys", &digest(gamma_key)],
+        &["HDEL", "sluice:tenant-keys", &key_digest(gamma_key)],
     );
     let revoked = wait_for(std::time::Duration::from_secs(5), || async {
         status().await == 401

@@ -50,3 +50,9 @@ impl Serialize for Pool {
         self.0.serialize(serializer)
     }
 }
+
+/// An API key as the config writes it (`tenants[].keys`): `sha256:` and its digest in hex.
+pub fn key_digest(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+}

@@ -38,7 +38,7 @@ mod scripted;
 mod tls;
 mod vllm;
 
-pub use config::{pool, Pool};
+pub use config::{key_digest, pool, Pool};
 pub use dns::{sims_on_loopbacks, BadDns, DnsServer, Misbehaviour};
 pub use llm::{
     answer_confidence, ask_url, assert_ends_with_error_event, chat, client, content, sim_serving,
