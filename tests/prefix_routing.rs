@@ -77,13 +77,10 @@ fn served_by(sims: &[Sim], before: &[u64]) -> usize {
 
 /// The index's blocks for each backend, from the admin's metrics.
 async fn indexed_blocks(proxy: &Proxy) -> f64 {
-    let text = reqwest::get(proxy.admin_url("/metrics"))
+    proxy
+        .metrics()
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
+        .lines()
         .filter(|l| l.starts_with("sluice_prefix_index_blocks{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
@@ -193,13 +190,7 @@ async fn without_a_tokenizer_the_pool_routes_as_before() {
 
 /// The pool's prefix index counters, from `/status`.
 async fn prefix_status(proxy: &Proxy) -> Value {
-    let status: Value = reqwest::get(proxy.admin_url("/status"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    status["pools"][0]["prefix_index"].clone()
+    proxy.status().await["pools"][0]["prefix_index"].clone()
 }
 
 /// Each tenant's requests carry a salt of their own (`client_fields.cache_salt: per_tenant`):
@@ -271,17 +262,8 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
         cached,
         "the index predicted exactly what the engine served"
     );
-    let backends: Vec<Value> = reqwest::get(proxy.admin_url("/status"))
-        .await
-        .unwrap()
-        .json::<Value>()
-        .await
-        .unwrap()["pools"][0]["backends"]
-        .as_array()
-        .unwrap()
-        .clone();
-    for (sim, backend) in sims.iter().zip(&backends) {
-        assert_eq!(backend["resolved"], json!(sim.addr().to_string()));
+    for sim in &sims {
+        let backend = proxy.backend_status("fleet", sim.addr()).await;
         assert_eq!(
             backend["prefix_index"]["blocks"],
             json!(sim.cached_blocks())

@@ -557,15 +557,7 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
         .with("kv_events", "auto")
         .with("balancing", json!({"strategy": "ttft", "exploration": 0.0}));
     let proxy = Proxy::start(json!({"pools": [pool]})).await;
-    let status = || async {
-        let status: Value = reqwest::get(proxy.admin_url("/status"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        status["pools"][0].clone()
-    };
+    let status = || async { proxy.status().await["pools"][0].clone() };
     // ZMQ drops what is published before the subscription reaches the engine: turn 0 is
     // asked until its blocks are indexed (the engine keeps them, so later asks hit them).
     let first = conversation(0);
