@@ -175,6 +175,50 @@ pub struct SimConfig {
     /// `--enable-prompt-tokens-details`: answers' usage carries
     /// `prompt_tokens_details.cached_tokens` (else `null`, as vLLM's default).
     pub prompt_tokens_details: bool,
+    /// LoRA adapters (`--enable-lora`): see `lora.rs`.
+    pub lora: Option<LoraConfig>,
+}
+
+/// vLLM's LoRA serving, as far as a router sees it: `--max-loras` (adapters one batch may
+/// use, each in a GPU slot), the adapters `--lora-modules` loads at start, and how long
+/// loading an adapter into a slot takes (not a vLLM flag: its cost on the GPU).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub max_loras: u32,
+    pub modules: Vec<LoraModule>,
+    pub load_time: Duration,
+}
+
+/// One `--lora-modules NAME=PATH`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: String,
+}
+
+impl LoraConfig {
+    /// vLLM's default: one slot; no adapter yet.
+    pub fn new(max_loras: u32) -> Self {
+        LoraConfig {
+            max_loras: max_loras.max(1),
+            modules: Vec::new(),
+            load_time: Duration::ZERO,
+        }
+    }
+
+    /// Adds an adapter loaded at start.
+    pub fn with_module(mut self, name: impl Into<String>, path: impl Into<String>) -> Self {
+        self.modules.push(LoraModule {
+            name: name.into(),
+            path: path.into(),
+        });
+        self
+    }
+
+    pub fn with_load_time(mut self, load_time: Duration) -> Self {
+        self.load_time = load_time;
+        self
+    }
 }
 
 /// vLLM's `KVEventsConfig`, as far as the simulator publishes: the ZMQ PUB socket's port
@@ -236,6 +280,7 @@ impl SimConfig {
             max_num_batched_tokens: None,
             kv_events: None,
             prompt_tokens_details: false,
+            lora: None,
         };
         match profile {
             Profile::Zero => base,
@@ -379,6 +424,11 @@ impl SimConfig {
     pub fn with_kv_events(mut self, events: KvEventsConfig) -> Self {
         self.prefix_caching = true;
         self.kv_events = Some(events);
+        self
+    }
+    /// Serves LoRA adapters (`--enable-lora`).
+    pub fn with_lora(mut self, lora: LoraConfig) -> Self {
+        self.lora = Some(lora);
         self
     }
 

@@ -15,6 +15,12 @@
 //! and a running request that needs a block that is no longer free is preempted, as vLLM does:
 //! it gives back its blocks and batch slot, goes to the head of the queue, and recomputes what
 //! it had when it runs again.
+//!
+//! LoRA adapters, as vLLM's V1 scheduler takes them: the running batch uses at most
+//! `max_loras` adapters at once; a waiting request for another adapter is skipped (it waits,
+//! "deferred" in vLLM's words) while requests behind it may run. The adapters in use sit in
+//! `max_loras` GPU slots, the least recently used given up for a new one: a request whose
+//! adapter was not in a slot loads it first ([`Ticket::loaded_adapter`]).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -32,16 +38,76 @@ struct State {
     /// The share asked for, as given (the blocks are rounded up from it).
     phantom_usage: f64,
     preemptions: u64,
+    /// Per adapter with requests in the engine, first seen first (what
+    /// `vllm:lora_requests_info` lists).
+    loras: Vec<LoraRequests>,
+    /// Adapters in the GPU slots, the least recently used first.
+    slots: VecDeque<u32>,
+}
+
+/// One adapter's requests in the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraRequests {
+    /// The adapter's id (vLLM's `lora_int_id`).
+    pub adapter: u32,
+    pub waiting: u32,
+    pub running: u32,
+}
+
+impl State {
+    fn lora(&mut self, adapter: u32) -> &mut LoraRequests {
+        let at = match self.loras.iter().position(|l| l.adapter == adapter) {
+            Some(at) => at,
+            None => {
+                self.loras.push(LoraRequests {
+                    adapter,
+                    waiting: 0,
+                    running: 0,
+                });
+                self.loras.len() - 1
+            }
+        };
+        &mut self.loras[at]
+    }
+
+    /// Moves one of `adapter`'s requests: out of `from` (waiting: true, running: false, or
+    /// nowhere: None) into `to`; an adapter with no request left is no longer listed.
+    fn move_lora(&mut self, adapter: Option<u32>, from: Option<bool>, to: Option<bool>) {
+        let Some(adapter) = adapter else {
+            return;
+        };
+        let lora = self.lora(adapter);
+        match from {
+            Some(true) => lora.waiting = lora.waiting.saturating_sub(1),
+            Some(false) => lora.running = lora.running.saturating_sub(1),
+            None => {}
+        }
+        match to {
+            Some(true) => lora.waiting += 1,
+            Some(false) => lora.running += 1,
+            None => {}
+        }
+        self.loras.retain(|l| l.waiting > 0 || l.running > 0);
+    }
+
+    fn runs_adapter(&self, adapter: u32) -> bool {
+        self.loras
+            .iter()
+            .any(|l| l.adapter == adapter && l.running > 0)
+    }
 }
 
 #[derive(Debug)]
 struct Waiter {
     id: u64,
     need_blocks: u64,
+    /// The LoRA adapter it asks for.
+    lora: Option<u32>,
     /// A preempted request: it waits for room even in OOM mode, since it was already running.
     resumes: bool,
-    /// Told when the request is admitted (or refused, in OOM mode).
-    turn: oneshot::Sender<Result<(), Refusal>>,
+    /// Told when the request is admitted (whether its adapter was loaded for it), or
+    /// refused (OOM mode).
+    turn: oneshot::Sender<Result<bool, Refusal>>,
 }
 
 /// Why a request could not be admitted.
@@ -60,6 +126,8 @@ pub struct Engine {
     max_num_seqs: u32,
     max_waiting: Option<usize>,
     oom: bool,
+    /// `--max-loras`; 0 without LoRA.
+    max_loras: usize,
     state: Mutex<State>,
 }
 
@@ -103,6 +171,7 @@ impl Engine {
         max_num_seqs: u32,
         max_waiting: Option<usize>,
         oom: bool,
+        max_loras: u32,
     ) -> Arc<Self> {
         Arc::new(Engine {
             // The null block is never handed out.
@@ -111,6 +180,7 @@ impl Engine {
             max_num_seqs: max_num_seqs.max(1),
             max_waiting,
             oom,
+            max_loras: max_loras as usize,
             state: Mutex::new(State {
                 reserved: 0,
                 used: 0,
@@ -120,6 +190,8 @@ impl Engine {
                 phantom_blocks: 0,
                 phantom_usage: 0.0,
                 preemptions: 0,
+                loras: Vec::new(),
+                slots: VecDeque::new(),
             }),
         })
     }
@@ -173,14 +245,58 @@ impl Engine {
         self.lock().phantom_usage
     }
 
+    /// The adapters with requests in the engine, first seen first.
+    pub fn lora_requests(&self) -> Vec<LoraRequests> {
+        self.lock().loras.clone()
+    }
+
+    /// Whether a request for `lora` may join the running batch: its adapter runs already,
+    /// or fewer than `max_loras` adapters do.
+    fn lora_fits(&self, state: &State, lora: Option<u32>) -> bool {
+        let Some(adapter) = lora else {
+            return true;
+        };
+        self.max_loras == 0
+            || state.runs_adapter(adapter)
+            || state.loras.iter().filter(|l| l.running > 0).count() < self.max_loras
+    }
+
+    /// A request for `lora` joins the running batch (from the queue when `waited`); returns
+    /// whether its adapter had to be loaded into a slot, the least recently used given up.
+    fn start_running(&self, state: &mut State, lora: Option<u32>, waited: bool) -> bool {
+        state.move_lora(lora, waited.then_some(true), Some(false));
+        let Some(adapter) = lora else {
+            return false;
+        };
+        if let Some(at) = state.slots.iter().position(|&a| a == adapter) {
+            state.slots.remove(at);
+            state.slots.push_back(adapter);
+            return false;
+        }
+        if state.slots.len() >= self.max_loras.max(1) {
+            // At most `max_loras` adapters run, this one included: one in a slot is idle.
+            let idle = state.slots.iter().position(|&a| !state.runs_adapter(a));
+            if let Some(at) = idle {
+                state.slots.remove(at);
+            }
+        }
+        state.slots.push_back(adapter);
+        true
+    }
+
     /// Blocks neither reserved by a request nor taken by phantom pressure.
     fn free_blocks(&self, state: &State) -> u64 {
         self.total_blocks
             .saturating_sub(state.reserved + state.phantom_blocks)
     }
 
-    /// Ask to run a request that will need `total_tokens` (prompt + whole answer) in the cache.
-    pub fn admit(self: &Arc<Self>, total_tokens: u64) -> Result<Admission, Refusal> {
+    /// Ask to run a request that will need `total_tokens` (prompt + whole answer) in the cache,
+    /// with the LoRA adapter `lora` if any.
+    pub fn admit(
+        self: &Arc<Self>,
+        total_tokens: u64,
+        lora: Option<u32>,
+    ) -> Result<Admission, Refusal> {
         // Without OOM mode a request bigger than the cache would never run: let it run alone.
         let need_blocks = if self.oom {
             self.blocks_for(total_tokens).max(1)
@@ -188,11 +304,15 @@ impl Engine {
             self.blocks_for(total_tokens).clamp(1, self.total_blocks)
         };
         let mut state = self.lock();
-        if state.waiting.is_empty() && state.running < self.max_num_seqs {
+        if state.waiting.is_empty()
+            && state.running < self.max_num_seqs
+            && self.lora_fits(&state, lora)
+        {
             if need_blocks <= self.free_blocks(&state) {
                 state.reserved += need_blocks;
                 state.running += 1;
-                return Ok(Admission::Running(self.ticket(need_blocks)));
+                let loaded = self.start_running(&mut state, lora, false);
+                return Ok(Admission::Running(self.ticket(need_blocks, lora, loaded)));
             }
             if self.oom {
                 return Err(Refusal::Oom {
@@ -206,21 +326,28 @@ impl Engine {
                 return Err(Refusal::QueueFull);
             }
         }
-        Ok(Admission::Queued(self.enqueue(
-            &mut state,
-            need_blocks,
-            false,
-        )))
+        let pending = self.enqueue(&mut state, need_blocks, lora, false);
+        // Those ahead may all be waiting for their adapters: this one may run now.
+        self.schedule(&mut state);
+        Ok(Admission::Queued(pending))
     }
 
     /// Queue a request: new ones at the back, preempted ones (`resumes`) at the head.
-    fn enqueue(self: &Arc<Self>, state: &mut State, need_blocks: u64, resumes: bool) -> Pending {
+    fn enqueue(
+        self: &Arc<Self>,
+        state: &mut State,
+        need_blocks: u64,
+        lora: Option<u32>,
+        resumes: bool,
+    ) -> Pending {
         let id = state.next_id;
         state.next_id += 1;
         let (turn, turn_received) = oneshot::channel();
+        state.move_lora(lora, None, Some(true));
         let waiter = Waiter {
             id,
             need_blocks,
+            lora,
             resumes,
             turn,
         };
@@ -233,42 +360,53 @@ impl Engine {
             engine: Arc::clone(self),
             id,
             need_blocks,
+            lora,
             turn: Some(turn_received),
         }
     }
 
-    fn ticket(self: &Arc<Self>, reserved: u64) -> Ticket {
+    fn ticket(self: &Arc<Self>, reserved: u64, lora: Option<u32>, loaded: bool) -> Ticket {
         Ticket {
             engine: Arc::clone(self),
             reserved,
             held: 0,
             in_batch: true,
+            lora,
+            loaded_adapter: loaded,
         }
     }
 
-    /// Admit waiting requests from the head of the queue while they fit.
+    /// Admit waiting requests in queue order while they fit; one whose adapter cannot join
+    /// the batch now is passed over (vLLM skips it), one whose blocks do not fit stops the
+    /// rest.
     fn schedule(&self, state: &mut State) {
-        while state.running < self.max_num_seqs {
-            let Some(head) = state.waiting.front() else {
-                break;
-            };
-            let need_blocks = head.need_blocks;
+        let mut at = 0;
+        while state.running < self.max_num_seqs && at < state.waiting.len() {
+            let waiter = &state.waiting[at];
+            if !self.lora_fits(state, waiter.lora) {
+                at += 1;
+                continue;
+            }
+            let need_blocks = waiter.need_blocks;
             let fits = need_blocks <= self.free_blocks(state);
-            if !fits && (!self.oom || head.resumes) {
+            if !fits && (!self.oom || waiter.resumes) {
                 break;
             }
-            let Some(waiter) = state.waiting.pop_front() else {
+            let Some(waiter) = state.waiting.remove(at) else {
                 break;
             };
             if fits {
                 state.reserved += need_blocks;
                 state.running += 1;
-                if waiter.turn.send(Ok(())).is_err() {
+                let loaded = self.start_running(state, waiter.lora, true);
+                if waiter.turn.send(Ok(loaded)).is_err() {
                     // The waiter went away between queueing and now: give the slot back.
                     state.reserved -= need_blocks;
                     state.running -= 1;
+                    state.move_lora(waiter.lora, Some(false), None);
                 }
             } else {
+                state.move_lora(waiter.lora, Some(true), None);
                 let _ = waiter.turn.send(Err(Refusal::Oom {
                     need_blocks,
                     free_blocks: self.free_blocks(state),
@@ -286,9 +424,17 @@ pub struct Ticket {
     held: u64,
     /// False once preempted: the blocks and the slot were given back already.
     in_batch: bool,
+    lora: Option<u32>,
+    loaded_adapter: bool,
 }
 
 impl Ticket {
+    /// Whether the request's LoRA adapter was loaded into a slot for it (it waits for the
+    /// load before its prefill).
+    pub fn loaded_adapter(&self) -> bool {
+        self.loaded_adapter
+    }
+
     /// Record that the request now has `tokens` tokens (prompt + generated) in the cache.
     ///
     /// `Some` when the blocks it needs are not free (phantom pressure): the request was
@@ -315,7 +461,7 @@ impl Ticket {
     fn preempt(&mut self, state: &mut State) -> Pending {
         self.release(state);
         state.preemptions += 1;
-        let pending = self.engine.enqueue(state, self.reserved, true);
+        let pending = self.engine.enqueue(state, self.reserved, self.lora, true);
         self.engine.schedule(state);
         pending
     }
@@ -324,6 +470,7 @@ impl Ticket {
         state.used = state.used.saturating_sub(self.held);
         state.reserved = state.reserved.saturating_sub(self.reserved);
         state.running = state.running.saturating_sub(1);
+        state.move_lora(self.lora, Some(false), None);
         self.held = 0;
         self.in_batch = false;
     }
@@ -347,7 +494,8 @@ pub struct Pending {
     engine: Arc<Engine>,
     id: u64,
     need_blocks: u64,
-    turn: Option<oneshot::Receiver<Result<(), Refusal>>>,
+    lora: Option<u32>,
+    turn: Option<oneshot::Receiver<Result<bool, Refusal>>>,
 }
 
 impl Pending {
@@ -360,7 +508,7 @@ impl Pending {
         };
         self.turn = None;
         match told {
-            Ok(Ok(())) => Ok(self.engine.ticket(self.need_blocks)),
+            Ok(Ok(loaded)) => Ok(self.engine.ticket(self.need_blocks, self.lora, loaded)),
             Ok(Err(refusal)) => Err(refusal),
             // The engine dropped the waiter without an answer; nothing else can admit it.
             Err(_) => Err(Refusal::QueueFull),
@@ -377,10 +525,12 @@ impl Drop for Pending {
         let mut state = engine.lock();
         if let Some(position) = state.waiting.iter().position(|waiter| waiter.id == self.id) {
             state.waiting.remove(position);
-        } else if let Ok(Ok(())) = turn.try_recv() {
+            state.move_lora(self.lora, Some(true), None);
+        } else if let Ok(Ok(_)) = turn.try_recv() {
             // Admitted but never picked up: release what the scheduler gave it.
             state.reserved = state.reserved.saturating_sub(self.need_blocks);
             state.running = state.running.saturating_sub(1);
+            state.move_lora(self.lora, Some(false), None);
             engine.schedule(&mut state);
         }
     }
@@ -392,16 +542,16 @@ mod tests {
 
     #[tokio::test]
     async fn queue_and_blocks() {
-        let engine = Engine::new(11, 16, 2, None, false);
-        let Ok(Admission::Running(mut first)) = engine.admit(64) else {
+        let engine = Engine::new(11, 16, 2, None, false, 0);
+        let Ok(Admission::Running(mut first)) = engine.admit(64, None) else {
             panic!("first")
         };
         assert!(first.set_tokens(20).is_none());
         assert_eq!(engine.snapshot().used_blocks, 2);
-        let Ok(Admission::Running(second)) = engine.admit(16) else {
+        let Ok(Admission::Running(second)) = engine.admit(16, None) else {
             panic!("second")
         };
-        let Ok(Admission::Queued(third)) = engine.admit(16) else {
+        let Ok(Admission::Queued(third)) = engine.admit(16, None) else {
             panic!("third")
         };
         assert_eq!(engine.snapshot().waiting, 1);
@@ -422,23 +572,23 @@ mod tests {
 
     #[tokio::test]
     async fn oom_mode_refuses() {
-        let engine = Engine::new(4, 16, 8, None, true);
-        let Ok(Admission::Running(_running)) = engine.admit(48) else {
+        let engine = Engine::new(4, 16, 8, None, true, 0);
+        let Ok(Admission::Running(_running)) = engine.admit(48, None) else {
             panic!("first")
         };
-        assert!(matches!(engine.admit(32), Err(Refusal::Oom { .. })));
+        assert!(matches!(engine.admit(32, None), Err(Refusal::Oom { .. })));
     }
 
     #[tokio::test]
     async fn dropped_pending_leaves_queue() {
-        let engine = Engine::new(4, 16, 1, Some(1), false);
-        let Ok(Admission::Running(running)) = engine.admit(16) else {
+        let engine = Engine::new(4, 16, 1, Some(1), false, 0);
+        let Ok(Admission::Running(running)) = engine.admit(16, None) else {
             panic!("running")
         };
-        let Ok(Admission::Queued(pending)) = engine.admit(16) else {
+        let Ok(Admission::Queued(pending)) = engine.admit(16, None) else {
             panic!("pending")
         };
-        assert!(matches!(engine.admit(16), Err(Refusal::QueueFull)));
+        assert!(matches!(engine.admit(16, None), Err(Refusal::QueueFull)));
         drop(pending);
         assert_eq!(engine.snapshot().waiting, 0);
         drop(running);
@@ -447,7 +597,7 @@ mod tests {
 
     #[tokio::test]
     async fn phantom_blocks_are_reported_and_make_new_requests_wait() {
-        let engine = Engine::new(11, 16, 8, None, false);
+        let engine = Engine::new(11, 16, 8, None, false, 0);
         engine.set_phantom_usage(0.85);
         let snapshot = engine.snapshot();
         // Rounded up: at least the share asked for.
@@ -455,10 +605,10 @@ mod tests {
         assert_eq!(snapshot.kv_usage(), 0.9);
         assert_eq!(engine.phantom_usage(), 0.85);
         // One block is free: a one-block request runs, a two-block one waits.
-        let Ok(Admission::Running(small)) = engine.admit(16) else {
+        let Ok(Admission::Running(small)) = engine.admit(16, None) else {
             panic!("small")
         };
-        let Ok(Admission::Queued(large)) = engine.admit(32) else {
+        let Ok(Admission::Queued(large)) = engine.admit(32, None) else {
             panic!("large")
         };
         engine.set_phantom_usage(0.0);
@@ -473,8 +623,8 @@ mod tests {
 
     #[tokio::test]
     async fn phantom_pressure_preempts_a_growing_request() {
-        let engine = Engine::new(11, 16, 8, None, true);
-        let Ok(Admission::Running(mut ticket)) = engine.admit(64) else {
+        let engine = Engine::new(11, 16, 8, None, true, 0);
+        let Ok(Admission::Running(mut ticket)) = engine.admit(64, None) else {
             panic!("running")
         };
         assert!(ticket.set_tokens(16).is_none());
@@ -486,7 +636,7 @@ mod tests {
         assert_eq!((snapshot.running, snapshot.waiting), (0, 1));
         assert_eq!((snapshot.used_blocks, snapshot.preemptions), (0, 1));
         // Even in OOM mode the preempted request waits for room, and new ones queue behind it.
-        let Ok(Admission::Queued(behind)) = engine.admit(16) else {
+        let Ok(Admission::Queued(behind)) = engine.admit(16, None) else {
             panic!("behind")
         };
         engine.set_phantom_usage(0.0);
@@ -496,5 +646,61 @@ mod tests {
         let behind = behind.wait().await.unwrap();
         drop((ticket, behind));
         assert_eq!(engine.snapshot().reserved_blocks, 0);
+    }
+
+    #[tokio::test]
+    async fn a_batch_uses_at_most_max_loras_adapters() {
+        let engine = Engine::new(1000, 16, 8, None, false, 1);
+        let Ok(Admission::Running(first_a)) = engine.admit(16, Some(1)) else {
+            panic!("a")
+        };
+        assert!(
+            first_a.loaded_adapter(),
+            "the first request loads its adapter"
+        );
+        // Adapter 2 cannot join while 1 runs: it waits, and requests behind it pass.
+        let Ok(Admission::Queued(b)) = engine.admit(16, Some(2)) else {
+            panic!("b waits")
+        };
+        let Ok(Admission::Queued(base)) = engine.admit(16, None) else {
+            panic!("queued behind b")
+        };
+        let base = base.wait().await.unwrap();
+        assert!(!base.loaded_adapter());
+        let Ok(Admission::Queued(second_a)) = engine.admit(16, Some(1)) else {
+            panic!("queued behind b")
+        };
+        let second_a = second_a.wait().await.unwrap();
+        assert!(!second_a.loaded_adapter(), "adapter 1 is in its slot");
+        assert_eq!(
+            engine.lora_requests(),
+            [
+                LoraRequests {
+                    adapter: 1,
+                    waiting: 0,
+                    running: 2
+                },
+                LoraRequests {
+                    adapter: 2,
+                    waiting: 1,
+                    running: 0
+                },
+            ]
+        );
+        drop(first_a);
+        assert_eq!(engine.snapshot().waiting, 1, "adapter 1 still runs");
+        drop(second_a);
+        let b = b.wait().await.unwrap();
+        assert!(b.loaded_adapter(), "adapter 2 took adapter 1's slot");
+        assert_eq!(
+            engine.lora_requests(),
+            [LoraRequests {
+                adapter: 2,
+                waiting: 0,
+                running: 1
+            }]
+        );
+        drop((b, base));
+        assert!(engine.lora_requests().is_empty());
     }
 }

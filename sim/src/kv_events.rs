@@ -10,10 +10,13 @@
 //! (msgspec keeps trailing defaults in arrays); an event is a tagged map, `"type"` first, then
 //! its fields in declaration order, those with defaults left out when at their default:
 //! `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-//! "lora_id", "medium", "lora_name", ["extra_keys",] "group_idx"}`, `{"type": "BlockRemoved",
+//! "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}`,
+//! `{"type": "BlockRemoved",
 //! "block_hashes", "medium", "group_idx"}` (one per evicted block), `{"type":
 //! "AllBlocksCleared"}`. Block hashes are unsigned 64-bit integers, as vLLM sends them by
-//! default; a salted prompt's first block carries `extra_keys: [[salt], null, ...]`.
+//! default. `extra_keys` has one entry per block, `null` for a block with none; a salted
+//! prompt's first block has `[salt]`, and a LoRA adapter's blocks carry `lora_id`, `lora_name`
+//! and its name first in each block's keys: `[[name, salt], [name], ...]`.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
@@ -223,6 +226,7 @@ fn encode_event(event: &KvEvent) -> Value {
             token_ids,
             block_size,
             salt,
+            lora,
         } => {
             let mut fields = vec![
                 ("type", Value::from("BlockStored")),
@@ -233,16 +237,21 @@ fn encode_event(event: &KvEvent) -> Value {
                     Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
                 ),
                 ("block_size", Value::from(*block_size)),
-                ("lora_id", Value::Nil),
+                (
+                    "lora_id",
+                    lora.as_ref().map_or(Value::Nil, |(id, _)| Value::from(*id)),
+                ),
                 ("medium", Value::from(MEDIUM_GPU)),
-                ("lora_name", Value::Nil),
+                (
+                    "lora_name",
+                    lora.as_ref()
+                        .map_or(Value::Nil, |(_, name)| Value::from(name.as_str())),
+                ),
             ];
-            if let Some(salt) = salt {
-                let mut extra = vec![Value::Array(vec![Value::from(salt.as_str())])];
-                extra.resize(stored.len(), Value::Nil);
-                fields.push(("extra_keys", Value::Array(extra)));
-            }
+            fields.push(("extra_keys", extra_keys(stored.len(), salt, lora)));
             fields.push(("group_idx", Value::from(0)));
+            // Set from the cache group's spec; its sliding window (none) is left out.
+            fields.push(("kv_cache_spec_kind", Value::from("full_attention")));
             map(fields)
         }
         KvEvent::Removed { hashes: removed } => map(vec![
@@ -253,6 +262,28 @@ fn encode_event(event: &KvEvent) -> Value {
         ]),
         KvEvent::AllCleared => map(vec![("type", Value::from("AllBlocksCleared"))]),
     }
+}
+
+/// Per block its extra keys, untagged as vLLM publishes them: the adapter's name on every
+/// block, then the salt on the first; `nil` for a block with none.
+fn extra_keys(blocks: usize, salt: &Option<String>, lora: &Option<(u32, String)>) -> Value {
+    let keys = (0..blocks)
+        .map(|index| {
+            let mut keys = Vec::new();
+            if let Some((_, name)) = lora {
+                keys.push(Value::from(name.as_str()));
+            }
+            if let Some(salt) = salt.as_ref().filter(|_| index == 0) {
+                keys.push(Value::from(salt.as_str()));
+            }
+            if keys.is_empty() {
+                Value::Nil
+            } else {
+                Value::Array(keys)
+            }
+        })
+        .collect();
+    Value::Array(keys)
 }
 
 /// `GET /kv_event_sources` as vLLM 0.32 answers it: the publisher's config for each

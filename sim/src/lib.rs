@@ -41,6 +41,7 @@ mod engine;
 mod faults;
 mod handlers;
 mod kv_events;
+mod lora;
 mod metrics;
 mod openai;
 mod prefill;
@@ -58,7 +59,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 pub use config::{
-    ErrorShape, KvEventsConfig, Latency, MetricsFlavor, Profile, SimConfig, SpecDecode,
+    ErrorShape, KvEventsConfig, Latency, LoraConfig, LoraModule, MetricsFlavor, Profile, SimConfig,
+    SpecDecode,
 };
 pub use engine::EngineSnapshot;
 pub use faults::Faults;
@@ -98,6 +100,8 @@ pub(crate) struct Shared {
     tokenizer: Option<sluice_tokenizer::PromptTokenizer>,
     /// Where the KV events are published (`GET /kv_event_sources`).
     kv_events: Option<kv_events::Endpoints>,
+    /// The LoRA adapters, with `--enable-lora`.
+    lora: Option<lora::Adapters>,
 }
 
 impl Shared {
@@ -172,10 +176,37 @@ impl Shared {
         let _ = shutdown.wait_for(|stopped| *stopped).await;
     }
 
+    /// `vllm:lora_requests_info` now, with `--enable-lora`.
+    fn lora_info(&self) -> Option<metrics::LoraInfo> {
+        let adapters = self.lora.as_ref()?;
+        let engine = self.engine.snapshot();
+        let names = self
+            .engine
+            .lora_requests()
+            .iter()
+            .filter_map(|requests| adapters.name_of(requests.adapter))
+            .collect::<Vec<_>>()
+            .join(",");
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        Some(metrics::LoraInfo {
+            max_lora: adapters.max_loras,
+            samples: adapters.report(
+                &names,
+                now,
+                engine.running + engine.waiting > 0,
+                self.metrics.prompt_tokens.load(Ordering::Relaxed) > 0,
+            ),
+        })
+    }
+
     fn metrics_text(&self) -> String {
         match &self.faults().metrics_page {
             Some(page) => page.clone(),
-            None => self.metrics.render(&self.engine.snapshot()),
+            None => self
+                .metrics
+                .render(&self.engine.snapshot(), self.lora_info().as_ref()),
         }
     }
 }
@@ -245,7 +276,9 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
             config.max_num_seqs,
             config.max_waiting,
             config.oom_on_overload,
+            config.lora.as_ref().map_or(0, |l| l.max_loras),
         ),
+        lora: config.lora.as_ref().map(lora::Adapters::new),
         metrics: Metrics::new(&config, model_name),
         stats: Recorder::new(config.record_requests),
         faults: RwLock::new(Arc::new(Faults::default())),

@@ -126,6 +126,51 @@ struct Args {
     /// "buffer_steps": 10000}` (the host part is this instance's).
     #[arg(long)]
     kv_events_config: Option<String>,
+    /// Serve LoRA adapters.
+    #[arg(long)]
+    enable_lora: bool,
+    /// Adapters one batch may use at once.
+    #[arg(long, default_value_t = 1)]
+    max_loras: u32,
+    /// Accepted as vLLM takes it; the simulator has no weights.
+    #[arg(long)]
+    max_lora_rank: Option<u32>,
+    /// Adapters loaded at start: `NAME=PATH`, or vLLM's JSON `{"name": ..., "path": ...}`.
+    #[arg(long, num_args = 1..)]
+    lora_modules: Vec<String>,
+    /// Time to load an adapter into a free slot (not a vLLM flag).
+    #[arg(long, default_value_t = 0.0)]
+    lora_load_time_ms: f64,
+}
+
+/// The LoRA serving of `--enable-lora` and the flags beside it.
+fn lora(args: &Args) -> Result<Option<vllm_sim::LoraConfig>, String> {
+    if !args.enable_lora {
+        return Ok(None);
+    }
+    let mut lora =
+        vllm_sim::LoraConfig::new(args.max_loras).with_load_time(millis(args.lora_load_time_ms));
+    for module in &args.lora_modules {
+        let (name, path) = match serde_json::from_str::<serde_json::Value>(module) {
+            Ok(json) => (
+                json["name"].as_str().map(str::to_string),
+                json["path"].as_str().map(str::to_string),
+            ),
+            Err(_) => match module.split_once('=') {
+                Some((name, path)) => (Some(name.to_string()), Some(path.to_string())),
+                None => (None, None),
+            },
+        };
+        match (name, path) {
+            (Some(name), Some(path)) => lora = lora.with_module(name, path),
+            _ => {
+                return Err(format!(
+                    "--lora-modules: {module:?} is neither NAME=PATH nor JSON with name and path"
+                ))
+            }
+        }
+    }
+    Ok(Some(lora))
 }
 
 /// The ports and topic of a `--kv-events-config`.
@@ -203,6 +248,7 @@ fn config(args: &Args) -> Result<SimConfig, String> {
             config.prefix_caching = true;
         }
     }
+    config.lora = lora(args)?;
     if let Some(faults) = &args.faults {
         config.faults =
             serde_json::from_str::<Faults>(faults).map_err(|error| format!("--faults: {error}"))?;

@@ -335,7 +335,7 @@ impl Metrics {
     }
 
     /// The whole exposition, families in the order vLLM registers them.
-    pub fn render(&self, engine: &EngineSnapshot) -> String {
+    pub fn render(&self, engine: &EngineSnapshot, lora: Option<&LoraInfo>) -> String {
         let v1 = self.flavor == MetricsFlavor::V1;
         let names = FlavorNames::of(self.flavor);
         let spec = self.speculative.as_ref().map(|_| SpecCounts {
@@ -376,6 +376,9 @@ impl Metrics {
             "Requests failed with a simulated CUDA out-of-memory error.",
             load(&self.oom),
         );
+        if let (true, Some(lora)) = (v1, lora) {
+            render_lora(&mut out, lora);
+        }
         self.render_cache_info(&mut out);
         out.text
     }
@@ -644,6 +647,27 @@ impl Metrics {
         };
         out.header("vllm:cache_config_info", help, "gauge");
         out.sample("vllm:cache_config_info", &labels, 1.0);
+    }
+}
+
+/// `vllm:lora_requests_info`, as vLLM 0.32 sets it: `max_lora`, and the adapters with requests
+/// in the engine (the same names as running and as waiting), each label set seen with the time
+/// it was last set.
+pub struct LoraInfo {
+    pub max_lora: u32,
+    pub samples: Vec<(String, f64)>,
+}
+
+fn render_lora(out: &mut Renderer, lora: &LoraInfo) {
+    let name = "vllm:lora_requests_info";
+    out.header(name, "Running stats on lora requests.", "gauge");
+    for (adapters, set_at) in &lora.samples {
+        let adapters = escape(adapters);
+        let labels = format!(
+            "max_lora=\"{}\",running_lora_adapters=\"{adapters}\",waiting_lora_adapters=\"{adapters}\"",
+            lora.max_lora
+        );
+        out.sample(name, &labels, *set_at);
     }
 }
 

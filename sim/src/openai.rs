@@ -173,6 +173,8 @@ pub struct CompletionRequest {
     /// The prompt's token ids, when the instance needs them (a tokenizer, prefix caching);
     /// set after parsing (see `handlers::tokenize`).
     pub prompt_ids: Vec<u32>,
+    /// The LoRA adapter the request's `model` names; set after parsing.
+    pub lora: Option<crate::lora::Adapter>,
 }
 
 /// What the answer's text and the KV model need of the prompt.
@@ -277,6 +279,7 @@ pub fn parse(
             .and_then(Value::as_str)
             .map(str::to_string),
         prompt_ids: Vec::new(),
+        lora: None,
     })
 }
 

@@ -8,9 +8,10 @@
 //!
 //! As in vLLM: only full blocks are cached; when the whole prompt is cached its last block is
 //! computed again (the engine needs at least one token to run); a request's `cache_salt` is
-//! part of its first block's hash, so salted prompts share nothing with other salts. The hash
-//! is SHA-256 over the parent hash, the block's token ids and the salt, of which the last 8
-//! bytes are reported, as vLLM reports its hashes by default (an integer).
+//! part of its first block's hash, so salted prompts share nothing with other salts; a LoRA
+//! adapter's name and path are part of every block's hash, so an adapter's blocks are its own.
+//! The hash is SHA-256 over the parent hash, the block's token ids, the adapter and the salt,
+//! of which the last 8 bytes are reported, as vLLM reports its hashes by default (an integer).
 //!
 //! Not modelled: the blocks' own memory is not taken from the KV cache the engine model
 //! reserves (the cache holds up to what the engine has free, see [`PrefixCache::store`]), and
@@ -20,6 +21,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
+
+use crate::lora::Adapter;
 
 /// A KV cache event, as vLLM's `vllm/distributed/kv_events.py` defines them.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,6 +37,8 @@ pub enum KvEvent {
         /// The `cache_salt` of a run that starts at the prompt's first block: that block's
         /// extra key, as vLLM publishes it.
         salt: Option<String>,
+        /// The LoRA adapter's id and name: every block's extra key.
+        lora: Option<(u32, String)>,
     },
     /// Blocks evicted.
     Removed { hashes: Vec<u64> },
@@ -78,6 +83,8 @@ pub struct Lookup {
     pub hashes: Vec<u64>,
     /// The request's `cache_salt`.
     pub salt: Option<String>,
+    /// The request's LoRA adapter: its id and name.
+    pub lora: Option<(u32, String)>,
     /// Tokens served from the cache.
     pub cached_tokens: u32,
 }
@@ -97,8 +104,14 @@ impl PrefixCache {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The chained hashes of `ids`' full blocks, the first salted with `salt`.
-    pub fn block_hashes(&self, ids: &[u32], salt: Option<&str>) -> Vec<u64> {
+    /// The chained hashes of `ids`' full blocks, each keyed with the LoRA adapter `lora`, the
+    /// first salted with `salt`.
+    pub fn block_hashes(
+        &self,
+        ids: &[u32],
+        salt: Option<&str>,
+        lora: Option<&Adapter>,
+    ) -> Vec<u64> {
         let mut parent: Option<[u8; 32]> = None;
         ids.chunks_exact(self.block_size)
             .enumerate()
@@ -111,6 +124,12 @@ impl PrefixCache {
                 }
                 for id in block {
                     hasher.update(id.to_le_bytes());
+                }
+                if let Some(adapter) = lora {
+                    hasher.update(b"lora");
+                    hasher.update(adapter.name.as_bytes());
+                    hasher.update([0]);
+                    hasher.update(adapter.path.as_bytes());
                 }
                 if index == 0 {
                     if let Some(salt) = salt {
@@ -129,8 +148,8 @@ impl PrefixCache {
 
     /// Looks `ids` up: the leading blocks the cache holds are served from it (and count as
     /// used now). Of a prompt cached whole, the last block is computed again.
-    pub fn lookup(&self, ids: &[u32], salt: Option<&str>) -> Lookup {
-        let hashes = self.block_hashes(ids, salt);
+    pub fn lookup(&self, ids: &[u32], salt: Option<&str>, lora: Option<&Adapter>) -> Lookup {
+        let hashes = self.block_hashes(ids, salt, lora);
         let mut inner = self.lock();
         let mut hit = hashes
             .iter()
@@ -146,6 +165,7 @@ impl PrefixCache {
             cached_tokens: u32::try_from(hit * self.block_size).unwrap_or(u32::MAX),
             hashes,
             salt: salt.map(str::to_string),
+            lora: lora.map(|a| (a.id, a.name.clone())),
         }
     }
 
@@ -191,6 +211,7 @@ impl PrefixCache {
                         .to_vec(),
                     block_size: self.block_size as u32,
                     salt: lookup.salt.clone().filter(|_| first == 0),
+                    lora: lookup.lora.clone(),
                 });
             } else {
                 // Evicted blocks in the middle came back: one event per block.
@@ -203,6 +224,7 @@ impl PrefixCache {
                                 .to_vec(),
                             block_size: self.block_size as u32,
                             salt: lookup.salt.clone().filter(|_| index == 0),
+                            lora: lookup.lora.clone(),
                         });
                     }
                 }
@@ -250,7 +272,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let cache = PrefixCache::new(4, Some(tx));
         let first = ids(10, 1);
-        let lookup = cache.lookup(&first, None);
+        let lookup = cache.lookup(&first, None, None);
         assert_eq!((lookup.hashes.len(), lookup.cached_tokens), (2, 0));
         cache.store(&lookup, &first, 100);
         let Ok(KvEvent::Stored {
@@ -270,7 +292,7 @@ mod tests {
         // The same first 8 tokens, then others: 8 cached.
         let mut second = first[..8].to_vec();
         second.extend(ids(9, 99));
-        let lookup = cache.lookup(&second, None);
+        let lookup = cache.lookup(&second, None, None);
         assert_eq!(lookup.cached_tokens, 8);
         cache.store(&lookup, &second, 100);
         let Ok(KvEvent::Stored { parent, hashes, .. }) = rx.try_recv() else {
@@ -279,9 +301,25 @@ mod tests {
         assert_eq!(parent, Some(lookup.hashes[1]));
         assert_eq!(hashes, lookup.hashes[2..].to_vec());
         // A whole-prompt hit recomputes the last block.
-        assert_eq!(cache.lookup(&first[..8], None).cached_tokens, 4);
+        assert_eq!(cache.lookup(&first[..8], None, None).cached_tokens, 4);
         // Salted: nothing shared.
-        assert_eq!(cache.lookup(&first, Some("tenant")).cached_tokens, 0);
+        assert_eq!(cache.lookup(&first, Some("tenant"), None).cached_tokens, 0);
+        // An adapter's blocks are its own: not the base model's, nor another path's.
+        let adapter = Adapter {
+            id: 1,
+            name: "sql".into(),
+            path: "/a".into(),
+        };
+        let lookup = cache.lookup(&first, None, Some(&adapter));
+        assert_eq!(lookup.cached_tokens, 0);
+        assert_eq!(lookup.lora, Some((1, "sql".to_string())));
+        cache.store(&lookup, &first, 100);
+        assert_eq!(cache.lookup(&first, None, Some(&adapter)).cached_tokens, 8);
+        let moved = Adapter {
+            path: "/b".into(),
+            ..adapter
+        };
+        assert_eq!(cache.lookup(&first, None, Some(&moved)).cached_tokens, 0);
     }
 
     #[test]
@@ -290,10 +328,10 @@ mod tests {
         let cache = PrefixCache::new(4, Some(tx));
         let a = ids(8, 1);
         let b = ids(8, 2);
-        let lookup_a = cache.lookup(&a, None);
+        let lookup_a = cache.lookup(&a, None, None);
         cache.store(&lookup_a, &a, 4);
         cache.unpin(2);
-        let lookup_b = cache.lookup(&b, None);
+        let lookup_b = cache.lookup(&b, None, None);
         cache.store(&lookup_b, &b, 2);
         let events: Vec<KvEvent> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
         let removed: Vec<&KvEvent> = events
@@ -311,7 +349,7 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         assert_eq!(cache.len(), 2);
-        assert_eq!(cache.lookup(&a, None).cached_tokens, 0);
+        assert_eq!(cache.lookup(&a, None, None).cached_tokens, 0);
         cache.clear();
         assert_eq!(rx.try_recv(), Ok(KvEvent::AllCleared));
         assert_eq!(cache.len(), 0);

@@ -324,8 +324,8 @@ pub struct ModelCard<'a> {
     pub created: u64,
     pub owned_by: &'static str,
     pub root: &'a str,
-    pub parent: Option<()>,
-    pub max_model_len: u32,
+    pub parent: Option<&'a str>,
+    pub max_model_len: Option<u32>,
     pub permission: [ModelPermission; 1],
 }
 

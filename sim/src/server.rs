@@ -311,6 +311,21 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             handlers::completion(&shared, Kind::Completion, body, request_id).await
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
+        // vLLM serves them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
+        (&Method::POST, "/v1/load_lora_adapter" | "/v1/unload_lora_adapter") => {
+            let Some(adapters) = &shared.lora else {
+                return not_found();
+            };
+            let answer = if path == "/v1/load_lora_adapter" {
+                adapters.load(&body, &shared.served_names)
+            } else {
+                adapters.unload(&body)
+            };
+            match answer {
+                Ok(text) => full(200, "text/plain; charset=utf-8", Bytes::from(text)),
+                Err(failure) => error(&shared, &failure),
+            }
+        }
         // vLLM serves it with VLLM_SERVER_DEV_MODE=1.
         (&Method::POST, "/reset_prefix_cache") => {
             if let Some(cache) = &shared.prefix_cache {

@@ -7,7 +7,6 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use rmpv::Value as Msgpack;
 use serde_json::{json, Value};
 use sluice_tokenizer::PromptTokenizer;
 use vllm_sim::{KvEventsConfig, Latency, SimConfig};
@@ -31,29 +30,6 @@ fn conversation(turns: usize) -> Value {
     json!({"model": MODEL, "messages": messages, "max_tokens": 4})
 }
 
-/// Field `name` of a msgpack map.
-fn field<'v>(map: &'v Msgpack, name: &str) -> &'v Msgpack {
-    map.as_map()
-        .unwrap()
-        .iter()
-        .find(|(k, _)| k.as_str() == Some(name))
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("no {name} in {map}"))
-}
-
-/// The frames of one published message: topic, sequence number, decoded batch.
-async fn next_batch(sub: &mut zeromq::SubSocket) -> (u64, Msgpack) {
-    let message = tokio::time::timeout(Duration::from_secs(10), sub.recv())
-        .await
-        .expect("an event batch within 10 s")
-        .unwrap();
-    let frames = message.into_vec();
-    assert_eq!(frames.len(), 3, "topic, seq, payload");
-    let seq = u64::from_be_bytes(frames[1].as_ref().try_into().unwrap());
-    let batch = rmpv::decode::read_value(&mut frames[2].as_ref()).unwrap();
-    (seq, batch)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks() {
     let config = SimConfig::default()
@@ -69,26 +45,7 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
     let (publisher, replay) = sim.kv_event_endpoints().unwrap();
     let port = publisher.rsplit(':').next().unwrap();
     assert_eq!(rank["endpoint"], json!(format!("tcp://*:{port}")));
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(&publisher).await.unwrap();
-    sub.subscribe("").await.unwrap();
-
-    // ZMQ's slow joiner: what is published before the subscription reaches the publisher is
-    // lost. A reset publishes `AllBlocksCleared`; once one arrives, the subscriber is live.
-    loop {
-        sim.reset_prefix_cache();
-        let received = tokio::select! {
-            batch = next_batch(&mut sub) => Some(batch),
-            () = tokio::time::sleep(Duration::from_millis(200)) => None,
-        };
-        if let Some((_, batch)) = received {
-            assert_eq!(
-                field(&batch[1][0], "type").as_str(),
-                Some("AllBlocksCleared")
-            );
-            break;
-        }
-    }
+    let mut sub = live_subscriber(&sim).await;
     let tokenizer = PromptTokenizer::load(std::path::Path::new(&tokenizer_dir())).unwrap();
     let first = conversation(1);
     let ids = tokenizer
@@ -124,7 +81,9 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
             "lora_id",
             "medium",
             "lora_name",
-            "group_idx"
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind"
         ]
     );
     assert_eq!(field(stored, "type").as_str(), Some("BlockStored"));
@@ -146,6 +105,14 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
     assert_eq!(token_ids, ids[..blocks * 16].to_vec());
     assert_eq!(field(stored, "block_size").as_u64(), Some(16));
     assert_eq!(field(stored, "medium").as_str(), Some("GPU"));
+    // One entry per block, none with extra keys (no adapter, no salt).
+    let extra = field(stored, "extra_keys").as_array().unwrap();
+    assert_eq!(extra.len(), blocks);
+    assert!(extra.iter().all(rmpv::Value::is_nil));
+    assert_eq!(
+        field(stored, "kv_cache_spec_kind").as_str(),
+        Some("full_attention")
+    );
 
     // The next turn shares the history: served from the cache, counted as vLLM counts it.
     let before = sim.metrics_text();

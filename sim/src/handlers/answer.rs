@@ -84,7 +84,11 @@ impl Answer {
         };
         Answer {
             id,
-            model: shared.model_name().to_string(),
+            // vLLM answers with the adapter's name for an adapter's request.
+            model: request
+                .lora
+                .as_ref()
+                .map_or_else(|| shared.model_name().to_string(), |a| a.name.clone()),
             created: unix_now(),
             choices,
             max_tokens,

@@ -35,6 +35,8 @@ pub struct Generation {
     pinned_blocks: usize,
     /// Of the prompt, the tokens the prefix cache served.
     cached_tokens: u32,
+    /// Its LoRA adapter was not in a GPU slot: it is loaded before the prefill.
+    loads_adapter: bool,
     slowdown: f64,
     jitter: f64,
     zero_latency: bool,
@@ -61,12 +63,14 @@ impl Generation {
             finished: false,
             pinned_blocks: 0,
             cached_tokens: 0,
+            loads_adapter: false,
         }
     }
 
-    /// The request got its place in the batch.
-    pub fn admitted(&mut self) {
+    /// The request got its place in the batch (`ticket`).
+    pub fn admitted(&mut self, ticket: &crate::engine::Ticket) {
         self.admitted.get_or_insert_with(Instant::now);
+        self.loads_adapter = ticket.loaded_adapter();
     }
 
     /// The request was preempted once more.
@@ -112,12 +116,20 @@ impl Generation {
     /// hold, then keeps its blocks in the cache. Tells `answer` how many tokens were cached.
     pub async fn prefill_prompt(&mut self, answer: &Answer) {
         let shared = Arc::clone(&self.shared);
+        if self.loads_adapter {
+            let load_time = shared.lora.as_ref().map_or(Duration::ZERO, |l| l.load_time);
+            sleep(self.delay(load_time)).await;
+        }
         let Some(cache) = shared.prefix_cache.as_ref() else {
             self.prefill(answer.prompt_tokens()).await;
             return;
         };
         let ids = &answer.request.prompt_ids;
-        let lookup = cache.lookup(ids, answer.request.cache_salt.as_deref());
+        let lookup = cache.lookup(
+            ids,
+            answer.request.cache_salt.as_deref(),
+            answer.request.lora.as_ref(),
+        );
         answer.set_cached_tokens(lookup.cached_tokens);
         self.cached_tokens = lookup.cached_tokens;
         shared

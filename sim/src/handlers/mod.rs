@@ -28,26 +28,46 @@ use crate::Shared;
 use answer::Answer;
 use generation::Generation;
 
+/// `GET /v1/models`: the served names, then the LoRA adapters (their base model as `parent`,
+/// no `max_model_len`), as vLLM lists them.
 pub fn models(shared: &Shared) -> HttpResponse {
     let created = shared.started;
+    let adapters = shared.lora.as_ref().map(|l| l.all()).unwrap_or_default();
+    let card = |id, root, parent, max_model_len| ModelCard {
+        id,
+        object: "model",
+        created,
+        owned_by: "vllm",
+        root,
+        parent,
+        max_model_len,
+        permission: [openai::ModelPermission::vllm(
+            shared.next_id("modelperm-"),
+            created,
+        )],
+    };
+    let base = shared.model_name();
     let list = ModelList {
         object: "list",
         data: shared
             .served_names
             .iter()
-            .map(|name| ModelCard {
-                id: name,
-                object: "model",
-                created,
-                owned_by: "vllm",
-                root: &shared.config.model,
-                parent: None,
-                max_model_len: shared.config.max_model_len,
-                permission: [openai::ModelPermission::vllm(
-                    shared.next_id("modelperm-"),
-                    created,
-                )],
+            .map(|name| {
+                card(
+                    name.as_str(),
+                    shared.config.model.as_str(),
+                    None,
+                    Some(shared.config.max_model_len),
+                )
             })
+            .chain(adapters.iter().map(|adapter| {
+                card(
+                    adapter.name.as_str(),
+                    adapter.path.as_str(),
+                    Some(base),
+                    None,
+                )
+            }))
             .collect(),
     };
     server::json(200, serde_json::to_vec(&list).unwrap_or_default())
@@ -71,7 +91,8 @@ pub async fn completion(
         Err(error) => return server::error(shared, &error),
     };
     let answer = Answer::plan(shared, request, max_tokens, request_id);
-    let admission = match shared.engine.admit(answer.kv_tokens()) {
+    let lora = answer.request.lora.as_ref().map(|adapter| adapter.id);
+    let admission = match shared.engine.admit(answer.kv_tokens(), lora) {
         Ok(admission) => admission,
         Err(refusal) => return server::error(shared, &admission::refused(shared, refusal)),
     };
@@ -98,7 +119,10 @@ fn validate(
     tokenize(shared, kind, body, &mut request)?;
     if let Some(model) = &request.model {
         if !shared.served_names.iter().any(|served| served == model) {
-            return Err(errors::unknown_model(shape, model, &shared.served_names));
+            request.lora = shared.lora.as_ref().and_then(|l| l.find(model));
+            if request.lora.is_none() {
+                return Err(errors::unknown_model(shape, model, &shared.served_names));
+            }
         }
     }
     if shape.is_v0_32() && kind == Kind::Chat && request.messages == 0 {

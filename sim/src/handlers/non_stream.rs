@@ -38,7 +38,7 @@ async fn generate(
     answer: &Answer,
 ) -> Result<Ticket, Refusal> {
     let mut ticket = admission::wait_for_turn(admission).await?;
-    generation.admitted();
+    generation.admitted(&ticket);
     let prompt_tokens = u64::from(answer.prompt_tokens());
     admission::hold(&mut ticket, prompt_tokens, generation).await?;
     generation.count_prompt(prompt_tokens);

@@ -137,7 +137,7 @@ async fn run(
     let Some(mut ticket) = admit(&mut events, admission).await else {
         return;
     };
-    generation.admitted();
+    generation.admitted(&ticket);
     let prompt_tokens = u64::from(answer.prompt_tokens());
     if let Flow::Stop = hold(&mut events, &mut ticket, prompt_tokens, &generation).await {
         return;

@@ -225,3 +225,51 @@ pub async fn wait_for_connect(addr: SocketAddr, refused: bool) {
         if refused { "refused" } else { "accepted" }
     );
 }
+
+/// Field `name` of a msgpack map.
+pub fn field<'v>(map: &'v rmpv::Value, name: &str) -> &'v rmpv::Value {
+    map.as_map()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no {name} in {map}"))
+}
+
+/// The frames of one published message: topic, sequence number, decoded batch.
+pub async fn next_batch(sub: &mut zeromq::SubSocket) -> (u64, rmpv::Value) {
+    let message = tokio::time::timeout(Duration::from_secs(10), zeromq::SocketRecv::recv(sub))
+        .await
+        .expect("an event batch within 10 s")
+        .unwrap();
+    let frames = message.into_vec();
+    assert_eq!(frames.len(), 3, "topic, seq, payload");
+    let seq = u64::from_be_bytes(frames[1].as_ref().try_into().unwrap());
+    let batch = rmpv::decode::read_value(&mut frames[2].as_ref()).unwrap();
+    (seq, batch)
+}
+
+/// A subscriber to `sim`'s KV events, once it receives them. ZMQ's slow joiner: what is
+/// published before the subscription reaches the publisher is lost. A reset publishes
+/// `AllBlocksCleared`; once one arrives, the subscriber is live.
+pub async fn live_subscriber(sim: &Sim) -> zeromq::SubSocket {
+    use zeromq::Socket;
+    let (publisher, _) = sim.kv_event_endpoints().unwrap();
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&publisher).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    loop {
+        sim.reset_prefix_cache();
+        let received = tokio::select! {
+            batch = next_batch(&mut sub) => Some(batch),
+            () = tokio::time::sleep(Duration::from_millis(200)) => None,
+        };
+        if let Some((_, batch)) = received {
+            assert_eq!(
+                field(&batch[1][0], "type").as_str(),
+                Some("AllBlocksCleared")
+            );
+            return sub;
+        }
+    }
+}
