@@ -356,3 +356,105 @@ async fn a_session_stays_on_its_backend_softly_or_always() {
         let _ = long.await;
     }
 }
+
+/// A LoRA-serving simulator of `MODEL` with one adapter slot, its adapters `adapters`, one
+/// token every 10 ms.
+async fn lora_sim(adapters: &[&str]) -> vllm_sim::Sim {
+    let mut lora = vllm_sim::LoraConfig::new(1);
+    for name in adapters {
+        lora = lora.with_module(*name, format!("/adapters/{name}"));
+    }
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(10),
+            ))
+            .with_lora(lora),
+    )
+    .await
+    .expect("sim")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_requests_go_where_it_is_listed_and_has_a_slot() {
+    let only_sql = lora_sim(&["sql"]).await;
+    let both = lora_sim(&["sql", "poet"]).await;
+    let sims = [&only_sql, &both];
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr()).collect();
+    // Round robin: without the adapters' routing, requests would alternate.
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[], &addrs)
+            .with("models", "auto")
+            .with_fast_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"}))],
+    }))
+    .await;
+    for (addr, adapters) in [
+        (addrs[0], json!(["sql"])),
+        (addrs[1], json!(["sql", "poet"])),
+    ] {
+        wait_for(Duration::from_secs(10), || async {
+            proxy.backend_status("main", addr).await["lora"]["adapters"] == adapters
+        })
+        .await
+        .expect("the pool learns each backend's adapters from its /v1/models");
+    }
+    wait_for(Duration::from_secs(10), || async {
+        let models = reqwest::get(proxy.url("/v1/models"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        models.contains("\"poet\"")
+    })
+    .await
+    .expect("the pool serves the adapters its backends list");
+    let ask = |model: &str, max_tokens: u32| {
+        json!({"model": model, "max_tokens": max_tokens, "ignore_eos": true,
+               "messages": [{"role": "user", "content": "write"}]})
+    };
+    let served = || sims.map(|s| s.stats().count("/v1/chat/completions"));
+
+    // `poet` only where it is listed.
+    let before = served();
+    for _ in 0..6 {
+        let answer = proxy.ask(&ask("poet", 2), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let after = served();
+    assert_eq!((after[0] - before[0], after[1] - before[1]), (0, 6));
+
+    // A long `poet` stream holds the second backend's only slot: `sql` goes where a slot is
+    // free, rather than wait there.
+    let long_poet = tokio::spawn({
+        let url = proxy.url("/v1/chat/completions");
+        let body = json!({"model": "poet", "max_tokens": 20_000, "ignore_eos": true, "stream": true,
+                          "messages": [{"role": "user", "content": "a long poem"}]});
+        async move {
+            let mut answer = reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            while answer.chunk().await.unwrap().is_some() {}
+        }
+    });
+    wait_for(Duration::from_secs(10), || async {
+        proxy.backend_status("main", addrs[1]).await["lora"]["active"] == json!(["poet"])
+    })
+    .await
+    .expect("the scrape shows the adapter in use");
+    let before = served();
+    for _ in 0..6 {
+        let answer = proxy.ask(&ask("sql", 2), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let after = served();
+    assert_eq!((after[0] - before[0], after[1] - before[1]), (6, 0));
+    long_poet.abort();
+}

@@ -32,7 +32,7 @@ fn models_received(sim: &vllm_sim::Sim) -> Vec<String> {
     sim.stats()
         .recent
         .into_iter()
-        .filter(|r| r.path.starts_with("/v1/"))
+        .filter(|r| r.method == "POST" && r.path.starts_with("/v1/"))
         .map(|r| {
             let body: Value = serde_json::from_slice(&r.body).unwrap();
             body["model"].as_str().unwrap_or("<none>").to_string()

@@ -270,3 +270,80 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
         );
     }
 }
+
+/// A LoRA adapter's blocks are keyed with its name by the engine (its events say so): the
+/// index credits them to that adapter's requests only, and predicts exactly what the engine
+/// serves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_prompt_is_credited_with_its_own_blocks_only() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_served_model_names(vec![MODEL.to_string()])
+            .with_tokenizer(tokenizer_dir())
+            .v1_engine(2048)
+            .with_kv_events(KvEventsConfig::default())
+            .with_lora(vllm_sim::LoraConfig::new(1).with_module("sql", "/adapters/sql")),
+    )
+    .await
+    .unwrap();
+    let addr = sim.addr();
+    let mut config = config(std::slice::from_ref(&sim), "ttft", true);
+    config["pools"][0]["models"] = json!([MODEL, "sql"]);
+    let proxy = Proxy::start(config).await;
+    let warm = turn(999, 1);
+    wait_for(Duration::from_secs(30), || async {
+        proxy.ask(&warm, &[]).await;
+        indexed_blocks(&proxy).await > 0.0
+    })
+    .await
+    .expect("the index follows the engine's events");
+    // The pool asks the engine's /v1/models which adapters it serves.
+    wait_for(Duration::from_secs(10), || async {
+        proxy.backend_status("fleet", addr).await["lora"]["adapters"] == json!(["sql"])
+    })
+    .await
+    .expect("the pool learns the backend's adapters");
+
+    let as_model = |model: &str, turns: usize| {
+        let mut request = turn(7, turns);
+        request["model"] = json!(model);
+        request
+    };
+    let cached = |answer: &Answer| -> u64 {
+        let body: Value = serde_json::from_str(&answer.body).unwrap();
+        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let predicted = || async {
+        prefix_status(&proxy).await["predicted_cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(proxy.ask(&as_model("sql", 1), &[]).await.status, 200);
+    wait_for(Duration::from_secs(10), || async {
+        indexed_blocks(&proxy).await as usize == sim.cached_blocks()
+    })
+    .await
+    .expect("the index holds what the engine holds");
+    // The adapter's next turn: credited with exactly what the engine serves it.
+    let before = predicted().await;
+    let answer = proxy.ask(&as_model("sql", 2), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let served = cached(&answer);
+    assert!(
+        served > 100,
+        "the history is cached for the adapter: {served}"
+    );
+    assert_eq!(predicted().await - before, served);
+    // The base model's same turn: nothing cached for it, nothing credited.
+    let before = predicted().await;
+    let answer = proxy.ask(&as_model(MODEL, 2), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(cached(&answer), 0);
+    assert_eq!(
+        predicted().await,
+        before,
+        "the adapter's blocks are not the base model's"
+    );
+}

@@ -15,6 +15,8 @@ use std::time::Duration;
 /// The model name clients ask for: the draft and target pools both serve it.
 const MODEL: &str = "tiny";
 const KEY: &str = "sk-real-vllm";
+/// The draft's LoRA adapter, as the prefix test's engine serves it.
+const LORA: &str = "tiny-lora";
 
 /// A pool of one real server, scraped often, serving `tiny` under the server's own name.
 fn real_pool(name: &str, server: &RealVllm) -> Pool {
@@ -497,6 +499,8 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
     let kv_events = format!(
         r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events_port}", "topic": ""}}"#
     );
+    // With a LoRA adapter of its own (`make_models.py`), whose blocks the engine keys apart.
+    let adapter = format!("{LORA}={}", tiny_models().join("tiny-draft-lora").display());
     let engine = RealVllm::start(
         TinyModel::Draft,
         &[
@@ -504,6 +508,13 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
             "--enable-prompt-tokens-details",
             "--kv-events-config",
             &kv_events,
+            "--enable-lora",
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            &adapter,
         ],
     );
     let tokenizer_dir = tiny_models().join(TinyModel::Draft.name());
@@ -553,33 +564,60 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
     }
 
     let pool = real_pool("draft", &engine)
+        .with("models", json!([MODEL, TinyModel::Draft.name(), LORA]))
         .with("tokenizer", tokenizer_dir.display().to_string())
         .with("kv_events", "auto")
         .with("balancing", json!({"strategy": "ttft", "exploration": 0.0}));
     let proxy = Proxy::start(json!({"pools": [pool]})).await;
     let status = || async { proxy.status().await["pools"][0].clone() };
-    // ZMQ drops what is published before the subscription reaches the engine: turn 0 is
-    // asked until its blocks are indexed (the engine keeps them, so later asks hit them).
-    let first = conversation(0);
-    wait_for(Duration::from_secs(60), || async {
-        let a = post(&proxy, "/v1/chat/completions", &first).await;
-        assert_eq!(a.status, 200, "{}", a.body);
-        status().await["backends"][0]["prefix_index"]["blocks"]
-            .as_u64()
-            .is_some_and(|blocks| blocks > 0)
+    // ZMQ drops what is published before the subscription reaches the engine, and the
+    // engine publishes a block once, when it stores it: a prompt of its own is asked each
+    // time until its blocks are indexed, then turn 0.
+    let mut warm_ups = 0;
+    wait_for(Duration::from_secs(60), || {
+        warm_ups += 1;
+        let mut warm = conversation(0);
+        warm["messages"][0]["content"] = json!(format!("Warm-up {warm_ups}. ").repeat(60));
+        let (proxy, status) = (&proxy, &status);
+        async move {
+            let a = post(proxy, "/v1/chat/completions", &warm).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            status().await["backends"][0]["prefix_index"]["blocks"]
+                .as_u64()
+                .is_some_and(|blocks| blocks > 0)
+        }
     })
     .await
     .expect("the real engine's BlockStored events reach the index");
+    let warm_blocks = status().await["backends"][0]["prefix_index"]["blocks"]
+        .as_u64()
+        .unwrap();
+    let a = post(&proxy, "/v1/chat/completions", &conversation(0)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let expected = warm_blocks + body(&a)["usage"]["prompt_tokens"].as_u64().unwrap() / 128;
+    wait_for(Duration::from_secs(10), || async {
+        status().await["backends"][0]["prefix_index"]["blocks"]
+            .as_u64()
+            .is_some_and(|blocks| blocks >= expected)
+    })
+    .await
+    .expect("turn 0's blocks are indexed");
     let pool = status().await;
     assert_eq!(
         pool["prefix_index"]["block_size"],
         json!(128),
         "the CPU build's blocks"
     );
+    let blocks = || async {
+        status().await["backends"][0]["prefix_index"]["blocks"]
+            .as_u64()
+            .unwrap()
+    };
     for turns in 1..4 {
         let before = status().await["prefix_index"]["predicted_cached_tokens"]
             .as_u64()
             .unwrap();
+        let blocks_before = blocks().await;
         let a = post(&proxy, "/v1/chat/completions", &conversation(turns)).await;
         assert_eq!(a.status, 200, "{}", a.body);
         let cached = body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -597,12 +635,11 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
             predicted, cached,
             "turn {turns}: the index agrees with the engine"
         );
-        // This turn's blocks reach the index before the next turn is asked.
-        let expected = body(&a)["usage"]["prompt_tokens"].as_u64().unwrap() / 128;
+        // This turn's new blocks reach the index before the next turn is asked.
+        let prompt_blocks = body(&a)["usage"]["prompt_tokens"].as_u64().unwrap() / 128;
+        let expected = blocks_before + prompt_blocks - cached / 128;
         wait_for(Duration::from_secs(10), || async {
-            status().await["backends"][0]["prefix_index"]["blocks"]
-                .as_u64()
-                .is_some_and(|blocks| blocks >= expected)
+            blocks().await >= expected
         })
         .await
         .expect("the turn's blocks are indexed");
@@ -613,5 +650,66 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
     assert!(
         reported >= 3 * 128,
         "the engines' reports are counted: {reported}"
+    );
+    // The adapter: the engine's /v1/models lists it under the base model (the pool asks at
+    // its first check, and again while the engine reports LoRA use). The pool's
+    // `served_model` does not rename it: it is sent under its own name.
+    let as_adapter = |turns: usize| {
+        let mut request = conversation(turns);
+        request["model"] = json!(LORA);
+        request["messages"][0]["content"] = json!("An adapter's own system prompt. ".repeat(40));
+        request
+    };
+    let indexed = blocks().await;
+    wait_for(Duration::from_secs(30), || async {
+        status().await["backends"][0]["lora"]["adapters"] == json!([LORA])
+    })
+    .await
+    .expect("the pool learns the engine's adapter");
+    let a = post(&proxy, "/v1/chat/completions", &as_adapter(1)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(body(&a)["model"], json!(LORA));
+    // Its blocks are indexed, then its next turn is credited exactly.
+    let expected = indexed + body(&a)["usage"]["prompt_tokens"].as_u64().unwrap() / 128;
+    wait_for(Duration::from_secs(10), || async {
+        blocks().await >= expected
+    })
+    .await
+    .expect("the adapter's blocks are indexed");
+    let before = status().await["prefix_index"]["predicted_cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let a = post(&proxy, "/v1/chat/completions", &as_adapter(2)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let cached = body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 128, "the adapter's history is cached: {cached}");
+    let predicted = status().await["prefix_index"]["predicted_cached_tokens"]
+        .as_u64()
+        .unwrap()
+        - before;
+    assert_eq!(
+        predicted, cached,
+        "the index agrees with the engine for the adapter"
+    );
+    // The base model's same prompt: the engine serves nothing of the adapter's blocks, and
+    // the index credits nothing.
+    let mut base = as_adapter(2);
+    base["model"] = json!(MODEL);
+    let before = status().await["prefix_index"]["predicted_cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let a = post(&proxy, "/v1/chat/completions", &base).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"],
+        json!(0)
+    );
+    assert_eq!(
+        status().await["prefix_index"]["predicted_cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        before
     );
 }

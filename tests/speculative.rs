@@ -706,7 +706,7 @@ fn draft_probes(sim: &vllm_sim::Sim) -> u64 {
     stats
         .requests_by_path
         .iter()
-        .filter(|(path, _)| !path.starts_with("/v1/"))
+        .filter(|(path, _)| !path.starts_with("/v1/") || *path == "/v1/models")
         .map(|(_, n)| n)
         .sum()
 }

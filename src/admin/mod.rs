@@ -128,6 +128,24 @@ impl Admin {
     }
 }
 
+/// A LoRA-serving backend's adapters (its `/v1/models`) and those in use (its metrics);
+/// `null` for a backend that serves none.
+fn lora_status(
+    live: &sluice_sdk::BackendLive,
+    load: Option<&sluice_sdk::Load>,
+) -> serde_json::Value {
+    let slots = load.and_then(|l| l.lora.as_ref());
+    let adapters = live.adapters();
+    if slots.is_none() && adapters.as_ref().is_none_or(|a| a.is_empty()) {
+        return serde_json::Value::Null;
+    }
+    json!({
+        "adapters": adapters.as_deref(),
+        "active": slots.map(|s| &s.active),
+        "max_loras": slots.map(|s| s.max_loras),
+    })
+}
+
 fn pool_status(pool: &Pool) -> serde_json::Value {
     let pressure = pool.pressure();
     let shedding: Vec<&str> = Priority::ALL
@@ -167,6 +185,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                     "blocks": routing.index.blocks_of(spec.resolved),
                     "event_lag_seconds": routing.index.lag_of(spec.resolved),
                 })),
+                "lora": lora_status(live, load.as_deref()),
             })
         })
         .collect();

@@ -566,7 +566,7 @@ mod tests {
 
     fn keys(tokens: u32) -> Vec<u64> {
         let ids: Vec<u32> = (0..16).map(|i| tokens + i).collect();
-        sluice_sdk::prefix_index::block_keys(&ids, 16, None)
+        sluice_sdk::prefix_index::block_keys(&ids, 16, None, None)
     }
 
     async fn until(what: &str, mut done: impl FnMut() -> bool) {

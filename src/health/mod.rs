@@ -279,12 +279,13 @@ struct Checker {
     spec: Option<vllm::SpecCounters>,
     /// How the last `/metrics` page read: a change is logged once, not every scrape.
     page: PageState,
-    /// Checks until `/v1/models` is asked again (a pool with `models: auto`); 0: now.
+    /// Checks until `/v1/models` is asked again; 0: now.
     models_due: u32,
 }
 
-/// How often a backend of a pool with `models: auto` is asked for its models, in checks:
-/// every 10 s at the default interval. A backend is asked at its first check.
+/// How often a backend is asked for its models, in checks: every 10 s at the default
+/// interval, when its pool has `models: auto` or it reports LoRA use; every backend is asked
+/// at its first check.
 const MODELS_EVERY: u32 = 40;
 
 /// How a `/metrics` page that was fetched read.
@@ -367,7 +368,13 @@ impl Checker {
             None => {}
         }
 
-        if pool.auto_models {
+        // Every backend is asked once which models it serves: the LoRA adapters among them
+        // route their requests (and are sent under their own name). Then again, now and
+        // then, for a pool that learns its models, and a backend that reports LoRA use
+        // (adapters are loaded and unloaded at run time).
+        let serves_lora = live.load().is_some_and(|load| load.lora.is_some());
+        let never_asked = live.adapters().is_none();
+        if pool.auto_models || serves_lora || never_asked {
             self.ask_models().await;
         }
 
@@ -389,8 +396,8 @@ impl Checker {
         metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
     }
 
-    /// Asks the backend's `/v1/models` when it is due, and records the names it lists. An
-    /// answer that cannot be read leaves what was known.
+    /// Asks the backend's `/v1/models` when it is due, and records the names it lists (and
+    /// which are LoRA adapters). An answer that cannot be read leaves what was known.
     async fn ask_models(&mut self) {
         if self.models_due > 0 {
             self.models_due -= 1;
@@ -411,16 +418,22 @@ impl Checker {
             _ => None,
         };
         match names {
-            Some(names) => {
-                self.endpoint.live.publish_models(names);
+            Some((names, adapters)) => {
+                self.endpoint.live.publish_models(names, adapters);
                 self.models_due = MODELS_EVERY;
             }
-            None => tracing::debug!(
-                pool = &*pool.name,
-                backend = self.address(),
-                "cannot read /v1/models: {}",
-                probe::describe(&answer)
-            ),
+            None => {
+                tracing::debug!(
+                    pool = &*pool.name,
+                    backend = self.address(),
+                    "cannot read /v1/models: {}",
+                    probe::describe(&answer)
+                );
+                // A pool that learns its models asks until it can.
+                if !pool.auto_models {
+                    self.models_due = MODELS_EVERY;
+                }
+            }
         }
     }
 
@@ -493,6 +506,7 @@ impl Checker {
                 _ => None,
             },
             spec_acceptance,
+            lora: m.lora,
             scraped_at: Instant::now(),
         };
         Ok(Read {
@@ -550,9 +564,10 @@ impl Checker {
     }
 }
 
-/// The `id`s of a `/v1/models` answer (OpenAI's list shape, as vLLM serves it); `None` when
-/// it is not one.
-fn model_names(body: &[u8]) -> Option<Vec<String>> {
+/// The `id`s of a `/v1/models` answer (OpenAI's list shape, as vLLM serves it), and of those
+/// the LoRA adapters (vLLM lists them with their base model as `parent`); `None` when it is
+/// not one.
+fn model_names(body: &[u8]) -> Option<(Vec<String>, Vec<String>)> {
     #[derive(serde::Deserialize)]
     struct List {
         data: Vec<Entry>,
@@ -560,9 +575,17 @@ fn model_names(body: &[u8]) -> Option<Vec<String>> {
     #[derive(serde::Deserialize)]
     struct Entry {
         id: String,
+        #[serde(default)]
+        parent: Option<String>,
     }
     let list: List = serde_json::from_slice(body).ok()?;
-    Some(list.data.into_iter().map(|e| e.id).collect())
+    let adapters = list
+        .data
+        .iter()
+        .filter(|e| e.parent.is_some())
+        .map(|e| e.id.clone())
+        .collect();
+    Some((list.data.into_iter().map(|e| e.id).collect(), adapters))
 }
 
 /// Reads a page: what Sluice uses of it, and the lines skipped. Runs off the async thread for

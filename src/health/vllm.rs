@@ -1,5 +1,5 @@
 //! What Sluice reads from a vLLM `/metrics` page: KV-cache usage, queue lengths, the size of
-//! the KV cache and the speculative-decoding counters.
+//! the KV cache, the speculative-decoding counters and the LoRA adapters in use.
 //!
 //! Both engine generations are read: V1 names its usage gauge `vllm:kv_cache_usage_perc` and
 //! labels every series with `model_name` and `engine`; V0 names it `vllm:gpu_cache_usage_perc`
@@ -11,6 +11,7 @@
 //! which the caller takes as "no data".
 
 use super::exposition::Sample;
+use sluice_sdk::health::LoraSlots;
 
 const KV_USAGE_V1: &str = "vllm:kv_cache_usage_perc";
 const KV_USAGE_V0: &str = "vllm:gpu_cache_usage_perc";
@@ -22,6 +23,10 @@ const CACHE_CONFIG: &str = "vllm:cache_config_info";
 const SPEC_ACCEPTED: &str = "vllm:spec_decode_num_accepted_tokens_total";
 const SPEC_DRAFT: &str = "vllm:spec_decode_num_draft_tokens_total";
 const ENGINE_LABEL: &str = "engine";
+/// With `--enable-lora`: a gauge whose labels are `max_lora` and the adapters with requests
+/// in the engine (comma-joined), its value the time the label set was last set. Every label
+/// set seen stays on the page, so the newest sample is the present.
+const LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// The vLLM engine generation, told by the name of its KV-usage gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +59,9 @@ pub struct VllmMetrics {
     pub num_gpu_blocks: Option<u32>,
     /// Present only when the server decodes speculatively.
     pub spec: Option<SpecCounters>,
+    /// Present only when the server serves LoRA adapters (and has run a step since it
+    /// started: vLLM sets the gauge at each step).
+    pub lora: Option<LoraSlots>,
 }
 
 impl VllmMetrics {
@@ -73,7 +81,14 @@ impl VllmMetrics {
 pub fn wanted(name: &str) -> bool {
     matches!(
         name,
-        KV_USAGE_V1 | KV_USAGE_V0 | RUNNING | WAITING | CACHE_CONFIG | SPEC_ACCEPTED | SPEC_DRAFT
+        KV_USAGE_V1
+            | KV_USAGE_V0
+            | RUNNING
+            | WAITING
+            | CACHE_CONFIG
+            | SPEC_ACCEPTED
+            | SPEC_DRAFT
+            | LORA_INFO
     )
 }
 
@@ -87,6 +102,7 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
     let mut drafted = None;
     let mut block_size = None;
     let mut engine_blocks: Vec<(Option<&str>, u32)> = Vec::new();
+    let mut lora: Option<&Sample<'_>> = None;
 
     for sample in samples {
         match sample.name {
@@ -96,6 +112,12 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
             WAITING => add(&mut waiting, sample.value),
             SPEC_ACCEPTED => add(&mut accepted, sample.value),
             SPEC_DRAFT => add(&mut drafted, sample.value),
+            LORA_INFO
+                if !sample.value.is_nan()
+                    && lora.is_none_or(|newest| sample.value > newest.value) =>
+            {
+                lora = Some(sample);
+            }
             CACHE_CONFIG => {
                 if block_size.is_none() {
                     block_size = sample.label("block_size").and_then(parse_count);
@@ -142,6 +164,24 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
         block_size,
         num_gpu_blocks,
         spec,
+        lora: lora.map(lora_slots),
+    }
+}
+
+/// The adapters a `vllm:lora_requests_info` sample names: vLLM 0.32 lists every adapter with
+/// a request, running or waiting, under both labels; a later one may tell them apart.
+fn lora_slots(sample: &Sample<'_>) -> LoraSlots {
+    let mut active: Vec<String> = Vec::new();
+    for label in ["running_lora_adapters", "waiting_lora_adapters"] {
+        for name in sample.label(label).unwrap_or("").split(',') {
+            if !name.is_empty() && !active.iter().any(|a| a == name) {
+                active.push(name.to_string());
+            }
+        }
+    }
+    LoraSlots {
+        max_loras: sample.label("max_lora").and_then(parse_count).unwrap_or(1),
+        active,
     }
 }
 
@@ -258,6 +298,11 @@ mod tests {
                     accepted_tokens: 150_567.0,
                     draft_tokens: 540_000.0,
                 }),
+                // Its two label sets: the newer names the adapter in use.
+                lora: Some(LoraSlots {
+                    max_loras: 1,
+                    active: vec!["sql-lora".into()],
+                }),
             }
         );
         // (1 - 0.2346) × 27526 = 21068.4 free blocks of 16 tokens.
@@ -280,10 +325,34 @@ mod tests {
                     accepted_tokens: 802_114.0,
                     draft_tokens: 1_909_800.0,
                 }),
+                lora: None,
             }
         );
         // (1 - 0.8712) × 9271 = 1194.1 free blocks of 16 tokens.
         assert_eq!(metrics.free_kv_tokens(), Some(1194 * 16));
+    }
+
+    #[test]
+    fn lora_use_is_the_newest_label_set() {
+        // As vLLM 0.32 leaves them: every label set seen, its value the time it was set.
+        let page = "\
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,poet\",waiting_lora_adapters=\"sql,poet\"} 1.7957518674795063e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.795751867484648e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"poet\",waiting_lora_adapters=\"poet\"} 1.7957518600000000e+09
+";
+        assert_eq!(
+            read_text(page).lora,
+            Some(LoraSlots {
+                max_loras: 2,
+                active: vec![],
+            })
+        );
+        let busy = page.replace("1.7957518674795063e+09", "1.7957519e+09");
+        let slots = read_text(&busy).lora.unwrap();
+        assert_eq!(slots.active, ["sql", "poet"]);
+        assert!(slots.runs("poet") && !slots.has_free_slot());
+        // A page of a server without LoRA has none.
+        assert_eq!(read_text("vllm:num_requests_running 1\n").lora, None);
     }
 
     const TWO_ENGINES: &str = "\

@@ -43,8 +43,7 @@ pub fn prepare_upstream_header(
     // Error answers pass as they are: only an answer carries the model's name.
     let rewriter = match (ctx.pool(), ctx.route()) {
         (Some(pool), Route::Llm(_)) if response.status.is_success() => pool
-            .served_model
-            .as_ref()
+            .served_model_for(ctx.model())
             .and_then(|served| served.answer_rewriter(ctx.model())),
         _ => None,
     };

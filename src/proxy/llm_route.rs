@@ -147,6 +147,13 @@ enum Then {
     SendDeclined(Box<ResponseHeader>, Bytes),
 }
 
+/// The LoRA adapter the request asks `pool` for: its model, when one of the pool's backends
+/// lists it as an adapter (it is then sent under its own name, whatever the pool's
+/// `served_model`).
+fn upstream_adapter<'c>(ctx: &'c RequestCtx, pool: &Pool) -> Option<&'c str> {
+    pool.adapter(ctx.model())
+}
+
 /// One attempt, ready to run.
 struct Prepared {
     attempt: Attempt,
@@ -169,8 +176,9 @@ impl AttemptLoop {
             .tenant()
             .filter(|_| pool.client_fields.tenant_cache_salt)
             .map(|t| Arc::clone(&t.name));
+        let adapter = upstream_adapter(ctx, pool).map(Arc::from);
         let keys = routing
-            .keys_off_worker(call.endpoint, call.body.clone(), salt_for_tenant)
+            .keys_off_worker(call.endpoint, call.body.clone(), adapter, salt_for_tenant)
             .await
             .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));
@@ -215,7 +223,9 @@ impl AttemptLoop {
                 .llm()
                 .map_or_else(Demand::default, |call| pool.demand_for(call));
             let prefix = self.prefix_keys(ctx, &pool).await;
-            let then = match pool.select_prefixed(&self.tried, &demand, prefix.as_deref()) {
+            let adapter = upstream_adapter(ctx, &pool);
+            let then = match pool.select_prefixed(&self.tried, &demand, prefix.as_deref(), adapter)
+            {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {
                     if let Some(tokens) = backend.predicted_cached {
@@ -330,8 +340,7 @@ impl AttemptLoop {
     /// is when nothing applies or it cannot be changed).
     fn for_upstream(&mut self, ctx: &RequestCtx, pool: &Pool, body: Bytes) -> Bytes {
         let model = pool
-            .served_model
-            .as_ref()
+            .served_model_for(ctx.model())
             .filter(|served| served.changes(ctx.model()))
             .map(ServedModel::json);
         let ask_usage = usage::usage_kept_from_client(ctx);

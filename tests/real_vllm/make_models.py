@@ -3,7 +3,8 @@ byte-level BPE tokenizer trained here on text already on the machine (Python's o
 with a chat template that renders tools as the Hermes template does. No weights can be
 downloaded; the answers are noise, but every wire, metric and error path is vLLM's own.
 
-Usage: python make_models.py OUT_DIR   -> OUT_DIR/tiny-draft (1 layer), OUT_DIR/tiny-target (2)
+Usage: python make_models.py OUT_DIR   -> OUT_DIR/tiny-draft (1 layer), OUT_DIR/tiny-target (2),
+OUT_DIR/tiny-draft-lora (a LoRA adapter of tiny-draft, in PEFT's format)
 """
 
 import glob
@@ -12,6 +13,8 @@ import os
 import sys
 import sysconfig
 
+import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -81,6 +84,48 @@ def model(out, layers, fast):
     LlamaForCausalLM(config).save_pretrained(out)
 
 
+def lora(out, base, rank=8):
+    """A LoRA adapter of the model in `base`, written as PEFT saves one (PEFT itself is not
+    needed): rank `rank` on every layer's q_proj and v_proj, small random weights (lora_B not
+    zero, so it changes the answers). vLLM reads `r`, `lora_alpha` and `target_modules`."""
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f)
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (hidden, heads * head_dim), "v_proj": (hidden, kv_heads * head_dim)}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.1
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": os.path.abspath(base),
+                "r": rank,
+                "lora_alpha": rank * 2,
+                "lora_dropout": 0.0,
+                "target_modules": list(shapes),
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "inference_mode": True,
+                "modules_to_save": None,
+                "use_rslora": False,
+                "use_dora": False,
+            },
+            f,
+            indent=2,
+        )
+
+
 def main():
     root = sys.argv[1]
     for name, layers in [("tiny-draft", 1), ("tiny-target", 2)]:
@@ -90,6 +135,7 @@ def main():
         model(out, layers, fast)
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id}, f)
+    lora(os.path.join(root, "tiny-draft-lora"), os.path.join(root, "tiny-draft"))
     print(root)
 
 

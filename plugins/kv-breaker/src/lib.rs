@@ -513,6 +513,7 @@ mod tests {
             waiting: 0.0,
             kv_capacity_tokens: Some(100_000),
             spec_acceptance: None,
+            lora: None,
             scraped_at: std::time::Instant::now(),
         });
     }
@@ -536,6 +537,7 @@ mod tests {
                 waiting: 0.0,
                 kv_capacity_tokens: Some(100_000),
                 spec_acceptance: None,
+                lora: None,
                 scraped_at: std::time::Instant::now() - pool.health.stale_after * 2,
             });
             assert_eq!(pool.sheds(Priority::Critical), shed, "{stale_as:?}");

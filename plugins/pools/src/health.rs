@@ -29,8 +29,33 @@ pub struct Load {
     pub kv_capacity_tokens: Option<u64>,
     /// The speculative-decoding acceptance rate since the previous scrape.
     pub spec_acceptance: Option<f64>,
+    /// The LoRA adapters in use, when the backend serves them.
+    pub lora: Option<LoraSlots>,
     /// When the scrape was read; once older than the pool's `stale_after`, it is stale.
     pub scraped_at: Instant,
+}
+
+/// What a LoRA-serving backend's `vllm:lora_requests_info` last said.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoraSlots {
+    /// `--max-loras`: the adapters one batch may use at once.
+    pub max_loras: u32,
+    /// The adapters with requests in the engine (running or waiting: vLLM 0.32 does not
+    /// tell them apart), each holding one of the `max_loras` slots.
+    pub active: Vec<String>,
+}
+
+impl LoraSlots {
+    /// Whether `adapter` has requests there now: it is loaded, and a request for it joins
+    /// the batch at once.
+    pub fn runs(&self, adapter: &str) -> bool {
+        self.active.iter().any(|a| a == adapter)
+    }
+
+    /// Whether another adapter can join the batch without waiting for a slot.
+    pub fn has_free_slot(&self) -> bool {
+        self.active.len() < self.max_loras as usize
+    }
 }
 
 /// Active health, from the health service's probes.
@@ -246,14 +271,23 @@ pub struct BackendLive {
     /// then (ms on the process clock; 0: none). Load, not a fault: no ejection is counted.
     cooling_until_ms: AtomicU64,
     /// The model names its `/v1/models` last listed, for a pool that learns its models
-    /// (`models: auto`).
+    /// (`models: auto`) or a backend that serves LoRA adapters.
     served_models: ArcSwapOption<Vec<String>>,
+    /// Of those, the LoRA adapters (listed with a `parent`).
+    adapters: ArcSwapOption<Vec<String>>,
 }
 
 impl BackendLive {
-    /// Records the model names the backend's `/v1/models` lists.
-    pub fn publish_models(&self, models: Vec<String>) {
+    /// Records the model names the backend's `/v1/models` lists, and which of them are
+    /// LoRA adapters.
+    pub fn publish_models(&self, models: Vec<String>, adapters: Vec<String>) {
         self.served_models.store(Some(Arc::new(models)));
+        self.adapters.store(Some(Arc::new(adapters)));
+    }
+
+    /// The LoRA adapters the backend last listed, if it was asked.
+    pub fn adapters(&self) -> Option<Arc<Vec<String>>> {
+        self.adapters.load_full()
     }
 
     /// The model names the backend last listed, if it was asked.
@@ -855,6 +889,7 @@ mod tests {
             waiting: 0.0,
             kv_capacity_tokens: capacity,
             spec_acceptance: None,
+            lora: None,
             scraped_at: Instant::now(),
         }
     }

@@ -26,7 +26,8 @@ pub mod ratio;
 pub mod retry;
 
 pub use health::{
-    BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
+    BackendLive, BackendState, HealthPolicy, InFlight, Load, LoraSlots, OutlierPolicy, Probe,
+    StaleAs, Verdict,
 };
 pub use members::{Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{

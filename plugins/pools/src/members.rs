@@ -463,6 +463,7 @@ mod tests {
             waiting: 0.0,
             kv_capacity_tokens: None,
             spec_acceptance: None,
+            lora: None,
             scraped_at: Instant::now(),
         });
         assert_eq!(endpoint.warming_cap(), None);

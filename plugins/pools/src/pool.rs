@@ -368,6 +368,54 @@ pub const REFERENCE_PROMPT_TOKENS: u64 = 1_000;
 /// would wait in the engine's queue for running requests to finish, for an unknown time.
 const KV_FULL_WAIT: f64 = 5.0;
 
+/// What a predicted TTFT adds for a backend that must load a request's LoRA adapter into a
+/// free slot (from the engine's CPU cache: milliseconds to tens of them), so that a backend
+/// already running it is preferred unless it is clearly busier.
+const ADAPTER_LOAD: f64 = 0.05;
+
+/// How much lower the `kv_aware` score of a backend that must load the adapter is.
+const ADAPTER_LOAD_SCORE: f64 = 0.1;
+
+/// How ready a backend is for a request's LoRA adapter (see [`adapter_readiness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum AdapterReadiness {
+    /// It lists the adapter, and runs it now or has a slot free for it.
+    Now,
+    /// It lists the adapter but every slot holds another one (the request waits for one),
+    /// or which adapters it has is not known yet.
+    Waits,
+    /// It does not list the adapter: it would answer 404.
+    Lacks,
+}
+
+/// How ready `live` is for `adapter` (see [`AdapterReadiness`]).
+fn adapter_readiness(live: &BackendLive, adapter: &str) -> AdapterReadiness {
+    let Some(listed) = live.adapters() else {
+        return AdapterReadiness::Waits;
+    };
+    if !listed.iter().any(|a| a == adapter) {
+        return AdapterReadiness::Lacks;
+    }
+    let load = live.load();
+    match load.as_deref().and_then(|l| l.lora.as_ref()) {
+        Some(slots) if !slots.runs(adapter) && !slots.has_free_slot() => AdapterReadiness::Waits,
+        _ => AdapterReadiness::Now,
+    }
+}
+
+/// Whether `live` must load `adapter` before running the request (it lists it, and has no
+/// request of it now).
+fn loads_adapter(live: &BackendLive, adapter: Option<&str>) -> bool {
+    let Some(adapter) = adapter else {
+        return false;
+    };
+    let load = live.load();
+    !load
+        .as_deref()
+        .and_then(|l| l.lora.as_ref())
+        .is_some_and(|slots| slots.runs(adapter))
+}
+
 /// A soft session leaves a backend whose projected KV usage reaches this...
 const SESSION_KV_LIMIT: f64 = 0.95;
 
@@ -790,24 +838,61 @@ impl Pool {
     /// A request of a session ([`Demand::session`]) goes to the session's backend while the
     /// pool's [`SessionAffinity`] allows, and binds the session to wherever it goes.
     pub fn select(&self, tried: &[SocketAddr], demand: &Demand) -> Option<Selected> {
-        self.select_prefixed(tried, demand, None)
+        self.select_prefixed(tried, demand, None, None)
+    }
+
+    /// The name the pool's engines get for a request for `requested` (`served_model`): none
+    /// when it names one of the backends' LoRA adapters, which the engine serves under the
+    /// adapter's own name.
+    pub fn served_model_for(&self, requested: Option<&str>) -> Option<&ServedModel> {
+        self.served_model
+            .as_ref()
+            .filter(|_| self.adapter(requested).is_none())
+    }
+
+    /// `model` when it names a LoRA adapter one of the pool's backends lists (their
+    /// `/v1/models`, asked when the pool learns its models or a backend reports LoRA use).
+    pub fn adapter<'m>(&self, model: Option<&'m str>) -> Option<&'m str> {
+        let model = model?;
+        self.members()
+            .iter()
+            .any(|e| {
+                e.live
+                    .adapters()
+                    .is_some_and(|listed| listed.iter().any(|a| a == model))
+            })
+            .then_some(model)
     }
 
     /// [`Pool::select`] for a request whose prompt blocks are `prefix` (see
-    /// [`PrefixRouting::keys`]): with the pool's exact index, each backend is credited with
-    /// the prompt tokens its prefix cache holds.
+    /// [`PrefixRouting::keys`]) and which asks for the LoRA adapter `adapter` (see
+    /// [`Pool::adapter`]): with the pool's exact index, each backend is credited with the
+    /// prompt tokens its prefix cache holds; an adapter's request goes only where the adapter
+    /// is listed, to a backend that can run it now when one can (one running it preferred,
+    /// then one with a free slot).
     pub fn select_prefixed(
         &self,
         tried: &[SocketAddr],
         demand: &Demand,
         prefix: Option<&PrefixKeys>,
+        adapter: Option<&str>,
     ) -> Option<Selected> {
         let members = self.members();
-        let m = Choice {
+        let mut m = Choice {
             members: &members,
             tried,
             warm_only: members.has_late_joiners(),
+            adapter: None,
         };
+        if let Some(adapter) = adapter {
+            let best = m
+                .candidates()
+                .filter_map(|i| members.get(i))
+                .map(|e| adapter_readiness(&e.live, adapter))
+                .min()
+                .unwrap_or(AdapterReadiness::Lacks);
+            m.adapter = Some((adapter, best.min(AdapterReadiness::Waits)));
+        }
         let credit = self.credit(demand, prefix);
         let session = demand.session.zip(self.session_table.as_ref());
         let kept = session.and_then(|(key, table)| {
@@ -998,7 +1083,10 @@ impl Pool {
                     None if home == Some(i) => self.cached_tokens(demand),
                     None => 0,
                 };
-            let cost = self.ttft_cost(m.members, i, demand, cached);
+            let mut cost = self.ttft_cost(m.members, i, demand, cached);
+            if m.loads_adapter(i) {
+                cost += ADAPTER_LOAD;
+            }
             if best.is_none_or(|(_, b)| cost < b) {
                 best = Some((i, cost));
             }
@@ -1048,7 +1136,7 @@ impl Pool {
     fn select_kv_aware(&self, m: &Choice<'_>, demand: &Demand, credit: &Credit) -> Option<usize> {
         let candidates = m.candidates();
         let count = candidates.clone().count();
-        let scored = |i: usize| (i, self.score(m.members, i, demand));
+        let scored = |i: usize| (i, self.adapter_score(m, i, demand));
         let (best, best_score) = match count {
             0 => return None,
             1 => scored(candidates.clone().next()?),
@@ -1082,11 +1170,21 @@ impl Pool {
         };
         match home {
             Some(h)
-                if h != best && self.score(m.members, h, demand) >= best_score - AFFINITY_SLACK =>
+                if h != best && self.adapter_score(m, h, demand) >= best_score - AFFINITY_SLACK =>
             {
                 Some(h)
             }
             _ => Some(best),
+        }
+    }
+
+    /// [`Pool::score`], lower for a backend that must load the request's adapter first.
+    fn adapter_score(&self, m: &Choice<'_>, index: usize, demand: &Demand) -> f64 {
+        let score = self.score(m.members, index, demand);
+        if m.loads_adapter(index) {
+            score - ADAPTER_LOAD_SCORE
+        } else {
+            score
         }
     }
 
@@ -1206,18 +1304,32 @@ struct Choice<'a> {
     members: &'a Members,
     tried: &'a [SocketAddr],
     warm_only: bool,
+    /// The request's LoRA adapter, and the readiness a backend needs for it: the best any
+    /// candidate has (never [`AdapterReadiness::Lacks`]).
+    adapter: Option<(&'a str, AdapterReadiness)>,
 }
 
 impl Choice<'_> {
     /// Whether the backend at `index` may take this attempt: ready, usable (not unhealthy,
-    /// ejected or cooling down), not tried, and not warming up at its share.
+    /// ejected or cooling down), not tried, not warming up at its share, and as ready for
+    /// the request's adapter as the best one.
     fn candidate(&self, index: usize) -> bool {
         self.members.get(index).is_some_and(|e| {
             e.is_ready()
                 && e.live.is_usable()
                 && !self.tried.contains(&e.spec.resolved)
                 && !(self.warm_only && e.warming_full())
+                && self
+                    .adapter
+                    .is_none_or(|(name, needed)| adapter_readiness(&e.live, name) <= needed)
         })
+    }
+
+    /// Whether the backend at `index` must load the request's adapter first.
+    fn loads_adapter(&self, index: usize) -> bool {
+        self.members
+            .get(index)
+            .is_some_and(|e| loads_adapter(&e.live, self.adapter.map(|(name, _)| name)))
     }
 
     fn candidates(&self) -> impl Iterator<Item = usize> + Clone + '_ {
@@ -1443,7 +1555,89 @@ mod tests {
             waiting,
             kv_capacity_tokens: Some(100_000),
             spec_acceptance: None,
+            lora: None,
             scraped_at: std::time::Instant::now(),
+        }
+    }
+
+    /// Backend `port` of `pool` lists `adapters`, and runs `active` of its `max_loras` slots.
+    fn serve_adapters(pool: &Pool, port: u16, adapters: &[&str], active: &[&str], max_loras: u32) {
+        let live = live_of(pool, spec(port, 1).resolved);
+        let names: Vec<String> = adapters.iter().map(|a| a.to_string()).collect();
+        live.publish_models(names.clone(), names);
+        live.publish_load(Load {
+            lora: Some(crate::health::LoraSlots {
+                max_loras,
+                active: active.iter().map(|a| a.to_string()).collect(),
+            }),
+            ..load(0.1, 0.0)
+        });
+    }
+
+    #[test]
+    fn an_adapters_requests_go_where_it_is_listed_and_can_run_now() {
+        for balancing in [
+            Balancing::RoundRobin,
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
+            Balancing::Ttft(TtftBalancing {
+                exploration: 0.0,
+                ..TtftBalancing::default()
+            }),
+        ] {
+            let pool = pool(vec![spec(1, 1), spec(2, 1), spec(3, 1)], balancing.clone());
+            let ports = |adapter: Option<&str>| -> BTreeSet<u16> {
+                (0..40)
+                    .filter_map(|_| pool.select_prefixed(&[], &Demand::default(), None, adapter))
+                    .map(|s| s.addr.port())
+                    .collect()
+            };
+            // Nothing known of adapters yet: any backend.
+            assert_eq!(pool.adapter(Some("sql")), None);
+            serve_adapters(&pool, 1, &["sql"], &["poet"], 1);
+            serve_adapters(&pool, 2, &["sql", "poet"], &[], 1);
+            serve_adapters(&pool, 3, &["poet"], &[], 2);
+            assert_eq!(pool.adapter(Some("sql")), Some("sql"));
+            assert_eq!(
+                pool.adapter(Some("m")),
+                None,
+                "the base model is no adapter"
+            );
+            // `sql`: 3 lacks it, 1's only slot holds `poet`: 2, which has a free slot.
+            assert_eq!(ports(Some("sql")), BTreeSet::from([2]), "{balancing:?}");
+            // Every slot holding another adapter: it waits there rather than going where the
+            // adapter is not.
+            serve_adapters(&pool, 2, &["sql", "poet"], &["poet"], 1);
+            assert_eq!(ports(Some("sql")), BTreeSet::from([1, 2]), "{balancing:?}");
+            // Tried where it is listed: nowhere left.
+            let tried = [spec(1, 1).resolved, spec(2, 1).resolved];
+            assert!(pool
+                .select_prefixed(&tried, &Demand::default(), None, Some("sql"))
+                .is_none());
+            // Requests without an adapter go anywhere.
+            assert_eq!(ports(None), BTreeSet::from([1, 2, 3]), "{balancing:?}");
+        }
+    }
+
+    #[test]
+    fn a_backend_running_the_adapter_is_preferred_to_one_loading_it() {
+        for balancing in [
+            Balancing::KvAware {
+                prefix_affinity: None,
+            },
+            Balancing::Ttft(TtftBalancing {
+                exploration: 0.0,
+                ..TtftBalancing::default()
+            }),
+        ] {
+            let pool = pool(vec![spec(1, 1), spec(2, 1)], balancing.clone());
+            serve_adapters(&pool, 1, &["sql", "poet"], &[], 2);
+            serve_adapters(&pool, 2, &["sql", "poet"], &["poet"], 2);
+            for _ in 0..20 {
+                let picked = pool.select_prefixed(&[], &Demand::default(), None, Some("poet"));
+                assert_eq!(picked.unwrap().addr.port(), 2, "{balancing:?}");
+            }
         }
     }
 
@@ -1620,14 +1814,16 @@ mod tests {
     fn the_exact_index_sends_a_prompt_where_it_is_held_and_never_explores_away() {
         let tokens: Vec<u32> = (0..1024).collect();
         let keys = PrefixKeys {
-            keys: crate::prefix_index::block_keys(&tokens, 16, None),
+            keys: crate::prefix_index::block_keys(&tokens, 16, None, None),
             tokens: 1030,
         };
         let demand = prompt(1030, None);
         // Even exploring every request: the held prompt goes where it is held.
         let pool = indexed_pool(&tokens, 1.0);
         for _ in 0..30 {
-            let s = pool.select_prefixed(&[], &demand, Some(&keys)).unwrap();
+            let s = pool
+                .select_prefixed(&[], &demand, Some(&keys), None)
+                .unwrap();
             assert_eq!(s.addr.port(), 2);
             assert_eq!(s.predicted_cached, Some(1024));
             assert_eq!(s.cached_tokens, Some(1024));
@@ -1635,12 +1831,12 @@ mod tests {
         // Another prompt, held nowhere: explored, spread over the three.
         let other: Vec<u32> = (5000..6024).collect();
         let keys = PrefixKeys {
-            keys: crate::prefix_index::block_keys(&other, 16, None),
+            keys: crate::prefix_index::block_keys(&other, 16, None, None),
             tokens: 1024,
         };
         let ports: std::collections::HashSet<u16> = (0..60)
             .map(|_| {
-                pool.select_prefixed(&[], &demand, Some(&keys))
+                pool.select_prefixed(&[], &demand, Some(&keys), None)
                     .unwrap()
                     .addr
                     .port()
@@ -1652,7 +1848,7 @@ mod tests {
         let holder = pool.live_at(1).unwrap();
         let _queue: Vec<_> = (0..4).map(|_| holder.begin_request(3000, 3000)).collect();
         let s = pool
-            .select_prefixed(&[], &demand, Some(&keys_of(&tokens)))
+            .select_prefixed(&[], &demand, Some(&keys_of(&tokens)), None)
             .unwrap();
         assert_ne!(
             s.addr.port(),
@@ -1664,7 +1860,7 @@ mod tests {
 
     fn keys_of(tokens: &[u32]) -> PrefixKeys {
         PrefixKeys {
-            keys: crate::prefix_index::block_keys(tokens, 16, None),
+            keys: crate::prefix_index::block_keys(tokens, 16, None, None),
             tokens: tokens.len() + 6,
         }
     }

@@ -82,13 +82,15 @@ impl PrefixRouting {
     }
 
     /// The keys of `body` (a request to `endpoint`) as the index keys blocks; `None` when the
-    /// tokenizer cannot read it (it then goes without the index). The engine salts the
-    /// prompt's first block with the request's `cache_salt` as it gets it: `tenant`'s own
-    /// when the pool gives each tenant one (`salt_for_tenant`), else the client's.
+    /// tokenizer cannot read it (it then goes without the index). The engine keys every
+    /// block of a LoRA `adapter`'s request with its name, and salts the prompt's first block
+    /// with the request's `cache_salt` as it gets it: `tenant`'s own when the pool gives each
+    /// tenant one (`salt_for_tenant`), else the client's.
     pub fn keys(
         &self,
         endpoint: Endpoint,
         body: &[u8],
+        adapter: Option<&str>,
         salt_for_tenant: Option<&str>,
     ) -> Option<PrefixKeys> {
         let tokenized = match endpoint {
@@ -106,7 +108,12 @@ impl PrefixRouting {
                     None => client.and_then(|json| serde_json::from_str::<String>(json).ok()),
                 };
                 Some(PrefixKeys {
-                    keys: block_keys(&tokenized.ids, self.index.block_size(), salt.as_deref()),
+                    keys: block_keys(
+                        &tokenized.ids,
+                        self.index.block_size(),
+                        adapter,
+                        salt.as_deref(),
+                    ),
                     tokens: tokenized.ids.len(),
                 })
             }
@@ -123,14 +130,25 @@ impl PrefixRouting {
         self: &Arc<Self>,
         endpoint: Endpoint,
         body: bytes::Bytes,
+        adapter: Option<Arc<str>>,
         salt_for_tenant: Option<Arc<str>>,
     ) -> Option<PrefixKeys> {
         if body.len() <= Self::INLINE_BYTES {
-            return self.keys(endpoint, &body, salt_for_tenant.as_deref());
+            return self.keys(
+                endpoint,
+                &body,
+                adapter.as_deref(),
+                salt_for_tenant.as_deref(),
+            );
         }
         let routing = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
-            routing.keys(endpoint, &body, salt_for_tenant.as_deref())
+            routing.keys(
+                endpoint,
+                &body,
+                adapter.as_deref(),
+                salt_for_tenant.as_deref(),
+            )
         })
         .await
         .ok()

@@ -280,15 +280,30 @@ fn block_key(parent: u64, tokens: &[u32], extra: Option<u64>) -> u64 {
 }
 
 /// The keys of a prompt's full blocks of `block_size` tokens, as the index keys what the
-/// engines store; `cache_salt`, the salt the engine gets, is its first block's extra key.
-pub fn block_keys(token_ids: &[u32], block_size: usize, cache_salt: Option<&str>) -> Vec<u64> {
-    let first_extra = cache_salt.map(|salt| extra_hash(&[rmpv::Value::from(salt)]));
+/// engines store. The blocks' extra keys are the engine's: a LoRA `adapter`'s name on every
+/// block, then `cache_salt` (the salt the engine gets) on the first.
+pub fn block_keys(
+    token_ids: &[u32],
+    block_size: usize,
+    adapter: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Vec<u64> {
+    let extra = |first: bool| {
+        let keys: Vec<rmpv::Value> = adapter
+            .into_iter()
+            .chain(cache_salt.filter(|_| first))
+            .map(rmpv::Value::from)
+            .collect();
+        (!keys.is_empty()).then(|| extra_hash(&keys))
+    };
+    let (first_extra, other_extra) = (extra(true), extra(false));
     let mut parent = ROOT;
     token_ids
         .chunks_exact(block_size.max(1))
         .enumerate()
         .map(|(index, block)| {
-            parent = block_key(parent, block, first_extra.filter(|_| index == 0));
+            let extra = if index == 0 { first_extra } else { other_extra };
+            parent = block_key(parent, block, extra);
             parent
         })
         .collect()
@@ -720,7 +735,7 @@ mod tests {
     fn lookups_follow_stores_evictions_and_clears() {
         let index = PrefixIndex::default();
         let tokens: Vec<u32> = (100..116).collect();
-        let keys = block_keys(&tokens, 4, None);
+        let keys = block_keys(&tokens, 4, None, None);
         // Backend 1 holds the first three blocks, stored in two events chained by parent.
         index.apply(addr(1), &[stored(&[11, 12], None, &tokens[..8])]);
         index.apply(addr(1), &[stored(&[13], Some(12), &tokens[8..12])]);
@@ -762,16 +777,42 @@ mod tests {
         assert_eq!(index.lookup(&keys).best(), 0);
         assert_eq!(
             index
-                .lookup(&block_keys(&tokens, 4, Some("tenant-b")))
+                .lookup(&block_keys(&tokens, 4, None, Some("tenant-b")))
                 .best(),
             0
         );
         assert_eq!(
             index
-                .lookup(&block_keys(&tokens, 4, Some("tenant-a")))
+                .lookup(&block_keys(&tokens, 4, None, Some("tenant-a")))
                 .best(),
             8
         );
+        // A LoRA adapter's blocks, its name on each (and the salt after it on the first, as
+        // vLLM orders them): only that adapter's requests are credited with them.
+        let sql = |first: &[&str]| {
+            let first: Vec<rmpv::Value> = first.iter().map(|k| (*k).into()).collect();
+            vec![Some(extra_hash(&first)), Some(extra_hash(&["sql".into()]))]
+        };
+        for (extra, salt) in [
+            (sql(&["sql"]), None),
+            (sql(&["sql", "tenant-a"]), Some("tenant-a")),
+        ] {
+            let index = PrefixIndex::default();
+            index.apply(
+                addr(4),
+                &[KvEvent::Stored {
+                    hashes: vec![1, 2],
+                    parent: None,
+                    token_ids: tokens[..8].to_vec(),
+                    block_size: 4,
+                    extra,
+                }],
+            );
+            let credited = |adapter| index.lookup(&block_keys(&tokens, 4, adapter, salt)).best();
+            assert_eq!(credited(Some("sql")), 8);
+            assert_eq!(credited(Some("poet")), 0);
+            assert_eq!(credited(None), 0);
+        }
     }
 
     #[test]
