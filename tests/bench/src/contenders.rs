@@ -561,6 +561,10 @@ pub struct SimSpec {
     /// One prefill at a time, as vLLM without chunked prefill (scenario 13).
     #[arg(long)]
     pub serial_prefill: bool,
+    /// vLLM V1's engine: chunked prefill with this per-step token budget, and automatic
+    /// prefix caching (scenario 25).
+    #[arg(long)]
+    pub v1_engine: Option<u32>,
 }
 
 impl SimSpec {
@@ -573,6 +577,7 @@ impl SimSpec {
             prefill_us: 0.0,
             overhead_ms: 0.0,
             serial_prefill: false,
+            v1_engine: None,
         }
     }
 
@@ -604,13 +609,16 @@ impl SimSpec {
         if self.serial_prefill {
             a.push("--serial-prefill".to_string());
         }
+        if let Some(budget) = self.v1_engine {
+            a.extend(["--v1-engine".to_string(), budget.to_string()]);
+        }
         a
     }
 
     /// The simulator's configuration: room for 8 MiB prompts (scenario 9 sends 4M token ids,
     /// one token each) and 1,000 streams, no request recording, no jitter; scenario 11 gives
     /// it a small KV cache (`kv_blocks`) that runs out (`oom`); scenario 13 a prefill speed,
-    /// a fixed overhead and one prefill at a time.
+    /// a fixed overhead and one prefill at a time; scenario 25 vLLM V1's engine.
     pub fn config(&self, listen: SocketAddr) -> vllm_sim::SimConfig {
         let mut c = vllm_sim::SimConfig::default()
             .with_listen(listen)
@@ -635,8 +643,13 @@ impl SimSpec {
         if let Some(blocks) = self.kv_blocks {
             c = c.with_kv(blocks, 16);
         }
-        c.with_oom(self.oom)
-            .with_serial_prefill(self.serial_prefill)
+        c = c
+            .with_oom(self.oom)
+            .with_serial_prefill(self.serial_prefill);
+        match self.v1_engine {
+            Some(budget) => c.v1_engine(budget),
+            None => c,
+        }
     }
 }
 

@@ -10,6 +10,10 @@
 //! report can take each stream's own prefill (its prompt tokens × the per-token prefill of
 //! the pool that served it) out of its time to first token: what is left is the wait a
 //! router controls (queueing behind other prefills, plus the fixed overhead).
+//!
+//! Scenario 25 replays the same schedule on the fleet vLLM V1 makes by default: chunked
+//! prefill (8,192-token steps shared by the decodes and the prefills, a long prefill taking at
+//! most a quarter of a step while others wait) and prefix caching, with 4 targets.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -76,8 +80,29 @@ const TARGET: Speed = Speed {
     kv_blocks: 8192,
 };
 
+/// The fleet's shape: scenario 13's engines prefill one request at a time (vLLM without
+/// chunked prefill), scenario 25's are vLLM V1's (chunked prefill with this step budget,
+/// prefix caching), with more targets.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    scenario: u8,
+    targets: usize,
+    v1_budget: Option<u32>,
+}
+
+const SERIAL_FLEET: Shape = Shape {
+    scenario: 13,
+    targets: 2,
+    v1_budget: None,
+};
+const V1_FLEET: Shape = Shape {
+    scenario: 25,
+    targets: 4,
+    v1_budget: Some(8192),
+};
+
 impl Speed {
-    fn spec(&self, scale: f64) -> SimSpec {
+    fn spec(&self, scale: f64, shape: Shape) -> SimSpec {
         SimSpec {
             itl_ms: self.itl_ms * scale,
             answer_tokens: Some(MAX_TOKENS),
@@ -85,7 +110,8 @@ impl Speed {
             oom: true,
             prefill_us: self.prefill_us * scale,
             overhead_ms: self.overhead_ms * scale,
-            serial_prefill: true,
+            serial_prefill: shape.v1_budget.is_none(),
+            v1_engine: shape.v1_budget,
         }
     }
 
@@ -629,7 +655,16 @@ fn f1(v: f64) -> String {
 /// Scenario 13: the same seeded schedule through Sluice balancing both pools with each
 /// strategy.
 pub async fn fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
-    let mut report = ScenarioReport::new(13, title(13));
+    fleet_of(ctx, SERIAL_FLEET).await
+}
+
+/// Scenario 25: scenario 13 on vLLM V1's engines, 2 drafts and 4 targets.
+pub async fn fleet_v1(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    fleet_of(ctx, V1_FLEET).await
+}
+
+async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(shape.scenario, title(shape.scenario));
     let p = ctx.p.clone();
     let scale = p.fleet_time_scale;
     let tag = format!(
@@ -645,10 +680,13 @@ pub async fn fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         let dir = tempfile::tempdir_in(ctx.root.path())?;
         let mut sims = Vec::new();
         let (mut drafts, mut targets) = (Vec::new(), Vec::new());
-        for (i, speed) in [DRAFT, DRAFT, TARGET, TARGET].iter().enumerate() {
+        let fleet = [DRAFT, DRAFT]
+            .into_iter()
+            .chain(std::iter::repeat_n(TARGET, shape.targets));
+        for (i, speed) in fleet.enumerate() {
             let d = dir.path().join(format!("sim{i}-{}", speed.name));
             std::fs::create_dir_all(&d).with_context(|| format!("creating {d:?}"))?;
-            let sim = RunningSim::start(&ctx.sim, &speed.spec(scale), &d).await?;
+            let sim = RunningSim::start(&ctx.sim, &speed.spec(scale, shape), &d).await?;
             if speed.name == DRAFT.name {
                 drafts.push(sim.addr);
             } else {
@@ -798,17 +836,27 @@ pub async fn fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         lp = 100.0 * long as f64 / plan.len().max(1) as f64,
     ));
     report.notes.push(format!(
-        "Fleet, fresh for each strategy: 2 draft and 2 target simulators ({where_}), the \
-         simulator's Draft and Target profiles' speeds{scaled}: draft {do} ms + {dp} µs per \
+        "Fleet, fresh for each strategy: 2 draft and {targets} target simulators ({where_}), \
+         the simulator's Draft and Target profiles' speeds{scaled}: draft {do} ms + {dp} µs per \
          prompt token to the first token, then {di} ms per token, {dk} KV blocks; target {to} \
-         ms + {tp} µs per token, {ti} ms per token, {tk} KV blocks; no jitter; one prefill at a \
-         time per instance (`serial_prefill`); vLLM's OOM answer when a request's KV does not \
-         fit; {MAX_TOKENS}-token answers. Sluice: pools `draft` (`max_model_len: \
+         ms + {tp} µs per token, {ti} ms per token, {tk} KV blocks; no jitter; {engine}; \
+         vLLM's OOM answer when a request's KV does not fit; {MAX_TOKENS}-token answers. Sluice: pools `draft` (`max_model_len: \
          {DRAFT_MAX_MODEL_LEN}`) and `target`, both serving `{MODEL}`, `balancing.strategy` \
          set on both; for `ttft`, `prefill_tokens_per_second` seeded to the simulators' speed \
          ({dtps:.0} draft, {ttps:.0} target); `speculative` on (draft first), `cache` on \
          (memory, `tenant: {{anonymous: share}}`, coalescing at its defaults), `kv_breaker` on \
          at its defaults, health checks at their defaults.",
+        targets = shape.targets,
+        engine = match shape.v1_budget {
+            None => "one prefill at a time per instance (`serial_prefill`)".to_string(),
+            Some(budget) => format!(
+                "vLLM V1's engine (`v1_engine({budget})`): chunked prefill in steps of \
+                 {budget} tokens shared by the decodes and the prefills, a prefill taking at \
+                 most a quarter of a step while others wait, a step lasting its decode or its \
+                 prefill tokens' time, whichever is longer; prefix caching (the prompts' token \
+                 ids made up from their bytes)"
+            ),
+        },
         where_ = match ctx.sim {
             crate::SimMode::Process(_) => "each a process of its own",
             crate::SimMode::InProcess => "threads of the harness, smoke test",

@@ -92,6 +92,10 @@ pub const ALL: &[(u8, &str)] = &[
         24,
         "Prefix routing on a vLLM V1-like fleet: conversations, agents and RAG, per strategy, the exact prefix index against the approximate affinity and a session oracle",
     ),
+    (
+        25,
+        "Time to first token at the tail on a vLLM V1-like fleet (chunked prefill, prefix caching): scenario 13 with 2 drafts and 4 targets",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -119,6 +123,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         22 => crate::discovery::discovery(ctx).await,
         23 => crate::soak::soak(ctx).await,
         24 => crate::prefix_fleet::prefix_fleet(ctx).await,
+        25 => crate::fleet::fleet_v1(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
