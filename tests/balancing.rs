@@ -194,6 +194,49 @@ async fn the_prefill_speed_is_learned_from_first_tokens() {
     assert_eq!(errors, 25.0, "one prediction error per streamed request");
 }
 
+/// A prompt its engine's prefix cache serves is not prefilled: its quick first token must not
+/// teach the backend a prefill speed it does not have (the engine's usage says what it
+/// computed).
+#[tokio::test]
+async fn prefix_cache_hits_do_not_inflate_the_prefill_speed() {
+    // vLLM V1's engine, 50 µs a token: 20,000 tokens a second, the pool's seed.
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_answer_tokens(4, 4)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::from_micros(50),
+                Duration::ZERO,
+            ))
+            .v1_engine(8192),
+    )
+    .await
+    .expect("sim");
+    let proxy = proxy(
+        &[sim.addr()],
+        ttft(json!({"prefill_tokens_per_second": 20000})),
+    )
+    .await;
+    let speed = |status: &Value| status["prefill_tokens_per_second"].as_f64().expect("speed");
+    // The same 2,000-token prompt: the first is prefilled whole, the others are served from
+    // the cache but for their last block (a first token in about a millisecond).
+    for _ in 0..10 {
+        let a = proxy.ask(&prompt("", 2_000, true), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let status = proxy.backend_status("main", sim.addr()).await;
+    let learned = speed(&status);
+    assert!(
+        (14_000.0..=30_000.0).contains(&learned),
+        "learned {learned} tokens/s for 20,000: {status}"
+    );
+    assert_eq!(
+        status["prefill_speed_samples"], 1,
+        "only the prefill taught: {status}"
+    );
+}
+
 /// Where three short prompts go while one backend prefills a long one, under `balancing`:
 /// the requests the busy backend got, and the other's.
 async fn shorts_beside_a_long_prefill(balancing: Value) -> (u64, u64) {

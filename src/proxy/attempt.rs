@@ -14,7 +14,7 @@
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
-use super::tries;
+use super::{tries, usage};
 use crate::chain::Chain;
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
@@ -416,8 +416,7 @@ async fn stream(
     }
     drop(held);
     if ended {
-        up.release().await;
-        return finish(upstreams, session, ctx, None).await;
+        return complete(upstreams, session, ctx, up, None).await;
     }
     loop {
         match next(session, &mut up, deadlines.total).await {
@@ -425,17 +424,13 @@ async fn stream(
                 // The chunk that completes the body ends the response at once: the client may
                 // send its next request meanwhile, which the client watch in `next` would read.
                 if up.http.is_body_done() {
-                    up.release().await;
-                    return finish(upstreams, session, ctx, Some(data)).await;
+                    return complete(upstreams, session, ctx, up, Some(data)).await;
                 }
                 if let Err(e) = forward(upstreams.chain, session, ctx, Some(data), false).await {
                     return Outcome::ClientGone(e);
                 }
             }
-            Next::End => {
-                up.release().await;
-                return finish(upstreams, session, ctx, None).await;
-            }
+            Next::End => return complete(upstreams, session, ctx, up, None).await,
             Next::Failed(e) => return broken(upstreams, session, ctx, is_sse, e).await,
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out mid-response");
@@ -501,6 +496,26 @@ async fn send_answer(
         return outcome;
     }
     finish(upstreams, session, ctx, body).await
+}
+
+/// Ends a streamed attempt whose answer came whole, `last` its last chunk: the connection
+/// goes back to the pool at once, then the rest reaches the client. The first token's time
+/// then teaches the backend's prefill speed with what the engine says it computed (its
+/// usage, read as the answer passed).
+async fn complete(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    mut up: Upstream<'_>,
+    last: Option<Bytes>,
+) -> Outcome {
+    let sample = up.in_flight.take_speed_sample();
+    up.release().await;
+    let outcome = finish(upstreams, session, ctx, last).await;
+    if let Some(sample) = sample {
+        sample.learn(usage::engine_computed(ctx));
+    }
+    outcome
 }
 
 /// Writes the last chunk of an answer, if any, and ends it.

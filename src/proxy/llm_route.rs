@@ -219,6 +219,11 @@ impl AttemptLoop {
                 .pool()
                 .cloned()
                 .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
+            // `ttft` learns each backend's prefill speed from what the engine says it
+            // computed: the answer's usage, asked of a stream whose client did not.
+            if matches!(pool.balancing, sluice_sdk::Balancing::Ttft(_)) {
+                ctx.want_usage();
+            }
             let demand = ctx
                 .llm()
                 .map_or_else(Demand::default, |call| pool.demand_for(call));

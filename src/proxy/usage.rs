@@ -76,6 +76,13 @@ fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
     }
 }
 
+/// The prompt tokens the engine counted and those its prefix cache served, when the answer's
+/// usage says both (vLLM's `--enable-prompt-tokens-details`).
+pub fn engine_computed(ctx: &RequestCtx) -> Option<(u64, u64)> {
+    let cached = ctx.state.get::<AnswerUsage>()?.scanner.cached_tokens()?;
+    Some((ctx.usage()?.prompt_tokens, cached))
+}
+
 /// What the engine's prefix cache served, beside what the pool's exact index predicted of
 /// the same attempt (answers that do not say are left out of both).
 fn report_cached_tokens(ctx: &RequestCtx, cached: Option<u64>) {

@@ -466,7 +466,9 @@ impl BackendLive {
             prompt_tokens,
             sent: Instant::now(),
             answered: false,
-            learns: ahead == 0 && queue <= 0.0,
+            alone: ahead == 0 && queue <= 0.0,
+            credit_known: true,
+            speed_sample: None,
             predicted_ttft: None,
             pool: None,
             answered_in_scrape: None,
@@ -737,8 +739,14 @@ pub struct InFlight {
     sent: Instant,
     /// Its first byte came: it counts as decoding, not prefilling.
     answered: bool,
-    /// Its TTFT may teach the backend's prefill speed.
-    learns: bool,
+    /// Nothing was ahead of it there when it was sent (no prefill of this proxy's, no queue
+    /// at the last scrape): its TTFT measures its own prefill, not a queue.
+    alone: bool,
+    /// The part of its prompt the backend's cache serves is known (the exact index's
+    /// credit, or none credited): `prompt_tokens` is what the engine computes.
+    credit_known: bool,
+    /// Its first token's time, kept until the engine says what it computed.
+    speed_sample: Option<SpeedSample>,
     predicted_ttft: Option<f64>,
     pool: Option<Arc<str>>,
     /// The scrape during which a request with a prompt was answered (see
@@ -768,10 +776,18 @@ impl InFlight {
         self.pool = Some(pool);
     }
 
-    /// Its TTFT must not teach the backend's prefill speed: what its prefix cache served is
-    /// not known (the approximate affinity guessed), so the prompt's computed part is not.
+    /// What its prefix cache serves is not known (the approximate affinity guessed), so the
+    /// prompt's computed part is not: its TTFT teaches the prefill speed only if the engine
+    /// says what it computed (see [`SpeedSample::learn`]).
     pub fn without_learning(&mut self) {
-        self.learns = false;
+        self.credit_known = false;
+    }
+
+    /// The first token's time, to be learned from once the answer's usage says what the
+    /// engine computed; `None` when it teaches nothing. Left in place, it is learned from the
+    /// estimate when the request ends.
+    pub fn take_speed_sample(&mut self) -> Option<SpeedSample> {
+        self.speed_sample.take()
     }
 
     /// The pool given to [`InFlight::predict`].
@@ -800,8 +816,12 @@ impl InFlight {
             b.answered_since_scrape.fetch_add(1, Relaxed);
         }
         let observed = self.sent.elapsed().as_secs_f64();
-        if is_first_token && self.learns {
-            b.learn_prefill(self.prompt_tokens, observed);
+        if is_first_token && self.alone {
+            self.speed_sample = Some(SpeedSample {
+                backend: Arc::clone(b),
+                seconds: observed,
+                estimated_computed: self.credit_known.then_some(self.prompt_tokens),
+            });
         }
         Some(FirstByte {
             observed,
@@ -851,8 +871,38 @@ fn next_speed(current: f64, observed: f64, weight: f64) -> f64 {
     current + weight * (sample - current)
 }
 
+/// A streamed answer's time to first token on a backend where nothing was ahead of it: it
+/// teaches the backend's prefill speed with the prompt tokens the engine computed, which only
+/// its usage says exactly (`prompt_tokens` less `prompt_tokens_details.cached_tokens`: a
+/// prefix cache hit is not prefill).
+#[derive(Debug)]
+pub struct SpeedSample {
+    backend: Arc<BackendLive>,
+    seconds: f64,
+    /// The computed part as estimated when the request was sent; `None` when the prefix
+    /// credit was a guess.
+    estimated_computed: Option<u64>,
+}
+
+impl SpeedSample {
+    /// Learns from the sample: with `engine`, the engine's own (prompt tokens, cached
+    /// tokens); else with the estimate, when there is one.
+    pub fn learn(self, engine: Option<(u64, u64)>) {
+        let computed = match engine {
+            Some((prompt, cached)) => Some(prompt.saturating_sub(cached)),
+            None => self.estimated_computed,
+        };
+        if let Some(tokens) = computed {
+            self.backend.learn_prefill(tokens, self.seconds);
+        }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if let Some(sample) = self.speed_sample.take() {
+            sample.learn(None);
+        }
         let b = &self.backend;
         b.in_flight.fetch_sub(1, Relaxed);
         b.committed_tokens.fetch_sub(self.tokens, Relaxed);
@@ -1195,7 +1245,36 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let waited = clean.first_byte(true).unwrap();
         assert!(waited.observed > 0.0);
+        // Learned once the engine says what it computed: here its cache served all but 10
+        // tokens, too few to say anything of the speed.
+        assert_eq!(b.speed_samples(), 0);
+        let sample = clean.take_speed_sample().unwrap();
+        sample.learn(Some((4_000, 3_990)));
+        assert_eq!(b.speed_samples(), 0, "a cache hit is no prefill");
+        drop(clean);
+        assert_eq!(b.speed_samples(), 0, "taken: learned once");
+        // Without the engine's word, the estimate teaches when it is known...
+        let mut estimated = b.begin_request(5_000, 4_000);
+        estimated.first_byte(true);
+        drop(estimated);
         assert_eq!(b.speed_samples(), 1);
+        // ...and not when the prefix credit was a guess, unless the engine says.
+        let mut guessed = b.begin_request(5_000, 4_000);
+        guessed.without_learning();
+        guessed.first_byte(true);
+        let sample = guessed.take_speed_sample().unwrap();
+        drop(guessed);
+        sample.learn(None);
+        assert_eq!(b.speed_samples(), 1);
+        let mut guessed = b.begin_request(5_000, 4_000);
+        guessed.without_learning();
+        std::thread::sleep(Duration::from_millis(5));
+        guessed.first_byte(true);
+        guessed
+            .take_speed_sample()
+            .unwrap()
+            .learn(Some((3_000, 1_000)));
+        assert_eq!(b.speed_samples(), 2);
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub mod retry;
 
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, LoraSlots, OutlierPolicy, Probe,
-    StaleAs, Verdict,
+    SpeedSample, StaleAs, Verdict,
 };
 pub use members::{Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
