@@ -164,6 +164,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 if !left.is_empty() {
                     crate::discovery::drained(&pool, &left);
                 }
+                pool.learn_adapters();
                 if let Some(models) = pool.learn_models() {
                     tracing::info!(pool = &*pool.name, models = ?models, "pool serves the models its backends list");
                 }
@@ -420,6 +421,7 @@ impl Checker {
         match names {
             Some((names, adapters)) => {
                 self.endpoint.live.publish_models(names, adapters);
+                pool.learn_adapters();
                 self.models_due = MODELS_EVERY;
             }
             None => {

@@ -290,6 +290,14 @@ impl BackendLive {
         self.adapters.load_full()
     }
 
+    /// Whether the backend lists the LoRA adapter `name`; `None` until it was asked.
+    pub fn lists_adapter(&self, name: &str) -> Option<bool> {
+        self.adapters
+            .load()
+            .as_deref()
+            .map(|listed| listed.iter().any(|a| a == name))
+    }
+
     /// The model names the backend last listed, if it was asked.
     pub fn served_models(&self) -> Option<Arc<Vec<String>>> {
         self.served_models.load_full()

@@ -390,11 +390,10 @@ enum AdapterReadiness {
 
 /// How ready `live` is for `adapter` (see [`AdapterReadiness`]).
 fn adapter_readiness(live: &BackendLive, adapter: &str) -> AdapterReadiness {
-    let Some(listed) = live.adapters() else {
-        return AdapterReadiness::Waits;
-    };
-    if !listed.iter().any(|a| a == adapter) {
-        return AdapterReadiness::Lacks;
+    match live.lists_adapter(adapter) {
+        None => return AdapterReadiness::Waits,
+        Some(false) => return AdapterReadiness::Lacks,
+        Some(true) => {}
     }
     let load = live.load();
     match load.as_deref().and_then(|l| l.lora.as_ref()) {
@@ -429,6 +428,8 @@ pub struct Pool {
     /// The model names this pool serves (the `model` field of requests): as configured, or
     /// as its backends list them (`models: auto`, see [`Pool::learn_models`]).
     models: ArcSwap<Vec<String>>,
+    /// The LoRA adapters its backends list (see [`Pool::learn_adapters`]).
+    adapters: ArcSwap<Vec<String>>,
     /// Whether the model names are learned from the backends.
     pub auto_models: bool,
     /// The longest context (prompt + output tokens) its model accepts, if known.
@@ -598,6 +599,7 @@ impl Pool {
             name: Arc::from(settings.name.as_str()),
             name_value,
             models: ArcSwap::from_pointee(settings.models),
+            adapters: ArcSwap::from_pointee(Vec::new()),
             auto_models: settings.auto_models,
             max_model_len: settings.max_model_len,
             timeouts: settings.timeouts,
@@ -851,17 +853,29 @@ impl Pool {
     }
 
     /// `model` when it names a LoRA adapter one of the pool's backends lists (their
-    /// `/v1/models`, asked when the pool learns its models or a backend reports LoRA use).
+    /// `/v1/models`: see [`Pool::learn_adapters`]). One load on the request path.
     pub fn adapter<'m>(&self, model: Option<&'m str>) -> Option<&'m str> {
         let model = model?;
-        self.members()
+        self.adapters
+            .load()
             .iter()
-            .any(|e| {
-                e.live
-                    .adapters()
-                    .is_some_and(|listed| listed.iter().any(|a| a == model))
-            })
+            .any(|a| a == model)
             .then_some(model)
+    }
+
+    /// Sets the adapters the pool knows to those its backends list now (their union); the
+    /// health service calls it when a backend's list is read, and as backends come and go.
+    pub fn learn_adapters(&self) {
+        let members = self.members();
+        let mut names: Vec<String> = Vec::new();
+        for listed in members.iter().filter_map(|m| m.live.adapters()) {
+            names.extend(listed.iter().cloned());
+        }
+        names.sort();
+        names.dedup();
+        if **self.adapters.load() != names {
+            self.adapters.store(Arc::new(names));
+        }
     }
 
     /// [`Pool::select`] for a request whose prompt blocks are `prefix` (see
@@ -1565,6 +1579,7 @@ mod tests {
         let live = live_of(pool, spec(port, 1).resolved);
         let names: Vec<String> = adapters.iter().map(|a| a.to_string()).collect();
         live.publish_models(names.clone(), names);
+        pool.learn_adapters();
         live.publish_load(Load {
             lora: Some(crate::health::LoraSlots {
                 max_loras,
