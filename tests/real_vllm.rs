@@ -613,26 +613,30 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
             .as_u64()
             .unwrap()
     };
-    for turns in 1..4 {
-        let before = status().await["prefix_index"]["predicted_cached_tokens"]
+    // The index's predicted cached tokens so far, and what the engine says it served.
+    let predicted = || async {
+        status().await["prefix_index"]["predicted_cached_tokens"]
             .as_u64()
-            .unwrap();
+            .unwrap()
+    };
+    let cached_of = |a: &Answer| {
+        body(a)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    for turns in 1..4 {
+        let before = predicted().await;
         let blocks_before = blocks().await;
         let a = post(&proxy, "/v1/chat/completions", &conversation(turns)).await;
         assert_eq!(a.status, 200, "{}", a.body);
-        let cached = body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
+        let cached = cached_of(&a);
         assert!(
             cached >= 128,
             "turn {turns}: the history is cached: {cached}"
         );
-        let predicted = status().await["prefix_index"]["predicted_cached_tokens"]
-            .as_u64()
-            .unwrap()
-            - before;
+        let credited = predicted().await - before;
         assert_eq!(
-            predicted, cached,
+            credited, cached,
             "turn {turns}: the index agrees with the engine"
         );
         // This turn's new blocks reach the index before the next turn is asked.
@@ -676,40 +680,26 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
     })
     .await
     .expect("the adapter's blocks are indexed");
-    let before = status().await["prefix_index"]["predicted_cached_tokens"]
-        .as_u64()
-        .unwrap();
+    let before = predicted().await;
     let a = post(&proxy, "/v1/chat/completions", &as_adapter(2)).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    let cached = body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap();
+    let cached = cached_of(&a);
     assert!(cached >= 128, "the adapter's history is cached: {cached}");
-    let predicted = status().await["prefix_index"]["predicted_cached_tokens"]
-        .as_u64()
-        .unwrap()
-        - before;
+    let credited = predicted().await - before;
     assert_eq!(
-        predicted, cached,
+        credited, cached,
         "the index agrees with the engine for the adapter"
     );
     // The base model's same prompt: the engine serves nothing of the adapter's blocks, and
     // the index credits nothing.
     let mut base = as_adapter(2);
     base["model"] = json!(MODEL);
-    let before = status().await["prefix_index"]["predicted_cached_tokens"]
-        .as_u64()
-        .unwrap();
+    let before = predicted().await;
     let a = post(&proxy, "/v1/chat/completions", &base).await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
         body(&a)["usage"]["prompt_tokens_details"]["cached_tokens"],
         json!(0)
     );
-    assert_eq!(
-        status().await["prefix_index"]["predicted_cached_tokens"]
-            .as_u64()
-            .unwrap(),
-        before
-    );
+    assert_eq!(predicted().await, before);
 }
