@@ -369,13 +369,15 @@ impl Checker {
             None => {}
         }
 
-        // Every backend is asked once which models it serves: the LoRA adapters among them
-        // route their requests (and are sent under their own name). Then again, now and
-        // then, for a pool that learns its models, and a backend that reports LoRA use
-        // (adapters are loaded and unloaded at run time).
-        let serves_lora = live.load().is_some_and(|load| load.lora.is_some());
+        // Every vLLM (its scrape has a KV usage) is asked once which models it serves: the
+        // LoRA adapters among them route their requests (and are sent under their own name).
+        // Then again, now and then, for a pool that learns its models, and a backend that
+        // reports LoRA use (adapters are loaded and unloaded at run time).
+        let load = live.load();
+        let is_vllm = load.as_ref().is_some_and(|l| l.kv_usage.is_some());
+        let serves_lora = load.as_ref().is_some_and(|l| l.lora.is_some());
         let never_asked = live.adapters().is_none();
-        if pool.auto_models || serves_lora || never_asked {
+        if pool.auto_models || serves_lora || (never_asked && is_vllm) {
             self.ask_models().await;
         }
 
