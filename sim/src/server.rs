@@ -311,6 +311,8 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             handlers::completion(&shared, Kind::Completion, body, request_id).await
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
+        (&Method::POST, "/v1/messages") => handlers::messages(&shared, body, request_id).await,
+        (&Method::POST, "/v1/messages/count_tokens") => handlers::count_tokens(&shared, &body),
         // vLLM serves them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
         (&Method::POST, "/v1/load_lora_adapter" | "/v1/unload_lora_adapter") => {
             let Some(adapters) = &shared.lora else {
@@ -351,7 +353,13 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             };
             json(200, format!("{{\"version\":\"{version}\"}}"))
         }
-        (_, "/v1/chat/completions" | "/v1/completions") => method_not_allowed("POST"),
+        (
+            _,
+            "/v1/chat/completions"
+            | "/v1/completions"
+            | "/v1/messages"
+            | "/v1/messages/count_tokens",
+        ) => method_not_allowed("POST"),
         (_, "/v1/models" | "/health" | "/metrics" | "/version" | "/kv_event_sources") => {
             method_not_allowed("GET")
         }

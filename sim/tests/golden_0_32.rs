@@ -106,6 +106,10 @@ const OTHERS: &[&str] = &[
     "metrics-idle",
     "metrics-after",
     "stream-error-inside-200-grammar",
+    // `anthropic_messages_match_the_captures`:
+    "messages",
+    "messages-stream",
+    "messages-count-tokens",
 ];
 
 /// Captures the simulator cannot answer, and why.
@@ -130,9 +134,6 @@ const SKIPPED: &[(&str, &str)] = &[
     ("load", "/load is not simulated"),
     ("ping", "/ping is not simulated"),
     ("ping-post", "/ping is not simulated"),
-    ("messages", "/v1/messages (Anthropic API) is not simulated"),
-    ("messages-stream", "/v1/messages (Anthropic API) is not simulated"),
-    ("messages-count-tokens", "/v1/messages/count_tokens is not simulated"),
     ("responses", "/v1/responses is not simulated"),
     ("responses-stream", "/v1/responses is not simulated"),
     ("openapi", "/openapi.json is not simulated"),
@@ -622,6 +623,97 @@ async fn streams_match_the_captures() {
         }
     }
     check(differences);
+    sim.shutdown();
+}
+
+/// An Anthropic stream's events: each `event:` name with the skeleton of its data.
+fn anthropic_events(body: &str) -> Vec<(String, String)> {
+    body.split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| {
+            let (name, data) = event
+                .strip_prefix("event: ")
+                .and_then(|rest| rest.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("bad Anthropic event {event:?}"));
+            let data: Value = serde_json::from_str(data).unwrap();
+            (name.to_string(), skeleton(&data))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn anthropic_messages_match_the_captures() {
+    let sim = draft_sim().await;
+    let mut differences = Vec::new();
+    let post = |path: &'static str, name: &'static str| {
+        let url = format!("{}{path}", sim.url());
+        async move {
+            let response = client()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(request_of(name))
+                .send()
+                .await
+                .unwrap();
+            answer_of(response).await
+        }
+    };
+    for (path, name) in [
+        ("/v1/messages", "messages"),
+        ("/v1/messages/count_tokens", "messages-count-tokens"),
+    ] {
+        let capture = Capture::load(name);
+        let answer = post(path, name).await;
+        same_head(&capture, &answer, &mut differences);
+        let (vllm, ours) = (capture.json(), answer.json(name));
+        if shape(&vllm) != shape(&ours) {
+            differences.push(format!(
+                "{name}: shape\n  sim:  {}\n  vLLM: {}",
+                shape(&ours),
+                shape(&vllm)
+            ));
+        }
+        if name == "messages" {
+            // Cut by `max_tokens` (8), as the tiny model was.
+            assert_eq!(ours["stop_reason"], vllm["stop_reason"]);
+            assert_eq!(
+                ours["usage"]["output_tokens"],
+                vllm["usage"]["output_tokens"]
+            );
+            assert_eq!(ours["model"], "tiny-draft");
+        }
+    }
+    // The stream: the same events in the same order (a delta per token: the capture's 3), each
+    // of the same shape.
+    let capture = Capture::load("messages-stream");
+    let answer = post("/v1/messages", "messages-stream").await;
+    same_head(&capture, &answer, &mut differences);
+    let (vllm, ours) = (
+        anthropic_events(&capture.text()),
+        anthropic_events(&answer.text()),
+    );
+    if vllm != ours {
+        differences.push(format!(
+            "messages-stream: events\n  sim:  {ours:?}\n  vLLM: {vllm:?}"
+        ));
+    }
+    check(differences);
+    // An unknown model: vLLM's 404, in Anthropic's error shape.
+    let response = client()
+        .post(format!("{}/v1/messages", sim.url()))
+        .json(&json!({"model": "nope", "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "NotFoundError");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("The model `nope` does not exist."));
     sim.shutdown();
 }
 

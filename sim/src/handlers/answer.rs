@@ -26,6 +26,8 @@ pub struct Answer {
     cached_tokens: std::sync::atomic::AtomicU32,
     /// `--enable-prompt-tokens-details`: usage tells them.
     prompt_details: bool,
+    /// Answered in Anthropic's Messages shape (`messages.rs`), not OpenAI's.
+    pub anthropic: bool,
 }
 
 /// What a stream has sent of one choice so far.
@@ -97,6 +99,7 @@ impl Answer {
             request,
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
             prompt_details: config.prompt_tokens_details,
+            anthropic: false,
         }
     }
 

@@ -5,13 +5,15 @@
 //! - `admission`: getting and keeping a place in the engine, and what a refusal answers;
 //! - `generation`: the latency model and the per-request metrics;
 //! - `answer`: the planned answer and its rendering as JSON or SSE chunks;
-//! - `stream` and `non_stream`: the two ways of sending it.
+//! - `stream` and `non_stream`: the two ways of sending it;
+//! - `messages`: Anthropic's Messages API, run as a chat and answered in its own shape.
 
 mod admission;
 mod answer;
 mod errors;
 mod generation;
 mod injected;
+mod messages;
 mod non_stream;
 mod stream;
 
@@ -91,17 +93,57 @@ pub async fn completion(
         Err(error) => return server::error(shared, &error),
     };
     let answer = Answer::plan(shared, request, max_tokens, request_id);
-    let lora = answer.request.lora.as_ref().map(|adapter| adapter.id);
-    let admission = match shared.engine.admit(answer.kv_tokens(), lora) {
-        Ok(admission) => admission,
-        Err(refusal) => return server::error(shared, &admission::refused(shared, refusal)),
+    generate(shared, started, faults, answer)
+        .await
+        .unwrap_or_else(|error| server::error(shared, &error))
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API, run as the chat completion it converts to
+/// and answered in Anthropic's shape (see `messages.rs`).
+pub async fn messages(shared: &Arc<Shared>, body: Bytes, request_id: Option<&str>) -> HttpResponse {
+    let started = Instant::now();
+    let faults = shared.faults();
+    if let Some(response) = injected::before_request(shared, &faults).await {
+        return response;
+    }
+    let planned = messages::to_chat(&body, true).and_then(|chat| {
+        let chat = serde_json::to_vec(&chat).unwrap_or_default();
+        validate(shared, Kind::Chat, &chat)
+    });
+    let (request, max_tokens) = match planned {
+        Ok(valid) => valid,
+        Err(error) => return messages::error(shared, &error),
     };
+    let mut answer = Answer::plan(shared, request, max_tokens, request_id);
+    answer.anthropic = true;
+    generate(shared, started, faults, answer)
+        .await
+        .unwrap_or_else(|error| messages::error(shared, &error))
+}
+
+/// `POST /v1/messages/count_tokens`.
+pub fn count_tokens(shared: &Shared, body: &[u8]) -> HttpResponse {
+    messages::count_tokens(shared, body)
+}
+
+/// Runs a planned answer in the engine and sends it; an admission refusal is the error.
+async fn generate(
+    shared: &Arc<Shared>,
+    started: Instant,
+    faults: Arc<crate::faults::Faults>,
+    answer: Answer,
+) -> Result<HttpResponse, ApiError> {
+    let lora = answer.request.lora.as_ref().map(|adapter| adapter.id);
+    let admission = shared
+        .engine
+        .admit(answer.kv_tokens(), lora)
+        .map_err(|refusal| admission::refused(shared, refusal))?;
     let generation = Generation::new(Arc::clone(shared), started, &faults, &answer);
-    if answer.request.stream {
+    Ok(if answer.request.stream {
         stream::respond(generation, admission, answer, faults)
     } else {
         non_stream::respond(generation, admission, answer, faults).await
-    }
+    })
 }
 
 /// Parse the body, then check the model name and the context length as vLLM does. Returns the

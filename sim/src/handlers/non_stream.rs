@@ -21,7 +21,11 @@ pub async fn respond(
         Ok(ticket) => ticket,
         Err(refusal) => return server::error(&shared, &admission::refused(&shared, refusal)),
     };
-    let body = answer.full_body();
+    let body = if answer.anthropic {
+        super::messages::message_body(&answer)
+    } else {
+        answer.full_body()
+    };
     generation.finish(answer.finish());
     // The blocks are freed after the request is counted as finished, as the stream does.
     drop(ticket);

@@ -14,6 +14,7 @@ use super::admission;
 use super::answer::{Answer, Sent};
 use super::generation::Generation;
 use super::injected::{self, BodySender, MidStream};
+use super::messages;
 use crate::engine::{Admission, Ticket};
 use crate::faults::Faults;
 use crate::openai::{self, ApiError, Kind};
@@ -151,7 +152,12 @@ async fn run(
     {
         return;
     }
-    if let Flow::Stop = send_tokens(&mut generation, &mut ticket, &answer, &mut events).await {
+    let sent = if answer.anthropic {
+        send_message_events(&mut generation, &mut ticket, &answer, &mut events).await
+    } else {
+        send_tokens(&mut generation, &mut ticket, &answer, &mut events).await
+    };
+    if let Flow::Stop = sent {
         if events.failed {
             generation.fail();
         }
@@ -159,6 +165,14 @@ async fn run(
     }
     generation.finish(answer.finish());
     drop(ticket);
+    if answer.anthropic {
+        for event in messages::end_events(&answer) {
+            if let Flow::Stop = events.send(event).await {
+                return;
+            }
+        }
+        return;
+    }
     if answer.request.include_usage {
         if let Flow::Stop = events.send(answer.usage_chunk()).await {
             return;
@@ -202,6 +216,44 @@ async fn hold(
         }
         None => Flow::Stop,
     }
+}
+
+/// Anthropic's stream: every engine step as in [`send_tokens`], the message's start events
+/// with the first token, then a text delta for each token that shows text.
+async fn send_message_events(
+    generation: &mut Generation,
+    ticket: &mut Ticket,
+    answer: &Answer,
+    events: &mut EventSender,
+) -> Flow {
+    let mut sent = 0;
+    let mut held = u64::from(answer.prompt_tokens());
+    for step in 0..answer.steps() {
+        if step > 0 {
+            if let Flow::Stop = events.sleep(generation.inter_token_delay()).await {
+                return Flow::Stop;
+            }
+        }
+        let tokens = answer.tokens_at(step);
+        held += tokens;
+        if let Flow::Stop = hold(events, ticket, held, generation).await {
+            return Flow::Stop;
+        }
+        generation.step(tokens);
+        if step == 0 {
+            for event in messages::start_events(answer) {
+                if let Flow::Stop = events.send(event).await {
+                    return Flow::Stop;
+                }
+            }
+        }
+        if let Some(text) = messages::text_at(answer, step, &mut sent).filter(|t| !t.is_empty()) {
+            if let Flow::Stop = events.send(messages::delta_event(text)).await {
+                return Flow::Stop;
+            }
+        }
+    }
+    Flow::Continue
 }
 
 /// Every engine step: wait for the step, take its blocks, send its tokens.
