@@ -177,6 +177,9 @@ pub struct SimConfig {
     pub prompt_tokens_details: bool,
     /// LoRA adapters (`--enable-lora`): see `lora.rs`.
     pub lora: Option<LoraConfig>,
+    /// Keep the Responses API's responses (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`), in
+    /// this instance's memory: see `handlers/responses_api.rs`.
+    pub responses_store: bool,
 }
 
 /// vLLM's LoRA serving, as far as a router sees it: `--max-loras` (adapters one batch may
@@ -281,6 +284,7 @@ impl SimConfig {
             kv_events: None,
             prompt_tokens_details: false,
             lora: None,
+            responses_store: false,
         };
         match profile {
             Profile::Zero => base,
@@ -424,6 +428,11 @@ impl SimConfig {
     pub fn with_kv_events(mut self, events: KvEventsConfig) -> Self {
         self.prefix_caching = true;
         self.kv_events = Some(events);
+        self
+    }
+    /// Keeps the Responses API's responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`).
+    pub fn with_responses_store(mut self, store: bool) -> Self {
+        self.responses_store = store;
         self
     }
     /// Serves LoRA adapters (`--enable-lora`).

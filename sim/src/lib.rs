@@ -102,6 +102,8 @@ pub(crate) struct Shared {
     kv_events: Option<kv_events::Endpoints>,
     /// The LoRA adapters, with `--enable-lora`.
     lora: Option<lora::Adapters>,
+    /// The Responses API's responses, with `responses_store`.
+    responses: Option<handlers::responses_api::Store>,
 }
 
 impl Shared {
@@ -279,6 +281,9 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
             config.lora.as_ref().map_or(0, |l| l.max_loras),
         ),
         lora: config.lora.as_ref().map(lora::Adapters::new),
+        responses: config
+            .responses_store
+            .then(handlers::responses_api::Store::default),
         metrics: Metrics::new(&config, model_name),
         stats: Recorder::new(config.record_requests),
         faults: RwLock::new(Arc::new(Faults::default())),

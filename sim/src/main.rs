@@ -141,6 +141,10 @@ struct Args {
     /// Time to load an adapter into a free slot (not a vLLM flag).
     #[arg(long, default_value_t = 0.0)]
     lora_load_time_ms: f64,
+    /// Keep the Responses API's responses, as vLLM with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`.
+    #[arg(long)]
+    responses_store: bool,
 }
 
 /// The LoRA serving of `--enable-lora` and the flags beside it.
@@ -249,6 +253,7 @@ fn config(args: &Args) -> Result<SimConfig, String> {
         }
     }
     config.lora = lora(args)?;
+    config.responses_store = args.responses_store;
     if let Some(faults) = &args.faults {
         config.faults =
             serde_json::from_str::<Faults>(faults).map_err(|error| format!("--faults: {error}"))?;

@@ -312,6 +312,17 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         }
         (&Method::GET, "/v1/models") => handlers::models(&shared),
         (&Method::POST, "/v1/messages") => handlers::messages(&shared, body, request_id).await,
+        (&Method::POST, "/v1/responses") => handlers::responses(&shared, body, request_id).await,
+        (&Method::GET, _) if path.starts_with("/v1/responses/") => {
+            let id = path.trim_start_matches("/v1/responses/");
+            handlers::stored_response(&shared, id, false)
+        }
+        (&Method::POST, _) if path.starts_with("/v1/responses/") && path.ends_with("/cancel") => {
+            let id = path
+                .trim_start_matches("/v1/responses/")
+                .trim_end_matches("/cancel");
+            handlers::stored_response(&shared, id, true)
+        }
         (&Method::POST, "/v1/messages/count_tokens") => handlers::count_tokens(&shared, &body),
         // vLLM serves them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
         (&Method::POST, "/v1/load_lora_adapter" | "/v1/unload_lora_adapter") => {

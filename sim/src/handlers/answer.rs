@@ -26,8 +26,19 @@ pub struct Answer {
     cached_tokens: std::sync::atomic::AtomicU32,
     /// `--enable-prompt-tokens-details`: usage tells them.
     prompt_details: bool,
-    /// Answered in Anthropic's Messages shape (`messages.rs`), not OpenAI's.
-    pub anthropic: bool,
+    /// The API the answer is written in.
+    pub wire: Wire,
+}
+
+/// The API an answer is written in: OpenAI's chat or text completions, or another API run as
+/// a chat.
+#[derive(Debug)]
+pub enum Wire {
+    OpenAi,
+    /// Anthropic's Messages (`messages.rs`).
+    Anthropic,
+    /// OpenAI's Responses (`responses_api.rs`), with what the response echoes.
+    Responses(Box<super::responses_api::ResponseRequest>),
 }
 
 /// What a stream has sent of one choice so far.
@@ -99,7 +110,7 @@ impl Answer {
             request,
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
             prompt_details: config.prompt_tokens_details,
-            anthropic: false,
+            wire: Wire::OpenAi,
         }
     }
 
@@ -107,6 +118,12 @@ impl Answer {
     pub fn set_cached_tokens(&self, tokens: u32) {
         self.cached_tokens
             .store(tokens, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Prompt tokens the prefix cache served.
+    pub fn cached_tokens(&self) -> u32 {
+        self.cached_tokens
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `usage.prompt_tokens_details`, with `--enable-prompt-tokens-details`.

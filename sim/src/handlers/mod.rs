@@ -15,6 +15,7 @@ mod generation;
 mod injected;
 mod messages;
 mod non_stream;
+pub(crate) mod responses_api;
 mod stream;
 
 use std::sync::Arc;
@@ -27,7 +28,7 @@ use crate::openai::{self, ApiError, CompletionRequest, Kind, ModelCard, ModelLis
 use crate::server::{self, HttpResponse};
 use crate::Shared;
 
-use answer::Answer;
+use answer::{Answer, Wire};
 use generation::Generation;
 
 /// `GET /v1/models`: the served names, then the LoRA adapters (their base model as `parent`,
@@ -115,10 +116,54 @@ pub async fn messages(shared: &Arc<Shared>, body: Bytes, request_id: Option<&str
         Err(error) => return messages::error(shared, &error),
     };
     let mut answer = Answer::plan(shared, request, max_tokens, request_id);
-    answer.anthropic = true;
+    answer.wire = Wire::Anthropic;
     generate(shared, started, faults, answer)
         .await
         .unwrap_or_else(|error| messages::error(shared, &error))
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API, run as the chat it converts to and answered
+/// as a `response` (see `responses_api.rs`).
+pub async fn responses(
+    shared: &Arc<Shared>,
+    body: Bytes,
+    request_id: Option<&str>,
+) -> HttpResponse {
+    let started = Instant::now();
+    let faults = shared.faults();
+    if let Some(response) = injected::before_request(shared, &faults).await {
+        return response;
+    }
+    let planned =
+        responses_api::to_chat(&body, shared.responses.as_ref()).and_then(|(chat, echo)| {
+            let chat = serde_json::to_vec(&chat).unwrap_or_default();
+            validate(shared, Kind::Chat, &chat).map(|valid| (valid, echo))
+        });
+    let ((request, max_tokens), echo) = match planned {
+        Ok(planned) => planned,
+        Err(error) => return server::error(shared, &error),
+    };
+    let mut answer = Answer::plan(shared, request, max_tokens, request_id);
+    answer.id = shared.next_id("resp_");
+    answer.wire = Wire::Responses(Box::new(echo));
+    generate(shared, started, faults, answer)
+        .await
+        .unwrap_or_else(|error| server::error(shared, &error))
+}
+
+/// `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: a response this instance
+/// keeps (with its store on), or vLLM's errors.
+pub fn stored_response(shared: &Shared, id: &str, cancel: bool) -> HttpResponse {
+    let store = shared.responses.as_ref();
+    let answered = match (store, cancel) {
+        (Some(store), false) => store.get(id),
+        (Some(store), true) => Err(store.cancel(id)),
+        (None, _) => Err(responses_api::not_found(id)),
+    };
+    match answered {
+        Ok(body) => server::json(200, body),
+        Err(error) => server::error(shared, &error),
+    }
 }
 
 /// `POST /v1/messages/count_tokens`.

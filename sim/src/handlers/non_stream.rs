@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::admission;
-use super::answer::Answer;
+use super::answer::{Answer, Wire};
 use super::generation::{sleep, Generation};
 use super::injected;
 use crate::engine::{Admission, Refusal, Ticket};
@@ -21,10 +21,12 @@ pub async fn respond(
         Ok(ticket) => ticket,
         Err(refusal) => return server::error(&shared, &admission::refused(&shared, refusal)),
     };
-    let body = if answer.anthropic {
-        super::messages::message_body(&answer)
-    } else {
-        answer.full_body()
+    let body = match &answer.wire {
+        Wire::OpenAi => answer.full_body(),
+        Wire::Anthropic => super::messages::message_body(&answer),
+        Wire::Responses(echo) => {
+            super::responses_api::response_body(&answer, echo, shared.responses.as_ref())
+        }
     };
     generation.finish(answer.finish());
     // The blocks are freed after the request is counted as finished, as the stream does.

@@ -11,10 +11,10 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::admission;
-use super::answer::{Answer, Sent};
+use super::answer::{Answer, Sent, Wire};
 use super::generation::Generation;
 use super::injected::{self, BodySender, MidStream};
-use super::messages;
+use super::{messages, responses_api};
 use crate::engine::{Admission, Ticket};
 use crate::faults::Faults;
 use crate::openai::{self, ApiError, Kind};
@@ -152,10 +152,19 @@ async fn run(
     {
         return;
     }
-    let sent = if answer.anthropic {
-        send_message_events(&mut generation, &mut ticket, &answer, &mut events).await
-    } else {
-        send_tokens(&mut generation, &mut ticket, &answer, &mut events).await
+    let mut numbered = responses_api::Events::default();
+    let sent = match &answer.wire {
+        Wire::OpenAi => send_tokens(&mut generation, &mut ticket, &answer, &mut events).await,
+        Wire::Anthropic | Wire::Responses(_) => {
+            send_text_events(
+                &mut generation,
+                &mut ticket,
+                &answer,
+                &mut events,
+                &mut numbered,
+            )
+            .await
+        }
     };
     if let Flow::Stop = sent {
         if events.failed {
@@ -165,8 +174,16 @@ async fn run(
     }
     generation.finish(answer.finish());
     drop(ticket);
-    if answer.anthropic {
-        for event in messages::end_events(&answer) {
+    let end: Vec<Bytes> = match &answer.wire {
+        Wire::OpenAi => Vec::new(),
+        Wire::Anthropic => messages::end_events(&answer).to_vec(),
+        Wire::Responses(echo) => {
+            let store = events.shared.responses.as_ref();
+            numbered.end(&answer, echo, store)
+        }
+    };
+    if !end.is_empty() {
+        for event in end {
             if let Flow::Stop = events.send(event).await {
                 return;
             }
@@ -218,13 +235,15 @@ async fn hold(
     }
 }
 
-/// Anthropic's stream: every engine step as in [`send_tokens`], the message's start events
-/// with the first token, then a text delta for each token that shows text.
-async fn send_message_events(
+/// The stream of an API run as a chat (Anthropic's Messages, OpenAI's Responses): every
+/// engine step as in [`send_tokens`], the API's start events with the first token, then a
+/// text delta for each token that shows text.
+async fn send_text_events(
     generation: &mut Generation,
     ticket: &mut Ticket,
     answer: &Answer,
     events: &mut EventSender,
+    numbered: &mut responses_api::Events,
 ) -> Flow {
     let mut sent = 0;
     let mut held = u64::from(answer.prompt_tokens());
@@ -241,14 +260,22 @@ async fn send_message_events(
         }
         generation.step(tokens);
         if step == 0 {
-            for event in messages::start_events(answer) {
+            let start = match &answer.wire {
+                Wire::Responses(echo) => numbered.start(answer, echo),
+                _ => messages::start_events(answer).to_vec(),
+            };
+            for event in start {
                 if let Flow::Stop = events.send(event).await {
                     return Flow::Stop;
                 }
             }
         }
         if let Some(text) = messages::text_at(answer, step, &mut sent).filter(|t| !t.is_empty()) {
-            if let Flow::Stop = events.send(messages::delta_event(text)).await {
+            let delta = match &answer.wire {
+                Wire::Responses(_) => numbered.delta(answer, text),
+                _ => messages::delta_event(text),
+            };
+            if let Flow::Stop = events.send(delta).await {
                 return Flow::Stop;
             }
         }
