@@ -352,8 +352,11 @@ impl Answer {
 }
 
 async fn ask(sim: &Sim, name: &str) -> Answer {
-    let request = request_of(name);
-    let path = path_of(&request);
+    ask_at(sim, path_of(&request_of(name)), name).await
+}
+
+/// The simulator's answer to a capture's request sent to `path`.
+async fn ask_at(sim: &Sim, path: &str, name: &str) -> Answer {
     // The capture sent this one as text/plain, which vLLM ignores.
     let content_type = if name == "err-wrong-content-type" {
         "text/plain"
@@ -363,7 +366,7 @@ async fn ask(sim: &Sim, name: &str) -> Answer {
     let response = client()
         .post(format!("{}{path}", sim.url()))
         .header("content-type", content_type)
-        .body(request)
+        .body(request_of(name))
         .send()
         .await
         .unwrap();
@@ -647,25 +650,12 @@ fn named_events(body: &str) -> Vec<(String, String)> {
 async fn anthropic_messages_match_the_captures() {
     let sim = draft_sim().await;
     let mut differences = Vec::new();
-    let post = |path: &'static str, name: &'static str| {
-        let url = format!("{}{path}", sim.url());
-        async move {
-            let response = client()
-                .post(url)
-                .header("content-type", "application/json")
-                .body(request_of(name))
-                .send()
-                .await
-                .unwrap();
-            answer_of(response).await
-        }
-    };
     for (path, name) in [
         ("/v1/messages", "messages"),
         ("/v1/messages/count_tokens", "messages-count-tokens"),
     ] {
         let capture = Capture::load(name);
-        let answer = post(path, name).await;
+        let answer = ask_at(&sim, path, name).await;
         same_head(&capture, &answer, &mut differences);
         let (vllm, ours) = (capture.json(), answer.json(name));
         if shape(&vllm) != shape(&ours) {
@@ -688,7 +678,7 @@ async fn anthropic_messages_match_the_captures() {
     // The stream: the same events in the same order (a delta per token: the capture's 3), each
     // of the same shape.
     let capture = Capture::load("messages-stream");
-    let answer = post("/v1/messages", "messages-stream").await;
+    let answer = ask_at(&sim, "/v1/messages", "messages-stream").await;
     same_head(&capture, &answer, &mut differences);
     let (vllm, ours) = (named_events(&capture.text()), named_events(&answer.text()));
     if vllm != ours {
@@ -720,21 +710,8 @@ async fn anthropic_messages_match_the_captures() {
 async fn responses_match_the_captures() {
     let sim = draft_sim().await;
     let mut differences = Vec::new();
-    let post = |name: &'static str| {
-        let url = format!("{}/v1/responses", sim.url());
-        async move {
-            let response = client()
-                .post(url)
-                .header("content-type", "application/json")
-                .body(request_of(name))
-                .send()
-                .await
-                .unwrap();
-            answer_of(response).await
-        }
-    };
     let capture = Capture::load("responses");
-    let answer = post("responses").await;
+    let answer = ask_at(&sim, "/v1/responses", "responses").await;
     same_head(&capture, &answer, &mut differences);
     let (vllm, ours) = (capture.json(), answer.json("responses"));
     if shape(&vllm) != shape(&ours) {
@@ -761,7 +738,7 @@ async fn responses_match_the_captures() {
     // The stream: the same events in the same order, each of the same shape; vLLM's
     // detokenizer grouped its 4 tokens in 2 deltas, the simulator sends one a token.
     let capture = Capture::load("responses-stream");
-    let answer = post("responses-stream").await;
+    let answer = ask_at(&sim, "/v1/responses", "responses-stream").await;
     same_head(&capture, &answer, &mut differences);
     let collapsed = |events: Vec<(String, String)>| {
         let mut events = events;

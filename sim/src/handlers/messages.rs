@@ -19,8 +19,9 @@
 //!   (`NotFoundError`, `BadRequestError`) and status.
 //!
 //! Not simulated: tool calls in answers (the chat path never calls tools), thinking blocks,
-//! images, and the shape of request validation errors (not captured: the Anthropic wrapper
-//! is used for them too).
+//! images, the shape of request validation errors (not captured: the Anthropic wrapper is
+//! used for them too), and Anthropic's `error` event (an injected mid-stream fault ends the
+//! stream with the chat path's error event).
 
 use bytes::Bytes;
 use serde::Serialize;

@@ -76,6 +76,19 @@ pub fn models(shared: &Shared) -> HttpResponse {
     server::json(200, serde_json::to_vec(&list).unwrap_or_default())
 }
 
+/// A generation request arrives: when, the faults it meets, or the answer a fault gives it
+/// before anything runs.
+async fn arrive(
+    shared: &Arc<Shared>,
+) -> Result<(Instant, Arc<crate::faults::Faults>), HttpResponse> {
+    let started = Instant::now();
+    let faults = shared.faults();
+    match injected::before_request(shared, &faults).await {
+        Some(response) => Err(response),
+        None => Ok((started, faults)),
+    }
+}
+
 /// `POST /v1/chat/completions` and `POST /v1/completions`. `request_id` is the client's
 /// `X-Request-Id` header.
 pub async fn completion(
@@ -84,11 +97,10 @@ pub async fn completion(
     body: Bytes,
     request_id: Option<&str>,
 ) -> HttpResponse {
-    let started = Instant::now();
-    let faults = shared.faults();
-    if let Some(response) = injected::before_request(shared, &faults).await {
-        return response;
-    }
+    let (started, faults) = match arrive(shared).await {
+        Ok(arrived) => arrived,
+        Err(response) => return response,
+    };
     let (request, max_tokens) = match validate(shared, kind, &body) {
         Ok(valid) => valid,
         Err(error) => return server::error(shared, &error),
@@ -102,11 +114,10 @@ pub async fn completion(
 /// `POST /v1/messages`: Anthropic's Messages API, run as the chat completion it converts to
 /// and answered in Anthropic's shape (see `messages.rs`).
 pub async fn messages(shared: &Arc<Shared>, body: Bytes, request_id: Option<&str>) -> HttpResponse {
-    let started = Instant::now();
-    let faults = shared.faults();
-    if let Some(response) = injected::before_request(shared, &faults).await {
-        return response;
-    }
+    let (started, faults) = match arrive(shared).await {
+        Ok(arrived) => arrived,
+        Err(response) => return response,
+    };
     let planned = messages::to_chat(&body, true).and_then(|chat| {
         let chat = serde_json::to_vec(&chat).unwrap_or_default();
         validate(shared, Kind::Chat, &chat)
@@ -129,11 +140,10 @@ pub async fn responses(
     body: Bytes,
     request_id: Option<&str>,
 ) -> HttpResponse {
-    let started = Instant::now();
-    let faults = shared.faults();
-    if let Some(response) = injected::before_request(shared, &faults).await {
-        return response;
-    }
+    let (started, faults) = match arrive(shared).await {
+        Ok(arrived) => arrived,
+        Err(response) => return response,
+    };
     let planned =
         responses_api::to_chat(&body, shared.responses.as_ref()).and_then(|(chat, echo)| {
             let chat = serde_json::to_vec(&chat).unwrap_or_default();

@@ -235,6 +235,30 @@ async fn hold(
     }
 }
 
+/// Engine step `step`: waits for it (after the first), takes the blocks its tokens need
+/// (`held` grows by them) and counts them.
+async fn engine_step(
+    generation: &mut Generation,
+    ticket: &mut Ticket,
+    answer: &Answer,
+    events: &mut EventSender,
+    step: usize,
+    held: &mut u64,
+) -> Flow {
+    if step > 0 {
+        if let Flow::Stop = events.sleep(generation.inter_token_delay()).await {
+            return Flow::Stop;
+        }
+    }
+    let tokens = answer.tokens_at(step);
+    *held += tokens;
+    if let Flow::Stop = hold(events, ticket, *held, generation).await {
+        return Flow::Stop;
+    }
+    generation.step(tokens);
+    Flow::Continue
+}
+
 /// The stream of an API run as a chat (Anthropic's Messages, OpenAI's Responses): every
 /// engine step as in [`send_tokens`], the API's start events with the first token, then a
 /// text delta for each token that shows text.
@@ -248,17 +272,9 @@ async fn send_text_events(
     let mut sent = 0;
     let mut held = u64::from(answer.prompt_tokens());
     for step in 0..answer.steps() {
-        if step > 0 {
-            if let Flow::Stop = events.sleep(generation.inter_token_delay()).await {
-                return Flow::Stop;
-            }
-        }
-        let tokens = answer.tokens_at(step);
-        held += tokens;
-        if let Flow::Stop = hold(events, ticket, held, generation).await {
+        if let Flow::Stop = engine_step(generation, ticket, answer, events, step, &mut held).await {
             return Flow::Stop;
         }
-        generation.step(tokens);
         if step == 0 {
             let start = match &answer.wire {
                 Wire::Responses(echo) => numbered.start(answer, echo),
@@ -297,17 +313,9 @@ async fn send_tokens(
         .flatten();
     let mut held = u64::from(answer.prompt_tokens());
     for step in 0..answer.steps() {
-        if step > 0 {
-            if let Flow::Stop = events.sleep(generation.inter_token_delay()).await {
-                return Flow::Stop;
-            }
-        }
-        let tokens = answer.tokens_at(step);
-        held += tokens;
-        if let Flow::Stop = hold(events, ticket, held, generation).await {
+        if let Flow::Stop = engine_step(generation, ticket, answer, events, step, &mut held).await {
             return Flow::Stop;
         }
-        generation.step(tokens);
         if step == 0 && answer.request.kind == Kind::Chat {
             // The role chunks come with the first token.
             for (index, _) in (0u32..).zip(&answer.choices) {
