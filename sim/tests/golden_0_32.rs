@@ -417,6 +417,29 @@ fn same_head(capture: &Capture, answer: &Answer, differences: &mut Vec<String>) 
     }
 }
 
+/// Notes a difference when the simulator's JSON `ours` is not shaped as vLLM's.
+fn compare_shapes(name: &str, vllm: &Value, ours: &Value, differences: &mut Vec<String>) {
+    if shape(vllm) != shape(ours) {
+        differences.push(format!(
+            "{name}: shape\n  sim:  {}\n  vLLM: {}",
+            shape(ours),
+            shape(vllm)
+        ));
+    }
+}
+
+/// Notes a difference when the simulator's `ours` is not vLLM's (a stream's events).
+fn compare<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    vllm: &T,
+    ours: &T,
+    differences: &mut Vec<String>,
+) {
+    if vllm != ours {
+        differences.push(format!("{what}\n  sim:  {ours:?}\n  vLLM: {vllm:?}"));
+    }
+}
+
 fn check(differences: Vec<String>) {
     assert!(
         differences.is_empty(),
@@ -581,13 +604,7 @@ async fn json_answers_match_the_captures() {
         let answer = ask(&sim, name).await;
         same_head(&capture, &answer, &mut differences);
         let (vllm, ours) = (capture.json(), answer.json(name));
-        if shape(&vllm) != shape(&ours) {
-            differences.push(format!(
-                "{name}: shape\n  sim:  {}\n  vLLM: {}",
-                shape(&ours),
-                shape(&vllm)
-            ));
-        }
+        compare_shapes(name, &vllm, &ours, &mut differences);
         for field in ["finish_reason", "stop_reason"] {
             let (theirs, mine) = (&vllm["choices"][0][field], &ours["choices"][0][field]);
             // The stop string is the request's; the EOS token's id is the tokenizer's.
@@ -620,11 +637,7 @@ async fn streams_match_the_captures() {
         let answer = ask(&sim, name).await;
         same_head(&capture, &answer, &mut differences);
         let (vllm, ours) = (stream_shape(&capture.text()), stream_shape(&answer.text()));
-        if vllm != ours {
-            differences.push(format!(
-                "{name}: stream\n  sim:  {ours:?}\n  vLLM: {vllm:?}"
-            ));
-        }
+        compare(&format!("{name}: stream"), &vllm, &ours, &mut differences);
     }
     check(differences);
     sim.shutdown();
@@ -658,13 +671,7 @@ async fn anthropic_messages_match_the_captures() {
         let answer = ask_at(&sim, path, name).await;
         same_head(&capture, &answer, &mut differences);
         let (vllm, ours) = (capture.json(), answer.json(name));
-        if shape(&vllm) != shape(&ours) {
-            differences.push(format!(
-                "{name}: shape\n  sim:  {}\n  vLLM: {}",
-                shape(&ours),
-                shape(&vllm)
-            ));
-        }
+        compare_shapes(name, &vllm, &ours, &mut differences);
         if name == "messages" {
             // Cut by `max_tokens` (8), as the tiny model was.
             assert_eq!(ours["stop_reason"], vllm["stop_reason"]);
@@ -681,11 +688,7 @@ async fn anthropic_messages_match_the_captures() {
     let answer = ask_at(&sim, "/v1/messages", "messages-stream").await;
     same_head(&capture, &answer, &mut differences);
     let (vllm, ours) = (named_events(&capture.text()), named_events(&answer.text()));
-    if vllm != ours {
-        differences.push(format!(
-            "messages-stream: events\n  sim:  {ours:?}\n  vLLM: {vllm:?}"
-        ));
-    }
+    compare("messages-stream: events", &vllm, &ours, &mut differences);
     check(differences);
     // An unknown model: vLLM's 404, in Anthropic's error shape.
     let response = client()
@@ -714,13 +717,7 @@ async fn responses_match_the_captures() {
     let answer = ask_at(&sim, "/v1/responses", "responses").await;
     same_head(&capture, &answer, &mut differences);
     let (vllm, ours) = (capture.json(), answer.json("responses"));
-    if shape(&vllm) != shape(&ours) {
-        differences.push(format!(
-            "responses: shape\n  sim:  {}\n  vLLM: {}",
-            shape(&ours),
-            shape(&vllm)
-        ));
-    }
+    compare_shapes("responses", &vllm, &ours, &mut differences);
     // Cut by `max_output_tokens` (8), as the tiny model was.
     for field in [
         "status",
@@ -749,11 +746,7 @@ async fn responses_match_the_captures() {
         collapsed(named_events(&capture.text())),
         collapsed(named_events(&answer.text())),
     );
-    if vllm != ours {
-        differences.push(format!(
-            "responses-stream: events\n  sim:  {ours:?}\n  vLLM: {vllm:?}"
-        ));
-    }
+    compare("responses-stream: events", &vllm, &ours, &mut differences);
     check(differences);
     sim.shutdown();
 }
@@ -807,13 +800,7 @@ async fn errors_match_the_captures() {
         let answer = ask(&sim, name).await;
         same_head(&capture, &answer, &mut differences);
         let (vllm, ours) = (capture.json(), answer.json(name));
-        if shape(&vllm) != shape(&ours) {
-            differences.push(format!(
-                "{name}: shape\n  sim:  {}\n  vLLM: {}",
-                shape(&ours),
-                shape(&vllm)
-            ));
-        }
+        compare_shapes(name, &vllm, &ours, &mut differences);
         for field in ["type", "param", "code", "message"] {
             if vllm["error"][field] != ours["error"][field] {
                 differences.push(format!(
@@ -883,13 +870,7 @@ async fn other_endpoints_match_the_captures() {
         }
         if capture.header("content-type") == Some("application/json") && !capture.body.is_empty() {
             let (vllm, ours) = (capture.json(), answer.json(name));
-            if shape(&vllm) != shape(&ours) {
-                differences.push(format!(
-                    "{name}: shape\n  sim:  {}\n  vLLM: {}",
-                    shape(&ours),
-                    shape(&vllm)
-                ));
-            }
+            compare_shapes(name, &vllm, &ours, &mut differences);
             if name != "models" && vllm != ours {
                 differences.push(format!("{name}: {ours} (vLLM {vllm})"));
             }
@@ -1087,9 +1068,7 @@ async fn a_stream_error_event_is_written_as_captured() {
     let mut differences = Vec::new();
     same_head(&capture, &answer, &mut differences);
     let (vllm, ours) = (stream_shape(&capture.text()), stream_shape(&answer.text()));
-    if vllm != ours {
-        differences.push(format!("stream error\n  sim:  {ours:?}\n  vLLM: {vllm:?}"));
-    }
+    compare("stream error", &vllm, &ours, &mut differences);
     let (vllm, ours) = (capture.text(), answer.text());
     for written in [
         "data: {\"error\": {\"message\": \"",

@@ -28,7 +28,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::answer::Answer;
-use crate::openai::{ApiError, Kind};
+use crate::openai::ApiError;
 use crate::server::{self, HttpResponse};
 use crate::text::{Finish, StopReason};
 use crate::Shared;
@@ -47,7 +47,7 @@ pub fn to_chat(body: &[u8], for_generation: bool) -> Result<Value, ApiError> {
         .as_array()
         .ok_or_else(|| missing("messages"))?;
     let mut chat_messages = Vec::new();
-    if let Some(system) = system_text(&request["system"]) {
+    if let Some(system) = joined_text(&request["system"]) {
         chat_messages.push(json!({"role": "system", "content": system}));
     }
     for message in messages {
@@ -84,9 +84,10 @@ pub fn to_chat(body: &[u8], for_generation: bool) -> Result<Value, ApiError> {
     Ok(chat)
 }
 
-/// The top-level `system`: a string, or text blocks joined.
-fn system_text(system: &Value) -> Option<String> {
-    match system {
+/// The text of a field that is a string or a list of text blocks (joined); `None` when it is
+/// neither.
+pub(super) fn joined_text(value: &Value) -> Option<String> {
+    match value {
         Value::String(text) => Some(text.clone()),
         Value::Array(blocks) => Some(
             blocks
@@ -128,14 +129,7 @@ fn convert_message(message: &Value, out: &mut Vec<Value>) {
                 },
             })),
             Some("tool_result") => {
-                let content = match &block["content"] {
-                    Value::String(text) => text.clone(),
-                    Value::Array(parts) => parts
-                        .iter()
-                        .filter_map(|part| part["text"].as_str())
-                        .collect(),
-                    _ => String::new(),
-                };
+                let content = joined_text(&block["content"]).unwrap_or_default();
                 out.push(json!({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}));
             }
             _ => {}
@@ -286,8 +280,7 @@ pub fn text_at<'a>(answer: &'a Answer, step: usize, sent: &mut usize) -> Option<
 /// `POST /v1/messages/count_tokens`: the prompt's tokens as the chat template makes them.
 pub fn count_tokens(shared: &Shared, body: &[u8]) -> HttpResponse {
     let counted = to_chat(body, false).and_then(|chat| {
-        let chat = serde_json::to_vec(&chat).unwrap_or_default();
-        super::validate(shared, Kind::Chat, &chat).map(|(request, _)| request.prompt.tokens)
+        super::validate_chat(shared, &chat).map(|(request, _)| request.prompt.tokens)
     });
     match counted {
         Ok(tokens) => server::json(

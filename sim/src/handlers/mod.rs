@@ -97,40 +97,20 @@ pub async fn completion(
     body: Bytes,
     request_id: Option<&str>,
 ) -> HttpResponse {
-    let (started, faults) = match arrive(shared).await {
-        Ok(arrived) => arrived,
-        Err(response) => return response,
+    let plan = |shared: &Shared| {
+        validate(shared, kind, &body).map(|(request, max)| (request, max, Wire::OpenAi))
     };
-    let (request, max_tokens) = match validate(shared, kind, &body) {
-        Ok(valid) => valid,
-        Err(error) => return server::error(shared, &error),
-    };
-    let answer = Answer::plan(shared, request, max_tokens, request_id);
-    generate(shared, started, faults, answer)
-        .await
-        .unwrap_or_else(|error| server::error(shared, &error))
+    serve(shared, request_id, plan, server::error).await
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, run as the chat completion it converts to
 /// and answered in Anthropic's shape (see `messages.rs`).
 pub async fn messages(shared: &Arc<Shared>, body: Bytes, request_id: Option<&str>) -> HttpResponse {
-    let (started, faults) = match arrive(shared).await {
-        Ok(arrived) => arrived,
-        Err(response) => return response,
+    let plan = |shared: &Shared| {
+        let chat = messages::to_chat(&body, true)?;
+        validate_chat(shared, &chat).map(|(request, max)| (request, max, Wire::Anthropic))
     };
-    let planned = messages::to_chat(&body, true).and_then(|chat| {
-        let chat = serde_json::to_vec(&chat).unwrap_or_default();
-        validate(shared, Kind::Chat, &chat)
-    });
-    let (request, max_tokens) = match planned {
-        Ok(valid) => valid,
-        Err(error) => return messages::error(shared, &error),
-    };
-    let mut answer = Answer::plan(shared, request, max_tokens, request_id);
-    answer.wire = Wire::Anthropic;
-    generate(shared, started, faults, answer)
-        .await
-        .unwrap_or_else(|error| messages::error(shared, &error))
+    serve(shared, request_id, plan, messages::error).await
 }
 
 /// `POST /v1/responses`: OpenAI's Responses API, run as the chat it converts to and answered
@@ -140,25 +120,48 @@ pub async fn responses(
     body: Bytes,
     request_id: Option<&str>,
 ) -> HttpResponse {
+    let plan = |shared: &Shared| {
+        let (chat, echo) = responses_api::to_chat(&body, shared.responses.as_ref())?;
+        let wire = Wire::Responses(Box::new(echo));
+        validate_chat(shared, &chat).map(|(request, max)| (request, max, wire))
+    };
+    serve(shared, request_id, plan, server::error).await
+}
+
+/// A generation request, from its arrival to its answer: `plan` reads it (the request, its
+/// token budget, the API it is answered in), `error` writes a refusal in that API's shape.
+async fn serve(
+    shared: &Arc<Shared>,
+    request_id: Option<&str>,
+    plan: impl FnOnce(&Shared) -> Result<(CompletionRequest, u32, Wire), ApiError>,
+    error: fn(&Shared, &ApiError) -> HttpResponse,
+) -> HttpResponse {
     let (started, faults) = match arrive(shared).await {
         Ok(arrived) => arrived,
         Err(response) => return response,
     };
-    let planned =
-        responses_api::to_chat(&body, shared.responses.as_ref()).and_then(|(chat, echo)| {
-            let chat = serde_json::to_vec(&chat).unwrap_or_default();
-            validate(shared, Kind::Chat, &chat).map(|valid| (valid, echo))
-        });
-    let ((request, max_tokens), echo) = match planned {
+    let (request, max_tokens, wire) = match plan(shared) {
         Ok(planned) => planned,
-        Err(error) => return server::error(shared, &error),
+        Err(e) => return error(shared, &e),
     };
     let mut answer = Answer::plan(shared, request, max_tokens, request_id);
-    answer.id = shared.next_id("resp_");
-    answer.wire = Wire::Responses(Box::new(echo));
+    if let Wire::Responses(_) = wire {
+        // A response's id, as vLLM makes it.
+        answer.id = shared.next_id("resp_");
+    }
+    answer.wire = wire;
     generate(shared, started, faults, answer)
         .await
-        .unwrap_or_else(|error| server::error(shared, &error))
+        .unwrap_or_else(|e| error(shared, &e))
+}
+
+/// [`validate`] for the chat an API's request converts to.
+fn validate_chat(
+    shared: &Shared,
+    chat: &serde_json::Value,
+) -> Result<(CompletionRequest, u32), ApiError> {
+    let chat = serde_json::to_vec(chat).unwrap_or_default();
+    validate(shared, Kind::Chat, &chat)
 }
 
 /// `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: a response this instance

@@ -203,13 +203,8 @@ fn convert_item(item: &Value, out: &mut Vec<Value>) {
         })),
         // A message (`type: "message"`, or an easy input message without a type).
         _ => {
-            let content = match &item["content"] {
-                Value::String(text) => text.clone(),
-                Value::Array(parts) => parts
-                    .iter()
-                    .filter_map(|part| part["text"].as_str())
-                    .collect(),
-                _ => return,
+            let Some(content) = super::messages::joined_text(&item["content"]) else {
+                return;
             };
             let role = item["role"].as_str().unwrap_or("user");
             let role = if role == "developer" { "system" } else { role };

@@ -25,12 +25,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http::{header, Method, Request};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use tokio::sync::Mutex;
 
 use crate::contenders::{free_addr, start_sluice_with, Contender, RunningSim, SimSpec, MODEL};
 use crate::loadgen::{fetch, Target};
-use crate::phased::{checkout, Idle};
+use crate::phased::{checkout, read_answer, Idle};
 use crate::report::{Check, ScenarioReport};
 use crate::resilience::metric_sum;
 use crate::scenarios::{title, CHAT};
@@ -381,27 +381,8 @@ async fn exchange(
     got.rejected = text("x-sluice-rejected");
     got.cache = text("x-cache");
     got.pool = text("x-sluice-pool");
-    let mut body = resp.into_body();
-    let mut all = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.context("reading the answer")?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        if data.is_empty() {
-            continue;
-        }
-        got.first
-            .get_or_insert_with(|| Instant::now().saturating_duration_since(due));
-        all.extend_from_slice(&data);
-    }
-    idle.lock().await.push(sender);
-    if !status.is_success() {
-        bail!(
-            "HTTP {status}: {}",
-            String::from_utf8_lossy(&all[..all.len().min(200)])
-        );
-    }
+    let (all, first) = read_answer(idle, sender, resp).await?;
+    got.first = first.map(|at| at.saturating_duration_since(due));
     if r.stream {
         let has = |pat: &[u8]| all.windows(pat.len()).any(|w| w == pat);
         if has(b"data: {\"error\"") {

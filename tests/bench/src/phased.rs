@@ -129,6 +129,37 @@ pub async fn checkout(idle: &Idle, addr: std::net::SocketAddr) -> Result<SendReq
     Ok(sender)
 }
 
+/// Reads an answer whole, noting when its first data came; gives the connection back to
+/// `idle`; fails on a status other than success, with the start of the body.
+pub async fn read_answer(
+    idle: &Idle,
+    sender: SendRequest<Full<Bytes>>,
+    resp: hyper::Response<hyper::body::Incoming>,
+) -> Result<(Vec<u8>, Option<Instant>)> {
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let (mut all, mut first) = (Vec::new(), None);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.context("reading the answer")?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        first.get_or_insert_with(Instant::now);
+        all.extend_from_slice(&data);
+    }
+    idle.lock().await.push(sender);
+    if !status.is_success() {
+        anyhow::bail!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&all[..all.len().min(200)])
+        );
+    }
+    Ok((all, first))
+}
+
 static NEXT_RUN: AtomicU64 = AtomicU64::new(0);
 
 /// Runs `phases` back to back against `target`; `start` is when the first request is due

@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http::{header, Method, Request};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use vllm_sim::text::Rng;
 
 use crate::contenders::{free_addr, start_sluice_with, Contender};
-use crate::phased::{checkout, Idle};
+use crate::phased::{checkout, read_answer, Idle};
 use crate::report::{Check, ScenarioReport, Table};
 use crate::scenarios::{title, CHAT};
 use crate::Ctx;
@@ -286,7 +286,9 @@ fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
                 SMALL
             };
             let stream = |rng: &mut Rng| rng.unit() < 0.7;
-            match kind {
+            // The session's system prompt, tools, steps, and whether each step resends
+            // the history.
+            let (system, tools, steps, carries_history) = match kind {
                 Kind::Conversation => {
                     let system = &systems[(rng.next_u64() % systems.len() as u64) as usize];
                     let steps = (0..rng.range(3, 12))
@@ -298,15 +300,7 @@ fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
                             stream: stream(&mut rng),
                         })
                         .collect();
-                    Session {
-                        kind,
-                        model,
-                        start: Duration::from_secs_f64(start),
-                        opening: vec![json!({"role": "system", "content": system})],
-                        tools: None,
-                        steps,
-                        carries_history: true,
-                    }
+                    (json!(system), None, steps, true)
                 }
                 Kind::Agent => {
                     let task = text(&mut rng, 80);
@@ -324,15 +318,8 @@ fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
                             stream: stream(&mut rng),
                         });
                     }
-                    Session {
-                        kind,
-                        model,
-                        start: Duration::from_secs_f64(start),
-                        opening: vec![json!({"role": "system", "content": agent_system})],
-                        tools: Some(Value::Array(tools.clone())),
-                        steps,
-                        carries_history: true,
-                    }
+                    let tools = Some(Value::Array(tools.clone()));
+                    (json!(agent_system), tools, steps, true)
                 }
                 Kind::Rag => {
                     let a = rng.next_u64() as usize % documents.len();
@@ -349,16 +336,17 @@ fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
                             stream: stream(&mut rng),
                         })
                         .collect();
-                    Session {
-                        kind,
-                        model,
-                        start: Duration::from_secs_f64(start),
-                        opening: vec![json!({"role": "system", "content": context})],
-                        tools: None,
-                        steps,
-                        carries_history: false,
-                    }
+                    (json!(context), None, steps, false)
                 }
+            };
+            Session {
+                kind,
+                model,
+                start: Duration::from_secs_f64(start),
+                opening: vec![json!({"role": "system", "content": system})],
+                tools,
+                steps,
+                carries_history,
             }
         })
         .collect()
@@ -493,28 +481,9 @@ async fn exchange(
         .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))
         .context("building the request")?;
     let resp = sender.send_request(req).await.context("sending")?;
-    let status = resp.status();
-    got.status = Some(status.as_u16());
-    let mut body = resp.into_body();
-    let mut all = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.context("reading the answer")?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        if data.is_empty() {
-            continue;
-        }
-        got.ttft.get_or_insert_with(|| sent.elapsed());
-        all.extend_from_slice(&data);
-    }
-    idle.lock().await.push(sender);
-    if !status.is_success() {
-        bail!(
-            "HTTP {status}: {}",
-            String::from_utf8_lossy(&all[..all.len().min(200)])
-        );
-    }
+    got.status = Some(resp.status().as_u16());
+    let (all, first) = read_answer(idle, sender, resp).await?;
+    got.ttft = first.map(|at| at.saturating_duration_since(sent));
     if stream && !all.windows(12).any(|w| w == b"data: [DONE]") {
         bail!("the stream ended without data: [DONE]");
     }
