@@ -44,6 +44,8 @@ pub struct Lasting {
     pub streams_end: tokio::sync::watch::Receiver<bool>,
     /// The upstream connections, pooled.
     pub connector: Arc<Connector>,
+    /// Which backend made each stored response.
+    pub response_homes: Arc<crate::proxy::stored_responses::ResponseHomes>,
 }
 
 /// What a reload cannot change, as the running process has it: compared with each new file.

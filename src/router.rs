@@ -1,7 +1,10 @@
 //! Which pipeline a request takes.
 //!
-//! The OpenAI endpoints are built in: `POST /v1/chat/completions` and `POST /v1/completions`
-//! go through the LLM pipeline, `GET /v1/models` is answered by Sluice. Any other request is
+//! The LLM endpoints are built in: each API family's path (`POST /v1/chat/completions`,
+//! `/v1/completions`, `/v1/responses`, `/v1/messages`, `/tokenize`, `/v1/embeddings`, ...)
+//! goes through the LLM pipeline, `GET /v1/models` is answered by Sluice, and a stored
+//! response's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` go to the backend
+//! that made it. Any other request is
 //! matched against the configured routes as nginx matches `location` prefixes: a route with a
 //! `host` beats one without, then the longest `path_prefix` wins. No match: 404.
 
@@ -18,6 +21,8 @@ pub struct Router {
 pub enum Decision<'a> {
     Llm(Endpoint),
     Models,
+    /// `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`: the id.
+    StoredResponse(String),
     Plain(&'a RouteRule),
     NotFound,
     /// A known path with the wrong method: 405.
@@ -29,6 +34,7 @@ impl Decision<'_> {
         match self {
             Decision::Llm(e) => Route::Llm(*e),
             Decision::Models => Route::Models,
+            Decision::StoredResponse(_) => Route::StoredResponse,
             Decision::Plain(rule) => Route::Plain(rule.name.clone()),
             Decision::NotFound | Decision::MethodNotAllowed(_) => Route::NotFound,
         }
@@ -58,6 +64,19 @@ impl Router {
             } else {
                 Decision::MethodNotAllowed("POST")
             };
+        }
+        if let Some(rest) = req.uri.path().strip_prefix("/v1/responses/") {
+            let (id, method, name) = match rest.strip_suffix("/cancel") {
+                Some(id) => (id, http::Method::POST, "POST"),
+                None => (rest, http::Method::GET, "GET"),
+            };
+            if !id.is_empty() && !id.contains('/') {
+                return if req.method == method {
+                    Decision::StoredResponse(id.to_owned())
+                } else {
+                    Decision::MethodNotAllowed(name)
+                };
+            }
         }
         if path == "/v1/models" {
             return if req.method == http::Method::GET {
@@ -188,6 +207,7 @@ mod tests {
         match d {
             Decision::Llm(e) => format!("llm:{}", e.label()),
             Decision::Models => "models".into(),
+            Decision::StoredResponse(id) => format!("stored:{id}"),
             Decision::Plain(r) => r.name.to_string(),
             Decision::NotFound => "404".into(),
             Decision::MethodNotAllowed(m) => format!("405:{m}"),
@@ -214,6 +234,23 @@ mod tests {
             "models"
         );
         assert_eq!(name(router.route(&req("GET", "/other", None))), "404");
+        for (method, path, want) in [
+            ("POST", "/v1/messages", "llm:messages"),
+            ("POST", "/v1/messages/count_tokens", "llm:count_tokens"),
+            ("POST", "/v1/responses", "llm:responses"),
+            ("POST", "/tokenize", "llm:tokenize"),
+            ("POST", "/v1/embeddings", "llm:embeddings"),
+            ("GET", "/v1/responses/resp_1", "stored:resp_1"),
+            ("POST", "/v1/responses/resp_1/cancel", "stored:resp_1"),
+            ("DELETE", "/v1/responses/resp_1", "405:GET"),
+            ("GET", "/v1/responses/resp_1/cancel", "405:POST"),
+        ] {
+            assert_eq!(
+                name(router.route(&req(method, path, None))),
+                want,
+                "{method} {path}"
+            );
+        }
     }
 
     #[test]

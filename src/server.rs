@@ -104,6 +104,7 @@ fn lasting(
         ),
         streams_end,
         connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
+        response_homes: Arc::default(),
     }
 }
 
@@ -245,6 +246,7 @@ pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
         chain,
         access_log: config.log.access_log,
         connector: Arc::clone(&lasting.connector),
+        response_homes: Arc::clone(&lasting.response_homes),
         retired: std::sync::atomic::AtomicBool::new(false),
     }
 }

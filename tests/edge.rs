@@ -246,7 +246,7 @@ async fn a_trickled_header_or_body_is_cut_at_its_deadline() {
         "limits": {"client_header_timeout": "1s", "client_body_deadline": "1s",
                    "client_body_timeout": "10s"},
         "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+        "routes": [{"path_prefix": "/ping", "pool": "main"}],
     }))
     .await;
     let every = Duration::from_millis(100);
@@ -261,7 +261,7 @@ async fn a_trickled_header_or_body_is_cut_at_its_deadline() {
     );
     assert!(took < Duration::from_secs(3), "cut after {took:?}");
 
-    for path in ["/v1/chat/completions", "/tokenize"] {
+    for path in ["/v1/chat/completions", "/ping"] {
         let body = serde_json::to_vec(&chat(MODEL, &"slow ".repeat(20), false)).unwrap();
         let mut request = format!(
             "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -433,12 +433,12 @@ async fn plain_routes_refuse_bodies_over_the_limit() {
     let (upstream, most_received) = body_counting_upstream().await;
     let proxy = Proxy::start(json!({
         "pools": [pool("main", &[MODEL], &[upstream]).without_health_checks()],
-        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+        "routes": [{"path_prefix": "/ping", "pool": "main"}],
     }))
     .await;
     let big = vec![b'x'; 12 * 1024 * 1024];
     let r = client()
-        .post(proxy.url("/tokenize"))
+        .post(proxy.url("/ping"))
         .body(big.clone())
         .send()
         .await
@@ -452,7 +452,7 @@ async fn plain_routes_refuse_bodies_over_the_limit() {
             .collect::<Vec<_>>(),
     );
     let r = client()
-        .post(proxy.url("/tokenize"))
+        .post(proxy.url("/ping"))
         .body(reqwest::Body::wrap_stream(chunks))
         .send()
         .await;

@@ -1060,7 +1060,7 @@ async fn a_client_that_resets_the_streams_it_opens_is_cut_off() {
     let sim = sim_serving(MODEL).await;
     let proxy = H2Proxy::start(json!({
         "pools": [pool("main", &[MODEL], &[sim.addr()])],
-        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+        "routes": [{"path_prefix": "/ping", "pool": "main"}],
     }))
     .await;
     let mut tcp = TcpStream::connect(proxy.h2c).await.unwrap();
@@ -1068,8 +1068,8 @@ async fn a_client_that_resets_the_streams_it_opens_is_cut_off() {
         .await
         .unwrap();
     write_frame(&mut tcp, SETTINGS, 0, 0, &[]).await;
-    // GET /tokenize, END_STREAM | END_HEADERS.
-    let path = b"/tokenize";
+    // GET /ping, END_STREAM | END_HEADERS.
+    let path = b"/ping";
     let mut block = vec![0x82, 0x86, 0x04, path.len() as u8];
     block.extend_from_slice(path);
     block.extend_from_slice(&[0x01, 9]);
@@ -1108,7 +1108,7 @@ async fn a_client_that_resets_the_streams_it_opens_is_cut_off() {
         "the connection stayed open for all {rounds} rounds"
     );
     assert!(cut_at <= 20, "cut only after round {cut_at}");
-    let upstream = sim.stats().count("/tokenize");
+    let upstream = sim.stats().count("/ping");
     assert!(upstream <= 200, "{upstream} upstream requests");
     let text = reqwest::get(format!("http://{}/metrics", proxy.admin))
         .await

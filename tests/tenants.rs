@@ -917,18 +917,18 @@ async fn a_stream_cut_before_its_usage_is_charged_its_estimate() {
 }
 
 /// Every route is metered: a tenant limited to 2 requests a minute was served 20
-/// `POST /tokenize` through a plain route (which carries the pool's credential).
+/// `POST /ping` through a plain route (which carries the pool's credential).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_routes_count_against_a_tenants_limits() {
     let upstream = sim().await;
     let proxy = Proxy::start(json!({
         "pools": [pool("main", &[MODEL], &[upstream.addr()])],
-        "routes": [{"path_prefix": "/tokenize", "pool": "main"}],
+        "routes": [{"path_prefix": "/ping", "pool": "main"}],
         "plugins": {"tenants": tenants(json!({
             "tenants": {"alpha": {"limits": {"requests_per_minute": 2}}}}))},
     }))
     .await;
-    let url = proxy.url("/tokenize");
+    let url = proxy.url("/ping");
     let body = json!({"model": MODEL, "prompt": "count me"});
     let key = format!("Bearer {ALPHA_KEY}");
     let mut statuses = Vec::new();

@@ -324,6 +324,8 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             handlers::stored_response(&shared, id, true)
         }
         (&Method::POST, "/v1/messages/count_tokens") => handlers::count_tokens(&shared, &body),
+        (&Method::POST, "/tokenize") => handlers::tokenize_route(&shared, &body),
+        (&Method::POST, "/detokenize") => handlers::detokenize_route(&shared, &body),
         // vLLM serves them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
         (&Method::POST, "/v1/load_lora_adapter" | "/v1/unload_lora_adapter") => {
             let Some(adapters) = &shared.lora else {
@@ -369,7 +371,9 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
             "/v1/chat/completions"
             | "/v1/completions"
             | "/v1/messages"
-            | "/v1/messages/count_tokens",
+            | "/v1/messages/count_tokens"
+            | "/tokenize"
+            | "/detokenize",
         ) => method_not_allowed("POST"),
         (_, "/v1/models" | "/health" | "/metrics" | "/version" | "/kv_event_sources") => {
             method_not_allowed("GET")

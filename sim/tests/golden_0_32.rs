@@ -113,6 +113,10 @@ const OTHERS: &[&str] = &[
     // `responses_match_the_captures`:
     "responses",
     "responses-stream",
+    // `tokenize_and_detokenize_match_the_captures`:
+    "tokenize",
+    "tokenize-chat",
+    "detokenize",
 ];
 
 /// Captures the simulator cannot answer, and why.
@@ -130,9 +134,6 @@ const SKIPPED: &[(&str, &str)] = &[
     ("target-chat-tools-named-stream", "tool calls are not simulated (their streams end with \"delta\":{})"),
     ("target-chat-tools-required", "tool calls are not simulated"),
     ("err-grammar-nonstream", "structured outputs (grammars) are not simulated"),
-    ("tokenize", "/tokenize is not simulated"),
-    ("tokenize-chat", "/tokenize is not simulated"),
-    ("detokenize", "/detokenize is not simulated"),
     ("invocations", "/invocations is not simulated"),
     ("load", "/load is not simulated"),
     ("ping", "/ping is not simulated"),
@@ -747,6 +748,25 @@ async fn responses_match_the_captures() {
         collapsed(named_events(&answer.text())),
     );
     compare("responses-stream: events", &vllm, &ours, &mut differences);
+    check(differences);
+    sim.shutdown();
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_match_the_captures() {
+    let sim = draft_sim().await;
+    let mut differences = Vec::new();
+    for name in ["tokenize", "tokenize-chat", "detokenize"] {
+        let capture = Capture::load(name);
+        let answer = ask_at(&sim, &format!("/{}", name.trim_end_matches("-chat")), name).await;
+        same_head(&capture, &answer, &mut differences);
+        compare_shapes(name, &capture.json(), &answer.json(name), &mut differences);
+    }
+    // The prompt's count is the one its completion is counted with.
+    let tokenized = ask_at(&sim, "/tokenize", "tokenize").await.json("tokenize");
+    let tokens = tokenized["tokens"].as_array().unwrap();
+    assert_eq!(tokenized["count"].as_u64(), Some(tokens.len() as u64));
+    assert_eq!(tokenized["max_model_len"], 2048);
     check(differences);
     sim.shutdown();
 }

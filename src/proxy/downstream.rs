@@ -20,6 +20,7 @@ use sluice_sdk::error::internal;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::model_name::ModelRewriter;
 use sluice_sdk::{headers, HeaderRules, RequestCtx, Route};
+use std::sync::Arc;
 
 /// The headers the core adds to an LLM answer: the pool, the escalation.
 const CORE_HEADERS_ADDED: usize = 2;
@@ -85,9 +86,32 @@ pub async fn forward(
         data = rewriter.rewrite(data, end);
     }
     usage::read_usage(ctx, &mut data, end);
+    note_stored_response(ctx, data.as_ref());
     chain.response_body(&mut data, end, ctx)?;
     count_sent(ctx, data.as_ref());
     session.write_response_body(data, end).await
+}
+
+/// Notes which backend made a stored response, from an upstream's answer (not a local one).
+fn note_stored_response(ctx: &mut RequestCtx, chunk: Option<&Bytes>) {
+    use super::stored_responses::{Home, NoteHome};
+    let (Some(chunk), false) = (chunk, ctx.answered_locally()) else {
+        return;
+    };
+    if !ctx.state.get::<NoteHome>().is_some_and(NoteHome::looking) {
+        return;
+    }
+    let status = ctx.progress().upstream_status;
+    let home = match (ctx.pool(), ctx.progress().backend) {
+        (Some(pool), Some(backend)) => Some(Home {
+            pool: Arc::clone(&pool.name),
+            backend,
+        }),
+        _ => None,
+    };
+    if let Some(note) = ctx.state.get_mut::<NoteHome>() {
+        note.feed(chunk, status, home);
+    }
 }
 
 /// Writes a response whose header is ready (hooks run) and whose whole body is in hand.

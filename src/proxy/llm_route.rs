@@ -52,7 +52,15 @@ pub async fn serve(
         .await
         .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
-    let pool = pool_for(&sluice.pools, call.request.model.as_deref())?;
+    // A stored response's follow-up goes where the response was made, and nowhere else.
+    let home = match &call.request.previous_response_id {
+        Some(id) => Some(home_of(sluice, id)?),
+        None => None,
+    };
+    let pool = match &home {
+        Some((pool, _)) => Arc::clone(pool),
+        None => pool_for(&sluice.pools, call.request.model.as_deref())?,
+    };
     // A conversation's session id, when its pool keeps sessions on one backend.
     let mut call = call;
     let tenant = ctx.tenant().map(|t| &*t.name);
@@ -61,11 +69,48 @@ pub async fn serve(
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
     usage::watch_usage(ctx);
+    note_home_of_answer(sluice, ctx);
 
     if let Some(answer) = sluice.chain.request(session, ctx).await? {
         return reply::local(&sluice.chain, session, ctx, answer).await;
     }
-    AttemptLoop::new(ctx)?.run(sluice, session, ctx).await
+    let mut attempts = AttemptLoop::new(ctx)?;
+    attempts.pinned = home.map(|(_, backend)| backend);
+    attempts.run(sluice, session, ctx).await
+}
+
+/// The pool and backend that made stored response `id`, while it is one of the pool's;
+/// else OpenAI's 404, as the engine would answer (no other backend has it).
+pub fn home_of(sluice: &Sluice, id: &str) -> Result<(Arc<Pool>, SocketAddr)> {
+    let home = sluice.response_homes.find(id).and_then(|home| {
+        let pool = sluice.pools.get(&home.pool)?;
+        pool.has_backend(home.backend)
+            .then(|| (Arc::clone(pool), home.backend))
+    });
+    home.ok_or_else(|| {
+        ErrorReply {
+            param: Some("response_id".into()),
+            ..ErrorReply::not_found(
+                sluice_sdk::Reason::UnknownResponse,
+                format!("Response with id '{id}' not found."),
+            )
+        }
+        .into_error()
+    })
+}
+
+/// A response the engine keeps (Responses API, `store` not false): its id is noted with the
+/// backend that made it as its answer passes (see `super::stored_responses`).
+fn note_home_of_answer(sluice: &Sluice, ctx: &mut RequestCtx) {
+    let stores = ctx.llm().is_some_and(|call| {
+        call.endpoint == Endpoint::Responses && call.request.store != Some(false)
+    });
+    if stores {
+        ctx.state
+            .insert(super::stored_responses::NoteHome::new(Arc::clone(
+                &sluice.response_homes,
+            )));
+    }
 }
 
 /// The pool serving `model`: the first that lists it, else one that lists no models (a
@@ -109,6 +154,9 @@ struct AttemptLoop {
     sent_body: Option<SentBody>,
     /// The request's prompt blocks, as the last pool with an exact prefix index keyed them.
     prefix: Option<(Arc<str>, Option<Arc<PrefixKeys>>)>,
+    /// The one backend the request may go to: the one that holds the stored response it
+    /// continues.
+    pinned: Option<SocketAddr>,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -203,6 +251,7 @@ impl AttemptLoop {
             retries_in_pool: 0,
             sent_body: None,
             prefix: None,
+            pinned: None,
         })
     }
 
@@ -229,8 +278,11 @@ impl AttemptLoop {
                 .map_or_else(Demand::default, |call| pool.demand_for(call));
             let prefix = self.prefix_keys(ctx, &pool).await;
             let adapter = upstream_adapter(ctx, &pool);
-            let then = match pool.select_prefixed(&self.tried, &demand, prefix.as_deref(), adapter)
-            {
+            let selected = match self.pinned {
+                Some(addr) => pool.select_backend(addr, &self.tried),
+                None => pool.select_prefixed(&self.tried, &demand, prefix.as_deref(), adapter),
+            };
+            let then = match selected {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {
                     if let Some(tokens) = backend.predicted_cached {

@@ -42,6 +42,7 @@ mod llm_route;
 mod plain_route;
 mod reply;
 mod state;
+pub(crate) mod stored_responses;
 mod tries;
 mod usage;
 
@@ -144,7 +145,9 @@ impl ProxyHttp for Proxy {
         if let Decision::Plain(rule) = &decision {
             ctx.route_headers = Some(Arc::clone(&rule.headers));
         }
-        let ctx = &mut ctx.req;
+        let ProxyCtx {
+            req: ctx, plain, ..
+        } = ctx;
         match decision {
             Decision::Llm(endpoint) => {
                 let span = ctx.span().clone();
@@ -168,6 +171,13 @@ impl ProxyHttp for Proxy {
             Decision::Plain(rule) => {
                 body::refuse_declared_over_limit(session, &this.limits)?;
                 ctx.send_to(rule.pool.clone());
+                this.answered_by_plugins(session, ctx).await
+            }
+            Decision::StoredResponse(id) => {
+                body::refuse_declared_over_limit(session, &this.limits)?;
+                let (pool, backend) = llm_route::home_of(&this, &id)?;
+                ctx.send_to(pool);
+                plain.pin(backend);
                 this.answered_by_plugins(session, ctx).await
             }
             Decision::NotFound => {

@@ -25,6 +25,8 @@ pub struct PlainTries {
     started: Option<std::time::Instant>,
     /// The current try's span (see `tries::span`); `None` before the first try.
     span: Option<tracing::Span>,
+    /// The one backend the request may go to (the one that holds its state), if so.
+    pinned: Option<SocketAddr>,
 }
 
 impl PlainTries {
@@ -34,9 +36,11 @@ impl PlainTries {
             .pool()
             .cloned()
             .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
-        let backend = pool
-            .select(&self.tried, &Demand::default())
-            .ok_or_else(|| no_backend(&pool))?;
+        let backend = match self.pinned {
+            Some(addr) => pool.select_backend(addr, &self.tried),
+            None => pool.select(&self.tried, &Demand::default()),
+        }
+        .ok_or_else(|| no_backend(&pool))?;
         self.in_flight = Some(tries::begin(ctx, &mut self.tried, &backend, 0));
         self.span = Some(tries::span(ctx, &pool, backend.addr));
         self.judged = false;
@@ -44,10 +48,17 @@ impl PlainTries {
         Ok(Box::new(pool.peer(backend.addr)))
     }
 
+    /// Sends every try to `backend` alone.
+    pub fn pin(&mut self, backend: SocketAddr) {
+        self.pinned = Some(backend);
+    }
+
     /// Whether the pool has a backend left to try after a refused connection.
     pub fn backends_left(&self, ctx: &RequestCtx) -> bool {
-        ctx.pool()
-            .is_some_and(|pool| self.tried.len() < pool.members().ready())
+        self.pinned.is_none()
+            && ctx
+                .pool()
+                .is_some_and(|pool| self.tried.len() < pool.members().ready())
     }
 
     /// Honours the backend's back-pressure (a 429 or 503 with `Retry-After`).

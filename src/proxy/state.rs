@@ -32,6 +32,8 @@ pub struct Sluice {
     /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves. Shared
     /// by every generation.
     pub connector: Arc<Connector>,
+    /// Which backend made each stored response (Responses API). Shared by every generation.
+    pub response_homes: Arc<super::stored_responses::ResponseHomes>,
     /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
     /// once its last request has ended.
     pub retired: std::sync::atomic::AtomicBool,

@@ -264,9 +264,7 @@ mod tests {
                     back["choices"][0]["message"]["content"],
                     original["choices"][0]["message"]["content"]
                 ),
-                Endpoint::Completions => {
-                    assert_eq!(back["choices"][0]["text"], original["choices"][0]["text"])
-                }
+                _ => assert_eq!(back["choices"][0]["text"], original["choices"][0]["text"]),
             }
         }
     }

@@ -298,7 +298,7 @@ impl Plugin for Cache {
         let Some(call) = ctx.llm() else {
             return Ok(Flow::Continue);
         };
-        let use_ = policy::decide(&self.config, &call.request, &session.req_header().headers);
+        let use_ = policy::decide(&self.config, call, &session.req_header().headers);
         // The key (a second parse of the body, and a hash) only when the cache takes part.
         let key = match use_ {
             Use::Bypass => None,
@@ -489,7 +489,9 @@ impl Cache {
         if let Some(entry) = self.lookup(key).await {
             return Ok(Found::Entry(entry, Lookup::Hit));
         }
-        if !self.config.coalesce.enabled {
+        // A stream whose family cannot be relayed live is not made to wait for a whole answer.
+        let waits_whole = call.request.is_stream() && !call.endpoint.family().relays_live();
+        if !self.config.coalesce.enabled || waits_whole {
             return Ok(Found::Upstream(None));
         }
         self.coalesce(session, call, key).await

@@ -2,7 +2,8 @@
 
 use crate::config::{CacheConfig, Cacheable};
 use http::HeaderMap;
-use sluice_sdk::{Endpoint, LlmRequest};
+use sluice_sdk::family::CacheUse;
+use sluice_sdk::{Endpoint, LlmCall, LlmRequest};
 use std::time::Duration;
 
 /// The cache's part in one request.
@@ -17,7 +18,10 @@ pub enum Use {
     LookupAndStore,
 }
 
-pub fn decide(config: &CacheConfig, request: &LlmRequest, headers: &HeaderMap) -> Use {
+pub fn decide(config: &CacheConfig, call: &LlmCall, headers: &HeaderMap) -> Use {
+    let request = &call.request;
+    // The family says whether its answers may be kept at all (a stored response may not).
+    let family_use = call.endpoint.family().cache_use(request);
     let (mut no_cache, mut no_store) = (false, false);
     for value in headers.get_all(http::header::CACHE_CONTROL) {
         for directive in value.to_str().unwrap_or("").split(',') {
@@ -26,10 +30,13 @@ pub fn decide(config: &CacheConfig, request: &LlmRequest, headers: &HeaderMap) -
             no_cache |= d.eq_ignore_ascii_case("no-cache");
         }
     }
-    if no_store {
+    if no_store || family_use == CacheUse::Never {
         return Use::Bypass;
     }
-    if config.cacheable == Cacheable::Deterministic && !is_deterministic(request) {
+    if family_use == CacheUse::IfDeterministic
+        && config.cacheable == Cacheable::Deterministic
+        && !is_deterministic(request)
+    {
         return Use::Bypass;
     }
     if no_cache {
@@ -57,8 +64,12 @@ mod tests {
     use super::*;
     use crate::config::HumanDuration;
 
-    fn request(json: &str) -> LlmRequest {
-        LlmRequest::parse(Endpoint::ChatCompletions, json.as_bytes()).unwrap()
+    fn request(json: &str) -> LlmCall {
+        at(Endpoint::ChatCompletions, json)
+    }
+
+    fn at(endpoint: Endpoint, json: &str) -> LlmCall {
+        LlmCall::parse(endpoint, bytes::Bytes::from(json.to_owned())).unwrap()
     }
 
     fn headers(cache_control: Option<&str>) -> HeaderMap {
@@ -94,6 +105,30 @@ mod tests {
             decide(&all, &request(SAMPLED), &headers(None)),
             Use::LookupAndStore
         );
+    }
+
+    #[test]
+    fn each_family_says_what_may_be_kept() {
+        let c = CacheConfig::default();
+        let none = headers(None);
+        // Embeddings do not sample: kept without a seed.
+        let embed = at(Endpoint::Embeddings, r#"{"model":"e","input":"x"}"#);
+        assert_eq!(decide(&c, &embed, &none), Use::LookupAndStore);
+        // A stored response is for follow-ups: never kept; one not stored is, when greedy.
+        let stored = at(Endpoint::Responses, r#"{"input":"x","temperature":0}"#);
+        assert_eq!(decide(&c, &stored, &none), Use::Bypass);
+        let unstored = at(
+            Endpoint::Responses,
+            r#"{"input":"x","temperature":0,"store":false}"#,
+        );
+        assert_eq!(decide(&c, &unstored, &none), Use::LookupAndStore);
+        let tokenize = at(Endpoint::Tokenize, r#"{"prompt":"x"}"#);
+        assert_eq!(decide(&c, &tokenize, &none), Use::Bypass);
+        let messages = at(
+            Endpoint::Messages,
+            r#"{"max_tokens":3,"messages":[{"role":"user","content":"x"}],"temperature":0}"#,
+        );
+        assert_eq!(decide(&c, &messages, &none), Use::LookupAndStore);
     }
 
     #[test]

@@ -1,5 +1,8 @@
-//! The LLM request model: the bodies of OpenAI's `/v1/chat/completions` and `/v1/completions`
-//! as vLLM accepts them.
+//! The LLM request model: the bodies of the LLM routes as vLLM accepts them (OpenAI's chat and
+//! text completions and Responses, Anthropic's Messages, and the routes that only need their
+//! `model` read: tokenize, embeddings, rerank, ...). One model serves them all: a Messages
+//! request's `messages` are chat messages, its `system` a content; a Responses request's
+//! `input` a prompt of items; each family's parse checks what is its own.
 //!
 //! Sluice parses a body once, into [`LlmRequest`], and keeps the raw bytes beside it in
 //! [`LlmCall`]: upstreams always receive the client's bytes untouched (unknown fields included),
@@ -31,6 +34,30 @@ pub enum Endpoint {
     /// `POST /v1/completions`
     #[serde(rename = "completion")]
     Completions,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    #[serde(rename = "messages")]
+    Messages,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    #[serde(rename = "responses")]
+    Responses,
+    /// `POST /v1/messages/count_tokens`: no generation.
+    #[serde(rename = "count_tokens")]
+    CountTokens,
+    /// `POST /tokenize`: no generation.
+    #[serde(rename = "tokenize")]
+    Tokenize,
+    /// `POST /detokenize`: no generation.
+    #[serde(rename = "detokenize")]
+    Detokenize,
+    /// `POST /v1/embeddings`: a pooling model's answer, no generation.
+    #[serde(rename = "embeddings")]
+    Embeddings,
+    /// `POST /v1/rerank`: a pooling model's answer, no generation.
+    #[serde(rename = "rerank")]
+    Rerank,
+    /// `POST /v1/score`: a pooling model's answer, no generation.
+    #[serde(rename = "score")]
+    Score,
 }
 
 /// A parsed LLM request together with the exact bytes the client sent.
@@ -62,9 +89,9 @@ impl LlmCall {
         endpoint.family().parse(endpoint, body)
     }
 
-    /// An OpenAI family's parse: the request model, and the demand with the family's output
-    /// default (`default_max_tokens`) for a request that sets no limit.
-    pub(crate) fn parse_openai(
+    /// A family's parse: the request model, and the demand with the family's output default
+    /// (`default_max_tokens`) for a request that sets no limit.
+    pub(crate) fn parse_request(
         endpoint: Endpoint,
         body: Bytes,
         default_max_tokens: Option<u32>,
@@ -99,11 +126,7 @@ impl LlmCall {
         if budget.is_some_and(|asked| asked <= ceiling) {
             return None;
         }
-        let key = if self.request.max_completion_tokens.is_some() {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
+        let key = self.endpoint.family().budget_key(&self.request);
         let spliced = crate::raw_json::set_member(&self.body, key, ceiling.to_string().as_bytes());
         Some(match spliced {
             Some(body) => LlmCall::parse(self.endpoint, Bytes::from(body)),
@@ -173,8 +196,8 @@ pub struct LlmRequest {
     pub stream: Option<bool>,
     /// `stream_options` (streams only); `None` asks for no usage chunk.
     pub stream_options: Option<StreamOptions>,
-    /// `max_tokens`: the output budget in tokens; `None`: up to the model's context (see
-    /// [`LlmRequest::max_output_tokens`]).
+    /// `max_tokens` (Responses: `max_output_tokens`): the output budget in tokens; `None`: up
+    /// to the model's context (see [`LlmRequest::max_output_tokens`]).
     pub max_tokens: Option<u32>,
     /// `max_completion_tokens`, OpenAI's newer name for `max_tokens`, which it overrides when both
     /// are sent; `None`: not sent.
@@ -204,11 +227,36 @@ pub struct LlmRequest {
     pub logprobs: Option<Logprobs>,
     /// `top_logprobs` (chat): alternatives returned per token with `logprobs: true`; `None`: none.
     pub top_logprobs: Option<u32>,
+    /// Messages: `system`, the system prompt (a text or text blocks); `None`: none.
+    pub system: Option<Content>,
+    /// Responses: `input`, a text or a list of input items; embeddings: `input`, what to embed.
+    pub input: Option<Input>,
+    /// Responses: `instructions`, the system prompt; `None`: none.
+    pub instructions: Option<Text>,
+    /// Responses: `previous_response_id`, the stored response this one continues.
+    pub previous_response_id: Option<String>,
+    /// Responses: `store`; `None` is `true` (the engine keeps the response for follow-ups).
+    pub store: Option<bool>,
     /// Where the members an upstream's body may have changed are
     /// ([`crate::model_name::EDITED_MEMBERS`]), as the parse saw them: the edit then reads
     /// only those, not the body again. Valid only for the body this request was parsed
     /// from: an `LlmCall` made other than by [`LlmCall::parse`] must leave it default.
     pub seen: raw_json::SeenMembers,
+}
+
+/// A Responses request's (or an embeddings request's) `input`: a text, or a list of items
+/// (messages, tool calls and their outputs; texts or token ids to embed), kept as JSON.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A text: one user message.
+    Text(Text),
+    /// A list of items, with the estimate of their tokens (their JSON's length).
+    Items {
+        /// The list, as JSON.
+        items: JsonArray,
+        /// About four characters a token, and a message's overhead per item.
+        estimated_tokens: usize,
+    },
 }
 
 /// The `stream_options` of a streamed request.
@@ -724,8 +772,11 @@ impl LlmRequest {
         // From the checked text, so serde does not check each string's UTF-8 again.
         let mut de = serde_json::Deserializer::from_str(text);
         let mut track = serde_path_to_error::Track::new();
-        let parsed = RequestSeed { shared: body }
-            .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
+        let parsed = RequestSeed {
+            shared: body,
+            endpoint,
+        }
+        .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
         let (mut request, messages) = parsed.map_err(|inner| {
             let path = track.path().to_string();
             if inner.is_syntax() || inner.is_eof() {
@@ -743,9 +794,9 @@ impl LlmRequest {
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
         request.messages = messages.map(|counted| counted.into_messages(body));
-        if endpoint == Endpoint::Completions {
-            // vLLM's completions read only `max_tokens`: a `max_completion_tokens` there is
-            // ignored, so it must not stand for the budget (a ceiling, an estimate) either.
+        if endpoint != Endpoint::ChatCompletions {
+            // Only chat reads `max_completion_tokens`: elsewhere vLLM ignores it, so it must
+            // not stand for the budget (a ceiling, an estimate) either.
             request.max_completion_tokens = None;
         }
         request.validate(endpoint)?;
@@ -754,21 +805,38 @@ impl LlmRequest {
 
     fn validate(&self, endpoint: Endpoint) -> Result<(), InvalidRequest> {
         match endpoint {
-            Endpoint::ChatCompletions => match &self.messages {
-                None => return Err(missing("messages")),
-                Some(m) if m.is_empty() => {
-                    return Err(invalid(
-                        "'messages' must contain at least one message.",
-                        Some("messages".into()),
-                    ))
+            Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::CountTokens => {
+                match &self.messages {
+                    None => return Err(missing("messages")),
+                    Some(m) if m.is_empty() => {
+                        return Err(invalid(
+                            "'messages' must contain at least one message.",
+                            Some("messages".into()),
+                        ))
+                    }
+                    Some(_) => {}
                 }
-                Some(_) => {}
-            },
+                // Anthropic's API has no default budget: vLLM refuses a request without one.
+                if endpoint == Endpoint::Messages && self.max_tokens.is_none() {
+                    return Err(missing("max_tokens"));
+                }
+            }
             Endpoint::Completions => {
                 if self.prompt.is_none() {
                     return Err(missing("prompt"));
                 }
             }
+            Endpoint::Responses => {
+                if self.input.is_none() {
+                    return Err(missing("input"));
+                }
+            }
+            // Read for their model only: the engine checks the rest.
+            Endpoint::Tokenize
+            | Endpoint::Detokenize
+            | Endpoint::Embeddings
+            | Endpoint::Rerank
+            | Endpoint::Score => return Ok(()),
         }
         if self.n == Some(0) {
             return Err(invalid("'n' must be at least 1.", Some("n".into())));
@@ -832,14 +900,37 @@ impl LlmRequest {
     /// plus the chat template's overhead per message; a token id is a token). Counted at
     /// parse: no text is read again.
     pub fn estimated_prompt_tokens(&self) -> usize {
+        // The chat template renders the tool definitions into the prompt too: for an agent's
+        // long tool list, most of it.
+        let tools = self
+            .tools
+            .as_ref()
+            .map_or(0, |t| t.as_bytes().len().div_ceil(CHARS_PER_TOKEN));
+        // A Messages `system` or a Responses `instructions` is one more message.
+        let system = match (&self.system, &self.instructions) {
+            (Some(Content::Text(t)), _) | (None, Some(t)) => t.len(),
+            (Some(Content::Parts(parts)), _) => parts.text_len,
+            (None, None) => 0,
+        };
+        let system = if self.system.is_some() || self.instructions.is_some() {
+            system.div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE
+        } else {
+            0
+        };
         if let Some(messages) = &self.messages {
-            // The chat template renders the tool definitions into the prompt too: for an
-            // agent's long tool list, most of it.
-            let tools = self
-                .tools
-                .as_ref()
-                .map_or(0, |t| t.as_bytes().len().div_ceil(CHARS_PER_TOKEN));
-            return messages.estimated_tokens.saturating_add(tools);
+            return messages
+                .estimated_tokens
+                .saturating_add(tools)
+                .saturating_add(system);
+        }
+        if let Some(input) = &self.input {
+            let input = match input {
+                Input::Text(t) => t.len().div_ceil(CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE,
+                Input::Items {
+                    estimated_tokens, ..
+                } => *estimated_tokens,
+            };
+            return input.saturating_add(tools).saturating_add(system);
         }
         match &self.prompt {
             Some(Prompt::Text(t)) => t.len().div_ceil(CHARS_PER_TOKEN),
@@ -1163,6 +1254,27 @@ fn prompt(shared: &Bytes, raw: &RawValue) -> Result<Prompt, Mismatch> {
     }
 }
 
+/// A Responses (or embeddings) `input`: a string, or a list counted by its JSON's length
+/// (items are messages, tool calls and their outputs, whose text is all the prompt's).
+fn input(shared: &Bytes, raw: &RawValue) -> Result<Input, Mismatch> {
+    let json = raw.get();
+    match json.as_bytes().first() {
+        Some(b'"') => text(shared, raw).map(Input::Text),
+        Some(b'[') => {
+            let items = array(shared, raw)?;
+            let estimated_tokens = json
+                .len()
+                .div_ceil(CHARS_PER_TOKEN)
+                .saturating_add(items.len().saturating_mul(TOKENS_PER_MESSAGE));
+            Ok(Input::Items {
+                items,
+                estimated_tokens,
+            })
+        }
+        _ => Err(Mismatch::Untagged("Input")),
+    }
+}
+
 fn stop(shared: &Bytes, raw: &RawValue) -> Result<Stop, Mismatch> {
     let json = raw.get();
     match json.as_bytes().first() {
@@ -1314,6 +1426,15 @@ const FIELDS: &[&str] = &[
     "response_format",
     "logprobs",
     "top_logprobs",
+    // Messages.
+    "system",
+    "stop_sequences",
+    // Responses (and embeddings' `input`).
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "store",
     // Not read, only placed, for the edits of `model_name::upstream_body` (and, as every
     // field here, refused when repeated: the engine would take the last, an edit the first).
     "cache_salt",
@@ -1325,11 +1446,11 @@ const FIELDS: &[&str] = &[
 
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
 fn first_time<E: de::Error>(
-    seen: &mut u32,
+    seen: &mut u64,
     index: usize,
     names: &'static [&'static str],
 ) -> Result<(), E> {
-    let bit = 1u32.checked_shl(index as u32).unwrap_or(0);
+    let bit = 1u64.checked_shl(index as u32).unwrap_or(0);
     if *seen & bit != 0 {
         let name = names.get(index).copied().unwrap_or("?");
         return Err(E::duplicate_field(name));
@@ -1342,6 +1463,8 @@ fn first_time<E: de::Error>(
 /// said so), its count and its token estimate.
 struct RequestSeed<'b> {
     shared: &'b Bytes,
+    /// Whose fields are read: another family's are passed over as unknown ones are.
+    endpoint: Endpoint,
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
@@ -1366,7 +1489,12 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
             ..LlmRequest::default()
         };
         let mut messages = None;
-        let mut seen = 0u32;
+        let mut seen = 0u64;
+        let endpoint = self.endpoint;
+        let (messages_api, responses_api) = (
+            matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens),
+            endpoint == Endpoint::Responses,
+        );
         while let Some((field, key_end)) = map.next_key_seed(KeyIndex::located(FIELDS, shared))? {
             let name = field
                 .and_then(|i| FIELDS.get(i))
@@ -1389,7 +1517,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                 "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
                 "stream" => r.stream = map.next_value()?,
                 "stream_options" => r.stream_options = map.next_value()?,
-                "max_tokens" => r.max_tokens = map.next_value()?,
+                "max_tokens" if !responses_api => r.max_tokens = map.next_value()?,
                 "max_completion_tokens" => r.max_completion_tokens = map.next_value()?,
                 "n" => r.n = map.next_value()?,
                 "best_of" => r.best_of = map.next_value()?,
@@ -1411,6 +1539,23 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                 }
                 "logprobs" => r.logprobs = map.next_value()?,
                 "top_logprobs" => r.top_logprobs = map.next_value()?,
+                "system" if messages_api => {
+                    r.system = map.next_value_seed(nullable(|v| content(shared, v)))?
+                }
+                "stop_sequences" if messages_api => {
+                    r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?
+                }
+                "input" if responses_api || endpoint == Endpoint::Embeddings => {
+                    r.input = map.next_value_seed(nullable(|v| input(shared, v)))?
+                }
+                "instructions" if responses_api => {
+                    r.instructions = map.next_value_seed(nullable(|v| text(shared, v)))?
+                }
+                "max_output_tokens" if responses_api => r.max_tokens = map.next_value()?,
+                "previous_response_id" if responses_api => {
+                    r.previous_response_id = map.next_value()?
+                }
+                "store" if responses_api => r.store = map.next_value()?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -1556,7 +1701,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
             tool_calls: None,
             tool_call_id: None,
         };
-        let mut seen = 0u32;
+        let mut seen = 0u64;
         while let Some((field, _)) = map.next_key_seed(KeyIndex::new(MESSAGE_FIELDS))? {
             let Some(index) = field else {
                 map.next_value::<IgnoredAny>()?;

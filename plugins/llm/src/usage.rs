@@ -63,13 +63,17 @@ enum State {
     },
 }
 
-/// The fields read from a `usage` object; others (`total_tokens`, the completion's details)
-/// are ignored.
+/// The fields read from a `usage` object, under OpenAI's chat names or the Responses and
+/// Anthropic names (`input_tokens`, `output_tokens`); others (`total_tokens`, the
+/// completion's details) are ignored. A count an object leaves out keeps what an earlier one
+/// said: Anthropic's `message_start` says the input, `message_delta` the output.
 #[derive(Deserialize)]
 struct Counts {
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    #[serde(default)]
+    #[serde(default, alias = "input_tokens")]
+    prompt_tokens: Option<u64>,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: Option<u64>,
+    #[serde(default, alias = "input_tokens_details")]
     prompt_tokens_details: Option<PromptDetails>,
 }
 
@@ -110,9 +114,9 @@ impl UsageScanner {
         }
     }
 
-    /// The usage found in what was fed (the last `"usage": {...}` object with integer
-    /// prompt_tokens and completion_tokens), if any. `"usage": null` (stream chunks before
-    /// the last) does not count.
+    /// The usage found in what was fed (the last `"usage": {...}` objects' counts, the
+    /// prompt's required, an output left out counting 0), if any. `"usage": null` (stream
+    /// chunks before the last) does not count.
     pub fn usage(&self) -> Option<Usage> {
         self.found
     }
@@ -177,13 +181,24 @@ impl UsageScanner {
             };
         }
         if let Ok(counts) = serde_json::from_slice::<Counts>(&self.object) {
-            self.found = Some(Usage {
-                prompt_tokens: counts.prompt_tokens,
-                completion_tokens: counts.completion_tokens,
-            });
-            self.cached_tokens = counts
+            let before = self.found;
+            let prompt = counts.prompt_tokens.or(before.map(|u| u.prompt_tokens));
+            // An answer that generates nothing (embeddings) may leave the output out.
+            let completion = counts
+                .completion_tokens
+                .or(before.map(|u| u.completion_tokens));
+            if let Some(prompt_tokens) = prompt {
+                self.found = Some(Usage {
+                    prompt_tokens,
+                    completion_tokens: completion.unwrap_or(0),
+                });
+            }
+            if let Some(cached) = counts
                 .prompt_tokens_details
-                .and_then(|details| details.cached_tokens);
+                .and_then(|details| details.cached_tokens)
+            {
+                self.cached_tokens = Some(cached);
+            }
         }
         self.object.clear();
         State::Seeking

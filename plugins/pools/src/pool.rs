@@ -843,6 +843,29 @@ impl Pool {
         self.select_prefixed(tried, demand, None, None)
     }
 
+    /// The backend at `addr`, when it is still one of the pool's and not in `tried`,
+    /// whatever its health: for a request whose state lives there only (a stored response's
+    /// follow-up), which no other backend could answer.
+    pub fn select_backend(&self, addr: SocketAddr, tried: &[SocketAddr]) -> Option<Selected> {
+        if tried.contains(&addr) {
+            return None;
+        }
+        let members = self.members();
+        let member = members.iter().find(|m| m.spec.resolved == addr)?;
+        Some(Selected {
+            addr,
+            live: Arc::clone(&member.live),
+            predicted_ttft: None,
+            cached_tokens: None,
+            predicted_cached: None,
+        })
+    }
+
+    /// Whether `addr` is one of the pool's backends now.
+    pub fn has_backend(&self, addr: SocketAddr) -> bool {
+        self.members().iter().any(|m| m.spec.resolved == addr)
+    }
+
     /// The name the pool's engines get for a request for `requested` (`served_model`): none
     /// when it names one of the backends' LoRA adapters, which the engine serves under the
     /// adapter's own name.

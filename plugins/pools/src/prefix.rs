@@ -96,6 +96,9 @@ impl PrefixRouting {
         let tokenized = match endpoint {
             Endpoint::ChatCompletions => self.tokenizer.tokenize_chat(body),
             Endpoint::Completions => self.tokenizer.tokenize_completion(body),
+            // Not yet rendered as the engine renders them (Messages and Responses convert to
+            // a chat first): the approximate affinity places them. The others fill no cache.
+            _ => return None,
         };
         match tokenized {
             Ok(tokenized) => {

@@ -25,6 +25,9 @@ pub enum Route {
     Models,
     /// Proxied as plain HTTP, as nginx's `proxy_pass` would, by the named route.
     Plain(Arc<str>),
+    /// `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`: proxied as plain HTTP
+    /// to the backend that made the response.
+    StoredResponse,
     /// No route matched: 404.
     NotFound,
 }
@@ -37,6 +40,7 @@ impl Route {
             Route::Llm(e) => e.label(),
             Route::Models => "models",
             Route::Plain(name) => name,
+            Route::StoredResponse => "stored-response",
             Route::NotFound => "not-found",
         }
     }

@@ -83,6 +83,8 @@ pub enum Reason {
     Stopping,
     /// No pool serves the requested model.
     UnknownModel,
+    /// A stored response (Responses API) that no backend of the proxy's holds now.
+    UnknownResponse,
     /// No route matches the path.
     NoRoute,
     /// A known path asked for with the wrong method.
@@ -118,7 +120,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 25] = [
+    pub const ALL: [Reason; 26] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -129,6 +131,7 @@ impl Reason {
         Reason::MemoryBudget,
         Reason::Stopping,
         Reason::UnknownModel,
+        Reason::UnknownResponse,
         Reason::NoRoute,
         Reason::MethodNotAllowed,
         Reason::NoHealthyBackend,
@@ -159,6 +162,7 @@ impl Reason {
             Reason::MemoryBudget => "memory-budget",
             Reason::Stopping => "stopping",
             Reason::UnknownModel => "unknown-model",
+            Reason::UnknownResponse => "unknown-response",
             Reason::NoRoute => "no-route",
             Reason::MethodNotAllowed => "method-not-allowed",
             Reason::NoHealthyBackend => "no-healthy-backend",

@@ -284,6 +284,11 @@ impl Plugin for Speculative {
         let (Some(model), Some(call)) = (self.models.get(index), ctx.llm()) else {
             return Ok(Flow::Continue);
         };
+        // Nothing to draft (a tokenizer's, a pooling model's answer), or a continuation of a
+        // response an engine keeps: it goes where the core sends it.
+        if !call.endpoint.family().generates() || call.request.previous_response_id.is_some() {
+            return Ok(Flow::Continue);
+        }
         // Forcing the 9×-pricier pool is the operator's to allow, and then the tenant's.
         let may_force = self.config.allow_forced_target
             && ctx.tenant().is_none_or(|tenant| tenant.may_force_target);

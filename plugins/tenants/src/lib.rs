@@ -53,7 +53,7 @@ use config::{OverMaxTokens, Policy};
 use directory::{digest, Directory};
 use http::{HeaderName, HeaderValue};
 use ipnet::IpNet;
-use limits::{Admitted, Limiter, TenantLimits, Usage, Want};
+use limits::{anthropic_header, Admitted, Limiter, TenantLimits, Usage, Want};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
     api_key, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Reason,
@@ -280,11 +280,7 @@ impl Tenants {
         };
         let asked = call.request.max_output_tokens();
         if entry.over_max_tokens == OverMaxTokens::Refuse && asked.is_some_and(|n| n > ceiling) {
-            let param = if call.request.max_completion_tokens.is_some() {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
+            let param = call.endpoint.family().budget_key(&call.request);
             return Err(ErrorReply {
                 param: Some(param.into()),
                 ..ErrorReply::new(
@@ -350,7 +346,7 @@ impl Plugin for Tenants {
             // Every route to an upstream is metered: a plain one (`/tokenize`, a catch-all to
             // vLLM) counts as a request and holds a concurrency slot; it carries no token
             // estimate. What Sluice answers itself (`/v1/models`) is not.
-            if !matches!(ctx.route(), Route::Plain(_)) {
+            if !matches!(ctx.route(), Route::Plain(_) | Route::StoredResponse) {
                 return Ok(Flow::Continue);
             }
             let want = Want {
@@ -376,11 +372,17 @@ impl Plugin for Tenants {
                 .output_tokens
                 .saturating_mul(u64::from(demand.sequences.max(1))),
         };
-        let admitted = entry
-            .limits
-            .admit(want)
-            .await
-            .map_err(ErrorReply::into_error)?;
+        let anthropic = anthropic_headers(call);
+        let admitted = entry.limits.admit(want).await.map_err(|mut reply| {
+            if anthropic {
+                let now = std::time::SystemTime::now();
+                for (name, value) in &mut reply.headers {
+                    let (n, v) = anthropic_header(name.clone(), value.clone(), now);
+                    (*name, *value) = (n, v);
+                }
+            }
+            reply.into_error()
+        })?;
         if let Some(capped) = capped {
             ctx.rewrite_request(capped);
         }
@@ -402,8 +404,15 @@ impl Plugin for Tenants {
         };
         // An unlimited tenant's answer is left as it came.
         if admitted.has_headers() {
+            let anthropic = ctx.llm().is_some_and(anthropic_headers);
+            let now = std::time::SystemTime::now();
             let Ok(()) = sluice_sdk::headers::edit(response, |headers| {
                 admitted.each_header(|name, value| {
+                    let (name, value) = if anthropic {
+                        anthropic_header(name, value, now)
+                    } else {
+                        (name, value)
+                    };
                     headers.insert(name, value);
                     Ok::<(), std::convert::Infallible>(())
                 })
@@ -476,4 +485,10 @@ fn used(ctx: &RequestCtx) -> Usage {
         .output_tokens
         .saturating_mul(u64::from(demand.sequences.max(1)));
     priced(demand.prompt_tokens, output)
+}
+
+/// Whether the request's answers carry Anthropic's rate-limit headers (its API family's
+/// clients read those), not OpenAI's.
+fn anthropic_headers(call: &LlmCall) -> bool {
+    call.endpoint.family().rate_limit_headers() == sluice_sdk::family::RateLimitHeaders::Anthropic
 }

@@ -322,6 +322,13 @@ impl PromptTokenizer {
         }
     }
 
+    /// The text of token `ids`, special tokens included (vLLM's `/detokenize`).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
+        self.tokenizer
+            .decode(ids, false)
+            .map_err(|e| Error::Encode(e.to_string()))
+    }
+
     /// Encodes `text`; with `special`, the tokenizer's post-processor adds its special tokens.
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, Error> {
         self.tokenizer

@@ -179,6 +179,70 @@ pub fn stored_response(shared: &Shared, id: &str, cancel: bool) -> HttpResponse 
     }
 }
 
+/// `POST /tokenize`: a completion's `prompt` or a chat's `messages`, as the engine tokenizes
+/// them (vLLM 0.32's `{"count", "max_model_len", "tokens", "token_strs"}`). Without a
+/// tokenizer folder the ids are the simulator's made-up ones (see [`synthetic_ids`]).
+pub fn tokenize_route(shared: &Shared, body: &[u8]) -> HttpResponse {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let kind = if value.get("messages").is_some() {
+        Kind::Chat
+    } else {
+        Kind::Completion
+    };
+    let tokenized = validate(shared, kind, body).map(|(request, _)| {
+        if request.prompt_ids.is_empty() {
+            synthetic_ids(
+                kind,
+                body,
+                request.prompt.tokens,
+                shared.config.bytes_per_token,
+            )
+        } else {
+            request.prompt_ids
+        }
+    });
+    match tokenized {
+        Ok(ids) => server::json(
+            200,
+            serde_json::to_vec(&serde_json::json!({
+                "count": ids.len(),
+                "max_model_len": shared.config.max_model_len,
+                "tokens": ids,
+                "token_strs": null,
+            }))
+            .unwrap_or_default(),
+        ),
+        Err(error) => server::error(shared, &error),
+    }
+}
+
+/// `POST /detokenize`: `tokens` back to text, with the tokenizer folder's vocabulary, or
+/// else the simulator's own words (an id picks one).
+pub fn detokenize_route(shared: &Shared, body: &[u8]) -> HttpResponse {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let Some(ids) = value["tokens"].as_array().and_then(|ids| {
+        ids.iter()
+            .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+            .collect::<Option<Vec<u32>>>()
+    }) else {
+        return server::error(shared, &ApiError::bad_request("Field required: tokens"));
+    };
+    let text = match &shared.tokenizer {
+        Some(tokenizer) => match tokenizer.decode(&ids) {
+            Ok(text) => text,
+            Err(e) => return server::error(shared, &ApiError::bad_request(e.to_string())),
+        },
+        None => ids
+            .iter()
+            .map(|id| crate::text::VOCAB[*id as usize % crate::text::VOCAB.len()])
+            .collect(),
+    };
+    server::json(
+        200,
+        serde_json::to_vec(&serde_json::json!({"prompt": text})).unwrap_or_default(),
+    )
+}
+
 /// `POST /v1/messages/count_tokens`.
 pub fn count_tokens(shared: &Shared, body: &[u8]) -> HttpResponse {
     messages::count_tokens(shared, body)

@@ -1,5 +1,6 @@
 //! The API families: each wire format of LLM requests and answers that Sluice serves as an LLM
-//! route (OpenAI chat completions and text completions today) owns, behind [`ApiFamily`], all
+//! route (OpenAI's chat completions, text completions and Responses, Anthropic's Messages, and
+//! the routes that generate nothing: tokenize, embeddings, rerank, ...) owns, behind [`ApiFamily`], all
 //! that is particular to it: its path, its request parse and demand estimate, its output
 //! default, where its answers carry token log-probabilities and usage, how a whole answer is
 //! assembled from its stream and replayed in either form, and the shape of its errors. The
@@ -10,11 +11,15 @@
 //! of [`Endpoint`] (the family's stable id, in cache entries and labels) and its arm in
 //! [`Endpoint::family`].
 
+pub mod anthropic;
 pub mod openai;
+pub mod responses;
+pub mod utility;
 
-use crate::llm::{Endpoint, InvalidRequest, LlmCall};
+use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::Usage;
 use bytes::Bytes;
+use serde_json::Value;
 
 /// Where an answer's token log-probabilities are, for a confidence check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +80,27 @@ pub struct WireError<'a> {
     pub reason: &'a str,
 }
 
+/// Whether the response cache may keep a family's answers to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheUse {
+    /// Never (a stored response that follow-ups name, a tokenizer's answer).
+    Never,
+    /// When the request is deterministic, or the cache is told to keep sampled answers.
+    IfDeterministic,
+    /// Always: the answer does not depend on sampling (embeddings).
+    Always,
+}
+
+/// Whose rate-limit headers a family's clients read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateLimitHeaders {
+    /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, resets as durations (`6m0s`).
+    OpenAi,
+    /// `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, resets as RFC 3339
+    /// times.
+    Anthropic,
+}
+
 /// One wire format of LLM requests and answers. Implementations are stateless values (one
 /// `static` each), found through [`Endpoint::family`].
 pub trait ApiFamily: Send + Sync + std::fmt::Debug {
@@ -118,37 +144,98 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     ) -> Bytes;
     /// Reads one event's JSON text (its `data`) for relaying: `None` for an event not to pass
     /// on (an error event, whose news the stream's end carries; text no client could read).
-    fn read_event<'a>(&self, json: &'a str) -> Option<EventFacts<'a>>;
+    fn read_event<'a>(&self, _json: &'a str) -> Option<EventFacts<'a>> {
+        Some(EventFacts {
+            model: None,
+            usage_only: false,
+            stamp: None,
+        })
+    }
     /// Writes an event read by [`ApiFamily::read_event`] to `out` under response `id` and
     /// `created` (as it is when it has no stamp to replace).
     fn write_event(
         &self,
         json: &str,
-        facts: &EventFacts<'_>,
-        id: &str,
-        created: u64,
+        _facts: &EventFacts<'_>,
+        _id: &str,
+        _created: u64,
         out: &mut Vec<u8>,
-    );
+    ) {
+        out.extend_from_slice(json.as_bytes());
+    }
     /// The usage-only event of a stream, made here (for a client that asked for usage when
     /// the stream it shares did not carry one); `model` as JSON text.
-    fn usage_event(&self, id: &str, created: u64, model: Option<&str>, usage: Usage) -> Vec<u8>;
+    fn usage_event(
+        &self,
+        _id: &str,
+        _created: u64,
+        _model: Option<&str>,
+        _usage: Usage,
+    ) -> Vec<u8> {
+        Vec::new()
+    }
     /// The prefix of a response id it makes (`chatcmpl`, `cmpl`).
     fn id_prefix(&self) -> &'static str;
     /// An error body in the family's shape.
     fn error_body(&self, error: &WireError<'_>) -> Vec<u8>;
     /// The same error as the last event of a stream that had started.
     fn error_event(&self, error: &WireError<'_>) -> Vec<u8>;
+    /// The body member that holds the request's output budget, for a ceiling to set it.
+    fn budget_key(&self, request: &LlmRequest) -> &'static str {
+        if request.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        }
+    }
+    /// Whether the engine generates tokens for it (a tokenizer or a pooling model does not:
+    /// no draft, no output budget).
+    fn generates(&self) -> bool {
+        true
+    }
+    /// Whether the cache may keep the answer to `request`.
+    fn cache_use(&self, _request: &LlmRequest) -> CacheUse {
+        CacheUse::IfDeterministic
+    }
+    /// Whether a stream being answered can be relayed live to identical requests
+    /// ([`ApiFamily::read_event`] and its kin); when not, they wait for the whole answer.
+    fn relays_live(&self) -> bool {
+        false
+    }
+    /// Whose rate-limit headers its answers carry.
+    fn rate_limit_headers(&self) -> RateLimitHeaders {
+        RateLimitHeaders::OpenAi
+    }
 }
 
 impl Endpoint {
     /// Every family served, for the router.
-    pub const ALL: [Endpoint; 2] = [Endpoint::ChatCompletions, Endpoint::Completions];
+    pub const ALL: [Endpoint; 10] = [
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Messages,
+        Endpoint::Responses,
+        Endpoint::CountTokens,
+        Endpoint::Tokenize,
+        Endpoint::Detokenize,
+        Endpoint::Embeddings,
+        Endpoint::Rerank,
+        Endpoint::Score,
+    ];
 
     /// The family of requests to this endpoint: the one registration of a family.
     pub fn family(self) -> &'static dyn ApiFamily {
         match self {
             Endpoint::ChatCompletions => &openai::CHAT,
             Endpoint::Completions => &openai::COMPLETIONS,
+            Endpoint::Messages => &anthropic::MESSAGES,
+            Endpoint::CountTokens => &anthropic::COUNT_TOKENS,
+            Endpoint::Responses => &responses::RESPONSES,
+            Endpoint::Tokenize => &utility::TOKENIZE,
+            Endpoint::Detokenize => &utility::DETOKENIZE,
+            Endpoint::Embeddings => &utility::EMBEDDINGS,
+            Endpoint::Rerank => &utility::RERANK,
+            Endpoint::Score => &utility::SCORE,
         }
     }
 
@@ -165,6 +252,66 @@ impl Endpoint {
     /// A short label for metrics and logs.
     pub fn label(self) -> &'static str {
         self.family().name()
+    }
+}
+
+/// The events of a named-event stream (Messages, Responses), whole, in order: each one's
+/// data, parsed (its `type` names it).
+pub(crate) fn stream_events(chunks: &[Bytes]) -> Result<Vec<Value>, AnswerError> {
+    let body: Vec<u8> = chunks.concat();
+    let text = std::str::from_utf8(&body).map_err(|_| AnswerError::NotAnAnswer)?;
+    let mut events = Vec::new();
+    for event in text.split("\n\n") {
+        let data = event
+            .lines()
+            .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if data.is_empty() {
+            continue;
+        }
+        events.push(serde_json::from_str(&data).map_err(|_| AnswerError::NotAnAnswer)?);
+    }
+    Ok(events)
+}
+
+/// The real vLLM 0.32 captures (`tests/fixtures/vllm-0.32/`), for the families' tests.
+#[cfg(test)]
+pub(crate) mod captures {
+    /// The body of one of the real vLLM 0.32 captures.
+    pub fn capture(name: &str) -> Vec<u8> {
+        let path = format!(
+            "{}/../../tests/fixtures/vllm-0.32/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let at = text
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|i| i + 4);
+        let at = at.or_else(|| text.windows(2).position(|w| w == b"\n\n").map(|i| i + 2));
+        text[at.unwrap()..].to_vec()
+    }
+
+    /// A chunked body's data, its chunk sizes removed.
+    pub fn unchunked(body: &[u8]) -> Vec<u8> {
+        let text = String::from_utf8_lossy(body);
+        let mut out = String::new();
+        let mut lines = text.split('\n').peekable();
+        while let Some(size) = lines.next() {
+            let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+                continue;
+            };
+            let mut chunk = String::new();
+            while chunk.len() < size {
+                let Some(line) = lines.next() else { break };
+                chunk.push_str(line);
+                chunk.push('\n');
+            }
+            out.push_str(&chunk[..size.min(chunk.len())]);
+        }
+        out.into_bytes()
     }
 }
 

@@ -79,7 +79,7 @@ impl ApiFamily for OpenAi {
     }
 
     fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
-        LlmCall::parse_openai(endpoint, body, self.default_max_tokens())
+        LlmCall::parse_request(endpoint, body, self.default_max_tokens())
     }
 
     fn default_max_tokens(&self) -> Option<u32> {
@@ -179,6 +179,10 @@ impl ApiFamily for OpenAi {
         error_body(error)
     }
 
+    fn relays_live(&self) -> bool {
+        true
+    }
+
     fn error_event(&self, error: &WireError<'_>) -> Vec<u8> {
         let body = error_body(error);
         let mut event = Vec::with_capacity(body.len() + 24);
@@ -236,7 +240,7 @@ pub fn error_body(error: &WireError<'_>) -> Vec<u8> {
 /// Whether an event's data is an error object (`{"error": {...}}`, as vLLM ends a stream
 /// that failed). A byte search first: almost no event says `"error"` at all, and those
 /// that do only in their text are told apart by a parse.
-fn is_error_event(data: &[u8]) -> bool {
+pub(super) fn is_error_event(data: &[u8]) -> bool {
     #[derive(Deserialize)]
     struct ErrorShape<'a> {
         #[serde(borrow)]
@@ -333,6 +337,28 @@ impl AnswerText {
     /// client allowed: not the whole answer to its request.
     pub fn cut_by_context(&self, budget: u64) -> bool {
         crate::context::cut_by_context(&self.0, budget)
+    }
+}
+
+impl AnswerText {
+    /// A JSON answer whose shape its family checked, kept as sent (trimmed); `None` when it
+    /// is not UTF-8.
+    pub(super) fn checked(body: bytes::Bytes) -> Option<AnswerText> {
+        std::str::from_utf8(&body).ok()?;
+        Some(AnswerText(body.slice_ref(body.trim_ascii())))
+    }
+
+    /// An answer a family assembled.
+    pub(super) fn from_value(answer: &Value) -> Result<AnswerText, AnswerError> {
+        serde_json::value::to_raw_value(answer)
+            .map(AnswerText::from)
+            .map_err(|_| AnswerError::NotAnAnswer)
+    }
+
+    /// The answer as a tree, for a family to render it (`null` if it were not JSON, which no
+    /// constructor lets in).
+    pub(super) fn tree(&self) -> Value {
+        serde_json::from_str(self.get()).unwrap_or(Value::Null)
     }
 }
 
@@ -728,7 +754,7 @@ struct Identity<'a> {
 
 /// `json` with its top-level `id` and `created` values replaced, without parsing the rest
 /// into a tree; `None` when it does not have both, once each.
-fn splice_identity(json: &str, id: &str, created: u64) -> Option<Vec<u8>> {
+pub(super) fn splice_identity(json: &str, id: &str, created: u64) -> Option<Vec<u8>> {
     let found: Identity = serde_json::from_str(json).ok()?;
     let spans = identity_spans(json, found.id, found.created)?;
     let mut out = Vec::with_capacity(json.len() + id.len() + 16);

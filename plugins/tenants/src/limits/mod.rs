@@ -96,6 +96,8 @@ mod gcra;
 mod metrics;
 mod remote;
 mod reply;
+
+pub(crate) use reply::anthropic_header;
 mod tenant;
 
 #[cfg(test)]

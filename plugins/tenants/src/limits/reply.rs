@@ -53,6 +53,76 @@ static NAMES: [[HeaderName; PER_GROUP]; GROUPS] = [
     ],
 ];
 
+/// Anthropic's names for the same headers, in the same places.
+static ANTHROPIC_NAMES: [[HeaderName; PER_GROUP]; GROUPS] = [
+    [
+        HeaderName::from_static("anthropic-ratelimit-requests-limit"),
+        HeaderName::from_static("anthropic-ratelimit-requests-remaining"),
+        HeaderName::from_static("anthropic-ratelimit-requests-reset"),
+    ],
+    [
+        HeaderName::from_static("anthropic-ratelimit-tokens-limit"),
+        HeaderName::from_static("anthropic-ratelimit-tokens-remaining"),
+        HeaderName::from_static("anthropic-ratelimit-tokens-reset"),
+    ],
+];
+
+/// One of OpenAI's rate-limit headers as Anthropic's clients read it: Anthropic's name, and a
+/// reset as the RFC 3339 time it comes (`now` and the duration). Any other header as it is.
+pub(crate) fn anthropic_header(
+    name: HeaderName,
+    value: HeaderValue,
+    now: std::time::SystemTime,
+) -> (HeaderName, HeaderValue) {
+    let place = NAMES.iter().enumerate().find_map(|(group, names)| {
+        names
+            .iter()
+            .position(|n| *n == name)
+            .map(|index| (group, index))
+    });
+    let Some((group, index)) = place else {
+        return (name, value);
+    };
+    let anthropic = ANTHROPIC_NAMES[group][index].clone();
+    if index + 1 < PER_GROUP {
+        return (anthropic, value);
+    }
+    let at = value
+        .to_str()
+        .ok()
+        .and_then(parse_openai_duration)
+        .map(|d| humantime::format_rfc3339_seconds(now + d).to_string());
+    match at.and_then(|at| HeaderValue::from_str(&at).ok()) {
+        Some(at) => (anthropic, at),
+        None => (anthropic, value),
+    }
+}
+
+/// The inverse of [`write_openai_duration`]: `6m0s`, `1.5s`, `20ms`, `1h2m3.004s`.
+fn parse_openai_duration(text: &str) -> Option<std::time::Duration> {
+    let mut total = std::time::Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(digits);
+        let number: f64 = number.parse().ok()?;
+        let (unit, tail) = if let Some(tail) = tail.strip_prefix("ms") {
+            (0.001, tail)
+        } else if let Some(tail) = tail.strip_prefix('h') {
+            (3600.0, tail)
+        } else if let Some(tail) = tail.strip_prefix('m') {
+            (60.0, tail)
+        } else {
+            (1.0, tail.strip_prefix('s')?)
+        };
+        total += std::time::Duration::try_from_secs_f64(number * unit).ok()?;
+        rest = tail;
+    }
+    Some(total)
+}
+
 const GROUPS: usize = 2;
 const PER_GROUP: usize = 3;
 
@@ -297,6 +367,41 @@ pub(crate) fn store_unavailable() -> ErrorReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn anthropic_clients_get_their_own_names_and_reset_times() {
+        let now = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_000);
+        for (us, text) in [(1_500_000, "1.5s"), (360_000_000, "6m0s"), (20_000, "20ms")] {
+            let mut out = StackText::new();
+            write_openai_duration(&mut out, us);
+            assert_eq!(out.as_bytes(), text.as_bytes());
+            assert_eq!(
+                parse_openai_duration(text),
+                Some(std::time::Duration::from_micros(us as u64))
+            );
+        }
+        let (name, value) = anthropic_header(
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
+            HeaderValue::from_static("6m0s"),
+            now,
+        );
+        assert_eq!(name, "anthropic-ratelimit-tokens-reset");
+        assert_eq!(value, "2027-01-15T08:06:00Z");
+        let (name, value) = anthropic_header(
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderValue::from_static("4"),
+            now,
+        );
+        assert_eq!(
+            (name.as_str(), value.to_str().unwrap()),
+            ("anthropic-ratelimit-requests-remaining", "4")
+        );
+        let other = HeaderName::from_static("retry-after");
+        assert_eq!(
+            anthropic_header(other.clone(), HeaderValue::from_static("1"), now).0,
+            other
+        );
+    }
 
     #[test]
     fn durations_are_written_as_openai_does() {
