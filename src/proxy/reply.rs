@@ -97,6 +97,9 @@ pub async fn error(
     // An LLM route's error in its family's shape; any other in OpenAI's.
     let endpoint = match ctx.route() {
         Route::Llm(endpoint) => Some(*endpoint),
+        // Refused before routing (an unknown key, a connection cap): the path says whose
+        // API the client speaks.
+        Route::Unrouted => sluice_sdk::Endpoint::from_path(session.req_header().uri.path()),
         _ => None,
     };
     let body = reply.body_for(endpoint);

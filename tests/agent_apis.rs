@@ -1,0 +1,279 @@
+//! The agents' APIs as first-class LLM routes, through the official Python SDKs and on the
+//! wire: Anthropic's Messages (`anthropic`), OpenAI's Responses (`openai`) with its
+//! `previous_response_id` conversations across backends that each keep their own responses,
+//! and the routes that generate nothing (`/tokenize`, `/v1/messages/count_tokens`), routed by
+//! model with the tenant's limits. Needs `python3` with `openai` and `anthropic`
+//! (`scripts/bootstrap --test` installs them).
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use vllm_sim::SimConfig;
+
+const MODEL: &str = "agent-model";
+const KEY: &str = "sk-agent";
+const LIMITED_KEY: &str = "sk-limited";
+
+/// Runs one of the tests' Python scripts and fails the test if it fails.
+async fn run_python(script: &str, args: &[&str]) {
+    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new("python3")
+        .arg(&script)
+        .args(args)
+        .output()
+        .await
+        .expect("python3 is needed for this test");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named"),
+        "install the clients first: scripts/bootstrap --test\n{stderr}"
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    print!("{stdout}");
+}
+
+/// The tenants section: `sk-agent`'s tenant unlimited, `sk-limited`'s at 2 requests a minute.
+fn tenants() -> Value {
+    json!({"tenants": {
+        "enabled": true,
+        "tenants": {
+            "agent": {"keys": [key_digest(KEY)]},
+            "limited": {"keys": [key_digest(LIMITED_KEY)],
+                        "limits": {"requests_per_minute": 2}},
+        },
+    }})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_client_works_through_sluice() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_record_requests(256),
+    )
+    .await
+    .unwrap();
+    let mut plugins = tenants();
+    plugins["cache"] = json!({"enabled": true});
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": plugins,
+    }))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    run_python("anthropic_client.py", &[&base, MODEL, KEY, LIMITED_KEY]).await;
+
+    // The SDK's version headers reached the engine; the tenant's key did not.
+    let stats = sim.stats();
+    let sent: Vec<_> = stats
+        .recent
+        .iter()
+        .filter(|r| r.path == "/v1/messages")
+        .collect();
+    assert!(!sent.is_empty());
+    for request in sent {
+        assert!(request.header("anthropic-version").is_some());
+        assert_eq!(request.header("anthropic-beta"), Some("sluice-test-2026"));
+        assert_eq!(
+            request.header("x-api-key"),
+            None,
+            "the tenant's key upstream"
+        );
+    }
+    // Counting tokens went to the engine, and charged no output.
+    assert_eq!(stats.count("/v1/messages/count_tokens"), 1);
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains(r#"route="messages""#),
+        "the Messages route is its own in the metrics"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_conversations_stay_with_the_backend_that_keeps_them() {
+    let keeping = || {
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_responses_store(true)
+    };
+    let (a, b) = (
+        vllm_sim::start(keeping()).await.unwrap(),
+        vllm_sim::start(keeping()).await.unwrap(),
+    );
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[a.addr(), b.addr()])
+            .with("balancing", json!({"strategy": "round_robin"}))],
+        "plugins": {"cache": {"enabled": true}},
+    }))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    run_python("openai_responses.py", &[&base, MODEL, "8"]).await;
+    // The conversations were spread over both backends, and each kept its own.
+    for sim in [&a, &b] {
+        assert!(
+            sim.stats().count("/v1/responses") >= 10,
+            "{:?}",
+            sim.stats().requests_by_path
+        );
+    }
+}
+
+/// Without Sluice's notes, the same conversations across the same pool fail: the check that
+/// the test above would see the failure it guards against.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_on_the_other_backend_is_the_engines_404() {
+    let keeping = || {
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_responses_store(true)
+    };
+    let (a, b) = (
+        vllm_sim::start(keeping()).await.unwrap(),
+        vllm_sim::start(keeping()).await.unwrap(),
+    );
+    let made = client()
+        .post(format!("{}/v1/responses", a.url()))
+        .json(&json!({"model": MODEL, "input": "hello", "max_output_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    let made: Value = made.json().await.unwrap();
+    let follow_up =
+        json!({"model": MODEL, "input": "and then?", "previous_response_id": made["id"]});
+    let elsewhere = client()
+        .post(format!("{}/v1/responses", b.url()))
+        .json(&follow_up)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(elsewhere.status(), 404);
+
+    // Through Sluice, made by `a` on its first turn: every follow-up goes to `a`.
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[a.addr(), b.addr()])
+            .with("balancing", json!({"strategy": "round_robin"}))],
+    }))
+    .await;
+    let url = proxy.url("/v1/responses");
+    let mut previous = Value::Null;
+    for turn in 0..6 {
+        let asked = ask_url(
+            &url,
+            &json!({"model": MODEL, "input": format!("turn {turn}"), "max_output_tokens": 4,
+                    "previous_response_id": previous}),
+            &[],
+        )
+        .await;
+        assert_eq!(asked.status, 200, "turn {turn}: {}", asked.body);
+        let answer: Value = serde_json::from_str(&asked.body).unwrap();
+        previous = answer["id"].clone();
+    }
+    // The first turn went to one backend; the five follow-ups with it.
+    let (on_a, on_b) = (
+        a.stats().count("/v1/responses") - 1,
+        b.stats().count("/v1/responses") - 1,
+    );
+    assert!(
+        (on_a, on_b) == (6, 0) || (on_a, on_b) == (0, 6),
+        "a {on_a}, b {on_b}"
+    );
+    // A kept response is read where it is kept; one no backend keeps is OpenAI's 404, at
+    // once, from Sluice.
+    let read = client()
+        .get(proxy.url(&format!("/v1/responses/{}", previous.as_str().unwrap())))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200);
+    let unknown = client()
+        .get(proxy.url("/v1/responses/resp_never_made"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    let body: Value = unknown.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "response_id");
+    assert_eq!(body["error"]["reason"], "unknown-response");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routes_that_generate_nothing_go_by_model_with_the_tenants_limits() {
+    let (small, large) = (
+        vllm_sim::start(SimConfig::default().with_model("small"))
+            .await
+            .unwrap(),
+        vllm_sim::start(SimConfig::default().with_model("large"))
+            .await
+            .unwrap(),
+    );
+    // A backend that refuses connections first in the large pool: the request moves on.
+    let dead = reserve_port();
+    let mut plugins = tenants();
+    plugins["tenants"]["tenants"]["agent"]["limits"] =
+        json!({"output_tokens_per_minute": 100, "requests_per_minute": 100});
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("small", &["small"], &[small.addr()]),
+            pool("large", &["large"], &[dead.addr(), large.addr()])
+                .without_health_checks()
+                .with("balancing", json!({"strategy": "round_robin"})),
+        ],
+        "plugins": plugins,
+    }))
+    .await;
+    let key = format!("Bearer {KEY}");
+    let auth = [("authorization", key.as_str())];
+    for _ in 0..4 {
+        let tokenized = ask_url(
+            &proxy.url("/tokenize"),
+            &json!({"model": "large", "prompt": "The capital of France is"}),
+            &auth,
+        )
+        .await;
+        assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+        assert_eq!(tokenized.headers["x-sluice-pool"], "large");
+        let body: Value = serde_json::from_str(&tokenized.body).unwrap();
+        assert!(body["count"].as_u64().unwrap() > 0, "{body}");
+    }
+    assert_eq!(large.stats().count("/tokenize"), 4);
+    assert_eq!(small.stats().count("/tokenize"), 0);
+    let back = ask_url(
+        &proxy.url("/detokenize"),
+        &json!({"model": "small", "tokens": [1, 2, 3]}),
+        &auth,
+    )
+    .await;
+    assert_eq!(back.status, 200, "{}", back.body);
+    assert_eq!(small.stats().count("/detokenize"), 1);
+    // count_tokens charges no output: far more than 100 output tokens' worth of them pass.
+    for _ in 0..12 {
+        let counted = ask_url(
+            &proxy.url("/v1/messages/count_tokens"),
+            &json!({"model": "small", "messages": [{"role": "user", "content": "hi"}]}),
+            &auth,
+        )
+        .await;
+        assert_eq!(counted.status, 200, "{}", counted.body);
+    }
+    // Without a key: 401, and on Anthropic's route in Anthropic's shape.
+    let refused = ask_url(
+        &proxy.url("/v1/messages/count_tokens"),
+        &json!({"model": "small", "messages": [{"role": "user", "content": "hi"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(refused.status, 401);
+    let body: Value = serde_json::from_str(&refused.body).unwrap();
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "authentication_error");
+    // An unknown model is refused by Sluice, not guessed at.
+    let unknown = ask_url(
+        &proxy.url("/tokenize"),
+        &json!({"model": "nope", "prompt": "x"}),
+        &auth,
+    )
+    .await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+}
