@@ -463,6 +463,56 @@ async fn the_openai_client() {
     );
 }
 
+/// Runs one of the tests' Python scripts against Sluice; fails the test if it fails.
+async fn python(script: &str, args: &[&str]) {
+    let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .await
+        .expect("python3");
+    assert!(out.status.success(), "{}", explain(script, &out));
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// The agents' SDKs through Sluice to real engines: `anthropic` (Messages, its stream, tools,
+/// count_tokens, cache hits, 401/404/429) against the target, whose tool parser takes
+/// Anthropic's tools; `openai`'s Responses conversations across two drafts that each keep
+/// their own responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`, as `serve.py` starts them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_sdks() {
+    let fleet = real_fleet();
+    let limited = "sk-real-limited";
+    let proxy = Proxy::start(json!({
+        "pools": [real_pool("target", &fleet.target)],
+        "plugins": {
+            "tenants": {"enabled": true, "tenants": {
+                "real": {"keys": [key_digest(KEY)]},
+                "limited": {"keys": [key_digest(limited)],
+                            "limits": {"requests_per_minute": 2}}}},
+            "cache": {"enabled": true},
+            "kv_breaker": {"enabled": true},
+        },
+    }))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    python("anthropic_client.py", &[&base, MODEL, KEY, limited]).await;
+
+    let second = RealVllm::start(TinyModel::Draft, &[]);
+    let draft = TinyModel::Draft;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("drafts", &[MODEL, draft.name()], &[fleet.draft.addr(), second.addr()])
+            .with("served_model", draft.name())
+            .with("max_model_len", draft.max_model_len())
+            .with("balancing", json!({"strategy": "round_robin"}))],
+        "plugins": {"cache": {"enabled": true}, "kv_breaker": {"enabled": true}},
+    }))
+    .await;
+    let base = format!("http://{}", proxy.addr);
+    python("openai_responses.py", &[&base, MODEL, "4"]).await;
+}
+
 /// Twenty streams at once, each whole and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_streams() {

@@ -16,7 +16,13 @@ import time
 def main():
     parent = int(sys.argv[1])
     args = sys.argv[sys.argv.index("--") + 1 :]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    # The Responses API keeps responses (for `previous_response_id`) only with the store on.
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        VLLM_ENABLE_RESPONSES_API_STORE="1",
+    )
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
         env=env,
