@@ -513,6 +513,101 @@ async fn the_agents_sdks() {
     python("openai_responses.py", &[&base, MODEL, "4"]).await;
 }
 
+/// A coding agent's session replayed (`tests/fixtures/agent-session.json`: a long system
+/// prompt, 32 tools, parallel tool calls, 20 turns, each streamed) through Sluice with every
+/// plugin on, to a target started with a context for it: every turn answered whole, the
+/// tenant charged each turn's usage, and the cache never answering a turn (sampled, so not
+/// deterministic), not even one sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_session_replayed() {
+    let fleet = real_fleet();
+    let context = 16384;
+    // Twice the usual KV cache (32,768 tokens): room for the longest turn and the next.
+    let target = RealVllm::start(
+        TinyModel::Target,
+        &[
+            "--max-model-len",
+            &context.to_string(),
+            "--kv-cache-memory-bytes",
+            "33554432",
+        ],
+    );
+    let mut cfg = config(&fleet.draft, &target, -1000.0);
+    cfg["pools"][1]["max_model_len"] = json!(context);
+    let proxy = Proxy::start(cfg).await;
+    let session: Value = serde_json::from_slice(&fixture("agent-session.json")).unwrap();
+    let messages = session["messages"].as_array().unwrap();
+    let user_turns: Vec<usize> = (0..messages.len())
+        .filter(|&i| messages[i]["role"] == "user")
+        .collect();
+    assert_eq!(user_turns.len(), 20);
+    assert!(session["tools"].as_array().unwrap().len() >= 30);
+    let tokens = |kind: &str| {
+        let series = format!(r#"sluice_tenant_tokens_total{{kind="{kind}",tenant="real"}}"#);
+        let proxy = &proxy;
+        async move { proxy.metric(&series).await.unwrap_or(0.0) }
+    };
+    let (input_before, output_before) = (tokens("input").await, tokens("output").await);
+    let (mut input, mut output) = (0u64, 0u64);
+    // The session, then its first three turns again: identical requests, still sampled.
+    let replayed = user_turns.iter().chain(&user_turns[..3]);
+    for (turn, &last) in replayed.enumerate() {
+        let request = json!({
+            "model": MODEL, "max_tokens": 48, "stream": true,
+            "system": session["system"], "tools": session["tools"],
+            "messages": &messages[..=last],
+        });
+        let answer = ask_url(
+            &proxy.url("/v1/messages"),
+            &request,
+            &[AUTH, ("anthropic-version", "2023-06-01")],
+        )
+        .await;
+        assert_eq!(answer.status, 200, "turn {turn}: {}", answer.body);
+        assert_ne!(answer.x_cache, "HIT", "turn {turn} answered from the cache");
+        assert_eq!(header(&answer, "x-sluice-pool").as_deref(), Some("target"));
+        // Named events: each one's `data:` line.
+        let parsed: Vec<Value> = answer
+            .body
+            .split("\n\n")
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(|data| serde_json::from_str(data).unwrap())
+            .collect();
+        assert_eq!(
+            parsed.first().unwrap()["type"],
+            "message_start",
+            "turn {turn}"
+        );
+        assert_eq!(
+            parsed.last().unwrap()["type"],
+            "message_stop",
+            "turn {turn}"
+        );
+        let usage = &parsed
+            .iter()
+            .rev()
+            .find(|e| e["type"] == "message_delta")
+            .unwrap_or_else(|| panic!("turn {turn}: no message_delta"))["usage"];
+        input += usage["input_tokens"].as_u64().unwrap();
+        output += usage["output_tokens"].as_u64().unwrap();
+    }
+    // The tenant was charged what the engine said each turn used.
+    let charged = |kind: &'static str, before: f64, want: u64| {
+        let series = format!(r#"sluice_tenant_tokens_total{{kind="{kind}",tenant="real"}}"#);
+        let proxy = &proxy;
+        async move { proxy.metric_once(&series, before + want as f64).await }
+    };
+    assert_eq!(
+        charged("input", input_before, input).await,
+        Some(input_before + input as f64)
+    );
+    assert_eq!(
+        charged("output", output_before, output).await,
+        Some(output_before + output as f64)
+    );
+    assert!(input > 20 * 1000, "the session's prompts: {input} tokens");
+}
+
 /// Twenty streams at once, each whole and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_streams() {

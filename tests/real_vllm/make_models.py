@@ -74,7 +74,7 @@ def model(out, layers, fast):
         # One head of 64: vLLM's CPU attention kernels take head sizes of 32 and up.
         num_attention_heads=1,
         num_key_value_heads=1,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
