@@ -54,6 +54,8 @@ pub struct Frozen {
     admin: String,
     server: String,
     caps: String,
+    /// The stored responses' notes live as long as the process, in the store it started with.
+    responses: String,
 }
 
 impl Frozen {
@@ -69,6 +71,7 @@ impl Frozen {
                 limits.max_requests_in_flight,
                 limits.max_requests_in_flight_per_client
             ),
+            responses: format!("{:?}", config.responses),
         }
     }
 
@@ -83,6 +86,7 @@ impl Frozen {
                 "limits' connection and in-flight caps",
                 self.caps != new.caps,
             ),
+            ("responses", self.responses != new.responses),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))

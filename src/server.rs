@@ -104,7 +104,9 @@ fn lasting(
         ),
         streams_end,
         connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
-        response_homes: Arc::default(),
+        response_homes: Arc::new(crate::proxy::stored_responses::ResponseHomes::new(
+            &config.responses,
+        )),
     }
 }
 

@@ -198,6 +198,51 @@ async fn a_follow_up_on_the_other_backend_is_the_engines_404() {
     assert_eq!(body["error"]["reason"], "unknown-response");
 }
 
+/// Two proxies of one fleet share their notes in Redis: a conversation whose turns alternate
+/// between them still goes, each turn, to the backend that keeps its last response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_sharing_redis_send_each_follow_up_where_its_response_is() {
+    let keeping = || {
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_responses_store(true)
+    };
+    let (a, b) = (
+        vllm_sim::start(keeping()).await.unwrap(),
+        vllm_sim::start(keeping()).await.unwrap(),
+    );
+    let redis = RedisServer::start();
+    let fleet_proxy = || {
+        Proxy::start(json!({
+            "pools": [pool("main", &[MODEL], &[a.addr(), b.addr()])
+                .with("balancing", json!({"strategy": "round_robin"}))],
+            "responses": {"store": "redis", "ttl": "10m",
+                          "redis": {"url": redis.url(), "timeout": "2s"}},
+        }))
+    };
+    let (one, two) = (fleet_proxy().await, fleet_proxy().await);
+    for conversation in 0..3 {
+        let mut previous = Value::Null;
+        for turn in 0..6 {
+            let proxy = if turn % 2 == 0 { &one } else { &two };
+            let url = proxy.url("/v1/responses");
+            let body = json!({"model": MODEL, "input": format!("{conversation}: turn {turn}"),
+                              "max_output_tokens": 4, "previous_response_id": previous});
+            // The answer ends once its note is in Redis: the other proxy finds it at once.
+            let asked = ask_url(&url, &body, &[]).await;
+            assert_eq!(
+                asked.status, 200,
+                "conversation {conversation}, turn {turn}: {}",
+                asked.body
+            );
+            let answer: Value = serde_json::from_str(&asked.body).unwrap();
+            previous = answer["id"].clone();
+        }
+    }
+    let kept = redis_cli(redis.port(), &["--scan", "--pattern", "sluice:response:*"]);
+    assert_eq!(kept.lines().count(), 18, "{kept}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_routes_that_generate_nothing_go_by_model_with_the_tenants_limits() {
     let (small, large) = (

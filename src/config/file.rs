@@ -25,6 +25,9 @@ pub struct FileConfig {
     pub pools: Vec<PoolFile>,
     #[serde(default)]
     pub routes: Vec<RouteFile>,
+    /// Where stored responses (Responses API) were made: kept how, for how long.
+    #[serde(default)]
+    pub responses: ResponsesFile,
     /// Each plugin's section, read by the plugin's own config type (`crate::chain`).
     #[serde(default)]
     pub plugins: crate::chain::Sections,
@@ -116,6 +119,65 @@ impl Default for AdminFile {
             hosts: Vec::new(),
         }
     }
+}
+
+/// `responses`: the notes of which backend made each stored response (Responses API), in this
+/// process's memory or in Redis, which every proxy of a fleet then shares.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponsesFile {
+    /// How long a note is kept.
+    #[serde(deserialize_with = "duration")]
+    pub ttl: Duration,
+    /// `memory` or `redis`.
+    pub store: ResponsesStore,
+    pub redis: Option<ResponsesRedisFile>,
+}
+
+impl Default for ResponsesFile {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(6 * 3600),
+            store: ResponsesStore::Memory,
+            redis: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponsesStore {
+    Memory,
+    Redis,
+}
+
+/// `responses.redis`: as the cache's Redis section.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponsesRedisFile {
+    #[serde(default, deserialize_with = "sluice_sdk::redis::url")]
+    pub url: Option<String>,
+    #[serde(default, deserialize_with = "sluice_sdk::redis::urls")]
+    pub cluster_nodes: Vec<String>,
+    /// The longest a follow-up waits on Redis to find where its response is.
+    #[serde(default = "default_responses_timeout", deserialize_with = "duration")]
+    pub timeout: Duration,
+    #[serde(
+        default = "sluice_sdk::redis::default_connect_timeout",
+        deserialize_with = "duration"
+    )]
+    pub connect_timeout: Duration,
+    #[serde(default = "sluice_sdk::redis::default_failure_threshold")]
+    pub failure_threshold: u32,
+    #[serde(
+        default = "sluice_sdk::redis::default_cooldown",
+        deserialize_with = "duration"
+    )]
+    pub cooldown: Duration,
+}
+
+fn default_responses_timeout() -> Duration {
+    Duration::from_millis(50)
 }
 
 /// What one client may cost, and all clients together (`conf/README.md` explains each).

@@ -71,6 +71,16 @@ pub struct Config {
     pub routes: Vec<RouteRule>,
     /// The enabled plugins, resolved, in chain order: the chain starts them.
     pub plugins: ResolvedPlugins,
+    /// Where stored responses' notes are kept.
+    pub responses: ResponsesSettings,
+}
+
+/// `responses`: how long a stored response's note is kept, and in Redis (shared by a fleet's
+/// proxies) or, without it, in this process's memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponsesSettings {
+    pub ttl: Duration,
+    pub redis: Option<sluice_sdk::RedisSettings>,
 }
 
 #[derive(Debug, Clone)]
@@ -195,6 +205,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         memory: MemoryBudget::new(limits.max_buffered_bytes),
     };
     let plugins = crate::chain::resolve(raw.plugins, &host)?;
+    let responses = responses(&raw.responses)?;
 
     Ok(Config {
         source: path.to_path_buf(),
@@ -214,6 +225,40 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         memory: host.memory,
         routes,
         plugins,
+        responses,
+    })
+}
+
+fn responses(raw: &file::ResponsesFile) -> Result<ResponsesSettings, Invalid> {
+    if raw.ttl.is_zero() {
+        return Err(Invalid::new("responses.ttl", "must be more than 0"));
+    }
+    let redis = match (raw.store, &raw.redis) {
+        (file::ResponsesStore::Memory, _) => None,
+        (file::ResponsesStore::Redis, None) => {
+            return Err(Invalid::new(
+                "responses.redis",
+                "store: redis needs a redis section",
+            ))
+        }
+        (file::ResponsesStore::Redis, Some(r)) => {
+            let settings = sluice_sdk::RedisSettings {
+                url: r.url.clone(),
+                cluster_nodes: r.cluster_nodes.clone(),
+                timeout: r.timeout,
+                connect_timeout: r.connect_timeout,
+                failure_threshold: r.failure_threshold,
+                cooldown: r.cooldown,
+            };
+            settings
+                .validate("timeout")
+                .map_err(|e| e.under("responses.redis"))?;
+            Some(settings)
+        }
+    };
+    Ok(ResponsesSettings {
+        ttl: raw.ttl,
+        redis,
     })
 }
 

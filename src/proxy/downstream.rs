@@ -89,6 +89,16 @@ pub async fn forward(
     note_stored_response(ctx, data.as_ref());
     chain.response_body(&mut data, end, ctx)?;
     count_sent(ctx, data.as_ref());
+    if end {
+        // A stored response's note is shared before its answer ends (see `stored_responses`).
+        let sharing = ctx
+            .state
+            .get_mut::<super::stored_responses::NoteHome>()
+            .and_then(super::stored_responses::NoteHome::take_sharing);
+        if let Some(sharing) = sharing {
+            let _ = sharing.await;
+        }
+    }
     session.write_response_body(data, end).await
 }
 

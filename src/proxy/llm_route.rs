@@ -54,7 +54,7 @@ pub async fn serve(
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     // A stored response's follow-up goes where the response was made, and nowhere else.
     let home = match &call.request.previous_response_id {
-        Some(id) => Some(home_of(sluice, id)?),
+        Some(id) => Some(home_of(sluice, id).await?),
         None => None,
     };
     let pool = match &home {
@@ -81,8 +81,8 @@ pub async fn serve(
 
 /// The pool and backend that made stored response `id`, while it is one of the pool's;
 /// else OpenAI's 404, as the engine would answer (no other backend has it).
-pub fn home_of(sluice: &Sluice, id: &str) -> Result<(Arc<Pool>, SocketAddr)> {
-    let home = sluice.response_homes.find(id).and_then(|home| {
+pub async fn home_of(sluice: &Sluice, id: &str) -> Result<(Arc<Pool>, SocketAddr)> {
+    let home = sluice.response_homes.find(id).await.and_then(|home| {
         let pool = sluice.pools.get(&home.pool)?;
         pool.has_backend(home.backend)
             .then(|| (Arc::clone(pool), home.backend))

@@ -7,18 +7,25 @@
 //! 404, not a retry on an engine that never had it.
 //!
 //! Kept in this process's memory, bounded (the oldest notes go first) and shared by every
-//! generation of the config. A note is a few dozen bytes; vLLM itself keeps responses only
-//! in memory, so a note cannot usefully outlive the engine's own copy by much.
+//! generation of the config; with `responses.store: redis`, in Redis too, for a fleet of
+//! proxies: a follow-up may come to another proxy than its predecessor. A note is written to
+//! Redis off the request path, and read from it only when this process has none, within
+//! `responses.redis.timeout` (Redis down or slow: the follow-up is OpenAI's 404, as the
+//! engine's own would be on a wrong backend). A note is a few dozen bytes, kept `ttl`; vLLM
+//! keeps responses only in memory, so a note cannot usefully outlive the engine's copy by
+//! much.
 
+use crate::config::ResponsesSettings;
+use sluice_sdk::RedisLink;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The most responses noted at once; the oldest go first.
+/// The most responses noted at once in memory; the oldest go first.
 const CAPACITY: usize = 200_000;
-/// How long a note is kept.
-const TTL: Duration = Duration::from_secs(6 * 3600);
+/// Where a response's note is in Redis: this, then its id.
+const REDIS_PREFIX: &str = "sluice:response:";
 /// The most bytes of an answer's start searched for its id: vLLM puts it first.
 const ID_WITHIN: usize = 4096;
 /// How a response's id starts in vLLM's answers and events.
@@ -32,9 +39,11 @@ pub struct Home {
 }
 
 /// The notes: which backend made which response.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ResponseHomes {
     inner: Mutex<Notes>,
+    ttl: Duration,
+    redis: Option<Arc<RedisLink>>,
 }
 
 #[derive(Debug, Default)]
@@ -45,8 +54,37 @@ struct Notes {
 }
 
 impl ResponseHomes {
-    /// Notes that `home` made response `id`.
-    pub fn remember(&self, id: &str, home: Home) {
+    pub fn new(settings: &ResponsesSettings) -> Self {
+        Self {
+            inner: Mutex::default(),
+            ttl: settings.ttl,
+            redis: settings
+                .redis
+                .as_ref()
+                .map(|r| Arc::new(RedisLink::new("responses store", r))),
+        }
+    }
+
+    /// Notes that `home` made response `id`: here at once, in Redis (when shared) by a task
+    /// of its own, which is returned: the answer's end waits for it, so that no follow-up the
+    /// client sends after it can reach another proxy before the note.
+    pub fn remember(&self, id: &str, home: Home) -> Option<tokio::task::JoinHandle<()>> {
+        self.remember_here(id, home.clone());
+        let redis = Arc::clone(self.redis.as_ref()?);
+        let mut set = redis::cmd("SET");
+        set.arg(format!("{REDIS_PREFIX}{id}"))
+            .arg(format!("{}\n{}", home.pool, home.backend))
+            .arg("EX")
+            .arg(self.ttl.as_secs().max(1));
+        Some(tokio::spawn(async move {
+            let within = redis.timeout();
+            if let Err(e) = redis.query::<()>(&set, within).await {
+                tracing::debug!("a stored response's note was not written to Redis: {e:?}");
+            }
+        }))
+    }
+
+    fn remember_here(&self, id: &str, home: Home) {
         let Ok(mut notes) = self.inner.lock() else {
             return;
         };
@@ -65,11 +103,37 @@ impl ResponseHomes {
         }
     }
 
-    /// The backend that made response `id`, if it is noted and the note is not too old.
-    pub fn find(&self, id: &str) -> Option<Home> {
+    /// The backend that made response `id`, if it is noted and the note is not too old:
+    /// here, else in Redis (when shared), whose answer is then kept here too.
+    pub async fn find(&self, id: &str) -> Option<Home> {
+        if let Some(home) = self.find_here(id) {
+            return Some(home);
+        }
+        let redis = self.redis.as_ref()?;
+        let mut get = redis::cmd("GET");
+        get.arg(format!("{REDIS_PREFIX}{id}"));
+        let note: Option<String> = match redis.query(&get, redis.timeout()).await {
+            Ok(note) => note,
+            Err(e) => {
+                tracing::debug!("a stored response's note could not be read from Redis: {e:?}");
+                None
+            }
+        };
+        let (pool, backend) = note?
+            .split_once('\n')
+            .map(|(p, b)| (p.to_owned(), b.to_owned()))?;
+        let home = Home {
+            pool: Arc::from(pool),
+            backend: backend.parse().ok()?,
+        };
+        self.remember_here(id, home.clone());
+        Some(home)
+    }
+
+    fn find_here(&self, id: &str) -> Option<Home> {
         let notes = self.inner.lock().ok()?;
         let (home, at) = notes.by_id.get(id)?;
-        (at.elapsed() < TTL).then(|| home.clone())
+        (at.elapsed() < self.ttl).then(|| home.clone())
     }
 }
 
@@ -79,6 +143,8 @@ impl ResponseHomes {
 pub struct NoteHome {
     scanner: IdScanner,
     homes: Arc<ResponseHomes>,
+    /// The note being written to Redis, which the answer's end waits for.
+    sharing: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl NoteHome {
@@ -86,7 +152,13 @@ impl NoteHome {
         Self {
             scanner: IdScanner::default(),
             homes,
+            sharing: None,
         }
+    }
+
+    /// The note's write to Redis, if one is under way: for the answer's end to wait for.
+    pub fn take_sharing(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+        self.sharing.take()
     }
 
     /// Whether the id is still being looked for.
@@ -101,7 +173,7 @@ impl NoteHome {
             return;
         }
         if let (Some(id), Some(home)) = (self.scanner.feed(chunk), home) {
-            self.homes.remember(&id, home);
+            self.sharing = self.homes.remember(&id, home);
         }
     }
 }
@@ -172,20 +244,26 @@ mod tests {
         assert_eq!(scanner.feed(&late), None);
     }
 
-    #[test]
-    fn a_home_is_found_until_it_is_pushed_out() {
-        let homes = ResponseHomes::default();
+    #[tokio::test]
+    async fn a_home_is_found_until_it_is_pushed_out() {
+        let homes = ResponseHomes::new(&ResponsesSettings {
+            ttl: Duration::from_secs(60),
+            redis: None,
+        });
         let home = |port| Home {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
         };
-        homes.remember("resp_a", home(1));
-        assert_eq!(homes.find("resp_a"), Some(home(1)));
-        assert_eq!(homes.find("resp_b"), None);
+        assert!(
+            homes.remember("resp_a", home(1)).is_none(),
+            "nothing to share"
+        );
+        assert_eq!(homes.find("resp_a").await, Some(home(1)));
+        assert_eq!(homes.find("resp_b").await, None);
         for i in 0..CAPACITY {
             homes.remember(&format!("resp_{i}"), home(2));
         }
-        assert_eq!(homes.find("resp_a"), None, "the oldest went first");
-        assert_eq!(homes.find("resp_7"), Some(home(2)));
+        assert_eq!(homes.find("resp_a").await, None, "the oldest went first");
+        assert_eq!(homes.find("resp_7").await, Some(home(2)));
     }
 }
