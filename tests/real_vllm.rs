@@ -608,6 +608,82 @@ async fn an_agent_session_replayed() {
     assert!(input > 20 * 1000, "the session's prompts: {input} tokens");
 }
 
+/// A pooling model (the draft's weights as an embedding model, `--runner pooling`) beside a
+/// generating one: embeddings, score and rerank go by model to its pool, with the tenant's
+/// key; embeddings are cached whatever the request (they do not sample), the others never;
+/// tokenize goes to the generating pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooling_models_routes() {
+    let fleet = real_fleet();
+    let embed = "tiny-embed";
+    let pooling = RealVllm::start(
+        TinyModel::Draft,
+        &[
+            "--runner",
+            "pooling",
+            "--convert",
+            "embed",
+            "--served-model-name",
+            embed,
+        ],
+    );
+    let mut cfg = config(&fleet.draft, &fleet.target, -1000.0);
+    cfg["pools"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::to_value(pool("embed", &[embed], &[pooling.addr()])).unwrap());
+    let proxy = Proxy::start(cfg).await;
+
+    let embedding = json!({"model": embed, "input": ["hello world", "a second text"]});
+    let first = post(&proxy, "/v1/embeddings", &embedding).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(header(&first, "x-sluice-pool").as_deref(), Some("embed"));
+    let vectors = body(&first);
+    assert_eq!(vectors["data"].as_array().unwrap().len(), 2);
+    let again = proxy_until_hit(&proxy, "/v1/embeddings", &embedding).await;
+    assert_eq!(body(&again)["data"], vectors["data"]);
+    assert_ne!(body(&again)["id"], vectors["id"]);
+
+    let score = json!({"model": embed, "text_1": "hello", "text_2": ["world", "hi"]});
+    let rerank = json!({"model": embed, "query": "hello", "documents": ["world", "hi"]});
+    for (path, request, field) in [
+        ("/v1/score", &score, "data"),
+        ("/v1/rerank", &rerank, "results"),
+    ] {
+        for _ in 0..2 {
+            let answer = post(&proxy, path, request).await;
+            assert_eq!(answer.status, 200, "{path}: {}", answer.body);
+            assert_ne!(answer.x_cache, "HIT", "{path} cached");
+            assert_eq!(body(&answer)[field].as_array().unwrap().len(), 2, "{path}");
+        }
+    }
+    let tokenized = post(
+        &proxy,
+        "/tokenize",
+        &json!({"model": MODEL, "prompt": "The capital of France is"}),
+    )
+    .await;
+    assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+    assert!(body(&tokenized)["count"].as_u64().unwrap() > 0);
+    // Without the tenant's key: refused before any engine sees it.
+    let refused = ask_url(&proxy.url("/v1/embeddings"), &embedding, &[]).await;
+    assert_eq!(refused.status, 401);
+}
+
+/// Asks `path` until the answer is a cache hit (storing is asynchronous), for at most 10 s.
+async fn proxy_until_hit(proxy: &Proxy, path: &str, request: &Value) -> Answer {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = post(proxy, path, request).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        if answer.x_cache == "HIT" || std::time::Instant::now() > deadline {
+            assert_eq!(answer.x_cache, "HIT");
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Twenty streams at once, each whole and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_streams() {
