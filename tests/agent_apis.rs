@@ -198,6 +198,69 @@ async fn a_follow_up_on_the_other_backend_is_the_engines_404() {
     assert_eq!(body["error"]["reason"], "unknown-response");
 }
 
+/// Every family passes unknown fields and vLLM's extensions through as sent; the engine's
+/// controls (`priority`, `kv_transfer_params`) only where the pool's policy allows them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_fields_and_vllms_extensions_pass_through_every_family() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_record_requests(64),
+    )
+    .await
+    .unwrap();
+    let pools = |engine_controls: &str| {
+        json!([pool("main", &[MODEL], &[sim.addr()])
+            .with("client_fields", json!({"engine_controls": engine_controls}))])
+    };
+    let extras = r#""chat_template_kwargs":{"enable_thinking":false},"structured_outputs":{"regex":"[a-z]+"},"vendor_field":{"x":[1,2]},"priority":5,"kv_transfer_params":{"do_remote_prefill":true}"#;
+    let bodies = [
+        (
+            "/v1/messages",
+            format!(
+                r#"{{"model":"{MODEL}","max_tokens":4,"messages":[{{"role":"user","content":"hi"}}],{extras}}}"#
+            ),
+        ),
+        (
+            "/v1/responses",
+            format!(r#"{{"model":"{MODEL}","input":"hi","max_output_tokens":4,{extras}}}"#),
+        ),
+        (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model":"{MODEL}","max_tokens":4,"messages":[{{"role":"user","content":"hi"}}],{extras}}}"#
+            ),
+        ),
+    ];
+    for (controls, passed) in [("pass", true), ("reset", false)] {
+        let proxy = Proxy::start(json!({"pools": pools(controls)})).await;
+        for (path, body) in &bodies {
+            let answer = client()
+                .post(proxy.url(path))
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(answer.status(), 200, "{path}: {}", answer.text().await.unwrap());
+            let stats = sim.stats();
+            let sent = stats.recent.iter().rev().find(|r| r.path == *path).unwrap();
+            let sent = std::str::from_utf8(&sent.body).unwrap();
+            if passed {
+                assert_eq!(sent, body, "{path}: the engine got other bytes");
+            } else {
+                let sent: Value = serde_json::from_str(sent).unwrap();
+                let asked: Value = serde_json::from_str(body).unwrap();
+                for kept in ["chat_template_kwargs", "structured_outputs", "vendor_field"] {
+                    assert_eq!(sent[kept], asked[kept], "{path}: {kept}");
+                }
+                assert_eq!(sent["priority"], 0, "{path}");
+                assert_eq!(sent["kv_transfer_params"], Value::Null, "{path}");
+            }
+        }
+    }
+}
+
 /// Two proxies of one fleet share their notes in Redis: a conversation whose turns alternate
 /// between them still goes, each turn, to the backend that keeps its last response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
