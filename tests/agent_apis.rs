@@ -242,7 +242,12 @@ async fn unknown_fields_and_vllms_extensions_pass_through_every_family() {
                 .send()
                 .await
                 .unwrap();
-            assert_eq!(answer.status(), 200, "{path}: {}", answer.text().await.unwrap());
+            assert_eq!(
+                answer.status(),
+                200,
+                "{path}: {}",
+                answer.text().await.unwrap()
+            );
             let stats = sim.stats();
             let sent = stats.recent.iter().rev().find(|r| r.path == *path).unwrap();
             let sent = std::str::from_utf8(&sent.body).unwrap();
@@ -257,6 +262,52 @@ async fn unknown_fields_and_vllms_extensions_pass_through_every_family() {
                 assert_eq!(sent["priority"], 0, "{path}");
                 assert_eq!(sent["kv_transfer_params"], Value::Null, "{path}");
             }
+        }
+    }
+}
+
+/// A stream that breaks after it started ends with its API's own error event, never a silent
+/// cut, and is not kept: the same request again goes to the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_stream_ends_with_its_apis_error_event() {
+    let sim = vllm_sim::start(SimConfig::default().with_model(MODEL))
+        .await
+        .unwrap();
+    sim.set_faults(vllm_sim::Faults {
+        drop_after_chunks: Some(3),
+        ..vllm_sim::Faults::default()
+    });
+    // Broken on purpose every time: never ejected for it.
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])
+            .with("outlier_detection", json!({"consecutive_failures": 0}))],
+        "plugins": {"cache": {"enabled": true}},
+    }))
+    .await;
+    let requests = [
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "max_tokens": 32, "stream": true, "temperature": 0,
+                   "messages": [{"role": "user", "content": "tell me more"}]}),
+            r#""type":"error""#,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "max_output_tokens": 32, "stream": true, "temperature": 0,
+                   "store": false, "input": "tell me more"}),
+            r#""type":"error""#,
+        ),
+    ];
+    for (path, request, error) in requests {
+        for round in 0..2 {
+            let answer = ask_url(&proxy.url(path), &request, &[]).await;
+            assert_eq!(answer.status, 200, "{path}");
+            assert_ne!(answer.x_cache, "HIT", "{path}: a broken stream was kept");
+            let last = answer.body.trim_end().rsplit("\n\n").next().unwrap();
+            assert!(
+                last.starts_with("event: error\ndata: {") && last.contains(error),
+                "{path}, round {round}: {last:?}"
+            );
         }
     }
 }
