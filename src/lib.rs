@@ -30,3 +30,4 @@ pub mod reload;
 pub mod router;
 pub mod run_dir;
 pub mod server;
+pub mod telemetry;

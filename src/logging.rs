@@ -21,7 +21,7 @@ use tracing_subscriber::{EnvFilter, Layer};
 /// credential included: that target never logs below `debug`, whatever the level asked.
 const NEVER_TRACED: &str = "pingora_core::protocols::http::v1::client=debug";
 
-pub fn init(settings: &LogSettings) {
+pub fn init(settings: &LogSettings, telemetry: Option<&crate::config::TelemetrySettings>) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
@@ -46,8 +46,13 @@ pub fn init(settings: &LogSettings) {
         LogFormat::Json => fmt.json().with_filter(filter.and(rate)).boxed(),
         LogFormat::Text => fmt.with_filter(filter.and(rate)).boxed(),
     };
+    // Traces of requests and attempts, when the config asks for them.
+    let traces = telemetry.map(crate::telemetry::start);
     // A second call (tests, the demo) keeps the first subscriber.
-    let _ = tracing_subscriber::registry().with(layer).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(layer)
+        .with(traces)
+        .try_init();
 }
 
 fn is_pingoras(meta: &Metadata<'_>) -> bool {

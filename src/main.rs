@@ -82,7 +82,7 @@ fn main() -> ExitCode {
         println!("sluice: the configuration file {} is valid", path.display());
         return ExitCode::SUCCESS;
     }
-    sluice::logging::init(&config.log);
+    sluice::logging::init(&config.log, config.telemetry.as_ref());
     let mut opt = cli.opt;
     // Pingora would read `-c` as its own YAML; Sluice has already turned it into ServerConf.
     opt.conf = None;

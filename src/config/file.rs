@@ -28,6 +28,9 @@ pub struct FileConfig {
     /// Where stored responses (Responses API) were made: kept how, for how long.
     #[serde(default)]
     pub responses: ResponsesFile,
+    /// Traces over OTLP; absent: no tracing at all.
+    #[serde(default)]
+    pub telemetry: Option<TelemetryFile>,
     /// Each plugin's section, read by the plugin's own config type (`crate::chain`).
     #[serde(default)]
     pub plugins: crate::chain::Sections,
@@ -119,6 +122,62 @@ impl Default for AdminFile {
             hosts: Vec::new(),
         }
     }
+}
+
+/// `telemetry`: OpenTelemetry traces of requests and attempts.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryFile {
+    pub otlp: OtlpFile,
+    /// The share of new traces kept (a client's sampled trace is kept whatever it is).
+    #[serde(default = "default_sampling")]
+    pub sampling: f64,
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+    /// `continue` (a client's `traceparent` continues its trace) or `ignore` (every request
+    /// starts a trace of its own: an edge proxy facing the internet).
+    #[serde(default)]
+    pub client_traces: ClientTraces,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpFile {
+    pub endpoint: String,
+    #[serde(default)]
+    pub protocol: OtlpProtocol,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub enum OtlpProtocol {
+    #[default]
+    #[serde(rename = "http/protobuf")]
+    HttpProtobuf,
+    #[serde(rename = "grpc")]
+    Grpc,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientTraces {
+    #[default]
+    Continue,
+    Ignore,
+}
+
+impl TelemetryFile {
+    /// Whether clients' traces are continued.
+    pub fn otlp_client_traces_continue(&self) -> bool {
+        self.client_traces == ClientTraces::Continue
+    }
+}
+
+fn default_sampling() -> f64 {
+    1.0
+}
+
+fn default_service_name() -> String {
+    "sluice".into()
 }
 
 /// `responses`: the notes of which backend made each stored response (Responses API), in this

@@ -73,6 +73,26 @@ pub struct Config {
     pub plugins: ResolvedPlugins,
     /// Where stored responses' notes are kept.
     pub responses: ResponsesSettings,
+    /// Traces over OTLP, when on.
+    pub telemetry: Option<TelemetrySettings>,
+}
+
+/// `telemetry`: where traces go and which are kept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetrySettings {
+    pub endpoint: String,
+    pub protocol: TraceProtocol,
+    /// The share of new traces kept, 0 to 1.
+    pub sampling: f64,
+    pub service_name: String,
+    pub continue_client_traces: bool,
+}
+
+/// How spans are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceProtocol {
+    HttpProtobuf,
+    Grpc,
 }
 
 /// `responses`: how long a stored response's note is kept, and in Redis (shared by a fleet's
@@ -206,6 +226,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     };
     let plugins = crate::chain::resolve(raw.plugins, &host)?;
     let responses = responses(&raw.responses)?;
+    let telemetry = raw.telemetry.as_ref().map(telemetry).transpose()?;
 
     Ok(Config {
         source: path.to_path_buf(),
@@ -226,6 +247,37 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         routes,
         plugins,
         responses,
+        telemetry,
+    })
+}
+
+fn telemetry(raw: &file::TelemetryFile) -> Result<TelemetrySettings, Invalid> {
+    if !(0.0..=1.0).contains(&raw.sampling) {
+        return Err(Invalid::new(
+            "telemetry.sampling",
+            "must be between 0 and 1",
+        ));
+    }
+    let endpoint = raw.otlp.endpoint.trim();
+    let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+    if !scheme_ok || endpoint.parse::<http::Uri>().is_err() {
+        return Err(Invalid::new(
+            "telemetry.otlp.endpoint",
+            format!("`{endpoint}` is not an http:// or https:// URL"),
+        ));
+    }
+    if raw.service_name.trim().is_empty() {
+        return Err(Invalid::new("telemetry.service_name", "must not be empty"));
+    }
+    Ok(TelemetrySettings {
+        endpoint: endpoint.to_string(),
+        protocol: match raw.otlp.protocol {
+            file::OtlpProtocol::HttpProtobuf => TraceProtocol::HttpProtobuf,
+            file::OtlpProtocol::Grpc => TraceProtocol::Grpc,
+        },
+        sampling: raw.sampling,
+        service_name: raw.service_name.clone(),
+        continue_client_traces: raw.otlp_client_traces_continue(),
     })
 }
 

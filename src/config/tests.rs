@@ -1868,3 +1868,70 @@ fn the_exact_prefix_index_needs_a_tokenizer_events_and_a_reading_strategy() {
         "/tmp/no-such-folder/tokenizer.json",
     );
 }
+
+#[test]
+fn telemetry_is_off_unless_asked_and_checked_when_it_is() {
+    assert_eq!(ok(MINIMAL).telemetry, None);
+    let on = ok(&with(
+        "telemetry: {otlp: {endpoint: 'http://collector:4318'}, sampling: 0.1}",
+    ));
+    assert_eq!(
+        on.telemetry,
+        Some(TelemetrySettings {
+            endpoint: "http://collector:4318".into(),
+            protocol: TraceProtocol::HttpProtobuf,
+            sampling: 0.1,
+            service_name: "sluice".into(),
+            continue_client_traces: true,
+        })
+    );
+    let grpc = ok(&with(
+        "telemetry: {otlp: {endpoint: 'http://collector:4317', protocol: grpc}, client_traces: ignore, service_name: edge}",
+    ));
+    let grpc = grpc.telemetry.unwrap();
+    assert_eq!(grpc.protocol, TraceProtocol::Grpc);
+    assert!(!grpc.continue_client_traces);
+    assert_eq!(grpc.service_name, "edge");
+    refused(
+        &with("telemetry: {otlp: {endpoint: 'http://c:4318'}, sampling: 1.5}"),
+        "telemetry.sampling",
+        "between 0 and 1",
+    );
+    refused(
+        &with("telemetry: {otlp: {endpoint: 'collector:4318'}}"),
+        "telemetry.otlp.endpoint",
+        "not an http://",
+    );
+    refused(
+        &with("telemetry: {otlp: {endpoint: 'http://c:4318', protocol: http/json}}"),
+        "telemetry.otlp.protocol",
+        "unknown variant",
+    );
+    refused(
+        &with("telemetry: {otlp: {endpoint: 'http://c:4318'}, samping: 0.5}"),
+        "telemetry.samping",
+        "unknown field `samping`",
+    );
+}
+
+#[test]
+fn responses_are_kept_in_memory_unless_redis_is_named() {
+    let memory = ok(MINIMAL).responses;
+    assert_eq!(memory.redis, None);
+    assert_eq!(memory.ttl, Duration::from_secs(6 * 3600));
+    let redis = ok(&with(
+        "responses: {store: redis, ttl: 10m, redis: {url: 'redis://127.0.0.1:6379'}}",
+    ))
+    .responses;
+    assert_eq!(redis.ttl, Duration::from_secs(600));
+    assert_eq!(
+        redis.redis.unwrap().url.as_deref(),
+        Some("redis://127.0.0.1:6379")
+    );
+    refused(
+        &with("responses: {store: redis}"),
+        "responses.redis",
+        "needs a redis section",
+    );
+    refused(&with("responses: {ttl: 0s}"), "responses.ttl", "more than 0");
+}

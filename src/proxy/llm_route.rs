@@ -291,8 +291,9 @@ impl AttemptLoop {
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
                     let span = tries::span(ctx, &pool, backend.addr);
-                    let prepared =
+                    let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
+                    trace_upstream(&mut prepared.attempt.header, &span)?;
                     // 3. run: the attempt's load on the backend ends with it (or as soon as
                     // the backend's answer has come whole), never with a retry's backoff or
                     // a held answer sent later.
@@ -606,12 +607,32 @@ impl AttemptLoop {
             to = &*escalation.target.name,
             "escalated: {why}"
         );
+        tracing::event!(
+            target: crate::telemetry::EVENT_TARGET,
+            tracing::Level::TRACE,
+            sluice.escalation.reason = why,
+            sluice.escalation.to = &*escalation.target.name,
+            "escalated"
+        );
         escalation.target.retry_budget.deposit();
         ctx.escalate_to(escalation.target, why);
         self.tried.clear();
         self.retries_in_pool = 0;
         true
     }
+}
+
+/// When traced, the engine's span nests under the attempt's: its `traceparent` replaces a
+/// client's (and the client's `tracestate` goes with it).
+fn trace_upstream(header: &mut RequestHeader, span: &tracing::Span) -> Result<()> {
+    let trace = crate::telemetry::trace_headers(span);
+    if !trace.is_empty() {
+        header.remove_header("tracestate");
+        for (name, value) in &trace {
+            header.insert_header(name.clone(), value.clone())?;
+        }
+    }
+    Ok(())
 }
 
 /// Hands the attempt that just ended to the plugins' `attempt_end` hooks.
@@ -629,6 +650,7 @@ fn report_attempt(
         .label()
         .map_or("client_gone", |label| label.as_str());
     tries::ended(span, status, label);
+    crate::telemetry::attempt_ended(span, ctx, pool);
     let report = AttemptReport {
         number: ctx.progress().attempts,
         pool: Arc::clone(&pool.name),

@@ -133,7 +133,16 @@ impl ProxyHttp for Proxy {
             tenant = tracing::field::Empty,
             status = tracing::field::Empty,
             cache = tracing::field::Empty,
+            // Set only when tracing: see `crate::telemetry`.
+            otel.name = tracing::field::Empty,
+            otel.kind = tracing::field::Empty,
+            // Recorded by the KV breaker when it admits the request.
+            sluice.admission.wait_ms = tracing::field::Empty,
+            sluice.kv.projection = tracing::field::Empty,
         );
+        let header = session.req_header();
+        crate::telemetry::describe_request(&span, header.method.as_str(), header.uri.path());
+        crate::telemetry::continue_client_trace(&span, &header.headers);
         ctx.req.set_span(span);
         decided
     }
@@ -389,6 +398,7 @@ fn record_on_span(ctx: &RequestCtx) {
         span.record("status", status);
     }
     span.record("cache", if ctx.answered_locally() { "hit" } else { "-" });
+    crate::telemetry::request_ended(span, ctx);
 }
 
 impl Sluice {

@@ -50,7 +50,7 @@ pub fn begin(
 /// The span of a try of `backend` of `pool`, the request's `number`th, under the request's
 /// span. Disabled (no cost but a branch) when the `sluice::attempt` target is off.
 pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
-    tracing::info_span!(
+    let span = tracing::info_span!(
         target: "sluice::attempt",
         parent: ctx.span(),
         "attempt",
@@ -59,7 +59,12 @@ pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span
         backend = %backend,
         status = tracing::field::Empty,
         outcome = tracing::field::Empty,
-    )
+        // Set only when tracing: see `crate::telemetry`.
+        otel.name = tracing::field::Empty,
+        otel.kind = tracing::field::Empty,
+    );
+    crate::telemetry::describe_attempt(&span, ctx, pool, backend);
+    span
 }
 
 /// Records how a try ended on its span.
@@ -79,6 +84,9 @@ pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>) {
     let Some(waited) = in_flight.first_byte(first_token) else {
         return;
     };
+    if first_token {
+        tracing::trace!(target: crate::telemetry::EVENT_TARGET, "first_token");
+    }
     if let (true, Some(predicted), Some(pool)) = (first_token, waited.predicted, in_flight.pool()) {
         metrics::ttft_prediction(pool, predicted, waited.observed);
     }

@@ -575,6 +575,8 @@ fn client_left(gone: Box<Error>) -> Box<Error> {
 /// Waits as a follower while watching the client: `Err` when the client left (its place in
 /// the queue, and any lead it was handed, pass on).
 async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
+    // On the request's trace span, when traces are on.
+    tracing::trace!(target: sluice_sdk::SPAN_EVENTS, "coalesced_follower");
     while_connected(session, follower.wait())
         .await
         .map_err(client_left)

@@ -239,6 +239,20 @@ impl Admission for Gate {
     }
 }
 
+/// The request's trace span (when traces are on) gets what its admission waited and the
+/// pool's projected KV usage then.
+fn admitted_on_span(pool: &Pool, waited: std::time::Duration) {
+    // Only when traces are on: the projection is worked out for nobody otherwise.
+    if !tracing::enabled!(target: sluice_sdk::SPAN_EVENTS, tracing::Level::TRACE) {
+        return;
+    }
+    let span = tracing::Span::current();
+    span.record("sluice.admission.wait_ms", waited.as_secs_f64() * 1000.0);
+    if let Some(usage) = pool.pressure().kv_usage {
+        span.record("sluice.kv.projection", usage);
+    }
+}
+
 fn report_change(
     pool: &Pool,
     priority: Priority,
@@ -399,6 +413,7 @@ impl KvBreaker {
         let queue = self.lane(&pool).and_then(|lane| lane.queue.as_ref());
         // A request that fits is admitted whatever waits (see `queue`).
         if pool.admits(priority, tokens) {
+            admitted_on_span(&pool, std::time::Duration::ZERO);
             return Ok(Flow::Continue);
         }
         if self.reroute {
@@ -433,6 +448,7 @@ impl KvBreaker {
             };
         metrics::waited(&pool.name, result, started.elapsed().as_secs_f64());
         answer?;
+        admitted_on_span(&pool, started.elapsed());
         ctx.state.insert(Admitted { _place: place });
         Ok(Flow::Continue)
     }
@@ -453,6 +469,14 @@ impl KvBreaker {
     /// when to try again.
     fn refusal(&self, pool: &Arc<Pool>, priority: Priority, reason: Reason) -> Box<Error> {
         let retry_after = self.retry_after(pool, priority);
+        tracing::event!(
+            target: sluice_sdk::SPAN_EVENTS,
+            tracing::Level::TRACE,
+            sluice.reason = reason.as_str(),
+            sluice.pool = &*pool.name,
+            sluice.priority = priority.as_str(),
+            "shed"
+        );
         let why = match reason {
             Reason::QueueTimeout => "no capacity came within the admission wait",
             Reason::QueueFull => "its admission queue is full",

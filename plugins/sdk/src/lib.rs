@@ -50,6 +50,14 @@ pub use sluice_pools::{header_rules, health, members, pool, prefix, prefix_index
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use config::ConfigError;
+
+/// The `tracing` target under which a plugin's event becomes an event of the trace span it
+/// is in, when traces are on (`telemetry`): its message names it, its fields are its
+/// attributes, at `trace` level (so that logs at `info` never show them):
+/// `tracing::trace!(target: sluice_sdk::SPAN_EVENTS, reason = "kv-pressure", "shed")`.
+/// Without traces it is an event nobody listens to, which costs a cached callsite check;
+/// `tracing::enabled!(target: SPAN_EVENTS, Level::TRACE)` says whether anyone does.
+pub const SPAN_EVENTS: &str = "sluice::span_event";
 pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};

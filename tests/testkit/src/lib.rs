@@ -30,6 +30,7 @@ mod config;
 pub mod dns;
 pub mod kube_api;
 mod llm;
+pub mod otlp;
 pub mod ports;
 mod proc;
 mod proxy;
@@ -44,6 +45,7 @@ pub use llm::{
     answer_confidence, ask_url, assert_ends_with_error_event, chat, client, content, sim_serving,
     sse_data, sse_events, streaming_sim, upstream_calls, wait_for, Answer,
 };
+pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use ports::{free_port, reserve_port, ReservedPort};
 pub use proc::{explain, Demo};
 pub use proxy::{exits_within, metric_value, signal, Proxy};

@@ -206,6 +206,11 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn rate_limit_headers(&self) -> RateLimitHeaders {
         RateLimitHeaders::OpenAi
     }
+    /// The operation its requests are in the GenAI semantic conventions
+    /// (`gen_ai.operation.name`): `chat`, `text_completion`, `embeddings`, ...
+    fn operation(&self) -> &'static str {
+        "chat"
+    }
 }
 
 impl Endpoint {

@@ -183,6 +183,13 @@ impl ApiFamily for OpenAi {
         true
     }
 
+    fn operation(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chat",
+            Kind::Completion => "text_completion",
+        }
+    }
+
     fn error_event(&self, error: &WireError<'_>) -> Vec<u8> {
         let body = error_body(error);
         let mut event = Vec::with_capacity(body.len() + 24);

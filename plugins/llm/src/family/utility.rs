@@ -155,6 +155,10 @@ impl ApiFamily for Utility {
         false
     }
 
+    fn operation(&self) -> &'static str {
+        self.name
+    }
+
     fn cache_use(&self, _request: &LlmRequest) -> CacheUse {
         if self.kept {
             CacheUse::Always

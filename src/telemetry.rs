@@ -1,0 +1,440 @@
+//! Traces: an OpenTelemetry span for every request (kind server) and every upstream attempt
+//! (kind client, named and described after the GenAI semantic conventions), exported over
+//! OTLP (HTTP/protobuf or gRPC) to a collector. Absent `telemetry`, none of this exists: no
+//! layer, no runtime, no header read or written.
+//!
+//! The spans are Sluice's `tracing` spans (`sluice::request`, `sluice::attempt`), made
+//! OpenTelemetry spans by `tracing-opentelemetry`'s layer, and their events (a plugin's
+//! `tracing` event under target [`EVENT_TARGET`]: shed, escalated, coalesced follower, first
+//! token) span events. A client's `traceparent` continues its trace (or, with
+//! `client_traces: ignore`, an edge proxy starts its own); every attempt sends the engine a
+//! `traceparent` naming the attempt's span, under which vLLM's own `llm_request` span nests.
+//!
+//! Export is off the request path: a finished span goes into a bounded queue (a span that
+//! finds it full is dropped and counted), which a task of a runtime of its own (one thread,
+//! started with the first span, so after a daemon's fork) sends in batches. The SDK's own
+//! batch processor is not used because it counts no drops; the queue here is the few lines
+//! that do.
+
+use crate::config::{TelemetrySettings, TraceProtocol};
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor};
+use opentelemetry_sdk::Resource;
+use sluice_sdk::metric;
+use std::sync::OnceLock;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The `tracing` target of span events (see [`sluice_sdk::SPAN_EVENTS`]).
+pub const EVENT_TARGET: &str = sluice_sdk::SPAN_EVENTS;
+
+/// Finished spans waiting to be sent; one that finds it full is dropped.
+const QUEUE: usize = 4096;
+/// The most spans sent in one export.
+const BATCH: usize = 512;
+/// The longest a span waits in the queue for a batch to fill.
+const BATCH_EVERY: Duration = Duration::from_secs(1);
+/// The longest one export may take (the collector down or slow: its spans are dropped).
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+metric!(SPANS: IntCounterVec = register_int_counter_vec!(
+    "sluice_trace_spans_total",
+    "Finished trace spans by what became of them: exported, dropped_queue_full (the export \
+     queue was full), dropped_export_failed (the collector refused them or was unreachable).",
+    &["result"]
+));
+
+/// What the proxy needs of tracing once it runs.
+pub struct Tracing {
+    /// Whether clients' `traceparent` continue their traces.
+    pub continue_client_traces: bool,
+    provider: SdkTracerProvider,
+}
+
+static TRACING: OnceLock<Tracing> = OnceLock::new();
+
+/// Tracing, when the config turned it on (see [`start`]).
+pub fn get() -> Option<&'static Tracing> {
+    TRACING.get()
+}
+
+/// Starts the exporter and returns the layer that makes Sluice's request and attempt spans
+/// OpenTelemetry spans, for the logging set-up to add. Once per process (a reload cannot
+/// change `telemetry`).
+pub fn start<S>(settings: &TelemetrySettings) -> impl tracing_subscriber::Layer<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer as _;
+    let resource = Resource::builder()
+        .with_service_name(settings.service_name.clone())
+        .build();
+    let processor = QueueProcessor {
+        settings: settings.clone(),
+        resource: resource.clone(),
+        queue: OnceLock::new(),
+    };
+    let provider = SdkTracerProvider::builder()
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            settings.sampling,
+        ))))
+        .with_resource(resource)
+        .with_span_processor(processor)
+        .build();
+    let tracer = provider.tracer("sluice");
+    metrics_init();
+    let _ = TRACING.set(Tracing {
+        continue_client_traces: settings.continue_client_traces,
+        provider,
+    });
+    let only_ours = tracing_subscriber::filter::filter_fn(|meta| {
+        let target = meta.target();
+        target == "sluice::request" || target == "sluice::attempt" || target == EVENT_TARGET
+    });
+    tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_tracked_inactivity(false)
+        .with_filter(only_ours)
+}
+
+/// Creates the exported series at zero, so dashboards see them from start-up.
+fn metrics_init() {
+    for result in ["exported", "dropped_queue_full", "dropped_export_failed"] {
+        sluice_sdk::metrics::touch(&SPANS, &[result]);
+    }
+}
+
+fn exporter(settings: &TelemetrySettings) -> Result<opentelemetry_otlp::SpanExporter, String> {
+    let built = match settings.protocol {
+        TraceProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(http_traces_url(&settings.endpoint))
+            .with_timeout(EXPORT_TIMEOUT)
+            .build(),
+        TraceProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(settings.endpoint.clone())
+            .with_timeout(EXPORT_TIMEOUT)
+            .build(),
+    };
+    built.map_err(|e| format!("telemetry.otlp: {e}"))
+}
+
+/// The collector's traces URL: the endpoint as given when it has a path, else OTLP's
+/// `/v1/traces` under it (`http://collector:4318` → `http://collector:4318/v1/traces`).
+fn http_traces_url(endpoint: &str) -> String {
+    let trimmed = endpoint.trim_end_matches('/');
+    let after_scheme = trimmed.split_once("://").map_or(trimmed, |(_, rest)| rest);
+    if after_scheme.contains('/') {
+        trimmed.to_string()
+    } else {
+        format!("{trimmed}/v1/traces")
+    }
+}
+
+/// Ends tracing: the spans still queued are sent, for at most `within`.
+pub fn stop(within: Duration) {
+    if let Some(tracing) = TRACING.get() {
+        let _ = tracing.provider.shutdown_with_timeout(within);
+    }
+}
+
+/// Finished spans into a bounded queue, sent in batches by a task of the telemetry runtime.
+#[derive(Debug)]
+struct QueueProcessor {
+    settings: TelemetrySettings,
+    resource: Resource,
+    /// The queue, once the first span started the runtime; `None` when it could not start.
+    queue: OnceLock<Option<mpsc::Sender<SpanData>>>,
+}
+
+impl QueueProcessor {
+    /// Starts the runtime, the exporter and its task.
+    fn start(&self) -> Option<mpsc::Sender<SpanData>> {
+        let runtime = match tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("sluice-otlp")
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                tracing::error!("telemetry: cannot start its runtime: {e}");
+                return None;
+            }
+        };
+        // The gRPC client needs a Tokio runtime when it is made.
+        let exporter = {
+            let _entered = runtime.enter();
+            exporter(&self.settings)
+        };
+        let mut exporter = match exporter {
+            Ok(exporter) => exporter,
+            Err(e) => {
+                tracing::error!("telemetry: {e}");
+                return None;
+            }
+        };
+        exporter.set_resource(&self.resource);
+        let (queue, spans) = mpsc::channel(QUEUE);
+        runtime.spawn(export_loop(exporter, spans));
+        // The runtime lives as long as the process: its thread sends the batches.
+        std::mem::forget(runtime);
+        Some(queue)
+    }
+}
+
+impl SpanProcessor for QueueProcessor {
+    fn on_start(&self, _span: &mut opentelemetry_sdk::trace::Span, _cx: &opentelemetry::Context) {}
+
+    fn on_end(&self, span: SpanData) {
+        if !span.span_context.is_sampled() {
+            return;
+        }
+        let queue = self.queue.get_or_init(|| self.start());
+        match queue {
+            Some(queue) => {
+                if queue.try_send(span).is_err() {
+                    sluice_sdk::metrics::inc(&SPANS, &["dropped_queue_full"]);
+                }
+            }
+            None => sluice_sdk::metrics::inc(&SPANS, &["dropped_export_failed"]),
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+}
+
+/// Sends the queue's spans in batches: when [`BATCH`] are there, or [`BATCH_EVERY`] after the
+/// first of a batch came.
+async fn export_loop<E: SpanExporter>(exporter: E, mut spans: mpsc::Receiver<SpanData>) {
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        let Some(first) = spans.recv().await else {
+            return;
+        };
+        batch.push(first);
+        let deadline = tokio::time::Instant::now() + BATCH_EVERY;
+        while batch.len() < BATCH {
+            match tokio::time::timeout_at(deadline, spans.recv()).await {
+                Ok(Some(span)) => batch.push(span),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let count = batch.len() as u64;
+        let sent =
+            tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(std::mem::take(&mut batch))).await;
+        match sent {
+            Ok(Ok(())) => sluice_sdk::metrics::inc_by(&SPANS, &["exported"], count),
+            Ok(Err(e)) => {
+                sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count);
+                tracing::debug!("telemetry: {count} spans not exported: {e}");
+            }
+            Err(_) => sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count),
+        }
+    }
+}
+
+/// Continues a client's trace on the request's span, when its `traceparent` says one and
+/// the config trusts clients' traces.
+pub fn continue_client_trace(span: &tracing::Span, headers: &http::HeaderMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let Some(tracing) = get() else {
+        return;
+    };
+    if !tracing.continue_client_traces || !headers.contains_key("traceparent") {
+        return;
+    }
+    let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    let _ = span.set_parent(parent);
+}
+
+/// The `traceparent` (and `tracestate`) that names `span`, for an upstream request (they
+/// replace a client's); none when tracing is off.
+pub fn trace_headers(span: &tracing::Span) -> http::HeaderMap {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let mut headers = http::HeaderMap::new();
+    if get().is_some() {
+        TraceContextPropagator::new()
+            .inject_context(&span.context(), &mut HeaderInjector(&mut headers));
+    }
+    headers
+}
+
+/// Names the request's span (`POST /v1/chat/completions`) and marks it the server's.
+pub fn describe_request(span: &tracing::Span, method: &str, path: &str) {
+    if get().is_none() {
+        return;
+    }
+    span.record("otel.name", format!("{method} {path}"));
+    span.record("otel.kind", "server");
+}
+
+/// What the request came to, on its span as it ends: Sluice's facts as `sluice.*`.
+pub fn request_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx) {
+    use opentelemetry::KeyValue;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if get().is_none() {
+        return;
+    }
+    let mut attributes = vec![
+        KeyValue::new("sluice.route", ctx.route().label().to_string()),
+        KeyValue::new(
+            "sluice.cache",
+            if ctx.answered_locally() {
+                "hit"
+            } else {
+                "miss"
+            },
+        ),
+        KeyValue::new(
+            "sluice.retries",
+            i64::from(ctx.progress().attempts.saturating_sub(1)),
+        ),
+    ];
+    if let Some(id) = ctx.request_id() {
+        attributes.push(KeyValue::new("sluice.request_id", id.to_string()));
+    }
+    if let Some(pool) = ctx.pool() {
+        attributes.push(KeyValue::new("sluice.pool", pool.name.to_string()));
+    }
+    if let Some(tenant) = ctx.tenant() {
+        attributes.push(KeyValue::new("sluice.tenant", tenant.name.to_string()));
+    }
+    if let Some(reason) = ctx.escalated() {
+        attributes.push(KeyValue::new("sluice.escalation.reason", reason));
+    }
+    if let Some(status) = ctx.progress().status {
+        attributes.push(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+    }
+    for attribute in attributes {
+        span.set_attribute(attribute.key, attribute.value);
+    }
+}
+
+/// Names an attempt's span after the GenAI conventions (`chat {model}`), marks it a client's,
+/// and gives it the request's `gen_ai.*` attributes and the backend it goes to.
+pub fn describe_attempt(
+    span: &tracing::Span,
+    ctx: &sluice_sdk::RequestCtx,
+    pool: &sluice_sdk::Pool,
+    backend: std::net::SocketAddr,
+) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if get().is_none() {
+        return;
+    }
+    span.record("otel.kind", "client");
+    span.set_attribute("server.address", backend.ip().to_string());
+    span.set_attribute("server.port", i64::from(backend.port()));
+    span.set_attribute("sluice.pool", pool.name.to_string());
+    let Some(call) = ctx.llm() else {
+        return;
+    };
+    let operation = call.endpoint.family().operation();
+    let model = call.request.model.as_deref().unwrap_or("");
+    span.record("otel.name", format!("{operation} {model}").trim_end());
+    span.set_attribute("gen_ai.operation.name", operation);
+    span.set_attribute("gen_ai.provider.name", "vllm");
+    span.set_attribute("gen_ai.request.model", model.to_string());
+    if let Some(max) = call.request.max_output_tokens() {
+        span.set_attribute("gen_ai.request.max_tokens", i64::from(max));
+    }
+}
+
+/// What an attempt came to, on its span: the model that answered and the tokens used, when
+/// the answer said (a stream's too: its usage is read as it passes).
+pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &sluice_sdk::Pool) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if get().is_none() || ctx.llm().is_none() {
+        return;
+    }
+    let requested = ctx.model();
+    let answered = match pool.served_model_for(requested) {
+        Some(served) => served.name().to_string(),
+        None => requested.unwrap_or("").to_string(),
+    };
+    span.set_attribute("gen_ai.response.model", answered);
+    if let Some(usage) = ctx.usage() {
+        span.set_attribute(
+            "gen_ai.usage.input_tokens",
+            i64::try_from(usage.prompt_tokens).unwrap_or(i64::MAX),
+        );
+        span.set_attribute(
+            "gen_ai.usage.output_tokens",
+            i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
+        );
+    }
+}
+
+/// The trace id of `span`, when it is traced.
+pub fn trace_id(span: &tracing::Span) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    get()?;
+    let cx = span.context();
+    let span_context = cx.span().span_context().clone();
+    span_context
+        .is_valid()
+        .then(|| span_context.trace_id().to_string())
+}
+
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+struct HeaderInjector<'a>(&'a mut http::HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_traces_url_is_otlps_under_a_bare_endpoint() {
+        assert_eq!(
+            http_traces_url("http://collector:4318"),
+            "http://collector:4318/v1/traces"
+        );
+        assert_eq!(
+            http_traces_url("http://collector:4318/"),
+            "http://collector:4318/v1/traces"
+        );
+        assert_eq!(
+            http_traces_url("https://otel.example/custom/traces"),
+            "https://otel.example/custom/traces"
+        );
+    }
+}

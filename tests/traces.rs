@@ -1,0 +1,330 @@
+//! Traces: Sluice with every plugin on exports a server span per request and a client span per
+//! upstream attempt (GenAI conventions) to a real OTLP receiver the test starts, over HTTP and
+//! gRPC; a client's `traceparent` is continued (or not, when told), the engine gets a
+//! `traceparent` naming the attempt's span, an escalated request shows its two attempts, a
+//! shed request its shed event, and a collector that is down costs no request anything while
+//! its dropped spans are counted.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use std::time::Duration;
+use vllm_sim::{Faults, SimConfig};
+
+const MODEL: &str = "traced";
+const KEY: &str = "sk-traced";
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+
+async fn sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_kv(1000, 16)
+            .with_record_requests(64),
+    )
+    .await
+    .unwrap()
+}
+
+/// Every plugin on; the draft pool first, the target after it.
+fn config(draft: &vllm_sim::Sim, target: &vllm_sim::Sim, telemetry: Value) -> Value {
+    json!({
+        "pools": [
+            pool("draft", &[MODEL], &[draft.addr()])
+                .with("outlier_detection", json!({"consecutive_failures": 0})),
+            pool("target", &[MODEL], &[target.addr()]),
+        ],
+        "plugins": {
+            "request_id": {"enabled": true},
+            "tenants": {"enabled": true, "tenants": {"team": {"keys": [key_digest(KEY)]}}},
+            "cache": {"enabled": true},
+            "speculative": {"enabled": true, "models": [
+                {"model": MODEL, "drafts": [{"pool": "draft"}], "target": "target"}]},
+            "kv_breaker": {"enabled": true},
+        },
+        "telemetry": telemetry,
+    })
+}
+
+fn auth() -> (&'static str, String) {
+    ("authorization", format!("Bearer {KEY}"))
+}
+
+async fn ask_with(proxy: &Proxy, body: &Value, extra: &[(&str, &str)]) -> Answer {
+    let (name, value) = auth();
+    let mut headers = vec![(name, value.as_str())];
+    headers.extend_from_slice(extra);
+    proxy.ask(body, &headers).await
+}
+
+/// The last chat request the engine got (health checks and scrapes come too).
+fn last_chat(sim: &vllm_sim::Sim) -> vllm_sim::RecordedRequest {
+    let stats = sim.stats();
+    stats
+        .recent
+        .iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .cloned()
+        .unwrap()
+}
+
+fn spans_of<'a>(spans: &'a [ReceivedSpan], trace: &str) -> Vec<&'a ReceivedSpan> {
+    spans.iter().filter(|s| s.trace_id() == trace).collect()
+}
+
+/// The server span of a trace and its attempt spans, once they have all come.
+async fn trace_of(
+    receiver: &OtlpReceiver,
+    trace: &str,
+    attempts: usize,
+) -> (ReceivedSpan, Vec<ReceivedSpan>) {
+    let spans = receiver
+        .spans_when(Duration::from_secs(10), |spans| {
+            let of = spans_of(spans, trace);
+            of.iter().filter(|s| s.span.kind == 2).count() == 1
+                && of.iter().filter(|s| s.span.kind == 3).count() == attempts
+        })
+        .await;
+    let of = spans_of(&spans, trace);
+    let server = of
+        .iter()
+        .find(|s| s.span.kind == 2)
+        .unwrap_or_else(|| panic!("no server span in {of:#?}"));
+    let clients: Vec<ReceivedSpan> = of
+        .iter()
+        .filter(|s| s.span.kind == 3)
+        .map(|s| (*s).clone())
+        .collect();
+    assert_eq!(clients.len(), attempts, "{of:#?}");
+    ((*server).clone(), clients)
+}
+
+/// The trace id of an answer, from the access log's line for its request id (written as the
+/// request ends, just after the client has its answer: waited for).
+async fn trace_in_log(proxy: &Proxy, answer: &Answer) -> String {
+    let id = answer.headers["x-request-id"].to_str().unwrap().to_string();
+    let line = || {
+        proxy
+            .logs()
+            .lines()
+            .find(|l| l.contains("sluice::access") && l.contains(&id))
+            .map(str::to_string)
+    };
+    wait_for(Duration::from_secs(5), || async { line().is_some() }).await;
+    let line = line().unwrap_or_else(|| panic!("no access line for {id}"));
+    let trace = line.split("trace_id=").nth(1).unwrap();
+    trace.split_whitespace().next().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_and_attempts_are_traced_over_http() {
+    let receiver = OtlpReceiver::http().await;
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(config(
+        &draft,
+        &target,
+        json!({"otlp": receiver.config(), "sampling": 1.0, "service_name": "sluice-test"}),
+    ))
+    .await;
+
+    // A client's trace is continued; the attempt is a client span under the request's.
+    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let mut body = chat(MODEL, "what is traced", true);
+    body["max_tokens"] = json!(12);
+    let answer = ask_with(&proxy, &body, &[("traceparent", &traceparent)]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let (server, attempts) = trace_of(&receiver, CLIENT_TRACE, 1).await;
+    assert_eq!(server.service, "sluice-test");
+    assert_eq!(server.parent_id(), CLIENT_SPAN);
+    assert_eq!(server.span.name, "POST /v1/chat/completions");
+    assert_eq!(server.attribute("sluice.pool").as_deref(), Some("draft"));
+    assert_eq!(server.attribute("sluice.tenant").as_deref(), Some("team"));
+    assert_eq!(server.attribute("sluice.cache").as_deref(), Some("miss"));
+    assert_eq!(
+        server.attribute("http.response.status_code").as_deref(),
+        Some("200")
+    );
+    assert!(server.attribute("sluice.admission.wait_ms").is_some());
+    let attempt = &attempts[0];
+    assert_eq!(attempt.parent_id(), server.span_id());
+    assert_eq!(attempt.span.name, format!("chat {MODEL}"));
+    for (key, want) in [
+        ("gen_ai.operation.name", "chat"),
+        ("gen_ai.provider.name", "vllm"),
+        ("gen_ai.request.model", MODEL),
+        ("gen_ai.response.model", MODEL),
+        ("gen_ai.request.max_tokens", "12"),
+        ("server.address", "127.0.0.1"),
+    ] {
+        assert_eq!(attempt.attribute(key).as_deref(), Some(want), "{key}");
+    }
+    assert_eq!(
+        attempt.attribute("server.port"),
+        Some(draft.addr().port().to_string())
+    );
+    // The stream's usage, read as it passed.
+    let output: u64 = attempt
+        .attribute("gen_ai.usage.output_tokens")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=12).contains(&output), "{output}");
+    assert!(attempt.attribute("gen_ai.usage.input_tokens").is_some());
+    assert!(attempt.events().contains(&"first_token".to_string()));
+    // The gen_ai attributes are the attempt's alone.
+    assert!(server.attribute("gen_ai.request.model").is_none());
+    // The engine got a traceparent naming the attempt's span, not the client's.
+    let sent = last_chat(&draft);
+    assert_eq!(
+        sent.header("traceparent"),
+        Some(format!("00-{CLIENT_TRACE}-{}-01", attempt.span_id()).as_str())
+    );
+    // The access log line names the trace.
+    assert_eq!(trace_in_log(&proxy, &answer).await, CLIENT_TRACE);
+
+    // Escalated: the draft fails, the target answers; two attempts, the escalation noted.
+    draft.set_faults(Faults::error_rate(1.0, 503));
+    let answer = ask_with(&proxy, &chat(MODEL, "escalate me", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let trace = trace_in_log(&proxy, &answer).await;
+    let (server, attempts) = trace_of(&receiver, &trace, 2).await;
+    let pools: Vec<_> = attempts
+        .iter()
+        .map(|a| a.attribute("sluice.pool").unwrap())
+        .collect();
+    assert!(
+        pools.contains(&"draft".into()) && pools.contains(&"target".into()),
+        "{pools:?}"
+    );
+    assert_eq!(
+        server.attribute("sluice.escalation.reason").as_deref(),
+        Some("draft-error")
+    );
+    let events: Vec<String> = attempts.iter().flat_map(ReceivedSpan::events).collect();
+    assert!(events.contains(&"escalated".to_string()), "{events:?}");
+    draft.set_faults(Faults::default());
+
+    // Shed: a request that can never fit the draft's KV cache is refused with the event.
+    let mut huge = chat(MODEL, "too big", false);
+    huge["max_tokens"] = json!(100_000);
+    let answer = ask_with(&proxy, &huge, &[]).await;
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    let trace = trace_in_log(&proxy, &answer).await;
+    let spans = receiver
+        .spans_when(Duration::from_secs(10), |spans| {
+            spans_of(spans, &trace).iter().any(|s| s.span.kind == 2)
+        })
+        .await;
+    let server = spans_of(&spans, &trace)
+        .into_iter()
+        .find(|s| s.span.kind == 2)
+        .unwrap()
+        .clone();
+    assert!(server.events().contains(&"shed".to_string()), "{server:#?}");
+    assert_eq!(
+        server.attribute("http.response.status_code").as_deref(),
+        Some("503")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_export_and_an_edge_that_starts_its_own_traces() {
+    let receiver = OtlpReceiver::grpc().await;
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(config(
+        &draft,
+        &target,
+        json!({"otlp": receiver.config(), "client_traces": "ignore"}),
+    ))
+    .await;
+    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let answer = ask_with(
+        &proxy,
+        &chat(MODEL, "at the edge", false),
+        &[("traceparent", &traceparent)],
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let trace = trace_in_log(&proxy, &answer).await;
+    assert_ne!(trace, CLIENT_TRACE, "a client's trace was continued");
+    let (server, attempts) = trace_of(&receiver, &trace, 1).await;
+    assert_eq!(server.service, "sluice");
+    assert!(server.span.parent_span_id.is_empty(), "a root span");
+    assert_eq!(
+        attempts[0].attribute("gen_ai.operation.name").as_deref(),
+        Some("chat")
+    );
+    let sent = last_chat(&draft);
+    assert!(sent.header("traceparent").unwrap().contains(&trace));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
+    let receiver = OtlpReceiver::http().await;
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(config(
+        &draft,
+        &target,
+        json!({"otlp": receiver.config(), "sampling": 0.0}),
+    ))
+    .await;
+    for i in 0..5 {
+        let answer = ask_with(&proxy, &chat(MODEL, &format!("unsampled {i}"), false), &[]).await;
+        assert_eq!(answer.status, 200);
+        // Not sampled: the engine is told so.
+        let sent = last_chat(&draft);
+        assert!(sent.header("traceparent").unwrap().ends_with("-00"));
+    }
+    // A client's sampled trace is kept whatever the ratio.
+    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let answer = ask_with(
+        &proxy,
+        &chat(MODEL, "sampled by the client", false),
+        &[("traceparent", &traceparent)],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let (_, attempts) = trace_of(&receiver, CLIENT_TRACE, 1).await;
+    assert_eq!(attempts.len(), 1);
+    let other = receiver
+        .spans()
+        .iter()
+        .filter(|s| s.trace_id() != CLIENT_TRACE)
+        .count();
+    assert_eq!(other, 0, "unsampled traces were exported");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_that_is_down_costs_no_request_and_its_spans_are_counted() {
+    let down = reserve_port();
+    let (draft, target) = (sim().await, sim().await);
+    let proxy = Proxy::start(config(
+        &draft,
+        &target,
+        json!({"otlp": {"endpoint": format!("http://{}", down.addr())}}),
+    ))
+    .await;
+    for i in 0..10 {
+        let answer = ask_with(&proxy, &chat(MODEL, &format!("lost {i}"), false), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    // 10 requests, 2 spans each, refused by the collector's closed port.
+    let dropped = wait_for(Duration::from_secs(15), || async {
+        proxy
+            .metric(r#"sluice_trace_spans_total{result="dropped_export_failed"}"#)
+            .await
+            .unwrap_or(0.0)
+            >= 20.0
+    })
+    .await;
+    assert!(dropped.is_some(), "{}", proxy.metrics().await);
+    assert_eq!(
+        proxy
+            .metric(r#"sluice_trace_spans_total{result="exported"}"#)
+            .await,
+        Some(0.0)
+    );
+}
