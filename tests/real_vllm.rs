@@ -684,6 +684,51 @@ async fn proxy_until_hit(proxy: &Proxy, path: &str, request: &Value) -> Answer {
     }
 }
 
+/// vLLM's own span joins Sluice's trace: an engine started with `--otlp-traces-endpoint` at
+/// the receiver Sluice exports to (gRPC, vLLM's default protocol) sends its `llm_request`
+/// span, a child of the attempt's span, in the client's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_span_nests_under_the_attempt() {
+    let receiver = OtlpReceiver::grpc().await;
+    let endpoint = format!("http://{}", receiver.addr);
+    let engine = RealVllm::start(TinyModel::Draft, &["--otlp-traces-endpoint", &endpoint]);
+    let proxy = Proxy::start(json!({
+        "pools": [real_pool("draft", &engine)],
+        "telemetry": {"otlp": receiver.config(), "sampling": 1.0},
+    }))
+    .await;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
+    let mut request = chat(MODEL, "a traced question", false);
+    request["max_tokens"] = json!(4);
+    let answer = ask_url(
+        &proxy.url("/v1/chat/completions"),
+        &request,
+        &[("traceparent", traceparent.as_str())],
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let spans = receiver
+        .spans_when(Duration::from_secs(30), |spans| {
+            spans
+                .iter()
+                .any(|s| s.span.name == "llm_request" && s.trace_id() == trace)
+        })
+        .await;
+    let in_trace: Vec<_> = spans.iter().filter(|s| s.trace_id() == trace).collect();
+    let attempt = in_trace
+        .iter()
+        .find(|s| s.span.kind == 3)
+        .unwrap_or_else(|| panic!("no attempt span: {in_trace:#?}"));
+    let engines = in_trace
+        .iter()
+        .find(|s| s.span.name == "llm_request")
+        .unwrap_or_else(|| panic!("no span of vLLM's: {in_trace:#?}"));
+    assert_eq!(engines.parent_id(), attempt.span_id());
+    assert_ne!(engines.service, "sluice", "the engine's own resource");
+    assert_eq!(attempt.service, "sluice");
+}
+
 /// Twenty streams at once, each whole and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_streams() {

@@ -1933,5 +1933,9 @@ fn responses_are_kept_in_memory_unless_redis_is_named() {
         "responses.redis",
         "needs a redis section",
     );
-    refused(&with("responses: {ttl: 0s}"), "responses.ttl", "more than 0");
+    refused(
+        &with("responses: {ttl: 0s}"),
+        "responses.ttl",
+        "more than 0",
+    );
 }
