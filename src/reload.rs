@@ -54,7 +54,8 @@ pub struct Frozen {
     admin: String,
     server: String,
     caps: String,
-    /// The stored responses' notes live as long as the process, in the store it started with.
+    /// The stored responses' notes live as long as the process, in the store it started with;
+    /// so do the traces' exporter and sampler.
     responses: String,
 }
 
@@ -71,7 +72,7 @@ impl Frozen {
                 limits.max_requests_in_flight,
                 limits.max_requests_in_flight_per_client
             ),
-            responses: format!("{:?}", config.responses),
+            responses: format!("{:?} {:?}", config.responses, config.telemetry),
         }
     }
 
@@ -86,7 +87,7 @@ impl Frozen {
                 "limits' connection and in-flight caps",
                 self.caps != new.caps,
             ),
-            ("responses", self.responses != new.responses),
+            ("responses or telemetry", self.responses != new.responses),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))
