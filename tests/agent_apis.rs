@@ -15,23 +15,15 @@ const MODEL: &str = "agent-model";
 const KEY: &str = "sk-agent";
 const LIMITED_KEY: &str = "sk-limited";
 
-/// Runs one of the tests' Python scripts and fails the test if it fails.
-async fn run_python(script: &str, args: &[&str]) {
-    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = tokio::process::Command::new("python3")
-        .arg(&script)
-        .args(args)
-        .output()
-        .await
-        .expect("python3 is needed for this test");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !stderr.contains("No module named"),
-        "install the clients first: scripts/bootstrap --test\n{stderr}"
-    );
-    assert!(out.status.success(), "{stdout}{stderr}");
-    print!("{stdout}");
+/// A simulated engine that keeps its responses (vLLM with its responses store on).
+async fn keeping_sim() -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_responses_store(true),
+    )
+    .await
+    .unwrap()
 }
 
 /// The tenants section: `sk-agent`'s tenant unlimited, `sk-limited`'s at 2 requests a minute.
@@ -93,15 +85,7 @@ async fn the_anthropic_client_works_through_sluice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_conversations_stay_with_the_backend_that_keeps_them() {
-    let keeping = || {
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_responses_store(true)
-    };
-    let (a, b) = (
-        vllm_sim::start(keeping()).await.unwrap(),
-        vllm_sim::start(keeping()).await.unwrap(),
-    );
+    let (a, b) = (keeping_sim().await, keeping_sim().await);
     let proxy = Proxy::start(json!({
         "pools": [pool("main", &[MODEL], &[a.addr(), b.addr()])
             .with("balancing", json!({"strategy": "round_robin"}))],
@@ -124,15 +108,7 @@ async fn responses_conversations_stay_with_the_backend_that_keeps_them() {
 /// the test above would see the failure it guards against.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follow_up_on_the_other_backend_is_the_engines_404() {
-    let keeping = || {
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_responses_store(true)
-    };
-    let (a, b) = (
-        vllm_sim::start(keeping()).await.unwrap(),
-        vllm_sim::start(keeping()).await.unwrap(),
-    );
+    let (a, b) = (keeping_sim().await, keeping_sim().await);
     let made = client()
         .post(format!("{}/v1/responses", a.url()))
         .json(&json!({"model": MODEL, "input": "hello", "max_output_tokens": 4}))
@@ -316,15 +292,7 @@ async fn a_broken_stream_ends_with_its_apis_error_event() {
 /// between them still goes, each turn, to the backend that keeps its last response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxies_sharing_redis_send_each_follow_up_where_its_response_is() {
-    let keeping = || {
-        SimConfig::default()
-            .with_model(MODEL)
-            .with_responses_store(true)
-    };
-    let (a, b) = (
-        vllm_sim::start(keeping()).await.unwrap(),
-        vllm_sim::start(keeping()).await.unwrap(),
-    );
+    let (a, b) = (keeping_sim().await, keeping_sim().await);
     let redis = RedisServer::start();
     let fleet_proxy = || {
         Proxy::start(json!({

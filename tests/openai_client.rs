@@ -19,25 +19,6 @@ async fn the_openai_python_client_works_through_sluice() {
     run_python("openai_client.py", &[base.as_str(), "test-model"]).await;
 }
 
-/// Runs one of the tests' Python scripts and fails the test if it fails.
-async fn run_python(script: &str, args: &[&str]) {
-    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = tokio::process::Command::new("python3")
-        .arg(&script)
-        .args(args)
-        .output()
-        .await
-        .expect("python3 is needed for this test");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !stderr.contains("No module named 'openai'"),
-        "install the client first: pip install openai"
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    print!("{stdout}");
-}
-
 const MODEL: &str = "llama";
 
 /// One request the script makes, and where it must be answered.

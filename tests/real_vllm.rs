@@ -463,19 +463,6 @@ async fn the_openai_client() {
     );
 }
 
-/// Runs one of the tests' Python scripts against Sluice; fails the test if it fails.
-async fn python(script: &str, args: &[&str]) {
-    let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = tokio::process::Command::new("python3")
-        .arg(&path)
-        .args(args)
-        .output()
-        .await
-        .expect("python3");
-    assert!(out.status.success(), "{}", explain(script, &out));
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-}
-
 /// The agents' SDKs through Sluice to real engines: `anthropic` (Messages, its stream, tools,
 /// count_tokens, cache hits, 401/404/429) against the target, whose tool parser takes
 /// Anthropic's tools; `openai`'s Responses conversations across two drafts that each keep
@@ -497,7 +484,7 @@ async fn the_agents_sdks() {
     }))
     .await;
     let base = format!("http://{}", proxy.addr);
-    python("anthropic_client.py", &[&base, MODEL, KEY, limited]).await;
+    run_python("anthropic_client.py", &[&base, MODEL, KEY, limited]).await;
 
     let second = RealVllm::start(TinyModel::Draft, &[]);
     let draft = TinyModel::Draft;
@@ -510,7 +497,7 @@ async fn the_agents_sdks() {
     }))
     .await;
     let base = format!("http://{}", proxy.addr);
-    python("openai_responses.py", &[&base, MODEL, "4"]).await;
+    run_python("openai_responses.py", &[&base, MODEL, "4"]).await;
 }
 
 /// A coding agent's session replayed (`tests/fixtures/agent-session.json`: a long system

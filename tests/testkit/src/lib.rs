@@ -47,7 +47,7 @@ pub use llm::{
 };
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use ports::{free_port, reserve_port, ReservedPort};
-pub use proc::{explain, Demo};
+pub use proc::{explain, run_python, Demo};
 pub use proxy::{exits_within, metric_value, signal, Proxy};
 pub use redis::{redis_cli, RedisCluster, RedisServer, SilentServer, SlowRelay};
 pub use scripted::{Received, Script, Scripted};

@@ -66,6 +66,25 @@ pub fn explain(what: &str, output: &std::process::Output) -> String {
     )
 }
 
+/// Runs one of the tests' Python scripts (`tests/<script>`, with `python3` and the packages
+/// `scripts/bootstrap --test` installs) and fails the test, with its output, if it fails.
+pub async fn run_python(script: &str, args: &[&str]) {
+    let path = format!("{}/../{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .await
+        .expect("python3 is needed for this test");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named"),
+        "install the test's Python packages first: scripts/bootstrap --test\n{stderr}"
+    );
+    assert!(out.status.success(), "{}", explain(script, &out));
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
 /// `sluice demo` on the given ports, killed on drop.
 pub struct Demo {
     child: Child,

@@ -15,7 +15,7 @@
 //! sequence vLLM sends, each block whole in one delta.
 
 use super::openai::{is_error_event, AnswerText};
-use super::{AnswerError, ApiFamily, LogprobsAt, RateLimitHeaders, WireError};
+use super::{AnswerError, ApiFamily, RateLimitHeaders, WireError};
 use crate::llm::{Endpoint, InvalidRequest, LlmCall, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
@@ -64,24 +64,8 @@ impl ApiFamily for Anthropic {
         Ok(call)
     }
 
-    fn default_max_tokens(&self) -> Option<u32> {
-        None
-    }
-
-    fn logprobs_at(&self) -> LogprobsAt {
-        LogprobsAt::Nowhere
-    }
-
-    fn usage_scanner(&self) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::default()
-    }
-
     fn is_error_event(&self, data: &[u8]) -> bool {
         is_error_event(data)
-    }
-
-    fn is_usage_event(&self, _event: &[u8]) -> bool {
-        false
     }
 
     fn answer_from_json(&self, body: Bytes) -> Result<AnswerText, AnswerError> {

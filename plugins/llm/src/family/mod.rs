@@ -113,16 +113,26 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest>;
     /// The output tokens an engine generates for a request that sets no limit, when the
     /// format has a default (text completions: 16); `None`: up to the context's end.
-    fn default_max_tokens(&self) -> Option<u32>;
+    fn default_max_tokens(&self) -> Option<u32> {
+        None
+    }
     /// Where its answers carry token log-probabilities.
-    fn logprobs_at(&self) -> LogprobsAt;
-    /// A new reader of an answer's token usage, fed the answer's chunks as they pass.
-    fn usage_scanner(&self) -> crate::usage::UsageScanner;
+    fn logprobs_at(&self) -> LogprobsAt {
+        LogprobsAt::Nowhere
+    }
+    /// A new reader of an answer's token usage, fed the answer's chunks as they pass (it
+    /// reads the OpenAI, Responses and Anthropic names alike).
+    fn usage_scanner(&self) -> crate::usage::UsageScanner {
+        crate::usage::UsageScanner::default()
+    }
     /// Whether one event's data (a stream's) is an error the upstream ended it with.
     fn is_error_event(&self, data: &[u8]) -> bool;
     /// Whether one event of its stream carries the usage alone (the event an upstream sends
-    /// when asked for usage, kept from a client that did not ask).
-    fn is_usage_event(&self, event: &[u8]) -> bool;
+    /// when asked for usage, kept from a client that did not ask); the families whose streams
+    /// always carry their usage have none.
+    fn is_usage_event(&self, _event: &[u8]) -> bool {
+        false
+    }
     /// A whole non-stream answer, checked, as it will be kept.
     fn answer_from_json(&self, body: Bytes) -> Result<AnswerText, AnswerError>;
     /// The non-stream answer a whole stream (its chunks, as the client got them) adds up to,
@@ -262,17 +272,22 @@ impl Endpoint {
 
 /// The events of a named-event stream (Messages, Responses), whole, in order: each one's
 /// data, parsed (its `type` names it).
+/// One whole event's data: its `data:` lines joined by `\n` (empty for a comment).
+pub(crate) fn event_data(event: &str) -> String {
+    event
+        .lines()
+        .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 pub(crate) fn stream_events(chunks: &[Bytes]) -> Result<Vec<Value>, AnswerError> {
     let body: Vec<u8> = chunks.concat();
     let text = std::str::from_utf8(&body).map_err(|_| AnswerError::NotAnAnswer)?;
     let mut events = Vec::new();
     for event in text.split("\n\n") {
-        let data = event
-            .lines()
-            .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let data = event_data(event);
         if data.is_empty() {
             continue;
         }

@@ -456,12 +456,7 @@ fn assemble(kind: Kind, chunks: &[bytes::Bytes]) -> Result<Value, AnswerError> {
     let mut usage = Value::Null;
     let mut done = false;
     for event in text.split("\n\n") {
-        let data = event
-            .lines()
-            .filter_map(|l| l.trim_end_matches('\r').strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let data = super::event_data(event);
         if data.is_empty() {
             continue;
         }

@@ -16,7 +16,7 @@
 //! event's; a replay as a stream is vLLM's event sequence, each text whole in one delta.
 
 use super::openai::{error_body, AnswerText};
-use super::{AnswerError, ApiFamily, CacheUse, LogprobsAt, WireError};
+use super::{AnswerError, ApiFamily, CacheUse, WireError};
 use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
@@ -50,18 +50,6 @@ impl ApiFamily for Responses {
         Ok(call)
     }
 
-    fn default_max_tokens(&self) -> Option<u32> {
-        None
-    }
-
-    fn logprobs_at(&self) -> LogprobsAt {
-        LogprobsAt::Nowhere
-    }
-
-    fn usage_scanner(&self) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::default()
-    }
-
     fn is_error_event(&self, data: &[u8]) -> bool {
         #[derive(serde::Deserialize)]
         struct Shape<'a> {
@@ -70,10 +58,6 @@ impl ApiFamily for Responses {
         }
         serde_json::from_slice::<Shape>(data)
             .is_ok_and(|shape| matches!(shape.kind.as_deref(), Some("error" | "response.failed")))
-    }
-
-    fn is_usage_event(&self, _event: &[u8]) -> bool {
-        false
     }
 
     fn answer_from_json(&self, body: Bytes) -> Result<AnswerText, AnswerError> {

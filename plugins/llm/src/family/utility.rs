@@ -6,7 +6,7 @@
 //! sampling, so the cache keeps them whatever the request; the others are never kept.
 
 use super::openai::{error_body, splice_identity, AnswerText};
-use super::{AnswerError, ApiFamily, CacheUse, LogprobsAt, WireError};
+use super::{AnswerError, ApiFamily, CacheUse, WireError};
 use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::Usage;
 use bytes::Bytes;
@@ -74,24 +74,8 @@ impl ApiFamily for Utility {
         Ok(call)
     }
 
-    fn default_max_tokens(&self) -> Option<u32> {
-        None
-    }
-
-    fn logprobs_at(&self) -> LogprobsAt {
-        LogprobsAt::Nowhere
-    }
-
-    fn usage_scanner(&self) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::default()
-    }
-
     fn is_error_event(&self, data: &[u8]) -> bool {
         super::openai::is_error_event(data)
-    }
-
-    fn is_usage_event(&self, _event: &[u8]) -> bool {
-        false
     }
 
     /// Embeddings: `{"object": "list", "data": [...]}` with at least one item.
