@@ -95,9 +95,17 @@ where
         let target = meta.target();
         target == "sluice::request" || target == "sluice::attempt" || target == EVENT_TARGET
     });
+    // Only what a trace needs: no OpenTelemetry context made current at every poll of an
+    // instrumented future (nothing here reads it), no busy/idle time, no source location,
+    // thread or target attributes on every span.
     tracing_opentelemetry::layer()
         .with_tracer(tracer)
+        .with_context_activation(false)
         .with_tracked_inactivity(false)
+        .with_location(false)
+        .with_threads(false)
+        .with_target(false)
+        .with_level(false)
         .with_filter(only_ours)
 }
 
@@ -281,11 +289,19 @@ pub fn describe_request(span: &tracing::Span, method: &str, path: &str) {
     span.record("otel.kind", "server");
 }
 
+/// Whether `span` is traced and kept by the sampler: what is worked out only for its
+/// attributes is skipped for the others.
+fn sampled(span: &tracing::Span) -> bool {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    get().is_some() && span.context().span().span_context().is_sampled()
+}
+
 /// What the request came to, on its span as it ends: Sluice's facts as `sluice.*`.
 pub fn request_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx) {
     use opentelemetry::KeyValue;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    if get().is_none() {
+    if !sampled(span) {
         return;
     }
     let mut attributes = vec![
@@ -335,7 +351,8 @@ pub fn describe_attempt(
     backend: std::net::SocketAddr,
 ) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    if get().is_none() {
+    // The attempt is kept when its request is (the sampler follows the parent).
+    if !sampled(ctx.span()) {
         return;
     }
     span.record("otel.kind", "client");
@@ -360,7 +377,7 @@ pub fn describe_attempt(
 /// the answer said (a stream's too: its usage is read as it passes).
 pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &sluice_sdk::Pool) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    if get().is_none() || ctx.llm().is_none() {
+    if ctx.llm().is_none() || !sampled(span) {
         return;
     }
     let requested = ctx.model();

@@ -78,6 +78,26 @@ fn per_round<T>(
     pairwise(&series(runs.get(&c), f), &series(runs.get(&base), f), op)
 }
 
+/// Interleaved rounds of `load`'s streams, each contender asked with `body`
+/// ([`target_for`]), each round with the proxy's CPU per stream.
+async fn measured_streams(
+    rounds: usize,
+    stack: &Stack,
+    report: &mut ScenarioReport,
+    body: &bytes::Bytes,
+    load: &SseLoad,
+) -> Result<BTreeMap<Contender, Vec<Measured<SseResult>>>> {
+    each_round(rounds, stack, report, |up| {
+        let load = sse::run(
+            target_for(up, CHAT, body),
+            load.clone(),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        with_cpu(up.pid(&stack.sim), load, |r: &SseResult| r.streams as f64)
+    })
+    .await
+}
+
 /// 18. Each plugin's cost at a fixed rate.
 pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(18, title(18));
@@ -158,6 +178,84 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
 }
 
 /// 19. Streams with long prompts: added TTFT and CPU per stream.
+/// 26. What traces cost: streams through Sluice with every plugin on, traces off, at sampling
+/// 0.1 and at 1.0 (each to an OTLP/HTTP receiver of its own), CPU per stream and TTFT.
+pub async fn tracing_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(26, title(26));
+    let p = ctx.p.clone();
+    let contenders = [
+        Contender::SluiceOn,
+        Contender::SluiceTraced01,
+        Contender::SluiceTraced10,
+    ];
+    let stack = Stack::start(ctx, &SimSpec::streaming(0.0, 16), &contenders).await?;
+    stack.note_down(&mut report);
+    let body = chat_body("Hello! Say something short.", true, 16);
+    let load = SseLoad {
+        concurrency: p.stream_concurrency,
+        duration: p.stream_duration,
+        once: false,
+        ramp: p.open_stream_ramp,
+    };
+    let runs = measured_streams(p.rounds, &stack, &mut report, &body, &load).await?;
+    report.header = [
+        "contender",
+        "streams",
+        "CPU µs/stream",
+        "CPU × traces off",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "added TTFT p99 ms over traces off",
+        "spans received",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let cpu = |m: &Measured<SseResult>| m.cpu_us;
+    let ttft = |q: f64| move |m: &Measured<SseResult>| m.result.ttft_ms(q);
+    let off = Contender::SluiceOn;
+    for (c, rounds) in &runs {
+        let c = *c;
+        let results: Vec<SseResult> = rounds.iter().map(|m| m.result.clone()).collect();
+        let received = stack
+            .receivers
+            .iter()
+            .find(|(rc, _)| *rc == c)
+            .map_or_else(|| "-".to_string(), |(_, r)| r.spans().len().to_string());
+        report.rows.push(vec![
+            c.label().to_string(),
+            series(Some(&results), |r| r.streams as f64).show(0),
+            series(Some(rounds), cpu).show(1),
+            per_round(&runs, c, off, cpu, |a, b| a / b).show(3),
+            series(Some(rounds), ttft(50.0)).show(3),
+            series(Some(rounds), ttft(99.0)).show(3),
+            per_round(&runs, c, off, ttft(99.0), |a, b| a - b).show(3),
+            received,
+            errors_cell_sse(&results),
+        ]);
+    }
+    report.notes.push(format!(
+        "{} streams open at a time, each a streamed chat request of its own (the cache misses) \
+         of 16 tokens from the zero-latency simulator, through Sluice with every plugin on. \
+         Traced: `telemetry` to an OTLP/HTTP receiver in the harness's process, at sampling \
+         0.1 or 1.0 (a request is 2 spans: the request's and its attempt's). CPU: the run time \
+         of the proxy's threads (its export thread included) over the round ÷ streams done.",
+        p.stream_concurrency
+    ));
+    for (c, target) in [
+        (Contender::SluiceTraced01, 1.02),
+        (Contender::SluiceTraced10, 1.10),
+    ] {
+        report.checks.push(Check::at_most(
+            &format!("{}: CPU per stream × traces off", c.label()),
+            per_round(&runs, c, off, cpu, |a, b| a / b).median(),
+            target,
+            "×",
+        ));
+    }
+    Ok(report)
+}
+
 pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(19, title(19));
     let p = ctx.p.clone();
@@ -177,15 +275,7 @@ pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         once: false,
         ramp: p.open_stream_ramp,
     };
-    let runs = each_round(p.rounds, &stack, &mut report, |up| {
-        let load = sse::run(
-            target_for(up, CHAT, &body),
-            load.clone(),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        with_cpu(up.pid(&stack.sim), load, |r: &SseResult| r.streams as f64)
-    })
-    .await?;
+    let runs = measured_streams(p.rounds, &stack, &mut report, &body, &load).await?;
     report.header = [
         "contender",
         "streams",

@@ -96,6 +96,10 @@ pub const ALL: &[(u8, &str)] = &[
         25,
         "Time to first token at the tail on a vLLM V1-like fleet (chunked prefill, prefix caching): scenario 13 with 2 drafts and 4 targets",
     ),
+    (
+        26,
+        "Tracing's cost: CPU per stream and added TTFT p99 with traces at sampling 0.1 and 1.0 against tracing off",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -124,6 +128,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         23 => crate::soak::soak(ctx).await,
         24 => crate::prefix_fleet::prefix_fleet(ctx).await,
         25 => crate::fleet::fleet_v1(ctx).await,
+        26 => crate::plugin_cost::tracing_cost(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -172,11 +177,12 @@ impl Up {
 /// that its cache misses (and stores) every time instead of answering from memory.
 pub(crate) fn target_for(up: &Up, path: &str, body: &Bytes) -> Arc<Target> {
     let t = Target::post_json(up.addr, path, body.clone());
-    Arc::new(if up.contender == Contender::SluiceOn {
-        t.varied()
-    } else {
-        t
-    })
+    // Every contender with the cache on gets a prompt of its own per request: misses.
+    let cache_on = matches!(
+        up.contender,
+        Contender::SluiceOn | Contender::SluiceTraced01 | Contender::SluiceTraced10
+    );
+    Arc::new(if cache_on { t.varied() } else { t })
 }
 
 /// The simulator and the contenders in front of it.
@@ -187,6 +193,8 @@ pub struct Stack {
     pub down: Vec<(Contender, String)>,
     /// The Redis servers behind `SluiceRedisHit` and `SluiceTenantsRedis`, if started.
     _redis: Vec<Proc>,
+    /// The OTLP receivers of the traced contenders (scenario 26), with what each received.
+    pub receivers: Vec<(Contender, sluice_testkit::OtlpReceiver)>,
     dir: tempfile::TempDir,
 }
 
@@ -207,6 +215,7 @@ impl Stack {
         let mut up = Vec::new();
         let mut down = Vec::new();
         let mut redis = Vec::new();
+        let mut receivers = Vec::new();
         // Scenario 12's tenant key digest, asked of the binary once.
         let mut digest: Option<String> = None;
         for &c in want {
@@ -231,6 +240,19 @@ impl Stack {
                     let (proc, addr) =
                         start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
                     up.push(Up::plain(c, addr, Some(proc)));
+                }
+                Contender::SluiceTraced01 | Contender::SluiceTraced10 => {
+                    let receiver = sluice_testkit::OtlpReceiver::http().await;
+                    let sampling = if c == Contender::SluiceTraced01 {
+                        "0.1"
+                    } else {
+                        "1.0"
+                    };
+                    let setup = Setup::Traced(sampling, format!("http://{}", receiver.addr));
+                    let (proc, addr) =
+                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
+                    up.push(Up::plain(c, addr, Some(proc)));
+                    receivers.push((c, receiver));
                 }
                 Contender::SluiceTenantsLocal | Contender::SluiceTenantsRedis => {
                     let key = match &digest {
@@ -331,6 +353,7 @@ impl Stack {
             up,
             down,
             _redis: redis,
+            receivers,
             dir,
         })
     }
