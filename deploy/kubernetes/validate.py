@@ -496,6 +496,21 @@ def redis_facts(by_kind, config, home, pod, sluice):
     return errors
 
 
+def unrestricted(container, pod_sc):
+    """What `container` (in a pod whose securityContext is `pod_sc`) lacks of the restricted
+    Pod Security profile."""
+    sc = container.get("securityContext", {})
+    restricted = {
+        "runAsNonRoot": sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True,
+        "runAsUser non-zero": (sc.get("runAsUser", pod_sc.get("runAsUser")) or 0) > 0,
+        "readOnlyRootFilesystem": sc.get("readOnlyRootFilesystem") is True,
+        "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
+        "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
+        "seccompProfile RuntimeDefault": sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") == "RuntimeDefault",
+    }
+    return [what for what, ok in restricted.items() if not ok]
+
+
 def check_facts(objects, config_out):
     errors = []
     by_kind = {}
@@ -548,21 +563,23 @@ def check_facts(objects, config_out):
             f"terminationGracePeriodSeconds {grace} < preStop {pre_stop} + Sluice's drain {drain}"
         )
 
-    # The restricted profile, for Sluice and for every init container of its pod.
+    # The restricted profile, for Sluice and for every init container of its pod, and for
+    # every container of the overlay's other Deployments (the monitoring component's collector).
     pod_sc = pod.get("securityContext", {})
     for c, prefix in [(container, "")] + [
         (i, f"initContainer {i['name']}: ") for i in pod.get("initContainers", [])
     ]:
-        sc = c.get("securityContext", {})
-        restricted = {
-            "runAsNonRoot": sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True,
-            "runAsUser non-zero": (sc.get("runAsUser", pod_sc.get("runAsUser")) or 0) > 0,
-            "readOnlyRootFilesystem": sc.get("readOnlyRootFilesystem") is True,
-            "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
-            "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
-            "seccompProfile RuntimeDefault": sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") == "RuntimeDefault",
-        }
-        errors += [f"{prefix}securityContext: {what}" for what, ok in restricted.items() if not ok]
+        errors += [f"{prefix}securityContext: {what}" for what in unrestricted(c, pod_sc)]
+    for other in by_kind.get("Deployment", []):
+        name = other["metadata"]["name"]
+        if name == "sluice":
+            continue
+        other_pod = other["spec"]["template"]["spec"]
+        for c in other_pod.get("containers", []) + other_pod.get("initContainers", []):
+            errors += [
+                f"Deployment {name}, container {c['name']}: securityContext: {what}"
+                for what in unrestricted(c, other_pod.get("securityContext", {}))
+            ]
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
     for path in (pingora.get("pid_file"), pingora.get("upgrade_sock")):
         if path and not any(path.startswith(w.rstrip("/") + "/") for w in writable):

@@ -178,8 +178,9 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
 }
 
 /// 19. Streams with long prompts: added TTFT and CPU per stream.
-/// 26. What traces cost: streams through Sluice with every plugin on, traces off, at sampling
-/// 0.1 and at 1.0 (each to an OTLP/HTTP receiver of its own), CPU per stream and TTFT.
+/// Scenario 26, what traces cost: streams through Sluice with every plugin on, traces off,
+/// at sampling 0.1 and at 1.0 (each to an OTLP/HTTP receiver of its own), CPU per stream
+/// and TTFT.
 pub async fn tracing_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(26, title(26));
     let p = ctx.p.clone();
