@@ -177,7 +177,6 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
     Ok(report)
 }
 
-/// 19. Streams with long prompts: added TTFT and CPU per stream.
 /// Scenario 26, what traces cost: streams through Sluice with every plugin on, traces off,
 /// at sampling 0.1 and at 1.0 (each to an OTLP/HTTP receiver of its own), CPU per stream
 /// and TTFT.
@@ -257,6 +256,7 @@ pub async fn tracing_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
     Ok(report)
 }
 
+/// 19. Streams with long prompts: added TTFT and CPU per stream.
 pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(19, title(19));
     let p = ctx.p.clone();
