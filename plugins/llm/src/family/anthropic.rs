@@ -185,6 +185,9 @@ fn usage_object(usage: Usage) -> Value {
     json!({"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens})
 }
 
+/// The most content blocks an answer is taken to have.
+const MAX_BLOCKS: usize = 4096;
+
 /// The `message` a whole stream adds up to; `Incomplete` without its `message_stop`.
 fn assemble(chunks: &[Bytes]) -> Result<Value, AnswerError> {
     let mut message: Option<Value> = None;
@@ -196,7 +199,11 @@ fn assemble(chunks: &[Bytes]) -> Result<Value, AnswerError> {
         if stopped {
             return Err(AnswerError::NotAnAnswer);
         }
-        let index = event.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+        let index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
+        // An upstream's index sizes the blocks: a lying one must not make them huge.
+        let Some(index) = usize::try_from(index).ok().filter(|i| *i < MAX_BLOCKS) else {
+            return Err(AnswerError::NotAnAnswer);
+        };
         match event.get("type").and_then(Value::as_str) {
             Some("message_start") => message = event.get("message").cloned(),
             Some("content_block_start") => {
@@ -432,6 +439,15 @@ mod tests {
         let again = MESSAGES.answer_from_stream(&[replay], None).unwrap().tree();
         assert_eq!(again["content"], message["content"]);
         assert_eq!(again["stop_reason"], "tool_use");
+    }
+
+    #[test]
+    fn a_block_index_no_answer_has_is_not_an_answer() {
+        let stream = "event: x\ndata: {\"type\":\"content_block_start\",\"index\":1000000000000,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n";
+        assert_eq!(
+            MESSAGES.answer_from_stream(&[Bytes::from(stream)], None),
+            Err(AnswerError::NotAnAnswer)
+        );
     }
 
     #[test]
