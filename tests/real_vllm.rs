@@ -695,11 +695,15 @@ async fn the_engines_span_nests_under_the_attempt() {
     )
     .await;
     assert_eq!(answer.status, 200, "{}", answer.body);
+    // The two processes export on their own schedules: both spans are waited for.
     let spans = receiver
         .spans_when(Duration::from_secs(30), |spans| {
+            let in_trace = |s: &&ReceivedSpan| s.trace_id() == trace;
             spans
                 .iter()
-                .any(|s| s.span.name == "llm_request" && s.trace_id() == trace)
+                .filter(in_trace)
+                .any(|s| s.span.name == "llm_request")
+                && spans.iter().filter(in_trace).any(|s| s.span.kind == 3)
         })
         .await;
     let in_trace: Vec<_> = spans.iter().filter(|s| s.trace_id() == trace).collect();
