@@ -81,6 +81,9 @@ def model(out, layers, fast):
         tie_word_embeddings=True,
         torch_dtype="float32",
     )
+    # Seeded: every machine makes the same weights, so a greedy answer that holds text here
+    # holds it everywhere (unseeded, one model in a few thousand ends its answers at once).
+    torch.manual_seed(layers)
     LlamaForCausalLM(config).save_pretrained(out)
 
 
