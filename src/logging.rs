@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 use tracing::subscriber::Interest;
 use tracing::Metadata;
-use tracing_subscriber::filter::{DynFilterFn, FilterExt};
+use tracing_subscriber::filter::{DynFilterFn, FilterExt, LevelFilter};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
@@ -21,38 +21,60 @@ use tracing_subscriber::{EnvFilter, Layer};
 /// credential included: that target never logs below `debug`, whatever the level asked.
 const NEVER_TRACED: &str = "pingora_core::protocols::http::v1::client=debug";
 
+/// Span events (`sluice_sdk::SPAN_EVENTS`) are for traces, never log lines.
+const SPAN_EVENTS_OFF: &str = "sluice::span_event=off";
+
 pub fn init(settings: &LogSettings, telemetry: Option<&crate::config::TelemetrySettings>) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let filter = match NEVER_TRACED.parse() {
-        Ok(directive) => filter.add_directive(directive),
-        Err(_) => filter,
-    };
+    // A second call (tests, the demo) keeps the first subscriber.
+    let _ = subscriber(filter, settings.format, telemetry).try_init();
+}
+
+/// The log layer under `filter` (in `format`), and the traces layer when `telemetry` is set.
+///
+/// Both give a level hint: the most verbose level any layer wants is the `log` bridge's
+/// maximum level, and below it a `log::trace!` of Pingora's (one per chunk of a chunked
+/// answer) skips even the evaluation of its arguments.
+fn subscriber(
+    filter: EnvFilter,
+    format: LogFormat,
+    telemetry: Option<&crate::config::TelemetrySettings>,
+) -> impl tracing::Subscriber + Send + Sync {
+    // The cap on Pingora's client only where `trace` was asked for: added to a quieter filter,
+    // its `debug` would raise the filter's level hint.
+    let tracing_asked = filter
+        .max_level_hint()
+        .is_none_or(|l| l == LevelFilter::TRACE);
+    let filter = [NEVER_TRACED, SPAN_EVENTS_OFF]
+        .into_iter()
+        .filter(|directive| tracing_asked || *directive != NEVER_TRACED)
+        .filter_map(|directive| directive.parse().ok())
+        .fold(filter, EnvFilter::add_directive);
     let lines = PingoraLines::new(PINGORA_LINES_PER_SECOND);
     // Asked at every event of Pingora's (and of the `log` bridge's shared callsites, which
-    // carry them), never for Sluice's own callsites, whose interest stays cached.
-    let rate = DynFilterFn::new(move |meta, _| lines.admit(meta)).with_callsite_filter(|meta| {
-        if is_pingoras(meta) || meta.target() == "log" {
-            Interest::sometimes()
-        } else {
-            Interest::always()
-        }
-    });
+    // carry them), never for Sluice's own callsites, whose interest stays cached. It only
+    // drops lines, so it takes any level: without a hint the pair would have none.
+    let rate = DynFilterFn::new(move |meta, _| lines.admit(meta))
+        .with_callsite_filter(|meta| {
+            if is_pingoras(meta) || meta.target() == "log" {
+                Interest::sometimes()
+            } else {
+                Interest::always()
+            }
+        })
+        .with_max_level_hint(LevelFilter::TRACE);
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let layer = match settings.format {
+    let layer = match format {
         LogFormat::Json => fmt.json().with_filter(filter.and(rate)).boxed(),
         LogFormat::Text => fmt.with_filter(filter.and(rate)).boxed(),
     };
     // Traces of requests and attempts, when the config asks for them.
     let traces = telemetry.map(crate::telemetry::start);
-    // A second call (tests, the demo) keeps the first subscriber.
-    let _ = tracing_subscriber::registry()
-        .with(layer)
-        .with(traces)
-        .try_init();
+    tracing_subscriber::registry().with(layer).with(traces)
 }
 
 fn is_pingoras(meta: &Metadata<'_>) -> bool {
@@ -100,6 +122,44 @@ impl PingoraLines {
         } else {
             crate::metrics::inc(&crate::metrics::LOG_LINES_DROPPED, &[meta.target()]);
             false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{TelemetrySettings, TraceProtocol};
+    use tracing::Subscriber as _;
+
+    /// The `log` bridge's maximum level is the subscriber's hint: it must be the level asked
+    /// for, traces on or off, so that Pingora's `log::trace!` arguments are never evaluated.
+    #[test]
+    fn the_level_hint_is_the_level_asked_for_traces_on_or_off() {
+        let telemetry = TelemetrySettings {
+            endpoint: "http://127.0.0.1:9/".into(),
+            protocol: TraceProtocol::HttpProtobuf,
+            sampling: 1.0,
+            service_name: "sluice".into(),
+            continue_client_traces: true,
+        };
+        for (level, traces, hint) in [
+            ("info", None, LevelFilter::INFO),
+            ("warn", None, LevelFilter::WARN),
+            ("info", Some(&telemetry), LevelFilter::INFO),
+            // Traces need their spans and events, at `info`.
+            ("warn", Some(&telemetry), LevelFilter::INFO),
+            ("debug", Some(&telemetry), LevelFilter::DEBUG),
+            // Pingora's client capped at `debug` (its `trace` shows credentials).
+            ("trace", None, LevelFilter::TRACE),
+        ] {
+            let subscriber = subscriber(EnvFilter::new(level), LogFormat::Text, traces);
+            assert_eq!(
+                subscriber.max_level_hint(),
+                Some(hint),
+                "{level}, traces {}",
+                traces.is_some()
+            );
         }
     }
 }

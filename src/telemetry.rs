@@ -91,10 +91,14 @@ where
         continue_client_traces: settings.continue_client_traces,
         provider,
     });
-    let only_ours = tracing_subscriber::filter::filter_fn(|meta| {
-        let target = meta.target();
-        target == "sluice::request" || target == "sluice::attempt" || target == EVENT_TARGET
-    });
+    // Targets at `info`, not a filter function: its level hint keeps the subscriber's (and
+    // with it the `log` bridge's) maximum level where the log layer put it. A hint of `trace`
+    // would make every `log::trace!` of Pingora's evaluate its arguments (on every chunk of a
+    // chunked answer), for nobody.
+    let only_ours = tracing_subscriber::filter::Targets::new()
+        .with_target("sluice::request", tracing::Level::INFO)
+        .with_target("sluice::attempt", tracing::Level::INFO)
+        .with_target(EVENT_TARGET, tracing::Level::INFO);
     // Only what a trace needs: no OpenTelemetry context made current at every poll of an
     // instrumented future (nothing here reads it), no busy/idle time, no source location,
     // thread or target attributes on every span.

@@ -228,6 +228,12 @@ async fn requests_and_attempts_are_traced_over_http() {
         server.attribute("http.response.status_code").as_deref(),
         Some("503")
     );
+    // Span events are the trace's, never lines of the log (at `info`, as they are).
+    assert!(
+        !proxy.logs().contains(sluice_sdk::SPAN_EVENTS),
+        "{}",
+        proxy.logs()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

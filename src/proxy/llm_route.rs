@@ -609,7 +609,7 @@ impl AttemptLoop {
         );
         tracing::event!(
             target: crate::telemetry::EVENT_TARGET,
-            tracing::Level::TRACE,
+            tracing::Level::INFO,
             sluice.escalation.reason = why,
             sluice.escalation.to = &*escalation.target.name,
             "escalated"

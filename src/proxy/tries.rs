@@ -85,7 +85,7 @@ pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>) {
         return;
     };
     if first_token {
-        tracing::trace!(target: crate::telemetry::EVENT_TARGET, "first_token");
+        tracing::info!(target: crate::telemetry::EVENT_TARGET, "first_token");
     }
     if let (true, Some(predicted), Some(pool)) = (first_token, waited.predicted, in_flight.pool()) {
         metrics::ttft_prediction(pool, predicted, waited.observed);

@@ -576,7 +576,7 @@ fn client_left(gone: Box<Error>) -> Box<Error> {
 /// the queue, and any lead it was handed, pass on).
 async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
     // On the request's trace span, when traces are on.
-    tracing::trace!(target: sluice_sdk::SPAN_EVENTS, "coalesced_follower");
+    tracing::info!(target: sluice_sdk::SPAN_EVENTS, "coalesced_follower");
     while_connected(session, follower.wait())
         .await
         .map_err(client_left)

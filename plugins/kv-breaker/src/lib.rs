@@ -243,7 +243,7 @@ impl Admission for Gate {
 /// pool's projected KV usage then.
 fn admitted_on_span(pool: &Pool, waited: std::time::Duration) {
     // Only when traces are on: the projection is worked out for nobody otherwise.
-    if !tracing::enabled!(target: sluice_sdk::SPAN_EVENTS, tracing::Level::TRACE) {
+    if !tracing::enabled!(target: sluice_sdk::SPAN_EVENTS, tracing::Level::INFO) {
         return;
     }
     let span = tracing::Span::current();
@@ -471,7 +471,7 @@ impl KvBreaker {
         let retry_after = self.retry_after(pool, priority);
         tracing::event!(
             target: sluice_sdk::SPAN_EVENTS,
-            tracing::Level::TRACE,
+            tracing::Level::INFO,
             sluice.reason = reason.as_str(),
             sluice.pool = &*pool.name,
             sluice.priority = priority.as_str(),

@@ -53,10 +53,10 @@ pub use config::ConfigError;
 
 /// The `tracing` target under which a plugin's event becomes an event of the trace span it
 /// is in, when traces are on (`telemetry`): its message names it, its fields are its
-/// attributes, at `trace` level (so that logs at `info` never show them):
-/// `tracing::trace!(target: sluice_sdk::SPAN_EVENTS, reason = "kv-pressure", "shed")`.
+/// attributes, at `info` level (the log never shows this target):
+/// `tracing::info!(target: sluice_sdk::SPAN_EVENTS, reason = "kv-pressure", "shed")`.
 /// Without traces it is an event nobody listens to, which costs a cached callsite check;
-/// `tracing::enabled!(target: SPAN_EVENTS, Level::TRACE)` says whether anyone does.
+/// `tracing::enabled!(target: SPAN_EVENTS, Level::INFO)` says whether anyone does.
 pub const SPAN_EVENTS: &str = "sluice::span_event";
 pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
