@@ -76,7 +76,7 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
             ttfb_ms = %Millis(progress.first_byte),
             cache_hit = ctx.answered_locally(),
             incomplete = progress.response_incomplete,
-            trace_id = %crate::telemetry::trace_id(ctx.span()).unwrap_or_else(|| "-".into()),
+            trace_id = %crate::telemetry::trace_id(ctx).unwrap_or_else(|| "-".into()),
             error = %error.map_or_else(String::new, |e| truncated(&e.to_string()).into_owned()),
             "request"
         );

@@ -10,6 +10,11 @@
 //! `client_traces: ignore`, an edge proxy starts its own); every attempt sends the engine a
 //! `traceparent` naming the attempt's span, under which vLLM's own `llm_request` span nests.
 //!
+//! Sampling is decided before a request's span is made ([`open_request_span`]: the client's
+//! decision when its trace is continued, else the ratio), and only a sampled request's spans
+//! reach the traces layer: an unsampled one costs a draw and a branch, no OpenTelemetry span.
+//! The engine is told either way, so that it samples as Sluice did.
+//!
 //! Export is off the request path: a finished span goes into a bounded queue (a span that
 //! finds it full is dropped and counted), which a task of a runtime of its own (one thread,
 //! started with the first span, so after a daemon's fork) sends in batches. The SDK's own
@@ -25,6 +30,7 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor};
 use opentelemetry_sdk::Resource;
 use sluice_sdk::metric;
+use std::cell::Cell;
 use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -52,10 +58,29 @@ metric!(SPANS: IntCounterVec = register_int_counter_vec!(
 pub struct Tracing {
     /// Whether clients' `traceparent` continue their traces.
     pub continue_client_traces: bool,
+    /// The share of new traces sampled.
+    sampling: f64,
     provider: SdkTracerProvider,
 }
 
 static TRACING: OnceLock<Tracing> = OnceLock::new();
+
+thread_local! {
+    /// Whether the request or attempt span being made goes to the traces layer: set by
+    /// [`kept`] around the span's making, read by the layer's filter.
+    static KEEP: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes a request's or attempt's span with `open`, in the traces layer when `sampled`.
+pub fn kept(sampled: bool, open: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if !sampled {
+        return open();
+    }
+    KEEP.with(|keep| keep.set(true));
+    let span = open();
+    KEEP.with(|keep| keep.set(false));
+    span
+}
 
 /// Tracing, when the config turned it on (see [`start`]).
 pub fn get() -> Option<&'static Tracing> {
@@ -79,9 +104,8 @@ where
         queue: OnceLock::new(),
     };
     let provider = SdkTracerProvider::builder()
-        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-            settings.sampling,
-        ))))
+        // Every span that reaches the layer is sampled: see `open_request_span`.
+        .with_sampler(Sampler::AlwaysOn)
         .with_resource(resource)
         .with_span_processor(processor)
         .build();
@@ -89,6 +113,7 @@ where
     metrics_init();
     let _ = TRACING.set(Tracing {
         continue_client_traces: settings.continue_client_traces,
+        sampling: settings.sampling,
         provider,
     });
     // Targets at `info`, not a filter function: its level hint keeps the subscriber's (and
@@ -99,6 +124,19 @@ where
         .with_target("sluice::request", tracing::Level::INFO)
         .with_target("sluice::attempt", tracing::Level::INFO)
         .with_target(EVENT_TARGET, tracing::Level::INFO);
+    // Spans only when sampled (asked at each); events always (one outside a sampled span
+    // finds no span of the layer's to go on).
+    let only_sampled = tracing_subscriber::filter::DynFilterFn::new(|meta, _| {
+        !meta.is_span() || KEEP.with(Cell::get)
+    })
+    .with_callsite_filter(|meta| {
+        if meta.is_span() {
+            tracing::subscriber::Interest::sometimes()
+        } else {
+            tracing::subscriber::Interest::always()
+        }
+    })
+    .with_max_level_hint(tracing::level_filters::LevelFilter::TRACE);
     // Only what a trace needs: no OpenTelemetry context made current at every poll of an
     // instrumented future (nothing here reads it), no busy/idle time, no source location,
     // thread or target attributes on every span.
@@ -110,7 +148,10 @@ where
         .with_threads(false)
         .with_target(false)
         .with_level(false)
-        .with_filter(only_ours)
+        .with_filter(tracing_subscriber::filter::FilterExt::and(
+            only_ours,
+            only_sampled,
+        ))
 }
 
 /// Creates the exported series at zero, so dashboards see them from start-up.
@@ -258,54 +299,81 @@ async fn export_loop<E: SpanExporter>(exporter: E, mut spans: mpsc::Receiver<Spa
     }
 }
 
-/// Continues a client's trace on the request's span, when its `traceparent` says one and
-/// the config trusts clients' traces.
-pub fn continue_client_trace(span: &tracing::Span, headers: &http::HeaderMap) {
-    use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let Some(tracing) = get() else {
-        return;
-    };
-    if !tracing.continue_client_traces || !headers.contains_key("traceparent") {
-        return;
-    }
-    let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
-    let _ = span.set_parent(parent);
-}
-
-/// The `traceparent` (and `tracestate`) that names `span`, for an upstream request (they
-/// replace a client's); none when tracing is off.
-pub fn trace_headers(span: &tracing::Span) -> http::HeaderMap {
-    use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let mut headers = http::HeaderMap::new();
-    if get().is_some() {
-        TraceContextPropagator::new()
-            .inject_context(&span.context(), &mut HeaderInjector(&mut headers));
-    }
-    headers
-}
-
-/// Names the request's span (`POST /v1/chat/completions`) and marks it the server's.
-pub fn describe_request(span: &tracing::Span, method: &str, path: &str) {
-    if get().is_none() {
-        return;
-    }
-    span.record("otel.name", format!("{method} {path}"));
-    span.record("otel.kind", "server");
-}
-
-/// Whether `span` is traced and kept by the sampler: what is worked out only for its
-/// attributes is skipped for the others.
-fn sampled(span: &tracing::Span) -> bool {
+/// Opens the request's span with `open`, sampled or not (see the module's header): with the
+/// client's trace as its parent when it sent one and the config trusts it, named after the
+/// request (`POST /v1/chat/completions`) and marked the server's. Returns the span and
+/// whether it is sampled.
+pub fn open_request_span(
+    header: &pingora_http::RequestHeader,
+    open: impl FnOnce() -> tracing::Span,
+) -> (tracing::Span, bool) {
     use opentelemetry::trace::TraceContextExt;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    get().is_some() && span.context().span().span_context().is_sampled()
+    let Some(tracing) = get() else {
+        return (open(), false);
+    };
+    let parent = (tracing.continue_client_traces && header.headers.contains_key("traceparent"))
+        .then(|| TraceContextPropagator::new().extract(&HeaderExtractor(&header.headers)))
+        .filter(|parent| parent.span().span_context().is_valid());
+    let sampled = match &parent {
+        Some(parent) => parent.span().span_context().is_sampled(),
+        None => fastrand::f64() < tracing.sampling,
+    };
+    let span = kept(sampled, open);
+    if sampled {
+        span.record(
+            "otel.name",
+            format!("{} {}", header.method, header.uri.path()),
+        );
+        span.record("otel.kind", "server");
+        if let Some(parent) = parent {
+            let _ = span.set_parent(parent);
+        }
+    }
+    (span, sampled)
+}
+
+/// Tells the engine how the attempt is traced, with the `traceparent` (and `tracestate`) it
+/// goes with: the attempt's span when sampled, under which vLLM's own span nests (it replaces
+/// a client's); when not, the client's own when its trace is continued, else a new trace
+/// marked unsampled (so an engine that traces does not start one of its own for it).
+pub fn trace_upstream(
+    header: &mut pingora_http::RequestHeader,
+    span: &tracing::Span,
+    sampled: bool,
+) -> pingora_error::Result<()> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let Some(tracing) = get() else {
+        return Ok(());
+    };
+    if !sampled {
+        if tracing.continue_client_traces && header.headers.contains_key("traceparent") {
+            return Ok(());
+        }
+        header.remove_header("tracestate");
+        let unsampled = format!(
+            "00-{:032x}-{:016x}-00",
+            fastrand::u128(1..),
+            fastrand::u64(1..)
+        );
+        return header.insert_header("traceparent", unsampled);
+    }
+    let mut trace = http::HeaderMap::new();
+    TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(&mut trace));
+    header.remove_header("tracestate");
+    for (name, value) in trace {
+        if let Some(name) = name {
+            header.insert_header(name, value)?;
+        }
+    }
+    Ok(())
 }
 
 /// What the request came to, on its span as it ends: Sluice's facts as `sluice.*`.
 pub fn request_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx) {
     use opentelemetry::KeyValue;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    if !sampled(span) {
+    if !ctx.traced() {
         return;
     }
     let mut attributes = vec![
@@ -355,8 +423,7 @@ pub fn describe_attempt(
     backend: std::net::SocketAddr,
 ) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    // The attempt is kept when its request is (the sampler follows the parent).
-    if !sampled(ctx.span()) {
+    if !ctx.traced() {
         return;
     }
     span.record("otel.kind", "client");
@@ -381,7 +448,7 @@ pub fn describe_attempt(
 /// the answer said (a stream's too: its usage is read as it passes).
 pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &sluice_sdk::Pool) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    if ctx.llm().is_none() || !sampled(span) {
+    if ctx.llm().is_none() || !ctx.traced() {
         return;
     }
     let requested = ctx.model();
@@ -402,12 +469,14 @@ pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &
     }
 }
 
-/// The trace id of `span`, when it is traced.
-pub fn trace_id(span: &tracing::Span) -> Option<String> {
+/// The trace id of the request, when it is sampled.
+pub fn trace_id(ctx: &sluice_sdk::RequestCtx) -> Option<String> {
     use opentelemetry::trace::TraceContextExt;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    get()?;
-    let cx = span.context();
+    if !ctx.traced() {
+        return None;
+    }
+    let cx = ctx.span().context();
     let span_context = cx.span().span_context().clone();
     span_context
         .is_valid()

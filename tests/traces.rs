@@ -284,6 +284,19 @@ async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
         let sent = last_chat(&draft);
         assert!(sent.header("traceparent").unwrap().ends_with("-00"));
     }
+    // A client's unsampled trace stays so: its own `traceparent` goes on to the engine.
+    let unsampled = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    let answer = ask_with(
+        &proxy,
+        &chat(MODEL, "unsampled by the client", false),
+        &[("traceparent", &unsampled)],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        last_chat(&draft).header("traceparent").as_deref(),
+        Some(unsampled.as_str())
+    );
     // A client's sampled trace is kept whatever the ratio.
     let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
     let answer = ask_with(
@@ -301,6 +314,49 @@ async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
         .filter(|s| s.trace_id() != CLIENT_TRACE)
         .count();
     assert_eq!(other, 0, "unsampled traces were exported");
+
+    // At 0.5, about half the new traces are kept (100 requests: 25 to 75 of them, a bound
+    // that a fair draw misses once in millions of runs), each whole.
+    let receiver = OtlpReceiver::http().await;
+    let proxy = Proxy::start(config(
+        &draft,
+        &target,
+        json!({"otlp": receiver.config(), "sampling": 0.5}),
+    ))
+    .await;
+    let mut sampled = Vec::new();
+    for i in 0..100 {
+        let answer = ask_with(&proxy, &chat(MODEL, &format!("half {i}"), false), &[]).await;
+        assert_eq!(answer.status, 200);
+        let sent = last_chat(&draft);
+        let sent = sent.header("traceparent").unwrap();
+        if sent.ends_with("-01") {
+            sampled.push(sent.split('-').nth(1).unwrap().to_string());
+        }
+    }
+    assert!(
+        (25..=75).contains(&sampled.len()),
+        "{} of 100",
+        sampled.len()
+    );
+    let spans = receiver
+        .spans_when(Duration::from_secs(10), |spans| {
+            spans.len() >= 2 * sampled.len()
+        })
+        .await;
+    let mut traces: Vec<String> = spans.iter().map(|s| s.trace_id()).collect();
+    traces.sort();
+    traces.dedup();
+    sampled.sort();
+    assert_eq!(
+        traces, sampled,
+        "the traces exported are those the engine was told of"
+    );
+    assert_eq!(
+        spans.len(),
+        2 * sampled.len(),
+        "a request and an attempt span each"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

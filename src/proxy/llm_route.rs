@@ -293,7 +293,11 @@ impl AttemptLoop {
                     let span = tries::span(ctx, &pool, backend.addr);
                     let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
-                    trace_upstream(&mut prepared.attempt.header, &span)?;
+                    crate::telemetry::trace_upstream(
+                        &mut prepared.attempt.header,
+                        &span,
+                        ctx.traced(),
+                    )?;
                     // 3. run: the attempt's load on the backend ends with it (or as soon as
                     // the backend's answer has come whole), never with a retry's backoff or
                     // a held answer sent later.
@@ -620,19 +624,6 @@ impl AttemptLoop {
         self.retries_in_pool = 0;
         true
     }
-}
-
-/// When traced, the engine's span nests under the attempt's: its `traceparent` replaces a
-/// client's (and the client's `tracestate` goes with it).
-fn trace_upstream(header: &mut RequestHeader, span: &tracing::Span) -> Result<()> {
-    let trace = crate::telemetry::trace_headers(span);
-    if !trace.is_empty() {
-        header.remove_header("tracestate");
-        for (name, value) in &trace {
-            header.insert_header(name.clone(), value.clone())?;
-        }
-    }
-    Ok(())
 }
 
 /// Hands the attempt that just ended to the plugins' `attempt_end` hooks.

@@ -123,27 +123,27 @@ impl ProxyHttp for Proxy {
         let decided = this.chain.early_request(session, &mut ctx.req).await;
         // The request's span opens once its identity is known (the request-id plugin gave
         // it its id), and closes with the context, after `logging`.
-        let span = tracing::info_span!(
-            target: "sluice::request",
-            "request",
-            request_id = ctx.req.request_id().unwrap_or("-"),
-            route = tracing::field::Empty,
-            model = tracing::field::Empty,
-            pool = tracing::field::Empty,
-            tenant = tracing::field::Empty,
-            status = tracing::field::Empty,
-            cache = tracing::field::Empty,
-            // Set only when tracing: see `crate::telemetry`.
-            otel.name = tracing::field::Empty,
-            otel.kind = tracing::field::Empty,
-            // Recorded by the KV breaker when it admits the request.
-            sluice.admission.wait_ms = tracing::field::Empty,
-            sluice.kv.projection = tracing::field::Empty,
-        );
         let header = session.req_header();
-        crate::telemetry::describe_request(&span, header.method.as_str(), header.uri.path());
-        crate::telemetry::continue_client_trace(&span, &header.headers);
-        ctx.req.set_span(span);
+        let (span, traced) = crate::telemetry::open_request_span(header, || {
+            tracing::info_span!(
+                target: "sluice::request",
+                "request",
+                request_id = ctx.req.request_id().unwrap_or("-"),
+                route = tracing::field::Empty,
+                model = tracing::field::Empty,
+                pool = tracing::field::Empty,
+                tenant = tracing::field::Empty,
+                status = tracing::field::Empty,
+                cache = tracing::field::Empty,
+                // Set only when tracing: see `crate::telemetry`.
+                otel.name = tracing::field::Empty,
+                otel.kind = tracing::field::Empty,
+                // Recorded by the KV breaker when it admits the request.
+                sluice.admission.wait_ms = tracing::field::Empty,
+                sluice.kv.projection = tracing::field::Empty,
+            )
+        });
+        ctx.req.set_span(span, traced);
         decided
     }
 

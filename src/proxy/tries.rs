@@ -50,19 +50,21 @@ pub fn begin(
 /// The span of a try of `backend` of `pool`, the request's `number`th, under the request's
 /// span. Disabled (no cost but a branch) when the `sluice::attempt` target is off.
 pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
-    let span = tracing::info_span!(
-        target: "sluice::attempt",
-        parent: ctx.span(),
-        "attempt",
-        number = ctx.progress().attempts,
-        pool = &*pool.name,
-        backend = %backend,
-        status = tracing::field::Empty,
-        outcome = tracing::field::Empty,
-        // Set only when tracing: see `crate::telemetry`.
-        otel.name = tracing::field::Empty,
-        otel.kind = tracing::field::Empty,
-    );
+    let span = crate::telemetry::kept(ctx.traced(), || {
+        tracing::info_span!(
+            target: "sluice::attempt",
+            parent: ctx.span(),
+            "attempt",
+            number = ctx.progress().attempts,
+            pool = &*pool.name,
+            backend = %backend,
+            status = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            // Set only when tracing: see `crate::telemetry`.
+            otel.name = tracing::field::Empty,
+            otel.kind = tracing::field::Empty,
+        )
+    });
     crate::telemetry::describe_attempt(&span, ctx, pool, backend);
     span
 }

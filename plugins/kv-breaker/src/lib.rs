@@ -239,14 +239,14 @@ impl Admission for Gate {
     }
 }
 
-/// The request's trace span (when traces are on) gets what its admission waited and the
-/// pool's projected KV usage then.
-fn admitted_on_span(pool: &Pool, waited: std::time::Duration) {
-    // Only when traces are on: the projection is worked out for nobody otherwise.
-    if !tracing::enabled!(target: sluice_sdk::SPAN_EVENTS, tracing::Level::INFO) {
+/// The request's trace span (when sampled) gets what its admission waited and the pool's
+/// projected KV usage then.
+fn admitted_on_span(ctx: &RequestCtx, pool: &Pool, waited: std::time::Duration) {
+    // Only when sampled: the projection is worked out for nobody otherwise.
+    if !ctx.traced() {
         return;
     }
-    let span = tracing::Span::current();
+    let span = ctx.span();
     span.record("sluice.admission.wait_ms", waited.as_secs_f64() * 1000.0);
     if let Some(usage) = pool.pressure().kv_usage {
         span.record("sluice.kv.projection", usage);
@@ -413,7 +413,7 @@ impl KvBreaker {
         let queue = self.lane(&pool).and_then(|lane| lane.queue.as_ref());
         // A request that fits is admitted whatever waits (see `queue`).
         if pool.admits(priority, tokens) {
-            admitted_on_span(&pool, std::time::Duration::ZERO);
+            admitted_on_span(ctx, &pool, std::time::Duration::ZERO);
             return Ok(Flow::Continue);
         }
         if self.reroute {
@@ -448,7 +448,7 @@ impl KvBreaker {
             };
         metrics::waited(&pool.name, result, started.elapsed().as_secs_f64());
         answer?;
-        admitted_on_span(&pool, started.elapsed());
+        admitted_on_span(ctx, &pool, started.elapsed());
         ctx.state.insert(Admitted { _place: place });
         Ok(Flow::Continue)
     }

@@ -86,6 +86,8 @@ pub struct RequestCtx {
     /// the `early_request` hooks), closed when the request ends. Attempt spans are its
     /// children. A disabled span when tracing is off at that level.
     span: tracing::Span,
+    /// Whether the request's trace is sampled (its spans exported): see [`RequestCtx::traced`].
+    traced: bool,
     /// Per-plugin state.
     pub state: PluginState,
 }
@@ -162,6 +164,7 @@ impl RequestCtx {
             usage: None,
             progress: Progress::default(),
             span: tracing::Span::none(),
+            traced: false,
             state: PluginState::default(),
         }
     }
@@ -201,9 +204,17 @@ impl RequestCtx {
         &self.span
     }
 
-    /// Sets the request's span. The core's; plugins read [`RequestCtx::span`].
-    pub fn set_span(&mut self, span: tracing::Span) {
+    /// Sets the request's span, and whether its trace is sampled. The core's; plugins read
+    /// [`RequestCtx::span`] and [`RequestCtx::traced`].
+    pub fn set_span(&mut self, span: tracing::Span, traced: bool) {
         self.span = span;
+        self.traced = traced;
+    }
+
+    /// Whether the request's trace is sampled: its spans are exported, and what is worked out
+    /// only for their attributes is worth working out.
+    pub fn traced(&self) -> bool {
+        self.traced
     }
 
     /// The request's id, for logs and errors, once a plugin gave it one (`None` as well for an
