@@ -294,7 +294,7 @@ async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
     .await;
     assert_eq!(answer.status, 200);
     assert_eq!(
-        last_chat(&draft).header("traceparent").as_deref(),
+        last_chat(&draft).header("traceparent"),
         Some(unsampled.as_str())
     );
     // A client's sampled trace is kept whatever the ratio.
