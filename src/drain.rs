@@ -113,6 +113,7 @@ fn run(
                 started.elapsed()
             );
             finish(&current.load().chain.plugins());
+            crate::telemetry::stop(FLUSH_WITHIN);
             std::process::exit(0);
         }
         if started.elapsed() >= end_streams_at && !*grace_over.borrow() {

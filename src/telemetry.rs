@@ -17,9 +17,11 @@
 //!
 //! Export is off the request path: a finished span goes into a bounded queue (a span that
 //! finds it full is dropped and counted), which a task of a runtime of its own (one thread,
-//! started with the first span, so after a daemon's fork) sends in batches. The SDK's own
-//! batch processor is not used because it counts no drops; the queue here is the few lines
-//! that do.
+//! started with the first span, so after a daemon's fork) sends in batches. The task is woken
+//! by a full batch or by its clock, never by each span (a cross-thread wake-up per span cost
+//! the proxy's threads more than the span). The SDK's own batch processor is not used
+//! because it counts no drops and wakes its thread per span; the queue here is the few lines
+//! that do neither.
 
 use crate::config::{TelemetrySettings, TraceProtocol};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
@@ -31,9 +33,9 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporte
 use opentelemetry_sdk::Resource;
 use sluice_sdk::metric;
 use std::cell::Cell;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 /// The `tracing` target of span events (see [`sluice_sdk::SPAN_EVENTS`]).
 pub const EVENT_TARGET: &str = sluice_sdk::SPAN_EVENTS;
@@ -44,6 +46,8 @@ const QUEUE: usize = 4096;
 const BATCH: usize = 512;
 /// The longest a span waits in the queue for a batch to fill.
 const BATCH_EVERY: Duration = Duration::from_secs(1);
+/// Queued spans that wake the export task before its clock does.
+const WAKE_AT: usize = BATCH;
 /// The longest one export may take (the collector down or slow: its spans are dropped).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -60,7 +64,10 @@ pub struct Tracing {
     pub continue_client_traces: bool,
     /// The share of new traces sampled.
     sampling: f64,
-    provider: SdkTracerProvider,
+    /// Keeps the tracer's provider (and its span processor) alive.
+    _provider: SdkTracerProvider,
+    /// The span processor's queue, for [`stop`].
+    queue: Arc<OnceLock<Option<Queue>>>,
 }
 
 static TRACING: OnceLock<Tracing> = OnceLock::new();
@@ -101,8 +108,9 @@ where
     let processor = QueueProcessor {
         settings: settings.clone(),
         resource: resource.clone(),
-        queue: OnceLock::new(),
+        queue: Arc::new(OnceLock::new()),
     };
+    let queue = Arc::clone(&processor.queue);
     let provider = SdkTracerProvider::builder()
         // Every span that reaches the layer is sampled: see `open_request_span`.
         .with_sampler(Sampler::AlwaysOn)
@@ -114,7 +122,8 @@ where
     let _ = TRACING.set(Tracing {
         continue_client_traces: settings.continue_client_traces,
         sampling: settings.sampling,
-        provider,
+        _provider: provider,
+        queue,
     });
     // Targets at `info`, not a filter function: its level hint keeps the subscriber's (and
     // with it the `log` bridge's) maximum level where the log layer put it. A hint of `trace`
@@ -190,10 +199,15 @@ fn http_traces_url(endpoint: &str) -> String {
     }
 }
 
-/// Ends tracing: the spans still queued are sent, for at most `within`.
+/// Ends tracing as the process exits: the spans still queued are sent, for at most `within`.
 pub fn stop(within: Duration) {
-    if let Some(tracing) = TRACING.get() {
-        let _ = tracing.provider.shutdown_with_timeout(within);
+    let Some(Some(queue)) = TRACING.get().and_then(|t| t.queue.get()) else {
+        return;
+    };
+    let (sent, done) = std::sync::mpsc::channel();
+    if queue.flushes.send(sent).is_ok() {
+        queue.wake.notify_one();
+        let _ = done.recv_timeout(within);
     }
 }
 
@@ -203,12 +217,23 @@ struct QueueProcessor {
     settings: TelemetrySettings,
     resource: Resource,
     /// The queue, once the first span started the runtime; `None` when it could not start.
-    queue: OnceLock<Option<mpsc::Sender<SpanData>>>,
+    /// Shared with [`stop`].
+    queue: Arc<OnceLock<Option<Queue>>>,
+}
+
+/// The export task's inputs.
+#[derive(Debug)]
+struct Queue {
+    spans: mpsc::Sender<SpanData>,
+    /// Wakes the export task: a batch is full, or a flush is asked for.
+    wake: Arc<Notify>,
+    /// Flushes asked for: each is answered once what was queued before it went out.
+    flushes: mpsc::UnboundedSender<std::sync::mpsc::Sender<()>>,
 }
 
 impl QueueProcessor {
     /// Starts the runtime, the exporter and its task.
-    fn start(&self) -> Option<mpsc::Sender<SpanData>> {
+    fn start(&self) -> Option<Queue> {
         let runtime = match tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("sluice-otlp")
@@ -235,10 +260,21 @@ impl QueueProcessor {
         };
         exporter.set_resource(&self.resource);
         let (queue, spans) = mpsc::channel(QUEUE);
-        runtime.spawn(export_loop(exporter, spans));
+        let (flushes, flushes_asked) = mpsc::unbounded_channel();
+        let wake = Arc::new(Notify::new());
+        runtime.spawn(export_loop(
+            exporter,
+            spans,
+            Arc::clone(&wake),
+            flushes_asked,
+        ));
         // The runtime lives as long as the process: its thread sends the batches.
         std::mem::forget(runtime);
-        Some(queue)
+        Some(Queue {
+            spans: queue,
+            wake,
+            flushes,
+        })
     }
 }
 
@@ -252,8 +288,10 @@ impl SpanProcessor for QueueProcessor {
         let queue = self.queue.get_or_init(|| self.start());
         match queue {
             Some(queue) => {
-                if queue.try_send(span).is_err() {
+                if queue.spans.try_send(span).is_err() {
                     sluice_sdk::metrics::inc(&SPANS, &["dropped_queue_full"]);
+                } else if QUEUE - queue.spans.capacity() >= WAKE_AT {
+                    queue.wake.notify_one();
                 }
             }
             None => sluice_sdk::metrics::inc(&SPANS, &["dropped_export_failed"]),
@@ -269,33 +307,56 @@ impl SpanProcessor for QueueProcessor {
     }
 }
 
-/// Sends the queue's spans in batches: when [`BATCH`] are there, or [`BATCH_EVERY`] after the
-/// first of a batch came.
-async fn export_loop<E: SpanExporter>(exporter: E, mut spans: mpsc::Receiver<SpanData>) {
+/// Sends the queue's spans in batches of at most [`BATCH`]: when woken by a full batch or a
+/// flush, or [`BATCH_EVERY`] after the last round. It never waits on the queue itself, so a
+/// span's sending wakes nobody.
+async fn export_loop<E: SpanExporter>(
+    exporter: E,
+    mut spans: mpsc::Receiver<SpanData>,
+    wake: Arc<Notify>,
+    mut flushes: mpsc::UnboundedReceiver<std::sync::mpsc::Sender<()>>,
+) {
     let mut batch = Vec::with_capacity(BATCH);
     loop {
-        let Some(first) = spans.recv().await else {
-            return;
-        };
-        batch.push(first);
-        let deadline = tokio::time::Instant::now() + BATCH_EVERY;
-        while batch.len() < BATCH {
-            match tokio::time::timeout_at(deadline, spans.recv()).await {
-                Ok(Some(span)) => batch.push(span),
-                Ok(None) | Err(_) => break,
+        tokio::select! {
+            () = wake.notified() => {}
+            () = tokio::time::sleep(BATCH_EVERY) => {}
+        }
+        let flushed: Vec<_> = std::iter::from_fn(|| flushes.try_recv().ok()).collect();
+        loop {
+            while batch.len() < BATCH {
+                match spans.try_recv() {
+                    Ok(span) => batch.push(span),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) if batch.is_empty() => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+            let full = batch.len() == BATCH;
+            export(&exporter, std::mem::take(&mut batch)).await;
+            if !full {
+                break;
             }
         }
-        let count = batch.len() as u64;
-        let sent =
-            tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(std::mem::take(&mut batch))).await;
-        match sent {
-            Ok(Ok(())) => sluice_sdk::metrics::inc_by(&SPANS, &["exported"], count),
-            Ok(Err(e)) => {
-                sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count);
-                tracing::debug!("telemetry: {count} spans not exported: {e}");
-            }
-            Err(_) => sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count),
+        for done in flushed {
+            let _ = done.send(());
         }
+    }
+}
+
+/// Sends one batch, counting its spans as exported or dropped.
+async fn export<E: SpanExporter>(exporter: &E, batch: Vec<SpanData>) {
+    let count = batch.len() as u64;
+    match tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(batch)).await {
+        Ok(Ok(())) => sluice_sdk::metrics::inc_by(&SPANS, &["exported"], count),
+        Ok(Err(e)) => {
+            sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count);
+            tracing::debug!("telemetry: {count} spans not exported: {e}");
+        }
+        Err(_) => sluice_sdk::metrics::inc_by(&SPANS, &["dropped_export_failed"], count),
     }
 }
 
@@ -351,12 +412,7 @@ pub fn trace_upstream(
             return Ok(());
         }
         header.remove_header("tracestate");
-        let unsampled = format!(
-            "00-{:032x}-{:016x}-00",
-            fastrand::u128(1..),
-            fastrand::u64(1..)
-        );
-        return header.insert_header("traceparent", unsampled);
+        return header.insert_header("traceparent", unsampled_traceparent().as_slice());
     }
     let mut trace = http::HeaderMap::new();
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(&mut trace));
@@ -483,6 +539,21 @@ pub fn trace_id(ctx: &sluice_sdk::RequestCtx) -> Option<String> {
         .then(|| span_context.trace_id().to_string())
 }
 
+/// A `traceparent` of a new trace, flagged unsampled: random non-zero ids, written by hand
+/// (`format!` of a `u128` cost more than the rest of an unsampled request's tracing).
+fn unsampled_traceparent() -> [u8; 55] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = *b"00-00000000000000000000000000000000-0000000000000000-00";
+    let (trace, span) = (fastrand::u128(1..), fastrand::u64(1..));
+    for (i, digit) in out[3..35].iter_mut().enumerate() {
+        *digit = HEX[((trace >> (124 - 4 * i)) & 0xf) as usize];
+    }
+    for (i, digit) in out[36..52].iter_mut().enumerate() {
+        *digit = HEX[((span >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    out
+}
+
 struct HeaderExtractor<'a>(&'a http::HeaderMap);
 
 impl Extractor for HeaderExtractor<'_> {
@@ -511,6 +582,25 @@ impl Injector for HeaderInjector<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsampled_traceparent_is_w3cs_with_the_sampled_flag_off() {
+        use opentelemetry::trace::TraceContextExt;
+        let a = unsampled_traceparent();
+        let b = unsampled_traceparent();
+        assert_ne!(a, b);
+        let text = std::str::from_utf8(&a).unwrap();
+        let mut headers = http::HeaderMap::new();
+        headers.insert("traceparent", text.parse().unwrap());
+        let parsed = TraceContextPropagator::new().extract(&HeaderExtractor(&headers));
+        let context = parsed.span().span_context().clone();
+        assert!(context.is_valid() && context.is_remote(), "{text}");
+        assert!(!context.is_sampled(), "{text}");
+        assert_eq!(
+            format!("00-{}-{}-00", context.trace_id(), context.span_id()),
+            text
+        );
+    }
 
     #[test]
     fn the_traces_url_is_otlps_under_a_bare_endpoint() {

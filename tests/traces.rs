@@ -3,7 +3,7 @@
 //! gRPC; a client's `traceparent` is continued (or not, when told), the engine gets a
 //! `traceparent` naming the attempt's span, an escalated request shows its two attempts, a
 //! shed request its shed event, and a collector that is down costs no request anything while
-//! its dropped spans are counted.
+//! its dropped spans are counted; a proxy that stops sends the spans it still holds.
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -389,4 +389,21 @@ async fn a_collector_that_is_down_costs_no_request_and_its_spans_are_counted() {
             .await,
         Some(0.0)
     );
+}
+
+/// A proxy told to stop sends the spans it still holds before it exits (they wait up to a
+/// second for a batch otherwise, and a drained proxy exits as soon as nothing is in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_proxy_sends_the_spans_it_holds() {
+    let receiver = OtlpReceiver::http().await;
+    let (draft, target) = (sim().await, sim().await);
+    let mut proxy = Proxy::start(config(&draft, &target, json!({"otlp": receiver.config()}))).await;
+    let answer = ask_with(&proxy, &chat(MODEL, "the last one", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let trace = trace_in_log(&proxy, &answer).await;
+    let mut child = proxy.take_child();
+    signal(child.id(), "TERM");
+    exits_within(&mut child, Duration::from_secs(20)).await;
+    let spans = receiver.spans();
+    assert_eq!(spans_of(&spans, &trace).len(), 2, "{spans:#?}");
 }
