@@ -168,6 +168,8 @@ struct Upstream<'a> {
     in_flight: InFlight,
     /// Turns `true` when the server's grace period is ending.
     streams_end: tokio::sync::watch::Receiver<bool>,
+    /// The attempt's trace span.
+    span: &'a tracing::Span,
 }
 
 impl Upstream<'_> {
@@ -207,6 +209,9 @@ impl Upstream<'_> {
 }
 
 /// Sends `attempt` and pipes the answer to the client.
+/// `span` is the attempt's: its events (`first_token`) name it as their parent. The
+/// attempt's future is not instrumented with it: entering and leaving a span at each poll of
+/// a stream cost more than the rest of its tracing.
 pub async fn run(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
@@ -214,6 +219,7 @@ pub async fn run(
     attempt: Attempt,
     deadlines: Deadlines,
     hold: &Hold,
+    span: &tracing::Span,
 ) -> Outcome {
     // A pooled connection first. Only when there is none is the connect future made, boxed:
     // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
@@ -247,6 +253,7 @@ pub async fn run(
         reused,
         in_flight,
         streams_end: upstreams.streams_end.clone(),
+        span,
     };
     let sending = send(&mut upstream.http, header, body);
     let sent = watch(session, sending, deadlines.first_byte).await;
@@ -576,7 +583,7 @@ async fn next(session: &mut Session, up: &mut Upstream<'_>, deadline: Instant) -
     let read = watch(session, reading, deadline).await;
     if let Watched::Done(Ok(_)) = read {
         // The answer's first byte: the request's prefill is over (every body is read here).
-        tries::first_byte(&mut up.in_flight, up.http.resp_header());
+        tries::first_byte(&mut up.in_flight, up.http.resp_header(), up.span);
     }
     match read {
         Watched::Done(Ok(Some(chunk))) => Next::Chunk(chunk),

@@ -36,7 +36,6 @@ use sluice_sdk::{
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::time::Instant;
-use tracing::Instrument;
 
 /// Serves an LLM request from `request_filter`: on return, it has been answered (or the
 /// error is for `fail_to_proxy` to answer).
@@ -157,6 +156,9 @@ struct AttemptLoop {
     /// The one backend the request may go to: the one that holds the stored response it
     /// continues.
     pinned: Option<SocketAddr>,
+    /// The span of the attempt being decided on (none between attempts): an escalation is
+    /// its event.
+    attempt_span: tracing::Span,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -252,6 +254,7 @@ impl AttemptLoop {
             sent_body: None,
             prefix: None,
             pinned: None,
+            attempt_span: tracing::Span::none(),
         })
     }
 
@@ -308,14 +311,15 @@ impl AttemptLoop {
                     } = prepared;
                     let started = std::time::Instant::now();
                     let upstreams = sluice.upstreams();
-                    let outcome = attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold)
-                        .instrument(span.clone())
-                        .await;
+                    let outcome =
+                        attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold, &span)
+                            .await;
                     report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
-                    // 4. decide
-                    self.decide(ctx, &pool, &backend, outcome)
-                        .instrument(span)
-                        .await
+                    // 4. decide; the attempt's span ends with the decision.
+                    self.attempt_span = span;
+                    let then = self.decide(ctx, &pool, &backend, outcome).await;
+                    self.attempt_span = tracing::Span::none();
+                    then
                 }
             };
             match then {
@@ -611,8 +615,15 @@ impl AttemptLoop {
             to = &*escalation.target.name,
             "escalated: {why}"
         );
+        // The attempt's event; the request's when no attempt was made (no backend left).
+        let on = if self.attempt_span.is_none() {
+            ctx.span()
+        } else {
+            &self.attempt_span
+        };
         tracing::event!(
             target: crate::telemetry::EVENT_TARGET,
+            parent: on,
             tracing::Level::INFO,
             sluice.escalation.reason = why,
             sluice.escalation.to = &*escalation.target.name,

@@ -80,14 +80,14 @@ pub fn ended(span: &tracing::Span, status: Option<u16>, outcome: &str) {
 /// The attempt's first answer byte came (`header` is the upstream's response header): the
 /// request stops counting as prefill on its backend. A 200 event stream's first chunk is its
 /// first token: its time teaches the backend's prefill speed and is compared with what was
-/// predicted. Only the first call counts.
-pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>) {
+/// predicted, and is an event of the attempt's `span`. Only the first call counts.
+pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>, span: &tracing::Span) {
     let first_token = header.is_some_and(|h| h.status.as_u16() == 200 && is_event_stream(h));
     let Some(waited) = in_flight.first_byte(first_token) else {
         return;
     };
     if first_token {
-        tracing::info!(target: crate::telemetry::EVENT_TARGET, "first_token");
+        tracing::info!(target: crate::telemetry::EVENT_TARGET, parent: span, "first_token");
     }
     if let (true, Some(predicted), Some(pool)) = (first_token, waited.predicted, in_flight.pool()) {
         metrics::ttft_prediction(pool, predicted, waited.observed);
