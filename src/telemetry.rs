@@ -426,12 +426,13 @@ pub fn trace_upstream(
 }
 
 /// What the request came to, on its span as it ends: Sluice's facts as `sluice.*`.
-pub fn request_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx) {
+pub fn request_ended(ctx: &sluice_sdk::RequestCtx) {
     use opentelemetry::KeyValue;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     if !ctx.traced() {
         return;
     }
+    let span = ctx.span();
     let mut attributes = vec![
         KeyValue::new("sluice.route", ctx.route().label().to_string()),
         KeyValue::new(
@@ -449,6 +450,9 @@ pub fn request_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx) {
     ];
     if let Some(id) = ctx.request_id() {
         attributes.push(KeyValue::new("sluice.request_id", id.to_string()));
+    }
+    if let Some(model) = ctx.model() {
+        attributes.push(KeyValue::new("sluice.model", model.to_string()));
     }
     if let Some(pool) = ctx.pool() {
         attributes.push(KeyValue::new("sluice.pool", pool.name.to_string()));

@@ -148,6 +148,7 @@ async fn requests_and_attempts_are_traced_over_http() {
         Some("200")
     );
     assert!(server.attribute("sluice.admission.wait_ms").is_some());
+    assert_eq!(server.attribute("sluice.model").as_deref(), Some(MODEL));
     let attempt = &attempts[0];
     assert_eq!(attempt.parent_id(), server.span_id());
     assert_eq!(attempt.span.name, format!("chat {MODEL}"));
@@ -158,6 +159,9 @@ async fn requests_and_attempts_are_traced_over_http() {
         ("gen_ai.response.model", MODEL),
         ("gen_ai.request.max_tokens", "12"),
         ("server.address", "127.0.0.1"),
+        ("http.response.status_code", "200"),
+        ("sluice.outcome", "response"),
+        ("sluice.attempt", "1"),
     ] {
         assert_eq!(attempt.attribute(key).as_deref(), Some(want), "{key}");
     }

@@ -129,12 +129,6 @@ impl ProxyHttp for Proxy {
                 target: "sluice::request",
                 "request",
                 request_id = ctx.req.request_id().unwrap_or("-"),
-                route = tracing::field::Empty,
-                model = tracing::field::Empty,
-                pool = tracing::field::Empty,
-                tenant = tracing::field::Empty,
-                status = tracing::field::Empty,
-                cache = tracing::field::Empty,
                 // Set only when tracing: see `crate::telemetry`.
                 otel.name = tracing::field::Empty,
                 otel.kind = tracing::field::Empty,
@@ -373,32 +367,9 @@ impl ProxyHttp for Proxy {
             this.chain.attempt_end(&attempt, &mut ctx.req);
         }
         this.chain.logging(e, &mut ctx.req);
-        record_on_span(&ctx.req);
+        crate::telemetry::request_ended(&ctx.req);
         crate::access_log::record(this.access_log, &ctx.req, e);
     }
-}
-
-/// Records what the request came to on its span, as it ends.
-fn record_on_span(ctx: &RequestCtx) {
-    let span = ctx.span();
-    if span.is_disabled() {
-        return;
-    }
-    span.record("route", ctx.route().label());
-    if let Some(model) = ctx.model() {
-        span.record("model", model);
-    }
-    if let Some(pool) = ctx.pool() {
-        span.record("pool", &*pool.name);
-    }
-    if let Some(tenant) = ctx.tenant() {
-        span.record("tenant", &*tenant.name);
-    }
-    if let Some(status) = ctx.progress().status {
-        span.record("status", status);
-    }
-    span.record("cache", if ctx.answered_locally() { "hit" } else { "-" });
-    crate::telemetry::request_ended(span, ctx);
 }
 
 impl Sluice {

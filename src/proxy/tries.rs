@@ -47,20 +47,21 @@ pub fn begin(
     in_flight
 }
 
-/// The span of a try of `backend` of `pool`, the request's `number`th, under the request's
-/// span. Disabled (no cost but a branch) when the `sluice::attempt` target is off.
+/// The trace span of a try of `backend` of `pool`, the request's `number`th, under the
+/// request's span; none (no cost but a branch) when the request is not traced. Only traces
+/// see it: no log line is written inside an attempt's span.
 pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
-    let span = crate::telemetry::kept(ctx.traced(), || {
+    if !ctx.traced() {
+        return tracing::Span::none();
+    }
+    let span = crate::telemetry::kept(true, || {
         tracing::info_span!(
             target: "sluice::attempt",
             parent: ctx.span(),
             "attempt",
-            number = ctx.progress().attempts,
-            pool = &*pool.name,
-            backend = %backend,
-            status = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            // Set only when tracing: see `crate::telemetry`.
+            sluice.attempt = ctx.progress().attempts,
+            http.response.status_code = tracing::field::Empty,
+            sluice.outcome = tracing::field::Empty,
             otel.name = tracing::field::Empty,
             otel.kind = tracing::field::Empty,
         )
@@ -72,9 +73,9 @@ pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span
 /// Records how a try ended on its span.
 pub fn ended(span: &tracing::Span, status: Option<u16>, outcome: &str) {
     if let Some(status) = status {
-        span.record("status", status);
+        span.record("http.response.status_code", status);
     }
-    span.record("outcome", outcome);
+    span.record("sluice.outcome", outcome);
 }
 
 /// The attempt's first answer byte came (`header` is the upstream's response header): the
