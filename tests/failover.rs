@@ -437,7 +437,7 @@ async fn a_backend_that_asks_for_a_pause_gets_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_attempt_is_a_span_under_its_request_span() {
+async fn a_failed_attempt_is_logged_in_its_requests_span_with_its_number_and_backend() {
     let dead = reserve_port();
     let sim = sim_serving(MODEL).await;
     let proxy = Proxy::start(json!({"pools": [
@@ -460,11 +460,12 @@ async fn each_attempt_is_a_span_under_its_request_span() {
         .lines()
         .find(|l| l.contains("upstream attempt failed"))
         .unwrap_or_else(|| panic!("no failed attempt in\n{logs}"));
-    // The failure is logged inside the attempt's span, inside the request's.
-    let request = failed
-        .find("request{request_id=\"span-test-")
-        .unwrap_or(usize::MAX);
-    let attempt = failed.find("attempt{number=1").unwrap_or(usize::MAX);
-    assert!(request < attempt && attempt < failed.len(), "{failed}");
+    // The failure is logged inside the request's span, naming the attempt and its backend
+    // (attempts have a span of their own only in traces).
+    assert!(
+        failed.contains("request{request_id=\"span-test-"),
+        "{failed}"
+    );
+    assert!(failed.contains("attempt=1"), "{failed}");
     assert!(failed.contains(&dead), "{failed}");
 }

@@ -535,6 +535,7 @@ impl AttemptLoop {
         tracing::warn!(
             pool = &*pool.name,
             backend = %backend,
+            attempt = ctx.progress().attempts,
             "upstream attempt failed: {e}"
         );
         if is_connect_failure(&e) || e.retry() {
