@@ -760,3 +760,85 @@ async fn keep_alive_requests_sent_back_to_back_all_arrive_whole() {
         buf.drain(..head_end + len);
     }
 }
+
+/// A backend that answers every chat request with a fixed completion over keep-alive, and
+/// notes each connection it accepted and, per request, whether its first read held the whole
+/// request (header and body).
+async fn counting_backend() -> (
+    SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::Arc<std::sync::Mutex<Vec<bool>>>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let whole_at_once = Arc::new(Mutex::new(Vec::new()));
+    let (counted, noted) = (Arc::clone(&connections), Arc::clone(&whole_at_once));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let noted = Arc::clone(&noted);
+            tokio::spawn(async move {
+                let answer = json!({"id": "chatcmpl-1", "object": "chat.completion",
+                    "created": 1, "model": MODEL, "choices": [{"index": 0,
+                    "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+                .to_string();
+                loop {
+                    let mut buf = Vec::new();
+                    let mut first = None;
+                    let total = loop {
+                        let mut chunk = [0u8; 65536];
+                        let Ok(n) = s.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        first.get_or_insert(n);
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length: "))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        if buf.len() >= end + 4 + length {
+                            break end + 4 + length;
+                        }
+                    };
+                    noted.lock().unwrap().push(first == Some(total));
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if s.write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, connections, whole_at_once)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llm_requests_reuse_one_upstream_connection_each_sent_in_one_write() {
+    let (backend, connections, whole_at_once) = counting_backend().await;
+    let proxy =
+        Proxy::start(json!({"pools": [main_pool(&[backend]).without_health_checks()]})).await;
+    for i in 0..5 {
+        let answer = proxy
+            .ask(&chat(MODEL, &format!("one by one {i}"), false), &[])
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    // One connection, taken back from the pool for each request after the first.
+    assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Each request came whole in one read: header and body were one write.
+    assert_eq!(*whole_at_once.lock().unwrap(), vec![true; 5]);
+}

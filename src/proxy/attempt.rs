@@ -14,13 +14,13 @@
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
+use super::pooled_peer::PooledPeer;
 use super::{tries, usage};
 use crate::chain::Chain;
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
 use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
-use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
@@ -48,7 +48,7 @@ pub struct Upstreams<'a> {
 
 /// What an attempt sends: where to connect, and the exact request.
 pub struct Attempt {
-    pub peer: HttpPeer,
+    pub peer: PooledPeer,
     pub header: RequestHeader,
     pub body: Bytes,
     /// The attempt's load on its backend: ends as soon as the backend has sent its whole
@@ -160,7 +160,7 @@ pub struct Deadlines {
 /// The connection of one attempt.
 struct Upstream<'a> {
     connector: &'a Connector,
-    peer: &'a HttpPeer,
+    peer: &'a PooledPeer,
     http: HttpSession,
     /// Taken from the connection pool: an error on it may be a connection the backend had
     /// already closed.
@@ -178,7 +178,7 @@ impl Upstream<'_> {
     /// attempt's load on the backend. Every other end of an attempt drops it instead, which
     /// closes it: a backend that is still generating sees its client leave and stops.
     async fn release(self) {
-        let idle = self.peer.options.idle_timeout;
+        let idle = self.peer.0.options.idle_timeout;
         drop(self.in_flight);
         self.connector
             .release_http_session(self.http, self.peer, idle)
@@ -283,7 +283,7 @@ const ONE_WRITE_BODY: usize = 64 * 1024;
 /// request is none of them (a `POST`, its hop-by-hop headers removed).
 async fn send(
     mut http: HttpSession,
-    peer: &HttpPeer,
+    peer: &PooledPeer,
     header: RequestHeader,
     body: Bytes,
 ) -> Result<HttpSession> {

@@ -18,6 +18,7 @@
 //! final: a model may already be generating.
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
+use super::pooled_peer::PooledPeer;
 use super::tries::{self, no_backend};
 use super::{body, forwarding, reply, usage, Sluice};
 use crate::metrics;
@@ -390,7 +391,7 @@ impl AttemptLoop {
         };
         Ok(Prepared {
             attempt: Attempt {
-                peer: pool.peer(backend.addr),
+                peer: PooledPeer(pool.peer(backend.addr)),
                 header,
                 body,
                 in_flight,

@@ -40,6 +40,7 @@ mod downstream;
 mod forwarding;
 mod llm_route;
 mod plain_route;
+mod pooled_peer;
 mod reply;
 mod state;
 pub(crate) mod stored_responses;
