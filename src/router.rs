@@ -65,7 +65,7 @@ impl Router {
                 Decision::MethodNotAllowed("POST")
             };
         }
-        if let Some(rest) = req.uri.path().strip_prefix("/v1/responses/") {
+        if let Some(rest) = path.strip_prefix("/v1/responses/") {
             let (id, method, name) = match rest.strip_suffix("/cancel") {
                 Some(id) => (id, http::Method::POST, "POST"),
                 None => (rest, http::Method::GET, "GET"),
@@ -101,7 +101,7 @@ impl Router {
 /// `path` with its percent-encoded unreserved characters (letters, digits, `-._~`) decoded,
 /// as RFC 3986 (6.2.2.2) holds them equivalent; every other escape is kept. Borrowed when
 /// there is none.
-fn unreserved_decoded(path: &str) -> std::borrow::Cow<'_, str> {
+pub fn unreserved_decoded(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
         return std::borrow::Cow::Borrowed(path);
     }
@@ -244,6 +244,9 @@ mod tests {
             ("POST", "/v1/responses/resp_1/cancel", "stored:resp_1"),
             ("DELETE", "/v1/responses/resp_1", "405:GET"),
             ("GET", "/v1/responses/resp_1/cancel", "405:POST"),
+            // Matched as vLLM reads them: decoded.
+            ("GET", "/v1/respon%73es/resp_%31", "stored:resp_1"),
+            ("POST", "/v1/responses/resp_1/cance%6c", "stored:resp_1"),
         ] {
             assert_eq!(
                 name(router.route(&req(method, path, None))),

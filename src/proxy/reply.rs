@@ -99,7 +99,9 @@ pub async fn error(
         Route::Llm(endpoint) => Some(*endpoint),
         // Refused before routing (an unknown key, a connection cap): the path says whose
         // API the client speaks.
-        Route::Unrouted => sluice_sdk::Endpoint::from_path(session.req_header().uri.path()),
+        Route::Unrouted => sluice_sdk::Endpoint::from_path(&crate::router::unreserved_decoded(
+            session.req_header().uri.path(),
+        )),
         _ => None,
     };
     let body = reply.body_for(endpoint);
