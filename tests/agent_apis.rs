@@ -174,6 +174,63 @@ async fn a_follow_up_on_the_other_backend_is_the_engines_404() {
     assert_eq!(body["error"]["reason"], "unknown-response");
 }
 
+/// A stored response is its tenant's: another tenant's follow-up, read or cancel is the 404
+/// of an id never made, while its own tenant's go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_is_found_only_by_the_tenant_that_made_it() {
+    let sim = keeping_sim().await;
+    let other_key = "sk-other-team";
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": {"tenants": {"enabled": true, "tenants": {
+            "agent": {"keys": [key_digest(KEY)]},
+            "other": {"keys": [key_digest(other_key)]}}}},
+    }))
+    .await;
+    let bearer = |key: &str| format!("Bearer {key}");
+    let (mine, theirs) = (bearer(KEY), bearer(other_key));
+    let url = proxy.url("/v1/responses");
+    let made = ask_url(
+        &url,
+        &json!({"model": MODEL, "input": "mine", "max_output_tokens": 4}),
+        &[("authorization", &mine)],
+    )
+    .await;
+    assert_eq!(made.status, 200, "{}", made.body);
+    let id = serde_json::from_str::<Value>(&made.body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let follow_up = json!({"model": MODEL, "input": "and?", "previous_response_id": id});
+    let read = |key: String| {
+        let url = proxy.url(&format!("/v1/responses/{id}"));
+        async move {
+            client()
+                .get(url)
+                .header("authorization", key)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    // Another tenant: the 404 of an unknown id, for a follow-up, a read and a cancel.
+    let stolen = ask_url(&url, &follow_up, &[("authorization", &theirs)]).await;
+    assert_eq!(stolen.status, 404, "{}", stolen.body);
+    assert!(stolen.body.contains("unknown-response"), "{}", stolen.body);
+    assert_eq!(read(theirs.clone()).await.status(), 404);
+    let cancel = client()
+        .post(proxy.url(&format!("/v1/responses/{id}/cancel")))
+        .header("authorization", &theirs)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancel.status(), 404);
+    // Its own tenant: all there.
+    assert_eq!(read(mine.clone()).await.status(), 200);
+    let continued = ask_url(&url, &follow_up, &[("authorization", &mine)]).await;
+    assert_eq!(continued.status, 200, "{}", continued.body);
+}
+
 /// Every family passes unknown fields and vLLM's extensions through as sent; the engine's
 /// controls (`priority`, `kv_transfer_params`) only where the pool's policy allows them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

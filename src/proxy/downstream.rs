@@ -116,6 +116,7 @@ fn note_stored_response(ctx: &mut RequestCtx, chunk: Option<&Bytes>) {
         (Some(pool), Some(backend)) => Some(Home {
             pool: Arc::clone(&pool.name),
             backend,
+            tenant: ctx.tenant().map(|t| Arc::clone(&t.name)),
         }),
         _ => None,
     };

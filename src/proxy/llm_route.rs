@@ -54,7 +54,7 @@ pub async fn serve(
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     // A stored response's follow-up goes where the response was made, and nowhere else.
     let home = match &call.request.previous_response_id {
-        Some(id) => Some(home_of(sluice, id).await?),
+        Some(id) => Some(home_of(sluice, ctx, id).await?),
         None => None,
     };
     let pool = match &home {
@@ -79,10 +79,19 @@ pub async fn serve(
     attempts.run(sluice, session, ctx).await
 }
 
-/// The pool and backend that made stored response `id`, while it is one of the pool's;
-/// else OpenAI's 404, as the engine would answer (no other backend has it).
-pub async fn home_of(sluice: &Sluice, id: &str) -> Result<(Arc<Pool>, SocketAddr)> {
+/// The pool and backend that made stored response `id`, while it is one of the pool's and
+/// the request's tenant made it; else OpenAI's 404, as the engine would answer (no other
+/// backend has it), the same for another tenant's response as for one never made.
+pub async fn home_of(
+    sluice: &Sluice,
+    ctx: &RequestCtx,
+    id: &str,
+) -> Result<(Arc<Pool>, SocketAddr)> {
+    let tenant = ctx.tenant().map(|t| &*t.name);
     let home = sluice.response_homes.find(id).await.and_then(|home| {
+        if home.tenant.as_deref() != tenant {
+            return None;
+        }
         let pool = sluice.pools.get(&home.pool)?;
         pool.has_backend(home.backend)
             .then(|| (Arc::clone(pool), home.backend))

@@ -14,6 +14,10 @@
 //! engine's own would be on a wrong backend). A note is a few dozen bytes, kept `ttl`; vLLM
 //! keeps responses only in memory, so a note cannot usefully outlive the engine's copy by
 //! much.
+//!
+//! A note names the tenant whose request made the response, and only that tenant's requests
+//! find it (an engine keeps every tenant's responses alike, and knows no tenants): another
+//! tenant's follow-up, read or cancel gets the same 404 as an id never made.
 
 use crate::config::ResponsesSettings;
 use sluice_sdk::RedisLink;
@@ -31,11 +35,13 @@ const ID_WITHIN: usize = 4096;
 /// How a response's id starts in vLLM's answers and events.
 const ID_KEY: &[u8] = b"\"id\":\"resp_";
 
-/// The backend that made a response, and its pool.
+/// The backend that made a response, its pool, and the tenant that asked for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Home {
     pub pool: Arc<str>,
     pub backend: SocketAddr,
+    /// `None` when the tenants plugin is off (or the request had no tenant).
+    pub tenant: Option<Arc<str>>,
 }
 
 /// The notes: which backend made which response.
@@ -73,7 +79,12 @@ impl ResponseHomes {
         let redis = Arc::clone(self.redis.as_ref()?);
         let mut set = redis::cmd("SET");
         set.arg(format!("{REDIS_PREFIX}{id}"))
-            .arg(format!("{}\n{}", home.pool, home.backend))
+            .arg(format!(
+                "{}\n{}\n{}",
+                home.pool,
+                home.backend,
+                home.tenant.as_deref().unwrap_or("")
+            ))
             .arg("EX")
             .arg(self.ttl.as_secs().max(1));
         Some(tokio::spawn(async move {
@@ -119,12 +130,13 @@ impl ResponseHomes {
                 None
             }
         };
-        let (pool, backend) = note?
-            .split_once('\n')
-            .map(|(p, b)| (p.to_owned(), b.to_owned()))?;
+        let note = note?;
+        let mut parts = note.splitn(3, '\n');
+        let (pool, backend) = (parts.next()?, parts.next()?);
         let home = Home {
             pool: Arc::from(pool),
             backend: backend.parse().ok()?,
+            tenant: parts.next().filter(|t| !t.is_empty()).map(Arc::from),
         };
         self.remember_here(id, home.clone());
         Some(home)
@@ -253,6 +265,7 @@ mod tests {
         let home = |port| Home {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
+            tenant: None,
         };
         assert!(
             homes.remember("resp_a", home(1)).is_none(),
