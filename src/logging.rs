@@ -47,9 +47,13 @@ fn subscriber(
     let tracing_asked = filter
         .max_level_hint()
         .is_none_or(|l| l == LevelFilter::TRACE);
-    let filter = [NEVER_TRACED, SPAN_EVENTS_OFF]
-        .into_iter()
-        .filter(|directive| tracing_asked || *directive != NEVER_TRACED)
+    let directives: &[&str] = if tracing_asked {
+        &[NEVER_TRACED, SPAN_EVENTS_OFF]
+    } else {
+        &[SPAN_EVENTS_OFF]
+    };
+    let filter = directives
+        .iter()
         .filter_map(|directive| directive.parse().ok())
         .fold(filter, EnvFilter::add_directive);
     let lines = PingoraLines::new(PINGORA_LINES_PER_SECOND);

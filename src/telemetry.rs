@@ -5,7 +5,7 @@
 //!
 //! The spans are Sluice's `tracing` spans (`sluice::request`, `sluice::attempt`), made
 //! OpenTelemetry spans by `tracing-opentelemetry`'s layer, and their events (a plugin's
-//! `tracing` event under target [`EVENT_TARGET`]: shed, escalated, coalesced follower, first
+//! `tracing` event under target [`sluice_sdk::SPAN_EVENTS`]: shed, escalated, coalesced follower, first
 //! token) span events. A client's `traceparent` continues its trace (or, with
 //! `client_traces: ignore`, an edge proxy starts its own); every attempt sends the engine a
 //! `traceparent` naming the attempt's span, under which vLLM's own `llm_request` span nests.
@@ -37,17 +37,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
 
-/// The `tracing` target of span events (see [`sluice_sdk::SPAN_EVENTS`]).
-pub const EVENT_TARGET: &str = sluice_sdk::SPAN_EVENTS;
-
 /// Finished spans waiting to be sent; one that finds it full is dropped.
 const QUEUE: usize = 4096;
 /// The most spans sent in one export.
 const BATCH: usize = 512;
-/// The longest a span waits in the queue for a batch to fill.
+/// The longest a span waits in the queue for a batch to fill (a full batch wakes the export
+/// task at once).
 const BATCH_EVERY: Duration = Duration::from_secs(1);
-/// Queued spans that wake the export task before its clock does.
-const WAKE_AT: usize = BATCH;
 /// The longest one export may take (the collector down or slow: its spans are dropped).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -59,9 +55,9 @@ metric!(SPANS: IntCounterVec = register_int_counter_vec!(
 ));
 
 /// What the proxy needs of tracing once it runs.
-pub struct Tracing {
+struct Tracing {
     /// Whether clients' `traceparent` continue their traces.
-    pub continue_client_traces: bool,
+    continue_client_traces: bool,
     /// The share of new traces sampled.
     sampling: f64,
     /// Keeps the tracer's provider (and its span processor) alive.
@@ -90,7 +86,7 @@ pub fn kept(sampled: bool, open: impl FnOnce() -> tracing::Span) -> tracing::Spa
 }
 
 /// Tracing, when the config turned it on (see [`start`]).
-pub fn get() -> Option<&'static Tracing> {
+fn get() -> Option<&'static Tracing> {
     TRACING.get()
 }
 
@@ -132,7 +128,7 @@ where
     let only_ours = tracing_subscriber::filter::Targets::new()
         .with_target("sluice::request", tracing::Level::INFO)
         .with_target("sluice::attempt", tracing::Level::INFO)
-        .with_target(EVENT_TARGET, tracing::Level::INFO);
+        .with_target(sluice_sdk::SPAN_EVENTS, tracing::Level::INFO);
     // Spans only when sampled (asked at each); events always (one outside a sampled span
     // finds no span of the layer's to go on).
     let only_sampled = tracing_subscriber::filter::DynFilterFn::new(|meta, _| {
@@ -282,15 +278,12 @@ impl SpanProcessor for QueueProcessor {
     fn on_start(&self, _span: &mut opentelemetry_sdk::trace::Span, _cx: &opentelemetry::Context) {}
 
     fn on_end(&self, span: SpanData) {
-        if !span.span_context.is_sampled() {
-            return;
-        }
         let queue = self.queue.get_or_init(|| self.start());
         match queue {
             Some(queue) => {
                 if queue.spans.try_send(span).is_err() {
                     sluice_sdk::metrics::inc(&SPANS, &["dropped_queue_full"]);
-                } else if QUEUE - queue.spans.capacity() >= WAKE_AT {
+                } else if QUEUE - queue.spans.capacity() >= BATCH {
                     queue.wake.notify_one();
                 }
             }
@@ -414,63 +407,44 @@ pub fn trace_upstream(
         header.remove_header("tracestate");
         return header.insert_header("traceparent", unsampled_traceparent().as_slice());
     }
-    let mut trace = http::HeaderMap::new();
-    TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(&mut trace));
     header.remove_header("tracestate");
-    for (name, value) in trace {
-        if let Some(name) = name {
-            header.insert_header(name, value)?;
-        }
-    }
+    TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(header));
     Ok(())
 }
 
 /// What the request came to, on its span as it ends: Sluice's facts as `sluice.*`.
 pub fn request_ended(ctx: &sluice_sdk::RequestCtx) {
-    use opentelemetry::KeyValue;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     if !ctx.traced() {
         return;
     }
     let span = ctx.span();
-    let mut attributes = vec![
-        KeyValue::new("sluice.route", ctx.route().label().to_string()),
-        KeyValue::new(
-            "sluice.cache",
-            if ctx.answered_locally() {
-                "hit"
-            } else {
-                "miss"
-            },
-        ),
-        KeyValue::new(
-            "sluice.retries",
-            i64::from(ctx.progress().attempts.saturating_sub(1)),
-        ),
-    ];
+    span.set_attribute("sluice.route", ctx.route().label().to_string());
+    let cache = if ctx.answered_locally() {
+        "hit"
+    } else {
+        "miss"
+    };
+    span.set_attribute("sluice.cache", cache);
+    let retries = ctx.progress().attempts.saturating_sub(1);
+    span.set_attribute("sluice.retries", i64::from(retries));
     if let Some(id) = ctx.request_id() {
-        attributes.push(KeyValue::new("sluice.request_id", id.to_string()));
+        span.set_attribute("sluice.request_id", id.to_string());
     }
     if let Some(model) = ctx.model() {
-        attributes.push(KeyValue::new("sluice.model", model.to_string()));
+        span.set_attribute("sluice.model", model.to_string());
     }
     if let Some(pool) = ctx.pool() {
-        attributes.push(KeyValue::new("sluice.pool", pool.name.to_string()));
+        span.set_attribute("sluice.pool", pool.name.to_string());
     }
     if let Some(tenant) = ctx.tenant() {
-        attributes.push(KeyValue::new("sluice.tenant", tenant.name.to_string()));
+        span.set_attribute("sluice.tenant", tenant.name.to_string());
     }
     if let Some(reason) = ctx.escalated() {
-        attributes.push(KeyValue::new("sluice.escalation.reason", reason));
+        span.set_attribute("sluice.escalation.reason", reason);
     }
     if let Some(status) = ctx.progress().status {
-        attributes.push(KeyValue::new(
-            "http.response.status_code",
-            i64::from(status),
-        ));
-    }
-    for attribute in attributes {
-        span.set_attribute(attribute.key, attribute.value);
+        span.set_attribute("http.response.status_code", i64::from(status));
     }
 }
 
@@ -570,16 +544,19 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-struct HeaderInjector<'a>(&'a mut http::HeaderMap);
+/// Writes the propagator's headers straight into an upstream request.
+struct HeaderInjector<'a>(&'a mut pingora_http::RequestHeader);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (
-            http::HeaderName::from_bytes(key.as_bytes()),
-            http::HeaderValue::from_str(&value),
-        ) {
-            self.0.insert(name, value);
-        }
+        // The W3C propagator sets only these; named statically, they are not copied.
+        let name = match key {
+            "traceparent" => "traceparent",
+            "tracestate" => "tracestate",
+            _ => return,
+        };
+        // Its values are always valid header values.
+        let _ = self.0.insert_header(name, value);
     }
 }
 

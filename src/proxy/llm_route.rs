@@ -633,7 +633,7 @@ impl AttemptLoop {
             &self.attempt_span
         };
         tracing::event!(
-            target: crate::telemetry::EVENT_TARGET,
+            target: sluice_sdk::SPAN_EVENTS,
             parent: on,
             tracing::Level::INFO,
             sluice.escalation.reason = why,

@@ -88,7 +88,7 @@ pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>, spa
         return;
     };
     if first_token {
-        tracing::info!(target: crate::telemetry::EVENT_TARGET, parent: span, "first_token");
+        tracing::info!(target: sluice_sdk::SPAN_EVENTS, parent: span, "first_token");
     }
     if let (true, Some(predicted), Some(pool)) = (first_token, waited.predicted, in_flight.pool()) {
         metrics::ttft_prediction(pool, predicted, waited.observed);

@@ -55,8 +55,9 @@ pub use config::ConfigError;
 /// is in, when traces are on (`telemetry`): its message names it, its fields are its
 /// attributes, at `info` level (the log never shows this target):
 /// `tracing::info!(target: sluice_sdk::SPAN_EVENTS, reason = "kv-pressure", "shed")`.
-/// Without traces it is an event nobody listens to, which costs a cached callsite check;
-/// `tracing::enabled!(target: SPAN_EVENTS, Level::INFO)` says whether anyone does.
+/// Without traces it is an event nobody listens to, which costs a cached callsite check.
+/// [`RequestCtx::traced`] says whether the request's trace is kept, before working out what
+/// only its spans would show.
 pub const SPAN_EVENTS: &str = "sluice::span_event";
 pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
