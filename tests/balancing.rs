@@ -473,6 +473,7 @@ async fn an_adapters_requests_go_where_it_is_listed_and_has_a_slot() {
 
     // A long `poet` stream holds the second backend's only slot: `sql` goes where a slot is
     // free, rather than wait there.
+    let arrived_before = served()[1];
     let long_poet = tokio::spawn({
         let url = proxy.url("/v1/chat/completions");
         let body = json!({"model": "poet", "max_tokens": 20_000, "ignore_eos": true, "stream": true,
@@ -487,11 +488,15 @@ async fn an_adapters_requests_go_where_it_is_listed_and_has_a_slot() {
             while answer.chunk().await.unwrap().is_some() {}
         }
     });
+    // The stream must have reached its backend before the count below starts (the scrape's
+    // adapters alone may still be the short requests' above: vLLM keeps the last set while
+    // idle).
     wait_for(Duration::from_secs(10), || async {
-        proxy.backend_status("main", addrs[1]).await["lora"]["active"] == json!(["poet"])
+        served()[1] > arrived_before
+            && proxy.backend_status("main", addrs[1]).await["lora"]["active"] == json!(["poet"])
     })
     .await
-    .expect("the scrape shows the adapter in use");
+    .expect("the stream reached its backend and the scrape shows the adapter in use");
     let before = served();
     for _ in 0..6 {
         let answer = proxy.ask(&ask("sql", 2), &[]).await;
