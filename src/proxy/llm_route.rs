@@ -238,7 +238,7 @@ impl AttemptLoop {
             .map(|t| Arc::clone(&t.name));
         let adapter = upstream_adapter(ctx, pool).map(Arc::from);
         let keys = routing
-            .keys_off_worker(call.endpoint, call.body.clone(), adapter, salt_for_tenant)
+            .keys_off_worker(call, adapter, salt_for_tenant)
             .await
             .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));

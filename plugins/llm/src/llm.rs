@@ -60,6 +60,23 @@ pub enum Endpoint {
     Score,
 }
 
+/// The top-level members whose place in the body the parse notes ([`LlmRequest::seen`]):
+/// those an upstream body's edit may change ([`crate::model_name::EDITED_MEMBERS`]), and
+/// those a chat template reads besides `messages` and `tools`, for a pool that tokenizes
+/// prompts as its engines do.
+pub const PLACED_MEMBERS: [&str; 10] = [
+    "model",
+    "stream_options",
+    "cache_salt",
+    "priority",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "request_id",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+];
+
 /// A parsed LLM request together with the exact bytes the client sent.
 #[derive(Debug, Clone)]
 pub struct LlmCall {
@@ -135,6 +152,14 @@ impl LlmCall {
                 param: None,
             }),
         })
+    }
+
+    /// Where the members of [`PLACED_MEMBERS`] are in the body: from what the parse saw, or
+    /// (when a key was escaped, so not placed) from reading the body again. `None` for a
+    /// request not made by [`LlmCall::parse`] whose body is not one JSON object.
+    pub fn placed_members(&self) -> Option<raw_json::ObjectSpans<'static>> {
+        raw_json::ObjectSpans::from_seen(&self.body, &self.request.seen)
+            .or_else(|| raw_json::object_spans(&self.body, &PLACED_MEMBERS))
     }
 
     /// The demand with a hash of the prompt's first `affinity_bytes` bytes, for a pool that
@@ -237,9 +262,9 @@ pub struct LlmRequest {
     pub previous_response_id: Option<String>,
     /// Responses: `store`; `None` is `true` (the engine keeps the response for follow-ups).
     pub store: Option<bool>,
-    /// Where the members an upstream's body may have changed are
-    /// ([`crate::model_name::EDITED_MEMBERS`]), as the parse saw them: the edit then reads
-    /// only those, not the body again. Valid only for the body this request was parsed
+    /// Where the members read again later are ([`PLACED_MEMBERS`]), as the parse saw them:
+    /// an upstream body's edit, or a chat template, then reads only those, not the body
+    /// again. Valid only for the body this request was parsed
     /// from: an `LlmCall` made other than by [`LlmCall::parse`] must leave it default.
     pub seen: raw_json::SeenMembers,
 }
@@ -456,6 +481,13 @@ impl Messages {
             let mut de = serde_json::Deserializer::from_slice(element);
             MessageSeed { shared: &self.raw }.deserialize(&mut de).ok()
         })
+    }
+
+    /// The body from the messages' JSON array on: the array as the client sent it, then the
+    /// rest of the body. A reader of one JSON value (serde_json's `Deserializer` without
+    /// `end`) reads the array alone, and nothing need find where it ends first.
+    pub fn json_onward(&self) -> &[u8] {
+        &self.raw
     }
 
     /// The estimate of the messages' prompt tokens (see
@@ -1442,6 +1474,10 @@ const FIELDS: &[&str] = &[
     "kv_transfer_params",
     "vllm_xargs",
     "request_id",
+    // Only placed, for a chat template (`PLACED_MEMBERS`).
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
 ];
 
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
@@ -1485,7 +1521,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let shared = self.shared;
         let mut r = LlmRequest {
-            seen: raw_json::SeenMembers::new(crate::model_name::EDITED_MEMBERS),
+            seen: raw_json::SeenMembers::new(PLACED_MEMBERS),
             ..LlmRequest::default()
         };
         let mut messages = None;

@@ -47,7 +47,7 @@ pub struct ObjectSpans<'k> {
 /// could be placed (not when its key was escaped: the body must then be read again).
 /// Kept in every parsed request, so a fixed array, not a vector.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeenMembers<const N: usize = 7> {
+pub struct SeenMembers<const N: usize = 10> {
     count: usize,
     starts: [(&'static str, Option<usize>); N],
     placed: bool,

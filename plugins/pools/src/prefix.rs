@@ -4,16 +4,19 @@
 //!
 //! Tokenizing costs about 0.65 µs a token of text not seen before (2.8 ms for 15 KB of chat),
 //! tens of microseconds for messages seen before (the tokenizer remembers them; `sluice-bench`
-//! scenario 24 measures both). The request path tokenizes once per request and pool, and hands
-//! bodies over [`PrefixRouting::INLINE_BYTES`] to Tokio's blocking pool, so that a large prompt
-//! never holds an async worker.
+//! scenario 24 measures both). The request path tokenizes once per request and pool, from the
+//! core's parse of the body (the messages and the members the template reads, where the parse
+//! found them: the body is not parsed again), and hands bodies over
+//! [`PrefixRouting::INLINE_BYTES`] to Tokio's blocking pool, so that a large prompt never holds
+//! an async worker.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use sluice_llm::llm::Prompt;
 use sluice_llm::model_name::tenant_cache_salt;
-use sluice_llm::Endpoint;
-use sluice_tokenizer::PromptTokenizer;
+use sluice_llm::{Endpoint, LlmCall};
+use sluice_tokenizer::{ChatParts, PromptTokenizer};
 
 use crate::prefix_index::{block_keys, Matches, PrefixIndex};
 
@@ -81,77 +84,100 @@ impl PrefixRouting {
         }
     }
 
-    /// The keys of `body` (a request to `endpoint`) as the index keys blocks; `None` when the
-    /// tokenizer cannot read it (it then goes without the index). The engine keys every
-    /// block of a LoRA `adapter`'s request with its name, and salts the prompt's first block
-    /// with the request's `cache_salt` as it gets it: `tenant`'s own when the pool gives each
-    /// tenant one (`salt_for_tenant`), else the client's.
+    /// The keys of `call`'s prompt as the index keys blocks; `None` when the tokenizer
+    /// cannot read it (it then goes without the index). The engine keys every block of a
+    /// LoRA `adapter`'s request with its name, and salts the prompt's first block with the
+    /// request's `cache_salt` as it gets it: `tenant`'s own when the pool gives each tenant
+    /// one (`salt_for_tenant`), else the client's.
+    ///
+    /// The body is not parsed again: the core's parse found the prompt and noted where the
+    /// members the chat template reads are; only those are read, into the template's values.
     pub fn keys(
         &self,
-        endpoint: Endpoint,
-        body: &[u8],
+        call: &LlmCall,
         adapter: Option<&str>,
         salt_for_tenant: Option<&str>,
     ) -> Option<PrefixKeys> {
-        let tokenized = match endpoint {
-            Endpoint::ChatCompletions => self.tokenizer.tokenize_chat(body),
-            Endpoint::Completions => self.tokenizer.tokenize_completion(body),
+        let members = call.placed_members();
+        let member = |key: &str| {
+            let range = members.as_ref()?.value(key)?;
+            call.body.get(range)
+        };
+        let ids = match call.endpoint {
+            Endpoint::ChatCompletions => self.tokenizer.chat_ids(ChatParts {
+                messages: call
+                    .request
+                    .messages
+                    .as_ref()
+                    .map_or(&[], |m| m.json_onward()),
+                tools: call.request.tools.as_ref().map(|tools| tools.as_bytes()),
+                add_generation_prompt: member("add_generation_prompt"),
+                continue_final_message: member("continue_final_message"),
+                chat_template_kwargs: member("chat_template_kwargs"),
+            }),
+            Endpoint::Completions => self.prompt_ids(call.request.prompt.as_ref()),
             // Not yet rendered as the engine renders them (Messages and Responses convert to
             // a chat first): the approximate affinity places them. The others fill no cache.
             _ => return None,
         };
-        match tokenized {
-            Ok(tokenized) => {
-                let client = tokenized.cache_salt.as_deref();
-                let salt = match salt_for_tenant {
-                    Some(tenant) => {
-                        let json = tenant_cache_salt(tenant, client.map(str::as_bytes));
-                        serde_json::from_slice::<String>(&json).ok()
-                    }
-                    None => client.and_then(|json| serde_json::from_str::<String>(json).ok()),
-                };
-                Some(PrefixKeys {
-                    keys: block_keys(
-                        &tokenized.ids,
-                        self.index.block_size(),
-                        adapter,
-                        salt.as_deref(),
-                    ),
-                    tokens: tokenized.ids.len(),
-                })
-            }
+        let ids = match ids {
+            Ok(ids) => ids,
             Err(error) => {
                 self.unreadable.fetch_add(1, Relaxed);
                 tracing::debug!(%error, "a prompt the pool's tokenizer cannot read");
+                return None;
+            }
+        };
+        let client = member("cache_salt");
+        let salt = match salt_for_tenant {
+            Some(tenant) => {
+                let json = tenant_cache_salt(tenant, client);
+                serde_json::from_slice::<String>(&json).ok()
+            }
+            None => client.and_then(|json| serde_json::from_slice::<String>(json).ok()),
+        };
+        Some(PrefixKeys {
+            keys: block_keys(&ids, self.index.block_size(), adapter, salt.as_deref()),
+            tokens: ids.len(),
+        })
+    }
+
+    /// A text completion's token ids, as vLLM's completions endpoint makes them: its prompt,
+    /// or the first of a batch, encoded with the tokenizer's special tokens; a prompt given
+    /// as token ids is taken as it is.
+    fn prompt_ids(&self, prompt: Option<&Prompt>) -> Result<Vec<u32>, sluice_tokenizer::Error> {
+        let text = match prompt {
+            Some(Prompt::Text(text)) => Some(text.clone()),
+            Some(Prompt::Texts(texts)) => texts.first(),
+            Some(Prompt::Tokens(tokens)) => return Ok(tokens.ids().collect()),
+            Some(Prompt::TokenBatches(batches)) => {
+                if let Some(first) = batches.iter().next() {
+                    return Ok(first.ids().collect());
+                }
                 None
             }
+            None => None,
+        };
+        match text {
+            Some(text) => self.tokenizer.encode(&text.to_str(), true),
+            None => Err(sluice_tokenizer::Error::Request("no prompt".to_string())),
         }
     }
 
     /// [`PrefixRouting::keys`] off the async workers when the body is large.
     pub async fn keys_off_worker(
         self: &Arc<Self>,
-        endpoint: Endpoint,
-        body: bytes::Bytes,
+        call: &LlmCall,
         adapter: Option<Arc<str>>,
         salt_for_tenant: Option<Arc<str>>,
     ) -> Option<PrefixKeys> {
-        if body.len() <= Self::INLINE_BYTES {
-            return self.keys(
-                endpoint,
-                &body,
-                adapter.as_deref(),
-                salt_for_tenant.as_deref(),
-            );
+        if call.body.len() <= Self::INLINE_BYTES {
+            return self.keys(call, adapter.as_deref(), salt_for_tenant.as_deref());
         }
         let routing = Arc::clone(self);
+        let call = call.clone();
         tokio::task::spawn_blocking(move || {
-            routing.keys(
-                endpoint,
-                &body,
-                adapter.as_deref(),
-                salt_for_tenant.as_deref(),
-            )
+            routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
         })
         .await
         .ok()
@@ -201,5 +227,121 @@ impl Credit {
     /// Whether the exact index knows of any backend holding a block of the prompt.
     pub(crate) fn any_exact(&self) -> bool {
         matches!(self, Credit::Exact { matches, .. } if matches.best() > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use serde_json::value::RawValue;
+    use std::collections::HashMap;
+
+    fn routing() -> PrefixRouting {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tokenizer-chatml");
+        let tokenizer = PromptTokenizer::load(&dir).unwrap();
+        PrefixRouting::new(Arc::new(tokenizer), KvEventSource::Port(1))
+    }
+
+    fn call(endpoint: Endpoint, body: &str) -> LlmCall {
+        LlmCall::parse(endpoint, Bytes::from(body.to_string())).unwrap()
+    }
+
+    fn expected(routing: &PrefixRouting, ids: &[u32], salt: Option<&str>) -> PrefixKeys {
+        PrefixKeys {
+            keys: block_keys(ids, routing.index.block_size(), None, salt),
+            tokens: ids.len(),
+        }
+    }
+
+    /// The ids transformers made of the real tier's tokenizer (`golden.json`) come out of the
+    /// core's parse, the body not read again.
+    #[test]
+    fn a_parsed_requests_keys_are_the_engines_tokens() {
+        let routing = routing();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tokenizer-chatml/golden.json");
+        // Read raw: the tools' keys must keep their order.
+        let golden = std::fs::read_to_string(dir).unwrap();
+        let cases: Vec<HashMap<&str, &RawValue>> = serde_json::from_str(&golden).unwrap();
+        assert_eq!(cases.len(), 7);
+        for case in cases {
+            let ids: Vec<u32> = serde_json::from_str(case["ids"].get()).unwrap();
+            let (endpoint, body) = match case.get("chat") {
+                Some(chat) => (
+                    Endpoint::ChatCompletions,
+                    format!(r#"{{"model":"m",{}"#, &chat.get()[1..]),
+                ),
+                None => (
+                    Endpoint::Completions,
+                    format!(r#"{{"model":"m","prompt":{}}}"#, case["prompt"].get()),
+                ),
+            };
+            let keys = routing.keys(&call(endpoint, &body), None, None);
+            assert_eq!(keys, Some(expected(&routing, &ids, None)), "{body}");
+        }
+    }
+
+    /// What the template reads besides the messages, and the salt, are found where the
+    /// parse placed them, or by reading the body again when a key was escaped: the result
+    /// is the tokenizer's reading of the whole body.
+    #[test]
+    fn the_templates_members_and_the_salt_count_as_the_body_says() {
+        let routing = routing();
+        let chats = [
+            r#"{"messages":[{"role":"user","content":"Go on"}],"add_generation_prompt":false}"#,
+            r#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}],"continue_final_message":true,"add_generation_prompt":false}"#,
+            r#"{"messages":[{"role":"user","content":"Hi"}],"add_generation_prom\u0070t":false,"cache_salt":"s1"}"#,
+            r#"{"chat_template_kwargs":{"enable_thinking":false},"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi \u00e9"}],"tools":null}"#,
+        ];
+        for body in chats {
+            let whole = routing.tokenizer.tokenize_chat(body.as_bytes()).unwrap();
+            let salt = whole
+                .cache_salt
+                .as_deref()
+                .map(|json| serde_json::from_str::<String>(json).unwrap());
+            let keys = routing.keys(&call(Endpoint::ChatCompletions, body), None, None);
+            assert_eq!(
+                keys,
+                Some(expected(&routing, &whole.ids, salt.as_deref())),
+                "{body}"
+            );
+        }
+        // Without the generation prompt, the rendering is shorter.
+        let with = routing.keys(
+            &call(
+                Endpoint::ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"Go on"}]}"#,
+            ),
+            None,
+            None,
+        );
+        let without = routing.keys(&call(Endpoint::ChatCompletions, chats[0]), None, None);
+        assert!(with.unwrap().tokens > without.unwrap().tokens);
+
+        let completions = [
+            (r#"{"prompt":"caf\u00e9 au lait"}"#, None),
+            (r#"{"prompt":["first one","second"]}"#, None),
+            (r#"{"prompt":[5,6,7]}"#, Some(vec![5, 6, 7])),
+            (r#"{"prompt":[[8,9],[10]]}"#, Some(vec![8, 9])),
+        ];
+        for (body, ids) in completions {
+            let ids = ids.unwrap_or_else(|| routing.tokenizer.completion(body.as_bytes()).unwrap());
+            let keys = routing.keys(&call(Endpoint::Completions, body), None, None);
+            assert_eq!(keys, Some(expected(&routing, &ids, None)), "{body}");
+        }
+    }
+
+    /// A prompt the template cannot render is counted and goes without the index.
+    #[test]
+    fn a_prompt_the_tokenizer_cannot_read_is_counted() {
+        let routing = routing();
+        let body = r#"{"messages":[{"role":"user","content":"Hi"}],"add_generation_prompt":"yes"}"#;
+        assert_eq!(
+            routing.keys(&call(Endpoint::ChatCompletions, body), None, None),
+            None
+        );
+        assert_eq!(routing.unreadable.load(Relaxed), 1);
     }
 }

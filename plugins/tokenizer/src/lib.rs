@@ -13,6 +13,10 @@
 //! a text prompt is encoded with them, as vLLM's completions endpoint does. As vLLM does,
 //! a tool call's `arguments` string is parsed into the object the template expects.
 //!
+//! A caller that has parsed the request already (the proxy) hands over the members the
+//! template reads as [`ChatParts`], so the body is not parsed again; the body-taking methods
+//! (`chat`, `tokenize_chat`, `completion`) find them themselves.
+//!
 //! Written here, not taken from a crate: no maintained crate renders Hugging Face chat
 //! templates the way transformers does (minijinja alone lacks the Python-compatible `tojson`
 //! and the globals), and the part that is ours is small.
@@ -25,6 +29,7 @@ use std::path::Path;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::Environment;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 /// Why a tokenizer folder cannot be used, or a prompt cannot be tokenized.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,28 +135,76 @@ pub struct Tokenized {
     pub cache_salt: Option<String>,
 }
 
-/// The fields of a chat request the template reads.
+/// What a chat template reads of a request: each part the JSON text the client sent. A
+/// caller that has parsed the body already hands over the parts it found, so the body is not
+/// read again; [`PromptTokenizer::tokenize_chat`] finds them itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChatParts<'a> {
+    /// `messages`: the array's text (whatever follows its closing bracket is not read).
+    pub messages: &'a [u8],
+    /// `tools`, if sent.
+    pub tools: Option<&'a [u8]>,
+    /// `add_generation_prompt`, if sent (`true` by default).
+    pub add_generation_prompt: Option<&'a [u8]>,
+    /// `continue_final_message`, if sent (`false` by default).
+    pub continue_final_message: Option<&'a [u8]>,
+    /// `chat_template_kwargs`, if sent: more variables for the template.
+    pub chat_template_kwargs: Option<&'a [u8]>,
+}
+
+/// The members of a chat request the template reads, found in its body.
 #[derive(Deserialize)]
-struct ChatFields {
-    #[serde(default)]
-    cache_salt: Option<Box<serde_json::value::RawValue>>,
-    messages: Option<Value>,
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    continue_final_message: Option<bool>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Value>,
+struct ChatFields<'a> {
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    add_generation_prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    continue_final_message: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    chat_template_kwargs: Option<&'a RawValue>,
+}
+
+impl<'a> ChatFields<'a> {
+    fn parse(body: &'a [u8]) -> Result<Self, Error> {
+        serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))
+    }
+
+    fn parts(&self) -> Result<ChatParts<'a>, Error> {
+        let bytes = |raw: Option<&'a RawValue>| raw.map(|raw| raw.get().as_bytes());
+        Ok(ChatParts {
+            messages: bytes(self.messages)
+                .ok_or_else(|| Error::Request("no messages".to_string()))?,
+            tools: bytes(self.tools),
+            add_generation_prompt: bytes(self.add_generation_prompt),
+            continue_final_message: bytes(self.continue_final_message),
+            chat_template_kwargs: bytes(self.chat_template_kwargs),
+        })
+    }
+}
+
+/// One part of a request, read as `T`; a part not sent, or `null`, is `None`.
+fn read_part<'a, T: Deserialize<'a>>(
+    part: Option<&'a [u8]>,
+    name: &str,
+) -> Result<Option<T>, Error> {
+    let Some(text) = part else {
+        return Ok(None);
+    };
+    let mut de = serde_json::Deserializer::from_slice(text);
+    Option::<T>::deserialize(&mut de).map_err(|e| Error::Request(format!("{name}: {e}")))
 }
 
 /// The field of a text completion request that is tokenized.
 #[derive(Deserialize)]
-struct CompletionFields {
+struct CompletionFields<'a> {
     prompt: Option<serde_json::Value>,
-    #[serde(default)]
-    cache_salt: Option<Box<serde_json::value::RawValue>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
 }
 
 impl PromptTokenizer {
@@ -221,14 +274,12 @@ impl PromptTokenizer {
 
     /// The chat request `body` as the template renders it.
     pub fn render_chat(&self, body: &[u8]) -> Result<String, Error> {
-        let fields: ChatFields =
-            serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
-        self.render_fields(fields)
+        self.render(ChatFields::parse(body)?.parts()?)
     }
 
-    fn render_fields(&self, fields: ChatFields) -> Result<String, Error> {
-        let messages = fields
-            .messages
+    /// A chat request's `parts` as the template renders them.
+    pub fn render(&self, parts: ChatParts<'_>) -> Result<String, Error> {
+        let messages: Value = read_part(Some(parts.messages), "messages")?
             .ok_or_else(|| Error::Request("no messages".to_string()))?;
         let messages = parse_tool_arguments(messages);
         let template = self
@@ -240,16 +291,21 @@ impl PromptTokenizer {
             .iter()
             .map(|(name, text)| ((*name).to_string(), Value::from(text.as_str())))
             .collect();
-        let continue_final = fields.continue_final_message.unwrap_or(false);
+        let continue_final =
+            read_part(parts.continue_final_message, "continue_final_message")?.unwrap_or(false);
         // vLLM: the generation prompt is off when the last message is continued.
-        let generation_prompt = fields.add_generation_prompt.unwrap_or(true) && !continue_final;
+        let generation_prompt = read_part(parts.add_generation_prompt, "add_generation_prompt")?
+            .unwrap_or(true)
+            && !continue_final;
+        let tools: Option<Value> = read_part(parts.tools, "tools")?;
         context.push(("messages".to_string(), messages));
-        context.push(("tools".to_string(), fields.tools.unwrap_or(Value::from(()))));
+        context.push(("tools".to_string(), tools.unwrap_or(Value::from(()))));
         context.push((
             "add_generation_prompt".to_string(),
             Value::from(generation_prompt),
         ));
-        if let Some(kwargs) = fields.chat_template_kwargs {
+        let kwargs: Option<Value> = read_part(parts.chat_template_kwargs, "chat_template_kwargs")?;
+        if let Some(kwargs) = kwargs {
             if let Ok(keys) = kwargs.try_iter() {
                 for key in keys {
                     if let (Some(name), Ok(value)) = (key.as_str(), kwargs.get_item(&key)) {
@@ -272,15 +328,21 @@ impl PromptTokenizer {
 
     /// A chat request's token ids and `cache_salt`, from one parse of its body.
     pub fn tokenize_chat(&self, body: &[u8]) -> Result<Tokenized, Error> {
-        let mut fields: ChatFields =
-            serde_json::from_slice(body).map_err(|e| Error::Request(e.to_string()))?;
-        let cache_salt = fields.cache_salt.take().map(|raw| raw.get().to_string());
-        let text = self.render_fields(fields)?;
-        let ids = match &self.pieces {
-            Some(pieces) => pieces.encode(&text, |piece| self.encode(piece, false))?,
-            None => self.encode(&text, false)?,
-        };
-        Ok(Tokenized { ids, cache_salt })
+        let fields = ChatFields::parse(body)?;
+        Ok(Tokenized {
+            ids: self.chat_ids(fields.parts()?)?,
+            cache_salt: fields.cache_salt.map(|raw| raw.get().to_string()),
+        })
+    }
+
+    /// The token ids of a chat request's `parts`: rendered, then encoded without special
+    /// tokens (the template writes them).
+    pub fn chat_ids(&self, parts: ChatParts<'_>) -> Result<Vec<u32>, Error> {
+        let text = self.render(parts)?;
+        match &self.pieces {
+            Some(pieces) => pieces.encode(&text, |piece| self.encode(piece, false)),
+            None => self.encode(&text, false),
+        }
     }
 
     /// The token ids of a text completion request (`/v1/completions` body): its prompt, or
