@@ -9,7 +9,9 @@
 //! when the core reads these (the answer is held).
 
 use crate::llm::LlmCall;
+use memchr::memmem;
 use serde::Deserialize;
+use std::sync::LazyLock;
 
 /// The tokens a request allows for all its choices: `max_tokens` (or
 /// `max_completion_tokens`) for each of `n`; without one, a chat answer may run to the
@@ -86,8 +88,10 @@ struct UsageShape {
 /// the client allowed for all its choices (`u64::MAX` when it set no limit: then any
 /// `length` is the context's end).
 pub fn cut_by_context(body: &[u8], budget: u64) -> bool {
-    // Most answers stop for another reason: no parse for them.
-    if memchr::memmem::find(body, b"\"length\"").is_none() {
+    // Most answers stop for another reason: no parse for them. The finder is built once.
+    static LENGTH: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"length\""));
+    if LENGTH.find(body).is_none() {
         return false;
     }
     let Ok(answer) = serde_json::from_slice::<AnswerShape>(body) else {

@@ -32,6 +32,9 @@ impl Tenant {
 /// RFC 9110 has it), else `x-api-key` (Anthropic's and many gateways'), else `api-key` (Azure
 /// OpenAI's). Surrounding blanks are not part of it; an empty key is none.
 pub fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
+    // Names made once: a `&str` name is parsed at every lookup.
+    static X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+    static API_KEY: http::HeaderName = http::HeaderName::from_static("api-key");
     let bearer = headers
         .get(http::header::AUTHORIZATION)
         .map(|v| v.as_bytes().trim_ascii())
@@ -40,8 +43,8 @@ pub fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
             (scheme.eq_ignore_ascii_case(b"bearer") && rest.first() == Some(&b' ')).then_some(rest)
         });
     bearer
-        .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
-        .or_else(|| headers.get("api-key").map(|v| v.as_bytes()))
+        .or_else(|| headers.get(&X_API_KEY).map(|v| v.as_bytes()))
+        .or_else(|| headers.get(&API_KEY).map(|v| v.as_bytes()))
         .map(<[u8]>::trim_ascii)
         .filter(|key| !key.is_empty())
 }
