@@ -42,8 +42,10 @@ pub struct Lasting {
     pub requests: Arc<Caps>,
     /// Turns `true` when the server's grace period is ending.
     pub streams_end: tokio::sync::watch::Receiver<bool>,
-    /// The upstream connections, pooled.
+    /// The upstream connections' maker.
     pub connector: Arc<Connector>,
+    /// The LLM attempts' idle upstream connections.
+    pub upstream_pool: Arc<crate::proxy::upstream_pool::UpstreamPool>,
     /// Which backend made each stored response.
     pub response_homes: Arc<crate::proxy::stored_responses::ResponseHomes>,
 }

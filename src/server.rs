@@ -104,6 +104,7 @@ fn lasting(
         ),
         streams_end,
         connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
+        upstream_pool: crate::proxy::upstream_pool::UpstreamPool::new(upstream.keepalive_pool_size),
         response_homes: Arc::new(crate::proxy::stored_responses::ResponseHomes::new(
             &config.responses,
         )),
@@ -248,6 +249,7 @@ pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
         chain,
         access_log: config.log.access_log,
         connector: Arc::clone(&lasting.connector),
+        upstream_pool: Arc::clone(&lasting.upstream_pool),
         response_homes: Arc::clone(&lasting.response_homes),
         retired: std::sync::atomic::AtomicBool::new(false),
     }

@@ -14,13 +14,14 @@
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
 use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
-use super::pooled_peer::PooledPeer;
+use super::upstream_pool::UpstreamPool;
 use super::{tries, usage};
 use crate::chain::Chain;
 use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
 use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
+use pingora_core::upstreams::peer::{HttpPeer, Peer};
 use pingora_error::{Error, ErrorType, OrErr, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
@@ -41,6 +42,7 @@ use tokio::time::Instant;
 /// response hooks. Nothing else of it: an attempt does not route, choose or judge.
 pub struct Upstreams<'a> {
     pub connector: &'a Connector,
+    pub pool: &'a Arc<UpstreamPool>,
     pub memory: &'a Arc<MemoryBudget>,
     pub streams_end: &'a tokio::sync::watch::Receiver<bool>,
     pub chain: &'a Chain,
@@ -48,7 +50,7 @@ pub struct Upstreams<'a> {
 
 /// What an attempt sends: where to connect, and the exact request.
 pub struct Attempt {
-    pub peer: PooledPeer,
+    pub peer: HttpPeer,
     pub header: RequestHeader,
     pub body: Bytes,
     /// The attempt's load on its backend: ends as soon as the backend has sent its whole
@@ -159,8 +161,8 @@ pub struct Deadlines {
 
 /// The connection of one attempt.
 struct Upstream<'a> {
-    connector: &'a Connector,
-    peer: &'a PooledPeer,
+    pool: &'a Arc<UpstreamPool>,
+    peer: &'a HttpPeer,
     http: HttpSession,
     /// Taken from the connection pool: an error on it may be a connection the backend had
     /// already closed.
@@ -177,12 +179,13 @@ impl Upstream<'_> {
     /// Gives a connection whose response was read whole back to the pool, and ends the
     /// attempt's load on the backend. Every other end of an attempt drops it instead, which
     /// closes it: a backend that is still generating sees its client leave and stops.
-    async fn release(self) {
-        let idle = self.peer.0.options.idle_timeout;
+    async fn release(mut self) {
         drop(self.in_flight);
-        self.connector
-            .release_http_session(self.http, self.peer, idle)
-            .await;
+        self.http.respect_keepalive();
+        if let Some(stream) = self.http.reuse().await {
+            let idle = self.peer.options.idle_timeout;
+            self.pool.keep(self.peer.reuse_hash(), stream, idle);
+        }
     }
 
     /// An error of this connection once the answer has started, made final: the model is
@@ -226,8 +229,11 @@ pub async fn run(
     // A pooled connection first. Only when there is none is the connect future made, boxed:
     // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
     // which every open stream holds to its end and which is moved (copied) as it is boxed.
-    let connected = match upstreams.connector.reused_http_session(&attempt.peer).await {
-        Some(http) => Watched::Done(Ok((http, true))),
+    let connected = match upstreams.pool.take(&attempt.peer) {
+        Some(stream) => Watched::Done(Ok((
+            HttpSession::new_with_options(stream, &attempt.peer),
+            true,
+        ))),
         None => {
             let connecting = Box::pin(upstreams.connector.get_http_session(&attempt.peer));
             watch(session, connecting, deadlines.first_byte).await
@@ -259,7 +265,7 @@ pub async fn run(
         Err(outcome) => return outcome,
     };
     let upstream = Upstream {
-        connector: upstreams.connector,
+        pool: upstreams.pool,
         peer: &peer,
         http,
         reused,
@@ -283,7 +289,7 @@ const ONE_WRITE_BODY: usize = 64 * 1024;
 /// request is none of them (a `POST`, its hop-by-hop headers removed).
 async fn send(
     mut http: HttpSession,
-    peer: &PooledPeer,
+    peer: &HttpPeer,
     header: RequestHeader,
     body: Bytes,
 ) -> Result<HttpSession> {

@@ -18,7 +18,6 @@
 //! final: a model may already be generating.
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
-use super::pooled_peer::PooledPeer;
 use super::tries::{self, no_backend};
 use super::{body, forwarding, reply, usage, Sluice};
 use crate::metrics;
@@ -400,7 +399,7 @@ impl AttemptLoop {
         };
         Ok(Prepared {
             attempt: Attempt {
-                peer: PooledPeer(pool.peer(backend.addr)),
+                peer: pool.peer(backend.addr),
                 header,
                 body,
                 in_flight,

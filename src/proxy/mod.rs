@@ -40,11 +40,11 @@ mod downstream;
 mod forwarding;
 mod llm_route;
 mod plain_route;
-mod pooled_peer;
 mod reply;
 mod state;
 pub(crate) mod stored_responses;
 mod tries;
+pub(crate) mod upstream_pool;
 mod usage;
 
 pub use state::Sluice;

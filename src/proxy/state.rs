@@ -29,9 +29,11 @@ pub struct Sluice {
     pub router: Router,
     pub chain: Chain,
     pub access_log: bool,
-    /// The LLM attempts' connections to backends, pooled: HTTP/1.1, as vLLM serves. Shared
-    /// by every generation.
+    /// What makes the LLM attempts' connections to backends: HTTP/1.1, as vLLM serves.
+    /// Shared by every generation.
     pub connector: Arc<Connector>,
+    /// The LLM attempts' idle connections. Shared by every generation.
+    pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
     /// Which backend made each stored response (Responses API). Shared by every generation.
     pub response_homes: Arc<super::stored_responses::ResponseHomes>,
     /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
@@ -63,6 +65,7 @@ impl Sluice {
     pub(super) fn upstreams(&self) -> attempt::Upstreams<'_> {
         attempt::Upstreams {
             connector: &self.connector,
+            pool: &self.upstream_pool,
             memory: &self.memory,
             streams_end: &self.streams_end,
             chain: &self.chain,
