@@ -64,18 +64,33 @@ pub enum Endpoint {
 /// those an upstream body's edit may change ([`crate::model_name::EDITED_MEMBERS`]), and
 /// those a chat template reads besides `messages` and `tools`, for a pool that tokenizes
 /// prompts as its engines do.
-pub const PLACED_MEMBERS: [&str; 10] = [
-    "model",
-    "stream_options",
-    "cache_salt",
-    "priority",
-    "kv_transfer_params",
-    "vllm_xargs",
-    "request_id",
+pub const PLACED_MEMBERS: [&str; 10] = concat(crate::model_name::EDITED_MEMBERS, TEMPLATE_MEMBERS);
+
+/// The members a chat template reads besides `messages` and `tools`.
+pub const TEMPLATE_MEMBERS: [&str; 3] = [
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
 ];
+
+/// `a` then `b`; a wrong length `C` fails the build.
+const fn concat<const A: usize, const B: usize, const C: usize>(
+    a: [&'static str; A],
+    b: [&'static str; B],
+) -> [&'static str; C] {
+    let mut out = [""; C];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < A + B {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    assert!(i == C, "C must be A + B");
+    out
+}
 
 /// A parsed LLM request together with the exact bytes the client sent.
 #[derive(Debug, Clone)]
