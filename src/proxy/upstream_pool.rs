@@ -108,25 +108,24 @@ impl UpstreamPool {
             since: Instant::now(),
             timeout,
         };
-        let pushed_out = {
+        // What leaves the pool is closed (dropped) once the lock is let go.
+        let _closed = {
             let mut idle = self.lock();
             let full = idle.count >= self.max_idle;
             let list = idle.by_peer.entry(key).or_default();
-            let pushed_out = if full {
-                if list.is_empty() {
-                    return;
-                }
-                Some(list.remove(0))
-            } else {
-                None
-            };
-            list.push(kept);
-            if pushed_out.is_none() {
+            if !full {
+                list.push(kept);
                 idle.count += 1;
+                None
+            } else if list.is_empty() {
+                idle.by_peer.remove(&key);
+                Some(kept)
+            } else {
+                let oldest = list.remove(0);
+                list.push(kept);
+                Some(oldest)
             }
-            pushed_out
         };
-        drop(pushed_out);
     }
 
     /// Closes the idle connections that expired or that their backend closed.
