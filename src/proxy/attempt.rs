@@ -1,6 +1,7 @@
 //! One upstream attempt of an LLM request: the request sent to one backend over a
-//! connection from Pingora's connector (its pool, HTTP/1 framing, timeouts, TLS), and the
-//! answer piped to the client.
+//! connection from Pingora's connector (HTTP/1 framing, timeouts, TLS), kept idle between
+//! requests in the path's own pool ([`super::upstream_pool`]), and the answer piped to the
+//! client.
 //!
 //! Why not Pingora's own proxy loop: the client request has read its whole body (the cache
 //! key needs it), and Pingora replays a body that was read only from its 64 KiB retry buffer.
