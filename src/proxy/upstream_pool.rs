@@ -136,17 +136,9 @@ impl UpstreamPool {
             let mut idle = self.lock();
             let mut count = 0;
             idle.by_peer.retain(|_, list| {
-                let mut index = 0;
-                while index < list.len() {
-                    let usable = list
-                        .get_mut(index)
-                        .is_some_and(|kept| !kept.expired(now) && still_open(&mut kept.stream));
-                    if usable {
-                        index += 1;
-                    } else {
-                        closed.push(list.remove(index));
-                    }
-                }
+                closed.extend(list.extract_if(.., |kept| {
+                    kept.expired(now) || !still_open(&mut kept.stream)
+                }));
                 count += list.len();
                 !list.is_empty()
             });
@@ -230,15 +222,20 @@ mod tests {
         );
     }
 
+    /// A backend's listener, its address, and a pool of room `max_idle`.
+    async fn backend(max_idle: usize) -> (TcpListener, std::net::SocketAddr, Arc<UpstreamPool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        (listener, addr, UpstreamPool::new(max_idle))
+    }
+
     fn peer(addr: std::net::SocketAddr) -> HttpPeer {
         HttpPeer::new(addr, false, String::new())
     }
 
     #[tokio::test]
     async fn a_kept_connection_is_given_back_to_its_peer_only() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pool = UpstreamPool::new(8);
+        let (listener, addr, pool) = backend(8).await;
         let (stream, _watcher, mut server) = connection(&listener).await;
         pool.keep(
             peer(addr).reuse_hash(),
@@ -261,9 +258,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_its_backend_closed_or_wrote_to_is_never_given() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pool = UpstreamPool::new(8);
+        let (listener, addr, pool) = backend(8).await;
         let key = peer(addr).reuse_hash();
 
         let (closed, watcher, server) = connection(&listener).await;
@@ -291,9 +286,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_expired_connection_is_closed_not_given() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pool = UpstreamPool::new(8);
+        let (listener, addr, pool) = backend(8).await;
         let (stream, watcher, mut server) = connection(&listener).await;
         drop(watcher);
         pool.keep(peer(addr).reuse_hash(), stream, Some(Duration::ZERO));
@@ -303,9 +296,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_sweep_closes_what_expired_or_was_closed_and_keeps_the_rest() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pool = UpstreamPool::new(8);
+        let (listener, addr, pool) = backend(8).await;
         let key = peer(addr).reuse_hash();
         let (expired, expired_watcher, mut expired_server) = connection(&listener).await;
         drop(expired_watcher);
@@ -325,9 +316,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_pool_makes_room_with_the_peers_oldest_or_closes_the_newcomer() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pool = UpstreamPool::new(2);
+        let (listener, addr, pool) = backend(2).await;
         let key = peer(addr).reuse_hash();
         let (oldest, oldest_watcher, mut oldest_server) = connection(&listener).await;
         drop(oldest_watcher);

@@ -333,6 +333,39 @@ mod tests {
         }
     }
 
+    /// `chat_template_kwargs` reach the template from where the parse placed them: with a
+    /// template that writes one of them, the prompt is longer by it.
+    #[test]
+    fn the_templates_kwargs_are_rendered() {
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tokenizer-chatml");
+        let dir = tempfile::tempdir().unwrap();
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture.join(file), dir.path().join(file)).unwrap();
+        }
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{%- for m in messages %}{{ m.content }}{%- endfor %}{{ greeting }}",
+        )
+        .unwrap();
+        let tokenizer = PromptTokenizer::load(dir.path()).unwrap();
+        let routing = PrefixRouting::new(Arc::new(tokenizer), KvEventSource::Port(1));
+        let plain = r#"{"messages":[{"role":"user","content":"Hi"}]}"#;
+        let greeted = r#"{"messages":[{"role":"user","content":"Hi"}],"chat_template_kwargs":{"greeting":" and a very warm welcome to you"}}"#;
+        let tokens = |body: &str| {
+            routing
+                .keys(&call(Endpoint::ChatCompletions, body), None, None)
+                .unwrap()
+                .tokens
+        };
+        let whole = routing.tokenizer.tokenize_chat(greeted.as_bytes()).unwrap();
+        assert_eq!(tokens(greeted), whole.ids.len());
+        assert!(
+            tokens(greeted) > tokens(plain) + 3,
+            "the greeting is rendered"
+        );
+    }
+
     /// A prompt the template cannot render is counted and goes without the index.
     #[test]
     fn a_prompt_the_tokenizer_cannot_read_is_counted() {
