@@ -25,10 +25,10 @@ use bytes::Bytes;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::cpu::body_work;
+use sluice_sdk::cpu::{body_work, off_worker};
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
-use sluice_sdk::prefix::{Predicted, PrefixKeys};
+use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
 use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
     RequestCtx, RetryOn, Selected,
@@ -236,10 +236,15 @@ impl AttemptLoop {
             .filter(|_| pool.client_fields.tenant_cache_salt)
             .map(|t| Arc::clone(&t.name));
         let adapter = upstream_adapter(ctx, pool).map(Arc::from);
-        let keys = routing
-            .keys_off_worker(call, adapter, salt_for_tenant)
-            .await
-            .map(Arc::new);
+        let keys = if call.body.len() <= PrefixRouting::INLINE_BYTES {
+            routing.keys(call, adapter.as_deref(), salt_for_tenant.as_deref())
+        } else {
+            let (routing, call) = (Arc::clone(routing), call.clone());
+            off_worker(move || routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref()))
+                .await
+                .flatten()
+        }
+        .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));
         keys
     }

@@ -324,10 +324,16 @@ impl Text {
     /// The string whose JSON (quotes included) is `json`, a slice of `shared` when it is one.
     fn from_json(shared: &Bytes, json: &str) -> Option<Self> {
         let inner = json.strip_prefix('"')?.strip_suffix('"')?;
+        // One scan for a backslash: a prompt can be megabytes.
+        let escaped = memchr::memchr(b'\\', inner.as_bytes()).is_some();
         Some(Self {
             raw: share(shared, inner.as_bytes()),
-            len: raw_json::unescaped_len(inner),
-            escaped: inner.contains('\\'),
+            len: if escaped {
+                raw_json::unescaped_len(inner)
+            } else {
+                inner.len()
+            },
+            escaped,
         })
     }
 

@@ -6,8 +6,8 @@
 //! tens of microseconds for messages seen before (the tokenizer remembers them; `sluice-bench`
 //! scenario 24 measures both). The request path tokenizes once per request and pool, from the
 //! core's parse of the body (the messages and the members the template reads, where the parse
-//! found them: the body is not parsed again), and hands bodies over
-//! [`PrefixRouting::INLINE_BYTES`] to Tokio's blocking pool, so that a large prompt never holds
+//! found them: the body is not parsed again). The core tokenizes bodies over
+//! [`PrefixRouting::INLINE_BYTES`] on the SDK's body pool, so that a large prompt never holds
 //! an async worker.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -67,8 +67,8 @@ pub struct PrefixKeys {
 }
 
 impl PrefixRouting {
-    /// Bodies up to this size are tokenized on the async worker; larger ones on the
-    /// blocking pool.
+    /// Bodies up to this size are tokenized on the async worker; larger ones on the body
+    /// pool (`sluice_sdk::cpu`).
     pub const INLINE_BYTES: usize = 16 * 1024;
 
     /// A pool's prefix routing with `tokenizer`, its events from `kv_events`.
@@ -162,26 +162,6 @@ impl PrefixRouting {
             Some(text) => self.tokenizer.encode(&text.to_str(), true),
             None => Err(sluice_tokenizer::Error::Request("no prompt".to_string())),
         }
-    }
-
-    /// [`PrefixRouting::keys`] off the async workers when the body is large.
-    pub async fn keys_off_worker(
-        self: &Arc<Self>,
-        call: &LlmCall,
-        adapter: Option<Arc<str>>,
-        salt_for_tenant: Option<Arc<str>>,
-    ) -> Option<PrefixKeys> {
-        if call.body.len() <= Self::INLINE_BYTES {
-            return self.keys(call, adapter.as_deref(), salt_for_tenant.as_deref());
-        }
-        let routing = Arc::clone(self);
-        let call = call.clone();
-        tokio::task::spawn_blocking(move || {
-            routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
-        })
-        .await
-        .ok()
-        .flatten()
     }
 }
 
