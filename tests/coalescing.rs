@@ -298,6 +298,20 @@ async fn requests_beyond_max_followers_go_upstream_themselves() {
     let hits = others.iter().filter(|(_, c)| c == "HIT").count();
     assert_eq!(hits, 2, "two followers: {others:?}");
     assert_eq!(requests(&proxy, "coalesced").await, 2.0);
+    // Only the leader's answer is stored: the three beside it kept no copy to store again.
+    // Every request is counted here after the cache's last hook has run for it.
+    let ended = r#"sluice_requests_total{route="chat",status="2xx"}"#;
+    assert_eq!(proxy.metric_once(ended, 6.0).await, Some(6.0));
+    let metrics = proxy.metrics().await;
+    let writes: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("sluice_cache_writes_total{") && !l.ends_with(" 0"))
+        .collect();
+    assert_eq!(
+        writes,
+        [r#"sluice_cache_writes_total{outcome="stored"} 1"#],
+        "write-backs: the leader's alone"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

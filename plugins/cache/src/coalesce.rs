@@ -2,7 +2,8 @@
 //! flight wait for its answer instead of going upstream again (per proxy instance).
 //!
 //! Per key there is at most one *leader* (the request sent upstream) and a queue of at most
-//! `max_followers` *followers*; a request beyond the cap goes upstream alone, uncoalesced.
+//! `max_followers` *followers*; a request beyond the cap goes upstream alone, uncoalesced (its
+//! answer is not recorded: the leader's is the one stored).
 //!
 //! - The leader publishes its stored answer: every follower gets it, and the key is free again.
 //! - A leader that ends without an answer (an error, a cut stream, its client gone: its

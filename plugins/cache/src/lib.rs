@@ -125,6 +125,11 @@ struct State {
     live: Option<Writer>,
     /// A coalesced follower that read the leader's stream live (not its stored answer).
     followed_live: bool,
+    /// An identical request in flight leads this key, and this one went upstream beside it
+    /// (beyond `max_followers`, or a stream that would wait too long for a JSON leader): the
+    /// leader's answer is the one stored, so this one's is not kept to be stored again (a
+    /// thousand identical streams would each hold their whole answer).
+    behind_leader: bool,
     /// The tokens the client allowed (`sluice_sdk::context::output_budget`): an answer that
     /// stopped for `length` short of it was cut by a model's context, and is not stored.
     output_budget: u64,
@@ -330,6 +335,7 @@ impl Plugin for Cache {
                     return Ok(answered_locally(ctx, state, Lookup::Coalesced, response));
                 }
                 Found::Upstream(leader) => state.leader = leader,
+                Found::BehindLeader => state.behind_leader = true,
             }
         }
         metrics::request(metrics::Outcome::Miss);
@@ -350,7 +356,8 @@ impl Plugin for Cache {
             "BYPASS"
         } else if let Some(state) = ctx.state.get_mut::<State>() {
             // Record only an upstream's 200 to a miss: never an error, never Sluice's own.
-            state.tee.recording = state.result == Lookup::Miss && upstream_ok;
+            state.tee.recording =
+                state.result == Lookup::Miss && upstream_ok && !state.behind_leader;
             state.tee.event_stream = is_event_stream(response);
             // A retried attempt's header comes again: the log is made once.
             if let (true, true, Some(leader), None) = (
@@ -429,7 +436,7 @@ impl Plugin for Cache {
                 metrics::coalesced_first_byte(state.followed_live, first_byte.as_secs_f64());
             }
         }
-        if state.result != Lookup::Miss {
+        if state.result != Lookup::Miss || state.behind_leader {
             return;
         }
         // A stream that did not end fails its live followers (before the lead passes on, so
@@ -479,6 +486,7 @@ impl Cache {
             leader: None,
             live: None,
             followed_live: false,
+            behind_leader: false,
             output_budget: sluice_sdk::context::output_budget(call),
         }
     }
@@ -510,7 +518,7 @@ impl Cache {
         loop {
             let ticket = match role {
                 Role::Leader(leader) => return Ok(Found::Upstream(Some(leader))),
-                Role::Alone => return Ok(Found::Upstream(None)),
+                Role::Alone => return Ok(Found::BehindLeader),
                 Role::Follower(follower) => match follow(session, follower).await? {
                     Waited::Answer(entry) => return Ok(Found::Entry(entry, Lookup::Coalesced)),
                     Waited::Lead(leader) => return Ok(Found::Upstream(Some(leader))),
@@ -590,6 +598,9 @@ enum Found {
     Live(Reader),
     /// Nothing: the request goes upstream, leading the identical ones when it holds the lead.
     Upstream(Option<Leader>),
+    /// Nothing: the request goes upstream beside the leader of its key, which stores the
+    /// answer.
+    BehindLeader,
 }
 
 /// The request is answered by the cache with `response`: the core sends it, and the later
