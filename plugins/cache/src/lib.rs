@@ -147,6 +147,8 @@ enum Lookup {
 struct Tee {
     recording: bool,
     event_stream: bool,
+    /// The chunks, unless a live log keeps them (a leader's stream): then they are taken
+    /// from it when the stream ends, so that a thousand streams hold one list each, not two.
     chunks: Vec<Bytes>,
     bytes: usize,
     too_big: bool,
@@ -409,7 +411,7 @@ impl Plugin for Cache {
                 live.end(usage);
             }
         }
-        let tee = &mut state.tee;
+        let (tee, live) = (&mut state.tee, &state.live);
         if !tee.recording {
             return Ok(());
         }
@@ -421,7 +423,9 @@ impl Plugin for Cache {
                 tee.chunks = Vec::new();
                 return Ok(());
             }
-            tee.chunks.push(chunk.clone());
+            if live.is_none() {
+                tee.chunks.push(chunk.clone());
+            }
         }
         tee.ended |= end_of_stream;
         Ok(())
@@ -441,7 +445,11 @@ impl Plugin for Cache {
         }
         // A stream that did not end fails its live followers (before the lead passes on, so
         // that those that wrote nothing join the new leader's queue).
-        drop(state.live.take());
+        if let Some(writer) = state.live.take() {
+            if state.tee.recording {
+                state.tee.chunks = writer.chunks();
+            }
+        }
         // Dropping the leader without publishing hands the lead to one follower.
         let leader = state.leader.take();
         let tee = std::mem::take(&mut state.tee);

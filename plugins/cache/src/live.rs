@@ -223,6 +223,12 @@ impl Writer {
         !was_any && self.any_event
     }
 
+    /// The chunks the log holds (none once it failed for being too big), for the tee to
+    /// store: handles, not copies.
+    pub fn chunks(&self) -> Vec<Bytes> {
+        self.live.log().chunks.clone()
+    }
+
     /// The leader's stream ended; `usage` is what the core found in it.
     pub fn end(&mut self, usage: Option<Usage>) {
         let end = match (&self.error, self.done && self.any_event) {
