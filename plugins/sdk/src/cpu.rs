@@ -8,10 +8,14 @@
 //! blocking pool would start a thread per body at the workers' own priority, so eight
 //! clients sending large bodies back to back made eight threads that the kernel shared the
 //! cores with the two workers evenly, and small requests waited behind them (scenario 8 of
-//! `sluice-bench`: hundreds of milliseconds). At nice 10 a body thread weighs a tenth of a
-//! worker, so a worker that wakes runs at once, and the bodies take what the workers leave.
+//! `sluice-bench`: hundreds of milliseconds). At nice 5 a body thread weighs a third of a
+//! worker, so a worker that wakes runs soon, and the bodies take what the workers leave.
 //! Nothing is lost when the machine is idle: a lower priority only matters when both want a
-//! core.
+//! core. Measured in scenario 8 (normal traffic's p99 under large-body attack): 224 ms with
+//! the pool at the workers' priority, 65 ms at nice 5, 22-68 ms at nice 10. Not more than 5:
+//! the nice value also weighs against every other process on the machine, and at 10 a busy
+//! machine's other work left large bodies a tenth of a core (the harness's smoke run, beside
+//! two busy loops, finished no 1 MiB request in its window).
 //!
 //! The pool is rayon's (a fixed set of threads and a queue); the priority is set once per
 //! thread as it starts (on Linux, `setpriority` on the calling thread is that thread's alone).
@@ -24,8 +28,8 @@ use std::sync::OnceLock;
 pub const OFF_WORKER_BYTES: usize = 256 * 1024;
 
 /// How much nicer the body pool's threads are than the thread that starts the pool (the
-/// workers run at the process's own nice value, 0 by default): a weight about a tenth.
-pub const BODY_NICE: i32 = 10;
+/// workers run at the process's own nice value, 0 by default): a weight about a third.
+pub const BODY_NICE: i32 = 5;
 
 /// The body pool, made on first use; `None` if its threads could not be started (then the
 /// work goes to Tokio's blocking pool, as before there was one).
