@@ -443,12 +443,15 @@ impl Plugin for Cache {
         if state.result != Lookup::Miss || state.behind_leader {
             return;
         }
-        // A stream that did not end fails its live followers (before the lead passes on, so
-        // that those that wrote nothing join the new leader's queue).
         if let Some(writer) = state.live.take() {
-            if state.tee.recording {
+            // A leader's chunks were kept once, in its live log: the tee takes them from there
+            // when there is an answer to store.
+            if state.tee.recording && state.tee.ended {
                 state.tee.chunks = writer.chunks();
             }
+            // A stream that did not end fails its live followers as its writer goes (before
+            // the lead passes on, so that those that wrote nothing join the new leader's queue).
+            drop(writer);
         }
         // Dropping the leader without publishing hands the lead to one follower.
         let leader = state.leader.take();
