@@ -32,10 +32,38 @@
 use crate::config::Anonymous;
 use http::HeaderMap;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use sha2::{Digest, Sha256};
 use sluice_sdk::{api_key, Endpoint, Tenant};
 use std::borrow::Cow;
 use std::fmt;
+
+/// SHA-256 as `ring` computes it (BoringSSL's assembly): on a CPU without the SHA extensions
+/// 1.6x the speed of `sha2`, whose portable code runs there, and hashing is most of a long
+/// body's key; with them both use them. The digests are the same, so the key's version is
+/// unchanged.
+#[derive(Clone)]
+struct Sha256(ring::digest::Context);
+
+impl Sha256 {
+    fn new() -> Sha256 {
+        Sha256(ring::digest::Context::new(&ring::digest::SHA256))
+    }
+
+    fn update(&mut self, bytes: impl AsRef<[u8]>) {
+        self.0.update(bytes.as_ref());
+    }
+
+    fn finalize(self) -> [u8; 32] {
+        let mut out = [0; 32];
+        out.copy_from_slice(self.0.finish().as_ref());
+        out
+    }
+
+    fn digest(bytes: &[u8]) -> [u8; 32] {
+        let mut hasher = Sha256::new();
+        hasher.update(bytes);
+        hasher.finalize()
+    }
+}
 
 /// Bumped whenever the canonical form changes, so old entries are never misread.
 const KEY_VERSION: &[u8] = b"sluice-cache-v5";
@@ -84,7 +112,7 @@ pub fn digest(
         .ok()?;
     de.end().ok()?;
     write_object(members, &mut hasher);
-    Some(hasher.finalize().into())
+    Some(hasher.finalize())
 }
 
 fn framed(hasher: &mut Sha256, part: &[u8]) {
@@ -468,6 +496,21 @@ mod tests {
 
     fn key(body: &str) -> [u8; 32] {
         digest("t", Endpoint::ChatCompletions, &[], body.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn the_hasher_is_sha256_so_stored_keys_stay_valid() {
+        // FIPS 180-2's test vector: entries stored under the same version by any build
+        // (Redis outlives the proxy) must be found again.
+        assert_eq!(
+            hex::encode(Sha256::digest(b"abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let mut split = Sha256::new();
+        split.update(b"a");
+        split.update([b'b']);
+        split.update(b"c");
+        assert_eq!(split.finalize(), Sha256::digest(b"abc"));
     }
 
     #[test]

@@ -139,18 +139,17 @@ impl UpstreamEdits<'_> {
 /// The `cache_salt` of `tenant`'s requests (JSON text): a digest of its name and of the
 /// client's own salt (`client`, JSON text), so that no client can name another tenant's.
 pub fn tenant_cache_salt(tenant: &str, client: Option<&[u8]>) -> Vec<u8> {
-    use sha2::{Digest, Sha256};
-    let mut hash = Sha256::new();
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
     hash.update(b"sluice cache_salt\0");
     hash.update(tenant.as_bytes());
     if let Some(client) = client {
         hash.update(b"\0");
         hash.update(client);
     }
-    let digest = hash.finalize();
+    let digest = hash.finish();
     let mut salt = Vec::with_capacity(34);
     salt.push(b'"');
-    for byte in digest.iter().take(16) {
+    for byte in digest.as_ref().iter().take(16) {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         salt.push(HEX[usize::from(byte >> 4)]);
         salt.push(HEX[usize::from(byte & 0xf)]);

@@ -157,8 +157,8 @@ impl Policy {
 /// How `key` is written in the config: `sha256:<64 hex digits>` (what `sluice hash-key`
 /// prints).
 pub fn written_digest(key: &[u8]) -> String {
-    use sha2::{Digest, Sha256};
-    format!("{DIGEST_PREFIX}{}", hex::encode(Sha256::digest(key)))
+    let digest = ring::digest::digest(&ring::digest::SHA256, key);
+    format!("{DIGEST_PREFIX}{}", hex::encode(digest))
 }
 
 /// The 32 bytes of a configured key digest (`sha256:<64 hex digits>`).
