@@ -567,9 +567,10 @@ async fn a_follower_that_stops_reading_slows_neither_the_leader_nor_other_follow
     );
     assert_eq!(other.body().len(), leader.body().len());
     assert_eq!(other.content(), whole);
-    // Both ended about when the stream did: not held for the stalled client, which the
-    // proxy would wait for until its 60 s send timeout.
-    let limit = Duration::from_secs(20);
+    // Both ended when the stream did: not held for the stalled client, which the proxy
+    // would wait for until its 60 s send timeout. The margin is wide because the stream
+    // itself (6 MiB, in a debug build, on two busy cores) takes up to half a minute.
+    let limit = Duration::from_secs(45);
     assert!(started.elapsed() < limit, "took {:?}", started.elapsed());
     assert!(other.ended.duration_since(leader.ended) < limit);
     // The stalled client got far less than the answer, and is still served: reading now, it

@@ -109,7 +109,15 @@ async fn one_public_name_each_pool_its_own_and_answers_say_the_public_name() {
     assert_eq!(models_received(&draft), [DRAFT, DRAFT]);
     assert!(models_received(&target).is_empty());
     // The cache's usage request rode along with the name on the stream's body.
-    let sent: Value = serde_json::from_slice(&draft.stats().recent.last().unwrap().body).unwrap();
+    // The last chat request: a health probe, a scrape or the models listing may come after.
+    let stats = draft.stats();
+    let chat_sent = stats
+        .recent
+        .iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .unwrap();
+    let sent: Value = serde_json::from_slice(&chat_sent.body).unwrap();
     assert_eq!(sent["stream_options"]["include_usage"], true, "{sent}");
     assert!(
         !s.body.contains("\"usage\""),

@@ -67,8 +67,17 @@ fn body(a: &Answer) -> Value {
     serde_json::from_str(&a.body).unwrap_or_else(|e| panic!("{e}: {}", a.body))
 }
 
+/// A real engine on two busy CPU cores can take over half a minute for a fresh engine's
+/// first request: the bound is only there so that a hang fails the test.
+fn patient_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
 async fn post(proxy: &Proxy, path: &str, request: &Value) -> Answer {
-    ask_url(&proxy.url(path), request, &[AUTH]).await
+    ask_url_with(&patient_client(), &proxy.url(path), request, &[AUTH]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,7 +251,8 @@ async fn vllms_errors_pass_through_byte_for_byte() {
         json!({"model": model, "max_tokens": 4, "logprobs": true, "top_logprobs": 30,
                "messages": [{"role": "user", "content": "too many alternatives"}]})
     };
-    let direct = ask_url(
+    let direct = ask_url_with(
+        &patient_client(),
         &format!("{}/v1/chat/completions", fleet.draft.url()),
         &bad("tiny-draft"),
         &[],
@@ -257,7 +267,7 @@ async fn vllms_errors_pass_through_byte_for_byte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_listed_as_the_pools_serve_them() {
     let proxy = proxy().await;
-    let a = client()
+    let a = patient_client()
         .get(proxy.url("/v1/models"))
         .header(AUTH.0, AUTH.1)
         .send()
@@ -318,7 +328,8 @@ async fn a_prompt_too_long_for_the_drafts_real_tokenizer_escalates() {
 
 /// What vLLM's tokenizer makes of `text` (`POST /tokenize`).
 async fn tokens(server: &RealVllm, text: &str) -> u64 {
-    let a = ask_url(
+    let a = ask_url_with(
+        &patient_client(),
         &format!("{}/tokenize", server.url()),
         &json!({"model": server.model().name(), "prompt": text}),
         &[],
@@ -544,7 +555,8 @@ async fn an_agent_session_replayed() {
             "system": session["system"], "tools": session["tools"],
             "messages": &messages[..=last],
         });
-        let answer = ask_url(
+        let answer = ask_url_with(
+            &patient_client(),
             &proxy.url("/v1/messages"),
             &request,
             &[AUTH, ("anthropic-version", "2023-06-01")],
@@ -653,7 +665,13 @@ async fn a_pooling_models_routes() {
     assert_eq!(tokenized.status, 200, "{}", tokenized.body);
     assert!(body(&tokenized)["count"].as_u64().unwrap() > 0);
     // Without the tenant's key: refused before any engine sees it.
-    let refused = ask_url(&proxy.url("/v1/embeddings"), &embedding, &[]).await;
+    let refused = ask_url_with(
+        &patient_client(),
+        &proxy.url("/v1/embeddings"),
+        &embedding,
+        &[],
+    )
+    .await;
     assert_eq!(refused.status, 401);
 }
 
@@ -688,7 +706,8 @@ async fn the_engines_span_nests_under_the_attempt() {
     let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
     let mut request = chat(MODEL, "a traced question", false);
     request["max_tokens"] = json!(4);
-    let answer = ask_url(
+    let answer = ask_url_with(
+        &patient_client(),
         &proxy.url("/v1/chat/completions"),
         &request,
         &[("traceparent", traceparent.as_str())],
@@ -811,7 +830,13 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
         let request = conversation(turns);
         let mut asked = request.clone();
         asked["model"] = json!(TinyModel::Draft.name());
-        let a = ask_url(&format!("{}/tokenize", engine.url()), &asked, &[]).await;
+        let a = ask_url_with(
+            &patient_client(),
+            &format!("{}/tokenize", engine.url()),
+            &asked,
+            &[],
+        )
+        .await;
         assert_eq!(a.status, 200, "{}", a.body);
         let engine_ids: Vec<u32> = serde_json::from_value(body(&a)["tokens"].clone()).unwrap();
         let ours = tokenizer
