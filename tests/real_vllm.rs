@@ -70,10 +70,7 @@ fn body(a: &Answer) -> Value {
 /// A real engine on two busy CPU cores can take over half a minute for a fresh engine's
 /// first request: the bound is only there so that a hang fails the test.
 fn patient_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()
-        .unwrap()
+    client_within(Duration::from_secs(300))
 }
 
 async fn post(proxy: &Proxy, path: &str, request: &Value) -> Answer {

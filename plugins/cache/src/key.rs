@@ -40,7 +40,6 @@ use std::fmt;
 /// 1.6x the speed of `sha2`, whose portable code runs there, and hashing is most of a long
 /// body's key; with them both use them. The digests are the same, so the key's version is
 /// unchanged.
-#[derive(Clone)]
 struct Sha256(ring::digest::Context);
 
 impl Sha256 {

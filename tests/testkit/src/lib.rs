@@ -42,8 +42,9 @@ mod vllm;
 pub use config::{key_digest, pool, Pool};
 pub use dns::{sims_on_loopbacks, BadDns, DnsServer, Misbehaviour};
 pub use llm::{
-    answer_confidence, ask_url, ask_url_with, assert_ends_with_error_event, chat, client, content,
-    sim_serving, sse_data, sse_events, streaming_sim, upstream_calls, wait_for, Answer,
+    answer_confidence, ask_url, ask_url_with, assert_ends_with_error_event, chat, client,
+    client_within, content, sim_serving, sse_data, sse_events, streaming_sim, upstream_calls,
+    wait_for, Answer,
 };
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use ports::{free_port, reserve_port, ReservedPort};

@@ -5,8 +5,13 @@ use std::time::{Duration, Instant};
 
 /// An HTTP client with a bound on every request, so that a hang fails the test.
 pub fn client() -> reqwest::Client {
+    client_within(Duration::from_secs(30))
+}
+
+/// [`client`] with another bound on every request.
+pub fn client_within(bound: Duration) -> reqwest::Client {
     reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
+        .timeout(bound)
         .build()
         .expect("client")
 }
