@@ -430,9 +430,15 @@ async fn the_breaker_sheds_on_real_kv_pressure() {
         tasks.push(tokio::spawn(async move {
             let request = json!({"model": MODEL, "max_tokens": 2_500, "ignore_eos": true,
                 "messages": [{"role": "user", "content": format!("{i} {}", "fill ".repeat(400))}]});
-            let a = proxy
-                .ask(&request, &[("x-sluice-priority", "sheddable")])
-                .await;
+            // Admitted requests generate 2,500 tokens each on a shared CPU: more than the
+            // testkit client's 30 s on a slow machine.
+            let a = ask_url_with(
+                &patient_client(),
+                &proxy.url("/v1/chat/completions"),
+                &request,
+                &[("x-sluice-priority", "sheddable")],
+            )
+            .await;
             (a.status, header(&a, "x-sluice-rejected"))
         }));
     }
