@@ -882,6 +882,18 @@ struct OpenRound {
     cpu_cores: f64,
 }
 
+impl OpenRound {
+    /// RSS the streams added, per stream open at the peak.
+    fn kb_per_stream(&self) -> f64 {
+        (self.rss_peak_mb - self.rss_idle_mb) * 1000.0 / (self.peak_open.max(1) as f64)
+    }
+}
+
+/// The first round's KB per stream: the process had served nothing before it.
+fn fresh_kb_per_stream(rounds: &[OpenRound]) -> f64 {
+    rounds.first().map_or(f64::NAN, OpenRound::kb_per_stream)
+}
+
 /// 4. 1,000 concurrent open streams: Sluice's RSS and CPU (nginx's for context).
 async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(4, title(4));
@@ -948,6 +960,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "RSS after MB",
         "after × before",
         "KB per stream",
+        "KB per stream, fresh process",
         "CPU (cores, avg)",
         "errors",
     ]
@@ -965,7 +978,8 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             s(&|r| r.rss_peak_mb).show(1),
             s(&|r| r.rss_after_mb).show(1),
             s(&|r| r.rss_after_mb / r.rss_idle_mb.max(1e-9)).show(2),
-            s(&|r| (r.rss_peak_mb - r.rss_idle_mb) * 1000.0 / (r.peak_open.max(1) as f64)).show(1),
+            s(&|r| r.kb_per_stream()).show(1),
+            format!("{:.1}", fresh_kb_per_stream(rounds)),
             s(&|r| r.cpu_cores).show(2),
             match first {
                 Some(e) => format!("{errors}: {}", e.chars().take(80).collect::<String>()),
@@ -977,8 +991,24 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "{n} streams opened over {:?}, each {} tokens every {} ms; RSS (VmRSS) before the \
          streams, sampled every 100 ms during them (peak), and {:?} after the last ended; CPU = \
          the threads' run time over the round's wall time; nginx is master + workers. The same process \
-         serves every round, so later rounds start from a warm heap.",
+         serves every round, so later rounds start from a warm heap. KB per stream is (peak − \
+         before) over the streams open; its fresh-process figure is the first round's, the only \
+         one that compares allocators: Sluice's jemalloc hands freed pages back between rounds \
+         (RSS after ≈ before) and grows again in each, where bare Pingora's glibc malloc keeps \
+         its heap, so its later rounds count only growth beyond the last round's peak.",
         ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms, ctx.p.settle
+    ));
+    let (on_fresh, bare_fresh) = (
+        runs.get(&Contender::SluiceOn)
+            .map_or(f64::NAN, |r| fresh_kb_per_stream(r)),
+        runs.get(&Contender::BarePingora)
+            .map_or(f64::NAN, |r| fresh_kb_per_stream(r)),
+    );
+    report.checks.push(Check::at_most(
+        "plugins on: KB per open stream (fresh process) × bare Pingora's",
+        on_fresh / bare_fresh,
+        1.5,
+        "×",
     ));
     let median = |c: Contender, f: fn(&OpenRound) -> f64| {
         runs.get(&c)
