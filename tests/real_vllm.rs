@@ -73,8 +73,13 @@ fn patient_client() -> reqwest::Client {
     client_within(Duration::from_secs(300))
 }
 
+/// POSTs `request` to `url` with the patient client.
+async fn ask_patiently(url: &str, request: &Value, headers: &[(&str, &str)]) -> Answer {
+    ask_url_with(&patient_client(), url, request, headers).await
+}
+
 async fn post(proxy: &Proxy, path: &str, request: &Value) -> Answer {
-    ask_url_with(&patient_client(), &proxy.url(path), request, &[AUTH]).await
+    ask_patiently(&proxy.url(path), request, &[AUTH]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,8 +253,7 @@ async fn vllms_errors_pass_through_byte_for_byte() {
         json!({"model": model, "max_tokens": 4, "logprobs": true, "top_logprobs": 30,
                "messages": [{"role": "user", "content": "too many alternatives"}]})
     };
-    let direct = ask_url_with(
-        &patient_client(),
+    let direct = ask_patiently(
         &format!("{}/v1/chat/completions", fleet.draft.url()),
         &bad("tiny-draft"),
         &[],
@@ -325,8 +329,7 @@ async fn a_prompt_too_long_for_the_drafts_real_tokenizer_escalates() {
 
 /// What vLLM's tokenizer makes of `text` (`POST /tokenize`).
 async fn tokens(server: &RealVllm, text: &str) -> u64 {
-    let a = ask_url_with(
-        &patient_client(),
+    let a = ask_patiently(
         &format!("{}/tokenize", server.url()),
         &json!({"model": server.model().name(), "prompt": text}),
         &[],
@@ -432,8 +435,7 @@ async fn the_breaker_sheds_on_real_kv_pressure() {
                 "messages": [{"role": "user", "content": format!("{i} {}", "fill ".repeat(400))}]});
             // Admitted requests generate 2,500 tokens each on a shared CPU: more than the
             // testkit client's 30 s on a slow machine.
-            let a = ask_url_with(
-                &patient_client(),
+            let a = ask_patiently(
                 &proxy.url("/v1/chat/completions"),
                 &request,
                 &[("x-sluice-priority", "sheddable")],
@@ -558,8 +560,7 @@ async fn an_agent_session_replayed() {
             "system": session["system"], "tools": session["tools"],
             "messages": &messages[..=last],
         });
-        let answer = ask_url_with(
-            &patient_client(),
+        let answer = ask_patiently(
             &proxy.url("/v1/messages"),
             &request,
             &[AUTH, ("anthropic-version", "2023-06-01")],
@@ -668,13 +669,7 @@ async fn a_pooling_models_routes() {
     assert_eq!(tokenized.status, 200, "{}", tokenized.body);
     assert!(body(&tokenized)["count"].as_u64().unwrap() > 0);
     // Without the tenant's key: refused before any engine sees it.
-    let refused = ask_url_with(
-        &patient_client(),
-        &proxy.url("/v1/embeddings"),
-        &embedding,
-        &[],
-    )
-    .await;
+    let refused = ask_patiently(&proxy.url("/v1/embeddings"), &embedding, &[]).await;
     assert_eq!(refused.status, 401);
 }
 
@@ -709,8 +704,7 @@ async fn the_engines_span_nests_under_the_attempt() {
     let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
     let mut request = chat(MODEL, "a traced question", false);
     request["max_tokens"] = json!(4);
-    let answer = ask_url_with(
-        &patient_client(),
+    let answer = ask_patiently(
         &proxy.url("/v1/chat/completions"),
         &request,
         &[("traceparent", traceparent.as_str())],
@@ -833,13 +827,7 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
         let request = conversation(turns);
         let mut asked = request.clone();
         asked["model"] = json!(TinyModel::Draft.name());
-        let a = ask_url_with(
-            &patient_client(),
-            &format!("{}/tokenize", engine.url()),
-            &asked,
-            &[],
-        )
-        .await;
+        let a = ask_patiently(&format!("{}/tokenize", engine.url()), &asked, &[]).await;
         assert_eq!(a.status, 200, "{}", a.body);
         let engine_ids: Vec<u32> = serde_json::from_value(body(&a)["tokens"].clone()).unwrap();
         let ours = tokenizer

@@ -998,15 +998,10 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
          its heap, so its later rounds count only growth beyond the last round's peak.",
         ctx.p.open_stream_ramp, ctx.p.open_stream_tokens, ctx.p.open_stream_itl_ms, ctx.p.settle
     ));
-    let (on_fresh, bare_fresh) = (
-        runs.get(&Contender::SluiceOn)
-            .map_or(f64::NAN, |r| fresh_kb_per_stream(r)),
-        runs.get(&Contender::BarePingora)
-            .map_or(f64::NAN, |r| fresh_kb_per_stream(r)),
-    );
+    let fresh = |c: Contender| runs.get(&c).map_or(f64::NAN, |r| fresh_kb_per_stream(r));
     report.checks.push(Check::at_most(
         "plugins on: KB per open stream (fresh process) × bare Pingora's",
-        on_fresh / bare_fresh,
+        fresh(Contender::SluiceOn) / fresh(Contender::BarePingora),
         1.5,
         "×",
     ));
