@@ -565,8 +565,17 @@ async fn a_follower_that_stops_reading_slows_neither_the_leader_nor_other_follow
         "{} bytes",
         leader.body().len()
     );
-    assert_eq!(other.body().len(), leader.body().len());
+    // The same answer, log-probabilities too (what came before it joined, in one event).
     assert_eq!(other.content(), whole);
+    let tokens = |r: &Read| -> usize {
+        r.events()
+            .iter()
+            .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+            .map(Vec::len)
+            .sum()
+    };
+    assert_eq!(tokens(&other), tokens(&leader));
+    assert_eq!(tokens(&leader), 4000);
     // Both ended when the stream did: not held for the stalled client, which the proxy
     // would wait for until its 60 s send timeout. The margin is wide because the stream
     // itself (6 MiB, in a debug build, on two busy cores) takes up to half a minute.

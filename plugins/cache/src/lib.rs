@@ -55,8 +55,8 @@ use sluice_sdk::cpu::body_work;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::{
-    async_trait, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall, LocalResponse,
-    Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant, Usage,
+    async_trait, AnswerText, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall,
+    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -142,13 +142,13 @@ enum Lookup {
     Miss,
 }
 
-/// The upstream answer's chunks, kept while it may still be stored.
+/// What is recorded of the upstream's answer while it may still be stored.
 #[derive(Default)]
 struct Tee {
     recording: bool,
     event_stream: bool,
-    /// The chunks, unless a live log keeps them (a leader's stream): then they are taken
-    /// from it when the stream ends, so that a thousand streams hold one list each, not two.
+    /// A JSON answer's chunks. A stream's answer is added up in its live log instead (see
+    /// [`live`]): a thousand open streams hold their answers so far, not their events.
     chunks: Vec<Bytes>,
     bytes: usize,
     too_big: bool,
@@ -361,15 +361,13 @@ impl Plugin for Cache {
             state.tee.recording =
                 state.result == Lookup::Miss && upstream_ok && !state.behind_leader;
             state.tee.event_stream = is_event_stream(response);
-            // A retried attempt's header comes again: the log is made once.
-            if let (true, true, Some(leader), None) = (
-                state.tee.recording,
-                state.tee.event_stream,
-                state.leader.as_ref(),
-                state.live.as_ref(),
-            ) {
+            // A stream is added up in a live log, followed or not (a leader's followers read
+            // it). A retried attempt's header comes again: the log is made once.
+            if state.tee.recording && state.tee.event_stream && state.live.is_none() {
                 let live = Live::new(state.kind, pool);
-                leader.go_live(&live);
+                if let Some(leader) = state.leader.as_ref() {
+                    leader.go_live(&live);
+                }
                 state.live = Some(Writer::new(live, self.config.max_entry_bytes));
             }
             match state.result {
@@ -443,16 +441,17 @@ impl Plugin for Cache {
         if state.result != Lookup::Miss || state.behind_leader {
             return;
         }
-        if let Some(writer) = state.live.take() {
-            // A leader's chunks were kept once, in its live log: the tee takes them from there
-            // when there is an answer to store.
-            if state.tee.recording && state.tee.ended {
-                state.tee.chunks = writer.chunks();
-            }
+        let usage = ctx.usage();
+        let streamed = state.live.take().and_then(|writer| {
+            // A stream's answer was added up in its live log as it passed.
+            let answer = (state.tee.recording && state.tee.ended)
+                .then(|| writer.answer(usage))
+                .flatten();
             // A stream that did not end fails its live followers as its writer goes (before
             // the lead passes on, so that those that wrote nothing join the new leader's queue).
             drop(writer);
-        }
+            answer
+        });
         // Dropping the leader without publishing hands the lead to one follower.
         let leader = state.leader.take();
         let tee = std::mem::take(&mut state.tee);
@@ -463,15 +462,14 @@ impl Plugin for Cache {
         } else if !tee.ended || ctx.progress().response_incomplete || error.is_some() {
             "incomplete"
         } else {
-            // The client has its whole answer by now: assembling it here delays nobody, and
+            // The client has its whole answer by now: storing it here delays nobody, and
             // leaves the in-flight list before any later identical request can join it.
-            let usage = ctx.usage();
             write_back(
                 self.store.as_ref(),
                 state,
                 tee,
+                streamed,
                 ctx.pool_name(),
-                usage,
                 leader,
             );
             return;
@@ -631,23 +629,23 @@ fn answered_locally(
 /// Marks a request the cache stays out of (`x-cache: BYPASS`).
 struct Bypassed;
 
-/// Assembles a complete answer, stores it (never waiting on the network) and hands it to the
-/// requests that waited for it.
+/// Stores a complete answer (never waiting on the network) and hands it to the requests that
+/// waited for it: a stream's, added up as it passed (`streamed`), or the tee's JSON.
 fn write_back(
     store: &dyn Store,
     state: State,
     tee: Tee,
+    streamed: Option<Result<AnswerText, NotStored>>,
     pool: &str,
-    usage: Option<Usage>,
     leader: Option<Leader>,
 ) {
-    let answer = match (tee.event_stream, tee.chunks.as_slice()) {
-        // The stream's usage chunk, if the client did not ask for it, was removed before the
-        // tee: its usage is the one the core found.
-        (true, chunks) => entry::from_sse(state.kind, chunks, usage),
+    let answer = match (streamed, tee.event_stream, tee.chunks.as_slice()) {
+        (Some(answer), _, _) => answer,
+        // A stream that outgrew its log's bound (the tee's is the same).
+        (None, true, _) => Err(NotStored::Incomplete),
         // A JSON answer usually arrives in one chunk: no copy then.
-        (false, [one]) => entry::from_json(state.kind, one.clone()),
-        (false, chunks) => entry::from_json(state.kind, Bytes::from(chunks.concat())),
+        (None, false, [one]) => entry::from_json(state.kind, one.clone()),
+        (None, false, chunks) => entry::from_json(state.kind, Bytes::from(chunks.concat())),
     };
     let answer = match answer {
         // Cut by a draft's context: another pool would have answered in full.

@@ -2,21 +2,27 @@
 //! not once it is whole (what a CDN does with request collapsing on a streaming miss).
 //!
 //! The leader's stream already passes the cache's `response_body` hook chunk by chunk (the
-//! tee). From its first `200` event-stream header on, a [`Writer`] also appends each chunk to
-//! a shared, append-only [`Live`] log: a reference count of the chunk the tee holds anyway,
-//! nothing parsed. Every follower has its own [`Reader`]: a cursor in the log, its own SSE
-//! splitter, and its own `id` and `created`. It splits the chunks into events and renders
-//! each as the upstream's text with its own two values spliced in (as a JSON hit is, see
-//! [`crate::entry`]), so a follower sees exactly the leader's chunks (deltas, log-probs, tool
-//! calls, finish reasons) under its own identity: what was produced so far at once, in one
-//! write, then every event as it arrives. Most streams never get a follower, so the events
-//! are parsed only by the readers that need them: the leader's side only looks for `[DONE]`
-//! and an error event.
+//! tee). From its first `200` event-stream header on, a [`Writer`] splits each chunk into
+//! events and adds them up in a shared [`Live`] log: the family's [`StreamAnswer`], the
+//! answer so far (text, tool calls, log-probabilities), which is also what the cache stores
+//! when the stream ends. The events themselves are kept only once a follower has joined, from
+//! then on: a vLLM delta event is some 200 bytes around a token of 4, and most streams never
+//! get a follower (a thousand open streams each held their whole event log before).
 //!
-//! - **The leader never waits.** Appending takes the log's lock for a push, then wakes the
-//!   readers (a `watch` channel: a reader that was busy writing finds the news when it next
-//!   looks). A reader whose client reads slowly just lags in the log; its own client's send
-//!   timeout cuts it if it stops reading. Nobody else is slowed by it.
+//! Every follower has its own [`Reader`]: the answer so far as events (in the upstream's
+//! shape, one per choice), then a cursor in the kept events, its own SSE splitter, and its
+//! own `id` and `created`. It renders each event as the upstream's text with its own two
+//! values spliced in (as a JSON hit is, see [`crate::entry`]), so a follower sees the
+//! leader's answer (deltas, log-probs, tool calls, finish reasons) under its own identity:
+//! what was produced so far at once, in one write, then every event as it arrives.
+//!
+//! - **The leader never waits long.** Feeding takes the log's lock for the events' adding up
+//!   (the parse the stored answer needs anyway) and, once followed, their copies; then it
+//!   wakes the readers (a `watch` channel: a reader that was busy writing finds the news when
+//!   it next looks). A reader takes reference counts under the lock and renders outside it;
+//!   one that joins renders the answer so far under it, once. A reader whose client reads
+//!   slowly just lags in the log; its own client's send timeout cuts it if it stops reading.
+//!   Nobody else is slowed by it.
 //! - **Bounded**: the log holds at most `max_entry_bytes` of the upstream's stream, the most
 //!   an entry may have; past that it is dropped (an answer that large is not cached either)
 //!   and the log fails.
@@ -33,6 +39,7 @@
 
 use bytes::Bytes;
 use sluice_sdk::error::ErrorReply;
+use sluice_sdk::family::{AnswerError, AnswerText, StreamAnswer};
 use sluice_sdk::plugin::LocalStream;
 use sluice_sdk::sse::{self, SseEvents};
 use sluice_sdk::{async_trait, ApiFamily, Endpoint, Usage};
@@ -52,10 +59,13 @@ pub struct Live {
     readers: AtomicUsize,
 }
 
-#[derive(Default)]
 struct Log {
-    /// The upstream's chunks, as the tee holds them.
-    chunks: Vec<Bytes>,
+    /// The answer so far; `None` once the stream outgrew the bound.
+    answer: Option<Box<dyn StreamAnswer>>,
+    /// The upstream's events since the first reader joined, whole.
+    events: Vec<Bytes>,
+    /// A reader has joined: the events are kept from then on.
+    followed: bool,
     end: Option<End>,
 }
 
@@ -72,7 +82,12 @@ impl Live {
         Arc::new(Self {
             kind,
             pool: pool.to_string(),
-            log: Mutex::default(),
+            log: Mutex::new(Log {
+                answer: Some(kind.family().stream_answer()),
+                events: Vec::new(),
+                followed: false,
+                end: None,
+            }),
             more: watch::Sender::new(()),
             readers: AtomicUsize::new(0),
         })
@@ -105,15 +120,16 @@ impl Live {
         matches!(self.log().end, Some(End::Failed(_)))
     }
 
-    /// Ends the log, once; `drop_chunks` frees what it held (readers then get only the end).
-    fn finish(&self, end: End, drop_chunks: bool) {
+    /// Ends the log, once; `drop_all` frees what it held (readers then get only the end).
+    fn finish(&self, end: End, drop_all: bool) {
         {
             let mut log = self.log();
             if log.end.is_some() {
                 return;
             }
-            if drop_chunks {
-                log.chunks = Vec::new();
+            if drop_all {
+                log.answer = None;
+                log.events = Vec::new();
             }
             log.end = Some(end);
         }
@@ -133,12 +149,25 @@ impl Ticket {
     pub fn reader(self, id: String, created: u64, include_usage: bool) -> Reader {
         let more = self.0.more.subscribe();
         let family = self.0.kind.family();
+        // The answer so far and the place of the next event, at one moment: the events are
+        // kept from here on.
+        let (so_far, next) = {
+            let mut log = self.0.log();
+            log.followed = true;
+            let so_far = log.answer.as_ref().map(|a| a.so_far()).unwrap_or_default();
+            (so_far, log.events.len())
+        };
+        let news = if so_far.is_empty() {
+            Vec::new()
+        } else {
+            vec![Bytes::from(so_far)]
+        };
         Reader {
             ticket: self,
             more,
-            next: 0,
+            next,
             events: SseEvents::default(),
-            news: Vec::new(),
+            news,
             render: Render {
                 family,
                 id,
@@ -186,7 +215,7 @@ impl Writer {
     }
 
     /// Adds a chunk of the leader's stream. `true` when it brought the stream's first event.
-    pub fn feed(&mut self, chunk: &Bytes) -> bool {
+    pub fn feed(&mut self, chunk: &[u8]) -> bool {
         if self.bytes > self.max_bytes {
             return false;
         }
@@ -200,12 +229,18 @@ impl Writer {
             self.live.finish(End::Failed(too_big), true);
             return false;
         }
-        self.live.log().chunks.push(chunk.clone());
-        self.live.more.send_replace(());
         let was_any = self.any_event;
         let (done, error, any_event) = (&mut self.done, &mut self.error, &mut self.any_event);
         let family = self.live.kind.family();
+        let mut guard = self.live.log();
+        let log = &mut *guard;
         self.events.split(chunk, |event| {
+            if let Some(answer) = log.answer.as_mut() {
+                answer.feed(event);
+            }
+            if log.followed {
+                log.events.push(Bytes::copy_from_slice(event));
+            }
             let Some(data) = sse::data(event) else {
                 return;
             };
@@ -220,13 +255,16 @@ impl Writer {
                 *any_event = true;
             }
         });
+        drop(guard);
+        self.live.more.send_replace(());
         !was_any && self.any_event
     }
 
-    /// The chunks the log holds (none once it failed for being too big), for the tee to
-    /// store: handles, not copies.
-    pub fn chunks(&self) -> Vec<Bytes> {
-        self.live.log().chunks.clone()
+    /// The non-stream answer the whole stream adds up to, for the cache to store, with
+    /// `usage` when the stream carried none; `None` once it outgrew the bound. It stays in
+    /// the log for the readers that join until the lead is handed on.
+    pub fn answer(&self, usage: Option<Usage>) -> Option<Result<AnswerText, AnswerError>> {
+        self.live.log().answer.as_ref().map(|a| a.finish(usage))
     }
 
     /// The leader's stream ended; `usage` is what the core found in it.
@@ -278,7 +316,8 @@ pub struct Reader {
     /// The next chunk of the log to read.
     next: usize,
     events: SseEvents,
-    /// The chunks taken from the log, parsed outside its lock.
+    /// The answer so far (at first) and the events taken from the log, rendered outside its
+    /// lock.
     news: Vec<Bytes>,
     render: Render,
     wrote: bool,
@@ -309,7 +348,7 @@ impl Reader {
         match &log.end {
             Some(End::Failed(_)) if !self.wrote => Readiness::Failed,
             Some(_) => Readiness::Ready,
-            None if log.chunks.len() > self.next => Readiness::Ready,
+            None if log.events.len() > self.next || !self.news.is_empty() => Readiness::Ready,
             None => Readiness::Waiting,
         }
     }
@@ -327,10 +366,10 @@ impl Reader {
         // Under the lock only reference counts are taken: the leader never waits for a parse.
         let end = {
             let log = self.ticket.0.log();
-            if let Some(news) = log.chunks.get(self.next..) {
+            if let Some(news) = log.events.get(self.next..) {
                 self.news.extend_from_slice(news);
             }
-            self.next = self.next.max(log.chunks.len());
+            self.next = self.next.max(log.events.len());
             log.end.clone()
         };
         let mut out = Vec::new();
@@ -462,22 +501,45 @@ mod tests {
     }
 
     #[test]
-    fn the_log_holds_the_leaders_chunks_as_they_are_and_parses_nothing() {
+    fn the_log_keeps_the_answer_so_far_and_events_only_once_a_reader_joined() {
         let live = Live::new(Endpoint::ChatCompletions, "p");
         let mut writer = Writer::new(live.clone(), 1 << 20);
-        let whole = Bytes::from(event(0, "Hel", None));
-        assert!(writer.feed(&whole), "the first event");
-        let split = event(1, "lo", None);
-        let (a, b) = split.split_at(10);
-        assert!(!writer.feed(&Bytes::copy_from_slice(a.as_bytes())));
-        assert!(!writer.feed(&Bytes::copy_from_slice(b.as_bytes())));
-        let log = live.log();
-        assert_eq!(log.chunks.len(), 3, "one entry per chunk, not per event");
-        assert_eq!(
-            log.chunks[0].as_ptr(),
-            whole.as_ptr(),
-            "the chunk itself, shared"
+        assert!(
+            writer.feed(event(0, "Hel", None).as_bytes()),
+            "the first event"
         );
+        assert!(live.log().events.is_empty(), "no reader: no events kept");
+        let reader = live.enter().reader("mine".into(), 1, false);
+        // One event split across two chunks is kept once, whole.
+        let split = event(1, "lo", Some("stop"));
+        let (a, b) = split.split_at(10);
+        assert!(!writer.feed(a.as_bytes()));
+        assert!(
+            live.log().events.is_empty(),
+            "half an event is not an event"
+        );
+        assert!(!writer.feed(b.as_bytes()));
+        assert_eq!(live.log().events, vec![Bytes::from(split)]);
+        writer.feed(b"data: [DONE]\n\n");
+        writer.end(None);
+        let answer = writer.answer(None).unwrap().unwrap();
+        let answer: Value = serde_json::from_str(answer.get()).unwrap();
+        assert_eq!(answer["choices"][0]["message"]["content"], "Hello");
+        assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+        drop(reader);
+    }
+
+    #[test]
+    fn an_answer_that_outgrows_the_bound_is_dropped_with_its_events() {
+        let live = Live::new(Endpoint::ChatCompletions, "p");
+        let one = event(0, "x", None);
+        let mut writer = Writer::new(live.clone(), one.len() + 10);
+        let _reader = live.enter().reader("a".into(), 1, false);
+        writer.feed(one.as_bytes());
+        writer.feed(one.as_bytes());
+        assert!(writer.answer(None).is_none());
+        assert!(live.log().events.is_empty());
+        assert!(live.failed());
     }
 
     #[test]
@@ -505,7 +567,11 @@ mod tests {
         assert_eq!(live.readers(), 1);
         assert_eq!(reader.readiness(), Readiness::Ready);
         let prefix = next(&mut reader).await;
-        assert_eq!(prefix.len(), 2, "the prefix in one write");
+        assert_eq!(
+            prefix.len(),
+            1,
+            "the answer so far, one event for its one choice"
+        );
         assert_eq!(content(&prefix), "Hello");
         for d in &prefix {
             let v: Value = serde_json::from_str(d).unwrap();

@@ -101,6 +101,10 @@ impl ApiFamily for Anthropic {
         AnswerText::from_value(&message)
     }
 
+    fn stream_answer(&'static self) -> Box<dyn super::StreamAnswer> {
+        super::WholeStream::boxed(self)
+    }
+
     fn render_json(&self, answer: &AnswerText, id: &str, _created: u64) -> Bytes {
         let mut message = answer.tree();
         if let Some(fields) = message.as_object_mut() {

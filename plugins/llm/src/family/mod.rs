@@ -80,6 +80,53 @@ pub struct WireError<'a> {
     pub reason: &'a str,
 }
 
+/// A stream's answer, added up as its events pass ([`ApiFamily::stream_answer`]). The cache
+/// keeps this while a stream is answered rather than its chunks: a vLLM chat delta event is
+/// some 200 bytes around a token of 4, and a thousand open streams each held their whole
+/// event log.
+pub trait StreamAnswer: Send {
+    /// One whole event, as the upstream sent it (its blank line included).
+    fn feed(&mut self, event: &[u8]);
+    /// Events in the upstream's own shape that bring a client joining now to where the
+    /// stream is (a live follower's start): nothing before the first event.
+    fn so_far(&self) -> Vec<u8>;
+    /// The non-stream answer the whole stream adds up to, with `usage` when it carried none.
+    fn finish(&self, usage: Option<Usage>) -> Result<AnswerText, AnswerError>;
+}
+
+/// The default [`StreamAnswer`]: the events as they came, assembled by
+/// [`ApiFamily::answer_from_stream`] once the stream is whole. For the families whose streams
+/// are not relayed live and whose answers are small beside their events' count.
+pub struct WholeStream {
+    family: &'static dyn ApiFamily,
+    events: Vec<u8>,
+}
+
+impl WholeStream {
+    /// A new one, for `family`'s [`ApiFamily::stream_answer`].
+    pub fn boxed(family: &'static dyn ApiFamily) -> Box<dyn StreamAnswer> {
+        Box::new(Self {
+            family,
+            events: Vec::new(),
+        })
+    }
+}
+
+impl StreamAnswer for WholeStream {
+    fn feed(&mut self, event: &[u8]) {
+        self.events.extend_from_slice(event);
+    }
+
+    fn so_far(&self) -> Vec<u8> {
+        self.events.clone()
+    }
+
+    fn finish(&self, usage: Option<Usage>) -> Result<AnswerText, AnswerError> {
+        self.family
+            .answer_from_stream(&[Bytes::copy_from_slice(&self.events)], usage)
+    }
+}
+
 /// Whether the response cache may keep a family's answers to a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheUse {
@@ -142,6 +189,10 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
         chunks: &[Bytes],
         usage: Option<Usage>,
     ) -> Result<AnswerText, AnswerError>;
+    /// A new adder of a stream's answer, fed its events as they pass: what the cache keeps of
+    /// a stream being answered, in place of its chunks.
+    /// ([`WholeStream`] keeps the events as they came.)
+    fn stream_answer(&'static self) -> Box<dyn StreamAnswer>;
     /// A kept answer as a JSON body, with a response's own `id` and `created`.
     fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes;
     /// A kept answer as the family's event stream, ended as the format ends a stream.

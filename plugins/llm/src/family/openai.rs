@@ -12,7 +12,7 @@
 //! shape without building it costs a fraction of building it. A JSON replay splices its fresh
 //! `id` and `created` into the text; only a stream replay parses it.
 
-use super::{AnswerError, ApiFamily, EventFacts, LogprobsAt, Stamp, WireError};
+use super::{AnswerError, ApiFamily, EventFacts, LogprobsAt, Stamp, StreamAnswer, WireError};
 use crate::llm::{Endpoint, InvalidRequest, LlmCall};
 use crate::raw_json::is_space;
 use crate::sse;
@@ -118,6 +118,10 @@ impl ApiFamily for OpenAi {
         usage: Option<Usage>,
     ) -> Result<AnswerText, AnswerError> {
         from_sse(self.kind, chunks, usage)
+    }
+
+    fn stream_answer(&'static self) -> Box<dyn StreamAnswer> {
+        Box::new(Assembly::new(self.kind))
     }
 
     fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes {
@@ -420,23 +424,23 @@ fn from_json(kind: Kind, body: bytes::Bytes) -> Result<AnswerText, AnswerError> 
     Ok(AnswerText(body.slice_ref(body.trim_ascii())))
 }
 
-/// The non-stream answer a complete event stream adds up to. Its `usage` is the stream's own
-/// usage chunk, else `usage` (what the core found in the upstream's stream, whose usage chunk
-/// was kept from the client), else `null`.
+/// The non-stream answer a complete event stream adds up to (see [`Assembly::finish`]).
 fn from_sse(
     kind: Kind,
     chunks: &[bytes::Bytes],
     usage: Option<Usage>,
 ) -> Result<AnswerText, AnswerError> {
-    let mut answer = assemble(kind, chunks)?;
-    if let (Some(usage), Some(fields)) = (usage, answer.as_object_mut()) {
-        if fields.get("usage").is_none_or(Value::is_null) {
-            fields.insert("usage".to_owned(), usage_object(usage));
-        }
+    let mut assembly = Assembly::new(kind);
+    let mut events = sse::SseEvents::default();
+    for chunk in chunks {
+        events.split(chunk, |event| assembly.feed(event));
     }
-    serde_json::value::to_raw_value(&answer)
-        .map(AnswerText::from)
-        .map_err(|_| AnswerError::NotAnAnswer)
+    // A last event without its blank line still counts, as it would for a client.
+    let rest = events.take_rest();
+    if !rest.trim_ascii().is_empty() {
+        assembly.feed(&rest);
+    }
+    assembly.finish(usage)
 }
 
 /// A `usage` object in vLLM's shape.
@@ -448,32 +452,46 @@ fn usage_object(usage: Usage) -> Value {
     })
 }
 
-fn assemble(kind: Kind, chunks: &[bytes::Bytes]) -> Result<Value, AnswerError> {
-    let body: Vec<u8> = chunks.concat();
-    let text = std::str::from_utf8(&body).map_err(|_| AnswerError::NotAnAnswer)?;
-    let mut head: Option<Value> = None;
-    let mut choices: std::collections::BTreeMap<u64, ChoiceBuilder> = Default::default();
-    let mut usage = Value::Null;
-    let mut done = false;
-    for event in text.split("\n\n") {
-        let data = super::event_data(event);
-        if data.is_empty() {
-            continue;
+/// A chat or text completion stream, added up event by event: the first event's identity,
+/// each choice's text, tool calls and log-probabilities so far, and the usage; never the
+/// events themselves.
+struct Assembly {
+    kind: Kind,
+    /// The first event: the answer's `id`, `created`, `model` and `system_fingerprint`.
+    head: Option<Value>,
+    choices: std::collections::BTreeMap<u64, ChoiceBuilder>,
+    usage: Value,
+    done: bool,
+    /// Why the stream cannot be kept, once known (the rest is not read).
+    broken: Option<AnswerError>,
+}
+
+impl Assembly {
+    fn new(kind: Kind) -> Self {
+        Self {
+            kind,
+            head: None,
+            choices: Default::default(),
+            usage: Value::Null,
+            done: false,
+            broken: None,
         }
-        if done {
+    }
+
+    fn read(&mut self, data: &[u8]) -> Result<(), AnswerError> {
+        if self.done {
             return Err(AnswerError::NotAnAnswer);
         }
-        if data == "[DONE]" {
-            done = true;
-            continue;
+        if data == b"[DONE]" {
+            self.done = true;
+            return Ok(());
         }
-        let chunk: Value = serde_json::from_str(&data).map_err(|_| AnswerError::NotAnAnswer)?;
+        let chunk: Value = serde_json::from_slice(data).map_err(|_| AnswerError::NotAnAnswer)?;
         if chunk.get("error").is_some() {
             return Err(AnswerError::ErrorEvent);
         }
-        head.get_or_insert_with(|| chunk.clone());
         if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-            usage = u.clone();
+            self.usage = u.clone();
         }
         for c in chunk
             .get("choices")
@@ -482,29 +500,104 @@ fn assemble(kind: Kind, chunks: &[bytes::Bytes]) -> Result<Value, AnswerError> {
             .flatten()
         {
             let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
-            choices.entry(index).or_default().absorb(kind, c);
+            self.choices.entry(index).or_default().absorb(self.kind, c);
+        }
+        if self.head.is_none() {
+            self.head = Some(chunk);
+        }
+        Ok(())
+    }
+
+    /// The head's value of `field` (`null` before the first event).
+    fn head(&self, field: &str) -> Value {
+        self.head
+            .as_ref()
+            .and_then(|h| h.get(field))
+            .cloned()
+            .unwrap_or(Value::Null)
+    }
+}
+
+impl StreamAnswer for Assembly {
+    fn feed(&mut self, event: &[u8]) {
+        if self.broken.is_some() {
+            return;
+        }
+        let Some(data) = sse::data(event).filter(|d| !d.is_empty()) else {
+            return;
+        };
+        if let Err(broken) = self.read(&data) {
+            self.broken = Some(broken);
         }
     }
-    if !done || choices.is_empty() || choices.values().any(|c| c.finish_reason.is_null()) {
-        return Err(AnswerError::Incomplete);
+
+    /// One event per choice, in vLLM's chunk shape under the upstream's identity: the role,
+    /// the text (tool calls and reasoning with it) and the log-probabilities so far, and the
+    /// finish reason if it came; then the usage chunk if it came.
+    fn so_far(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.head.is_none() {
+            return out;
+        }
+        let (id, created, model) = (self.head("id"), self.head("created"), self.head("model"));
+        let mut event = |choices: Vec<Value>, usage: Option<&Value>| {
+            let mut chunk = serde_json::json!({
+                "id": id,
+                "object": self.kind.chunk_object(),
+                "created": created,
+                "model": model,
+                "choices": choices,
+            });
+            if let Some(usage) = usage {
+                chunk["usage"] = usage.clone();
+            }
+            out.extend_from_slice(b"data: ");
+            let _ = serde_json::to_writer(&mut out, &chunk);
+            out.extend_from_slice(b"\n\n");
+        };
+        for (index, choice) in &self.choices {
+            event(vec![choice.so_far(self.kind, *index)], None);
+        }
+        if !self.usage.is_null() {
+            event(Vec::new(), Some(&self.usage));
+        }
+        out
     }
-    let head = head.unwrap_or(Value::Null);
-    let choices: Vec<Value> = choices
-        .into_iter()
-        .map(|(index, c)| c.build(kind, index))
-        .collect();
-    let mut answer = serde_json::json!({
-        "id": head.get("id").cloned().unwrap_or(Value::Null),
-        "object": kind.object(),
-        "created": head.get("created").cloned().unwrap_or(Value::Null),
-        "model": head.get("model").cloned().unwrap_or(Value::Null),
-        "choices": choices,
-        "usage": usage,
-    });
-    if let Some(fp) = head.get("system_fingerprint") {
-        answer["system_fingerprint"] = fp.clone();
+
+    /// Its `usage` is the stream's own usage chunk, else `usage` (what the core found in the
+    /// upstream's stream, whose usage chunk was kept from the client), else `null`.
+    fn finish(&self, usage: Option<Usage>) -> Result<AnswerText, AnswerError> {
+        if let Some(broken) = self.broken {
+            return Err(broken);
+        }
+        let complete = self.done
+            && !self.choices.is_empty()
+            && self.choices.values().all(|c| !c.finish_reason.is_null());
+        if !complete {
+            return Err(AnswerError::Incomplete);
+        }
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .map(|(index, c)| c.build(self.kind, *index))
+            .collect();
+        let usage = match (&self.usage, usage) {
+            (Value::Null, Some(usage)) => usage_object(usage),
+            (own, _) => own.clone(),
+        };
+        let mut answer = serde_json::json!({
+            "id": self.head("id"),
+            "object": self.kind.object(),
+            "created": self.head("created"),
+            "model": self.head("model"),
+            "choices": choices,
+            "usage": usage,
+        });
+        if let Some(fp) = self.head.as_ref().and_then(|h| h.get("system_fingerprint")) {
+            answer["system_fingerprint"] = fp.clone();
+        }
+        AnswerText::from_value(&answer)
     }
-    Ok(answer)
 }
 
 /// One choice, assembled from its deltas.
@@ -593,20 +686,59 @@ impl ChoiceBuilder {
         }
     }
 
-    fn build(self, kind: Kind, index: u64) -> Value {
-        let logprobs = self.logprobs.map_or(Value::Null, Value::Object);
+    /// The choice so far as one delta of its stream, with the upstream's tool call indexes.
+    fn so_far(&self, kind: Kind, index: u64) -> Value {
+        let logprobs = self.logprobs.clone().map_or(Value::Null, Value::Object);
+        let mut choice = match kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if let Some(role) = &self.role {
+                    delta.insert("role".to_owned(), Value::from(role.as_str()));
+                }
+                delta.insert("content".to_owned(), Value::from(self.text.as_str()));
+                if let Some(reasoning) = &self.reasoning {
+                    delta.insert(
+                        "reasoning_content".to_owned(),
+                        Value::from(reasoning.as_str()),
+                    );
+                }
+                if !self.tool_calls.is_empty() {
+                    let calls = self.tool_calls.iter().map(|(i, call)| {
+                        let mut call = call.clone();
+                        if let Some(fields) = call.as_object_mut() {
+                            fields.insert("index".to_owned(), Value::from(*i));
+                        }
+                        call
+                    });
+                    delta.insert("tool_calls".to_owned(), calls.collect());
+                }
+                serde_json::json!({"index": index, "delta": delta})
+            }
+            Kind::Completion => serde_json::json!({"index": index, "text": self.text}),
+        };
+        choice["logprobs"] = logprobs;
+        choice["finish_reason"] = self.finish_reason.clone();
+        if !self.finish_reason.is_null() {
+            choice["stop_reason"] = self.stop_reason.clone();
+        }
+        choice
+    }
+
+    /// The choice as it will be kept, in the non-stream form.
+    fn build(&self, kind: Kind, index: u64) -> Value {
+        let logprobs = self.logprobs.clone().map_or(Value::Null, Value::Object);
         match kind {
             Kind::Chat => {
-                let tool_calls: Vec<Value> = self.tool_calls.into_values().collect();
+                let tool_calls: Vec<Value> = self.tool_calls.values().cloned().collect();
                 let content = if self.text.is_empty() && !tool_calls.is_empty() {
                     Value::Null
                 } else {
-                    Value::String(self.text)
+                    Value::String(self.text.clone())
                 };
                 serde_json::json!({
                     "index": index,
                     "message": {
-                        "role": self.role.unwrap_or_else(|| "assistant".into()),
+                        "role": self.role.as_deref().unwrap_or("assistant"),
                         "content": content,
                         "tool_calls": tool_calls,
                         "reasoning_content": self.reasoning,
@@ -805,4 +937,70 @@ fn splice_at(out: &mut Vec<u8>, json: &str, spans: &Stamp, id: &str, created: u6
     };
     out.extend_from_slice(rest.as_bytes());
     Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::captures::{capture, unchunked};
+    use super::*;
+
+    /// The whole events of a captured stream.
+    fn events(name: &str) -> Vec<Vec<u8>> {
+        let body = unchunked(&capture(name));
+        let mut events = Vec::new();
+        sse::SseEvents::default().split(&body, |e| events.push(e.to_vec()));
+        events
+    }
+
+    /// What a follower joining after `k` events gets, followed by the rest, adds up to the
+    /// whole stream's answer: for every `k`, on real vLLM streams with log-probabilities,
+    /// several choices, tool calls and a usage chunk.
+    #[test]
+    fn the_answer_so_far_and_the_rest_add_up_to_the_whole() {
+        for (name, kind) in [
+            ("chat-logprobs-stream.http", Kind::Chat),
+            ("chat-n2-stream.http", Kind::Chat),
+            ("chat-stream-usage.http", Kind::Chat),
+            ("target-chat-tools-named-stream.http", Kind::Chat),
+            ("completion-n2-stream.http", Kind::Completion),
+            ("completion-stream-usage.http", Kind::Completion),
+        ] {
+            let events = events(name);
+            let whole = from_sse(kind, &[Bytes::from(events.concat())], None).unwrap();
+            let whole: Value = serde_json::from_str(whole.get()).unwrap();
+            for k in 0..=events.len() {
+                let mut first = Assembly::new(kind);
+                for e in &events[..k] {
+                    first.feed(e);
+                }
+                let mut joined = first.so_far();
+                joined.extend(events[k..].concat());
+                if k == events.len() {
+                    // Joined after `[DONE]`: a reader ends with the log's end.
+                    joined.extend_from_slice(b"data: [DONE]\n\n");
+                }
+                let got = from_sse(kind, &[Bytes::from(joined)], None)
+                    .unwrap_or_else(|e| panic!("{name} joined after {k}: {e:?}"));
+                let got: Value = serde_json::from_str(got.get()).unwrap();
+                assert_eq!(got, whole, "{name} joined after {k} events");
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_with_an_error_event_or_cut_short_is_not_an_answer() {
+        let events = events("chat-stream-usage.http");
+        let cut = events[..events.len() - 1].concat();
+        assert_eq!(
+            from_sse(Kind::Chat, &[Bytes::from(cut)], None),
+            Err(AnswerError::Incomplete)
+        );
+        let mut errored = events[..2].concat();
+        errored.extend_from_slice(b"data: {\"error\": {\"message\": \"boom\", \"code\": 500}}\n\n");
+        errored.extend(events[2..].concat());
+        assert_eq!(
+            from_sse(Kind::Chat, &[Bytes::from(errored)], None),
+            Err(AnswerError::ErrorEvent)
+        );
+    }
 }

@@ -101,6 +101,10 @@ impl ApiFamily for Responses {
         AnswerText::from_value(&response)
     }
 
+    fn stream_answer(&'static self) -> Box<dyn super::StreamAnswer> {
+        super::WholeStream::boxed(self)
+    }
+
     fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes {
         Bytes::from(serde_json::to_vec(&stamped(answer, id, created)).unwrap_or_default())
     }

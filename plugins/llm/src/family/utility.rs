@@ -105,6 +105,10 @@ impl ApiFamily for Utility {
         Err(AnswerError::NotAnAnswer)
     }
 
+    fn stream_answer(&'static self) -> Box<dyn super::StreamAnswer> {
+        super::WholeStream::boxed(self)
+    }
+
     fn render_json(&self, answer: &AnswerText, id: &str, created: u64) -> Bytes {
         match splice_identity(answer.get(), id, created) {
             Some(spliced) => Bytes::from(spliced),
