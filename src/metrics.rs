@@ -222,6 +222,14 @@ metric!(KV_EVENT_GAPS: IntCounterVec = register_int_counter_vec!(
     &["pool", "backend", "outcome"]
 ));
 
+metric!(KV_EVENT_ERRORS: IntCounterVec = register_int_counter_vec!(
+    "sluice_kv_event_errors_total",
+    "Connections to a backend's KV event publisher that failed or were dropped, by reason: \
+     connect (unreachable, or no ZMTP handshake within 5 s), too_large (a message over 4 MiB \
+     or 4 frames), protocol (broken ZMTP), closed (the publisher went away).",
+    &["pool", "backend", "reason"]
+));
+
 metric!(PREFIX_TOKENS: IntCounterVec = register_int_counter_vec!(
     "sluice_prefix_tokens_total",
     "Prompt tokens of requests routed with the exact prefix index: looked_up (all of them); \

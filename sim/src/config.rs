@@ -172,6 +172,9 @@ pub struct SimConfig {
     /// KV cache events (`--kv-events-config`): a ZMQ publisher, announced on
     /// `GET /kv_event_sources`. Needs `prefix_caching`.
     pub kv_events: Option<KvEventsConfig>,
+    /// What `GET /kv_event_sources` answers instead of the publisher's config: a lying or
+    /// broken backend, for the tests of what a backend can make a proxy connect to.
+    pub kv_event_sources: Option<serde_json::Value>,
     /// `--enable-prompt-tokens-details`: answers' usage carries
     /// `prompt_tokens_details.cached_tokens` (else `null`, as vLLM's default).
     pub prompt_tokens_details: bool,
@@ -282,6 +285,7 @@ impl SimConfig {
             prefix_caching: false,
             max_num_batched_tokens: None,
             kv_events: None,
+            kv_event_sources: None,
             prompt_tokens_details: false,
             lora: None,
             responses_store: false,
@@ -428,6 +432,11 @@ impl SimConfig {
     pub fn with_kv_events(mut self, events: KvEventsConfig) -> Self {
         self.prefix_caching = true;
         self.kv_events = Some(events);
+        self
+    }
+    /// Answers `GET /kv_event_sources` with `sources`, whatever it publishes.
+    pub fn with_kv_event_sources(mut self, sources: serde_json::Value) -> Self {
+        self.kv_event_sources = Some(sources);
         self
     }
     /// Keeps the Responses API's responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`).

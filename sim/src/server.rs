@@ -350,7 +350,10 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         }
         (&Method::GET, "/kv_event_sources") => json(
             200,
-            crate::kv_events::sources_body(shared.kv_events.as_ref()),
+            match &shared.config.kv_event_sources {
+                Some(sources) => sources.to_string().into_bytes(),
+                None => crate::kv_events::sources_body(shared.kv_events.as_ref()),
+            },
         ),
         (&Method::GET, "/health") => health(&shared),
         (&Method::GET, "/metrics") => full(

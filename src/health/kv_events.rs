@@ -27,20 +27,34 @@ use pingora_core::upstreams::peer::HttpPeer;
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
 use sluice_sdk::prefix_index::KvEventBatch;
 use sluice_sdk::Pool;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::probe;
+use super::zmtp::{self, Connection, SocketType};
 use crate::metrics;
 
 /// How long a subscriber waits before asking again where the events are, after the backend
 /// said none or its publisher could not be reached.
 const RETRY: Duration = Duration::from_secs(5);
 
+/// The first pause before connecting again to a publisher whose connection ended.
+const RECONNECT: Duration = Duration::from_millis(100);
+
 /// How long connecting to a publisher or a replay socket may take.
 const CONNECT: Duration = Duration::from_secs(5);
 
 /// How long a replay may take, whole.
 const REPLAY: Duration = Duration::from_secs(10);
+
+/// What one publisher may send: vLLM publishes a batch per engine step, a few hundred KB at
+/// most (a step's blocks, 16 token ids each). A larger message ends the connection, counted.
+const LIMITS: zmtp::Limits = zmtp::Limits {
+    message_bytes: 4 * 1024 * 1024,
+    frames: 4,
+};
+
+/// The most publishing ranks one backend may name: vLLM has one per data-parallel rank on
+/// the host.
+const MAX_RANKS: usize = 16;
 
 /// One publishing rank of a backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,8 +182,10 @@ pub fn sources(body: &[u8], backend: IpAddr) -> Vec<Source> {
         Some(list) => list.iter().collect(),
         None => entries,
     };
+    // One per data-parallel rank: a list longer than that is not an engine's.
     entries
         .into_iter()
+        .take(MAX_RANKS)
         .filter_map(|entry| {
             Some(Source {
                 endpoint: on_backend(entry["endpoint"].as_str()?, backend)?,
@@ -183,19 +199,25 @@ pub fn sources(body: &[u8], backend: IpAddr) -> Vec<Source> {
 }
 
 /// A ZMQ endpoint as this proxy reaches it: a wildcard host (a bound address) is the
-/// backend's own. Only TCP endpoints can be reached from another host.
+/// backend's own. Only TCP endpoints on the backend's own address are followed: a backend
+/// names where its engine publishes, never another host (that would let any backend point
+/// every proxy at an address of its choosing), and names are not resolved.
 fn on_backend(endpoint: &str, backend: IpAddr) -> Option<String> {
     let rest = endpoint.strip_prefix("tcp://")?;
     let (host, port) = rest.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
     match host.trim_start_matches('[').trim_end_matches(']') {
         "*" | "0.0.0.0" | "::" | "" => Some(tcp(backend, port)),
-        _ => Some(format!("tcp://{host}:{port}")),
+        ip if ip.parse::<IpAddr>().ok() == Some(backend) => Some(tcp(backend, port)),
+        _ => None,
     }
 }
 
-/// Follows one rank's events into the index, until its publisher cannot be reached. Said
-/// once per backend, not at every retry.
+/// Follows one rank's events into the index, connecting again (after a pause that doubles,
+/// from [`RECONNECT`] to [`RETRY`]) when the connection ends: the sequence number says what
+/// happened meanwhile (see [`catch_up`]). Returns when the publisher cannot be reached after
+/// the longest pause, for the subscriber to ask again where it is. Said once per backend,
+/// not at every retry.
 async fn follow(
     routing: Arc<PrefixRouting>,
     pool: Arc<str>,
@@ -205,32 +227,85 @@ async fn follow(
     said_unreachable: Arc<std::sync::atomic::AtomicBool>,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
-    let mut sub = zeromq::SubSocket::new();
-    let connected = tokio::time::timeout(CONNECT, sub.connect(&source.endpoint)).await;
-    if !matches!(connected, Ok(Ok(()))) {
-        if !said_unreachable.swap(true, Relaxed) {
-            tracing::warn!(
-                pool = &*pool,
-                backend = &label,
-                endpoint = &source.endpoint,
-                "cannot reach the KV event publisher (tried again every few seconds)"
-            );
-        }
-        return;
-    }
-    said_unreachable.store(false, Relaxed);
-    if sub.subscribe(&source.topic).await.is_err() {
-        return;
-    }
-    tracing::info!(
-        pool = &*pool,
-        backend = &label,
-        endpoint = &source.endpoint,
-        "following the backend's KV cache events"
-    );
     let mut next: u64 = 0;
-    while let Ok(message) = sub.recv().await {
-        let frames = message.into_vec();
+    let mut pause = RECONNECT;
+    let mut said_following = false;
+    loop {
+        match Connection::connect(&source.endpoint, SocketType::Sub, LIMITS, CONNECT).await {
+            Ok(mut sub) => {
+                said_unreachable.store(false, Relaxed);
+                if !said_following {
+                    tracing::info!(
+                        pool = &*pool,
+                        backend = &label,
+                        endpoint = &source.endpoint,
+                        "following the backend's KV cache events"
+                    );
+                    said_following = true;
+                }
+                let before = next;
+                let error = match sub.subscribe(source.topic.as_bytes()).await {
+                    Ok(()) => {
+                        subscribed(&mut sub, &routing, &pool, &label, addr, &source, &mut next)
+                            .await
+                    }
+                    Err(error) => error,
+                };
+                let reason = match error {
+                    zmtp::Error::TooLarge(_) => "too_large",
+                    zmtp::Error::Protocol(_) => "protocol",
+                    _ => "closed",
+                };
+                metrics::inc(&metrics::KV_EVENT_ERRORS, &[&pool, &label, reason]);
+                if reason != "closed" {
+                    tracing::warn!(
+                        pool = &*pool,
+                        backend = &label,
+                        endpoint = &source.endpoint,
+                        %error,
+                        "dropped the KV event publisher's connection"
+                    );
+                }
+                if next != before {
+                    pause = RECONNECT;
+                }
+            }
+            Err(error) => {
+                metrics::inc(&metrics::KV_EVENT_ERRORS, &[&pool, &label, "connect"]);
+                if pause >= RETRY {
+                    if !said_unreachable.swap(true, Relaxed) {
+                        tracing::warn!(
+                            pool = &*pool,
+                            backend = &label,
+                            endpoint = &source.endpoint,
+                            %error,
+                            "cannot reach the KV event publisher (tried again every few seconds)"
+                        );
+                    }
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RETRY);
+    }
+}
+
+/// Applies one connection's batches until it ends; why it ended.
+async fn subscribed(
+    sub: &mut Connection,
+    routing: &PrefixRouting,
+    pool: &str,
+    label: &str,
+    addr: SocketAddr,
+    source: &Source,
+    next: &mut u64,
+) -> zmtp::Error {
+    loop {
+        let frames = match sub.recv().await {
+            Ok(frames) => frames,
+            Err(error) => return error,
+        };
         // [topic, seq, payload]; a publisher without a topic frame sends [seq, payload].
         let (seq, payload) = match frames.as_slice() {
             [_, seq, payload] | [seq, payload] => (seq, payload),
@@ -239,11 +314,11 @@ async fn follow(
         let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
             continue;
         };
-        if seq != next {
-            catch_up(&routing, &pool, &label, addr, &source, next, seq).await;
+        if seq != *next {
+            catch_up(routing, pool, label, addr, source, *next, seq).await;
         }
-        apply(&routing, &pool, &label, addr, payload);
-        next = seq.saturating_add(1);
+        apply(routing, pool, label, addr, payload);
+        *next = seq.saturating_add(1);
     }
 }
 
@@ -332,18 +407,14 @@ async fn replay_range(
     whole: bool,
 ) -> bool {
     let work = async {
-        let mut dealer = zeromq::DealerSocket::new();
-        tokio::time::timeout(CONNECT, dealer.connect(replay))
+        let mut dealer = Connection::connect(replay, SocketType::Dealer, LIMITS, CONNECT)
             .await
-            .ok()?
             .ok()?;
         // A DEALER's request: an empty delimiter, then the first sequence number wanted.
-        let mut ask = ZmqMessage::from(Bytes::new());
-        ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-        dealer.send(ask).await.ok()?;
+        dealer.send(&[b"", &from.to_be_bytes()]).await.ok()?;
         let mut expected = from;
         loop {
-            let frames = dealer.recv().await.ok()?.into_vec();
+            let frames = dealer.recv().await.ok()?;
             // vLLM's ROUTER answers `["", topic, seq, payload]`; the end marker's seq is -1.
             let (seq, payload) = match frames.as_slice() {
                 [_, _, seq, payload] | [_, seq, payload] => (seq, payload),
@@ -378,7 +449,7 @@ mod tests {
     use super::*;
     use rmpv::Value;
     use std::sync::Mutex;
-    use zeromq::Socket;
+    use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
     const BACKEND: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 1, 2, 3));
 
@@ -395,7 +466,9 @@ mod tests {
             }]
         );
         let newer = br#"[{"data_parallel_rank": 0, "endpoint": "tcp://0.0.0.0:5557", "replay_endpoint": "tcp://*:5560", "topic": ""},
-                         {"data_parallel_rank": 1, "endpoint": "tcp://10.9.9.9:5558", "replay_endpoint": null, "topic": ""}]"#;
+                         {"data_parallel_rank": 1, "endpoint": "tcp://10.1.2.3:5558", "replay_endpoint": null, "topic": ""},
+                         {"data_parallel_rank": 2, "endpoint": "tcp://10.9.9.9:5559", "replay_endpoint": null, "topic": ""},
+                         {"data_parallel_rank": 3, "endpoint": "tcp://evil.example:5559", "replay_endpoint": null, "topic": ""}]"#;
         assert_eq!(
             sources(newer, BACKEND),
             vec![
@@ -405,12 +478,19 @@ mod tests {
                     topic: String::new(),
                 },
                 Source {
-                    endpoint: "tcp://10.9.9.9:5558".to_string(),
+                    endpoint: "tcp://10.1.2.3:5558".to_string(),
                     replay: None,
                     topic: String::new(),
                 },
-            ]
+            ],
+            "another host's endpoint, or a name, is not followed"
         );
+        // A list longer than an engine's ranks: the first few only.
+        let storm: Vec<_> = (0..20_000)
+            .map(|i| serde_json::json!({"endpoint": format!("tcp://*:{}", 20_000 + i % 100)}))
+            .collect();
+        let storm = serde_json::to_vec(&storm).unwrap();
+        assert_eq!(sources(&storm, BACKEND).len(), MAX_RANKS);
         let v6 = IpAddr::V6(std::net::Ipv6Addr::LOCALHOST);
         assert_eq!(
             sources(br#"[{"endpoint": "tcp://[::]:7"}]"#, v6)[0].endpoint,

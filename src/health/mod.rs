@@ -25,6 +25,7 @@ pub mod exposition;
 pub mod kv_events;
 mod probe;
 pub mod vllm;
+mod zmtp;
 
 use crate::metrics;
 use async_trait::async_trait;
@@ -265,6 +266,9 @@ fn forget_backend(pool: &str, backend: &str) {
     forget(&metrics::KV_EVENT_LAG, &[pool, backend]);
     for outcome in ["replayed", "cleared", "restarted", "joined"] {
         forget(&metrics::KV_EVENT_GAPS, &[pool, backend, outcome]);
+    }
+    for reason in ["connect", "too_large", "protocol", "closed"] {
+        forget(&metrics::KV_EVENT_ERRORS, &[pool, backend, reason]);
     }
 }
 
