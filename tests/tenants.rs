@@ -1009,3 +1009,117 @@ async fn an_admission_the_slow_store_charged_after_it_gave_up_is_given_back() {
     let decided = decided.expect("no admission answered by the store");
     assert_eq!(decided.status, 200, "{}", decided.body);
 }
+
+/// Reads a stream until `enough` says so, then closes it.
+async fn read_then_close(response: reqwest::Response, enough: impl Fn(&str) -> bool) {
+    use futures_util::StreamExt;
+    let mut stream = response.bytes_stream();
+    let mut seen = String::new();
+    while let Some(chunk) = stream.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        if enough(&seen) {
+            return;
+        }
+    }
+    panic!("the stream ended before it was cut: {seen}");
+}
+
+fn tenant_tokens(metrics: &str, tenant: &str, kind: &str) -> f64 {
+    metric_value(
+        metrics,
+        &format!("sluice_tenant_tokens_total{{kind=\"{kind}\",tenant=\"{tenant}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+/// Messages and Responses streams say a usage before their end: Anthropic's `message_start`
+/// (the input, 0 output), and Responses' `response.created`, which echoes the request's
+/// `tools`, whose schema a client may fill with `"usage": {"input_tokens": 0, ...}`. A
+/// stream cut before its end was charged that: 0 output tokens, or nothing at all. Now it
+/// is charged its estimate, as on chat; and a usage of the client's making never teaches the
+/// pool its prompt scale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_messages_or_responses_stream_is_charged_its_estimate_not_an_early_usage() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .with_answer_tokens(40, 40)
+            .with_latency(vllm_sim::Latency::new(
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(20),
+            )),
+    )
+    .await
+    .unwrap();
+    let proxy = tenants_proxy(&upstream, json!({})).await;
+    let send = |path: &'static str, body: Value| {
+        client()
+            .post(proxy.url(path))
+            .header("authorization", format!("Bearer {BETA_KEY}"))
+            .json(&body)
+            .send()
+    };
+    let messages = json!({"model": MODEL, "max_tokens": 50, "stream": true,
+        "messages": [{"role": "user", "content": "Tell me a long story"}]});
+    let response = send("/v1/messages", messages).await.unwrap();
+    assert_eq!(response.status(), 200);
+    read_then_close(response, |seen| {
+        seen.matches("content_block_delta").count() >= 6
+    })
+    .await;
+    let charged = wait_for(Duration::from_secs(10), || async {
+        tenant_tokens(&proxy.metrics().await, "beta", "output") >= 50.0
+    })
+    .await;
+    assert!(
+        charged.is_some(),
+        "the cut Messages stream was charged {} output tokens, not its 50",
+        tenant_tokens(&proxy.metrics().await, "beta", "output")
+    );
+
+    let fake = json!({"type": "object", "properties": {},
+        "usage": {"input_tokens": 1_000_000_000u64, "output_tokens": 0}});
+    let responses = json!({"model": MODEL, "max_output_tokens": 50, "stream": true,
+        "input": "Tell me a long story", "tool_choice": "none",
+        "tools": [{"type": "function", "name": "f", "parameters": fake}]});
+    let before = proxy.metrics().await;
+    let response = send("/v1/responses", responses.clone()).await.unwrap();
+    assert_eq!(response.status(), 200);
+    read_then_close(response, |seen| seen.contains("response.output_text.delta")).await;
+    let charged = wait_for(Duration::from_secs(10), || async {
+        let now = proxy.metrics().await;
+        tenant_tokens(&now, "beta", "output") - tenant_tokens(&before, "beta", "output") >= 50.0
+    })
+    .await;
+    let now = proxy.metrics().await;
+    assert!(
+        charged.is_some(),
+        "the cut Responses stream was charged {} output tokens, not its 50",
+        tenant_tokens(&now, "beta", "output") - tenant_tokens(&before, "beta", "output")
+    );
+    let input = tenant_tokens(&now, "beta", "input") - tenant_tokens(&before, "beta", "input");
+    assert!(input > 0.0 && input < 1_000_000.0, "input charged: {input}");
+
+    // Whole streams with the fake usage in their tools: the engine's own usage counts, and
+    // the pool's prompt scale stays where the engine's counts put it.
+    for _ in 0..5 {
+        let answer = send("/v1/responses", responses.clone()).await.unwrap();
+        assert_eq!(answer.status(), 200);
+        let body = answer.text().await.unwrap();
+        assert!(body.contains("response.completed"), "{body}");
+    }
+    let status = proxy.status().await;
+    let scale = status["pools"][0]["prompt_scale"].as_f64().unwrap();
+    assert!(
+        scale < 2.0,
+        "the client's usage taught the pool: prompt_scale {scale}"
+    );
+    let metrics = proxy.metrics().await;
+    let input = tenant_tokens(&metrics, "beta", "input") - tenant_tokens(&now, "beta", "input");
+    assert!(
+        input > 0.0 && input < 10_000.0,
+        "five whole streams were charged {input} input tokens"
+    );
+}

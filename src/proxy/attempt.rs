@@ -478,6 +478,7 @@ async fn stream(
                     return complete(upstreams, session, ctx, up, Some(data)).await;
                 }
                 if let Err(e) = forward(upstreams.chain, session, ctx, Some(data), false).await {
+                    ctx.progress_mut().response_incomplete = true;
                     return Outcome::ClientGone(e);
                 }
             }
@@ -700,7 +701,11 @@ async fn read_held(
 
 /// The usage a whole answer reports, read as its API family writes it.
 fn answer_usage(ctx: &RequestCtx, body: &[u8]) -> Option<Usage> {
-    let mut scanner = ctx.llm()?.endpoint.family().usage_scanner();
+    let call = ctx.llm()?;
+    let mut scanner = call
+        .endpoint
+        .family()
+        .usage_scanner(call.request.is_stream());
     scanner.feed(body);
     scanner.usage()
 }

@@ -28,7 +28,11 @@ pub fn watch_usage(ctx: &mut RequestCtx) {
     // The request's family knows where its answers carry their usage.
     let scanner = ctx
         .llm()
-        .map(|call| call.endpoint.family().usage_scanner())
+        .map(|call| {
+            call.endpoint
+                .family()
+                .usage_scanner(call.request.is_stream())
+        })
         .unwrap_or_default();
     ctx.state.insert(AnswerUsage {
         scanner,

@@ -38,6 +38,10 @@ const MAX_OBJECT: usize = 4096;
 #[derive(Debug, Default)]
 pub struct UsageScanner {
     state: State,
+    /// Where a family's answers may echo the client's own JSON (Responses echoes `tools` and
+    /// `text`, whose schemas can hold any key), the deepest object whose `usage` counts, and
+    /// the reader of the answer's nesting that says how deep each key is.
+    nesting: Option<Nesting>,
     /// The candidate object's bytes, from its `{`.
     object: Vec<u8>,
     found: Option<Usage>,
@@ -84,9 +88,90 @@ struct PromptDetails {
     cached_tokens: Option<u64>,
 }
 
+/// The answer's nesting, read byte by byte: how many objects and arrays are open, whether a
+/// string is, and whether the string just closed was `usage`. Each SSE event's data is one
+/// line of JSON: a blank line (an event's end) starts again at the top, whatever came before.
+#[derive(Debug, Default)]
+struct Nesting {
+    /// `usage` counts only as a member of an object this deep or less (the answer itself is 1).
+    max_depth: u32,
+    depth: u32,
+    in_string: bool,
+    escaped: bool,
+    /// The open string's first bytes, and how many it has so far.
+    text: [u8; 5],
+    len: usize,
+    /// The last byte outside a string was a newline (`\r` aside).
+    newline: bool,
+}
+
+impl Nesting {
+    /// Reads one byte; whether it closed a `"usage"` string no deeper than the bound.
+    fn read(&mut self, byte: u8) -> bool {
+        if self.in_string {
+            if byte == b'\n' {
+                // No JSON string holds a raw newline: the event was not JSON; start again.
+                *self = Nesting {
+                    max_depth: self.max_depth,
+                    newline: true,
+                    ..Nesting::default()
+                };
+            } else if self.escaped {
+                self.escaped = false;
+                self.len = usize::MAX;
+            } else if byte == b'\\' {
+                self.escaped = true;
+            } else if byte == b'"' {
+                self.in_string = false;
+                return self.len == 5 && &self.text == b"usage" && self.depth <= self.max_depth;
+            } else {
+                if let Some(slot) = self.text.get_mut(self.len) {
+                    *slot = byte;
+                }
+                self.len = self.len.saturating_add(1);
+            }
+            return false;
+        }
+        match byte {
+            b'"' => {
+                self.in_string = true;
+                self.len = 0;
+            }
+            b'{' | b'[' => self.depth = self.depth.saturating_add(1),
+            b'}' | b']' => self.depth = self.depth.saturating_sub(1),
+            b'\n' if self.newline => self.depth = 0,
+            _ => {}
+        }
+        if byte != b'\r' {
+            self.newline = byte == b'\n';
+        }
+        false
+    }
+}
+
 impl UsageScanner {
+    /// A scanner that takes `usage` only as a member of an object `max_depth` deep or less
+    /// (1: the answer's own; 2: an object it holds, as a Responses event's `response`), for
+    /// answers that echo the client's JSON deeper down. Reads every byte, where the default
+    /// scanner searches for the key.
+    pub fn at_most_nested(max_depth: u32) -> UsageScanner {
+        UsageScanner {
+            nesting: Some(Nesting {
+                max_depth,
+                ..Nesting::default()
+            }),
+            ..UsageScanner::default()
+        }
+    }
+
     /// Looks at the next bytes of the body; no allocation unless they hold a `"usage"` key.
     pub fn feed(&mut self, chunk: &[u8]) {
+        if self.nesting.is_some() {
+            for &byte in chunk {
+                self.feed_nested(byte);
+            }
+            return;
+        }
         static FINDER: LazyLock<memmem::Finder<'static>> =
             LazyLock::new(|| memmem::Finder::new(KEY));
         let mut rest = chunk;
@@ -125,6 +210,25 @@ impl UsageScanner {
     /// (`prompt_tokens_details.cached_tokens`), when it says.
     pub fn cached_tokens(&self) -> Option<u64> {
         self.cached_tokens
+    }
+
+    /// One byte, where only a key at the bounded depth counts: the nesting reader finds the
+    /// key, the usual states read what follows it.
+    fn feed_nested(&mut self, byte: u8) {
+        let key = self.nesting.as_mut().is_some_and(|n| n.read(byte));
+        match self.state {
+            State::Seeking | State::Matching(_) => {
+                if key {
+                    self.state = State::AfterKey;
+                }
+            }
+            _ => {
+                self.step(byte);
+                if matches!(self.state, State::Matching(_)) {
+                    self.state = State::Seeking;
+                }
+            }
+        }
     }
 
     fn step(&mut self, byte: u8) {
@@ -421,6 +525,75 @@ mod tests {
         // A key that almost matches, then the real one.
         let body = r#"{"usag":1,""usage"x":2,"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
         assert_eq!(scan_every_way(body), usage(1, 1));
+    }
+
+    const RESPONSES_STREAM: &str =
+        include_str!("../../../tests/fixtures/vllm-0.32/responses-stream.http");
+    const MESSAGES_STREAM: &str =
+        include_str!("../../../tests/fixtures/vllm-0.32/messages-stream.http");
+
+    /// Feeds `body` to a fresh `scanner` whole, and in pieces of every size up to 64.
+    fn nested_every_way(max_depth: u32, body: &str) -> Option<Usage> {
+        let whole = {
+            let mut scanner = UsageScanner::at_most_nested(max_depth);
+            scanner.feed(body.as_bytes());
+            scanner.usage()
+        };
+        for size in 1..64 {
+            let mut scanner = UsageScanner::at_most_nested(max_depth);
+            body.as_bytes()
+                .chunks(size)
+                .for_each(|piece| scanner.feed(piece));
+            assert_eq!(scanner.usage(), whole, "in pieces of {size}");
+        }
+        whole
+    }
+
+    /// A Responses stream echoes the request's `tools`, whose schema may hold a `usage` of
+    /// the client's making: never read, before the end or at it. Only `response.usage` is.
+    #[test]
+    fn a_usage_the_client_planted_in_an_echo_is_never_read() {
+        let planted = RESPONSES_STREAM.replace(
+            r#""tools":[]"#,
+            r#""tools":[{"type":"function","name":"f","parameters":{"type":"object","usage":{"input_tokens":1000000000,"output_tokens":0}}}]"#,
+        );
+        assert!(planted.contains("1000000000"));
+        let body = &planted[planted.find("\r\n\r\n").unwrap()..];
+        let real = nested_every_way(2, body).unwrap();
+        assert!(
+            real.prompt_tokens > 0 && real.prompt_tokens < 1000,
+            "{real:?}"
+        );
+        assert!(real.completion_tokens > 0, "{real:?}");
+        // The default scanner takes the planted one first, which is the finding.
+        assert_eq!(
+            scan_whole(
+                body.split("event: response.completed")
+                    .next()
+                    .unwrap()
+                    .as_bytes()
+            ),
+            usage(1_000_000_000, 0)
+        );
+        // Cut before `response.completed`: no usage at all.
+        let cut = body.split("event: response.completed").next().unwrap();
+        assert_eq!(nested_every_way(2, cut), None);
+        // A whole JSON answer: its own usage, wherever the planted one stands.
+        let json = r#"{"usage":{"input_tokens":12,"output_tokens":3},"tools":[{"parameters":{"usage":{"input_tokens":0,"output_tokens":0}}}]}"#;
+        assert_eq!(nested_every_way(1, json), usage(12, 3));
+        let model_made = r#"{"content":[{"type":"tool_use","input":{"usage":{"input_tokens":1,"output_tokens":1}}}],"usage":{"input_tokens":20,"output_tokens":3}}"#;
+        assert_eq!(nested_every_way(1, model_made), usage(20, 3));
+        assert_eq!(nested_every_way(1, r#"{"usage": null}"#), None);
+    }
+
+    /// Anthropic's stream says the input in `message_start` and the output in
+    /// `message_delta`; both are read, at their depths.
+    #[test]
+    fn a_messages_stream_is_read_at_its_depths() {
+        let body = &MESSAGES_STREAM[MESSAGES_STREAM.find("\r\n\r\n").unwrap()..];
+        assert_eq!(nested_every_way(2, body), usage(20, 3));
+        let cut = body.split("event: message_delta").next().unwrap();
+        assert_eq!(nested_every_way(2, cut), usage(20, 0));
     }
 
     #[test]

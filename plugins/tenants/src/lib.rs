@@ -456,10 +456,12 @@ impl Plugin for Tenants {
 /// - nothing for a cached answer (it used no GPU), nor for a request no upstream generated
 ///   for: refused by Sluice before any attempt (a shed request, a queue timeout), or answered
 ///   with an upstream's error (five shed requests left a tenant rate-limited for nothing);
-/// - the counts the core found in the answer;
-/// - else (a stream cut before its usage chunk, a timeout mid-generation) the estimate the
-///   request was admitted with, in dollars too: closing a stream before its usage chunk no
-///   longer spends nothing of a budget;
+/// - the counts the core found in a whole answer;
+/// - an answer cut short (a client that closed its stream, a timeout mid-generation) is
+///   charged the estimate it was admitted with, or what its usage so far said if more: the
+///   same on every route, whether its family's stream says a usage early (Anthropic's
+///   `message_start`: the input and 0 output), as it goes (`continuous_usage_stats`), or
+///   only at its end;
 /// - and in every case, what answers generated but not sent used (a draft the speculative
 ///   selector rejected, at the draft pool's price): the engine spent it for this request.
 fn used(ctx: &RequestCtx) -> Usage {
@@ -473,18 +475,25 @@ fn used(ctx: &RequestCtx) -> Usage {
     if ctx.answered_locally() {
         return priced(0, 0);
     }
-    if let Some(u) = ctx.usage() {
+    let progress = ctx.progress();
+    let found = ctx.usage();
+    if let Some(u) = found.filter(|_| !progress.response_incomplete) {
         return priced(u.prompt_tokens, u.completion_tokens);
     }
-    let progress = ctx.progress();
-    if progress.attempts == 0 || progress.upstream_status.is_some_and(|s| s >= 400) {
+    if found.is_none()
+        && (progress.attempts == 0 || progress.upstream_status.is_some_and(|s| s >= 400))
+    {
         return priced(0, 0);
     }
     let demand = ctx.llm().map(|call| call.demand).unwrap_or_default();
     let output = demand
         .output_tokens
         .saturating_mul(u64::from(demand.sequences.max(1)));
-    priced(demand.prompt_tokens, output)
+    let so_far = found.unwrap_or_default();
+    priced(
+        demand.prompt_tokens.max(so_far.prompt_tokens),
+        output.max(so_far.completion_tokens),
+    )
 }
 
 /// Whether the request's answers carry Anthropic's rate-limit headers (its API family's

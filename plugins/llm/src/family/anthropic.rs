@@ -35,6 +35,13 @@ pub static MESSAGES: Anthropic = Anthropic {
 pub static COUNT_TOKENS: Anthropic = Anthropic { count_tokens: true };
 
 impl ApiFamily for Anthropic {
+    /// A stream's usage is in `message_start`'s `message` (the input; output 0) and in
+    /// `message_delta` (the output, and vLLM's input again); a whole answer's is its own.
+    /// Never deeper: a tool call's `input` is an object the model writes.
+    fn usage_scanner(&self, stream: bool) -> crate::usage::UsageScanner {
+        crate::usage::UsageScanner::at_most_nested(if stream { 2 } else { 1 })
+    }
+
     fn name(&self) -> &'static str {
         if self.count_tokens {
             "count_tokens"

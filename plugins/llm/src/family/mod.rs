@@ -167,9 +167,10 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn logprobs_at(&self) -> LogprobsAt {
         LogprobsAt::Nowhere
     }
-    /// A new reader of an answer's token usage, fed the answer's chunks as they pass (it
-    /// reads the OpenAI, Responses and Anthropic names alike).
-    fn usage_scanner(&self) -> crate::usage::UsageScanner {
+    /// A new reader of an answer's token usage (a stream's when `stream`), fed the answer's
+    /// chunks as they pass (it reads the OpenAI, Responses and Anthropic names alike). A
+    /// family whose answers echo the client's JSON takes `usage` only where it puts it.
+    fn usage_scanner(&self, _stream: bool) -> crate::usage::UsageScanner {
         crate::usage::UsageScanner::default()
     }
     /// Whether one event's data (a stream's) is an error the upstream ended it with.

@@ -96,7 +96,7 @@ impl ApiFamily for OpenAi {
         }
     }
 
-    fn usage_scanner(&self) -> crate::usage::UsageScanner {
+    fn usage_scanner(&self, _stream: bool) -> crate::usage::UsageScanner {
         crate::usage::UsageScanner::default()
     }
 

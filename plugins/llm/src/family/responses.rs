@@ -50,6 +50,14 @@ impl ApiFamily for Responses {
         Ok(call)
     }
 
+    /// A stream's usage is its `response`'s (`response.completed` or `.incomplete`: the
+    /// `usage` of `response.created` is null); a whole answer's is its own. Never deeper: the
+    /// response echoes the request's `tools` and `text.format`, whose JSON schemas may hold
+    /// a `usage` object of the client's making.
+    fn usage_scanner(&self, stream: bool) -> crate::usage::UsageScanner {
+        crate::usage::UsageScanner::at_most_nested(if stream { 2 } else { 1 })
+    }
+
     fn is_error_event(&self, data: &[u8]) -> bool {
         #[derive(serde::Deserialize)]
         struct Shape<'a> {
