@@ -575,3 +575,91 @@ mod kubernetes {
         assert_eq!(answer.status, 503, "{}", answer.body);
     }
 }
+
+/// One empty answer (a DNS hiccup, a spoofed UDP reply) emptied the pool at once: every
+/// request got `503 no-healthy-backend` until the next refresh, and the backends came back as
+/// strangers. Now `on_empty: drain` waits for three empty answers in a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_empty_answer_empties_nothing() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let proxy = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    let both = wait_for(Duration::from_secs(10), || async {
+        members(&proxy).await.len() == 2
+    })
+    .await;
+    assert!(both.is_some(), "{}", proxy.status().await);
+    let load = Load::start(&proxy, 2);
+    dns.set(NAME, &[]).await;
+    // A lookup asks A and AAAA: three queries after the name emptied hold one whole lookup
+    // answered empty; the fleet is back before two more lookups could be.
+    let asked = dns.queries(NAME);
+    wait_for(Duration::from_secs(10), || async {
+        dns.queries(NAME) >= asked + 3
+    })
+    .await
+    .expect("the proxy asks again, and hears nothing");
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    assert_eq!(members(&proxy).await.len(), 2, "{}", proxy.status().await);
+    let sent_then = load.sent();
+    wait_for(Duration::from_secs(10), || async {
+        load.sent() > sent_then + 10
+    })
+    .await
+    .expect("requests flow");
+    let (sent, failures) = load.finish().await;
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} failed: {:?}",
+        failures.len(),
+        failures
+    );
+}
+
+/// An API server that accepted the list and never answered froze discovery for good: the
+/// pool stayed empty and no error was counted. The list is now bounded: counted, and tried
+/// again until the server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_api_server_is_counted_and_tried_again() {
+    use sluice_testkit::kube_api::{endpoint_slice, Endpoint, FakeKubeApi};
+    let (port, _sims) = sims_on_loopbacks(1, MODEL).await;
+    let api = FakeKubeApi::start().await;
+    api.apply(endpoint_slice(
+        "default",
+        "vllm",
+        "vllm-a",
+        "http",
+        port,
+        &[Endpoint::ready("127.0.0.2")],
+    ));
+    api.stall(true);
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.kubeconfig(dir.path(), "default");
+    let proxy = Proxy::start(json!({"pools": [
+        pool("fleet", &[MODEL], &[])
+            .with_fast_health_checks()
+            .with("discovery", json!({"kubernetes": {
+                "service": "vllm", "namespace": "default", "port": "http",
+                "kubeconfig": kubeconfig.to_string_lossy(), "debounce": "100ms"}}))
+    ]}))
+    .await;
+    let counted = wait_for(Duration::from_secs(30), || async {
+        discovery_errors(&proxy, "kubernetes").await >= 1.0
+    })
+    .await;
+    assert!(
+        counted.is_some(),
+        "the stall was never counted: {}",
+        proxy.logs()
+    );
+    assert!(members(&proxy).await.is_empty());
+    api.stall(false);
+    let listed = wait_for(Duration::from_secs(60), || async {
+        members(&proxy).await.len() == 1
+    })
+    .await;
+    assert!(listed.is_some(), "{}", proxy.logs());
+    let answer = proxy.ask(&chat(MODEL, "there?", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+}

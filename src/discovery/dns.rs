@@ -4,7 +4,9 @@
 //! static pool's `backends[]`, each staying one backend.
 //!
 //! An answer with no records (NXDOMAIN or NODATA: a headless Service scaled to zero) does
-//! what `on_empty` says; a resolver that errs or times out leaves the pool as it was.
+//! what `on_empty` says, `drain` only once [`EMPTY_TO_DRAIN`] answers in a row said so (one
+//! empty answer is as likely a DNS hiccup or a spoofed UDP reply as a fleet scaled to zero);
+//! a resolver that errs or times out leaves the pool as it was.
 
 use super::{apply, jittered, report_error, report_recovery};
 use hickory_resolver::config::{
@@ -52,6 +54,9 @@ pub struct NamedBackend {
     /// What the name resolved to when the config was loaded.
     pub resolved: SocketAddr,
 }
+
+/// Empty answers in a row (a refresh apart, `min_refresh`) before `on_empty: drain` drains.
+pub const EMPTY_TO_DRAIN: u32 = 3;
 
 /// The refresh bounds of re-resolved `backends[]` names.
 const NAMES_MIN_REFRESH: Duration = Duration::from_secs(1);
@@ -127,9 +132,11 @@ pub async fn follow(pool: Arc<Pool>, source: DnsSource) {
         }
     };
     let mut streak = None;
+    let mut empty_answers = 0u32;
     loop {
         let wait = match lookup(&resolver, &source.name, source.timeout).await {
             Ok(Answer::Records(ips, ttl)) => {
+                empty_answers = 0;
                 report_recovery(&pool, "dns", &mut streak);
                 let wanted: Vec<Wanted> = ips
                     .into_iter()
@@ -150,10 +157,17 @@ pub async fn follow(pool: Arc<Pool>, source: DnsSource) {
             }
             Ok(Answer::Empty) => {
                 report_recovery(&pool, "dns", &mut streak);
+                empty_answers = empty_answers.saturating_add(1);
                 match source.on_empty {
-                    OnEmpty::Drain => {
+                    OnEmpty::Drain if empty_answers >= EMPTY_TO_DRAIN => {
                         apply(&pool, "dns", &[]);
                     }
+                    OnEmpty::Drain => tracing::info!(
+                        pool = &*pool.name,
+                        "{} has no records ({empty_answers} answers in a row): the pool \
+                         drains at {EMPTY_TO_DRAIN}",
+                        source.name
+                    ),
                     OnEmpty::Keep => tracing::debug!(
                         pool = &*pool.name,
                         "{} has no records; on_empty: keep keeps the pool as it is",

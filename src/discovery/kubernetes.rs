@@ -7,6 +7,13 @@
 //! ready is drained (no new request, running streams finish); one that is gone leaves once
 //! nothing runs on it. Changes are debounced (`debounce`), so a rollout's burst of events is
 //! applied as one update.
+//!
+//! Every call is bounded: an API server (or a balancer in front of one) that accepts and never
+//! answers would otherwise freeze the pool's membership for good. A list must end within
+//! [`LIST_TIMEOUT`], else the watcher starts over (counted); a watch is asked to end after
+//! [`WATCH_SECONDS`] (the server closes it, the watcher resumes it), so no read of a healthy
+//! server waits longer than that, and the client's read timeout ([`READ_TIMEOUT`]) ends one
+//! that does: a watch whose start is never answered among them.
 
 use super::{apply, report_error, report_recovery};
 use futures_util::StreamExt;
@@ -53,6 +60,15 @@ impl fmt::Display for PortRef {
 /// The longest wait before trying again to build a client that could not be built.
 const CLIENT_RETRY_MAX: Duration = Duration::from_secs(30);
 
+/// How long a list (all of its pages) may take before the watcher starts over.
+const LIST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the server keeps one watch open (its `timeoutSeconds`).
+const WATCH_SECONDS: u32 = 60;
+
+/// The longest silence on a connection: past a watch's end, with a margin.
+const READ_TIMEOUT: Duration = Duration::from_secs(WATCH_SECONDS as u64 + 15);
+
 async fn client(source: &KubernetesSource) -> Result<Client, String> {
     let config = match &source.kubeconfig {
         Some(path) => {
@@ -66,6 +82,8 @@ async fn client(source: &KubernetesSource) -> Result<Client, String> {
             .await
             .map_err(|e| format!("no Kubernetes credentials (in-cluster or kubeconfig): {e}"))?,
     };
+    let mut config = config;
+    config.read_timeout = Some(READ_TIMEOUT);
     Client::try_from(config).map_err(|e| format!("cannot build the Kubernetes client: {e}"))
 }
 
@@ -88,19 +106,44 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
         None => Api::default_namespaced(client),
     };
     let selector = format!("kubernetes.io/service-name={}", source.service);
-    let mut events = watcher::watcher(api, watcher::Config::default().labels(&selector))
-        .default_backoff()
-        .boxed();
+    let watch = || {
+        let config = watcher::Config::default()
+            .labels(&selector)
+            .timeout(WATCH_SECONDS);
+        watcher::watcher(api.clone(), config)
+            .default_backoff()
+            .boxed()
+    };
+    let mut events = watch();
+    // Whether a list is under way (the watcher's start, or a relist): it is bounded.
+    let mut listing = true;
     // The slices as last seen, by name; a relist builds the next set aside until it is whole.
     let mut slices: BTreeMap<String, Vec<Wanted>> = BTreeMap::new();
     let mut relisting: Option<BTreeMap<String, Vec<Wanted>>> = None;
     // When the changes seen since the last update are applied: a debounce window that
     // starts with the first of them (a steady trickle of events cannot hold it off).
     let mut apply_at: Option<tokio::time::Instant> = None;
+    let mut list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
     loop {
-        let next = match apply_at {
+        // The nearest of the debounce's end and the list's bound.
+        let wake = match (apply_at, listing) {
+            (Some(at), true) => Some(at.min(list_deadline)),
+            (Some(at), false) => Some(at),
+            (None, true) => Some(list_deadline),
+            (None, false) => None,
+        };
+        let next = match wake {
             Some(at) => match tokio::time::timeout_at(at, events.next()).await {
                 Ok(next) => next,
+                Err(_) if listing && tokio::time::Instant::now() >= list_deadline => {
+                    let e =
+                        format!("the API server did not answer the list within {LIST_TIMEOUT:?}");
+                    report_error(&pool, "kubernetes", &e, &mut streak);
+                    events = watch();
+                    relisting = None;
+                    list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
+                    continue;
+                }
                 Err(_) => {
                     apply_at = None;
                     let wanted: Vec<Wanted> = slices.values().flatten().cloned().collect();
@@ -117,13 +160,18 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
             Ok(event) => {
                 report_recovery(&pool, "kubernetes", &mut streak);
                 match event {
-                    Event::Init => relisting = Some(BTreeMap::new()),
+                    Event::Init => {
+                        relisting = Some(BTreeMap::new());
+                        listing = true;
+                        list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
+                    }
                     Event::InitApply(slice) => {
                         if let Some(next) = relisting.as_mut() {
                             next.insert(slice_name(&slice), wanted(&pool, &source, &slice));
                         }
                     }
                     Event::InitDone => {
+                        listing = false;
                         if let Some(next) = relisting.take() {
                             slices = next;
                             apply_at.get_or_insert_with(|| {
@@ -143,7 +191,15 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
                     }
                 }
             }
-            Err(e) => report_error(&pool, "kubernetes", &e.to_string(), &mut streak),
+            Err(e) => {
+                report_error(&pool, "kubernetes", &e.to_string(), &mut streak);
+                // The watcher backs off (up to 30 s) before it lists again: its answer is
+                // bounded from then.
+                if listing {
+                    list_deadline =
+                        tokio::time::Instant::now() + LIST_TIMEOUT + Duration::from_secs(30);
+                }
+            }
         }
     }
 }

@@ -320,6 +320,13 @@ impl FakeKubeApi {
         self.lock().fail = status;
     }
 
+    /// From now on (while `true`), reads every request and never answers it: an API server,
+    /// or a balancer in front of one, that accepts and stalls. Requests already answered or
+    /// watches already open go on.
+    pub fn stall(&self, stall: bool) {
+        self.lock().stall = stall;
+    }
+
     /// The requests received so far, in order, each as `METHOD path?query` with the query as
     /// sent (percent-encoded).
     pub fn requests(&self) -> Vec<String> {
@@ -382,6 +389,7 @@ struct Inner {
     conns: HashMap<u64, AbortHandle>,
     next_conn: u64,
     fail: Option<u16>,
+    stall: bool,
     requests: Vec<String>,
     uid_seq: u64,
 }
@@ -398,6 +406,7 @@ impl Inner {
             conns: HashMap::new(),
             next_conn: 0,
             fail: None,
+            stall: false,
             requests: Vec::new(),
             uid_seq: 0,
         }
@@ -436,8 +445,15 @@ fn serve_connection(shared: &Arc<Mutex<Inner>>, stream: tokio::net::TcpStream) {
     let task = tokio::spawn(async move {
         let service_state = state.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let response = handle(&service_state, conn, &req);
-            async move { Ok::<_, Infallible>(response) }
+            let stalled = lock(&service_state).stall;
+            let response = (!stalled).then(|| handle(&service_state, conn, &req));
+            async move {
+                match response {
+                    Some(response) => Ok::<_, Infallible>(response),
+                    // Accepted, read, and never answered: the connection stays open.
+                    None => std::future::pending().await,
+                }
+            }
         });
         let _ = hyper::server::conn::http1::Builder::new()
             .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
