@@ -156,6 +156,13 @@ fn client_ip(stream: &Stream) -> Option<IpAddr> {
     digest.peer_addr()?.as_inet().map(|addr| addr.ip())
 }
 
+/// Refused connections being drained at once ([`linger`]); past this, one is closed at once.
+static LINGERING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
+
+/// How long, and how many bytes, a refused connection is drained for at most.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 1 << 20;
+
 /// Answers a connection over a cap in full and closes it: the client reads why instead of a
 /// reset, and knows when to come back.
 async fn refuse(over: Over, stream: &mut Stream) {
@@ -169,6 +176,29 @@ async fn refuse(over: Over, stream: &mut Stream) {
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
     Shutdown::shutdown(&mut **stream).await;
+    linger(stream).await;
+}
+
+/// Reads what the client still sends (its request, its body) until it closes, as nginx's
+/// lingering close: a socket closed with unread bytes is reset, and a client still writing its
+/// body then gets a broken pipe instead of the answer already sent. Bounded in time, bytes and
+/// in how many connections linger at once, so the refused cannot hold what the cap protects.
+async fn linger(stream: &mut Stream) {
+    use tokio::io::AsyncReadExt;
+    let Ok(_draining) = LINGERING.try_acquire() else {
+        return;
+    };
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut read = 0;
+        while read < LINGER_BYTES {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => read += n,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }
 
 /// A whole HTTP/1.1 answer for `reply`, for where no HTTP session exists to write it, that

@@ -689,3 +689,50 @@ async fn a_client_that_resets_a_stalled_stream_counts_as_gone_not_as_an_internal
     );
     assert!(!proxy.logs().contains("ERROR"), "{}", proxy.logs());
 }
+
+/// While the connection cap was spent, 6 of 10 POSTs with a 400-byte body got a broken pipe
+/// instead of the 503: the refused socket was closed under the unread body, and the kernel
+/// reset it. The refused connection is now drained (a lingering close, as nginx's), so a
+/// client still writing its request gets to read the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_client_still_sending_its_body_reads_the_503() {
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "limits": {"max_connections": 1},
+        "pools": [pool("main", &[MODEL], &[upstream.addr()])],
+    }))
+    .await;
+    let held = TcpStream::connect(proxy.addr).await.unwrap();
+    // The cap is spent once the held connection is refused nothing: a second one is refused.
+    wait_for(Duration::from_secs(10), || async {
+        let mut probe = TcpStream::connect(proxy.addr).await.unwrap();
+        read_answer(&mut probe, Duration::from_secs(5))
+            .await
+            .starts_with("HTTP/1.1 503")
+    })
+    .await
+    .expect("the cap is spent");
+    let body = "x".repeat(400);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: sluice\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    for attempt in 0..10 {
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let answer = read_answer(&mut s, Duration::from_secs(5)).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{attempt}: {answer:?}");
+    }
+    // A client that writes its body after the refusal came, in pieces, is read, not reset.
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    let answer = read_answer(&mut s, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
+    for (i, piece) in request.as_bytes().chunks(8).enumerate() {
+        if let Err(e) = s.write_all(piece).await {
+            panic!("piece {i} of the request: {e}");
+        }
+        s.flush().await.unwrap();
+    }
+    drop(held);
+}
