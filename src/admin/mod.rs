@@ -203,6 +203,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
             "unreadable_prompts": routing.unreadable.load(Relaxed),
             "orphan_blocks": routing.index.orphans.load(Relaxed),
             "overflowed_blocks": routing.index.overflowed.load(Relaxed),
+            "refused_events": routing.index.refused.load(Relaxed),
         })
     });
     json!({

@@ -30,6 +30,15 @@ pub const MAX_BLOCKS_PER_BACKEND: usize = 262_144;
 /// The block size vLLM uses unless told otherwise, until an event says what the pool's is.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
+/// The largest block size an event may name: vLLM's are 1 to a few hundred tokens (hybrid
+/// models align theirs to the attention's page). A larger one is no engine's: its event is
+/// refused.
+pub const MAX_BLOCK_SIZE: usize = 4096;
+
+/// Blocks applied under one hold of the index's write lock: a large batch is applied in
+/// slices, so that a request's lookup never waits behind a whole batch.
+const BLOCKS_PER_HOLD: usize = 1024;
+
 /// A block as an engine names it: vLLM sends an integer by default, the hash's bytes when
 /// configured so. Bytes are folded into 64 bits.
 pub type EngineHash = u64;
@@ -379,8 +388,13 @@ pub struct PrefixIndex {
     /// Backend address → its id in the index.
     ids: RwLock<HashMap<SocketAddr, u32>>,
     next_id: AtomicU64,
-    /// The pool's block size, as the last `BlockStored` said.
+    /// The pool's block size: the one most of its backends' events name (one backend
+    /// cannot set it for the others); 0 until an event said.
     block_size: AtomicUsize,
+    /// Each backend's block size, as its last `BlockStored` said.
+    sizes: RwLock<HashMap<u32, usize>>,
+    /// Events refused: a block size no engine has.
+    pub refused: AtomicU64,
     /// Blocks not indexed because their backend was at [`MAX_BLOCKS_PER_BACKEND`].
     pub overflowed: AtomicU64,
     /// Stored blocks whose parent the index did not know (events missed): not indexed.
@@ -424,11 +438,20 @@ impl PrefixIndex {
             .or_insert_with(|| self.next_id.fetch_add(1, Relaxed) as u32)
     }
 
-    /// Applies `addr`'s events, in order.
+    /// Applies `addr`'s events, in order, a slice of at most [`BLOCKS_PER_HOLD`] blocks under
+    /// each hold of the write lock.
     pub fn apply(&self, addr: SocketAddr, events: &[KvEvent]) {
         let id = self.register(addr);
         let mut index = self.write();
+        let mut held = 0usize;
         for event in events {
+            if held >= BLOCKS_PER_HOLD {
+                // Readers waiting for the lock go first.
+                drop(index);
+                std::thread::yield_now();
+                index = self.write();
+                held = 0;
+            }
             match event {
                 KvEvent::Stored {
                     hashes,
@@ -437,7 +460,13 @@ impl PrefixIndex {
                     block_size,
                     extra,
                 } => {
-                    self.block_size.store(*block_size, Relaxed);
+                    let size = *block_size;
+                    if size == 0 || size > MAX_BLOCK_SIZE {
+                        self.refused.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    self.note_block_size(id, size);
+                    held += hashes.len();
                     let index = &mut *index;
                     let holdings = index.backends.entry(id).or_default();
                     let mut parent_key = match parent {
@@ -450,7 +479,7 @@ impl PrefixIndex {
                             }
                         },
                     };
-                    let blocks = hashes.iter().zip(token_ids.chunks_exact(*block_size));
+                    let blocks = hashes.iter().zip(token_ids.chunks_exact(size));
                     for (position, (hash, tokens)) in blocks.enumerate() {
                         let key =
                             block_key(parent_key, tokens, extra.get(position).copied().flatten());
@@ -467,8 +496,12 @@ impl PrefixIndex {
                             }
                             // The same engine hash for other tokens (a hash collision or a
                             // restarted engine): the old block is gone.
-                            let list = index.holders.entry(old).or_default();
-                            list.retain(|holder| *holder != id);
+                            if let Some(list) = index.holders.get_mut(&old) {
+                                list.retain(|holder| *holder != id);
+                                if list.is_empty() {
+                                    index.holders.remove(&old);
+                                }
+                            }
                         }
                         let list = index.holders.entry(key).or_default();
                         if !list.contains(&id) {
@@ -477,6 +510,7 @@ impl PrefixIndex {
                     }
                 }
                 KvEvent::Removed { hashes } => {
+                    held += hashes.len();
                     for hash in hashes {
                         let key = index
                             .backends
@@ -487,9 +521,34 @@ impl PrefixIndex {
                         }
                     }
                 }
-                KvEvent::AllCleared => forget_all(&mut index, id),
+                KvEvent::AllCleared => {
+                    held += index.backends.get(&id).map_or(0, |h| h.keys.len());
+                    forget_all(&mut index, id);
+                }
             }
         }
+    }
+
+    /// `id`'s engine cuts blocks of `size` tokens: the pool's size is then the one most
+    /// backends name (on a tie, the one it had).
+    fn note_block_size(&self, id: u32, size: usize) {
+        let mut sizes = self.sizes.write().unwrap_or_else(|p| p.into_inner());
+        if sizes.insert(id, size) == Some(size) {
+            return;
+        }
+        self.elect_block_size(&sizes);
+    }
+
+    /// The pool's block size: the one most backends name (on a tie, the one it had).
+    fn elect_block_size(&self, sizes: &HashMap<u32, usize>) {
+        let current = self.block_size.load(Relaxed);
+        let votes = |size: usize| sizes.values().filter(|s| **s == size).count();
+        let best = sizes
+            .values()
+            .copied()
+            .max_by_key(|s| (votes(*s), *s == current))
+            .unwrap_or(current);
+        self.block_size.store(best, Relaxed);
     }
 
     /// Forgets everything `addr` holds: its engine restarted, its events were lost, or it
@@ -503,6 +562,12 @@ impl PrefixIndex {
     /// Forgets `addr` altogether: it left the pool.
     pub fn remove(&self, addr: SocketAddr) {
         self.clear(addr);
+        if let Some(id) = self.id_of(addr) {
+            let mut sizes = self.sizes.write().unwrap_or_else(|p| p.into_inner());
+            if sizes.remove(&id).is_some() {
+                self.elect_block_size(&sizes);
+            }
+        }
         self.lags
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -617,6 +682,71 @@ mod tests {
         let mut out = Vec::new();
         rmpv::encode::write_value(&mut out, value).unwrap();
         out
+    }
+
+    fn stored_sized(hash: u64, size: usize) -> KvEvent {
+        KvEvent::Stored {
+            hashes: vec![hash],
+            parent: None,
+            token_ids: (0..size as u32).collect(),
+            block_size: size,
+            extra: Vec::new(),
+        }
+    }
+
+    /// One event named a block size of 2^40: the pool's requests were cut at it, and no
+    /// backend was credited again. A size no engine has is refused; a size one backend of
+    /// three names is its own, not the pool's.
+    #[test]
+    fn no_backend_sets_the_pools_block_size_alone() {
+        let index = PrefixIndex::default();
+        for port in 1..=3 {
+            index.apply(addr(port), &[stored_sized(u64::from(port), 16)]);
+        }
+        assert_eq!(index.block_size(), 16);
+        let lie = KvEvent::Stored {
+            hashes: Vec::new(),
+            parent: None,
+            token_ids: Vec::new(),
+            block_size: 1 << 40,
+            extra: Vec::new(),
+        };
+        index.apply(addr(3), &[lie]);
+        assert_eq!(index.block_size(), 16);
+        assert_eq!(index.refused.load(Relaxed), 1);
+        index.apply(addr(3), &[stored_sized(99, 1024)]);
+        assert_eq!(index.block_size(), 16, "one of three");
+        // Most of the pool moves (engines restarted with another size): so does the pool.
+        index.apply(addr(2), &[stored_sized(98, 1024)]);
+        assert_eq!(index.block_size(), 1024);
+        // A backend that leaves takes its vote with it.
+        index.remove(addr(3));
+        index.remove(addr(2));
+        index.apply(addr(1), &[stored_sized(97, 16)]);
+        assert_eq!(index.block_size(), 16);
+    }
+
+    /// An engine hash stored again for other tokens left an empty holder list behind, for
+    /// ever; and a large batch is applied whole, slice by slice.
+    #[test]
+    fn re_stored_hashes_leave_nothing_behind_and_large_batches_apply_whole() {
+        let index = PrefixIndex::default();
+        index.apply(addr(1), &[stored(&[1], None, &[1, 2, 3, 4])]);
+        for round in 0..100u32 {
+            index.apply(addr(1), &[stored(&[1], None, &[round, 9, 9, 9])]);
+        }
+        assert_eq!(index.read().holders.len(), 1);
+        let many: Vec<KvEvent> = (0..5000u64)
+            .map(|i| stored(&[1000 + i], None, &[i as u32, 1, 2, 3]))
+            .collect();
+        index.apply(addr(2), &many);
+        assert_eq!(index.blocks_of(addr(2)), 5000);
+        let removed = KvEvent::Removed {
+            hashes: (0..5000u64).map(|i| 1000 + i).collect(),
+        };
+        index.apply(addr(2), &[removed]);
+        assert_eq!(index.blocks_of(addr(2)), 0);
+        assert_eq!(index.read().holders.len(), 1);
     }
 
     #[test]
