@@ -161,3 +161,83 @@ async fn a_backends_kv_event_sources_cannot_send_the_proxy_anywhere() {
     let answer = proxy.ask(&chat(MODEL, "still there?", false), &[]).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
+
+fn batch(seq: u64, event: rmpv::Value) -> zeromq::ZmqMessage {
+    let mut payload = Vec::new();
+    let batch = rmpv::Value::Array(vec![rmpv::Value::F64(0.0), rmpv::Value::Array(vec![event])]);
+    rmpv::encode::write_value(&mut payload, &batch).unwrap();
+    zeromq::ZmqMessage::try_from(vec![
+        bytes::Bytes::new(),
+        bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+        bytes::Bytes::from(payload),
+    ])
+    .unwrap()
+}
+
+fn block_stored(hash: u64, block_size: u64, tokens: u32) -> rmpv::Value {
+    use rmpv::Value;
+    Value::Array(vec![
+        "BlockStored".into(),
+        Value::Array(vec![Value::from(hash)]),
+        Value::Nil,
+        Value::Array((0..tokens).map(Value::from).collect()),
+        Value::from(block_size),
+        Value::Nil,
+        "GPU".into(),
+    ])
+}
+
+/// One event naming a block size of 2^40 set the pool's: every request was cut at it and no
+/// backend was credited again. Now it is refused, and the pool's size stays its engines'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publishers_block_size_no_engine_has_is_refused() {
+    use zeromq::{Socket, SocketSend};
+    let sim = sim_serving(MODEL).await;
+    let mut publisher = zeromq::PubSocket::new();
+    let zeromq::Endpoint::Tcp(_, port) = publisher.bind("tcp://127.0.0.1:0").await.unwrap() else {
+        panic!("tcp")
+    };
+    let proxy = Proxy::start(json!({"pools": [
+        pool("p", &[MODEL], &[sim.addr()])
+            .with("tokenizer", tokenizer_dir())
+            .with("kv_events", json!({"port": port}))
+            .with("balancing", json!({"strategy": "kv_aware"}))
+    ]}))
+    .await;
+    let prefix = |status: &Value| status["pools"][0]["prefix_index"].clone();
+    // Published until heard: a subscription reaches a PUB socket some time after it connects.
+    let mut seq = 0;
+    loop {
+        publisher
+            .send(batch(seq, block_stored(seq + 1, 16, 16)))
+            .await
+            .unwrap();
+        seq += 1;
+        let heard = proxy
+            .metrics()
+            .await
+            .lines()
+            .any(|l| l.starts_with("sluice_prefix_index_blocks{") && !l.ends_with(" 0"));
+        if heard {
+            break;
+        }
+        assert!(seq < 2000, "the subscriber never heard the publisher");
+    }
+    let lie = rmpv::Value::Array(vec![
+        "BlockStored".into(),
+        rmpv::Value::Array(Vec::new()),
+        rmpv::Value::Nil,
+        rmpv::Value::Array(Vec::new()),
+        rmpv::Value::from(1u64 << 40),
+        rmpv::Value::Nil,
+        "GPU".into(),
+    ]);
+    publisher.send(batch(seq, lie)).await.unwrap();
+    let refused = wait_for(Duration::from_secs(10), || async {
+        prefix(&proxy.status().await)["refused_events"].as_u64() == Some(1)
+    })
+    .await;
+    let status = proxy.status().await;
+    assert!(refused.is_some(), "{}", prefix(&status));
+    assert_eq!(prefix(&status)["block_size"], 16);
+}
