@@ -7,6 +7,11 @@
 //! that made it. Any other request is
 //! matched against the configured routes as nginx matches `location` prefixes: a route with a
 //! `host` beats one without, then the longest `path_prefix` wins. No match: 404.
+//!
+//! Paths are matched as the engine will read them (uvicorn decodes escapes, `%2F` included),
+//! and vLLM's own endpoints that generate or administer without Sluice's accounting
+//! ([`ENGINE_ONLY`]) are refused on every route: a catch-all route would otherwise carry
+//! `/v1/chat/completions/batch` past every token limit, budget and breaker.
 
 use crate::config::RouteRule;
 use pingora_http::RequestHeader;
@@ -25,6 +30,8 @@ pub enum Decision<'a> {
     StoredResponse(String),
     Plain(&'a RouteRule),
     NotFound,
+    /// One of vLLM's own endpoints ([`ENGINE_ONLY`]): 404 on every route.
+    EngineOnly,
     /// A known path with the wrong method: 405.
     MethodNotAllowed(&'static str),
 }
@@ -36,10 +43,31 @@ impl Decision<'_> {
             Decision::Models => Route::Models,
             Decision::StoredResponse(_) => Route::StoredResponse,
             Decision::Plain(rule) => Route::Plain(rule.name.clone()),
-            Decision::NotFound | Decision::MethodNotAllowed(_) => Route::NotFound,
+            Decision::NotFound | Decision::EngineOnly | Decision::MethodNotAllowed(_) => {
+                Route::NotFound
+            }
         }
     }
 }
+
+/// vLLM 0.32's endpoints that generate or change the engine but that Sluice does not build
+/// in (`tests/fixtures/vllm-0.32/openapi-paths.txt`, and the development endpoints vLLM
+/// serves with `VLLM_SERVER_DEV_MODE=1`): a plain route never carries them.
+pub const ENGINE_ONLY: &[&str] = &[
+    "/v1/chat/completions/batch",
+    "/invocations",
+    "/generative_scoring",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/sleep",
+    "/wake_up",
+    "/collective_rpc",
+    "/start_profile",
+    "/stop_profile",
+    "/update_weights",
+];
 
 impl Router {
     pub fn new(mut rules: Vec<RouteRule>) -> Self {
@@ -78,6 +106,12 @@ impl Router {
                 };
             }
         }
+        if ENGINE_ONLY
+            .iter()
+            .any(|p| path.trim_end_matches('/').eq_ignore_ascii_case(p))
+        {
+            return Decision::EngineOnly;
+        }
         if path == "/v1/models" {
             return if req.method == http::Method::GET {
                 Decision::Models
@@ -99,7 +133,8 @@ impl Router {
 }
 
 /// `path` with its percent-encoded unreserved characters (letters, digits, `-._~`) decoded,
-/// as RFC 3986 (6.2.2.2) holds them equivalent; every other escape is kept. Borrowed when
+/// as RFC 3986 (6.2.2.2) holds them equivalent, and `%2F` too, which the engine's server
+/// (uvicorn) decodes into a `/` before it routes; every other escape is kept. Borrowed when
 /// there is none.
 pub fn unreserved_decoded(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
@@ -113,7 +148,7 @@ pub fn unreserved_decoded(path: &str) -> std::borrow::Cow<'_, str> {
             .then(|| path.get(i + 1..i + 3))
             .flatten()
             .and_then(|hex| u8::from_str_radix(hex, 16).ok())
-            .filter(|b| b.is_ascii_alphanumeric() || b"-._~".contains(b));
+            .filter(|b| b.is_ascii_alphanumeric() || b"-._~/".contains(b));
         match decoded {
             Some(b) => {
                 out.push(char::from(b));
@@ -170,8 +205,23 @@ mod tests {
                 "{path}"
             );
         }
-        // Other escapes stay: `%2F` is not `/`.
-        assert_eq!(unreserved_decoded("/v1%2Fchat/%zz/é%"), "/v1%2Fchat/%zz/é%");
+        // `%2F` is a `/` to the engine; other escapes stay.
+        assert_eq!(unreserved_decoded("/v1%2Fchat/%zz/é%"), "/v1/chat/%zz/é%");
+        let req = RequestHeader::build("POST", b"/v1/chat%2Fcompletions", None).unwrap();
+        assert!(matches!(
+            router.route(&req),
+            Decision::Llm(Endpoint::ChatCompletions)
+        ));
+        for path in [
+            "/v1/chat/completions/batch",
+            "/v1/chat%2Fcompletions%2Fbatch",
+            "/invocations",
+            "/scale_elastic_ep/",
+            "/%73leep",
+        ] {
+            let req = RequestHeader::build("POST", path.as_bytes(), None).unwrap();
+            assert!(matches!(router.route(&req), Decision::EngineOnly), "{path}");
+        }
         assert_eq!(unreserved_decoded("/a%7Eb%2d"), "/a~b-");
     }
 
@@ -210,6 +260,7 @@ mod tests {
             Decision::StoredResponse(id) => format!("stored:{id}"),
             Decision::Plain(r) => r.name.to_string(),
             Decision::NotFound => "404".into(),
+            Decision::EngineOnly => "engine-only".into(),
             Decision::MethodNotAllowed(m) => format!("405:{m}"),
         }
     }

@@ -1123,3 +1123,103 @@ async fn a_cut_messages_or_responses_stream_is_charged_its_estimate_not_an_early
         "five whole streams were charged {input} input tokens"
     );
 }
+
+/// A Starlette app served by uvicorn, vLLM's own server stack: it answers a chat completion
+/// with 20 output tokens on `/v1/chat/completions` (uvicorn decodes `%2F` before it routes),
+/// and any other path with 200, counting every request it gets. Runs in the real-vLLM tier's
+/// python, which has both.
+const UVICORN_ENGINE: &str = r#"
+import json, sys
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+import uvicorn
+seen = []
+async def chat(request):
+    seen.append(request.url.path)
+    return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "created": 0,
+        "model": "llama", "choices": [{"index": 0, "finish_reason": "length",
+        "message": {"role": "assistant", "content": "word " * 20}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 20, "total_tokens": 25}})
+async def anything(request):
+    seen.append(request.url.path)
+    return JSONResponse({"seen": seen})
+app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                        Route("/{rest:path}", anything, methods=["GET", "POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"#;
+
+/// With a catch-all route, `POST /v1/chat%2Fcompletions` reached the engine's chat endpoint
+/// (uvicorn decodes `%2F`) as a plain request: no token limit, budget or breaker; and vLLM's
+/// own `/v1/chat/completions/batch` and `/scale_elastic_ep` passed the same way. The path is
+/// now matched as the engine reads it, and the engine's own endpoints are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_slash_is_the_metered_chat_route_and_engine_only_paths_are_refused() {
+    /// Killed however the test ends.
+    struct Engine(std::process::Child);
+    impl Drop for Engine {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let port = free_port();
+    let _engine = Engine(
+        std::process::Command::new(vllm_python())
+            .args(["-c", UVICORN_ENGINE, &port.to_string()])
+            .spawn()
+            .unwrap(),
+    );
+    let engine_addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let seen = || async move {
+        let r = client()
+            .get(format!("http://{engine_addr}/seen"))
+            .send()
+            .await
+            .ok()?;
+        let body: Value = r.json().await.ok()?;
+        Some(body["seen"].as_array()?.len())
+    };
+    wait_for(Duration::from_secs(60), || async { seen().await.is_some() })
+        .await
+        .expect("uvicorn serves");
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[engine_addr]).without_health_checks()],
+        "routes": [{"path_prefix": "/", "pool": "main"}],
+        "plugins": {"tenants": tenants(json!({
+            "tenants": {"alpha": {"limits": {"output_tokens_per_minute": 30}}}}))},
+    }))
+    .await;
+    let key = format!("Bearer {ALPHA_KEY}");
+    let body = chat(MODEL, "hi", false);
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let url = proxy.url("/v1/chat%2Fcompletions");
+        let answer = ask_url(&url, &body, &[("authorization", key.as_str())]).await;
+        statuses.push(answer.status);
+    }
+    assert!(
+        statuses.contains(&429),
+        "the escaped chat route was not metered: {statuses:?}"
+    );
+    let metrics = proxy.metrics().await;
+    assert!(
+        tenant_tokens(&metrics, "alpha", "output") >= 20.0,
+        "{metrics}"
+    );
+    let before = seen().await.unwrap();
+    for path in [
+        "/v1/chat/completions/batch",
+        "/v1/chat%2Fcompletions%2Fbatch",
+        "/scale_elastic_ep",
+        "/invocations",
+    ] {
+        let answer = ask_url(&proxy.url(path), &body, &[("authorization", key.as_str())]).await;
+        assert_eq!(answer.status, 404, "{path}: {}", answer.body);
+    }
+    assert_eq!(
+        seen().await.unwrap(),
+        before + 1,
+        "only our own look reached it"
+    );
+}

@@ -192,6 +192,13 @@ impl ProxyHttp for Proxy {
                 let message = format!("No route for {path}.");
                 Err(ErrorReply::not_found(Reason::NoRoute, message).into_error())
             }
+            Decision::EngineOnly => {
+                let path = session.req_header().uri.path();
+                let message = format!(
+                    "{path} is the engine's own endpoint: it is not served through this proxy."
+                );
+                Err(ErrorReply::not_found(Reason::NoRoute, message).into_error())
+            }
             Decision::MethodNotAllowed(allowed) => Err(ErrorReply::new(
                 405,
                 Reason::MethodNotAllowed,
