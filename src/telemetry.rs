@@ -46,6 +46,21 @@ const BATCH: usize = 512;
 const BATCH_EVERY: Duration = Duration::from_secs(1);
 /// The longest one export may take (the collector down or slow: its spans are dropped).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most bytes of a span's name or of a text attribute a client's request sets (its path,
+/// its model): a client cannot make the queue of [`QUEUE`] spans hold more than a few MB.
+const MAX_TEXT: usize = 256;
+
+/// `text` cut to [`MAX_TEXT`] bytes, at a character's boundary.
+fn capped(text: &str) -> String {
+    if text.len() <= MAX_TEXT {
+        return text.to_string();
+    }
+    let mut end = MAX_TEXT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
 
 metric!(SPANS: IntCounterVec = register_int_counter_vec!(
     "sluice_trace_spans_total",
@@ -369,15 +384,19 @@ pub fn open_request_span(
     let parent = (tracing.continue_client_traces && header.headers.contains_key("traceparent"))
         .then(|| TraceContextPropagator::new().extract(&HeaderExtractor(&header.headers)))
         .filter(|parent| parent.span().span_context().is_valid());
+    // A client's sampled flag is honoured up to the operator's ratio, never beyond: any
+    // client could otherwise make every request of its own a span.
     let sampled = match &parent {
-        Some(parent) => parent.span().span_context().is_sampled(),
+        Some(parent) => {
+            parent.span().span_context().is_sampled() && fastrand::f64() < tracing.sampling
+        }
         None => fastrand::f64() < tracing.sampling,
     };
     let span = kept(sampled, open);
     if sampled {
         span.record(
             "otel.name",
-            format!("{} {}", header.method, header.uri.path()),
+            capped(&format!("{} {}", header.method, header.uri.path())),
         );
         span.record("otel.kind", "server");
         if let Some(parent) = parent {
@@ -387,23 +406,21 @@ pub fn open_request_span(
     (span, sampled)
 }
 
-/// Tells the engine how the attempt is traced, with the `traceparent` (and `tracestate`) it
-/// goes with: the attempt's span when sampled, under which vLLM's own span nests (it replaces
-/// a client's); when not, the client's own when its trace is continued, else a new trace
-/// marked unsampled (so an engine that traces does not start one of its own for it).
+/// Tells the engine how the attempt is traced, with the `traceparent` it goes with (the
+/// client's trace headers never reach it: see `llm_route::upstream_header`): the attempt's
+/// span when sampled, under which vLLM's own span nests; when not, a new trace marked
+/// unsampled (so an engine that traces does not start one of its own for it, and no client
+/// decides what the engine traces).
 pub fn trace_upstream(
     header: &mut pingora_http::RequestHeader,
     span: &tracing::Span,
     sampled: bool,
 ) -> pingora_error::Result<()> {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let Some(tracing) = get() else {
+    if get().is_none() {
         return Ok(());
-    };
+    }
     if !sampled {
-        if tracing.continue_client_traces && header.headers.contains_key("traceparent") {
-            return Ok(());
-        }
         header.remove_header("tracestate");
         return header.insert_header("traceparent", unsampled_traceparent().as_slice());
     }
@@ -432,7 +449,7 @@ pub fn request_ended(ctx: &sluice_sdk::RequestCtx) {
         span.set_attribute("sluice.request_id", id.to_string());
     }
     if let Some(model) = ctx.model() {
-        span.set_attribute("sluice.model", model.to_string());
+        span.set_attribute("sluice.model", capped(model));
     }
     if let Some(pool) = ctx.pool() {
         span.set_attribute("sluice.pool", pool.name.to_string());
@@ -469,10 +486,13 @@ pub fn describe_attempt(
     };
     let operation = call.endpoint.family().operation();
     let model = call.request.model.as_deref().unwrap_or("");
-    span.record("otel.name", format!("{operation} {model}").trim_end());
+    span.record(
+        "otel.name",
+        capped(format!("{operation} {model}").trim_end()),
+    );
     span.set_attribute("gen_ai.operation.name", operation);
     span.set_attribute("gen_ai.provider.name", "vllm");
-    span.set_attribute("gen_ai.request.model", model.to_string());
+    span.set_attribute("gen_ai.request.model", capped(model));
     if let Some(max) = call.request.max_output_tokens() {
         span.set_attribute("gen_ai.request.max_tokens", i64::from(max));
     }
@@ -490,7 +510,7 @@ pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &
         Some(served) => served.name().to_string(),
         None => requested.unwrap_or("").to_string(),
     };
-    span.set_attribute("gen_ai.response.model", answered);
+    span.set_attribute("gen_ai.response.model", capped(&answered));
     if let Some(usage) = ctx.usage() {
         span.set_attribute(
             "gen_ai.usage.input_tokens",

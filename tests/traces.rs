@@ -272,7 +272,7 @@ async fn grpc_export_and_an_edge_that_starts_its_own_traces() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
+async fn sampling_keeps_a_share_of_traces_and_no_client_forces_one() {
     let receiver = OtlpReceiver::http().await;
     let (draft, target) = (sim().await, sim().await);
     let proxy = Proxy::start(config(
@@ -288,36 +288,27 @@ async fn sampling_keeps_a_share_of_new_traces_and_every_sampled_clients() {
         let sent = last_chat(&draft);
         assert!(sent.header("traceparent").unwrap().ends_with("-00"));
     }
-    // A client's unsampled trace stays so: its own `traceparent` goes on to the engine.
-    let unsampled = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
-    let answer = ask_with(
-        &proxy,
-        &chat(MODEL, "unsampled by the client", false),
-        &[("traceparent", &unsampled)],
-    )
-    .await;
-    assert_eq!(answer.status, 200);
-    assert_eq!(
-        last_chat(&draft).header("traceparent"),
-        Some(unsampled.as_str())
-    );
-    // A client's sampled trace is kept whatever the ratio.
-    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
-    let answer = ask_with(
-        &proxy,
-        &chat(MODEL, "sampled by the client", false),
-        &[("traceparent", &traceparent)],
-    )
-    .await;
-    assert_eq!(answer.status, 200);
-    let (_, attempts) = trace_of(&receiver, CLIENT_TRACE, 1).await;
-    assert_eq!(attempts.len(), 1);
-    let other = receiver
-        .spans()
-        .iter()
-        .filter(|s| s.trace_id() != CLIENT_TRACE)
-        .count();
-    assert_eq!(other, 0, "unsampled traces were exported");
+    // A client's trace headers never reach the engine, and a client's sampled flag counts
+    // only up to the operator's ratio: at 0, no client makes a span (any client could
+    // otherwise make every request of its own a span, and fill the export queue).
+    for flags in ["00", "01"] {
+        let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-{flags}");
+        let answer = ask_with(
+            &proxy,
+            &chat(MODEL, &format!("flagged {flags} by the client"), false),
+            &[("traceparent", &traceparent), ("tracestate", "vendor=x")],
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+        let sent = last_chat(&draft);
+        let sent_parent = sent.header("traceparent").unwrap();
+        assert!(
+            sent_parent.ends_with("-00") && !sent_parent.contains(CLIENT_TRACE),
+            "{sent_parent}"
+        );
+        // A sampled request's engine is told the attempt's span, flagged sampled.
+        assert_eq!(sent.header("tracestate"), None);
+    }
 
     // At 0.5, about half the new traces are kept (100 requests: 25 to 75 of them, a bound
     // that a fair draw misses once in millions of runs), each whole.
@@ -410,4 +401,83 @@ async fn a_stopping_proxy_sends_the_spans_it_holds() {
     exits_within(&mut child, Duration::from_secs(20)).await;
     let spans = receiver.spans();
     assert_eq!(spans_of(&spans, &trace).len(), 2, "{spans:#?}");
+}
+
+/// What a client sends stays small on a span, its trace headers stay behind, and a traced
+/// stream's usage is on its attempt whether or not the client asked for it:
+/// - a request with a 2 KB path made a span named with all of it (a 1 MB one, a megabyte in
+///   the export queue);
+/// - a client's `tracestate`, `baggage` and `X-data-parallel-rank` reached the engine, with
+///   telemetry on or off;
+/// - a stream whose client did not set `stream_options.include_usage` had no
+///   `gen_ai.usage.*` on its attempt span (the engine is now asked, and the usage chunk is
+///   kept from the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_request_stays_small_on_its_span_and_its_trace_headers_stay_behind() {
+    let receiver = OtlpReceiver::http().await;
+    let engine = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[engine.addr()])],
+        "telemetry": {"otlp": receiver.config(), "sampling": 1.0},
+    }))
+    .await;
+    let headers = [
+        ("tracestate", "vendor=client"),
+        ("baggage", "user=mallory"),
+        ("x-data-parallel-rank", "7"),
+    ];
+    let answer = proxy
+        .ask(&chat(MODEL, "count my tokens", true), &headers)
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert!(
+        !answer.body.contains("\"usage\":{"),
+        "the client did not ask for the usage chunk: {}",
+        answer.body
+    );
+    let sent = last_chat(&engine);
+    for (name, value) in headers {
+        // The exporter writes a `tracestate` of its own, empty.
+        let got = sent.header(name).filter(|v| !v.is_empty());
+        assert_eq!(got, None, "{name}: {value} reached the engine");
+    }
+    let traceparent = sent.header("traceparent").unwrap().to_string();
+    let trace = traceparent.split('-').nth(1).unwrap().to_string();
+    let (_, attempts) = trace_of(&receiver, &trace, 1).await;
+    let output: u64 = attempts[0]
+        .attribute("gen_ai.usage.output_tokens")
+        .expect("the stream's usage on its attempt")
+        .parse()
+        .unwrap();
+    assert!(output > 0);
+
+    let long = format!("/{}", "a".repeat(2000));
+    let answer = client().get(proxy.url(&long)).send().await.unwrap();
+    assert_eq!(answer.status(), 404);
+    let spans = receiver
+        .spans_when(Duration::from_secs(10), |spans| {
+            spans.iter().any(|s| s.span.name.starts_with("GET /aaa"))
+        })
+        .await;
+    let named = spans
+        .iter()
+        .find(|s| s.span.name.starts_with("GET /aaa"))
+        .expect("the long path's span");
+    assert!(
+        named.span.name.len() <= 260,
+        "{} bytes",
+        named.span.name.len()
+    );
+
+    // Without telemetry, the same headers and a client's traceparent stay behind too.
+    let untraced = Proxy::start(json!({"pools": [pool("main", &[MODEL], &[engine.addr()])]})).await;
+    let parent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let mut all = headers.to_vec();
+    all.push(("traceparent", &parent));
+    let answer = untraced.ask(&chat(MODEL, "untraced", false), &all).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let sent = last_chat(&engine);
+    for (name, _) in all {
+        assert_eq!(sent.header(name), None, "{name} reached the engine");
+    }
 }

@@ -287,7 +287,8 @@ impl AttemptLoop {
                 .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
             // `ttft` learns each backend's prefill speed from what the engine says it
             // computed: the answer's usage, asked of a stream whose client did not.
-            if matches!(pool.balancing, sluice_sdk::Balancing::Ttft(_)) {
+            // A traced attempt's span carries the tokens used (`gen_ai.usage.*`), a stream's too.
+            if matches!(pool.balancing, sluice_sdk::Balancing::Ttft(_)) || ctx.traced() {
                 ctx.want_usage();
             }
             let demand = ctx
@@ -681,16 +682,30 @@ fn report_attempt(
     sluice.chain.attempt_end(&report, ctx);
 }
 
+/// What a client may not tell an engine: its trace context (whether vLLM traces a request is
+/// the proxy's to say, see `telemetry::trace_upstream`), its baggage, and vLLM's pin of a
+/// request to a data-parallel rank.
+const ENGINE_FACING: [&str; 4] = [
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "x-data-parallel-rank",
+];
+
 /// The request header an upstream gets: the client's, framed anew (the body by its exact
 /// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
-/// HTTP/1.0 client may have sent none). Hop-by-hop headers go in [`forwarding`].
+/// HTTP/1.0 client may have sent none), without the [`ENGINE_FACING`] headers. Hop-by-hop
+/// headers go in [`forwarding`].
 fn upstream_header(
     client: &RequestHeader,
     body_len: usize,
     backend: SocketAddr,
 ) -> Result<RequestHeader> {
     let mut header = client.clone();
-    for name in ["transfer-encoding", "expect"] {
+    for name in ["transfer-encoding", "expect"]
+        .into_iter()
+        .chain(ENGINE_FACING)
+    {
         header.remove_header(name);
     }
     header.insert_header(http::header::CONTENT_LENGTH, body_len)?;
