@@ -10,7 +10,9 @@
 //! for 5 s before it stops: fresh connections met the old and the new key sets in turn, and
 //! a key revoked in the file served on. So the old process, once it has handed its listeners
 //! over, reloads the file as `SIGHUP` would (both processes then agree), and closes each
-//! connection after its current answer ([`HANDED_OVER`]).
+//! connection after its current answer ([`HANDED_OVER`]). The file is the new process's: it
+//! may have been started with another (`sluice -u -c new.yaml`), so it leaves its path beside
+//! the upgrade socket ([`upgrade_note`]) for the old process to read.
 //!
 //! What is bound at start-up stays until an upgrade (`-u`) or a restart, and a reload that
 //! changes it says so: the listeners and the admin address (their sockets), the `pingora`
@@ -100,6 +102,8 @@ impl Frozen {
 /// The background service that waits for `SIGHUP`.
 pub struct Reload {
     pub source: PathBuf,
+    /// Where a new process of an upgrade leaves the path of its config file.
+    pub upgrade_note: PathBuf,
     pub current: Arc<ArcSwap<Sluice>>,
     pub lasting: Lasting,
     pub frozen: Frozen,
@@ -146,10 +150,13 @@ impl BackgroundService for Reload {
                 phase = next_phase(&mut phases) => {
                     if matches!(phase, Some(ExecutionPhase::GracefulUpgradeTransferringFds)) {
                         HANDED_OVER.store(true, Relaxed);
+                        let source = read_upgrade_note(&self.upgrade_note)
+                            .unwrap_or_else(|| self.source.clone());
                         tracing::info!(
-                            "listeners handed to the new process: the config is read again, and connections close after their answer"
+                            "listeners handed to the new process: its config ({}) is read, and connections close after their answer",
+                            source.display()
                         );
-                        self.reload();
+                        self.reload_from(&source);
                     }
                 }
                 _ = shutdown.changed() => return,
@@ -158,9 +165,34 @@ impl BackgroundService for Reload {
     }
 }
 
+/// The file beside the upgrade socket where a new process of an upgrade leaves its config's
+/// path (the run directory is this user's alone: see `run_dir`).
+pub fn upgrade_note(upgrade_sock: &str) -> PathBuf {
+    PathBuf::from(format!("{upgrade_sock}.config"))
+}
+
+/// Leaves `config`'s absolute path in `note`, for the old process.
+pub fn leave_upgrade_note(note: &std::path::Path, config: &std::path::Path) -> Result<(), String> {
+    let path = std::path::absolute(config).map_err(|e| format!("{}: {e}", config.display()))?;
+    std::fs::write(note, path.as_os_str().as_encoded_bytes())
+        .map_err(|e| format!("cannot write {}: {e}", note.display()))
+}
+
+/// The new process's config path, taken from `note` (which goes with it).
+fn read_upgrade_note(note: &std::path::Path) -> Option<PathBuf> {
+    let bytes = std::fs::read(note).ok()?;
+    let _ = std::fs::remove_file(note);
+    let text = String::from_utf8(bytes).ok()?;
+    (!text.is_empty()).then(|| PathBuf::from(text))
+}
+
 impl Reload {
     fn reload(&self) {
-        let mut config = match Config::load(&self.source) {
+        self.reload_from(&self.source);
+    }
+
+    fn reload_from(&self, source: &std::path::Path) {
+        let mut config = match Config::load(source) {
             Ok(config) => config,
             Err(e) => {
                 tracing::error!("config reload refused, the running config stays: {e}");
@@ -194,7 +226,7 @@ impl Reload {
         crate::metrics::reload(true);
         tracing::info!(
             "config reloaded from {}: new requests use it; running ones finish on the old",
-            self.source.display()
+            source.display()
         );
     }
 }

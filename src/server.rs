@@ -31,6 +31,10 @@ use std::time::{Duration, Instant};
 pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     crate::run_dir::make_private(&config.server.pid_file, "pingora.pid_file")?;
     crate::run_dir::make_private(&config.server.upgrade_sock, "pingora.upgrade_sock")?;
+    let upgrade_note = crate::reload::upgrade_note(&config.server.upgrade_sock);
+    if opt.upgrade {
+        crate::reload::leave_upgrade_note(&upgrade_note, &config.source)?;
+    }
     let frozen = Frozen::of(&config);
     let mut server = Server::new_with_opt_and_conf(opt, std::mem::take(&mut config.server));
     server.bootstrap();
@@ -76,6 +80,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
         Reload {
             phases,
             source,
+            upgrade_note,
             current: Arc::clone(&current),
             lasting,
             frozen,

@@ -463,6 +463,20 @@ async fn an_upgrade_socket_in_a_directory_others_can_write_is_refused() {
 /// connection kept alive from before, and fresh connections never meet the old key set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_never_lets_a_revoked_key_through() {
+    upgrade_revoking_a_key(false).await;
+}
+
+/// The same when the new process is started with another file (`sluice -u -c new.yaml`):
+/// the old process read its own file again, and served a key the new file revoked for 5 s.
+/// It now reads the new process's file, whose path the new process leaves beside the
+/// upgrade socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_with_another_file_never_lets_a_key_it_revokes_through() {
+    upgrade_revoking_a_key(true).await;
+}
+
+/// Revokes `sk-old` (in place, or in a new file given to the new process) and upgrades.
+async fn upgrade_revoking_a_key(new_file: bool) {
     use sha2::{Digest, Sha256};
     let digest = |key: &str| format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())));
     let upstream = vllm_sim::start(SimConfig::default().with_model(MODEL))
@@ -499,10 +513,15 @@ async fn an_upgrade_never_lets_a_revoked_key_through() {
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(proxy.config_file()).unwrap()).unwrap();
     config["plugins"]["tenants"]["tenants"]["team"]["keys"] = json!([digest("sk-new")]);
-    std::fs::write(proxy.config_file(), config.to_string()).unwrap();
+    let file = if new_file {
+        proxy.config_file().with_file_name("new.yaml")
+    } else {
+        proxy.config_file().to_path_buf()
+    };
+    std::fs::write(&file, config.to_string()).unwrap();
     let socket = proxy.config_file().with_file_name("upgrade.sock");
     let mut old = proxy.take_child();
-    let new = proxy.spawn(&["-u"]);
+    let new = proxy.spawn_with(&file, &["-u"]);
     proxy.set_child(new);
     let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
     assert!(

@@ -102,6 +102,11 @@ impl Proxy {
     /// Starts another process of the binary on this proxy's config, with extra flags (`-u`
     /// for an upgrade); the harness does not hold it (see [`Proxy::set_child`]).
     pub fn spawn(&self, extra: &[&str]) -> Child {
+        self.spawn_with(&self.config, extra)
+    }
+
+    /// [`Proxy::spawn`] with another config file (`sluice -u -c new.yaml`).
+    pub fn spawn_with(&self, config: &std::path::Path, extra: &[&str]) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -109,7 +114,7 @@ impl Proxy {
             .expect("log file");
         Command::new(binary())
             .arg("-c")
-            .arg(&self.config)
+            .arg(config)
             .args(extra)
             // The config's `log.level` decides (the harness sets `info` unless a test says).
             .env_remove("RUST_LOG")
