@@ -347,3 +347,70 @@ async fn an_adapters_prompt_is_credited_with_its_own_blocks_only() {
         "the adapter's blocks are not the base model's"
     );
 }
+
+/// A chat of `bytes` bytes of varied words (a tokenizer's cache has seen none of them).
+fn huge_chat(bytes: usize, seed: usize) -> Vec<u8> {
+    let mut text = String::with_capacity(bytes + 64);
+    let mut n = seed.wrapping_mul(2_654_435_761);
+    while text.len() < bytes {
+        n = n.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        text.push_str(&format!("w{:x} ", n >> 40));
+    }
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": text}]}))
+    .unwrap()
+}
+
+/// Tokenizing for the index was unbounded and never cancelled: 16 clients that sent a
+/// 1.5 MB chat and closed at once kept their bodies' memory (and a queue of seconds of
+/// tokenizing ahead of every large body's parse) until each was tokenized. Work for a client
+/// that left is now dropped with its request, a prompt waits at most a second for it, and one
+/// past 2 MiB is not tokenized at all: each goes without the index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenizing_is_bounded_and_dropped_with_a_client_that_left() {
+    use tokio::io::AsyncWriteExt;
+    let sims = vec![engine().await];
+    let proxy = Proxy::start(config(&sims, "ttft", true)).await;
+    let buffered =
+        |metrics: &str| metric_value(metrics, "sluice_memory_buffered_bytes").unwrap_or(0.0);
+    let mut sent = Vec::new();
+    for i in 0..16 {
+        let body = huge_chat(1_500_000, i);
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: sluice\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&body).await.unwrap();
+        sent.push(s);
+    }
+    // Every body arrived (their memory is counted) before the clients leave.
+    let prefix = |status: &Value| status["pools"][0]["prefix_index"].clone();
+    drop(sent);
+    let released = wait_for(Duration::from_secs(20), || async {
+        buffered(&proxy.metrics().await) == 0.0
+    })
+    .await;
+    let status = proxy.status().await;
+    assert!(released.is_some(), "bodies still held: {}", prefix(&status));
+    assert!(
+        prefix(&status)["passed_over_prompts"].as_u64().unwrap() > 0,
+        "{}",
+        prefix(&status)
+    );
+    // Past 2 MiB: sent on without the index (the engine says it is too long for its
+    // context: its answer is the client's).
+    let asked = sims[0].stats().count("/v1/chat/completions");
+    let answer = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(huge_chat(2_200_000, 99))
+        .send()
+        .await
+        .unwrap();
+    assert!(answer.status() == 200 || answer.status() == 400);
+    assert_eq!(sims[0].stats().count("/v1/chat/completions"), asked + 1);
+    let status = proxy.status().await;
+    assert_eq!(prefix(&status)["too_long_prompts"], 1);
+}

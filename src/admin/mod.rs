@@ -201,6 +201,8 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
             "predicted_cached_tokens": routing.predicted_tokens.load(Relaxed),
             "reported_cached_tokens": routing.reported_tokens.load(Relaxed),
             "unreadable_prompts": routing.unreadable.load(Relaxed),
+            "too_long_prompts": routing.too_long.load(Relaxed),
+            "passed_over_prompts": routing.passed_over.load(Relaxed),
             "orphan_blocks": routing.index.orphans.load(Relaxed),
             "overflowed_blocks": routing.index.overflowed.load(Relaxed),
             "refused_events": routing.index.refused.load(Relaxed),

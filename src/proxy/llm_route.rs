@@ -25,7 +25,7 @@ use bytes::Bytes;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::cpu::{body_work, off_worker};
+use sluice_sdk::cpu::{body_work, optional_work};
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
@@ -223,14 +223,23 @@ struct Prepared {
 impl AttemptLoop {
     /// The request's prompt blocks as `pool` keys them, when the pool has an exact prefix
     /// index: tokenized once per pool (a retry or an escalation back to a pool reuses them).
-    async fn prefix_keys(&mut self, ctx: &RequestCtx, pool: &Pool) -> Option<Arc<PrefixKeys>> {
-        let routing = pool.prefix.as_ref()?;
+    async fn prefix_keys(
+        &mut self,
+        session: &mut Session,
+        ctx: &RequestCtx,
+        pool: &Pool,
+    ) -> Result<Option<Arc<PrefixKeys>>> {
+        let Some(routing) = pool.prefix.as_ref() else {
+            return Ok(None);
+        };
         if let Some((name, keys)) = &self.prefix {
             if Arc::ptr_eq(name, &pool.name) {
-                return keys.clone();
+                return Ok(keys.clone());
             }
         }
-        let call = ctx.llm()?;
+        let Some(call) = ctx.llm() else {
+            return Ok(None);
+        };
         let salt_for_tenant = ctx
             .tenant()
             .filter(|_| pool.client_fields.tenant_cache_salt)
@@ -238,15 +247,38 @@ impl AttemptLoop {
         let adapter = upstream_adapter(ctx, pool).map(Arc::from);
         let keys = if call.body.len() <= PrefixRouting::INLINE_BYTES {
             routing.keys(call, adapter.as_deref(), salt_for_tenant.as_deref())
+        } else if call.body.len() > PrefixRouting::MAX_BYTES {
+            routing
+                .too_long
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            None
         } else {
+            // Optional work: dropped when it waited too long, or when the client leaves
+            // meanwhile (then the request ends, and its body's memory with it).
+            let passed_over = || {
+                routing
+                    .passed_over
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            };
             let (routing, call) = (Arc::clone(routing), call.clone());
-            off_worker(move || routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref()))
-                .await
-                .flatten()
+            let work = optional_work(PrefixRouting::MAX_WAIT, move || {
+                routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
+            });
+            match sluice_sdk::client::while_connected(session, work).await {
+                Ok(Some(keys)) => keys,
+                Ok(None) => {
+                    passed_over();
+                    None
+                }
+                Err(gone) => {
+                    passed_over();
+                    return Err(gone);
+                }
+            }
         }
         .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));
-        keys
+        Ok(keys)
     }
 
     fn new(ctx: &RequestCtx) -> Result<Self> {
@@ -294,7 +326,7 @@ impl AttemptLoop {
             let demand = ctx
                 .llm()
                 .map_or_else(Demand::default, |call| pool.demand_for(call));
-            let prefix = self.prefix_keys(ctx, &pool).await;
+            let prefix = self.prefix_keys(session, ctx, &pool).await?;
             let adapter = upstream_adapter(ctx, &pool);
             let selected = match self.pinned {
                 Some(addr) => pool.select_backend(addr, &self.tried),

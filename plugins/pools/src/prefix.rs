@@ -7,8 +7,11 @@
 //! scenario 24 measures both). The request path tokenizes once per request and pool, from the
 //! core's parse of the body (the messages and the members the template reads, where the parse
 //! found them: the body is not parsed again). The core tokenizes bodies over
-//! [`PrefixRouting::INLINE_BYTES`] on the SDK's body pool, so that a large prompt never holds
-//! an async worker.
+//! [`PrefixRouting::INLINE_BYTES`] off the workers, as optional work (`sluice_sdk::cpu`): on a
+//! thread of its own that no body's parse waits behind, dropped when it waited over
+//! [`PrefixRouting::MAX_WAIT`] or its client left; bodies over [`PrefixRouting::MAX_BYTES`] are
+//! not tokenized at all. Such a request is placed without the index, by the approximate
+//! affinity.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -47,6 +50,11 @@ pub struct PrefixRouting {
     pub reported_tokens: AtomicU64,
     /// Requests whose prompt the tokenizer could not read (sent without the index).
     pub unreadable: AtomicU64,
+    /// Requests whose body was over [`PrefixRouting::MAX_BYTES`] (sent without the index).
+    pub too_long: AtomicU64,
+    /// Requests whose prompt was not tokenized in time, or whose client left while it waited
+    /// (sent without the index, or not at all).
+    pub passed_over: AtomicU64,
 }
 
 /// What the index predicted of a request's attempt: kept in the request's state until its
@@ -71,6 +79,13 @@ impl PrefixRouting {
     /// pool (`sluice_sdk::cpu`).
     pub const INLINE_BYTES: usize = 16 * 1024;
 
+    /// Bodies over this size are not tokenized: 2 MiB is about half a million tokens, past
+    /// any engine's context, and about a second of one core's tokenizing.
+    pub const MAX_BYTES: usize = 2 * 1024 * 1024;
+
+    /// The longest a prompt waits to be tokenized before it goes without the index.
+    pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
     /// A pool's prefix routing with `tokenizer`, its events from `kv_events`.
     pub fn new(tokenizer: Arc<PromptTokenizer>, kv_events: KvEventSource) -> Self {
         PrefixRouting {
@@ -81,6 +96,8 @@ impl PrefixRouting {
             looked_up_tokens: AtomicU64::new(0),
             reported_tokens: AtomicU64::new(0),
             unreadable: AtomicU64::new(0),
+            too_long: AtomicU64::new(0),
+            passed_over: AtomicU64::new(0),
         }
     }
 

@@ -19,9 +19,17 @@
 //!
 //! The pool is rayon's (a fixed set of threads and a queue); the priority is set once per
 //! thread as it starts (on Linux, `setpriority` on the calling thread is that thread's alone).
+//!
+//! Work a request can do without ([`optional_work`]: tokenizing a prompt for the exact prefix
+//! index, which only improves placement) runs on a second pool of one thread, so that no body's
+//! parse ever waits behind it, and is dropped, not run, when its caller has gone (the client
+//! left) or when it waited in the queue longer than it was worth: an attacker's queue of 8 MiB
+//! prompts costs its own requests their index, not everyone's parse its latency.
 
 use std::num::NonZeroUsize;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Bodies at least this large are worked on off the workers; smaller ones cost less than
 /// the hand-over.
@@ -37,9 +45,23 @@ fn body_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
         let threads = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        nice_pool("sluice-body", threads)
+    })
+    .as_ref()
+}
+
+/// The optional work's pool: one thread, at the body pool's priority.
+fn optional_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| nice_pool("sluice-optional", 1))
+        .as_ref()
+}
+
+fn nice_pool(name: &'static str, threads: usize) -> Option<rayon::ThreadPool> {
+    {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("sluice-body-{i}"))
+            .thread_name(move |i| format!("{name}-{i}"))
             .start_handler(|_| {
                 // Raising a nice value needs no privilege; if it fails, the work still runs.
                 let nice = rustix::process::getpriority_process(None).unwrap_or(0);
@@ -52,10 +74,39 @@ fn body_pool() -> Option<&'static rayon::ThreadPool> {
             // A panic in the work drops its sender: the caller gets `None`, the thread lives.
             .panic_handler(|_| {})
             .build()
-            .map_err(|e| tracing::warn!("no body pool ({e}); large bodies use Tokio's"))
+            .map_err(|e| tracing::warn!("no {name} pool ({e}); its work uses Tokio's"))
             .ok()
-    })
-    .as_ref()
+    }
+}
+
+/// Runs `work`, which the caller can do without, off the workers on a pool of its own (see
+/// the module's header): `None` when it was dropped unrun, because it waited in the queue
+/// longer than `max_wait` or the returned future was dropped first (its request ended), or
+/// when it panicked.
+pub async fn optional_work<T: Send + 'static>(
+    max_wait: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    /// Marks the work unwanted when the caller's future is dropped.
+    struct Wanted(Arc<AtomicBool>);
+    impl Drop for Wanted {
+        fn drop(&mut self) {
+            self.0.store(false, Relaxed);
+        }
+    }
+    let Some(pool) = optional_pool() else {
+        return tokio::task::spawn_blocking(work).await.ok();
+    };
+    let wanted = Wanted(Arc::new(AtomicBool::new(true)));
+    let still_wanted = Arc::clone(&wanted.0);
+    let queued = Instant::now();
+    let (done, result) = tokio::sync::oneshot::channel();
+    pool.spawn(move || {
+        if still_wanted.load(Relaxed) && queued.elapsed() <= max_wait {
+            let _ = done.send(work());
+        }
+    });
+    result.await.ok()
 }
 
 /// Runs `work` on the body pool and waits for it. `None` only if the work could not
@@ -87,6 +138,38 @@ pub async fn body_work<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Optional work whose caller left, or that waited too long, is never run; and it never
+    /// holds the body pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn optional_work_is_dropped_unrun_when_unwanted_or_late() {
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        // The one optional thread is held until released.
+        let held = tokio::spawn(optional_work(Duration::from_secs(60), move || {
+            let _ = hold.recv();
+        }));
+        // Queued behind it: one whose caller leaves, one that will have waited too long.
+        let counted = Arc::clone(&ran);
+        let left = tokio::spawn(optional_work(Duration::from_secs(60), move || {
+            counted.fetch_add(1, Relaxed);
+        }));
+        let counted = Arc::clone(&ran);
+        let late = tokio::spawn(optional_work(Duration::ZERO, move || {
+            counted.fetch_add(1, Relaxed);
+        }));
+        // Meanwhile the body pool is free.
+        assert_eq!(off_worker(|| 7).await, Some(7));
+        left.abort();
+        let _ = left.await;
+        release.send(()).unwrap();
+        assert_eq!(held.await.unwrap(), Some(()));
+        assert_eq!(late.await.unwrap(), None);
+        // Work queued after them runs, so both were passed over by now.
+        let counted = Arc::clone(&ran);
+        let after = optional_work(Duration::from_secs(60), move || counted.load(Relaxed)).await;
+        assert_eq!(after, Some(0));
+    }
 
     #[tokio::test]
     async fn small_work_runs_inline_and_large_work_on_the_body_pool() {
