@@ -461,3 +461,40 @@ async fn the_routes_that_generate_nothing_go_by_model_with_the_tenants_limits() 
     .await;
     assert_eq!(unknown.status, 404, "{}", unknown.body);
 }
+
+/// The engine answers a `background: true` Responses request at once and generates detached
+/// from it: a tenant with `max_concurrent: 1` had 20 generations running in the engine,
+/// charged an estimate each, past the breaker and the drain. Refused at the edge now, as a
+/// clear 400 the client can act on, before any engine sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_is_refused_before_it_reaches_an_engine() {
+    let sim = keeping_sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": tenants(),
+    }))
+    .await;
+    let auth = format!("Bearer {KEY}");
+    for background in [json!(true), json!(false)] {
+        let body = json!({"model": MODEL, "input": "Write a novel", "background": background,
+                          "max_output_tokens": 8});
+        let answer = ask_url(
+            &proxy.url("/v1/responses"),
+            &body,
+            &[("authorization", auth.as_str())],
+        )
+        .await;
+        if background == json!(true) {
+            assert_eq!(answer.status, 400, "{}", answer.body);
+            let error: Value = serde_json::from_str(&answer.body).unwrap();
+            assert_eq!(error["error"]["param"], "background", "{error}");
+        } else {
+            assert_eq!(answer.status, 200, "{}", answer.body);
+        }
+    }
+    assert_eq!(
+        sim.stats().count("/v1/responses"),
+        1,
+        "only the foreground one"
+    );
+}

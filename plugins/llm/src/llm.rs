@@ -277,6 +277,8 @@ pub struct LlmRequest {
     pub previous_response_id: Option<String>,
     /// Responses: `store`; `None` is `true` (the engine keeps the response for follow-ups).
     pub store: Option<bool>,
+    /// Responses: `background`, a generation the engine runs detached from the request.
+    pub background: Option<bool>,
     /// Where the members read again later are ([`PLACED_MEMBERS`]), as the parse saw them:
     /// an upstream body's edit, or a chat template, then reads only those, not the body
     /// again. Valid only for the body this request was parsed
@@ -1488,6 +1490,7 @@ const FIELDS: &[&str] = &[
     "max_output_tokens",
     "previous_response_id",
     "store",
+    "background",
     // Not read, only placed, for the edits of `model_name::upstream_body` (and, as every
     // field here, refused when repeated: the engine would take the last, an edit the first).
     "cache_salt",
@@ -1613,6 +1616,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                     r.previous_response_id = map.next_value()?
                 }
                 "store" if responses_api => r.store = map.next_value()?,
+                "background" if responses_api => r.background = map.next_value()?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }

@@ -43,6 +43,18 @@ impl ApiFamily for Responses {
 
     fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
         let mut call = LlmCall::parse_request(endpoint, body, None)?;
+        // The engine answers a background request at once and generates detached from it:
+        // past the tenant's concurrency, the breaker's projection, the total timeout and the
+        // drain, charged an estimate whatever it generates. Not served, as a clear 400.
+        if call.request.background == Some(true) {
+            return Err(InvalidRequest {
+                message: "`background: true` is not served through this proxy: a generation \
+                          detached from its request escapes its limits. Send the request \
+                          without it (stream it for a long answer)."
+                    .to_string(),
+                param: Some("background".to_string()),
+            });
+        }
         // Its streams always end with their usage (`response.completed`): as if asked.
         call.request.stream_options = Some(StreamOptions {
             include_usage: Some(true),
