@@ -498,3 +498,51 @@ async fn a_background_response_is_refused_before_it_reaches_an_engine() {
         "only the foreground one"
     );
 }
+
+/// vLLM names a Responses request's response after its body's `request_id`, which Sluice set
+/// to the request's id, which a client may choose (`x-request-id`): another tenant could make
+/// its response `resp_<yours>`, take your note over, and your follow-ups got 404. The engine
+/// now gets the id with a suffix no client can guess, and the first note of an id stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_tenant_can_name_its_response_after_anothers() {
+    let sim = keeping_sim().await;
+    let other_key = "sk-other-team";
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": {
+            "request_id": {"enabled": true},
+            "tenants": {"enabled": true, "tenants": {
+                "agent": {"keys": [key_digest(KEY)]},
+                "other": {"keys": [key_digest(other_key)]}}}},
+    }))
+    .await;
+    let (mine, theirs) = (format!("Bearer {KEY}"), format!("Bearer {other_key}"));
+    let url = proxy.url("/v1/responses");
+    let made = ask_url(
+        &url,
+        &json!({"model": MODEL, "input": "mine", "max_output_tokens": 4}),
+        &[("authorization", &mine)],
+    )
+    .await;
+    assert_eq!(made.status, 200, "{}", made.body);
+    let id = serde_json::from_str::<Value>(&made.body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let taken = ask_url(
+        &url,
+        &json!({"model": MODEL, "input": "theirs", "max_output_tokens": 4,
+                "request_id": "anything"}),
+        &[("authorization", &theirs), ("x-request-id", &id)],
+    )
+    .await;
+    assert_eq!(taken.status, 200, "{}", taken.body);
+    let their_id = serde_json::from_str::<Value>(&taken.body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(their_id, id, "a client named its response after another's");
+    let follow_up = json!({"model": MODEL, "input": "and?", "previous_response_id": id});
+    let continued = ask_url(&url, &follow_up, &[("authorization", &mine)]).await;
+    assert_eq!(continued.status, 200, "{}", continued.body);
+}

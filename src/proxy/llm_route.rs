@@ -180,19 +180,20 @@ struct SentBody {
     sent: Bytes,
 }
 
-/// The `request_id` the engine gets in place of a client's: Sluice's own id for the request,
-/// which its logs and `x-request-id` carry, or a fresh one when it has none.
-fn engine_request_id(ctx: &RequestCtx) -> std::borrow::Cow<'_, str> {
+/// The `request_id` the engine gets in place of a client's: the request's id (which its logs
+/// and `x-request-id` carry, and which a client may have chosen) with a suffix no client can
+/// guess, or a fresh one when it has none. vLLM names a Responses request's response after
+/// it: a client-chosen id could name another tenant's response.
+fn engine_request_id(ctx: &RequestCtx) -> String {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::LazyLock<std::collections::hash_map::RandomState> =
+        std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let unguessable = KEY.hash_one(n);
     match ctx.request_id() {
-        Some(own) => std::borrow::Cow::Borrowed(own),
-        None => {
-            use std::hash::BuildHasher;
-            static KEY: std::sync::LazyLock<std::collections::hash_map::RandomState> =
-                std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
-            static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            std::borrow::Cow::Owned(format!("sluice-{:016x}", KEY.hash_one(n)))
-        }
+        Some(own) => format!("{own}-{:08x}", unguessable as u32),
+        None => format!("sluice-{unguessable:016x}"),
     }
 }
 

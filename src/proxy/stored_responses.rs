@@ -86,7 +86,9 @@ impl ResponseHomes {
                 home.tenant.as_deref().unwrap_or("")
             ))
             .arg("EX")
-            .arg(self.ttl.as_secs().max(1));
+            .arg(self.ttl.as_secs().max(1))
+            // The first note of an id stands: no later answer takes another's response over.
+            .arg("NX");
         Some(tokio::spawn(async move {
             let within = redis.timeout();
             if let Err(e) = redis.query::<()>(&set, within).await {
@@ -100,12 +102,17 @@ impl ResponseHomes {
             return;
         };
         let id: Box<str> = id.into();
-        if notes
-            .by_id
-            .insert(id.clone(), (home, Instant::now()))
-            .is_none()
-        {
-            notes.order.push_back(id);
+        // The first note of an id stands (an engine's ids are unique; one noted again for
+        // another tenant is a client's choosing).
+        match notes.by_id.get(&id) {
+            Some((noted, _)) if noted.tenant != home.tenant => return,
+            Some(_) => {
+                notes.by_id.insert(id, (home, Instant::now()));
+            }
+            None => {
+                notes.by_id.insert(id.clone(), (home, Instant::now()));
+                notes.order.push_back(id);
+            }
         }
         while notes.order.len() > CAPACITY {
             if let Some(old) = notes.order.pop_front() {
