@@ -272,3 +272,217 @@ proptest! {
         }
     }
 }
+
+// ---- The peers' decoders: KV-event batches, `/kv_event_sources`, Messages and Responses
+// streams' usage.
+
+use rmpv::Value as Msgpack;
+use sluice_sdk::prefix_index::{KvEventBatch, PrefixIndex, MAX_BLOCKS_PER_BACKEND, MAX_BLOCK_SIZE};
+
+/// One KV event as vLLM writes it, or as a lying publisher might: any tag, any block size, any
+/// hash and token lists, in msgspec's array form or as a map.
+fn kv_event() -> impl Strategy<Value = Msgpack> {
+    let hashes = proptest::collection::vec(any::<u64>().prop_map(Msgpack::from), 0..8);
+    let tokens = proptest::collection::vec(any::<u32>().prop_map(Msgpack::from), 0..64);
+    let size = prop_oneof![
+        Just(16u64),
+        Just(0u64),
+        Just(1u64 << 40),
+        any::<u64>(),
+        1u64..64
+    ];
+    let tag = prop_oneof![
+        Just("BlockStored"),
+        Just("BlockRemoved"),
+        Just("AllBlocksCleared"),
+        Just("SomethingNew"),
+    ];
+    (
+        tag,
+        hashes,
+        tokens,
+        size,
+        any::<Option<u64>>(),
+        any::<bool>(),
+    )
+        .prop_map(|(tag, hashes, tokens, size, parent, as_map)| {
+            let parent = parent.map_or(Msgpack::Nil, Msgpack::from);
+            let fields = match tag {
+                "BlockStored" => vec![
+                    Msgpack::Array(hashes),
+                    parent,
+                    Msgpack::Array(tokens),
+                    Msgpack::from(size),
+                    Msgpack::Nil,
+                    "GPU".into(),
+                ],
+                "BlockRemoved" => vec![Msgpack::Array(hashes), "GPU".into()],
+                _ => Vec::new(),
+            };
+            if as_map {
+                let names = [
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                    "medium",
+                ];
+                let mut map = vec![(Msgpack::from("type"), Msgpack::from(tag))];
+                let names: &[&str] = if tag == "BlockRemoved" {
+                    &["block_hashes", "medium"]
+                } else {
+                    &names
+                };
+                map.extend(
+                    names
+                        .iter()
+                        .zip(fields)
+                        .map(|(n, v)| (Msgpack::from(*n), v)),
+                );
+                Msgpack::Map(map)
+            } else {
+                let mut items = vec![Msgpack::from(tag)];
+                items.extend(fields);
+                Msgpack::Array(items)
+            }
+        })
+}
+
+fn msgpack(value: &Msgpack) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, value).unwrap();
+    out
+}
+
+proptest! {
+    #[test]
+    fn a_kv_event_batch_decoder_never_panics_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = KvEventBatch::decode(&bytes);
+    }
+
+    /// Whatever a publisher sends, in either encoding, the index stays within its bounds:
+    /// its block size one an engine could have, its blocks per backend capped.
+    #[test]
+    fn any_batch_in_either_encoding_leaves_the_index_in_bounds(
+        events in proptest::collection::vec(kv_event(), 0..16),
+        as_map in any::<bool>(),
+        cut in any::<usize>(),
+    ) {
+        let batch = if as_map {
+            Msgpack::Map(vec![
+                (Msgpack::from("ts"), Msgpack::F64(1.0)),
+                (Msgpack::from("events"), Msgpack::Array(events)),
+            ])
+        } else {
+            Msgpack::Array(vec![Msgpack::F64(1.0), Msgpack::Array(events)])
+        };
+        let bytes = msgpack(&batch);
+        // A cut batch is refused or read; never a panic.
+        let _ = KvEventBatch::decode(&bytes[..cut % (bytes.len() + 1)]);
+        // A batch with an event that is not one (fewer token ids than its blocks) is
+        // refused whole; any other is applied.
+        let Ok(decoded) = KvEventBatch::decode(&bytes) else {
+            return Ok(());
+        };
+        let index = PrefixIndex::default();
+        let backend = std::net::SocketAddr::from(([127, 0, 0, 1], 1));
+        index.apply(backend, &decoded.events);
+        prop_assert!((1..=MAX_BLOCK_SIZE).contains(&index.block_size()));
+        prop_assert!(index.blocks_of(backend) <= MAX_BLOCKS_PER_BACKEND);
+        let _ = index.lookup(&[1, 2, 3]);
+    }
+
+    /// Whatever a backend's `/kv_event_sources` says, at most 16 ranks are followed, all on
+    /// the backend's own address.
+    #[test]
+    fn a_backends_kv_event_sources_never_name_another_host(
+        entries in proptest::collection::vec(
+            (prop_oneof![Just("*".to_string()), Just("10.1.2.3".to_string()), Just("10.9.9.9".to_string()),
+                          Just("evil.example".to_string()), Just("[::]".to_string()), "\\PC{0,12}"],
+             any::<u16>(), "\\PC{0,8}"),
+            0..40),
+        wrapped in any::<bool>(),
+    ) {
+        let list: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|(host, port, topic)| serde_json::json!({"endpoint": format!("tcp://{host}:{port}"), "topic": topic}))
+            .collect();
+        let body = if wrapped { serde_json::json!({"sources": list}) } else { serde_json::json!(list) };
+        let backend: std::net::IpAddr = "10.1.2.3".parse().unwrap();
+        let sources = sluice::health::kv_events::sources(body.to_string().as_bytes(), backend);
+        prop_assert!(sources.len() <= 16);
+        for source in sources {
+            prop_assert!(source.endpoint.starts_with("tcp://10.1.2.3:"), "{}", source.endpoint);
+        }
+    }
+
+    /// A Responses stream whose echoed `tools` hold a `usage` of the client's making: only
+    /// the response's own usage is read, however the stream is cut.
+    #[test]
+    fn a_responses_streams_usage_is_its_own_however_cut(
+        planted in (any::<u32>(), any::<u32>()),
+        real in (1u32..100_000, 1u32..100_000),
+        deltas in proptest::collection::vec("\\PC{0,16}", 0..6),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let tools = serde_json::json!([{"type": "function", "name": "f", "parameters":
+            {"usage": {"input_tokens": planted.0, "output_tokens": planted.1}}}]);
+        let mut text = format!(
+            "event: response.created\ndata: {}\n\n",
+            serde_json::json!({"type": "response.created", "response": {"id": "resp_1", "tools": tools, "usage": null}})
+        );
+        for delta in &deltas {
+            text.push_str(&format!(
+                "event: response.output_text.delta\ndata: {}\n\n",
+                serde_json::json!({"type": "response.output_text.delta", "delta": delta})
+            ));
+        }
+        let cut_at = text.len();
+        text.push_str(&format!(
+            "event: response.completed\ndata: {}\n\n",
+            serde_json::json!({"type": "response.completed", "response": {"id": "resp_1", "tools": tools,
+                "usage": {"input_tokens": real.0, "output_tokens": real.1, "total_tokens": real.0 + real.1}}})
+        ));
+        let family = Endpoint::Responses.family();
+        let read = |bytes: &[u8]| {
+            let mut scanner = family.usage_scanner(true);
+            for piece in chunks(bytes, &cuts) {
+                scanner.feed(&piece);
+            }
+            scanner.usage().map(|u| (u.prompt_tokens, u.completion_tokens))
+        };
+        prop_assert_eq!(read(&text.as_bytes()[..cut_at]), None);
+        prop_assert_eq!(read(text.as_bytes()), Some((u64::from(real.0), u64::from(real.1))));
+    }
+
+    /// A Messages stream: the input from `message_start`, the output from `message_delta`,
+    /// however it is cut; a tool call's input (an object the model writes) never counts.
+    #[test]
+    fn a_messages_streams_usage_is_read_where_the_api_puts_it(
+        input in 1u32..100_000,
+        output in 1u32..100_000,
+        planted in any::<u32>(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let events = [
+            serde_json::json!({"type": "message_start", "message": {"id": "m", "content": [],
+                "usage": {"input_tokens": input, "output_tokens": 0}}}),
+            serde_json::json!({"type": "content_block_start", "index": 0, "content_block":
+                {"type": "tool_use", "id": "t", "name": "f", "input": {"usage": {"input_tokens": planted, "output_tokens": planted}}}}),
+            serde_json::json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                "usage": {"input_tokens": input, "output_tokens": output}}),
+            serde_json::json!({"type": "message_stop"}),
+        ];
+        let text: String = events
+            .iter()
+            .map(|e| format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap()))
+            .collect();
+        let mut scanner = Endpoint::Messages.family().usage_scanner(true);
+        for piece in chunks(text.as_bytes(), &cuts) {
+            scanner.feed(&piece);
+        }
+        let usage = scanner.usage().unwrap();
+        prop_assert_eq!((usage.prompt_tokens, usage.completion_tokens), (u64::from(input), u64::from(output)));
+    }
+}

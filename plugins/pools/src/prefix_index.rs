@@ -199,7 +199,12 @@ fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
                 .and_then(|n| usize::try_from(n).ok())
                 .filter(|n| *n > 0)
                 .ok_or_else(|| bad("block_size"))?;
-            if token_ids.len() < hashes.len() * block_size {
+            // A size of 2^40 would overflow the product: checked, never wrapped.
+            if hashes
+                .len()
+                .checked_mul(block_size)
+                .is_none_or(|needed| token_ids.len() < needed)
+            {
                 return Err(bad("fewer token ids than blocks"));
             }
             // Per block, its extra keys (`[lora_name?, cache_salt?]`) or nil; the field is
