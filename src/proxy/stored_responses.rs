@@ -6,7 +6,8 @@
 //! backend has left its pool (or the note is older than the TTL), the client gets OpenAI's
 //! 404, not a retry on an engine that never had it.
 //!
-//! Kept in this process's memory, bounded (the oldest notes go first) and shared by every
+//! Kept in this process's memory, bounded (the oldest notes go first, and a tenant past a
+//! quarter of them loses its own oldest: no tenant pushes the others' out) and shared by every
 //! generation of the config; with `responses.store: redis`, in Redis too, for a fleet of
 //! proxies: a follow-up may come to another proxy than its predecessor. A note is written to
 //! Redis off the request path, and read from it only when this process has none, within
@@ -28,6 +29,9 @@ use std::time::{Duration, Instant};
 
 /// The most responses noted at once in memory; the oldest go first.
 const CAPACITY: usize = 200_000;
+/// The most one tenant's notes may take of them: past it, that tenant's own oldest go, so no
+/// tenant's cheap requests push every other tenant's notes out.
+const TENANT_SHARE: usize = CAPACITY / 4;
 /// Where a response's note is in Redis: this, then its id.
 const REDIS_PREFIX: &str = "sluice:response:";
 /// The most bytes of an answer's start searched for its id: vLLM puts it first.
@@ -55,8 +59,11 @@ pub struct ResponseHomes {
 #[derive(Debug, Default)]
 struct Notes {
     by_id: HashMap<Box<str>, (Home, Instant)>,
-    /// Ids in the order they were noted, for the capacity.
+    /// Ids in the order they were noted, for the capacity (an id whose note went already is
+    /// passed over when it comes out).
     order: VecDeque<Box<str>>,
+    /// Each tenant's ids in the order they were noted, for its share.
+    by_tenant: HashMap<Option<Arc<str>>, VecDeque<Box<str>>>,
 }
 
 impl ResponseHomes {
@@ -110,14 +117,36 @@ impl ResponseHomes {
                 notes.by_id.insert(id, (home, Instant::now()));
             }
             None => {
+                let tenant = home.tenant.clone();
                 notes.by_id.insert(id.clone(), (home, Instant::now()));
-                notes.order.push_back(id);
+                notes.order.push_back(id.clone());
+                let Notes {
+                    by_id, by_tenant, ..
+                } = &mut *notes;
+                let own = by_tenant.entry(tenant.clone()).or_default();
+                own.push_back(id);
+                while own.len() > TENANT_SHARE {
+                    let Some(old) = own.pop_front() else { break };
+                    if by_id
+                        .get(&old)
+                        .is_some_and(|(noted, _)| noted.tenant == tenant)
+                    {
+                        by_id.remove(&old);
+                    }
+                }
             }
         }
-        while notes.order.len() > CAPACITY {
-            if let Some(old) = notes.order.pop_front() {
-                notes.by_id.remove(&old);
-            }
+        while notes.by_id.len() > CAPACITY {
+            let Some(old) = notes.order.pop_front() else {
+                break;
+            };
+            notes.by_id.remove(&old);
+        }
+        // Ids whose note went with their tenant's share stay in the order until they come
+        // out: swept when they are as many as the notes (amortized, once in CAPACITY notes).
+        if notes.order.len() > 2 * CAPACITY {
+            let Notes { by_id, order, .. } = &mut *notes;
+            order.retain(|id| by_id.contains_key(id));
         }
     }
 
@@ -284,6 +313,29 @@ mod tests {
             homes.remember(&format!("resp_{i}"), home(2));
         }
         assert_eq!(homes.find("resp_a").await, None, "the oldest went first");
-        assert_eq!(homes.find("resp_7").await, Some(home(2)));
+        assert_eq!(homes.find("resp_7").await, None, "past the tenant's share");
+        let last = format!("resp_{}", CAPACITY - 1);
+        assert_eq!(homes.find(&last).await, Some(home(2)));
+    }
+
+    /// One tenant's notes never push another's out, and no tenant takes another's id over.
+    #[tokio::test]
+    async fn a_tenant_keeps_its_notes_whatever_another_does() {
+        let homes = ResponseHomes::new(&ResponsesSettings {
+            ttl: Duration::from_secs(60),
+            redis: None,
+        });
+        let home = |tenant: &str, port| Home {
+            pool: Arc::from("p"),
+            backend: SocketAddr::from(([127, 0, 0, 1], port)),
+            tenant: Some(Arc::from(tenant)),
+        };
+        homes.remember("resp_mine", home("a", 1));
+        homes.remember("resp_mine", home("b", 2));
+        assert_eq!(homes.find("resp_mine").await, Some(home("a", 1)));
+        for i in 0..CAPACITY {
+            homes.remember(&format!("resp_{i}"), home("b", 2));
+        }
+        assert_eq!(homes.find("resp_mine").await, Some(home("a", 1)));
     }
 }
