@@ -27,6 +27,13 @@
 //!   back to back), another simulator killed and restarted, then a quiet tenth. So the
 //!   warm-up saw every fault once, and the RSS at its end and at the run's end are taken at
 //!   the same quiet point of a cycle.
+//! - **Lying peers**, for the whole run: the pool follows its backends' KV events (a tokenizer,
+//!   `kv_events` on a port where a publisher of the bench's lies in turn: a frame header
+//!   declaring a terabyte, a 100 MB message, a batch naming a block size of 2^40, a greeting
+//!   and then silence, bytes that are not ZMTP), and a second pool is discovered by DNS from a
+//!   real DNS server (dnsmasq, when installed) whose answer for it flaps between the first
+//!   backend and no record every few seconds. The traffic goes to the first pool only: the
+//!   peers' lies must cost it nothing, and their churn no memory.
 //! - **Memory.** Sluice's VmRSS every 10 s (a thirtieth of a cycle, at least 250 ms, in
 //!   shorter runs). Pass: the RSS at the end is less than 5 % above the RSS at the warm-up's
 //!   end.
@@ -65,9 +72,21 @@ use crate::resilience::metric_sum;
 use crate::scenarios::{sized_chat_body, title, CHAT};
 use crate::sse::count_events;
 use crate::Ctx;
+use sluice_testkit::DnsServer;
 
 /// The schedule's cycles; the first is the warm-up.
 const CYCLES: u32 = 6;
+
+/// The pool's tokenizer, for its exact prefix index (whose events lie).
+const TOKENIZER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizer-chatml");
+
+/// The DNS-discovered pool whose answer flaps: its name and model.
+const FLAP_NAME: &str = "flap.soak.test.";
+const FLAP_MODEL: &str = "flapping-model";
+
+/// How long the flapping name has its record, then none.
+const FLAP_UP: Duration = Duration::from_secs(3);
+const FLAP_DOWN: Duration = Duration::from_secs(4);
 
 /// The simulators of the pool.
 const BACKENDS: usize = 3;
@@ -325,6 +344,10 @@ struct Config {
     backends: Vec<SocketAddr>,
     digest: String,
     redis: Option<SocketAddr>,
+    /// The lying KV-event publisher's port, on the backends' address.
+    publisher: u16,
+    /// The flapping pool's DNS server, when dnsmasq is installed.
+    dns: Option<SocketAddr>,
 }
 
 impl Config {
@@ -345,15 +368,28 @@ impl Config {
              max_buffered_bytes: 268435456\n\
              log:\n  level: \"warn,sluice::access=info\"\n  access_log: true\n  format: json\n\
              pools:\n  - name: fleet\n    models: [\"{MODEL}\"]\n    \
-             health: {{enabled: true, interval: 250ms}}\n    backends:\n",
+             health: {{enabled: true, interval: 250ms}}\n    \
+             tokenizer: {tokenizer}\n    kv_events: {{port: {publisher}}}\n    \
+             balancing: {{strategy: kv_aware}}\n    backends:\n",
             pid = self.dir.join(format!("{NAME}.pid")).display(),
             sock = self.dir.join(format!("{NAME}.sock")).display(),
             listen = self.listen,
             admin = self.admin,
             st = SEND_TIMEOUT.as_millis(),
+            tokenizer = TOKENIZER,
+            publisher = self.publisher,
         );
         for b in &self.backends {
             y.push_str(&format!("      - address: {b}\n"));
+        }
+        if let (Some(resolver), Some(first)) = (self.dns, self.backends.first()) {
+            y.push_str(&format!(
+                "  - name: flapping\n    models: [\"{FLAP_MODEL}\"]\n    \
+                 health: {{enabled: true, interval: 250ms}}\n    discovery:\n      \
+                 dns: {{name: {FLAP_NAME}, port: {port}, resolver: \"{resolver}\", \
+                 min_refresh: 500ms, max_refresh: 1s}}\n",
+                port = first.port(),
+            ));
         }
         let (store, cache) = match self.redis {
             Some(addr) => (
@@ -641,6 +677,108 @@ impl Drop for Sampler {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The lying KV-event publisher: a ZMTP peer on 127.0.0.1 (the backends' address) that
+/// greets as vLLM's PUB socket does, then tells each connection the next of its lies, and
+/// holds it until Sluice drops it. Returns its port and its task, whose connections are
+/// counted in [`lies_made`].
+async fn lying_publisher() -> Result<(u16, Lies)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let made = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&made);
+    let task = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let n = counted.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, 0];
+                greeting.extend_from_slice(b"NULL");
+                greeting.resize(64, 0);
+                if n % 5 == 4 {
+                    // Not ZMTP at all.
+                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
+                    return;
+                }
+                let mut theirs = [0u8; 64];
+                if stream.write_all(&greeting).await.is_err()
+                    || stream.read_exact(&mut theirs).await.is_err()
+                {
+                    return;
+                }
+                let ready = b"\x05READY\x0bSocket-Type\0\0\0\x03PUB";
+                let mut lie = vec![0x04, ready.len() as u8];
+                lie.extend_from_slice(ready);
+                match n % 5 {
+                    0 => {
+                        lie.push(0x02);
+                        lie.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                    }
+                    1 => {
+                        lie.push(0x02);
+                        lie.extend_from_slice(&(100u64 << 20).to_be_bytes());
+                        lie.resize(lie.len() + (1 << 20), 0);
+                    }
+                    2 => {
+                        // [topic, seq, batch]: one BlockStored naming a block size of 2^40,
+                        // msgpack written by hand (array of 2: ts, [event]).
+                        let mut batch = vec![0x92, 0xcb];
+                        batch.extend_from_slice(&0f64.to_be_bytes());
+                        batch.extend_from_slice(&[0x91, 0x97, 0xab]);
+                        batch.extend_from_slice(b"BlockStored");
+                        batch.extend_from_slice(&[0x90, 0xc0, 0x90, 0xcf]);
+                        batch.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                        batch.extend_from_slice(&[0xc0, 0xa3]);
+                        batch.extend_from_slice(b"GPU");
+                        for (more, frame) in [
+                            (true, &b""[..]),
+                            (true, &0u64.to_be_bytes()[..]),
+                            (false, &batch),
+                        ] {
+                            lie.push(u8::from(more));
+                            lie.push(frame.len() as u8);
+                            lie.extend_from_slice(frame);
+                        }
+                    }
+                    _ => {}
+                }
+                if stream.write_all(&lie).await.is_err() {
+                    return;
+                }
+                // Held until Sluice drops it.
+                let mut sink = [0u8; 4096];
+                while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    Ok((port, Lies { task, made }))
+}
+
+/// The lying publisher's task and the connections it was given.
+struct Lies {
+    task: tokio::task::JoinHandle<()>,
+    made: Arc<AtomicU64>,
+}
+
+impl Lies {
+    fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for Lies {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lies_made(lies: &Lies) -> u64 {
+    lies.made.load(Ordering::Relaxed)
+}
+
+fn config_has_dns(config: &Config) -> bool {
+    config.dns.is_some()
 }
 
 /// Aborts the task when dropped: a cancelled run stops its traffic.
@@ -979,6 +1117,17 @@ pub async fn soak(ctx: &mut Ctx) -> Result<ScenarioReport> {
         ..SimSpec::zero()
     };
     let fleet = Fleet::start(&ctx.sim, &spec, dir.path(), BACKENDS).await?;
+    let (publisher, lies) = lying_publisher().await?;
+    // The testkit's DNS server panics when dnsmasq is missing or fails: started in a task.
+    let dns = match tokio::spawn(DnsServer::start(Duration::from_secs(1))).await {
+        Ok(dns) => Some(dns),
+        Err(_) => {
+            report
+                .notes
+                .push("dnsmasq unavailable: no DNS-discovered pool flaps in this run".to_string());
+            None
+        }
+    };
     let config = Config {
         dir: dir.path().to_path_buf(),
         listen: free_addr()?,
@@ -986,7 +1135,23 @@ pub async fn soak(ctx: &mut Ctx) -> Result<ScenarioReport> {
         backends: fleet.addrs.clone(),
         digest: hash_key(&ctx.sluice_bin, TENANT_KEY)?,
         redis: redis.as_ref().map(|r| r.addr),
+        publisher,
+        dns: dns.as_ref().map(DnsServer::addr),
     };
+    let flapper = dns.map(|dns| {
+        let ip = fleet.addrs.first().map_or(
+            std::net::IpAddr::from([127, 0, 0, 1]),
+            std::net::SocketAddr::ip,
+        );
+        AbortOnDrop(tokio::spawn(async move {
+            loop {
+                dns.set(FLAP_NAME, &[ip]).await;
+                tokio::time::sleep(FLAP_UP).await;
+                dns.set(FLAP_NAME, &[]).await;
+                tokio::time::sleep(FLAP_DOWN).await;
+            }
+        }))
+    });
     let (listen, admin) = (config.listen, config.admin);
     let sluice = start_sluice_with(
         &ctx.sluice_bin,
@@ -1081,6 +1246,8 @@ pub async fn soak(ctx: &mut Ctx) -> Result<ScenarioReport> {
         soak.faults.attack.merge(a.stop().await?);
     }
     let records = (&mut load.0).await.context("the traffic task")??;
+    drop(flapper);
+    lies.abort();
     let samples = sampler.stop().await?;
     soak.sluice.check_alive()?;
     let hwm = status_bytes(pid, "VmHWM").ok();
@@ -1242,6 +1409,31 @@ pub async fn soak(ctx: &mut Ctx) -> Result<ScenarioReport> {
             ),
         ],
     ];
+    let kv_errors = by_label(&page, "sluice_kv_event_errors_total", "reason");
+    let flapping: f64 = by_label(&page, "sluice_discovery_updates_total", "pool")
+        .get("flapping")
+        .copied()
+        .unwrap_or(0.0);
+    let mut fault_rows = fault_rows;
+    fault_rows.push(vec![
+        "lying KV-event publisher (terabyte frame, 100 MB message, block size 2^40, silence, \
+         not ZMTP), in turn, for the whole run"
+            .to_string(),
+        format!("{} connections", lies_made(&lies)),
+        format!(
+            "`sluice_kv_event_errors_total` by reason: {}",
+            show_counts(&kv_errors)
+        ),
+    ]);
+    fault_rows.push(vec![
+        "DNS answer flapping (the record, then none)".to_string(),
+        format!("every {}", secs(FLAP_UP + FLAP_DOWN)),
+        if config_has_dns(&soak.config) {
+            format!("the flapping pool's membership changes: {flapping:.0}")
+        } else {
+            "no dnsmasq".to_string()
+        },
+    ]);
     report.tables.push(Table {
         caption: "Faults applied".into(),
         header: ["fault", "times", "how"].map(String::from).to_vec(),
