@@ -23,6 +23,17 @@ fn tokenizer_dir() -> String {
     )
 }
 
+/// A proxy whose one pool, on `sim`, follows its KV events from `kv_events`.
+async fn following(sim: &vllm_sim::Sim, kv_events: impl Into<Value>) -> Proxy {
+    Proxy::start(json!({"pools": [
+        pool("p", &[MODEL], &[sim.addr()])
+            .with("tokenizer", tokenizer_dir())
+            .with("kv_events", kv_events)
+            .with("balancing", json!({"strategy": "kv_aware"}))
+    ]}))
+    .await
+}
+
 /// A ZMTP publisher that lies: greets and says READY as vLLM's PUB does, then sends the
 /// `n`th connection's lie, and holds the connection. Raw bytes, no ZMQ library: the lie is
 /// the point. Counts the connections it accepted.
@@ -96,13 +107,7 @@ async fn a_lying_kv_event_publisher_cannot_kill_or_bloat_the_proxy() {
     let mut big = long_frame(100 * 1024 * 1024);
     big.extend(std::iter::repeat_n(0u8, 8 * 1024 * 1024));
     let (port, accepted) = lying_publisher(vec![long_frame(1 << 40), big]);
-    let proxy = Proxy::start(json!({"pools": [
-        pool("p", &[MODEL], &[sim.addr()])
-            .with("tokenizer", tokenizer_dir())
-            .with("kv_events", json!({"port": port}))
-            .with("balancing", json!({"strategy": "kv_aware"}))
-    ]}))
-    .await;
+    let proxy = following(&sim, json!({"port": port})).await;
     let baseline = rss_kib(proxy.pid());
     let refused = wait_for(Duration::from_secs(30), || async {
         errors(&proxy.metrics().await, "too_large") >= 2.0
@@ -140,13 +145,7 @@ async fn a_backends_kv_event_sources_cannot_send_the_proxy_anywhere() {
     )
     .await
     .unwrap();
-    let proxy = Proxy::start(json!({"pools": [
-        pool("p", &[MODEL], &[sim.addr()])
-            .with("tokenizer", tokenizer_dir())
-            .with("kv_events", "auto")
-            .with("balancing", json!({"strategy": "kv_aware"}))
-    ]}))
-    .await;
+    let proxy = following(&sim, "auto").await;
     wait_for(Duration::from_secs(30), || async {
         accepted.load(Ordering::SeqCst) > 0
     })
@@ -197,13 +196,7 @@ async fn a_publishers_block_size_no_engine_has_is_refused() {
     let zeromq::Endpoint::Tcp(_, port) = publisher.bind("tcp://127.0.0.1:0").await.unwrap() else {
         panic!("tcp")
     };
-    let proxy = Proxy::start(json!({"pools": [
-        pool("p", &[MODEL], &[sim.addr()])
-            .with("tokenizer", tokenizer_dir())
-            .with("kv_events", json!({"port": port}))
-            .with("balancing", json!({"strategy": "kv_aware"}))
-    ]}))
-    .await;
+    let proxy = following(&sim, json!({"port": port})).await;
     let prefix = |status: &Value| status["pools"][0]["prefix_index"].clone();
     // Published until heard: a subscription reaches a PUB socket some time after it connects.
     let mut seq = 0;

@@ -283,21 +283,22 @@ mod tests {
         port
     }
 
+    /// What a SUB connection to the peer on `port` reads first.
+    async fn first_message(port: u16) -> Result<Vec<Bytes>, Error> {
+        let endpoint = format!("tcp://127.0.0.1:{port}");
+        let mut sub = Connection::connect(&endpoint, SocketType::Sub, LIMITS, WITHIN)
+            .await
+            .unwrap();
+        sub.recv().await
+    }
+
     #[tokio::test]
     async fn a_huge_declared_frame_is_refused_before_anything_is_reserved() {
         // Flags LONG, then 2^40: the header zeromq 0.7 reserves a terabyte for.
         let mut lie = vec![LONG];
         lie.extend_from_slice(&(1u64 << 40).to_be_bytes());
         let port = lying_peer(lie).await;
-        let mut sub = Connection::connect(
-            &format!("tcp://127.0.0.1:{port}"),
-            SocketType::Sub,
-            LIMITS,
-            WITHIN,
-        )
-        .await
-        .unwrap();
-        assert!(matches!(sub.recv().await, Err(Error::TooLarge(_))));
+        assert!(matches!(first_message(port).await, Err(Error::TooLarge(_))));
     }
 
     #[tokio::test]
@@ -309,15 +310,7 @@ mod tests {
             lie.extend_from_slice(&[7; 255]);
         }
         let port = lying_peer(lie).await;
-        let mut sub = Connection::connect(
-            &format!("tcp://127.0.0.1:{port}"),
-            SocketType::Sub,
-            LIMITS,
-            WITHIN,
-        )
-        .await
-        .unwrap();
-        assert!(matches!(sub.recv().await, Err(Error::TooLarge(_))));
+        assert!(matches!(first_message(port).await, Err(Error::TooLarge(_))));
         // And by bytes, in frames each under the bound.
         let mut lie = Vec::new();
         for _ in 0..3 {
@@ -326,15 +319,7 @@ mod tests {
             lie.extend_from_slice(&vec![1; 600_000]);
         }
         let port = lying_peer(lie).await;
-        let mut sub = Connection::connect(
-            &format!("tcp://127.0.0.1:{port}"),
-            SocketType::Sub,
-            LIMITS,
-            WITHIN,
-        )
-        .await
-        .unwrap();
-        assert!(matches!(sub.recv().await, Err(Error::TooLarge(_))));
+        assert!(matches!(first_message(port).await, Err(Error::TooLarge(_))));
     }
 
     #[tokio::test]
