@@ -180,10 +180,10 @@ pub fn leave_upgrade_note(note: &std::path::Path, config: &std::path::Path) -> R
 
 /// The new process's config path, taken from `note` (which goes with it).
 fn read_upgrade_note(note: &std::path::Path) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
     let bytes = std::fs::read(note).ok()?;
     let _ = std::fs::remove_file(note);
-    let text = String::from_utf8(bytes).ok()?;
-    (!text.is_empty()).then(|| PathBuf::from(text))
+    (!bytes.is_empty()).then(|| PathBuf::from(std::ffi::OsString::from_vec(bytes)))
 }
 
 impl Reload {

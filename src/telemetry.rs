@@ -421,10 +421,8 @@ pub fn trace_upstream(
         return Ok(());
     }
     if !sampled {
-        header.remove_header("tracestate");
         return header.insert_header("traceparent", unsampled_traceparent().as_slice());
     }
-    header.remove_header("tracestate");
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(header));
     Ok(())
 }

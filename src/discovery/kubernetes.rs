@@ -70,7 +70,7 @@ const WATCH_SECONDS: u32 = 60;
 const READ_TIMEOUT: Duration = Duration::from_secs(WATCH_SECONDS as u64 + 15);
 
 async fn client(source: &KubernetesSource) -> Result<Client, String> {
-    let config = match &source.kubeconfig {
+    let mut config = match &source.kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| format!("cannot read the kubeconfig {}: {e}", path.display()))?;
@@ -82,7 +82,6 @@ async fn client(source: &KubernetesSource) -> Result<Client, String> {
             .await
             .map_err(|e| format!("no Kubernetes credentials (in-cluster or kubeconfig): {e}"))?,
     };
-    let mut config = config;
     config.read_timeout = Some(READ_TIMEOUT);
     Client::try_from(config).map_err(|e| format!("cannot build the Kubernetes client: {e}"))
 }

@@ -256,26 +256,19 @@ impl AttemptLoop {
         } else {
             // Optional work: dropped when it waited too long, or when the client leaves
             // meanwhile (then the request ends, and its body's memory with it).
-            let passed_over = || {
+            let work = {
+                let (routing, call) = (Arc::clone(routing), call.clone());
+                optional_work(PrefixRouting::MAX_WAIT, move || {
+                    routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
+                })
+            };
+            let tokenized = sluice_sdk::client::while_connected(session, work).await;
+            if !matches!(tokenized, Ok(Some(_))) {
                 routing
                     .passed_over
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            };
-            let (routing, call) = (Arc::clone(routing), call.clone());
-            let work = optional_work(PrefixRouting::MAX_WAIT, move || {
-                routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
-            });
-            match sluice_sdk::client::while_connected(session, work).await {
-                Ok(Some(keys)) => keys,
-                Ok(None) => {
-                    passed_over();
-                    None
-                }
-                Err(gone) => {
-                    passed_over();
-                    return Err(gone);
-                }
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
+            tokenized?.flatten()
         }
         .map(Arc::new);
         self.prefix = Some((Arc::clone(&pool.name), keys.clone()));

@@ -565,18 +565,10 @@ mod tests {
             "{real:?}"
         );
         assert!(real.completion_tokens > 0, "{real:?}");
-        // The default scanner takes the planted one first, which is the finding.
-        assert_eq!(
-            scan_whole(
-                body.split("event: response.completed")
-                    .next()
-                    .unwrap()
-                    .as_bytes()
-            ),
-            usage(1_000_000_000, 0)
-        );
-        // Cut before `response.completed`: no usage at all.
+        // Cut before `response.completed`: no usage at all. The default scanner takes the
+        // planted one, which is the finding.
         let cut = body.split("event: response.completed").next().unwrap();
+        assert_eq!(scan_whole(cut.as_bytes()), usage(1_000_000_000, 0));
         assert_eq!(nested_every_way(2, cut), None);
         // A whole JSON answer: its own usage, wherever the planted one stands.
         let json = r#"{"usage":{"input_tokens":12,"output_tokens":3},"tools":[{"parameters":{"usage":{"input_tokens":0,"output_tokens":0}}}]}"#;

@@ -339,11 +339,16 @@ struct Index {
 
 impl Index {
     fn forget_block(&mut self, key: u64, id: u32) {
-        if let Some(list) = self.holders.get_mut(&key) {
-            list.retain(|holder| *holder != id);
-            if list.is_empty() {
-                self.holders.remove(&key);
-            }
+        forget_holder(&mut self.holders, key, id);
+    }
+}
+
+/// Takes `id` off the holders of block `key`, and the block off the map when none is left.
+fn forget_holder(holders: &mut HashMap<u64, Vec<u32>>, key: u64, id: u32) {
+    if let Some(list) = holders.get_mut(&key) {
+        list.retain(|holder| *holder != id);
+        if list.is_empty() {
+            holders.remove(&key);
         }
     }
 }
@@ -444,19 +449,11 @@ impl PrefixIndex {
     }
 
     /// Applies `addr`'s events, in order, a slice of at most [`BLOCKS_PER_HOLD`] blocks under
-    /// each hold of the write lock.
+    /// each hold of the write lock: an event of half a million removed blocks lets readers in
+    /// between its slices.
     pub fn apply(&self, addr: SocketAddr, events: &[KvEvent]) {
         let id = self.register(addr);
-        let mut index = self.write();
-        let mut held = 0usize;
         for event in events {
-            if held >= BLOCKS_PER_HOLD {
-                // Readers waiting for the lock go first.
-                drop(index);
-                std::thread::yield_now();
-                index = self.write();
-                held = 0;
-            }
             match event {
                 KvEvent::Stored {
                     hashes,
@@ -471,65 +468,67 @@ impl PrefixIndex {
                         continue;
                     }
                     self.note_block_size(id, size);
-                    held += hashes.len();
-                    let index = &mut *index;
-                    let holdings = index.backends.entry(id).or_default();
-                    let mut parent_key = match parent {
-                        None => ROOT,
-                        Some(parent) => match holdings.keys.get(parent) {
-                            Some(key) => *key,
-                            None => {
-                                self.orphans.fetch_add(hashes.len() as u64, Relaxed);
-                                continue;
-                            }
-                        },
+                    let parent_key = match parent {
+                        None => Some(ROOT),
+                        Some(parent) => self
+                            .read()
+                            .backends
+                            .get(&id)
+                            .and_then(|holdings| holdings.keys.get(parent).copied()),
                     };
-                    let blocks = hashes.iter().zip(token_ids.chunks_exact(size));
-                    for (position, (hash, tokens)) in blocks.enumerate() {
-                        let key =
-                            block_key(parent_key, tokens, extra.get(position).copied().flatten());
-                        parent_key = key;
-                        if holdings.keys.len() >= MAX_BLOCKS_PER_BACKEND
-                            && !holdings.keys.contains_key(hash)
-                        {
-                            self.overflowed.fetch_add(1, Relaxed);
-                            continue;
-                        }
-                        if let Some(old) = holdings.keys.insert(*hash, key) {
-                            if old == key {
+                    let Some(mut parent_key) = parent_key else {
+                        self.orphans.fetch_add(hashes.len() as u64, Relaxed);
+                        continue;
+                    };
+                    let mut blocks = hashes
+                        .iter()
+                        .zip(token_ids.chunks_exact(size))
+                        .enumerate()
+                        .peekable();
+                    while blocks.peek().is_some() {
+                        let mut index = self.write();
+                        let index = &mut *index;
+                        let holdings = index.backends.entry(id).or_default();
+                        for (position, (hash, tokens)) in blocks.by_ref().take(BLOCKS_PER_HOLD) {
+                            let extra = extra.get(position).copied().flatten();
+                            let key = block_key(parent_key, tokens, extra);
+                            parent_key = key;
+                            if holdings.keys.len() >= MAX_BLOCKS_PER_BACKEND
+                                && !holdings.keys.contains_key(hash)
+                            {
+                                self.overflowed.fetch_add(1, Relaxed);
                                 continue;
                             }
-                            // The same engine hash for other tokens (a hash collision or a
-                            // restarted engine): the old block is gone.
-                            if let Some(list) = index.holders.get_mut(&old) {
-                                list.retain(|holder| *holder != id);
-                                if list.is_empty() {
-                                    index.holders.remove(&old);
+                            if let Some(old) = holdings.keys.insert(*hash, key) {
+                                if old == key {
+                                    continue;
                                 }
+                                // The same engine hash for other tokens (a hash collision or a
+                                // restarted engine): the old block is gone.
+                                forget_holder(&mut index.holders, old, id);
                             }
-                        }
-                        let list = index.holders.entry(key).or_default();
-                        if !list.contains(&id) {
-                            list.push(id);
+                            let list = index.holders.entry(key).or_default();
+                            if !list.contains(&id) {
+                                list.push(id);
+                            }
                         }
                     }
                 }
                 KvEvent::Removed { hashes } => {
-                    held += hashes.len();
-                    for hash in hashes {
-                        let key = index
-                            .backends
-                            .get_mut(&id)
-                            .and_then(|holdings| holdings.keys.remove(hash));
-                        if let Some(key) = key {
-                            index.forget_block(key, id);
+                    for slice in hashes.chunks(BLOCKS_PER_HOLD) {
+                        let mut index = self.write();
+                        for hash in slice {
+                            let key = index
+                                .backends
+                                .get_mut(&id)
+                                .and_then(|holdings| holdings.keys.remove(hash));
+                            if let Some(key) = key {
+                                index.forget_block(key, id);
+                            }
                         }
                     }
                 }
-                KvEvent::AllCleared => {
-                    held += index.backends.get(&id).map_or(0, |h| h.keys.len());
-                    forget_all(&mut index, id);
-                }
+                KvEvent::AllCleared => forget_all(&mut self.write(), id),
             }
         }
     }

@@ -57,26 +57,24 @@ fn optional_pool() -> Option<&'static rayon::ThreadPool> {
         .as_ref()
 }
 
+/// A pool of `threads` named `name-N`, [`BODY_NICE`] nicer than its maker; `None` if its
+/// threads could not be started.
 fn nice_pool(name: &'static str, threads: usize) -> Option<rayon::ThreadPool> {
-    {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(move |i| format!("{name}-{i}"))
-            .start_handler(|_| {
-                // Raising a nice value needs no privilege; if it fails, the work still runs.
-                let nice = rustix::process::getpriority_process(None).unwrap_or(0);
-                if let Err(e) =
-                    rustix::process::setpriority_process(None, (nice + BODY_NICE).min(19))
-                {
-                    tracing::debug!("the body pool's thread keeps its priority: {e}");
-                }
-            })
-            // A panic in the work drops its sender: the caller gets `None`, the thread lives.
-            .panic_handler(|_| {})
-            .build()
-            .map_err(|e| tracing::warn!("no {name} pool ({e}); its work uses Tokio's"))
-            .ok()
-    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("{name}-{i}"))
+        .start_handler(|_| {
+            // Raising a nice value needs no privilege; if it fails, the work still runs.
+            let nice = rustix::process::getpriority_process(None).unwrap_or(0);
+            if let Err(e) = rustix::process::setpriority_process(None, (nice + BODY_NICE).min(19)) {
+                tracing::debug!("the body pool's thread keeps its priority: {e}");
+            }
+        })
+        // A panic in the work drops its sender: the caller gets `None`, the thread lives.
+        .panic_handler(|_| {})
+        .build()
+        .map_err(|e| tracing::warn!("no {name} pool ({e}); its work uses Tokio's"))
+        .ok()
 }
 
 /// Runs `work`, which the caller can do without, off the workers on a pool of its own (see

@@ -100,7 +100,7 @@ pub async fn completion(
     let plan = |shared: &Shared| {
         validate(shared, kind, &body).map(|(request, max)| (request, max, Wire::OpenAi))
     };
-    serve(shared, request_id, None, plan, server::error).await
+    serve(shared, request_id, plan, server::error).await
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, run as the chat completion it converts to
@@ -110,7 +110,7 @@ pub async fn messages(shared: &Arc<Shared>, body: Bytes, request_id: Option<&str
         let chat = messages::to_chat(&body, true)?;
         validate_chat(shared, &chat).map(|(request, max)| (request, max, Wire::Anthropic))
     };
-    serve(shared, request_id, None, plan, messages::error).await
+    serve(shared, request_id, plan, messages::error).await
 }
 
 /// `POST /v1/responses`: OpenAI's Responses API, run as the chat it converts to and answered
@@ -126,10 +126,7 @@ pub async fn responses(
         validate_chat(shared, &chat).map(|(request, max)| (request, max, wire))
     };
     // vLLM names the response after the body's `request_id` when it has one.
-    let response_id = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|b| b["request_id"].as_str().map(str::to_string));
-    serve(shared, request_id, response_id, plan, server::error).await
+    serve(shared, request_id, plan, server::error).await
 }
 
 /// A generation request, from its arrival to its answer: `plan` reads it (the request, its
@@ -137,7 +134,6 @@ pub async fn responses(
 async fn serve(
     shared: &Arc<Shared>,
     request_id: Option<&str>,
-    response_id: Option<String>,
     plan: impl FnOnce(&Shared) -> Result<(CompletionRequest, u32, Wire), ApiError>,
     error: fn(&Shared, &ApiError) -> HttpResponse,
 ) -> HttpResponse {
@@ -150,9 +146,12 @@ async fn serve(
         Err(e) => return error(shared, &e),
     };
     let mut answer = Answer::plan(shared, request, max_tokens, request_id);
-    if let Wire::Responses(_) = wire {
-        // A response's id, as vLLM makes it.
-        answer.id = response_id.unwrap_or_else(|| shared.next_id("resp_"));
+    if let Wire::Responses(echo) = &wire {
+        // A response's id, as vLLM makes it: the body's `request_id` when it has one.
+        answer.id = echo
+            .request_id
+            .clone()
+            .unwrap_or_else(|| shared.next_id("resp_"));
     }
     answer.wire = wire;
     generate(shared, started, faults, answer)

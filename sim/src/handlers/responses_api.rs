@@ -43,6 +43,8 @@ pub struct ResponseRequest {
     pub tool_choice: Value,
     pub previous_response_id: Value,
     pub metadata: Value,
+    /// The body's `request_id`, which vLLM names the response after when there is one.
+    pub request_id: Option<String>,
     /// Kept for `previous_response_id` and `GET` (with the instance's store on).
     pub store: bool,
     /// The chat messages the request ran with, its previous response's included.
@@ -184,6 +186,7 @@ pub fn to_chat(body: &[u8], store: Option<&Store>) -> Result<(Value, ResponseReq
         tools: request.get("tools").cloned().unwrap_or_else(|| json!([])),
         previous_response_id: request["previous_response_id"].clone(),
         metadata: request["metadata"].clone(),
+        request_id: request["request_id"].as_str().map(str::to_string),
         // vLLM's default; quietly off without the instance's store.
         store: store.is_some() && request["store"].as_bool().unwrap_or(true),
         messages: chat["messages"].as_array().cloned().unwrap_or_default(),
