@@ -976,3 +976,55 @@ async fn the_prefix_index_follows_a_real_engines_kv_events() {
     );
     assert_eq!(predicted().await, before);
 }
+
+/// Each tenant's `cache_salt` reaches vLLM on `/v1/messages` too (vLLM 0.32's
+/// `AnthropicMessagesRequest` has the field and hands it to the chat request it makes): a
+/// prompt tenant `a` sent is cached for `a`'s next request, never for tenant `b`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_prompt_is_cached_per_tenant() {
+    let engine = RealVllm::start(
+        TinyModel::Draft,
+        &["--enable-prefix-caching", "--enable-prompt-tokens-details"],
+    );
+    let proxy = Proxy::start(json!({
+        "pools": [real_pool("draft", &engine)],
+        "plugins": {"tenants": {"enabled": true, "tenants": {
+            "a": {"keys": [key_digest("sk-salt-a")]},
+            "b": {"keys": [key_digest("sk-salt-b")]},
+        }}},
+    }))
+    .await;
+    // About 600 tokens: dozens of the engine's 16-token blocks.
+    let request = json!({"model": MODEL, "max_tokens": 2,
+        "system": "You review a patch line by line and name every risk you see. ".repeat(40),
+        "messages": [{"role": "user", "content": "Is this patch safe to merge?"}]});
+    let cached = |tenant: &'static str| {
+        let (request, proxy) = (&request, &proxy);
+        async move {
+            let bearer = format!("Bearer sk-salt-{tenant}");
+            let a = ask_patiently(
+                &proxy.url("/v1/messages"),
+                request,
+                &[("authorization", &bearer)],
+            )
+            .await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            let usage = body(&a)["usage"].clone();
+            (
+                usage["cache_read_input_tokens"].as_u64().unwrap_or(0),
+                usage,
+            )
+        }
+    };
+    let (first, usage) = cached("a").await;
+    assert_eq!(first, 0, "a cold engine: {usage}");
+    // The engine holds the prompt now: tenant a's own next request reads it ...
+    let (again, usage) = cached("a").await;
+    assert!(again >= 500, "tenant a's prompt is cached for a: {usage}");
+    // ... and tenant b's same prompt reads nothing of it.
+    let (other, usage) = cached("b").await;
+    assert_eq!(
+        other, 0,
+        "tenant b reads none of tenant a's blocks: {usage}"
+    );
+}

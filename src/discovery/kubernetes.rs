@@ -209,7 +209,10 @@ fn slice_name(slice: &EndpointSlice) -> String {
 
 /// The backends one slice lists: its endpoints' addresses at the source's port, ready or
 /// draining. A slice without the port lists none (and says so).
-fn wanted(pool: &Pool, source: &KubernetesSource, slice: &EndpointSlice) -> Vec<Wanted> {
+///
+/// Public for the property tests of what discovery does with an API server's answers
+/// (`tests/discovery_answers.rs`); only [`follow`] uses it.
+pub fn wanted(pool: &Pool, source: &KubernetesSource, slice: &EndpointSlice) -> Vec<Wanted> {
     let ports = slice.ports.as_deref().unwrap_or_default();
     let port = match &source.port {
         PortRef::Number(n) => Some(*n),

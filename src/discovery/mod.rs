@@ -111,7 +111,10 @@ impl BackgroundService for DiscoveryService {
 
 /// Applies what a source now lists to its pool, and says so: one log line per change, and
 /// the discovery metrics.
-pub(crate) fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
+///
+/// Public for the property tests of what discovery does with its sources' answers
+/// (`tests/discovery_answers.rs`); only the sources here use it.
+pub fn apply(pool: &Pool, source: &str, wanted: &[Wanted]) -> Change {
     let change = pool.update(wanted);
     if change.over_limit > 0 {
         tracing::warn!(
