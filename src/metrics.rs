@@ -226,7 +226,8 @@ metric!(KV_EVENT_ERRORS: IntCounterVec = register_int_counter_vec!(
     "sluice_kv_event_errors_total",
     "Connections to a backend's KV event publisher that failed or were dropped, by reason: \
      connect (unreachable, or no ZMTP handshake within 5 s), too_large (a message over 4 MiB \
-     or 4 frames), protocol (broken ZMTP), closed (the publisher went away).",
+     or 4 frames), protocol (broken ZMTP), closed (the publisher went away), silent (nothing \
+     for 15 s while the engine's /metrics showed it computing prompt tokens).",
     &["pool", "backend", "reason"]
 ));
 
@@ -349,7 +350,7 @@ pub fn init(pools: &Pools) {
         for outcome in AttemptOutcome::ALL {
             touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
         }
-        if pool.prefix.is_some() {
+        if pool.prefix().is_some() {
             for kind in ["looked_up", "predicted", "reported"] {
                 touch(&PREFIX_TOKENS, &[&pool.name, kind]);
             }

@@ -235,3 +235,97 @@ async fn a_publishers_block_size_no_engine_has_is_refused() {
     assert!(refused.is_some(), "{}", prefix(&status));
     assert_eq!(prefix(&status)["block_size"], 16);
 }
+
+/// A publisher that falls silent with its connection open (its process stopped, the path
+/// blackholed) was followed for ever, its backend credited with blocks the engine may long
+/// have evicted. Now, once the engine's `/metrics` shows it computed prompt tokens and no batch
+/// came for 15 s, the connection is dropped (`reason="silent"`), the blocks forgotten, and
+/// the publisher followed again when it can be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_publisher_is_dropped_and_its_blocks_forgotten() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_served_model_names(vec![MODEL.to_string()])
+            .with_tokenizer(tokenizer_dir())
+            .v1_engine(2048)
+            .with_kv_events(vllm_sim::KvEventsConfig {
+                replay_port: None,
+                ..vllm_sim::KvEventsConfig::default()
+            }),
+    )
+    .await
+    .unwrap();
+    let (publisher, _) = sim.kv_event_endpoints().unwrap();
+    let publisher: std::net::SocketAddr = publisher.trim_start_matches("tcp://").parse().unwrap();
+    // The path to the publisher, which can be blackholed: what it sends is held an hour.
+    let path = SlowRelay::start(publisher, Duration::ZERO).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("p", &[MODEL], &[sim.addr()])
+            .with_fast_health_checks()
+            .with("tokenizer", tokenizer_dir())
+            .with("kv_events", json!({"port": path.addr().port()}))
+            .with("balancing", json!({"strategy": "kv_aware"}))
+    ]}))
+    .await;
+    let blocks = || async {
+        proxy.status().await["pools"][0]["backends"][0]["prefix_index"]["blocks"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let mut n = 0;
+    let prompt = |n: usize| {
+        chat(
+            MODEL,
+            &format!("{n}: {}", "a fresh prompt of many words ".repeat(30)),
+            false,
+        )
+    };
+    let followed = wait_for(Duration::from_secs(30), || {
+        n += 1;
+        let request = prompt(n);
+        let (proxy, blocks) = (&proxy, &blocks);
+        async move {
+            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
+            blocks().await > 0
+        }
+    })
+    .await;
+    assert!(
+        followed.is_some(),
+        "the index follows the events: {}",
+        proxy.logs()
+    );
+
+    path.set_delay(Duration::from_secs(3600));
+    // The engine computes prompts, and stores and publishes their blocks; nothing arrives.
+    let dropped = wait_for(Duration::from_secs(90), || {
+        n += 1;
+        let request = prompt(n);
+        let proxy = &proxy;
+        async move {
+            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
+            errors(&proxy.metrics().await, "silent") >= 1.0
+        }
+    })
+    .await;
+    assert!(
+        dropped.is_some(),
+        "the silent publisher is dropped: {}",
+        proxy.logs()
+    );
+    assert_eq!(blocks().await, 0, "its blocks are forgotten");
+
+    // The path comes back: followed again (new connections are relayed at once).
+    path.set_delay(Duration::ZERO);
+    let again = wait_for(Duration::from_secs(60), || {
+        n += 1;
+        let request = prompt(n);
+        let (proxy, blocks) = (&proxy, &blocks);
+        async move {
+            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
+            blocks().await > 0
+        }
+    })
+    .await;
+    assert!(again.is_some(), "followed again: {}", proxy.logs());
+}

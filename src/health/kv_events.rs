@@ -16,10 +16,18 @@
 //!   block the engine dropped);
 //! - a number lower than expected: the engine restarted and its cache is empty; its blocks
 //!   are forgotten, and what the new engine published before is replayed.
+//!
+//! A publisher can also fall silent with its connection open (its process stopped, the path
+//! blackholed): ZMQ's PUB sends no heartbeat, and zeromq's PUB (the simulator's) answers no
+//! ZMTP PING. So silence is judged against the engine's own `/metrics`: once a scrape shows it
+//! computed prompt tokens, blocks it must have stored and published, a publisher that sends
+//! nothing for [`SILENT_AFTER`] after is dropped, its backend's blocks forgotten, and followed
+//! again.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
@@ -44,6 +52,17 @@ const CONNECT: Duration = Duration::from_secs(5);
 
 /// How long a replay may take, whole.
 const REPLAY: Duration = Duration::from_secs(10);
+
+/// How long a publisher may stay silent once a scrape shows its engine computed prompt tokens:
+/// vLLM publishes the blocks a step stored at the end of that step.
+const SILENT_AFTER: Duration = Duration::from_secs(15);
+
+/// How often the liveness check looks at the backend's scrape.
+const LIVENESS_CHECK: Duration = Duration::from_secs(1);
+
+/// The computed prompt tokens that must show before silence counts: several blocks of any
+/// block size, so that tokens left in a partial block never do.
+const SILENT_TOKENS_MIN: f64 = 256.0;
 
 /// What one publisher may send: vLLM publishes a batch per engine step, a few hundred KB at
 /// most (a step's blocks, 16 token ids each). A larger message ends the connection, counted.
@@ -110,7 +129,7 @@ impl Subscriber {
             for source in sources {
                 ranks.spawn(follow(
                     Arc::clone(&self.routing),
-                    Arc::clone(&self.pool.name),
+                    Arc::clone(&self.pool),
                     self.addr,
                     self.label.clone(),
                     source,
@@ -220,13 +239,13 @@ fn on_backend(endpoint: &str, backend: IpAddr) -> Option<String> {
 /// not at every retry.
 async fn follow(
     routing: Arc<PrefixRouting>,
-    pool: Arc<str>,
+    backends: Arc<Pool>,
     addr: SocketAddr,
     label: String,
     source: Source,
     said_unreachable: Arc<std::sync::atomic::AtomicBool>,
 ) {
-    use std::sync::atomic::Ordering::Relaxed;
+    let pool = &*backends.name;
     let mut next: u64 = 0;
     let mut pause = RECONNECT;
     let mut said_following = false;
@@ -236,7 +255,7 @@ async fn follow(
                 said_unreachable.store(false, Relaxed);
                 if !said_following {
                     tracing::info!(
-                        pool = &*pool,
+                        pool,
                         backend = &label,
                         endpoint = &source.endpoint,
                         "following the backend's KV cache events"
@@ -244,22 +263,39 @@ async fn follow(
                     said_following = true;
                 }
                 let before = next;
+                let batches = AtomicU64::new(0);
                 let error = match sub.subscribe(source.topic.as_bytes()).await {
-                    Ok(()) => {
-                        subscribed(&mut sub, &routing, &pool, &label, addr, &source, &mut next)
-                            .await
-                    }
-                    Err(error) => error,
+                    Ok(()) => tokio::select! {
+                        error = subscribed(
+                            &mut sub, &routing, pool, &label, addr, &source, &mut next, &batches,
+                        ) => Some(error),
+                        () = silent(&backends, &routing, addr, &batches) => None,
+                    },
+                    Err(error) => Some(error),
                 };
-                let reason = match error {
-                    zmtp::Error::TooLarge(_) => "too_large",
-                    zmtp::Error::Protocol(_) => "protocol",
-                    _ => "closed",
+                let reason = match &error {
+                    None => "silent",
+                    Some(zmtp::Error::TooLarge(_)) => "too_large",
+                    Some(zmtp::Error::Protocol(_)) => "protocol",
+                    Some(_) => "closed",
                 };
-                metrics::inc(&metrics::KV_EVENT_ERRORS, &[&pool, &label, reason]);
-                if reason != "closed" {
+                metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, &label, reason]);
+                if error.is_none() {
+                    // What it published may have been evicted since: forgotten, not trusted.
+                    routing.index.clear(addr);
+                    publish_blocks(&routing, pool, &label, addr);
                     tracing::warn!(
-                        pool = &*pool,
+                        pool,
+                        backend = &label,
+                        endpoint = &source.endpoint,
+                        "the KV event publisher sent nothing for {SILENT_AFTER:?} while its \
+                         engine computed prompt tokens: its blocks are forgotten and it is \
+                         followed again"
+                    );
+                } else if reason != "closed" {
+                    let error = error.map(|e| e.to_string()).unwrap_or_default();
+                    tracing::warn!(
+                        pool,
                         backend = &label,
                         endpoint = &source.endpoint,
                         %error,
@@ -271,11 +307,11 @@ async fn follow(
                 }
             }
             Err(error) => {
-                metrics::inc(&metrics::KV_EVENT_ERRORS, &[&pool, &label, "connect"]);
+                metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, &label, "connect"]);
                 if pause >= RETRY {
                     if !said_unreachable.swap(true, Relaxed) {
                         tracing::warn!(
-                            pool = &*pool,
+                            pool,
                             backend = &label,
                             endpoint = &source.endpoint,
                             %error,
@@ -291,7 +327,8 @@ async fn follow(
     }
 }
 
-/// Applies one connection's batches until it ends; why it ended.
+/// Applies one connection's batches until it ends, counting them in `batches`; why it ended.
+#[allow(clippy::too_many_arguments)]
 async fn subscribed(
     sub: &mut Connection,
     routing: &PrefixRouting,
@@ -300,6 +337,7 @@ async fn subscribed(
     addr: SocketAddr,
     source: &Source,
     next: &mut u64,
+    batches: &AtomicU64,
 ) -> zmtp::Error {
     loop {
         let frames = match sub.recv().await {
@@ -318,7 +356,50 @@ async fn subscribed(
             catch_up(routing, pool, label, addr, source, *next, seq).await;
         }
         apply(routing, pool, label, addr, payload);
+        batches.fetch_add(1, Relaxed);
         *next = seq.saturating_add(1);
+    }
+}
+
+/// Returns once the publisher has gone silent: a scrape taken after its last batch, then one
+/// showing the engine computed enough prompt tokens since, and still no batch
+/// [`SILENT_AFTER`] later. Never returns for a backend whose `/metrics` does not say.
+async fn silent(pool: &Pool, routing: &PrefixRouting, addr: SocketAddr, batches: &AtomicU64) {
+    let mut seen = batches.load(Relaxed);
+    let mut last_batch = Instant::now();
+    // What the engine had computed by the first scrape after the last batch.
+    let mut baseline: Option<f64> = None;
+    let mut owed_since: Option<Instant> = None;
+    loop {
+        tokio::time::sleep(LIVENESS_CHECK).await;
+        let now_seen = batches.load(Relaxed);
+        if now_seen != seen {
+            (seen, last_batch, baseline, owed_since) = (now_seen, Instant::now(), None, None);
+            continue;
+        }
+        let load = pool.members().find(addr).and_then(|m| m.live.load());
+        let Some((computed, scraped_at)) = load
+            .as_deref()
+            .and_then(|l| Some((l.computed_prompt_tokens?, l.scraped_at)))
+        else {
+            continue;
+        };
+        if scraped_at <= last_batch {
+            continue;
+        }
+        let base = *baseline.get_or_insert(computed);
+        if computed < base {
+            // The engine restarted: its counters began again.
+            (baseline, owed_since) = (Some(computed), None);
+            continue;
+        }
+        let owed = SILENT_TOKENS_MIN.max(4.0 * routing.index.block_size() as f64);
+        if computed - base >= owed {
+            let since = *owed_since.get_or_insert(scraped_at);
+            if since.elapsed() >= SILENT_AFTER {
+                return;
+            }
+        }
     }
 }
 
@@ -679,7 +760,11 @@ mod tests {
         };
         let follower = tokio::spawn(follow(
             Arc::clone(&routing),
-            Arc::from("kv-events-test"),
+            Arc::new(Pool::new(sluice_sdk::PoolSettings::new(
+                "kv-events-test",
+                vec![],
+                vec![],
+            ))),
             backend,
             "b".to_string(),
             source,

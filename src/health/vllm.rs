@@ -20,6 +20,11 @@ const WAITING: &str = "vllm:num_requests_waiting";
 /// A gauge set to 1 whose labels are the engine's cache config, all as strings (`"None"` for
 /// unset ones).
 const CACHE_CONFIG: &str = "vllm:cache_config_info";
+/// Every prompt token the engine scheduled is a query; those its prefix cache served are hits.
+/// The difference is what it computed, and stored as blocks, which it then publishes as KV
+/// events: the subscriber's liveness check compares the two.
+const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
 const SPEC_ACCEPTED: &str = "vllm:spec_decode_num_accepted_tokens_total";
 const SPEC_DRAFT: &str = "vllm:spec_decode_num_draft_tokens_total";
 const ENGINE_LABEL: &str = "engine";
@@ -59,6 +64,9 @@ pub struct VllmMetrics {
     pub num_gpu_blocks: Option<u32>,
     /// Present only when the server decodes speculatively.
     pub spec: Option<SpecCounters>,
+    /// Prompt tokens computed (not served by the prefix cache) since the server started,
+    /// summed over engines.
+    pub computed_prompt_tokens: Option<f64>,
     /// Present only when the server serves LoRA adapters (and has run a step since it
     /// started: vLLM sets the gauge at each step).
     pub lora: Option<LoraSlots>,
@@ -88,6 +96,8 @@ pub fn wanted(name: &str) -> bool {
             | CACHE_CONFIG
             | SPEC_ACCEPTED
             | SPEC_DRAFT
+            | PREFIX_QUERIES
+            | PREFIX_HITS
             | LORA_INFO
     )
 }
@@ -100,6 +110,8 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
     let mut waiting = None;
     let mut accepted = None;
     let mut drafted = None;
+    let mut queried = None;
+    let mut hits = None;
     let mut block_size = None;
     let mut engine_blocks: Vec<(Option<&str>, u32)> = Vec::new();
     let mut lora: Option<&Sample<'_>> = None;
@@ -112,6 +124,8 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
             WAITING => add(&mut waiting, sample.value),
             SPEC_ACCEPTED => add(&mut accepted, sample.value),
             SPEC_DRAFT => add(&mut drafted, sample.value),
+            PREFIX_QUERIES => add(&mut queried, sample.value),
+            PREFIX_HITS => add(&mut hits, sample.value),
             LORA_INFO
                 if !sample.value.is_nan()
                     && lora.is_none_or(|newest| sample.value > newest.value) =>
@@ -164,6 +178,7 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
         block_size,
         num_gpu_blocks,
         spec,
+        computed_prompt_tokens: queried.map(|q| (q - hits.unwrap_or(0.0)).max(0.0)),
         lora: lora.map(lora_slots),
     }
 }
@@ -298,6 +313,8 @@ mod tests {
                     accepted_tokens: 150_567.0,
                     draft_tokens: 540_000.0,
                 }),
+                // 2,431,520 prompt tokens queried, 921,344 of them served by the cache.
+                computed_prompt_tokens: Some(1_510_176.0),
                 // Its two label sets: the newer names the adapter in use.
                 lora: Some(LoraSlots {
                     max_loras: 1,
@@ -325,6 +342,7 @@ mod tests {
                     accepted_tokens: 802_114.0,
                     draft_tokens: 1_909_800.0,
                 }),
+                computed_prompt_tokens: None,
                 lora: None,
             }
         );

@@ -538,6 +538,7 @@ mod tests {
             kv_capacity_tokens: Some(100_000),
             spec_acceptance: None,
             lora: None,
+            computed_prompt_tokens: None,
             scraped_at: std::time::Instant::now(),
         });
     }
@@ -562,6 +563,7 @@ mod tests {
                 kv_capacity_tokens: Some(100_000),
                 spec_acceptance: None,
                 lora: None,
+                computed_prompt_tokens: None,
                 scraped_at: std::time::Instant::now() - pool.health.stale_after * 2,
             });
             assert_eq!(pool.sheds(Priority::Critical), shed, "{stale_as:?}");

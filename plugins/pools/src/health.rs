@@ -31,6 +31,9 @@ pub struct Load {
     pub spec_acceptance: Option<f64>,
     /// The LoRA adapters in use, when the backend serves them.
     pub lora: Option<LoraSlots>,
+    /// Prompt tokens the backend computed since it started (`vllm:prefix_cache_queries`
+    /// less `hits`), when it says.
+    pub computed_prompt_tokens: Option<f64>,
     /// When the scrape was read; once older than the pool's `stale_after`, it is stale.
     pub scraped_at: Instant,
 }
@@ -948,6 +951,7 @@ mod tests {
             kv_capacity_tokens: capacity,
             spec_acceptance: None,
             lora: None,
+            computed_prompt_tokens: None,
             scraped_at: Instant::now(),
         }
     }

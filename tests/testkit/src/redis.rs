@@ -353,6 +353,11 @@ impl SlowRelay {
         format!("redis://{}", self.addr)
     }
 
+    /// Where it listens (it relays any TCP, not only Redis).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
     /// The delay of the answers that come from now on.
     pub fn set_delay(&self, delay: std::time::Duration) {
         self.delay_ms.store(
