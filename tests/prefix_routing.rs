@@ -414,3 +414,97 @@ async fn tokenizing_is_bounded_and_dropped_with_a_client_that_left() {
     let status = proxy.status().await;
     assert_eq!(prefix(&status)["too_long_prompts"], 1);
 }
+
+/// A reload (`SIGHUP`, the same file) kept the backends but started their pool's learning
+/// over: an empty prefix index until the engines stored blocks again, no sessions, a prompt
+/// scale of 1. A pool that stays now keeps what it learned, and a conversation's next turn
+/// still goes where its history is cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_what_the_pool_learned() {
+    let sims = vec![engine().await, engine().await];
+    let mut config = config(&sims, "ttft", true);
+    config["pools"][0]["balancing"]["session_affinity"] = json!("soft");
+    let proxy = Proxy::start(config).await;
+    let warm = turn(999, 1);
+    wait_for(Duration::from_secs(30), || async {
+        proxy.ask(&warm, &[]).await;
+        indexed_blocks(&proxy).await > 0.0
+    })
+    .await
+    .expect("the index follows the engines' events");
+    let mut home = Vec::new();
+    for conversation in 0..4 {
+        let before: Vec<u64> = sims
+            .iter()
+            .map(|s| s.stats().count("/v1/chat/completions"))
+            .collect();
+        let session = format!("session-{conversation}");
+        let answer = proxy
+            .ask(&turn(conversation, 1), &[("x-session-id", &session)])
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        home.push(served_by(&sims, &before));
+    }
+    wait_for(Duration::from_secs(10), || async {
+        let held: usize = sims.iter().map(Sim::cached_blocks).sum();
+        indexed_blocks(&proxy).await as usize == held
+    })
+    .await
+    .expect("the index holds what the engines hold");
+    // What the pool knows, as `/status` says it (the backends in a stable order).
+    let learned = || async {
+        let pool = proxy.status().await["pools"][0].clone();
+        let mut blocks: Vec<(String, Value)> = pool["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| {
+                (
+                    b["address"].to_string(),
+                    b["prefix_index"]["blocks"].clone(),
+                )
+            })
+            .collect();
+        blocks.sort_by(|a, b| a.0.cmp(&b.0));
+        (
+            blocks,
+            pool["sessions"].clone(),
+            pool["prompt_scale"].clone(),
+        )
+    };
+    let before = learned().await;
+    assert!(
+        before.0.iter().any(|(_, b)| b.as_u64() > Some(0)),
+        "{before:?}"
+    );
+    assert_eq!(before.1, json!(4), "{before:?}");
+
+    signal(proxy.pid(), "HUP");
+    let reloaded = wait_for(Duration::from_secs(10), || async {
+        proxy
+            .metric(r#"sluice_config_reloads_total{result="ok"}"#)
+            .await
+            == Some(1.0)
+    })
+    .await;
+    assert!(reloaded.is_some(), "{}", proxy.logs());
+    assert_eq!(
+        learned().await,
+        before,
+        "what the pool learned, after the reload"
+    );
+    // Each conversation's next turn goes home, its history credited there.
+    for (conversation, &home) in home.iter().enumerate() {
+        let before: Vec<u64> = sims
+            .iter()
+            .map(|s| s.stats().count("/v1/chat/completions"))
+            .collect();
+        let answer = proxy.ask(&turn(conversation, 2), &[]).await;
+        assert_eq!(answer.status, 200);
+        assert_eq!(
+            served_by(&sims, &before),
+            home,
+            "conversation {conversation}"
+        );
+    }
+}

@@ -181,7 +181,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
                 "predicted_ttft_seconds": pool.reference_ttft(live),
-                "prefix_index": pool.prefix.as_ref().map(|routing| json!({
+                "prefix_index": pool.prefix().map(|routing| json!({
                     "blocks": routing.index.blocks_of(spec.resolved),
                     "event_lag_seconds": routing.index.lag_of(spec.resolved),
                 })),
@@ -189,7 +189,7 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
             })
         })
         .collect();
-    let prefix = pool.prefix.as_ref().map(|routing| {
+    let prefix = pool.prefix().map(|routing| {
         use std::sync::atomic::Ordering::Relaxed;
         json!({
             "kv_events": match routing.kv_events {

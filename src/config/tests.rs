@@ -1827,13 +1827,13 @@ fn the_exact_prefix_index_needs_a_tokenizer_events_and_a_reading_strategy() {
     let config = ok(&pool_with(&format!(
         "    tokenizer: {tokenizer}\n    kv_events: auto\n    balancing: {{strategy: ttft}}\n"
     )));
-    let routing = config.pools.iter().next().unwrap().prefix.clone().unwrap();
+    let routing = config.pools.iter().next().unwrap().prefix().unwrap();
     assert_eq!(routing.kv_events, sluice_sdk::prefix::KvEventSource::Auto);
     assert!(routing.tokenizer.has_chat_template());
     let config = ok(&pool_with(&format!(
         "    tokenizer: {tokenizer}\n    kv_events: {{port: 5557}}\n"
     )));
-    let routing = config.pools.iter().next().unwrap().prefix.clone().unwrap();
+    let routing = config.pools.iter().next().unwrap().prefix().unwrap();
     assert_eq!(
         routing.kv_events,
         sluice_sdk::prefix::KvEventSource::Port(5557)

@@ -116,7 +116,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 if let Some(subscriber) = subscribers.remove(addr) {
                     subscriber.abort();
                 }
-                if let Some(routing) = &pool.prefix {
+                if let Some(routing) = pool.prefix() {
                     routing.index.remove(*addr);
                 }
                 if !members.iter().any(|e| &e.spec.address == label) {
@@ -140,10 +140,10 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 models_due: 0,
             };
             let label = endpoint.spec.address.clone();
-            if let Some(routing) = &pool.prefix {
+            if let Some(routing) = pool.prefix() {
                 let subscriber = kv_events::Subscriber {
                     pool: Arc::clone(&pool),
-                    routing: Arc::clone(routing),
+                    routing,
                     addr,
                     label: label.clone(),
                     connector: Arc::clone(&connector),
@@ -194,7 +194,7 @@ impl PrefixCounts {
     /// Adds what the pool counted since the last call.
     fn publish(&mut self, pool: &Pool) {
         use std::sync::atomic::Ordering::Relaxed;
-        let Some(routing) = &pool.prefix else {
+        let Some(routing) = pool.prefix() else {
             return;
         };
         for (kind, seen, now) in [
@@ -267,7 +267,7 @@ fn forget_backend(pool: &str, backend: &str) {
     for outcome in ["replayed", "cleared", "restarted", "joined"] {
         forget(&metrics::KV_EVENT_GAPS, &[pool, backend, outcome]);
     }
-    for reason in ["connect", "too_large", "protocol", "closed"] {
+    for reason in ["connect", "too_large", "protocol", "closed", "silent"] {
         forget(&metrics::KV_EVENT_ERRORS, &[pool, backend, reason]);
     }
 }
@@ -515,6 +515,7 @@ impl Checker {
             },
             spec_acceptance,
             lora: m.lora,
+            computed_prompt_tokens: m.computed_prompt_tokens,
             scraped_at: Instant::now(),
         };
         Ok(Read {

@@ -230,7 +230,7 @@ impl AttemptLoop {
         ctx: &RequestCtx,
         pool: &Pool,
     ) -> Result<Option<Arc<PrefixKeys>>> {
-        let Some(routing) = pool.prefix.as_ref() else {
+        let Some(routing) = pool.prefix() else {
             return Ok(None);
         };
         if let Some((name, keys)) = &self.prefix {
@@ -257,7 +257,7 @@ impl AttemptLoop {
             // Optional work: dropped when it waited too long, or when the client leaves
             // meanwhile (then the request ends, and its body's memory with it).
             let work = {
-                let (routing, call) = (Arc::clone(routing), call.clone());
+                let (routing, call) = (Arc::clone(&routing), call.clone());
                 optional_work(PrefixRouting::MAX_WAIT, move || {
                     routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
                 })

@@ -91,7 +91,7 @@ pub fn engine_computed(ctx: &RequestCtx) -> Option<(u64, u64)> {
 /// the same attempt (answers that do not say are left out of both).
 fn report_cached_tokens(ctx: &RequestCtx, cached: Option<u64>) {
     use std::sync::atomic::Ordering::Relaxed;
-    let routing = ctx.pool().and_then(|pool| pool.prefix.as_ref());
+    let routing = ctx.pool().and_then(|pool| pool.prefix());
     let predicted = ctx.state.get::<sluice_sdk::prefix::Predicted>();
     if let (Some(routing), Some(cached), Some(predicted)) = (routing, cached, predicted) {
         routing.reported_tokens.fetch_add(cached, Relaxed);

@@ -10,7 +10,7 @@ use crate::health::{BackendLive, HealthPolicy, OutlierPolicy, StaleAs, DEFAULT_P
 use crate::members::{self, Change, Member, Members, Wanted};
 use crate::prefix::{Credit, PrefixKeys, PrefixRouting};
 use crate::retry::{RetryBudget, RetryPolicy};
-use arc_swap::{ArcSwap, Guard};
+use arc_swap::{ArcSwap, ArcSwapOption, Guard};
 use pingora_core::upstreams::peer::HttpPeer;
 use sluice_llm::model_name::ServedModel;
 use sluice_llm::{Demand, LlmCall};
@@ -471,8 +471,9 @@ pub struct Pool {
     pub served_model: Option<ServedModel>,
     /// What of the client's body the engine gets as sent.
     pub client_fields: ClientFields,
-    /// The pool's tokenizer and exact prefix index (`tokenizer` and `kv_events`), if set.
-    pub prefix: Option<Arc<PrefixRouting>>,
+    /// The pool's tokenizer and exact prefix index (`tokenizer` and `kv_events`), if set;
+    /// swapped only by [`Pool::inherit`], for the running pool's index.
+    prefix: ArcSwapOption<PrefixRouting>,
     /// Who decides whether the pool takes a request now, if anyone (see [`Admission`]).
     admission: OnceLock<Arc<dyn Admission>>,
     /// The pool's tokens per estimated prompt token, in thousandths: learned from its
@@ -622,11 +623,16 @@ impl Pool {
             sessions: settings.sessions,
             served_model: settings.served_model,
             client_fields: settings.client_fields,
-            prefix: settings.prefix,
+            prefix: ArcSwapOption::new(settings.prefix),
             admission: OnceLock::new(),
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             session_table,
         }
+    }
+
+    /// The pool's tokenizer and exact prefix index (`tokenizer` and `kv_events`), if set.
+    pub fn prefix(&self) -> Option<Arc<PrefixRouting>> {
+        self.prefix.load_full()
     }
 
     /// The pool's backends now: a snapshot, cheap to take, that an update does not change.
@@ -677,17 +683,34 @@ impl Pool {
         } else {
             mine.iter()
                 .map(|m| match theirs.find(m.spec.resolved) {
+                    // With its session slot, which the inherited sessions name it by.
                     Some(old) => Member {
                         live: Arc::clone(&old.live),
+                        slot: old.slot,
                         ..m.clone()
                     },
-                    None => m.clone(),
+                    None => Member {
+                        slot: 0,
+                        ..m.clone()
+                    },
                 })
                 .collect()
         };
         let mut list = list;
         members::give_slots(&mut list);
         self.members.store(Arc::new(Members::new(list)));
+        // What the pool learned: the engines' cached blocks (while the tokenizer and the
+        // events' source are the same), its sessions, its prompt scale.
+        if let (Some(mine), Some(theirs)) = (self.prefix(), old.prefix()) {
+            if mine.same_index_as(&theirs) {
+                self.prefix.store(Some(theirs));
+            }
+        }
+        if let (Some(mine), Some(theirs)) = (&self.session_table, &old.session_table) {
+            mine.copy_from(theirs);
+        }
+        self.prompt_scale
+            .store(old.prompt_scale.load(Relaxed), Relaxed);
         self.changes.send_modify(|n| *n += 1);
     }
 
@@ -968,7 +991,7 @@ impl Pool {
         });
         // The index's prediction, in the prompt's own tokens, to be set beside what the
         // engine reports it served.
-        let predicted_cached = match (&self.prefix, prefix, &credit) {
+        let predicted_cached = match (self.prefix.load().as_ref(), prefix, &credit) {
             (Some(routing), Some(keys), Credit::Exact { matches, .. }) => {
                 routing
                     .looked_up_tokens
@@ -990,7 +1013,7 @@ impl Pool {
     /// the pool has one and the request's blocks are known, else the approximate affinity's
     /// guess when the pool uses it, else nothing.
     fn credit(&self, demand: &Demand, prefix: Option<&PrefixKeys>) -> Credit {
-        match (&self.prefix, prefix) {
+        match (self.prefix.load().as_ref(), prefix) {
             (Some(routing), Some(keys)) => Credit::Exact {
                 matches: routing.index.lookup(&keys.keys),
                 tokens: keys.tokens as u64,
@@ -1467,6 +1490,16 @@ impl SessionTable {
         (slot > 0 && matches && idle <= self.idle_ttl_secs)
             .then(|| u16::try_from(slot).ok())
             .flatten()
+    }
+
+    /// Takes `old`'s sessions, when the two are the same size (a changed `capacity` starts
+    /// afresh: a session's slots depend on it).
+    fn copy_from(&self, old: &SessionTable) {
+        if self.slots.len() == old.slots.len() {
+            for (mine, theirs) in self.slots.iter().zip(old.slots.iter()) {
+                mine.store(theirs.load(Relaxed), Relaxed);
+            }
+        }
     }
 
     fn get(&self, key: u64) -> Option<u16> {

@@ -101,6 +101,13 @@ impl PrefixRouting {
         }
     }
 
+    /// Whether `other`'s index holds what this one would: the same tokenizer (the same ids,
+    /// so the same block keys) and the same events' source.
+    pub fn same_index_as(&self, other: &PrefixRouting) -> bool {
+        self.kv_events == other.kv_events
+            && self.tokenizer.fingerprint() == other.tokenizer.fingerprint()
+    }
+
     /// The keys of `call`'s prompt as the index keys blocks; `None` when the tokenizer
     /// cannot read it (it then goes without the index). The engine keys every block of a
     /// LoRA `adapter`'s request with its name, and salts the prompt's first block with the

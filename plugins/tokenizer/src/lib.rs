@@ -69,6 +69,8 @@ pub struct PromptTokenizer {
     has_template: bool,
     /// `bos_token`, `eos_token`, `pad_token`, `unk_token`, as the template sees them.
     specials: Vec<(&'static str, String)>,
+    /// A hash of the files it was read from: two tokenizers with the same make the same ids.
+    fingerprint: u64,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -211,12 +213,23 @@ impl PromptTokenizer {
     /// Reads a Hugging Face tokenizer folder: `tokenizer.json`, and `tokenizer_config.json`
     /// and `chat_template.jinja` when present.
     pub fn load(dir: &Path) -> Result<Self, Error> {
-        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
-            .map_err(|e| Error::Load(format!("{}: {e}", dir.join("tokenizer.json").display())))?;
+        use std::hash::{Hash, Hasher};
+        let tokenizer_path = dir.join("tokenizer.json");
+        let load_error =
+            |e: &dyn std::fmt::Display| Error::Load(format!("{}: {e}", tokenizer_path.display()));
+        let tokenizer_bytes = std::fs::read(&tokenizer_path).map_err(|e| load_error(&e))?;
+        let tokenizer =
+            tokenizers::Tokenizer::from_bytes(&tokenizer_bytes).map_err(|e| load_error(&e))?;
+        // Fixed keys: the same files give the same fingerprint in a process.
+        let mut fingerprint = std::hash::DefaultHasher::new();
+        tokenizer_bytes.hash(&mut fingerprint);
         let config_path = dir.join("tokenizer_config.json");
         let config: TokenizerConfig = match std::fs::read(&config_path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| Error::Load(format!("{}: {e}", config_path.display())))?,
+            Ok(bytes) => {
+                bytes.hash(&mut fingerprint);
+                serde_json::from_slice(&bytes)
+                    .map_err(|e| Error::Load(format!("{}: {e}", config_path.display())))?
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => TokenizerConfig::default(),
             Err(e) => return Err(Error::Load(format!("{}: {e}", config_path.display()))),
         };
@@ -245,6 +258,7 @@ impl PromptTokenizer {
         env.add_filter("tojson", python_tojson);
         env.add_function("raise_exception", raise_exception);
         let has_template = template.is_some();
+        template.hash(&mut fingerprint);
         if let Some(template) = template {
             env.add_template_owned(CHAT, template)
                 .map_err(|e| Error::Load(format!("the chat template: {e}")))?;
@@ -264,7 +278,13 @@ impl PromptTokenizer {
             env,
             has_template,
             specials,
+            fingerprint: fingerprint.finish(),
         })
+    }
+
+    /// A hash of the files it was read from: equal for two loads of the same folder.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// Whether the folder has a chat template (without one, chat requests cannot be read).
