@@ -663,3 +663,62 @@ async fn a_stalled_api_server_is_counted_and_tried_again() {
     let answer = proxy.ask(&chat(MODEL, "there?", false), &[]).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
+
+/// A backend that left the pool (its name answered empty until the pool drained) and was
+/// listed again came back a stranger: an ejected backend was back in rotation at once. Now an
+/// address listed again within five minutes comes back with the state it left with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_leaves_and_returns_keeps_its_state() {
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, sims) = sims_on_loopbacks(2, MODEL).await;
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let proxy = Proxy::start(json!({"pools": [
+        dns_pool(dns.addr(), port, json!({})).with(
+            "outlier_detection",
+            json!({"consecutive_failures": 2, "base_ejection": "60s"}),
+        )
+    ]}))
+    .await;
+    let both = wait_for(Duration::from_secs(10), || async {
+        members(&proxy).await.len() == 2
+    })
+    .await;
+    assert!(both.is_some(), "{}", proxy.status().await);
+    let bad = SocketAddr::new(ip(3), port);
+    sims[1].set_faults(vllm_sim::Faults::error_rate(1.0, 500));
+    let ejected = wait_for(Duration::from_secs(10), || async {
+        proxy.ask(&chat(MODEL, "anyone?", false), &[]).await;
+        proxy.backend_status("fleet", bad).await["health"] == "ejected"
+    })
+    .await;
+    assert!(ejected.is_some(), "{}", proxy.status().await);
+
+    dns.set(NAME, &[]).await;
+    let emptied = wait_for(Duration::from_secs(20), || async {
+        members(&proxy).await.is_empty()
+    })
+    .await;
+    assert!(emptied.is_some(), "{}", proxy.status().await);
+    dns.set(NAME, &[ip(2), ip(3)]).await;
+    let back = wait_for(Duration::from_secs(10), || async {
+        members(&proxy).await.len() == 2
+    })
+    .await;
+    assert!(back.is_some(), "{}", proxy.status().await);
+    assert_eq!(
+        proxy.backend_status("fleet", bad).await["health"],
+        "ejected",
+        "{}",
+        proxy.status().await
+    );
+    let failing_calls = chat_calls(&sims[1]);
+    for i in 0..10 {
+        let answer = proxy.ask(&chat(MODEL, &format!("q{i}"), false), &[]).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    assert_eq!(
+        chat_calls(&sims[1]),
+        failing_calls,
+        "the ejected backend got none"
+    );
+}

@@ -250,13 +250,13 @@ impl Members {
     }
 
     /// The next set after a source listed `wanted`: addresses kept keep their state; new
-    /// ready ones join (slow start), made by `fresh`; ones no longer listed as ready drain,
+    /// ready ones join (slow start), with the state `fresh` gives for their address; ones no longer listed as ready drain,
     /// and those with nothing running leave at once. A draining address the source lists
     /// again as ready is ready again, with its state.
     pub(crate) fn updated(
         &self,
         wanted: &[Wanted],
-        fresh: impl Fn() -> Arc<BackendLive>,
+        mut fresh: impl FnMut(SocketAddr) -> Arc<BackendLive>,
     ) -> (Members, Change) {
         let mut change = Change {
             over_limit: wanted.len().saturating_sub(MAX_ENDPOINTS),
@@ -300,7 +300,7 @@ impl Members {
                     change.joined.push(w.spec.address.clone());
                     list.push(Member {
                         spec: w.spec.clone(),
-                        live: fresh(),
+                        live: fresh(w.spec.resolved),
                         membership,
                         joined: Some(Instant::now()),
                         key: address_key(w.spec.resolved),
@@ -398,7 +398,7 @@ mod tests {
         }
     }
 
-    fn fresh() -> Arc<BackendLive> {
+    fn fresh(_: SocketAddr) -> Arc<BackendLive> {
         Arc::new(BackendLive::default())
     }
 

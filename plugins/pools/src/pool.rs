@@ -421,6 +421,14 @@ const SESSION_KV_LIMIT: f64 = 0.95;
 /// ...or where it would wait this long (seconds) behind other prefills.
 const SESSION_MAX_WAIT: f64 = 1.0;
 
+/// A backend that left the pool and is listed again within this long comes back with the
+/// state it left with (its ejection, its learned speed): a DNS answer that briefly lacked
+/// it, or a pod that restarted in place, does not make it a stranger.
+const RETURN_WINDOW: Duration = Duration::from_secs(300);
+
+/// The most departed backends whose state is kept for their return.
+const MAX_DEPARTED: usize = 1024;
+
 /// A named pool of backends.
 pub struct Pool {
     /// The pool's name: in `x-sluice-pool`, metric labels and `/status`.
@@ -490,6 +498,9 @@ pub struct Pool {
     /// The prefill speed a backend that joins starts from.
     prefill_seed: f64,
     session_table: Option<SessionTable>,
+    /// The backends that left within [`RETURN_WINDOW`], their state kept for their return;
+    /// oldest first. Taken only under `updating`.
+    departed: Mutex<std::collections::VecDeque<(SocketAddr, Arc<BackendLive>, Instant)>>,
 }
 
 /// Everything a pool is built from.
@@ -627,6 +638,7 @@ impl Pool {
             admission: OnceLock::new(),
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             session_table,
+            departed: Mutex::new(std::collections::VecDeque::new()),
         }
     }
 
@@ -651,8 +663,19 @@ impl Pool {
     pub fn update(&self, wanted: &[Wanted]) -> Change {
         let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
         let seed = self.prefill_seed;
-        let (next, change) = self.members.load().updated(wanted, || fresh_live(seed));
+        let mut departed = self.departed.lock().unwrap_or_else(|e| e.into_inner());
+        departed.retain(|(_, _, left)| left.elapsed() < RETURN_WINDOW);
+        let now = self.members.load();
+        let (next, change) = now.updated(wanted, |addr| {
+            match departed.iter().position(|(a, _, _)| *a == addr) {
+                Some(i) => departed
+                    .remove(i)
+                    .map_or_else(|| fresh_live(seed), |(_, live, _)| live),
+                None => fresh_live(seed),
+            }
+        });
         if !change.is_empty() {
+            remember_departed(&mut departed, &now, &next);
             self.members.store(Arc::new(next));
             self.changes.send_modify(|n| *n += 1);
         }
@@ -663,9 +686,12 @@ impl Pool {
     /// addresses. Called on a tick by whoever runs the pool's discovery.
     pub fn sweep(&self) -> Vec<String> {
         let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((next, left)) = self.members.load().swept() else {
+        let now = self.members.load();
+        let Some((next, left)) = now.swept() else {
             return Vec::new();
         };
+        let mut departed = self.departed.lock().unwrap_or_else(|e| e.into_inner());
+        remember_departed(&mut departed, &now, &next);
         self.members.store(Arc::new(next));
         self.changes.send_modify(|n| *n += 1);
         left
@@ -1419,6 +1445,23 @@ fn first_members(backends: Vec<BackendSpec>, seed: f64) -> Members {
         .collect();
     members::give_slots(&mut list);
     Members::new(list)
+}
+
+/// Keeps the state of the backends of `before` that `after` no longer has, for their return.
+fn remember_departed(
+    departed: &mut std::collections::VecDeque<(SocketAddr, Arc<BackendLive>, Instant)>,
+    before: &Members,
+    after: &Members,
+) {
+    for gone in before
+        .iter()
+        .filter(|m| after.find(m.spec.resolved).is_none())
+    {
+        departed.push_back((gone.spec.resolved, Arc::clone(&gone.live), Instant::now()));
+    }
+    while departed.len() > MAX_DEPARTED {
+        departed.pop_front();
+    }
 }
 
 /// A backend's live state as it joins: nothing known, its prefill speed seeded.
