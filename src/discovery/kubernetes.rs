@@ -220,7 +220,8 @@ pub fn wanted(pool: &Pool, source: &KubernetesSource, slice: &EndpointSlice) -> 
             .iter()
             .find(|p| p.name.as_deref() == Some(name.as_str()))
             .and_then(|p| p.port)
-            .and_then(|p| u16::try_from(p).ok()),
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0),
     };
     let Some(port) = port else {
         tracing::warn!(
