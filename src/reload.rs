@@ -146,7 +146,7 @@ impl BackgroundService for Reload {
         let mut phases = self.phases.lock().ok().and_then(|mut p| p.take());
         loop {
             tokio::select! {
-                _ = hangups.recv() => self.reload(),
+                _ = hangups.recv() => self.reload().await,
                 phase = next_phase(&mut phases) => {
                     if matches!(phase, Some(ExecutionPhase::GracefulUpgradeTransferringFds)) {
                         HANDED_OVER.store(true, Relaxed);
@@ -156,7 +156,7 @@ impl BackgroundService for Reload {
                             "listeners handed to the new process: its config ({}) is read, and connections close after their answer",
                             source.display()
                         );
-                        self.reload_from(&source);
+                        self.reload_from(&source).await;
                     }
                 }
                 _ = shutdown.changed() => return,
@@ -187,12 +187,18 @@ fn read_upgrade_note(note: &std::path::Path) -> Option<PathBuf> {
 }
 
 impl Reload {
-    fn reload(&self) {
-        self.reload_from(&self.source);
+    async fn reload(&self) {
+        self.reload_from(&self.source).await;
     }
 
-    fn reload_from(&self, source: &std::path::Path) {
-        let mut config = match Config::load(source) {
+    async fn reload_from(&self, source: &std::path::Path) {
+        // Loading blocks (files, tokenizers, backends' host names): on a thread for it, not
+        // on this runtime's.
+        let path = source.to_path_buf();
+        let loaded = tokio::task::spawn_blocking(move || Config::load(&path))
+            .await
+            .map_err(|e| format!("the load did not finish: {e}"));
+        let mut config = match loaded.and_then(|r| r.map_err(|e| e.to_string())) {
             Ok(config) => config,
             Err(e) => {
                 tracing::error!("config reload refused, the running config stays: {e}");

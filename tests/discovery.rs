@@ -722,3 +722,41 @@ async fn a_backend_that_leaves_and_returns_keeps_its_state() {
         "the ejected backend got none"
     );
 }
+
+/// A backend's host name was resolved at load by the blocking `getaddrinfo`, and one that did
+/// not resolve refused the start (and a reload, and an upgrade's new process). Now a name that
+/// has no address within 2 s leaves the pool without it, and is asked again every few
+/// seconds, its failures counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_name_that_does_not_resolve_refuses_nothing() {
+    let sim = sim_serving(MODEL).await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("fleet", &[MODEL], &[sim.addr()]).with("backends", json!([
+            {"address": sim.addr().to_string()},
+            {"address": "no-such-backend.invalid:8000"},
+        ]))
+    ]}))
+    .await;
+    let answer = proxy.ask(&chat(MODEL, "anyone?", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(
+        members(&proxy).await,
+        vec![(sim.addr().to_string(), "ready".to_string())]
+    );
+    signal(proxy.pid(), "HUP");
+    let reloaded = wait_for(Duration::from_secs(20), || async {
+        proxy
+            .metric(r#"sluice_config_reloads_total{result="ok"}"#)
+            .await
+            == Some(1.0)
+    })
+    .await;
+    assert!(reloaded.is_some(), "{}", proxy.logs());
+    let answer = proxy.ask(&chat(MODEL, "still?", false), &[]).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let counted = wait_for(Duration::from_secs(30), || async {
+        discovery_errors(&proxy, "static_dns").await > 0.0
+    })
+    .await;
+    assert!(counted.is_some(), "{}", proxy.logs());
+}

@@ -2,7 +2,7 @@
 //! detection, balancing, sessions, retries, price, header rules and upstream credential.
 
 use super::file::{self, FileConfig};
-use super::{existing_file, socket_address, MAX_TIMEOUT};
+use super::{existing_file, MAX_TIMEOUT};
 use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
 use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
@@ -297,7 +297,7 @@ fn backends_and_source(
     for (j, b) in p.backends.iter().enumerate() {
         let (backend, name) = backend(b, &format!("{key}.backends[{j}]"), &backends)?;
         named.push(name);
-        backends.push(backend);
+        backends.extend(backend);
     }
     // Re-resolved when some backend is given by name; the others are listed as they are,
     // since an update lists all of a pool's backends.
@@ -321,40 +321,106 @@ fn discovery_source(d: &file::DiscoveryFile, dkey: &str, base: &Path) -> Result<
     }
 }
 
-/// One listed backend, resolved, as the pool starts with it and as the name re-resolution
-/// knows it; `listed` are the pool's backends before it.
+/// One listed backend, as the name re-resolution knows it, and as the pool starts with it
+/// when its address is known; `listed` are the pool's backends before it.
 fn backend(
     b: &file::BackendFile,
     bkey: &str,
     listed: &[BackendSpec],
-) -> Result<(BackendSpec, dns::NamedBackend), Invalid> {
+) -> Result<(Option<BackendSpec>, dns::NamedBackend), Invalid> {
     if b.weight == 0 {
         return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
     }
-    let resolved =
-        socket_address(&b.address).map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
-    if listed.iter().any(|x| x.resolved == resolved) {
-        return Err(Invalid::new(
-            format!("{bkey}.address"),
-            format!("{resolved} is listed twice in this pool"),
-        ));
+    let (host, port) =
+        host_and_port(&b.address).map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
+    let resolved = resolve_within(&host, port, NAME_AT_LOAD);
+    if let Some(resolved) = resolved {
+        if listed.iter().any(|x| x.resolved == resolved) {
+            return Err(Invalid::new(
+                format!("{bkey}.address"),
+                format!("{resolved} is listed twice in this pool"),
+            ));
+        }
     }
-    let host = b.address.rsplit_once(':').map_or("", |(host, _)| {
-        host.trim_start_matches('[').trim_end_matches(']')
-    });
     let named = dns::NamedBackend {
         address: b.address.clone(),
-        host: host.to_string(),
-        port: resolved.port(),
+        host,
+        port,
         weight: b.weight,
         resolved,
     };
-    let spec = BackendSpec {
+    let spec = resolved.map(|resolved| BackendSpec {
         address: b.address.clone(),
         resolved,
         weight: b.weight,
-    };
+    });
     Ok((spec, named))
+}
+
+/// How long a backend's host name may take to resolve at load: one that does not (a
+/// resolver timing out, a name not there yet) leaves the pool without it until the name
+/// re-resolution finds it, rather than refusing the start or the reload.
+const NAME_AT_LOAD: Duration = Duration::from_secs(2);
+
+/// `host:port` (a bracketed IPv6 host too), split.
+fn host_and_port(text: &str) -> Result<(String, u16), String> {
+    if let Ok(addr) = text.parse::<std::net::SocketAddr>() {
+        return Ok((addr.ip().to_string(), addr.port()));
+    }
+    let (host, port) = text
+        .rsplit_once(':')
+        .ok_or_else(|| format!("`{text}` is not a host:port address"))?;
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| format!("`{text}` is not a host:port address (the port)"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.contains(':') && host.parse::<std::net::IpAddr>().is_err() {
+        return Err(format!("`{text}` is not a host:port address (the host)"));
+    }
+    Ok((host.to_string(), port))
+}
+
+/// `host`'s first address, asked of the system's resolver (`getaddrinfo`, hosts file
+/// included) on a thread of its own and waited for at most `bound`; `None` when it did not
+/// answer with one in time (said in the log).
+fn resolve_within(host: &str, port: u16, bound: Duration) -> Option<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return Some(std::net::SocketAddr::new(ip, port));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = host.to_string();
+    let asked = std::thread::Builder::new()
+        .name("resolve-at-load".into())
+        .spawn(move || {
+            let _ = tx.send(
+                (name.as_str(), port)
+                    .to_socket_addrs()
+                    .map(|mut a| a.next()),
+            );
+        });
+    let answer = match asked {
+        Ok(_) => rx.recv_timeout(bound),
+        Err(e) => {
+            tracing::warn!("cannot start a thread to resolve {host}: {e}");
+            return None;
+        }
+    };
+    match answer {
+        Ok(Ok(Some(addr))) => Some(addr),
+        Ok(Ok(None)) => {
+            tracing::warn!("backend {host}:{port} resolves to no address yet: the pool starts without it, and asks again every few seconds");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!("backend {host}:{port} does not resolve ({e}): the pool starts without it, and asks again every few seconds");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("backend {host}:{port} did not resolve within {bound:?}: the pool starts without it, and asks again every few seconds");
+            None
+        }
+    }
 }
 
 /// The longest refresh or debounce accepted.

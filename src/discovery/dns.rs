@@ -51,8 +51,8 @@ pub struct NamedBackend {
     pub host: String,
     pub port: u16,
     pub weight: usize,
-    /// What the name resolved to when the config was loaded.
-    pub resolved: SocketAddr,
+    /// What the name resolved to when the config was loaded; `None` when it did not in time.
+    pub resolved: Option<SocketAddr>,
 }
 
 /// Empty answers in a row (a refresh apart, `min_refresh`) before `on_empty: drain` drains.
@@ -196,7 +196,7 @@ pub async fn follow_names(pool: Arc<Pool>, names: Vec<NamedBackend>) {
             return;
         }
     };
-    let mut current: Vec<SocketAddr> = names.iter().map(|n| n.resolved).collect();
+    let mut current: Vec<Option<SocketAddr>> = names.iter().map(|n| n.resolved).collect();
     let mut streak = None;
     loop {
         let mut shortest = NAMES_MAX_REFRESH;
@@ -209,9 +209,9 @@ pub async fn follow_names(pool: Arc<Pool>, names: Vec<NamedBackend>) {
                 Ok(Answer::Records(ips, ttl)) => {
                     // Kept while the name still lists it, so an entry does not hop between
                     // the addresses of a round-robin name.
-                    if !ips.contains(&now.ip()) {
+                    if !now.is_some_and(|now| ips.contains(&now.ip())) {
                         if let Some(ip) = ips.first() {
-                            *now = SocketAddr::new(*ip, named.port);
+                            *now = Some(SocketAddr::new(*ip, named.port));
                         }
                     }
                     shortest = shortest.min(ttl);
@@ -224,16 +224,19 @@ pub async fn follow_names(pool: Arc<Pool>, names: Vec<NamedBackend>) {
             Some(e) => report_error(&pool, "static_dns", &e, &mut streak),
             None => report_recovery(&pool, "static_dns", &mut streak),
         }
+        // A name that never resolved is left out until it does.
         let wanted: Vec<Wanted> = names
             .iter()
             .zip(&current)
-            .map(|(named, resolved)| Wanted {
-                spec: BackendSpec {
-                    address: named.address.clone(),
-                    resolved: *resolved,
-                    weight: named.weight,
-                },
-                ready: true,
+            .filter_map(|(named, resolved)| {
+                Some(Wanted {
+                    spec: BackendSpec {
+                        address: named.address.clone(),
+                        resolved: (*resolved)?,
+                        weight: named.weight,
+                    },
+                    ready: true,
+                })
             })
             .collect();
         apply(&pool, "static_dns", &wanted);
