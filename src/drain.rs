@@ -105,6 +105,9 @@ fn run(
         }
     }
     let started = Instant::now();
+    // The stored responses' notes, for the process that takes over (or the next start);
+    // written again at the exit, with the notes the running requests add.
+    current.load().response_homes.hand_over();
     let end_streams_at = grace.saturating_sub(END_STREAMS_BEFORE);
     loop {
         if requests.total() == 0 {
@@ -112,6 +115,7 @@ fn run(
                 "nothing in flight {:?} into the grace period: stopping now",
                 started.elapsed()
             );
+            current.load().response_homes.hand_over();
             finish(&current.load().chain.plugins());
             crate::telemetry::stop(FLUSH_WITHIN);
             std::process::exit(0);

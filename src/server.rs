@@ -112,6 +112,9 @@ fn lasting(
         upstream_pool: crate::proxy::upstream_pool::UpstreamPool::new(upstream.keepalive_pool_size),
         response_homes: Arc::new(crate::proxy::stored_responses::ResponseHomes::new(
             &config.responses,
+            Some(crate::proxy::stored_responses::handoff_file(
+                &config.server.upgrade_sock,
+            )),
         )),
     }
 }

@@ -193,11 +193,15 @@ async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
         (ok, failed)
     });
 
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let socket = proxy.config_file().with_file_name("upgrade.sock");
     let mut old = proxy.take_child();
     // The new process waits on the upgrade socket for the old one's listeners...
     let new = proxy.spawn(&["-u"]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
+    assert!(
+        waiting.is_some(),
+        "the new process never waited for the listeners"
+    );
     // ...which the old one sends when told to stop with SIGQUIT.
     signal(old.id(), "QUIT");
     proxy.set_child(new);
@@ -555,4 +559,62 @@ async fn upgrade_revoking_a_key(new_file: bool) {
     }
     assert_eq!(ask(kept_alive, "sk-new").await, 200);
     let _ = old.kill();
+}
+
+/// The notes of which engine made which stored response lived in the process's memory only:
+/// after an upgrade every follow-up was a 404, though the engines still held the responses.
+/// The old process now hands its notes over, and the new one takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_keeps_the_stored_responses_reachable() {
+    let upstream = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_responses_store(true),
+    )
+    .await
+    .unwrap();
+    let mut proxy =
+        Proxy::start(json!({"pools": [pool("main", &[MODEL], &[upstream.addr()])]})).await;
+    let url = proxy.url("/v1/responses");
+    let made = client()
+        .post(&url)
+        .json(&json!({"model": MODEL, "input": "hello", "max_output_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(made.status(), 200);
+    let made: serde_json::Value = made.json().await.unwrap();
+
+    let socket = proxy.config_file().with_file_name("upgrade.sock");
+    let mut old = proxy.take_child();
+    let new = proxy.spawn(&["-u"]);
+    proxy.set_child(new);
+    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
+    assert!(
+        waiting.is_some(),
+        "the new process never waited for the listeners"
+    );
+    signal(old.id(), "QUIT");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while old.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the old process did not exit: {}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let follow_up = client()
+        .post(&url)
+        .json(
+            &json!({"model": MODEL, "input": "and then?", "max_output_tokens": 4,
+                      "previous_response_id": made["id"]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let status = follow_up.status();
+    let body = follow_up.text().await.unwrap();
+    assert_eq!(status, 200, "{body}\n{}", proxy.logs());
 }

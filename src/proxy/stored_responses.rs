@@ -19,13 +19,21 @@
 //! A note names the tenant whose request made the response, and only that tenant's requests
 //! find it (an engine keeps every tenant's responses alike, and knows no tenants): another
 //! tenant's follow-up, read or cancel gets the same 404 as an id never made.
+//!
+//! The notes outlive the process that made them, so that an upgrade or a restart does not
+//! make every response the engines still hold unreachable: a stopping process writes them to
+//! a file beside the upgrade socket (in the run directory, this user's alone) when its grace
+//! period begins and again when it exits; a process reads that file when it starts, and again
+//! whenever a lookup finds nothing and the file has changed since (the old process of an
+//! upgrade writes it after the new one started).
 
 use crate::config::ResponsesSettings;
 use sluice_sdk::RedisLink;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The most responses noted at once in memory; the oldest go first.
 const CAPACITY: usize = 200_000;
@@ -38,6 +46,14 @@ const REDIS_PREFIX: &str = "sluice:response:";
 const ID_WITHIN: usize = 4096;
 /// How a response's id starts in vLLM's answers and events.
 const ID_KEY: &[u8] = b"\"id\":\"resp_";
+/// The longest id looked up: vLLM's are `resp_` and 32 hex digits; a longer one is no
+/// engine's, and is not asked of Redis.
+const MAX_ID: usize = 256;
+
+/// The file beside the upgrade socket `upgrade_sock` where the notes are handed over.
+pub fn handoff_file(upgrade_sock: &str) -> PathBuf {
+    PathBuf::from(format!("{upgrade_sock}.responses"))
+}
 
 /// The backend that made a response, its pool, and the tenant that asked for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +70,10 @@ pub struct ResponseHomes {
     inner: Mutex<Notes>,
     ttl: Duration,
     redis: Option<Arc<RedisLink>>,
+    /// The file the notes are handed over in, between processes; `None`: not handed over.
+    handoff: Option<PathBuf>,
+    /// The handoff file's modification time when it was last read.
+    read_at: Mutex<Option<SystemTime>>,
 }
 
 #[derive(Debug, Default)]
@@ -67,15 +87,118 @@ struct Notes {
 }
 
 impl ResponseHomes {
-    pub fn new(settings: &ResponsesSettings) -> Self {
-        Self {
+    /// The notes, handed over between processes in `handoff` when set; what an earlier
+    /// process left there is read at once.
+    pub fn new(settings: &ResponsesSettings, handoff: Option<PathBuf>) -> Self {
+        let homes = Self {
             inner: Mutex::default(),
             ttl: settings.ttl,
             redis: settings
                 .redis
                 .as_ref()
                 .map(|r| Arc::new(RedisLink::new("responses store", r))),
+            handoff,
+            read_at: Mutex::new(None),
+        };
+        homes.read_handoff();
+        homes
+    }
+
+    /// Writes every note still valid to the handoff file (whole, then renamed into place, so
+    /// a reader never sees half of it): one line each, `id pool backend expiry tenant`, the
+    /// expiry in Unix seconds.
+    pub fn hand_over(&self) {
+        use std::fmt::Write as _;
+        let Some(path) = &self.handoff else { return };
+        let mut text = String::new();
+        {
+            let Ok(notes) = self.inner.lock() else { return };
+            let now = SystemTime::now();
+            for (id, (home, at)) in &notes.by_id {
+                let Some(left) = self.ttl.checked_sub(at.elapsed()) else {
+                    continue;
+                };
+                let expiry = (now + left)
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                let _ = writeln!(
+                    text,
+                    "{id} {} {} {expiry} {}",
+                    home.pool,
+                    home.backend,
+                    home.tenant.as_deref().unwrap_or("")
+                );
+            }
         }
+        let partial = path.with_extension("responses.partial");
+        let written = std::fs::write(&partial, text).and_then(|()| std::fs::rename(&partial, path));
+        if let Err(e) = written {
+            tracing::warn!(
+                "the stored responses' notes were not handed over in {}: {e}",
+                path.display()
+            );
+        }
+    }
+
+    /// Reads the handoff file if it changed since it was last read; whether it did.
+    fn read_handoff(&self) -> bool {
+        let Some(path) = &self.handoff else {
+            return false;
+        };
+        let Ok(modified) = std::fs::metadata(path).and_then(|m| m.modified()) else {
+            return false;
+        };
+        {
+            let Ok(mut read_at) = self.read_at.lock() else {
+                return false;
+            };
+            if *read_at == Some(modified) {
+                return false;
+            }
+            *read_at = Some(modified);
+        }
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return false;
+        };
+        let now = SystemTime::now();
+        let mut taken = 0usize;
+        for line in text.lines().take(CAPACITY) {
+            let mut parts = line.splitn(5, ' ');
+            let (Some(id), Some(pool), Some(backend), Some(expiry), Some(tenant)) = (
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next(),
+            ) else {
+                continue;
+            };
+            let (Ok(backend), Ok(expiry)) = (backend.parse(), expiry.parse::<u64>()) else {
+                continue;
+            };
+            let Ok(left) = (UNIX_EPOCH + Duration::from_secs(expiry)).duration_since(now) else {
+                continue; // Expired.
+            };
+            if !is_id(id) || self.find_here(id).is_some() {
+                continue;
+            }
+            // Noted as long ago as its expiry says.
+            let at = Instant::now()
+                .checked_sub(self.ttl.saturating_sub(left))
+                .unwrap_or_else(Instant::now);
+            let home = Home {
+                pool: Arc::from(pool),
+                backend,
+                tenant: (!tenant.is_empty()).then(|| Arc::from(tenant)),
+            };
+            self.note_at(id, home, at);
+            taken += 1;
+        }
+        tracing::info!(
+            "{taken} stored responses' notes taken over from {}",
+            path.display()
+        );
+        true
     }
 
     /// Notes that `home` made response `id`: here at once, in Redis (when shared) by a task
@@ -105,6 +228,11 @@ impl ResponseHomes {
     }
 
     fn remember_here(&self, id: &str, home: Home) {
+        self.note_at(id, home, Instant::now());
+    }
+
+    /// Notes `home` for `id` as noted at `at`.
+    fn note_at(&self, id: &str, home: Home, at: Instant) {
         let Ok(mut notes) = self.inner.lock() else {
             return;
         };
@@ -114,11 +242,11 @@ impl ResponseHomes {
         match notes.by_id.get(&id) {
             Some((noted, _)) if noted.tenant != home.tenant => return,
             Some(_) => {
-                notes.by_id.insert(id, (home, Instant::now()));
+                notes.by_id.insert(id, (home, at));
             }
             None => {
                 let tenant = home.tenant.clone();
-                notes.by_id.insert(id.clone(), (home, Instant::now()));
+                notes.by_id.insert(id.clone(), (home, at));
                 notes.order.push_back(id.clone());
                 let Notes {
                     by_id, by_tenant, ..
@@ -153,8 +281,17 @@ impl ResponseHomes {
     /// The backend that made response `id`, if it is noted and the note is not too old:
     /// here, else in Redis (when shared), whose answer is then kept here too.
     pub async fn find(&self, id: &str) -> Option<Home> {
+        if id.len() > MAX_ID {
+            return None;
+        }
         if let Some(home) = self.find_here(id) {
             return Some(home);
+        }
+        // Another process may have handed its notes over since (the old one of an upgrade).
+        if self.read_handoff() {
+            if let Some(home) = self.find_here(id) {
+                return Some(home);
+            }
         }
         let redis = self.redis.as_ref()?;
         let mut get = redis::cmd("GET");
@@ -258,11 +395,19 @@ impl IdScanner {
         };
         self.done = true;
         let id = self.seen.get(start..start + len)?;
-        // An id is plain ASCII (letters, digits, `_`, `-`): anything else is not one.
-        id.iter()
-            .all(|b| b.is_ascii_alphanumeric() || *b == b'_' || *b == b'-')
-            .then(|| String::from_utf8_lossy(id).into_owned())
+        let id = std::str::from_utf8(id).ok()?;
+        is_id(id).then(|| id.to_string())
     }
+}
+
+/// Whether `id` may be a response's: plain ASCII (letters, digits, `_`, `-`), at most
+/// [`MAX_ID`] bytes.
+fn is_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 #[cfg(test)]
@@ -294,10 +439,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_home_is_found_until_it_is_pushed_out() {
-        let homes = ResponseHomes::new(&ResponsesSettings {
-            ttl: Duration::from_secs(60),
-            redis: None,
-        });
+        let homes = ResponseHomes::new(
+            &ResponsesSettings {
+                ttl: Duration::from_secs(60),
+                redis: None,
+            },
+            None,
+        );
         let home = |port| Home {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -321,10 +469,13 @@ mod tests {
     /// One tenant's notes never push another's out, and no tenant takes another's id over.
     #[tokio::test]
     async fn a_tenant_keeps_its_notes_whatever_another_does() {
-        let homes = ResponseHomes::new(&ResponsesSettings {
-            ttl: Duration::from_secs(60),
-            redis: None,
-        });
+        let homes = ResponseHomes::new(
+            &ResponsesSettings {
+                ttl: Duration::from_secs(60),
+                redis: None,
+            },
+            None,
+        );
         let home = |tenant: &str, port| Home {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -337,5 +488,47 @@ mod tests {
             homes.remember(&format!("resp_{i}"), home("b", 2));
         }
         assert_eq!(homes.find("resp_mine").await, Some(home("a", 1)));
+    }
+    /// What one process noted, another finds: at its start, and when the first process
+    /// hands over again after it started (an upgrade's old process at its exit).
+    #[tokio::test]
+    async fn the_notes_are_handed_to_the_next_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sluice.sock.responses");
+        let settings = ResponsesSettings {
+            ttl: Duration::from_secs(60),
+            redis: None,
+        };
+        let home = |tenant: Option<&str>| Home {
+            pool: Arc::from("p"),
+            backend: "10.0.0.1:8000".parse().unwrap(),
+            tenant: tenant.map(Arc::from),
+        };
+        let old = ResponseHomes::new(&settings, Some(file.clone()));
+        old.remember_here("resp_a", home(Some("t1")));
+        old.remember_here("resp_b", home(None));
+        old.hand_over();
+        let new = ResponseHomes::new(&settings, Some(file.clone()));
+        assert_eq!(new.find("resp_a").await, Some(home(Some("t1"))));
+        assert_eq!(new.find("resp_b").await, Some(home(None)));
+        assert_eq!(new.find("resp_c").await, None);
+        // The old process answers on while the new one runs, then hands over again.
+        old.remember_here("resp_c", home(Some("t2")));
+        // A file's time may not move within the same tick: read again when it changed.
+        let before = std::fs::metadata(&file).unwrap().modified().unwrap();
+        while std::fs::metadata(&file).unwrap().modified().unwrap() == before {
+            old.hand_over();
+        }
+        assert_eq!(new.find("resp_c").await, Some(home(Some("t2"))));
+        // Lines that are not notes, and expired notes, are passed over.
+        std::fs::write(
+            &file,
+            "garbage\nresp_x p 10.0.0.1:8000 1 t\nresp_y p nowhere 99999999999 t\n",
+        )
+        .unwrap();
+        let third = ResponseHomes::new(&settings, Some(file));
+        assert_eq!(third.find("resp_x").await, None);
+        assert_eq!(third.find("resp_y").await, None);
+        assert_eq!(third.find(&"x".repeat(MAX_ID + 1)).await, None);
     }
 }
