@@ -395,3 +395,72 @@ async fn a_stream_the_engine_has_finished_holds_no_projected_kv_while_its_reader
     assert_eq!(a.status, 200, "{}", a.body);
     drop(slow);
 }
+
+/// A `previous_response_id` follow-up with a tiny input was admitted and projected as a few
+/// tokens while the engine prefilled the whole stored conversation. The note of the response
+/// now carries the conversation's size, and the follow-up is projected with it: on a cache
+/// the conversation fills past the sheddable class's line, a sheddable follow-up is shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_is_projected_with_its_conversation() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_kv(1000, 16)
+            .with_responses_store(true)
+            .with_answer_tokens(4, 4),
+    )
+    .await
+    .expect("sim");
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()]).with_fast_health_checks()],
+        "plugins": {"kv_breaker": {"enabled": true, "thresholds": {
+            "sheddable": {"shed_above": 0.5, "resume_below": 0.4},
+        }}},
+    }))
+    .await;
+    assert!(wait_for(Duration::from_secs(3), || async {
+        proxy.backend_status("main", sim.addr()).await["kv_capacity_tokens"] == 16_000
+    })
+    .await
+    .is_some());
+    // A conversation of about 10,000 tokens (of the cache's 16,000).
+    let responses = proxy.url("/v1/responses");
+    let made = ask_url(
+        &responses,
+        &json!({"model": MODEL, "input": "abcd ".repeat(10_000), "max_output_tokens": 4}),
+        &[("x-sluice-priority", "critical")],
+    )
+    .await;
+    assert_eq!(made.status, 200, "{}", made.body);
+    let made: Value = serde_json::from_str(&made.body).unwrap();
+    let conversation = made["usage"]["total_tokens"].as_u64().unwrap();
+    assert!(conversation > 8_000, "{made}");
+    // Once the engine is seen to have finished it, nothing is held or projected.
+    let idle = wait_for(Duration::from_secs(10), || async {
+        let backend = proxy.backend_status("main", sim.addr()).await;
+        backend["projected_kv_cache_usage"]
+            .as_f64()
+            .is_some_and(|p| p < 0.05)
+    })
+    .await;
+    assert!(idle.is_some(), "{}", proxy.status().await);
+    // A follow-up of a few new tokens, projected with its conversation.
+    let follow_up = json!({"model": MODEL, "input": "ok", "max_output_tokens": 4,
+                           "previous_response_id": made["id"]});
+    let shed = ask_url(
+        &responses,
+        &follow_up,
+        &[("x-sluice-priority", "sheddable")],
+    )
+    .await;
+    assert_eq!(shed.status, 503, "{}", shed.body);
+    assert_eq!(
+        shed.headers
+            .get("x-sluice-rejected")
+            .and_then(|v| v.to_str().ok()),
+        Some("kv-pressure")
+    );
+    // A critical one is admitted, and served where the conversation is.
+    let served = ask_url(&responses, &follow_up, &[("x-sluice-priority", "critical")]).await;
+    assert_eq!(served.status, 200, "{}", served.body);
+}

@@ -90,11 +90,14 @@ pub async fn forward(
     chain.response_body(&mut data, end, ctx)?;
     count_sent(ctx, data.as_ref());
     if end {
-        // A stored response's note is shared before its answer ends (see `stored_responses`).
-        let sharing = ctx
-            .state
-            .get_mut::<super::stored_responses::NoteHome>()
-            .and_then(super::stored_responses::NoteHome::take_sharing);
+        // A stored response's note is shared before its answer ends (see `stored_responses`),
+        // and learns the conversation's size.
+        let usage = ctx.usage();
+        let note = ctx.state.get_mut::<super::stored_responses::NoteHome>();
+        let sharing = note.and_then(|note| {
+            note.ended(usage);
+            note.take_sharing()
+        });
         if let Some(sharing) = sharing {
             let _ = sharing.await;
         }
@@ -117,6 +120,7 @@ fn note_stored_response(ctx: &mut RequestCtx, chunk: Option<&Bytes>) {
             pool: Arc::clone(&pool.name),
             backend,
             tenant: ctx.tenant().map(|t| Arc::clone(&t.name)),
+            tokens: 0,
         }),
         _ => None,
     };

@@ -57,11 +57,16 @@ pub async fn serve(
         None => None,
     };
     let pool = match &home {
-        Some((pool, _)) => Arc::clone(pool),
+        Some((pool, _, _)) => Arc::clone(pool),
         None => pool_for(&sluice.pools, call.request.model.as_deref())?,
     };
-    // A conversation's session id, when its pool keeps sessions on one backend.
     let mut call = call;
+    // The engine prefills the stored conversation with the new input: the follow-up is
+    // admitted, balanced and charged as that, not as its few new tokens.
+    if let Some((_, _, conversation)) = &home {
+        call.demand.prompt_tokens = call.demand.prompt_tokens.saturating_add(*conversation);
+    }
+    // A conversation's session id, when its pool keeps sessions on one backend.
     let tenant = ctx.tenant().map(|t| &*t.name);
     call.demand.session = pool.session_key(session.req_header(), tenant);
     ctx.set_llm(call);
@@ -74,18 +79,19 @@ pub async fn serve(
         return reply::local(&sluice.chain, session, ctx, answer).await;
     }
     let mut attempts = AttemptLoop::new(ctx)?;
-    attempts.pinned = home.map(|(_, backend)| backend);
+    attempts.pinned = home.map(|(_, backend, _)| backend);
     attempts.run(sluice, session, ctx).await
 }
 
-/// The pool and backend that made stored response `id`, while it is one of the pool's and
-/// the request's tenant made it; else OpenAI's 404, as the engine would answer (no other
-/// backend has it), the same for another tenant's response as for one never made.
+/// The pool and backend that made stored response `id`, and its conversation's tokens (0
+/// when unknown), while it is one of the pool's and the request's tenant made it; else
+/// OpenAI's 404, as the engine would answer (no other backend has it), the same for another
+/// tenant's response as for one never made.
 pub async fn home_of(
     sluice: &Sluice,
     ctx: &RequestCtx,
     id: &str,
-) -> Result<(Arc<Pool>, SocketAddr)> {
+) -> Result<(Arc<Pool>, SocketAddr, u64)> {
     let tenant = ctx.tenant().map(|t| &*t.name);
     let home = sluice.response_homes.find(id).await.and_then(|home| {
         if home.tenant.as_deref() != tenant {
@@ -93,7 +99,7 @@ pub async fn home_of(
         }
         let pool = sluice.pools.get(&home.pool)?;
         pool.has_backend(home.backend)
-            .then(|| (Arc::clone(pool), home.backend))
+            .then(|| (Arc::clone(pool), home.backend, home.tokens))
     });
     home.ok_or_else(|| {
         ErrorReply {

@@ -179,7 +179,7 @@ impl ProxyHttp for Proxy {
             }
             Decision::StoredResponse(id) => {
                 body::refuse_declared_over_limit(session, &this.limits)?;
-                let (pool, backend) = llm_route::home_of(&this, ctx, &id).await?;
+                let (pool, backend, _) = llm_route::home_of(&this, ctx, &id).await?;
                 ctx.send_to(pool);
                 plain.pin(backend);
                 this.answered_by_plugins(session, ctx).await

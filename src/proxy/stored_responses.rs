@@ -62,6 +62,34 @@ pub struct Home {
     pub backend: SocketAddr,
     /// `None` when the tenants plugin is off (or the request had no tenant).
     pub tenant: Option<Arc<str>>,
+    /// The conversation's tokens once its answer ended (its prompt and output, by its
+    /// usage; 0 before): the engine builds a follow-up's prompt from it, so the follow-up is
+    /// estimated with it.
+    pub tokens: u64,
+}
+
+impl Home {
+    /// As written to Redis: `pool`, `backend`, `tenant`, `tokens`, a line each.
+    fn encode(&self) -> String {
+        format!(
+            "{}\n{}\n{}\n{}",
+            self.pool,
+            self.backend,
+            self.tenant.as_deref().unwrap_or(""),
+            self.tokens
+        )
+    }
+
+    fn decode(note: &str) -> Option<Home> {
+        let mut parts = note.splitn(4, '\n');
+        let (pool, backend) = (parts.next()?, parts.next()?);
+        Some(Home {
+            pool: Arc::from(pool),
+            backend: backend.parse().ok()?,
+            tenant: parts.next().filter(|t| !t.is_empty()).map(Arc::from),
+            tokens: parts.next().and_then(|t| t.parse().ok()).unwrap_or(0),
+        })
+    }
 }
 
 /// The notes: which backend made which response.
@@ -105,8 +133,8 @@ impl ResponseHomes {
     }
 
     /// Writes every note still valid to the handoff file (whole, then renamed into place, so
-    /// a reader never sees half of it): one line each, `id pool backend expiry tenant`, the
-    /// expiry in Unix seconds.
+    /// a reader never sees half of it): one line each, `id pool backend expiry tokens
+    /// tenant`, the expiry in Unix seconds.
     pub fn hand_over(&self) {
         use std::fmt::Write as _;
         let Some(path) = &self.handoff else { return };
@@ -123,9 +151,10 @@ impl ResponseHomes {
                     .map_or(0, |d| d.as_secs());
                 let _ = writeln!(
                     text,
-                    "{id} {} {} {expiry} {}",
+                    "{id} {} {} {expiry} {} {}",
                     home.pool,
                     home.backend,
+                    home.tokens,
                     home.tenant.as_deref().unwrap_or("")
                 );
             }
@@ -163,8 +192,9 @@ impl ResponseHomes {
         let now = SystemTime::now();
         let mut taken = 0usize;
         for line in text.lines().take(CAPACITY) {
-            let mut parts = line.splitn(5, ' ');
-            let (Some(id), Some(pool), Some(backend), Some(expiry), Some(tenant)) = (
+            let mut parts = line.splitn(6, ' ');
+            let (Some(id), Some(pool), Some(backend), Some(expiry), Some(tokens), Some(tenant)) = (
+                parts.next(),
                 parts.next(),
                 parts.next(),
                 parts.next(),
@@ -173,7 +203,11 @@ impl ResponseHomes {
             ) else {
                 continue;
             };
-            let (Ok(backend), Ok(expiry)) = (backend.parse(), expiry.parse::<u64>()) else {
+            let (Ok(backend), Ok(expiry), Ok(tokens)) = (
+                backend.parse(),
+                expiry.parse::<u64>(),
+                tokens.parse::<u64>(),
+            ) else {
                 continue;
             };
             let Ok(left) = (UNIX_EPOCH + Duration::from_secs(expiry)).duration_since(now) else {
@@ -190,6 +224,7 @@ impl ResponseHomes {
                 pool: Arc::from(pool),
                 backend,
                 tenant: (!tenant.is_empty()).then(|| Arc::from(tenant)),
+                tokens,
             };
             self.note_at(id, home, at);
             taken += 1;
@@ -209,12 +244,7 @@ impl ResponseHomes {
         let redis = Arc::clone(self.redis.as_ref()?);
         let mut set = redis::cmd("SET");
         set.arg(format!("{REDIS_PREFIX}{id}"))
-            .arg(format!(
-                "{}\n{}\n{}",
-                home.pool,
-                home.backend,
-                home.tenant.as_deref().unwrap_or("")
-            ))
+            .arg(home.encode())
             .arg("EX")
             .arg(self.ttl.as_secs().max(1))
             // The first note of an id stands: no later answer takes another's response over.
@@ -303,16 +333,39 @@ impl ResponseHomes {
                 None
             }
         };
-        let note = note?;
-        let mut parts = note.splitn(3, '\n');
-        let (pool, backend) = (parts.next()?, parts.next()?);
-        let home = Home {
-            pool: Arc::from(pool),
-            backend: backend.parse().ok()?,
-            tenant: parts.next().filter(|t| !t.is_empty()).map(Arc::from),
-        };
+        let home = Home::decode(&note?)?;
         self.remember_here(id, home.clone());
         Some(home)
+    }
+
+    /// Notes the size of response `id`'s conversation (its prompt and output), when its
+    /// answer ended: here, and in Redis (when shared) by a task of its own, not waited for.
+    pub fn note_tokens(&self, id: &str, tokens: u64) {
+        let home = {
+            let Ok(mut notes) = self.inner.lock() else {
+                return;
+            };
+            let Some((home, _)) = notes.by_id.get_mut(id) else {
+                return;
+            };
+            home.tokens = tokens;
+            home.clone()
+        };
+        let Some(redis) = self.redis.as_ref().map(Arc::clone) else {
+            return;
+        };
+        let mut set = redis::cmd("SET");
+        set.arg(format!("{REDIS_PREFIX}{id}"))
+            .arg(home.encode())
+            .arg("EX")
+            .arg(self.ttl.as_secs().max(1))
+            // Only over the note there: never made anew once it is gone.
+            .arg("XX");
+        tokio::spawn(async move {
+            if let Err(e) = redis.query::<()>(&set, redis.timeout()).await {
+                tracing::debug!("a stored response's size was not written to Redis: {e:?}");
+            }
+        });
     }
 
     fn find_here(&self, id: &str) -> Option<Home> {
@@ -330,6 +383,8 @@ pub struct NoteHome {
     homes: Arc<ResponseHomes>,
     /// The note being written to Redis, which the answer's end waits for.
     sharing: Option<tokio::task::JoinHandle<()>>,
+    /// The id noted, for its size at the answer's end.
+    noted: Option<String>,
 }
 
 impl NoteHome {
@@ -338,6 +393,15 @@ impl NoteHome {
             scanner: IdScanner::default(),
             homes,
             sharing: None,
+            noted: None,
+        }
+    }
+
+    /// The answer ended with `usage`: the conversation's size goes in its note.
+    pub fn ended(&mut self, usage: Option<sluice_sdk::Usage>) {
+        if let (Some(id), Some(usage)) = (self.noted.take(), usage) {
+            let tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
+            self.homes.note_tokens(&id, tokens);
         }
     }
 
@@ -359,6 +423,7 @@ impl NoteHome {
         }
         if let (Some(id), Some(home)) = (self.scanner.feed(chunk), home) {
             self.sharing = self.homes.remember(&id, home);
+            self.noted = Some(id);
         }
     }
 }
@@ -450,6 +515,7 @@ mod tests {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
             tenant: None,
+            tokens: 0,
         };
         assert!(
             homes.remember("resp_a", home(1)).is_none(),
@@ -480,6 +546,7 @@ mod tests {
             pool: Arc::from("p"),
             backend: SocketAddr::from(([127, 0, 0, 1], port)),
             tenant: Some(Arc::from(tenant)),
+            tokens: 0,
         };
         homes.remember("resp_mine", home("a", 1));
         homes.remember("resp_mine", home("b", 2));
@@ -503,6 +570,7 @@ mod tests {
             pool: Arc::from("p"),
             backend: "10.0.0.1:8000".parse().unwrap(),
             tenant: tenant.map(Arc::from),
+            tokens: 0,
         };
         let old = ResponseHomes::new(&settings, Some(file.clone()));
         old.remember_here("resp_a", home(Some("t1")));
