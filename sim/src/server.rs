@@ -79,6 +79,9 @@ pub async fn accept_loop(shared: Arc<Shared>, mut listener: Option<TcpListener>,
         tokio::select! {
             accepted = accepting.accept() => match accepted {
                 Ok((stream, _peer)) => {
+                    if !admin {
+                        shared.stats.count_connection();
+                    }
                     let _ = stream.set_nodelay(true);
                     tokio::spawn(serve_connection(Arc::clone(&shared), stream, admin));
                 }

@@ -39,6 +39,8 @@ pub struct Stats {
     pub oom: u64,
     /// Requests that hit an injected fault.
     pub faults_injected: u64,
+    /// Connections accepted on the main port.
+    pub connections: u64,
     pub running: u32,
     pub waiting: u32,
     pub kv_usage: f64,
@@ -71,6 +73,7 @@ pub struct Recorder {
     completed: AtomicU64,
     errors: AtomicU64,
     faults: AtomicU64,
+    connections: AtomicU64,
     recent: Mutex<VecDeque<RecordedRequest>>,
 }
 
@@ -89,6 +92,7 @@ impl Recorder {
             completed: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             faults: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
         }
     }
@@ -105,6 +109,11 @@ impl Recorder {
     /// An error answer was sent (or a stream was broken off).
     pub fn count_error(&self) {
         self.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection was accepted on the main port.
+    pub fn count_connection(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A request hit an injected fault.
@@ -151,6 +160,7 @@ impl Recorder {
             completed: self.completed.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
             faults_injected: self.faults.load(Ordering::Relaxed),
+            connections: self.connections.load(Ordering::Relaxed),
             recent: unpoisoned(&self.recent).iter().cloned().collect(),
             ..Stats::default()
         }
@@ -167,6 +177,7 @@ pub struct StatsJson<'a> {
     errors: u64,
     oom: u64,
     faults_injected: u64,
+    connections: u64,
     running: u32,
     waiting: u32,
     kv_usage: f64,
@@ -195,6 +206,7 @@ impl<'a> StatsJson<'a> {
             errors: stats.errors,
             oom: stats.oom,
             faults_injected: stats.faults_injected,
+            connections: stats.connections,
             running: stats.running,
             waiting: stats.waiting,
             kv_usage: stats.kv_usage,

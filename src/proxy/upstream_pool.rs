@@ -95,8 +95,10 @@ impl UpstreamPool {
 
     /// Keeps `stream`, a connection to the peer of `key` whose last answer was read whole,
     /// for `timeout` (none: until it is taken, swept as closed, or pushed out). When the pool
-    /// is full, the oldest idle connection of the same peer makes room, else `stream` is
-    /// closed.
+    /// is full, room is made with the oldest idle connection of the same peer; a peer with
+    /// none takes the oldest of the peer that holds the most, or, when each holds one, is
+    /// kept beyond the bound: every backend keeps one idle connection, so the first busy
+    /// backends cannot take every place and leave the rest to connect anew for each request.
     pub fn keep(self: &Arc<Self>, key: u64, stream: Stream, timeout: Option<Duration>) {
         self.sweeping.call_once(|| {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -112,19 +114,23 @@ impl UpstreamPool {
         let _closed = {
             let mut idle = self.lock();
             let full = idle.count >= self.max_idle;
-            let list = idle.by_peer.entry(key).or_default();
-            if !full {
-                list.push(kept);
+            let has_own = idle.by_peer.get(&key).is_some_and(|list| !list.is_empty());
+            let pushed_out = match (full, has_own) {
+                (false, _) => None,
+                (true, true) => idle.by_peer.get_mut(&key).map(|list| list.remove(0)),
+                // Only when full (rare): the peers are few enough to look over.
+                (true, false) => idle
+                    .by_peer
+                    .values_mut()
+                    .filter(|list| list.len() > 1)
+                    .max_by_key(|list| list.len())
+                    .map(|list| list.remove(0)),
+            };
+            if pushed_out.is_none() {
                 idle.count += 1;
-                None
-            } else if list.is_empty() {
-                idle.by_peer.remove(&key);
-                Some(kept)
-            } else {
-                let oldest = list.remove(0);
-                list.push(kept);
-                Some(oldest)
             }
+            idle.by_peer.entry(key).or_default().push(kept);
+            pushed_out
         };
     }
 
@@ -315,7 +321,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_full_pool_makes_room_with_the_peers_oldest_or_closes_the_newcomer() {
+    async fn a_full_pool_makes_room_with_the_oldest_of_the_peer_that_holds_most() {
         let (listener, addr, pool) = backend(2).await;
         let key = peer(addr).reuse_hash();
         let (oldest, oldest_watcher, mut oldest_server) = connection(&listener).await;
@@ -328,16 +334,25 @@ mod tests {
         assert_eq!(pool.idle(), 2);
         assert_closed(&mut oldest_server).await;
 
-        // Another peer's connection finds no room of its own to make: it is closed.
+        // Another peer's connection takes the place of the busiest peer's oldest.
         let other = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (newcomer, newcomer_watcher, mut newcomer_server) = connection(&other).await;
-        drop(newcomer_watcher);
-        pool.keep(
-            peer(other.local_addr().unwrap()).reuse_hash(),
-            newcomer,
-            None,
-        );
+        let other_peer = peer(other.local_addr().unwrap());
+        let (newcomer, _newcomer_watcher, _newcomer_server) = connection(&other).await;
+        pool.keep(other_peer.reuse_hash(), newcomer, None);
         assert_eq!(pool.idle(), 2);
-        assert_closed(&mut newcomer_server).await;
+        assert!(pool.take(&other_peer).is_some());
+        let (newcomer, _w4, _s4) = connection(&other).await;
+        pool.keep(other_peer.reuse_hash(), newcomer, None);
+
+        // Each of the two peers holds one: a third peer's connection is kept beyond the
+        // bound, one per backend, rather than closed.
+        let third_backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let third_peer = peer(third_backend.local_addr().unwrap());
+        let (newcomer, _w5, _s5) = connection(&third_backend).await;
+        pool.keep(third_peer.reuse_hash(), newcomer, None);
+        assert_eq!(pool.idle(), 3);
+        for p in [&peer(addr), &other_peer, &third_peer] {
+            assert!(pool.take(p).is_some());
+        }
     }
 }
