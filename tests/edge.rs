@@ -196,7 +196,12 @@ async fn errors_after_100_continue_arrive_whole() {
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
     assert_eq!(body_of(&answer)["error"]["code"], 400);
 
-    tokio::time::sleep(Duration::from_millis(500)).await; // the dead backend is probed
+    let dead_addr = dead.addr();
+    wait_for(Duration::from_secs(10), || async {
+        proxy.backend_status("dead", dead_addr).await["health"] == "unhealthy"
+    })
+    .await
+    .expect("the dead backend is probed");
     let shed = serde_json::to_vec(&chat("dead-model", "hi", false)).unwrap();
     let answer = post_expecting_continue(proxy.addr, "/v1/chat/completions", &shed).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
@@ -294,6 +299,15 @@ async fn a_trickled_header_or_body_is_cut_at_its_deadline() {
     assert_eq!(upstream.stats().count("/v1/chat/completions"), 0);
 }
 
+/// Waits until `proxy` counts `count` client connections open.
+async fn open_connections(proxy: &Proxy, count: f64) {
+    wait_for(Duration::from_secs(10), || async {
+        metric_value(&proxy.metrics().await, "sluice_connections_open") == Some(count)
+    })
+    .await
+    .unwrap_or_else(|| panic!("{count} connections are counted open"));
+}
+
 /// M7: connections over the caps, per client address and in total, are answered at once (429
 /// and 503 with `retry-after`), never left hanging; a closed connection frees its place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,7 +322,7 @@ async fn connections_over_the_caps_are_answered_not_left_hanging() {
         TcpStream::connect(per_client.addr).await.unwrap(),
         TcpStream::connect(per_client.addr).await.unwrap(),
     ];
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    open_connections(&per_client, 2.0).await;
     let mut third = TcpStream::connect(per_client.addr).await.unwrap();
     let answer = read_answer(&mut third, Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 429"), "{answer:?}");
@@ -319,7 +333,7 @@ async fn connections_over_the_caps_are_answered_not_left_hanging() {
     );
     assert_eq!(body_of(&answer)["error"]["code"], 429);
     drop(held);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    open_connections(&per_client, 0.0).await;
     let r = client()
         .post(per_client.url("/v1/chat/completions"))
         .json(&chat(MODEL, "hi", false))
@@ -334,7 +348,7 @@ async fn connections_over_the_caps_are_answered_not_left_hanging() {
     }))
     .await;
     let _held = TcpStream::connect(total.addr).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    open_connections(&total, 1.0).await;
     let mut second = TcpStream::connect(total.addr).await.unwrap();
     let answer = read_answer(&mut second, Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
@@ -363,7 +377,12 @@ async fn requests_over_the_in_flight_cap_get_429() {
             .await
             .unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first request is in flight once the engine runs it.
+    wait_for(Duration::from_secs(10), || async {
+        upstream.stats().count("/v1/chat/completions") == 1
+    })
+    .await
+    .expect("the first request reached the engine");
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
         .json(&chat(MODEL, "one more", false))
