@@ -52,6 +52,10 @@ pub async fn serve(
         .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
         .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     // A stored response's follow-up goes where the response was made, and nowhere else.
+    // Looked up before the plugins' request hooks (the tenants' limits among them): the
+    // follow-up is admitted with its conversation's size, which the note holds. The caller
+    // is already identified, and the lookup bounded: an id of at most 256 bytes, this
+    // process's notes, then one Redis GET within its timeout.
     let home = match &call.request.previous_response_id {
         Some(id) => Some(home_of(sluice, ctx, id).await?),
         None => None,
