@@ -342,7 +342,7 @@ pub fn init(pools: &Pools) {
         for direction in ["late", "early"] {
             touch(&TTFT_PREDICTION_ERROR, &[&pool.name, direction]);
         }
-        if pool.health.enabled {
+        if pool.settings.health.enabled {
             for endpoint in pool.members().iter() {
                 touch(&METRIC_LINES_SKIPPED, &[&pool.name, &endpoint.spec.address]);
             }

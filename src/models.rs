@@ -27,7 +27,7 @@ pub fn list(pools: &Pools) -> Bytes {
                 "owned_by": "sluice",
                 "root": model,
                 "parent": null,
-                "max_model_len": pool.max_model_len,
+                "max_model_len": pool.settings.max_model_len,
                 "sluice_pool": &*pool.name,
             })
         })

@@ -243,7 +243,7 @@ pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
     for pool in pools.iter() {
         let members = pool.members();
         let backends: Vec<_> = members.iter().map(|e| e.spec.address.as_str()).collect();
-        tracing::info!(pool = &*pool.name, models = ?pool.models(), backends = ?backends, source = %pool.source, "pool");
+        tracing::info!(pool = &*pool.name, models = ?pool.models(), backends = ?backends, source = %pool.settings.source, "pool");
     }
     crate::metrics::init(&pools);
     Sluice {

@@ -106,14 +106,14 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
     assert!(c
         .pools
         .iter()
-        .all(|p| p.is_catch_all() || p.timeouts.sized_by_max_tokens.is_some()));
+        .all(|p| p.is_catch_all() || p.settings.timeouts.sized_by_max_tokens.is_some()));
     assert!(c.routes.iter().any(|r| r.host.is_some()));
     // Public names: the pools sharing `llama` each send their engine's own name.
     let served: Vec<&str> = c
         .pools
         .iter()
         .filter(|p| p.serves("llama"))
-        .filter_map(|p| p.served_model.as_ref().map(|s| s.name()))
+        .filter_map(|p| p.settings.served_model.as_ref().map(|s| s.name()))
         .collect();
     assert_eq!(
         served,
@@ -127,7 +127,7 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
 #[test]
 fn the_upstream_tls_example_sets_sni_on_every_pool() {
     let c = Config::load(&root().join("conf/examples/upstream-tls.yaml")).unwrap();
-    assert!(c.pools.iter().all(|p| p.tls_sni.is_some()));
+    assert!(c.pools.iter().all(|p| p.settings.tls_sni.is_some()));
 }
 
 #[test]
@@ -524,7 +524,7 @@ fn discovery_sources_are_read_with_their_defaults() {
     assert!(matches!(&c.discovery[2].source, Source::Names(n) if n[0].host == "localhost"));
     assert!(c.pools.get("a").unwrap().members().is_empty());
     assert_eq!(
-        c.pools.get("a").unwrap().source,
+        c.pools.get("a").unwrap().settings.source,
         "dns vllm.llm.svc.cluster.local:8000"
     );
 }
@@ -534,7 +534,7 @@ fn models_are_listed_or_learned() {
     let c =
         ok("pools: [{ name: a, models: auto, discovery: { dns: { name: vllm, port: 8000 } } }]\n");
     let pool = c.pools.get("a").unwrap();
-    assert!(pool.auto_models && !pool.is_catch_all());
+    assert!(pool.settings.auto_models && !pool.is_catch_all());
     refused(
         "pools: [{ name: a, models: llama, backends: [{ address: 127.0.0.1:9 }] }]\n",
         "pools[0].models",
@@ -786,14 +786,14 @@ fn a_minimal_config_gets_the_documented_defaults() {
 
     let pool = c.pools.get("a").unwrap();
     assert!(pool.models().is_empty());
-    assert_eq!(pool.max_model_len, None);
-    assert_eq!(pool.tls_sni, None);
+    assert_eq!(pool.settings.max_model_len, None);
+    assert_eq!(pool.settings.tls_sni, None);
     let members = pool.members();
     assert_eq!(members.get(0).unwrap().spec.weight, 1);
     assert_eq!(members.get(0).unwrap().spec.address, "127.0.0.1:9");
-    assert_eq!(pool.source, "static");
+    assert_eq!(pool.settings.source, "static");
     assert!(c.discovery.is_empty());
-    let t = &pool.timeouts;
+    let t = &pool.settings.timeouts;
     assert_eq!(t.connect, Duration::from_secs(2));
     assert_eq!(t.first_byte, Duration::from_secs(60));
     assert_eq!(t.total, Duration::from_secs(600));
@@ -817,7 +817,7 @@ fn durations_are_written_as_people_write_them() {
     let c = ok(&with_timeouts(
         "{ connect: 250ms, first_byte: 2s, total: 1h 30m, keepalive_idle: 5m }",
     ));
-    let t = &c.pools.get("a").unwrap().timeouts;
+    let t = &c.pools.get("a").unwrap().settings.timeouts;
     assert_eq!(t.connect, Duration::from_millis(250));
     assert_eq!(t.first_byte, Duration::from_secs(2));
     assert_eq!(t.total, Duration::from_secs(90 * 60));
@@ -829,7 +829,7 @@ fn min_tokens_per_second_sizes_the_total_timeout() {
     let c = ok(&with_timeouts(
         "{ first_byte: 10s, total: 100s, min_tokens_per_second: 10, margin: 5s }",
     ));
-    let t = &c.pools.get("a").unwrap().timeouts;
+    let t = &c.pools.get("a").unwrap().settings.timeouts;
     assert_eq!(
         t.sized_by_max_tokens,
         Some(TokensPerSecond {
@@ -844,7 +844,7 @@ fn min_tokens_per_second_sizes_the_total_timeout() {
 
     // margin defaults to 30s; without min_tokens_per_second it is unused.
     let c = ok(&with_timeouts("{ min_tokens_per_second: 2.5 }"));
-    let t = &c.pools.get("a").unwrap().timeouts;
+    let t = &c.pools.get("a").unwrap().settings.timeouts;
     assert_eq!(
         t.sized_by_max_tokens.as_ref().unwrap().margin,
         Duration::from_secs(30)
@@ -1029,11 +1029,11 @@ fn with_pool_key(key: &str, value: &str) -> String {
 fn health_balancing_and_outlier_defaults() {
     let c = ok(MINIMAL);
     let pool = c.pools.iter().next().unwrap();
-    assert_eq!(pool.health, HealthPolicy::default());
-    assert_eq!(pool.health.interval, Duration::from_millis(250));
-    assert_eq!(pool.outlier, OutlierPolicy::default());
+    assert_eq!(pool.settings.health, HealthPolicy::default());
+    assert_eq!(pool.settings.health.interval, Duration::from_millis(250));
+    assert_eq!(pool.settings.outlier, OutlierPolicy::default());
     assert_eq!(
-        pool.balancing,
+        pool.settings.balancing,
         Balancing::KvAware {
             prefix_affinity: None
         }
@@ -1042,9 +1042,9 @@ fn health_balancing_and_outlier_defaults() {
         "{MINIMAL}    health: {{interval: 50ms, stale_as: unknown}}\n    balancing: {{strategy: kv_aware, prefix_affinity_bytes: 512}}\n"
     ));
     let pool = c.pools.iter().next().unwrap();
-    assert_eq!(pool.health.stale_as, StaleAs::Unknown);
+    assert_eq!(pool.settings.health.stale_as, StaleAs::Unknown);
     assert_eq!(
-        pool.balancing,
+        pool.settings.balancing,
         Balancing::KvAware {
             prefix_affinity: Some(512)
         }
@@ -1151,7 +1151,15 @@ fn the_ejected_share_is_a_percentage() {
         "outlier_detection",
         "{max_ejection_percent: 100}",
     ));
-    assert_eq!(c.pools.get("a").unwrap().outlier.max_ejection_percent, 100);
+    assert_eq!(
+        c.pools
+            .get("a")
+            .unwrap()
+            .settings
+            .outlier
+            .max_ejection_percent,
+        100
+    );
 }
 
 #[test]
@@ -1159,8 +1167,11 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
     use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
     let c = ok(&with_pool_key("balancing", "{strategy: ttft}"));
     let pool = c.pools.iter().next().unwrap();
-    assert_eq!(pool.balancing, Balancing::Ttft(TtftBalancing::default()));
-    assert_eq!(pool.sessions, None, "off by default");
+    assert_eq!(
+        pool.settings.balancing,
+        Balancing::Ttft(TtftBalancing::default())
+    );
+    assert_eq!(pool.settings.sessions, None, "off by default");
     let c = ok(&with_pool_key(
         "balancing",
         "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: 4000, \
@@ -1169,7 +1180,7 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
     ));
     let pool = c.pools.iter().next().unwrap();
     assert_eq!(
-        pool.balancing,
+        pool.settings.balancing,
         Balancing::Ttft(TtftBalancing {
             prefix_affinity: Some(256),
             prefill_tokens_per_second: 4000.0,
@@ -1177,7 +1188,7 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
         })
     );
     assert_eq!(
-        pool.sessions,
+        pool.settings.sessions,
         Some(SessionAffinity {
             header: "x-conversation".into(),
             mode: SessionMode::Hard,
@@ -1190,7 +1201,15 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
         "balancing",
         "{strategy: round_robin, session_affinity: soft}",
     ));
-    let sessions = c.pools.iter().next().unwrap().sessions.clone().unwrap();
+    let sessions = c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .sessions
+        .clone()
+        .unwrap();
     assert_eq!(
         (sessions.header.as_str(), sessions.mode, sessions.capacity),
         ("x-session-id", SessionMode::Soft, 65_536)
@@ -1277,10 +1296,10 @@ fn retry_conditions_are_nginx_names() {
         "retry",
         "{max_retries: 1, on: [error, timeout, http_503]}",
     ));
-    let on = c.pools.iter().next().unwrap().retry.on;
+    let on = c.pools.iter().next().unwrap().settings.retry.on;
     assert!(on.contains(sluice_sdk::RetryOn::TIMEOUT) && on.status(503) && !on.status(502));
     let c = ok(MINIMAL);
-    let on = c.pools.iter().next().unwrap().retry.on;
+    let on = c.pools.iter().next().unwrap().settings.retry.on;
     assert_eq!(on, sluice_sdk::RetryOn::default());
     refused(
         &with_pool_key("retry", "{on: [http_503, http_418]}"),
@@ -1292,7 +1311,15 @@ fn retry_conditions_are_nginx_names() {
 #[test]
 fn a_pool_price_is_dollars_0_or_more() {
     let c = ok(&with_pool_key("price_per_million_tokens", "0.9"));
-    assert_eq!(c.pools.iter().next().unwrap().price_per_million_tokens, 0.9);
+    assert_eq!(
+        c.pools
+            .iter()
+            .next()
+            .unwrap()
+            .settings
+            .price_per_million_tokens,
+        0.9
+    );
     refused(
         &with_pool_key("price_per_million_tokens", "-1"),
         "pools[0].price_per_million_tokens",
@@ -1733,10 +1760,10 @@ fn header_rules_and_credentials_are_checked() {
         "{request: {set: {x-team: llm}, remove: [x-debug]}, response: {set: {x-a: b}, hide: [server]}}",
     ));
     let pool = c.pools.iter().next().unwrap();
-    assert_eq!(pool.headers.request_set.len(), 1);
-    assert_eq!(pool.headers.response_hide[0].as_str(), "server");
+    assert_eq!(pool.settings.headers.request_set.len(), 1);
+    assert_eq!(pool.settings.headers.response_hide[0].as_str(), "server");
     assert!(
-        !pool.forward_client_key,
+        !pool.settings.forward_client_key,
         "client keys are removed by default"
     );
     refused(
@@ -1776,19 +1803,42 @@ fn header_rules_and_credentials_are_checked() {
 #[test]
 fn served_model_names_are_checked() {
     let c = ok(MINIMAL);
-    assert!(c.pools.iter().next().unwrap().served_model.is_none());
+    assert!(c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .served_model
+        .is_none());
     let c = ok(&with_pool_key(
         "served_model",
         "meta-llama/Llama-3.2-1B-Instruct",
     ));
-    let served = c.pools.iter().next().unwrap().served_model.clone().unwrap();
+    let served = c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .served_model
+        .clone()
+        .unwrap();
     assert_eq!(served.name(), "meta-llama/Llama-3.2-1B-Instruct");
     assert_eq!(served.answer, sluice_sdk::AnswerModel::Requested);
     let c = ok(&format!(
         "{}    answer_model: served\n",
         with_pool_key("served_model", "big")
     ));
-    let served = c.pools.iter().next().unwrap().served_model.clone().unwrap();
+    let served = c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .served_model
+        .clone()
+        .unwrap();
     assert_eq!(served.answer, sluice_sdk::AnswerModel::Served);
     refused(
         &with_pool_key("served_model", "''"),

@@ -154,8 +154,8 @@ impl Subscriber {
             &self.peer,
             &self.label,
             "/kv_event_sources",
-            self.pool.health.timeout,
-            self.pool.upstream_auth.as_ref(),
+            self.pool.settings.health.timeout,
+            self.pool.settings.upstream_auth.as_ref(),
         )
         .await;
         match answer {

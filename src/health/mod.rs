@@ -104,7 +104,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
     let mut subscribers: HashMap<SocketAddr, tokio::task::AbortHandle> = HashMap::new();
     let mut prefix_seen = PrefixCounts::default();
     let mut tasks = tokio::task::JoinSet::new();
-    let mut tick = interval(pool.health.interval);
+    let mut tick = interval(pool.settings.health.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         changes.borrow_and_update();
@@ -329,11 +329,11 @@ impl std::fmt::Display for Unread {
 
 impl Checker {
     async fn run(mut self) {
-        let mut tick = interval(self.pool.health.interval);
+        let mut tick = interval(self.pool.settings.health.interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if self.pool.health.enabled {
+            if self.pool.settings.health.enabled {
                 self.check().await;
             }
             self.publish_state();
@@ -352,7 +352,11 @@ impl Checker {
     async fn check(&mut self) {
         let (pool, endpoint) = (Arc::clone(&self.pool), self.endpoint.clone());
         let live = &endpoint.live;
-        let (policy, name, host) = (&pool.health, &*pool.name, endpoint.spec.address.as_str());
+        let (policy, name, host) = (
+            &pool.settings.health,
+            &*pool.name,
+            endpoint.spec.address.as_str(),
+        );
         let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
         live.scrape_started();
         let (health, scrape) = tokio::join!(get(&policy.health_path), get(&policy.metrics_path));
@@ -381,7 +385,7 @@ impl Checker {
         let is_vllm = load.as_ref().is_some_and(|l| l.kv_usage.is_some());
         let serves_lora = load.as_ref().is_some_and(|l| l.lora.is_some());
         let never_asked = live.adapters().is_none();
-        if pool.auto_models || serves_lora || (never_asked && is_vllm) {
+        if pool.settings.auto_models || serves_lora || (never_asked && is_vllm) {
             self.ask_models().await;
         }
 
@@ -416,8 +420,8 @@ impl Checker {
             &self.peer,
             &self.endpoint.spec.address,
             "/v1/models",
-            pool.health.timeout,
-            pool.upstream_auth.as_ref(),
+            pool.settings.health.timeout,
+            pool.settings.upstream_auth.as_ref(),
         )
         .await;
         let names = match &answer {
@@ -438,7 +442,7 @@ impl Checker {
                     probe::describe(&answer)
                 );
                 // A pool that learns its models asks until it can.
-                if !pool.auto_models {
+                if !pool.settings.auto_models {
                     self.models_due = MODELS_EVERY;
                 }
             }
@@ -487,7 +491,7 @@ impl Checker {
     /// thread. A valid page without vLLM's series gives a load with no KV usage, which counts
     /// as stale.
     async fn read_metrics(&mut self, body: Bytes) -> Result<Read, Unread> {
-        let budget = self.pool.health.timeout;
+        let budget = self.pool.settings.health.timeout;
         // The parse stops itself at the deadline; the timeout below only stops waiting for it.
         let limits = Limits {
             deadline: Instant::now().checked_add(budget),
@@ -528,9 +532,9 @@ impl Checker {
     /// Mirrors the backend's state into the per-backend gauges.
     fn publish_state(&self) {
         let live = self.live();
-        live.decay_ejections(&self.pool.outlier);
+        live.decay_ejections(&self.pool.settings.outlier);
         let (pool, backend) = (&*self.pool.name, self.address());
-        let state = live.state(&self.pool.health);
+        let state = live.state(&self.pool.settings.health);
         for s in BackendState::ALL {
             metrics::set(
                 &metrics::BACKEND_STATE,

@@ -28,7 +28,7 @@ pub enum Failure {
 /// The peer for health checks: the pool's TLS settings, the check's timeout.
 pub fn peer(pool: &Pool, backend: SocketAddr) -> HttpPeer {
     let mut peer = pool.peer(backend);
-    let timeout = Some(pool.health.timeout);
+    let timeout = Some(pool.settings.health.timeout);
     let o = &mut peer.options;
     o.connection_timeout = timeout;
     o.total_connection_timeout = timeout;

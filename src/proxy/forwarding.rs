@@ -53,15 +53,15 @@ pub fn to_pool(
     tenant_key: bool,
 ) -> Result<()> {
     // Removed before the pool's credential is added: the credential may use the same header.
-    if !pool.forward_client_key || tenant_key {
+    if !pool.settings.forward_client_key || tenant_key {
         for name in CLIENT_KEY_HEADERS {
             header.remove_header(name);
         }
     }
-    if let Some(auth) = &pool.upstream_auth {
+    if let Some(auth) = &pool.settings.upstream_auth {
         header.insert_header(auth.header.clone(), auth.value.clone())?;
     }
-    pool.headers.apply_to_request(header)?;
+    pool.settings.headers.apply_to_request(header)?;
     if let Some(route) = route {
         route.apply_to_request(header)?;
     }
@@ -75,7 +75,7 @@ pub fn from_pool(
     route: Option<&HeaderRules>,
 ) -> Result<()> {
     if let Some(pool) = pool {
-        pool.headers.apply_to_response(header)?;
+        pool.settings.headers.apply_to_response(header)?;
     }
     if let Some(route) = route {
         route.apply_to_response(header)?;

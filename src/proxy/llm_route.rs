@@ -253,7 +253,7 @@ impl AttemptLoop {
         };
         let salt_for_tenant = ctx
             .tenant()
-            .filter(|_| pool.client_fields.tenant_cache_salt)
+            .filter(|_| pool.settings.client_fields.tenant_cache_salt)
             .map(|t| Arc::clone(&t.name));
         let adapter = upstream_adapter(ctx, pool).map(Arc::from);
         let keys = if call.body.len() <= PrefixRouting::INLINE_BYTES {
@@ -324,7 +324,7 @@ impl AttemptLoop {
             // `ttft` learns each backend's prefill speed from what the engine says it
             // computed: the answer's usage, asked of a stream whose client did not.
             // A traced attempt's span carries the tokens used (`gen_ai.usage.*`), a stream's too.
-            if matches!(pool.balancing, sluice_sdk::Balancing::Ttft(_)) || ctx.traced() {
+            if matches!(pool.settings.balancing, sluice_sdk::Balancing::Ttft(_)) || ctx.traced() {
                 ctx.want_usage();
             }
             let demand = ctx
@@ -416,18 +416,18 @@ impl AttemptLoop {
         let now = Instant::now();
         let started = Instant::from_std(ctx.started());
         let first_byte = match escalation.and_then(|e| e.first_byte_budget) {
-            Some(budget) => budget.min(pool.timeouts.first_byte),
-            None => pool.timeouts.first_byte,
+            Some(budget) => budget.min(pool.settings.timeouts.first_byte),
+            None => pool.settings.timeouts.first_byte,
         };
         let total = started
-            .checked_add(pool.timeouts.total_for(self.max_tokens))
+            .checked_add(pool.settings.timeouts.total_for(self.max_tokens))
             .unwrap_or_else(|| now + FAR_FUTURE);
         let deadlines = Deadlines {
             first_byte: now.checked_add(first_byte).unwrap_or(total).min(total),
             total,
         };
-        let may_retry_here = self.retries_in_pool < pool.retry.max_retries
-            && pool.retry.on != RetryOn::NONE
+        let may_retry_here = self.retries_in_pool < pool.settings.retry.max_retries
+            && pool.settings.retry.on != RetryOn::NONE
             && pool.retry_budget.has_retry();
         let hold = Hold {
             error_statuses: escalation.is_some() || may_retry_here,
@@ -461,7 +461,7 @@ impl AttemptLoop {
             .filter(|served| served.changes(ctx.model()))
             .map(ServedModel::json);
         let ask_usage = usage::usage_kept_from_client(ctx);
-        let fields = pool.client_fields;
+        let fields = pool.settings.client_fields;
         let request_id = fields.reset_engine_controls.then(|| engine_request_id(ctx));
         let edits = UpstreamEdits {
             model,
@@ -515,7 +515,7 @@ impl AttemptLoop {
             && ctx
                 .escalation()
                 .and_then(|e| e.first_byte_budget)
-                .is_some_and(|budget| budget < pool.timeouts.first_byte);
+                .is_some_and(|budget| budget < pool.settings.timeouts.first_byte);
         let verdict = outcome
             .verdict(ctx.progress().upstream_status)
             .filter(|_| !cut_by_budget);
@@ -536,7 +536,7 @@ impl AttemptLoop {
                 if let Some(used) = used {
                     // Not sent, but generated: the tenant is charged for it (N22).
                     ctx.progress_mut()
-                        .discard(used, pool.price_per_million_tokens);
+                        .discard(used, pool.settings.price_per_million_tokens);
                 }
                 if self.escalate(ctx, why) {
                     Then::TryAgain
@@ -598,7 +598,10 @@ impl AttemptLoop {
             self.last_error = Some(e);
             return Then::TryAgain;
         }
-        if is_timeout(&e) && pool.retry.on.contains(RetryOn::TIMEOUT) && self.spend_retry(pool) {
+        if is_timeout(&e)
+            && pool.settings.retry.on.contains(RetryOn::TIMEOUT)
+            && self.spend_retry(pool)
+        {
             // Another backend of the pool (this one stays tried: it may still be generating).
             self.last_error = Some(e);
             return Then::TryAgain;
@@ -631,9 +634,9 @@ impl AttemptLoop {
             "upstream answered {}",
             header.status.as_u16()
         );
-        if pool.retry.on.status(header.status.as_u16()) && self.spend_retry(pool) {
+        if pool.settings.retry.on.status(header.status.as_u16()) && self.spend_retry(pool) {
             self.declined = Some((header, body));
-            tokio::time::sleep(pool.retry.backoff(self.retries_in_pool)).await;
+            tokio::time::sleep(pool.settings.retry.backoff(self.retries_in_pool)).await;
             // Any backend may take the retry, the same one included.
             self.tried.clear();
             return Then::TryAgain;
@@ -648,7 +651,8 @@ impl AttemptLoop {
     /// Takes one of the pool's retries for this request, if it has one left and the pool's
     /// budget allows.
     fn spend_retry(&mut self, pool: &Pool) -> bool {
-        if self.retries_in_pool >= pool.retry.max_retries || !pool.retry_budget.try_spend() {
+        if self.retries_in_pool >= pool.settings.retry.max_retries || !pool.retry_budget.try_spend()
+        {
             return false;
         }
         self.retries_in_pool += 1;

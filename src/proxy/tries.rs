@@ -100,7 +100,7 @@ pub fn first_byte(in_flight: &mut InFlight, header: Option<&ResponseHeader>, spa
 /// its `max_ejection_percent` out already.
 pub fn judge(pool: &Pool, addr: SocketAddr, live: &BackendLive, verdict: Verdict) {
     let may_eject = verdict == Verdict::Success || pool.may_eject_another();
-    if let Some(cool_down) = live.record_in_pool(verdict, &pool.outlier, may_eject) {
+    if let Some(cool_down) = live.record_in_pool(verdict, &pool.settings.outlier, may_eject) {
         metrics::inc(&metrics::EJECTIONS, &[&pool.name]);
         tracing::warn!(
             pool = &*pool.name,
@@ -160,7 +160,7 @@ pub fn honour_back_pressure(ctx: &RequestCtx, live: &BackendLive, header: &Respo
     let Some(pool) = ctx.pool() else {
         return;
     };
-    let clients_own = pool.forward_client_key && ctx.tenant().is_none();
+    let clients_own = pool.settings.forward_client_key && ctx.tenant().is_none();
     if clients_own || !pool.may_pause_another() {
         tracing::info!(
             pool = &*pool.name,

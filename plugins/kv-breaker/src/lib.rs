@@ -498,8 +498,8 @@ impl KvBreaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_sdk::pool::{BackendSpec, PoolSettings};
     use sluice_sdk::Load;
+    use sluice_sdk::{BackendSpec, PoolSettings};
 
     fn breaker() -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
         breaker_with(KvBreakerConfig {
@@ -552,8 +552,8 @@ mod tests {
                 ..KvBreakerConfig::default()
             });
             let live = &pool.live_at(0).unwrap();
-            for _ in 0..pool.health.healthy_after {
-                live.record_probe(true, &pool.health);
+            for _ in 0..pool.settings.health.healthy_after {
+                live.record_probe(true, &pool.settings.health);
             }
             // Its last readable page is long gone: the backend is alive, its load unknown.
             live.publish_load(Load {
@@ -564,7 +564,7 @@ mod tests {
                 spec_acceptance: None,
                 lora: None,
                 computed_prompt_tokens: None,
-                scraped_at: std::time::Instant::now() - pool.health.stale_after * 2,
+                scraped_at: std::time::Instant::now() - pool.settings.health.stale_after * 2,
             });
             assert_eq!(pool.sheds(Priority::Critical), shed, "{stale_as:?}");
             assert_eq!(pool.admits(Priority::Standard, 10), !shed, "{stale_as:?}");

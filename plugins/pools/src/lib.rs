@@ -29,8 +29,8 @@ pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, LoraSlots, OutlierPolicy, Probe,
     SpeedSample, StaleAs, Verdict,
 };
-pub use members::{Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
+pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
-    Admission, BackendSpec, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools,
-    Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools, Pressure,
+    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };

@@ -13,12 +13,23 @@
 //! time, neither flooded as "empty" nor starved.
 
 use crate::health::BackendLive;
-use crate::pool::BackendSpec;
 use pingora_load_balancing::selection::{BackendSelection, RoundRobin};
 use pingora_load_balancing::Backend;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// One backend as configured or discovered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendSpec {
+    /// As written in the config (`host:port`) or discovered (`ip:port`), for logs and
+    /// `/status`.
+    pub address: String,
+    /// The address `address` resolves to now; attempts connect here.
+    pub resolved: SocketAddr,
+    /// Its share of the pool's requests under round robin (≥ 1); KV-aware balancing ignores it.
+    pub weight: usize,
+}
 
 /// The most endpoints a session slot can name (12 bits, 0 meaning none).
 pub(crate) const MAX_SLOTS: u16 = (1 << 12) - 1;
@@ -464,6 +475,7 @@ mod tests {
             kv_capacity_tokens: None,
             spec_acceptance: None,
             lora: None,
+            computed_prompt_tokens: None,
             scraped_at: Instant::now(),
         });
         assert_eq!(endpoint.warming_cap(), None);

@@ -68,13 +68,13 @@ pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
 pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
-pub use members::{Change, Member, Members, Membership, Wanted};
+pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
-    Admission, BackendSpec, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools,
-    Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools, Pressure,
+    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};

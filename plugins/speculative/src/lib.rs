@@ -355,8 +355,9 @@ impl Plugin for Speculative {
                 pool,
                 usage.prompt_tokens,
                 usage.completion_tokens,
-                ctx.pool().map_or(0.0, |p| p.price_per_million_tokens),
-                model.target.price_per_million_tokens,
+                ctx.pool()
+                    .map_or(0.0, |p| p.settings.price_per_million_tokens),
+                model.target.settings.price_per_million_tokens,
             );
         }
     }
@@ -376,7 +377,7 @@ fn resolve(
             })?;
             let serves_all = std::iter::once(&m.model)
                 .chain(&m.aliases)
-                .all(|n| p.auto_models || p.is_catch_all() || p.serves(n));
+                .all(|n| p.settings.auto_models || p.is_catch_all() || p.serves(n));
             if !serves_all {
                 return Err(ConfigError::new(
                     key,

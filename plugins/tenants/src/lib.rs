@@ -465,7 +465,9 @@ impl Plugin for Tenants {
 /// - and in every case, what answers generated but not sent used (a draft the speculative
 ///   selector rejected, at the draft pool's price): the engine spent it for this request.
 fn used(ctx: &RequestCtx) -> Usage {
-    let price = ctx.pool().map_or(0.0, |p| p.price_per_million_tokens);
+    let price = ctx
+        .pool()
+        .map_or(0.0, |p| p.settings.price_per_million_tokens);
     let discarded = ctx.progress().discarded;
     let priced = |input_tokens: u64, output_tokens: u64| Usage {
         input_tokens: input_tokens.saturating_add(discarded.prompt_tokens),

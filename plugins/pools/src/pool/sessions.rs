@@ -1,0 +1,179 @@
+//! Session affinity: requests naming the same session (a header, scoped to the tenant) go to
+//! one backend while the pool's [`SessionAffinity`](super::SessionAffinity) allows. The
+//! table is fixed in size and lock-free (see [`SessionTable`]).
+
+use super::select::Choice;
+use super::{Pool, SessionMode};
+use sluice_llm::Demand;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+/// A soft session leaves a backend whose projected KV usage reaches this...
+const SESSION_KV_LIMIT: f64 = 0.95;
+
+/// ...or where it would wait this long (seconds) behind other prefills.
+const SESSION_MAX_WAIT: f64 = 1.0;
+
+/// Sessions and their backends: a fixed table of atomic slots, two per session (2-way set
+/// associative), so it never grows whatever ids clients send, and neither lookup nor
+/// binding takes a lock. A new session takes an empty or expired slot of its two, else the
+/// one seen longest ago; a session whose slots were taken is just balanced afresh.
+///
+/// A slot packs, in one `u64`: 24 bits of the session's hash (a tag), the backend's session
+/// slot (12 bits; 0: empty; see `crate::members`) and when it was last seen (28 bits of
+/// seconds, wrapping). A backend keeps its slot while it stays in the pool.
+pub(super) struct SessionTable {
+    slots: Box<[AtomicU64]>,
+    idle_ttl_secs: u64,
+}
+
+const SESSION_INDEX_BITS: u32 = 12;
+const SESSION_TIME_BITS: u32 = 28;
+const SESSION_TIME_MASK: u64 = (1 << SESSION_TIME_BITS) - 1;
+
+impl SessionTable {
+    pub(super) fn new(capacity: usize, idle_ttl: Duration) -> Self {
+        let len = capacity.clamp(2, 1 << 24).next_multiple_of(2);
+        Self {
+            slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            idle_ttl_secs: idle_ttl.as_secs().max(1),
+        }
+    }
+
+    fn now() -> u64 {
+        static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+        EPOCH.elapsed().as_secs() & SESSION_TIME_MASK
+    }
+
+    fn tag(key: u64) -> u64 {
+        key >> 40
+    }
+
+    /// The two slots of `key`.
+    fn pair(&self, key: u64) -> [usize; 2] {
+        let first = (key as usize % self.slots.len()) & !1;
+        [first, first + 1]
+    }
+
+    /// The slot's backend (its session slot), when it holds `tag` and has not expired at
+    /// `now`.
+    fn live_index(&self, entry: u64, tag: Option<u64>, now: u64) -> Option<u16> {
+        let slot = (entry >> SESSION_TIME_BITS) & ((1 << SESSION_INDEX_BITS) - 1);
+        let seen = entry & SESSION_TIME_MASK;
+        let idle = now.wrapping_sub(seen) & SESSION_TIME_MASK;
+        let matches = tag.is_none_or(|t| entry >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == t);
+        (slot > 0 && matches && idle <= self.idle_ttl_secs)
+            .then(|| u16::try_from(slot).ok())
+            .flatten()
+    }
+
+    /// Takes `old`'s sessions, when the two are the same size (a changed `capacity` starts
+    /// afresh: a session's slots depend on it).
+    pub(super) fn copy_from(&self, old: &SessionTable) {
+        if self.slots.len() == old.slots.len() {
+            for (mine, theirs) in self.slots.iter().zip(old.slots.iter()) {
+                mine.store(theirs.load(Relaxed), Relaxed);
+            }
+        }
+    }
+
+    pub(super) fn get(&self, key: u64) -> Option<u16> {
+        let (tag, now) = (Self::tag(key), Self::now());
+        self.pair(key).into_iter().find_map(|slot| {
+            let entry = self.slots.get(slot)?.load(Relaxed);
+            self.live_index(entry, Some(tag), now)
+        })
+    }
+
+    /// Binds the session `key` to the backend with session slot `slot`.
+    pub(super) fn bind(&self, key: u64, slot: u16) {
+        if slot == 0 {
+            return; // A backend beyond what slots can name: balanced without sessions.
+        }
+        let (tag, now) = (Self::tag(key), Self::now());
+        let entry = tag << (SESSION_TIME_BITS + SESSION_INDEX_BITS)
+            | (u64::from(slot) << SESSION_TIME_BITS)
+            | now;
+        let [a, b] = self.pair(key);
+        let (Some(sa), Some(sb)) = (self.slots.get(a), self.slots.get(b)) else {
+            return;
+        };
+        let (ea, eb) = (sa.load(Relaxed), sb.load(Relaxed));
+        let mine = |e: u64| e >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == tag && e != 0;
+        let free = |e: u64| self.live_index(e, None, now).is_none();
+        let age = |e: u64| now.wrapping_sub(e & SESSION_TIME_MASK) & SESSION_TIME_MASK;
+        let slot = if mine(ea) {
+            sa
+        } else if mine(eb) {
+            sb
+        } else if free(ea) {
+            sa
+        } else if free(eb) || age(eb) > age(ea) {
+            sb
+        } else {
+            sa
+        };
+        // Skipped when nothing changed, so a busy session does not keep writing one line.
+        if slot.load(Relaxed) != entry {
+            slot.store(entry, Relaxed);
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        let now = Self::now();
+        self.slots
+            .iter()
+            .filter(|s| self.live_index(s.load(Relaxed), None, now).is_some())
+            .count()
+    }
+}
+
+impl Pool {
+    /// The session key of a request that names its session in the pool's session header;
+    /// `None` when the pool has no session affinity or the request names none. Hashed with
+    /// a per-process key: client-chosen ids cannot aim at one another's slots. Scoped to
+    /// `tenant`: one tenant's session id never joins another's session (and its backend).
+    pub fn session_key(
+        &self,
+        header: &pingora_http::RequestHeader,
+        tenant: Option<&str>,
+    ) -> Option<u64> {
+        static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+        let name = &self.settings.sessions.as_ref()?.header;
+        let value = header.headers.get(name.as_str())?.as_bytes();
+        (!value.is_empty()).then(|| KEY.hash_one((tenant, value)))
+    }
+
+    /// Whether a session bound to backend `index` stays there for this request.
+    pub(super) fn session_stays(&self, m: &Choice<'_>, index: usize, demand: &Demand) -> bool {
+        let (Some(sessions), Some(endpoint)) = (&self.settings.sessions, m.members.get(index))
+        else {
+            return false;
+        };
+        if !m.candidate(index) {
+            return false;
+        }
+        let live = &endpoint.live;
+        if sessions.mode == SessionMode::Hard {
+            return true;
+        }
+        let outlook = live.outlook(&self.settings.health);
+        let full = outlook
+            .projected_kv_counting_stale(self.settings.health.stale_as)
+            .is_some_and(|kv| kv >= SESSION_KV_LIMIT)
+            || outlook
+                .free_kv_tokens()
+                .is_some_and(|free| free < demand.tokens() as f64);
+        // Others' requests queued there, beyond what this proxy is still waiting on.
+        let queued = outlook.waiting > f64::from(live.accounting().prefilling);
+        let behind = live.predicted_ttft(0, 0, &self.settings.health) > SESSION_MAX_WAIT;
+        !(full || queued || behind)
+    }
+
+    /// Sessions remembered now (bounded by [`SessionAffinity::capacity`]).
+    pub fn sessions_remembered(&self) -> usize {
+        self.session_table.as_ref().map_or(0, SessionTable::len)
+    }
+}
