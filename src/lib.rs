@@ -22,6 +22,7 @@ pub mod discovery;
 pub mod drain;
 pub mod edge;
 pub mod health;
+pub mod keeper;
 pub mod logging;
 pub mod metrics;
 pub mod models;

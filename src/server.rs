@@ -68,7 +68,14 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     server.add_service(background_service("drain watcher", drain));
     server.add_service(background_service(
         "health checks",
-        HealthService::new(pools_changes, Arc::new(Connector::new(Some(upstream)))),
+        HealthService::new(
+            pools_changes.clone(),
+            Arc::new(Connector::new(Some(upstream))),
+        ),
+    ));
+    server.add_service(background_service(
+        "pool keeper",
+        crate::keeper::KeeperService::new(pools_changes),
     ));
     server.add_service(background_service(
         "discovery",

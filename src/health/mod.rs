@@ -5,10 +5,11 @@
 //!
 //! One task per backend, on the service's own thread, so a slow backend delays only its own
 //! checks. A pool's backends may change at run time (discovery): one task per pool follows
-//! its set, starts a backend's checks when it joins and stops them when it leaves, and lets
-//! drained backends go once nothing runs on them. Probes reuse their connections (Pingora's connector pool). A large page is parsed
-//! on Tokio's blocking pool, within the pool's health timeout, so that a hostile or broken page
-//! cannot hold that one thread and stall every other backend's checks.
+//! its set, starts a backend's checks when it joins and stops them when it leaves (letting
+//! drained backends go is the pool keeper's, `crate::keeper`). Probes reuse their connections
+//! (Pingora's connector pool). A large page is parsed on Tokio's blocking pool, within the
+//! pool's health timeout, so that a hostile or broken page cannot hold that one thread and
+//! stall every other backend's checks.
 //!
 //! A page with some invalid lines is read without them (they are counted in
 //! `sluice_health_metric_lines_skipped_total`); one that cannot be trusted as a whole (cut
@@ -35,7 +36,7 @@ use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;
-use sluice_sdk::{BackendLive, BackendState, Load, Member, Pool, Pools, Priority, Probe};
+use sluice_sdk::{BackendLive, BackendState, Load, Member, Pool, Pools, Probe};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -92,20 +93,16 @@ impl HealthService {
     }
 }
 
-/// Keeps one pool's backends checked as its set changes: a checker per backend, started when
-/// it joins and stopped when it leaves; on the pool's interval, lets drained backends go and
-/// asks the pool's admission control, so that what it reports (the breaker's shedding gauge)
-/// follows the pool's load even while no request comes.
+/// Keeps one pool's backends checked as its set changes: a checker (and, with an exact
+/// prefix index, a KV event subscriber) per backend, started when it joins and stopped when
+/// it leaves. The pool's housekeeping is the keeper's (`crate::keeper`).
 async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
     let mut changes = pool.subscribe();
     // Each backend's checker, and the address its series are labelled with.
     let mut checkers: HashMap<SocketAddr, (tokio::task::AbortHandle, String)> = HashMap::new();
     // Each backend's KV event subscriber, when the pool has an exact prefix index.
     let mut subscribers: HashMap<SocketAddr, tokio::task::AbortHandle> = HashMap::new();
-    let mut prefix_seen = PrefixCounts::default();
     let mut tasks = tokio::task::JoinSet::new();
-    let mut tick = interval(pool.settings.health.interval);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         changes.borrow_and_update();
         let members = pool.members();
@@ -160,81 +157,9 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                     return;
                 }
             }
-            _ = tick.tick() => {
-                let left = pool.sweep();
-                if !left.is_empty() {
-                    crate::discovery::drained(&pool, &left);
-                }
-                pool.learn_adapters();
-                if let Some(models) = pool.learn_models() {
-                    tracing::info!(pool = &*pool.name, models = ?models, "pool serves the models its backends list");
-                }
-                for priority in Priority::ALL {
-                    pool.sheds(priority);
-                }
-                publish_membership(&pool);
-                prefix_seen.publish(&pool);
-            }
             // Reaps finished checkers (they only end when aborted).
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
         }
-    }
-}
-
-/// The pool's prefix index counters (atomics of the pool's), as last published to the
-/// `sluice_prefix_tokens_total` counters.
-#[derive(Default)]
-struct PrefixCounts {
-    looked_up: u64,
-    predicted: u64,
-    reported: u64,
-}
-
-impl PrefixCounts {
-    /// Adds what the pool counted since the last call.
-    fn publish(&mut self, pool: &Pool) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let Some(routing) = pool.prefix() else {
-            return;
-        };
-        for (kind, seen, now) in [
-            (
-                "looked_up",
-                &mut self.looked_up,
-                routing.looked_up_tokens.load(Relaxed),
-            ),
-            (
-                "predicted",
-                &mut self.predicted,
-                routing.predicted_tokens.load(Relaxed),
-            ),
-            (
-                "reported",
-                &mut self.reported,
-                routing.reported_tokens.load(Relaxed),
-            ),
-        ] {
-            let delta = now.saturating_sub(*seen);
-            if delta > 0 {
-                sluice_sdk::metrics::inc_by(&metrics::PREFIX_TOKENS, &[&pool.name, kind], delta);
-            }
-            *seen = now;
-        }
-    }
-}
-
-/// Counts the pool's backends by discovery state (`sluice_discovery_endpoints`).
-fn publish_membership(pool: &Pool) {
-    const STATES: [&str; 4] = ["ready", "draining", "unknown", "ejected"];
-    let mut counts = [0i64; 4];
-    for member in pool.members().iter() {
-        let state = member.discovery_state();
-        if let Some(i) = STATES.iter().position(|s| *s == state) {
-            counts[i] += 1;
-        }
-    }
-    for (state, count) in STATES.iter().zip(counts) {
-        metrics::set(&metrics::DISCOVERY_ENDPOINTS, &[&pool.name, state], count);
     }
 }
 
