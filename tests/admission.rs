@@ -154,7 +154,15 @@ async fn overload_has_a_status_of_its_own_and_says_why() {
         "the reason in the body too"
     );
 
-    tokio::time::sleep(Duration::from_millis(500)).await; // the dead backend is probed
+    let probed = wait_for(Duration::from_secs(5), || async {
+        proxy.backend_status("down", dead.addr()).await["health"] == "unhealthy"
+    })
+    .await;
+    assert!(
+        probed.is_some(),
+        "the dead backend was never found unhealthy: {}",
+        proxy.status().await
+    );
     let down = proxy.ask(&chat("other", "hi", false), &[]).await;
     assert_eq!(down.status, 503, "{}", down.body);
     assert_eq!(down.headers["x-sluice-rejected"], "no-healthy-backend");

@@ -181,12 +181,40 @@ async fn a_redis_killed_mid_run_costs_hits_not_requests_and_hits_come_back() {
     }
     tokio::task::block_in_place(|| redis.stop());
     let killed = Instant::now();
-    // Through the failures, the cool-down (1 s) and probes into a dead port.
+    // Through the failures, the cool-down (1 s) and a probe into a dead port.
     let before = sent(&log);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let store_errors = |kinds: &'static [&'static str]| {
+        let proxy = &proxy;
+        async move {
+            let mut sum = 0.0;
+            for op in ["get", "set"] {
+                for kind in kinds {
+                    let series = format!(
+                        r#"sluice_cache_store_errors_total{{kind="{kind}",op="{op}",store="redis"}}"#
+                    );
+                    sum += proxy.metric(&series).await.unwrap_or(0.0);
+                }
+            }
+            sum
+        }
+    };
+    let failures = || store_errors(&["error", "timeout"]);
+    let cooling = wait_for(RECOVERY, || async {
+        store_errors(&["cooldown"]).await > 0.0
+    })
+    .await;
+    assert!(cooling.is_some(), "no cool-down: {}", proxy.metrics().await);
+    // Redis is skipped now; a failure from here on is the probe at the cool-down's end.
+    let failed_before_probe = failures().await;
+    let probed = wait_for(RECOVERY, || async {
+        failures().await > failed_before_probe && sent(&log) >= before + 10
+    })
+    .await;
     assert!(
-        sent(&log) >= before + 10,
-        "requests kept flowing while Redis was down"
+        probed.is_some(),
+        "requests kept flowing while Redis was down, through a probe ({} sent): {}",
+        sent(&log) - before,
+        proxy.metrics().await
     );
     let restarting = Instant::now();
     tokio::task::block_in_place(|| redis.restart());

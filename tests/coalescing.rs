@@ -52,10 +52,12 @@ impl Counting {
                 );
                 tokio::spawn(async move {
                     while read_request(&mut stream).await {
+                        // Decided before the request counts as in flight: once a test sees
+                        // it there, a change of `failing` is for the requests after it.
+                        let fail = failing.load(Ordering::SeqCst);
                         total.fetch_add(1, Ordering::SeqCst);
                         let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                         max.fetch_max(now, Ordering::SeqCst);
-                        let fail = failing.load(Ordering::SeqCst);
                         tokio::time::sleep(delay).await;
                         // Done before the answer leaves: the proxy cannot send the next
                         // request of a hand-over before it has this answer.
@@ -82,7 +84,7 @@ impl Counting {
         self.in_flight.load(Ordering::SeqCst)
     }
 
-    /// Waits until a request is being served.
+    /// Waits until a request is being served (whether it fails is decided by then).
     async fn until_busy(&self) {
         let busy = wait_for(Duration::from_secs(5), || async { self.in_flight() > 0 }).await;
         assert!(busy.is_some(), "the leader never reached the upstream");
@@ -255,11 +257,8 @@ async fn an_answer_stored_after_a_hand_over_reaches_every_follower() {
     });
     upstream.until_busy().await;
     // The leader's request fails; the next one (the promoted follower's) succeeds.
-    let recover = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        upstream.failing.store(false, Ordering::SeqCst);
-    };
-    let (followers, ()) = tokio::join!(ask_many(&proxy, &request, 20), recover);
+    upstream.failing.store(false, Ordering::SeqCst);
+    let followers = ask_many(&proxy, &request, 20).await;
     assert_eq!(leader.await.unwrap(), 500);
 
     assert_eq!(
@@ -337,7 +336,17 @@ async fn a_follower_whose_client_leaves_stops_waiting() {
     );
     gone.write_all(head.as_bytes()).await.unwrap();
     gone.write_all(&body).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Its lookup missed (the leader's was the first): it joins the leader's flight as it
+    // misses, and waits there.
+    let lookups = r#"sluice_cache_lookup_seconds_count{store="memory"}"#;
+    let waiting = wait_for(Duration::from_secs(5), || async {
+        proxy.metric(lookups).await.is_some_and(|n| n >= 2.0)
+    })
+    .await;
+    assert!(
+        waiting.is_some(),
+        "the follower's request never reached the cache"
+    );
     drop(gone);
 
     // It is done with at once (a miss), not when the leader fails.
@@ -421,11 +430,12 @@ fn content_of(body: &str) -> String {
         .collect()
 }
 
-/// Sends `request` and reads the answer chunk by chunk; `first` gets the first chunk's time.
+/// Sends `request` and reads the answer chunk by chunk; `first` is told once the client has
+/// read its first chunk and at least the given number of characters of the answer's content.
 fn read_stream(
     proxy: &Proxy,
     request: &Value,
-    first: Option<tokio::sync::oneshot::Sender<()>>,
+    first: Option<(usize, tokio::sync::oneshot::Sender<()>)>,
 ) -> tokio::task::JoinHandle<Read> {
     let (url, request) = (proxy.url("/v1/chat/completions"), request.clone());
     tokio::spawn(async move {
@@ -442,7 +452,11 @@ fn read_stream(
                 std::time::Instant::now(),
                 String::from_utf8(chunk.to_vec()).unwrap(),
             ));
-            if let Some(tx) = first.take() {
+            let read_enough = first.as_ref().is_some_and(|(content, _)| {
+                let body: String = chunks.iter().map(|(_, c)| c.as_str()).collect();
+                content_of(&body).len() >= *content
+            });
+            if let Some((_, tx)) = first.take_if(|_| read_enough) {
                 let _ = tx.send(());
             }
         }
@@ -454,10 +468,15 @@ fn read_stream(
     })
 }
 
-/// The leader's stream, started; returns once its first chunk reached its client.
-async fn lead_stream(proxy: &Proxy, request: &Value) -> tokio::task::JoinHandle<Read> {
+/// The leader's stream, started; returns once its client has read its first chunk and at
+/// least `content` characters of the answer's content.
+async fn lead_stream(
+    proxy: &Proxy,
+    request: &Value,
+    content: usize,
+) -> tokio::task::JoinHandle<Read> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let leader = read_stream(proxy, request, Some(tx));
+    let leader = read_stream(proxy, request, Some((content, tx)));
     rx.await.unwrap();
     leader
 }
@@ -477,8 +496,9 @@ async fn a_late_joiner_gets_the_prefix_at_once_then_live_chunks() {
     let mut request = chat(MODEL, "tell the crowd a story", true);
     request["max_tokens"] = json!(20);
 
-    let leader = lead_stream(&proxy, &request).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A late joiner: it comes once the leader's client has part of the answer (the proxy had
+    // it before that client did).
+    let leader = lead_stream(&proxy, &request, 3).await;
     let follower = read_stream(&proxy, &request, None).await.unwrap();
     let leader = leader.await.unwrap();
 
@@ -541,7 +561,7 @@ async fn a_follower_that_stops_reading_slows_neither_the_leader_nor_other_follow
     request["logprobs"] = json!(true);
     request["top_logprobs"] = json!(20);
 
-    let leader = lead_stream(&proxy, &request).await;
+    let leader = lead_stream(&proxy, &request, 0).await;
     // A follower whose client sends its request and never reads, with a small buffer.
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
@@ -626,8 +646,9 @@ async fn a_leader_failing_mid_stream_ends_its_live_followers_with_an_error_event
         let mut request = chat(MODEL, &format!("a story that breaks, take {i}"), true);
         request["max_tokens"] = json!(20);
         let before = upstream_calls(&sim);
-        let leader = lead_stream(&proxy, &request).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The followers join once the leader's client has some of the answer: they have a
+        // prefix before the stream fails.
+        let leader = lead_stream(&proxy, &request, 3).await;
         let followers: Vec<_> = (0..3)
             .map(|_| read_stream(&proxy, &request, None))
             .collect();

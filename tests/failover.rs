@@ -424,7 +424,16 @@ async fn a_backend_that_asks_for_a_pause_gets_one() {
     let state = proxy.backend_status("main", busy).await;
     assert_eq!(state["health"], "cooling_down", "{state}");
 
-    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    // Its pause (2 s) is over once the proxy no longer counts it as cooling down.
+    let over = wait_for(std::time::Duration::from_secs(10), || async {
+        proxy.backend_status("main", busy).await["health"] != "cooling_down"
+    })
+    .await;
+    assert!(
+        over.is_some(),
+        "still cooling down: {}",
+        proxy.backend_status("main", busy).await
+    );
     for i in 0..4 {
         proxy
             .ask(&chat(MODEL, &format!("later {i}"), false), &[])

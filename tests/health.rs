@@ -295,9 +295,11 @@ async fn a_backend_killed_during_a_run_gets_no_new_requests_within_2s() {
             sent
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let before_kill = a.stats().count("/v1/chat/completions");
-    assert!(before_kill > 0, "a served before it died");
+    let served = wait_for(Duration::from_secs(5), || async {
+        a.stats().count("/v1/chat/completions") > 0
+    })
+    .await;
+    assert!(served.is_some(), "a served before it died");
     let killed = Instant::now();
     a.set_faults(Faults {
         refuse_connections: true,
@@ -585,15 +587,28 @@ async fn a_pool_whose_metrics_cannot_be_read_is_not_shed_by_the_breaker() {
         "plugins": {"kv_breaker": {"enabled": true}},
     }))
     .await;
-    // Alive, their load unknown: stale, and past `stale_after` (1 s) for sure.
-    let all_stale = wait_for(Duration::from_secs(3), || async {
+    let unparsable = || async {
+        proxy
+            .metric(r#"sluice_health_checks_total{kind="metrics",pool="main",result="unparsable"}"#)
+            .await
+            .unwrap_or(0.0)
+    };
+    // Alive, their load unknown: stale, with no scrape newer than `stale_after` (1 s), and
+    // the pages failed to parse a few times (as counted at the end).
+    let all_stale = wait_for(Duration::from_secs(5), || async {
         let status = proxy.status().await;
         let backends = status["pools"][0]["backends"].as_array().cloned();
-        backends.is_some_and(|b| b.iter().all(|b| b["health"] == "stale"))
+        backends.is_some_and(|b| {
+            b.iter().all(|b| {
+                b["health"] == "stale"
+                    && b["scraped_seconds_ago"]
+                        .as_f64()
+                        .is_none_or(|ago| ago > 1.0)
+            })
+        }) && unparsable().await >= 4.0
     })
     .await;
     assert!(all_stale.is_some(), "{}", proxy.status().await);
-    tokio::time::sleep(Duration::from_millis(1200)).await;
 
     for i in 0..10 {
         for priority in ["sheddable", "standard"] {
@@ -623,10 +638,7 @@ async fn a_pool_whose_metrics_cannot_be_read_is_not_shed_by_the_breaker() {
             .unwrap_or(0.0),
         0.0
     );
-    let unparsable = proxy
-        .metric(r#"sluice_health_checks_total{kind="metrics",pool="main",result="unparsable"}"#)
-        .await
-        .unwrap_or(0.0);
+    let unparsable = unparsable().await;
     assert!(unparsable >= 4.0, "{unparsable}");
 }
 
@@ -687,9 +699,9 @@ async fn a_hostile_page_does_not_stall_the_checks_of_other_backends() {
         "the healthy backend's metrics were {oldest} s old"
     );
     let before = failed().await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let failed_again = wait_for(Duration::from_secs(5), || async { failed().await > before }).await;
     assert!(
-        failed().await > before,
+        failed_again.is_some(),
         "every scrape of the hostile page fails"
     );
     let h = proxy.backend_status("main", hostile.addr).await;

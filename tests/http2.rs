@@ -885,7 +885,14 @@ async fn an_upgrade_lets_an_open_h2_stream_finish_and_the_new_process_serves_h2(
         .spawn()
         .unwrap();
     let mut old = std::mem::replace(&mut proxy.child, new);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The new process waits on the upgrade socket for the old one's listeners...
+    let socket = proxy.dir.path().join("upgrade.sock");
+    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
+    assert!(
+        waiting.is_some(),
+        "the new process never waited for the listeners"
+    );
+    // ...which the old one sends when told to stop with SIGQUIT.
     sluice_testkit::signal(old.id(), "QUIT");
 
     read_the_whole_story(body, first).await;
