@@ -268,6 +268,11 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
             backend["prefix_index"]["blocks"],
             json!(sim.cached_blocks())
         );
+        // A backend whose batches came says how old the last one was when it came.
+        if sim.cached_blocks() > 0 {
+            let lag = backend["prefix_index"]["event_lag_seconds"].as_f64();
+            assert!(lag.is_some_and(|l| l >= 0.0), "{backend}");
+        }
     }
 }
 

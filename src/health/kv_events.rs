@@ -457,11 +457,9 @@ fn apply(routing: &PrefixRouting, pool: &str, label: &str, addr: SocketAddr, pay
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
             if batch.ts > 0.0 {
-                metrics::set(
-                    &metrics::KV_EVENT_LAG,
-                    &[pool, label],
-                    (now - batch.ts).max(0.0),
-                );
+                let lag = (now - batch.ts).max(0.0);
+                metrics::set(&metrics::KV_EVENT_LAG, &[pool, label], lag);
+                routing.index.record_lag(addr, lag);
             }
             publish_blocks(routing, pool, label, addr);
         }
