@@ -218,6 +218,7 @@ impl Demand {
 
     /// The context one sequence needs (prompt and its output), for a model's
     /// `max_model_len`.
+    #[cfg(test)]
     pub fn context_tokens(&self) -> u64 {
         self.prompt_tokens.saturating_add(self.output_tokens)
     }
@@ -350,6 +351,7 @@ impl Text {
     }
 
     /// Whether the client wrote the string with escapes (then [`Text::to_str`] copies it).
+    #[cfg(test)]
     pub fn has_escapes(&self) -> bool {
         self.escaped
     }

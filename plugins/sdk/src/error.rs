@@ -336,11 +336,6 @@ impl ErrorReply {
         }
     }
 
-    /// The OpenAI error type for the status, as vLLM names them.
-    pub fn openai_type(&self) -> &'static str {
-        sluice_llm::family::openai::error_type(self.status)
-    }
-
     /// What the error says, for a family to shape.
     fn wire(&self) -> WireError<'_> {
         WireError {
@@ -367,6 +362,7 @@ impl ErrorReply {
 
     /// The same error as the last event of a stream that has already started, in OpenAI's
     /// shape (`data: {...}`, `data: [DONE]`).
+    #[cfg(test)]
     pub fn sse_event(&self) -> Bytes {
         self.sse_event_for(Endpoint::ChatCompletions)
     }

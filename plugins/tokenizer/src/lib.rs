@@ -293,6 +293,7 @@ impl PromptTokenizer {
     }
 
     /// The chat request `body` as the template renders it.
+    #[cfg(test)]
     pub fn render_chat(&self, body: &[u8]) -> Result<String, Error> {
         self.render(ChatFields::parse(body)?.parts()?)
     }

@@ -83,6 +83,7 @@ impl Pressure {
 
     /// The usage after adding a request that may hold `tokens`: its share of the pool's
     /// cache when the size is known, else the usage as it is.
+    #[cfg(test)]
     pub fn with_demand(&self, tokens: u64) -> Option<f64> {
         let usage = self.kv_usage?;
         Some(match self.kv_capacity_tokens {
