@@ -14,9 +14,46 @@ use std::process::ExitCode;
 )]
 struct Cli {
     #[command(flatten)]
-    opt: Opt,
+    options: Options,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// Pingora's standard options, described as Sluice uses them (Pingora's own help describes
+/// its library).
+#[derive(clap::Args)]
+struct Options {
+    /// Take the listening sockets over from a running Sluice (a zero-downtime upgrade): wait
+    /// on `pingora.upgrade_sock` until the old process is sent SIGQUIT, then serve.
+    #[arg(short, long)]
+    upgrade: bool,
+    /// Run in the background as a daemon (needs `pingora.error_log`; writes
+    /// `pingora.pid_file`).
+    #[arg(short, long)]
+    daemon: bool,
+    /// Check the config file and exit: 0 when it would start, else what is wrong, as
+    /// `nginx -t` does.
+    #[arg(short, long)]
+    test: bool,
+    /// The config file [default: conf/sluice.yaml].
+    #[arg(short, long, value_name = "FILE")]
+    conf: Option<String>,
+    /// Accepted and ignored, as Pingora does (some test runners pass it).
+    #[arg(long, hide = true)]
+    nocapture: bool,
+}
+
+impl Options {
+    /// As Pingora takes them.
+    fn into_pingora(self) -> Opt {
+        Opt {
+            upgrade: self.upgrade,
+            daemon: self.daemon,
+            nocapture: self.nocapture,
+            test: self.test,
+            conf: self.conf,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -39,11 +76,21 @@ enum Command {
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// The command line, its options as Pingora takes them.
+struct CliParsed {
+    opt: Opt,
+    command: Option<Command>,
+}
+
 /// Where the config is looked for when `-c` is not given.
 const DEFAULT_CONFIG: &str = "conf/sluice.yaml";
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let parsed = Cli::parse();
+    let cli = CliParsed {
+        opt: parsed.options.into_pingora(),
+        command: parsed.command,
+    };
     if let Some(Command::HashKey) = cli.command {
         return hash_key();
     }

@@ -23,6 +23,26 @@ fn check(config: &std::path::Path) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// `--help` describes the options as Sluice uses them, not in Pingora's library words.
+#[test]
+fn help_describes_the_options_in_sluices_words() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("--help")
+        .output()
+        .expect("run sluice --help");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    for said in [
+        "zero-downtime upgrade",
+        "as a daemon",
+        "Check the config file",
+        "conf/sluice.yaml",
+    ] {
+        assert!(help.contains(said), "{said:?} in {help}");
+    }
+    assert!(!help.contains("pingora-based service"), "{help}");
+}
+
 #[test]
 fn dash_t_accepts_the_shipped_config_and_names_what_is_wrong_in_a_bad_one() {
     let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/sluice.yaml");
