@@ -7,7 +7,7 @@
 
 use prometheus::{Encoder, TextEncoder};
 use sluice_sdk::metric;
-use sluice_sdk::metrics::touch;
+use sluice_sdk::metrics::{inc_by, touch};
 use sluice_sdk::{Pools, Reason};
 
 pub use sluice_sdk::metrics::{inc, observe, set, set_gauge};
@@ -350,12 +350,45 @@ pub fn init(pools: &Pools) {
         for outcome in AttemptOutcome::ALL {
             touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
         }
+        for kind in ["prompt", "completion"] {
+            touch(&TOKENS, &[&pool.name, kind]);
+        }
+        touch(&COST, &[&pool.name]);
         if pool.prefix().is_some() {
             for kind in ["looked_up", "predicted", "reported"] {
                 touch(&PREFIX_TOKENS, &[&pool.name, kind]);
             }
         }
     }
+}
+
+metric!(TOKENS: IntCounterVec = register_int_counter_vec!(
+    "sluice_tokens_total",
+    "Tokens by pool and kind (prompt, completion), from the usage of the answers the pool's \
+     engines gave (cache hits are not counted).",
+    &["pool", "kind"]
+));
+
+metric!(COST: CounterVec = register_counter_vec!(
+    "sluice_cost_dollars_total",
+    "Estimated cost of the tokens each pool's engines produced, at its configured price.",
+    &["pool"]
+));
+
+/// Counts what one answer of `pool`'s engines used, and its cost at the pool's price. Every
+/// LLM request's, once, here: the dashboard, the tenants' spend and the selector's saving
+/// read the same tokens.
+pub fn answered_usage(pool: &sluice_sdk::Pool, usage: sluice_sdk::Usage) {
+    let name = &*pool.name;
+    inc_by(&TOKENS, &[name, "prompt"], usage.prompt_tokens);
+    inc_by(&TOKENS, &[name, "completion"], usage.completion_tokens);
+    // Counts come from the upstream: never trusted not to overflow.
+    let millions = usage.prompt_tokens.saturating_add(usage.completion_tokens) as f64 / 1e6;
+    inc_by(
+        &COST,
+        &[name],
+        millions * pool.settings.price_per_million_tokens,
+    );
 }
 
 /// The status class label: `2xx`, `4xx`, ...; 499 (client gone) is kept as is.

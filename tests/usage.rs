@@ -205,3 +205,57 @@ async fn nobody_wanting_usage_leaves_the_stream_request_alone() {
         "the client's request"
     );
 }
+
+/// The tokens and cost of every engine's answer are counted by the core, once: with the
+/// tenants plugin on and no selector, `sluice_tokens_total` and `sluice_cost_dollars_total`
+/// (the dashboard's Tokens and Cost cards) read what the tenant was charged. They read 0
+/// and $0 before, when only the selector counted them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_and_cost_are_counted_for_every_answer_and_agree_with_the_tenants() {
+    let sim = recording_sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()]).with("price_per_million_tokens", 2.0)],
+        "plugins": {"tenants": {"enabled": true, "tenants": {
+            "team": {"keys": [key_digest("sk-team")]}}}},
+    }))
+    .await;
+    let auth = [("authorization", "Bearer sk-team")];
+    assert_eq!(
+        proxy.ask(&chat(MODEL, "hello", false), &auth).await.status,
+        200
+    );
+    assert_eq!(
+        proxy
+            .ask(&chat(MODEL, "streamed", true), &auth)
+            .await
+            .status,
+        200
+    );
+    let series = |kind: &str| format!(r#"sluice_tokens_total{{kind="{kind}",pool="main"}}"#);
+    let tenant =
+        |kind: &str| format!(r#"sluice_tenant_tokens_total{{kind="{kind}",tenant="team"}}"#);
+    // Both are counted as each request is logged, just after its client has its answer.
+    let agreed = wait_for(Duration::from_secs(5), || async {
+        let m = proxy.metrics().await;
+        [("prompt", "input"), ("completion", "output")]
+            .iter()
+            .all(|(kind, theirs)| {
+                let ours = metric_value(&m, &series(kind));
+                ours.is_some_and(|t| t > 0.0) && ours == metric_value(&m, &tenant(theirs))
+            })
+    })
+    .await;
+    let m = proxy.metrics().await;
+    assert!(agreed.is_some(), "{m}");
+    let tokens: f64 = ["prompt", "completion"]
+        .iter()
+        .map(|kind| metric_value(&m, &series(kind)).unwrap())
+        .sum();
+    let cost = metric_value(&m, r#"sluice_cost_dollars_total{pool="main"}"#).unwrap();
+    assert!(
+        (cost - tokens * 2.0 / 1e6).abs() < 1e-12,
+        "{cost} for {tokens} tokens"
+    );
+    let charged = metric_value(&m, r#"sluice_tenant_cost_dollars_total{tenant="team"}"#).unwrap();
+    assert!((cost - charged).abs() < 1e-12, "{cost} against {charged}");
+}

@@ -375,6 +375,12 @@ impl ProxyHttp for Proxy {
             this.chain.attempt_end(&attempt, &mut ctx.req);
         }
         this.chain.logging(e, &mut ctx.req);
+        // An engine's answer (not a cache hit): its tokens and their cost, counted once.
+        if let (Some(usage), Some(pool), false) =
+            (ctx.req.usage(), ctx.req.pool(), ctx.req.answered_locally())
+        {
+            crate::metrics::answered_usage(pool, usage);
+        }
         crate::telemetry::request_ended(&ctx.req);
         crate::access_log::record(this.access_log, &ctx.req, e);
     }

@@ -1,5 +1,6 @@
 //! The selector's series. `speculative_acceptance_ratio` is a name the seeds' dashboards use;
-//! the rest are `sluice_speculative_*`, `sluice_tokens_total` and the cost counters.
+//! the rest are `sluice_speculative_*` and the target-equivalent cost (the core counts every
+//! answer's tokens and cost, `sluice_tokens_total` and `sluice_cost_dollars_total`).
 
 use sluice_sdk::escalation::reason;
 use sluice_sdk::metric;
@@ -25,22 +26,11 @@ metric!(ESCALATIONS: IntCounterVec = register_int_counter_vec!(
     &["reason"]
 ));
 
-metric!(TOKENS: IntCounterVec = register_int_counter_vec!(
-    "sluice_tokens_total",
-    "Tokens by pool and kind (prompt, completion), from the answers' usage.",
-    &["pool", "kind"]
-));
-
-metric!(COST: CounterVec = register_counter_vec!(
-    "sluice_cost_dollars_total",
-    "Estimated cost of the tokens each pool produced, at its configured price.",
-    &["pool"]
-));
-
 metric!(COST_ON_TARGET: CounterVec = register_counter_vec!(
     "sluice_cost_target_equivalent_dollars_total",
-    "What the same tokens would have cost on the model's target pool: the saving is this \
-     minus sluice_cost_dollars_total.",
+    "What the tokens of the selector's answers would have cost on the model's target pool: \
+     the saving is this minus sluice_cost_dollars_total of the pools the selector answers \
+     from.",
     &["pool"]
 ));
 
@@ -62,7 +52,6 @@ pub fn init(pools: &[&str]) {
         touch(&ESCALATIONS, &[r]);
     }
     for pool in pools {
-        touch(&COST, &[pool]);
         touch(&COST_ON_TARGET, &[pool]);
     }
     let _ = &*ACCEPTANCE;
@@ -78,12 +67,9 @@ pub fn request(pool: &str, escalated: Option<&str>) {
     set_gauge(&ACCEPTANCE, WINDOW.record(escalated.is_none()));
 }
 
-/// Tokens one answer used on `pool`, and their cost there and on the target.
-pub fn tokens(pool: &str, prompt: u64, completion: u64, price: f64, target_price: f64) {
-    inc_by(&TOKENS, &[pool, "prompt"], prompt);
-    inc_by(&TOKENS, &[pool, "completion"], completion);
+/// What the tokens one answer used on `pool` would have cost on the target.
+pub fn target_equivalent(pool: &str, prompt: u64, completion: u64, target_price: f64) {
     // Counts come from the upstream: never trusted not to overflow.
     let millions = prompt.saturating_add(completion) as f64 / 1e6;
-    inc_by(&COST, &[pool], millions * price);
     inc_by(&COST_ON_TARGET, &[pool], millions * target_price);
 }
