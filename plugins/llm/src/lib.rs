@@ -1,11 +1,13 @@
 #![warn(missing_docs)]
-//! Sluice's LLM wire model: what an OpenAI-compatible request and answer are made of, read
-//! without a second parse and without copying the body.
+//! Sluice's LLM wire model: what the requests and answers of the LLM routes (OpenAI's,
+//! Anthropic's and vLLM's own) are made of, read without a second parse and without copying
+//! the body.
 //!
 //! - [`llm`]: the request parse ([`LlmCall`], [`LlmRequest`]) and its size estimate
 //!   ([`Demand`]), for the balancer, the breaker and the selector.
-//! - [`family`]: the API families (OpenAI chat and completions), each owning what is
-//!   particular to its wire format, behind [`family::ApiFamily`].
+//! - [`family`]: the API families (OpenAI chat, completions and Responses, Anthropic
+//!   Messages, the routes that generate nothing), each owning what is particular to its wire
+//!   format, behind [`family::ApiFamily`].
 //! - [`raw_json`]: the byte-level JSON reading and splicing the parse and the edits share.
 //! - [`usage`]: an answer's token usage, found as it streams.
 //! - [`sse`]: a stream's chunks split into events.

@@ -11,7 +11,8 @@
 //!
 //! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.
 //! - [`RequestCtx`]: the per-request state the core fills and plugins read.
-//! - [`LlmCall`] / [`LlmRequest`]: the parsed OpenAI request, with its raw bytes.
+//! - [`LlmCall`] / [`LlmRequest`]: the parsed request of an LLM route (any API family), with
+//!   its raw bytes.
 //! - [`Pool`] / [`Pools`]: the upstream pools as plugins see them, with each backend's live
 //!   health and load ([`health`]).
 //! - [`ErrorReply`]: how a hook refuses a request (status, OpenAI body, `retry-after`).

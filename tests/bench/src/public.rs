@@ -1,4 +1,4 @@
-//! The market's public benchmark method (../shared/DESIGN.md, "How gateways are benchmarked")
+//! The market's public benchmark method (how gateways publish their overhead figures)
 //! as three scenarios: 15, added latency at concurrency 1 over going direct; 16, the highest
 //! rate sustained behind a 20 ms mock (p99 under 1 s, under 0.1 % errors), with the proxy's
 //! RSS before, during and after; 17, streams of 64 deltas 20 ms apart: added TTFT and
