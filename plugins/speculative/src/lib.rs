@@ -351,10 +351,12 @@ impl Plugin for Speculative {
         let pool = ctx.pool_name();
         metrics::request(pool, ctx.escalated());
         if let (Some(usage), Some(model)) = (ctx.usage(), self.models.get(handled.model)) {
-            metrics::target_equivalent(
+            metrics::cost(
                 pool,
                 usage.prompt_tokens,
                 usage.completion_tokens,
+                ctx.pool()
+                    .map_or(0.0, |p| p.settings.price_per_million_tokens),
                 model.target.settings.price_per_million_tokens,
             );
         }

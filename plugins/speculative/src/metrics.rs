@@ -26,11 +26,18 @@ metric!(ESCALATIONS: IntCounterVec = register_int_counter_vec!(
     &["reason"]
 ));
 
+metric!(COST: CounterVec = register_counter_vec!(
+    "sluice_speculative_cost_dollars_total",
+    "What the selector's answers cost, by the pool that answered, at its price: the part of \
+     sluice_cost_dollars_total that sluice_cost_target_equivalent_dollars_total is set \
+     against.",
+    &["pool"]
+));
+
 metric!(COST_ON_TARGET: CounterVec = register_counter_vec!(
     "sluice_cost_target_equivalent_dollars_total",
     "What the tokens of the selector's answers would have cost on the model's target pool: \
-     the saving is this minus sluice_cost_dollars_total of the pools the selector answers \
-     from.",
+     the saving is this minus sluice_speculative_cost_dollars_total.",
     &["pool"]
 ));
 
@@ -52,6 +59,7 @@ pub fn init(pools: &[&str]) {
         touch(&ESCALATIONS, &[r]);
     }
     for pool in pools {
+        touch(&COST, &[pool]);
         touch(&COST_ON_TARGET, &[pool]);
     }
     let _ = &*ACCEPTANCE;
@@ -67,9 +75,11 @@ pub fn request(pool: &str, escalated: Option<&str>) {
     set_gauge(&ACCEPTANCE, WINDOW.record(escalated.is_none()));
 }
 
-/// What the tokens one answer used on `pool` would have cost on the target.
-pub fn target_equivalent(pool: &str, prompt: u64, completion: u64, target_price: f64) {
+/// What the tokens one answer of the selector's used on `pool` cost there, and would have
+/// cost on the target.
+pub fn cost(pool: &str, prompt: u64, completion: u64, price: f64, target_price: f64) {
     // Counts come from the upstream: never trusted not to overflow.
     let millions = prompt.saturating_add(completion) as f64 / 1e6;
+    inc_by(&COST, &[pool], millions * price);
     inc_by(&COST_ON_TARGET, &[pool], millions * target_price);
 }
