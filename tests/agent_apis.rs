@@ -546,3 +546,41 @@ async fn no_tenant_can_name_its_response_after_anothers() {
     let continued = ask_url(&url, &follow_up, &[("authorization", &mine)]).await;
     assert_eq!(continued.status, 200, "{}", continued.body);
 }
+
+/// A Messages answer's `input_tokens` leaves out what the engine's prefix cache served
+/// (`cache_read_input_tokens`, as vLLM 0.32 reports it with prompt details on). The tenant
+/// was charged only `input_tokens`: a cached prompt came almost free. It is now charged the
+/// whole prompt, as on the OpenAI routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_prompt_is_charged_whole_however_much_was_cached() {
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .v1_engine(2048),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[sim.addr()])],
+        "plugins": tenants(),
+    }))
+    .await;
+    let request = json!({"model": MODEL, "max_tokens": 4,
+        "system": "You review a patch line by line and name every risk you see. ".repeat(40),
+        "messages": [{"role": "user", "content": "Is this patch safe to merge?"}]});
+    let mut whole_prompts = 0;
+    let mut cached = 0;
+    for _ in 0..2 {
+        let a = ask_url(&proxy.url("/v1/messages"), &request, &[("x-api-key", KEY)]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let usage = serde_json::from_str::<Value>(&a.body).unwrap()["usage"].clone();
+        let read = usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
+        cached += read;
+        whole_prompts += usage["input_tokens"].as_u64().unwrap() + read;
+    }
+    assert!(cached > 100, "the second prompt was served from the cache");
+    let series = r#"sluice_tenant_tokens_total{kind="input",tenant="agent"}"#;
+    let charged = proxy.metric_once(series, whole_prompts as f64).await;
+    assert_eq!(charged, Some(whole_prompts as f64));
+}

@@ -12,7 +12,6 @@
 
 use crate::raw_json::{self, Edit};
 use memchr::memmem;
-use serde::Deserialize;
 use std::sync::LazyLock;
 
 /// The token counts of one answer.
@@ -24,9 +23,68 @@ pub struct Usage {
     pub completion_tokens: u64,
 }
 
-/// The key looked for. In valid JSON these bytes can only be an object key: inside a string,
-/// both quotes would be escaped (`\"usage\"`), and the closing one would not follow `usage`.
-const KEY: &[u8] = b"\"usage\"";
+/// Where a family's answers put their token counts: the key of the usage object, and the
+/// names of its counts (see [`crate::family::ApiFamily::usage_names`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsageNames {
+    /// The usage object's key, with its quotes. In valid JSON these bytes can only be an
+    /// object key: inside a string both quotes would be escaped, and the closing one would
+    /// not follow the name.
+    pub key: &'static str,
+    /// The counts whose sum is the prompt's tokens (those present: a usage object that has
+    /// none of them leaves the prompt as an earlier one said).
+    pub prompt: &'static [&'static str],
+    /// The count of generated tokens.
+    pub completion: &'static str,
+    /// The path, from the usage object, of the prompt tokens the engine's prefix cache served.
+    pub cached: &'static [&'static str],
+}
+
+impl UsageNames {
+    /// OpenAI's chat and text completions (and vLLM's utility routes).
+    pub const OPENAI: UsageNames = UsageNames {
+        key: "\"usage\"",
+        prompt: &["prompt_tokens"],
+        completion: "completion_tokens",
+        cached: &["prompt_tokens_details", "cached_tokens"],
+    };
+    /// OpenAI's Responses.
+    pub const RESPONSES: UsageNames = UsageNames {
+        key: "\"usage\"",
+        prompt: &["input_tokens"],
+        completion: "output_tokens",
+        cached: &["input_tokens_details", "cached_tokens"],
+    };
+    /// Anthropic's Messages: `input_tokens` leaves out what the cache served
+    /// (`cache_read_input_tokens`) and what was written to it (`cache_creation_input_tokens`),
+    /// which the prompt's tokens include.
+    pub const ANTHROPIC: UsageNames = UsageNames {
+        key: "\"usage\"",
+        prompt: &[
+            "input_tokens",
+            "cache_read_input_tokens",
+            "cache_creation_input_tokens",
+        ],
+        completion: "output_tokens",
+        cached: &["cache_read_input_tokens"],
+    };
+
+    fn key(&self) -> &'static [u8] {
+        self.key.as_bytes()
+    }
+
+    /// The key's name, without its quotes.
+    fn name(&self) -> &'static [u8] {
+        let key = self.key();
+        key.get(1..key.len().saturating_sub(1)).unwrap_or_default()
+    }
+}
+
+impl Default for UsageNames {
+    fn default() -> Self {
+        UsageNames::OPENAI
+    }
+}
 
 /// The most bytes of a `usage` object kept. vLLM's is under 200 bytes (with
 /// `prompt_tokens_details` under 300); anything longer is not the usage being looked for.
@@ -37,6 +95,7 @@ const MAX_OBJECT: usize = 4096;
 /// (at most 4 KiB), so the object may be split across any number of chunks.
 #[derive(Debug, Default)]
 pub struct UsageScanner {
+    names: UsageNames,
     state: State,
     /// Where a family's answers may echo the client's own JSON (Responses echoes `tools` and
     /// `text`, whose schemas can hold any key), the deepest object whose `usage` counts, and
@@ -51,7 +110,7 @@ pub struct UsageScanner {
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Looking for [`KEY`]; this many of its bytes matched so far.
+    /// Looking for the usage key; this many of its bytes matched so far.
     #[default]
     Seeking,
     Matching(usize),
@@ -67,26 +126,10 @@ enum State {
     },
 }
 
-/// The fields read from a `usage` object, under OpenAI's chat names or the Responses and
-/// Anthropic names (`input_tokens`, `output_tokens`); others (`total_tokens`, the
-/// completion's details) are ignored. A count an object leaves out keeps what an earlier one
-/// said: Anthropic's `message_start` says the input, `message_delta` the output.
-#[derive(Deserialize)]
-struct Counts {
-    #[serde(default, alias = "input_tokens")]
-    prompt_tokens: Option<u64>,
-    #[serde(default, alias = "output_tokens")]
-    completion_tokens: Option<u64>,
-    #[serde(default, alias = "input_tokens_details")]
-    prompt_tokens_details: Option<PromptDetails>,
-}
-
-/// `usage.prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`).
-#[derive(Deserialize)]
-struct PromptDetails {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
+/// A usage object's members, read by the family's [`UsageNames`]; the others (`total_tokens`,
+/// the completion's details) are ignored. A count an object leaves out keeps what an earlier
+/// one said: Anthropic's `message_start` says the input, `message_delta` the output.
+type Counts = serde_json::Map<String, serde_json::Value>;
 
 /// The answer's nesting, read byte by byte: how many objects and arrays are open, whether a
 /// string is, and whether the string just closed was `usage`. Each SSE event's data is one
@@ -95,11 +138,13 @@ struct PromptDetails {
 struct Nesting {
     /// `usage` counts only as a member of an object this deep or less (the answer itself is 1).
     max_depth: u32,
+    /// The usage key's name, without its quotes.
+    key: &'static [u8],
     depth: u32,
     in_string: bool,
     escaped: bool,
     /// The open string's first bytes, and how many it has so far.
-    text: [u8; 5],
+    text: [u8; 32],
     len: usize,
     /// The last byte outside a string was a newline (`\r` aside).
     newline: bool,
@@ -113,6 +158,7 @@ impl Nesting {
                 // No JSON string holds a raw newline: the event was not JSON; start again.
                 *self = Nesting {
                     max_depth: self.max_depth,
+                    key: self.key,
                     newline: true,
                     ..Nesting::default()
                 };
@@ -123,7 +169,9 @@ impl Nesting {
                 self.escaped = true;
             } else if byte == b'"' {
                 self.in_string = false;
-                return self.len == 5 && &self.text == b"usage" && self.depth <= self.max_depth;
+                return self.len == self.key.len()
+                    && self.text.get(..self.len) == Some(self.key)
+                    && self.depth <= self.max_depth;
             } else {
                 if let Some(slot) = self.text.get_mut(self.len) {
                     *slot = byte;
@@ -154,12 +202,22 @@ impl UsageScanner {
     /// (1: the answer's own; 2: an object it holds, as a Responses event's `response`), for
     /// answers that echo the client's JSON deeper down. Reads every byte, where the default
     /// scanner searches for the key.
-    pub fn at_most_nested(max_depth: u32) -> UsageScanner {
+    pub fn at_most_nested(names: UsageNames, max_depth: u32) -> UsageScanner {
         UsageScanner {
+            names,
             nesting: Some(Nesting {
                 max_depth,
+                key: names.name(),
                 ..Nesting::default()
             }),
+            ..UsageScanner::default()
+        }
+    }
+
+    /// A scanner of answers that put their counts where `names` says.
+    pub fn new(names: UsageNames) -> UsageScanner {
+        UsageScanner {
+            names,
             ..UsageScanner::default()
         }
     }
@@ -173,19 +231,25 @@ impl UsageScanner {
             return;
         }
         static FINDER: LazyLock<memmem::Finder<'static>> =
-            LazyLock::new(|| memmem::Finder::new(KEY));
+            LazyLock::new(|| memmem::Finder::new(UsageNames::OPENAI.key()));
+        let key = self.names.key();
         let mut rest = chunk;
         while !rest.is_empty() {
             if self.state == State::Seeking {
                 // Fast path: a SIMD search for the whole key; only a key cut at the chunk's
                 // end is matched byte by byte, from its start in the next chunk.
-                match FINDER.find(rest) {
+                let found = if key == FINDER.needle() {
+                    FINDER.find(rest)
+                } else {
+                    memmem::find(rest, key)
+                };
+                match found {
                     Some(at) => {
                         self.state = State::AfterKey;
-                        rest = rest.get(at + KEY.len()..).unwrap_or_default();
+                        rest = rest.get(at + key.len()..).unwrap_or_default();
                     }
                     None => {
-                        self.state = key_start_at_end(rest);
+                        self.state = key_start_at_end(key, rest);
                         return;
                     }
                 }
@@ -232,13 +296,14 @@ impl UsageScanner {
     }
 
     fn step(&mut self, byte: u8) {
+        let key = self.names.key();
         self.state = match self.state {
-            State::Seeking => seek_key(byte, 0),
-            State::Matching(matched) => seek_key(byte, matched),
+            State::Seeking => seek_key(key, byte, 0),
+            State::Matching(matched) => seek_key(key, byte, matched),
             State::AfterKey => match byte {
                 b':' => State::AfterColon,
                 b if is_json_space(b) => State::AfterKey,
-                b => seek_key(b, 0),
+                b => seek_key(key, b, 0),
             },
             State::AfterColon => match byte {
                 b'{' => {
@@ -251,7 +316,7 @@ impl UsageScanner {
                     }
                 }
                 b if is_json_space(b) => State::AfterColon,
-                b => seek_key(b, 0),
+                b => seek_key(key, b, 0),
             },
             State::InObject {
                 depth,
@@ -264,7 +329,7 @@ impl UsageScanner {
     fn copy(&mut self, byte: u8, depth: u32, in_string: bool, escaped: bool) -> State {
         if self.object.len() >= MAX_OBJECT {
             self.object.clear();
-            return seek_key(byte, 0);
+            return seek_key(self.names.key(), byte, 0);
         }
         self.object.push(byte);
         let (depth, in_string, escaped) = match (in_string, escaped, byte) {
@@ -285,22 +350,29 @@ impl UsageScanner {
             };
         }
         if let Ok(counts) = serde_json::from_slice::<Counts>(&self.object) {
+            let names = self.names;
+            let count = |name: &str| counts.get(name).and_then(serde_json::Value::as_u64);
             let before = self.found;
-            let prompt = counts.prompt_tokens.or(before.map(|u| u.prompt_tokens));
+            let prompt = names
+                .prompt
+                .iter()
+                .filter_map(|name| count(name))
+                .reduce(u64::saturating_add)
+                .or(before.map(|u| u.prompt_tokens));
             // An answer that generates nothing (embeddings) may leave the output out.
-            let completion = counts
-                .completion_tokens
-                .or(before.map(|u| u.completion_tokens));
+            let completion = count(names.completion).or(before.map(|u| u.completion_tokens));
             if let Some(prompt_tokens) = prompt {
                 self.found = Some(Usage {
                     prompt_tokens,
                     completion_tokens: completion.unwrap_or(0),
                 });
             }
-            if let Some(cached) = counts
-                .prompt_tokens_details
-                .and_then(|details| details.cached_tokens)
-            {
+            let cached = names.cached.split_first().and_then(|(first, rest)| {
+                rest.iter()
+                    .try_fold(counts.get(*first)?, |at, name| at.get(name))?
+                    .as_u64()
+            });
+            if let Some(cached) = cached {
                 self.cached_tokens = Some(cached);
             }
         }
@@ -309,19 +381,19 @@ impl UsageScanner {
     }
 }
 
-/// How much of [`KEY`]'s start `bytes` ends with (none of all of it: the search found none).
-fn key_start_at_end(bytes: &[u8]) -> State {
-    (1..KEY.len())
+/// How much of `key`'s start `bytes` ends with (none of all of it: the search found none).
+fn key_start_at_end(key: &[u8], bytes: &[u8]) -> State {
+    (1..key.len())
         .rev()
-        .find(|n| KEY.get(..*n).is_some_and(|start| bytes.ends_with(start)))
+        .find(|n| key.get(..*n).is_some_and(|start| bytes.ends_with(start)))
         .map_or(State::Seeking, State::Matching)
 }
 
-/// Advances the match of [`KEY`], `matched` bytes of which are already matched.
-fn seek_key(byte: u8, matched: usize) -> State {
-    if KEY.get(matched) == Some(&byte) {
+/// Advances the match of `key`, `matched` bytes of which are already matched.
+fn seek_key(key: &[u8], byte: u8, matched: usize) -> State {
+    if key.get(matched) == Some(&byte) {
         let matched = matched + 1;
-        return if matched == KEY.len() {
+        return if matched == key.len() {
             State::AfterKey
         } else {
             State::Matching(matched)
@@ -532,21 +604,27 @@ mod tests {
     const MESSAGES_STREAM: &str =
         include_str!("../../../tests/fixtures/vllm-0.32/messages-stream.http");
 
-    /// Feeds `body` to a fresh `scanner` whole, and in pieces of every size up to 64.
-    fn nested_every_way(max_depth: u32, body: &str) -> Option<Usage> {
+    /// Feeds `body` to a fresh scanner of `names` (at most `max_depth` deep) whole, and in
+    /// pieces of every size up to 64.
+    fn nested_names_every_way(names: UsageNames, max_depth: u32, body: &str) -> Option<Usage> {
         let whole = {
-            let mut scanner = UsageScanner::at_most_nested(max_depth);
+            let mut scanner = UsageScanner::at_most_nested(names, max_depth);
             scanner.feed(body.as_bytes());
             scanner.usage()
         };
         for size in 1..64 {
-            let mut scanner = UsageScanner::at_most_nested(max_depth);
+            let mut scanner = UsageScanner::at_most_nested(names, max_depth);
             body.as_bytes()
                 .chunks(size)
                 .for_each(|piece| scanner.feed(piece));
             assert_eq!(scanner.usage(), whole, "in pieces of {size}");
         }
         whole
+    }
+
+    /// [`nested_names_every_way`] with the Responses names (as Messages' without a cache).
+    fn nested_every_way(max_depth: u32, body: &str) -> Option<Usage> {
+        nested_names_every_way(UsageNames::RESPONSES, max_depth, body)
     }
 
     /// A Responses stream echoes the request's `tools`, whose schema may hold a `usage` of
@@ -565,10 +643,12 @@ mod tests {
             "{real:?}"
         );
         assert!(real.completion_tokens > 0, "{real:?}");
-        // Cut before `response.completed`: no usage at all. The default scanner takes the
-        // planted one, which is the finding.
+        // Cut before `response.completed`: no usage at all. A scanner blind to the nesting
+        // takes the planted one, which is the finding.
         let cut = body.split("event: response.completed").next().unwrap();
-        assert_eq!(scan_whole(cut.as_bytes()), usage(1_000_000_000, 0));
+        let mut blind = UsageScanner::new(UsageNames::RESPONSES);
+        blind.feed(cut.as_bytes());
+        assert_eq!(blind.usage(), usage(1_000_000_000, 0));
         assert_eq!(nested_every_way(2, cut), None);
         // A whole JSON answer: its own usage, wherever the planted one stands.
         let json = r#"{"usage":{"input_tokens":12,"output_tokens":3},"tools":[{"parameters":{"usage":{"input_tokens":0,"output_tokens":0}}}]}"#;
@@ -586,6 +666,43 @@ mod tests {
         assert_eq!(nested_every_way(2, body), usage(20, 3));
         let cut = body.split("event: message_delta").next().unwrap();
         assert_eq!(nested_every_way(2, cut), usage(20, 0));
+    }
+
+    /// Anthropic's `input_tokens` leaves out what the prefix cache served and what was
+    /// written to it: the prompt is their sum, and the cache's part is read as cached.
+    #[test]
+    fn a_messages_prompt_counts_its_cached_tokens() {
+        let body = r#"{"usage":{"input_tokens":50,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":896}}"#;
+        let mut scanner = UsageScanner::at_most_nested(UsageNames::ANTHROPIC, 1);
+        scanner.feed(body.as_bytes());
+        assert_eq!(scanner.usage(), usage(946, 2));
+        assert_eq!(scanner.cached_tokens(), Some(896));
+    }
+
+    /// A family with a key and names of its own (Gemini's `usageMetadata`) is read by them,
+    /// and another's `usage` is not.
+    #[test]
+    fn a_familys_own_names_are_read() {
+        const GEMINI: UsageNames = UsageNames {
+            key: "\"usageMetadata\"",
+            prompt: &["promptTokenCount"],
+            completion: "candidatesTokenCount",
+            cached: &["cachedContentTokenCount"],
+        };
+        let body = r#"{"candidates":[{"content":{"parts":[{"text":"usage"}]}}],"usageMetadata":{"promptTokenCount":7,"candidatesTokenCount":5,"cachedContentTokenCount":4}}"#;
+        for names in [GEMINI] {
+            let mut scanner = UsageScanner::new(names);
+            for piece in body.as_bytes().chunks(3) {
+                scanner.feed(piece);
+            }
+            assert_eq!(scanner.usage(), usage(7, 5));
+            assert_eq!(scanner.cached_tokens(), Some(4));
+            assert_eq!(nested_names_every_way(names, 1, body), usage(7, 5));
+        }
+        let openai = r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+        let mut scanner = UsageScanner::new(GEMINI);
+        scanner.feed(openai.as_bytes());
+        assert_eq!(scanner.usage(), None);
     }
 
     #[test]

@@ -126,6 +126,12 @@ impl Answer {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The prompt tokens the prefix cache served, when the server says
+    /// (`--enable-prompt-tokens-details`).
+    pub fn reported_cached_tokens(&self) -> Option<u32> {
+        self.prompt_details.then(|| self.cached_tokens())
+    }
+
     /// `usage.prompt_tokens_details`, with `--enable-prompt-tokens-details`.
     fn prompt_tokens_details(&self) -> Option<openai::PromptTokensDetails> {
         self.prompt_details.then(|| openai::PromptTokensDetails {

@@ -163,10 +163,15 @@ fn error_body(error: &ApiError) -> Vec<u8> {
     .unwrap_or_default()
 }
 
+/// vLLM 0.32's `AnthropicUsage`: `input_tokens` leaves out what the prefix cache served,
+/// which `cache_read_input_tokens` says when prompt details are on (and, as vLLM's
+/// `exclude_unset` dump, is absent otherwise). vLLM reports no cache writes.
 #[derive(Serialize)]
 struct AnthropicUsage {
     input_tokens: u32,
     output_tokens: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_read_input_tokens: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -204,9 +209,11 @@ fn stop_of(answer: &Answer) -> (&'static str, Option<&str>) {
 }
 
 fn usage(answer: &Answer, output_tokens: u32) -> AnthropicUsage {
+    let cached = answer.reported_cached_tokens();
     AnthropicUsage {
-        input_tokens: answer.prompt_tokens(),
+        input_tokens: answer.prompt_tokens().saturating_sub(cached.unwrap_or(0)),
         output_tokens,
+        cache_read_input_tokens: cached,
     }
 }
 

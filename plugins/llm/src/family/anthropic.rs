@@ -38,8 +38,12 @@ impl ApiFamily for Anthropic {
     /// A stream's usage is in `message_start`'s `message` (the input; output 0) and in
     /// `message_delta` (the output, and vLLM's input again); a whole answer's is its own.
     /// Never deeper: a tool call's `input` is an object the model writes.
+    fn usage_names(&self) -> crate::usage::UsageNames {
+        crate::usage::UsageNames::ANTHROPIC
+    }
+
     fn usage_scanner(&self, stream: bool) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::at_most_nested(if stream { 2 } else { 1 })
+        crate::usage::UsageScanner::at_most_nested(self.usage_names(), if stream { 2 } else { 1 })
     }
 
     fn name(&self) -> &'static str {

@@ -167,11 +167,16 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn logprobs_at(&self) -> LogprobsAt {
         LogprobsAt::Nowhere
     }
+    /// Where its answers put their token counts: the usage object's key and the counts'
+    /// names (OpenAI's by default).
+    fn usage_names(&self) -> crate::usage::UsageNames {
+        crate::usage::UsageNames::OPENAI
+    }
     /// A new reader of an answer's token usage (a stream's when `stream`), fed the answer's
-    /// chunks as they pass (it reads the OpenAI, Responses and Anthropic names alike). A
-    /// family whose answers echo the client's JSON takes `usage` only where it puts it.
+    /// chunks as they pass, by [`ApiFamily::usage_names`]. A family whose answers echo the
+    /// client's JSON takes the usage only where it puts it.
     fn usage_scanner(&self, _stream: bool) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::default()
+        crate::usage::UsageScanner::new(self.usage_names())
     }
     /// Whether one event's data (a stream's) is an error the upstream ended it with.
     fn is_error_event(&self, data: &[u8]) -> bool;

@@ -96,10 +96,6 @@ impl ApiFamily for OpenAi {
         }
     }
 
-    fn usage_scanner(&self, _stream: bool) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::default()
-    }
-
     fn is_error_event(&self, data: &[u8]) -> bool {
         is_error_event(data)
     }

@@ -66,8 +66,12 @@ impl ApiFamily for Responses {
     /// `usage` of `response.created` is null); a whole answer's is its own. Never deeper: the
     /// response echoes the request's `tools` and `text.format`, whose JSON schemas may hold
     /// a `usage` object of the client's making.
+    fn usage_names(&self) -> crate::usage::UsageNames {
+        crate::usage::UsageNames::RESPONSES
+    }
+
     fn usage_scanner(&self, stream: bool) -> crate::usage::UsageScanner {
-        crate::usage::UsageScanner::at_most_nested(if stream { 2 } else { 1 })
+        crate::usage::UsageScanner::at_most_nested(self.usage_names(), if stream { 2 } else { 1 })
     }
 
     fn is_error_event(&self, data: &[u8]) -> bool {
