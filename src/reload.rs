@@ -10,7 +10,7 @@
 //! for 5 s before it stops: fresh connections met the old and the new key sets in turn, and
 //! a key revoked in the file served on. So the old process, once it has handed its listeners
 //! over, reloads the file as `SIGHUP` would (both processes then agree), and closes each
-//! connection after its current answer ([`HANDED_OVER`]). The file is the new process's: it
+//! connection after its current answer (`crate::proxy::HANDED_OVER`). The file is the new process's: it
 //! may have been started with another (`sluice -u -c new.yaml`), so it leaves its path beside
 //! the upgrade socket ([`upgrade_note`]) for the old process to read.
 //!
@@ -18,39 +18,19 @@
 //! changes it says so: the listeners and the admin address (their sockets), the `pingora`
 //! section, the connection caps and the in-flight caps.
 
-use crate::caps::Caps;
 use crate::config::Config;
 use crate::discovery::PoolDiscovery;
-use crate::proxy::Sluice;
+use crate::proxy::{Lasting, Sluice};
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use pingora_core::connectors::http::v1::Connector;
 use pingora_core::server::{ExecutionPhase, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
 use sluice_sdk::Pools;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::broadcast;
-
-/// This process has handed its listeners to a new one (a binary upgrade): no connection is
-/// kept alive past its current answer, so that the next request goes to the new process.
-pub static HANDED_OVER: AtomicBool = AtomicBool::new(false);
-
-/// What every generation shares.
-pub struct Lasting {
-    /// Requests in flight, per client and in total.
-    pub requests: Arc<Caps>,
-    /// Turns `true` when the server's grace period is ending.
-    pub streams_end: tokio::sync::watch::Receiver<bool>,
-    /// The upstream connections' maker.
-    pub connector: Arc<Connector>,
-    /// The LLM attempts' idle upstream connections.
-    pub upstream_pool: Arc<crate::proxy::upstream_pool::UpstreamPool>,
-    /// Which backend made each stored response.
-    pub response_homes: Arc<crate::proxy::stored_responses::ResponseHomes>,
-}
 
 /// What a reload cannot change, as the running process has it: compared with each new file.
 pub struct Frozen {
@@ -149,7 +129,7 @@ impl BackgroundService for Reload {
                 _ = hangups.recv() => self.reload().await,
                 phase = next_phase(&mut phases) => {
                     if matches!(phase, Some(ExecutionPhase::GracefulUpgradeTransferringFds)) {
-                        HANDED_OVER.store(true, Relaxed);
+                        crate::proxy::HANDED_OVER.store(true, Relaxed);
                         let source = read_upgrade_note(&self.upgrade_note)
                             .unwrap_or_else(|| self.source.clone());
                         tracing::info!(
@@ -214,7 +194,7 @@ impl Reload {
             );
         }
         let discovery = Arc::new(std::mem::take(&mut config.discovery));
-        let next = crate::server::generation(config, &self.lasting);
+        let next = Sluice::new(config, &self.lasting);
         let pools = Arc::clone(&next.pools);
         // A pool that stays keeps what is known of its backends (and a discovered pool its
         // backends): a reload must not make the fleet unknown, or empty, for a moment.

@@ -2,14 +2,13 @@
 
 use crate::admin::Admin;
 use crate::caps::Caps;
-use crate::chain::Chain;
 use crate::config::{Config, Listener};
 use crate::discovery::DiscoveryService;
 use crate::edge::{ConnectionLimits, Guarded};
 use crate::health::HealthService;
+use crate::proxy::Lasting;
 use crate::proxy::{Proxy, Sluice};
-use crate::reload::{Frozen, Lasting, Reload};
-use crate::router::Router;
+use crate::reload::{Frozen, Reload};
 use arc_swap::ArcSwap;
 use pingora_core::apps::HttpServerOptions;
 use pingora_core::connectors::http::{v1 as http1, Connector};
@@ -50,7 +49,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let listeners = config.listeners.clone();
     let source = config.source.clone();
     let discovery = Arc::new(std::mem::take(&mut config.discovery));
-    let sluice = generation(config, &lasting);
+    let sluice = Sluice::new(config, &lasting);
     let pools = Arc::clone(&sluice.pools);
     let current = Arc::new(ArcSwap::from_pointee(sluice));
     let (pools_now, pools_changes) = tokio::sync::watch::channel(pools);
@@ -230,44 +229,6 @@ fn admin_service(
     let mut service = Service::new("sluice admin".to_string(), admin);
     service.add_tcp(&address.to_string());
     service
-}
-
-/// What a config makes of the proxy, for new requests: its pools (live state, health), its
-/// plugin chain started, its routes and limits; `lasting` is what every generation shares.
-pub fn generation(config: Config, lasting: &Lasting) -> Sluice {
-    let pools = config.pools;
-    let chain = Chain::start(config.plugins);
-    let names = chain.names();
-    tracing::info!(
-        "plugin chain: [{}]{}",
-        names.join(" → "),
-        if names.is_empty() {
-            " (no plugins)"
-        } else {
-            ""
-        }
-    );
-    for pool in pools.iter() {
-        let members = pool.members();
-        let backends: Vec<_> = members.iter().map(|e| e.spec.address.as_str()).collect();
-        tracing::info!(pool = &*pool.name, models = ?pool.models(), backends = ?backends, source = %pool.settings.source, "pool");
-    }
-    crate::metrics::init(&pools);
-    Sluice {
-        requests: lasting.requests.clone(),
-        streams_end: lasting.streams_end.clone(),
-        memory: config.memory,
-        limits: config.limits,
-        models: crate::models::list(&pools),
-        pools,
-        router: Router::new(config.routes),
-        chain,
-        access_log: config.log.access_log,
-        connector: Arc::clone(&lasting.connector),
-        upstream_pool: Arc::clone(&lasting.upstream_pool),
-        response_homes: Arc::clone(&lasting.response_homes),
-        retired: std::sync::atomic::AtomicBool::new(false),
-    }
 }
 
 /// HTTP/2 settings for client connections: Pingora's bounded defaults (64 KiB of decoded

@@ -47,7 +47,7 @@ mod tries;
 pub(crate) mod upstream_pool;
 mod usage;
 
-pub use state::Sluice;
+pub use state::{Lasting, Sluice, HANDED_OVER};
 
 use crate::caps::Slot;
 use crate::metrics::{self, AttemptOutcome};
@@ -115,7 +115,7 @@ impl ProxyHttp for Proxy {
         // request held (an upstream attempt, its KV accounting) is released.
         session.set_write_timeout(Some(this.limits.send_timeout));
         session.set_read_timeout(Some(this.limits.client_body_timeout));
-        if crate::reload::HANDED_OVER.load(std::sync::atomic::Ordering::Relaxed) {
+        if HANDED_OVER.load(std::sync::atomic::Ordering::Relaxed) {
             // A new process has the listeners: this connection's next request goes there.
             session.set_keepalive(None);
         }

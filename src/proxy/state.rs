@@ -6,11 +6,12 @@
 use super::attempt;
 use crate::caps::Caps;
 use crate::chain::Chain;
-use crate::config::Limits;
+use crate::config::{Config, Limits};
 use crate::router::Router;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
 use sluice_sdk::{MemoryBudget, Pools};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +70,65 @@ impl Sluice {
             memory: &self.memory,
             streams_end: &self.streams_end,
             chain: &self.chain,
+        }
+    }
+}
+
+/// This process has handed its listeners to a new one (a binary upgrade): no connection is
+/// kept alive past its current answer, so that the next request goes to the new process.
+pub static HANDED_OVER: AtomicBool = AtomicBool::new(false);
+
+/// What every generation shares.
+pub struct Lasting {
+    /// Requests in flight, per client and in total.
+    pub requests: Arc<Caps>,
+    /// Turns `true` when the server's grace period is ending.
+    pub streams_end: tokio::sync::watch::Receiver<bool>,
+    /// The upstream connections' maker.
+    pub connector: Arc<Connector>,
+    /// The LLM attempts' idle upstream connections.
+    pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
+    /// Which backend made each stored response.
+    pub response_homes: Arc<super::stored_responses::ResponseHomes>,
+}
+
+impl Sluice {
+    /// What a config makes of the proxy, for new requests: its pools (live state, health),
+    /// its plugin chain started, its routes and limits; `lasting` is what every generation
+    /// shares.
+    pub fn new(config: Config, lasting: &Lasting) -> Sluice {
+        let pools = config.pools;
+        let chain = Chain::start(config.plugins);
+        let names = chain.names();
+        tracing::info!(
+            "plugin chain: [{}]{}",
+            names.join(" → "),
+            if names.is_empty() {
+                " (no plugins)"
+            } else {
+                ""
+            }
+        );
+        for pool in pools.iter() {
+            let members = pool.members();
+            let backends: Vec<_> = members.iter().map(|e| e.spec.address.as_str()).collect();
+            tracing::info!(pool = &*pool.name, models = ?pool.models(), backends = ?backends, source = %pool.settings.source, "pool");
+        }
+        crate::metrics::init(&pools);
+        Sluice {
+            requests: lasting.requests.clone(),
+            streams_end: lasting.streams_end.clone(),
+            memory: config.memory,
+            limits: config.limits,
+            models: crate::models::list(&pools),
+            pools,
+            router: Router::new(config.routes),
+            chain,
+            access_log: config.log.access_log,
+            connector: Arc::clone(&lasting.connector),
+            upstream_pool: Arc::clone(&lasting.upstream_pool),
+            response_homes: Arc::clone(&lasting.response_homes),
+            retired: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
