@@ -1,7 +1,7 @@
 //! Peak memory of the cache key of an 8 MiB request body, per byte of body:
 //! `cargo run --release -p sluice-plugin-cache --example key_memory`.
 
-#[path = "../../sdk/examples/support/peak.rs"]
+#[path = "../../../crates/sdk/examples/support/peak.rs"]
 mod peak;
 
 use bytes::Bytes;

@@ -2,7 +2,7 @@
 //! usage or logprobs) and to a held 4 MiB answer (judging it), per byte of body:
 //! `cargo run --release -p sluice-plugin-speculative --example splice_memory`.
 
-#[path = "../../sdk/examples/support/peak.rs"]
+#[path = "../../../crates/sdk/examples/support/peak.rs"]
 mod peak;
 
 use peak::Case;
