@@ -47,7 +47,10 @@ impl BackgroundService for KeeperService {
 
 /// Keeps one pool, on its health interval, until the next generation replaces it.
 async fn keep(pool: Arc<Pool>) {
+    // From what the pool's index counted so far: a reload hands a pool the running one's
+    // index, whose counts were published already.
     let mut prefix_seen = PrefixCounts::default();
+    prefix_seen.seen_up_to_now(&pool);
     let mut tick = interval(pool.settings.health.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -78,6 +81,16 @@ struct PrefixCounts {
 }
 
 impl PrefixCounts {
+    /// Takes what the pool counted so far as published.
+    fn seen_up_to_now(&mut self, pool: &Pool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(routing) = pool.prefix() {
+            self.looked_up = routing.looked_up_tokens.load(Relaxed);
+            self.predicted = routing.predicted_tokens.load(Relaxed);
+            self.reported = routing.reported_tokens.load(Relaxed);
+        }
+    }
+
     /// Adds what the pool counted since the last call.
     fn publish(&mut self, pool: &Pool) {
         use std::sync::atomic::Ordering::Relaxed;

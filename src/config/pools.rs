@@ -294,8 +294,24 @@ fn backends_and_source(
     }
     let mut backends = Vec::new();
     let mut named = Vec::new();
+    let mut addresses = Vec::with_capacity(p.backends.len());
     for (j, b) in p.backends.iter().enumerate() {
-        let (backend, name) = backend(b, &format!("{key}.backends[{j}]"), &backends)?;
+        let at = host_and_port(&b.address)
+            .map_err(|m| Invalid::new(format!("{key}.backends[{j}].address"), m))?;
+        addresses.push(at);
+    }
+    // The pool's names, asked all at once: a start or reload waits for the slowest, not
+    // for their sum.
+    let resolved = resolve_all(&addresses, NAME_AT_LOAD);
+    for (j, ((b, (host, port)), resolved)) in
+        p.backends.iter().zip(addresses).zip(resolved).enumerate()
+    {
+        let at = Resolved {
+            host,
+            port,
+            resolved,
+        };
+        let (backend, name) = backend(b, &format!("{key}.backends[{j}]"), &backends, at)?;
         named.push(name);
         backends.extend(backend);
     }
@@ -327,13 +343,16 @@ fn backend(
     b: &file::BackendFile,
     bkey: &str,
     listed: &[BackendSpec],
+    at: Resolved,
 ) -> Result<(Option<BackendSpec>, dns::NamedBackend), Invalid> {
     if b.weight == 0 {
         return Err(Invalid::new(format!("{bkey}.weight"), "must be at least 1"));
     }
-    let (host, port) =
-        host_and_port(&b.address).map_err(|m| Invalid::new(format!("{bkey}.address"), m))?;
-    let resolved = resolve_within(&host, port, NAME_AT_LOAD);
+    let Resolved {
+        host,
+        port,
+        resolved,
+    } = at;
     if let Some(resolved) = resolved {
         if listed.iter().any(|x| x.resolved == resolved) {
             return Err(Invalid::new(
@@ -380,47 +399,70 @@ fn host_and_port(text: &str) -> Result<(String, u16), String> {
     Ok((host.to_string(), port))
 }
 
-/// `host`'s first address, asked of the system's resolver (`getaddrinfo`, hosts file
-/// included) on a thread of its own and waited for at most `bound`; `None` when it did not
-/// answer with one in time (said in the log).
-fn resolve_within(host: &str, port: u16, bound: Duration) -> Option<std::net::SocketAddr> {
+/// A backend's host and port, and the address its host had at load, if it had one in time.
+struct Resolved {
+    host: String,
+    port: u16,
+    resolved: Option<std::net::SocketAddr>,
+}
+
+/// Each `(host, port)`'s first address: an IP literal as it is; a name asked of the system's
+/// resolver (`getaddrinfo`, hosts file included), each on a thread of its own, all waited for
+/// at most `bound` together; `None` for one that did not answer with an address in time (said
+/// in the log). A thread still in `getaddrinfo` then ends with the resolver's own timeout.
+fn resolve_all(hosts: &[(String, u16)], bound: Duration) -> Vec<Option<std::net::SocketAddr>> {
     use std::net::ToSocketAddrs;
-    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-        return Some(std::net::SocketAddr::new(ip, port));
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    let name = host.to_string();
-    let asked = std::thread::Builder::new()
-        .name("resolve-at-load".into())
-        .spawn(move || {
-            let _ = tx.send(
-                (name.as_str(), port)
-                    .to_socket_addrs()
-                    .map(|mut a| a.next()),
+    type Answer = std::io::Result<Option<std::net::SocketAddr>>;
+    let asked: Vec<Result<std::net::SocketAddr, Option<std::sync::mpsc::Receiver<Answer>>>> = hosts
+        .iter()
+        .map(|(host, port)| {
+            if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+                return Ok(std::net::SocketAddr::new(ip, *port));
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (name, port) = (host.clone(), *port);
+            let spawned = std::thread::Builder::new()
+                .name("resolve-at-load".into())
+                .spawn(move || {
+                    let _ = tx.send(
+                        (name.as_str(), port)
+                            .to_socket_addrs()
+                            .map(|mut a| a.next()),
+                    );
+                });
+            match spawned {
+                Ok(_) => Err(Some(rx)),
+                Err(e) => {
+                    tracing::warn!("cannot start a thread to resolve {host}: {e}");
+                    Err(None)
+                }
+            }
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + bound;
+    asked
+        .into_iter()
+        .zip(hosts)
+        .map(|(asked, (host, port))| {
+            let rx = match asked {
+                Ok(addr) => return Some(addr),
+                Err(None) => return None,
+                Err(Some(rx)) => rx,
+            };
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let why = match rx.recv_timeout(left) {
+                Ok(Ok(Some(addr))) => return Some(addr),
+                Ok(Ok(None)) => "resolves to no address yet".to_string(),
+                Ok(Err(e)) => format!("does not resolve ({e})"),
+                Err(_) => format!("did not resolve within {bound:?}"),
+            };
+            tracing::warn!(
+                "backend {host}:{port} {why}: the pool starts without it, and asks again every \
+                 few seconds"
             );
-        });
-    let answer = match asked {
-        Ok(_) => rx.recv_timeout(bound),
-        Err(e) => {
-            tracing::warn!("cannot start a thread to resolve {host}: {e}");
-            return None;
-        }
-    };
-    match answer {
-        Ok(Ok(Some(addr))) => Some(addr),
-        Ok(Ok(None)) => {
-            tracing::warn!("backend {host}:{port} resolves to no address yet: the pool starts without it, and asks again every few seconds");
             None
-        }
-        Ok(Err(e)) => {
-            tracing::warn!("backend {host}:{port} does not resolve ({e}): the pool starts without it, and asks again every few seconds");
-            None
-        }
-        Err(_) => {
-            tracing::warn!("backend {host}:{port} did not resolve within {bound:?}: the pool starts without it, and asks again every few seconds");
-            None
-        }
-    }
+        })
+        .collect()
 }
 
 /// The longest refresh or debounce accepted.

@@ -60,9 +60,11 @@ const SILENT_AFTER: Duration = Duration::from_secs(15);
 /// How often the liveness check looks at the backend's scrape.
 const LIVENESS_CHECK: Duration = Duration::from_secs(1);
 
-/// The computed prompt tokens that must show before silence counts: several blocks of any
-/// block size, so that tokens left in a partial block never do.
-const SILENT_TOKENS_MIN: f64 = 256.0;
+/// The computed prompt tokens that must show before silence counts, and in blocks: enough
+/// that tokens left in partial blocks (the recomputed last token of a cached prompt, short
+/// uncached tails) cannot add up to it while the engine stores no block.
+const SILENT_TOKENS_MIN: f64 = 1024.0;
+const SILENT_BLOCKS_MIN: f64 = 16.0;
 
 /// What one publisher may send: vLLM publishes a batch per engine step, a few hundred KB at
 /// most (a step's blocks, 16 token ids each). A larger message ends the connection, counted.
@@ -126,14 +128,17 @@ impl Subscriber {
             }
             said_none = false;
             let mut ranks = tokio::task::JoinSet::new();
+            // The engine's counters are the backend's, summed over its ranks: a rank's
+            // silence can be judged only when it is the one publishing.
+            let judge_silence = sources.len() == 1;
             for source in sources {
                 ranks.spawn(follow(
                     Arc::clone(&self.routing),
                     Arc::clone(&self.pool),
-                    self.addr,
-                    self.label.clone(),
+                    (self.addr, self.label.clone()),
                     source,
                     Arc::clone(&said_unreachable),
+                    judge_silence,
                 ));
             }
             // A rank's subscription ends only when its publisher cannot be reached: ask
@@ -240,10 +245,10 @@ fn on_backend(endpoint: &str, backend: IpAddr) -> Option<String> {
 async fn follow(
     routing: Arc<PrefixRouting>,
     backends: Arc<Pool>,
-    addr: SocketAddr,
-    label: String,
+    (addr, label): (SocketAddr, String),
     source: Source,
     said_unreachable: Arc<std::sync::atomic::AtomicBool>,
+    judge_silence: bool,
 ) {
     let pool = &*backends.name;
     let mut next: u64 = 0;
@@ -269,7 +274,7 @@ async fn follow(
                         error = subscribed(
                             &mut sub, &routing, pool, &label, addr, &source, &mut next, &batches,
                         ) => Some(error),
-                        () = silent(&backends, &routing, addr, &batches) => None,
+                        () = silent(&backends, &routing, addr, &batches), if judge_silence => None,
                     },
                     Err(error) => Some(error),
                 };
@@ -393,7 +398,7 @@ async fn silent(pool: &Pool, routing: &PrefixRouting, addr: SocketAddr, batches:
             (baseline, owed_since) = (Some(computed), None);
             continue;
         }
-        let owed = SILENT_TOKENS_MIN.max(4.0 * routing.index.block_size() as f64);
+        let owed = SILENT_TOKENS_MIN.max(SILENT_BLOCKS_MIN * routing.index.block_size() as f64);
         if computed - base >= owed {
             let since = *owed_since.get_or_insert(scraped_at);
             if since.elapsed() >= SILENT_AFTER {
@@ -763,10 +768,10 @@ mod tests {
                 vec![],
                 vec![],
             ))),
-            backend,
-            "b".to_string(),
+            (backend, "b".to_string()),
             source,
             Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            true,
         ));
         let held = |tokens: u32| routing.index.lookup(&keys(tokens)).cached_tokens(backend) == 16;
         // The subscriber joins while the engine is at batch 1000: batches 1000.. are kept.

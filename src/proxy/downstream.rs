@@ -92,14 +92,17 @@ pub async fn forward(
     if end {
         // A stored response's note is shared before its answer ends (see `stored_responses`),
         // and learns the conversation's size.
-        let usage = ctx.usage();
-        let note = ctx.state.get_mut::<super::stored_responses::NoteHome>();
-        let sharing = note.and_then(|note| {
-            note.ended(usage);
-            note.take_sharing()
-        });
+        let sharing = ctx
+            .state
+            .get_mut::<super::stored_responses::NoteHome>()
+            .and_then(super::stored_responses::NoteHome::take_sharing);
         if let Some(sharing) = sharing {
             let _ = sharing.await;
+        }
+        // After the note is written: its size goes over it, never before it.
+        let usage = ctx.usage();
+        if let Some(note) = ctx.state.get_mut::<super::stored_responses::NoteHome>() {
+            note.ended(usage);
         }
     }
     session.write_response_body(data, end).await

@@ -67,8 +67,11 @@ pub async fn serve(
     let mut call = call;
     // The engine prefills the stored conversation with the new input: the follow-up is
     // admitted, balanced and charged as that, not as its few new tokens.
+    // The conversation's count is the engine's; the estimate is in the pool's estimated
+    // tokens, which it scales by its learned prompt scale (`Pool::prompt_tokens`).
     if let Some((_, _, conversation)) = &home {
-        call.demand.prompt_tokens = call.demand.prompt_tokens.saturating_add(*conversation);
+        let estimated = (*conversation as f64 / pool.prompt_scale()).round() as u64;
+        call.demand.prompt_tokens = call.demand.prompt_tokens.saturating_add(estimated);
     }
     // A conversation's session id, when its pool keeps sessions on one backend.
     let tenant = ctx.tenant().map(|t| &*t.name);

@@ -177,20 +177,16 @@ impl ResponseHomes {
         let Ok(modified) = std::fs::metadata(path).and_then(|m| m.modified()) else {
             return false;
         };
-        {
-            let Ok(mut read_at) = self.read_at.lock() else {
-                return false;
-            };
-            if *read_at == Some(modified) {
-                return false;
-            }
-            *read_at = Some(modified);
+        if self.read_at.lock().is_ok_and(|at| *at == Some(modified)) {
+            return false;
         }
+        // Read and parsed before the notes are locked, then taken in one go: once a handoff
+        // (twice an upgrade, on a lookup that missed).
         let Ok(text) = std::fs::read_to_string(path) else {
             return false;
         };
         let now = SystemTime::now();
-        let mut taken = 0usize;
+        let mut taken = Vec::new();
         for line in text.lines().take(CAPACITY) {
             let mut parts = line.splitn(6, ' ');
             let (Some(id), Some(pool), Some(backend), Some(expiry), Some(tokens), Some(tenant)) = (
@@ -213,7 +209,7 @@ impl ResponseHomes {
             let Ok(left) = (UNIX_EPOCH + Duration::from_secs(expiry)).duration_since(now) else {
                 continue; // Expired.
             };
-            if !is_id(id) || self.find_here(id).is_some() {
+            if !is_id(id) {
                 continue;
             }
             // Noted as long ago as its expiry says.
@@ -226,11 +222,22 @@ impl ResponseHomes {
                 tenant: (!tenant.is_empty()).then(|| Arc::from(tenant)),
                 tokens,
             };
-            self.note_at(id, home, at);
-            taken += 1;
+            taken.push((id, home, at));
+        }
+        let count = taken.len();
+        if let Ok(mut notes) = self.inner.lock() {
+            for (id, home, at) in taken {
+                // A note this process made stands.
+                if !notes.by_id.contains_key(id) {
+                    note_in(&mut notes, id, home, at);
+                }
+            }
+        }
+        if let Ok(mut read_at) = self.read_at.lock() {
+            *read_at = Some(modified);
         }
         tracing::info!(
-            "{taken} stored responses' notes taken over from {}",
+            "{count} stored responses' notes taken over from {}",
             path.display()
         );
         true
@@ -266,46 +273,7 @@ impl ResponseHomes {
         let Ok(mut notes) = self.inner.lock() else {
             return;
         };
-        let id: Box<str> = id.into();
-        // The first note of an id stands (an engine's ids are unique; one noted again for
-        // another tenant is a client's choosing).
-        match notes.by_id.get(&id) {
-            Some((noted, _)) if noted.tenant != home.tenant => return,
-            Some(_) => {
-                notes.by_id.insert(id, (home, at));
-            }
-            None => {
-                let tenant = home.tenant.clone();
-                notes.by_id.insert(id.clone(), (home, at));
-                notes.order.push_back(id.clone());
-                let Notes {
-                    by_id, by_tenant, ..
-                } = &mut *notes;
-                let own = by_tenant.entry(tenant.clone()).or_default();
-                own.push_back(id);
-                while own.len() > TENANT_SHARE {
-                    let Some(old) = own.pop_front() else { break };
-                    if by_id
-                        .get(&old)
-                        .is_some_and(|(noted, _)| noted.tenant == tenant)
-                    {
-                        by_id.remove(&old);
-                    }
-                }
-            }
-        }
-        while notes.by_id.len() > CAPACITY {
-            let Some(old) = notes.order.pop_front() else {
-                break;
-            };
-            notes.by_id.remove(&old);
-        }
-        // Ids whose note went with their tenant's share stay in the order until they come
-        // out: swept when they are as many as the notes (amortized, once in CAPACITY notes).
-        if notes.order.len() > 2 * CAPACITY {
-            let Notes { by_id, order, .. } = &mut *notes;
-            order.retain(|id| by_id.contains_key(id));
-        }
+        note_in(&mut notes, id, home, at);
     }
 
     /// The backend that made response `id`, if it is noted and the note is not too old:
@@ -372,6 +340,52 @@ impl ResponseHomes {
         let notes = self.inner.lock().ok()?;
         let (home, at) = notes.by_id.get(id)?;
         (at.elapsed() < self.ttl).then(|| home.clone())
+    }
+}
+
+/// Notes `home` for `id` as noted at `at`, in `notes`: the first note of an id stands, a
+/// tenant past its share loses its own oldest, the oldest go past the capacity.
+fn note_in(notes: &mut Notes, id: &str, home: Home, at: Instant) {
+    let id: Box<str> = id.into();
+
+    // The first note of an id stands (an engine's ids are unique; one noted again for
+    // another tenant is a client's choosing).
+    match notes.by_id.get(&id) {
+        Some((noted, _)) if noted.tenant != home.tenant => return,
+        Some(_) => {
+            notes.by_id.insert(id, (home, at));
+        }
+        None => {
+            let tenant = home.tenant.clone();
+            notes.by_id.insert(id.clone(), (home, at));
+            notes.order.push_back(id.clone());
+            let Notes {
+                by_id, by_tenant, ..
+            } = notes;
+            let own = by_tenant.entry(tenant.clone()).or_default();
+            own.push_back(id);
+            while own.len() > TENANT_SHARE {
+                let Some(old) = own.pop_front() else { break };
+                if by_id
+                    .get(&old)
+                    .is_some_and(|(noted, _)| noted.tenant == tenant)
+                {
+                    by_id.remove(&old);
+                }
+            }
+        }
+    }
+    while notes.by_id.len() > CAPACITY {
+        let Some(old) = notes.order.pop_front() else {
+            break;
+        };
+        notes.by_id.remove(&old);
+    }
+    // Ids whose note went with their tenant's share stay in the order until they come
+    // out: swept when they are as many as the notes (amortized, once in CAPACITY notes).
+    if notes.order.len() > 2 * CAPACITY {
+        let Notes { by_id, order, .. } = notes;
+        order.retain(|id| by_id.contains_key(id));
     }
 }
 

@@ -110,6 +110,10 @@ impl UpstreamPool {
             since: Instant::now(),
             timeout,
         };
+        // A pool of no places keeps nothing (`upstream_keepalive_pool_size: 0`).
+        if self.max_idle == 0 {
+            return;
+        }
         // What leaves the pool is closed (dropped) once the lock is let go.
         let _closed = {
             let mut idle = self.lock();

@@ -75,6 +75,13 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
 /// The engine's own count of the prompt teaches its pool how far the estimate is off (see
 /// `Pool::prompt_tokens`); only an upstream's answer does, not a replayed one.
 fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
+    // A follow-up's estimate holds its stored conversation's count, not an estimate of it.
+    let follow_up = ctx
+        .llm()
+        .is_some_and(|call| call.request.previous_response_id.is_some());
+    if follow_up {
+        return;
+    }
     if let (Some(pool), Some(call)) = (ctx.pool(), ctx.llm()) {
         pool.learn_prompt_tokens(call.demand.prompt_tokens, usage.prompt_tokens);
     }

@@ -31,8 +31,8 @@ pub struct UsageNames {
     /// object key: inside a string both quotes would be escaped, and the closing one would
     /// not follow the name.
     pub key: &'static str,
-    /// The counts whose sum is the prompt's tokens (those present: a usage object that has
-    /// none of them leaves the prompt as an earlier one said).
+    /// The counts whose sum is the prompt's tokens (at most 4), each as the last usage object
+    /// that has it says.
     pub prompt: &'static [&'static str],
     /// The count of generated tokens.
     pub completion: &'static str,
@@ -104,6 +104,10 @@ pub struct UsageScanner {
     /// The candidate object's bytes, from its `{`.
     object: Vec<u8>,
     found: Option<Usage>,
+    /// The last value each of the prompt's summands ([`UsageNames::prompt`]) had, merged
+    /// name by name over the usage objects: one that leaves a summand out keeps what an
+    /// earlier one said of it.
+    prompt_parts: [Option<u64>; 4],
     /// The prompt tokens the engine's prefix cache served, when the found usage says.
     cached_tokens: Option<u64>,
 }
@@ -353,12 +357,17 @@ impl UsageScanner {
             let names = self.names;
             let count = |name: &str| counts.get(name).and_then(serde_json::Value::as_u64);
             let before = self.found;
-            let prompt = names
-                .prompt
+            for (part, name) in self.prompt_parts.iter_mut().zip(names.prompt) {
+                if let Some(value) = count(name) {
+                    *part = Some(value);
+                }
+            }
+            let prompt = self
+                .prompt_parts
                 .iter()
-                .filter_map(|name| count(name))
-                .reduce(u64::saturating_add)
-                .or(before.map(|u| u.prompt_tokens));
+                .flatten()
+                .copied()
+                .reduce(u64::saturating_add);
             // An answer that generates nothing (embeddings) may leave the output out.
             let completion = count(names.completion).or(before.map(|u| u.completion_tokens));
             if let Some(prompt_tokens) = prompt {
@@ -681,6 +690,24 @@ mod tests {
 
     /// A family with a key and names of its own (Gemini's `usageMetadata`) is read by them,
     /// and another's `usage` is not.
+    /// The summands are merged name by name: `message_start` may say the whole prompt as
+    /// `input_tokens` before the cache's part is known, `message_delta` both.
+    #[test]
+    fn a_messages_prompt_is_merged_name_by_name() {
+        let body = concat!(
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":946,"output_tokens":0}}}"#,
+            "\n\n",
+            r#"{"type":"message_delta","usage":{"input_tokens":50,"cache_read_input_tokens":896,"output_tokens":2}}"#,
+            "\n\n",
+        );
+        let mut scanner = UsageScanner::at_most_nested(UsageNames::ANTHROPIC, 2);
+        scanner.feed(body.as_bytes());
+        assert_eq!(scanner.usage(), usage(946, 2));
+        let later = r#"{"type":"message_delta","usage":{"input_tokens":50,"output_tokens":3}}"#;
+        scanner.feed(later.as_bytes());
+        assert_eq!(scanner.usage(), usage(946, 3), "the cache's part is kept");
+    }
+
     #[test]
     fn a_familys_own_names_are_read() {
         const GEMINI: UsageNames = UsageNames {

@@ -225,6 +225,12 @@ impl Pool {
         // events' source are the same), its sessions, its prompt scale.
         if let (Some(mine), Some(theirs)) = (self.prefix(), old.prefix()) {
             if mine.same_index_as(&theirs) {
+                // Less the backends this generation no longer has (no subscriber follows
+                // them any more, nor removes them).
+                let now = self.members.load();
+                for gone in members_gone(&old.members(), &now) {
+                    theirs.index.remove(gone);
+                }
                 self.prefix.store(Some(theirs));
             }
         }
@@ -358,6 +364,15 @@ fn first_members(backends: Vec<BackendSpec>, seed: f64) -> Members {
         .collect();
     members::give_slots(&mut list);
     Members::new(list)
+}
+
+/// The addresses `before` has that `after` does not.
+fn members_gone(before: &Members, after: &Members) -> Vec<SocketAddr> {
+    before
+        .iter()
+        .map(|m| m.spec.resolved)
+        .filter(|addr| after.find(*addr).is_none())
+        .collect()
 }
 
 /// Keeps the state of the backends of `before` that `after` no longer has, for their return.
