@@ -26,19 +26,33 @@ impl KeeperService {
 
 #[async_trait]
 impl BackgroundService for KeeperService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut pools = self.pools.clone();
-        loop {
-            let mut tasks = tokio::task::JoinSet::new();
-            for pool in pools.borrow_and_update().iter() {
-                tasks.spawn(keep(Arc::clone(pool)));
-            }
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                changed = pools.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
+    async fn start(&self, shutdown: ShutdownWatch) {
+        per_pool(self.pools.clone(), shutdown, keep).await;
+    }
+}
+
+/// Runs `task` for every pool of the current generation, until the next generation replaces
+/// them (its own tasks then start) or the server shuts down: the shape of every per-pool
+/// background service (this keeper, the health checks).
+pub async fn per_pool<F, Fut>(
+    mut pools: tokio::sync::watch::Receiver<Arc<Pools>>,
+    mut shutdown: ShutdownWatch,
+    task: F,
+) where
+    F: Fn(Arc<Pool>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        // Dropped (its tasks aborted) when the generation changes.
+        let mut tasks = tokio::task::JoinSet::new();
+        for pool in pools.borrow_and_update().iter() {
+            tasks.spawn(task(Arc::clone(pool)));
+        }
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            changed = pools.changed() => {
+                if changed.is_err() {
+                    return;
                 }
             }
         }

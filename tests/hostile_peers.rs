@@ -272,60 +272,54 @@ async fn a_silent_publisher_is_dropped_and_its_blocks_forgotten() {
             .as_u64()
             .unwrap_or(0)
     };
-    let mut n = 0;
-    let prompt = |n: usize| {
-        chat(
-            MODEL,
-            &format!("{n}: {}", "a fresh prompt of many words ".repeat(30)),
-            false,
-        )
-    };
-    let followed = wait_for(Duration::from_secs(30), || {
-        n += 1;
-        let request = prompt(n);
-        let (proxy, blocks) = (&proxy, &blocks);
-        async move {
-            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
-            blocks().await > 0
-        }
+    let mut asked = 0;
+    let followed = asking_until(&proxy, &mut asked, Duration::from_secs(30), || async {
+        blocks().await > 0
     })
     .await;
-    assert!(
-        followed.is_some(),
-        "the index follows the events: {}",
-        proxy.logs()
-    );
+    assert!(followed, "the index follows the events: {}", proxy.logs());
 
     path.set_delay(Duration::from_secs(3600));
     // The engine computes prompts, and stores and publishes their blocks; nothing arrives.
-    let dropped = wait_for(Duration::from_secs(90), || {
-        n += 1;
-        let request = prompt(n);
-        let proxy = &proxy;
-        async move {
-            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
-            errors(&proxy.metrics().await, "silent") >= 1.0
-        }
+    let dropped = asking_until(&proxy, &mut asked, Duration::from_secs(90), || async {
+        errors(&proxy.metrics().await, "silent") >= 1.0
     })
     .await;
-    assert!(
-        dropped.is_some(),
-        "the silent publisher is dropped: {}",
-        proxy.logs()
-    );
+    assert!(dropped, "the silent publisher is dropped: {}", proxy.logs());
     assert_eq!(blocks().await, 0, "its blocks are forgotten");
 
     // The path comes back: followed again (new connections are relayed at once).
     path.set_delay(Duration::ZERO);
-    let again = wait_for(Duration::from_secs(60), || {
-        n += 1;
-        let request = prompt(n);
-        let (proxy, blocks) = (&proxy, &blocks);
-        async move {
-            assert_eq!(proxy.ask(&request, &[]).await.status, 200);
-            blocks().await > 0
-        }
+    let again = asking_until(&proxy, &mut asked, Duration::from_secs(60), || async {
+        blocks().await > 0
     })
     .await;
-    assert!(again.is_some(), "followed again: {}", proxy.logs());
+    assert!(again, "followed again: {}", proxy.logs());
+}
+
+/// Asks `proxy` fresh prompts (numbered on from `asked`), each answered 200, until `done`
+/// says so after one; whether it did within `within`.
+async fn asking_until<F, Fut>(
+    proxy: &Proxy,
+    asked: &mut usize,
+    within: Duration,
+    mut done: F,
+) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        *asked += 1;
+        let words = "a fresh prompt of many words ".repeat(30);
+        let request = chat(MODEL, &format!("{asked}: {words}"), false);
+        assert_eq!(proxy.ask(&request, &[]).await.status, 200);
+        if done().await {
+            return true;
+        }
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+    }
 }

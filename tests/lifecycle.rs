@@ -213,18 +213,7 @@ async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
         (ok, failed)
     });
 
-    let socket = proxy.config_file().with_file_name("upgrade.sock");
-    let mut old = proxy.take_child();
-    // The new process waits on the upgrade socket for the old one's listeners...
-    let new = proxy.spawn(&["-u"]);
-    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
-    assert!(
-        waiting.is_some(),
-        "the new process never waited for the listeners"
-    );
-    // ...which the old one sends when told to stop with SIGQUIT.
-    signal(old.id(), "QUIT");
-    proxy.set_child(new);
+    let mut old = upgrade(&mut proxy, None).await;
 
     let (ok, failed) = load.await.unwrap();
     assert!(
@@ -234,11 +223,7 @@ async fn an_upgrade_hands_over_the_listeners_without_refusing_anyone() {
         proxy.logs()
     );
     assert!(ok > 20, "only {ok} requests ran");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while old.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "the old process did not exit");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    old_exits(&mut old, &proxy).await;
     // The new process serves on the same address.
     let r = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -543,16 +528,7 @@ async fn upgrade_revoking_a_key(new_file: bool) {
         proxy.config_file().to_path_buf()
     };
     std::fs::write(&file, config.to_string()).unwrap();
-    let socket = proxy.config_file().with_file_name("upgrade.sock");
-    let mut old = proxy.take_child();
-    let new = proxy.spawn_with(&file, &["-u"]);
-    proxy.set_child(new);
-    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
-    assert!(
-        waiting.is_some(),
-        "the new process never waited for the listeners"
-    );
-    signal(old.id(), "QUIT");
+    let mut old = upgrade(&mut proxy, Some(&file)).await;
     let handed = wait_for(Duration::from_secs(10), || async {
         proxy.logs().contains("listeners handed to the new process")
             && proxy.logs().contains("config reloaded")
@@ -605,25 +581,8 @@ async fn an_upgrade_keeps_the_stored_responses_reachable() {
     assert_eq!(made.status(), 200);
     let made: serde_json::Value = made.json().await.unwrap();
 
-    let socket = proxy.config_file().with_file_name("upgrade.sock");
-    let mut old = proxy.take_child();
-    let new = proxy.spawn(&["-u"]);
-    proxy.set_child(new);
-    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
-    assert!(
-        waiting.is_some(),
-        "the new process never waited for the listeners"
-    );
-    signal(old.id(), "QUIT");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while old.try_wait().unwrap().is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the old process did not exit: {}",
-            proxy.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut old = upgrade(&mut proxy, None).await;
+    old_exits(&mut old, &proxy).await;
 
     let follow_up = client()
         .post(&url)
@@ -637,4 +596,37 @@ async fn an_upgrade_keeps_the_stored_responses_reachable() {
     let status = follow_up.status();
     let body = follow_up.text().await.unwrap();
     assert_eq!(status, 200, "{body}\n{}", proxy.logs());
+}
+
+/// Starts a new process with `-u` (on `file`, else the proxy's own config), waits until it
+/// waits on the upgrade socket for the listeners, and sends the old one `SIGQUIT`, which
+/// hands them over; the old process, now the caller's.
+async fn upgrade(proxy: &mut Proxy, file: Option<&std::path::Path>) -> std::process::Child {
+    let socket = proxy.config_file().with_file_name("upgrade.sock");
+    let old = proxy.take_child();
+    let new = match file {
+        Some(file) => proxy.spawn_with(file, &["-u"]),
+        None => proxy.spawn(&["-u"]),
+    };
+    proxy.set_child(new);
+    let waiting = wait_for(Duration::from_secs(10), || async { socket.exists() }).await;
+    assert!(
+        waiting.is_some(),
+        "the new process never waited for the listeners"
+    );
+    signal(old.id(), "QUIT");
+    old
+}
+
+/// Waits (15 s at most) for the old process of an upgrade to exit.
+async fn old_exits(old: &mut std::process::Child, proxy: &Proxy) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while old.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the old process did not exit: {}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -60,12 +60,16 @@ fn turn(conversation: usize, turns: usize) -> Value {
     json!({"model": MODEL, "messages": messages, "max_tokens": 4})
 }
 
+/// Each engine's chat requests so far.
+fn chat_counts(sims: &[Sim]) -> Vec<u64> {
+    sims.iter()
+        .map(|s| s.stats().count("/v1/chat/completions"))
+        .collect()
+}
+
 /// Which engine served the last request: the one whose count went up.
 fn served_by(sims: &[Sim], before: &[u64]) -> usize {
-    let now: Vec<u64> = sims
-        .iter()
-        .map(|s| s.stats().count("/v1/chat/completions"))
-        .collect();
+    let now = chat_counts(sims);
     let moved: Vec<usize> = (0..sims.len()).filter(|&i| now[i] > before[i]).collect();
     assert_eq!(
         moved.len(),
@@ -118,10 +122,7 @@ async fn each_turn_goes_where_its_history_is_cached() {
 
     let mut home = Vec::new();
     for conversation in 0..8 {
-        let before: Vec<u64> = sims
-            .iter()
-            .map(|s| s.stats().count("/v1/chat/completions"))
-            .collect();
+        let before = chat_counts(&sims);
         let answer = proxy.ask(&turn(conversation, 1), &[]).await;
         assert_eq!(answer.status, 200, "{}", answer.body);
         home.push(served_by(&sims, &before));
@@ -136,10 +137,7 @@ async fn each_turn_goes_where_its_history_is_cached() {
     .expect("the index holds what the engines hold");
     for turns in 2..5 {
         for (conversation, &home) in home.iter().enumerate() {
-            let before: Vec<u64> = sims
-                .iter()
-                .map(|s| s.stats().count("/v1/chat/completions"))
-                .collect();
+            let before = chat_counts(&sims);
             let answer = proxy.ask(&turn(conversation, turns), &[]).await;
             assert_eq!(answer.status, 200);
             assert_eq!(
@@ -214,10 +212,7 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
     })
     .await
     .expect("the index follows the engines' events");
-    let before: Vec<u64> = sims
-        .iter()
-        .map(|s| s.stats().count("/v1/chat/completions"))
-        .collect();
+    let before = chat_counts(&sims);
     assert_eq!(proxy.ask(&turn(1, 1), &a).await.status, 200);
     let home = served_by(&sims, &before);
     wait_for(Duration::from_secs(10), || async {
@@ -245,10 +240,7 @@ async fn a_tenant_is_never_credited_with_another_tenants_blocks() {
         "no block of tenant a's is credited to tenant b"
     );
     // Tenant a's next turn is credited, goes home, and is served from the cache.
-    let before: Vec<u64> = sims
-        .iter()
-        .map(|s| s.stats().count("/v1/chat/completions"))
-        .collect();
+    let before = chat_counts(&sims);
     let answer = proxy.ask(&turn(1, 2), &a).await;
     assert_eq!(served_by(&sims, &before), home);
     let body: Value = serde_json::from_str(&answer.body).unwrap();
@@ -439,10 +431,7 @@ async fn a_reload_keeps_what_the_pool_learned() {
     .expect("the index follows the engines' events");
     let mut home = Vec::new();
     for conversation in 0..4 {
-        let before: Vec<u64> = sims
-            .iter()
-            .map(|s| s.stats().count("/v1/chat/completions"))
-            .collect();
+        let before = chat_counts(&sims);
         let session = format!("session-{conversation}");
         let answer = proxy
             .ask(&turn(conversation, 1), &[("x-session-id", &session)])
@@ -484,15 +473,7 @@ async fn a_reload_keeps_what_the_pool_learned() {
     );
     assert_eq!(before.1, json!(4), "{before:?}");
 
-    signal(proxy.pid(), "HUP");
-    let reloaded = wait_for(Duration::from_secs(10), || async {
-        proxy
-            .metric(r#"sluice_config_reloads_total{result="ok"}"#)
-            .await
-            == Some(1.0)
-    })
-    .await;
-    assert!(reloaded.is_some(), "{}", proxy.logs());
+    proxy.reload().await;
     assert_eq!(
         learned().await,
         before,
@@ -500,10 +481,7 @@ async fn a_reload_keeps_what_the_pool_learned() {
     );
     // Each conversation's next turn goes home, its history credited there.
     for (conversation, &home) in home.iter().enumerate() {
-        let before: Vec<u64> = sims
-            .iter()
-            .map(|s| s.stats().count("/v1/chat/completions"))
-            .collect();
+        let before = chat_counts(&sims);
         let answer = proxy.ask(&turn(conversation, 2), &[]).await;
         assert_eq!(answer.status, 200);
         assert_eq!(

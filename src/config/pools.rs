@@ -412,12 +412,20 @@ struct Resolved {
 /// in the log). A thread still in `getaddrinfo` then ends with the resolver's own timeout.
 fn resolve_all(hosts: &[(String, u16)], bound: Duration) -> Vec<Option<std::net::SocketAddr>> {
     use std::net::ToSocketAddrs;
-    type Answer = std::io::Result<Option<std::net::SocketAddr>>;
-    let asked: Vec<Result<std::net::SocketAddr, Option<std::sync::mpsc::Receiver<Answer>>>> = hosts
+    /// Where a host's address stands.
+    enum Asked {
+        /// An IP literal.
+        Known(std::net::SocketAddr),
+        /// A name, asked on a thread that answers here.
+        Waiting(std::sync::mpsc::Receiver<std::io::Result<Option<std::net::SocketAddr>>>),
+        /// A name no thread could be started for.
+        Unasked,
+    }
+    let asked: Vec<Asked> = hosts
         .iter()
         .map(|(host, port)| {
             if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-                return Ok(std::net::SocketAddr::new(ip, *port));
+                return Asked::Known(std::net::SocketAddr::new(ip, *port));
             }
             let (tx, rx) = std::sync::mpsc::channel();
             let (name, port) = (host.clone(), *port);
@@ -431,10 +439,10 @@ fn resolve_all(hosts: &[(String, u16)], bound: Duration) -> Vec<Option<std::net:
                     );
                 });
             match spawned {
-                Ok(_) => Err(Some(rx)),
+                Ok(_) => Asked::Waiting(rx),
                 Err(e) => {
                     tracing::warn!("cannot start a thread to resolve {host}: {e}");
-                    Err(None)
+                    Asked::Unasked
                 }
             }
         })
@@ -445,9 +453,9 @@ fn resolve_all(hosts: &[(String, u16)], bound: Duration) -> Vec<Option<std::net:
         .zip(hosts)
         .map(|(asked, (host, port))| {
             let rx = match asked {
-                Ok(addr) => return Some(addr),
-                Err(None) => return None,
-                Err(Some(rx)) => rx,
+                Asked::Known(addr) => return Some(addr),
+                Asked::Unasked => return None,
+                Asked::Waiting(rx) => rx,
             };
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let why = match rx.recv_timeout(left) {

@@ -135,7 +135,8 @@ impl Subscriber {
                 ranks.spawn(follow(
                     Arc::clone(&self.routing),
                     Arc::clone(&self.pool),
-                    (self.addr, self.label.clone()),
+                    self.addr,
+                    self.label.clone(),
                     source,
                     Arc::clone(&said_unreachable),
                     judge_silence,
@@ -245,13 +246,16 @@ fn on_backend(endpoint: &str, backend: IpAddr) -> Option<String> {
 async fn follow(
     routing: Arc<PrefixRouting>,
     backends: Arc<Pool>,
-    (addr, label): (SocketAddr, String),
+    addr: SocketAddr,
+    label: String,
     source: Source,
     said_unreachable: Arc<std::sync::atomic::AtomicBool>,
     judge_silence: bool,
 ) {
     let pool = &*backends.name;
-    let mut next: u64 = 0;
+    // The batch expected next, across connections; it moves with every batch, which is
+    // what the silence check watches.
+    let next = AtomicU64::new(0);
     let mut pause = RECONNECT;
     let mut said_following = false;
     loop {
@@ -267,14 +271,13 @@ async fn follow(
                     );
                     said_following = true;
                 }
-                let before = next;
-                let batches = AtomicU64::new(0);
+                let before = next.load(Relaxed);
                 let error = match sub.subscribe(source.topic.as_bytes()).await {
                     Ok(()) => tokio::select! {
                         error = subscribed(
-                            &mut sub, &routing, pool, &label, addr, &source, &mut next, &batches,
+                            &mut sub, &routing, pool, &label, addr, &source, &next,
                         ) => Some(error),
-                        () = silent(&backends, &routing, addr, &batches), if judge_silence => None,
+                        () = silent(&backends, &routing, addr, &next), if judge_silence => None,
                     },
                     Err(error) => Some(error),
                 };
@@ -284,11 +287,14 @@ async fn follow(
                     Some(zmtp::Error::Protocol(_)) => "protocol",
                     Some(_) => "closed",
                 };
-                metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, &label, reason]);
                 if error.is_none() {
-                    // What it published may have been evicted since: forgotten, not trusted.
+                    // What it published may have been evicted since: forgotten, not trusted
+                    // (before the drop is counted, so that whoever sees the count sees it).
                     routing.index.clear(addr);
                     publish_blocks(&routing, pool, &label, addr);
+                }
+                metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, &label, reason]);
+                if error.is_none() {
                     tracing::warn!(
                         pool,
                         backend = &label,
@@ -307,7 +313,7 @@ async fn follow(
                         "dropped the KV event publisher's connection"
                     );
                 }
-                if next != before {
+                if next.load(Relaxed) != before {
                     pause = RECONNECT;
                 }
             }
@@ -332,8 +338,7 @@ async fn follow(
     }
 }
 
-/// Applies one connection's batches until it ends, counting them in `batches`; why it ended.
-#[allow(clippy::too_many_arguments)]
+/// Applies one connection's batches until it ends, moving `next` on with each; why it ended.
 async fn subscribed(
     sub: &mut Connection,
     routing: &PrefixRouting,
@@ -341,8 +346,7 @@ async fn subscribed(
     label: &str,
     addr: SocketAddr,
     source: &Source,
-    next: &mut u64,
-    batches: &AtomicU64,
+    next: &AtomicU64,
 ) -> zmtp::Error {
     loop {
         let frames = match sub.recv().await {
@@ -357,27 +361,27 @@ async fn subscribed(
         let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
             continue;
         };
-        if seq != *next {
-            catch_up(routing, pool, label, addr, source, *next, seq).await;
+        let expected = next.load(Relaxed);
+        if seq != expected {
+            catch_up(routing, pool, label, addr, source, expected, seq).await;
         }
         apply(routing, pool, label, addr, payload);
-        batches.fetch_add(1, Relaxed);
-        *next = seq.saturating_add(1);
+        next.store(seq.saturating_add(1), Relaxed);
     }
 }
 
-/// Returns once the publisher has gone silent: a scrape taken after its last batch, then one
-/// showing the engine computed enough prompt tokens since, and still no batch
-/// [`SILENT_AFTER`] later. Never returns for a backend whose `/metrics` does not say.
-async fn silent(pool: &Pool, routing: &PrefixRouting, addr: SocketAddr, batches: &AtomicU64) {
-    let mut seen = batches.load(Relaxed);
+/// Returns once the publisher has gone silent: a scrape taken after its last batch (`next`
+/// last moved), then one showing the engine computed enough prompt tokens since, and still
+/// no batch [`SILENT_AFTER`] later. Never returns for a backend whose `/metrics` does not say.
+async fn silent(pool: &Pool, routing: &PrefixRouting, addr: SocketAddr, next: &AtomicU64) {
+    let mut seen = next.load(Relaxed);
     let mut last_batch = Instant::now();
     // What the engine had computed by the first scrape after the last batch.
     let mut baseline: Option<f64> = None;
     let mut owed_since: Option<Instant> = None;
     loop {
         tokio::time::sleep(LIVENESS_CHECK).await;
-        let now_seen = batches.load(Relaxed);
+        let now_seen = next.load(Relaxed);
         if now_seen != seen {
             (seen, last_batch, baseline, owed_since) = (now_seen, Instant::now(), None, None);
             continue;
@@ -768,7 +772,8 @@ mod tests {
                 vec![],
                 vec![],
             ))),
-            (backend, "b".to_string()),
+            backend,
+            "b".to_string(),
             source,
             Arc::new(std::sync::atomic::AtomicBool::new(false)),
             true,

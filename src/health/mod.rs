@@ -62,34 +62,12 @@ impl HealthService {
 
 #[async_trait]
 impl BackgroundService for HealthService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut pools = self.pools.clone();
-        loop {
-            let mut tasks = self.check(&pools.borrow_and_update());
-            tokio::select! {
-                _ = shutdown.changed() => {
-                    tasks.abort_all();
-                    return;
-                }
-                changed = pools.changed() => {
-                    tasks.abort_all();
-                    if changed.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    }
-}
-
-impl HealthService {
-    /// Starts a follower for every pool of `pools`.
-    fn check(&self, pools: &Pools) -> tokio::task::JoinSet<()> {
-        let mut tasks = tokio::task::JoinSet::new();
-        for pool in pools.iter() {
-            tasks.spawn(follow(Arc::clone(pool), Arc::clone(&self.connector)));
-        }
-        tasks
+    async fn start(&self, shutdown: ShutdownWatch) {
+        let connector = &self.connector;
+        crate::keeper::per_pool(self.pools.clone(), shutdown, |pool| {
+            follow(pool, Arc::clone(connector))
+        })
+        .await;
     }
 }
 

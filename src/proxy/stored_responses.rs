@@ -596,11 +596,16 @@ mod tests {
         assert_eq!(new.find("resp_c").await, None);
         // The old process answers on while the new one runs, then hands over again.
         old.remember_here("resp_c", home(Some("t2")));
-        // A file's time may not move within the same tick: read again when it changed.
+        // Read again when its time changed (set ahead: a coarse clock may not move between
+        // the two writes).
         let before = std::fs::metadata(&file).unwrap().modified().unwrap();
-        while std::fs::metadata(&file).unwrap().modified().unwrap() == before {
-            old.hand_over();
-        }
+        old.hand_over();
+        std::fs::File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(before + Duration::from_secs(1))
+            .unwrap();
         assert_eq!(new.find("resp_c").await, Some(home(Some("t2"))));
         // Lines that are not notes, and expired notes, are passed over.
         std::fs::write(

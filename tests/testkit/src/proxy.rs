@@ -264,6 +264,19 @@ impl Proxy {
         metric_value(&self.metrics().await, series)
     }
 
+    /// Sends `SIGHUP` and waits until the reload is taken (`sluice_config_reloads_total{result="ok"}`
+    /// one higher); panics with the logs when it is not within 20 s.
+    pub async fn reload(&self) {
+        const OK: &str = r#"sluice_config_reloads_total{result="ok"}"#;
+        let before = self.metric(OK).await.unwrap_or(0.0);
+        signal(self.pid(), "HUP");
+        let taken = wait_for(Duration::from_secs(20), || async {
+            self.metric(OK).await.unwrap_or(0.0) > before
+        })
+        .await;
+        assert!(taken.is_some(), "the reload was not taken: {}", self.logs());
+    }
+
     /// The value of one series once it is `want`, or its last value after 5 s: what a request
     /// counts when it ends (its logging hook) is counted just after the client has its answer.
     pub async fn metric_once(&self, series: &str, want: f64) -> Option<f64> {
