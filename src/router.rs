@@ -15,7 +15,7 @@
 
 use crate::config::RouteRule;
 use pingora_http::RequestHeader;
-use sluice_sdk::{Endpoint, Route};
+use sluice_sdk::{Endpoint, Route, RouteMatch};
 
 pub struct Router {
     /// Sorted so that the first match is the best: host-specific first, then longest prefix.
@@ -24,7 +24,7 @@ pub struct Router {
 
 /// The decision, with the rule for plain routes.
 pub enum Decision<'a> {
-    Llm(Endpoint),
+    Llm(Endpoint, RouteMatch),
     Models,
     /// `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`: the id.
     StoredResponse(String),
@@ -39,7 +39,7 @@ pub enum Decision<'a> {
 impl Decision<'_> {
     pub fn route(&self) -> Route {
         match self {
-            Decision::Llm(e) => Route::Llm(*e),
+            Decision::Llm(e, _) => Route::Llm(*e),
             Decision::Models => Route::Models,
             Decision::StoredResponse(_) => Route::StoredResponse,
             Decision::Plain(rule) => Route::Plain(rule.name.clone()),
@@ -86,9 +86,9 @@ impl Router {
         // its chat endpoint unmetered.
         let normalized = unreserved_decoded(req.uri.path());
         let path = normalized.as_ref();
-        if let Some(endpoint) = Endpoint::from_path(path) {
+        if let Some((endpoint, found)) = Endpoint::route(path) {
             return if req.method == http::Method::POST {
-                Decision::Llm(endpoint)
+                Decision::Llm(endpoint, found)
             } else {
                 Decision::MethodNotAllowed("POST")
             };
@@ -201,7 +201,10 @@ mod tests {
         ] {
             let req = RequestHeader::build("POST", path.as_bytes(), None).unwrap();
             assert!(
-                matches!(router.route(&req), Decision::Llm(Endpoint::ChatCompletions)),
+                matches!(
+                    router.route(&req),
+                    Decision::Llm(Endpoint::ChatCompletions, _)
+                ),
                 "{path}"
             );
         }
@@ -210,7 +213,7 @@ mod tests {
         let req = RequestHeader::build("POST", b"/v1/chat%2Fcompletions", None).unwrap();
         assert!(matches!(
             router.route(&req),
-            Decision::Llm(Endpoint::ChatCompletions)
+            Decision::Llm(Endpoint::ChatCompletions, _)
         ));
         for path in [
             "/v1/chat/completions/batch",
@@ -255,7 +258,7 @@ mod tests {
 
     fn name(d: Decision<'_>) -> String {
         match d {
-            Decision::Llm(e) => format!("llm:{}", e.label()),
+            Decision::Llm(e, _) => format!("llm:{}", e.label()),
             Decision::Models => "models".into(),
             Decision::StoredResponse(id) => format!("stored:{id}"),
             Decision::Plain(r) => r.name.to_string(),

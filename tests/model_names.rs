@@ -55,7 +55,11 @@ fn models_answered(a: &Answer) -> Vec<String> {
             .map(|d| model(d))
             .collect();
         let least = if a.x_cache == "HIT" { 1 } else { 3 };
-        assert!(chunks.len() >= least, "a stream of a few chunks: {}", a.body);
+        assert!(
+            chunks.len() >= least,
+            "a stream of a few chunks: {}",
+            a.body
+        );
         chunks
     } else {
         vec![model(&a.body)]

@@ -31,7 +31,7 @@ use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
 use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
-    RequestCtx, RetryOn, Selected,
+    RequestCtx, RetryOn, RouteMatch, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,13 +44,16 @@ pub async fn serve(
     session: &mut Session,
     ctx: &mut RequestCtx,
     endpoint: Endpoint,
+    found: RouteMatch,
 ) -> Result<()> {
     // The body's memory is held until the request has been served.
     let (body, _held) = body::read_whole(session, &sluice.limits, &sluice.memory).await?;
-    let call = body_work(body.len(), move || LlmCall::parse(endpoint, body))
-        .await
-        .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
-        .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
+    let call = body_work(body.len(), move || {
+        LlmCall::parse_routed(endpoint, found, body)
+    })
+    .await
+    .ok_or_else(|| ErrorReply::internal("The request could not be parsed.").into_error())?
+    .map_err(|invalid| ErrorReply::bad_request(invalid).into_error())?;
     // A stored response's follow-up goes where the response was made, and nowhere else.
     // Looked up before the plugins' request hooks (the tenants' limits among them): the
     // follow-up is admitted with its conversation's size, which the note holds. The caller
@@ -405,8 +408,20 @@ impl AttemptLoop {
             .and_then(|e| e.upstream_body.clone())
             .or_else(|| ctx.upstream_body().cloned())
             .unwrap_or_else(|| self.client_body.clone());
-        let body = self.for_upstream(ctx, pool, body);
+        // A family that names the model in the path gets the pool's name there, and its
+        // body is left as it is.
+        let path = pool
+            .served_model_for(ctx.model())
+            .filter(|served| served.changes(ctx.model()))
+            .zip(ctx.llm())
+            .and_then(|(served, call)| {
+                (call.endpoint.family()).path_with_model(&call.route, served.name())
+            });
+        let body = self.for_upstream(ctx, pool, body, path.is_none());
         let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
+        if let Some(path) = path {
+            with_path(&mut header, &path)?;
+        }
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -455,13 +470,19 @@ impl AttemptLoop {
     }
 
     /// `body` as `pool` gets it: with the pool's served model name when it is not the
-    /// client's, a stream's usage asked for when a plugin wants it, the tenant's
-    /// `cache_salt` and the engine's controls reset as the pool's `client_fields` say (as it
-    /// is when nothing applies or it cannot be changed).
-    fn for_upstream(&mut self, ctx: &RequestCtx, pool: &Pool, body: Bytes) -> Bytes {
+    /// client's (and `model_in_body`), a stream's usage asked for when a plugin wants it, the
+    /// tenant's `cache_salt` and the engine's controls reset as the pool's `client_fields`
+    /// say (as it is when nothing applies or it cannot be changed).
+    fn for_upstream(
+        &mut self,
+        ctx: &RequestCtx,
+        pool: &Pool,
+        body: Bytes,
+        model_in_body: bool,
+    ) -> Bytes {
         let model = pool
             .served_model_for(ctx.model())
-            .filter(|served| served.changes(ctx.model()))
+            .filter(|served| model_in_body && served.changes(ctx.model()))
             .map(ServedModel::json);
         let ask_usage = usage::usage_kept_from_client(ctx);
         let fields = pool.settings.client_fields;
@@ -759,6 +780,21 @@ fn upstream_header(
     Ok(header)
 }
 
+/// `header` with its path replaced by `path`, the client's query kept (a stream flag may be
+/// there: Gemini's `?alt=sse`).
+fn with_path(header: &mut RequestHeader, path: &str) -> Result<()> {
+    let uri = match header.uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.to_string(),
+    };
+    let uri = http::Uri::try_from(uri).map_err(|e| {
+        ErrorReply::internal(format!("The pool's served model name makes no path: {e}"))
+            .into_error()
+    })?;
+    header.set_uri(uri);
+    Ok(())
+}
+
 /// Whether `a` and `b` are the same buffer (a clone shares it): compared by address, not
 /// byte by byte.
 fn same_buffer(a: &Bytes, b: &Bytes) -> bool {
@@ -768,6 +804,22 @@ fn same_buffer(a: &Bytes, b: &Bytes) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_with_the_model_keeps_the_clients_query() {
+        let mut header = RequestHeader::build(
+            "POST",
+            b"/v1beta/models/public:streamGenerateContent?alt=sse",
+            None,
+        )
+        .unwrap();
+        with_path(&mut header, "/v1beta/models/served:streamGenerateContent").unwrap();
+        assert_eq!(
+            header.uri.to_string(),
+            "/v1beta/models/served:streamGenerateContent?alt=sse"
+        );
+        assert!(with_path(&mut header, "/a b").is_err());
+    }
 
     #[test]
     fn upstream_header_drops_hop_by_hop_and_sets_the_length() {

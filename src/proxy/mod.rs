@@ -153,9 +153,9 @@ impl ProxyHttp for Proxy {
             req: ctx, plain, ..
         } = ctx;
         match decision {
-            Decision::Llm(endpoint) => {
+            Decision::Llm(endpoint, found) => {
                 let span = ctx.span().clone();
-                llm_route::serve(&this, session, ctx, endpoint)
+                llm_route::serve(&this, session, ctx, endpoint, found)
                     .instrument(span)
                     .await?;
                 Ok(true)

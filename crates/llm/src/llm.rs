@@ -16,6 +16,7 @@
 //! bytes when a plugin asks, one at a time. A request costs its body and a few hundred bytes,
 //! whatever its shape: an 8 MiB `"prompt": [1, 1, ...]` is counted, not collected.
 
+use crate::family::RouteMatch;
 use crate::raw_json::{self, KeyIndex, Unescaped};
 use bytes::Bytes;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -24,41 +25,7 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
 
-/// The LLM routes: each is an API family's id (see [`crate::family`], where a family is
-/// registered, and [`Endpoint::family`]). Kept in cache entries under these names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Endpoint {
-    /// `POST /v1/chat/completions`
-    #[serde(rename = "chat")]
-    ChatCompletions,
-    /// `POST /v1/completions`
-    #[serde(rename = "completion")]
-    Completions,
-    /// `POST /v1/messages` (Anthropic's Messages API).
-    #[serde(rename = "messages")]
-    Messages,
-    /// `POST /v1/responses` (OpenAI's Responses API).
-    #[serde(rename = "responses")]
-    Responses,
-    /// `POST /v1/messages/count_tokens`: no generation.
-    #[serde(rename = "count_tokens")]
-    CountTokens,
-    /// `POST /tokenize`: no generation.
-    #[serde(rename = "tokenize")]
-    Tokenize,
-    /// `POST /detokenize`: no generation.
-    #[serde(rename = "detokenize")]
-    Detokenize,
-    /// `POST /v1/embeddings`: a pooling model's answer, no generation.
-    #[serde(rename = "embeddings")]
-    Embeddings,
-    /// `POST /v1/rerank`: a pooling model's answer, no generation.
-    #[serde(rename = "rerank")]
-    Rerank,
-    /// `POST /v1/score`: a pooling model's answer, no generation.
-    #[serde(rename = "score")]
-    Score,
-}
+pub use crate::family::Endpoint;
 
 /// The top-level members whose place in the body the parse notes ([`LlmRequest::seen`]):
 /// those an upstream body's edit may change ([`crate::model_name::EDITED_MEMBERS`]), and
@@ -97,6 +64,8 @@ const fn concat<const A: usize, const B: usize, const C: usize>(
 pub struct LlmCall {
     /// The endpoint the request came to.
     pub endpoint: Endpoint,
+    /// What its path said (the model and stream flag, for a family that puts them there).
+    pub route: RouteMatch,
     /// The body as received: forwarded to upstreams unchanged. Cloning is a reference count.
     pub body: Bytes,
     /// The typed fields, parsed from `body`.
@@ -116,31 +85,65 @@ pub struct InvalidRequest {
 }
 
 impl LlmCall {
-    /// Parses and validates `body` for `endpoint`, as its family reads it.
+    /// Parses and validates `body` for `endpoint`, as its family reads it, for a family
+    /// served at one fixed path (whose path says nothing more).
     pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Self, InvalidRequest> {
-        endpoint.family().parse(endpoint, body)
+        Self::parse_routed(endpoint, RouteMatch::default(), body)
     }
 
-    /// A family's parse: the request model, and the demand with the family's output default
-    /// (`default_max_tokens`) for a request that sets no limit.
-    pub(crate) fn parse_request(
+    /// Parses and validates `body` for `endpoint`, as its family reads it with what the
+    /// path said (`route`).
+    pub fn parse_routed(
         endpoint: Endpoint,
+        route: RouteMatch,
         body: Bytes,
+    ) -> Result<Self, InvalidRequest> {
+        endpoint.family().parse(endpoint, route, body)
+    }
+
+    /// A family's parse through the shared reader of OpenAI-shaped members
+    /// ([`LlmRequest::read`] in `dialect`, whose checks are the family's): the request
+    /// model, and the demand with the family's output default (`default_max_tokens`) for a
+    /// request that sets no limit.
+    pub(crate) fn read_request(
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+        dialect: Dialect,
         default_max_tokens: Option<u32>,
     ) -> Result<Self, InvalidRequest> {
-        let request = LlmRequest::parse_shared(endpoint, &body)?;
+        let request = LlmRequest::read(&body, dialect)?;
+        Ok(Self::from_parts(
+            endpoint,
+            route,
+            body,
+            request,
+            default_max_tokens,
+        ))
+    }
+
+    /// A call from a request a family read itself: the demand estimated, with the family's
+    /// output default (`default_max_tokens`) for a request that sets no limit.
+    pub fn from_parts(
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+        request: LlmRequest,
+        default_max_tokens: Option<u32>,
+    ) -> Self {
         let mut demand = request.demand(None);
         if let (Some(default), None) = (default_max_tokens, request.max_tokens) {
             // The engine's own default: an answer of at most that many tokens, not the
             // context.
             demand.output_tokens = u64::from(default);
         }
-        Ok(Self {
+        Self {
             endpoint,
+            route,
             body,
             demand,
             request,
-        })
+        }
     }
 
     /// The same request with an output budget of at most `ceiling` tokens per sequence, as if
@@ -158,10 +161,11 @@ impl LlmCall {
         if budget.is_some_and(|asked| asked <= ceiling) {
             return None;
         }
-        let key = self.endpoint.family().budget_key(&self.request);
-        let spliced = crate::raw_json::set_member(&self.body, key, ceiling.to_string().as_bytes());
+        let spliced = (self.endpoint.family()).with_budget(&self.request, &self.body, ceiling);
         Some(match spliced {
-            Some(body) => LlmCall::parse(self.endpoint, Bytes::from(body)),
+            Some(body) => {
+                LlmCall::parse_routed(self.endpoint, self.route.clone(), Bytes::from(body))
+            }
             None => Err(InvalidRequest {
                 message: "The request body is not a JSON object.".into(),
                 param: None,
@@ -806,19 +810,36 @@ const TOKENS_PER_MESSAGE: usize = 4;
 /// The most choices (`n`, `best_of`) one request may ask for, as OpenAI's API allows.
 pub const MAX_CHOICES: u32 = 128;
 
+/// Which members of the OpenAI-shaped reader ([`LlmRequest::read`]) a family reads besides
+/// the common ones (`model`, `messages`, `prompt`, `stream`, the sampling parameters, ...);
+/// another family's members are passed over as unknown ones are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Dialect {
+    /// Anthropic's Messages: `system` and `stop_sequences`.
+    pub anthropic: bool,
+    /// OpenAI's Responses: `input`, `instructions`, `max_output_tokens` (for `max_tokens`),
+    /// `previous_response_id`, `store` and `background`.
+    pub responses: bool,
+    /// `input`, as what to embed.
+    pub embeddings_input: bool,
+    /// `max_completion_tokens` stands for the budget: only chat reads it (elsewhere vLLM
+    /// ignores it, so it must not stand for a ceiling or an estimate either).
+    pub max_completion_tokens: bool,
+}
+
 impl LlmRequest {
-    /// Parses a body for `endpoint`. Errors name the parameter, as OpenAI's `param` does.
-    ///
-    /// The parsed request's texts are slices of a copy of `body`: the core parses the body it
-    /// holds with [`LlmRequest::parse_shared`], which copies nothing.
-    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, InvalidRequest> {
-        Self::parse_shared(endpoint, &Bytes::copy_from_slice(body))
+    /// Parses a body for `endpoint` as its family does (with an empty route). Errors name
+    /// the parameter, as OpenAI's `param` does.
+    #[cfg(test)]
+    pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, InvalidRequest> {
+        LlmCall::parse(endpoint, Bytes::copy_from_slice(body)).map(|call| call.request)
     }
 
-    /// Parses a body for `endpoint`, keeping slices of `body` (reference counts) for its
-    /// texts, messages, prompts and other JSON. Errors name the parameter, as OpenAI's `param`
-    /// does.
-    pub fn parse_shared(endpoint: Endpoint, body: &Bytes) -> Result<Self, InvalidRequest> {
+    /// Reads a body's OpenAI-shaped members, as `dialect` says, keeping slices of `body`
+    /// (reference counts) for its texts, messages, prompts and other JSON. Checks only the
+    /// members' types: each family checks what it requires ([`LlmRequest::require`],
+    /// [`LlmRequest::check_sampling`]). Errors name the parameter, as OpenAI's `param` does.
+    pub fn read(body: &Bytes, dialect: Dialect) -> Result<Self, InvalidRequest> {
         let Ok(text) = std::str::from_utf8(body) else {
             return Err(invalid("The request body is not valid UTF-8.", None));
         };
@@ -831,7 +852,7 @@ impl LlmRequest {
         let mut track = serde_path_to_error::Track::new();
         let parsed = RequestSeed {
             shared: body,
-            endpoint,
+            dialect,
         }
         .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
         let (mut request, messages) = parsed.map_err(|inner| {
@@ -851,50 +872,40 @@ impl LlmRequest {
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
         request.messages = messages.map(|counted| counted.into_messages(body));
-        if endpoint != Endpoint::ChatCompletions {
-            // Only chat reads `max_completion_tokens`: elsewhere vLLM ignores it, so it must
-            // not stand for the budget (a ceiling, an estimate) either.
+        if !dialect.max_completion_tokens {
             request.max_completion_tokens = None;
         }
-        request.validate(endpoint)?;
         Ok(request)
     }
 
-    fn validate(&self, endpoint: Endpoint) -> Result<(), InvalidRequest> {
-        match endpoint {
-            Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::CountTokens => {
-                match &self.messages {
-                    None => return Err(missing("messages")),
-                    Some(m) if m.is_empty() => {
-                        return Err(invalid(
-                            "'messages' must contain at least one message.",
-                            Some("messages".into()),
-                        ))
-                    }
-                    Some(_) => {}
+    /// Refuses a request without `member` (a present but empty `messages` too), as OpenAI
+    /// words it.
+    pub fn require(&self, member: &str) -> Result<(), InvalidRequest> {
+        let present = match member {
+            "messages" => match &self.messages {
+                Some(m) if m.is_empty() => {
+                    return Err(invalid(
+                        "'messages' must contain at least one message.",
+                        Some("messages".into()),
+                    ))
                 }
-                // Anthropic's API has no default budget: vLLM refuses a request without one.
-                if endpoint == Endpoint::Messages && self.max_tokens.is_none() {
-                    return Err(missing("max_tokens"));
-                }
-            }
-            Endpoint::Completions => {
-                if self.prompt.is_none() {
-                    return Err(missing("prompt"));
-                }
-            }
-            Endpoint::Responses => {
-                if self.input.is_none() {
-                    return Err(missing("input"));
-                }
-            }
-            // Read for their model only: the engine checks the rest.
-            Endpoint::Tokenize
-            | Endpoint::Detokenize
-            | Endpoint::Embeddings
-            | Endpoint::Rerank
-            | Endpoint::Score => return Ok(()),
+                m => m.is_some(),
+            },
+            "prompt" => self.prompt.is_some(),
+            "input" => self.input.is_some(),
+            "max_tokens" => self.max_tokens.is_some(),
+            _ => true,
+        };
+        if present {
+            Ok(())
+        } else {
+            Err(missing(member))
         }
+    }
+
+    /// The checks of the sampling members every generating family shares: `n` and `best_of`
+    /// within bounds, a budget of at least one token, `temperature` and `top_p` in range.
+    pub fn check_sampling(&self) -> Result<(), InvalidRequest> {
         if self.n == Some(0) {
             return Err(invalid("'n' must be at least 1.", Some("n".into())));
         }
@@ -1313,6 +1324,22 @@ fn prompt(shared: &Bytes, raw: &RawValue) -> Result<Prompt, Mismatch> {
 
 /// A Responses (or embeddings) `input`: a string, or a list counted by its JSON's length
 /// (items are messages, tool calls and their outputs, whose text is all the prompt's).
+impl Input {
+    /// The input whose JSON is `json` (a text, or a list of items with its estimate), as
+    /// slices of `shared` when it is one: for a family that reads its own members.
+    pub fn from_json(shared: &Bytes, json: &RawValue) -> Option<Input> {
+        input(shared, json).ok()
+    }
+}
+
+impl Content {
+    /// The content whose JSON is `json` (a text, or parts with their texts' length), as
+    /// slices of `shared` when it is one: for a family that reads its own members.
+    pub fn from_json(shared: &Bytes, json: &RawValue) -> Option<Content> {
+        content(shared, json).ok()
+    }
+}
+
 fn input(shared: &Bytes, raw: &RawValue) -> Result<Input, Mismatch> {
     let json = raw.get();
     match json.as_bytes().first() {
@@ -1526,7 +1553,7 @@ fn first_time<E: de::Error>(
 struct RequestSeed<'b> {
     shared: &'b Bytes,
     /// Whose fields are read: another family's are passed over as unknown ones are.
-    endpoint: Endpoint,
+    dialect: Dialect,
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
@@ -1552,11 +1579,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         };
         let mut messages = None;
         let mut seen = 0u64;
-        let endpoint = self.endpoint;
-        let (messages_api, responses_api) = (
-            matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens),
-            endpoint == Endpoint::Responses,
-        );
+        let (messages_api, responses_api) = (self.dialect.anthropic, self.dialect.responses);
         while let Some((field, key_end)) = map.next_key_seed(KeyIndex::located(FIELDS, shared))? {
             let name = field
                 .and_then(|i| FIELDS.get(i))
@@ -1607,7 +1630,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
                 "stop_sequences" if messages_api => {
                     r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?
                 }
-                "input" if responses_api || endpoint == Endpoint::Embeddings => {
+                "input" if responses_api || self.dialect.embeddings_input => {
                     r.input = map.next_value_seed(nullable(|v| input(shared, v)))?
                 }
                 "instructions" if responses_api => {
@@ -1992,7 +2015,7 @@ mod tests {
         } else {
             Endpoint::ChatCompletions
         };
-        let r = LlmRequest::parse_shared(endpoint, &body).unwrap();
+        let r = LlmCall::parse(endpoint, body.clone()).unwrap().request;
         (body, r)
     }
 

@@ -263,6 +263,11 @@ impl Cache {
                 tier.as_bytes().to_vec(),
             ));
         }
+        // A model named in the path (not the body) chooses the answer as the body's does. No
+        // header is named with a space, so this cannot be a header's value.
+        if let Some(model) = &call.route.model {
+            extra.push(("path model".to_string(), model.as_bytes().to_vec()));
+        }
         let (endpoint, body) = (call.endpoint, call.body.clone());
         let digest = body_work(body.len(), move || {
             let extra: Vec<(&str, &[u8])> = extra

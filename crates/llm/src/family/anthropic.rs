@@ -15,8 +15,8 @@
 //! sequence vLLM sends, each block whole in one delta.
 
 use super::openai::{is_error_event, AnswerText};
-use super::{AnswerError, ApiFamily, RateLimitHeaders, WireError};
-use crate::llm::{Endpoint, InvalidRequest, LlmCall, StreamOptions};
+use super::{AnswerError, ApiFamily, RateLimitHeaders, RouteMatch, WireError};
+use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -62,8 +62,23 @@ impl ApiFamily for Anthropic {
         }
     }
 
-    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
-        let mut call = LlmCall::parse_request(endpoint, body, None)?;
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+    ) -> Result<LlmCall, InvalidRequest> {
+        let dialect = Dialect {
+            anthropic: true,
+            ..Dialect::default()
+        };
+        let mut call = LlmCall::read_request(endpoint, route, body, dialect, None)?;
+        call.request.require("messages")?;
+        if !self.count_tokens {
+            // Anthropic's API has no default budget: vLLM refuses a request without one.
+            call.request.require("max_tokens")?;
+        }
+        call.request.check_sampling()?;
         // Its streams always end with their usage: as if the client had asked, so that
         // nothing asks the engine for it with OpenAI's `stream_options`.
         call.request.stream_options = Some(StreamOptions {
@@ -492,7 +507,7 @@ mod tests {
 
     #[test]
     fn a_request_needs_messages_and_a_budget_and_its_system_prompt_counts() {
-        let parse = |body: &str| MESSAGES.parse(Endpoint::Messages, Bytes::from(body.to_owned()));
+        let parse = |body: &str| LlmCall::parse(Endpoint::Messages, Bytes::from(body.to_owned()));
         let e = parse(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         let short =
@@ -508,12 +523,11 @@ mod tests {
         assert!(long.request.stop.is_some());
         // Its streams carry their usage: nothing asks for it.
         assert!(long.request.include_usage());
-        let count = COUNT_TOKENS
-            .parse(
-                Endpoint::CountTokens,
-                Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#),
-            )
-            .unwrap();
+        let count = LlmCall::parse(
+            Endpoint::CountTokens,
+            Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#),
+        )
+        .unwrap();
         assert_eq!(count.demand.output_tokens, 0);
     }
 }

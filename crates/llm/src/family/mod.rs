@@ -1,25 +1,40 @@
 //! The API families: each wire format of LLM requests and answers that Sluice serves as an LLM
 //! route (OpenAI's chat completions, text completions and Responses, Anthropic's Messages, and
 //! the routes that generate nothing: tokenize, embeddings, rerank, ...) owns, behind [`ApiFamily`], all
-//! that is particular to it: its path, its request parse and demand estimate, its output
+//! that is particular to it: its route (the path, and the model and stream flag where a
+//! format puts them in it), its request parse and demand estimate, where the served model
+//! name goes upstream, its output
 //! default, where its answers carry token log-probabilities and usage, how a whole answer is
 //! assembled from its stream and replayed in either form, and the shape of its errors. The
 //! core, the cache and the selector ask the request's family; none of them matches on a
 //! format.
 //!
-//! Adding a family is one module implementing [`ApiFamily`] and one registration: a variant
-//! of [`Endpoint`] (the family's stable id, in cache entries and labels) and its arm in
-//! [`Endpoint::family`].
+//! Adding a family is one module implementing [`ApiFamily`] and one line in [`families!`]:
+//! its id and its value (`test_gemini.rs`, a family shaped like Google's `generateContent`,
+//! in the tests only, shows it).
 
 pub mod anthropic;
 pub mod openai;
 pub mod responses;
+#[cfg(test)]
+mod test_gemini;
 pub mod utility;
 
-use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
+use crate::llm::{InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::Value;
+
+/// What a family's route read in a request's path: the model and the stream flag, for a
+/// format that puts them there (Gemini's `/v1beta/models/{model}:streamGenerateContent`).
+/// Empty for a family served at one fixed path.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouteMatch {
+    /// The model the path names.
+    pub model: Option<String>,
+    /// Whether the path asks for an event stream, when the path says.
+    pub stream: Option<bool>,
+}
 
 /// Where an answer's token log-probabilities are, for a confidence check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,10 +169,29 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     /// Its short name: the `route` label of metrics and logs, and the cache's key and TTL
     /// name (`chat`, `completions`).
     fn name(&self) -> &'static str;
-    /// The path it is served at (`POST`), matched exactly.
+    /// The path it is served at (`POST`), or its pattern for a family whose path names more
+    /// (`/v1beta/models/{model}:generateContent`): the cache's key and the docs name it.
     fn path(&self) -> &'static str;
-    /// Reads and checks a request body, with its demand estimate.
-    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest>;
+    /// Whether it serves `path` (decoded as the engine reads it), and what the path says of
+    /// the request. By default the path is matched exactly, as vLLM's router does.
+    fn route(&self, path: &str) -> Option<RouteMatch> {
+        (path == self.path()).then(RouteMatch::default)
+    }
+    /// Reads and checks a request body, with its demand estimate; `route` is what the path
+    /// said.
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+    ) -> Result<LlmCall, InvalidRequest>;
+    /// The path a request routed as `route` goes upstream with, when the family names the
+    /// model in the path: there the pool's served name `model` replaces the client's, and
+    /// the body is left as it is. `None` (the default): the client's path goes up, and the
+    /// served name in the body's `model` member.
+    fn path_with_model(&self, _route: &RouteMatch, _model: &str) -> Option<String> {
+        None
+    }
     /// The output tokens an engine generates for a request that sets no limit, when the
     /// format has a default (text completions: 16); `None`: up to the context's end.
     fn default_max_tokens(&self) -> Option<u32> {
@@ -255,6 +289,12 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
             "max_tokens"
         }
     }
+    /// `body` with its output budget set to `ceiling` tokens, every other byte kept; `None`
+    /// when the body is not a JSON object. By default the top-level [`ApiFamily::budget_key`].
+    fn with_budget(&self, request: &LlmRequest, body: &[u8], ceiling: u32) -> Option<Vec<u8>> {
+        let key = self.budget_key(request);
+        crate::raw_json::set_member(body, key, ceiling.to_string().as_bytes())
+    }
     /// Whether the engine generates tokens for it (a tokenizer or a pooling model does not:
     /// no draft, no output budget).
     fn generates(&self) -> bool {
@@ -280,40 +320,80 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     }
 }
 
-impl Endpoint {
-    /// Every family served, for the router.
-    pub const ALL: [Endpoint; 10] = [
-        Endpoint::ChatCompletions,
-        Endpoint::Completions,
-        Endpoint::Messages,
-        Endpoint::Responses,
-        Endpoint::CountTokens,
-        Endpoint::Tokenize,
-        Endpoint::Detokenize,
-        Endpoint::Embeddings,
-        Endpoint::Rerank,
-        Endpoint::Score,
-    ];
-
-    /// The family of requests to this endpoint: the one registration of a family.
-    pub fn family(self) -> &'static dyn ApiFamily {
-        match self {
-            Endpoint::ChatCompletions => &openai::CHAT,
-            Endpoint::Completions => &openai::COMPLETIONS,
-            Endpoint::Messages => &anthropic::MESSAGES,
-            Endpoint::CountTokens => &anthropic::COUNT_TOKENS,
-            Endpoint::Responses => &responses::RESPONSES,
-            Endpoint::Tokenize => &utility::TOKENIZE,
-            Endpoint::Detokenize => &utility::DETOKENIZE,
-            Endpoint::Embeddings => &utility::EMBEDDINGS,
-            Endpoint::Rerank => &utility::RERANK,
-            Endpoint::Score => &utility::SCORE,
+/// Registers the families: each line a variant of [`Endpoint`] (the family's stable id, kept
+/// in cache entries and labels under its name) and the family that serves it. Makes the
+/// enum, [`Endpoint::ALL`] and [`Endpoint::family`], so that a family is registered in one
+/// place.
+macro_rules! families {
+    ($(
+        $(#[doc = $doc:literal])*
+        $(#[cfg($cfg:meta)])?
+        $variant:ident = $id:literal => $family:expr,
+    )*) => {
+        /// The LLM routes: each is an API family's id (see [`Endpoint::family`]).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+        pub enum Endpoint {
+            $(
+                $(#[doc = $doc])*
+                $(#[cfg($cfg)])?
+                #[serde(rename = $id)]
+                $variant,
+            )*
         }
+
+        impl Endpoint {
+            /// Every family served, for the router.
+            pub const ALL: &'static [Endpoint] = &[$($(#[cfg($cfg)])? Endpoint::$variant,)*];
+
+            /// The family of requests to this endpoint.
+            pub fn family(self) -> &'static dyn ApiFamily {
+                match self {
+                    $($(#[cfg($cfg)])? Endpoint::$variant => &$family,)*
+                }
+            }
+        }
+    };
+}
+
+families! {
+    /// `POST /v1/chat/completions`
+    ChatCompletions = "chat" => openai::CHAT,
+    /// `POST /v1/completions`
+    Completions = "completion" => openai::COMPLETIONS,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    Messages = "messages" => anthropic::MESSAGES,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    Responses = "responses" => responses::RESPONSES,
+    /// `POST /v1/messages/count_tokens`: no generation.
+    CountTokens = "count_tokens" => anthropic::COUNT_TOKENS,
+    /// `POST /tokenize`: no generation.
+    Tokenize = "tokenize" => utility::TOKENIZE,
+    /// `POST /detokenize`: no generation.
+    Detokenize = "detokenize" => utility::DETOKENIZE,
+    /// `POST /v1/embeddings`: a pooling model's answer, no generation.
+    Embeddings = "embeddings" => utility::EMBEDDINGS,
+    /// `POST /v1/rerank`: a pooling model's answer, no generation.
+    Rerank = "rerank" => utility::RERANK,
+    /// `POST /v1/score`: a pooling model's answer, no generation.
+    Score = "score" => utility::SCORE,
+    /// A family shaped like Google's `generateContent` (model and stream in the path, its own
+    /// members and usage names), in the tests only: the proof that a family is one module
+    /// and this one line.
+    #[cfg(test)]
+    TestGemini = "test_gemini" => test_gemini::GEMINI,
+}
+
+impl Endpoint {
+    /// The endpoint served at `path`, if any, and what its family read in the path.
+    pub fn route(path: &str) -> Option<(Self, RouteMatch)> {
+        Self::ALL
+            .iter()
+            .find_map(|e| e.family().route(path).map(|found| (*e, found)))
     }
 
-    /// The endpoint served at `path`, if any. Matches exactly, as vLLM's router does.
+    /// The endpoint served at `path`, if any.
     pub fn from_path(path: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|e| e.family().path() == path)
+        Self::route(path).map(|(endpoint, _)| endpoint)
     }
 
     /// The path of the endpoint.
@@ -399,7 +479,7 @@ mod tests {
     #[test]
     fn every_family_is_found_by_its_path_and_named_once() {
         let mut names = std::collections::HashSet::new();
-        for endpoint in Endpoint::ALL {
+        for &endpoint in Endpoint::ALL {
             let family = endpoint.family();
             assert_eq!(Endpoint::from_path(family.path()), Some(endpoint));
             assert!(names.insert(family.name()), "{} twice", family.name());

@@ -12,8 +12,10 @@
 //! shape without building it costs a fraction of building it. A JSON replay splices its fresh
 //! `id` and `created` into the text; only a stream replay parses it.
 
-use super::{AnswerError, ApiFamily, EventFacts, LogprobsAt, Stamp, StreamAnswer, WireError};
-use crate::llm::{Endpoint, InvalidRequest, LlmCall};
+use super::{
+    AnswerError, ApiFamily, EventFacts, LogprobsAt, RouteMatch, Stamp, StreamAnswer, WireError,
+};
+use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall};
 use crate::raw_json::is_space;
 use crate::sse;
 use crate::usage::Usage;
@@ -78,8 +80,24 @@ impl ApiFamily for OpenAi {
         }
     }
 
-    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
-        LlmCall::parse_request(endpoint, body, self.default_max_tokens())
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+    ) -> Result<LlmCall, InvalidRequest> {
+        let dialect = Dialect {
+            max_completion_tokens: self.kind == Kind::Chat,
+            ..Dialect::default()
+        };
+        let call =
+            LlmCall::read_request(endpoint, route, body, dialect, self.default_max_tokens())?;
+        call.request.require(match self.kind {
+            Kind::Chat => "messages",
+            Kind::Completion => "prompt",
+        })?;
+        call.request.check_sampling()?;
+        Ok(call)
     }
 
     fn default_max_tokens(&self) -> Option<u32> {

@@ -16,8 +16,8 @@
 //! event's; a replay as a stream is vLLM's event sequence, each text whole in one delta.
 
 use super::openai::{error_body, AnswerText};
-use super::{AnswerError, ApiFamily, CacheUse, WireError};
-use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
+use super::{AnswerError, ApiFamily, CacheUse, RouteMatch, WireError};
+use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -41,8 +41,19 @@ impl ApiFamily for Responses {
         "/v1/responses"
     }
 
-    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
-        let mut call = LlmCall::parse_request(endpoint, body, None)?;
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+    ) -> Result<LlmCall, InvalidRequest> {
+        let dialect = Dialect {
+            responses: true,
+            ..Dialect::default()
+        };
+        let mut call = LlmCall::read_request(endpoint, route, body, dialect, None)?;
+        call.request.require("input")?;
+        call.request.check_sampling()?;
         // The engine answers a background request at once and generates detached from it:
         // past the tenant's concurrency, the breaker's projection, the total timeout and the
         // drain, charged an estimate whatever it generates. Not served, as a clear 400.
@@ -325,7 +336,7 @@ mod tests {
 
     #[test]
     fn a_request_reads_its_input_instructions_and_follow_up() {
-        let parse = |body: &str| RESPONSES.parse(Endpoint::Responses, Bytes::from(body.to_owned()));
+        let parse = |body: &str| LlmCall::parse(Endpoint::Responses, Bytes::from(body.to_owned()));
         let e = parse(r#"{"model":"m"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("input"));
         let call = parse(

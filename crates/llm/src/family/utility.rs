@@ -6,8 +6,9 @@
 //! sampling, so the cache keeps them whatever the request; the others are never kept.
 
 use super::openai::{error_body, splice_identity, AnswerText};
+use super::RouteMatch;
 use super::{AnswerError, ApiFamily, CacheUse, WireError};
-use crate::llm::{Endpoint, InvalidRequest, LlmCall, LlmRequest};
+use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::Usage;
 use bytes::Bytes;
 
@@ -18,37 +19,55 @@ pub struct Utility {
     path: &'static str,
     /// Its answers may be kept (embeddings).
     kept: bool,
+    /// The members it reads (embeddings: `input`); the engine checks the rest.
+    dialect: Dialect,
 }
+
+/// The common members alone: a utility route is read for its model.
+const NO_MEMBERS: Dialect = Dialect {
+    anthropic: false,
+    responses: false,
+    embeddings_input: false,
+    max_completion_tokens: false,
+};
 
 /// `POST /tokenize`.
 pub static TOKENIZE: Utility = Utility {
     name: "tokenize",
     path: "/tokenize",
     kept: false,
+    dialect: NO_MEMBERS,
 };
 /// `POST /detokenize`.
 pub static DETOKENIZE: Utility = Utility {
     name: "detokenize",
     path: "/detokenize",
     kept: false,
+    dialect: NO_MEMBERS,
 };
 /// `POST /v1/embeddings`.
 pub static EMBEDDINGS: Utility = Utility {
     name: "embeddings",
     path: "/v1/embeddings",
     kept: true,
+    dialect: Dialect {
+        embeddings_input: true,
+        ..NO_MEMBERS
+    },
 };
 /// `POST /v1/rerank`.
 pub static RERANK: Utility = Utility {
     name: "rerank",
     path: "/v1/rerank",
     kept: false,
+    dialect: NO_MEMBERS,
 };
 /// `POST /v1/score`.
 pub static SCORE: Utility = Utility {
     name: "score",
     path: "/v1/score",
     kept: false,
+    dialect: NO_MEMBERS,
 };
 
 /// About four characters a token, as the other estimates.
@@ -63,8 +82,14 @@ impl ApiFamily for Utility {
         self.path
     }
 
-    fn parse(&self, endpoint: Endpoint, body: Bytes) -> Result<LlmCall, InvalidRequest> {
-        let mut call = LlmCall::parse_request(endpoint, body, None)?;
+    fn parse(
+        &self,
+        endpoint: Endpoint,
+        route: RouteMatch,
+        body: Bytes,
+    ) -> Result<LlmCall, InvalidRequest> {
+        // Read for the model (and the demand) only: the engine checks the rest.
+        let mut call = LlmCall::read_request(endpoint, route, body, self.dialect, None)?;
         call.demand.output_tokens = 0;
         call.demand.sequences = 1;
         if call.demand.prompt_tokens == 0 {
@@ -162,20 +187,17 @@ mod tests {
 
     #[test]
     fn only_the_model_is_read_and_nothing_is_generated() {
-        let call = RERANK
-            .parse(
-                Endpoint::Rerank,
-                Bytes::from_static(
-                    br#"{"model":"r","query":"q","documents":["a long document","b"],"n":0}"#,
-                ),
-            )
-            .unwrap();
+        let call = LlmCall::parse(
+            Endpoint::Rerank,
+            Bytes::from_static(
+                br#"{"model":"r","query":"q","documents":["a long document","b"],"n":0}"#,
+            ),
+        )
+        .unwrap();
         assert_eq!(call.request.model.as_deref(), Some("r"));
         assert_eq!(call.demand.output_tokens, 0);
         assert!(call.demand.prompt_tokens > 0);
-        assert!(TOKENIZE
-            .parse(Endpoint::Tokenize, Bytes::from_static(b"[1]"))
-            .is_err());
+        assert!(LlmCall::parse(Endpoint::Tokenize, Bytes::from_static(b"[1]")).is_err());
         assert!(!EMBEDDINGS.generates());
     }
 
