@@ -26,7 +26,7 @@ pub mod raw_json;
 pub mod sse;
 pub mod usage;
 
-pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt, RouteMatch, WireError};
+pub use family::{AnswerError, AnswerText, ApiFamily, Logprobs, RouteMatch, WireError};
 pub use llm::{Demand, Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel, UpstreamEdits};
 pub use usage::Usage;

@@ -16,9 +16,10 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use sluice_llm::family::PromptSource;
 use sluice_llm::llm::Prompt;
 use sluice_llm::model_name::tenant_cache_salt;
-use sluice_llm::{Endpoint, LlmCall};
+use sluice_llm::LlmCall;
 use sluice_tokenizer::{ChatParts, PromptTokenizer};
 
 use crate::prefix_index::{block_keys, Matches, PrefixIndex};
@@ -122,27 +123,21 @@ impl PrefixRouting {
         adapter: Option<&str>,
         salt_for_tenant: Option<&str>,
     ) -> Option<PrefixKeys> {
-        let members = call.placed_members();
-        let member = |key: &str| {
-            let range = members.as_ref()?.value(key)?;
-            call.body.get(range)
-        };
-        let ids = match call.endpoint {
-            Endpoint::ChatCompletions => self.tokenizer.chat_ids(ChatParts {
-                messages: call
-                    .request
-                    .messages
-                    .as_ref()
-                    .map_or(&[], |m| m.json_onward()),
-                tools: call.request.tools.as_ref().map(|tools| tools.as_bytes()),
-                add_generation_prompt: member("add_generation_prompt"),
-                continue_final_message: member("continue_final_message"),
-                chat_template_kwargs: member("chat_template_kwargs"),
+        let ids = match call.endpoint.family().prompt_source(call)? {
+            PromptSource::Chat {
+                messages,
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+            } => self.tokenizer.chat_ids(ChatParts {
+                messages,
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
             }),
-            Endpoint::Completions => self.prompt_ids(call.request.prompt.as_ref()),
-            // Not yet rendered as the engine renders them (Messages and Responses convert to
-            // a chat first): the approximate affinity places them. The others fill no cache.
-            _ => return None,
+            PromptSource::Prompt(prompt) => self.prompt_ids(prompt),
         };
         let ids = match ids {
             Ok(ids) => ids,
@@ -152,7 +147,11 @@ impl PrefixRouting {
                 return None;
             }
         };
-        let client = member("cache_salt");
+        let members = call.placed_members();
+        let client = members
+            .as_ref()
+            .and_then(|m| m.value("cache_salt"))
+            .and_then(|range| call.body.get(range));
         let salt = match salt_for_tenant {
             Some(tenant) => {
                 let json = tenant_cache_salt(tenant, client);
@@ -169,18 +168,17 @@ impl PrefixRouting {
     /// A text completion's token ids, as vLLM's completions endpoint makes them: its prompt,
     /// or the first of a batch, encoded with the tokenizer's special tokens; a prompt given
     /// as token ids is taken as it is.
-    fn prompt_ids(&self, prompt: Option<&Prompt>) -> Result<Vec<u32>, sluice_tokenizer::Error> {
+    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, sluice_tokenizer::Error> {
         let text = match prompt {
-            Some(Prompt::Text(text)) => Some(text.clone()),
-            Some(Prompt::Texts(texts)) => texts.first(),
-            Some(Prompt::Tokens(tokens)) => return Ok(tokens.ids().collect()),
-            Some(Prompt::TokenBatches(batches)) => {
+            Prompt::Text(text) => Some(text.clone()),
+            Prompt::Texts(texts) => texts.first(),
+            Prompt::Tokens(tokens) => return Ok(tokens.ids().collect()),
+            Prompt::TokenBatches(batches) => {
                 if let Some(first) = batches.iter().next() {
                     return Ok(first.ids().collect());
                 }
                 None
             }
-            None => None,
         };
         match text {
             Some(text) => self.tokenizer.encode(&text.to_str(), true),
@@ -239,6 +237,7 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use serde_json::value::RawValue;
+    use sluice_llm::Endpoint;
     use std::collections::HashMap;
 
     fn routing() -> PrefixRouting {

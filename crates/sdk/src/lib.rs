@@ -63,7 +63,7 @@ pub const SPAN_EVENTS: &str = "sluice::span_event";
 pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
-pub use family::{AnswerError, AnswerText, ApiFamily, LogprobsAt, RouteMatch};
+pub use family::{AnswerError, AnswerText, ApiFamily, Logprobs, RouteMatch};
 pub use header_rules::{HeaderRules, UpstreamAuth};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,

@@ -6,7 +6,7 @@
 mod peak;
 
 use peak::Case;
-use sluice_plugin_speculative::confidence::{self, ConfidenceCheck, Measure};
+use sluice_plugin_speculative::confidence::{ConfidenceCheck, Measure};
 use sluice_sdk::usage;
 use sluice_sdk::{AnswerCheck, Bytes, Endpoint, LlmCall};
 
@@ -27,6 +27,11 @@ fn held_answer() -> Vec<u8> {
     body
 }
 
+/// `body` asking for log-probabilities, as the selector asks a draft (the family's edit).
+fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
+    endpoint.family().logprobs()?.ask(body)
+}
+
 /// What the proxy holds for a stream the plugin asks usage of: the parsed call (with the
 /// body), the usage body, and with a hold-back window the draft's body with logprobs too.
 fn stream_request(body: &Bytes, hold_back: bool) -> Box<dyn std::any::Any> {
@@ -35,7 +40,7 @@ fn stream_request(body: &Bytes, hold_back: bool) -> Box<dyn std::any::Any> {
     let draft = hold_back
         .then(|| {
             let sent = usage.as_deref().unwrap_or(body);
-            confidence::ask_for_logprobs(Endpoint::ChatCompletions, sent)
+            ask_for_logprobs(Endpoint::ChatCompletions, sent)
         })
         .flatten();
     Box::new((call, usage, draft))
@@ -56,12 +61,12 @@ fn main() {
         Case {
             name: "logprobs prompt:[1,1,...]",
             body: || peak::token_prompt(false),
-            run: |b| Box::new(confidence::ask_for_logprobs(Endpoint::Completions, b)),
+            run: |b| Box::new(ask_for_logprobs(Endpoint::Completions, b)),
         },
         Case {
             name: "logprobs chat message",
             body: || peak::chat(false, false),
-            run: |b| Box::new(confidence::ask_for_logprobs(Endpoint::ChatCompletions, b)),
+            run: |b| Box::new(ask_for_logprobs(Endpoint::ChatCompletions, b)),
         },
         Case {
             name: "parse+usage, \\n chat",

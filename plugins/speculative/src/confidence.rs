@@ -2,19 +2,15 @@
 //! and when its own token log-probabilities say it was guessing, the answer is dropped and the
 //! request escalates to the target pool.
 //!
-//! The draft is asked for log-probabilities even when the client did not ask
-//! ([`ask_for_logprobs`]); [`ConfidenceCheck`] removes them again before the answer is sent, so
-//! the client gets what vLLM would have answered it.
+//! The draft is asked for log-probabilities even when the client did not ask; the
+//! [`ConfidenceCheck`] removes them again before the answer is sent, so the client gets what
+//! vLLM would have answered it. Where a family's answers carry them, how they are asked for
+//! and taken out is the family's ([`sluice_sdk::family::Logprobs`]): this module only
+//! measures.
 
-use serde::de::{
-    self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
-};
-use serde_json::Value;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::raw_json::{self, Edit};
 use sluice_sdk::sse::{self, SseEvents};
-use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, LogprobsAt, StreamCheck, StreamJudge};
-use std::fmt;
+use sluice_sdk::{AnswerCheck, Bytes, Endpoint, Judgement, StreamCheck, StreamJudge};
 
 /// How an answer's confidence is measured over its first `window` tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,22 +39,15 @@ impl AnswerCheck for ConfidenceCheck {
     /// answer), and when keeping it, copies it once with every choice's `logprobs` set to
     /// `null` if the client did not ask for them.
     fn judge(&self, body: &Bytes) -> Judgement {
-        // Not one JSON object: nothing to judge or strip; the client gets what the draft said.
-        let Some(answer) = Answer::read(body) else {
+        // A family without log-probabilities has no check; an answer without readable ones
+        // (the draft ignored the request for them, a shape this version does not know, not
+        // one JSON object) is no evidence either way: kept rather than escalated, or every
+        // such answer would pay for both pools.
+        let Some(logprobs) = self.endpoint.family().logprobs() else {
             return Judgement::Keep(None);
         };
-        // No readable logprobs (the draft ignored the request for them, or a shape this
-        // version does not know) means no evidence either way: keep the answer rather than
-        // escalate, or every such answer would pay for both pools.
         let mut tally = Tally::default();
-        if let Some(logprobs) = answer.choice_logprobs(0) {
-            add_logprobs(
-                self.endpoint,
-                logprobs,
-                &mut tally,
-                window_limit(self.window),
-            );
-        }
+        logprobs.read(body, 0, &mut tally.until(self.window));
         if let Some(confidence) = tally.measure(self.measure) {
             if confidence < self.min_logprob {
                 return Judgement::Escalate(reason::LOW_CONFIDENCE);
@@ -67,282 +56,7 @@ impl AnswerCheck for ConfidenceCheck {
         if self.client_asked {
             return Judgement::Keep(None);
         }
-        Judgement::Keep(answer.without_logprobs().map(Bytes::from))
-    }
-}
-
-/// An answer as the judge reads it: its bytes, checked to be one JSON object, and where its
-/// `choices` are (the last, if repeated, as parsers that keep the last read it).
-struct Answer<'a> {
-    body: &'a [u8],
-    choices: Option<&'a [u8]>,
-}
-
-impl<'a> Answer<'a> {
-    fn read(body: &'a [u8]) -> Option<Self> {
-        let spans = raw_json::object_spans(body, &["choices"])?;
-        let choices = spans
-            .value("choices")
-            .and_then(|range| body.get(range))
-            .filter(|c| c.first() == Some(&b'['));
-        Some(Self { body, choices })
-    }
-
-    /// Each choice's text, with its `index` and `logprobs` values' texts when it is an object.
-    fn choices(&self) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>, Option<&'a [u8]>)> + '_ {
-        raw_json::elements(self.choices.unwrap_or_default()).map(|choice| {
-            let spans = (choice.first() == Some(&b'{'))
-                .then(|| raw_json::object_spans(choice, &["index", "logprobs"]))
-                .flatten();
-            let value = |key| {
-                spans
-                    .as_ref()
-                    .and_then(|s| s.value(key))
-                    .and_then(|range| choice.get(range))
-            };
-            (choice, value("index"), value("logprobs"))
-        })
-    }
-
-    /// The `logprobs` of the choice with this index (streams may interleave choices, so a
-    /// chunk's first choice is not necessarily choice 0); a choice without a readable index
-    /// is choice 0.
-    fn choice_logprobs(&self, index: u64) -> Option<&'a [u8]> {
-        let (_, _, logprobs) = self.choices().find(|(_, i, _)| {
-            i.and_then(|i| serde_json::from_slice::<u64>(i).ok())
-                .unwrap_or(0)
-                == index
-        })?;
-        logprobs
-    }
-
-    /// The answer with every choice's `logprobs` set to `null`, as vLLM answers when none
-    /// were asked for: copied once, every other byte kept. None when none had any.
-    fn without_logprobs(&self) -> Option<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut from = 0;
-        for (_, _, logprobs) in self.choices() {
-            let Some(logprobs) = logprobs.filter(|l| *l != b"null") else {
-                continue;
-            };
-            let range = raw_json::position(self.body, logprobs)?;
-            if out.capacity() == 0 {
-                out.reserve_exact(self.body.len());
-            }
-            out.extend_from_slice(self.body.get(from..range.start)?);
-            out.extend_from_slice(b"null");
-            from = range.end;
-        }
-        if from == 0 {
-            return None;
-        }
-        out.extend_from_slice(self.body.get(from..)?);
-        Some(out)
-    }
-}
-
-/// Adds the token log-probabilities of one choice's `logprobs` (its JSON text) to `tally`,
-/// in answer order, until it has `limit`. Chat puts them in `content[].logprob`;
-/// completions in `token_logprobs[]`, where vLLM writes `null` for a token without one (the
-/// first prompt token under `echo`), which is skipped. Reads the text as it goes: nothing
-/// is collected.
-fn add_logprobs(endpoint: Endpoint, logprobs: &[u8], tally: &mut Tally, limit: usize) {
-    let at = endpoint.family().logprobs_at();
-    let field = match at {
-        LogprobsAt::ChatContent => "content",
-        LogprobsAt::CompletionTokens => "token_logprobs",
-        LogprobsAt::Nowhere => return,
-    };
-    let Some(tokens) = raw_json::object_spans(logprobs, &[field])
-        .and_then(|s| s.value(field))
-        .and_then(|range| logprobs.get(range))
-        .filter(|t| t.first() == Some(&b'['))
-    else {
-        return;
-    };
-    let mut de = serde_json::Deserializer::from_slice(tokens);
-    let _ = de.deserialize_seq(TokensVisitor {
-        chat: at == LogprobsAt::ChatContent,
-        tally,
-        limit,
-    });
-}
-
-/// The token list of a choice's `logprobs`, tallied as it is read.
-struct TokensVisitor<'t> {
-    /// Chat: each token is an object with its `logprob`; completions: the number itself.
-    chat: bool,
-    tally: &'t mut Tally,
-    limit: usize,
-}
-
-impl<'de> Visitor<'de> for TokensVisitor<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a list of tokens")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while self.tally.count < self.limit {
-            let logprob = if self.chat {
-                seq.next_element_seed(ChatToken)?
-            } else {
-                seq.next_element::<MaybeNumber>()?.map(|n| n.0)
-            };
-            match logprob {
-                None => return Ok(()),
-                Some(Some(logprob)) => self.tally.add(logprob),
-                Some(None) => {}
-            }
-        }
-        // The window is full: the rest is skipped, unread.
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
-}
-
-/// A JSON value read as a number when it is one (any number, as `f64`), else skipped.
-struct MaybeNumber(Option<f64>);
-
-impl<'de> Deserialize<'de> for MaybeNumber {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(NumberVisitor)
-    }
-}
-
-struct NumberVisitor;
-
-impl<'de> Visitor<'de> for NumberVisitor {
-    type Value = MaybeNumber;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_f64<E>(self, n: f64) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(Some(n)))
-    }
-
-    fn visit_i64<E>(self, n: i64) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(Some(n as f64)))
-    }
-
-    fn visit_u64<E>(self, n: u64) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(Some(n as f64)))
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(None))
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(None))
-    }
-
-    fn visit_unit<E>(self) -> Result<MaybeNumber, E> {
-        Ok(MaybeNumber(None))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<MaybeNumber, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(MaybeNumber(None))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<MaybeNumber, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(MaybeNumber(None))
-    }
-}
-
-/// A chat token: its `logprob` (the last, if repeated) when it is an object with a number
-/// there.
-struct ChatToken;
-
-impl<'de> DeserializeSeed<'de> for ChatToken {
-    type Value = Option<f64>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<f64>, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for ChatToken {
-    type Value = Option<f64>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a token")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<f64>, A::Error> {
-        let mut logprob = None;
-        while let Some(is_logprob) = map.next_key_seed(KeyIs("logprob"))? {
-            if is_logprob {
-                logprob = map.next_value::<MaybeNumber>()?.0;
-            } else {
-                map.next_value::<IgnoredAny>()?;
-            }
-        }
-        Ok(logprob)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<f64>, A::Error> {
-        NumberVisitor.visit_seq(seq).map(|_| None)
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E>(self) -> Result<Option<f64>, E> {
-        Ok(None)
-    }
-}
-
-/// Whether a key is this one (compared unescaped, without copying).
-struct KeyIs(&'static str);
-
-impl<'de> DeserializeSeed<'de> for KeyIs {
-    type Value = bool;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<bool, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeyIs {
-    type Value = bool;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a key")
-    }
-
-    fn visit_str<E: de::Error>(self, key: &str) -> Result<bool, E> {
-        Ok(key == self.0)
-    }
-}
-
-fn window_limit(window: usize) -> usize {
-    if window == 0 {
-        usize::MAX
-    } else {
-        window
+        Judgement::Keep(logprobs.strip(body).map(Bytes::from))
     }
 }
 
@@ -369,6 +83,17 @@ impl Tally {
         self.count += 1;
         self.sum += logprob;
         self.min = self.min.min(logprob);
+    }
+
+    /// A feed of log-probabilities into the tally until it holds `window` (0: all).
+    fn until(&mut self, window: usize) -> impl FnMut(f64) -> bool + '_ {
+        let limit = if window == 0 { usize::MAX } else { window };
+        move |logprob| {
+            if self.count < limit {
+                self.add(logprob);
+            }
+            self.count < limit
+        }
     }
 
     /// None when no token was seen: no evidence either way.
@@ -427,10 +152,10 @@ impl StreamJudge for StreamConfidenceJudge {
                 done = true;
                 return;
             }
-            let Some(logprobs) = Answer::read(&data).and_then(|a| a.choice_logprobs(0)) else {
+            let Some(logprobs) = endpoint.family().logprobs() else {
                 return;
             };
-            add_logprobs(endpoint, logprobs, tally, window);
+            logprobs.read(&data, 0, &mut tally.until(window));
             done = tally.count >= window;
         });
         done.then(|| self.decide())
@@ -446,82 +171,10 @@ impl StreamJudge for StreamConfidenceJudge {
     }
 }
 
-/// Sets every choice's `logprobs` to `null`, as vLLM answers when none were asked for.
-/// Returns whether anything changed.
-pub(crate) fn clear_logprobs(answer: &mut Value) -> bool {
-    let Some(choices) = answer.get_mut("choices").and_then(Value::as_array_mut) else {
-        return false;
-    };
-    let mut changed = false;
-    for choice in choices {
-        if let Some(logprobs) = choice.get_mut("logprobs") {
-            if !logprobs.is_null() {
-                *logprobs = Value::Null;
-                changed = true;
-            }
-        }
-    }
-    changed
-}
-
-/// The request body with token log-probabilities asked for, when the client did not ask:
-/// chat gets `"logprobs": true` (`top_logprobs` untouched), completions `"logprobs": 0` (an
-/// integer count of alternatives; 0 still returns each sampled token's log-probability).
-/// The body is copied once with the one member spliced in: every other byte is kept, and an
-/// existing `"logprobs": null`/`false` is replaced in place.
-///
-/// Returns None, meaning "send the client's body as is", when the body is not a JSON object,
-/// already asks for logprobs (or sets `logprobs` to anything but absent, `null` or chat's
-/// `false`), or when adding them would change more than the answer's logprobs:
-/// - chat with `top_logprobs` > 0 but no `logprobs`: vLLM refuses it, so the draft must too;
-/// - completions with `"echo": true`: vLLM would also score the prompt, and the token
-///   log-probabilities would start with the prompt's rather than the answer's.
-pub fn ask_for_logprobs(endpoint: Endpoint, body: &[u8]) -> Option<Bytes> {
-    let at = endpoint.family().logprobs_at();
-    if at == LogprobsAt::Nowhere {
-        return None;
-    }
-    let spans = raw_json::object_spans(body, &["logprobs", "top_logprobs", "echo"])?;
-    let value = |key| spans.value(key).and_then(|range| body.get(range));
-    let not_asked = match value("logprobs") {
-        None | Some(b"null") => true,
-        Some(b"false") => at == LogprobsAt::ChatContent,
-        Some(_) => false,
-    };
-    if !not_asked {
-        return None;
-    }
-    let asked_for: &[u8] = match at {
-        LogprobsAt::ChatContent => {
-            let wants_top = value("top_logprobs")
-                .and_then(|top| serde_json::from_slice::<u64>(top).ok())
-                .is_some_and(|top| top > 0);
-            if wants_top {
-                return None;
-            }
-            b"true"
-        }
-        LogprobsAt::CompletionTokens => {
-            if value("echo") == Some(b"true") {
-                return None;
-            }
-            b"0"
-        }
-        LogprobsAt::Nowhere => return None,
-    };
-    let edit = match spans.value("logprobs") {
-        Some(range) => Edit {
-            range,
-            text: asked_for.to_vec(),
-        },
-        None => spans.append("logprobs", asked_for),
-    };
-    raw_json::apply(body, vec![edit]).map(Bytes::from)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     const CHAT: &str = include_str!("../../../tests/fixtures/vllm-chat-completion.json");
     const COMPLETION: &str = include_str!("../../../tests/fixtures/vllm-completion.json");
@@ -811,7 +464,9 @@ mod tests {
     }
 
     fn asked(endpoint: Endpoint, body: &str) -> Option<String> {
-        ask_for_logprobs(endpoint, body.as_bytes()).map(|b| String::from_utf8(b.to_vec()).unwrap())
+        let logprobs = endpoint.family().logprobs()?;
+        let asked = logprobs.ask(body.as_bytes())?;
+        Some(String::from_utf8(asked.to_vec()).unwrap())
     }
 
     #[test]

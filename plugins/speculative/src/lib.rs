@@ -96,7 +96,11 @@ impl Checks {
             MeasureName::Mean => Measure::Mean,
             MeasureName::Min => Measure::Min,
         };
-        let endpoints = [Endpoint::ChatCompletions, Endpoint::Completions];
+        // Every family whose answers carry log-probabilities.
+        let endpoints = Endpoint::ALL
+            .iter()
+            .copied()
+            .filter(|e| e.family().logprobs().is_some());
         let mut checks = Self::default();
         for endpoint in endpoints {
             for client_asked in [false, true] {
@@ -255,7 +259,7 @@ impl Speculative {
         };
         let judged = check.is_some() || stream_check.is_some();
         let upstream_body = if judged && !client_asked {
-            confidence::ask_for_logprobs(call.endpoint, body)
+            (call.endpoint.family().logprobs()).and_then(|logprobs| logprobs.ask(body))
         } else {
             None
         };
@@ -307,7 +311,7 @@ impl Plugin for Speculative {
         let decision = self.decide(model, call, tier, priority);
         let mut handled = Handled {
             model: index,
-            filter: StreamFilter::default(),
+            filter: StreamFilter::new(call.endpoint.family().logprobs()),
             draft_logprobs_added: false,
         };
         match decision {

@@ -3,7 +3,7 @@
 //! remove (see [`sluice_sdk::usage`]).
 
 use bytes::{Bytes, BytesMut};
-use serde_json::Value;
+use sluice_sdk::family::Logprobs;
 use sluice_sdk::sse::{data, SseEvents};
 
 /// Removes from a stream the token logprobs a hold-back window needed and the client did not
@@ -12,20 +12,25 @@ use sluice_sdk::sse::{data, SseEvents};
 #[derive(Debug, Default)]
 pub struct StreamFilter {
     events: SseEvents,
-    /// Set every choice's `logprobs` to `null`, as vLLM streams them when not asked.
+    /// Where the stream's family carries log-probabilities; `None`: it carries none.
+    logprobs: Option<&'static dyn Logprobs>,
+    /// Take the log-probabilities out, as vLLM streams them when not asked.
     pub strip_logprobs: bool,
 }
 
 impl StreamFilter {
-    pub fn new(strip_logprobs: bool) -> Self {
+    /// A filter of a stream of the family whose log-probabilities are `logprobs`; it
+    /// changes nothing until told to strip them.
+    pub fn new(logprobs: Option<&'static dyn Logprobs>) -> Self {
         Self {
             events: SseEvents::default(),
-            strip_logprobs,
+            logprobs,
+            strip_logprobs: false,
         }
     }
 
     pub fn is_active(&self) -> bool {
-        self.strip_logprobs
+        self.strip_logprobs && self.logprobs.is_some()
     }
 
     /// Filters one body chunk in place; `end` marks the stream's last.
@@ -36,13 +41,16 @@ impl StreamFilter {
         let chunk = body.take().unwrap_or_default();
         let mut out = BytesMut::new();
         let mut changed = false;
-        let whole = self.events.split(&chunk, |event| match rewrite(event) {
-            Some(new) => {
-                out.extend_from_slice(&new);
-                changed = true;
-            }
-            None => out.extend_from_slice(event),
-        });
+        let logprobs = self.logprobs;
+        let whole = self
+            .events
+            .split(&chunk, |event| match rewrite(logprobs, event) {
+                Some(new) => {
+                    out.extend_from_slice(&new);
+                    changed = true;
+                }
+                None => out.extend_from_slice(event),
+            });
         if end {
             // An unfinished last event goes out as it is: the client sees what the upstream sent.
             out.extend_from_slice(&self.events.take_rest());
@@ -57,18 +65,10 @@ impl StreamFilter {
     }
 }
 
-/// The event with its choices' logprobs cleared, or None to pass it as it came.
-fn rewrite(event: &[u8]) -> Option<Vec<u8>> {
+/// The event with its log-probabilities taken out, or None to pass it as it came.
+fn rewrite(logprobs: Option<&dyn Logprobs>, event: &[u8]) -> Option<Vec<u8>> {
     let data = data(event)?;
-    // Most events have none: look before parsing.
-    if !contains(&data, b"\"logprobs\"") {
-        return None;
-    }
-    let mut chunk = serde_json::from_slice::<Value>(&data).ok()?;
-    if !crate::confidence::clear_logprobs(&mut chunk) {
-        return None;
-    }
-    let json = serde_json::to_vec(&chunk).ok()?;
+    let json = logprobs?.strip(&data)?;
     let mut event = Vec::with_capacity(json.len() + 8);
     event.extend_from_slice(b"data: ");
     event.extend_from_slice(&json);
@@ -76,15 +76,18 @@ fn rewrite(event: &[u8]) -> Option<Vec<u8>> {
     Some(event)
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const STREAM: &str = include_str!("../../../tests/fixtures/vllm-chat-stream.sse");
+
+    fn chat_filter() -> StreamFilter {
+        let mut filter =
+            StreamFilter::new(sluice_sdk::Endpoint::ChatCompletions.family().logprobs());
+        filter.strip_logprobs = true;
+        filter
+    }
 
     fn filtered(filter: &mut StreamFilter, chunks: &[&[u8]]) -> String {
         let mut out = String::new();
@@ -103,7 +106,7 @@ mod tests {
         // The usage chunk is the core's to remove, before this filter runs: kept here.
         for cut in [1, 100, 700, STREAM.len() - 20] {
             let (a, b) = STREAM.as_bytes().split_at(cut);
-            let mut filter = StreamFilter::new(true);
+            let mut filter = chat_filter();
             assert_eq!(filtered(&mut filter, &[a, b]), STREAM, "cut at {cut}");
         }
     }
@@ -113,7 +116,7 @@ mod tests {
         let with = r#"data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":[{"token":"Hi","logprob":-0.1,"bytes":[72,105],"top_logprobs":[]}]},"finish_reason":null}]}
 
 "#;
-        let mut filter = StreamFilter::new(true);
+        let mut filter = chat_filter();
         assert_eq!(
             filtered(&mut filter, &[with.as_bytes()]),
             "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n"
@@ -122,7 +125,7 @@ mod tests {
 
     #[test]
     fn an_unchanged_chunk_is_passed_on_as_the_same_buffer() {
-        let mut filter = StreamFilter::new(true);
+        let mut filter = chat_filter();
         let first = STREAM.split_inclusive("\n\n").next().unwrap();
         let chunk = Bytes::copy_from_slice(first.as_bytes());
         let mut body = Some(chunk.clone());
@@ -137,7 +140,7 @@ mod tests {
             filtered(&mut idle, &[b"data: {\"usage\""]),
             "data: {\"usage\""
         );
-        let mut filter = StreamFilter::new(true);
+        let mut filter = chat_filter();
         assert_eq!(
             filtered(&mut filter, &[b"data: 1\n\nda", b"ta: {\"logp"]),
             "data: 1\n\ndata: {\"logp"

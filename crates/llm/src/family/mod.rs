@@ -14,13 +14,14 @@
 //! in the tests only, shows it).
 
 pub mod anthropic;
+pub mod logprobs;
 pub mod openai;
 pub mod responses;
 #[cfg(test)]
 mod test_gemini;
 pub mod utility;
 
-use crate::llm::{InvalidRequest, LlmCall, LlmRequest};
+use crate::llm::{InvalidRequest, LlmCall, LlmRequest, Prompt};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::Value;
@@ -36,16 +37,40 @@ pub struct RouteMatch {
     pub stream: Option<bool>,
 }
 
-/// Where an answer's token log-probabilities are, for a confidence check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogprobsAt {
-    /// OpenAI chat: each choice's `logprobs.content[].logprob`; asked with `logprobs: true`.
-    ChatContent,
-    /// OpenAI text completions: each choice's `logprobs.token_logprobs[]` (`null` for a token
-    /// without one); asked with `logprobs: 0`.
-    CompletionTokens,
-    /// The family's answers carry none.
-    Nowhere,
+/// What of a request its engine makes the prompt from, for a pool that tokenizes prompts as
+/// its engines do ([`ApiFamily::prompt_source`]). Members are their JSON texts in the body.
+#[derive(Debug, Clone, Copy)]
+pub enum PromptSource<'a> {
+    /// A chat, rendered by the model's chat template from these members.
+    Chat {
+        /// `messages`: the array's text (whatever follows its closing bracket is not read).
+        messages: &'a [u8],
+        /// `tools`, if sent.
+        tools: Option<&'a [u8]>,
+        /// `add_generation_prompt`, if sent.
+        add_generation_prompt: Option<&'a [u8]>,
+        /// `continue_final_message`, if sent.
+        continue_final_message: Option<&'a [u8]>,
+        /// `chat_template_kwargs`, if sent.
+        chat_template_kwargs: Option<&'a [u8]>,
+    },
+    /// A text completion's prompt, encoded as it is (the first of a batch).
+    Prompt(&'a Prompt),
+}
+
+/// Where a family's answers carry their token log-probabilities, for a confidence check
+/// ([`ApiFamily::logprobs`]): asking an engine for them, reading them, taking them out.
+pub trait Logprobs: Send + Sync + std::fmt::Debug {
+    /// `body` asking the engine for each generated token's log-probability, when the client
+    /// did not ask and asking changes nothing else in the answer; `None`: send it as it is.
+    fn ask(&self, body: &[u8]) -> Option<Bytes>;
+    /// Feeds `each` the log-probabilities of choice `choice`'s tokens in one answer (or one
+    /// event's data of its stream), in order, while it returns true. Nothing for text that
+    /// is not an answer of the family's shape.
+    fn read(&self, answer: &[u8], choice: u64, each: &mut dyn FnMut(f64) -> bool);
+    /// The answer (or event data) with its log-probabilities taken out, as the engine
+    /// answers when none were asked for, every other byte kept; `None` when it had none.
+    fn strip(&self, answer: &[u8]) -> Option<Vec<u8>>;
 }
 
 /// Why an answer is not a whole, well-formed answer of its family (the cache stores none).
@@ -197,9 +222,16 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn default_max_tokens(&self) -> Option<u32> {
         None
     }
-    /// Where its answers carry token log-probabilities.
-    fn logprobs_at(&self) -> LogprobsAt {
-        LogprobsAt::Nowhere
+    /// What its engine makes the prompt from, as the tokenizer reads it; `None` (the
+    /// default) when it is not rendered as the engine renders it (Messages and Responses
+    /// convert to a chat first), or fills no prefix cache.
+    fn prompt_source<'a>(&self, _call: &'a LlmCall) -> Option<PromptSource<'a>> {
+        None
+    }
+    /// Where its answers carry token log-probabilities; `None` (the default): they carry
+    /// none, and no confidence check can judge them.
+    fn logprobs(&self) -> Option<&'static dyn Logprobs> {
+        None
     }
     /// Where its answers put their token counts: the usage object's key and the counts'
     /// names (OpenAI's by default).

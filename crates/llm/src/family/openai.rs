@@ -13,7 +13,8 @@
 //! `id` and `created` into the text; only a stream replay parses it.
 
 use super::{
-    AnswerError, ApiFamily, EventFacts, LogprobsAt, RouteMatch, Stamp, StreamAnswer, WireError,
+    AnswerError, ApiFamily, EventFacts, Logprobs, PromptSource, RouteMatch, Stamp, StreamAnswer,
+    WireError,
 };
 use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall};
 use crate::raw_json::is_space;
@@ -100,6 +101,32 @@ impl ApiFamily for OpenAi {
         Ok(call)
     }
 
+    fn prompt_source<'a>(&self, call: &'a LlmCall) -> Option<PromptSource<'a>> {
+        Some(match self.kind {
+            Kind::Chat => {
+                // The body is not parsed again: the core's parse noted where the members the
+                // chat template reads are.
+                let members = call.placed_members();
+                let member = |key: &str| {
+                    let range = members.as_ref()?.value(key)?;
+                    call.body.get(range)
+                };
+                PromptSource::Chat {
+                    messages: call
+                        .request
+                        .messages
+                        .as_ref()
+                        .map_or(&[], |m| m.json_onward()),
+                    tools: call.request.tools.as_ref().map(|tools| tools.as_bytes()),
+                    add_generation_prompt: member("add_generation_prompt"),
+                    continue_final_message: member("continue_final_message"),
+                    chat_template_kwargs: member("chat_template_kwargs"),
+                }
+            }
+            Kind::Completion => PromptSource::Prompt(call.request.prompt.as_ref()?),
+        })
+    }
+
     fn default_max_tokens(&self) -> Option<u32> {
         match self.kind {
             Kind::Chat => None,
@@ -107,11 +134,11 @@ impl ApiFamily for OpenAi {
         }
     }
 
-    fn logprobs_at(&self) -> LogprobsAt {
-        match self.kind {
-            Kind::Chat => LogprobsAt::ChatContent,
-            Kind::Completion => LogprobsAt::CompletionTokens,
-        }
+    fn logprobs(&self) -> Option<&'static dyn Logprobs> {
+        Some(match self.kind {
+            Kind::Chat => &super::logprobs::CHAT,
+            Kind::Completion => &super::logprobs::COMPLETIONS,
+        })
     }
 
     fn is_error_event(&self, data: &[u8]) -> bool {
