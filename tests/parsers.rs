@@ -94,7 +94,7 @@ proptest! {
         prop_assert_eq!(call.request.max_output_tokens(), Some(max_tokens));
         let texts: Vec<String> = call.request.messages.as_ref().unwrap().iter()
             .map(|m| match m.content {
-                Some(sluice_sdk::llm::Content::Text(t)) => t.to_str().into_owned(),
+                Some(sluice_sdk::request::Content::Text(t)) => t.to_str().into_owned(),
                 _ => String::new(),
             })
             .collect();

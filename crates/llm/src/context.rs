@@ -8,7 +8,7 @@
 //! with a longer context, could have answered in full, and nothing has reached the client yet
 //! when the core reads these (the answer is held).
 
-use crate::llm::LlmCall;
+use crate::request::LlmCall;
 use memchr::memmem;
 use serde::Deserialize;
 use std::sync::LazyLock;

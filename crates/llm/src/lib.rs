@@ -3,7 +3,7 @@
 //! Anthropic's and vLLM's own) are made of, read without a second parse and without copying
 //! the body.
 //!
-//! - [`llm`]: the request parse ([`LlmCall`], [`LlmRequest`]) and its size estimate
+//! - [`request`]: the request parse ([`LlmCall`], [`LlmRequest`]) and its size estimate
 //!   ([`Demand`]), for the balancer, the breaker and the selector.
 //! - [`family`]: the API families (OpenAI chat, completions and Responses, Anthropic
 //!   Messages, the routes that generate nothing), each owning what is particular to its wire
@@ -20,13 +20,13 @@
 
 pub mod context;
 pub mod family;
-pub mod llm;
 pub mod model_name;
 pub mod raw_json;
+pub mod request;
 pub mod sse;
 pub mod usage;
 
 pub use family::{AnswerError, AnswerText, ApiFamily, Logprobs, RouteMatch, WireError};
-pub use llm::{Demand, Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel, UpstreamEdits};
+pub use request::{Demand, Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use usage::Usage;

@@ -3,7 +3,7 @@
 //! or an array's elements from the bytes a parser already checked.
 //!
 //! A request body can be megabytes, and a tree of it costs tens of bytes per JSON node. So
-//! Sluice parses a body once (see [`crate::llm`]), keeps the bytes, and works on them:
+//! Sluice parses a body once (see [`crate::request`]), keeps the bytes, and works on them:
 //! - [`object_spans`] finds the values of a few top-level members of an object, by their
 //!   byte ranges (the last of a repeated key, as parsers that keep the last read it);
 //! - [`Edit`] and [`apply`] copy a body once with some ranges replaced; [`set_member`]

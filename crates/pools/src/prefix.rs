@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use sluice_llm::family::PromptSource;
-use sluice_llm::llm::Prompt;
 use sluice_llm::model_name::tenant_cache_salt;
+use sluice_llm::request::Prompt;
 use sluice_llm::LlmCall;
 use sluice_tokenizer::{ChatParts, PromptTokenizer};
 

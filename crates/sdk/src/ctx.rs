@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use crate::escalation::Escalation;
-use crate::llm::{Endpoint, LlmCall};
 use crate::pool::{Pool, Priority};
+use crate::request::{Endpoint, LlmCall};
 use crate::tenant::Tenant;
 use crate::usage::Usage;
 

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use pingora_error::{Error, ErrorType};
 use std::fmt;
 
-use crate::llm::{Endpoint, InvalidRequest};
+use crate::request::{Endpoint, InvalidRequest};
 use sluice_llm::family::WireError;
 
 /// The innermost Pingora error of `e`'s cause chain, and the reply it carries, if any.

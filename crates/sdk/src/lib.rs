@@ -6,7 +6,7 @@
 //! metric macro, escalation, the tenant) plus the infrastructure plugins share (Redis, the
 //! memory budget, CPU work off the async workers). The LLM wire model lives in `sluice-llm`
 //! and the pools in `sluice-pools`; both are re-exported here under their old paths
-//! (`sluice_sdk::llm`, `sluice_sdk::pool`, ...), so a plugin depends on this crate alone. It
+//! (`sluice_sdk::request`, `sluice_sdk::pool`, ...), so a plugin depends on this crate alone. It
 //! must not depend on the core (`sluice`) nor on any plugin.
 //!
 //! - [`Plugin`]: the trait, with one hook per proxy phase and the return conventions.
@@ -46,7 +46,7 @@ pub mod redis;
 pub mod tenant;
 
 // The LLM wire model and the pools, re-exported where plugins have always found them.
-pub use sluice_llm::{context, family, llm, model_name, raw_json, sse, usage};
+pub use sluice_llm::{context, family, model_name, raw_json, request, sse, usage};
 pub use sluice_pools::{header_rules, health, members, pool, prefix, prefix_index, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
@@ -68,7 +68,6 @@ pub use header_rules::{HeaderRules, UpstreamAuth};
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, OutlierPolicy, Probe, StaleAs, Verdict,
 };
-pub use llm::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
@@ -77,6 +76,7 @@ pub use pool::{
     Admission, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools, Pressure,
     Priority, Selected, Timeouts, TokensPerSecond, Unfit,
 };
+pub use request::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};
 pub use tenant::{api_key, Tenant};
 pub use usage::Usage;

@@ -62,7 +62,7 @@ use config::{ConfidenceConfig, DraftWhen, MeasureName, ModelConfig};
 use http::HeaderName;
 use sluice_sdk::config::header_name;
 use sluice_sdk::escalation::reason;
-use sluice_sdk::llm::{Content, Prompt};
+use sluice_sdk::request::{Content, Prompt};
 use sluice_sdk::{
     AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, Host, LlmCall, LlmRequest, Plugin,
     PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck, Unfit,

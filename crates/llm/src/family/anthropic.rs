@@ -16,7 +16,7 @@
 
 use super::openai::{is_error_event, AnswerText};
 use super::{AnswerError, ApiFamily, RateLimitHeaders, RouteMatch, WireError};
-use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, StreamOptions};
+use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -168,7 +168,7 @@ impl ApiFamily for Anthropic {
         !self.count_tokens
     }
 
-    fn cache_use(&self, _request: &crate::llm::LlmRequest) -> super::CacheUse {
+    fn cache_use(&self, _request: &crate::request::LlmRequest) -> super::CacheUse {
         if self.count_tokens {
             super::CacheUse::Never
         } else {

@@ -21,7 +21,7 @@ pub mod responses;
 mod test_gemini;
 pub mod utility;
 
-use crate::llm::{InvalidRequest, LlmCall, LlmRequest, Prompt};
+use crate::request::{InvalidRequest, LlmCall, LlmRequest, Prompt};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::Value;

@@ -1,5 +1,5 @@
 //! The OpenAI families, as vLLM serves them: chat completions (`/v1/chat/completions`) and
-//! text completions (`/v1/completions`). Their request model is [`crate::llm::LlmRequest`];
+//! text completions (`/v1/completions`). Their request model is [`crate::request::LlmRequest`];
 //! here is the rest of what is theirs: the output default, the log-probabilities' place, the
 //! usage-only stream event, the error shape, and the answer codec.
 //!
@@ -16,8 +16,8 @@ use super::{
     AnswerError, ApiFamily, EventFacts, Logprobs, PromptSource, RouteMatch, Stamp, StreamAnswer,
     WireError,
 };
-use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall};
 use crate::raw_json::is_space;
+use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall};
 use crate::sse;
 use crate::usage::Usage;
 use bytes::Bytes;

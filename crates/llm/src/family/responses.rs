@@ -17,7 +17,7 @@
 
 use super::openai::{error_body, AnswerText};
 use super::{AnswerError, ApiFamily, CacheUse, RouteMatch, WireError};
-use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
+use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};

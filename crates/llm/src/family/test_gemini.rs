@@ -15,7 +15,7 @@
 
 use super::openai::AnswerText;
 use super::{AnswerError, ApiFamily, RouteMatch, StreamAnswer, WholeStream, WireError};
-use crate::llm::{Content, Endpoint, Input, InvalidRequest, LlmCall, LlmRequest};
+use crate::request::{Content, Endpoint, Input, InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::{Usage, UsageNames};
 use bytes::Bytes;
 use serde::Deserialize;

@@ -8,7 +8,7 @@
 use super::openai::{error_body, splice_identity, AnswerText};
 use super::RouteMatch;
 use super::{AnswerError, ApiFamily, CacheUse, WireError};
-use crate::llm::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
+use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 use crate::usage::Usage;
 use bytes::Bytes;
 
