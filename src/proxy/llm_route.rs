@@ -126,9 +126,9 @@ pub async fn home_of(
 /// A response the engine keeps (Responses API, `store` not false): its id is noted with the
 /// backend that made it as its answer passes (see `super::stored_responses`).
 fn note_home_of_answer(sluice: &Sluice, ctx: &mut RequestCtx) {
-    let stores = ctx.llm().is_some_and(|call| {
-        call.endpoint == Endpoint::Responses && call.request.store != Some(false)
-    });
+    let stores = ctx
+        .llm()
+        .is_some_and(|call| call.endpoint.family().stores_answer(&call.request));
     if stores {
         ctx.state
             .insert(super::stored_responses::NoteHome::new(Arc::clone(

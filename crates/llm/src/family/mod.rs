@@ -336,6 +336,11 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     fn cache_use(&self, _request: &LlmRequest) -> CacheUse {
         CacheUse::IfDeterministic
     }
+    /// Whether the engine keeps its answer to `request` for follow-ups that name it (the
+    /// Responses API's stored responses): the proxy then notes which backend made it.
+    fn stores_answer(&self, _request: &LlmRequest) -> bool {
+        false
+    }
     /// Whether a stream being answered can be relayed live to identical requests
     /// ([`ApiFamily::read_event`] and its kin); when not, they wait for the whole answer.
     fn relays_live(&self) -> bool {

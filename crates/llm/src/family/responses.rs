@@ -77,6 +77,11 @@ impl ApiFamily for Responses {
     /// `usage` of `response.created` is null); a whole answer's is its own. Never deeper: the
     /// response echoes the request's `tools` and `text.format`, whose JSON schemas may hold
     /// a `usage` object of the client's making.
+    /// `store` is `true` by default.
+    fn stores_answer(&self, request: &LlmRequest) -> bool {
+        request.store != Some(false)
+    }
+
     fn usage_names(&self) -> crate::usage::UsageNames {
         crate::usage::UsageNames::RESPONSES
     }
