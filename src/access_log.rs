@@ -61,6 +61,7 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
     }
 
     if access_log {
+        let placement = progress.placement;
         tracing::info!(
             target: "sluice::access",
             request_id = ctx.request_id().unwrap_or("-"),
@@ -74,6 +75,9 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
             bytes = progress.response_bytes,
             duration_ms = %Millis(Some(elapsed)),
             ttfb_ms = %Millis(progress.first_byte),
+            ttft_predicted_ms = %SecondsAsMillis(placement.map(|p| p.predicted_ttft)),
+            ttft_runner_up_ms = %SecondsAsMillis(placement.and_then(|p| p.runner_up).map(|(_, t)| t)),
+            session_moved = placement.is_some_and(|p| p.session_moved),
             cache_hit = ctx.answered_locally(),
             incomplete = progress.response_incomplete,
             trace_id = %crate::telemetry::trace_id(ctx).unwrap_or_else(|| "-".into()),
@@ -90,6 +94,18 @@ impl std::fmt::Display for Millis {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
             Some(d) => write!(f, "{:.3}", d.as_secs_f64() * 1000.0),
+            None => f.write_str("-"),
+        }
+    }
+}
+
+/// Seconds (a prediction) as milliseconds with one decimal; `-` when unknown or not finite.
+struct SecondsAsMillis(Option<f64>);
+
+impl std::fmt::Display for SecondsAsMillis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.filter(|s| s.is_finite()) {
+            Some(s) => write!(f, "{:.1}", s * 1000.0),
             None => f.write_str("-"),
         }
     }

@@ -163,6 +163,15 @@ metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
     TTFB_BUCKETS.to_vec()
 ));
 
+metric!(TTFT_PREDICTION_RATIO: HistogramVec = register_histogram_vec!(
+    "sluice_pool_ttft_measured_over_predicted",
+    "Each streamed request's time to first token over the one predicted when its backend was \
+     chosen, by pool: 1 is a perfect prediction; the share within 0.8-1.25 says how often the \
+     model is within 25 %.",
+    &["pool"],
+    vec![0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0]
+));
+
 metric!(DISCOVERY_ENDPOINTS: IntGaugeVec = register_int_gauge_vec!(
     "sluice_discovery_endpoints",
     "Each pool's backends by state: ready, draining (no new requests; leaving once idle), \
@@ -322,6 +331,9 @@ pub fn ttft_prediction(pool: &str, predicted: f64, observed: f64) {
         &[pool, direction],
         (observed - predicted).abs(),
     );
+    if predicted > 0.0 && observed.is_finite() {
+        observe(&TTFT_PREDICTION_RATIO, &[pool], observed / predicted);
+    }
 }
 
 /// Registers every series and creates the per-pool ones at zero, so dashboards and alerts

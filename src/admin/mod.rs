@@ -181,6 +181,9 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
                 "predicted_ttft_seconds": pool.reference_ttft(live),
+                "predicted_queue_seconds": pool.predicted_queue(live),
+                "wait_scale": live.wait_scale(),
+                "wait_scale_samples": live.wait_samples(),
                 "prefix_index": pool.prefix().map(|routing| json!({
                     "blocks": routing.index.blocks_of(spec.resolved),
                     "event_lag_seconds": routing.index.lag_of(spec.resolved),

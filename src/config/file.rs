@@ -589,9 +589,12 @@ pub struct BalancingFile {
     pub prefill_tokens_per_second: Option<f64>,
     /// ttft only: the share of requests sent to a random backend.
     pub exploration: Option<f64>,
-    /// Session affinity: off (default), soft or hard.
+    /// Session affinity: off, soft (default) or hard.
     pub session_affinity: SessionModeFile,
-    /// The header naming a request's session; `x-session-id` when absent.
+    /// Where a request names its session, in order (`header:<name>`, `body:<member>`);
+    /// what the agents send when absent.
+    pub session_keys: Option<Vec<String>>,
+    /// The one header naming a request's session (`session_keys: [header:<name>]`).
     pub session_header: Option<String>,
     /// How long an idle session is remembered.
     #[serde(default, deserialize_with = "optional_duration")]
@@ -607,7 +610,8 @@ impl Default for BalancingFile {
             prefix_affinity_bytes: None,
             prefill_tokens_per_second: None,
             exploration: None,
-            session_affinity: SessionModeFile::Off,
+            session_affinity: SessionModeFile::Soft,
+            session_keys: None,
             session_header: None,
             session_idle_ttl: None,
             session_capacity: None,

@@ -6,7 +6,7 @@
 pub mod file;
 mod limits;
 mod listeners;
-mod pools;
+pub(crate) mod pools;
 
 use crate::chain::ResolvedPlugins;
 use crate::discovery::PoolDiscovery;

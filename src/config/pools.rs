@@ -4,8 +4,9 @@
 use super::file::{self, FileConfig};
 use super::{existing_file, MAX_TIMEOUT};
 use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
-use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
+use sluice_sdk::pool::{SessionAffinity, SessionKey, SessionMode, TtftBalancing};
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
+use sluice_sdk::request::SESSION_MEMBERS;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
     AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, HeaderRules, HealthPolicy,
@@ -883,8 +884,29 @@ fn balancing(b: &file::BalancingFile, key: &str) -> Result<Balancing, Invalid> {
     }
 }
 
-/// The header sessions are named by when `session_header` is absent.
-const DEFAULT_SESSION_HEADER: &str = "x-session-id";
+/// Where sessions are named when neither `session_keys` nor `session_header` is set: what
+/// the agents and gateways send, in order. Headers: Sluice's own `x-session-id` (opencode's
+/// too), Dynamo's, Claude Code's, Codex's (`session-id`, and `session_id` before 0.131),
+/// opencode's, LiteLLM's; body: OpenAI's `prompt_cache_key` (Codex; opencode's camel-case
+/// spelling), Qwen Code's and LiteLLM's `metadata` members and LiteLLM's own, and last
+/// Anthropic's `metadata.user_id` (Claude Code puts its session id in it; another client's
+/// may name a user, not a session).
+pub const DEFAULT_SESSION_KEYS: &[&str] = &[
+    "header:x-session-id",
+    "header:x-dynamo-session-id",
+    "header:x-claude-code-session-id",
+    "header:session-id",
+    "header:session_id",
+    "header:x-session-affinity",
+    "header:x-opencode-session",
+    "header:x-litellm-session-id",
+    "body:prompt_cache_key",
+    "body:promptCacheKey",
+    "body:metadata.sessionId",
+    "body:metadata.session_id",
+    "body:litellm_session_id",
+    "body:metadata.user_id",
+];
 /// How long an idle session is remembered when `session_idle_ttl` is absent.
 const DEFAULT_SESSION_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
 /// The most sessions remembered per pool when `session_capacity` is absent.
@@ -899,6 +921,7 @@ fn session_affinity(
     let mode = match b.session_affinity {
         file::SessionModeFile::Off => {
             for (name, set) in [
+                ("session_keys", b.session_keys.is_some()),
                 ("session_header", b.session_header.is_some()),
                 ("session_idle_ttl", b.session_idle_ttl.is_some()),
                 ("session_capacity", b.session_capacity.is_some()),
@@ -915,15 +938,33 @@ fn session_affinity(
         file::SessionModeFile::Soft => SessionMode::Soft,
         file::SessionModeFile::Hard => SessionMode::Hard,
     };
-    let header = b
-        .session_header
-        .as_deref()
-        .unwrap_or(DEFAULT_SESSION_HEADER)
-        .to_ascii_lowercase();
-    if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+    let keys = match (&b.session_keys, &b.session_header) {
+        (Some(_), Some(_)) => {
+            return Err(Invalid::new(
+                format!("{key}.session_header"),
+                "is `session_keys: [header:<name>]`: set one of the two",
+            ))
+        }
+        (Some(keys), None) => keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| session_key(k, &format!("{key}.session_keys[{i}]")))
+            .collect::<Result<Vec<_>, _>>()?,
+        (None, Some(header)) => {
+            vec![session_key(
+                &format!("header:{header}"),
+                &format!("{key}.session_header"),
+            )?]
+        }
+        (None, None) => DEFAULT_SESSION_KEYS
+            .iter()
+            .map(|k| session_key(k, key))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    if keys.is_empty() {
         return Err(Invalid::new(
-            format!("{key}.session_header"),
-            format!("is not a header name (got `{header}`)"),
+            format!("{key}.session_keys"),
+            "must name at least one place (or set session_affinity: off)",
         ));
     }
     let idle_ttl = b.session_idle_ttl.unwrap_or(DEFAULT_SESSION_IDLE_TTL);
@@ -941,11 +982,56 @@ fn session_affinity(
         ));
     }
     Ok(Some(SessionAffinity {
-        header,
+        keys,
         mode,
         idle_ttl,
         capacity,
     }))
+}
+
+/// One of `session_keys`: `header:<name>`, or `body:<member>` for a top-level member the
+/// parse notes (`SESSION_MEMBERS`) or `body:metadata.<name>`.
+fn session_key(text: &str, key: &str) -> Result<SessionKey, Invalid> {
+    if let Some(name) = text.strip_prefix("header:") {
+        let name = name.trim().to_ascii_lowercase();
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(Invalid::new(
+                key,
+                format!("is not a header name (got `{name}`)"),
+            ));
+        }
+        return Ok(SessionKey::Header(name));
+    }
+    let Some(path) = text.strip_prefix("body:") else {
+        return Err(Invalid::new(
+            key,
+            format!("must be `header:<name>` or `body:<member>` (got `{text}`)"),
+        ));
+    };
+    let (top, inner) = match path.split_once('.') {
+        Some((top, inner)) => (top, Some(inner)),
+        None => (path, None),
+    };
+    let member = SESSION_MEMBERS.iter().find(|m| **m == top);
+    match (member, inner) {
+        (Some(&"metadata"), Some(inner)) if !inner.is_empty() && !inner.contains('.') => {
+            Ok(SessionKey::Body {
+                member: "metadata",
+                inner: Some(inner.to_string()),
+            })
+        }
+        (Some(member), None) if *member != "metadata" => Ok(SessionKey::Body {
+            member,
+            inner: None,
+        }),
+        _ => Err(Invalid::new(
+            key,
+            format!(
+                "names no body member a session is read from (got `{path}`): one of \
+                 prompt_cache_key, promptCacheKey, litellm_session_id, metadata.<name>"
+            ),
+        )),
+    }
 }
 
 fn retry_policy(r: &file::RetryFile, key: &str) -> Result<RetryPolicy, Invalid> {

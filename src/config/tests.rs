@@ -1164,14 +1164,20 @@ fn the_ejected_share_is_a_percentage() {
 
 #[test]
 fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
-    use sluice_sdk::pool::{SessionAffinity, SessionMode, TtftBalancing};
+    use sluice_sdk::pool::{SessionAffinity, SessionKey, SessionMode, TtftBalancing};
     let c = ok(&with_pool_key("balancing", "{strategy: ttft}"));
     let pool = c.pools.iter().next().unwrap();
     assert_eq!(
         pool.settings.balancing,
         Balancing::Ttft(TtftBalancing::default())
     );
-    assert_eq!(pool.settings.sessions, None, "off by default");
+    // On by default, reading what the agents send.
+    let sessions = pool.settings.sessions.clone().expect("on by default");
+    assert_eq!(sessions.mode, SessionMode::Soft);
+    let keys: Vec<String> = sessions.keys.iter().map(ToString::to_string).collect();
+    assert_eq!(keys, crate::config::pools::DEFAULT_SESSION_KEYS);
+    let c = ok(&with_pool_key("balancing", "{session_affinity: off}"));
+    assert_eq!(c.pools.iter().next().unwrap().settings.sessions, None);
     let c = ok(&with_pool_key(
         "balancing",
         "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: 4000, \
@@ -1190,7 +1196,7 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
     assert_eq!(
         pool.settings.sessions,
         Some(SessionAffinity {
-            header: "x-conversation".into(),
+            keys: vec![SessionKey::Header("x-conversation".into())],
             mode: SessionMode::Hard,
             idle_ttl: Duration::from_secs(300),
             capacity: 1000,
@@ -1211,11 +1217,42 @@ fn ttft_balancing_and_session_affinity_are_read_with_defaults() {
         .clone()
         .unwrap();
     assert_eq!(
-        (sessions.header.as_str(), sessions.mode, sessions.capacity),
-        ("x-session-id", SessionMode::Soft, 65_536)
+        (sessions.keys.len(), sessions.mode, sessions.capacity),
+        (DEFAULT_KEYS, SessionMode::Soft, 65_536)
     );
     assert_eq!(sessions.idle_ttl, Duration::from_secs(1800));
+    // An ordered list of headers and body members.
+    let c = ok(&with_pool_key(
+        "balancing",
+        "{session_keys: ['header:X-Agent-Session', 'body:prompt_cache_key', 'body:metadata.user_id']}",
+    ));
+    let keys = c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .sessions
+        .clone()
+        .unwrap()
+        .keys;
+    assert_eq!(
+        keys,
+        vec![
+            SessionKey::Header("x-agent-session".into()),
+            SessionKey::Body {
+                member: "prompt_cache_key",
+                inner: None
+            },
+            SessionKey::Body {
+                member: "metadata",
+                inner: Some("user_id".into())
+            },
+        ]
+    );
 }
+
+const DEFAULT_KEYS: usize = crate::config::pools::DEFAULT_SESSION_KEYS.len();
 
 #[test]
 fn ttft_and_session_rules_are_enforced() {
@@ -1237,9 +1274,40 @@ fn ttft_and_session_rules_are_enforced() {
             "between 0 and 1",
         ),
         (
-            "{session_header: x-session-id}",
+            "{session_affinity: off, session_header: x-session-id}",
             "session_header",
             "needs session_affinity",
+        ),
+        (
+            "{session_affinity: off, session_keys: ['header:x']}",
+            "session_keys",
+            "needs session_affinity",
+        ),
+        (
+            "{session_keys: ['header:x'], session_header: x}",
+            "session_header",
+            "set one of the two",
+        ),
+        ("{session_keys: []}", "session_keys", "at least one"),
+        (
+            "{session_keys: ['x-session-id']}",
+            "session_keys[0]",
+            "header:<name>",
+        ),
+        (
+            "{session_keys: ['header:x', 'body:messages']}",
+            "session_keys[1]",
+            "names no body member",
+        ),
+        (
+            "{session_keys: ['body:metadata']}",
+            "session_keys[0]",
+            "names no body member",
+        ),
+        (
+            "{session_keys: ['header:bad header']}",
+            "session_keys[0]",
+            "not a header name",
         ),
         (
             "{session_affinity: soft, session_header: 'bad header'}",

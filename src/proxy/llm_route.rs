@@ -30,8 +30,8 @@ use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
 use sluice_sdk::{
-    AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Pool, Pools,
-    RequestCtx, RetryOn, RouteMatch, Selected,
+    AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Placement, Pool,
+    Pools, RequestCtx, RetryOn, RouteMatch, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -78,7 +78,7 @@ pub async fn serve(
     }
     // A conversation's session id, when its pool keeps sessions on one backend.
     let tenant = ctx.tenant().map(|t| &*t.name);
-    call.demand.session = pool.session_key(session.req_header(), tenant);
+    call.demand.session = pool.session_key(session.req_header(), &call, tenant);
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
@@ -348,6 +348,7 @@ impl AttemptLoop {
                     if let Some(tokens) = backend.predicted_cached {
                         ctx.state.insert(Predicted { tokens });
                     }
+                    explain_placement(ctx, &pool, &backend);
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
                     let span = tries::span(ctx, &pool, backend.addr);
@@ -778,6 +779,32 @@ fn upstream_header(
     }
     header.set_version(http::Version::HTTP_11);
     Ok(header)
+}
+
+/// Notes why `backend` was chosen, for the access log (`ttft_predicted_ms`,
+/// `ttft_runner_up_ms`), and says it in a debug line.
+fn explain_placement(ctx: &mut RequestCtx, pool: &Pool, backend: &Selected) {
+    let Some(predicted_ttft) = backend.predicted_ttft else {
+        ctx.progress_mut().placement = None;
+        return;
+    };
+    let placement = Placement {
+        predicted_ttft,
+        runner_up: backend.runner_up,
+        session_moved: backend.session_moved,
+    };
+    tracing::debug!(
+        target: "sluice::placement",
+        pool = &*pool.name,
+        backend = %backend.addr,
+        predicted_ttft_ms = predicted_ttft * 1000.0,
+        runner_up = %placement.runner_up.map_or_else(|| "-".to_string(), |(addr, _)| addr.to_string()),
+        runner_up_ttft_ms = placement.runner_up.map_or(f64::NAN, |(_, t)| t * 1000.0),
+        cached_tokens = backend.cached_tokens,
+        session_moved = backend.session_moved,
+        "placed"
+    );
+    ctx.progress_mut().placement = Some(placement);
 }
 
 /// `header` with its path replaced by `path`, the client's query kept (a stream flag may be

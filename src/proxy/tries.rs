@@ -42,7 +42,7 @@ pub fn begin(
         in_flight.without_learning();
     }
     if let Some(pool) = pool.filter(|_| prompt_tokens > 0) {
-        in_flight.predict(backend.predicted_ttft, pool);
+        in_flight.predict(backend.predicted_ttft, backend.predicted_wait, pool);
     }
     in_flight
 }

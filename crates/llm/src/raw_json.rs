@@ -45,20 +45,27 @@ pub struct ObjectSpans<'k> {
 /// edit of those members later need not read the body again: how many there are, and where
 /// the value of each member asked for starts (none: absent), and whether each present one
 /// could be placed (not when its key was escaped: the body must then be read again).
-/// Kept in every parsed request, so a fixed array, not a vector.
+/// Kept in every parsed request, so a fixed array, not a vector, of 4-byte offsets (a body
+/// is far below 4 GiB).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeenMembers<const N: usize = 10> {
+pub struct SeenMembers<const N: usize = 14> {
     count: usize,
-    starts: [(&'static str, Option<usize>); N],
+    keys: &'static [&'static str; N],
+    /// Where each key's value starts; [`NOT_SEEN`]: absent.
+    starts: [u32; N],
     placed: bool,
 }
+
+/// A member not seen, in [`SeenMembers::starts`].
+const NOT_SEEN: u32 = u32::MAX;
 
 /// Nothing seen: what it describes must be read whole.
 impl<const N: usize> Default for SeenMembers<N> {
     fn default() -> Self {
         SeenMembers {
             count: 0,
-            starts: [("", None); N],
+            keys: &[""; N],
+            starts: [NOT_SEEN; N],
             placed: false,
         }
     }
@@ -66,10 +73,11 @@ impl<const N: usize> Default for SeenMembers<N> {
 
 impl<const N: usize> SeenMembers<N> {
     /// Nothing seen yet, of an object whose members `keys` are to be placed.
-    pub fn new(keys: [&'static str; N]) -> Self {
+    pub fn new(keys: &'static [&'static str; N]) -> Self {
         SeenMembers {
             count: 0,
-            starts: keys.map(|k| (k, None)),
+            keys,
+            starts: [NOT_SEEN; N],
             placed: true,
         }
     }
@@ -78,9 +86,12 @@ impl<const N: usize> SeenMembers<N> {
     /// (asked only for the members to place; `None` when its key was not read in place).
     pub fn saw(&mut self, key: &str, value_at: impl FnOnce() -> Option<usize>) {
         self.count += 1;
-        if let Some((_, at)) = self.starts.iter_mut().find(|(k, _)| *k == key) {
-            *at = value_at();
-            self.placed &= at.is_some();
+        if let Some(i) = self.keys.iter().position(|k| *k == key) {
+            let at = value_at().and_then(|at| u32::try_from(at).ok());
+            if let Some(start) = self.starts.get_mut(i) {
+                *start = at.unwrap_or(NOT_SEEN);
+            }
+            self.placed &= at.is_some_and(|at| at != NOT_SEEN);
         }
     }
 }
@@ -101,10 +112,13 @@ impl ObjectSpans<'static> {
             return None;
         }
         let mut values = Vec::with_capacity(N);
-        for (key, start) in &seen.starts {
+        for (key, start) in seen.keys.iter().zip(seen.starts) {
             let range = match start {
-                Some(start) => Some(*start..start + value_len(text.get(*start..close)?)?),
-                None => None,
+                NOT_SEEN => None,
+                start => {
+                    let start = start as usize;
+                    Some(start..start + value_len(text.get(start..close)?)?)
+                }
             };
             values.push((*key, range));
         }
@@ -587,7 +601,7 @@ mod tests {
 
     #[test]
     fn spans_from_what_a_parse_saw_read_only_the_values_asked_for() {
-        let mut seen = SeenMembers::new(["model", "stream_options"]);
+        let mut seen = SeenMembers::new(&["model", "stream_options"]);
         // What lies between is never read: here it is not even JSON.
         let text = br#"{"model": "a\"b" , not json at all, "stream_options":{"x":[1]} }"#;
         seen.saw("model", || Some(10));
@@ -604,11 +618,11 @@ mod tests {
         );
         assert_eq!((spans.members(), spans.close()), (3, text.len() - 1));
         // A member whose key was not read in place cannot be placed.
-        let mut escaped = SeenMembers::new(["model"]);
+        let mut escaped = SeenMembers::new(&["model"]);
         escaped.saw("model", || None);
         assert_eq!(ObjectSpans::from_seen(b"{}", &escaped), None);
         // Absent members are appended where the object closes.
-        let absent = SeenMembers::new(["model"]);
+        let absent = SeenMembers::new(&["model"]);
         let spans = ObjectSpans::from_seen(b"{ } ", &absent).unwrap();
         assert_eq!((spans.value("model"), spans.close()), (None, 2));
         // Nothing seen (a request not made by a parse): read whole.

@@ -265,6 +265,12 @@ pub struct BackendLive {
     prefill_speed: AtomicU64,
     /// TTFTs the speed was learned from.
     speed_samples: AtomicU64,
+    /// How long the wait the model predicts really lasts, as a factor (`f64` bits; 0: 1):
+    /// learned from the first tokens of requests that had work ahead of them (see
+    /// [`BackendLive::wait_scale`]).
+    wait_scale: AtomicU64,
+    /// TTFTs the wait's scale was learned from.
+    wait_samples: AtomicU64,
     // The failure breaker.
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -481,6 +487,7 @@ impl BackendLive {
             credit_known: true,
             speed_sample: None,
             predicted_ttft: None,
+            predicted_wait: None,
             pool: None,
             answered_in_scrape: None,
         }
@@ -541,16 +548,28 @@ impl BackendLive {
     }
 
     /// The time to first token a request of `prompt_tokens`, `cached_tokens` of them taken to
-    /// be in the backend's prefix cache, may expect here, in seconds: the prefill ahead of it
-    /// (this proxy's outstanding prefill, and requests queued by others as the last fresh
-    /// scrape shows them) plus its own, at the learned speed, plus a little for each
-    /// sequence decoding (they share the engine's steps). No KV-cache or health judgement.
+    /// be in the backend's prefix cache, may expect here, in seconds: the wait ahead of it
+    /// ([`BackendLive::predicted_wait_tokens`], scaled by what the backend's first tokens
+    /// taught, [`BackendLive::wait_scale`]) plus its own uncached tokens, at the learned
+    /// prefill speed. No KV-cache or health judgement.
     pub fn predicted_ttft(
         &self,
         prompt_tokens: u64,
         cached_tokens: u64,
         policy: &HealthPolicy,
     ) -> f64 {
+        let wait = self.predicted_wait_tokens(prompt_tokens, policy) * self.wait_scale();
+        let mine = prompt_tokens.saturating_sub(cached_tokens) as f64;
+        (wait + mine) / self.prefill_speed()
+    }
+
+    /// The work ahead of a new request here, in prompt tokens at the prefill speed: the
+    /// uncached prompt tokens of every request this proxy sent and that has not had its
+    /// first token (each counted with the hits expected for it when it was sent), requests
+    /// queued by others as the last fresh scrape shows them (taken to be of the size of ours,
+    /// or of this one's `prompt_tokens` when we have none there), and a share of a step for
+    /// each sequence decoding (chunked prefill shares each step with them). Unscaled.
+    pub fn predicted_wait_tokens(&self, prompt_tokens: u64, policy: &HealthPolicy) -> f64 {
         let own = self.accounting();
         let (waiting, running) = self
             .load
@@ -558,8 +577,7 @@ impl BackendLive {
             .as_ref()
             .filter(|l| l.scraped_at.elapsed() <= policy.stale_after)
             .map_or((0.0, 0.0), |l| (l.waiting, l.running));
-        // A scrape's queue beyond our own outstanding requests is someone else's traffic,
-        // taken to be of the size of ours (or of this request when we have none there).
+        // A scrape's queue beyond our own outstanding requests is someone else's traffic.
         let foreign = (waiting - f64::from(own.prefilling)).max(0.0);
         let typical = if own.prefilling > 0 {
             own.prefill_tokens as f64 / f64::from(own.prefilling)
@@ -567,9 +585,50 @@ impl BackendLive {
             prompt_tokens as f64
         };
         let ahead = own.prefill_tokens as f64 + foreign * typical;
-        let mine = prompt_tokens.saturating_sub(cached_tokens) as f64;
         let decoding = f64::from(own.decoding).max(running);
-        (ahead + mine + decoding * DECODE_STEP_TOKENS) / self.prefill_speed()
+        ahead + decoding * DECODE_STEP_TOKENS
+    }
+
+    /// How long the predicted wait really lasts, as a factor learned from the first tokens
+    /// of requests that had work ahead of them: what each took beyond its own prefill, over
+    /// the wait predicted for it. 1 until learned. It absorbs what the model does not count
+    /// (an engine's batch limits, steps shared with decodes, others' traffic between scrapes).
+    pub fn wait_scale(&self) -> f64 {
+        match self.wait_scale.load(Relaxed) {
+            0 => 1.0,
+            bits => f64::from_bits(bits),
+        }
+    }
+
+    /// How many first tokens the wait's scale was learned from.
+    pub fn wait_samples(&self) -> u64 {
+        self.wait_samples.load(Relaxed)
+    }
+
+    /// Learns the wait's scale from one first token: `seconds` after it was sent, behind a
+    /// predicted wait of `wait_tokens`, with `own_tokens` of its own to prefill.
+    fn learn_wait(&self, wait_tokens: f64, own_tokens: u64, seconds: f64) {
+        let big_enough = wait_tokens.is_finite() && wait_tokens >= MIN_LEARNING_TOKENS as f64;
+        if !big_enough || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let waited = (seconds * self.prefill_speed() - own_tokens as f64).max(0.0);
+        let observed = (waited / wait_tokens).clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE);
+        let weight = WAIT_EWMA * (wait_tokens / 1024.0).min(1.0);
+        let learned = self
+            .wait_scale
+            .fetch_update(Relaxed, Relaxed, |bits| {
+                let current = match bits {
+                    0 => 1.0,
+                    bits => f64::from_bits(bits),
+                };
+                let next = current + weight * (observed - current);
+                Some(next.clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE).to_bits())
+            })
+            .is_ok();
+        if learned {
+            self.wait_samples.fetch_add(1, Relaxed);
+        }
     }
 
     /// Requests this proxy has in flight on the backend now (not other proxies').
@@ -759,6 +818,9 @@ pub struct InFlight {
     /// Its first token's time, kept until the engine says what it computed.
     speed_sample: Option<SpeedSample>,
     predicted_ttft: Option<f64>,
+    /// The wait predicted ahead of it when it was sent (unscaled prompt tokens), to learn
+    /// the wait's scale from its first token.
+    predicted_wait: Option<f64>,
     pool: Option<Arc<str>>,
     /// The scrape during which a request with a prompt was answered (see
     /// [`BackendLive::finished_tokens`]).
@@ -780,10 +842,17 @@ impl InFlight {
         &self.backend
     }
 
-    /// Records what was predicted of the request's TTFT (seconds), and the pool it is
-    /// counted under, to be compared with what it takes.
-    pub fn predict(&mut self, predicted_ttft: Option<f64>, pool: Arc<str>) {
+    /// Records what was predicted of the request's TTFT (seconds) and of the wait ahead of
+    /// it (unscaled prompt tokens, [`BackendLive::predicted_wait_tokens`]), and the pool it
+    /// is counted under, to be compared with what it takes.
+    pub fn predict(
+        &mut self,
+        predicted_ttft: Option<f64>,
+        predicted_wait: Option<f64>,
+        pool: Arc<str>,
+    ) {
         self.predicted_ttft = predicted_ttft;
+        self.predicted_wait = predicted_wait;
         self.pool = Some(pool);
     }
 
@@ -827,6 +896,16 @@ impl InFlight {
             b.answered_since_scrape.fetch_add(1, Relaxed);
         }
         let observed = self.sent.elapsed().as_secs_f64();
+        // With work ahead, the first token says how long the predicted wait really was
+        // (its own prefill at the learned speed taken off); alone, how fast the backend is.
+        if let (true, false, true, Some(wait)) = (
+            is_first_token,
+            self.alone,
+            self.credit_known,
+            self.predicted_wait,
+        ) {
+            b.learn_wait(wait, self.prompt_tokens, observed);
+        }
         if is_first_token && self.alone {
             self.speed_sample = Some(SpeedSample {
                 backend: Arc::clone(b),
@@ -858,8 +937,16 @@ pub struct Accounting {
 /// a mid-size model on one current GPU.
 pub const DEFAULT_PREFILL_SPEED: f64 = 10_000.0;
 
-/// The smallest prompt whose TTFT teaches the speed: below it, fixed overheads dominate.
+/// The smallest prompt whose TTFT teaches the speed (and the smallest predicted wait that
+/// teaches the wait's scale): below it, fixed overheads dominate.
 const MIN_LEARNING_TOKENS: u64 = 128;
+
+/// The share of the wait's scale one sample of a full-size wait replaces.
+const WAIT_EWMA: f64 = 0.1;
+
+/// The wait's scale stays within these: a model off by more is not saved by a factor.
+const MIN_WAIT_SCALE: f64 = 0.25;
+const MAX_WAIT_SCALE: f64 = 4.0;
 
 /// The share of the speed estimate one full-size sample replaces.
 const SPEED_EWMA: f64 = 0.2;
@@ -1309,6 +1396,41 @@ mod tests {
             (t - (9_000.0 + 2.0 * 9_000.0 + 1_000.0) / 1_000.0).abs() < 1e-9,
             "{t}"
         );
+    }
+
+    #[test]
+    fn first_tokens_behind_a_wait_teach_how_long_the_wait_really_is() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        b.seed_prefill_speed(1_000_000.0);
+        assert_eq!(b.wait_scale(), 1.0);
+        // 2,000 tokens ahead, predicted at 2 ms; each newcomer's first token comes after
+        // 4 ms (its own 100 tokens aside): the wait was twice as long as predicted.
+        let _ahead = b.begin_request(3_000, 2_000);
+        for _ in 0..60 {
+            let wait = b.predicted_wait_tokens(100, &policy);
+            assert_eq!(wait, 2_000.0);
+            let mut next = b.begin_request(200, 100);
+            next.predict(Some(0.0021), Some(wait), Arc::from("p"));
+            // Its first token, as if 4.1 ms had passed: set `sent` back.
+            next.sent -= std::time::Duration::from_micros(4_100);
+            assert!(next.first_byte(true).is_some());
+        }
+        let scale = b.wait_scale();
+        assert!((scale - 2.0).abs() < 0.1, "{scale}");
+        assert_eq!(b.wait_samples(), 60);
+        // The prediction uses it.
+        let t = b.predicted_ttft(100, 0, &policy);
+        assert!(
+            (t - (2_000.0 * scale + 100.0) / 1_000_000.0).abs() < 1e-9,
+            "{t}"
+        );
+        // A request alone teaches the speed, not the wait.
+        let lone = Arc::new(BackendLive::default());
+        let mut first = lone.begin_request(200, 100);
+        first.predict(Some(0.001), Some(0.0), Arc::from("p"));
+        first.first_byte(true);
+        assert_eq!(lone.wait_samples(), 0);
     }
 
     #[test]

@@ -113,6 +113,21 @@ pub struct Progress {
     /// What answers that were generated but not sent used (a draft rejected by the
     /// speculative selector's check, or cut by its context): the engine spent it all the same.
     pub discarded: Discarded,
+    /// Why the latest attempt's backend was chosen, when its pool predicts times to first
+    /// token.
+    pub placement: Option<Placement>,
+}
+
+/// A backend's choice explained: the time to first token predicted there and at the best
+/// other candidate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    /// Predicted at the chosen backend, seconds.
+    pub predicted_ttft: f64,
+    /// The best other candidate and the time predicted there, seconds.
+    pub runner_up: Option<(std::net::SocketAddr, f64)>,
+    /// The request's session left the backend its last turn went to.
+    pub session_moved: bool,
 }
 
 /// Tokens generated for a request and thrown away, and their price.

@@ -60,7 +60,7 @@ pub use config::ConfigError;
 /// [`RequestCtx::traced`] says whether the request's trace is kept, before working out what
 /// only its spans would show.
 pub const SPAN_EVENTS: &str = "sluice::span_event";
-pub use ctx::{Discarded, PluginState, Progress, RequestCtx, Route};
+pub use ctx::{Discarded, Placement, PluginState, Progress, RequestCtx, Route};
 pub use error::{ErrorReply, Reason};
 pub use escalation::{AnswerCheck, Escalation, Judgement, StreamCheck, StreamJudge};
 pub use family::{AnswerError, AnswerText, ApiFamily, Logprobs, RouteMatch};

@@ -42,10 +42,24 @@ use serde::Deserialize;
 pub use crate::family::Endpoint;
 
 /// The top-level members whose place in the body the parse notes ([`LlmRequest::seen`]):
-/// those an upstream body's edit may change ([`crate::model_name::EDITED_MEMBERS`]), and
-/// those a chat template reads besides `messages` and `tools`, for a pool that tokenizes
-/// prompts as its engines do.
-pub const PLACED_MEMBERS: [&str; 10] = concat(crate::model_name::EDITED_MEMBERS, TEMPLATE_MEMBERS);
+/// those an upstream body's edit may change ([`crate::model_name::EDITED_MEMBERS`]), those
+/// a chat template reads besides `messages` and `tools`, for a pool that tokenizes prompts
+/// as its engines do, and those a client may name its session in ([`SESSION_MEMBERS`]).
+pub const PLACED_MEMBERS: [&str; 14] = concat(
+    concat::<7, 3, 10>(crate::model_name::EDITED_MEMBERS, TEMPLATE_MEMBERS),
+    SESSION_MEMBERS,
+);
+
+/// The top-level members a session may be named in (a pool's `session_keys`): OpenAI's
+/// `prompt_cache_key` (Codex; opencode's camel-case spelling through some SDKs), LiteLLM's
+/// `litellm_session_id`, and `metadata`, whose members Anthropic's `user_id`, Qwen Code's
+/// `sessionId` and LiteLLM's `session_id` are.
+pub const SESSION_MEMBERS: [&str; 4] = [
+    "prompt_cache_key",
+    "promptCacheKey",
+    "litellm_session_id",
+    "metadata",
+];
 
 /// The members a chat template reads besides `messages` and `tools`.
 pub const TEMPLATE_MEMBERS: [&str; 3] = [

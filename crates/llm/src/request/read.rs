@@ -360,6 +360,11 @@ pub(super) const FIELDS: &[&str] = &[
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    // Only placed, for a session's key (`SESSION_MEMBERS`).
+    "prompt_cache_key",
+    "promptCacheKey",
+    "litellm_session_id",
+    "metadata",
 ];
 
 /// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
@@ -403,7 +408,7 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let shared = self.shared;
         let mut r = LlmRequest {
-            seen: raw_json::SeenMembers::new(PLACED_MEMBERS),
+            seen: raw_json::SeenMembers::new(&PLACED_MEMBERS),
             ..LlmRequest::default()
         };
         let mut messages = None;

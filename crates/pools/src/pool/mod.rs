@@ -19,8 +19,8 @@ mod settings;
 pub use admission::{Admission, Pressure, Priority};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
-    Balancing, Capabilities, ClientFields, PoolSettings, SessionAffinity, SessionMode, Timeouts,
-    TokensPerSecond, TtftBalancing,
+    Balancing, Capabilities, ClientFields, PoolSettings, SessionAffinity, SessionKey, SessionMode,
+    Timeouts, TokensPerSecond, TtftBalancing,
 };
 
 use crate::health::{BackendLive, DEFAULT_PREFILL_SPEED};

@@ -1,12 +1,15 @@
-//! Session affinity: requests naming the same session (a header, scoped to the tenant) go to
-//! one backend while the pool's [`SessionAffinity`](super::SessionAffinity) allows. The
-//! table is fixed in size and lock-free (see [`SessionTable`]).
+//! Session affinity: requests naming the same session (a header or a body member the agents
+//! send, scoped to the tenant) go to one backend while the pool's
+//! [`SessionAffinity`](super::SessionAffinity) allows; under `ttft`, while the predicted time
+//! to first token elsewhere, the recompute of what the session left cached included, is not
+//! lower. The table is fixed in size and lock-free (see [`SessionTable`]).
 
 use super::select::Choice;
-use super::{Pool, SessionMode};
-use sluice_llm::Demand;
+use super::{Pool, SessionKey, SessionMode};
+use sluice_llm::raw_json::{self, ObjectSpans};
+use sluice_llm::{Demand, LlmCall};
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
@@ -26,6 +29,9 @@ const SESSION_MAX_WAIT: f64 = 1.0;
 /// seconds, wrapping). A backend keeps its slot while it stays in the pool.
 pub(super) struct SessionTable {
     slots: Box<[AtomicU64]>,
+    /// Beside each slot, the prompt (estimated tokens) of the session's last turn: what it
+    /// left in its backend's prefix cache, for a strategy that weighs it.
+    last_prompt: Box<[AtomicU32]>,
     idle_ttl_secs: u64,
 }
 
@@ -38,6 +44,7 @@ impl SessionTable {
         let len = capacity.clamp(2, 1 << 24).next_multiple_of(2);
         Self {
             slots: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            last_prompt: (0..len).map(|_| AtomicU32::new(0)).collect(),
             idle_ttl_secs: idle_ttl.as_secs().max(1),
         }
     }
@@ -76,19 +83,26 @@ impl SessionTable {
             for (mine, theirs) in self.slots.iter().zip(old.slots.iter()) {
                 mine.store(theirs.load(Relaxed), Relaxed);
             }
+            for (mine, theirs) in self.last_prompt.iter().zip(old.last_prompt.iter()) {
+                mine.store(theirs.load(Relaxed), Relaxed);
+            }
         }
     }
 
-    pub(super) fn get(&self, key: u64) -> Option<u16> {
+    /// The session slot of `key`'s backend, and its last turn's prompt (estimated tokens).
+    pub(super) fn get(&self, key: u64) -> Option<(u16, u32)> {
         let (tag, now) = (Self::tag(key), Self::now());
         self.pair(key).into_iter().find_map(|slot| {
             let entry = self.slots.get(slot)?.load(Relaxed);
-            self.live_index(entry, Some(tag), now)
+            let backend = self.live_index(entry, Some(tag), now)?;
+            let last = self.last_prompt.get(slot).map_or(0, |t| t.load(Relaxed));
+            Some((backend, last))
         })
     }
 
-    /// Binds the session `key` to the backend with session slot `slot`.
-    pub(super) fn bind(&self, key: u64, slot: u16) {
+    /// Binds the session `key` to the backend with session slot `slot`, its turn's prompt
+    /// of `prompt_tokens` (estimated) sent there.
+    pub(super) fn bind(&self, key: u64, slot: u16, prompt_tokens: u64) {
         if slot == 0 {
             return; // A backend beyond what slots can name: balanced without sessions.
         }
@@ -104,20 +118,27 @@ impl SessionTable {
         let mine = |e: u64| e >> (SESSION_TIME_BITS + SESSION_INDEX_BITS) == tag && e != 0;
         let free = |e: u64| self.live_index(e, None, now).is_none();
         let age = |e: u64| now.wrapping_sub(e & SESSION_TIME_MASK) & SESSION_TIME_MASK;
-        let slot = if mine(ea) {
-            sa
+        let at = if mine(ea) {
+            a
         } else if mine(eb) {
-            sb
+            b
         } else if free(ea) {
-            sa
+            a
         } else if free(eb) || age(eb) > age(ea) {
-            sb
+            b
         } else {
-            sa
+            a
+        };
+        let (Some(slot), Some(last)) = (self.slots.get(at), self.last_prompt.get(at)) else {
+            return;
         };
         // Skipped when nothing changed, so a busy session does not keep writing one line.
         if slot.load(Relaxed) != entry {
             slot.store(entry, Relaxed);
+        }
+        let tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+        if last.load(Relaxed) != tokens {
+            last.store(tokens, Relaxed);
         }
     }
 
@@ -131,19 +152,34 @@ impl SessionTable {
 }
 
 impl Pool {
-    /// The session key of a request that names its session in the pool's session header;
-    /// `None` when the pool has no session affinity or the request names none. Hashed with
-    /// a per-process key: client-chosen ids cannot aim at one another's slots. Scoped to
-    /// `tenant`: one tenant's session id never joins another's session (and its backend).
+    /// The session key of a request that names its session where the pool's `session_keys`
+    /// look (the first that has a value); `None` when the pool has no session affinity or
+    /// the request names none. Hashed with a per-process key: client-chosen ids cannot aim
+    /// at one another's slots. Scoped to `tenant`: one tenant's session id never joins
+    /// another's session (and its backend). Body members are found where the request's
+    /// parse noted them: the body is not read again.
     pub fn session_key(
         &self,
         header: &pingora_http::RequestHeader,
+        call: &LlmCall,
         tenant: Option<&str>,
     ) -> Option<u64> {
         static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
-        let name = &self.settings.sessions.as_ref()?.header;
-        let value = header.headers.get(name.as_str())?.as_bytes();
-        (!value.is_empty()).then(|| KEY.hash_one((tenant, value)))
+        let sessions = self.settings.sessions.as_ref()?;
+        let mut members = None;
+        for key in &sessions.keys {
+            let value = match key {
+                SessionKey::Header(name) => header.headers.get(name.as_str()).map(|v| v.as_bytes()),
+                SessionKey::Body { member, inner } => {
+                    let spans = members.get_or_insert_with(|| call.placed_members());
+                    body_value(&call.body, spans.as_ref(), member, inner.as_deref())
+                }
+            };
+            if let Some(value) = value.filter(|v| !matches!(*v, b"" | b"null" | b"\"\"")) {
+                return Some(KEY.hash_one((tenant, value)));
+            }
+        }
+        None
     }
 
     /// Whether a session bound to backend `index` stays there for this request.
@@ -176,4 +212,23 @@ impl Pool {
     pub fn sessions_remembered(&self) -> usize {
         self.session_table.as_ref().map_or(0, SessionTable::len)
     }
+}
+
+/// The JSON text of body member `member` (a top-level one, placed in `spans`), or of its
+/// member `inner`: `None` when absent or not an object where `inner` is wanted.
+fn body_value<'b>(
+    body: &'b [u8],
+    spans: Option<&ObjectSpans<'_>>,
+    member: &str,
+    inner: Option<&str>,
+) -> Option<&'b [u8]> {
+    let value = body.get(spans?.value(member)?)?;
+    let Some(inner) = inner else {
+        return Some(value);
+    };
+    if value.first() != Some(&b'{') {
+        return None;
+    }
+    let range = raw_json::object_spans(value, &[inner])?.value(inner)?;
+    value.get(range)
 }

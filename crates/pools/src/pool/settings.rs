@@ -189,11 +189,42 @@ pub enum SessionMode {
     Hard,
 }
 
-/// Session affinity: requests naming the same session (a header) go to one backend.
+/// Where a request may name its session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionKey {
+    /// A request header (its name in lower case).
+    Header(String),
+    /// A top-level body member the parse notes (one of `sluice_llm::request::SESSION_MEMBERS`),
+    /// or with `inner`, a member of that object (`metadata.user_id`).
+    Body {
+        /// The top-level member.
+        member: &'static str,
+        /// Its member that names the session, when it is an object.
+        inner: Option<String>,
+    },
+}
+
+impl std::fmt::Display for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SessionKey::Header(name) => write!(f, "header:{name}"),
+            SessionKey::Body {
+                member,
+                inner: None,
+            } => write!(f, "body:{member}"),
+            SessionKey::Body {
+                member,
+                inner: Some(inner),
+            } => write!(f, "body:{member}.{inner}"),
+        }
+    }
+}
+
+/// Session affinity: requests naming the same session go to one backend.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionAffinity {
-    /// The request header that names the session (lower case).
-    pub header: String,
+    /// Where a session is named, in order: the first the request has names it.
+    pub keys: Vec<SessionKey>,
     /// Soft or hard.
     pub mode: SessionMode,
     /// A session not seen for this long is forgotten.

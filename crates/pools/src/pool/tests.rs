@@ -443,10 +443,18 @@ fn ttft_sends_nothing_where_the_kv_cache_is_full() {
 }
 
 fn sessions(mode: SessionMode, capacity: usize) -> Pool {
+    sessions_by(
+        mode,
+        capacity,
+        vec![SessionKey::Header("x-session-id".into())],
+    )
+}
+
+fn sessions_by(mode: SessionMode, capacity: usize, keys: Vec<SessionKey>) -> Pool {
     Pool::new(PoolSettings {
         balancing: ttft(None),
         sessions: Some(SessionAffinity {
-            header: "x-session-id".into(),
+            keys,
             mode,
             idle_ttl: Duration::from_secs(600),
             capacity,
@@ -459,12 +467,23 @@ fn sessions(mode: SessionMode, capacity: usize) -> Pool {
     })
 }
 
+/// A chat request with `body`'s members beside its one message.
+fn call_with(members: &str) -> LlmCall {
+    let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{members}}}"#);
+    LlmCall::parse(
+        sluice_llm::Endpoint::ChatCompletions,
+        bytes::Bytes::from(body),
+    )
+    .unwrap()
+}
+
+/// A turn of 1,000 prompt tokens of the session `id` (its header).
 fn in_session(pool: &Pool, id: &str) -> Demand {
     let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
     header.insert_header("x-session-id", id).unwrap();
     Demand {
-        session: pool.session_key(&header, None),
-        ..prompt(100, None)
+        session: pool.session_key(&header, &call_with(""), None),
+        ..prompt(1_000, None)
     }
 }
 
@@ -475,7 +494,8 @@ fn a_session_stays_on_its_backend() {
         let demand = in_session(&pool, "conversation-1");
         assert!(demand.session.is_some());
         let home = pool.select(&[], &demand).unwrap().addr;
-        // Its backend gets busier than the others, but not overloaded: it stays.
+        // Its backend gets busier than the others, but what the session left there saves
+        // more than the wait costs: it stays.
         let _a = live_of(&pool, home).begin_request(400, 300);
         for _ in 0..10 {
             assert_eq!(pool.select(&[], &demand).unwrap().addr, home, "{mode:?}");
@@ -485,21 +505,110 @@ fn a_session_stays_on_its_backend() {
         assert_eq!(pool.sessions_remembered(), 1);
     }
     let pool = sessions(SessionMode::Soft, 1_024);
+    let call = call_with("");
     let mut header = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
     assert_eq!(
-        pool.session_key(&header, None),
+        pool.session_key(&header, &call, None),
         None,
         "no header: no session"
     );
     header.insert_header("x-session-id", "").unwrap();
-    assert_eq!(pool.session_key(&header, None), None);
+    assert_eq!(pool.session_key(&header, &call, None), None);
     // One tenant's session id is not another's session (N21).
     header.insert_header("x-session-id", "shared-id").unwrap();
-    let alpha = pool.session_key(&header, Some("alpha"));
+    let alpha = pool.session_key(&header, &call, Some("alpha"));
     assert!(alpha.is_some());
-    assert_eq!(alpha, pool.session_key(&header, Some("alpha")));
-    assert_ne!(alpha, pool.session_key(&header, Some("beta")));
-    assert_ne!(alpha, pool.session_key(&header, None));
+    assert_eq!(alpha, pool.session_key(&header, &call, Some("alpha")));
+    assert_ne!(alpha, pool.session_key(&header, &call, Some("beta")));
+    assert_ne!(alpha, pool.session_key(&header, &call, None));
+}
+
+#[test]
+fn a_session_is_read_from_the_first_key_that_names_it() {
+    let keys = vec![
+        SessionKey::Header("x-claude-code-session-id".into()),
+        SessionKey::Body {
+            member: "prompt_cache_key",
+            inner: None,
+        },
+        SessionKey::Body {
+            member: "metadata",
+            inner: Some("user_id".into()),
+        },
+    ];
+    let pool = sessions_by(SessionMode::Soft, 1_024, keys);
+    let bare = pingora_http::RequestHeader::build("POST", b"/", None).unwrap();
+    let key = |header: &pingora_http::RequestHeader, members: &str| {
+        pool.session_key(header, &call_with(members), Some("t"))
+    };
+    // Codex's prompt_cache_key; Anthropic's metadata.user_id; neither; both (the first
+    // listed wins).
+    let codex = key(&bare, r#","prompt_cache_key":"019ee74f-22b5""#);
+    assert!(codex.is_some());
+    assert_eq!(
+        codex,
+        key(
+            &bare,
+            r#","temperature":0,"prompt_cache_key":"019ee74f-22b5""#
+        )
+    );
+    let claude = key(
+        &bare,
+        r#","metadata":{"user_id":"user_ab_account__session_7f"}"#,
+    );
+    assert!(claude.is_some());
+    assert_ne!(claude, codex);
+    assert_eq!(
+        key(
+            &bare,
+            r#","metadata":{"user_id":null},"prompt_cache_key":"""#
+        ),
+        None
+    );
+    assert_eq!(key(&bare, r#","metadata":"user_id""#), None);
+    assert_eq!(
+        key(
+            &bare,
+            r#","metadata":{"user_id":"user_ab_account__session_7f"},"prompt_cache_key":"019ee74f-22b5""#
+        ),
+        codex
+    );
+    // The header comes first.
+    let mut header = bare.clone();
+    header
+        .insert_header("x-claude-code-session-id", "7f")
+        .unwrap();
+    let by_header = key(&header, r#","prompt_cache_key":"019ee74f-22b5""#);
+    assert!(by_header.is_some());
+    assert_ne!(by_header, codex);
+    assert_eq!(by_header, key(&header, ""));
+    // A key escaped in the body (not placed by the parse) is still read.
+    assert_eq!(
+        codex,
+        key(&bare, r#","prompt_cache_k\u0065y":"019ee74f-22b5""#)
+    );
+}
+
+#[test]
+fn a_session_turn_moves_only_when_the_wait_costs_more_than_the_recompute() {
+    let pool = sessions(SessionMode::Soft, 1_024);
+    let demand = in_session(&pool, "agent-1");
+    let home = pool.select(&[], &demand).unwrap().addr;
+    // 900 tokens of others' prefill ahead at home: less than the 1,000 a move recomputes.
+    let ahead = live_of(&pool, home).begin_request(1_000, 900);
+    let stays = pool.select(&[], &demand).unwrap();
+    assert_eq!(stays.addr, home);
+    let (runner_up, its_ttft) = stays.runner_up.expect("ttft names the runner-up");
+    assert_ne!(runner_up, home);
+    assert!(stays.predicted_ttft.unwrap() < its_ttft, "{stays:?}");
+    assert!(!stays.session_moved);
+    // 1,100 ahead: more than the recompute, so it moves, and the session with it.
+    let more = live_of(&pool, home).begin_request(300, 200);
+    let moved = pool.select(&[], &demand).unwrap();
+    assert_ne!(moved.addr, home);
+    assert!(moved.session_moved);
+    assert_eq!(pool.select(&[], &demand).unwrap().addr, moved.addr);
+    drop((ahead, more));
 }
 
 #[test]
@@ -517,7 +626,7 @@ fn a_soft_session_leaves_an_overloaded_backend_and_a_hard_one_does_not() {
         // A full KV cache is overload too.
         let pool = sessions(mode, 1_024);
         let home = pool.select(&[], &demand).unwrap().addr;
-        live_of(&pool, home).publish_load(load(0.97, 0.0));
+        live_of(&pool, home).publish_load(load(0.999, 0.0));
         assert_eq!(pool.select(&[], &demand).unwrap().addr == home, stays);
     }
 }
@@ -764,7 +873,7 @@ fn a_session_and_a_prefix_home_survive_an_update_that_keeps_their_backend() {
         prefix_affinity: Some(64),
     };
     settings.sessions = Some(SessionAffinity {
-        header: "x-session-id".into(),
+        keys: vec![SessionKey::Header("x-session-id".into())],
         mode: SessionMode::Hard,
         idle_ttl: Duration::from_secs(60),
         capacity: 64,

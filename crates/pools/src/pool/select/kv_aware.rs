@@ -3,7 +3,7 @@
 //! unless the prefix's home (the exact index's, or the approximate affinity's) is nearly as
 //! good.
 
-use super::{Choice, Strategy, ADAPTER_LOAD_SCORE};
+use super::{Choice, Pick, Strategy, ADAPTER_LOAD_SCORE};
 use crate::members::Members;
 use crate::pool::Pool;
 use crate::prefix::Credit;
@@ -22,7 +22,7 @@ impl Strategy for KvAware {
         m: &Choice<'_>,
         demand: &Demand,
         credit: &Credit,
-    ) -> Option<usize> {
+    ) -> Option<Pick> {
         let candidates = m.candidates();
         let count = candidates.clone().count();
         let scored = |i: usize| (i, adapter_score(pool, m, i, demand));
@@ -57,15 +57,16 @@ impl Strategy for KvAware {
                 .affinity
                 .and_then(|key| candidates.max_by_key(|&i| m.rendezvous(key, i)))
         };
-        match home {
+        let index = match home {
             Some(h)
                 if h != best
                     && adapter_score(pool, m, h, demand) >= best_score - AFFINITY_SLACK =>
             {
-                Some(h)
+                h
             }
-            _ => Some(best),
-        }
+            _ => best,
+        };
+        Some(Pick::only(index))
     }
 }
 

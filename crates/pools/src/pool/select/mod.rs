@@ -35,7 +35,32 @@ pub(super) trait Strategy: Send + Sync {
         choice: &Choice<'_>,
         demand: &Demand,
         credit: &Credit,
-    ) -> Option<usize>;
+    ) -> Option<Pick>;
+    /// Whether it weighs a session's backend itself ([`Choice::session`]), by what the
+    /// session's turn would find cached there: then a `soft` session goes wherever it
+    /// chooses. Otherwise a session stays on its backend while
+    /// [`Pool::session_stays`](super::Pool) allows.
+    fn weighs_sessions(&self) -> bool {
+        false
+    }
+}
+
+/// What a strategy chose: the candidate, and when it predicts times to first token, the
+/// time predicted there and at the best other candidate (the runner-up), for the
+/// decision's explanation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Pick {
+    pub(super) index: usize,
+    pub(super) runner_up: Option<(usize, f64)>,
+}
+
+impl Pick {
+    pub(super) fn only(index: usize) -> Self {
+        Self {
+            index,
+            runner_up: None,
+        }
+    }
 }
 
 /// The strategy `balancing` names.
@@ -64,6 +89,14 @@ pub struct Selected {
     /// With the exact index: the prompt tokens (the engine's) it predicts the backend's
     /// prefix cache serves.
     pub predicted_cached: Option<u64>,
+    /// The wait predicted ahead of the request there (unscaled prompt tokens, see
+    /// `BackendLive::predicted_wait_tokens`), when it has a prompt.
+    pub predicted_wait: Option<f64>,
+    /// The best other candidate and its predicted time to first token (seconds), when the
+    /// strategy predicts them (`ttft`): why this one was chosen.
+    pub runner_up: Option<(SocketAddr, f64)>,
+    /// The request's session was bound to another backend, and left it.
+    pub session_moved: bool,
 }
 
 /// An address no backend has, for a candidate that vanished between two reads.
@@ -141,6 +174,9 @@ impl Pool {
             predicted_ttft: None,
             cached_tokens: None,
             predicted_cached: None,
+            predicted_wait: None,
+            runner_up: None,
+            session_moved: false,
         })
     }
 
@@ -163,6 +199,7 @@ impl Pool {
             tried,
             warm_only: members.has_late_joiners(),
             adapter: None,
+            session: None,
         };
         if let Some(adapter) = adapter {
             let best = m
@@ -175,12 +212,31 @@ impl Pool {
         }
         let credit = self.credit(demand, prefix);
         let session = demand.session.zip(self.session_table.as_ref());
-        let kept = session.and_then(|(key, table)| {
-            let index = members.by_slot(table.get(key)?)?;
-            self.session_stays(&m, index, demand).then_some(index)
+        let bound = session.and_then(|(key, table)| {
+            let (slot, tokens) = table.get(key)?;
+            Some((members.by_slot(slot)?, tokens))
         });
-        let index = match kept {
-            Some(index) => index,
+        // A strategy that weighs sessions sees the session's backend and what its last
+        // turn left cached there; else the session stays while the pool's rule allows.
+        let weighs = self.strategy.weighs_sessions()
+            && self
+                .settings
+                .sessions
+                .as_ref()
+                .is_some_and(|s| s.mode == super::SessionMode::Soft);
+        let kept = match bound {
+            Some((index, tokens)) if weighs => {
+                m.session = Some(SessionHome {
+                    index,
+                    last_prompt_tokens: u64::from(tokens),
+                });
+                None
+            }
+            Some((index, _)) => self.session_stays(&m, index, demand).then_some(index),
+            None => None,
+        };
+        let pick = match kept {
+            Some(index) => Pick::only(index),
             // Endpoints warming up at their share are left out, unless nothing else is left.
             None => self
                 .strategy
@@ -201,18 +257,27 @@ impl Pool {
                         .flatten()
                 })?,
         };
+        let index = pick.index;
         let endpoint = members.get(index)?;
         if let Some((key, table)) = session {
-            table.bind(key, endpoint.slot);
+            table.bind(key, endpoint.slot, demand.prompt_tokens);
         }
         let cached_tokens = self.cached_at(&m, index, demand, &credit);
         let predicted_ttft = (demand.prompt_tokens > 0).then(|| {
-            endpoint.live.predicted_ttft(
-                demand.prompt_tokens,
-                cached_tokens.unwrap_or_else(|| self.cached_tokens(demand)),
-                &self.settings.health,
-            )
+            let hits = cached_tokens.unwrap_or_else(|| {
+                self.expected_hits(&m, index, demand, &credit, self.prefix_home(&m, demand))
+            });
+            endpoint
+                .live
+                .predicted_ttft(demand.prompt_tokens, hits, &self.settings.health)
         });
+        let predicted_wait = (demand.prompt_tokens > 0).then(|| {
+            (endpoint.live).predicted_wait_tokens(demand.prompt_tokens, &self.settings.health)
+        });
+        let runner_up = pick
+            .runner_up
+            .and_then(|(i, cost)| Some((members.get(i)?.spec.resolved, cost)));
+        let session_moved = bound.is_some_and(|(home, _)| home != index);
         // The index's prediction, in the prompt's own tokens, to be set beside what the
         // engine reports it served.
         let predicted_cached = match (self.prefix.load().as_ref(), prefix, &credit) {
@@ -230,6 +295,9 @@ impl Pool {
             predicted_ttft,
             cached_tokens,
             predicted_cached,
+            predicted_wait,
+            runner_up,
+            session_moved,
         })
     }
 
@@ -253,7 +321,8 @@ impl Pool {
     }
 
     /// The prompt tokens backend `index`'s cache is credited with (see
-    /// [`Selected::cached_tokens`]): `None` for the approximate affinity's home.
+    /// [`Selected::cached_tokens`]): `None` for the approximate affinity's home, or a
+    /// session's backend credited with its last turn (guesses both).
     fn cached_at(
         &self,
         m: &Choice<'_>,
@@ -264,9 +333,37 @@ impl Pool {
         let addr = m.members.get(index)?.spec.resolved;
         match credit {
             Credit::Exact { .. } => credit.exact(addr),
+            _ if m.session_hits(index, demand).is_some() => None,
             Credit::Guess if self.prefix_home(m, demand) == Some(index) => None,
             _ => Some(0),
         }
+    }
+
+    /// The prompt tokens backend `index`'s prefix cache is expected to serve `demand`, as a
+    /// selection credits them: the exact index's count when the pool has it; else the most
+    /// of the approximate affinity's guess (for its home) and the session's last turn (for
+    /// its backend).
+    pub(super) fn expected_hits(
+        &self,
+        m: &Choice<'_>,
+        index: usize,
+        demand: &Demand,
+        credit: &Credit,
+        home: Option<usize>,
+    ) -> u64 {
+        let addr = m
+            .members
+            .get(index)
+            .map_or(UNSPECIFIED, |e| e.spec.resolved);
+        if let Some(exact) = credit.exact(addr) {
+            return exact;
+        }
+        let guess = if home == Some(index) {
+            self.cached_tokens(demand)
+        } else {
+            0
+        };
+        guess.max(m.session_hits(index, demand).unwrap_or(0))
     }
 
     /// The backend prefix affinity prefers for `demand` among the usable ones not tried.
@@ -297,6 +394,17 @@ pub(super) struct Choice<'a> {
     /// The request's LoRA adapter, and the readiness a backend needs for it: the best any
     /// candidate has (never [`AdapterReadiness::Lacks`]).
     pub(super) adapter: Option<(&'a str, AdapterReadiness)>,
+    /// The backend the request's session is bound to, for a strategy that weighs it.
+    pub(super) session: Option<SessionHome>,
+}
+
+/// A session's backend and what its last turn left in the backend's prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SessionHome {
+    pub(super) index: usize,
+    /// The last turn's prompt (estimated tokens): the head of this turn's, which the engine
+    /// kept unless it evicted it.
+    pub(super) last_prompt_tokens: u64,
 }
 
 impl Choice<'_> {
@@ -313,6 +421,14 @@ impl Choice<'_> {
                     .adapter
                     .is_none_or(|(name, needed)| adapter_readiness(&e.live, name) <= needed)
         })
+    }
+
+    /// The prompt tokens the session's last turn left at backend `index`, when it is the
+    /// session's backend: at most this turn's prompt.
+    pub(super) fn session_hits(&self, index: usize, demand: &Demand) -> Option<u64> {
+        self.session
+            .filter(|home| home.index == index)
+            .map(|home| home.last_prompt_tokens.min(demand.prompt_tokens))
     }
 
     /// Whether the backend at `index` must load the request's adapter first.

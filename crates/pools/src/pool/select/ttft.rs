@@ -3,7 +3,7 @@
 //! speed; a random candidate for an `exploration` share of requests, so that every backend's
 //! speed keeps being learned.
 
-use super::{Choice, Strategy, ADAPTER_LOAD, UNSPECIFIED};
+use super::{Choice, Pick, Strategy, ADAPTER_LOAD};
 use crate::health::BackendLive;
 use crate::members::Members;
 use crate::pool::{Pool, TtftBalancing};
@@ -22,14 +22,16 @@ pub(super) struct Ttft(pub(super) TtftBalancing);
 
 impl Strategy for Ttft {
     /// The usable backend, not in `tried`, with the least predicted time to first token;
-    /// a random one for an `exploration` share of requests.
+    /// a random one for an `exploration` share of requests. A session's backend is credited
+    /// with what its last turn left cached there, so a turn moves only when the predicted
+    /// time elsewhere, recompute included, is lower.
     fn choose(
         &self,
         pool: &Pool,
         m: &Choice<'_>,
         demand: &Demand,
         credit: &Credit,
-    ) -> Option<usize> {
+    ) -> Option<Pick> {
         let ttft = &self.0;
         let n = m.members.len();
         let count = m.candidates().count();
@@ -38,33 +40,42 @@ impl Strategy for Ttft {
         }
         // Exploring costs nothing when no backend holds the prompt (it is prefilled whole
         // wherever it goes); when one does, it would throw the cache away.
-        let explores = count > 1 && ttft.exploration > 0.0 && !credit.any_exact();
+        let explores =
+            count > 1 && ttft.exploration > 0.0 && !credit.any_exact() && m.session.is_none();
         if explores && fastrand::f64() < ttft.exploration {
-            return m.candidates().nth(fastrand::usize(..count));
+            return m.candidates().nth(fastrand::usize(..count)).map(Pick::only);
         }
         let home = pool.prefix_home(m, demand);
         // From a random start, so that ties rotate rather than pile onto the first backend.
         let start = fastrand::usize(..n);
         let mut best: Option<(usize, f64)> = None;
+        let mut runner_up: Option<(usize, f64)> = None;
         for i in (0..n).map(|k| (start + k) % n) {
             if !m.candidate(i) {
                 continue;
             }
-            let cached =
-                match credit.exact(m.members.get(i).map_or(UNSPECIFIED, |e| e.spec.resolved)) {
-                    Some(exact) => exact,
-                    None if home == Some(i) => pool.cached_tokens(demand),
-                    None => 0,
-                };
+            let cached = pool.expected_hits(m, i, demand, credit, home);
             let mut cost = ttft_cost(pool, m.members, i, demand, cached);
             if m.loads_adapter(i) {
                 cost += ADAPTER_LOAD;
             }
-            if best.is_none_or(|(_, b)| cost < b) {
-                best = Some((i, cost));
+            match best {
+                Some((_, b)) if cost >= b => {
+                    if runner_up.is_none_or(|(_, r)| cost < r) {
+                        runner_up = Some((i, cost));
+                    }
+                }
+                _ => {
+                    runner_up = best;
+                    best = Some((i, cost));
+                }
             }
         }
-        best.map(|(i, _)| i)
+        best.map(|(index, _)| Pick { index, runner_up })
+    }
+
+    fn weighs_sessions(&self) -> bool {
+        true
     }
 }
 
@@ -96,5 +107,12 @@ impl Pool {
     /// `live` now, in seconds (`/status` and the metrics).
     pub fn reference_ttft(&self, live: &BackendLive) -> f64 {
         live.predicted_ttft(REFERENCE_PROMPT_TOKENS, 0, &self.settings.health)
+    }
+
+    /// The wait a new request is predicted to find ahead of it on backend `live` now,
+    /// before its own prefill, in seconds (`/status` and the dashboard).
+    pub fn predicted_queue(&self, live: &BackendLive) -> f64 {
+        let wait = live.predicted_wait_tokens(REFERENCE_PROMPT_TOKENS, &self.settings.health);
+        wait * live.wait_scale() / live.prefill_speed()
     }
 }
