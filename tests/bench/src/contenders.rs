@@ -212,6 +212,9 @@ pub enum Contender {
     SluiceSoak,
     /// Scenario 24: `ttft` with the approximate prefix affinity (the prompt's leading bytes).
     SluicePrefixGuess,
+    /// Scenario 24: `ttft` with the approximate affinity and the sessions' ids (soft
+    /// sessions: a session's backend credited with its last turn).
+    SluicePrefixGuessSessions,
     /// Scenario 24: `ttft` with the exact prefix index (tokenizer and KV events).
     SluicePrefixExact,
     /// Scenario 24: every turn on its session's previous backend (`session_affinity: hard`
@@ -279,6 +282,7 @@ impl Contender {
             Contender::SluiceStaticIdle => "sluice (the same endpoints as static backends)",
             Contender::SluiceSoak => "sluice (soak: plugins on, faults)",
             Contender::SluicePrefixGuess => "sluice (ttft, approximate affinity)",
+            Contender::SluicePrefixGuessSessions => "sluice (ttft, approximate affinity, sessions)",
             Contender::SluicePrefixExact => "sluice (ttft, exact prefix index)",
             Contender::SluiceSessionOracle => "sluice (oracle: session affinity)",
             Contender::SluiceTraced01 => "sluice (plugins on, traced at 0.1)",

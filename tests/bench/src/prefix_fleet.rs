@@ -116,7 +116,7 @@ struct Strategy {
     session_header: bool,
 }
 
-const STRATEGIES: [Strategy; 5] = [
+const STRATEGIES: [Strategy; 6] = [
     Strategy {
         contender: Contender::SluiceRoundRobin,
         name: "round_robin",
@@ -137,6 +137,13 @@ const STRATEGIES: [Strategy; 5] = [
         balancing: "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: SPEED}",
         exact: false,
         session_header: false,
+    },
+    Strategy {
+        contender: Contender::SluicePrefixGuessSessions,
+        name: "ttft, approximate, sessions",
+        balancing: "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: SPEED, session_affinity: soft}",
+        exact: false,
+        session_header: true,
     },
     Strategy {
         contender: Contender::SluicePrefixExact,

@@ -342,6 +342,7 @@ impl Stack {
                 | Contender::SluiceStaticIdle
                 | Contender::SluiceSoak
                 | Contender::SluicePrefixGuess
+                | Contender::SluicePrefixGuessSessions
                 | Contender::SluicePrefixExact
                 | Contender::SluiceSessionOracle => {
                     bail!("{c} runs only in the scenario that starts it itself")
