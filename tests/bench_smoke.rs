@@ -45,7 +45,7 @@ async fn bench_harness_smoke_run() {
             .iter()
             .any(|m| m.contender == sluice_bench::Contender::Nginx);
         assert!(
-            nginx || [7, 10, 11, 12, 13, 18, 20, 22, 23, 24, 25, 26].contains(&sc.id),
+            nginx || [7, 10, 11, 12, 13, 18, 20, 22, 23, 24, 25, 26, 27].contains(&sc.id),
             "scenario {}: nginx did not run",
             sc.id
         );

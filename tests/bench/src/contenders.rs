@@ -217,6 +217,8 @@ pub enum Contender {
     SluicePrefixGuessSessions,
     /// Scenario 24: `ttft` with the exact prefix index (tokenizer and KV events).
     SluicePrefixExact,
+    /// Scenario 27: the exact prefix index and the conversations' session ids (soft).
+    SluicePrefixExactSessions,
     /// Scenario 24: every turn on its session's previous backend (`session_affinity: hard`
     /// with a session header): the oracle of conversation locality.
     SluiceSessionOracle,
@@ -284,6 +286,7 @@ impl Contender {
             Contender::SluicePrefixGuess => "sluice (ttft, approximate affinity)",
             Contender::SluicePrefixGuessSessions => "sluice (ttft, approximate affinity, sessions)",
             Contender::SluicePrefixExact => "sluice (ttft, exact prefix index)",
+            Contender::SluicePrefixExactSessions => "sluice (ttft, exact prefix index, sessions)",
             Contender::SluiceSessionOracle => "sluice (oracle: session affinity)",
             Contender::SluiceTraced01 => "sluice (plugins on, traced at 0.1)",
             Contender::SluiceTraced10 => "sluice (plugins on, traced at 1.0)",

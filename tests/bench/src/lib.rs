@@ -22,6 +22,7 @@ pub mod scenarios;
 pub mod soak;
 pub mod sse;
 pub mod tenants;
+pub mod trace_replay;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -152,6 +153,11 @@ pub struct Params {
     /// Scenario 24: each session cut to this many requests, its waits scaled by this.
     pub prefix_max_steps: usize,
     pub prefix_think_scale: f64,
+    /// Scenario 27: the part of the trace replayed (zero: made-up lines, `trace_smoke_requests`
+    /// of them), and how much faster.
+    pub trace_window: Duration,
+    pub trace_speedup: f64,
+    pub trace_smoke_requests: usize,
 }
 
 impl Params {
@@ -225,6 +231,9 @@ impl Params {
             prefix_sessions: 192,
             prefix_max_steps: usize::MAX,
             prefix_think_scale: 1.0,
+            trace_window: Duration::from_secs(600),
+            trace_speedup: 4.0,
+            trace_smoke_requests: 0,
         }
     }
 
@@ -300,6 +309,9 @@ impl Params {
             prefix_sessions: 8,
             prefix_max_steps: 3,
             prefix_think_scale: 0.1,
+            trace_window: Duration::ZERO,
+            trace_speedup: 1.0,
+            trace_smoke_requests: 12,
         }
     }
 }

@@ -51,19 +51,19 @@ const SMALL: &str = "small";
 const MAX_TOKENS: u32 = 96;
 
 /// The tokenizer folder the simulators and Sluice's pools share.
-fn tokenizer_dir() -> PathBuf {
+pub(crate) fn tokenizer_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizer-chatml")
 }
 
 /// One pool's engines: the simulator's draft and target speeds, chunked prefill of 8,192
 /// tokens a step.
 #[derive(Clone, Copy)]
-struct Engine {
-    model: &'static str,
-    overhead_ms: u64,
-    prefill_us: u64,
-    itl_ms: u64,
-    kv_blocks: u32,
+pub(crate) struct Engine {
+    pub(crate) model: &'static str,
+    pub(crate) overhead_ms: u64,
+    pub(crate) prefill_us: u64,
+    pub(crate) itl_ms: u64,
+    pub(crate) kv_blocks: u32,
 }
 
 const TARGET: Engine = Engine {
@@ -83,7 +83,7 @@ const DRAFT: Engine = Engine {
 };
 
 impl Engine {
-    fn config(&self) -> vllm_sim::SimConfig {
+    pub(crate) fn config(&self) -> vllm_sim::SimConfig {
         vllm_sim::SimConfig::default()
             .with_served_model_names(vec![self.model.to_string()])
             .with_latency(vllm_sim::Latency {
@@ -101,7 +101,7 @@ impl Engine {
             .with_kv_events(vllm_sim::KvEventsConfig::default())
     }
 
-    fn tokens_per_second(&self) -> f64 {
+    pub(crate) fn tokens_per_second(&self) -> f64 {
         1e6 / self.prefill_us as f64
     }
 }
@@ -188,7 +188,7 @@ const WORDS: &[&str] = &[
     "data", "file", "line", "check", "error", "state", "queue", "write", "read", "index",
 ];
 
-fn text(rng: &mut Rng, words: usize) -> String {
+pub(crate) fn text(rng: &mut Rng, words: usize) -> String {
     let mut out = String::with_capacity(words * 7);
     for i in 0..words {
         if i > 0 {
@@ -209,7 +209,7 @@ fn words(rng: &mut Rng, lo: usize, hi: usize) -> String {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Conversation,
     Agent,
     Rag,
@@ -364,15 +364,15 @@ fn full_schedule(count: usize, over: Duration) -> Vec<Session> {
 
 /// What one request did.
 #[derive(Clone, Debug, Default)]
-struct Got {
-    kind: Option<Kind>,
-    turn: usize,
-    stream: bool,
-    status: Option<u16>,
+pub(crate) struct Got {
+    pub(crate) kind: Option<Kind>,
+    pub(crate) turn: usize,
+    pub(crate) stream: bool,
+    pub(crate) status: Option<u16>,
     /// Streams: to the first data chunk.
-    ttft: Option<Duration>,
-    total: Duration,
-    error: Option<String>,
+    pub(crate) ttft: Option<Duration>,
+    pub(crate) total: Duration,
+    pub(crate) error: Option<String>,
 }
 
 /// The answer's text, from a JSON answer or a stream's deltas.
@@ -469,7 +469,7 @@ async fn run_session(
     out
 }
 
-async fn exchange(
+pub(crate) async fn exchange(
     addr: SocketAddr,
     idle: &Idle,
     body: &Value,
@@ -502,14 +502,21 @@ async fn exchange(
 
 /// The simulators of one run, on a runtime of their own (so the load's tasks do not slow
 /// them), stopped when dropped.
-struct Fleet {
-    sims: Vec<vllm_sim::Sim>,
+pub(crate) struct Fleet {
+    pub(crate) sims: Vec<vllm_sim::Sim>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Fleet {
     fn start() -> Result<Fleet> {
+        Self::of(vec![
+            DRAFT, DRAFT, DRAFT, DRAFT, TARGET, TARGET, TARGET, TARGET,
+        ])
+    }
+
+    /// A fleet of `engines`, on a runtime of its own.
+    pub(crate) fn of(engines: Vec<Engine>) -> Result<Fleet> {
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
@@ -522,7 +529,7 @@ impl Fleet {
             };
             runtime.block_on(async move {
                 let mut sims = Vec::new();
-                for engine in [DRAFT, DRAFT, DRAFT, DRAFT, TARGET, TARGET, TARGET, TARGET] {
+                for engine in engines {
                     match vllm_sim::start(engine.config()).await {
                         Ok(sim) => sims.push(sim),
                         Err(e) => {
@@ -547,7 +554,7 @@ impl Fleet {
         })
     }
 
-    fn addrs(&self, model: &str) -> Vec<SocketAddr> {
+    pub(crate) fn addrs(&self, model: &str) -> Vec<SocketAddr> {
         self.sims
             .iter()
             .filter(|s| s.model() == model)
@@ -556,7 +563,7 @@ impl Fleet {
     }
 
     /// Summed over the fleet: (prefix-cache queries, hits, generation tokens).
-    fn counters(&self) -> (f64, f64, f64) {
+    pub(crate) fn counters(&self) -> (f64, f64, f64) {
         let mut sums = (0.0, 0.0, 0.0);
         for sim in &self.sims {
             let page = sim.metrics_text();
@@ -579,7 +586,7 @@ impl Drop for Fleet {
     }
 }
 
-fn metric(page: &str, name: &str) -> f64 {
+pub(crate) fn metric(page: &str, name: &str) -> f64 {
     page.lines()
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -631,7 +638,7 @@ fn sluice_yaml(
 
 /// With the exact index, waits until every backend's subscriber hears its engine: each engine
 /// resets its (empty) cache, publishing a batch, until Sluice has counted one from each.
-async fn subscribers_live(admin: SocketAddr, fleet: &Fleet) -> Result<()> {
+pub(crate) async fn subscribers_live(admin: SocketAddr, fleet: &Fleet) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         for sim in &fleet.sims {
@@ -753,7 +760,7 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
     })
 }
 
-fn pct(values: &[f64], p: f64) -> f64 {
+pub(crate) fn pct(values: &[f64], p: f64) -> f64 {
     if values.is_empty() {
         return f64::NAN;
     }
@@ -762,7 +769,7 @@ fn pct(values: &[f64], p: f64) -> f64 {
     v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 

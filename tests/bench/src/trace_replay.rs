@@ -1,0 +1,890 @@
+//! Scenario 27 (issue #52, "The tail of time to first token"): a public production trace of
+//! long multi-turn chat replayed through each placement on a vLLM V1-like fleet, beside the
+//! prompt tokens an infinite cache shared by every engine would compute (the physical limit).
+//!
+//! **The trace** is Mooncake's `conversation_trace.jsonl` (Kimi's production chat, one hour
+//! sampled, published with the FAST'25 paper in `kvcache-ai/Mooncake`, Apache-2.0): each line
+//! is `{timestamp (ms), input_length, output_length, hash_ids}`, the ids naming the prompt's
+//! 512-token blocks (equal ids: equal prefixes). Chosen because it is the one public trace of a
+//! long-context chat service that publishes its prefixes, so a replay reproduces its cache
+//! reuse, not just its sizes. It is data, not code of ours: it is not in the repository. The
+//! harness reads it from `SLUICE_BENCH_TRACE`, else from `../shared/traces/mooncake/` beside
+//! the checkout; without it the full run reports the scenario as not run. The smoke run uses
+//! a few made-up lines of the same shape.
+//!
+//! **The replay**: the first 10 minutes (1,750 requests), 4× faster, each second's arrivals
+//! spread evenly over it (the trace's timestamps are whole seconds). Sizes are scaled down 4×
+//! with the engines' speeds (a block is 128 tokens of made-up text, each id its own; a prompt
+//! is its blocks in order, the last one cut to the request's length), so every time is the
+//! trace's while the machine tokenizes a quarter of it. Every request streams, with
+//! `max_tokens` of its output length ÷ 4.
+//!
+//! **The rows**: round robin; `ttft` with the approximate affinity (the prompt's first 256
+//! bytes); `ttft` with the exact prefix index; the exact index with each conversation's
+//! session id (soft sessions); the placement that keeps each conversation on one engine
+//! (hard sessions); and the issue's reference cost policy, written here and sending to the
+//! engines itself: the engine where this request's uncached tokens plus the uncached prompt
+//! tokens already sent there and not yet at their first token are least, each engine's cache
+//! known from what was sent to it (the trace's block ids, LRU at the engine's capacity). The trace names no conversations: a request continues the earlier one it
+//! shares the longest prefix with (more than 2 blocks), else starts one.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+use vllm_sim::text::Rng;
+
+use crate::contenders::{free_addr, start_sluice_with, Contender};
+use crate::phased::{checkout, Idle};
+use crate::prefix_fleet::{
+    exchange, ms, pct, subscribers_live, text, tokenizer_dir, Engine, Fleet, Got,
+};
+use crate::report::{Check, ScenarioReport};
+use crate::scenarios::title;
+use crate::Ctx;
+use bytes::Bytes;
+use http::{header, Method};
+use http_body_util::{BodyExt, Full};
+
+const ID: u8 = 27;
+const MODEL: &str = "chat";
+/// The trace's block, in its tokens, and the factor sizes and speeds are scaled down by.
+const TRACE_BLOCK: u64 = 512;
+const SCALE: u64 = 4;
+/// Words of made-up text per scaled block (about 128 tokens of the tokenizer used).
+const BLOCK_WORDS: usize = 110;
+/// The longest a request may take before it counts as unanswered.
+const REQUEST_LIMIT: Duration = Duration::from_secs(120);
+
+/// The engines: 40k prompt tokens a second of the trace's (10k scaled), 10 ms a token, and
+/// KV caches that together hold most of the replayed part's working set.
+const ENGINE: Engine = Engine {
+    model: MODEL,
+    overhead_ms: 10,
+    prefill_us: 100,
+    itl_ms: 10,
+    kv_blocks: 24_576,
+};
+const ENGINES: usize = 4;
+
+/// One line of the trace.
+#[derive(Debug, Clone)]
+struct Line {
+    timestamp: u64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// One request of the replay.
+#[derive(Debug, Clone)]
+struct Request {
+    at: Duration,
+    blocks: Vec<u64>,
+    /// Words of the last block (it is cut to the request's length).
+    last_words: usize,
+    max_tokens: u64,
+    conversation: usize,
+}
+
+/// A placement under test.
+struct Placement {
+    contender: Contender,
+    name: &'static str,
+    balancing: &'static str,
+    exact: bool,
+    sessions: bool,
+}
+
+const PLACEMENTS: [Placement; 5] = [
+    Placement {
+        contender: Contender::SluiceRoundRobin,
+        name: "round_robin",
+        balancing: "{strategy: round_robin, session_affinity: off}",
+        exact: false,
+        sessions: false,
+    },
+    Placement {
+        contender: Contender::SluicePrefixGuess,
+        name: "ttft, approximate",
+        balancing: "{strategy: ttft, prefix_affinity_bytes: 256, prefill_tokens_per_second: SPEED}",
+        exact: false,
+        sessions: false,
+    },
+    Placement {
+        contender: Contender::SluicePrefixExact,
+        name: "ttft, exact index",
+        balancing: "{strategy: ttft, prefill_tokens_per_second: SPEED}",
+        exact: true,
+        sessions: false,
+    },
+    Placement {
+        contender: Contender::SluicePrefixExactSessions,
+        name: "ttft, exact index, sessions",
+        balancing: "{strategy: ttft, prefill_tokens_per_second: SPEED}",
+        exact: true,
+        sessions: true,
+    },
+    Placement {
+        contender: Contender::SluiceSessionOracle,
+        name: "conversation-keeping",
+        balancing: "{strategy: ttft, prefill_tokens_per_second: SPEED, session_affinity: hard}",
+        exact: false,
+        sessions: true,
+    },
+];
+
+/// Where the trace is: `SLUICE_BENCH_TRACE`, else `../shared/traces/mooncake/` beside the
+/// checkout.
+fn trace_path() -> PathBuf {
+    match std::env::var_os("SLUICE_BENCH_TRACE") {
+        Some(path) => PathBuf::from(path),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/traces/mooncake/conversation_trace.jsonl"),
+    }
+}
+
+fn line_of(raw: &str) -> Result<Line> {
+    let v: Value = serde_json::from_str(raw)?;
+    let number = |key: &str| v[key].as_u64().with_context(|| format!("no `{key}`"));
+    Ok(Line {
+        timestamp: number("timestamp")?,
+        input_length: number("input_length")?,
+        output_length: number("output_length")?,
+        hash_ids: v["hash_ids"]
+            .as_array()
+            .context("no `hash_ids`")?
+            .iter()
+            .map(|id| id.as_u64().context("a hash id that is not a number"))
+            .collect::<Result<_>>()?,
+    })
+}
+
+/// The lines of the trace's first `window`.
+fn read_trace(path: &Path, window: Duration) -> Result<Vec<Line>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+    let mut lines = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = line_of(raw).with_context(|| format!("line {} of the trace", i + 1))?;
+        if line.timestamp >= window.as_millis() as u64 {
+            break;
+        }
+        lines.push(line);
+    }
+    Ok(lines)
+}
+
+/// A few made-up lines of the trace's shape, for the smoke run: conversations whose prompts
+/// grow by a block a turn, behind two shared system prompts.
+fn made_up_trace(requests: usize) -> Vec<Line> {
+    (0..requests)
+        .map(|i| {
+            let conversation = (i % 4) as u64;
+            let turn = (i / 4) as u64;
+            let mut hash_ids = vec![conversation % 2, 100 + conversation];
+            hash_ids.extend((0..turn).map(|t| 1000 + conversation * 100 + t));
+            Line {
+                timestamp: (i as u64) * 150,
+                input_length: hash_ids.len() as u64 * TRACE_BLOCK - 100,
+                output_length: 40,
+                hash_ids,
+            }
+        })
+        .collect()
+}
+
+/// The replay of `lines`, `speedup` times faster: arrivals spread over each second, sizes
+/// scaled, each request given its conversation.
+fn replay(lines: &[Line], speedup: f64) -> Vec<Request> {
+    let mut per_second: BTreeMap<u64, usize> = BTreeMap::new();
+    for line in lines {
+        *per_second.entry(line.timestamp / 1000).or_default() += 1;
+    }
+    let mut seen_in_second: HashMap<u64, usize> = HashMap::new();
+    let conversations = conversations(lines);
+    lines
+        .iter()
+        .zip(conversations)
+        .map(|(line, conversation)| {
+            let second = line.timestamp / 1000;
+            let n = per_second.get(&second).copied().unwrap_or(1);
+            let k = seen_in_second.entry(second).or_default();
+            let offset = *k as f64 / n as f64;
+            *k += 1;
+            let at = (second as f64 + offset) / speedup;
+            let full_blocks = line.hash_ids.len().saturating_sub(1) as u64;
+            let last_tokens = line
+                .input_length
+                .saturating_sub(full_blocks * TRACE_BLOCK)
+                .clamp(1, TRACE_BLOCK);
+            Request {
+                at: Duration::from_secs_f64(at),
+                blocks: line.hash_ids.clone(),
+                last_words: ((BLOCK_WORDS as u64 * last_tokens).div_ceil(TRACE_BLOCK)) as usize,
+                max_tokens: (line.output_length / SCALE).max(1),
+                conversation,
+            }
+        })
+        .collect()
+}
+
+/// Each line's conversation: the one of the earlier line it shares the longest prefix with,
+/// more than 2 blocks (a shared system prompt alone is 1 or 2), else a new one.
+fn conversations(lines: &[Line]) -> Vec<usize> {
+    let mut by_head: HashMap<(u64, u64), Vec<usize>> = HashMap::new();
+    let mut out: Vec<usize> = Vec::with_capacity(lines.len());
+    let mut next = 0;
+    for (i, line) in lines.iter().enumerate() {
+        let head = match line.hash_ids.as_slice() {
+            [a, b, ..] => Some((*a, *b)),
+            _ => None,
+        };
+        let parent = head.and_then(|head| {
+            let candidates = by_head.get(&head)?;
+            candidates
+                .iter()
+                .rev()
+                .take(64)
+                .map(|&j| {
+                    let shared = lines[j]
+                        .hash_ids
+                        .iter()
+                        .zip(&line.hash_ids)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    (shared, j)
+                })
+                .filter(|(shared, _)| *shared > 2)
+                .max_by_key(|(shared, j)| (*shared, *j))
+                .map(|(_, j)| j)
+        });
+        let conversation = match parent.and_then(|j| out.get(j).copied()) {
+            Some(c) => c,
+            None => {
+                next += 1;
+                next - 1
+            }
+        };
+        out.push(conversation);
+        if let Some(head) = head {
+            by_head.entry(head).or_default().push(i);
+        }
+    }
+    out
+}
+
+/// The prompt tokens (scaled) an infinite cache shared by every engine computes: each block
+/// the first time its id is seen, whole blocks only (as a prefix cache reuses them).
+fn limit_tokens(requests: &[Request]) -> u64 {
+    let block = TRACE_BLOCK / SCALE;
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut total = 0;
+    for r in requests {
+        let mut cached = true;
+        for (i, id) in r.blocks.iter().enumerate() {
+            let last = i + 1 == r.blocks.len();
+            let tokens = if last {
+                (block * r.last_words as u64).div_ceil(BLOCK_WORDS as u64)
+            } else {
+                block
+            };
+            // A prefix cache serves the leading blocks it holds, and never a partial last one.
+            cached &= !last && seen.contains(id);
+            if !cached {
+                total += tokens;
+            }
+            seen.insert(*id);
+        }
+    }
+    total
+}
+
+/// The text of block `id`: its own words, the same in every request.
+fn block_text(id: u64, words: usize, cache: &mut HashMap<u64, String>) -> String {
+    let full = cache
+        .entry(id)
+        .or_insert_with(|| {
+            let mut rng = Rng::new(0x7ace_0000 ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            format!("[{id}] {}. ", text(&mut rng, BLOCK_WORDS))
+        })
+        .clone();
+    if words >= BLOCK_WORDS {
+        return full;
+    }
+    full.split_inclusive(' ')
+        .take(words.max(1))
+        .collect::<String>()
+}
+
+fn prompt(r: &Request, cache: &mut HashMap<u64, String>) -> String {
+    let mut out = String::new();
+    for (i, id) in r.blocks.iter().enumerate() {
+        let words = if i + 1 == r.blocks.len() {
+            r.last_words
+        } else {
+            BLOCK_WORDS
+        };
+        out.push_str(&block_text(*id, words, cache));
+    }
+    out
+}
+
+fn sluice_yaml(dir: &Path, listen: SocketAddrs, fleet: &Fleet, p: &Placement) -> String {
+    let (listen, admin) = listen;
+    let balancing = p
+        .balancing
+        .replace("SPEED", &format!("{:.0}", ENGINE.tokens_per_second()));
+    let mut y = format!(
+        "# Generated by sluice-bench (scenario 27).\n\
+         pingora:\n  threads: 2\n  pid_file: {pid}\n  upgrade_sock: {sock}\n  \
+         grace_period_seconds: 1\n  graceful_shutdown_timeout_seconds: 1\n\
+         listeners:\n  - address: {listen}\n\
+         admin:\n  address: {admin}\n\
+         limits:\n  max_connections_per_client: 8192\n  max_requests_in_flight_per_client: 8192\n\
+         log:\n  level: warn\n\
+         pools:\n  - name: {MODEL}\n    models: [\"{MODEL}\"]\n    balancing: {balancing}\n    \
+         timeouts: {{first_byte: 120s, total: 300s}}\n    \
+         health: {{interval: 250ms, timeout: 1s, stale_after: 2s}}\n",
+        pid = dir.join("trace.pid").display(),
+        sock = dir.join("trace.sock").display(),
+    );
+    if p.exact {
+        let _ = write!(
+            y,
+            "    tokenizer: {}\n    kv_events: auto\n",
+            tokenizer_dir().display()
+        );
+    }
+    y.push_str("    backends:\n");
+    for b in fleet.addrs(MODEL) {
+        let _ = writeln!(y, "      - address: {b}");
+    }
+    y
+}
+
+type SocketAddrs = (std::net::SocketAddr, std::net::SocketAddr);
+
+/// The issue's reference policy: each engine's cache as the blocks sent to it (LRU at its
+/// capacity), and the uncached prompt tokens sent there that have not had their first token.
+struct Reference {
+    engines: Vec<ReferenceEngine>,
+    /// Blocks an engine's cache holds.
+    capacity: usize,
+}
+
+#[derive(Default)]
+struct ReferenceEngine {
+    /// Block id → when it was last sent; and the reverse, oldest first.
+    last_sent: HashMap<u64, u64>,
+    by_age: BTreeMap<u64, u64>,
+    outstanding: u64,
+}
+
+impl Reference {
+    fn new(engines: usize, capacity: usize) -> Self {
+        Reference {
+            engines: (0..engines).map(|_| ReferenceEngine::default()).collect(),
+            capacity,
+        }
+    }
+
+    /// The engine for `r` and its uncached tokens there; counts them as outstanding and the
+    /// blocks as cached there.
+    fn place(&mut self, r: &Request, clock: u64) -> (usize, u64) {
+        let tokens = request_tokens(r);
+        let block = TRACE_BLOCK / SCALE;
+        let uncached = |e: &ReferenceEngine| {
+            let full = r.blocks.len().saturating_sub(1);
+            let hits = r.blocks[..full]
+                .iter()
+                .take_while(|id| e.last_sent.contains_key(id))
+                .count() as u64;
+            tokens.saturating_sub(hits * block)
+        };
+        let (index, cost) = self
+            .engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, uncached(e)))
+            .min_by_key(|(i, u)| (u + self.engines[*i].outstanding, *i))
+            .unwrap_or((0, tokens));
+        let capacity = self.capacity;
+        let engine = &mut self.engines[index];
+        engine.outstanding += cost;
+        for (k, id) in r.blocks.iter().enumerate() {
+            let stamp = clock * 1_000 + k as u64;
+            if let Some(old) = engine.last_sent.insert(*id, stamp) {
+                engine.by_age.remove(&old);
+            }
+            engine.by_age.insert(stamp, *id);
+        }
+        while engine.last_sent.len() > capacity {
+            let Some((_, oldest)) = engine.by_age.pop_first() else {
+                break;
+            };
+            engine.last_sent.remove(&oldest);
+        }
+        (index, cost)
+    }
+
+    fn first_token(&mut self, engine: usize, uncached: u64) {
+        if let Some(e) = self.engines.get_mut(engine) {
+            e.outstanding = e.outstanding.saturating_sub(uncached);
+        }
+    }
+}
+
+/// A request's prompt tokens, scaled.
+fn request_tokens(r: &Request) -> u64 {
+    let block = TRACE_BLOCK / SCALE;
+    let full = r.blocks.len().saturating_sub(1) as u64;
+    full * block + (block * r.last_words as u64).div_ceil(BLOCK_WORDS as u64)
+}
+
+/// One streamed request straight to an engine, calling `first` at its first chunk.
+async fn send_direct(
+    addr: std::net::SocketAddr,
+    idle: &Idle,
+    body: &Value,
+    got: &mut Got,
+    first: impl FnOnce(),
+) -> Result<()> {
+    let sent = Instant::now();
+    let mut sender = checkout(idle, addr).await?;
+    let req = http::Request::builder()
+        .method(Method::POST)
+        .uri(crate::scenarios::CHAT)
+        .header(header::HOST, addr.to_string())
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))
+        .context("building the request")?;
+    let resp = sender.send_request(req).await.context("sending")?;
+    let status = resp.status();
+    got.status = Some(status.as_u16());
+    let mut stream = resp.into_body();
+    let mut first = Some(first);
+    let mut all = Vec::new();
+    while let Some(frame) = stream.frame().await {
+        let Ok(data) = frame.context("reading the answer")?.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        if let Some(first) = first.take() {
+            got.ttft = Some(sent.elapsed());
+            first();
+        }
+        all.extend_from_slice(&data);
+    }
+    idle.lock().await.push(sender);
+    if !status.is_success() {
+        bail!("HTTP {status}");
+    }
+    if !all.windows(12).any(|w| w == b"data: [DONE]") {
+        bail!("the stream ended without data: [DONE]");
+    }
+    Ok(())
+}
+
+/// The reference policy's run: no proxy, the harness places each request itself.
+async fn run_reference(requests: &[Request], bodies: &[Arc<Value>]) -> Result<Run> {
+    let fleet = Fleet::of(vec![ENGINE; ENGINES])?;
+    let addrs = fleet.addrs(MODEL);
+    let idles: Vec<Idle> = addrs
+        .iter()
+        .map(|_| Arc::new(Mutex::new(Vec::new())))
+        .collect();
+    let capacity = ENGINE.kv_blocks as usize * 16 / (TRACE_BLOCK / SCALE) as usize;
+    let policy = Arc::new(std::sync::Mutex::new(Reference::new(addrs.len(), capacity)));
+    let start = Instant::now() + Duration::from_millis(100);
+    let tasks: Vec<_> = requests
+        .iter()
+        .cloned()
+        .zip(bodies)
+        .enumerate()
+        .map(|(n, (r, body))| {
+            let (policy, body, addrs, idles) = (
+                Arc::clone(&policy),
+                Arc::clone(body),
+                addrs.clone(),
+                idles.clone(),
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep_until((start + r.at).into()).await;
+                let mut got = Got {
+                    stream: true,
+                    turn: 1,
+                    ..Got::default()
+                };
+                let placed = policy
+                    .lock()
+                    .map(|mut p| p.place(&r, n as u64))
+                    .map_err(|_| ());
+                let Ok((engine, uncached)) = placed else {
+                    got.error = Some("the policy's lock".into());
+                    return got;
+                };
+                let first = || {
+                    if let Ok(mut p) = policy.lock() {
+                        p.first_token(engine, uncached);
+                    }
+                };
+                let sent = Instant::now();
+                let outcome = tokio::time::timeout(
+                    REQUEST_LIMIT,
+                    send_direct(addrs[engine], &idles[engine], &body, &mut got, first),
+                )
+                .await;
+                got.total = sent.elapsed();
+                match outcome {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => got.error = Some(format!("{e:#}")),
+                    Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
+                }
+                got
+            })
+        })
+        .collect();
+    let mut got = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        got.push(task.await.context("a request's task")?);
+    }
+    let (queries, hits, _) = fleet.counters();
+    Ok(Run {
+        got,
+        computed: queries - hits,
+        hits,
+        queries,
+    })
+}
+
+/// What one placement's run measured.
+struct Run {
+    got: Vec<Got>,
+    computed: f64,
+    hits: f64,
+    queries: f64,
+}
+
+async fn run_placement(
+    ctx: &Ctx,
+    p: &Placement,
+    requests: &[Request],
+    bodies: &[Arc<Value>],
+) -> Result<Run> {
+    let fleet = Fleet::of(vec![ENGINE; ENGINES])?;
+    let dir = ctx.root.path().join("trace");
+    std::fs::create_dir_all(&dir)?;
+    let (listen, admin) = (free_addr()?, free_addr()?);
+    let yaml = sluice_yaml(&dir, (listen, admin), &fleet, p);
+    let _sluice =
+        start_sluice_with(&ctx.sluice_bin, &dir, "trace", &yaml, &[listen, admin]).await?;
+    if p.exact {
+        subscribers_live(admin, &fleet).await?;
+    }
+    let idle: Idle = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now() + Duration::from_millis(100);
+    let tasks: Vec<_> = requests
+        .iter()
+        .zip(bodies)
+        .map(|(r, body)| {
+            let (idle, body) = (idle.clone(), Arc::clone(body));
+            let at = start + r.at;
+            let session = p.sessions.then_some(r.conversation);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at.into()).await;
+                let mut got = Got {
+                    stream: true,
+                    turn: 1,
+                    ..Got::default()
+                };
+                let sent = Instant::now();
+                let outcome = tokio::time::timeout(
+                    REQUEST_LIMIT,
+                    exchange(listen, &idle, &body, true, session, &mut got, sent),
+                )
+                .await;
+                got.total = sent.elapsed();
+                match outcome {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => got.error = Some(format!("{e:#}")),
+                    Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
+                }
+                got
+            })
+        })
+        .collect();
+    let mut got = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        got.push(task.await.context("a request's task")?);
+    }
+    let (queries, hits, _) = fleet.counters();
+    Ok(Run {
+        got,
+        computed: queries - hits,
+        hits,
+        queries,
+    })
+}
+
+pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(ID, title(ID));
+    let (lines, source) = if ctx.p.trace_window.is_zero() {
+        (
+            made_up_trace(ctx.p.trace_smoke_requests),
+            "made-up lines (smoke run)".to_string(),
+        )
+    } else {
+        let path = trace_path();
+        match read_trace(&path, ctx.p.trace_window) {
+            Ok(lines) => (
+                lines,
+                format!("{} (first {:?})", path.display(), ctx.p.trace_window),
+            ),
+            Err(e) => {
+                bail!(
+                    "the trace is not here ({e:#}): put Mooncake's conversation_trace.jsonl \
+                     there or name it in SLUICE_BENCH_TRACE"
+                )
+            }
+        }
+    };
+    let requests = replay(&lines, ctx.p.trace_speedup);
+    let mut cache = HashMap::new();
+    let bodies: Vec<Arc<Value>> = requests
+        .iter()
+        .map(|r| {
+            Arc::new(json!({
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt(r, &mut cache)}],
+                "max_tokens": r.max_tokens,
+                "temperature": 0,
+                "ignore_eos": true,
+                "stream": true,
+            }))
+        })
+        .collect();
+    let limit = limit_tokens(&requests) as f64;
+    let conversations = requests
+        .iter()
+        .map(|r| r.conversation)
+        .max()
+        .map_or(0, |c| c + 1);
+    report.header = [
+        "placement",
+        "TTFT p50 / p90 / p99 ms",
+        "prompt tokens computed",
+        "÷ the limit",
+        "engine prefix hits",
+        "errors",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut p99: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut computed: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut errors: BTreeMap<&str, usize> = BTreeMap::new();
+    for p in &PLACEMENTS {
+        let run = match run_placement(ctx, p, &requests, &bodies).await {
+            Ok(run) => run,
+            Err(e) => {
+                report.notes.push(format!("{}: did not run: {e:#}", p.name));
+                report.measured(p.contender, 0, 1, Some(format!("did not run: {e:#}")));
+                continue;
+            }
+        };
+        let ttft: Vec<f64> = run
+            .got
+            .iter()
+            .filter(|g| g.error.is_none())
+            .filter_map(|g| g.ttft.map(ms))
+            .collect();
+        let failed: Vec<&Got> = run.got.iter().filter(|g| g.error.is_some()).collect();
+        report.measured(
+            p.contender,
+            run.got.len() as u64,
+            failed.len() as u64,
+            failed.first().and_then(|g| g.error.clone()),
+        );
+        report.rows.push(vec![
+            p.name.to_string(),
+            format!(
+                "{:.0} / {:.0} / {:.0}",
+                pct(&ttft, 0.5),
+                pct(&ttft, 0.9),
+                pct(&ttft, 0.99)
+            ),
+            format!("{:.0}", run.computed),
+            format!("{:.3}", run.computed / limit.max(1.0)),
+            format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
+            failed.len().to_string(),
+        ]);
+        p99.insert(p.name, pct(&ttft, 0.99));
+        computed.insert(p.name, run.computed);
+        errors.insert(p.name, failed.len());
+    }
+    match run_reference(&requests, &bodies).await {
+        Ok(run) => {
+            let ttft: Vec<f64> = run
+                .got
+                .iter()
+                .filter(|g| g.error.is_none())
+                .filter_map(|g| g.ttft.map(ms))
+                .collect();
+            let failed = run.got.iter().filter(|g| g.error.is_some()).count();
+            report.measured(
+                Contender::Direct,
+                run.got.len() as u64,
+                failed as u64,
+                run.got.iter().find_map(|g| g.error.clone()),
+            );
+            report.rows.push(vec![
+                "reference cost policy (the harness, direct)".into(),
+                format!(
+                    "{:.0} / {:.0} / {:.0}",
+                    pct(&ttft, 0.5),
+                    pct(&ttft, 0.9),
+                    pct(&ttft, 0.99)
+                ),
+                format!("{:.0}", run.computed),
+                format!("{:.3}", run.computed / limit.max(1.0)),
+                format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
+                failed.to_string(),
+            ]);
+            p99.insert("reference", pct(&ttft, 0.99));
+        }
+        Err(e) => report
+            .notes
+            .push(format!("the reference policy did not run: {e:#}")),
+    }
+    report.rows.push(vec![
+        "the limit: an infinite cache shared by every engine".into(),
+        "-".into(),
+        format!("{limit:.0}"),
+        "1.000".into(),
+        "-".into(),
+        "-".into(),
+    ]);
+    let get = |m: &BTreeMap<&str, f64>, k: &str| m.get(k).copied().unwrap_or(f64::NAN);
+    report.checks.push(Check::at_most(
+        "TTFT p99: exact index ÷ conversation-keeping",
+        get(&p99, "ttft, exact index") / get(&p99, "conversation-keeping"),
+        1.1,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "TTFT p99: exact index ÷ the reference policy",
+        get(&p99, "ttft, exact index") / get(&p99, "reference"),
+        0.9,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "prompt tokens computed: exact index ÷ the limit",
+        get(&computed, "ttft, exact index") / limit,
+        1.05,
+        "×",
+    ));
+    report.checks.push(Check::at_most(
+        "errors: exact index",
+        errors
+            .get("ttft, exact index")
+            .copied()
+            .unwrap_or(usize::MAX) as f64,
+        0.0,
+        "",
+    ));
+    report.notes.push(format!(
+        "{} requests of {conversations} conversations from {source}, replayed {}× faster; \
+         sizes and engine speeds ÷ {SCALE}: {ENGINES} engines of {:.0} prompt tokens/s (the \
+         trace's {:.0}k), {} ms a token, {} KV blocks of 16, chunked prefill, prefix caching, \
+         KV events. Prompt tokens are the engines' (`prefix_cache_queries − hits`), in the \
+         replay's scaled tokens.",
+        requests.len(),
+        ctx.p.trace_speedup,
+        ENGINE.tokens_per_second(),
+        ENGINE.tokens_per_second() * SCALE as f64 / 1000.0,
+        ENGINE.itl_ms,
+        ENGINE.kv_blocks,
+    ));
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversations_follow_the_longest_shared_prefix() {
+        let line = |hash_ids: Vec<u64>| Line {
+            timestamp: 0,
+            input_length: hash_ids.len() as u64 * TRACE_BLOCK,
+            output_length: 1,
+            hash_ids,
+        };
+        let lines = vec![
+            line(vec![1, 2, 3]),
+            line(vec![1, 2, 9]),
+            line(vec![1, 2, 3, 4, 5]),
+            line(vec![1, 2, 9, 10]),
+            line(vec![7]),
+            line(vec![1, 2, 3, 4, 5, 6]),
+        ];
+        assert_eq!(conversations(&lines), vec![0, 1, 0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn the_limit_computes_each_block_once_and_never_a_partial_last() {
+        let lines = made_up_trace(8);
+        let requests = replay(&lines, 1.0);
+        let limit = limit_tokens(&requests);
+        let all: u64 = requests
+            .iter()
+            .map(|r| r.blocks.len() as u64 * TRACE_BLOCK / SCALE)
+            .sum();
+        assert!(limit > 0 && limit < all, "{limit} of {all}");
+        // The same requests twice: the second time only the partial last blocks count.
+        let twice: Vec<Request> = requests.iter().chain(&requests).cloned().collect();
+        assert!(limit_tokens(&twice) < 2 * limit);
+    }
+
+    #[test]
+    fn the_reference_goes_where_the_uncached_and_the_outstanding_are_least() {
+        let request = |blocks: Vec<u64>| Request {
+            at: Duration::ZERO,
+            blocks,
+            last_words: BLOCK_WORDS,
+            max_tokens: 1,
+            conversation: 0,
+        };
+        let block = TRACE_BLOCK / SCALE;
+        let mut policy = Reference::new(2, 4);
+        let (first, cost) = policy.place(&request(vec![1, 2, 3, 4]), 0);
+        assert_eq!((first, cost), (0, 4 * block));
+        policy.first_token(0, 4 * block);
+        assert_eq!(policy.engines[0].outstanding, 0);
+        // Its continuation goes where its first four blocks are.
+        let (next, cost) = policy.place(&request(vec![1, 2, 3, 4, 5, 6]), 1);
+        assert_eq!((next, cost), (0, 2 * block));
+        // Another conversation: where less is outstanding.
+        let (other, cost) = policy.place(&request(vec![9, 10]), 2);
+        assert_eq!((other, cost), (1, 2 * block));
+        // The cache holds 4 blocks: the oldest are forgotten.
+        assert_eq!(policy.engines[0].last_sent.len(), 4);
+        assert!(!policy.engines[0].last_sent.contains_key(&1));
+    }
+
+    #[test]
+    fn blocks_are_the_same_text_wherever_they_are() {
+        let mut cache = HashMap::new();
+        let a = block_text(42, BLOCK_WORDS, &mut cache);
+        let mut other = HashMap::new();
+        assert_eq!(a, block_text(42, BLOCK_WORDS, &mut other));
+        assert_ne!(a, block_text(43, BLOCK_WORDS, &mut other));
+        assert!(a.starts_with(&block_text(42, 10, &mut other)));
+    }
+}
