@@ -163,6 +163,14 @@ metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
     TTFB_BUCKETS.to_vec()
 ));
 
+metric!(SHARED_SESSIONS: IntCounterVec = register_int_counter_vec!(
+    "sluice_shared_sessions_total",
+    "Sessions shared through Redis (`sessions.store: redis`), by pool and event: adopted (a \
+     session this process had no binding for, bound where Redis said), missed (Redis had none, \
+     or named a backend the pool does not have), published (a new binding written), error.",
+    &["pool", "event"]
+));
+
 metric!(TTFT_PREDICTION_RATIO: HistogramVec = register_histogram_vec!(
     "sluice_pool_ttft_measured_over_predicted",
     "Each streamed request's time to first token over the one predicted when its backend was \
@@ -334,6 +342,11 @@ pub fn ttft_prediction(pool: &str, predicted: f64, observed: f64) {
     if predicted > 0.0 && observed.is_finite() {
         observe(&TTFT_PREDICTION_RATIO, &[pool], observed / predicted);
     }
+}
+
+/// Counts one event of a shared session of `pool` (see [`SHARED_SESSIONS`]).
+pub fn shared_session(pool: &str, event: &str) {
+    inc(&SHARED_SESSIONS, &[pool, event]);
 }
 
 /// Registers every series and creates the per-pool ones at zero, so dashboards and alerts

@@ -121,3 +121,85 @@ async fn an_agents_session_stays_on_its_engine_under_round_robin() {
 async fn an_agents_session_stays_on_its_engine_under_ttft() {
     agents_through(json!({"strategy": "ttft", "exploration": 0.0})).await;
 }
+
+/// Two proxies of one fleet share their sessions in Redis (`sessions.store: redis`): a
+/// session's next turn reaching the other proxy goes to the engine its first turn went to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_sharing_redis_keep_a_session_on_its_engine() {
+    let (a, b, c) = (engine().await, engine().await, engine().await);
+    let redis = RedisServer::start();
+    let fleet_proxy = || {
+        Proxy::start(json!({
+            "pools": [pool("main", &[MODEL], &[a.addr(), b.addr(), c.addr()])
+                .with("balancing", json!({"strategy": "round_robin"}))],
+            "sessions": {"store": "redis", "redis": {"url": redis.url(), "timeout": "2s"}},
+        }))
+    };
+    let (one, two) = (fleet_proxy().await, fleet_proxy().await);
+    let ask = |proxy: &Proxy, session: Option<&str>, turn: usize| {
+        let url = proxy.url("/v1/chat/completions");
+        let body = json!({"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": format!("{session:?}: turn {turn}")}]});
+        let session = session.map(str::to_string);
+        async move {
+            let headers: Vec<(&str, &str)> = session
+                .as_deref()
+                .map(|s| vec![("x-session-id", s)])
+                .unwrap_or_default();
+            let answer = ask_url(&url, &body, &headers).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+        }
+    };
+    let sessions: Vec<String> = (0..8).map(|i| format!("fleet-session-{i}")).collect();
+    for id in &sessions {
+        ask(&one, Some(id), 1).await;
+    }
+    // Each binding is written by a task of its own: wait until all are in Redis.
+    wait_for(std::time::Duration::from_secs(10), || async {
+        redis_cli(
+            redis.port(),
+            &["--scan", "--pattern", "sluice:session:main:*"],
+        )
+        .lines()
+        .count()
+            == sessions.len()
+    })
+    .await
+    .expect("every session's binding reaches Redis");
+    // The other proxy, the sessions in reverse order: without the shared bindings, its own
+    // round robin over three engines would put at most a third of them where they were.
+    for id in sessions.iter().rev() {
+        ask(&two, Some(id), 2).await;
+    }
+    let mut engine_of: BTreeMap<(String, usize), usize> = BTreeMap::new();
+    for (i, engine) in [&a, &b, &c].iter().enumerate() {
+        for request in engine.stats().recent {
+            let Some(id) = request.header("x-session-id") else {
+                continue;
+            };
+            let body: Value = serde_json::from_slice(&request.body).unwrap();
+            let content = body["messages"][0]["content"].as_str().unwrap_or_default();
+            let turn = if content.ends_with("turn 1") { 1 } else { 2 };
+            engine_of.insert((id.to_string(), turn), i);
+        }
+    }
+    for id in &sessions {
+        let first = engine_of.get(&(id.clone(), 1));
+        assert!(first.is_some(), "{id}'s first turn: {engine_of:?}");
+        assert_eq!(
+            first,
+            engine_of.get(&(id.clone(), 2)),
+            "{id} moved between the proxies: {engine_of:?}"
+        );
+    }
+    let metrics = two.metrics().await;
+    assert!(
+        metrics.contains(r#"sluice_shared_sessions_total{event="adopted",pool="main"} 8"#),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("shared_sessions"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

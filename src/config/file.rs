@@ -28,6 +28,9 @@ pub struct FileConfig {
     /// Where stored responses (Responses API) were made: kept how, for how long.
     #[serde(default)]
     pub responses: ResponsesFile,
+    /// Where the pools' sessions are kept: in this process, or in Redis for a fleet.
+    #[serde(default)]
+    pub sessions: SessionsFile,
     /// Traces over OTLP; absent: no tracing at all.
     #[serde(default)]
     pub telemetry: Option<TelemetryFile>,
@@ -237,6 +240,25 @@ pub struct ResponsesRedisFile {
 
 fn default_responses_timeout() -> Duration {
     Duration::from_millis(50)
+}
+
+/// `sessions`: where the pools' session bindings are kept: each process's own table, or
+/// shared in Redis by a fleet of proxies (`redis` as `responses.redis`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsFile {
+    /// `memory` or `redis`.
+    pub store: ResponsesStore,
+    pub redis: Option<ResponsesRedisFile>,
+}
+
+impl Default for SessionsFile {
+    fn default() -> Self {
+        Self {
+            store: ResponsesStore::Memory,
+            redis: None,
+        }
+    }
 }
 
 /// What one client may cost, and all clients together (`conf/README.md` explains each).

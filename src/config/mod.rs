@@ -73,6 +73,8 @@ pub struct Config {
     pub plugins: ResolvedPlugins,
     /// Where stored responses' notes are kept.
     pub responses: ResponsesSettings,
+    /// The Redis the pools' sessions are shared in (`sessions.store: redis`), if any.
+    pub shared_sessions: Option<sluice_sdk::RedisSettings>,
     /// Traces over OTLP, when on.
     pub telemetry: Option<TelemetrySettings>,
 }
@@ -226,6 +228,11 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     };
     let plugins = crate::chain::resolve(raw.plugins, &host)?;
     let responses = responses(&raw.responses)?;
+    let shared_sessions = redis_store(
+        raw.sessions.store,
+        raw.sessions.redis.as_ref(),
+        "sessions.redis",
+    )?;
     let telemetry = raw.telemetry.as_ref().map(telemetry).transpose()?;
 
     Ok(Config {
@@ -247,6 +254,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
         routes,
         plugins,
         responses,
+        shared_sessions,
         telemetry,
     })
 }
@@ -285,13 +293,23 @@ fn responses(raw: &file::ResponsesFile) -> Result<ResponsesSettings, Invalid> {
     if raw.ttl.is_zero() {
         return Err(Invalid::new("responses.ttl", "must be more than 0"));
     }
-    let redis = match (raw.store, &raw.redis) {
-        (file::ResponsesStore::Memory, _) => None,
+    let redis = redis_store(raw.store, raw.redis.as_ref(), "responses.redis")?;
+    Ok(ResponsesSettings {
+        ttl: raw.ttl,
+        redis,
+    })
+}
+
+/// A store's Redis settings (`key`: its section), when the store is Redis.
+fn redis_store(
+    store: file::ResponsesStore,
+    raw: Option<&file::ResponsesRedisFile>,
+    key: &str,
+) -> Result<Option<sluice_sdk::RedisSettings>, Invalid> {
+    match (store, raw) {
+        (file::ResponsesStore::Memory, _) => Ok(None),
         (file::ResponsesStore::Redis, None) => {
-            return Err(Invalid::new(
-                "responses.redis",
-                "store: redis needs a redis section",
-            ))
+            Err(Invalid::new(key, "store: redis needs a redis section"))
         }
         (file::ResponsesStore::Redis, Some(r)) => {
             let settings = sluice_sdk::RedisSettings {
@@ -302,16 +320,10 @@ fn responses(raw: &file::ResponsesFile) -> Result<ResponsesSettings, Invalid> {
                 failure_threshold: r.failure_threshold,
                 cooldown: r.cooldown,
             };
-            settings
-                .validate("timeout")
-                .map_err(|e| e.under("responses.redis"))?;
-            Some(settings)
+            settings.validate("timeout").map_err(|e| e.under(key))?;
+            Ok(Some(settings))
         }
-    };
-    Ok(ResponsesSettings {
-        ttl: raw.ttl,
-        redis,
-    })
+    }
 }
 
 fn server_conf(raw: &FileConfig) -> Result<ServerConf, Invalid> {

@@ -18,6 +18,7 @@
 //! final: a model may already be generating.
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
+use super::shared_sessions::SharedSessions;
 use super::tries::{self, no_backend};
 use super::{body, forwarding, reply, usage, Sluice};
 use crate::metrics;
@@ -79,6 +80,13 @@ pub async fn serve(
     // A conversation's session id, when its pool keeps sessions on one backend.
     let tenant = ctx.tenant().map(|t| &*t.name);
     call.demand.session = pool.session_key(session.req_header(), &call, tenant);
+    // Shared with the fleet: the session's id, for its key in Redis (a digest of it).
+    let shared_session = sluice
+        .shared_sessions
+        .as_ref()
+        .and(call.demand.session)
+        .and_then(|_| pool.session_id(session.req_header(), &call))
+        .map(<[u8]>::to_vec);
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
@@ -90,6 +98,7 @@ pub async fn serve(
     }
     let mut attempts = AttemptLoop::new(ctx)?;
     attempts.pinned = home.map(|(_, backend, _)| backend);
+    attempts.shared_session = shared_session;
     attempts.run(sluice, session, ctx).await
 }
 
@@ -181,6 +190,8 @@ struct AttemptLoop {
     /// The one backend the request may go to: the one that holds the stored response it
     /// continues.
     pinned: Option<SocketAddr>,
+    /// The request's session id, when the pools' sessions are shared in Redis.
+    shared_session: Option<Vec<u8>>,
     /// The span of the attempt being decided on (none between attempts): an escalation is
     /// its event.
     attempt_span: tracing::Span,
@@ -310,8 +321,28 @@ impl AttemptLoop {
             sent_body: None,
             prefix: None,
             pinned: None,
+            shared_session: None,
             attempt_span: tracing::Span::none(),
         })
+    }
+
+    /// The request's session key in the fleet's Redis for `pool`, when sessions are shared:
+    /// a session this process has no binding for is first bound where Redis says.
+    async fn shared_session_key(
+        &self,
+        sluice: &Sluice,
+        ctx: &RequestCtx,
+        pool: &Pool,
+        demand: &Demand,
+    ) -> Option<String> {
+        let (shared, id, session) = (
+            sluice.shared_sessions.as_ref()?,
+            self.shared_session.as_deref()?,
+            demand.session?,
+        );
+        let key = SharedSessions::key(&pool.name, ctx.tenant().map(|t| &*t.name), id);
+        shared.adopt(pool, session, &key).await;
+        Some(key)
     }
 
     async fn run(
@@ -338,6 +369,7 @@ impl AttemptLoop {
                 .map_or_else(Demand::default, |call| pool.demand_for(call));
             let prefix = self.prefix_keys(session, ctx, &pool).await?;
             let adapter = upstream_adapter(ctx, &pool);
+            let shared_key = self.shared_session_key(sluice, ctx, &pool, &demand).await;
             let selected = match self.pinned {
                 Some(addr) => pool.select_backend(addr, &self.tried),
                 None => pool.select_prefixed(&self.tried, &demand, prefix.as_deref(), adapter),
@@ -349,6 +381,13 @@ impl AttemptLoop {
                         ctx.state.insert(Predicted { tokens });
                     }
                     explain_placement(ctx, &pool, &backend);
+                    if let (Some(shared), Some(key), true) = (
+                        sluice.shared_sessions.as_ref(),
+                        shared_key,
+                        backend.session_rebound,
+                    ) {
+                        shared.publish(&pool, key, backend.addr, demand.prompt_tokens);
+                    }
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
                     let span = tries::span(ctx, &pool, backend.addr);

@@ -41,6 +41,7 @@ mod forwarding;
 mod llm_route;
 mod plain_route;
 mod reply;
+pub(crate) mod shared_sessions;
 mod state;
 pub(crate) mod stored_responses;
 mod tries;

@@ -37,6 +37,8 @@ pub struct Sluice {
     pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
     /// Which backend made each stored response (Responses API). Shared by every generation.
     pub response_homes: Arc<super::stored_responses::ResponseHomes>,
+    /// The pools' sessions shared with the fleet in Redis (`sessions.store: redis`).
+    pub shared_sessions: Option<super::shared_sessions::SharedSessions>,
     /// A newer generation replaced this one (`SIGHUP`): its plugins finish their queued work
     /// once its last request has ended.
     pub retired: std::sync::atomic::AtomicBool,
@@ -128,6 +130,10 @@ impl Sluice {
             connector: Arc::clone(&lasting.connector),
             upstream_pool: Arc::clone(&lasting.upstream_pool),
             response_homes: Arc::clone(&lasting.response_homes),
+            shared_sessions: config
+                .shared_sessions
+                .as_ref()
+                .map(super::shared_sessions::SharedSessions::new),
             retired: std::sync::atomic::AtomicBool::new(false),
         }
     }

@@ -165,6 +165,18 @@ impl Pool {
         tenant: Option<&str>,
     ) -> Option<u64> {
         static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+        let id = self.session_id(header, call)?;
+        Some(KEY.hash_one((tenant, id)))
+    }
+
+    /// The id a request names its session by, where the pool's `session_keys` look (the
+    /// first that has a value): a header's value, or a body member's JSON text. `None` when
+    /// the pool has no session affinity or the request names none.
+    pub fn session_id<'r>(
+        &self,
+        header: &'r pingora_http::RequestHeader,
+        call: &'r LlmCall,
+    ) -> Option<&'r [u8]> {
         let sessions = self.settings.sessions.as_ref()?;
         let mut members = None;
         for key in &sessions.keys {
@@ -176,10 +188,37 @@ impl Pool {
                 }
             };
             if let Some(value) = value.filter(|v| !matches!(*v, b"" | b"null" | b"\"\"")) {
-                return Some(KEY.hash_one((tenant, value)));
+                return Some(value);
             }
         }
         None
+    }
+
+    /// The backend session `key` is bound to here, and its last turn's prompt (estimated
+    /// tokens), for sharing it with other proxies.
+    pub fn session_binding(&self, key: u64) -> Option<(std::net::SocketAddr, u32)> {
+        let (slot, tokens) = self.session_table.as_ref()?.get(key)?;
+        let members = self.members();
+        let index = members.by_slot(slot)?;
+        Some((members.get(index)?.spec.resolved, tokens))
+    }
+
+    /// Binds session `key` to the backend at `addr`, its last turn's prompt `tokens`, as
+    /// another proxy bound it: when `addr` is one of the pool's and the session is not bound
+    /// here already. Whether it was bound.
+    pub fn adopt_session(&self, key: u64, addr: std::net::SocketAddr, tokens: u32) -> bool {
+        let Some(table) = self.session_table.as_ref() else {
+            return false;
+        };
+        if table.get(key).is_some() {
+            return false;
+        }
+        let members = self.members();
+        let Some(member) = members.iter().find(|m| m.spec.resolved == addr) else {
+            return false;
+        };
+        table.bind(key, member.slot, u64::from(tokens));
+        true
     }
 
     /// Whether a session bound to backend `index` stays there for this request.

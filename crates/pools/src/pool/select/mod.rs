@@ -97,6 +97,8 @@ pub struct Selected {
     pub runner_up: Option<(SocketAddr, f64)>,
     /// The request's session was bound to another backend, and left it.
     pub session_moved: bool,
+    /// The request's session was bound anew: it had no backend, or it moved.
+    pub session_rebound: bool,
 }
 
 /// An address no backend has, for a candidate that vanished between two reads.
@@ -177,6 +179,7 @@ impl Pool {
             predicted_wait: None,
             runner_up: None,
             session_moved: false,
+            session_rebound: false,
         })
     }
 
@@ -278,6 +281,7 @@ impl Pool {
             .runner_up
             .and_then(|(i, cost)| Some((members.get(i)?.spec.resolved, cost)));
         let session_moved = bound.is_some_and(|(home, _)| home != index);
+        let session_rebound = session.is_some() && (bound.is_none() || session_moved);
         // The index's prediction, in the prompt's own tokens, to be set beside what the
         // engine reports it served.
         let predicted_cached = match (self.prefix.load().as_ref(), prefix, &credit) {
@@ -298,6 +302,7 @@ impl Pool {
             predicted_wait,
             runner_up,
             session_moved,
+            session_rebound,
         })
     }
 
