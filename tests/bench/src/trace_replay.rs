@@ -71,6 +71,8 @@ const ENGINE: Engine = Engine {
     kv_blocks: 24_576,
 };
 const ENGINES: usize = 4;
+/// The engines' KV block, in tokens.
+const ENGINE_BLOCK: usize = 16;
 
 /// One line of the trace.
 #[derive(Debug, Clone)]
@@ -302,6 +304,26 @@ fn limit_tokens(requests: &[Request]) -> u64 {
         }
     }
     total
+}
+
+/// The prompt tokens an infinite prefix cache shared by every engine computes for `bodies`,
+/// in the engines' own tokens: each request's chat prompt tokenized as the engines do, its
+/// leading 16-token blocks already seen by any earlier request served, the rest computed.
+fn limit_engine_tokens(bodies: &[Arc<Value>]) -> Result<u64> {
+    let tokenizer = sluice_tokenizer::PromptTokenizer::load(&tokenizer_dir())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut total = 0u64;
+    for body in bodies {
+        let ids = tokenizer
+            .chat(&serde_json::to_vec(body.as_ref())?)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let keys = sluice_pools::prefix_index::block_keys(&ids, ENGINE_BLOCK, None, None);
+        let hits = keys.iter().take_while(|k| seen.contains(k)).count();
+        total += (ids.len() - hits * ENGINE_BLOCK) as u64;
+        seen.extend(keys);
+    }
+    Ok(total)
 }
 
 /// The text of block `id`: its own words, the same in every request.
@@ -670,7 +692,10 @@ pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
             }))
         })
         .collect();
-    let limit = limit_tokens(&requests) as f64;
+    let limit = limit_engine_tokens(&bodies)? as f64;
+    // The trace's own reuse, for the record: its blocks seen before, of all.
+    let trace_limit = limit_tokens(&requests) as f64;
+    let trace_all: f64 = requests.iter().map(|r| request_tokens(r) as f64).sum();
     let conversations = requests
         .iter()
         .map(|r| r.conversation)
@@ -802,14 +827,16 @@ pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "{} requests of {conversations} conversations from {source}, replayed {}× faster; \
          sizes and engine speeds ÷ {SCALE}: {ENGINES} engines of {:.0} prompt tokens/s (the \
          trace's {:.0}k), {} ms a token, {} KV blocks of 16, chunked prefill, prefix caching, \
-         KV events. Prompt tokens are the engines' (`prefix_cache_queries − hits`), in the \
-         replay's scaled tokens.",
+         KV events. Prompt tokens are the engines' (`prefix_cache_queries − hits`); the limit \
+         tokenizes every prompt as they do and computes each 16-token block once. By the \
+         trace's own block ids an infinite cache computes {:.1} % of the prompt tokens.",
         requests.len(),
         ctx.p.trace_speedup,
         ENGINE.tokens_per_second(),
         ENGINE.tokens_per_second() * SCALE as f64 / 1000.0,
         ENGINE.itl_ms,
         ENGINE.kv_blocks,
+        100.0 * trace_limit / trace_all.max(1.0),
     ));
     Ok(report)
 }
