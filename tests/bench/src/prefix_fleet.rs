@@ -64,6 +64,8 @@ pub(crate) struct Engine {
     pub(crate) prefill_us: u64,
     pub(crate) itl_ms: u64,
     pub(crate) kv_blocks: u32,
+    /// The longest prompt and answer it takes.
+    pub(crate) max_model_len: u32,
 }
 
 const TARGET: Engine = Engine {
@@ -73,6 +75,7 @@ const TARGET: Engine = Engine {
     prefill_us: 75,
     itl_ms: 30,
     kv_blocks: 8192,
+    max_model_len: 32_768,
 };
 const DRAFT: Engine = Engine {
     model: SMALL,
@@ -80,6 +83,7 @@ const DRAFT: Engine = Engine {
     prefill_us: 20,
     itl_ms: 8,
     kv_blocks: 4096,
+    max_model_len: 32_768,
 };
 
 impl Engine {
@@ -93,6 +97,7 @@ impl Engine {
                 jitter: 0.1,
             })
             .with_kv(self.kv_blocks, 16)
+            .with_max_model_len(self.max_model_len)
             .with_max_num_seqs(256)
             .with_answer_tokens(32, 96)
             .with_record_requests(0)
@@ -586,6 +591,23 @@ impl Drop for Fleet {
     }
 }
 
+/// How well a Sluice's pools predicted its streams' times to first token, from its metrics
+/// page: the share of predictions within ±25 % (measured over predicted between 0.8 and
+/// 1.25, `sluice_pool_ttft_measured_over_predicted`) and how many were compared.
+pub(crate) fn prediction_accuracy(page: &str) -> Option<(f64, f64)> {
+    let bucket = |le: &str| {
+        page.lines()
+            .filter(|l| {
+                l.starts_with("sluice_pool_ttft_measured_over_predicted_bucket{")
+                    && l.contains(&format!("le=\"{le}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let count = metric(page, "sluice_pool_ttft_measured_over_predicted_count");
+    (count > 0.0).then(|| ((bucket("1.25") - bucket("0.8")) / count, count))
+}
+
 pub(crate) fn metric(page: &str, name: &str) -> f64 {
     page.lines()
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
@@ -679,6 +701,8 @@ struct Run {
     spread: BTreeMap<&'static str, Vec<f64>>,
     predicted: f64,
     reported: f64,
+    /// The share of predicted TTFTs within ±25 % of the measured, and how many.
+    accuracy: Option<(f64, f64)>,
 }
 
 async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<Run> {
@@ -757,6 +781,7 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
         spread,
         predicted: labelled("predicted"),
         reported: labelled("reported"),
+        accuracy: prediction_accuracy(&page),
     })
 }
 
@@ -867,6 +892,7 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "errors",
         "KV spread p50 (small / big)",
         "index: predicted / reported cached",
+        "predicted TTFT within ±25 %",
     ]
     .map(String::from)
     .to_vec();
@@ -922,6 +948,9 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
             } else {
                 "-".to_string()
             },
+            run.accuracy.map_or("-".to_string(), |(share, n)| {
+                format!("{:.0} % of {n:.0}", 100.0 * share)
+            }),
         ]);
         let mut row = vec![s.name.to_string()];
         for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
