@@ -79,14 +79,13 @@ pub async fn serve(
     }
     // A conversation's session id, when its pool keeps sessions on one backend.
     let tenant = ctx.tenant().map(|t| &*t.name);
-    call.demand.session = pool.session_key(session.req_header(), &call, tenant);
-    // Shared with the fleet: the session's id, for its key in Redis (a digest of it).
-    let shared_session = sluice
-        .shared_sessions
-        .as_ref()
-        .and(call.demand.session)
-        .and_then(|_| pool.session_id(session.req_header(), &call))
+    // The session's id is found once: its key here, and (when the fleet shares sessions
+    // in Redis) the id itself, for its key there.
+    let id = pool.session_id(session.req_header(), &call);
+    let shared_session = id
+        .filter(|_| sluice.shared_sessions.is_some())
         .map(<[u8]>::to_vec);
+    call.demand.session = id.map(|id| Pool::session_key_of(id, tenant));
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.

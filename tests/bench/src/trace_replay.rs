@@ -359,8 +359,12 @@ fn prompt(r: &Request, cache: &mut HashMap<u64, String>) -> String {
     out
 }
 
-fn sluice_yaml(dir: &Path, listen: SocketAddrs, fleet: &Fleet, p: &Placement) -> String {
-    let (listen, admin) = listen;
+fn sluice_yaml(
+    dir: &Path,
+    (listen, admin): (std::net::SocketAddr, std::net::SocketAddr),
+    fleet: &Fleet,
+    p: &Placement,
+) -> String {
     let balancing = p
         .balancing
         .replace("SPEED", &format!("{:.0}", ENGINE.tokens_per_second()));
@@ -391,8 +395,6 @@ fn sluice_yaml(dir: &Path, listen: SocketAddrs, fleet: &Fleet, p: &Placement) ->
     }
     y
 }
-
-type SocketAddrs = (std::net::SocketAddr, std::net::SocketAddr);
 
 /// The reference policy: each engine's cache as the blocks sent to it (LRU at its
 /// capacity), and the uncached prompt tokens sent there that have not had their first token.
@@ -566,13 +568,7 @@ async fn run_reference(requests: &[Request], bodies: &[Arc<Value>]) -> Result<Ru
                     send_direct(addrs[engine], &idles[engine], &body, &mut got, first),
                 )
                 .await;
-                got.total = sent.elapsed();
-                match outcome {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => got.error = Some(format!("{e:#}")),
-                    Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
-                }
-                got
+                settle(got, sent, outcome.map(|r| r.map(drop)))
             })
         })
         .collect();
@@ -588,6 +584,21 @@ async fn run_reference(requests: &[Request], bodies: &[Arc<Value>]) -> Result<Ru
         queries,
         accuracy: None,
     })
+}
+
+/// A request's record once its exchange ended (`outcome`, or no answer in time).
+fn settle(
+    mut got: Got,
+    sent: Instant,
+    outcome: Result<Result<()>, tokio::time::error::Elapsed>,
+) -> Got {
+    got.total = sent.elapsed();
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => got.error = Some(format!("{e:#}")),
+        Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
+    }
+    got
 }
 
 /// What one placement's run measured.
@@ -638,13 +649,7 @@ async fn run_placement(
                     exchange(listen, &idle, &body, true, session, &mut got, sent),
                 )
                 .await;
-                got.total = sent.elapsed();
-                match outcome {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => got.error = Some(format!("{e:#}")),
-                    Err(_) => got.error = Some(format!("no answer within {REQUEST_LIMIT:?}")),
-                }
-                got
+                settle(got, sent, outcome.map(|r| r.map(drop)))
             })
         })
         .collect();
@@ -661,6 +666,47 @@ async fn run_placement(
         queries,
         accuracy: prediction_accuracy(&page),
     })
+}
+
+/// Counts `run` for `contender` and adds its row as `name`, its prompt tokens over the
+/// infinite cache's `limit`; its TTFT p99 (ms) and failed requests.
+fn record(
+    report: &mut ScenarioReport,
+    contender: Contender,
+    name: &str,
+    run: &Run,
+    limit: f64,
+) -> (f64, usize) {
+    let ttft: Vec<f64> = run
+        .got
+        .iter()
+        .filter(|g| g.error.is_none())
+        .filter_map(|g| g.ttft.map(ms))
+        .collect();
+    let failed = run.got.iter().filter(|g| g.error.is_some()).count();
+    report.measured(
+        contender,
+        run.got.len() as u64,
+        failed as u64,
+        run.got.iter().find_map(|g| g.error.clone()),
+    );
+    report.rows.push(vec![
+        name.to_string(),
+        format!(
+            "{:.0} / {:.0} / {:.0}",
+            pct(&ttft, 0.5),
+            pct(&ttft, 0.9),
+            pct(&ttft, 0.99)
+        ),
+        format!("{:.0}", run.computed),
+        format!("{:.3}", run.computed / limit.max(1.0)),
+        format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
+        failed.to_string(),
+        run.accuracy.map_or("-".to_string(), |(share, n)| {
+            format!("{:.0} % of {n:.0}", 100.0 * share)
+        }),
+    ]);
+    (pct(&ttft, 0.99), failed)
 }
 
 pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -733,72 +779,19 @@ pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 continue;
             }
         };
-        let ttft: Vec<f64> = run
-            .got
-            .iter()
-            .filter(|g| g.error.is_none())
-            .filter_map(|g| g.ttft.map(ms))
-            .collect();
-        let failed: Vec<&Got> = run.got.iter().filter(|g| g.error.is_some()).collect();
-        report.measured(
-            p.contender,
-            run.got.len() as u64,
-            failed.len() as u64,
-            failed.first().and_then(|g| g.error.clone()),
-        );
-        report.rows.push(vec![
-            p.name.to_string(),
-            format!(
-                "{:.0} / {:.0} / {:.0}",
-                pct(&ttft, 0.5),
-                pct(&ttft, 0.9),
-                pct(&ttft, 0.99)
-            ),
-            format!("{:.0}", run.computed),
-            format!("{:.3}", run.computed / limit.max(1.0)),
-            format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
-            failed.len().to_string(),
-            run.accuracy.map_or("-".to_string(), |(share, n)| {
-                format!("{:.0} % of {n:.0}", 100.0 * share)
-            }),
-        ]);
+        let (p99_ms, failed) = record(&mut report, p.contender, p.name, &run, limit);
         if let (true, Some((share, _))) = (p.exact && !p.sessions, run.accuracy) {
             accuracy = Some(share);
         }
-        p99.insert(p.name, pct(&ttft, 0.99));
+        p99.insert(p.name, p99_ms);
         computed.insert(p.name, run.computed);
-        errors.insert(p.name, failed.len());
+        errors.insert(p.name, failed);
     }
     match run_reference(&requests, &bodies).await {
         Ok(run) => {
-            let ttft: Vec<f64> = run
-                .got
-                .iter()
-                .filter(|g| g.error.is_none())
-                .filter_map(|g| g.ttft.map(ms))
-                .collect();
-            let failed = run.got.iter().filter(|g| g.error.is_some()).count();
-            report.measured(
-                Contender::Direct,
-                run.got.len() as u64,
-                failed as u64,
-                run.got.iter().find_map(|g| g.error.clone()),
-            );
-            report.rows.push(vec![
-                "reference cost policy (the harness, direct)".into(),
-                format!(
-                    "{:.0} / {:.0} / {:.0}",
-                    pct(&ttft, 0.5),
-                    pct(&ttft, 0.9),
-                    pct(&ttft, 0.99)
-                ),
-                format!("{:.0}", run.computed),
-                format!("{:.3}", run.computed / limit.max(1.0)),
-                format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
-                failed.to_string(),
-                "-".into(),
-            ]);
-            p99.insert("reference", pct(&ttft, 0.99));
+            let name = "reference cost policy (the harness, direct)";
+            let (p99_ms, _) = record(&mut report, Contender::Direct, name, &run, limit);
+            p99.insert("reference", p99_ms);
         }
         Err(e) => report
             .notes

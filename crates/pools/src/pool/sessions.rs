@@ -164,9 +164,15 @@ impl Pool {
         call: &LlmCall,
         tenant: Option<&str>,
     ) -> Option<u64> {
-        static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
         let id = self.session_id(header, call)?;
-        Some(KEY.hash_one((tenant, id)))
+        Some(Self::session_key_of(id, tenant))
+    }
+
+    /// The session key of session `id` of `tenant` (see [`Pool::session_key`]), for a caller
+    /// that has the id already.
+    pub fn session_key_of(id: &[u8], tenant: Option<&str>) -> u64 {
+        static KEY: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+        KEY.hash_one((tenant, id))
     }
 
     /// The id a request names its session by, where the pool's `session_keys` look (the
