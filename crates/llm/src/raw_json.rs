@@ -96,6 +96,26 @@ impl<const N: usize> SeenMembers<N> {
     }
 }
 
+impl<const N: usize> SeenMembers<N> {
+    /// Where the value of member `key` is in `text` (the object the parse saw): `Some(None)`
+    /// when it is absent; `None` when the parse cannot tell (it did not place every member,
+    /// or `key` was not one to place), and the text must be read again.
+    pub fn value_of(&self, text: &[u8], key: &str) -> Option<Option<std::ops::Range<usize>>> {
+        if !self.placed {
+            return None;
+        }
+        let i = self.keys.iter().position(|k| *k == key)?;
+        match *self.starts.get(i)? {
+            NOT_SEEN => Some(None),
+            start => {
+                let start = start as usize;
+                let len = value_len(text.get(start..)?)?;
+                Some(Some(start..start + len))
+            }
+        }
+    }
+}
+
 impl ObjectSpans<'static> {
     /// The spans of the object `text` whose members a parse has `seen`: only the values
     /// asked for are read (each to its end), not the rest of the text. `None` when a member
@@ -617,10 +637,20 @@ mod tests {
             Some(&br#"{"x":[1]}"#[..])
         );
         assert_eq!((spans.members(), spans.close()), (3, text.len() - 1));
+        // One member alone, without the others' values.
+        assert_eq!(
+            seen.value_of(text, "stream_options")
+                .map(|r| r.map(|r| &text[r])),
+            Some(Some(&br#"{"x":[1]}"#[..]))
+        );
+        assert_eq!(seen.value_of(text, "other"), None, "not one to place");
+        let unseen = SeenMembers::new(&["model", "stream_options"]);
+        assert_eq!(unseen.value_of(b"{}", "model"), Some(None), "absent");
         // A member whose key was not read in place cannot be placed.
         let mut escaped = SeenMembers::new(&["model"]);
         escaped.saw("model", || None);
         assert_eq!(ObjectSpans::from_seen(b"{}", &escaped), None);
+        assert_eq!(escaped.value_of(b"{}", "model"), None);
         // Absent members are appended where the object closes.
         let absent = SeenMembers::new(&["model"]);
         let spans = ObjectSpans::from_seen(b"{ } ", &absent).unwrap();

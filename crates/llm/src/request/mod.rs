@@ -209,6 +209,16 @@ impl LlmCall {
             .or_else(|| raw_json::object_spans(&self.body, &PLACED_MEMBERS))
     }
 
+    /// The JSON text of top-level member `key` of the body, when present: where the parse
+    /// placed it (one value read, not every placed member), else from reading the body again.
+    pub fn member(&self, key: &str) -> Option<&[u8]> {
+        let range = match self.request.seen.value_of(&self.body, key) {
+            Some(range) => range?,
+            None => raw_json::object_spans(&self.body, &[key])?.value(key)?,
+        };
+        self.body.get(range)
+    }
+
     /// The demand with a hash of the prompt's first `affinity_bytes` bytes, for a pool that
     /// balances by prefix affinity (`None`: the demand as parsed).
     pub fn demand_with_prefix(&self, affinity_bytes: Option<usize>) -> Demand {

@@ -6,7 +6,7 @@
 
 use super::select::Choice;
 use super::{Pool, SessionKey, SessionMode};
-use sluice_llm::raw_json::{self, ObjectSpans};
+use sluice_llm::raw_json;
 use sluice_llm::{Demand, LlmCall};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -184,14 +184,10 @@ impl Pool {
         call: &'r LlmCall,
     ) -> Option<&'r [u8]> {
         let sessions = self.settings.sessions.as_ref()?;
-        let mut members = None;
         for key in &sessions.keys {
             let value = match key {
                 SessionKey::Header(name) => header.headers.get(name.as_str()).map(|v| v.as_bytes()),
-                SessionKey::Body { member, inner } => {
-                    let spans = members.get_or_insert_with(|| call.placed_members());
-                    body_value(&call.body, spans.as_ref(), member, inner.as_deref())
-                }
+                SessionKey::Body { member, inner } => body_value(call, member, inner.as_deref()),
             };
             if let Some(value) = value.filter(|v| !matches!(*v, b"" | b"null" | b"\"\"")) {
                 return Some(value);
@@ -259,15 +255,10 @@ impl Pool {
     }
 }
 
-/// The JSON text of body member `member` (a top-level one, placed in `spans`), or of its
-/// member `inner`: `None` when absent or not an object where `inner` is wanted.
-fn body_value<'b>(
-    body: &'b [u8],
-    spans: Option<&ObjectSpans<'_>>,
-    member: &str,
-    inner: Option<&str>,
-) -> Option<&'b [u8]> {
-    let value = body.get(spans?.value(member)?)?;
+/// The JSON text of `call`'s body member `member` (a top-level one), or of its member
+/// `inner`: `None` when absent or not an object where `inner` is wanted.
+fn body_value<'b>(call: &'b LlmCall, member: &str, inner: Option<&str>) -> Option<&'b [u8]> {
+    let value = call.member(member)?;
     let Some(inner) = inner else {
         return Some(value);
     };
