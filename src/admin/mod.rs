@@ -180,9 +180,12 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "decode_tokens": own.decode_tokens,
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
+                "base_ttft_seconds": live.base_ttft(),
                 "predicted_ttft_seconds": pool.reference_ttft(live),
                 "predicted_queue_seconds": pool.predicted_queue(live),
                 "wait_scale": live.wait_scale(),
+                "decode_step_tokens": live.decode_step_tokens(),
+                "busy_step_tokens": live.busy_step_tokens(),
                 "wait_scale_samples": live.wait_samples(),
                 "prefix_index": pool.prefix().map(|routing| json!({
                     "blocks": routing.index.blocks_of(spec.resolved),

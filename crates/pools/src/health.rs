@@ -12,7 +12,7 @@
 //! again, and its first failure ejects it at once, while a success closes it.
 
 use arc_swap::ArcSwapOption;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
@@ -213,9 +213,28 @@ pub enum Verdict {
 }
 
 /// Milliseconds on a process-wide monotonic clock, for atomics.
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
 fn now_ms() -> u64 {
-    static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
     millis(EPOCH.elapsed())
+}
+
+/// Microseconds on the process clock (the prefill clock's unit).
+#[cfg(not(test))]
+fn now_us() -> u64 {
+    u64::try_from(EPOCH.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+// Unit tests move the prefill clock themselves, so that a prediction does not drift while
+// they look at it.
+#[cfg(test)]
+thread_local! {
+    static TEST_CLOCK_US: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[cfg(test)]
+fn now_us() -> u64 {
+    TEST_CLOCK_US.with(std::cell::Cell::get)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -265,12 +284,31 @@ pub struct BackendLive {
     prefill_speed: AtomicU64,
     /// TTFTs the speed was learned from.
     speed_samples: AtomicU64,
+    /// The fixed part of a time to first token, whatever the prompt (seconds, `f64` bits;
+    /// 0: none learned): the engine's overhead per request and at least one scheduler step.
+    base_ttft: AtomicU64,
+    /// When the prefill this proxy has sent there is predicted to be done (µs on the
+    /// process clock): the engine works through it in order at the learned speed, so a
+    /// request sent now waits for what is left of it, not for prompts already part computed.
+    prefill_clear_at_us: AtomicU64,
+    /// How far first tokens have moved the clock (µs, signed, summed): a request's own
+    /// predicted end moves with the corrections made after it was sent.
+    prefill_clock_shift_us: AtomicI64,
     /// How long the wait the model predicts really lasts, as a factor (`f64` bits; 0: 1):
     /// learned from the first tokens of requests that had work ahead of them (see
     /// [`BackendLive::wait_scale`]).
     wait_scale: AtomicU64,
     /// TTFTs the wait's scale was learned from.
     wait_samples: AtomicU64,
+    /// What a decoding sequence costs a newcomer (prompt tokens, `f64` bits; 0: the
+    /// default), learned with the scale (see [`BackendLive::decode_step_tokens`]).
+    decode_cost: AtomicU64,
+    /// What a newcomer to a working engine waits for the step in progress (prompt tokens,
+    /// `f64` bits), learned with the scale.
+    busy_step: AtomicU64,
+    /// The fit they are read from: taken once per first token behind a wait, never to
+    /// predict.
+    wait_fit: std::sync::Mutex<WaitFit>,
     // The failure breaker.
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -477,6 +515,7 @@ impl BackendLive {
         let ahead = self.prefilling.fetch_add(1, Relaxed);
         self.prefill_tokens.fetch_add(prompt_tokens, Relaxed);
         let queue = self.load.load().as_ref().map_or(0.0, |l| l.waiting);
+        let (own_us, prefill_done_at_us, clock_shift_us) = self.queue_prefill(ahead, prompt_tokens);
         InFlight {
             backend: Arc::clone(self),
             tokens: estimated_tokens,
@@ -490,7 +529,43 @@ impl BackendLive {
             predicted_wait: None,
             pool: None,
             answered_in_scrape: None,
+            sent_us: now_us(),
+            own_us,
+            prefill_done_at_us,
+            clock_shift_us,
         }
+    }
+
+    /// Puts `prompt_tokens` of prefill on the backend's clock, behind the prefill still ahead
+    /// (none when `ahead`, the requests of ours prefilling there, is 0). Returns its own
+    /// length, when it is predicted to be done, and the clock's shift then (all µs).
+    fn queue_prefill(&self, ahead: u32, prompt_tokens: u64) -> (u64, u64, i64) {
+        let now = now_us();
+        let own_us = seconds_to_us(prompt_tokens as f64 / self.prefill_speed());
+        let start = |clear: u64| if ahead == 0 { now } else { clear.max(now) };
+        let clear = self
+            .prefill_clear_at_us
+            .fetch_update(Relaxed, Relaxed, |clear| {
+                Some(start(clear).saturating_add(own_us))
+            })
+            .unwrap_or_else(|clear| clear);
+        let done_at = start(clear).saturating_add(own_us);
+        (own_us, done_at, self.prefill_clock_shift_us.load(Relaxed))
+    }
+
+    /// The prefill of ours predicted still ahead of a request sent now, in seconds: 0 when
+    /// nothing of ours is prefilling there.
+    fn prefill_ahead_seconds(&self, prefilling: u32) -> f64 {
+        if prefilling == 0 {
+            return 0.0;
+        }
+        let clear = self.prefill_clear_at_us.load(Relaxed);
+        clear.saturating_sub(now_us()) as f64 / 1e6
+    }
+
+    /// The fixed part of a time to first token here, in seconds (see `base_ttft`).
+    pub fn base_ttft(&self) -> f64 {
+        f64::from_bits(self.base_ttft.load(Relaxed))
     }
 
     /// Sets the prefill speed the backend starts from (tokens per second), unless it has one.
@@ -518,12 +593,28 @@ impl BackendLive {
         self.speed_samples.load(Relaxed)
     }
 
-    /// Learns from one TTFT: `tokens` prefilled in `seconds` with nothing ahead.
+    /// Learns from one TTFT: `tokens` prefilled in `seconds` with nothing ahead. The time
+    /// is the fixed part ([`BackendLive::base_ttft`]) plus the tokens at the speed: each
+    /// sample teaches the part it is mostly made of (a small prompt the fixed part, a large
+    /// one the speed).
     fn learn_prefill(&self, tokens: u64, seconds: f64) {
-        if tokens < MIN_LEARNING_TOKENS || !seconds.is_finite() || seconds <= 0.0 {
+        if !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
-        let observed = tokens as f64 / seconds;
+        let prefill = tokens as f64 / self.prefill_speed();
+        let fixed_share = (1.0 - prefill / seconds).clamp(0.0, 1.0);
+        let _ = self.base_ttft.fetch_update(Relaxed, Relaxed, |bits| {
+            let base = f64::from_bits(bits);
+            let sample = (seconds - prefill).max(0.0);
+            let next = base + BASE_EWMA * fixed_share * (sample - base);
+            Some(next.clamp(0.0, MAX_BASE_TTFT).to_bits())
+        });
+        if tokens < MIN_LEARNING_TOKENS {
+            return;
+        }
+        // The prompt's own time: what the fixed part leaves, never less than a quarter.
+        let own = (seconds - self.base_ttft()).max(seconds / 4.0);
+        let observed = tokens as f64 / own;
         // Larger prompts teach more (a fixed overhead weighs less in them).
         let weight = SPEED_EWMA * (tokens as f64 / 1024.0).min(1.0);
         let learned = self
@@ -548,28 +639,29 @@ impl BackendLive {
     }
 
     /// The time to first token a request of `prompt_tokens`, `cached_tokens` of them taken to
-    /// be in the backend's prefix cache, may expect here, in seconds: the wait ahead of it
-    /// ([`BackendLive::predicted_wait_tokens`], scaled by what the backend's first tokens
-    /// taught, [`BackendLive::wait_scale`]) plus its own uncached tokens, at the learned
-    /// prefill speed. No KV-cache or health judgement.
+    /// be in the backend's prefix cache, may expect here, in seconds: the fixed part every
+    /// request takes ([`BackendLive::base_ttft`]), the wait ahead of it
+    /// ([`BackendLive::wait_ahead`], weighed as the backend's first tokens taught,
+    /// [`BackendLive::wait_tokens`]) and its own uncached tokens, at the learned prefill
+    /// speed. No KV-cache or health judgement.
     pub fn predicted_ttft(
         &self,
         prompt_tokens: u64,
         cached_tokens: u64,
         policy: &HealthPolicy,
     ) -> f64 {
-        let wait = self.predicted_wait_tokens(prompt_tokens, policy) * self.wait_scale();
+        let wait = self.wait_tokens(self.wait_ahead(prompt_tokens, policy));
         let mine = prompt_tokens.saturating_sub(cached_tokens) as f64;
-        (wait + mine) / self.prefill_speed()
+        self.base_ttft() + (wait + mine) / self.prefill_speed()
     }
 
-    /// The work ahead of a new request here, in prompt tokens at the prefill speed: the
-    /// uncached prompt tokens of every request this proxy sent and that has not had its
-    /// first token (each counted with the hits expected for it when it was sent), requests
-    /// queued by others as the last fresh scrape shows them (taken to be of the size of ours,
-    /// or of this one's `prompt_tokens` when we have none there), and a share of a step for
-    /// each sequence decoding (chunked prefill shares each step with them). Unscaled.
-    pub fn predicted_wait_tokens(&self, prompt_tokens: u64, policy: &HealthPolicy) -> f64 {
+    /// The work ahead of a new request here: what is left of the uncached prompt tokens of
+    /// every request this proxy sent and that has not had its first token (each counted with
+    /// the hits expected for it when it was sent, on the backend's prefill clock: see
+    /// `prefill_clear_at_us`), requests queued by others as the last fresh scrape shows them
+    /// (taken to be of the size of ours, or of this one's `prompt_tokens` when we have none
+    /// there), and the sequences decoding (chunked prefill shares each step with them).
+    pub fn wait_ahead(&self, prompt_tokens: u64, policy: &HealthPolicy) -> Wait {
         let own = self.accounting();
         let (waiting, running) = self
             .load
@@ -584,18 +676,50 @@ impl BackendLive {
         } else {
             prompt_tokens as f64
         };
-        let ahead = own.prefill_tokens as f64 + foreign * typical;
-        let decoding = f64::from(own.decoding).max(running);
-        ahead + decoding * DECODE_STEP_TOKENS
+        let left = self.prefill_ahead_seconds(own.prefilling) * self.prefill_speed();
+        Wait {
+            prefill_tokens: left.min(own.prefill_tokens as f64) + foreign * typical,
+            decoding: f64::from(own.decoding).max(running),
+        }
     }
 
-    /// How long the predicted wait really lasts, as a factor learned from the first tokens
-    /// of requests that had work ahead of them: what each took beyond its own prefill, over
-    /// the wait predicted for it. 1 until learned. It absorbs what the model does not count
-    /// (an engine's batch limits, steps shared with decodes, others' traffic between scrapes).
+    /// `wait` in prompt tokens at the prefill speed, weighed as the backend's first tokens
+    /// taught: the prefill ahead times [`BackendLive::wait_scale`], each decoding sequence
+    /// at [`BackendLive::decode_step_tokens`], and the step in progress when the engine
+    /// works ([`BackendLive::busy_step_tokens`]).
+    pub fn wait_tokens(&self, wait: Wait) -> f64 {
+        let working = wait.prefill_tokens > 0.0 || wait.decoding > 0.0;
+        wait.prefill_tokens * self.wait_scale()
+            + wait.decoding * self.decode_step_tokens()
+            + if working {
+                self.busy_step_tokens()
+            } else {
+                0.0
+            }
+    }
+
+    /// What a newcomer to a working engine waits for the step in progress, in prompt tokens
+    /// at the prefill speed, learned beside [`BackendLive::wait_scale`]; 0 until learned.
+    pub fn busy_step_tokens(&self) -> f64 {
+        f64::from_bits(self.busy_step.load(Relaxed))
+    }
+
+    /// How long the prefill ahead really lasts, as a factor learned from the first tokens
+    /// of requests that had work ahead of them (see `WaitFit`). 1 until learned. It
+    /// absorbs what the model does not count (an engine's batch limits, others' traffic
+    /// between scrapes, an engine that lets a short prompt pass a long one).
     pub fn wait_scale(&self) -> f64 {
         match self.wait_scale.load(Relaxed) {
             0 => 1.0,
+            bits => f64::from_bits(bits),
+        }
+    }
+
+    /// What one decoding sequence costs a newcomer, in prompt tokens at the prefill speed,
+    /// learned beside [`BackendLive::wait_scale`]; [`DECODE_STEP_TOKENS`] until learned.
+    pub fn decode_step_tokens(&self) -> f64 {
+        match self.decode_cost.load(Relaxed) {
+            0 => DECODE_STEP_TOKENS,
             bits => f64::from_bits(bits),
         }
     }
@@ -605,30 +729,26 @@ impl BackendLive {
         self.wait_samples.load(Relaxed)
     }
 
-    /// Learns the wait's scale from one first token: `seconds` after it was sent, behind a
-    /// predicted wait of `wait_tokens`, with `own_tokens` of its own to prefill.
-    fn learn_wait(&self, wait_tokens: f64, own_tokens: u64, seconds: f64) {
-        let big_enough = wait_tokens.is_finite() && wait_tokens >= MIN_LEARNING_TOKENS as f64;
+    /// Learns how the wait is weighed from one first token: `seconds` after it was sent,
+    /// behind the predicted `wait`, with `own_tokens` of its own to prefill.
+    fn learn_wait(&self, wait: Wait, own_tokens: u64, seconds: f64) {
+        let size = wait.prefill_tokens + wait.decoding * DECODE_STEP_TOKENS;
+        let big_enough = size.is_finite() && size >= MIN_LEARNING_TOKENS as f64;
         if !big_enough || !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
-        let waited = (seconds * self.prefill_speed() - own_tokens as f64).max(0.0);
-        let observed = (waited / wait_tokens).clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE);
-        let weight = WAIT_EWMA * (wait_tokens / 1024.0).min(1.0);
-        let learned = self
-            .wait_scale
-            .fetch_update(Relaxed, Relaxed, |bits| {
-                let current = match bits {
-                    0 => 1.0,
-                    bits => f64::from_bits(bits),
-                };
-                let next = current + weight * (observed - current);
-                Some(next.clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE).to_bits())
-            })
-            .is_ok();
-        if learned {
-            self.wait_samples.fetch_add(1, Relaxed);
-        }
+        let waited =
+            ((seconds - self.base_ttft()) * self.prefill_speed() - own_tokens as f64).max(0.0);
+        let Ok(mut fit) = self.wait_fit.lock() else {
+            return;
+        };
+        let (scale, decode, busy) = fit.add(wait, waited);
+        drop(fit);
+        self.wait_scale.store(scale.to_bits(), Relaxed);
+        self.decode_cost
+            .store(decode.max(f64::MIN_POSITIVE).to_bits(), Relaxed);
+        self.busy_step.store(busy.to_bits(), Relaxed);
+        self.wait_samples.fetch_add(1, Relaxed);
     }
 
     /// Requests this proxy has in flight on the backend now (not other proxies').
@@ -818,13 +938,19 @@ pub struct InFlight {
     /// Its first token's time, kept until the engine says what it computed.
     speed_sample: Option<SpeedSample>,
     predicted_ttft: Option<f64>,
-    /// The wait predicted ahead of it when it was sent (unscaled prompt tokens), to learn
-    /// the wait's scale from its first token.
-    predicted_wait: Option<f64>,
+    /// The wait predicted ahead of it when it was sent, to learn the wait's weights from
+    /// its first token.
+    predicted_wait: Option<Wait>,
     pool: Option<Arc<str>>,
     /// The scrape during which a request with a prompt was answered (see
     /// [`BackendLive::finished_tokens`]).
     answered_in_scrape: Option<u64>,
+    /// Its prefill's length on the backend's clock, when the clock put its end, and the
+    /// clock's shift then (µs); when it was sent, on that clock.
+    sent_us: u64,
+    own_us: u64,
+    prefill_done_at_us: u64,
+    clock_shift_us: i64,
 }
 
 /// One request's time to first byte, and what was predicted for it.
@@ -843,12 +969,12 @@ impl InFlight {
     }
 
     /// Records what was predicted of the request's TTFT (seconds) and of the wait ahead of
-    /// it (unscaled prompt tokens, [`BackendLive::predicted_wait_tokens`]), and the pool it
+    /// it ([`BackendLive::wait_ahead`]), and the pool it
     /// is counted under, to be compared with what it takes.
     pub fn predict(
         &mut self,
         predicted_ttft: Option<f64>,
-        predicted_wait: Option<f64>,
+        predicted_wait: Option<Wait>,
         pool: Arc<str>,
     ) {
         self.predicted_ttft = predicted_ttft;
@@ -896,6 +1022,9 @@ impl InFlight {
             b.answered_since_scrape.fetch_add(1, Relaxed);
         }
         let observed = self.sent.elapsed().as_secs_f64();
+        if is_first_token {
+            self.correct_clock(observed);
+        }
         // With work ahead, the first token says how long the predicted wait really was
         // (its own prefill at the learned speed taken off); alone, how fast the backend is.
         if let (true, false, true, Some(wait)) = (
@@ -941,9 +1070,6 @@ pub const DEFAULT_PREFILL_SPEED: f64 = 10_000.0;
 /// teaches the wait's scale): below it, fixed overheads dominate.
 const MIN_LEARNING_TOKENS: u64 = 128;
 
-/// The share of the wait's scale one sample of a full-size wait replaces.
-const WAIT_EWMA: f64 = 0.1;
-
 /// The wait's scale stays within these: a model off by more is not saved by a factor.
 const MIN_WAIT_SCALE: f64 = 0.25;
 const MAX_WAIT_SCALE: f64 = 4.0;
@@ -955,9 +1081,111 @@ const SPEED_EWMA: f64 = 0.2;
 /// stalled or cached request does not wreck it.
 const SPEED_CLAMP: f64 = 4.0;
 
-/// Prefill tokens one decoding sequence is taken to cost a newcomer: decodes share the
-/// engine's steps (a tie-breaker more than a model).
-const DECODE_STEP_TOKENS: f64 = 16.0;
+/// How much one first token moves the fixed part of the TTFT toward what it showed.
+const BASE_EWMA: f64 = 0.1;
+
+/// The largest fixed part of a TTFT believed (seconds): beyond it a sample measured a stall.
+const MAX_BASE_TTFT: f64 = 2.0;
+
+/// Seconds as whole µs (0 for what is not a finite positive number).
+fn seconds_to_us(seconds: f64) -> u64 {
+    if seconds.is_finite() && seconds > 0.0 {
+        (seconds * 1e6).min(u64::MAX as f64) as u64
+    } else {
+        0
+    }
+}
+
+/// Prefill tokens one decoding sequence is taken to cost a newcomer until the backend's first
+/// tokens say (decodes share the engine's steps).
+pub const DECODE_STEP_TOKENS: f64 = 16.0;
+
+/// The most a decoding sequence is believed to cost a newcomer, in prompt tokens.
+const MAX_DECODE_STEP_TOKENS: f64 = 1_024.0;
+
+/// The longest step in progress believed, in prompt tokens (vLLM's largest step budgets).
+const MAX_BUSY_STEP_TOKENS: f64 = 65_536.0;
+
+/// The work a new request finds ahead of it on a backend, unweighed (see
+/// [`BackendLive::wait_ahead`] and [`BackendLive::wait_tokens`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Wait {
+    /// Prompt tokens of prefill ahead: ours still on the clock, others' queued.
+    pub prefill_tokens: f64,
+    /// Sequences decoding there, each taking part of every step.
+    pub decoding: f64,
+}
+
+/// The wait's weights, fitted to first tokens: `waited ≈ scale × prefill ahead + cost ×
+/// decoding + busy` (`busy`: the step in progress a newcomer to a working engine waits for),
+/// least squares over the samples with older ones fading (each weighs [`WAIT_FIT_KEEP`] of
+/// the one after), and a prior of one typical sample at the starting weights (1,
+/// [`DECODE_STEP_TOKENS`] and no step), so that samples of one kind (say, nothing decoding)
+/// leave the other weights where they were. Three unknowns: solved by hand (Cramer's rule),
+/// no library needed.
+#[derive(Debug, Default)]
+struct WaitFit {
+    /// The sums of xᵢxⱼ (row by row, upper half) and of xᵢy, x = (prefill, decoding, 1).
+    xx: [f64; 6],
+    xy: [f64; 3],
+}
+
+/// How much of the fit each sample keeps for the next (about the last 30 count).
+const WAIT_FIT_KEEP: f64 = 0.97;
+
+impl WaitFit {
+    /// Adds one sample, `waited` prompt tokens behind `wait`, and returns the new weights
+    /// within their bounds: the prefill's scale, a decoding sequence's cost and the busy
+    /// engine's step (both in prompt tokens).
+    fn add(&mut self, wait: Wait, waited: f64) -> (f64, f64, f64) {
+        let x = [wait.prefill_tokens, wait.decoding, 1.0];
+        // Each sample weighs by its size's inverse square: the fit minimizes the relative
+        // error (what a prediction is judged by), so large waits do not set the small ones.
+        let size = waited.max(MIN_LEARNING_TOKENS as f64);
+        let w = 1.0 / (size * size);
+        let k = WAIT_FIT_KEEP;
+        let mut n = 0;
+        for i in 0..3 {
+            for j in i..3 {
+                self.xx[n] = k * self.xx[n] + w * x[i] * x[j];
+                n += 1;
+            }
+            self.xy[i] = k * self.xy[i] + w * x[i] * waited;
+        }
+        // The prior: a tenth of a typical sample (1,024 tokens waited behind as many ahead
+        // and 8 decoding) at the start values.
+        let prior = [1.0, 8.0, 1.0].map(|x: f64| (x / 1024.0).powi(2) / 10.0);
+        let start = [1.0, DECODE_STEP_TOKENS, 0.0];
+        let [a, b, c, d, e, f] = self.xx;
+        let m = [
+            [a + prior[0], b, c],
+            [b, d + prior[1], e],
+            [c, e, f + prior[2]],
+        ];
+        let y = [0, 1, 2].map(|i| self.xy[i] + prior[i] * start[i]);
+        let det3 = |m: &[[f64; 3]; 3]| {
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        };
+        let det = det3(&m);
+        if !det.is_finite() || det <= 0.0 {
+            return (1.0, DECODE_STEP_TOKENS, 0.0);
+        }
+        let solve = |col: usize| {
+            let mut mi = m;
+            for (row, yi) in mi.iter_mut().zip(y) {
+                row[col] = yi;
+            }
+            det3(&mi) / det
+        };
+        (
+            solve(0).clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE),
+            solve(1).clamp(0.0, MAX_DECODE_STEP_TOKENS),
+            solve(2).clamp(0.0, MAX_BUSY_STEP_TOKENS),
+        )
+    }
+}
 
 /// The estimate after one `observed` sample of weight `weight`, from `current` (0: none
 /// yet, so the sample is taken as it is).
@@ -996,6 +1224,27 @@ impl SpeedSample {
     }
 }
 
+impl InFlight {
+    /// Its first token says where its prefill really ended (less the fixed part): the
+    /// prefill still queued behind it moves by as much as its end was off, counting the
+    /// corrections made since it was sent.
+    fn correct_clock(&self, observed: f64) {
+        let b = &self.backend;
+        let ended =
+            (self.sent_us + seconds_to_us(observed)).saturating_sub(seconds_to_us(b.base_ttft()));
+        let since = b.prefill_clock_shift_us.load(Relaxed) - self.clock_shift_us;
+        let predicted = self.prefill_done_at_us.saturating_add_signed(since);
+        let off =
+            i64::try_from(ended).unwrap_or(i64::MAX) - i64::try_from(predicted).unwrap_or(i64::MAX);
+        b.prefill_clock_shift_us.fetch_add(off, Relaxed);
+        let _ = b
+            .prefill_clear_at_us
+            .fetch_update(Relaxed, Relaxed, |clear| {
+                Some(clear.saturating_add_signed(off))
+            });
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(sample) = self.speed_sample.take() {
@@ -1012,6 +1261,10 @@ impl Drop for InFlight {
             // ahead of anyone.
             b.prefilling.fetch_sub(1, Relaxed);
             b.prefill_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+            let own_us = self.own_us;
+            let _ = b
+                .prefill_clear_at_us
+                .fetch_update(Relaxed, Relaxed, |clear| Some(clear.saturating_sub(own_us)));
         }
         if let Some(epoch) = self.answered_in_scrape {
             b.answered.fetch_sub(1, Relaxed);
@@ -1398,6 +1651,58 @@ mod tests {
         );
     }
 
+    fn set_clock(us: u64) {
+        TEST_CLOCK_US.with(|c| c.set(us));
+    }
+
+    #[test]
+    fn the_backlog_drains_on_the_prefill_clock_and_first_tokens_correct_it() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        b.seed_prefill_speed(1_000.0);
+        set_clock(1_000_000);
+        let mut first = b.begin_request(3_000, 2_000); // 2 s of prefill
+        let _second = b.begin_request(1_500, 1_000); // then 1 s more
+        assert_eq!(b.wait_tokens(b.wait_ahead(0, &policy)), 3_000.0);
+        // 1.5 s later the engine is part way through: 1.5 s of prefill is left, not 3.
+        set_clock(2_500_000);
+        assert!((b.wait_tokens(b.wait_ahead(0, &policy)) - 1_500.0).abs() < 1e-6);
+        // The first request's first token comes 0.5 s late (at 3.5 s): what is behind it
+        // is late by as much.
+        set_clock(3_500_000);
+        first.sent -= Duration::from_millis(2_500);
+        first.first_byte(true);
+        // (Within a token: the first token's time is read on the real clock. The first
+        // request decodes now: a share of each step.)
+        let wait = b.wait_tokens(b.wait_ahead(0, &policy));
+        assert!(
+            (wait - (1_000.0 + DECODE_STEP_TOKENS)).abs() < 1.0,
+            "{wait}"
+        );
+        // Nothing of ours left prefilling: nothing ahead, whatever the clock says.
+        drop((first, _second));
+        assert_eq!(b.wait_tokens(b.wait_ahead(0, &policy)), 0.0);
+        set_clock(0);
+    }
+
+    #[test]
+    fn lone_first_tokens_teach_the_fixed_part_and_the_speed_apart() {
+        let policy = HealthPolicy::default();
+        let b = BackendLive::default();
+        b.seed_prefill_speed(5_000.0); // half the real speed
+                                       // The engine: 20 ms whatever the prompt, then 10,000 tokens a second.
+        for round in 0..400_u64 {
+            let tokens = [16, 64, 256, 1_024, 4_096][(round % 5) as usize];
+            b.learn_prefill(tokens, 0.020 + tokens as f64 / 10_000.0);
+        }
+        let (base, speed) = (b.base_ttft(), b.prefill_speed());
+        assert!((base - 0.020).abs() < 0.003, "{base}");
+        assert!((speed - 10_000.0).abs() < 800.0, "{speed}");
+        // A small prompt is predicted at the fixed part, not at its few tokens.
+        let t = b.predicted_ttft(64, 0, &policy);
+        assert!((t - 0.0264).abs() < 0.004, "{t}");
+    }
+
     #[test]
     fn first_tokens_behind_a_wait_teach_how_long_the_wait_really_is() {
         let policy = HealthPolicy::default();
@@ -1408,29 +1713,60 @@ mod tests {
         // 4 ms (its own 100 tokens aside): the wait was twice as long as predicted.
         let _ahead = b.begin_request(3_000, 2_000);
         for _ in 0..60 {
-            let wait = b.predicted_wait_tokens(100, &policy);
-            assert_eq!(wait, 2_000.0);
+            let wait = b.wait_ahead(100, &policy);
+            assert_eq!(wait.prefill_tokens, 2_000.0);
             let mut next = b.begin_request(200, 100);
             next.predict(Some(0.0021), Some(wait), Arc::from("p"));
             // Its first token, as if 4.1 ms had passed: set `sent` back.
             next.sent -= std::time::Duration::from_micros(4_100);
             assert!(next.first_byte(true).is_some());
         }
-        let scale = b.wait_scale();
-        assert!((scale - 2.0).abs() < 0.1, "{scale}");
         assert_eq!(b.wait_samples(), 60);
-        // The prediction uses it.
+        // The prediction uses it: the 2,000 tokens ahead take the time of 4,000. (With one
+        // kind of sample only, the scale and the busy step share it as the prior says.)
+        let scale = b.wait_scale();
+        assert!(scale > 1.5, "{scale}");
         let t = b.predicted_ttft(100, 0, &policy);
-        assert!(
-            (t - (2_000.0 * scale + 100.0) / 1_000_000.0).abs() < 1e-9,
-            "{t}"
-        );
+        assert!((t - 0.0041).abs() < 0.0001, "{t}");
         // A request alone teaches the speed, not the wait.
         let lone = Arc::new(BackendLive::default());
         let mut first = lone.begin_request(200, 100);
-        first.predict(Some(0.001), Some(0.0), Arc::from("p"));
+        first.predict(Some(0.001), Some(Wait::default()), Arc::from("p"));
         first.first_byte(true);
         assert_eq!(lone.wait_samples(), 0);
+    }
+
+    #[test]
+    fn the_wait_fit_tells_the_prefill_ahead_from_the_sequences_decoding() {
+        // An engine where the prefill ahead takes 1.5× its tokens and each decoding
+        // sequence costs a newcomer 40 tokens, sampled at loads of every mix.
+        let mut fit = WaitFit::default();
+        let mut got = (1.0, DECODE_STEP_TOKENS, 0.0);
+        for i in 0..200_u32 {
+            let wait = Wait {
+                prefill_tokens: f64::from((i * 7_919) % 4_000),
+                decoding: f64::from((i * 31) % 64),
+            };
+            got = fit.add(
+                wait,
+                1.5 * wait.prefill_tokens + 40.0 * wait.decoding + 300.0,
+            );
+        }
+        assert!((got.0 - 1.5).abs() < 0.02, "{got:?}");
+        assert!((got.1 - 40.0).abs() < 1.0, "{got:?}");
+        assert!((got.2 - 300.0).abs() < 30.0, "{got:?}");
+        // Samples with nothing decoding leave the decode cost where the prior puts it.
+        let mut fit = WaitFit::default();
+        for i in 1..100_u32 {
+            let wait = Wait {
+                prefill_tokens: f64::from(i * 40),
+                decoding: 0.0,
+            };
+            got = fit.add(wait, 0.5 * wait.prefill_tokens);
+        }
+        assert!((got.0 - 0.5).abs() < 0.02, "{got:?}");
+        assert!((got.1 - DECODE_STEP_TOKENS).abs() < 1e-9, "{got:?}");
+        assert!(got.2 < 10.0, "{got:?}");
     }
 
     #[test]

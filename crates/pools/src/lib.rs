@@ -27,7 +27,7 @@ pub mod retry;
 
 pub use health::{
     BackendLive, BackendState, HealthPolicy, InFlight, Load, LoraSlots, OutlierPolicy, Probe,
-    SpeedSample, StaleAs, Verdict,
+    SpeedSample, StaleAs, Verdict, Wait,
 };
 pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{

@@ -17,7 +17,7 @@ mod ttft;
 pub use ttft::REFERENCE_PROMPT_TOKENS;
 
 use super::{Balancing, Pool};
-use crate::health::BackendLive;
+use crate::health::{BackendLive, Wait};
 use crate::members::Members;
 use crate::prefix::{Credit, PrefixKeys};
 use sluice_llm::Demand;
@@ -89,9 +89,9 @@ pub struct Selected {
     /// With the exact index: the prompt tokens (the engine's) it predicts the backend's
     /// prefix cache serves.
     pub predicted_cached: Option<u64>,
-    /// The wait predicted ahead of the request there (unscaled prompt tokens, see
-    /// `BackendLive::predicted_wait_tokens`), when it has a prompt.
-    pub predicted_wait: Option<f64>,
+    /// The wait predicted ahead of the request there (see `BackendLive::wait_ahead`), when
+    /// it has a prompt.
+    pub predicted_wait: Option<Wait>,
     /// The best other candidate and its predicted time to first token (seconds), when the
     /// strategy predicts them (`ttft`): why this one was chosen.
     pub runner_up: Option<(SocketAddr, f64)>,
@@ -274,9 +274,8 @@ impl Pool {
                 .live
                 .predicted_ttft(demand.prompt_tokens, hits, &self.settings.health)
         });
-        let predicted_wait = (demand.prompt_tokens > 0).then(|| {
-            (endpoint.live).predicted_wait_tokens(demand.prompt_tokens, &self.settings.health)
-        });
+        let predicted_wait = (demand.prompt_tokens > 0)
+            .then(|| (endpoint.live).wait_ahead(demand.prompt_tokens, &self.settings.health));
         let runner_up = pick
             .runner_up
             .and_then(|(i, cost)| Some((members.get(i)?.spec.resolved, cost)));

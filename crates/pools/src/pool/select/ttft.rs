@@ -112,7 +112,7 @@ impl Pool {
     /// The wait a new request is predicted to find ahead of it on backend `live` now,
     /// before its own prefill, in seconds (`/status` and the dashboard).
     pub fn predicted_queue(&self, live: &BackendLive) -> f64 {
-        let wait = live.predicted_wait_tokens(REFERENCE_PROMPT_TOKENS, &self.settings.health);
-        wait * live.wait_scale() / live.prefill_speed()
+        let wait = live.wait_ahead(REFERENCE_PROMPT_TOKENS, &self.settings.health);
+        live.wait_tokens(wait) / live.prefill_speed()
     }
 }
