@@ -16,6 +16,7 @@ pub mod phased;
 pub mod plugin_cost;
 pub mod prefix_fleet;
 pub mod public;
+pub(crate) mod reference_policy;
 pub mod report;
 pub mod resilience;
 pub mod scenarios;

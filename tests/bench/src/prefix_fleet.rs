@@ -37,6 +37,9 @@ use vllm_sim::text::Rng;
 
 use crate::contenders::{free_addr, start_sluice_with, Contender};
 use crate::phased::{checkout, read_answer, Idle};
+use crate::reference_policy::{
+    limit_engine_tokens, send_direct, EngineTokens, Reference, ENGINE_BLOCK,
+};
 use crate::report::{Check, ScenarioReport, Table};
 use crate::scenarios::{title, CHAT};
 use crate::Ctx;
@@ -406,15 +409,90 @@ fn answer_text(body: &[u8], stream: bool) -> String {
     out
 }
 
-/// Runs one session against `addr`: each step after the previous answer and its think time.
-async fn run_session(
-    addr: SocketAddr,
-    idle: Idle,
-    session: Session,
-    index: usize,
-    start: Instant,
-    session_header: bool,
-) -> Vec<Got> {
+/// Where a run's requests go.
+#[derive(Clone)]
+enum Via {
+    /// Through a Sluice at `addr`, naming each session in `x-session-id` when asked.
+    Proxy {
+        addr: SocketAddr,
+        idle: Idle,
+        session_header: bool,
+    },
+    /// Straight to the engines, placed by the reference policy.
+    Reference(Arc<Direct>),
+}
+
+/// The reference policy's run: per model its engines and their placement, and every body
+/// sent (in order) for the infinite cache's limit.
+struct Direct {
+    tokens: EngineTokens,
+    pools: BTreeMap<&'static str, DirectPool>,
+    sent: std::sync::Mutex<Vec<Value>>,
+}
+
+struct DirectPool {
+    addrs: Vec<SocketAddr>,
+    idles: Vec<Idle>,
+    policy: std::sync::Mutex<Reference>,
+}
+
+impl Direct {
+    fn new(fleet: &Fleet) -> Result<Self> {
+        let mut pools = BTreeMap::new();
+        for engine in [DRAFT, TARGET] {
+            let addrs = fleet.addrs(engine.model);
+            let idles = addrs.iter().map(|_| Idle::default()).collect();
+            let policy = Reference::new(addrs.len(), engine.kv_blocks as usize);
+            pools.insert(
+                engine.model,
+                DirectPool {
+                    addrs,
+                    idles,
+                    policy: std::sync::Mutex::new(policy),
+                },
+            );
+        }
+        Ok(Direct {
+            tokens: EngineTokens::load()?,
+            pools,
+            sent: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Places `body` (for `model`) by the policy and sends it to that engine.
+    async fn send(&self, model: &str, body: &Value, stream: bool, got: &mut Got) -> Result<String> {
+        let pool = self.pools.get(model).context("no such model")?;
+        let (tokens, blocks) = self.tokens.blocks(body)?;
+        let full = blocks.len();
+        let (engine, uncached) = pool
+            .policy
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the policy's lock"))?
+            .place(&blocks, full, tokens, ENGINE_BLOCK as u64);
+        if let Ok(mut sent) = self.sent.lock() {
+            sent.push(body.clone());
+        }
+        let first = || {
+            if let Ok(mut p) = pool.policy.lock() {
+                p.first_token(engine, uncached);
+            }
+        };
+        let all = send_direct(
+            pool.addrs[engine],
+            &pool.idles[engine],
+            body,
+            stream,
+            got,
+            first,
+        )
+        .await?;
+        Ok(answer_text(&all, stream))
+    }
+}
+
+/// Runs one session `via` a proxy or the reference: each step after the previous answer
+/// and its think time.
+async fn run_session(via: Via, session: Session, index: usize, start: Instant) -> Vec<Got> {
     tokio::time::sleep_until((start + session.start).into()).await;
     let mut messages = session.opening.clone();
     let mut out = Vec::with_capacity(session.steps.len());
@@ -442,19 +520,21 @@ async fn run_session(
             ..Got::default()
         };
         let sent = Instant::now();
-        let outcome = tokio::time::timeout(
-            REQUEST_LIMIT,
-            exchange(
+        let outcome = match &via {
+            Via::Proxy {
                 addr,
-                &idle,
-                &body,
-                step.stream,
-                session_header.then_some(index),
-                &mut got,
-                sent,
-            ),
-        )
-        .await;
+                idle,
+                session_header,
+            } => {
+                let session = session_header.then_some(index);
+                let exchange = exchange(*addr, idle, &body, step.stream, session, &mut got, sent);
+                tokio::time::timeout(REQUEST_LIMIT, exchange).await
+            }
+            Via::Reference(direct) => {
+                let send = direct.send(session.model, &body, step.stream, &mut got);
+                tokio::time::timeout(REQUEST_LIMIT, send).await
+            }
+        };
         got.total = sent.elapsed();
         let answer = match outcome {
             Ok(Ok(answer)) => answer,
@@ -744,14 +824,12 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
         .iter()
         .enumerate()
         .map(|(i, session)| {
-            tokio::spawn(run_session(
-                listen,
-                idle.clone(),
-                session.clone(),
-                i,
-                start,
-                s.session_header,
-            ))
+            let via = Via::Proxy {
+                addr: listen,
+                idle: idle.clone(),
+                session_header: s.session_header,
+            };
+            tokio::spawn(run_session(via, session.clone(), i, start))
         })
         .collect();
     let mut got = Vec::new();
@@ -783,6 +861,121 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
         reported: labelled("reported"),
         accuracy: prediction_accuracy(&page),
     })
+}
+
+/// The reference policy's run (no proxy: the harness places each turn and sends it to the
+/// engine), and the prompt tokens an infinite cache shared by every engine computes for the
+/// bodies it sent.
+async fn run_reference(sessions: &[Session]) -> Result<(Run, u64)> {
+    let fleet = Fleet::start()?;
+    let direct = Arc::new(Direct::new(&fleet)?);
+    let start = Instant::now() + Duration::from_millis(100);
+    let tasks: Vec<_> = sessions
+        .iter()
+        .enumerate()
+        .map(|(i, session)| {
+            let via = Via::Reference(Arc::clone(&direct));
+            tokio::spawn(run_session(via, session.clone(), i, start))
+        })
+        .collect();
+    let mut got = Vec::new();
+    for task in tasks {
+        got.extend(task.await.context("a session's task")?);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let (queries, hits, generated) = fleet.counters();
+    let sent = std::mem::take(
+        &mut *direct
+            .sent
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the bodies' lock"))?,
+    );
+    let limit = limit_engine_tokens(&sent)?;
+    let run = Run {
+        got,
+        queries,
+        hits,
+        generated,
+        seconds,
+        spread: BTreeMap::new(),
+        predicted: 0.0,
+        reported: 0.0,
+        accuracy: None,
+    };
+    Ok((run, limit))
+}
+
+/// The reference policy's row (it is not a Sluice strategy: no proxy at all).
+const REFERENCE: Strategy = Strategy {
+    contender: Contender::Direct,
+    name: "reference cost policy (the harness, direct)",
+    balancing: "",
+    exact: false,
+    session_header: false,
+};
+
+/// Adds `run`'s rows for `s` (its prompt tokens over the infinite cache's `limit`, when
+/// known); returns its failed requests.
+fn record(
+    report: &mut ScenarioReport,
+    by_kind: &mut Table,
+    s: &Strategy,
+    run: &Run,
+    limit: Option<f64>,
+) -> usize {
+    let (all, later) = ttfts(run);
+    let failed: Vec<&Got> = run.got.iter().filter(|g| g.error.is_some()).collect();
+    report.measured(
+        s.contender,
+        run.got.len() as u64,
+        failed.len() as u64,
+        failed.first().and_then(|g| g.error.clone()),
+    );
+    let spread = |model: &str| run.spread.get(model).map_or(f64::NAN, |v| pct(v, 0.5));
+    let three = |v: &[f64]| {
+        format!(
+            "{:.0} / {:.0} / {:.0}",
+            pct(v, 0.5),
+            pct(v, 0.9),
+            pct(v, 0.99)
+        )
+    };
+    let computed = run.queries - run.hits;
+    report.rows.push(vec![
+        s.name.to_string(),
+        three(&all),
+        three(&later),
+        format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
+        format!("{computed:.0}"),
+        limit.map_or("-".to_string(), |l| format!("{:.3}", computed / l)),
+        format!("{:.0}", run.generated / run.seconds.max(1e-9)),
+        failed.len().to_string(),
+        format!("{:.2} / {:.2}", spread(SMALL), spread(BIG)),
+        if s.exact {
+            format!("{:.0} / {:.0}", run.predicted, run.reported)
+        } else {
+            "-".to_string()
+        },
+        run.accuracy.map_or("-".to_string(), |(share, n)| {
+            format!("{:.0} % of {n:.0}", 100.0 * share)
+        }),
+    ]);
+    let mut row = vec![s.name.to_string()];
+    for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
+        let of_kind: Vec<f64> = run
+            .got
+            .iter()
+            .filter(|g| g.kind == Some(kind) && g.stream && g.turn >= 2 && g.error.is_none())
+            .filter_map(|g| g.ttft.map(ms))
+            .collect();
+        row.push(format!(
+            "{:.0} / {:.0}",
+            pct(&of_kind, 0.5),
+            pct(&of_kind, 0.99)
+        ));
+    }
+    by_kind.rows.push(row);
+    failed.len()
 }
 
 pub(crate) fn pct(values: &[f64], p: f64) -> f64 {
@@ -888,6 +1081,7 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "turns ≥ 2: p50 / p90 / p99 ms",
         "engine prefix hits",
         "prompt tokens computed",
+        "÷ the limit",
         "output tok/s",
         "errors",
         "KV spread p50 (small / big)",
@@ -906,6 +1100,9 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut p99_later: BTreeMap<&str, f64> = BTreeMap::new();
     let mut computed: BTreeMap<&str, f64> = BTreeMap::new();
     let mut errors: BTreeMap<&str, usize> = BTreeMap::new();
+    // The reference first: its bodies give the limit every row is set against.
+    let reference = run_reference(&sessions).await;
+    let limit = reference.as_ref().ok().map(|(_, limit)| *limit as f64);
     for s in &STRATEGIES {
         let run = match run_strategy(ctx, s, &sessions).await {
             Ok(run) => run,
@@ -915,61 +1112,35 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 continue;
             }
         };
-        let (all, later) = ttfts(&run);
-        let failed: Vec<&Got> = run.got.iter().filter(|g| g.error.is_some()).collect();
-        report.measured(
-            s.contender,
-            run.got.len() as u64,
-            failed.len() as u64,
-            failed.first().and_then(|g| g.error.clone()),
-        );
-        let spread = |model: &str| run.spread.get(model).map_or(f64::NAN, |v| pct(v, 0.5));
-        report.rows.push(vec![
-            s.name.to_string(),
-            format!(
-                "{:.0} / {:.0} / {:.0}",
-                pct(&all, 0.5),
-                pct(&all, 0.9),
-                pct(&all, 0.99)
-            ),
-            format!(
-                "{:.0} / {:.0} / {:.0}",
-                pct(&later, 0.5),
-                pct(&later, 0.9),
-                pct(&later, 0.99)
-            ),
-            format!("{:.1} %", 100.0 * run.hits / run.queries.max(1.0)),
-            format!("{:.0}", run.queries - run.hits),
-            format!("{:.0}", run.generated / run.seconds.max(1e-9)),
-            failed.len().to_string(),
-            format!("{:.2} / {:.2}", spread(SMALL), spread(BIG)),
-            if s.exact {
-                format!("{:.0} / {:.0}", run.predicted, run.reported)
-            } else {
-                "-".to_string()
-            },
-            run.accuracy.map_or("-".to_string(), |(share, n)| {
-                format!("{:.0} % of {n:.0}", 100.0 * share)
-            }),
-        ]);
-        let mut row = vec![s.name.to_string()];
-        for kind in [Kind::Conversation, Kind::Agent, Kind::Rag] {
-            let of_kind: Vec<f64> = run
-                .got
-                .iter()
-                .filter(|g| g.kind == Some(kind) && g.stream && g.turn >= 2 && g.error.is_none())
-                .filter_map(|g| g.ttft.map(ms))
-                .collect();
-            row.push(format!(
-                "{:.0} / {:.0}",
-                pct(&of_kind, 0.5),
-                pct(&of_kind, 0.99)
-            ));
-        }
-        by_kind.rows.push(row);
-        p99_later.insert(s.name, pct(&later, 0.99));
+        let failed = record(&mut report, &mut by_kind, s, &run, limit);
+        p99_later.insert(s.name, pct(&ttfts(&run).1, 0.99));
         computed.insert(s.name, run.queries - run.hits);
-        errors.insert(s.name, failed.len());
+        errors.insert(s.name, failed);
+    }
+    match reference {
+        Ok((run, limit)) => {
+            record(
+                &mut report,
+                &mut by_kind,
+                &REFERENCE,
+                &run,
+                Some(limit as f64),
+            );
+            p99_later.insert(REFERENCE.name, pct(&ttfts(&run).1, 0.99));
+            let mut row = vec![
+                "the limit: an infinite cache shared by every engine".to_string(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                limit.to_string(),
+                "1.000".into(),
+            ];
+            row.resize(report.header.len(), "-".into());
+            report.rows.push(row);
+        }
+        Err(e) => report
+            .notes
+            .push(format!("the reference policy did not run: {e:#}")),
     }
     let get = |m: &BTreeMap<&str, f64>, k: &str| m.get(k).copied().unwrap_or(f64::NAN);
     let exact = get(&p99_later, "ttft, exact index");
@@ -1008,7 +1179,7 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "",
     ));
     report.notes.push(format!(
-        "{} sessions ({requests} requests) starting over {:?}, the same schedule for every strategy, each on a fresh fleet: 4 `small` engines (50k prompt tokens/s, 8 ms a token, 4,096 blocks) and 4 `big` (13.3k tokens/s, 30 ms, 8,192 blocks), chunked prefill of 8,192 tokens a step, prefix caching, KV events; Sluice's pools balance as the row says.",
+        "{} sessions ({requests} requests) starting over {:?}, the same schedule for every strategy, each on a fresh fleet: 4 `small` engines (50k prompt tokens/s, 8 ms a token, 4,096 blocks) and 4 `big` (13.3k tokens/s, 30 ms, 8,192 blocks), chunked prefill of 8,192 tokens a step, prefix caching, KV events; Sluice's pools balance as the row says. The reference cost policy is the harness's own (no proxy): each turn goes where its uncached tokens (by the engines' tokenizer, against the blocks the policy sent to each engine, LRU at its capacity) plus the uncached tokens sent there and not yet at their first token are least. The limit: the prompt tokens an infinite cache shared by every engine computes for the bodies the reference sent (answers differ a little between runs, so the limit is that run's).",
         sessions.len(),
         ctx.p.prefix_duration
     ));
