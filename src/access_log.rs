@@ -122,11 +122,12 @@ pub fn overload_refusal(reason: Reason) -> bool {
     true
 }
 
-const OVERLOAD: [Reason; 6] = [
+const OVERLOAD: [Reason; 7] = [
     Reason::KvPressure,
     Reason::QueueTimeout,
     Reason::QueueFull,
     Reason::NoHealthyBackend,
+    Reason::BackendWaitTimeout,
     Reason::TooManyRequests,
     Reason::MemoryBudget,
 ];

@@ -155,6 +155,30 @@ metric!(BACKEND_PREDICTED_TTFT: GaugeVec = register_gauge_vec!(
     &["pool", "backend"]
 ));
 
+metric!(POOL_WAITING: GaugeVec = register_gauge_vec!(
+    "sluice_pool_waiting_requests",
+    "Requests waiting for a pool with no usable backend to get one (pools[].no_backend_wait): \
+     what an autoscaler reads to scale a pool from zero.",
+    &["pool"]
+));
+
+metric!(POOL_OLDEST_WAIT: GaugeVec = register_gauge_vec!(
+    "sluice_pool_oldest_waiting_seconds",
+    "How long the oldest request waiting for a usable backend of each pool has waited (0: none \
+     waits).",
+    &["pool"]
+));
+
+/// Sets the pools' waiting-room gauges: read when the metrics are, so the oldest wait is
+/// its age now.
+pub fn waiting_rooms(pools: &sluice_sdk::pool::Pools) {
+    for pool in pools.iter() {
+        let (waiting, oldest) = pool.waiting_room().waiting();
+        set(&POOL_WAITING, &[&pool.name], waiting as f64);
+        set(&POOL_OLDEST_WAIT, &[&pool.name], oldest.as_secs_f64());
+    }
+}
+
 metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
     "sluice_pool_ttft_prediction_error_seconds",
     "How far each streamed request's time to first token was from the one predicted when \

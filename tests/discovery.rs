@@ -254,7 +254,11 @@ async fn an_empty_answer_drains_the_pool_or_keeps_it_as_on_empty_says() {
     let dns = DnsServer::start(Duration::from_secs(1)).await;
     let (port, _sims) = sims_on_loopbacks(2, MODEL).await;
     dns.set(NAME, &[ip(2), ip(3)]).await;
-    let draining = Proxy::start(json!({"pools": [dns_pool(dns.addr(), port, json!({}))]})).await;
+    // (Without the waiting room: an emptied pool answers at once.)
+    let draining = Proxy::start(json!({"pools": [
+        dns_pool(dns.addr(), port, json!({})).with("no_backend_wait", json!("0s"))
+    ]}))
+    .await;
     let keeping = Proxy::start(json!({"pools": [
         dns_pool(dns.addr(), port, json!({"on_empty": "keep"}))
     ]}))
@@ -751,4 +755,78 @@ async fn a_backend_name_that_does_not_resolve_refuses_nothing() {
     })
     .await;
     assert!(counted.is_some(), "{}", proxy.logs());
+}
+
+/// A pool scaled to zero (its name answers nothing) holds its requests in the waiting room:
+/// the waiting metric counts them, a reload meanwhile loses none, and they are all served
+/// once a backend joins; a pool whose backend never comes answers `503 backend-wait-timeout`
+/// when its wait is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_at_zero_holds_its_requests_until_a_backend_joins() {
+    const WAITING: &str = r#"sluice_pool_waiting_requests{pool="fleet"}"#;
+    const OLDEST: &str = r#"sluice_pool_oldest_waiting_seconds{pool="fleet"}"#;
+    let dns = DnsServer::start(Duration::from_secs(1)).await;
+    let (port, _sims) = sims_on_loopbacks(1, MODEL).await;
+    dns.set(NAME, &[]).await;
+    let never = pool("never", &["other"], &[])
+        .with_fast_health_checks()
+        .with(
+            "discovery",
+            json!({"dns": {"name": "nobody.fleet.test", "port": port,
+                           "resolver": dns.addr().to_string(), "min_refresh": "1s"}}),
+        )
+        .with("no_backend_wait", json!("1s"));
+    let proxy = Proxy::start(json!({
+        "pools": [
+            dns_pool(dns.addr(), port, json!({})).with("no_backend_wait", json!("60s")),
+            never,
+        ],
+        "routes": [{"path_prefix": "/health", "pool": "fleet"}],
+    }))
+    .await;
+
+    let asks: Vec<_> = (0..6)
+        .map(|i| {
+            let url = proxy.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                ask_url(
+                    &url,
+                    &chat(MODEL, &format!("are you up? {i}"), i % 2 == 0),
+                    &[],
+                )
+                .await
+            })
+        })
+        .collect();
+    // A plain route's request waits too.
+    let plain = {
+        let url = proxy.url("/health");
+        tokio::spawn(async move { client().get(url).send().await.unwrap().status() })
+    };
+    let all_waiting = wait_for(Duration::from_secs(20), || async {
+        proxy.metric(WAITING).await == Some(7.0)
+    })
+    .await;
+    assert!(all_waiting.is_some(), "{}", proxy.metrics().await);
+    assert!(proxy.metric(OLDEST).await.unwrap_or(0.0) > 0.0);
+    // A reload while they wait: the new generation takes the room over (and its discovery
+    // is the one that sees the backend join).
+    proxy.reload().await;
+    assert_eq!(proxy.metric(WAITING).await, Some(7.0));
+
+    // The backend joins: every waiting request is served, and the room empties.
+    dns.set(NAME, &[ip(2)]).await;
+    for ask in asks {
+        let answer = ask.await.unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    assert_eq!(plain.await.unwrap(), 200);
+    assert_eq!(proxy.metric_once(WAITING, 0.0).await, Some(0.0));
+    assert_eq!(proxy.metric(OLDEST).await, Some(0.0));
+
+    // A pool whose backend never comes: its wait ends in a 503 that says so.
+    let late = proxy.ask(&chat("other", "anyone?", false), &[]).await;
+    assert_eq!(late.status, 503, "{}", late.body);
+    assert_eq!(late.headers["x-sluice-rejected"], "backend-wait-timeout");
+    assert!(late.headers.get("retry-after").is_some());
 }

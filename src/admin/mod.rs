@@ -53,11 +53,14 @@ impl ServeHttp for Admin {
         }
         match session.req_header().uri.path() {
             "/" | "/index.html" => dashboard(),
-            "/metrics" => respond(
-                StatusCode::OK,
-                "text/plain; version=0.0.4; charset=utf-8",
-                crate::metrics::render(),
-            ),
+            "/metrics" => {
+                crate::metrics::waiting_rooms(&self.current.load().pools);
+                respond(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    crate::metrics::render(),
+                )
+            }
             "/healthz" => respond(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" => {
                 if self.ready() {

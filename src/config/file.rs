@@ -380,6 +380,9 @@ pub struct PoolFile {
     /// Where the backends publish their KV cache events: `auto` or `{port: N}`.
     #[serde(default)]
     pub kv_events: Option<KvEventsFile>,
+    /// How long a request waits for a backend when the pool has none usable; `0s`: none.
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub no_backend_wait: Option<Duration>,
 }
 
 /// `pools[].kv_events`.

@@ -131,6 +131,7 @@ fn pool(
             ),
         },
         prefix: prefix_routing(p, key, base)?,
+        no_backend_wait: no_backend_wait(p, key)?,
     }));
     Ok((pool, source))
 }
@@ -909,6 +910,23 @@ pub const DEFAULT_SESSION_KEYS: &[&str] = &[
 ];
 /// How long an idle session is remembered when `session_idle_ttl` is absent.
 const DEFAULT_SESSION_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+/// `pools[].no_backend_wait`: at most [`MAX_TIMEOUT`]; absent, about a minute.
+fn no_backend_wait(p: &file::PoolFile, key: &str) -> Result<std::time::Duration, Invalid> {
+    let wait = p
+        .no_backend_wait
+        .unwrap_or(sluice_sdk::pool::DEFAULT_NO_BACKEND_WAIT);
+    if wait > MAX_TIMEOUT {
+        return Err(Invalid::new(
+            format!("{key}.no_backend_wait"),
+            format!(
+                "must be at most {}",
+                humantime::format_duration(MAX_TIMEOUT)
+            ),
+        ));
+    }
+    Ok(wait)
+}
+
 /// The most sessions remembered per pool when `session_capacity` is absent.
 const DEFAULT_SESSION_CAPACITY: usize = 65_536;
 /// The largest `session_capacity`: the table is allocated whole (8 bytes a session).

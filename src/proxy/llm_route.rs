@@ -194,6 +194,8 @@ struct AttemptLoop {
     /// The span of the attempt being decided on (none between attempts): an escalation is
     /// its event.
     attempt_span: tracing::Span,
+    /// It waited for its pool to have a usable backend (once is all it waits).
+    waited: bool,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -322,6 +324,7 @@ impl AttemptLoop {
             pinned: None,
             shared_session: None,
             attempt_span: tracing::Span::none(),
+            waited: false,
         })
     }
 
@@ -369,10 +372,29 @@ impl AttemptLoop {
             let prefix = self.prefix_keys(session, ctx, &pool).await?;
             let adapter = upstream_adapter(ctx, &pool);
             let shared_key = self.shared_session_key(sluice, ctx, &pool, &demand).await;
-            let selected = match self.pinned {
-                Some(addr) => pool.select_backend(addr, &self.tried),
-                None => pool.select_prefixed(&self.tried, &demand, prefix.as_deref(), adapter),
+            let pinned = self.pinned;
+            let select = |tried: &[SocketAddr]| match pinned {
+                Some(addr) => pool.select_backend(addr, tried),
+                None => pool.select_prefixed(tried, &demand, prefix.as_deref(), adapter),
             };
+            let mut selected = select(&self.tried);
+            // A pool with no ready backend at all (scaled to zero, starting) is waited for,
+            // once, unless the request has somewhere else to go.
+            if selected.is_none()
+                && self.tried.is_empty()
+                && !self.waited
+                && ctx.escalation().is_none()
+                && !pool.has_ready_member()
+            {
+                self.waited = true;
+                let newest = tries::wait_for_backend(Some(session), &pool).await?;
+                if let Some(newest) = newest.filter(|newest| !Arc::ptr_eq(newest, &pool)) {
+                    // A reload came while it waited: the new generation sends it.
+                    ctx.send_to(newest);
+                    continue;
+                }
+                selected = select(&self.tried);
+            }
             let then = match selected {
                 None => self.pool_exhausted(ctx, &pool),
                 Some(backend) => {

@@ -218,6 +218,12 @@ impl ProxyHttp for Proxy {
     ) -> Result<Box<HttpPeer>> {
         let this = Arc::clone(&ctx.sluice);
         this.chain.upstream_select(&mut ctx.req)?;
+        if let Some(pool) = ctx.plain.waits_for(&ctx.req) {
+            if let Some(newest) = tries::wait_for_backend(None, &pool).await? {
+                // The pool's newest generation: a reload may have come while it waited.
+                ctx.req.send_to(newest);
+            }
+        }
         ctx.plain.next_peer(&mut ctx.req)
     }
 

@@ -27,9 +27,23 @@ pub struct PlainTries {
     span: Option<tracing::Span>,
     /// The one backend the request may go to (the one that holds its state), if so.
     pinned: Option<SocketAddr>,
+    /// It waited for its pool to have a usable backend (once is all it waits).
+    waited: bool,
 }
 
 impl PlainTries {
+    /// The request's pool, when the request should wait for it to have a usable backend
+    /// before its first try: the pool has no ready backend (scaled to zero, starting).
+    /// Asked once.
+    pub fn waits_for(&mut self, ctx: &RequestCtx) -> Option<std::sync::Arc<sluice_sdk::Pool>> {
+        let first = self.tried.is_empty() && self.pinned.is_none() && !self.waited;
+        let pool = ctx
+            .pool()
+            .filter(|pool| first && !pool.has_ready_member())?;
+        self.waited = true;
+        Some(std::sync::Arc::clone(pool))
+    }
+
     /// The peer for the next try: a backend of the request's pool not tried yet.
     pub fn next_peer(&mut self, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
         let pool = ctx

@@ -13,6 +13,8 @@
 use crate::metrics;
 use pingora_error::Error;
 use pingora_http::ResponseHeader;
+use pingora_proxy::Session;
+use sluice_sdk::client::Watched;
 use sluice_sdk::headers::is_event_stream;
 use sluice_sdk::{BackendLive, ErrorReply, InFlight, Pool, Reason, RequestCtx, Selected, Verdict};
 use std::net::SocketAddr;
@@ -119,6 +121,48 @@ pub fn no_backend(pool: &Pool) -> Box<Error> {
         1,
     )
     .into_error()
+}
+
+/// Waits for `pool`, which has no ready backend, to get a usable one (a pod scaled from zero
+/// joining, one starting becoming ready), up to its `no_backend_wait`. Returns the pool to
+/// send the request to once one is usable (the pool's newest generation: a reload may have
+/// come meanwhile); `None` when the request does not wait (no wait configured, the waiting
+/// room full: the caller answers `no-healthy-backend`); a 503 `backend-wait-timeout` when
+/// none came in time. With `session`, whose body has been read whole, a client that leaves
+/// ends the wait (a plain route's body may still be on its way: watching would eat it).
+pub async fn wait_for_backend(
+    session: Option<&mut Session>,
+    pool: &Arc<Pool>,
+) -> Result<Option<Arc<Pool>>, Box<Error>> {
+    let wait = pool.settings.no_backend_wait;
+    if wait.is_zero() {
+        return Ok(None);
+    }
+    let Some(_waiting) = pool.waiting_room().enter() else {
+        return Ok(None);
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    let waited = match session {
+        Some(session) => sluice_sdk::client::watch(session, pool.usable_backend(), deadline).await,
+        None => match tokio::time::timeout_at(deadline, pool.usable_backend()).await {
+            Ok(newest) => Watched::Done(newest),
+            Err(_) => Watched::Deadline,
+        },
+    };
+    match waited {
+        Watched::Done(newest) => Ok(Some(newest)),
+        Watched::ClientGone(e) => Err(e),
+        Watched::Deadline => Err(ErrorReply::unavailable(
+            Reason::BackendWaitTimeout,
+            format!(
+                "Pool `{}` had no ready backend within {}.",
+                pool.name,
+                humantime::format_duration(wait)
+            ),
+            1,
+        )
+        .into_error()),
+    }
 }
 
 /// The longest pause a backend's back-pressure buys it: a lying or broken upstream cannot

@@ -91,6 +91,8 @@ pub enum Reason {
     MethodNotAllowed,
     /// Every backend of the pool is unhealthy, ejected or already tried.
     NoHealthyBackend,
+    /// The pool had no usable backend, and none came within its `no_backend_wait`.
+    BackendWaitTimeout,
     /// No API key, or one no tenant has (401).
     Unauthorized,
     /// The tenant asked for what its policy forbids: a model, more tokens than its ceiling
@@ -120,7 +122,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 27] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -135,6 +137,7 @@ impl Reason {
         Reason::NoRoute,
         Reason::MethodNotAllowed,
         Reason::NoHealthyBackend,
+        Reason::BackendWaitTimeout,
         Reason::Unauthorized,
         Reason::Forbidden,
         Reason::RateLimited,
@@ -166,6 +169,7 @@ impl Reason {
             Reason::NoRoute => "no-route",
             Reason::MethodNotAllowed => "method-not-allowed",
             Reason::NoHealthyBackend => "no-healthy-backend",
+            Reason::BackendWaitTimeout => "backend-wait-timeout",
             Reason::Unauthorized => "unauthorized",
             Reason::Forbidden => "forbidden",
             Reason::RateLimited => "rate-limited",

@@ -15,13 +15,15 @@ mod catalogue;
 pub mod select;
 mod sessions;
 mod settings;
+mod waiting_room;
 
 pub use admission::{Admission, Pressure, Priority};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
     Balancing, Capabilities, ClientFields, PoolSettings, SessionAffinity, SessionKey, SessionMode,
-    Timeouts, TokensPerSecond, TtftBalancing,
+    Timeouts, TokensPerSecond, TtftBalancing, DEFAULT_NO_BACKEND_WAIT,
 };
+pub use waiting_room::{Waiting, WaitingRoom, MAX_WAITING};
 
 use crate::health::{BackendLive, DEFAULT_PREFILL_SPEED};
 use crate::members::{self, BackendSpec, Change, Member, Members, Wanted};
@@ -90,6 +92,11 @@ pub struct Pool {
     /// The backends that left within [`RETURN_WINDOW`], their state kept for their return;
     /// oldest first. Taken only under `updating`.
     departed: Mutex<std::collections::VecDeque<(SocketAddr, Arc<BackendLive>, Instant)>>,
+    /// Requests waiting for a usable backend (see [`Pool::usable_backend`]); handed on by a
+    /// reload.
+    waiting_room: ArcSwap<WaitingRoom>,
+    /// The pool that replaced this one at a reload (see [`Pool::newest`]).
+    successor: Mutex<std::sync::Weak<Pool>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -134,6 +141,8 @@ impl Pool {
             prompt_scale: AtomicU64::new(PROMPT_SCALE_ONE),
             session_table,
             departed: Mutex::new(std::collections::VecDeque::new()),
+            waiting_room: ArcSwap::from_pointee(WaitingRoom::default()),
+            successor: Mutex::new(std::sync::Weak::new()),
             settings,
         }
     }
@@ -195,8 +204,9 @@ impl Pool {
 
     /// Takes over what `old` (this pool in the generation a reload replaces) knows: the live
     /// state of every backend both have, and, for a pool that starts without backends (a
-    /// discovered one), `old`'s backends themselves until its source answers.
-    pub fn inherit(&self, old: &Pool) {
+    /// discovered one), `old`'s backends themselves until its source answers; and its
+    /// waiting room, whose requests are sent by this generation (see [`Pool::usable_backend`]).
+    pub fn inherit(self: &Arc<Self>, old: &Pool) {
         let _one_at_a_time = self.updating.lock().unwrap_or_else(|e| e.into_inner());
         let theirs = old.members();
         let mine = self.members.load();
@@ -239,6 +249,8 @@ impl Pool {
         }
         self.prompt_scale
             .store(old.prompt_scale.load(Relaxed), Relaxed);
+        self.waiting_room.store(old.waiting_room.load_full());
+        *old.successor.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(self);
         self.changes.send_modify(|n| *n += 1);
     }
 

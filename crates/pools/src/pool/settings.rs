@@ -233,6 +233,10 @@ pub struct SessionAffinity {
     pub capacity: usize,
 }
 
+/// How long a request waits for a pool with no usable backend to get one, by default: about
+/// what a pod scaled from zero takes to start and load a small model.
+pub const DEFAULT_NO_BACKEND_WAIT: Duration = Duration::from_secs(60);
+
 /// Everything a pool is built from.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
@@ -279,6 +283,9 @@ pub struct PoolSettings {
     pub client_fields: ClientFields,
     /// The tokenizer and exact prefix index; `None`: the approximate affinity only.
     pub prefix: Option<Arc<PrefixRouting>>,
+    /// How long a request waits for a usable backend when the pool has none (scaled to
+    /// zero, warming up); zero: it fails at once.
+    pub no_backend_wait: Duration,
 }
 
 impl PoolSettings {
@@ -308,6 +315,7 @@ impl PoolSettings {
             served_model: None,
             client_fields: ClientFields::default(),
             prefix: None,
+            no_backend_wait: DEFAULT_NO_BACKEND_WAIT,
         }
     }
 }
