@@ -228,6 +228,12 @@ fn the_keda_scaler_scales_vllm_on_queue_depth_and_validates_against_its_crd() {
     assert!(text.contains("kind: ScaledObject"), "{text}");
     assert!(text.contains("sum(vllm:num_requests_waiting"), "{text}");
     assert!(text.contains("threshold: \"50\""), "{text}");
+    // The target pool scales from zero on the requests Sluice holds for it.
+    assert!(text.contains("minReplicaCount: 0"), "{text}");
+    assert!(
+        text.contains(r#"sum(sluice_pool_waiting_requests{pool="target"})"#),
+        "{text}"
+    );
 }
 
 /// The validator validates: broken objects of each family are refused, naming the field.
