@@ -187,8 +187,6 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "predicted_ttft_seconds": pool.reference_ttft(live),
                 "predicted_queue_seconds": pool.predicted_queue(live),
                 "wait_scale": live.wait_scale(),
-                "decode_step_tokens": live.decode_step_tokens(),
-                "busy_step_tokens": live.busy_step_tokens(),
                 "wait_scale_samples": live.wait_samples(),
                 "prefix_index": pool.prefix().map(|routing| json!({
                     "blocks": routing.index.blocks_of(spec.resolved),

@@ -300,15 +300,6 @@ pub struct BackendLive {
     wait_scale: AtomicU64,
     /// TTFTs the wait's scale was learned from.
     wait_samples: AtomicU64,
-    /// What a decoding sequence costs a newcomer (prompt tokens, `f64` bits; 0: the
-    /// default), learned with the scale (see [`BackendLive::decode_step_tokens`]).
-    decode_cost: AtomicU64,
-    /// What a newcomer to a working engine waits for the step in progress (prompt tokens,
-    /// `f64` bits), learned with the scale.
-    busy_step: AtomicU64,
-    /// The fit they are read from: taken once per first token behind a wait, never to
-    /// predict.
-    wait_fit: std::sync::Mutex<WaitFit>,
     // The failure breaker.
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -683,43 +674,21 @@ impl BackendLive {
         }
     }
 
-    /// `wait` in prompt tokens at the prefill speed, weighed as the backend's first tokens
-    /// taught: the prefill ahead times [`BackendLive::wait_scale`], each decoding sequence
-    /// at [`BackendLive::decode_step_tokens`], and the step in progress when the engine
-    /// works ([`BackendLive::busy_step_tokens`]).
+    /// `wait` in prompt tokens at the prefill speed: the prefill ahead and a share of a step
+    /// for each sequence decoding ([`DECODE_STEP_TOKENS`]), times what the backend's first
+    /// tokens taught ([`BackendLive::wait_scale`]).
     pub fn wait_tokens(&self, wait: Wait) -> f64 {
-        let working = wait.prefill_tokens > 0.0 || wait.decoding > 0.0;
-        wait.prefill_tokens * self.wait_scale()
-            + wait.decoding * self.decode_step_tokens()
-            + if working {
-                self.busy_step_tokens()
-            } else {
-                0.0
-            }
+        (wait.prefill_tokens + wait.decoding * DECODE_STEP_TOKENS) * self.wait_scale()
     }
 
-    /// What a newcomer to a working engine waits for the step in progress, in prompt tokens
-    /// at the prefill speed, learned beside [`BackendLive::wait_scale`]; 0 until learned.
-    pub fn busy_step_tokens(&self) -> f64 {
-        f64::from_bits(self.busy_step.load(Relaxed))
-    }
-
-    /// How long the prefill ahead really lasts, as a factor learned from the first tokens
-    /// of requests that had work ahead of them (see `WaitFit`). 1 until learned. It
-    /// absorbs what the model does not count (an engine's batch limits, others' traffic
-    /// between scrapes, an engine that lets a short prompt pass a long one).
+    /// How long the predicted wait really lasts, as a factor learned from the first tokens
+    /// of requests that had work ahead of them: what each took beyond its own prefill and
+    /// the fixed part, over the wait predicted for it. 1 until learned. It absorbs what the
+    /// model does not count (an engine's batch limits, steps shared with decodes, others'
+    /// traffic between scrapes, an engine that lets a short prompt pass a long one).
     pub fn wait_scale(&self) -> f64 {
         match self.wait_scale.load(Relaxed) {
             0 => 1.0,
-            bits => f64::from_bits(bits),
-        }
-    }
-
-    /// What one decoding sequence costs a newcomer, in prompt tokens at the prefill speed,
-    /// learned beside [`BackendLive::wait_scale`]; [`DECODE_STEP_TOKENS`] until learned.
-    pub fn decode_step_tokens(&self) -> f64 {
-        match self.decode_cost.load(Relaxed) {
-            0 => DECODE_STEP_TOKENS,
             bits => f64::from_bits(bits),
         }
     }
@@ -729,26 +698,32 @@ impl BackendLive {
         self.wait_samples.load(Relaxed)
     }
 
-    /// Learns how the wait is weighed from one first token: `seconds` after it was sent,
-    /// behind the predicted `wait`, with `own_tokens` of its own to prefill.
+    /// Learns the wait's scale from one first token: `seconds` after it was sent, behind the
+    /// predicted `wait`, with `own_tokens` of its own to prefill.
     fn learn_wait(&self, wait: Wait, own_tokens: u64, seconds: f64) {
-        let size = wait.prefill_tokens + wait.decoding * DECODE_STEP_TOKENS;
-        let big_enough = size.is_finite() && size >= MIN_LEARNING_TOKENS as f64;
+        let predicted = wait.prefill_tokens + wait.decoding * DECODE_STEP_TOKENS;
+        let big_enough = predicted.is_finite() && predicted >= MIN_LEARNING_TOKENS as f64;
         if !big_enough || !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
         let waited =
             ((seconds - self.base_ttft()) * self.prefill_speed() - own_tokens as f64).max(0.0);
-        let Ok(mut fit) = self.wait_fit.lock() else {
-            return;
-        };
-        let (scale, decode, busy) = fit.add(wait, waited);
-        drop(fit);
-        self.wait_scale.store(scale.to_bits(), Relaxed);
-        self.decode_cost
-            .store(decode.max(f64::MIN_POSITIVE).to_bits(), Relaxed);
-        self.busy_step.store(busy.to_bits(), Relaxed);
-        self.wait_samples.fetch_add(1, Relaxed);
+        let observed = (waited / predicted).clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE);
+        let weight = WAIT_EWMA * (predicted / 1024.0).min(1.0);
+        let learned = self
+            .wait_scale
+            .fetch_update(Relaxed, Relaxed, |bits| {
+                let current = match bits {
+                    0 => 1.0,
+                    bits => f64::from_bits(bits),
+                };
+                let next = current + weight * (observed - current);
+                Some(next.clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE).to_bits())
+            })
+            .is_ok();
+        if learned {
+            self.wait_samples.fetch_add(1, Relaxed);
+        }
     }
 
     /// Requests this proxy has in flight on the backend now (not other proxies').
@@ -1096,95 +1071,23 @@ fn seconds_to_us(seconds: f64) -> u64 {
     }
 }
 
-/// Prefill tokens one decoding sequence is taken to cost a newcomer until the backend's first
-/// tokens say (decodes share the engine's steps).
+/// Prefill tokens one decoding sequence is taken to cost a newcomer: decodes share the
+/// engine's steps. Scaled by what the first tokens teach ([`BackendLive::wait_scale`]); a
+/// weight of its own, fitted beside the prefill's, made the tail worse (tests/bench/RESULTS.md,
+/// issue #52's section).
 pub const DECODE_STEP_TOKENS: f64 = 16.0;
 
-/// The most a decoding sequence is believed to cost a newcomer, in prompt tokens.
-const MAX_DECODE_STEP_TOKENS: f64 = 1_024.0;
+/// The share of the wait's scale one sample of a full-size wait replaces.
+const WAIT_EWMA: f64 = 0.1;
 
-/// The longest step in progress believed, in prompt tokens (vLLM's largest step budgets).
-const MAX_BUSY_STEP_TOKENS: f64 = 65_536.0;
-
-/// The work a new request finds ahead of it on a backend, unweighed (see
-/// [`BackendLive::wait_ahead`] and [`BackendLive::wait_tokens`]).
+/// The work a new request finds ahead of it on a backend (see [`BackendLive::wait_ahead`]
+/// and [`BackendLive::wait_tokens`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Wait {
     /// Prompt tokens of prefill ahead: ours still on the clock, others' queued.
     pub prefill_tokens: f64,
     /// Sequences decoding there, each taking part of every step.
     pub decoding: f64,
-}
-
-/// The wait's weights, fitted to first tokens: `waited ≈ scale × prefill ahead + cost ×
-/// decoding + busy` (`busy`: the step in progress a newcomer to a working engine waits for),
-/// least squares over the samples with older ones fading (each weighs [`WAIT_FIT_KEEP`] of
-/// the one after), and a prior of one typical sample at the starting weights (1,
-/// [`DECODE_STEP_TOKENS`] and no step), so that samples of one kind (say, nothing decoding)
-/// leave the other weights where they were. Three unknowns: solved by hand (Cramer's rule),
-/// no library needed.
-#[derive(Debug, Default)]
-struct WaitFit {
-    /// The sums of xᵢxⱼ (row by row, upper half) and of xᵢy, x = (prefill, decoding, 1).
-    xx: [f64; 6],
-    xy: [f64; 3],
-}
-
-/// How much of the fit each sample keeps for the next (about the last 30 count).
-const WAIT_FIT_KEEP: f64 = 0.97;
-
-impl WaitFit {
-    /// Adds one sample, `waited` prompt tokens behind `wait`, and returns the new weights
-    /// within their bounds: the prefill's scale, a decoding sequence's cost and the busy
-    /// engine's step (both in prompt tokens).
-    fn add(&mut self, wait: Wait, waited: f64) -> (f64, f64, f64) {
-        let x = [wait.prefill_tokens, wait.decoding, 1.0];
-        // Each sample weighs by its size's inverse square: the fit minimizes the relative
-        // error (what a prediction is judged by), so large waits do not set the small ones.
-        let size = waited.max(MIN_LEARNING_TOKENS as f64);
-        let w = 1.0 / (size * size);
-        let k = WAIT_FIT_KEEP;
-        let mut n = 0;
-        for i in 0..3 {
-            for j in i..3 {
-                self.xx[n] = k * self.xx[n] + w * x[i] * x[j];
-                n += 1;
-            }
-            self.xy[i] = k * self.xy[i] + w * x[i] * waited;
-        }
-        // The prior: a tenth of a typical sample (1,024 tokens waited behind as many ahead
-        // and 8 decoding) at the start values.
-        let prior = [1.0, 8.0, 1.0].map(|x: f64| (x / 1024.0).powi(2) / 10.0);
-        let start = [1.0, DECODE_STEP_TOKENS, 0.0];
-        let [a, b, c, d, e, f] = self.xx;
-        let m = [
-            [a + prior[0], b, c],
-            [b, d + prior[1], e],
-            [c, e, f + prior[2]],
-        ];
-        let y = [0, 1, 2].map(|i| self.xy[i] + prior[i] * start[i]);
-        let det3 = |m: &[[f64; 3]; 3]| {
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        };
-        let det = det3(&m);
-        if !det.is_finite() || det <= 0.0 {
-            return (1.0, DECODE_STEP_TOKENS, 0.0);
-        }
-        let solve = |col: usize| {
-            let mut mi = m;
-            for (row, yi) in mi.iter_mut().zip(y) {
-                row[col] = yi;
-            }
-            det3(&mi) / det
-        };
-        (
-            solve(0).clamp(MIN_WAIT_SCALE, MAX_WAIT_SCALE),
-            solve(1).clamp(0.0, MAX_DECODE_STEP_TOKENS),
-            solve(2).clamp(0.0, MAX_BUSY_STEP_TOKENS),
-        )
-    }
 }
 
 /// The estimate after one `observed` sample of weight `weight`, from `current` (0: none
@@ -1722,51 +1625,20 @@ mod tests {
             assert!(next.first_byte(true).is_some());
         }
         assert_eq!(b.wait_samples(), 60);
-        // The prediction uses it: the 2,000 tokens ahead take the time of 4,000. (With one
-        // kind of sample only, the scale and the busy step share it as the prior says.)
         let scale = b.wait_scale();
-        assert!(scale > 1.5, "{scale}");
+        assert!((scale - 2.0).abs() < 0.1, "{scale}");
+        // The prediction uses it: the 2,000 tokens ahead take the time of 4,000.
         let t = b.predicted_ttft(100, 0, &policy);
-        assert!((t - 0.0041).abs() < 0.0001, "{t}");
+        assert!(
+            (t - (2_000.0 * scale + 100.0) / 1_000_000.0).abs() < 1e-9,
+            "{t}"
+        );
         // A request alone teaches the speed, not the wait.
         let lone = Arc::new(BackendLive::default());
         let mut first = lone.begin_request(200, 100);
         first.predict(Some(0.001), Some(Wait::default()), Arc::from("p"));
         first.first_byte(true);
         assert_eq!(lone.wait_samples(), 0);
-    }
-
-    #[test]
-    fn the_wait_fit_tells_the_prefill_ahead_from_the_sequences_decoding() {
-        // An engine where the prefill ahead takes 1.5× its tokens and each decoding
-        // sequence costs a newcomer 40 tokens, sampled at loads of every mix.
-        let mut fit = WaitFit::default();
-        let mut got = (1.0, DECODE_STEP_TOKENS, 0.0);
-        for i in 0..200_u32 {
-            let wait = Wait {
-                prefill_tokens: f64::from((i * 7_919) % 4_000),
-                decoding: f64::from((i * 31) % 64),
-            };
-            got = fit.add(
-                wait,
-                1.5 * wait.prefill_tokens + 40.0 * wait.decoding + 300.0,
-            );
-        }
-        assert!((got.0 - 1.5).abs() < 0.02, "{got:?}");
-        assert!((got.1 - 40.0).abs() < 1.0, "{got:?}");
-        assert!((got.2 - 300.0).abs() < 30.0, "{got:?}");
-        // Samples with nothing decoding leave the decode cost where the prior puts it.
-        let mut fit = WaitFit::default();
-        for i in 1..100_u32 {
-            let wait = Wait {
-                prefill_tokens: f64::from(i * 40),
-                decoding: 0.0,
-            };
-            got = fit.add(wait, 0.5 * wait.prefill_tokens);
-        }
-        assert!((got.0 - 0.5).abs() < 0.02, "{got:?}");
-        assert!((got.1 - DECODE_STEP_TOKENS).abs() < 1e-9, "{got:?}");
-        assert!(got.2 < 10.0, "{got:?}");
     }
 
     #[test]
