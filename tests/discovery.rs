@@ -437,6 +437,8 @@ mod kubernetes {
                 .with("discovery", json!({"kubernetes": {
                     "service": "vllm", "namespace": NAMESPACE, "port": "http",
                     "kubeconfig": kubeconfig.to_string_lossy(), "debounce": "100ms"}}))
+                // An empty pool's requests wait this long for a backend (60 s by default).
+                .with("no_backend_wait", json!("2s"))
         ]}))
         .await
     }
@@ -575,8 +577,10 @@ mod kubernetes {
             .await
             .unwrap();
         assert_eq!(ready.status(), 503);
+        // The empty pool holds the request for its wait, then says why it could not serve.
         let answer = proxy.ask(&chat(MODEL, "anyone?", false), &[]).await;
         assert_eq!(answer.status, 503, "{}", answer.body);
+        assert_eq!(answer.headers["x-sluice-rejected"], "backend-wait-timeout");
     }
 }
 

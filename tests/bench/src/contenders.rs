@@ -226,6 +226,10 @@ pub enum Contender {
     SluiceTraced01,
     /// Scenario 26: the same at sampling 1.0.
     SluiceTraced10,
+    /// Scenario 28: a pool at zero, requests held until a backend joins (`no_backend_wait`).
+    SluiceWaitingRoom,
+    /// Scenario 28: the same pool answering at once (`no_backend_wait: 0s`, as before #53).
+    SluiceNoWait,
 }
 
 impl Contender {
@@ -290,6 +294,8 @@ impl Contender {
             Contender::SluiceSessionOracle => "sluice (oracle: session affinity)",
             Contender::SluiceTraced01 => "sluice (plugins on, traced at 0.1)",
             Contender::SluiceTraced10 => "sluice (plugins on, traced at 1.0)",
+            Contender::SluiceWaitingRoom => "sluice (waiting room, no_backend_wait: 60s)",
+            Contender::SluiceNoWait => "sluice (no_backend_wait: 0s)",
         }
     }
 

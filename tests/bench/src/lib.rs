@@ -19,6 +19,7 @@ pub mod public;
 pub(crate) mod reference_policy;
 pub mod report;
 pub mod resilience;
+pub mod scale_from_zero;
 pub mod scenarios;
 pub mod soak;
 pub mod sse;
@@ -159,6 +160,11 @@ pub struct Params {
     pub trace_window: Duration,
     pub trace_speedup: f64,
     pub trace_smoke_requests: usize,
+    /// Scenario 28: when the pool's first backend joins, how long the requests keep coming
+    /// after that, and at what rate (per second).
+    pub zero_join_after: Duration,
+    pub zero_after_join: Duration,
+    pub zero_rate: f64,
 }
 
 impl Params {
@@ -235,6 +241,9 @@ impl Params {
             trace_window: Duration::from_secs(600),
             trace_speedup: 4.0,
             trace_smoke_requests: 0,
+            zero_join_after: Duration::from_secs(20),
+            zero_after_join: Duration::from_secs(10),
+            zero_rate: 5.0,
         }
     }
 
@@ -313,6 +322,9 @@ impl Params {
             trace_window: Duration::ZERO,
             trace_speedup: 1.0,
             trace_smoke_requests: 12,
+            zero_join_after: Duration::from_secs(2),
+            zero_after_join: Duration::from_secs(1),
+            zero_rate: 5.0,
         }
     }
 }

@@ -104,6 +104,10 @@ pub const ALL: &[(u8, &str)] = &[
         27,
         "A production trace of long multi-turn chat (Mooncake's, 10 minutes 4× faster): TTFT and prompt tokens computed per placement, against an infinite shared cache",
     ),
+    (
+        28,
+        "Scale from zero: a pool with no backend under steady requests, its first backend joining after 20 s, with and without the waiting room",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -134,6 +138,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         25 => crate::fleet::fleet_v1(ctx).await,
         26 => crate::plugin_cost::tracing_cost(ctx).await,
         27 => crate::trace_replay::trace_replay(ctx).await,
+        28 => crate::scale_from_zero::scale_from_zero(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -350,7 +355,9 @@ impl Stack {
                 | Contender::SluicePrefixGuessSessions
                 | Contender::SluicePrefixExact
                 | Contender::SluicePrefixExactSessions
-                | Contender::SluiceSessionOracle => {
+                | Contender::SluiceSessionOracle
+                | Contender::SluiceWaitingRoom
+                | Contender::SluiceNoWait => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
