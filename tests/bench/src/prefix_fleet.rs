@@ -490,6 +490,20 @@ impl Direct {
     }
 }
 
+/// Runs every session from `start`, each `via()` (a proxy or the reference); their records.
+async fn run_all(sessions: &[Session], start: Instant, via: impl Fn() -> Via) -> Result<Vec<Got>> {
+    let tasks: Vec<_> = sessions
+        .iter()
+        .enumerate()
+        .map(|(i, session)| tokio::spawn(run_session(via(), session.clone(), i, start)))
+        .collect();
+    let mut got = Vec::new();
+    for task in tasks {
+        got.extend(task.await.context("a session's task")?);
+    }
+    Ok(got)
+}
+
 /// Runs one session `via` a proxy or the reference: each step after the previous answer
 /// and its think time.
 async fn run_session(via: Via, session: Session, index: usize, start: Instant) -> Vec<Got> {
@@ -820,22 +834,12 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
             spread
         })
     };
-    let tasks: Vec<_> = sessions
-        .iter()
-        .enumerate()
-        .map(|(i, session)| {
-            let via = Via::Proxy {
-                addr: listen,
-                idle: idle.clone(),
-                session_header: s.session_header,
-            };
-            tokio::spawn(run_session(via, session.clone(), i, start))
-        })
-        .collect();
-    let mut got = Vec::new();
-    for task in tasks {
-        got.extend(task.await.context("a session's task")?);
-    }
+    let got = run_all(sessions, start, || Via::Proxy {
+        addr: listen,
+        idle: idle.clone(),
+        session_header: s.session_header,
+    })
+    .await?;
     let seconds = start.elapsed().as_secs_f64();
     sampling.store(false, std::sync::atomic::Ordering::Relaxed);
     let spread = sampler.await.context("the sampler")?;
@@ -870,18 +874,7 @@ async fn run_reference(sessions: &[Session]) -> Result<(Run, u64)> {
     let fleet = Fleet::start()?;
     let direct = Arc::new(Direct::new(&fleet)?);
     let start = Instant::now() + Duration::from_millis(100);
-    let tasks: Vec<_> = sessions
-        .iter()
-        .enumerate()
-        .map(|(i, session)| {
-            let via = Via::Reference(Arc::clone(&direct));
-            tokio::spawn(run_session(via, session.clone(), i, start))
-        })
-        .collect();
-    let mut got = Vec::new();
-    for task in tasks {
-        got.extend(task.await.context("a session's task")?);
-    }
+    let got = run_all(sessions, start, || Via::Reference(Arc::clone(&direct))).await?;
     let seconds = start.elapsed().as_secs_f64();
     let (queries, hits, generated) = fleet.counters();
     let sent = std::mem::take(
