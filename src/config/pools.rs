@@ -237,6 +237,29 @@ fn timeouts(t: &file::TimeoutsFile, tkey: &str) -> Result<Timeouts, Invalid> {
     })
 }
 
+/// `d`, the duration at `key`, is at most [`MAX_TIMEOUT`] (a day).
+fn at_most_a_day(d: Duration, key: &str) -> Result<(), Invalid> {
+    if d > MAX_TIMEOUT {
+        return Err(Invalid::new(
+            key,
+            format!(
+                "must be at most {}",
+                humantime::format_duration(MAX_TIMEOUT)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `pools[].no_backend_wait`: at most [`MAX_TIMEOUT`]; absent, about a minute.
+fn no_backend_wait(p: &file::PoolFile, key: &str) -> Result<Duration, Invalid> {
+    let wait = p
+        .no_backend_wait
+        .unwrap_or(sluice_sdk::pool::DEFAULT_NO_BACKEND_WAIT);
+    at_most_a_day(wait, &format!("{key}.no_backend_wait"))?;
+    Ok(wait)
+}
+
 /// Every timeout is at most a day; those a request waits on are above 0.
 fn check_timeout_bounds(t: &file::TimeoutsFile, tkey: &str) -> Result<(), Invalid> {
     for (name, d) in [
@@ -246,15 +269,7 @@ fn check_timeout_bounds(t: &file::TimeoutsFile, tkey: &str) -> Result<(), Invali
         ("keepalive_idle", t.keepalive_idle),
         ("margin", t.margin),
     ] {
-        if d > MAX_TIMEOUT {
-            return Err(Invalid::new(
-                format!("{tkey}.{name}"),
-                format!(
-                    "must be at most {}",
-                    humantime::format_duration(MAX_TIMEOUT)
-                ),
-            ));
-        }
+        at_most_a_day(d, &format!("{tkey}.{name}"))?;
     }
     for (name, d) in [
         ("connect", t.connect),
@@ -910,23 +925,6 @@ pub const DEFAULT_SESSION_KEYS: &[&str] = &[
 ];
 /// How long an idle session is remembered when `session_idle_ttl` is absent.
 const DEFAULT_SESSION_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
-/// `pools[].no_backend_wait`: at most [`MAX_TIMEOUT`]; absent, about a minute.
-fn no_backend_wait(p: &file::PoolFile, key: &str) -> Result<std::time::Duration, Invalid> {
-    let wait = p
-        .no_backend_wait
-        .unwrap_or(sluice_sdk::pool::DEFAULT_NO_BACKEND_WAIT);
-    if wait > MAX_TIMEOUT {
-        return Err(Invalid::new(
-            format!("{key}.no_backend_wait"),
-            format!(
-                "must be at most {}",
-                humantime::format_duration(MAX_TIMEOUT)
-            ),
-        ));
-    }
-    Ok(wait)
-}
-
 /// The most sessions remembered per pool when `session_capacity` is absent.
 const DEFAULT_SESSION_CAPACITY: usize = 65_536;
 /// The largest `session_capacity`: the table is allocated whole (8 bytes a session).

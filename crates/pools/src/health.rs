@@ -506,7 +506,8 @@ impl BackendLive {
         let ahead = self.prefilling.fetch_add(1, Relaxed);
         self.prefill_tokens.fetch_add(prompt_tokens, Relaxed);
         let queue = self.load.load().as_ref().map_or(0.0, |l| l.waiting);
-        let (own_us, prefill_done_at_us, clock_shift_us) = self.queue_prefill(ahead, prompt_tokens);
+        let (sent_us, own_us, prefill_done_at_us, clock_shift_us) =
+            self.queue_prefill(ahead, prompt_tokens);
         InFlight {
             backend: Arc::clone(self),
             tokens: estimated_tokens,
@@ -520,7 +521,7 @@ impl BackendLive {
             predicted_wait: None,
             pool: None,
             answered_in_scrape: None,
-            sent_us: now_us(),
+            sent_us,
             own_us,
             prefill_done_at_us,
             clock_shift_us,
@@ -528,9 +529,9 @@ impl BackendLive {
     }
 
     /// Puts `prompt_tokens` of prefill on the backend's clock, behind the prefill still ahead
-    /// (none when `ahead`, the requests of ours prefilling there, is 0). Returns its own
-    /// length, when it is predicted to be done, and the clock's shift then (all µs).
-    fn queue_prefill(&self, ahead: u32, prompt_tokens: u64) -> (u64, u64, i64) {
+    /// (none when `ahead`, the requests of ours prefilling there, is 0). Returns the clock
+    /// now, its own length, when it is predicted to be done, and the clock's shift then (µs).
+    fn queue_prefill(&self, ahead: u32, prompt_tokens: u64) -> (u64, u64, u64, i64) {
         let now = now_us();
         let own_us = seconds_to_us(prompt_tokens as f64 / self.prefill_speed());
         let start = |clear: u64| if ahead == 0 { now } else { clear.max(now) };
@@ -541,7 +542,8 @@ impl BackendLive {
             })
             .unwrap_or_else(|clear| clear);
         let done_at = start(clear).saturating_add(own_us);
-        (own_us, done_at, self.prefill_clock_shift_us.load(Relaxed))
+        let shift = self.prefill_clock_shift_us.load(Relaxed);
+        (now, own_us, done_at, shift)
     }
 
     /// The prefill of ours predicted still ahead of a request sent now, in seconds: 0 when
@@ -1592,8 +1594,9 @@ mod tests {
     fn lone_first_tokens_teach_the_fixed_part_and_the_speed_apart() {
         let policy = HealthPolicy::default();
         let b = BackendLive::default();
-        b.seed_prefill_speed(5_000.0); // half the real speed
-                                       // The engine: 20 ms whatever the prompt, then 10,000 tokens a second.
+        // Seeded at half the real speed. The engine: 20 ms whatever the prompt, then
+        // 10,000 tokens a second.
+        b.seed_prefill_speed(5_000.0);
         for round in 0..400_u64 {
             let tokens = [16, 64, 256, 1_024, 4_096][(round % 5) as usize];
             b.learn_prefill(tokens, 0.020 + tokens as f64 / 10_000.0);

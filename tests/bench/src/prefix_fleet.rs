@@ -41,6 +41,7 @@ use crate::reference_policy::{
     limit_engine_tokens, send_direct, EngineTokens, Reference, ENGINE_BLOCK,
 };
 use crate::report::{Check, ScenarioReport, Table};
+use crate::resilience::{labelled_sum, metric_sum};
 use crate::scenarios::{title, CHAT};
 use crate::Ctx;
 
@@ -690,15 +691,14 @@ impl Drop for Fleet {
 /// 1.25, `sluice_pool_ttft_measured_over_predicted`) and how many were compared.
 pub(crate) fn prediction_accuracy(page: &str) -> Option<(f64, f64)> {
     let bucket = |le: &str| {
-        page.lines()
-            .filter(|l| {
-                l.starts_with("sluice_pool_ttft_measured_over_predicted_bucket{")
-                    && l.contains(&format!("le=\"{le}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
+        labelled_sum(
+            page,
+            "sluice_pool_ttft_measured_over_predicted_bucket",
+            "le",
+            le,
+        )
     };
-    let count = metric(page, "sluice_pool_ttft_measured_over_predicted_count");
+    let count = metric_sum(page, "sluice_pool_ttft_measured_over_predicted_count");
     (count > 0.0).then(|| ((bucket("1.25") - bucket("0.8")) / count, count))
 }
 
@@ -845,15 +845,7 @@ async fn run_strategy(ctx: &Ctx, s: &Strategy, sessions: &[Session]) -> Result<R
     let spread = sampler.await.context("the sampler")?;
     let (queries, hits, generated) = fleet.counters();
     let page = crate::fleet::page_of(admin).await.unwrap_or_default();
-    let labelled = |kind: &str| {
-        page.lines()
-            .filter(|l| {
-                l.starts_with("sluice_prefix_tokens_total{")
-                    && l.contains(&format!("kind=\"{kind}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    let labelled = |kind: &str| labelled_sum(&page, "sluice_prefix_tokens_total", "kind", kind);
     Ok(Run {
         got,
         queries,

@@ -455,6 +455,16 @@ pub(crate) fn metric_sum(page: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// The sum of metric `name`'s series whose label `label` is `value`.
+pub(crate) fn labelled_sum(page: &str, name: &str, label: &str, value: &str) -> f64 {
+    let prefix = format!("{name}{{");
+    let pair = format!("{label}=\"{value}\"");
+    page.lines()
+        .filter(|l| l.starts_with(&prefix) && l.contains(&pair))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The simulators' counters that matter here, summed over the fleet.
 #[derive(Clone, Copy, Debug, Default)]
 struct SimCounters {

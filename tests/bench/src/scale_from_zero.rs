@@ -23,12 +23,12 @@ use crate::contenders::{free_addr, start_sluice_with, Contender, MODEL};
 use crate::loadgen::{fetch, Target};
 use crate::prefix_fleet::pct;
 use crate::report::{Check, ScenarioReport};
+use crate::resilience::labelled_sum;
 use crate::scenarios::{chat_body, title, CHAT};
 use crate::Ctx;
 
 const ID: u8 = 28;
 const NAME: &str = "zero.fleet.test";
-const GAUGE: &str = "sluice_pool_waiting_requests{pool=\"zero\"}";
 /// The longest a request may take before it counts as unanswered.
 const REQUEST_LIMIT: Duration = Duration::from_secs(120);
 
@@ -212,11 +212,6 @@ async fn run(
 
 /// The pool's waiting gauge now (0 when it cannot be read).
 async fn gauge(admin: SocketAddr) -> f64 {
-    let Ok((_, _, page)) = fetch(&Target::get(admin, "/metrics")).await else {
-        return 0.0;
-    };
-    String::from_utf8_lossy(&page)
-        .lines()
-        .find_map(|l| l.strip_prefix(GAUGE)?.trim().parse().ok())
-        .unwrap_or(0.0)
+    let page = crate::fleet::page_of(admin).await.unwrap_or_default();
+    labelled_sum(&page, "sluice_pool_waiting_requests", "pool", "zero")
 }

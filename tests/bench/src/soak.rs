@@ -68,7 +68,7 @@ use crate::contenders::{
 };
 use crate::loadgen::{connect, fetch, Target};
 use crate::report::{Check, ScenarioReport, Table};
-use crate::resilience::metric_sum;
+use crate::resilience::{labelled_sum, metric_sum};
 use crate::scenarios::{sized_chat_body, title, CHAT};
 use crate::sse::count_events;
 use crate::Ctx;
@@ -812,15 +812,7 @@ struct Faults {
 /// The totals of `sluice_config_reloads_total`: (ok, refused).
 async fn reloads(admin: SocketAddr) -> Result<(f64, f64)> {
     let page = metrics_page(admin).await?;
-    let with = |result: &str| {
-        page.lines()
-            .filter(|l| {
-                l.starts_with("sluice_config_reloads_total{")
-                    && l.contains(&format!("result=\"{result}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    let with = |result: &str| labelled_sum(&page, "sluice_config_reloads_total", "result", result);
     Ok((with("ok"), with("refused")))
 }
 

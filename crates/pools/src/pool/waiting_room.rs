@@ -58,13 +58,13 @@ impl WaitingRoom {
         })
     }
 
-    /// How many requests wait now, and how long the oldest of them has.
+    /// How many requests wait now, and how long the oldest of them has (the first in: ids
+    /// are handed out in order under the lock).
     pub fn waiting(&self) -> (usize, Duration) {
         let since = self.lock();
         let oldest = since
-            .values()
-            .min()
-            .map_or(Duration::ZERO, |at| at.elapsed());
+            .first_key_value()
+            .map_or(Duration::ZERO, |(_, at)| at.elapsed());
         (since.len(), oldest)
     }
 }
