@@ -169,6 +169,11 @@ pub struct SimConfig {
     /// Chunked prefill with this per-step token budget (`--max-num-batched-tokens`): see
     /// `prefill.rs`. Takes precedence over `serial_prefill`.
     pub max_num_batched_tokens: Option<u32>,
+    /// With chunked prefill, the most tokens one prompt takes in a step while others wait
+    /// (vLLM's `--long-prefill-token-threshold`); `Some(0)`: no cap, vLLM's default, so the
+    /// prompts ahead in the queue take whole steps and a short one waits for them. `None`: a
+    /// quarter of the step's budget, which lets a short prompt through beside a few long ones.
+    pub long_prefill_token_threshold: Option<u32>,
     /// KV cache events (`--kv-events-config`): a ZMQ publisher, announced on
     /// `GET /kv_event_sources`. Needs `prefix_caching`.
     pub kv_events: Option<KvEventsConfig>,
@@ -284,6 +289,7 @@ impl SimConfig {
             tokenizer: None,
             prefix_caching: false,
             max_num_batched_tokens: None,
+            long_prefill_token_threshold: None,
             kv_events: None,
             kv_event_sources: None,
             prompt_tokens_details: false,
@@ -423,6 +429,13 @@ impl SimConfig {
         self.prompt_tokens_details = true;
         self
     }
+    /// The most tokens one prompt takes in a chunked-prefill step while others wait (see
+    /// [`SimConfig::long_prefill_token_threshold`]); 0: none, as vLLM's default.
+    pub fn with_long_prefill_token_threshold(mut self, tokens: u32) -> Self {
+        self.long_prefill_token_threshold = Some(tokens);
+        self
+    }
+
     /// Tokenize with a Hugging Face tokenizer folder (see [`SimConfig::tokenizer`]).
     pub fn with_tokenizer(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.tokenizer = Some(dir.into());

@@ -266,9 +266,9 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
         .prefix_caching
         .then(|| prefix_cache::PrefixCache::new(config.block_size, event_sink));
     let shared = Arc::new_cyclic(|weak| Shared {
-        prefill_queue: config
-            .max_num_batched_tokens
-            .map(|budget| prefill::PrefillQueue::start(budget, weak.clone())),
+        prefill_queue: config.max_num_batched_tokens.map(|budget| {
+            prefill::PrefillQueue::start(budget, config.long_prefill_token_threshold, weak.clone())
+        }),
         prefix_cache,
         tokenizer,
         kv_events,

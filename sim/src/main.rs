@@ -118,6 +118,10 @@ struct Args {
     /// Chunked prefill with this per-step token budget.
     #[arg(long)]
     max_num_batched_tokens: Option<u32>,
+    /// With chunked prefill, the most tokens one prompt takes in a step while others wait;
+    /// 0: no cap (vLLM's default). Absent: a quarter of the step's budget.
+    #[arg(long)]
+    long_prefill_token_threshold: Option<u32>,
     /// `usage.prompt_tokens_details.cached_tokens` in answers.
     #[arg(long)]
     enable_prompt_tokens_details: bool,
@@ -245,6 +249,7 @@ fn config(args: &Args) -> Result<SimConfig, String> {
     config.tokenizer.clone_from(&args.tokenizer);
     config.prefix_caching = args.enable_prefix_caching;
     config.max_num_batched_tokens = args.max_num_batched_tokens;
+    config.long_prefill_token_threshold = args.long_prefill_token_threshold;
     config.prompt_tokens_details = args.enable_prompt_tokens_details;
     if let Some(json) = &args.kv_events_config {
         config.kv_events = kv_events(json)?;

@@ -2,9 +2,10 @@
 //! most `max_num_batched_tokens` tokens, shared by the running decodes (one token each) and
 //! the prefills, which take chunks of what is left in arrival order. A long prompt takes
 //! several steps; a prompt that comes while it is prefilling gets the next step's remainder
-//! (and vLLM's `long_prefill_token_threshold`, set to a quarter of the budget here, keeps one
-//! prompt from taking a whole step when others wait), so it no longer waits for the whole of a
-//! long prefill.
+//! (and vLLM's `long_prefill_token_threshold`, a quarter of the budget here unless set, keeps
+//! one prompt from taking a whole step when others wait), so it no longer waits for the whole
+//! of a long prefill. Set to 0 (vLLM's default), there is no cap: the prompts ahead take whole
+//! steps in arrival order, and a short prompt waits for every one queued before it.
 //!
 //! A step lasts `inter_token` (a decode step) or, when it prefills more, the time its prefill
 //! tokens take at `prefill_per_token`, whichever is longer, scaled by the jitter and the fault
@@ -34,11 +35,16 @@ pub struct PrefillQueue {
 
 impl PrefillQueue {
     /// Starts the step loop of `shared`'s engine; it ends when `shared` is gone.
-    pub fn start(budget: u32, shared: Weak<Shared>) -> Arc<Self> {
+    pub fn start(budget: u32, long_threshold: Option<u32>, shared: Weak<Shared>) -> Arc<Self> {
         let budget = budget.max(1);
+        let long_threshold = match long_threshold {
+            Some(0) => budget,
+            Some(tokens) => tokens,
+            None => (budget / 4).max(1),
+        };
         let queue = Arc::new(PrefillQueue {
             budget,
-            long_threshold: (budget / 4).max(1),
+            long_threshold,
             jobs: Mutex::new(VecDeque::new()),
             arrived: Notify::new(),
         });
@@ -185,6 +191,25 @@ mod tests {
         assert_eq!(q.plan_step(0), 9952 - 8192);
         q.end_step();
         assert!(long.try_recv().is_ok());
+    }
+
+    #[test]
+    fn without_a_threshold_prompts_take_whole_steps_in_arrival_order() {
+        let q = PrefillQueue {
+            long_threshold: 8192,
+            ..queue(8192)
+        };
+        let mut long = push(&q, 20_000);
+        let mut short = push(&q, 300);
+        assert_eq!(q.plan_step(0), 8192);
+        q.end_step();
+        assert_eq!(q.plan_step(0), 8192);
+        q.end_step();
+        assert!(short.try_recv().is_err(), "behind the long prompt");
+        // The long prompt's last 3,616 tokens, and the short one beside them.
+        assert_eq!(q.plan_step(0), 3616 + 300);
+        q.end_step();
+        assert!(long.try_recv().is_ok() && short.try_recv().is_ok());
     }
 
     #[test]
