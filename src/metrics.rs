@@ -179,6 +179,93 @@ pub fn waiting_rooms(pools: &sluice_sdk::pool::Pools) {
     }
 }
 
+metric!(QUEUE_DEPTH: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_admission_queue_depth",
+    "Requests waiting in each pool's queue, by class: for KV-cache headroom (the breaker's \
+     admission) or for an engine that would not queue them (pools[].fairness).",
+    &["pool", "priority"]
+));
+
+metric!(HOLD_SECONDS: HistogramVec = register_histogram_vec!(
+    "sluice_flow_hold_seconds",
+    "How long requests were held in their pool's fair order while every engine would queue \
+     them, by how the hold ended: sent (an engine had room), max_hold (sent at the bound), \
+     deadline (a sheddable request past its TTFT objective, refused), client_gone.",
+    &["pool", "result"],
+    vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
+));
+
+metric!(FAIRNESS_INDEX: GaugeVec = register_gauge_vec!(
+    "sluice_pool_fairness_index",
+    "Jain's fairness index of the service (prefill and weighted output tokens, decayed) of \
+     each pool's flows: 1 when every flow had as much, 1/n when one had all; absent before \
+     any service, or with fairness off.",
+    &["pool"]
+));
+
+metric!(FLOWS: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_pool_flows",
+    "Flows (sessions, else tenants or clients) with service in the recent past in each pool \
+     (their shares are in /status).",
+    &["pool"]
+));
+
+/// How a hold in a pool's fair order ended.
+#[derive(Debug, Clone, Copy)]
+pub enum HoldEnd {
+    Sent,
+    MaxHold,
+    Deadline,
+    ClientGone,
+}
+
+impl HoldEnd {
+    const ALL: [HoldEnd; 4] = [
+        HoldEnd::Sent,
+        HoldEnd::MaxHold,
+        HoldEnd::Deadline,
+        HoldEnd::ClientGone,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            HoldEnd::Sent => "sent",
+            HoldEnd::MaxHold => "max_hold",
+            HoldEnd::Deadline => "deadline",
+            HoldEnd::ClientGone => "client_gone",
+        }
+    }
+}
+
+pub fn held(pool: &str, end: HoldEnd, seconds: f64) {
+    observe(&HOLD_SECONDS, &[pool, end.as_str()], seconds);
+}
+
+/// Sets each pool's queue and fairness gauges: read when the metrics are.
+pub fn flow_control(pools: &sluice_sdk::pool::Pools) {
+    for pool in pools.iter() {
+        let control = pool.flow_control();
+        for p in sluice_sdk::Priority::ALL {
+            set(
+                &QUEUE_DEPTH,
+                &[&pool.name, p.as_str()],
+                control.depth(p) as i64,
+            );
+        }
+        if control.fairness().is_none() {
+            continue;
+        }
+        let flows = control.flows();
+        set(&FLOWS, &[&pool.name], flows.len() as i64);
+        if let Some(index) = sluice_sdk::pool::jain_index(flows.iter().map(|(_, s)| *s)) {
+            set(&FAIRNESS_INDEX, &[&pool.name], index);
+        }
+        for end in HoldEnd::ALL {
+            touch(&HOLD_SECONDS, &[&pool.name, end.as_str()]);
+        }
+    }
+}
+
 metric!(TTFT_PREDICTION_ERROR: HistogramVec = register_histogram_vec!(
     "sluice_pool_ttft_prediction_error_seconds",
     "How far each streamed request's time to first token was from the one predicted when \

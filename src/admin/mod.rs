@@ -55,6 +55,7 @@ impl ServeHttp for Admin {
             "/" | "/index.html" => dashboard(),
             "/metrics" => {
                 crate::metrics::waiting_rooms(&self.current.load().pools);
+                crate::metrics::flow_control(&self.current.load().pools);
                 respond(
                     StatusCode::OK,
                     "text/plain; version=0.0.4; charset=utf-8",
@@ -217,6 +218,10 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
     });
     json!({
         "name": &*pool.name,
+        "fairness": pool.flow_control().fairness().is_some(),
+        "fairness_index": pool.fairness_index(),
+        "flows": flow_shares(pool),
+        "queued": pool.flow_control().held(),
         "models": *pool.models(),
         "models_auto": pool.settings.auto_models,
         "max_model_len": pool.settings.max_model_len,
@@ -234,6 +239,22 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         },
         "backends": backends,
     })
+}
+
+/// The most flows `/status` lists per pool.
+const MAX_FLOWS_SHOWN: usize = 20;
+
+/// The pool's most served flows and their share of its recent service (decayed tokens).
+fn flow_shares(pool: &Pool) -> serde_json::Value {
+    let flows = pool.flow_control().flows();
+    let total: f64 = flows.iter().map(|(_, s)| s).sum();
+    flows
+        .iter()
+        .take(MAX_FLOWS_SHOWN)
+        .map(|(label, served)| {
+            json!({"flow": &**label, "tokens": served.round(), "share": served / total.max(1.0)})
+        })
+        .collect()
 }
 
 fn dashboard() -> Response<Vec<u8>> {

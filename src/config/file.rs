@@ -383,6 +383,40 @@ pub struct PoolFile {
     /// How long a request waits for a backend when the pool has none usable; `0s`: none.
     #[serde(default, deserialize_with = "optional_duration")]
     pub no_backend_wait: Option<Duration>,
+    /// Fair order among the flows waiting in each class: `on` (the default), `off`, or its
+    /// settings.
+    #[serde(default)]
+    pub fairness: Option<FairnessFile>,
+}
+
+/// `pools[].fairness`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum FairnessFile {
+    /// `on` or `off`.
+    Word(String),
+    /// `true` or `false`.
+    Switch(bool),
+    /// On, with these settings.
+    Settings(FairnessSettingsFile),
+}
+
+/// `pools[].fairness` as a map: each absent setting at its default.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FairnessSettingsFile {
+    /// A flow's service halves in this long.
+    #[serde(deserialize_with = "optional_duration")]
+    pub half_life: Option<Duration>,
+    /// What an output token counts, in prompt tokens.
+    pub output_weight: Option<f64>,
+    /// Prefill queued on every backend above which requests are held in Sluice.
+    pub hold_above_tokens: Option<u64>,
+    /// The longest a request is held for an engine that queues.
+    #[serde(deserialize_with = "optional_duration")]
+    pub max_hold: Option<Duration>,
+    /// The most requests held at once.
+    pub max_held: Option<usize>,
 }
 
 /// `pools[].kv_events`.

@@ -9,9 +9,9 @@ use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
 use sluice_sdk::request::SESSION_MEMBERS;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{
-    AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, HeaderRules, HealthPolicy,
-    OutlierPolicy, Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel, StaleAs, Timeouts,
-    TokensPerSecond, UpstreamAuth,
+    AnswerModel, BackendSpec, Balancing, Capabilities, ClientFields, Fairness, HeaderRules,
+    HealthPolicy, OutlierPolicy, Pool, PoolSettings, Pools, RetryOn, RetryPolicy, ServedModel,
+    StaleAs, Timeouts, TokensPerSecond, UpstreamAuth,
 };
 use sluice_tokenizer::PromptTokenizer;
 use std::collections::HashSet;
@@ -132,6 +132,7 @@ fn pool(
         },
         prefix: prefix_routing(p, key, base)?,
         no_backend_wait: no_backend_wait(p, key)?,
+        fairness: fairness(p, key)?,
     }));
     Ok((pool, source))
 }
@@ -258,6 +259,70 @@ fn no_backend_wait(p: &file::PoolFile, key: &str) -> Result<Duration, Invalid> {
         .unwrap_or(sluice_sdk::pool::DEFAULT_NO_BACKEND_WAIT);
     at_most_a_day(wait, &format!("{key}.no_backend_wait"))?;
     Ok(wait)
+}
+
+/// `pools[].fairness`: on by default. Flows are named by the pool's session keys, else by
+/// the agents' own ([`DEFAULT_SESSION_KEYS`]).
+fn fairness(p: &file::PoolFile, key: &str) -> Result<Option<Fairness>, Invalid> {
+    let key = format!("{key}.fairness");
+    let given = match &p.fairness {
+        None => file::FairnessSettingsFile::default(),
+        Some(file::FairnessFile::Switch(false)) => return Ok(None),
+        Some(file::FairnessFile::Word(word)) if word == "off" => return Ok(None),
+        Some(file::FairnessFile::Switch(true)) => file::FairnessSettingsFile::default(),
+        Some(file::FairnessFile::Word(word)) if word == "on" => {
+            file::FairnessSettingsFile::default()
+        }
+        Some(file::FairnessFile::Word(word)) => {
+            return Err(Invalid::new(
+                key,
+                format!("`{word}` is neither `on`, `off` nor a map of settings"),
+            ))
+        }
+        Some(file::FairnessFile::Settings(settings)) => settings.clone(),
+    };
+    let d = Fairness::default();
+    let fairness = Fairness {
+        half_life: given.half_life.unwrap_or(d.half_life),
+        output_weight: given.output_weight.unwrap_or(d.output_weight),
+        hold_above_tokens: given.hold_above_tokens.unwrap_or(d.hold_above_tokens),
+        max_hold: given.max_hold.unwrap_or(d.max_hold),
+        max_held: given.max_held.unwrap_or(d.max_held),
+        session_keys: match session_affinity(&p.balancing, "")? {
+            Some(sessions) => sessions.keys,
+            None => DEFAULT_SESSION_KEYS
+                .iter()
+                .map(|k| session_key(k, &key))
+                .collect::<Result<Vec<_>, _>>()?,
+        },
+    };
+    if fairness.half_life < Duration::from_secs(1) {
+        return Err(Invalid::new(
+            format!("{key}.half_life"),
+            "must be at least 1s",
+        ));
+    }
+    at_most_a_day(fairness.half_life, &format!("{key}.half_life"))?;
+    at_most_a_day(fairness.max_hold, &format!("{key}.max_hold"))?;
+    if !(fairness.output_weight.is_finite() && (0.0..=1000.0).contains(&fairness.output_weight)) {
+        return Err(Invalid::new(
+            format!("{key}.output_weight"),
+            "must be between 0 and 1000",
+        ));
+    }
+    if fairness.hold_above_tokens == 0 {
+        return Err(Invalid::new(
+            format!("{key}.hold_above_tokens"),
+            "must be at least 1",
+        ));
+    }
+    if !(1..=100_000).contains(&fairness.max_held) {
+        return Err(Invalid::new(
+            format!("{key}.max_held"),
+            "must be between 1 and 100000",
+        ));
+    }
+    Ok(Some(fairness))
 }
 
 /// Every timeout is at most a day; those a request waits on are above 0.

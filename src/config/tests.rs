@@ -2057,3 +2057,92 @@ fn responses_are_kept_in_memory_unless_redis_is_named() {
         "more than 0",
     );
 }
+
+#[test]
+fn fairness_is_on_by_default_with_the_agents_session_keys() {
+    let c = ok(MINIMAL);
+    let pool = c.pools.iter().next().unwrap();
+    let fairness = pool.settings.fairness.clone().expect("on by default");
+    assert_eq!(fairness.half_life, Duration::from_secs(60));
+    assert_eq!(fairness.output_weight, 2.0);
+    let keys: Vec<String> = fairness
+        .session_keys
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    assert_eq!(
+        keys.first().map(String::as_str),
+        Some("header:x-session-id")
+    );
+    assert!(
+        keys.iter().any(|k| k == "body:prompt_cache_key"),
+        "{keys:?}"
+    );
+}
+
+#[test]
+fn fairness_is_switched_off_or_set() {
+    for off in ["off", "false"] {
+        let c = ok(&format!("{MINIMAL}    fairness: {off}\n"));
+        assert!(
+            c.pools.iter().next().unwrap().settings.fairness.is_none(),
+            "{off}"
+        );
+    }
+    let c = ok(&format!(
+        "{MINIMAL}    fairness: {{half_life: 30s, output_weight: 4, hold_above_tokens: 2048}}\n    balancing: {{session_keys: [\"header:x-conversation\"]}}\n"
+    ));
+    let fairness = c
+        .pools
+        .iter()
+        .next()
+        .unwrap()
+        .settings
+        .fairness
+        .clone()
+        .unwrap();
+    assert_eq!(fairness.half_life, Duration::from_secs(30));
+    assert_eq!(fairness.output_weight, 4.0);
+    assert_eq!(fairness.hold_above_tokens, 2048);
+    let keys: Vec<String> = fairness
+        .session_keys
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    assert_eq!(
+        keys,
+        vec!["header:x-conversation"],
+        "the pool's own session keys"
+    );
+}
+
+#[test]
+fn fairness_settings_are_checked() {
+    let with_fairness = |f: &str| format!("{MINIMAL}    fairness: {f}\n");
+    refused(&with_fairness("maybe"), "pools[0].fairness", "neither `on`");
+    refused(
+        &with_fairness("{half_life: 100ms}"),
+        "pools[0].fairness.half_life",
+        "at least 1s",
+    );
+    refused(
+        &with_fairness("{output_weight: -1}"),
+        "pools[0].fairness.output_weight",
+        "between 0 and 1000",
+    );
+    refused(
+        &with_fairness("{hold_above_tokens: 0}"),
+        "pools[0].fairness.hold_above_tokens",
+        "at least 1",
+    );
+    refused(
+        &with_fairness("{max_held: 0}"),
+        "pools[0].fairness.max_held",
+        "between 1 and 100000",
+    );
+    refused(
+        &with_fairness("{max_hold: 2d}"),
+        "pools[0].fairness.max_hold",
+        "",
+    );
+}

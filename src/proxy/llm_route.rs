@@ -22,6 +22,7 @@ use super::shared_sessions::SharedSessions;
 use super::tries::{self, no_backend};
 use super::{body, forwarding, reply, usage, Sluice};
 use crate::metrics;
+use crate::metrics::HoldEnd;
 use bytes::Bytes;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -86,6 +87,11 @@ pub async fn serve(
         .filter(|_| sluice.shared_sessions.is_some())
         .map(<[u8]>::to_vec);
     call.demand.session = id.map(|id| Pool::session_key_of(id, tenant));
+    let client = super::client::address(session, &sluice.limits.trusted_proxies);
+    ctx.set_flow(pool.flow_of(session.req_header(), &call, tenant, client));
+    if let Some(slo) = ttft_slo(session, ctx) {
+        ctx.set_ttft_slo(slo);
+    }
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
@@ -99,6 +105,23 @@ pub async fn serve(
     attempts.pinned = home.map(|(_, backend, _)| backend);
     attempts.shared_session = shared_session;
     attempts.run(sluice, session, ctx).await
+}
+
+/// The most a TTFT objective may be: beyond it, it says nothing a timeout does not.
+const MAX_TTFT_SLO_MS: u64 = 600_000;
+
+/// The request's TTFT objective: its `x-sluice-ttft-slo-ms` (whole milliseconds, 1 to
+/// 600,000; another value is ignored), else its tenant's `ttft_slo`.
+fn ttft_slo(session: &Session, ctx: &RequestCtx) -> Option<std::time::Duration> {
+    let asked = session
+        .req_header()
+        .headers
+        .get(&sluice_sdk::headers::TTFT_SLO_MS)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| (1..=MAX_TTFT_SLO_MS).contains(ms))
+        .map(std::time::Duration::from_millis);
+    asked.or_else(|| ctx.tenant().and_then(|t| t.ttft_slo))
 }
 
 /// The pool and backend that made stored response `id`, and its conversation's tokens (0
@@ -196,6 +219,8 @@ struct AttemptLoop {
     attempt_span: tracing::Span,
     /// It waited for its pool to have a usable backend (once is all it waits).
     waited: bool,
+    /// It was held in its pool's fair order, or passed it (once).
+    held: bool,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -223,6 +248,100 @@ fn engine_request_id(ctx: &RequestCtx) -> String {
         Some(own) => format!("{own}-{:08x}", unguessable as u32),
         None => format!("sluice-{unguessable:016x}"),
     }
+}
+
+/// Holds the request in `pool`'s fair order while every engine of the pool would queue it
+/// (see `sluice_pools::pool::flow_control`), up to the pool's `fairness.max_hold`; a
+/// sheddable request with a TTFT objective only until that is due, then it is refused. Its
+/// place, when it was let in, is kept until its attempt starts.
+async fn hold(
+    session: &mut Session,
+    ctx: &RequestCtx,
+    pool: &Arc<Pool>,
+) -> Result<Option<sluice_sdk::Place>> {
+    let control = pool.flow_control();
+    let Some(fairness) = control.fairness() else {
+        return Ok(None);
+    };
+    if !pool.engines_queue() && control.held() == 0 {
+        return Ok(None);
+    }
+    let priority = ctx.priority().unwrap_or(sluice_sdk::Priority::Standard);
+    let deadline = ctx.ttft_deadline();
+    let Some(mut place) = control.join(
+        sluice_sdk::WaitFor::Engine,
+        priority,
+        ctx.flow(),
+        deadline,
+        fairness.max_held,
+    ) else {
+        // As many are held as may be: this one queues in the engine, as without fairness.
+        return Ok(None);
+    };
+    let started = Instant::now();
+    let sheds_at_deadline = deadline.filter(|_| priority == sluice_sdk::Priority::Sheddable);
+    let mut until = started + fairness.max_hold;
+    if let Some(due) = sheds_at_deadline {
+        until = until.min(Instant::from_std(due));
+    }
+    let engines = Arc::clone(pool);
+    let waited = sluice_sdk::client::while_connected(
+        session,
+        place.wait_for(until, move || !engines.engines_queue()),
+    )
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    let end = match &waited {
+        Ok(true) => HoldEnd::Sent,
+        Ok(false) if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) => {
+            HoldEnd::Deadline
+        }
+        Ok(false) => HoldEnd::MaxHold,
+        Err(_) => HoldEnd::ClientGone,
+    };
+    crate::metrics::held(&pool.name, end, seconds);
+    match end {
+        HoldEnd::Sent => Ok(Some(place)),
+        HoldEnd::MaxHold => Ok(None),
+        HoldEnd::Deadline => Err(slo_unmeetable(pool, "passed while it waited for an engine")),
+        HoldEnd::ClientGone => waited.map(|_| None),
+    }
+}
+
+/// Refuses a sheddable request whose TTFT objective its backend is not predicted to meet
+/// (the `ttft` strategy's prediction, which chose the backend predicted soonest): it would be
+/// served late, taking the engine from requests that can still be served in time.
+fn meets_deadline(ctx: &RequestCtx, pool: &Pool, backend: &Selected) -> Result<()> {
+    let (Some(due), Some(predicted), Some(sluice_sdk::Priority::Sheddable)) =
+        (ctx.ttft_deadline(), backend.predicted_ttft, ctx.priority())
+    else {
+        return Ok(());
+    };
+    let left = due.saturating_duration_since(std::time::Instant::now());
+    if predicted <= left.as_secs_f64() {
+        return Ok(());
+    }
+    Err(slo_unmeetable(
+        pool,
+        &format!(
+            "cannot be met: the soonest first token is predicted in {:.0} ms, {:.0} ms are left",
+            predicted * 1000.0,
+            left.as_secs_f64() * 1000.0
+        ),
+    ))
+}
+
+fn slo_unmeetable(pool: &Pool, why: &str) -> Box<sluice_sdk::Error> {
+    ErrorReply::unavailable(
+        sluice_sdk::Reason::TtftSloUnmeetable,
+        format!(
+            "The request's time-to-first-token objective on pool `{}` {why}; it is sheddable, \
+             so it was refused rather than served late.",
+            pool.name
+        ),
+        1,
+    )
+    .into_error()
 }
 
 /// What the decide step chose.
@@ -325,6 +444,7 @@ impl AttemptLoop {
             shared_session: None,
             attempt_span: tracing::Span::none(),
             waited: false,
+            held: false,
         })
     }
 
@@ -377,6 +497,14 @@ impl AttemptLoop {
                 Some(addr) => pool.select_backend(addr, tried),
                 None => pool.select_prefixed(tried, &demand, prefix.as_deref(), adapter),
             };
+            // Held in the pool's fair order while every engine would queue it: once, before
+            // the first attempt. The place is kept until the attempt starts.
+            let mut held = if self.tried.is_empty() && !self.held {
+                self.held = true;
+                hold(session, ctx, &pool).await?
+            } else {
+                None
+            };
             let mut selected = select(&self.tried);
             // A pool with no ready backend at all (scaled to zero, starting) is waited for,
             // once, unless the request has somewhere else to go.
@@ -396,7 +524,10 @@ impl AttemptLoop {
                 selected = select(&self.tried);
             }
             let then = match selected {
-                None => self.pool_exhausted(ctx, &pool),
+                None => {
+                    drop(held.take());
+                    self.pool_exhausted(ctx, &pool)
+                }
                 Some(backend) => {
                     if let Some(tokens) = backend.predicted_cached {
                         ctx.state.insert(Predicted { tokens });
@@ -409,8 +540,11 @@ impl AttemptLoop {
                     ) {
                         shared.publish(&pool, key, backend.addr, demand.prompt_tokens);
                     }
+                    meets_deadline(ctx, &pool, &backend)?;
                     // 2. prepare
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
+                    // Counted before the next waiter is let in.
+                    drop(held.take());
                     let span = tries::span(ctx, &pool, backend.addr);
                     let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;

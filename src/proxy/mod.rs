@@ -388,9 +388,28 @@ impl ProxyHttp for Proxy {
         {
             crate::metrics::answered_usage(pool, usage);
         }
+        charge_output(&ctx.req);
         crate::telemetry::request_ended(&ctx.req);
         crate::access_log::record(this.access_log, &ctx.req, e);
     }
+}
+
+/// An OpenAI-style stream chunk's bytes per token: vLLM sends a token a chunk, about 210
+/// bytes of JSON with its `data: ` framing (its 0.32 captures).
+const STREAM_BYTES_PER_TOKEN: usize = 200;
+
+/// Counts an engine's answer's output tokens to the request's flow (its pool's fair order):
+/// its usage's, or, for a stream whose client did not ask for it, an estimate from the bytes
+/// sent (asking the engine for it would change every stream's body for an estimate).
+fn charge_output(req: &RequestCtx) {
+    let (Some(pool), Some(flow), false) = (req.pool(), req.flow(), req.answered_locally()) else {
+        return;
+    };
+    let tokens = match req.usage() {
+        Some(usage) => usage.completion_tokens,
+        None => (req.progress().response_bytes / STREAM_BYTES_PER_TOKEN) as u64,
+    };
+    pool.flow_control().charge_output(flow, tokens);
 }
 
 impl Sluice {

@@ -39,6 +39,10 @@ pub fn begin(
     progress.backend = Some(backend.addr);
     progress.attempts += 1;
     let computed = prompt_tokens.saturating_sub(backend.cached_tokens.unwrap_or(0));
+    // The flow is served its prefill now, before the next of its pool's waiters is let in.
+    if let (Some(flow), Some(pool)) = (ctx.flow(), ctx.pool()) {
+        pool.flow_control().charge(flow, computed);
+    }
     let mut in_flight = backend.live.begin_request(tokens, computed);
     if backend.cached_tokens.is_none() {
         in_flight.without_learning();

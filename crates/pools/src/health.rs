@@ -621,6 +621,20 @@ impl BackendLive {
         }
     }
 
+    /// Whether a request sent here now would queue inside the engine: this proxy's prefill
+    /// still ahead there (on the backend's clock) is `hold_above_tokens` or more, or the
+    /// last fresh scrape shows the engine's own queue (`num_requests_waiting`: its batch,
+    /// its `max_num_seqs` or its KV cache is full) with fewer first tokens since than it held.
+    pub fn queues(&self, hold_above_tokens: u64, policy: &HealthPolicy) -> bool {
+        let own = self.accounting();
+        let ahead = self.prefill_ahead_seconds(own.prefilling) * self.prefill_speed();
+        if ahead.min(own.prefill_tokens as f64) >= hold_above_tokens as f64 {
+            return true;
+        }
+        let waiting = self.fresh_load(policy).map_or(0.0, |l| l.waiting);
+        waiting - f64::from(self.answered_since_scrape.load(Relaxed)) >= 1.0
+    }
+
     /// This proxy's own load on the backend now (see [`Accounting`]).
     pub fn accounting(&self) -> Accounting {
         Accounting {

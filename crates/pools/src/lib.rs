@@ -31,6 +31,6 @@ pub use health::{
 };
 pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
-    Admission, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools, Pressure,
-    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, Balancing, Capabilities, ClientFields, Fairness, FlowControl, FlowId, Place, Pool,
+    PoolSettings, Pools, Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit, WaitFor,
 };

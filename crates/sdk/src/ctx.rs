@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use crate::escalation::Escalation;
-use crate::pool::{Pool, Priority};
+use crate::pool::{FlowId, Pool, Priority};
 use crate::request::{Endpoint, LlmCall};
 use crate::tenant::Tenant;
 use crate::usage::Usage;
@@ -74,6 +74,10 @@ pub struct RequestCtx {
     request_id: Option<http::HeaderValue>,
     priority: Option<Priority>,
     tenant: Option<Arc<Tenant>>,
+    /// Who the request is served for, in its pool's fair order (the core sets it).
+    flow: Option<FlowId>,
+    /// When its first token is due, by its TTFT objective, if it has one.
+    ttft_deadline: Option<Instant>,
     answered_locally: bool,
     pool: Option<Arc<Pool>>,
     escalation: Option<Escalation>,
@@ -170,6 +174,8 @@ impl RequestCtx {
             request_id: None,
             priority: None,
             tenant: None,
+            flow: None,
+            ttft_deadline: None,
             answered_locally: false,
             pool: None,
             escalation: None,
@@ -269,6 +275,28 @@ impl RequestCtx {
     /// selector and the cache read it instead of client headers.
     pub fn set_tenant(&mut self, tenant: Arc<Tenant>) {
         self.tenant = Some(tenant);
+    }
+
+    /// Who the request is served for: its session, in its tenant (or its client); the order
+    /// of its pool's queue. Set by the core once the request's body is read.
+    pub fn flow(&self) -> Option<&FlowId> {
+        self.flow.as_ref()
+    }
+
+    /// Sets the request's flow.
+    pub fn set_flow(&mut self, flow: FlowId) {
+        self.flow = Some(flow);
+    }
+
+    /// When the request's first token is due, by its TTFT objective (`x-sluice-ttft-slo-ms`,
+    /// else its tenant's `ttft_slo`).
+    pub fn ttft_deadline(&self) -> Option<Instant> {
+        self.ttft_deadline
+    }
+
+    /// Gives the request a TTFT objective, counted from its arrival.
+    pub fn set_ttft_slo(&mut self, slo: Duration) {
+        self.ttft_deadline = self.started.checked_add(slo);
     }
 
     /// The answer was made here, without an upstream (a cache hit).

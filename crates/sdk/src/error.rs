@@ -108,6 +108,9 @@ pub enum Reason {
     QueueTimeout,
     /// The breaker's admission queue for the pool is full.
     QueueFull,
+    /// A sheddable request with a TTFT objective that no backend is predicted to meet, or
+    /// that passed while it waited: refused rather than served late.
+    TtftSloUnmeetable,
     /// The upstream failed and no fallback was left.
     UpstreamError,
     /// The upstream did not answer in time.
@@ -122,7 +125,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, so that each `reason` series can be created at zero at start-up.
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::BodyTimeout,
@@ -145,6 +148,7 @@ impl Reason {
         Reason::KvPressure,
         Reason::QueueTimeout,
         Reason::QueueFull,
+        Reason::TtftSloUnmeetable,
         Reason::UpstreamError,
         Reason::UpstreamTimeout,
         Reason::HttpStatus,
@@ -177,6 +181,7 @@ impl Reason {
             Reason::KvPressure => "kv-pressure",
             Reason::QueueTimeout => "queue-timeout",
             Reason::QueueFull => "queue-full",
+            Reason::TtftSloUnmeetable => "ttft-slo-unmeetable",
             Reason::UpstreamError => "upstream-error",
             Reason::UpstreamTimeout => "upstream-timeout",
             Reason::HttpStatus => "http-status",

@@ -25,6 +25,8 @@ pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
 pub const REJECTED: HeaderName = HeaderName::from_static("x-sluice-rejected");
 /// The default header a client names its priority class with.
 pub const PRIORITY: HeaderName = HeaderName::from_static("x-sluice-priority");
+/// The time to first token a request aims at, in milliseconds.
+pub const TTFT_SLO_MS: HeaderName = HeaderName::from_static("x-sluice-ttft-slo-ms");
 /// The default header a client asks for a pool tier with (`draft`, `target`).
 pub const TIER: HeaderName = HeaderName::from_static("x-sluice-tier");
 /// The default request-id header.

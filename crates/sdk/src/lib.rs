@@ -73,8 +73,8 @@ pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
-    Admission, Balancing, Capabilities, ClientFields, Pool, PoolSettings, Pools, Pressure,
-    Priority, Selected, Timeouts, TokensPerSecond, Unfit,
+    Admission, Balancing, Capabilities, ClientFields, Fairness, FlowControl, FlowId, Place, Pool,
+    PoolSettings, Pools, Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit, WaitFor,
 };
 pub use request::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};

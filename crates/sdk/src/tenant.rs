@@ -21,6 +21,10 @@ pub struct Tenant {
     pub max_priority: Option<Priority>,
     /// Whether it may force the target tier of a speculative model.
     pub may_force_target: bool,
+    /// The time to first token its requests aim at when they name none
+    /// (`x-sluice-ttft-slo-ms`): the order among equals in a pool's queue, and a sheddable
+    /// request no backend can serve in time is refused at once.
+    pub ttft_slo: Option<std::time::Duration>,
 }
 
 impl Tenant {

@@ -660,6 +660,7 @@ mod tests {
             default_priority: None,
             max_priority: None,
             may_force_target: false,
+            ttft_slo: None,
         };
         // An identified tenant's partition, whatever key or header the request carries.
         h.insert("x-tenant", "beta".parse().unwrap());

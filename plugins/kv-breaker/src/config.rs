@@ -23,6 +23,10 @@ pub struct KvBreakerConfig {
     /// The status a shed request is answered with: 503 (the default), or 429 or 529 for
     /// fleets whose clients expect those for "overloaded". "No healthy backend" stays 503.
     pub overload_status: u16,
+    /// Sheddable requests dropped with a probability that rises with the pool's projected
+    /// KV usage (with the request): 0 at `from`, 1 at `to`; absent: shed at its threshold
+    /// only.
+    pub graded_shedding: Option<GradedShedding>,
     /// Bounds of the `retry-after` given with a 503.
     #[serde(deserialize_with = "duration::deserialize")]
     pub min_retry_after: Duration,
@@ -40,9 +44,26 @@ impl Default for KvBreakerConfig {
             priority: PriorityConfig::default(),
             queue: QueueConfig::default(),
             stale_as: StaleAs::Unknown,
+            graded_shedding: None,
             min_retry_after: Duration::from_secs(1),
             max_retry_after: Duration::from_secs(30),
         }
+    }
+}
+
+/// The curve of graded shedding: the chance a sheddable request is dropped, linear in the
+/// projected KV usage between `from` (0) and `to` (1).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GradedShedding {
+    pub from: f64,
+    pub to: f64,
+}
+
+impl GradedShedding {
+    /// The chance of a drop at projected usage `usage`.
+    pub fn probability(&self, usage: f64) -> f64 {
+        ((usage - self.from) / (self.to - self.from)).clamp(0.0, 1.0)
     }
 }
 
@@ -203,6 +224,17 @@ impl KvBreakerConfig {
                 "thresholds",
                 "shed_above must not decrease from sheddable to standard to critical",
             ));
+        }
+        if let Some(g) = &self.graded_shedding {
+            if !(g.from >= 0.0 && g.from < g.to && g.to <= 1.5) {
+                return Err(ConfigError::new(
+                    "graded_shedding",
+                    format!(
+                        "needs 0 ≤ from < to ≤ 1.5 (got from {}, to {})",
+                        g.from, g.to
+                    ),
+                ));
+            }
         }
         if self.min_retry_after.is_zero() || self.max_retry_after < self.min_retry_after {
             return Err(ConfigError::new(

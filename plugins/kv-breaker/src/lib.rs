@@ -15,9 +15,13 @@
 //!   `priority.max`. The tenant is the one the `tenants` plugin identified (an API key), never
 //!   a header the client may set.
 //! - When the preferred pool sheds a request and another pool serving its model admits it,
-//!   the request goes there (`reroute`). Otherwise it waits in the pool's admission queue
-//!   (`queue`: highest class first, up to its class's `max_wait`, none for `sheddable` by
-//!   default), so a short burst is absorbed. When no capacity comes: 503 (or
+//!   the request goes there (`reroute`). Otherwise it waits in the pool's queue (`queue`:
+//!   the pool's flow control, highest class first and the pool's fair order inside a class,
+//!   up to its class's `max_wait`, none for `sheddable` by default), so a short burst is
+//!   absorbed.
+//! - Graded shedding (`graded_shedding: {from, to}`): a sheddable request is dropped with a
+//!   chance rising from 0 at `from` to 1 at `to` of projected usage, so the fleet does not
+//!   swing between all in and all out at one threshold. When no capacity comes: 503 (or
 //!   `overload_status`), the OpenAI error body with the reason (`kv-pressure`,
 //!   `queue-timeout`, `queue-full`), and a `retry-after` from how fast the pool is draining,
 //!   bounded by the config.
@@ -49,7 +53,6 @@
 pub mod config;
 mod drain;
 mod metrics;
-mod queue;
 
 pub use config::KvBreakerConfig;
 
@@ -58,12 +61,11 @@ use config::Thresholds;
 use drain::Drain;
 use http::HeaderName;
 use metrics::WaitResult;
-use queue::{Place, Queue};
 use sluice_sdk::client::while_connected;
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Pool,
-    Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs,
+    Admission, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Place, Plugin, PluginBuilder,
+    Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs, WaitFor,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -94,6 +96,13 @@ impl PluginBuilder for KvBreakerBuilder {
     }
 
     fn start(self) -> Arc<dyn Plugin> {
+        Arc::new(self.build())
+    }
+}
+
+impl KvBreakerBuilder {
+    /// The breaker, its gate installed on every pool.
+    fn build(self) -> KvBreaker {
         metrics::init(&self.pools);
         let lanes: Vec<Lane> = self
             .pools
@@ -108,35 +117,38 @@ impl PluginBuilder for KvBreakerBuilder {
                 if !pool.install_admission(gate.clone()) {
                     tracing::error!(pool = &*pool.name, "the pool has admission control already");
                 }
-                let queue = self.config.queue.enabled.then(|| {
-                    Arc::new(Queue::new(
-                        Arc::clone(&pool.name),
-                        self.config.queue.max_queued,
-                    ))
-                });
-                Lane { gate, queue }
+                Lane { gate }
             })
             .collect();
-        Arc::new(KvBreaker {
+        KvBreaker {
             min_retry_after: self.config.min_retry_after,
             max_retry_after: self.config.max_retry_after,
+            graded: self.config.graded_shedding,
             reroute: self.config.reroute,
             overload_status: self.config.overload_status,
             max_wait: self.config.queue.max_wait,
+            queue: self
+                .config
+                .queue
+                .enabled
+                .then_some(self.config.queue.max_queued),
             priority: self.config.priority,
             priority_header: self.priority_header,
             pools: self.pools,
             lanes,
-        })
+        }
     }
 }
 
 pub struct KvBreaker {
     min_retry_after: Duration,
     max_retry_after: Duration,
+    graded: Option<config::GradedShedding>,
     reroute: bool,
     overload_status: u16,
     max_wait: config::MaxWait,
+    /// The most requests waiting for headroom in each pool's queue; `None`: no wait.
+    queue: Option<usize>,
     priority: config::PriorityConfig,
     priority_header: HeaderName,
     pools: Arc<Pools>,
@@ -147,8 +159,6 @@ pub struct KvBreaker {
 /// What the breaker keeps for one pool.
 struct Lane {
     gate: Arc<Gate>,
-    /// `None` when the queue is off.
-    queue: Option<Arc<Queue>>,
 }
 
 /// A request let in from the queue keeps its place at the head until its attempt starts.
@@ -410,9 +420,9 @@ impl KvBreaker {
             return Ok(Flow::Continue);
         };
         let tokens = call.demand.tokens();
-        let queue = self.lane(&pool).and_then(|lane| lane.queue.as_ref());
-        // A request that fits is admitted whatever waits (see `queue`).
-        if pool.admits(priority, tokens) {
+        let dropped = self.graded_drop(&pool, priority, tokens);
+        // A request that fits is admitted whatever waits (see the pool's flow control).
+        if !dropped && pool.admits(priority, tokens) {
             admitted_on_span(ctx, &pool, std::time::Duration::ZERO);
             return Ok(Flow::Continue);
         }
@@ -426,12 +436,24 @@ impl KvBreaker {
                 return Ok(Flow::Continue);
             }
         }
+        // The dice were cast: waiting to cast them again would undo the curve.
+        if dropped {
+            return Err(self.refusal(&pool, priority, Reason::KvPressure));
+        }
         let max_wait = self.max_wait.of(priority);
         let waits = !max_wait.is_zero() && !self.never_fits(&pool, priority, tokens);
-        let Some(queue) = queue.filter(|_| waits) else {
+        let Some(max_queued) = self.queue.filter(|_| waits && self.lane(&pool).is_some()) else {
             return Err(self.refusal(&pool, priority, Reason::KvPressure));
         };
-        let Some(mut place) = queue.join(priority) else {
+        // In the pool's own queue, in its fair order (`pools[].fairness`).
+        let joined = pool.flow_control().join(
+            WaitFor::Headroom,
+            priority,
+            ctx.flow(),
+            ctx.ttft_deadline(),
+            max_queued,
+        );
+        let Some(mut place) = joined else {
             return Err(self.refusal(&pool, priority, Reason::QueueFull));
         };
         let started = tokio::time::Instant::now();
@@ -453,10 +475,33 @@ impl KvBreaker {
         Ok(Flow::Continue)
     }
 
+    /// Graded shedding: whether a sheddable request that may hold `tokens` is dropped, by
+    /// the curve's chance at the pool's projected usage with it.
+    fn graded_drop(&self, pool: &Arc<Pool>, priority: Priority, tokens: u64) -> bool {
+        let (Some(curve), Priority::Sheddable) = (self.graded, priority) else {
+            return false;
+        };
+        let Some(Lane { gate }) = self.lane(pool) else {
+            return false;
+        };
+        let pressure = pool.pressure();
+        let Some(usage) = gate.usage(&pressure) else {
+            return false;
+        };
+        let demand = match pressure.kv_capacity_tokens {
+            Some(capacity) if capacity > 0.0 => tokens as f64 / capacity,
+            _ => 0.0,
+        };
+        let probability = curve.probability(usage + demand);
+        let dropped = probability > 0.0 && fastrand::f64() < probability;
+        metrics::graded(&pool.name, probability, dropped);
+        dropped
+    }
+
     /// Whether the request alone would take the pool past its class's line, however empty
     /// the pool: no wait can help it.
     fn never_fits(&self, pool: &Arc<Pool>, priority: Priority, tokens: u64) -> bool {
-        let Some(Lane { gate, .. }) = self.lane(pool) else {
+        let Some(Lane { gate }) = self.lane(pool) else {
             return false;
         };
         let line = gate.thresholds.of(priority).shed_above;
@@ -591,6 +636,54 @@ mod tests {
         set_usage(&pool, standard.resume_below - 0.01);
         assert!(pool.admits(Priority::Standard, 0));
         assert!(!pool.sheds(Priority::Standard));
+    }
+
+    #[test]
+    fn graded_shedding_drops_sheddable_requests_by_the_curve() {
+        let config = KvBreakerConfig {
+            enabled: true,
+            graded_shedding: Some(config::GradedShedding { from: 0.5, to: 0.7 }),
+            ..KvBreakerConfig::default()
+        };
+        let backend = BackendSpec {
+            address: "127.0.0.1:9".into(),
+            resolved: "127.0.0.1:9".parse().unwrap(),
+            weight: 1,
+        };
+        let pool = Arc::new(Pool::new(PoolSettings::new(
+            "p",
+            vec!["m".into()],
+            vec![backend],
+        )));
+        let host = Host {
+            pools: Arc::new(Pools::new(vec![Arc::clone(&pool)])),
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+        };
+        let breaker = KvBreakerBuilder::resolve(config, &host)
+            .unwrap()
+            .unwrap()
+            .build();
+        let drops = |usage: f64, priority: Priority| {
+            set_usage(&pool, usage);
+            (0..2000)
+                .filter(|_| breaker.graded_drop(&pool, priority, 0))
+                .count()
+        };
+        assert_eq!(drops(0.45, Priority::Sheddable), 0, "below the curve");
+        let half = drops(0.6, Priority::Sheddable);
+        assert!(
+            (800..=1200).contains(&half),
+            "about half at its middle: {half}"
+        );
+        assert_eq!(drops(0.7, Priority::Sheddable), 2000, "all at its end");
+        assert_eq!(
+            drops(0.6, Priority::Standard),
+            0,
+            "only the sheddable class"
+        );
+        // A request's own share of the cache counts: 10% more is the curve's end.
+        set_usage(&pool, 0.6);
+        assert!((0..100).all(|_| breaker.graded_drop(&pool, Priority::Sheddable, 10_000)));
     }
 
     #[test]

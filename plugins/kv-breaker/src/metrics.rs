@@ -2,7 +2,7 @@
 //! `router_rejections_total{reason="kv-pressure",priority}`.
 
 use sluice_sdk::metric;
-use sluice_sdk::metrics::{inc, observe, series, set, touch};
+use sluice_sdk::metrics::{inc, observe, set, touch};
 use sluice_sdk::{Pools, Priority};
 
 metric!(SHEDDING: IntGaugeVec = register_int_gauge_vec!(
@@ -18,10 +18,18 @@ metric!(REROUTED: IntCounterVec = register_int_counter_vec!(
     &["from", "to"]
 ));
 
-metric!(QUEUE_DEPTH: IntGaugeVec = register_int_gauge_vec!(
-    "sluice_admission_queue_depth",
-    "Requests waiting in the KV breaker's admission queue of this pool for capacity.",
-    &["pool", "priority"]
+metric!(SHED_PROBABILITY: GaugeVec = register_gauge_vec!(
+    "sluice_breaker_shed_probability",
+    "The chance a sheddable request was dropped at the pool's projected KV usage when one \
+     last came (graded_shedding).",
+    &["pool"]
+));
+
+metric!(GRADED_SHEDS: IntCounterVec = register_int_counter_vec!(
+    "sluice_breaker_graded_sheds_total",
+    "Sheddable requests dropped by graded shedding (also in \
+     router_rejections_total{reason=\"kv-pressure\"}).",
+    &["pool"]
 ));
 
 metric!(QUEUE_WAIT: HistogramVec = register_histogram_vec!(
@@ -61,8 +69,8 @@ pub fn init(pools: &Pools) {
     for pool in pools.iter() {
         for p in Priority::ALL {
             set_shedding(&pool.name, p, false);
-            set(&QUEUE_DEPTH, &[&pool.name, p.as_str()], 0);
         }
+        touch(&GRADED_SHEDS, &[&pool.name]);
         for result in WaitResult::ALL {
             touch(&QUEUE_WAIT, &[&pool.name, result.as_str()]);
         }
@@ -73,15 +81,16 @@ pub fn set_shedding(pool: &str, priority: Priority, shedding: bool) {
     set(&SHEDDING, &[pool, priority.as_str()], i64::from(shedding));
 }
 
-pub fn rerouted(from: &str, to: &str) {
-    inc(&REROUTED, &[from, to]);
+/// A sheddable request was judged at drop chance `probability`; `dropped` or not.
+pub fn graded(pool: &str, probability: f64, dropped: bool) {
+    set(&SHED_PROBABILITY, &[pool], probability);
+    if dropped {
+        inc(&GRADED_SHEDS, &[pool]);
+    }
 }
 
-/// A request joined (`+1`) or left (`-1`) a pool's admission queue.
-pub fn queued(pool: &str, priority: Priority, delta: i64) {
-    if let Some(depth) = series(&QUEUE_DEPTH, &[pool, priority.as_str()]) {
-        depth.add(delta);
-    }
+pub fn rerouted(from: &str, to: &str) {
+    inc(&REROUTED, &[from, to]);
 }
 
 pub fn waited(pool: &str, result: WaitResult, seconds: f64) {

@@ -51,6 +51,10 @@ pub struct Policy {
     pub over_max_tokens: Option<OverMaxTokens>,
     pub limits: LimitsConfig,
     pub budget: BudgetConfig,
+    /// The time to first token its requests aim at when they name none
+    /// (`x-sluice-ttft-slo-ms`): `2s`, `500ms`.
+    #[serde(default, deserialize_with = "duration::deserialize_option")]
+    pub ttft_slo: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
@@ -116,6 +120,7 @@ impl Policy {
             over_max_tokens: self.over_max_tokens.or(defaults.over_max_tokens),
             limits: self.limits.clone().or(&defaults.limits),
             budget: self.budget.clone().or(&defaults.budget),
+            ttft_slo: self.ttft_slo.or(defaults.ttft_slo),
         }
     }
 

@@ -29,6 +29,7 @@
 //!       priority: {default: standard, max: standard}
 //!       may_force_target: false
 //!       max_tokens: 4096
+//!       ttft_slo: 2s                   # the TTFT its requests aim at (x-sluice-ttft-slo-ms)
 //!     tenants:
 //!       alpha:
 //!         keys: ["sha256:…"]           # sluice hash-key prints one
@@ -97,6 +98,7 @@ impl Entry {
                 default_priority: policy.priority.default,
                 max_priority: policy.priority.max,
                 may_force_target: policy.may_force_target.unwrap_or(false),
+                ttft_slo: policy.ttft_slo,
             }),
             models: policy.models.as_ref().map(|m| m.iter().cloned().collect()),
             max_tokens: policy.max_tokens,

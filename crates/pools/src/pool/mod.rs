@@ -12,12 +12,14 @@
 
 mod admission;
 mod catalogue;
+mod flow_control;
 pub mod select;
 mod sessions;
 mod settings;
 mod waiting_room;
 
 pub use admission::{Admission, Pressure, Priority};
+pub use flow_control::{jain_index, Fairness, FlowControl, FlowId, Place, WaitFor};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
     Balancing, Capabilities, ClientFields, PoolSettings, SessionAffinity, SessionKey, SessionMode,
@@ -97,6 +99,8 @@ pub struct Pool {
     waiting_room: ArcSwap<WaitingRoom>,
     /// The pool that replaced this one at a reload (see [`Pool::newest`]).
     successor: Mutex<std::sync::Weak<Pool>>,
+    /// Where requests wait when the pool cannot take them now, and its flows' service.
+    flow_control: Arc<FlowControl>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -143,6 +147,7 @@ impl Pool {
             departed: Mutex::new(std::collections::VecDeque::new()),
             waiting_room: ArcSwap::from_pointee(WaitingRoom::default()),
             successor: Mutex::new(std::sync::Weak::new()),
+            flow_control: Arc::new(FlowControl::new(settings.fairness.clone())),
             settings,
         }
     }
@@ -250,6 +255,7 @@ impl Pool {
         self.prompt_scale
             .store(old.prompt_scale.load(Relaxed), Relaxed);
         self.waiting_room.store(old.waiting_room.load_full());
+        self.flow_control.inherit(&old.flow_control);
         *old.successor.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(self);
         self.changes.send_modify(|n| *n += 1);
     }

@@ -184,18 +184,46 @@ impl Pool {
         call: &'r LlmCall,
     ) -> Option<&'r [u8]> {
         let sessions = self.settings.sessions.as_ref()?;
-        for key in &sessions.keys {
-            let value = match key {
-                SessionKey::Header(name) => header.headers.get(name.as_str()).map(|v| v.as_bytes()),
-                SessionKey::Body { member, inner } => body_value(call, member, inner.as_deref()),
-            };
-            if let Some(value) = value.filter(|v| !matches!(*v, b"" | b"null" | b"\"\"")) {
-                return Some(value);
-            }
-        }
-        None
+        session_id_in(&sessions.keys, header, call)
     }
 
+    /// Who `call` is served for, in the pool's fair order: its session (where the fairness
+    /// settings look for one), in its tenant, else its client's address.
+    pub fn flow_of(
+        &self,
+        header: &pingora_http::RequestHeader,
+        call: &LlmCall,
+        tenant: Option<&str>,
+        client: Option<std::net::IpAddr>,
+    ) -> super::FlowId {
+        let session = self
+            .settings
+            .fairness
+            .as_ref()
+            .and_then(|f| session_id_in(&f.session_keys, header, call));
+        super::FlowId::new(tenant, client, session)
+    }
+}
+
+/// The first of `keys` that `header` or `call` has a value for.
+fn session_id_in<'r>(
+    keys: &[SessionKey],
+    header: &'r pingora_http::RequestHeader,
+    call: &'r LlmCall,
+) -> Option<&'r [u8]> {
+    for key in keys {
+        let value = match key {
+            SessionKey::Header(name) => header.headers.get(name.as_str()).map(|v| v.as_bytes()),
+            SessionKey::Body { member, inner } => body_value(call, member, inner.as_deref()),
+        };
+        if let Some(value) = value.filter(|v| !matches!(*v, b"" | b"null" | b"\"\"")) {
+            return Some(value);
+        }
+    }
+    None
+}
+
+impl Pool {
     /// The backend session `key` is bound to here, and its last turn's prompt (estimated
     /// tokens), for sharing it with other proxies.
     pub fn session_binding(&self, key: u64) -> Option<(std::net::SocketAddr, u32)> {

@@ -286,6 +286,10 @@ pub struct PoolSettings {
     /// How long a request waits for a usable backend when the pool has none (scaled to
     /// zero, warming up); zero: it fails at once.
     pub no_backend_wait: Duration,
+    /// Fair order among the flows waiting in each class, and holding requests that an
+    /// engine would queue; `None` (`fairness: off`): first come, first served, and nothing
+    /// held for the engines.
+    pub fairness: Option<super::Fairness>,
 }
 
 impl PoolSettings {
@@ -316,6 +320,7 @@ impl PoolSettings {
             client_fields: ClientFields::default(),
             prefix: None,
             no_backend_wait: DEFAULT_NO_BACKEND_WAIT,
+            fairness: Some(super::Fairness::default()),
         }
     }
 }
