@@ -584,6 +584,155 @@ mod kubernetes {
     }
 }
 
+mod inference_pool {
+    //! The Gateway API Inference Extension's InferencePool, against the testkit's API server:
+    //! the real list/watch protocol for `inference.networking.k8s.io/v1` and core pods, not a
+    //! real cluster (none runs on these machines).
+    use super::*;
+    use sluice_testkit::kube_api::{inference_pool, pod, FakeKubeApi, INFERENCE_POOLS, PODS};
+
+    const NAMESPACE: &str = "llm";
+
+    fn vllm_pod(name: &str, last: u8, ready: bool, terminating: bool) -> Value {
+        let ip = format!("127.0.0.{last}");
+        let labels = [("app", "vllm"), ("model", "llama")];
+        pod(NAMESPACE, name, &labels, Some(&ip), ready, terminating)
+    }
+
+    async fn until_members(proxy: &Proxy, want: &[(String, &str)]) {
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(a, s)| (a.clone(), s.to_string()))
+            .collect();
+        let seen = wait_for(Duration::from_secs(15), || async {
+            members(proxy).await == want
+        })
+        .await;
+        assert!(
+            seen.is_some(),
+            "wanted {want:?}, have {:?}\n{}",
+            members(proxy).await,
+            proxy.logs()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_inference_pools_pods_are_followed_through_a_rollout_without_a_failed_request() {
+        let api = FakeKubeApi::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let (port, sims) = sims_on_loopbacks_with(slow_streams(3, 30)).await;
+        let at = |last: u8| format!("127.0.0.{last}:{port}");
+        api.apply(inference_pool(
+            NAMESPACE,
+            "llama",
+            &[("app", "vllm"), ("model", "llama")],
+            &[port],
+        ));
+        api.apply(vllm_pod("vllm-0", 2, true, false));
+        api.apply(vllm_pod("vllm-1", 3, true, false));
+        // A pod its selector does not pick.
+        api.apply(pod(
+            NAMESPACE,
+            "other",
+            &[("app", "other")],
+            Some("127.0.0.9"),
+            true,
+            false,
+        ));
+        let kubeconfig = api.kubeconfig(dir.path(), "default");
+        let proxy = Proxy::start(json!({"pools": [
+            pool("fleet", &[MODEL], &[])
+                .with_fast_health_checks()
+                .with("discovery", json!({"inference_pool": {
+                    "name": "llama", "namespace": NAMESPACE,
+                    "kubeconfig": kubeconfig.to_string_lossy(), "debounce": "100ms"}}))
+        ]}))
+        .await;
+        until_members(&proxy, &[(at(2), "ready"), (at(3), "ready")]).await;
+        let asked = api.requests();
+        assert!(
+            asked.iter().any(|r| r
+                .contains("/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools")
+                && r.contains("fieldSelector=metadata.name%3Dllama")),
+            "{asked:#?}"
+        );
+        assert!(
+            asked
+                .iter()
+                .any(|r| r.contains("/api/v1/namespaces/llm/pods")
+                    && r.contains("labelSelector=app%3Dvllm%2Cmodel%3Dllama")),
+            "{asked:#?}"
+        );
+        let status = proxy.status().await;
+        assert_eq!(
+            status["pools"][0]["source"], "inferencepool llm/llama",
+            "{status}"
+        );
+
+        let load = Load::start(&proxy, 4);
+        wait_for(Duration::from_secs(10), || async { load.sent() >= 8 }).await;
+
+        // The rollout: a new pod ready (it gets traffic), one not ready yet (nothing listens).
+        let before = chat_calls(&sims[2]);
+        api.apply(vllm_pod("vllm-2", 4, true, false));
+        api.apply(vllm_pod("vllm-3", 7, false, false));
+        let joined = wait_for(Duration::from_secs(5), || async {
+            chat_calls(&sims[2]) > before
+        })
+        .await;
+        assert!(joined.is_some(), "{}", proxy.status().await);
+        until_members(
+            &proxy,
+            &[(at(2), "ready"), (at(3), "ready"), (at(4), "ready")],
+        )
+        .await;
+
+        // The first pod is deleted: drained while it terminates, then gone.
+        api.apply(vllm_pod("vllm-0", 2, true, true));
+        until_members(&proxy, &[(at(3), "ready"), (at(4), "ready")]).await;
+        api.delete_object(&PODS, NAMESPACE, "vllm-0");
+        sims[0].shutdown();
+
+        // Lost and expired watches are resumed or relisted: what changed meanwhile arrives.
+        api.drop_watches();
+        api.delete_object(&PODS, NAMESPACE, "vllm-3");
+        api.expire_watches();
+        api.apply(vllm_pod("vllm-3", 5, false, false));
+        until_members(&proxy, &[(at(3), "ready"), (at(4), "ready")]).await;
+
+        // A pod relabelled out of the selector leaves; a wider selector takes it back (its
+        // pods are watched anew).
+        api.apply(pod(
+            NAMESPACE,
+            "vllm-1",
+            &[("app", "vllm")],
+            Some("127.0.0.3"),
+            true,
+            false,
+        ));
+        until_members(&proxy, &[(at(4), "ready")]).await;
+        api.apply(inference_pool(
+            NAMESPACE,
+            "llama",
+            &[("app", "vllm")],
+            &[port],
+        ));
+        until_members(&proxy, &[(at(3), "ready"), (at(4), "ready")]).await;
+
+        let (sent, failures) = load.finish().await;
+        assert!(sent >= 16, "only {sent} requests were sent");
+        assert!(
+            failures.is_empty(),
+            "{} failed: {failures:#?}",
+            failures.len()
+        );
+
+        // The pool object gone: its backends with it.
+        api.delete_object(&INFERENCE_POOLS, NAMESPACE, "llama");
+        until_members(&proxy, &[]).await;
+    }
+}
+
 /// One empty answer (a DNS hiccup, a spoofed UDP reply) emptied the pool at once: every
 /// request got `503 no-healthy-backend` until the next refresh, and the backends came back as
 /// strangers. Now `on_empty: drain` waits for three empty answers in a row.

@@ -720,6 +720,21 @@ pub struct DiscoveryFile {
     pub dns: Option<DnsFile>,
     #[serde(default)]
     pub kubernetes: Option<KubernetesFile>,
+    #[serde(default)]
+    pub inference_pool: Option<InferencePoolFile>,
+}
+
+/// `pools[].discovery.inference_pool`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferencePoolFile {
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub kubeconfig: Option<String>,
+    #[serde(default = "default_debounce", deserialize_with = "duration")]
+    pub debounce: Duration,
 }
 
 /// `pools[].discovery.dns`.

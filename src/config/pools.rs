@@ -3,7 +3,7 @@
 
 use super::file::{self, FileConfig};
 use super::{existing_file, MAX_TIMEOUT};
-use crate::discovery::{dns, kubernetes, PoolDiscovery, Source};
+use crate::discovery::{dns, inference_pool, kubernetes, PoolDiscovery, Source};
 use sluice_sdk::pool::{SessionAffinity, SessionKey, SessionMode, TtftBalancing};
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
 use sluice_sdk::request::SESSION_MEMBERS;
@@ -408,14 +408,22 @@ fn backends_and_source(
 
 /// `dkey` is the section's key, `pools[i].discovery`.
 fn discovery_source(d: &file::DiscoveryFile, dkey: &str, base: &Path) -> Result<Source, Invalid> {
-    match (&d.dns, &d.kubernetes) {
-        (Some(dns), None) => Ok(Source::Dns(dns_source(dns, &format!("{dkey}.dns"))?)),
-        (None, Some(k)) => Ok(Source::Kubernetes(kubernetes_source(
+    match (&d.dns, &d.kubernetes, &d.inference_pool) {
+        (Some(dns), None, None) => Ok(Source::Dns(dns_source(dns, &format!("{dkey}.dns"))?)),
+        (None, Some(k), None) => Ok(Source::Kubernetes(kubernetes_source(
             k,
             &format!("{dkey}.kubernetes"),
             base,
         )?)),
-        _ => Err(Invalid::new(dkey, "give one source: `dns` or `kubernetes`")),
+        (None, None, Some(p)) => Ok(Source::InferencePool(inference_pool_source(
+            p,
+            &format!("{dkey}.inference_pool"),
+            base,
+        )?)),
+        _ => Err(Invalid::new(
+            dkey,
+            "give one source: `dns`, `kubernetes` or `inference_pool`",
+        )),
     }
 }
 
@@ -694,6 +702,48 @@ fn kubernetes_source(
         port,
         kubeconfig,
         debounce: k.debounce,
+    })
+}
+
+fn inference_pool_source(
+    p: &file::InferencePoolFile,
+    key: &str,
+    base: &Path,
+) -> Result<inference_pool::InferencePoolSource, Invalid> {
+    // An object name: a DNS subdomain (lower-case labels joined by dots), at most 253.
+    let is_name = p.name.len() <= 253 && p.name.split('.').all(is_dns_label);
+    if !is_name {
+        return Err(Invalid::new(
+            format!("{key}.name"),
+            format!(
+                "`{}` is not an object name (lower-case letters, digits, - and .)",
+                p.name
+            ),
+        ));
+    }
+    if let Some(namespace) = p.namespace.as_deref().filter(|n| !is_dns_label(n)) {
+        return Err(Invalid::new(
+            format!("{key}.namespace"),
+            format!("`{namespace}` is not a namespace name (lower-case letters, digits and -)"),
+        ));
+    }
+    let kubeconfig = match &p.kubeconfig {
+        None => None,
+        Some(path) => Some(
+            existing_file(base, path).map_err(|m| Invalid::new(format!("{key}.kubeconfig"), m))?,
+        ),
+    };
+    if p.debounce > Duration::from_secs(10) {
+        return Err(Invalid::new(
+            format!("{key}.debounce"),
+            "must be at most 10s",
+        ));
+    }
+    Ok(inference_pool::InferencePoolSource {
+        name: p.name.clone(),
+        namespace: p.namespace.clone(),
+        kubeconfig,
+        debounce: p.debounce,
     })
 }
 

@@ -2146,3 +2146,37 @@ fn fairness_settings_are_checked() {
         "",
     );
 }
+
+#[test]
+fn an_inference_pool_source_is_read_and_checked() {
+    let pool =
+        |discovery: &str| format!("pools:\n  - name: a\n    discovery:\n      {discovery}\n");
+    let c = ok(&pool("inference_pool: {name: llama-70b, namespace: llm}"));
+    match &c.discovery[0].source {
+        Source::InferencePool(p) => {
+            assert_eq!(p.name, "llama-70b");
+            assert_eq!(p.namespace.as_deref(), Some("llm"));
+            assert_eq!(p.debounce, Duration::from_millis(300));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        c.pools.get("a").unwrap().settings.source,
+        "inferencepool llm/llama-70b"
+    );
+    refused(
+        &pool("inference_pool: {name: Llama}"),
+        "pools[0].discovery.inference_pool.name",
+        "not an object name",
+    );
+    refused(
+        &pool("inference_pool: {name: x, debounce: 11s}"),
+        "pools[0].discovery.inference_pool.debounce",
+        "at most 10s",
+    );
+    refused(
+        &pool("{inference_pool: {name: x}, kubernetes: {service: s, port: 80}}"),
+        "pools[0].discovery",
+        "give one source",
+    );
+}

@@ -64,13 +64,15 @@ const CLIENT_RETRY_MAX: Duration = Duration::from_secs(30);
 const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long the server keeps one watch open (its `timeoutSeconds`).
-const WATCH_SECONDS: u32 = 60;
+pub(super) const WATCH_SECONDS: u32 = 60;
 
 /// The longest silence on a connection: past a watch's end, with a margin.
 const READ_TIMEOUT: Duration = Duration::from_secs(WATCH_SECONDS as u64 + 15);
 
-async fn client(source: &KubernetesSource) -> Result<Client, String> {
-    let mut config = match &source.kubeconfig {
+/// A client from `kubeconfig`, else from the environment (`$KUBECONFIG`, `~/.kube/config`,
+/// in-cluster), whose reads end after [`READ_TIMEOUT`].
+pub(super) async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, String> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| format!("cannot read the kubeconfig {}: {e}", path.display()))?;
@@ -91,7 +93,7 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
     let mut streak = None;
     let mut retry = Duration::from_secs(1);
     let client = loop {
-        match client(&source).await {
+        match client(source.kubeconfig.as_deref()).await {
             Ok(client) => break client,
             Err(e) => {
                 report_error(&pool, "kubernetes", &e, &mut streak);

@@ -9,11 +9,14 @@
 //! - [`dns`]: every A/AAAA record of a name is a backend, re-resolved at the records' TTL
 //!   (with `hickory-resolver`); also the re-resolution of `backends[]` host names.
 //! - [`kubernetes`]: a watch of a Service's EndpointSlices (with `kube`'s watcher).
+//! - [`inference_pool`]: a watch of a Gateway API Inference Extension `InferencePool` and of
+//!   the pods its selector picks, one backend per pod and target port.
 //!
 //! On a source's error the pool keeps what it last knew; the error is counted in
 //! `sluice_discovery_errors_total` and logged once per streak.
 
 pub mod dns;
+pub mod inference_pool;
 pub mod kubernetes;
 
 use crate::metrics;
@@ -33,6 +36,8 @@ pub enum Source {
     Dns(dns::DnsSource),
     /// `discovery.kubernetes`.
     Kubernetes(kubernetes::KubernetesSource),
+    /// `discovery.inference_pool`.
+    InferencePool(inference_pool::InferencePoolSource),
 }
 
 impl Source {
@@ -42,6 +47,7 @@ impl Source {
             Source::Names(_) => "static_dns",
             Source::Dns(_) => "dns",
             Source::Kubernetes(_) => "kubernetes",
+            Source::InferencePool(_) => "inference_pool",
         }
     }
 
@@ -55,6 +61,11 @@ impl Source {
                 k.namespace.as_deref().unwrap_or("-"),
                 k.service,
                 k.port
+            ),
+            Source::InferencePool(p) => format!(
+                "inferencepool {}/{}",
+                p.namespace.as_deref().unwrap_or("-"),
+                p.name
             ),
         }
     }
@@ -91,6 +102,9 @@ impl BackgroundService for DiscoveryService {
                     Source::Names(names) => tasks.spawn(dns::follow_names(pool, names)),
                     Source::Dns(source) => tasks.spawn(dns::follow(pool, source)),
                     Source::Kubernetes(source) => tasks.spawn(kubernetes::follow(pool, source)),
+                    Source::InferencePool(source) => {
+                        tasks.spawn(inference_pool::follow(pool, source))
+                    }
                 };
             }
             tokio::select! {

@@ -1,5 +1,8 @@
-//! A fake Kubernetes API server for `discovery.k8s.io/v1` EndpointSlices: the list and watch
-//! protocol a real API server speaks, on a local port, scripted by the test.
+//! A fake Kubernetes API server for `discovery.k8s.io/v1` EndpointSlices, core `v1` Pods and
+//! the Gateway API Inference Extension's `inference.networking.k8s.io/v1` InferencePools: the
+//! list and watch protocol a real API server speaks, on a local port, scripted by the test.
+//! Each kind has its paths (`/api/v1/namespaces/{ns}/pods`, ...); what follows is said of
+//! EndpointSlices and holds for each.
 //!
 //! No real API server can run on a test machine, and no crate offers a scriptable fake that
 //! speaks the watch protocol (kube-rs's own tests mock at the `tower` service layer, below
@@ -50,6 +53,62 @@ use tokio::task::AbortHandle;
 const TOKEN: &str = "sluice-fake-kube-token";
 const GROUP_VERSION: &str = "discovery.k8s.io/v1";
 const API_PREFIX: &str = "/apis/discovery.k8s.io/v1";
+
+/// A kind of object the server serves.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Resource {
+    /// `discovery.k8s.io`; empty for the core group.
+    group: &'static str,
+    api_version: &'static str,
+    /// Where its paths start: `/apis/<group>/<version>`, or `/api/v1` for the core group.
+    prefix: &'static str,
+    kind: &'static str,
+    plural: &'static str,
+}
+
+/// `discovery.k8s.io/v1` EndpointSlices.
+pub const ENDPOINT_SLICES: Resource = Resource {
+    group: "discovery.k8s.io",
+    api_version: GROUP_VERSION,
+    prefix: API_PREFIX,
+    kind: "EndpointSlice",
+    plural: "endpointslices",
+};
+
+/// Core `v1` Pods.
+pub const PODS: Resource = Resource {
+    group: "",
+    api_version: "v1",
+    prefix: "/api/v1",
+    kind: "Pod",
+    plural: "pods",
+};
+
+/// The Gateway API Inference Extension's `inference.networking.k8s.io/v1` InferencePools.
+pub const INFERENCE_POOLS: Resource = Resource {
+    group: "inference.networking.k8s.io",
+    api_version: "inference.networking.k8s.io/v1",
+    prefix: "/apis/inference.networking.k8s.io/v1",
+    kind: "InferencePool",
+    plural: "inferencepools",
+};
+
+const RESOURCES: [&Resource; 3] = [&ENDPOINT_SLICES, &PODS, &INFERENCE_POOLS];
+
+impl Resource {
+    fn of_kind(kind: &str) -> Option<&'static Resource> {
+        RESOURCES.into_iter().find(|r| r.kind == kind)
+    }
+
+    /// `endpointslices.discovery.k8s.io`, `pods`: as the server names it in messages.
+    fn qualified(&self) -> String {
+        if self.group.is_empty() {
+            self.plural.to_string()
+        } else {
+            format!("{}.{}", self.plural, self.group)
+        }
+    }
+}
 /// Where the resourceVersion counter starts: a real cluster's is never small.
 const FIRST_RESOURCE_VERSION: u64 = 1000;
 /// A watch without `timeoutSeconds`: the real server's `--min-request-timeout` default.
@@ -147,6 +206,68 @@ pub fn endpoint_slice(
     })
 }
 
+/// A pod as the kubelet reports it: `labels`, its IP (`None`: not scheduled yet), `Ready`
+/// or not, and being deleted (`deletionTimestamp` set: terminating) or not.
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+    ip: Option<&str>,
+    ready: bool,
+    terminating: bool,
+) -> Value {
+    let labels: serde_json::Map<String, Value> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), json!(v)))
+        .collect();
+    let mut pod = json!({
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                 "ports": [{"containerPort": 8000, "protocol": "TCP"}]}]},
+        "status": {
+            "phase": if ip.is_some() { "Running" } else { "Pending" },
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": if ready { "True" } else { "False" }},
+            ],
+        },
+    });
+    if let Some(ip) = ip {
+        pod["status"]["podIP"] = json!(ip);
+        pod["status"]["podIPs"] = json!([{"ip": ip}]);
+    }
+    if terminating {
+        pod["metadata"]["deletionTimestamp"] = json!(rfc3339_now());
+        pod["metadata"]["deletionGracePeriodSeconds"] = json!(30);
+    }
+    pod
+}
+
+/// An `inference.networking.k8s.io/v1` InferencePool: the pods matching `match_labels`,
+/// serving on `target_ports` (one per data-parallel rank).
+pub fn inference_pool(
+    namespace: &str,
+    name: &str,
+    match_labels: &[(&str, &str)],
+    target_ports: &[u16],
+) -> Value {
+    let labels: serde_json::Map<String, Value> = match_labels
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), json!(v)))
+        .collect();
+    let ports: Vec<Value> = target_ports.iter().map(|p| json!({"number": p})).collect();
+    json!({
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "targetPorts": ports,
+            "endpointPickerRef": {"name": format!("{name}-epp"), "port": {"number": 9002}},
+        },
+    })
+}
+
 /// A fake Kubernetes API server serving EndpointSlices on `127.0.0.1`, scripted by the test;
 /// it stops (and drops every connection) on drop. See the module docs for the protocol.
 pub struct FakeKubeApi {
@@ -203,19 +324,24 @@ impl FakeKubeApi {
         path
     }
 
-    /// Creates or replaces a slice (an `ADDED` or `MODIFIED` event) at a new resourceVersion,
+    /// Creates or replaces an object (an EndpointSlice unless its `kind` says another this
+    /// server serves: [`PODS`], [`INFERENCE_POOLS`]) (an `ADDED` or `MODIFIED` event) at a new resourceVersion,
     /// with the metadata the server sets (`resourceVersion`, `uid`, `creationTimestamp`,
     /// `generation`). Unlike a real server, a replacement identical to the stored slice is an
     /// event too.
-    pub fn apply(&self, slice: Value) {
+    pub fn apply(&self, object: Value) {
         let mut inner = self.lock();
-        let key = key_of(&slice);
+        let resource = object["kind"]
+            .as_str()
+            .map_or(Some(&ENDPOINT_SLICES), Resource::of_kind)
+            .unwrap_or_else(|| panic!("apply: a kind this server does not serve: {object}"));
+        let key = key_of(resource, &object);
         let prev = inner.objects.get(&key).cloned();
         inner.rv += 1;
         let rv = inner.rv;
-        let mut obj = slice;
-        obj["apiVersion"] = json!(GROUP_VERSION);
-        obj["kind"] = json!("EndpointSlice");
+        let mut obj = object;
+        obj["apiVersion"] = json!(resource.api_version);
+        obj["kind"] = json!(resource.kind);
         let meta = &mut obj["metadata"];
         meta["resourceVersion"] = json!(rv.to_string());
         match &prev {
@@ -244,12 +370,17 @@ impl FakeKubeApi {
     /// Deletes the slice (a `DELETED` event carrying its last state at the deletion's
     /// resourceVersion). Panics if there is no such slice.
     pub fn delete(&self, namespace: &str, name: &str) {
+        self.delete_object(&ENDPOINT_SLICES, namespace, name);
+    }
+
+    /// Deletes an object of `resource` (see [`FakeKubeApi::delete`]).
+    pub fn delete_object(&self, resource: &'static Resource, namespace: &str, name: &str) {
         let mut inner = self.lock();
-        let key = (namespace.to_string(), name.to_string());
+        let key = (resource.kind, namespace.to_string(), name.to_string());
         let prev = inner
             .objects
             .remove(&key)
-            .unwrap_or_else(|| panic!("delete: no EndpointSlice {namespace}/{name}"));
+            .unwrap_or_else(|| panic!("delete: no {} {namespace}/{name}", resource.kind));
         inner.rv += 1;
         let rv = inner.rv;
         inner.record(Change {
@@ -307,9 +438,12 @@ impl FakeKubeApi {
     /// EndpointSlice but for `metadata.resourceVersion`.
     pub fn bookmark(&self) {
         let inner = self.lock();
-        let line = event_line("BOOKMARK", &bookmark_object(inner.rv, false));
         for watch in inner.watches.values().filter(|w| w.bookmarks) {
-            let _ = watch.tx.send(line.clone());
+            let line = event_line(
+                "BOOKMARK",
+                &bookmark_object(watch.filter.resource, inner.rv, false),
+            );
+            let _ = watch.tx.send(line);
         }
     }
 
@@ -358,8 +492,8 @@ fn lock(shared: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
     shared.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// (namespace, name)
-type Key = (String, String);
+/// (kind, namespace, name)
+type Key = (&'static str, String, String);
 
 /// One change, as etcd keeps it: the object after (`None`: deleted) and before (`None`:
 /// created).
@@ -463,8 +597,9 @@ fn serve_connection(shared: &Arc<Mutex<Inner>>, stream: tokio::net::TcpStream) {
     inner.conns.insert(conn, task.abort_handle());
 }
 
-/// What a request selects: a namespace (or all), labels, fields.
+/// What a request selects: a kind, a namespace (or all), labels, fields.
 struct Filter {
+    resource: &'static Resource,
     namespace: Option<String>,
     labels: Vec<Requirement>,
     fields: Vec<(String, bool, String)>,
@@ -480,7 +615,11 @@ enum Requirement {
 }
 
 impl Filter {
-    fn parse(namespace: Option<String>, q: &Query) -> Result<Filter, String> {
+    fn parse(
+        resource: &'static Resource,
+        namespace: Option<String>,
+        q: &Query,
+    ) -> Result<Filter, String> {
         let labels = match q.get("labelSelector") {
             Some(s) => parse_label_selector(s)?,
             None => Vec::new(),
@@ -508,6 +647,7 @@ impl Filter {
             fields.push((key.to_string(), equal, value.to_string()));
         }
         Ok(Filter {
+            resource,
             namespace,
             labels,
             fields,
@@ -519,6 +659,9 @@ impl Filter {
     }
 
     fn matches(&self, obj: &Value) -> bool {
+        if obj["kind"].as_str() != Some(self.resource.kind) {
+            return false;
+        }
         let meta = &obj["metadata"];
         let namespace = meta["namespace"].as_str().unwrap_or("");
         if self.namespace.as_deref().is_some_and(|ns| ns != namespace) {
@@ -673,22 +816,25 @@ enum Target {
     Object(String, String),
 }
 
-fn route(path: &str) -> Option<(Target, bool)> {
-    let rest = path.strip_prefix(API_PREFIX)?;
-    let (rest, watch_path) = match rest.strip_prefix("/watch") {
-        Some(rest) => (rest, true),
-        None => (rest, false),
-    };
-    let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
-    let target = match parts.as_slice() {
-        ["endpointslices"] => Target::Collection(None),
-        ["namespaces", ns, "endpointslices"] => Target::Collection(Some(ns.to_string())),
-        ["namespaces", ns, "endpointslices", name] => {
-            Target::Object(ns.to_string(), name.to_string())
-        }
-        _ => return None,
-    };
-    Some((target, watch_path))
+fn route(path: &str) -> Option<(&'static Resource, Target, bool)> {
+    RESOURCES.into_iter().find_map(|resource| {
+        let rest = path.strip_prefix(resource.prefix)?;
+        let (rest, watch_path) = match rest.strip_prefix("/watch") {
+            Some(rest) => (rest, true),
+            None => (rest, false),
+        };
+        let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+        let plural = resource.plural;
+        let target = match parts.as_slice() {
+            [p] if *p == plural => Target::Collection(None),
+            ["namespaces", ns, p] if *p == plural => Target::Collection(Some(ns.to_string())),
+            ["namespaces", ns, p, name] if *p == plural => {
+                Target::Object(ns.to_string(), name.to_string())
+            }
+            _ => return None,
+        };
+        Some((resource, target, watch_path))
+    })
 }
 
 fn handle(shared: &Arc<Mutex<Inner>>, conn: u64, req: &Request<Incoming>) -> Response<ApiBody> {
@@ -709,7 +855,7 @@ fn handle(shared: &Arc<Mutex<Inner>>, conn: u64, req: &Request<Incoming>) -> Res
     if !authorized {
         return status_response(401, "Unauthorized", None);
     }
-    let Some((target, watch_path)) = route(req.uri().path()) else {
+    let Some((resource, target, watch_path)) = route(req.uri().path()) else {
         return status_response(
             404,
             "the server could not find the requested resource",
@@ -728,7 +874,7 @@ fn handle(shared: &Arc<Mutex<Inner>>, conn: u64, req: &Request<Incoming>) -> Res
         (Target::Object(..), false) => "get",
     };
     if let Some(code) = inner.fail {
-        return failure(code, verb, namespace.as_deref());
+        return failure(resource, code, verb, namespace.as_deref());
     }
     if req.method() != Method::GET {
         return status_response(
@@ -739,23 +885,23 @@ fn handle(shared: &Arc<Mutex<Inner>>, conn: u64, req: &Request<Incoming>) -> Res
     }
     match target {
         // A watch of one object: the collection's, narrowed to its name.
-        Target::Object(ns, name) if watch => match Filter::parse(Some(ns), &q) {
+        Target::Object(ns, name) if watch => match Filter::parse(resource, Some(ns), &q) {
             Ok(mut filter) => {
                 filter.fields.push(("metadata.name".into(), true, name));
                 start_watch(shared, &mut inner, conn, filter, &q)
             }
             Err(message) => status_response(400, &message, None),
         },
-        Target::Object(ns, name) => match inner.objects.get(&(ns, name.clone())) {
+        Target::Object(ns, name) => match inner.objects.get(&(resource.kind, ns, name.clone())) {
             Some(obj) => json_response(StatusCode::OK, obj),
             None => status_response(
                 404,
-                &format!("endpointslices.discovery.k8s.io \"{name}\" not found"),
-                Some(json!({"name": name, "group": "discovery.k8s.io", "kind": "endpointslices"})),
+                &format!("{} \"{name}\" not found", resource.qualified()),
+                Some(json!({"name": name, "group": resource.group, "kind": resource.plural})),
             ),
         },
         Target::Collection(ns) => {
-            let filter = match Filter::parse(ns, &q) {
+            let filter = match Filter::parse(resource, ns, &q) {
                 Ok(filter) => filter,
                 Err(message) => return status_response(400, &message, None),
             };
@@ -852,8 +998,8 @@ fn list(inner: &Inner, filter: &Filter, q: &Query) -> Response<ApiBody> {
     json_response(
         StatusCode::OK,
         &json!({
-            "kind": "EndpointSliceList",
-            "apiVersion": GROUP_VERSION,
+            "kind": format!("{}List", filter.resource.kind),
+            "apiVersion": filter.resource.api_version,
             "metadata": metadata,
             "items": items,
         }),
@@ -932,7 +1078,8 @@ fn start_watch(
                 let _ = tx.send(event_line("ADDED", obj));
             }
             if initial_events {
-                let _ = tx.send(event_line("BOOKMARK", &bookmark_object(inner.rv, true)));
+                let bookmark = bookmark_object(filter.resource, inner.rv, true);
+                let _ = tx.send(event_line("BOOKMARK", &bookmark));
             }
         }
     }
@@ -954,18 +1101,24 @@ fn start_watch(
     watch_response(rx, timeout, Some(guard))
 }
 
-fn bookmark_object(rv: u64, initial_events_end: bool) -> Value {
+fn bookmark_object(resource: &Resource, rv: u64, initial_events_end: bool) -> Value {
     let mut metadata = json!({"resourceVersion": rv.to_string(), "creationTimestamp": null});
     if initial_events_end {
         metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
     }
-    json!({
-        "kind": "EndpointSlice",
-        "apiVersion": GROUP_VERSION,
+    let mut object = json!({
+        "kind": resource.kind,
+        "apiVersion": resource.api_version,
         "metadata": metadata,
-        "addressType": "",
-        "endpoints": null,
-    })
+    });
+    // What the real server's empty object of the kind serializes besides its metadata.
+    if resource.kind == "EndpointSlice" {
+        object["addressType"] = json!("");
+        object["endpoints"] = Value::Null;
+    } else {
+        object["spec"] = json!({});
+    }
+    object
 }
 
 fn event_line(kind: &str, object: &Value) -> Bytes {
@@ -1012,8 +1165,14 @@ fn status(code: u16, message: &str, details: Option<Value>) -> Value {
 }
 
 /// The failure [`FakeKubeApi::fail_with`] asked for, worded as the real server words it.
-fn failure(code: u16, verb: &str, namespace: Option<&str>) -> Response<ApiBody> {
-    let resource = json!({"group": "discovery.k8s.io", "kind": "endpointslices"});
+fn failure(
+    resource: &Resource,
+    code: u16,
+    verb: &str,
+    namespace: Option<&str>,
+) -> Response<ApiBody> {
+    let (qualified, plural, group) = (resource.qualified(), resource.plural, resource.group);
+    let resource = json!({"group": group, "kind": plural});
     let (message, details) = match code {
         401 => ("Unauthorized".to_string(), None),
         403 => {
@@ -1027,8 +1186,8 @@ fn failure(code: u16, verb: &str, namespace: Option<&str>) -> Response<ApiBody> 
             );
             (
                 format!(
-                    "endpointslices.discovery.k8s.io is forbidden: User \"{user}\" cannot \
-                     {verb} resource \"endpointslices\" in API group \"discovery.k8s.io\" {scope}"
+                    "{qualified} is forbidden: User \"{user}\" cannot \
+                     {verb} resource \"{plural}\" in API group \"{group}\" {scope}"
                 ),
                 Some(resource),
             )
@@ -1166,16 +1325,16 @@ impl Body for ApiBody {
     }
 }
 
-fn key_of(slice: &Value) -> Key {
-    let meta = &slice["metadata"];
+fn key_of(resource: &'static Resource, object: &Value) -> Key {
+    let meta = &object["metadata"];
     let field = |f: &str| {
         meta[f]
             .as_str()
             .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| panic!("an EndpointSlice needs metadata.{f}: {slice}"))
+            .unwrap_or_else(|| panic!("a {} needs metadata.{f}: {object}", resource.kind))
             .to_string()
     };
-    (field("namespace"), field("name"))
+    (resource.kind, field("namespace"), field("name"))
 }
 
 fn fnv(bytes: &[u8]) -> u64 {
