@@ -515,6 +515,7 @@ impl AttemptLoop {
                 && !pool.has_ready_member()
             {
                 self.waited = true;
+                drop(held.take());
                 let newest = tries::wait_for_backend(Some(session), &pool).await?;
                 if let Some(newest) = newest.filter(|newest| !Arc::ptr_eq(newest, &pool)) {
                     // A reload came while it waited: the new generation sends it.

@@ -230,6 +230,12 @@ pub enum Contender {
     SluiceWaitingRoom,
     /// Scenario 28: the same pool answering at once (`no_backend_wait: 0s`, as before #53).
     SluiceNoWait,
+    /// Scenario 29: `fairness: off`, first come, first served (vLLM's queue orders).
+    SluiceFifo,
+    /// Scenario 29: `fairness: off`, the KV breaker's classes (the agents sheddable).
+    SluicePriorityOnly,
+    /// Scenario 29: `fairness: on`.
+    SluiceFair,
 }
 
 impl Contender {
@@ -296,6 +302,9 @@ impl Contender {
             Contender::SluiceTraced10 => "sluice (plugins on, traced at 1.0)",
             Contender::SluiceWaitingRoom => "sluice (waiting room, no_backend_wait: 60s)",
             Contender::SluiceNoWait => "sluice (no_backend_wait: 0s)",
+            Contender::SluiceFifo => "sluice (fairness: off, FIFO)",
+            Contender::SluicePriorityOnly => "sluice (fairness: off, priority classes)",
+            Contender::SluiceFair => "sluice (fairness: on)",
         }
     }
 

@@ -10,6 +10,7 @@ pub mod bare;
 pub mod contenders;
 pub mod discovery;
 pub mod fleet;
+pub mod flow_fairness;
 pub mod h2_streams;
 pub mod loadgen;
 pub mod phased;
@@ -165,6 +166,11 @@ pub struct Params {
     pub zero_join_after: Duration,
     pub zero_after_join: Duration,
     pub zero_rate: f64,
+    /// Scenario 29: how long each row runs, how many short sessions come in that time, and
+    /// the numbers of long sessions swept.
+    pub fair_window: Duration,
+    pub fair_short_sessions: usize,
+    pub fair_levels: Vec<usize>,
 }
 
 impl Params {
@@ -244,6 +250,9 @@ impl Params {
             zero_join_after: Duration::from_secs(20),
             zero_after_join: Duration::from_secs(10),
             zero_rate: 5.0,
+            fair_window: Duration::from_secs(30),
+            fair_short_sessions: 40,
+            fair_levels: vec![4, 12, 24],
         }
     }
 
@@ -325,6 +334,9 @@ impl Params {
             zero_join_after: Duration::from_secs(2),
             zero_after_join: Duration::from_secs(1),
             zero_rate: 5.0,
+            fair_window: Duration::from_secs(5),
+            fair_short_sessions: 4,
+            fair_levels: vec![2],
         }
     }
 }

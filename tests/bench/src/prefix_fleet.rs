@@ -542,7 +542,7 @@ async fn run_session(via: Via, session: Session, index: usize, start: Instant) -
                 session_header,
             } => {
                 let session = session_header.then_some(index);
-                let exchange = exchange(*addr, idle, &body, step.stream, session, &mut got, sent);
+                let exchange = exchange(*addr, idle, &body, session, &mut got, sent, None);
                 tokio::time::timeout(REQUEST_LIMIT, exchange).await
             }
             Via::Reference(direct) => {
@@ -573,11 +573,12 @@ pub(crate) async fn exchange(
     addr: SocketAddr,
     idle: &Idle,
     body: &Value,
-    stream: bool,
     session: Option<usize>,
     got: &mut Got,
     sent: Instant,
+    extra_header: Option<(&str, &str)>,
 ) -> Result<String> {
+    let stream = body["stream"].as_bool().unwrap_or(false);
     let mut sender = checkout(idle, addr).await?;
     let mut req = Request::builder()
         .method(Method::POST)
@@ -586,6 +587,9 @@ pub(crate) async fn exchange(
         .header(header::CONTENT_TYPE, "application/json");
     if let Some(session) = session {
         req = req.header("x-session-id", format!("session-{session}"));
+    }
+    if let Some((name, value)) = extra_header {
+        req = req.header(name, value);
     }
     let req = req
         .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))
@@ -617,6 +621,11 @@ impl Fleet {
 
     /// A fleet of `engines`, on a runtime of its own.
     pub(crate) fn of(engines: Vec<Engine>) -> Result<Fleet> {
+        Self::of_configs(engines.iter().map(Engine::config).collect())
+    }
+
+    /// A fleet of simulators made from `configs`, on a runtime of its own.
+    pub(crate) fn of_configs(configs: Vec<vllm_sim::SimConfig>) -> Result<Fleet> {
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
@@ -629,8 +638,8 @@ impl Fleet {
             };
             runtime.block_on(async move {
                 let mut sims = Vec::new();
-                for engine in engines {
-                    match vllm_sim::start(engine.config()).await {
+                for config in configs {
+                    match vllm_sim::start(config).await {
                         Ok(sim) => sims.push(sim),
                         Err(e) => {
                             let _ =

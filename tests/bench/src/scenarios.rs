@@ -108,6 +108,10 @@ pub const ALL: &[(u8, &str)] = &[
         28,
         "Scale from zero: a pool with no backend under steady requests, its first backend joining after 20 s, with and without the waiting room",
     ),
+    (
+        29,
+        "Agent sessions at saturation: long agent sessions and short chats on engines that queue first come, first served, swept past capacity; FIFO, priority classes and fair flow control",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -139,6 +143,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         26 => crate::plugin_cost::tracing_cost(ctx).await,
         27 => crate::trace_replay::trace_replay(ctx).await,
         28 => crate::scale_from_zero::scale_from_zero(ctx).await,
+        29 => crate::flow_fairness::flow_fairness(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -357,7 +362,10 @@ impl Stack {
                 | Contender::SluicePrefixExactSessions
                 | Contender::SluiceSessionOracle
                 | Contender::SluiceWaitingRoom
-                | Contender::SluiceNoWait => {
+                | Contender::SluiceNoWait
+                | Contender::SluiceFifo
+                | Contender::SluicePriorityOnly
+                | Contender::SluiceFair => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }

@@ -508,7 +508,7 @@ async fn run_placement(
                 let sent = Instant::now();
                 let outcome = tokio::time::timeout(
                     REQUEST_LIMIT,
-                    exchange(listen, &idle, &body, true, session, &mut got, sent),
+                    exchange(listen, &idle, &body, session, &mut got, sent, None),
                 )
                 .await;
                 settle(got, sent, outcome.map(|r| r.map(drop)))

@@ -182,8 +182,9 @@ struct Waiter {
 struct State {
     next_seq: u64,
     waiters: HashMap<u64, Waiter>,
-    /// The first waiter's `seq`, while nothing changed the order (`None`: look again).
-    first: Option<u64>,
+    /// The first waiter of each [`WaitFor`], while nothing changed the order (`None`: look
+    /// again).
+    firsts: Option<[Option<u64>; 2]>,
     flows: HashMap<u64, FlowEntry>,
     /// Seconds after `born` that the scale is 1 at.
     base_s: f64,
@@ -203,29 +204,37 @@ impl State {
         self.flows.get(&key).map_or(0.0, |e| e.served)
     }
 
-    /// The first waiter: looked for again only after a change (a waiter came or left, a
-    /// flow was served).
-    fn first(&mut self) -> Option<u64> {
-        if self.first.is_none() {
-            self.first = self
-                .waiters
-                .iter()
-                .map(|(seq, w)| {
-                    let (outer, leaf) = w
-                        .flow
-                        .map_or((0.0, 0.0), |(o, l)| (self.served(o), self.served(l)));
-                    Key {
-                        band: Reverse(w.priority),
-                        outer: Tag::of(outer),
-                        leaf: Tag::of(leaf),
-                        deadline_ms: w.deadline_ms,
-                        seq: *seq,
-                    }
-                })
-                .min()
-                .map(|k| k.seq);
+    /// The first waiter of each kind: looked for again only after a change (a waiter came
+    /// or left, a flow was served).
+    fn firsts(&mut self) -> [Option<u64>; 2] {
+        if let Some(firsts) = self.firsts {
+            return firsts;
         }
-        self.first
+        let mut best: [Option<Key>; 2] = [None, None];
+        for (seq, w) in &self.waiters {
+            let (outer, leaf) = w
+                .flow
+                .map_or((0.0, 0.0), |(o, l)| (self.served(o), self.served(l)));
+            let key = Key {
+                band: Reverse(w.priority),
+                outer: Tag::of(outer),
+                leaf: Tag::of(leaf),
+                deadline_ms: w.deadline_ms,
+                seq: *seq,
+            };
+            let slot = &mut best[w.kind as usize];
+            if slot.is_none_or(|b| key < b) {
+                *slot = Some(key);
+            }
+        }
+        let firsts = best.map(|k| k.map(|k| k.seq));
+        self.firsts = Some(firsts);
+        firsts
+    }
+
+    /// The first waiter of `kind`.
+    fn first(&mut self, kind: WaitFor) -> Option<u64> {
+        self.firsts()[kind as usize]
     }
 }
 
@@ -333,12 +342,13 @@ impl FlowControl {
                 kind,
             },
         );
-        state.first = None;
+        state.firsts = None;
         drop(state);
         self.depth[priority as usize].fetch_add(1, Relaxed);
         Some(Place {
             control: Arc::clone(self),
             seq,
+            kind,
             priority,
             turn,
             admitted: false,
@@ -360,7 +370,7 @@ impl FlowControl {
             forget_least_served(&mut state);
         }
         if !state.waiters.is_empty() {
-            state.first = None;
+            state.firsts = None;
         }
     }
 
@@ -458,6 +468,7 @@ fn forget_least_served(state: &mut State) {
 pub struct Place {
     control: Arc<FlowControl>,
     seq: u64,
+    kind: WaitFor,
     priority: Priority,
     turn: Arc<Notify>,
     /// It was let in, and its demand is not counted by the pool yet: no other waiter is.
@@ -466,26 +477,31 @@ pub struct Place {
 
 impl Place {
     fn is_first(&self) -> bool {
-        self.control.lock().first() == Some(self.seq)
+        self.control.lock().first(self.kind) == Some(self.seq)
     }
 
     /// Waits until `admits()` says yes (true), or until `deadline` (false); the first
-    /// waiter asks every [`POLL`], the others every [`POLL_BEHIND`]. The place is kept either
-    /// way: drop it to leave (after the request's attempt has started, so that the next
-    /// waiter is judged against a load that counts this one).
+    /// waiter asks every [`POLL`], the others every [`POLL_BEHIND`]. A waiter for headroom
+    /// that fits goes past a first that does not (headroom depends on the request's size);
+    /// a waiter for an engine goes only when it is the first of those (an engine's room is
+    /// the same for all). The place is kept either way: drop it to leave (after the
+    /// request's attempt has started, so that the next waiter is judged against a load that
+    /// counts this one).
     pub async fn wait_for(&mut self, deadline: Instant, admits: impl Fn() -> bool) -> bool {
         loop {
             // One waiter at a time is let in, until its place is dropped: several let in at
             // once would all be judged against the same load.
+            let first = self.is_first();
             let free = self.control.letting_in.load(Relaxed) == 0;
-            if free && admits() && self.claim() {
+            let may = first || self.kind == WaitFor::Headroom;
+            if free && may && admits() && self.claim() {
                 return true;
             }
             if Instant::now() >= deadline {
                 return false;
             }
             // Woken early when a waiter ahead leaves (this one may be first now).
-            let every = if self.is_first() { POLL } else { POLL_BEHIND };
+            let every = if first { POLL } else { POLL_BEHIND };
             let until = (Instant::now() + every).min(deadline);
             tokio::select! {
                 _ = self.turn.notified() => {}
@@ -518,10 +534,12 @@ impl Drop for Place {
                 self.control.held.fetch_sub(1, Relaxed);
             }
         }
-        state.first = None;
+        state.firsts = None;
         // Whoever is first now asks the pool (a permit is kept if it is not listening yet).
-        if let Some(next) = state.first().and_then(|seq| state.waiters.get(&seq)) {
-            next.turn.notify_one();
+        for next in state.firsts().into_iter().flatten() {
+            if let Some(waiter) = state.waiters.get(&next) {
+                waiter.turn.notify_one();
+            }
         }
         drop(state);
         self.control.depth[self.priority as usize].fetch_sub(1, Relaxed);
@@ -592,7 +610,7 @@ mod tests {
         let mut places = places;
         let mut order = Vec::new();
         while !places.is_empty() {
-            let first = q.lock().first().unwrap();
+            let first = q.lock().first(WaitFor::Headroom).unwrap();
             let at = places.iter().position(|(p, _)| p.seq == first).unwrap();
             let (place, flow) = places.remove(at);
             if let Some(flow) = flow {
@@ -795,6 +813,29 @@ mod tests {
         assert!(waits.await.is_err(), "two let in at once");
         drop(first);
         assert!(second.wait_for(deadline, || true).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_first_waiter_for_an_engine_goes_when_one_has_room() {
+        let q = fair();
+        let (long, short) = (session("t", "long"), session("t", "short"));
+        q.charge(&long, 10_000);
+        let engine = |flow: &FlowId| {
+            q.join(WaitFor::Engine, Priority::Standard, Some(flow), None, 8)
+                .unwrap()
+        };
+        let mut long_turn = engine(&long);
+        let mut short_turn = engine(&short);
+        let deadline = Instant::now() + Duration::from_secs(1);
+        // The engine has room, but the long session's turn is not first: it waits.
+        let waits = tokio::time::timeout(
+            Duration::from_millis(100),
+            long_turn.wait_for(deadline, || true),
+        );
+        assert!(waits.await.is_err(), "a waiter behind the first went in");
+        assert!(short_turn.wait_for(deadline, || true).await);
+        drop(short_turn);
+        assert!(long_turn.wait_for(deadline, || true).await);
     }
 
     #[tokio::test(start_paused = true)]
