@@ -254,17 +254,22 @@ fn engine_request_id(ctx: &RequestCtx) -> String {
 /// (see `sluice_pools::pool::flow_control`), up to the pool's `fairness.max_hold`; a
 /// sheddable request with a TTFT objective only until that is due, then it is refused. Its
 /// place, when it was let in, is kept until its attempt starts.
-async fn hold(
-    session: &mut Session,
-    ctx: &RequestCtx,
-    pool: &Arc<Pool>,
-) -> Result<Option<sluice_sdk::Place>> {
+async fn hold(session: &mut Session, ctx: &RequestCtx, pool: &Arc<Pool>) -> Result<Option<Held>> {
     let control = pool.flow_control();
     let Some(fairness) = control.fairness() else {
         return Ok(None);
     };
-    if !pool.engines_queue() && control.held() == 0 {
-        return Ok(None);
+    // A session bound to a backend waits for that one's room (its cache is there).
+    let bound = ctx
+        .llm()
+        .and_then(|call| call.demand.session)
+        .and_then(|key| pool.session_binding(key))
+        .map(|(addr, _)| addr);
+    if control.held() == 0 && !pool.engines_queue() {
+        let room = pool.backends_with_room();
+        if bound.is_none_or(|addr| room.contains(&addr)) {
+            return Ok(None);
+        }
     }
     let priority = ctx.priority().unwrap_or(sluice_sdk::Priority::Standard);
     let deadline = ctx.ttft_deadline();
@@ -273,6 +278,7 @@ async fn hold(
         priority,
         ctx.flow(),
         deadline,
+        ctx.llm().map_or(0, |call| call.demand.prompt_tokens),
         fairness.max_held,
     ) else {
         // As many are held as may be: this one queues in the engine, as without fairness.
@@ -284,10 +290,13 @@ async fn hold(
     if let Some(due) = sheds_at_deadline {
         until = until.min(Instant::from_std(due));
     }
+    if let Some(addr) = bound {
+        place.aim_at(addr);
+    }
     let engines = Arc::clone(pool);
     let waited = sluice_sdk::client::while_connected(
         session,
-        place.wait_for(until, move || !engines.engines_queue()),
+        place.wait_for_room(until, move || engines.backends_with_room()),
     )
     .await;
     let seconds = started.elapsed().as_secs_f64();
@@ -301,11 +310,21 @@ async fn hold(
     };
     crate::metrics::held(&pool.name, end, seconds);
     match end {
-        HoldEnd::Sent => Ok(Some(place)),
+        HoldEnd::Sent => Ok(Some(Held {
+            _place: place,
+            bound: bound.is_some(),
+        })),
         HoldEnd::MaxHold => Ok(None),
         HoldEnd::Deadline => Err(slo_unmeetable(pool, "passed while it waited for an engine")),
         HoldEnd::ClientGone => waited.map(|_| None),
     }
+}
+
+/// A request let in from its pool's fair order: its place, kept until its attempt starts.
+struct Held {
+    _place: sluice_sdk::Place,
+    /// It waited for its session's backend.
+    bound: bool,
 }
 
 /// Refuses a sheddable request whose TTFT objective its backend is not predicted to meet
@@ -505,7 +524,17 @@ impl AttemptLoop {
             } else {
                 None
             };
-            let mut selected = select(&self.tried);
+            // Let in with no backend of its own, it goes where an engine has room.
+            let queueing = match &held {
+                Some(Held { bound: false, .. }) => pool.queueing_backends(),
+                _ => Vec::new(),
+            };
+            let mut selected = if queueing.is_empty() {
+                select(&self.tried)
+            } else {
+                let avoid = [self.tried.as_slice(), &queueing].concat();
+                select(&avoid).or_else(|| select(&self.tried))
+            };
             // A pool with no ready backend at all (scaled to zero, starting) is waited for,
             // once, unless the request has somewhere else to go.
             if selected.is_none()

@@ -451,6 +451,7 @@ impl KvBreaker {
             priority,
             ctx.flow(),
             ctx.ttft_deadline(),
+            call.demand.prompt_tokens,
             max_queued,
         );
         let Some(mut place) = joined else {

@@ -18,8 +18,9 @@
 //! the flows' service when the next is let in, and a request's prefill is counted as its
 //! attempt starts, before the next one is let in: so one flow's burst goes one at a time,
 //! each behind the flows that have had less by then. Among flows of equal service, the
-//! earliest TTFT deadline goes first, then the first come. Without fairness: class, then
-//! first come.
+//! earliest TTFT deadline goes first, then the smaller prompt (new flows all have none:
+//! a short chat's first turn does not wait behind a burst of new agents' 16k-token openings),
+//! then the first come. Without fairness: class, then first come.
 //!
 //! Written here rather than with a semaphore or a priority channel: what frees up is KV
 //! headroom or an engine's queue, which only the pool's live state can tell, and the order
@@ -155,6 +156,8 @@ struct Key {
     leaf: Tag,
     /// ms after the control was made; `u64::MAX` for none.
     deadline_ms: u64,
+    /// The request's prompt, estimated tokens: among equals, the smaller goes first.
+    size: u64,
     seq: u64,
 }
 
@@ -175,7 +178,10 @@ struct Waiter {
     /// Its flow's entries (tenant, leaf), with fairness on.
     flow: Option<(u64, u64)>,
     deadline_ms: u64,
+    size: u64,
     kind: WaitFor,
+    /// The backend it must go to (its session's), if any; else any with room.
+    target: Option<std::net::SocketAddr>,
 }
 
 #[derive(Default)]
@@ -204,6 +210,37 @@ impl State {
         self.flows.get(&key).map_or(0.0, |e| e.served)
     }
 
+    /// A waiter's place in the order now.
+    fn key(&self, seq: u64, w: &Waiter) -> Key {
+        let (outer, leaf) = w
+            .flow
+            .map_or((0.0, 0.0), |(o, l)| (self.served(o), self.served(l)));
+        Key {
+            band: Reverse(w.priority),
+            outer: Tag::of(outer),
+            leaf: Tag::of(leaf),
+            deadline_ms: w.deadline_ms,
+            size: w.size,
+            seq,
+        }
+    }
+
+    /// The first of the waiters for an engine that may go now: its backend is in `room`, or
+    /// it has none and `room` has some. A waiter whose session's backend queues does not hold
+    /// back the others while another backend has room.
+    fn first_with_room(&self, room: &[std::net::SocketAddr]) -> Option<u64> {
+        self.waiters
+            .iter()
+            .filter(|(_, w)| w.kind == WaitFor::Engine)
+            .filter(|(_, w)| match w.target {
+                Some(target) => room.contains(&target),
+                None => !room.is_empty(),
+            })
+            .map(|(seq, w)| self.key(*seq, w))
+            .min()
+            .map(|k| k.seq)
+    }
+
     /// The first waiter of each kind: looked for again only after a change (a waiter came
     /// or left, a flow was served).
     fn firsts(&mut self) -> [Option<u64>; 2] {
@@ -212,16 +249,7 @@ impl State {
         }
         let mut best: [Option<Key>; 2] = [None, None];
         for (seq, w) in &self.waiters {
-            let (outer, leaf) = w
-                .flow
-                .map_or((0.0, 0.0), |(o, l)| (self.served(o), self.served(l)));
-            let key = Key {
-                band: Reverse(w.priority),
-                outer: Tag::of(outer),
-                leaf: Tag::of(leaf),
-                deadline_ms: w.deadline_ms,
-                seq: *seq,
-            };
+            let key = self.key(*seq, w);
             let slot = &mut best[w.kind as usize];
             if slot.is_none_or(|b| key < b) {
                 *slot = Some(key);
@@ -302,13 +330,15 @@ impl FlowControl {
     }
 
     /// A place for a request of `priority` and `flow`, due to have its first token by
-    /// `deadline`; `None` when `limit` places of its kind are taken.
+    /// `deadline`, with a prompt of `size` (estimated tokens); `None` when `limit` places of
+    /// its kind are taken.
     pub fn join(
         self: &Arc<Self>,
         kind: WaitFor,
         priority: Priority,
         flow: Option<&FlowId>,
         deadline: Option<std::time::Instant>,
+        size: u64,
         limit: usize,
     ) -> Option<Place> {
         let mut state = self.lock();
@@ -339,7 +369,9 @@ impl FlowControl {
                 priority,
                 flow,
                 deadline_ms,
+                size,
                 kind,
+                target: None,
             },
         );
         state.firsts = None;
@@ -510,6 +542,43 @@ impl Place {
         }
     }
 
+    /// The backend this waiter must go to (its session's): it waits for that one's room.
+    pub fn aim_at(&mut self, target: std::net::SocketAddr) {
+        let mut state = self.control.lock();
+        if let Some(waiter) = state.waiters.get_mut(&self.seq) {
+            waiter.target = Some(target);
+        }
+    }
+
+    /// For a waiter for an engine: waits until it is the first of those that may go to a
+    /// backend in `room()` (the backends that would not queue it), true; or until
+    /// `deadline`, false. Kept either way, as [`Place::wait_for`].
+    pub async fn wait_for_room(
+        &mut self,
+        deadline: Instant,
+        room: impl Fn() -> Vec<std::net::SocketAddr>,
+    ) -> bool {
+        loop {
+            let free = self.control.letting_in.load(Relaxed) == 0;
+            if free {
+                let room = room();
+                let mine = self.control.lock().first_with_room(&room) == Some(self.seq);
+                if mine && self.claim() {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            let every = if self.is_first() { POLL } else { POLL_BEHIND };
+            let until = (Instant::now() + every).min(deadline);
+            tokio::select! {
+                _ = self.turn.notified() => {}
+                _ = sleep_until(until) => {}
+            }
+        }
+    }
+
     /// Takes the one turn to be let in; `false` when another waiter took it first.
     fn claim(&mut self) -> bool {
         let taken = self
@@ -571,6 +640,53 @@ impl Pool {
             })
     }
 
+    /// With fairness on, the usable backends that would not queue a request now (see
+    /// [`BackendLive::queues`](crate::BackendLive::queues)); empty with it off.
+    pub fn backends_with_room(&self) -> Vec<std::net::SocketAddr> {
+        let Some(fairness) = self.flow_control.fairness() else {
+            return Vec::new();
+        };
+        self.members()
+            .iter()
+            .filter(|m| m.is_ready() && m.live.is_usable())
+            .filter(|m| {
+                !m.live
+                    .queues(fairness.hold_above_tokens, &self.settings.health)
+            })
+            .map(|m| m.spec.resolved)
+            .collect()
+    }
+
+    /// With fairness on, the usable backends that would queue a request while another has
+    /// room: a request let in from the queue with no backend of its own (no session bound)
+    /// passes them over under a strategy that does not weigh a backend's queue (`kv_aware`,
+    /// `round_robin`), so it goes where the room is. Empty when none or all queue, and for
+    /// `ttft`, whose predicted wait counts the queue already.
+    pub fn queueing_backends(&self) -> Vec<std::net::SocketAddr> {
+        let Some(fairness) = self.flow_control.fairness() else {
+            return Vec::new();
+        };
+        if matches!(self.settings.balancing, super::Balancing::Ttft(_)) {
+            return Vec::new();
+        }
+        let members = self.members();
+        let mut usable = 0;
+        let queueing: Vec<std::net::SocketAddr> = members
+            .iter()
+            .filter(|m| m.is_ready() && m.live.is_usable())
+            .inspect(|_| usable += 1)
+            .filter(|m| {
+                m.live
+                    .queues(fairness.hold_above_tokens, &self.settings.health)
+            })
+            .map(|m| m.spec.resolved)
+            .collect();
+        if queueing.len() == usable {
+            return Vec::new();
+        }
+        queueing
+    }
+
     /// Jain's fairness index over the pool's flows' service now; `None` without fairness or
     /// before any service.
     pub fn fairness_index(&self) -> Option<f64> {
@@ -593,7 +709,8 @@ mod tests {
     }
 
     fn join(c: &Arc<FlowControl>, priority: Priority, flow: Option<&FlowId>) -> Place {
-        c.join(WaitFor::Headroom, priority, flow, None, 64).unwrap()
+        c.join(WaitFor::Headroom, priority, flow, None, 0, 64)
+            .unwrap()
     }
 
     fn session(tenant: &str, id: &str) -> FlowId {
@@ -709,10 +826,34 @@ mod tests {
         let now = std::time::Instant::now();
         let at = |s| Some(now + Duration::from_secs(s));
         let (x, y) = (session("t", "x"), session("t", "y"));
-        let late = q.join(WaitFor::Headroom, Priority::Standard, Some(&x), at(9), 8);
-        let early = q.join(WaitFor::Headroom, Priority::Standard, Some(&y), at(1), 8);
+        let late = q.join(WaitFor::Headroom, Priority::Standard, Some(&x), at(9), 0, 8);
+        let early = q.join(WaitFor::Headroom, Priority::Standard, Some(&y), at(1), 0, 8);
         assert!(early.unwrap().is_first());
         drop(late);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn among_equals_the_smaller_prompt_goes_first() {
+        let q = fair();
+        let (agent, chat) = (session("t", "agent"), session("t", "chat"));
+        let opening = q.join(
+            WaitFor::Engine,
+            Priority::Standard,
+            Some(&agent),
+            None,
+            16_000,
+            8,
+        );
+        let question = q.join(
+            WaitFor::Engine,
+            Priority::Standard,
+            Some(&chat),
+            None,
+            300,
+            8,
+        );
+        assert!(question.unwrap().is_first());
+        drop(opening);
     }
 
     #[tokio::test(start_paused = true)]
@@ -761,12 +902,12 @@ mod tests {
     async fn each_kind_of_wait_has_its_own_bound() {
         let q = control(None);
         let headroom =
-            |q: &Arc<FlowControl>| q.join(WaitFor::Headroom, Priority::Standard, None, None, 2);
+            |q: &Arc<FlowControl>| q.join(WaitFor::Headroom, Priority::Standard, None, None, 0, 2);
         let a = headroom(&q).unwrap();
         let _b = headroom(&q).unwrap();
         assert!(headroom(&q).is_none());
         assert!(q
-            .join(WaitFor::Engine, Priority::Critical, None, None, 2)
+            .join(WaitFor::Engine, Priority::Critical, None, None, 0, 2)
             .is_some());
         drop(a);
         assert!(headroom(&q).is_some());
@@ -821,7 +962,7 @@ mod tests {
         let (long, short) = (session("t", "long"), session("t", "short"));
         q.charge(&long, 10_000);
         let engine = |flow: &FlowId| {
-            q.join(WaitFor::Engine, Priority::Standard, Some(flow), None, 8)
+            q.join(WaitFor::Engine, Priority::Standard, Some(flow), None, 0, 8)
                 .unwrap()
         };
         let mut long_turn = engine(&long);
@@ -836,6 +977,32 @@ mod tests {
         assert!(short_turn.wait_for(deadline, || true).await);
         drop(short_turn);
         assert!(long_turn.wait_for(deadline, || true).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_whose_backend_queues_lets_the_next_go_where_there_is_room() {
+        let q = fair();
+        let a: std::net::SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        let b: std::net::SocketAddr = "10.0.0.2:8000".parse().unwrap();
+        let (bound, other) = (session("t", "bound"), session("t", "other"));
+        q.charge(&other, 1_000);
+        let engine = |flow: &FlowId| {
+            q.join(WaitFor::Engine, Priority::Standard, Some(flow), None, 0, 8)
+                .unwrap()
+        };
+        let mut bound_turn = engine(&bound);
+        bound_turn.aim_at(a);
+        let mut other_turn = engine(&other);
+        let deadline = Instant::now() + Duration::from_secs(1);
+        // Only b has room: the first (bound to a) waits, the next goes.
+        assert!(other_turn.wait_for_room(deadline, || vec![b]).await);
+        drop(other_turn);
+        let waits = tokio::time::timeout(
+            Duration::from_millis(100),
+            bound_turn.wait_for_room(deadline, || vec![b]),
+        );
+        assert!(waits.await.is_err(), "its own backend has no room");
+        assert!(bound_turn.wait_for_room(deadline, || vec![a, b]).await);
     }
 
     #[tokio::test(start_paused = true)]
