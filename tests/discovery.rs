@@ -142,6 +142,24 @@ async fn members(proxy: &Proxy) -> Vec<(String, String)> {
     out
 }
 
+/// Waits (up to 15 s) until the pool's backends are `want` (address, membership).
+async fn until_members(proxy: &Proxy, want: &[(String, &str)]) {
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, s)| (a.clone(), s.to_string()))
+        .collect();
+    let seen = wait_for(Duration::from_secs(15), || async {
+        members(proxy).await == want
+    })
+    .await;
+    assert!(
+        seen.is_some(),
+        "wanted {want:?}, have {:?}\n{}",
+        members(proxy).await,
+        proxy.logs()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_named_in_dns_is_followed_under_load_without_a_failed_request() {
     let ttl = Duration::from_secs(1);
@@ -443,23 +461,6 @@ mod kubernetes {
         .await
     }
 
-    async fn until_members(proxy: &Proxy, want: &[(String, &str)]) {
-        let want: Vec<(String, String)> = want
-            .iter()
-            .map(|(a, s)| (a.clone(), s.to_string()))
-            .collect();
-        let seen = wait_for(Duration::from_secs(15), || async {
-            members(proxy).await == want
-        })
-        .await;
-        assert!(
-            seen.is_some(),
-            "wanted {want:?}, have {:?}\n{}",
-            members(proxy).await,
-            proxy.logs()
-        );
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn endpoint_slices_are_followed_through_a_rollout_without_a_failed_request() {
         let api = FakeKubeApi::start().await;
@@ -597,23 +598,6 @@ mod inference_pool {
         let ip = format!("127.0.0.{last}");
         let labels = [("app", "vllm"), ("model", "llama")];
         pod(NAMESPACE, name, &labels, Some(&ip), ready, terminating)
-    }
-
-    async fn until_members(proxy: &Proxy, want: &[(String, &str)]) {
-        let want: Vec<(String, String)> = want
-            .iter()
-            .map(|(a, s)| (a.clone(), s.to_string()))
-            .collect();
-        let seen = wait_for(Duration::from_secs(15), || async {
-            members(proxy).await == want
-        })
-        .await;
-        assert!(
-            seen.is_some(),
-            "wanted {want:?}, have {:?}\n{}",
-            members(proxy).await,
-            proxy.logs()
-        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -555,6 +555,13 @@ mod tests {
     }
 
     fn breaker_with(config: KvBreakerConfig) -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
+        let thresholds = config.thresholds.clone();
+        let (breaker, pool) = built(config);
+        (Arc::new(breaker), pool, thresholds)
+    }
+
+    /// The breaker of `config` on a pool of one backend.
+    fn built(config: KvBreakerConfig) -> (KvBreaker, Arc<Pool>) {
         let backend = BackendSpec {
             address: "127.0.0.1:9".into(),
             resolved: "127.0.0.1:9".parse().unwrap(),
@@ -565,14 +572,12 @@ mod tests {
             vec!["m".into()],
             vec![backend],
         )));
-        let pools = Arc::new(Pools::new(vec![Arc::clone(&pool)]));
-        let thresholds = config.thresholds.clone();
         let host = Host {
-            pools,
+            pools: Arc::new(Pools::new(vec![Arc::clone(&pool)])),
             memory: sluice_sdk::MemoryBudget::new(1 << 20),
         };
         let builder = KvBreakerBuilder::resolve(config, &host).unwrap().unwrap();
-        (builder.start(), pool, thresholds)
+        (builder.build(), pool)
     }
 
     /// The pool's one backend reports `kv_usage` of a 100,000-token cache.
@@ -641,29 +646,11 @@ mod tests {
 
     #[test]
     fn graded_shedding_drops_sheddable_requests_by_the_curve() {
-        let config = KvBreakerConfig {
+        let (breaker, pool) = built(KvBreakerConfig {
             enabled: true,
             graded_shedding: Some(config::GradedShedding { from: 0.5, to: 0.7 }),
             ..KvBreakerConfig::default()
-        };
-        let backend = BackendSpec {
-            address: "127.0.0.1:9".into(),
-            resolved: "127.0.0.1:9".parse().unwrap(),
-            weight: 1,
-        };
-        let pool = Arc::new(Pool::new(PoolSettings::new(
-            "p",
-            vec!["m".into()],
-            vec![backend],
-        )));
-        let host = Host {
-            pools: Arc::new(Pools::new(vec![Arc::clone(&pool)])),
-            memory: sluice_sdk::MemoryBudget::new(1 << 20),
-        };
-        let breaker = KvBreakerBuilder::resolve(config, &host)
-            .unwrap()
-            .unwrap()
-            .build();
+        });
         let drops = |usage: f64, priority: Priority| {
             set_usage(&pool, usage);
             (0..2000)

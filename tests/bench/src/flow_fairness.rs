@@ -10,7 +10,8 @@
 //! `sheddable`: classes alone, as Sluice ordered before #53), and `fairness: on`.
 //!
 //! Reported per row: the short sessions' TTFT p50 / p99 (what a person at a chat window
-//! feels), the long sessions' TTFT p50 / p99, turns answered per second over the run,
+//! feels), the long sessions' TTFT p50 / p99, turns answered per second over the run, the
+//! engines' prefix-cache hit rate (tokens),
 //! requests held by flow control, and Jain's index of the flows' service as Sluice exports it
 //! (fairness on only). Every session names itself with `x-session-id`.
 
@@ -195,6 +196,8 @@ struct Run {
     elapsed: Duration,
     held: f64,
     index: Option<f64>,
+    /// The engines' prefix-cache hits over queries, in tokens.
+    hit_rate: f64,
 }
 
 async fn run(ctx: &Ctx, way: Way, long_sessions: usize) -> Result<Run> {
@@ -254,6 +257,7 @@ async fn run(ctx: &Ctx, way: Way, long_sessions: usize) -> Result<Run> {
         turns.extend(task.await?);
     }
     let elapsed = start.elapsed();
+    let (queries, hits, _) = fleet.counters();
     let page = crate::fleet::page_of(admin).await.unwrap_or_default();
     let held = labelled_sum(&page, "sluice_flow_hold_seconds_count", "result", "sent")
         + labelled_sum(
@@ -270,6 +274,7 @@ async fn run(ctx: &Ctx, way: Way, long_sessions: usize) -> Result<Run> {
         elapsed,
         held,
         index,
+        hit_rate: hits / queries.max(1.0),
     })
 }
 
@@ -289,6 +294,7 @@ pub async fn flow_fairness(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "short sessions' TTFT p50 / p99 ms",
         "long sessions' TTFT p50 / p99 ms",
         "turns answered / s",
+        "engines' prefix-cache hits",
         "held",
         "Jain's index",
         "errors",
@@ -317,6 +323,7 @@ pub async fn flow_fairness(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 format!("{:.0} / {:.0}", pct(&s, 0.5), short_p99),
                 format!("{:.0} / {:.0}", pct(&l, 0.5), pct(&l, 0.99)),
                 format!("{rate:.2}"),
+                format!("{:.1} %", r.hit_rate * 100.0),
                 format!("{:.0}", r.held.max(0.0)),
                 r.index.map_or("-".into(), |i| format!("{i:.3}")),
                 errors.len().to_string(),
