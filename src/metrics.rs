@@ -189,8 +189,9 @@ metric!(QUEUE_DEPTH: IntGaugeVec = register_int_gauge_vec!(
 metric!(HOLD_SECONDS: HistogramVec = register_histogram_vec!(
     "sluice_flow_hold_seconds",
     "How long requests were held in their pool's fair order while every engine would queue \
-     them, by how the hold ended: sent (an engine had room), max_hold (sent at the bound), \
-     deadline (a sheddable request past its TTFT objective, refused), client_gone.",
+     them, by how the hold ended: sent (an engine had room), max_hold (sent at the bound or \
+     its total timeout), deadline (a sheddable request past its TTFT objective, refused), \
+     no_backend (no backend usable any more), client_gone.",
     &["pool", "result"],
     vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 ));
@@ -216,14 +217,16 @@ pub enum HoldEnd {
     Sent,
     MaxHold,
     Deadline,
+    NoBackend,
     ClientGone,
 }
 
 impl HoldEnd {
-    const ALL: [HoldEnd; 4] = [
+    const ALL: [HoldEnd; 5] = [
         HoldEnd::Sent,
         HoldEnd::MaxHold,
         HoldEnd::Deadline,
+        HoldEnd::NoBackend,
         HoldEnd::ClientGone,
     ];
 
@@ -232,6 +235,7 @@ impl HoldEnd {
             HoldEnd::Sent => "sent",
             HoldEnd::MaxHold => "max_hold",
             HoldEnd::Deadline => "deadline",
+            HoldEnd::NoBackend => "no_backend",
             HoldEnd::ClientGone => "client_gone",
         }
     }

@@ -711,8 +711,13 @@ mod inference_pool {
             failures.len()
         );
 
-        // The pool object gone: its backends with it.
+        // The pool object deleted while the watches were away, its events compacted: the
+        // relist that no longer has it takes its backends away.
+        api.fail_with(Some(500));
+        api.drop_watches();
         api.delete_object(&INFERENCE_POOLS, NAMESPACE, "llama");
+        api.compact();
+        api.fail_with(None);
         until_members(&proxy, &[]).await;
     }
 }

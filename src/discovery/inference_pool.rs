@@ -75,6 +75,19 @@ pub fn spec_of(object: &serde_json::Value) -> Result<PoolSpec, String> {
         let value = value
             .as_str()
             .ok_or_else(|| format!("the label `{key}` of its selector is not a string"))?;
+        // As the API server checks labels: a selector made of anything else would be refused
+        // (or, worse, read as another selector).
+        let fine = |text: &str, extra: &[char], max: usize| {
+            text.len() <= max
+                && text.chars().all(|c| {
+                    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') || extra.contains(&c)
+                })
+        };
+        if key.is_empty() || !fine(key, &['/'], 317) || !fine(value, &[], 63) {
+            return Err(format!(
+                "its selector's label `{key}: {value}` is not a label"
+            ));
+        }
         selector.push(format!("{key}={value}"));
     }
     let ports: Vec<u16> = spec["targetPorts"]
@@ -183,6 +196,8 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
         .default_backoff()
         .boxed();
     let mut spec: Option<PoolSpec> = None;
+    // Whether a list of the pool object (the watcher's start, or a relist) found it.
+    let mut pool_listed = false;
     let mut pod_events: Option<BoxStream<'static, watcher::Result<Event<Pod>>>> = None;
     // The pods as last seen, by name; a relist builds the next set aside until it is whole.
     let mut listed: BTreeMap<String, Vec<Wanted>> = BTreeMap::new();
@@ -210,9 +225,19 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
             event = pool_events.next() => {
                 let Some(event) = event else { return };
                 let object = match event {
-                    Ok(Event::Apply(o) | Event::InitApply(o)) => Some(o),
+                    Ok(Event::Init) => {
+                        pool_listed = false;
+                        continue;
+                    }
+                    Ok(Event::InitApply(o)) => {
+                        pool_listed = true;
+                        Some(o)
+                    }
+                    Ok(Event::Apply(o)) => Some(o),
                     Ok(Event::Delete(_)) => None,
-                    Ok(Event::Init | Event::InitDone) => continue,
+                    // A relist without it: deleted while the watch was away.
+                    Ok(Event::InitDone) if !pool_listed => None,
+                    Ok(Event::InitDone) => continue,
                     Err(e) => {
                         report_error(&pool, KIND, &e.to_string(), &mut streak);
                         continue;
@@ -235,13 +260,17 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
                     continue;
                 }
                 spec = next;
-                // Its pods change with its selector or ports: watch them anew.
-                listed.clear();
+                // Its pods change with its selector or ports: watch them anew. What it had
+                // stays until the new list is whole (a list that fails empties nothing); the
+                // object gone, its backends go.
                 relisting = None;
                 pod_events = spec.as_ref().map(|s| {
                     watch_of(&pods, watcher::Config::default().labels(&s.selector))
                 });
-                apply_at.get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
+                if spec.is_none() {
+                    listed.clear();
+                    apply_at.get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
+                }
             }
             event = next_pod => {
                 let Some(event) = event else {
@@ -307,6 +336,8 @@ mod tests {
         let no_labels =
             json!({"spec": {"selector": {"matchLabels": {}}, "targetPorts": [{"number": 8000}]}});
         assert!(spec_of(&no_labels).unwrap_err().contains("matchLabels"));
+        let odd = json!({"spec": {"selector": {"matchLabels": {"app": "x,y=z"}}, "targetPorts": [{"number": 8000}]}});
+        assert!(spec_of(&odd).unwrap_err().contains("not a label"));
         let no_ports =
             json!({"spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": []}});
         assert!(spec_of(&no_ports).unwrap_err().contains("targetPorts"));

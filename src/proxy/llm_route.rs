@@ -31,6 +31,7 @@ use sluice_sdk::cpu::{body_work, optional_work};
 use sluice_sdk::escalation::reason;
 use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
+use sluice_sdk::Waited;
 use sluice_sdk::{
     AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Placement, Pool,
     Pools, RequestCtx, RetryOn, RouteMatch, Selected,
@@ -251,28 +252,52 @@ fn engine_request_id(ctx: &RequestCtx) -> String {
 }
 
 /// Holds the request in `pool`'s fair order while every engine of the pool would queue it
-/// (see `sluice_pools::pool::flow_control`), up to the pool's `fairness.max_hold`; a
-/// sheddable request with a TTFT objective only until that is due, then it is refused. Its
-/// place, when it was let in, is kept until its attempt starts.
-async fn hold(session: &mut Session, ctx: &RequestCtx, pool: &Arc<Pool>) -> Result<Option<Held>> {
+/// (see `sluice_pools::pool::flow_control`), up to the pool's `fairness.max_hold` and within
+/// its total timeout; a sheddable request with a TTFT objective only until that is due, then
+/// it is refused. A request that must go to one backend (`pinned`, the stored response's; else
+/// its session's) waits for that one's room. Not held: a request with somewhere else to go (a
+/// draft's escalation), or when no backend is usable (the waiting room's business). Its place,
+/// when it was let in, is kept until its attempt starts.
+async fn hold(
+    session: &mut Session,
+    ctx: &RequestCtx,
+    pool: &Arc<Pool>,
+    pinned: Option<SocketAddr>,
+) -> Result<Option<Held>> {
     let control = pool.flow_control();
     let Some(fairness) = control.fairness() else {
         return Ok(None);
     };
-    // A session bound to a backend waits for that one's room (its cache is there).
-    let bound = ctx
-        .llm()
-        .and_then(|call| call.demand.session)
-        .and_then(|key| pool.session_binding(key))
-        .map(|(addr, _)| addr);
-    if control.held() == 0 && !pool.engines_queue() {
-        let room = pool.backends_with_room();
-        if bound.is_none_or(|addr| room.contains(&addr)) {
+    if ctx.escalation().is_some() {
+        return Ok(None);
+    }
+    // Its backend, while usable: its cache (or its stored response) is there.
+    let bound = pinned
+        .or_else(|| {
+            let key = ctx.llm()?.demand.session?;
+            pool.session_binding(key).map(|(addr, _)| addr)
+        })
+        .and_then(|addr| Some((addr, pool.has_room(addr)?)));
+    // The common case, without a look at every backend: nothing held, and room where it goes.
+    if control.held() == 0 {
+        let fits = match bound {
+            Some((_, room)) => room,
+            None => !pool.engines_queue(),
+        };
+        if fits {
             return Ok(None);
         }
     }
+    if pool.room().usable.is_empty() {
+        return Ok(None);
+    }
+    let bound = bound.map(|(addr, _)| addr);
     let priority = ctx.priority().unwrap_or(sluice_sdk::Priority::Standard);
     let deadline = ctx.ttft_deadline();
+    let sheds_at_deadline = deadline.filter(|_| priority == sluice_sdk::Priority::Sheddable);
+    if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) {
+        return Err(slo_unmeetable(pool, "had passed before an engine had room"));
+    }
     let Some(mut place) = control.join(
         sluice_sdk::WaitFor::Engine,
         priority,
@@ -285,8 +310,8 @@ async fn hold(session: &mut Session, ctx: &RequestCtx, pool: &Arc<Pool>) -> Resu
         return Ok(None);
     };
     let started = Instant::now();
-    let sheds_at_deadline = deadline.filter(|_| priority == sluice_sdk::Priority::Sheddable);
-    let mut until = started + fairness.max_hold;
+    let total_ends = Instant::from_std(ctx.started()) + pool.settings.timeouts.total;
+    let mut until = (started + fairness.max_hold).min(total_ends);
     if let Some(due) = sheds_at_deadline {
         until = until.min(Instant::from_std(due));
     }
@@ -296,16 +321,19 @@ async fn hold(session: &mut Session, ctx: &RequestCtx, pool: &Arc<Pool>) -> Resu
     let engines = Arc::clone(pool);
     let waited = sluice_sdk::client::while_connected(
         session,
-        place.wait_for_room(until, move || engines.backends_with_room()),
+        place.wait_for_room(until, move || engines.room()),
     )
     .await;
     let seconds = started.elapsed().as_secs_f64();
     let end = match &waited {
-        Ok(true) => HoldEnd::Sent,
-        Ok(false) if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) => {
+        Ok(Waited::LetIn) => HoldEnd::Sent,
+        Ok(Waited::NoBackend) => HoldEnd::NoBackend,
+        Ok(Waited::Deadline)
+            if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) =>
+        {
             HoldEnd::Deadline
         }
-        Ok(false) => HoldEnd::MaxHold,
+        Ok(Waited::Deadline) => HoldEnd::MaxHold,
         Err(_) => HoldEnd::ClientGone,
     };
     crate::metrics::held(&pool.name, end, seconds);
@@ -314,7 +342,7 @@ async fn hold(session: &mut Session, ctx: &RequestCtx, pool: &Arc<Pool>) -> Resu
             _place: place,
             bound: bound.is_some(),
         })),
-        HoldEnd::MaxHold => Ok(None),
+        HoldEnd::MaxHold | HoldEnd::NoBackend => Ok(None),
         HoldEnd::Deadline => Err(slo_unmeetable(pool, "passed while it waited for an engine")),
         HoldEnd::ClientGone => waited.map(|_| None),
     }
@@ -520,7 +548,7 @@ impl AttemptLoop {
             // the first attempt. The place is kept until the attempt starts.
             let mut held = if self.tried.is_empty() && !self.held {
                 self.held = true;
-                hold(session, ctx, &pool).await?
+                hold(session, ctx, &pool, self.pinned).await?
             } else {
                 None
             };

@@ -32,5 +32,6 @@ pub use health::{
 pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted, MAX_ENDPOINTS};
 pub use pool::{
     Admission, Balancing, Capabilities, ClientFields, Fairness, FlowControl, FlowId, Place, Pool,
-    PoolSettings, Pools, Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit, WaitFor,
+    PoolSettings, Pools, Pressure, Priority, Room, Selected, Timeouts, TokensPerSecond, Unfit,
+    WaitFor, Waited,
 };

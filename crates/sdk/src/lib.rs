@@ -74,7 +74,8 @@ pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, Balancing, Capabilities, ClientFields, Fairness, FlowControl, FlowId, Place, Pool,
-    PoolSettings, Pools, Pressure, Priority, Selected, Timeouts, TokensPerSecond, Unfit, WaitFor,
+    PoolSettings, Pools, Pressure, Priority, Room, Selected, Timeouts, TokensPerSecond, Unfit,
+    WaitFor, Waited,
 };
 pub use request::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};

@@ -225,17 +225,19 @@ impl State {
         }
     }
 
-    /// The first of the waiters for an engine that may go now: its backend is in `room`, or
-    /// it has none and `room` has some. A waiter whose session's backend queues does not hold
-    /// back the others while another backend has room.
-    fn first_with_room(&self, room: &[std::net::SocketAddr]) -> Option<u64> {
+    /// The first of the waiters for an engine that may go now: its backend is one with room,
+    /// or it has none (or its backend is no longer usable) and some backend has room. A waiter
+    /// whose session's backend queues does not hold back the others while another has room.
+    fn first_with_room(&self, room: &Room) -> Option<u64> {
         self.waiters
             .iter()
             .filter(|(_, w)| w.kind == WaitFor::Engine)
-            .filter(|(_, w)| match w.target {
-                Some(target) => room.contains(&target),
-                None => !room.is_empty(),
-            })
+            .filter(
+                |(_, w)| match w.target.filter(|t| room.usable.contains(t)) {
+                    Some(target) => room.open.contains(&target),
+                    None => !room.open.is_empty(),
+                },
+            )
             .map(|(seq, w)| self.key(*seq, w))
             .min()
             .map(|k| k.seq)
@@ -429,12 +431,19 @@ impl FlowControl {
     pub fn flows(&self) -> Vec<(Arc<str>, f64)> {
         let mut state = self.lock();
         let scale = self.scale(&mut state);
+        // A flow that waits counts however little it has had: a starved one must show.
+        let waiting: std::collections::HashSet<u64> = state
+            .waiters
+            .values()
+            .filter_map(|w| w.flow.map(|(_, leaf)| leaf))
+            .collect();
         let mut flows: Vec<(Arc<str>, f64)> = state
             .flows
-            .values()
-            .filter(|e| e.leaf)
-            .map(|e| (Arc::clone(&e.label), e.served / scale))
-            .filter(|(_, served)| *served >= 1.0)
+            .iter()
+            .filter(|(_, e)| e.leaf)
+            .map(|(key, e)| (key, Arc::clone(&e.label), e.served / scale))
+            .filter(|(key, _, served)| *served >= 1.0 || waiting.contains(key))
+            .map(|(_, label, served)| (label, served))
             .collect();
         flows.sort_by(|a, b| b.1.total_cmp(&a.1));
         flows
@@ -495,6 +504,27 @@ fn forget_least_served(state: &mut State) {
     }
 }
 
+/// The backends of a pool that may take a request now, and those of them that would not
+/// queue it (see [`Pool::room`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Room {
+    /// The backends that may take a request (ready, not ejected or cooling down).
+    pub usable: Vec<std::net::SocketAddr>,
+    /// Of those, the ones that would not queue it.
+    pub open: Vec<std::net::SocketAddr>,
+}
+
+/// How a wait for an engine's room ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// It is let in: go.
+    LetIn,
+    /// Its deadline came.
+    Deadline,
+    /// No backend of the pool is usable any more.
+    NoBackend,
+}
+
 /// A request's place in its pool's queue; dropping it leaves the queue and tells the next
 /// waiter that it may be first now.
 pub struct Place {
@@ -551,24 +581,25 @@ impl Place {
     }
 
     /// For a waiter for an engine: waits until it is the first of those that may go to a
-    /// backend in `room()` (the backends that would not queue it), true; or until
-    /// `deadline`, false. Kept either way, as [`Place::wait_for`].
-    pub async fn wait_for_room(
-        &mut self,
-        deadline: Instant,
-        room: impl Fn() -> Vec<std::net::SocketAddr>,
-    ) -> bool {
+    /// backend with room now (`room()`); until `deadline`; or until no backend is usable at
+    /// all (that is the waiting room's business, not an engine's queue). Kept either way, as
+    /// [`Place::wait_for`].
+    pub async fn wait_for_room(&mut self, deadline: Instant, room: impl Fn() -> Room) -> Waited {
         loop {
+            let room = room();
+            if room.usable.is_empty() {
+                return Waited::NoBackend;
+            }
+            // The queue is looked through only when some engine has room.
             let free = self.control.letting_in.load(Relaxed) == 0;
-            if free {
-                let room = room();
+            if free && !room.open.is_empty() {
                 let mine = self.control.lock().first_with_room(&room) == Some(self.seq);
                 if mine && self.claim() {
-                    return true;
+                    return Waited::LetIn;
                 }
             }
             if Instant::now() >= deadline {
-                return false;
+                return Waited::Deadline;
             }
             let every = if self.is_first() { POLL } else { POLL_BEHIND };
             let until = (Instant::now() + every).min(deadline);
@@ -640,21 +671,42 @@ impl Pool {
             })
     }
 
-    /// With fairness on, the usable backends that would not queue a request now (see
-    /// [`BackendLive::queues`](crate::BackendLive::queues)); empty with it off.
-    pub fn backends_with_room(&self) -> Vec<std::net::SocketAddr> {
-        let Some(fairness) = self.flow_control.fairness() else {
-            return Vec::new();
-        };
-        self.members()
+    /// Whether the backend at `addr` would take a request without queueing it (fairness on);
+    /// `None` when it is not a usable backend of the pool.
+    pub fn has_room(&self, addr: std::net::SocketAddr) -> Option<bool> {
+        let fairness = self.flow_control.fairness()?;
+        let members = self.members();
+        let member = members
             .iter()
-            .filter(|m| m.is_ready() && m.live.is_usable())
-            .filter(|m| {
-                !m.live
-                    .queues(fairness.hold_above_tokens, &self.settings.health)
-            })
-            .map(|m| m.spec.resolved)
-            .collect()
+            .find(|m| m.spec.resolved == addr && m.is_ready() && m.live.is_usable())?;
+        Some(
+            !member
+                .live
+                .queues(fairness.hold_above_tokens, &self.settings.health),
+        )
+    }
+
+    /// With fairness on, the usable backends, and those of them that would not queue a
+    /// request now (see [`BackendLive::queues`](crate::BackendLive::queues)); none with it
+    /// off.
+    pub fn room(&self) -> Room {
+        let Some(fairness) = self.flow_control.fairness() else {
+            return Room::default();
+        };
+        let mut room = Room::default();
+        for m in self.members().iter() {
+            if !(m.is_ready() && m.live.is_usable()) {
+                continue;
+            }
+            room.usable.push(m.spec.resolved);
+            if !m
+                .live
+                .queues(fairness.hold_above_tokens, &self.settings.health)
+            {
+                room.open.push(m.spec.resolved);
+            }
+        }
+        room
     }
 
     /// With fairness on, the usable backends that would queue a request while another has
@@ -995,14 +1047,33 @@ mod tests {
         let mut other_turn = engine(&other);
         let deadline = Instant::now() + Duration::from_secs(1);
         // Only b has room: the first (bound to a) waits, the next goes.
-        assert!(other_turn.wait_for_room(deadline, || vec![b]).await);
+        let only_b = || Room {
+            usable: vec![a, b],
+            open: vec![b],
+        };
+        assert_eq!(
+            other_turn.wait_for_room(deadline, only_b).await,
+            Waited::LetIn
+        );
         drop(other_turn);
         let waits = tokio::time::timeout(
             Duration::from_millis(100),
-            bound_turn.wait_for_room(deadline, || vec![b]),
+            bound_turn.wait_for_room(deadline, only_b),
         );
         assert!(waits.await.is_err(), "its own backend has no room");
-        assert!(bound_turn.wait_for_room(deadline, || vec![a, b]).await);
+        // Its backend gone from the pool: any with room will do.
+        let without_a = || Room {
+            usable: vec![b],
+            open: vec![b],
+        };
+        assert_eq!(
+            bound_turn.wait_for_room(deadline, without_a).await,
+            Waited::LetIn
+        );
+        drop(bound_turn);
+        let mut late = engine(&bound);
+        let none = || Room::default();
+        assert_eq!(late.wait_for_room(deadline, none).await, Waited::NoBackend);
     }
 
     #[tokio::test(start_paused = true)]

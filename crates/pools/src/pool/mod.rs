@@ -19,7 +19,7 @@ mod settings;
 mod waiting_room;
 
 pub use admission::{Admission, Pressure, Priority};
-pub use flow_control::{jain_index, Fairness, FlowControl, FlowId, Place, WaitFor};
+pub use flow_control::{jain_index, Fairness, FlowControl, FlowId, Place, Room, WaitFor, Waited};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
     Balancing, Capabilities, ClientFields, PoolSettings, SessionAffinity, SessionKey, SessionMode,
