@@ -52,6 +52,13 @@ fn turn(session: &str, i: usize, bytes: usize) -> Value {
            "prompt_cache_key": session})
 }
 
+/// Why Sluice refused an answer (`x-sluice-rejected`).
+fn rejected(a: &Answer) -> Option<&str> {
+    a.headers
+        .get("x-sluice-rejected")
+        .and_then(|v| v.to_str().ok())
+}
+
 /// Requests the proxy holds in the pool's queue now.
 async fn held(proxy: &Proxy) -> f64 {
     proxy
@@ -168,11 +175,7 @@ async fn a_sheddable_request_whose_objective_has_passed_while_held_is_refused() 
     )
     .await;
     assert_eq!(a.status, 503, "{}", a.body);
-    let reason = a
-        .headers
-        .get("x-sluice-rejected")
-        .and_then(|v| v.to_str().ok());
-    assert_eq!(reason, Some("ttft-slo-unmeetable"));
+    assert_eq!(rejected(&a), Some("ttft-slo-unmeetable"));
     // A standard one with the same objective is served: the objective orders, it does not shed.
     let b = ask_url(
         &url,
@@ -204,11 +207,7 @@ async fn a_sheddable_request_no_backend_can_serve_in_time_is_refused_at_once() {
     ];
     let a = proxy.ask(&turn("agent", 0, LONG_PROMPT_BYTES), &slo).await;
     assert_eq!(a.status, 503, "{}", a.body);
-    let reason = a
-        .headers
-        .get("x-sluice-rejected")
-        .and_then(|v| v.to_str().ok());
-    assert_eq!(reason, Some("ttft-slo-unmeetable"));
+    assert_eq!(rejected(&a), Some("ttft-slo-unmeetable"));
     assert!(a.body.contains("predicted"), "{}", a.body);
     let chats = engine
         .stats()

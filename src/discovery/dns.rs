@@ -140,17 +140,7 @@ pub async fn follow(pool: Arc<Pool>, source: DnsSource) {
                 report_recovery(&pool, "dns", &mut streak);
                 let wanted: Vec<Wanted> = ips
                     .into_iter()
-                    .map(|ip| {
-                        let resolved = SocketAddr::new(ip, source.port);
-                        Wanted {
-                            spec: BackendSpec {
-                                address: resolved.to_string(),
-                                resolved,
-                                weight: 1,
-                            },
-                            ready: true,
-                        }
-                    })
+                    .map(|ip| Wanted::discovered(SocketAddr::new(ip, source.port), true))
                     .collect();
                 apply(&pool, "dns", &wanted);
                 ttl.clamp(source.min_refresh, source.max_refresh)

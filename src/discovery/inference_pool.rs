@@ -23,7 +23,7 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
-use sluice_sdk::{BackendSpec, Pool, Wanted};
+use sluice_sdk::{Pool, Wanted};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -138,17 +138,7 @@ pub fn pod_backends(pod: &Pod, ports: &[u16]) -> Vec<Wanted> {
             .any(|c| c.type_ == "Ready" && c.status == "True");
     ports
         .iter()
-        .map(|port| {
-            let resolved = SocketAddr::new(ip, *port);
-            Wanted {
-                spec: BackendSpec {
-                    address: resolved.to_string(),
-                    resolved,
-                    weight: 1,
-                },
-                ready,
-            }
-        })
+        .map(|port| Wanted::discovered(SocketAddr::new(ip, *port), ready))
         .collect()
 }
 

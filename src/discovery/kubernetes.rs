@@ -21,7 +21,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
-use sluice_sdk::{BackendSpec, Pool, Wanted};
+use sluice_sdk::{Pool, Wanted};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -244,15 +244,7 @@ pub fn wanted(pool: &Pool, source: &KubernetesSource, slice: &EndpointSlice) -> 
             let Ok(ip) = address.parse::<IpAddr>() else {
                 continue; // An FQDN slice: not an address Sluice connects to per pod.
             };
-            let resolved = SocketAddr::new(ip, port);
-            out.push(Wanted {
-                spec: BackendSpec {
-                    address: resolved.to_string(),
-                    resolved,
-                    weight: 1,
-                },
-                ready,
-            });
+            out.push(Wanted::discovered(SocketAddr::new(ip, port), ready));
         }
     }
     out

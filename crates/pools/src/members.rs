@@ -131,6 +131,20 @@ pub struct Wanted {
     pub ready: bool,
 }
 
+impl Wanted {
+    /// A discovered backend at `resolved` (named by its address, of weight 1).
+    pub fn discovered(resolved: SocketAddr, ready: bool) -> Self {
+        Self {
+            spec: BackendSpec {
+                address: resolved.to_string(),
+                resolved,
+                weight: 1,
+            },
+            ready,
+        }
+    }
+}
+
 /// What an update changed, for its log line.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Change {

@@ -715,28 +715,14 @@ impl Pool {
     /// `round_robin`), so it goes where the room is. Empty when none or all queue, and for
     /// `ttft`, whose predicted wait counts the queue already.
     pub fn queueing_backends(&self) -> Vec<std::net::SocketAddr> {
-        let Some(fairness) = self.flow_control.fairness() else {
-            return Vec::new();
-        };
         if matches!(self.settings.balancing, super::Balancing::Ttft(_)) {
             return Vec::new();
         }
-        let members = self.members();
-        let mut usable = 0;
-        let queueing: Vec<std::net::SocketAddr> = members
-            .iter()
-            .filter(|m| m.is_ready() && m.live.is_usable())
-            .inspect(|_| usable += 1)
-            .filter(|m| {
-                m.live
-                    .queues(fairness.hold_above_tokens, &self.settings.health)
-            })
-            .map(|m| m.spec.resolved)
-            .collect();
-        if queueing.len() == usable {
+        let Room { usable, open } = self.room();
+        if open.is_empty() {
             return Vec::new();
         }
-        queueing
+        usable.into_iter().filter(|a| !open.contains(a)).collect()
     }
 
     /// Jain's fairness index over the pool's flows' service now; `None` without fairness or
