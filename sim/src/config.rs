@@ -170,9 +170,9 @@ pub struct SimConfig {
     /// `prefill.rs`. Takes precedence over `serial_prefill`.
     pub max_num_batched_tokens: Option<u32>,
     /// With chunked prefill, the most tokens one prompt takes in a step while others wait
-    /// (vLLM's `--long-prefill-token-threshold`); `Some(0)`: no cap, vLLM's default, so the
-    /// prompts ahead in the queue take whole steps and a short one waits for them. `None`: a
-    /// quarter of the step's budget, which lets a short prompt through beside a few long ones.
+    /// (vLLM's `--long-prefill-token-threshold`). `None` or `Some(0)`: no cap, vLLM's
+    /// default, so the prompts ahead in the queue take whole steps and a short one waits for
+    /// them; a quarter of the budget lets a short prompt through beside a few long ones.
     pub long_prefill_token_threshold: Option<u32>,
     /// KV cache events (`--kv-events-config`): a ZMQ publisher, announced on
     /// `GET /kv_event_sources`. Needs `prefix_caching`.

@@ -119,7 +119,7 @@ struct Args {
     #[arg(long)]
     max_num_batched_tokens: Option<u32>,
     /// With chunked prefill, the most tokens one prompt takes in a step while others wait;
-    /// 0: no cap (vLLM's default). Absent: a quarter of the step's budget.
+    /// absent or 0: no cap (vLLM's default).
     #[arg(long)]
     long_prefill_token_threshold: Option<u32>,
     /// `usage.prompt_tokens_details.cached_tokens` in answers.

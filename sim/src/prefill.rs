@@ -1,11 +1,14 @@
 //! Chunked prefill, as vLLM V1's scheduler runs it: the engine works in steps, each taking at
 //! most `max_num_batched_tokens` tokens, shared by the running decodes (one token each) and
 //! the prefills, which take chunks of what is left in arrival order. A long prompt takes
-//! several steps; a prompt that comes while it is prefilling gets the next step's remainder
-//! (and vLLM's `long_prefill_token_threshold`, a quarter of the budget here unless set, keeps
-//! one prompt from taking a whole step when others wait), so it no longer waits for the whole
-//! of a long prefill. Set to 0 (vLLM's default), there is no cap: the prompts ahead take whole
-//! steps in arrival order, and a short prompt waits for every one queued before it.
+//! several steps. By default (vLLM's: no `long_prefill_token_threshold`) the prompts ahead take
+//! whole steps in arrival order, and a short prompt waits for every one queued before it, then
+//! shares the step where the last of them ends. With a threshold set, one prompt takes at most
+//! that many tokens of a step while others wait, so a short prompt gets the next step's
+//! remainder and no longer waits for the whole of a long prefill.
+//!
+//! As in vLLM V1, a prompt is queued (`request_queue_time_seconds`) until a step first
+//! schedules a chunk of it, and prefills (`request_prefill_time_seconds`) from then on.
 //!
 //! A step lasts `inter_token` (a decode step) or, when it prefills more, the time its prefill
 //! tokens take at `prefill_per_token`, whichever is longer, scaled by the jitter and the fault
@@ -14,7 +17,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, Notify};
 
@@ -22,7 +25,9 @@ use crate::Shared;
 
 struct Job {
     remaining: u32,
-    done: oneshot::Sender<()>,
+    /// When a step first scheduled a chunk of it.
+    scheduled: Option<Instant>,
+    done: oneshot::Sender<Instant>,
 }
 
 pub struct PrefillQueue {
@@ -38,9 +43,8 @@ impl PrefillQueue {
     pub fn start(budget: u32, long_threshold: Option<u32>, shared: Weak<Shared>) -> Arc<Self> {
         let budget = budget.max(1);
         let long_threshold = match long_threshold {
-            Some(0) => budget,
+            None | Some(0) => budget,
             Some(tokens) => tokens,
-            None => (budget / 4).max(1),
         };
         let queue = Arc::new(PrefillQueue {
             budget,
@@ -58,19 +62,21 @@ impl PrefillQueue {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Prefills `tokens`: returns when the step that computes its last chunk ends. Dropping
-    /// the future leaves the queue at the next step.
-    pub async fn prefill(&self, tokens: u32) {
+    /// Prefills `tokens`: returns when the step that computes its last chunk ends, with
+    /// when a step first scheduled a chunk of it (`None` for no tokens, or a queue that
+    /// stopped). Dropping the future leaves the queue at the next step.
+    pub async fn prefill(&self, tokens: u32) -> Option<Instant> {
         if tokens == 0 {
-            return;
+            return None;
         }
         let (done, finished) = oneshot::channel();
         self.lock().push_back(Job {
             remaining: tokens,
+            scheduled: None,
             done,
         });
         self.arrived.notify_one();
-        let _ = finished.await;
+        finished.await.ok()
     }
 
     /// Plans one step: the tokens each waiting prefill computes in it, with `decoding`
@@ -91,6 +97,9 @@ impl PrefillQueue {
                 left
             };
             let take = job.remaining.min(left).min(cap);
+            if take > 0 {
+                job.scheduled.get_or_insert_with(Instant::now);
+            }
             job.remaining -= take;
             left -= take;
             planned += take;
@@ -104,7 +113,8 @@ impl PrefillQueue {
         let mut still = VecDeque::with_capacity(jobs.len());
         for job in jobs.drain(..) {
             if job.remaining == 0 {
-                let _ = job.done.send(());
+                let scheduled = job.scheduled.unwrap_or_else(Instant::now);
+                let _ = job.done.send(scheduled);
             } else {
                 still.push_back(job);
             }
@@ -159,10 +169,11 @@ mod tests {
         }
     }
 
-    fn push(queue: &PrefillQueue, tokens: u32) -> oneshot::Receiver<()> {
+    fn push(queue: &PrefillQueue, tokens: u32) -> oneshot::Receiver<Instant> {
         let (done, finished) = oneshot::channel();
         queue.lock().push_back(Job {
             remaining: tokens,
+            scheduled: None,
             done,
         });
         finished
@@ -210,6 +221,31 @@ mod tests {
         assert_eq!(q.plan_step(0), 3616 + 300);
         q.end_step();
         assert!(long.try_recv().is_ok() && short.try_recv().is_ok());
+    }
+
+    #[test]
+    fn a_prompt_is_queued_until_a_step_first_schedules_it() {
+        let q = PrefillQueue {
+            long_threshold: 8192,
+            ..queue(8192)
+        };
+        let mut long = push(&q, 10_000);
+        let mut short = push(&q, 300);
+        q.plan_step(0);
+        q.end_step();
+        let after_first_step = Instant::now();
+        q.plan_step(0);
+        q.end_step();
+        let long_scheduled = long.try_recv().unwrap();
+        let short_scheduled = short.try_recv().unwrap();
+        assert!(
+            long_scheduled < after_first_step,
+            "the long one from the first step"
+        );
+        assert!(
+            short_scheduled >= after_first_step,
+            "the short one queued through the first step"
+        );
     }
 
     #[test]

@@ -183,8 +183,9 @@ async fn prefix_caching_serves_a_conversations_history_and_publishes_its_blocks(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_short_prompt_is_not_held_behind_a_long_prefill() {
-    // 512 tokens a step at 0.5 ms a token: the long prompt takes several steps.
+async fn with_a_long_prefill_threshold_a_short_prompt_is_not_held_behind_a_long_prefill() {
+    // 512 tokens a step at 0.5 ms a token: the long prompt takes several steps, at most 128
+    // tokens of each while another prompt waits.
     let latency = Latency::new(
         Duration::ZERO,
         Duration::from_micros(500),
@@ -193,7 +194,8 @@ async fn a_short_prompt_is_not_held_behind_a_long_prefill() {
     let config = SimConfig::default()
         .with_latency(latency)
         .with_answer_tokens(2, 2)
-        .v1_engine(512);
+        .v1_engine(512)
+        .with_long_prefill_token_threshold(128);
     let sim = sim(config).await;
     let long = streaming(chat_body(&"many words of a long document ".repeat(400)));
     let short = streaming(chat_body("hi"));

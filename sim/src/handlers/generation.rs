@@ -20,6 +20,9 @@ pub struct Generation {
     started: Instant,
     /// When the request got its place in the batch (it waited in the queue until then).
     admitted: Option<Instant>,
+    /// When a chunked-prefill step first scheduled its prompt: until then it was queued, as
+    /// vLLM V1 counts it.
+    scheduled: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     generated: u64,
@@ -52,6 +55,7 @@ impl Generation {
             shared,
             started,
             admitted: None,
+            scheduled: None,
             first_token: None,
             last_token: None,
             generated: 0,
@@ -121,7 +125,7 @@ impl Generation {
             sleep(self.delay(load_time)).await;
         }
         let Some(cache) = shared.prefix_cache.as_ref() else {
-            self.prefill(answer.prompt_tokens()).await;
+            self.scheduled = self.prefill(answer.prompt_tokens()).await;
             return;
         };
         let ids = &answer.request.prompt_ids;
@@ -136,7 +140,8 @@ impl Generation {
             .metrics
             .cached_tokens
             .fetch_add(u64::from(lookup.cached_tokens), Ordering::Relaxed);
-        self.prefill(answer.prompt_tokens().saturating_sub(lookup.cached_tokens))
+        self.scheduled = self
+            .prefill(answer.prompt_tokens().saturating_sub(lookup.cached_tokens))
             .await;
         let engine = shared.engine.snapshot();
         let free = engine
@@ -148,18 +153,18 @@ impl Generation {
 
     /// Prefills `tokens`: waits out [`Generation::prefill_delay`], in chunked prefill's steps
     /// when the instance has them, or after the prefills ahead of it when it prefills one
-    /// request at a time.
-    pub async fn prefill(&self, tokens: u32) {
+    /// request at a time. Returns when a chunked-prefill step first scheduled it (`None`
+    /// without chunked prefill).
+    pub async fn prefill(&self, tokens: u32) -> Option<Instant> {
         if let Some(queue) = &self.shared.prefill_queue {
             if !self.zero_latency {
                 sleep(self.delay(self.shared.config.latency.overhead)).await;
             }
-            queue.prefill(tokens).await;
-            return;
+            return queue.prefill(tokens).await;
         }
         let delay = self.prefill_delay(tokens);
         if delay.is_zero() {
-            return;
+            return None;
         }
         let _turn = if self.shared.config.serial_prefill {
             Some(self.shared.prefill_turn.lock().await)
@@ -167,6 +172,7 @@ impl Generation {
             None
         };
         tokio::time::sleep(delay).await;
+        None
     }
 
     pub fn inter_token_delay(&self) -> Duration {
@@ -205,7 +211,7 @@ impl Generation {
     pub fn finish(&mut self, how: Finish) {
         let now = Instant::now();
         let started = self.started;
-        let admitted = self.admitted.unwrap_or(started);
+        let admitted = self.scheduled.or(self.admitted).unwrap_or(started);
         let first_token = self.first_token.unwrap_or(now);
         let seconds = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
         let decode = seconds(first_token, now);
