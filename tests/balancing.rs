@@ -237,6 +237,49 @@ async fn prefix_cache_hits_do_not_inflate_the_prefill_speed() {
     );
 }
 
+/// A pool that never asks its engines what they computed (`kv_aware`) learns their prefill
+/// speed from the engines' own prefill histograms (vLLM V1), read at each scrape.
+#[tokio::test]
+async fn the_engines_prefill_histograms_teach_a_pool_its_speed() {
+    // vLLM V1's engine at 25 µs a token: 40,000 tokens a second, 4× the default seed.
+    let sim = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_answer_tokens(4, 4)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::from_micros(25),
+                Duration::ZERO,
+            ))
+            .v1_engine(8192),
+    )
+    .await
+    .expect("sim");
+    let proxy = proxy(&[sim.addr()], json!({"strategy": "kv_aware"})).await;
+    // Distinct prompts, one at a time, until the speed learned is near the engine's (each
+    // scrape that saw some finish moves it a fifth of the way).
+    let speed = |status: &Value| status["prefill_tokens_per_second"].as_f64().expect("speed");
+    let mut taught = false;
+    for i in 0..60 {
+        let a = proxy
+            .ask(&prompt(&format!("prompt {i} "), 4_000, false), &[])
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        if speed(&proxy.backend_status("main", sim.addr()).await) >= 32_000.0 {
+            taught = true;
+            break;
+        }
+    }
+    let status = proxy.backend_status("main", sim.addr()).await;
+    assert!(taught, "never learned 40,000 tokens/s: {status}");
+    assert!(speed(&status) <= 50_000.0, "{status}");
+    assert_eq!(status["prefill_speed_samples"], 0, "no first token taught");
+    assert!(
+        status["engine_prefill_samples"].as_u64().unwrap_or(0) >= 1,
+        "{status}"
+    );
+}
+
 /// Where three short prompts go while one backend prefills a long one, under `balancing`:
 /// the requests the busy backend got, and the other's.
 async fn shorts_beside_a_long_prefill(balancing: Value) -> (u64, u64) {

@@ -184,9 +184,15 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
                 "decode_tokens": own.decode_tokens,
                 "prefill_tokens_per_second": live.prefill_speed(),
                 "prefill_speed_samples": live.speed_samples(),
+                "engine_prefill_samples": live.engine_speed_samples(),
                 "base_ttft_seconds": live.base_ttft(),
                 "predicted_ttft_seconds": pool.reference_ttft(live),
                 "predicted_queue_seconds": pool.predicted_queue(live),
+                "engine_queue_seconds": load.as_ref().and_then(|l| l.engine).map(|e| e.queue_seconds),
+                "engine_prefill_tokens_per_second": load
+                    .as_ref()
+                    .and_then(|l| l.engine)
+                    .and_then(|e| e.prefill_speed()),
                 "wait_scale": live.wait_scale(),
                 "wait_scale_samples": live.wait_samples(),
                 "prefix_index": pool.prefix().map(|routing| json!({

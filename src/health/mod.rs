@@ -111,6 +111,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 endpoint: endpoint.clone(),
                 connector: Arc::clone(&connector),
                 spec: None,
+                phases: None,
                 page: PageState::Clean,
                 models_due: 0,
             };
@@ -185,6 +186,8 @@ struct Checker {
     peer: HttpPeer,
     /// The spec-decode counters of the previous scrape, for the acceptance rate.
     spec: Option<vllm::SpecCounters>,
+    /// The engine's phase histograms at the scrape the last interval was measured from.
+    phases: Option<vllm::PhaseCounters>,
     /// How the last `/metrics` page read: a change is logged once, not every scrape.
     page: PageState,
     /// Checks until `/v1/models` is asked again; 0: now.
@@ -412,6 +415,21 @@ impl Checker {
             _ => None,
         };
         self.spec = m.spec;
+        let engine = match (self.phases, m.phases) {
+            (Some(previous), Some(current)) => vllm::phase_rates(previous, current),
+            _ => None,
+        };
+        // An interval in which nothing finished is folded into the next one; a restart
+        // (counters gone backwards) starts over.
+        let folded = match (self.phases, m.phases) {
+            (Some(previous), Some(current)) => {
+                engine.is_none() && current.prefilled >= previous.prefilled
+            }
+            _ => false,
+        };
+        if !folded {
+            self.phases = m.phases;
+        }
         let load = Load {
             kv_usage: m.kv_usage,
             running: m.running.unwrap_or(0.0),
@@ -423,6 +441,7 @@ impl Checker {
             spec_acceptance,
             lora: m.lora,
             computed_prompt_tokens: m.computed_prompt_tokens,
+            engine,
             scraped_at: Instant::now(),
         };
         Ok(Read {

@@ -1,5 +1,6 @@
 //! What Sluice reads from a vLLM `/metrics` page: KV-cache usage, queue lengths, the size of
-//! the KV cache, the speculative-decoding counters and the LoRA adapters in use.
+//! the KV cache, the speculative-decoding counters, the LoRA adapters in use, and the engine's
+//! own account of where its requests' time went (its queue and prefill histograms).
 //!
 //! Both engine generations are read: V1 names its usage gauge `vllm:kv_cache_usage_perc` and
 //! labels every series with `model_name` and `engine`; V0 names it `vllm:gpu_cache_usage_perc`
@@ -11,7 +12,7 @@
 //! which the caller takes as "no data".
 
 use super::exposition::Sample;
-use sluice_sdk::health::LoraSlots;
+use sluice_sdk::health::{EnginePhases, LoraSlots};
 
 const KV_USAGE_V1: &str = "vllm:kv_cache_usage_perc";
 const KV_USAGE_V0: &str = "vllm:gpu_cache_usage_perc";
@@ -27,6 +28,15 @@ const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
 const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
 const SPEC_ACCEPTED: &str = "vllm:spec_decode_num_accepted_tokens_total";
 const SPEC_DRAFT: &str = "vllm:spec_decode_num_draft_tokens_total";
+/// vLLM V1's per-request phase histograms, read as their sums and counts: the time from a
+/// request's arrival at the engine to the step that first schedules it (its queue), from
+/// then to its first token (its prefill, shared with the steps' other work as the engine
+/// shares it), and the prompt tokens it computed there (its prefix cache's hits left out).
+const QUEUE_SECONDS: &str = "vllm:request_queue_time_seconds_sum";
+const QUEUED: &str = "vllm:request_queue_time_seconds_count";
+const PREFILL_SECONDS: &str = "vllm:request_prefill_time_seconds_sum";
+const PREFILLED: &str = "vllm:request_prefill_time_seconds_count";
+const PREFILL_COMPUTED: &str = "vllm:request_prefill_kv_computed_tokens_sum";
 const ENGINE_LABEL: &str = "engine";
 /// With `--enable-lora`: a gauge whose labels are `max_lora` and the adapters with requests
 /// in the engine (comma-joined), its value the time the label set was last set. Every label
@@ -45,6 +55,17 @@ pub enum Generation {
 pub struct SpecCounters {
     pub accepted_tokens: f64,
     pub draft_tokens: f64,
+}
+
+/// The engine's phase histograms since it started, summed over engines (see
+/// [`phase_rates`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseCounters {
+    pub queue_seconds: f64,
+    pub queued: f64,
+    pub prefill_seconds: f64,
+    pub prefilled: f64,
+    pub computed_tokens: f64,
 }
 
 /// One scrape, read. Each field is `None` when the page does not have it.
@@ -70,6 +91,8 @@ pub struct VllmMetrics {
     /// Present only when the server serves LoRA adapters (and has run a step since it
     /// started: vLLM sets the gauge at each step).
     pub lora: Option<LoraSlots>,
+    /// Present when the page has every phase histogram (vLLM V1).
+    pub phases: Option<PhaseCounters>,
 }
 
 impl VllmMetrics {
@@ -99,6 +122,11 @@ pub fn wanted(name: &str) -> bool {
             | PREFIX_QUERIES
             | PREFIX_HITS
             | LORA_INFO
+            | QUEUE_SECONDS
+            | QUEUED
+            | PREFILL_SECONDS
+            | PREFILLED
+            | PREFILL_COMPUTED
     )
 }
 
@@ -115,6 +143,7 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
     let mut block_size = None;
     let mut engine_blocks: Vec<(Option<&str>, u32)> = Vec::new();
     let mut lora: Option<&Sample<'_>> = None;
+    let mut phases = [None; 5];
 
     for sample in samples {
         match sample.name {
@@ -126,6 +155,11 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
             SPEC_DRAFT => add(&mut drafted, sample.value),
             PREFIX_QUERIES => add(&mut queried, sample.value),
             PREFIX_HITS => add(&mut hits, sample.value),
+            QUEUE_SECONDS => add(&mut phases[0], sample.value),
+            QUEUED => add(&mut phases[1], sample.value),
+            PREFILL_SECONDS => add(&mut phases[2], sample.value),
+            PREFILLED => add(&mut phases[3], sample.value),
+            PREFILL_COMPUTED => add(&mut phases[4], sample.value),
             LORA_INFO
                 if !sample.value.is_nan()
                     && lora.is_none_or(|newest| sample.value > newest.value) =>
@@ -180,6 +214,18 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
         spec,
         computed_prompt_tokens: queried.map(|q| (q - hits.unwrap_or(0.0)).max(0.0)),
         lora: lora.map(lora_slots),
+        phases: match phases {
+            [Some(queue_seconds), Some(queued), Some(prefill_seconds), Some(prefilled), Some(computed_tokens)] => {
+                Some(PhaseCounters {
+                    queue_seconds,
+                    queued,
+                    prefill_seconds,
+                    prefilled,
+                    computed_tokens,
+                })
+            }
+            _ => None,
+        },
     }
 }
 
@@ -212,6 +258,29 @@ pub fn acceptance_rate(previous: SpecCounters, current: SpecCounters) -> Option<
     } else {
         None
     }
+}
+
+/// What the engine's phase histograms say of the requests that finished between two scrapes:
+/// their mean queue time and the speed of their prefill. `None` when none finished in
+/// between or a counter went backwards (a restart).
+pub fn phase_rates(previous: PhaseCounters, current: PhaseCounters) -> Option<EnginePhases> {
+    let queued = current.queued - previous.queued;
+    let prefilled = current.prefilled - previous.prefilled;
+    let queue_seconds = current.queue_seconds - previous.queue_seconds;
+    let prefill_seconds = current.prefill_seconds - previous.prefill_seconds;
+    let computed_tokens = current.computed_tokens - previous.computed_tokens;
+    // Comparisons with NaN are false, so a NaN counter gives None as well.
+    let moved_on = queued >= 1.0
+        && prefilled >= 1.0
+        && queue_seconds >= 0.0
+        && prefill_seconds >= 0.0
+        && computed_tokens >= 0.0;
+    moved_on.then(|| EnginePhases {
+        requests: prefilled,
+        queue_seconds: queue_seconds / queued,
+        prefill_seconds,
+        computed_tokens,
+    })
 }
 
 /// The KV-usage gauge's series of one generation, one per engine.
@@ -320,6 +389,8 @@ mod tests {
                     max_loras: 1,
                     active: vec!["sql-lora".into()],
                 }),
+                // This capture has no phase histograms.
+                phases: None,
             }
         );
         // (1 - 0.2346) × 27526 = 21068.4 free blocks of 16 tokens.
@@ -344,6 +415,7 @@ mod tests {
                 }),
                 computed_prompt_tokens: None,
                 lora: None,
+                phases: None,
             }
         );
         // (1 - 0.8712) × 9271 = 1194.1 free blocks of 16 tokens.
@@ -500,6 +572,37 @@ vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_cpu_blocks=\"None\",nu
             accepted_tokens,
             draft_tokens,
         }
+    }
+
+    #[test]
+    fn a_real_vllm_0_32_page_gives_its_phase_histograms_and_their_interval() {
+        /// The exposition of a captured `/metrics` answer (after its blank line).
+        fn page(capture: &str) -> VllmMetrics {
+            let body = capture
+                .split_once("\r\n\r\n")
+                .or_else(|| capture.split_once("\n\n"));
+            read_text(body.map_or(capture, |(_, body)| body))
+        }
+        let idle = page(include_str!(
+            "../../tests/fixtures/vllm-0.32/metrics-idle.http"
+        ));
+        let after = page(include_str!(
+            "../../tests/fixtures/vllm-0.32/metrics-after.http"
+        ));
+        assert_eq!(idle.phases, Some(PhaseCounters::default()));
+        let counters = after.phases.unwrap();
+        assert_eq!((counters.queued, counters.prefilled), (31.0, 31.0));
+        assert_eq!(counters.computed_tokens, 650.0);
+        let phases = phase_rates(idle.phases.unwrap(), counters).unwrap();
+        assert_eq!(phases.requests, 31.0);
+        assert!((phases.queue_seconds - 0.005_051_365 / 31.0).abs() < 1e-9);
+        assert!((phases.prefill_seconds - 15.988_733_922).abs() < 1e-6);
+        // 21 computed tokens a request, in half a second each (a CPU engine's tiny prompts):
+        // too few to tell a speed from the step they took.
+        assert_eq!(phases.prefill_speed(), None);
+        // Nothing finished in between, or a restart: no interval.
+        assert_eq!(phase_rates(counters, counters), None);
+        assert_eq!(phase_rates(counters, PhaseCounters::default()), None);
     }
 
     #[test]

@@ -34,8 +34,36 @@ pub struct Load {
     /// Prompt tokens the backend computed since it started (`vllm:prefix_cache_queries`
     /// less `hits`), when it says.
     pub computed_prompt_tokens: Option<f64>,
+    /// What the engine's own histograms say of the requests it finished since the previous
+    /// scrape, when it has them (vLLM V1) and some finished.
+    pub engine: Option<EnginePhases>,
     /// When the scrape was read; once older than the pool's `stale_after`, it is stale.
     pub scraped_at: Instant,
+}
+
+/// The requests an engine finished between two scrapes, as its own phase histograms
+/// (`vllm:request_queue_time_seconds`, `request_prefill_time_seconds`,
+/// `request_prefill_kv_computed_tokens`) account for them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EnginePhases {
+    /// How many finished.
+    pub requests: f64,
+    /// Their mean time in the engine's queue, before a step first scheduled them.
+    pub queue_seconds: f64,
+    /// Their time prefilling, from that step to the first token, summed.
+    pub prefill_seconds: f64,
+    /// The prompt tokens they computed (not served by the prefix cache), summed.
+    pub computed_tokens: f64,
+}
+
+impl EnginePhases {
+    /// The prefill speed the engine measured (tokens per second), when its prompts were
+    /// large enough to tell (a fully cached prompt's one step says nothing of the speed).
+    pub fn prefill_speed(&self) -> Option<f64> {
+        let mean_tokens = self.computed_tokens / self.requests.max(1.0);
+        (mean_tokens >= MIN_LEARNING_TOKENS as f64 && self.prefill_seconds > 0.0)
+            .then(|| self.computed_tokens / self.prefill_seconds)
+    }
 }
 
 /// What a LoRA-serving backend's `vllm:lora_requests_info` last said.
@@ -284,6 +312,8 @@ pub struct BackendLive {
     prefill_speed: AtomicU64,
     /// TTFTs the speed was learned from.
     speed_samples: AtomicU64,
+    /// Scrape intervals the engine's own prefill histograms taught the speed from.
+    engine_speed_samples: AtomicU64,
     /// The fixed part of a time to first token, whatever the prompt (seconds, `f64` bits;
     /// 0: none learned): the engine's overhead per request and at least one scheduler step.
     base_ttft: AtomicU64,
@@ -384,8 +414,12 @@ impl BackendLive {
         self.answered_since_scrape.store(0, Relaxed);
     }
 
-    /// Publishes a scrape; what was sent before it is now in its numbers.
+    /// Publishes a scrape; what was sent before it is now in its numbers. The engine's own
+    /// measure of its prefill speed, when the scrape has one, is learned.
     pub fn publish_load(&self, load: Load) {
+        if let Some(engine) = &load.engine {
+            self.learn_engine_prefill(engine);
+        }
         self.load.store(Some(Arc::new(load)));
         self.sent_since_scrape.store(0, Relaxed);
         self.tokens_since_scrape.store(0, Relaxed);
@@ -619,6 +653,32 @@ impl BackendLive {
         if learned {
             self.speed_samples.fetch_add(1, Relaxed);
         }
+    }
+
+    /// Learns the prefill speed from what the engine measured of the requests it finished
+    /// since the last scrape: every request's, other proxies' included, with the tokens it
+    /// really computed, and none of the fixed part or the queue that a first token seen
+    /// here carries. It weighs as one full-size first token, so a pool whose answers never
+    /// say what they computed (`kv_aware`, `round_robin`) learns its speed too.
+    fn learn_engine_prefill(&self, engine: &EnginePhases) {
+        let Some(observed) = engine.prefill_speed() else {
+            return;
+        };
+        let weight = SPEED_EWMA * (engine.computed_tokens / 1024.0).min(1.0);
+        let learned = self
+            .prefill_speed
+            .fetch_update(Relaxed, Relaxed, |bits| {
+                Some(next_speed(f64::from_bits(bits), observed, weight).to_bits())
+            })
+            .is_ok();
+        if learned {
+            self.engine_speed_samples.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// How many scrape intervals the engine's histograms taught the speed from.
+    pub fn engine_speed_samples(&self) -> u64 {
+        self.engine_speed_samples.load(Relaxed)
     }
 
     /// Whether a request sent here now would queue inside the engine: this proxy's prefill
@@ -1211,6 +1271,7 @@ mod tests {
             spec_acceptance: None,
             lora: None,
             computed_prompt_tokens: None,
+            engine: None,
             scraped_at: Instant::now(),
         }
     }
@@ -1494,6 +1555,38 @@ mod tests {
         assert_eq!(b.speed_samples(), 1);
         b.learn_prefill(10, 0.0001); // Too small to say anything.
         assert_eq!(b.speed_samples(), 1);
+    }
+
+    #[test]
+    fn the_engines_own_prefill_histograms_teach_the_speed() {
+        let b = BackendLive::default();
+        b.seed_prefill_speed(10_000.0);
+        let scrape = |engine| Load {
+            engine: Some(engine),
+            ..load(0.1, None)
+        };
+        // 20 requests of 2,000 computed tokens each, 1 s of prefill in all: 40,000 tokens/s.
+        let interval = EnginePhases {
+            requests: 20.0,
+            queue_seconds: 0.01,
+            prefill_seconds: 1.0,
+            computed_tokens: 40_000.0,
+        };
+        for _ in 0..30 {
+            b.publish_load(scrape(interval));
+        }
+        assert!(
+            (b.prefill_speed() - 40_000.0).abs() < 1_000.0,
+            "{}",
+            b.prefill_speed()
+        );
+        assert_eq!((b.engine_speed_samples(), b.speed_samples()), (30, 0));
+        // Fully cached prompts (a few tokens computed each, one step each) teach nothing.
+        b.publish_load(scrape(EnginePhases {
+            computed_tokens: 200.0,
+            ..interval
+        }));
+        assert_eq!(b.engine_speed_samples(), 30);
     }
 
     #[test]

@@ -490,6 +490,7 @@ mod tests {
             spec_acceptance: None,
             lora: None,
             computed_prompt_tokens: None,
+            engine: None,
             scraped_at: Instant::now(),
         });
         assert_eq!(endpoint.warming_cap(), None);

@@ -590,6 +590,7 @@ mod tests {
             spec_acceptance: None,
             lora: None,
             computed_prompt_tokens: None,
+            engine: None,
             scraped_at: std::time::Instant::now(),
         });
     }
@@ -615,6 +616,7 @@ mod tests {
                 spec_acceptance: None,
                 lora: None,
                 computed_prompt_tokens: None,
+                engine: None,
                 scraped_at: std::time::Instant::now() - pool.settings.health.stale_after * 2,
             });
             assert_eq!(pool.sheds(Priority::Critical), shed, "{stale_as:?}");

@@ -34,6 +34,7 @@ fn load(kv: f64, waiting: f64) -> Load {
         spec_acceptance: None,
         lora: None,
         computed_prompt_tokens: None,
+        engine: None,
         scraped_at: std::time::Instant::now(),
     }
 }
