@@ -177,6 +177,9 @@ pub struct SimConfig {
     /// KV cache events (`--kv-events-config`): a ZMQ publisher, announced on
     /// `GET /kv_event_sources`. Needs `prefix_caching`.
     pub kv_events: Option<KvEventsConfig>,
+    /// Disaggregated prefill on vLLM's `NixlConnector` wire (`--kv-transfer-config`): see
+    /// `kv_transfer.rs`.
+    pub kv_transfer: Option<crate::KvTransferConfig>,
     /// What `GET /kv_event_sources` answers instead of the publisher's config: a lying or
     /// broken backend, for the tests of what a backend can make a proxy connect to.
     pub kv_event_sources: Option<serde_json::Value>,
@@ -291,6 +294,7 @@ impl SimConfig {
             max_num_batched_tokens: None,
             long_prefill_token_threshold: None,
             kv_events: None,
+            kv_transfer: None,
             kv_event_sources: None,
             prompt_tokens_details: false,
             lora: None,
@@ -442,6 +446,12 @@ impl SimConfig {
         self
     }
     /// Publish KV cache events (turns prefix caching on).
+    /// Serve both legs of disaggregated prefill (see [`SimConfig::kv_transfer`]).
+    pub fn with_kv_transfer(mut self, transfer: crate::KvTransferConfig) -> Self {
+        self.kv_transfer = Some(transfer);
+        self
+    }
+
     pub fn with_kv_events(mut self, events: KvEventsConfig) -> Self {
         self.prefix_caching = true;
         self.kv_events = Some(events);

@@ -53,6 +53,10 @@ pub async fn serve(
             to_json(&KvJson::of(shared))
         }
         (&Method::GET, "stats") => to_json(&StatsJson::new(&shared.stats())),
+        (&Method::GET, "kv_transfer") => match &shared.kv_transfer {
+            Some(transfer) => to_json(&transfer.json()),
+            None => server::not_found(),
+        },
         _ => server::not_found(),
     }
 }

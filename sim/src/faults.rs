@@ -35,6 +35,9 @@ pub struct Faults {
     /// `/metrics` answers this text (200, `text/plain`) instead of the engine's page: a broken
     /// or foreign exporter, while completions and `/health` work as usual.
     pub metrics_page: Option<String>,
+    /// Share (0..1) of prefill legs (`kv_transfer_params.do_remote_decode`) answered with
+    /// transfer parameters for blocks that were not kept: the decode side's read fails.
+    pub kv_transfer_lost: f64,
 }
 
 impl Default for Faults {
@@ -51,6 +54,7 @@ impl Default for Faults {
             engine_dead: false,
             slowdown: 1.0,
             metrics_page: None,
+            kv_transfer_lost: 0.0,
         }
     }
 }

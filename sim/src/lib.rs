@@ -41,6 +41,7 @@ mod engine;
 mod faults;
 mod handlers;
 mod kv_events;
+mod kv_transfer;
 mod lora;
 mod metrics;
 mod openai;
@@ -64,6 +65,7 @@ pub use config::{
 };
 pub use engine::EngineSnapshot;
 pub use faults::Faults;
+pub use kv_transfer::{KvTransferConfig, KvTransferJson, LoadFailurePolicy};
 pub use stats::{RecordedRequest, Stats};
 pub use text::{CONFIDENT_LOGPROB, LOW_CONFIDENCE_LOGPROB};
 
@@ -102,6 +104,8 @@ pub(crate) struct Shared {
     kv_events: Option<kv_events::Endpoints>,
     /// The LoRA adapters, with `--enable-lora`.
     lora: Option<lora::Adapters>,
+    /// Disaggregated prefill's leases and side channel, with `--kv-transfer-config`.
+    kv_transfer: Option<Arc<kv_transfer::KvTransfer>>,
     /// The Responses API's responses, with `responses_store`.
     responses: Option<handlers::responses_api::Store>,
 }
@@ -262,6 +266,10 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
         }
         _ => (None, None),
     };
+    let kv_transfer = match &config.kv_transfer {
+        Some(transfer) => Some(kv_transfer::KvTransfer::start(transfer.clone(), addr.ip()).await?),
+        None => None,
+    };
     let prefix_cache = config
         .prefix_caching
         .then(|| prefix_cache::PrefixCache::new(config.block_size, event_sink));
@@ -281,6 +289,7 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
             config.lora.as_ref().map_or(0, |l| l.max_loras),
         ),
         lora: config.lora.as_ref().map(lora::Adapters::new),
+        kv_transfer,
         responses: config
             .responses_store
             .then(handlers::responses_api::Store::default),
@@ -311,6 +320,11 @@ pub async fn start(config: SimConfig) -> std::io::Result<Sim> {
 }
 
 impl Sim {
+    /// The disaggregated prefill's counts (`GET /sim/kv_transfer`), with `kv_transfer` set.
+    pub fn kv_transfer(&self) -> Option<KvTransferJson> {
+        self.shared.kv_transfer.as_ref().map(|t| t.json())
+    }
+
     /// The bound address (the real port when the config asked for port 0).
     pub fn addr(&self) -> SocketAddr {
         self.shared.addr

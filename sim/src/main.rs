@@ -130,6 +130,11 @@ struct Args {
     /// "buffer_steps": 10000}` (the host part is this instance's).
     #[arg(long)]
     kv_events_config: Option<String>,
+    /// vLLM's `--kv-transfer-config` JSON, `NixlConnector` only: `{"kv_connector":
+    /// "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+    /// "kv_connector_extra_config": {"kv_lease_duration": 30, "transfer_us_per_token": 1}}`.
+    #[arg(long)]
+    kv_transfer_config: Option<String>,
     /// Serve LoRA adapters.
     #[arg(long)]
     enable_lora: bool,
@@ -256,6 +261,9 @@ fn config(args: &Args) -> Result<SimConfig, String> {
         if config.kv_events.is_some() {
             config.prefix_caching = true;
         }
+    }
+    if let Some(json) = &args.kv_transfer_config {
+        config.kv_transfer = Some(vllm_sim::KvTransferConfig::from_vllm_json(json)?);
     }
     config.lora = lora(args)?;
     config.responses_store = args.responses_store;

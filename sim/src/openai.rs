@@ -175,6 +175,8 @@ pub struct CompletionRequest {
     pub prompt_ids: Vec<u32>,
     /// The LoRA adapter the request's `model` names; set after parsing.
     pub lora: Option<crate::lora::Adapter>,
+    /// What its `kv_transfer_params` ask (disaggregated prefill).
+    pub kv_transfer: Option<crate::kv_transfer::TransferAsk>,
 }
 
 /// What the answer's text and the KV model need of the prompt.
@@ -280,6 +282,7 @@ pub fn parse(
             .map(str::to_string),
         prompt_ids: Vec::new(),
         lora: None,
+        kv_transfer: crate::kv_transfer::TransferAsk::parse(fields.get("kv_transfer_params")),
     })
 }
 

@@ -12,14 +12,17 @@
 //!
 //! A step lasts `inter_token` (a decode step) or, when it prefills more, the time its prefill
 //! tokens take at `prefill_per_token`, whichever is longer, scaled by the jitter and the fault
-//! slowdown. Decodes keep their own per-request pace (see `handlers::generation`); only the
-//! prefill is shared.
+//! slowdown. While prompts prefill, a decoding sequence's next token comes with the end of the
+//! step in progress, as in vLLM, where every step runs the decodes and the prefill chunks
+//! together: a long prefill stretches every running sequence's inter-token latency (which
+//! disaggregated prefill exists to avoid). With nothing prefilling, decodes keep their own
+//! per-request pace (see `handlers::generation`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, watch, Notify};
 
 use crate::Shared;
 
@@ -36,6 +39,8 @@ pub struct PrefillQueue {
     long_threshold: u32,
     jobs: Mutex<VecDeque<Job>>,
     arrived: Notify,
+    /// Counts the steps ended: decodes wait for the one in progress.
+    steps: watch::Sender<u64>,
 }
 
 impl PrefillQueue {
@@ -51,6 +56,7 @@ impl PrefillQueue {
             long_threshold,
             jobs: Mutex::new(VecDeque::new()),
             arrived: Notify::new(),
+            steps: watch::channel(0).0,
         });
         tokio::spawn(run(Arc::clone(&queue), shared));
         queue
@@ -77,6 +83,21 @@ impl PrefillQueue {
         });
         self.arrived.notify_one();
         finished.await.ok()
+    }
+
+    /// A decoding sequence's next token, `own` after its last one when nothing prefills;
+    /// while prompts prefill, at the end of the step in progress (which lasts as long as its
+    /// prefill chunk, and at least a decode step).
+    pub async fn decode_step(&self, own: Duration) {
+        let mut steps = self.steps.subscribe();
+        steps.borrow_and_update();
+        if self.lock().is_empty() {
+            if !own.is_zero() {
+                tokio::time::sleep(own).await;
+            }
+            return;
+        }
+        let _ = steps.changed().await;
     }
 
     /// Plans one step: the tokens each waiting prefill computes in it, with `decoding`
@@ -120,6 +141,8 @@ impl PrefillQueue {
             }
         }
         *jobs = still;
+        drop(jobs);
+        self.steps.send_modify(|ended| *ended += 1);
     }
 }
 
@@ -166,6 +189,7 @@ mod tests {
             long_threshold: budget / 4,
             jobs: Mutex::new(VecDeque::new()),
             arrived: Notify::new(),
+            steps: watch::channel(0).0,
         }
     }
 

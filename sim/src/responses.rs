@@ -79,7 +79,7 @@ pub struct Completion<'a, Choice> {
     /// vLLM 0.32, chat only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_text: Null,
-    pub kv_transfer_params: Option<()>,
+    pub kv_transfer_params: Option<&'a serde_json::Value>,
     /// vLLM 0.32.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ec_transfer_params: Null,

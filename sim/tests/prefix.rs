@@ -220,3 +220,46 @@ async fn with_a_long_prefill_threshold_a_short_prompt_is_not_held_behind_a_long_
         "the short prompt's first token came before the long prompt's"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prefill_stretches_the_running_streams_inter_token_latency() {
+    // Steps of 512 tokens at 0.5 ms a token: 256 ms each while a prompt prefills; a decode
+    // step alone is 5 ms.
+    let latency = Latency::new(
+        Duration::ZERO,
+        Duration::from_micros(500),
+        Duration::from_millis(5),
+    );
+    let config = SimConfig::default()
+        .with_latency(latency)
+        .with_answer_tokens(400, 400)
+        .v1_engine(512);
+    let sim = sim(config).await;
+    let mut decoding = send(&sim, CHAT, &streaming(chat_body("hi"))).await;
+    // The stream is decoding: its first token came.
+    decoding.chunk().await.unwrap();
+    let long_sim = sim.clone();
+    let long = tokio::spawn(async move {
+        let body = chat_body(&"many words of a long document ".repeat(300));
+        post(&long_sim, CHAT, &body).await
+    });
+    wait_until(
+        || sim.engine_state().running == 2,
+        "the long prompt running",
+    )
+    .await;
+    // The stream's tokens now come with the prefill's steps.
+    let mut longest = Duration::ZERO;
+    let mut last = std::time::Instant::now();
+    for _ in 0..3 {
+        decoding.chunk().await.unwrap();
+        let now = std::time::Instant::now();
+        longest = longest.max(now - last);
+        last = now;
+    }
+    assert!(
+        longest >= Duration::from_millis(200),
+        "a decode waited for a prefill step: {longest:?}"
+    );
+    assert_eq!(long.await.unwrap().0, 200);
+}

@@ -28,6 +28,8 @@ pub struct Answer {
     prompt_details: bool,
     /// The API the answer is written in.
     pub wire: Wire,
+    /// A prefill leg's answer: where its blocks are kept for the decode leg.
+    pub kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// The API an answer is written in: OpenAI's chat or text completions, or another API run as
@@ -110,6 +112,7 @@ impl Answer {
             request,
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
             prompt_details: config.prompt_tokens_details,
+            kv_transfer_params: None,
             wire: Wire::OpenAi,
         }
     }
@@ -220,7 +223,7 @@ impl Answer {
             prompt_logprobs: null_if(chat),
             prompt_token_ids: null_if(chat && self.v0_32),
             prompt_text: null_if(chat && self.v0_32),
-            kv_transfer_params: None,
+            kv_transfer_params: self.kv_transfer_params.as_ref(),
             ec_transfer_params: null_if(self.v0_32),
             metrics: null_if(self.v0_32),
         }

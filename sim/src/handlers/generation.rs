@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::answer::Answer;
 use crate::faults::Faults;
+use crate::kv_transfer::{LoadFailurePolicy, TransferAsk};
 use crate::metrics::{Ended, FinishedRequest};
+use crate::openai::ApiError;
 use crate::text::Finish;
 use crate::Shared;
 
@@ -117,16 +119,23 @@ impl Generation {
     }
 
     /// Prefills the prompt of `answer`: with prefix caching, only what the cache does not
-    /// hold, then keeps its blocks in the cache. Tells `answer` how many tokens were cached.
-    pub async fn prefill_prompt(&mut self, answer: &Answer) {
+    /// hold, then keeps its blocks in the cache; a decode leg of disaggregated prefill first
+    /// reads the blocks its prefill engine kept (see `kv_transfer.rs`). Tells `answer` how
+    /// many tokens were cached. Fails only when a decode leg's read fails and the engine's
+    /// `kv_load_failure_policy` is `fail`.
+    pub async fn prefill_prompt(&mut self, answer: &Answer) -> Result<(), ApiError> {
         let shared = Arc::clone(&self.shared);
         if self.loads_adapter {
             let load_time = shared.lora.as_ref().map_or(Duration::ZERO, |l| l.load_time);
             sleep(self.delay(load_time)).await;
         }
+        let transferred = self.read_transferred(answer).await?;
         let Some(cache) = shared.prefix_cache.as_ref() else {
-            self.scheduled = self.prefill(answer.prompt_tokens()).await;
-            return;
+            self.note_cached(answer, transferred);
+            self.scheduled = self
+                .prefill(answer.prompt_tokens().saturating_sub(transferred))
+                .await;
+            return Ok(());
         };
         let ids = &answer.request.prompt_ids;
         let lookup = cache.lookup(
@@ -134,14 +143,11 @@ impl Generation {
             answer.request.cache_salt.as_deref(),
             answer.request.lora.as_ref(),
         );
-        answer.set_cached_tokens(lookup.cached_tokens);
-        self.cached_tokens = lookup.cached_tokens;
-        shared
-            .metrics
-            .cached_tokens
-            .fetch_add(u64::from(lookup.cached_tokens), Ordering::Relaxed);
+        // What was read counts as cached, as vLLM counts it; the cache may hold more.
+        let cached = lookup.cached_tokens.max(transferred);
+        self.note_cached(answer, cached);
         self.scheduled = self
-            .prefill(answer.prompt_tokens().saturating_sub(lookup.cached_tokens))
+            .prefill(answer.prompt_tokens().saturating_sub(cached))
             .await;
         let engine = shared.engine.snapshot();
         let free = engine
@@ -149,6 +155,42 @@ impl Generation {
             .saturating_sub(engine.phantom_blocks + engine.used_blocks);
         cache.store(&lookup, ids, free);
         self.pinned_blocks += lookup.hashes.len();
+        Ok(())
+    }
+
+    /// Records `cached` prompt tokens as served without computing them.
+    fn note_cached(&mut self, answer: &Answer, cached: u32) {
+        answer.set_cached_tokens(cached);
+        self.cached_tokens = cached;
+        self.shared
+            .metrics
+            .cached_tokens
+            .fetch_add(u64::from(cached), Ordering::Relaxed);
+    }
+
+    /// A decode leg's read of the blocks its prefill engine kept: the prompt tokens it
+    /// spares (all but the last, which vLLM's scheduler computes again). 0 for any other
+    /// request, for parameters without what a read needs (ignored, as vLLM does), and for a
+    /// failed read under `kv_load_failure_policy: recompute`.
+    async fn read_transferred(&self, answer: &Answer) -> Result<u32, ApiError> {
+        let (Some(transfer), Some(TransferAsk::RemotePrefill(remote))) =
+            (&self.shared.kv_transfer, &answer.request.kv_transfer)
+        else {
+            if answer.request.kv_transfer == Some(TransferAsk::Invalid) {
+                tracing::warn!("kv_transfer_params without what a read needs: prefilled here");
+            }
+            return Ok(0);
+        };
+        match transfer.read(remote).await {
+            Ok(tokens) => Ok(tokens.min(answer.prompt_tokens().saturating_sub(1))),
+            Err(failure) => {
+                tracing::warn!(?failure, "the remote KV blocks could not be read");
+                match transfer.config().load_failure_policy {
+                    LoadFailurePolicy::Recompute => Ok(0),
+                    LoadFailurePolicy::Fail => Err(ApiError::new(500, "Internal server error")),
+                }
+            }
+        }
     }
 
     /// Prefills `tokens`: waits out [`Generation::prefill_delay`], in chunked prefill's steps
@@ -173,6 +215,16 @@ impl Generation {
         };
         tokio::time::sleep(delay).await;
         None
+    }
+
+    /// Waits for the request's next token: its own pace, or with chunked prefill the end of
+    /// the engine's step in progress while prompts prefill (see `prefill.rs`).
+    pub async fn next_token(&self) {
+        let own = self.inter_token_delay();
+        match &self.shared.prefill_queue {
+            Some(queue) if !self.zero_latency => queue.decode_step(own).await,
+            _ => sleep(own).await,
+        }
     }
 
     pub fn inter_token_delay(&self) -> Duration {

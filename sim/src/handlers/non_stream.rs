@@ -4,23 +4,40 @@ use std::sync::Arc;
 
 use super::admission;
 use super::answer::{Answer, Wire};
-use super::generation::{sleep, Generation};
+use super::generation::Generation;
 use super::injected;
 use crate::engine::{Admission, Refusal, Ticket};
 use crate::faults::Faults;
+use crate::kv_transfer::TransferAsk;
+use crate::openai::ApiError;
 use crate::server::{self, HttpResponse};
 
 pub async fn respond(
     mut generation: Generation,
     admission: Admission,
-    answer: Answer,
+    mut answer: Answer,
     faults: Arc<Faults>,
 ) -> HttpResponse {
     let shared = Arc::clone(generation.shared());
     let ticket = match generate(&mut generation, admission, &answer).await {
         Ok(ticket) => ticket,
-        Err(refusal) => return server::error(&shared, &admission::refused(&shared, refusal)),
+        Err(Failed::Refused(refusal)) => {
+            return server::error(&shared, &admission::refused(&shared, refusal))
+        }
+        Err(Failed::Error(error)) => return server::error(&shared, &error),
     };
+    // A prefill leg keeps its blocks for the decode leg, and says where.
+    if let (Some(transfer), Some(TransferAsk::RemoteDecode)) =
+        (&shared.kv_transfer, &answer.request.kv_transfer)
+    {
+        let lost = faults.kv_transfer_lost > 0.0 && rand::random::<f64>() < faults.kv_transfer_lost;
+        answer.kv_transfer_params = Some(transfer.lend(
+            &answer.id,
+            answer.prompt_tokens(),
+            shared.config.block_size,
+            lost,
+        ));
+    }
     let body = match &answer.wire {
         Wire::OpenAi => answer.full_body(),
         Wire::Anthropic => super::messages::message_body(&answer),
@@ -37,18 +54,34 @@ pub async fn respond(
     server::json(200, body)
 }
 
+/// Why an answer was not generated.
+enum Failed {
+    Refused(Refusal),
+    /// A decode leg could not read its prompt's blocks.
+    Error(ApiError),
+}
+
+impl From<Refusal> for Failed {
+    fn from(refusal: Refusal) -> Self {
+        Failed::Refused(refusal)
+    }
+}
+
 /// Wait for a turn, prefill, then every step (or, with zero latency, all tokens at once).
 async fn generate(
     generation: &mut Generation,
     admission: Admission,
     answer: &Answer,
-) -> Result<Ticket, Refusal> {
+) -> Result<Ticket, Failed> {
     let mut ticket = admission::wait_for_turn(admission).await?;
     generation.admitted(&ticket);
     let prompt_tokens = u64::from(answer.prompt_tokens());
     admission::hold(&mut ticket, prompt_tokens, generation).await?;
     generation.count_prompt(prompt_tokens);
-    generation.prefill_prompt(answer).await;
+    generation
+        .prefill_prompt(answer)
+        .await
+        .map_err(Failed::Error)?;
     if generation.is_zero_latency() {
         let all = u64::from(answer.completion_tokens());
         admission::hold(&mut ticket, prompt_tokens + all, generation).await?;
@@ -58,7 +91,7 @@ async fn generate(
     let mut held = prompt_tokens;
     for step in 0..answer.steps() {
         if step > 0 {
-            sleep(generation.inter_token_delay()).await;
+            generation.next_token().await;
         }
         let tokens = answer.tokens_at(step);
         held += tokens;

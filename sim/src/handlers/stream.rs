@@ -5,7 +5,6 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -116,17 +115,6 @@ impl EventSender {
             _ = self.body.closed() => None,
         }
     }
-
-    /// Sleep, but stop early if the client went away.
-    async fn sleep(&self, duration: Duration) -> Flow {
-        if duration.is_zero() {
-            return Flow::Continue;
-        }
-        match self.unless_client_gone(tokio::time::sleep(duration)).await {
-            Some(()) => Flow::Continue,
-            None => Flow::Stop,
-        }
-    }
 }
 
 async fn run(
@@ -145,12 +133,17 @@ async fn run(
     }
     generation.count_prompt(prompt_tokens);
     // A client that leaves stops the prefill, and gives up its turn when prefills are serial.
-    if events
+    match events
         .unless_client_gone(generation.prefill_prompt(&answer))
         .await
-        .is_none()
     {
-        return;
+        None => return,
+        Some(Err(error)) => {
+            generation.fail();
+            events.error(&error).await;
+            return;
+        }
+        Some(Ok(())) => {}
     }
     let mut numbered = responses_api::Events::default();
     let sent = match &answer.wire {
@@ -245,10 +238,13 @@ async fn engine_step(
     step: usize,
     held: &mut u64,
 ) -> Flow {
-    if step > 0 {
-        if let Flow::Stop = events.sleep(generation.inter_token_delay()).await {
-            return Flow::Stop;
-        }
+    if step > 0
+        && events
+            .unless_client_gone(generation.next_token())
+            .await
+            .is_none()
+    {
+        return Flow::Stop;
     }
     let tokens = answer.tokens_at(step);
     *held += tokens;

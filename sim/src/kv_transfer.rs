@@ -1,0 +1,519 @@
+//! Disaggregated prefill, simulated on vLLM's `NixlConnector` wire (`--kv-transfer-config`).
+//!
+//! A router sends the prefill leg with `kv_transfer_params: {"do_remote_decode": true}` and
+//! one output token; the engine prefills, keeps the prompt's blocks under a lease, and its
+//! answer carries the `kv_transfer_params` a decode engine needs to read them
+//! (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`,
+//! `remote_host`, `remote_port`, `tp_size`). The router copies them into the decode leg; the
+//! decode engine reads the blocks from the prefill engine's side channel, which takes time
+//! in proportion to their size, and counts what it read as cached (its usage says so: the
+//! prompt less one token, as vLLM's scheduler recomputes the last). The lease ends when the
+//! blocks are read or when it expires (`kv_lease_duration`, 30 s as in vLLM).
+//!
+//! What breaks is what breaks in vLLM: parameters without the keys a read needs are ignored
+//! and the prompt is prefilled locally; a read that fails (the lease expired, the blocks are
+//! gone, the engine is another) fails the request (`kv_load_failure_policy: fail`, vLLM's
+//! default: a 500, or an error event in a stream) or is recomputed locally, silently but for
+//! the usage (`recompute`). The `kv_transfer_lost` fault makes a prefill engine answer
+//! parameters for blocks it did not keep: P/D that does nothing.
+//!
+//! The side channel stands in for NIXL's (a metadata handshake, then RDMA reads): one TCP
+//! connection per read, a JSON line each way. Written here: nothing to borrow for a wire
+//! that only this simulator speaks.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How long a read may take before the decode engine gives up on it.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest request line the side channel reads.
+const MAX_LINE: usize = 64 * 1024;
+
+/// What a decode engine does when the blocks cannot be read (vLLM's
+/// `kv_load_failure_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFailurePolicy {
+    /// The request fails (vLLM's default).
+    #[default]
+    Fail,
+    /// The prompt is prefilled locally.
+    Recompute,
+}
+
+/// `--kv-transfer-config`, as far as the simulator reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvTransferConfig {
+    /// The engine id its answers name (`remote_engine_id`); random when unset.
+    pub engine_id: Option<String>,
+    /// How long blocks a decode has not read are kept (`kv_lease_duration`).
+    pub lease: Duration,
+    /// The time a read takes per token read.
+    pub transfer_per_token: Duration,
+    pub load_failure_policy: LoadFailurePolicy,
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        KvTransferConfig {
+            engine_id: None,
+            lease: Duration::from_secs(30),
+            transfer_per_token: Duration::from_micros(1),
+            load_failure_policy: LoadFailurePolicy::Fail,
+        }
+    }
+}
+
+impl KvTransferConfig {
+    /// Reads vLLM's `--kv-transfer-config` JSON: `kv_connector` must be `NixlConnector`;
+    /// `engine_id`, `kv_load_failure_policy` and `kv_connector_extra_config.kv_lease_duration`
+    /// (seconds) are read, and the simulator's own
+    /// `kv_connector_extra_config.transfer_us_per_token`.
+    pub fn from_vllm_json(text: &str) -> Result<Self, String> {
+        let value: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let connector = value.get("kv_connector").and_then(Value::as_str);
+        if connector != Some("NixlConnector") {
+            return Err(format!(
+                "kv_connector {connector:?} is not simulated (NixlConnector is)"
+            ));
+        }
+        let mut config = KvTransferConfig {
+            engine_id: value
+                .get("engine_id")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            ..KvTransferConfig::default()
+        };
+        if let Some(policy) = value.get("kv_load_failure_policy") {
+            config.load_failure_policy =
+                serde_json::from_value(policy.clone()).map_err(|e| e.to_string())?;
+        }
+        let extra = value.get("kv_connector_extra_config");
+        if let Some(seconds) = extra
+            .and_then(|e| e.get("kv_lease_duration"))
+            .and_then(Value::as_f64)
+        {
+            config.lease = Duration::try_from_secs_f64(seconds).map_err(|e| e.to_string())?;
+        }
+        if let Some(us) = extra
+            .and_then(|e| e.get("transfer_us_per_token"))
+            .and_then(Value::as_f64)
+        {
+            config.transfer_per_token =
+                Duration::try_from_secs_f64(us / 1e6).map_err(|e| e.to_string())?;
+        }
+        Ok(config)
+    }
+}
+
+/// What a request's `kv_transfer_params` ask of this engine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TransferAsk {
+    /// The prefill leg: prefill, keep the blocks, answer where they are.
+    RemoteDecode,
+    /// The decode leg: read the blocks from the prefill engine first.
+    RemotePrefill(RemoteBlocks),
+    /// `do_remote_prefill` without the keys a read needs: ignored, as vLLM logs and ignores it.
+    Invalid,
+}
+
+/// Where a decode leg's blocks are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RemoteBlocks {
+    pub engine_id: String,
+    pub request_id: String,
+    pub block_ids: Vec<u64>,
+    pub host: String,
+    pub port: u16,
+}
+
+impl TransferAsk {
+    /// Reads a request's `kv_transfer_params` (`None` for absent or `null`).
+    pub fn parse(params: Option<&Value>) -> Option<TransferAsk> {
+        let params = params.filter(|p| !p.is_null())?;
+        let flag = |key| params.get(key).and_then(Value::as_bool).unwrap_or(false);
+        if flag("do_remote_decode") {
+            return Some(TransferAsk::RemoteDecode);
+        }
+        if !flag("do_remote_prefill") {
+            return None;
+        }
+        let text = |key| params.get(key).and_then(Value::as_str).map(str::to_string);
+        let blocks = (|| {
+            Some(RemoteBlocks {
+                engine_id: text("remote_engine_id")?,
+                request_id: text("remote_request_id")?,
+                block_ids: params
+                    .get("remote_block_ids")?
+                    .as_array()?
+                    .iter()
+                    .map(Value::as_u64)
+                    .collect::<Option<Vec<_>>>()?,
+                host: text("remote_host")?,
+                port: u16::try_from(params.get("remote_port")?.as_u64()?).ok()?,
+            })
+        })();
+        Some(blocks.map_or(TransferAsk::Invalid, TransferAsk::RemotePrefill))
+    }
+}
+
+/// Why a read failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadFailure {
+    /// The side channel could not be reached or did not answer in time.
+    Unreachable(String),
+    /// The prefill engine has no such lease (expired, read already, never kept) or the
+    /// blocks named are not its.
+    Refused(String),
+}
+
+/// Blocks kept for a decode engine to read.
+struct Lease {
+    block_ids: Vec<u64>,
+    tokens: u32,
+    expires: Instant,
+}
+
+/// One engine's side of the transfers: the leases it keeps as a prefill engine, its side
+/// channel, and the counts `/sim/kv_transfer` reports.
+pub struct KvTransfer {
+    config: KvTransferConfig,
+    engine_id: String,
+    side_channel: SocketAddr,
+    leases: Mutex<HashMap<String, Lease>>,
+    next_block: AtomicU64,
+    lent: AtomicU64,
+    read: AtomicU64,
+    refused: AtomicU64,
+    expired: AtomicU64,
+}
+
+/// A side-channel request: read these blocks.
+#[derive(Serialize, Deserialize)]
+struct ReadRequest {
+    engine_id: String,
+    request_id: String,
+    block_ids: Vec<u64>,
+}
+
+/// A side-channel answer: the tokens read, or why not.
+#[derive(Serialize, Deserialize)]
+struct ReadAnswer {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// What `/sim/kv_transfer` answers.
+#[derive(Clone, Debug, Serialize)]
+pub struct KvTransferJson {
+    pub engine_id: String,
+    pub side_channel: String,
+    /// Leases kept now.
+    pub leases: usize,
+    /// Leases handed out, read, refused a read, and expired unread, since the start.
+    pub lent: u64,
+    pub read: u64,
+    pub refused: u64,
+    pub expired: u64,
+}
+
+impl KvTransfer {
+    /// Opens the side channel on `ip` (a free port) and serves it until the engine is gone.
+    pub async fn start(config: KvTransferConfig, ip: IpAddr) -> std::io::Result<Arc<Self>> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+        let side_channel = listener.local_addr()?;
+        let engine_id = config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| format!("sim-{:016x}", rand::random::<u64>()));
+        let transfer = Arc::new(KvTransfer {
+            config,
+            engine_id,
+            side_channel,
+            leases: Mutex::new(HashMap::new()),
+            next_block: AtomicU64::new(1),
+            lent: AtomicU64::new(0),
+            read: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+        });
+        tokio::spawn(serve(listener, Arc::downgrade(&transfer)));
+        Ok(transfer)
+    }
+
+    pub fn config(&self) -> &KvTransferConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Lease>> {
+        self.leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Keeps the blocks of a prefilled prompt of `tokens` for a decode engine, and returns
+    /// the answer's `kv_transfer_params`. When `lost`, the parameters are answered but the
+    /// blocks are not kept.
+    pub fn lend(&self, request_id: &str, tokens: u32, block_size: u32, lost: bool) -> Value {
+        let blocks = u64::from(tokens.div_ceil(block_size.max(1)));
+        let first = self.next_block.fetch_add(blocks, Ordering::Relaxed);
+        let block_ids: Vec<u64> = (first..first + blocks).collect();
+        if !lost {
+            let mut leases = self.lock();
+            self.expire(&mut leases);
+            leases.insert(
+                request_id.to_string(),
+                Lease {
+                    block_ids: block_ids.clone(),
+                    tokens,
+                    expires: Instant::now() + self.config.lease,
+                },
+            );
+        }
+        self.lent.fetch_add(1, Ordering::Relaxed);
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.side_channel.ip().to_string(),
+            "remote_port": self.side_channel.port(),
+            "tp_size": 1,
+        })
+    }
+
+    /// Drops the leases past their expiry, counting them.
+    fn expire(&self, leases: &mut HashMap<String, Lease>) {
+        let now = Instant::now();
+        let before = leases.len();
+        leases.retain(|_, lease| lease.expires > now);
+        let gone = (before - leases.len()) as u64;
+        self.expired.fetch_add(gone, Ordering::Relaxed);
+    }
+
+    /// Serves one read: the lease's tokens, which ends it.
+    fn take(&self, request: &ReadRequest) -> ReadAnswer {
+        let mut leases = self.lock();
+        self.expire(&mut leases);
+        let refused = |why: &str| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            ReadAnswer {
+                tokens: None,
+                error: Some(why.to_string()),
+            }
+        };
+        if request.engine_id != self.engine_id {
+            return refused("unknown engine id");
+        }
+        match leases.get(&request.request_id) {
+            None => refused("no blocks kept for this request (expired, read or never kept)"),
+            Some(lease) if lease.block_ids != request.block_ids => {
+                refused("the blocks named are not this request's")
+            }
+            Some(_) => {
+                let tokens = leases.remove(&request.request_id).map(|lease| lease.tokens);
+                self.read.fetch_add(1, Ordering::Relaxed);
+                ReadAnswer {
+                    tokens,
+                    error: None,
+                }
+            }
+        }
+    }
+
+    /// Reads `remote`'s blocks from its prefill engine: the tokens read, after the time their
+    /// size takes.
+    pub async fn read(&self, remote: &RemoteBlocks) -> Result<u32, ReadFailure> {
+        let tokens = tokio::time::timeout(READ_TIMEOUT, read_remote(remote))
+            .await
+            .map_err(|_| ReadFailure::Unreachable("the side channel did not answer".into()))??;
+        let took = self.config.transfer_per_token.saturating_mul(tokens);
+        if !took.is_zero() {
+            tokio::time::sleep(took).await;
+        }
+        Ok(tokens)
+    }
+
+    pub fn json(&self) -> KvTransferJson {
+        let leases = {
+            let mut leases = self.lock();
+            self.expire(&mut leases);
+            leases.len()
+        };
+        KvTransferJson {
+            engine_id: self.engine_id.clone(),
+            side_channel: self.side_channel.to_string(),
+            leases,
+            lent: self.lent.load(Ordering::Relaxed),
+            read: self.read.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            expired: self.expired.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One read over a prefill engine's side channel.
+async fn read_remote(remote: &RemoteBlocks) -> Result<u32, ReadFailure> {
+    let unreachable = |e: std::io::Error| ReadFailure::Unreachable(e.to_string());
+    let stream = TcpStream::connect((remote.host.as_str(), remote.port))
+        .await
+        .map_err(unreachable)?;
+    let (reader, mut writer) = stream.into_split();
+    let request = ReadRequest {
+        engine_id: remote.engine_id.clone(),
+        request_id: remote.request_id.clone(),
+        block_ids: remote.block_ids.clone(),
+    };
+    let mut line =
+        serde_json::to_vec(&request).map_err(|e| ReadFailure::Unreachable(e.to_string()))?;
+    line.push(b'\n');
+    writer.write_all(&line).await.map_err(unreachable)?;
+    let mut answer = String::new();
+    BufReader::new(reader.take(MAX_LINE as u64))
+        .read_line(&mut answer)
+        .await
+        .map_err(unreachable)?;
+    let answer: ReadAnswer = serde_json::from_str(&answer)
+        .map_err(|e| ReadFailure::Unreachable(format!("unreadable answer: {e}")))?;
+    match (answer.tokens, answer.error) {
+        (Some(tokens), None) => Ok(tokens),
+        (_, Some(error)) => Err(ReadFailure::Refused(error)),
+        (None, None) => Err(ReadFailure::Refused("empty answer".into())),
+    }
+}
+
+/// The side channel's accept loop; it ends when the engine is gone.
+async fn serve(listener: TcpListener, transfer: Weak<KvTransfer>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        if transfer.strong_count() == 0 {
+            return;
+        }
+        let transfer = transfer.clone();
+        tokio::spawn(async move {
+            let (reader, mut writer) = stream.into_split();
+            let mut line = String::new();
+            let mut reader = BufReader::new(reader.take(MAX_LINE as u64));
+            let read = reader.read_line(&mut line);
+            if tokio::time::timeout(READ_TIMEOUT, read).await.is_err() {
+                return;
+            }
+            let Some(transfer) = transfer.upgrade() else {
+                return;
+            };
+            let answer = match serde_json::from_str::<ReadRequest>(&line) {
+                Ok(request) => transfer.take(&request),
+                Err(e) => ReadAnswer {
+                    tokens: None,
+                    error: Some(format!("unreadable request: {e}")),
+                },
+            };
+            if let Ok(mut bytes) = serde_json::to_vec(&answer) {
+                bytes.push(b'\n');
+                let _ = writer.write_all(&bytes).await;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_router_s_parameters_are_read_as_vllm_reads_them() {
+        assert_eq!(TransferAsk::parse(None), None);
+        assert_eq!(TransferAsk::parse(Some(&Value::Null)), None);
+        let prefill = json!({"do_remote_decode": true, "do_remote_prefill": false,
+                             "remote_engine_id": null, "remote_block_ids": null});
+        assert_eq!(
+            TransferAsk::parse(Some(&prefill)),
+            Some(TransferAsk::RemoteDecode)
+        );
+        let decode = json!({"do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_block_ids": [1, 2], "remote_engine_id": "e",
+                            "remote_request_id": "r", "remote_host": "127.0.0.1",
+                            "remote_port": 5600, "tp_size": 1});
+        assert!(matches!(
+            TransferAsk::parse(Some(&decode)),
+            Some(TransferAsk::RemotePrefill(RemoteBlocks { port: 5600, .. }))
+        ));
+        let partial = json!({"do_remote_prefill": true, "remote_engine_id": "e"});
+        assert_eq!(
+            TransferAsk::parse(Some(&partial)),
+            Some(TransferAsk::Invalid)
+        );
+    }
+
+    #[test]
+    fn vllm_s_kv_transfer_config_is_read() {
+        let config = KvTransferConfig::from_vllm_json(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_lease_duration":2,"transfer_us_per_token":3}}"#,
+        )
+        .unwrap();
+        assert_eq!(config.lease, Duration::from_secs(2));
+        assert_eq!(config.transfer_per_token, Duration::from_micros(3));
+        assert_eq!(config.load_failure_policy, LoadFailurePolicy::Recompute);
+        assert!(
+            KvTransferConfig::from_vllm_json(r#"{"kv_connector":"LMCacheConnectorV1"}"#).is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn blocks_are_read_once_and_not_after_their_lease() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let prefill = KvTransfer::start(
+            KvTransferConfig {
+                lease: Duration::from_millis(200),
+                transfer_per_token: Duration::ZERO,
+                ..KvTransferConfig::default()
+            },
+            ip,
+        )
+        .await
+        .unwrap();
+        let decode = KvTransfer::start(KvTransferConfig::default(), ip)
+            .await
+            .unwrap();
+        let remote = |params: &Value| match TransferAsk::parse(Some(params)) {
+            Some(TransferAsk::RemotePrefill(remote)) => remote,
+            other => panic!("{other:?}"),
+        };
+        let first = remote(&prefill.lend("a", 100, 16, false));
+        assert_eq!(first.block_ids.len(), 7);
+        assert_eq!(decode.read(&first).await, Ok(100));
+        assert!(matches!(
+            decode.read(&first).await,
+            Err(ReadFailure::Refused(_))
+        ));
+        // Not read within its lease: gone.
+        let late = remote(&prefill.lend("b", 32, 16, false));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(matches!(
+            decode.read(&late).await,
+            Err(ReadFailure::Refused(_))
+        ));
+        // Answered, never kept.
+        let lost = remote(&prefill.lend("c", 32, 16, true));
+        assert!(matches!(
+            decode.read(&lost).await,
+            Err(ReadFailure::Refused(_))
+        ));
+        let counts = prefill.json();
+        assert_eq!((counts.lent, counts.read, counts.expired), (3, 1, 1));
+        assert_eq!(counts.leases, 0);
+    }
+}

@@ -1,0 +1,157 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Disaggregated prefill on vLLM's `NixlConnector` wire, between two simulators: a prefill
+//! leg that keeps its blocks and says where, a decode leg that reads them, and what happens
+//! when the read fails (the engine's `kv_load_failure_policy`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+use vllm_sim::{Faults, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// A V1 engine (chunked prefill, prefix caching, usage details) serving both legs.
+async fn engine(policy: LoadFailurePolicy, lease: Duration) -> vllm_sim::Sim {
+    sim(SimConfig::default()
+        .with_latency(Latency::new(
+            Duration::ZERO,
+            Duration::from_micros(100),
+            Duration::from_millis(1),
+        ))
+        .with_answer_tokens(4, 4)
+        .v1_engine(8192)
+        .with_kv_transfer(KvTransferConfig {
+            lease,
+            transfer_per_token: Duration::from_micros(1),
+            load_failure_policy: policy,
+            ..KvTransferConfig::default()
+        }))
+    .await
+}
+
+fn long_prompt() -> Value {
+    chat_body(&"every word of a long document to prefill ".repeat(150))
+}
+
+/// The prefill leg as a router sends it: one token, no stream, `do_remote_decode`.
+fn prefill_leg(body: &Value) -> Value {
+    let mut leg = body.clone();
+    leg["max_tokens"] = json!(1);
+    leg["stream"] = json!(false);
+    leg["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
+        "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+        "remote_port": null});
+    leg
+}
+
+/// The decode leg: the client's body with the prefill answer's parameters.
+fn decode_leg(body: &Value, params: &Value) -> Value {
+    let mut leg = body.clone();
+    leg["kv_transfer_params"] = params.clone();
+    leg
+}
+
+fn cached_tokens(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_leg_reads_the_prefill_legs_blocks_once() {
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let body = long_prompt();
+    let (status, first) = post(&prefill, CHAT, &prefill_leg(&body)).await;
+    assert_eq!(status, 200, "{first}");
+    let params = &first["kv_transfer_params"];
+    assert_eq!(params["do_remote_prefill"], true, "{first}");
+    assert_eq!(params["do_remote_decode"], false);
+    for key in ["remote_engine_id", "remote_request_id", "remote_host"] {
+        assert!(params[key].is_string(), "{key}: {params}");
+    }
+    assert!(params["remote_port"].is_u64());
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Blocks of 16 tokens, the last one part full.
+    let blocks = params["remote_block_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(blocks, prompt.div_ceil(16), "{params}");
+
+    let (status, answer) = post(&decode, CHAT, &decode_leg(&body, params)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        cached_tokens(&answer),
+        prompt - 1,
+        "all but the last token came from the prefill engine: {answer}"
+    );
+    assert!(answer["kv_transfer_params"].is_null());
+    let counts = get_json(&format!("{}/sim/kv_transfer", prefill.url())).await;
+    assert_eq!(
+        (counts["lent"].as_u64(), counts["read"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(counts["leases"], 0, "read, the lease ends");
+
+    // The same parameters again: the blocks are gone, and the engine fails the request.
+    let (status, again) = post(&decode, CHAT, &decode_leg(&body, params)).await;
+    assert_eq!(status, 500, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_transfer_is_recomputed_silently_under_the_recompute_policy() {
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_secs(30)).await;
+    prefill.set_faults(Faults {
+        kv_transfer_lost: 1.0,
+        ..Faults::default()
+    });
+    let body = long_prompt();
+    let (_, first) = post(&prefill, CHAT, &prefill_leg(&body)).await;
+    let params = &first["kv_transfer_params"];
+    assert_eq!(
+        params["do_remote_prefill"], true,
+        "answered as if kept: {first}"
+    );
+    // A 200 all the same, with nothing from the transfer: only the usage tells.
+    let (status, answer) = post(&decode, CHAT, &decode_leg(&body, params)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(cached_tokens(&answer), 0, "{answer}");
+    let counts = get_json(&format!("{}/sim/kv_transfer", prefill.url())).await;
+    assert_eq!(counts["refused"], 1, "{counts}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_not_read_within_their_lease_are_freed_and_a_stream_gets_an_error_event() {
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_millis(200)).await;
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let body = long_prompt();
+    let (_, first) = post(&prefill, CHAT, &prefill_leg(&body)).await;
+    let params = first["kv_transfer_params"].clone();
+    // The lease's end is the event waited for.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let response = send(&decode, CHAT, &streaming(decode_leg(&body, &params))).await;
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    let events = sse_events(&text);
+    assert!(
+        events.iter().any(|e| e.contains("\"error\"")),
+        "an error event: {text}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let counts = get_json(&format!("{}/sim/kv_transfer", prefill.url())).await;
+    assert_eq!(counts["expired"], 1, "{counts}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_without_what_a_read_needs_are_ignored() {
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let body = decode_leg(
+        &long_prompt(),
+        &json!({"do_remote_prefill": true, "remote_engine_id": "somewhere"}),
+    );
+    let (status, answer) = post(&decode, CHAT, &body).await;
+    assert_eq!(status, 200, "prefilled here: {answer}");
+    assert_eq!(cached_tokens(&answer), 0);
+}
