@@ -196,6 +196,32 @@ metric!(HOLD_SECONDS: HistogramVec = register_histogram_vec!(
     vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 ));
 
+metric!(PD_REQUESTS: IntCounterVec = register_int_counter_vec!(
+    "sluice_pd_requests_total",
+    "Requests to a pool that decodes for a prefill pool (pools[].prefill), by how they were \
+     served: disaggregated (a prefill leg, then the decode leg with its transfer), or whole \
+     on the decode backend because the prompt left it too little to compute (short), the \
+     route had fallen back (fallen_back), the prefill pool had no backend (no_prefill_backend) \
+     or the prefill leg failed, was refused or answered no transfer parameters \
+     (prefill_failed).",
+    &["pool", "path"]
+));
+
+metric!(PD_TRANSFERS: IntCounterVec = register_int_counter_vec!(
+    "sluice_pd_transfers_total",
+    "Decode legs of disaggregated requests, by what their usage said of the transfer: \
+     transferred (most of the prompt came cached), recomputed (the engine computed most of \
+     it again: the transfer did nothing), unverified (the answer did not say).",
+    &["pool", "outcome"]
+));
+
+metric!(PD_ROUTE_DISAGGREGATED: IntGaugeVec = register_int_gauge_vec!(
+    "sluice_pd_route_disaggregated",
+    "1 while a pool's disaggregated route is in use, 0 while it has fallen back to the \
+     decode pool alone after recomputed transfers.",
+    &["pool"]
+));
+
 metric!(FAIRNESS_INDEX: GaugeVec = register_gauge_vec!(
     "sluice_pool_fairness_index",
     "Jain's fairness index of the service (prefill and weighted output tokens, decayed) of \
@@ -492,6 +518,15 @@ pub fn init(pools: &Pools) {
         }
         for kind in ["prompt", "completion"] {
             touch(&TOKENS, &[&pool.name, kind]);
+        }
+        if pool.transfer_check().is_some() {
+            for path in crate::proxy::disaggregation::PATHS {
+                touch(&PD_REQUESTS, &[&pool.name, path]);
+            }
+            for outcome in sluice_sdk::TransferOutcome::ALL {
+                touch(&PD_TRANSFERS, &[&pool.name, outcome.as_str()]);
+            }
+            set(&PD_ROUTE_DISAGGREGATED, &[&pool.name], 1);
         }
         touch(&COST, &[&pool.name]);
         if pool.prefix().is_some() {

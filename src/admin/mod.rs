@@ -228,6 +228,22 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
         "fairness_index": pool.fairness_index(),
         "flows": flow_shares(pool),
         "queued": pool.flow_control().held(),
+        "prefill": pool.transfer_check().map(|check| {
+            let route = check.route();
+            let (transferred, recomputed, unverified) = check.counts();
+            json!({
+                "pool": route.pool,
+                "connector": route.connector.as_str(),
+                "min_prefill_tokens": route.min_prefill_tokens,
+                "state": check.state().as_str(),
+                "recent_recomputed": check.recent_recomputed(),
+                "transfers": {
+                    "transferred": transferred,
+                    "recomputed": recomputed,
+                    "unverified": unverified,
+                },
+            })
+        }),
         "models": *pool.models(),
         "models_auto": pool.settings.auto_models,
         "max_model_len": pool.settings.max_model_len,

@@ -387,6 +387,28 @@ pub struct PoolFile {
     /// settings.
     #[serde(default)]
     pub fairness: Option<FairnessFile>,
+    /// This pool decodes; long prompts are prefilled on the pool named here first.
+    #[serde(default)]
+    pub prefill: Option<PrefillFile>,
+}
+
+/// `pools[].prefill`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillFile {
+    /// The prefill pool's name.
+    pub pool: String,
+    /// `nixl` (vLLM's `NixlConnector`) or `mooncake`.
+    #[serde(default)]
+    pub connector: Option<String>,
+    #[serde(default)]
+    pub min_prefill_tokens: Option<u64>,
+    /// Recomputed transfers among the last ten checked that make the route fall back.
+    #[serde(default)]
+    pub fail_after: Option<u32>,
+    /// How long a fallen-back route stays so.
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub recover_after: Option<Duration>,
 }
 
 /// `pools[].fairness`.

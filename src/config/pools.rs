@@ -4,6 +4,7 @@
 use super::file::{self, FileConfig};
 use super::{existing_file, MAX_TIMEOUT};
 use crate::discovery::{dns, inference_pool, kubernetes, PoolDiscovery, Source};
+use sluice_sdk::pool::disaggregation::{self, Connector, PrefillRoute};
 use sluice_sdk::pool::{SessionAffinity, SessionKey, SessionMode, TtftBalancing};
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
 use sluice_sdk::request::SESSION_MEMBERS;
@@ -40,6 +41,7 @@ pub(super) fn pools(raw: &FileConfig, base: &Path) -> Result<(Pools, Vec<PoolDis
         }
         pools.push(pool);
     }
+    check_prefill_routes(&pools)?;
     Ok((Pools::new(pools), discovery))
 }
 
@@ -133,6 +135,7 @@ fn pool(
         prefix: prefix_routing(p, key, base)?,
         no_backend_wait: no_backend_wait(p, key)?,
         fairness: fairness(p, key)?,
+        prefill: prefill_route(p, key)?,
     }));
     Ok((pool, source))
 }
@@ -259,6 +262,93 @@ fn no_backend_wait(p: &file::PoolFile, key: &str) -> Result<Duration, Invalid> {
         .unwrap_or(sluice_sdk::pool::DEFAULT_NO_BACKEND_WAIT);
     at_most_a_day(wait, &format!("{key}.no_backend_wait"))?;
     Ok(wait)
+}
+
+/// `pools[].prefill`: its own settings here; the pool it names is checked against the
+/// others once all are read ([`check_prefill_routes`]).
+fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, Invalid> {
+    let Some(given) = &p.prefill else {
+        return Ok(None);
+    };
+    let key = format!("{key}.prefill");
+    let connector = match given.connector.as_deref() {
+        None | Some("nixl") => Connector::Nixl,
+        Some("mooncake") => {
+            return Err(Invalid::new(
+                format!("{key}.connector"),
+                "`mooncake` (a router-minted transfer_id, both legs at once) is not supported \
+                 yet: use `nixl` (vLLM's NixlConnector)",
+            ))
+        }
+        Some(other) => {
+            return Err(Invalid::new(
+                format!("{key}.connector"),
+                format!("`{other}` is not a connector: `nixl`"),
+            ))
+        }
+    };
+    let route = PrefillRoute {
+        pool: given.pool.clone(),
+        connector,
+        min_prefill_tokens: given
+            .min_prefill_tokens
+            .unwrap_or(PrefillRoute::DEFAULT_MIN_PREFILL_TOKENS),
+        fail_after: given.fail_after.unwrap_or(PrefillRoute::DEFAULT_FAIL_AFTER),
+        recover_after: given
+            .recover_after
+            .unwrap_or(PrefillRoute::DEFAULT_RECOVER_AFTER),
+    };
+    if route.pool == p.name {
+        return Err(Invalid::new(
+            format!("{key}.pool"),
+            "names this pool: a pool cannot prefill for itself",
+        ));
+    }
+    if route.min_prefill_tokens == 0 {
+        return Err(Invalid::new(
+            format!("{key}.min_prefill_tokens"),
+            "must be at least 1",
+        ));
+    }
+    if !(1..=disaggregation::WINDOW).contains(&route.fail_after) {
+        return Err(Invalid::new(
+            format!("{key}.fail_after"),
+            format!(
+                "must be 1 to {} (of the last {} transfers)",
+                disaggregation::WINDOW,
+                disaggregation::WINDOW
+            ),
+        ));
+    }
+    at_most_a_day(route.recover_after, &format!("{key}.recover_after"))?;
+    Ok(Some(route))
+}
+
+/// Every `pools[].prefill` names another pool that exists and does not itself decode for a
+/// prefill pool.
+fn check_prefill_routes(pools: &[Arc<Pool>]) -> Result<(), Invalid> {
+    for (i, pool) in pools.iter().enumerate() {
+        let Some(route) = &pool.settings.prefill else {
+            continue;
+        };
+        let key = format!("pools[{i}].prefill.pool");
+        match pools.iter().find(|p| *p.name == *route.pool) {
+            None => {
+                return Err(Invalid::new(
+                    key,
+                    format!("no pool is named `{}`", route.pool),
+                ))
+            }
+            Some(prefill) if prefill.settings.prefill.is_some() => {
+                return Err(Invalid::new(
+                    key,
+                    format!("`{}` decodes for a prefill pool itself", route.pool),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// `pools[].fairness`: on by default. Flows are named by the pool's session keys, else by

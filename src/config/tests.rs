@@ -2180,3 +2180,106 @@ fn an_inference_pool_source_is_read_and_checked() {
         "give one source",
     );
 }
+
+const DISAGGREGATED: &str = "
+pools:
+  - name: decode
+    backends:
+      - address: 127.0.0.1:9
+    prefill: PREFILL
+  - name: prefill
+    backends:
+      - address: 127.0.0.1:10
+";
+
+fn disaggregated(prefill: &str) -> String {
+    DISAGGREGATED.replace("PREFILL", prefill)
+}
+
+#[test]
+fn a_pool_decodes_for_the_prefill_pool_it_names() {
+    let c = ok(&disaggregated("{pool: prefill}"));
+    let decode = c.pools.get("decode").unwrap();
+    let route = decode.settings.prefill.clone().unwrap();
+    assert_eq!(route.pool, "prefill");
+    assert_eq!(route.connector, sluice_sdk::Connector::Nixl);
+    assert_eq!(route.min_prefill_tokens, 1024);
+    assert_eq!(
+        (route.fail_after, route.recover_after),
+        (3, Duration::from_secs(30))
+    );
+    assert!(decode.transfer_check().is_some());
+    assert!(c.pools.get("prefill").unwrap().transfer_check().is_none());
+    let c = ok(&disaggregated(
+        "{pool: prefill, connector: nixl, min_prefill_tokens: 4096, fail_after: 5, recover_after: 2m}",
+    ));
+    let route = c
+        .pools
+        .get("decode")
+        .unwrap()
+        .settings
+        .prefill
+        .clone()
+        .unwrap();
+    assert_eq!(route.min_prefill_tokens, 4096);
+    assert_eq!(
+        (route.fail_after, route.recover_after),
+        (5, Duration::from_secs(120))
+    );
+}
+
+#[test]
+fn a_prefill_route_names_another_pool_that_exists_with_a_known_connector() {
+    refused(
+        &disaggregated("{pool: nowhere}"),
+        "pools[0].prefill.pool",
+        "no pool is named `nowhere`",
+    );
+    refused(
+        &disaggregated("{pool: decode}"),
+        "pools[0].prefill.pool",
+        "cannot prefill for itself",
+    );
+    refused(
+        &disaggregated("{pool: prefill, connector: mooncake}"),
+        "pools[0].prefill.connector",
+        "not supported yet",
+    );
+    refused(
+        &disaggregated("{pool: prefill, connector: lmcache}"),
+        "pools[0].prefill.connector",
+        "not a connector",
+    );
+    refused(
+        &disaggregated("{pool: prefill, min_prefill_tokens: 0}"),
+        "pools[0].prefill.min_prefill_tokens",
+        "at least 1",
+    );
+    refused(
+        &disaggregated("{pool: prefill, fail_after: 11}"),
+        "pools[0].prefill.fail_after",
+        "1 to 10",
+    );
+    refused(
+        &disaggregated("{pool: prefill, surprise: 1}"),
+        "pools[0].prefill.surprise",
+        "unknown field",
+    );
+    // A prefill pool that itself decodes for another.
+    let chained = "
+pools:
+  - name: a
+    backends: [{address: 127.0.0.1:9}]
+    prefill: {pool: b}
+  - name: b
+    backends: [{address: 127.0.0.1:10}]
+    prefill: {pool: c}
+  - name: c
+    backends: [{address: 127.0.0.1:11}]
+";
+    refused(
+        chained,
+        "pools[0].prefill.pool",
+        "decodes for a prefill pool itself",
+    );
+}

@@ -277,6 +277,64 @@ pub async fn run(
     pipe(upstreams, session, ctx, upstream, deadlines, hold).await
 }
 
+/// Sends a request no client sees (a disaggregated request's prefill leg) and reads its
+/// answer whole: its status and body, or the outcome that ended it (`NotStarted` for a
+/// connect, send or read failure, a timeout or an answer too large; `ClientGone` when the
+/// client left meanwhile, which drops the connection so that the engine stops). Its load
+/// on the backend ends when the answer has come.
+pub async fn fetch(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    attempt: Attempt,
+    deadlines: Deadlines,
+    span: &tracing::Span,
+) -> Result<(u16, Bytes), Outcome> {
+    let connected = match upstreams.pool.take(&attempt.peer) {
+        Some(stream) => Watched::Done(Ok((
+            HttpSession::new_with_options(stream, &attempt.peer),
+            true,
+        ))),
+        None => {
+            let connecting = Box::pin(upstreams.connector.get_http_session(&attempt.peer));
+            watch(session, connecting, deadlines.first_byte).await
+        }
+    };
+    let (http, reused) = not_started(connected, "no connection in time", |mut e| {
+        e.retry.decide_reuse(false);
+        e.into_up()
+    })?;
+    let Attempt {
+        peer,
+        header,
+        body,
+        in_flight,
+    } = attempt;
+    let sent = watch(
+        session,
+        send(http, &peer, header, body),
+        deadlines.first_byte,
+    )
+    .await;
+    let http = not_started(
+        sent,
+        "the request was not sent in time",
+        Upstream::failed_before_answer,
+    )?;
+    let mut up = Upstream {
+        pool: upstreams.pool,
+        peer: &peer,
+        http,
+        reused,
+        in_flight,
+        streams_end: upstreams.streams_end.clone(),
+        span,
+    };
+    let header = read_header(session, &mut up, deadlines.first_byte).await?;
+    let body = read_held(session, &mut up, &deadlines, upstreams.memory).await?;
+    up.release().await;
+    Ok((header.status.as_u16(), body))
+}
+
 /// The largest body sent in one write with its header: a copy this size costs less than the
 /// second system call it saves; a larger body is written on its own.
 const ONE_WRITE_BODY: usize = 64 * 1024;

@@ -222,6 +222,9 @@ struct AttemptLoop {
     waited: bool,
     /// It was held in its pool's fair order, or passed it (once).
     held: bool,
+    /// The transfer of a disaggregated request's prefill leg, for its decode leg (the next
+    /// attempt only: a retry is served whole).
+    transfer: Option<super::disaggregation::Transfer>,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -492,6 +495,7 @@ impl AttemptLoop {
             attempt_span: tracing::Span::none(),
             waited: false,
             held: false,
+            transfer: None,
         })
     }
 
@@ -600,9 +604,34 @@ impl AttemptLoop {
                     }
                     meets_deadline(ctx, &pool, &backend)?;
                     // 2. prepare
+                    let first_try = self.tried.is_empty();
                     let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
                     // Counted before the next waiter is let in.
                     drop(held.take());
+                    // A disaggregated pool's long prompt is prefilled elsewhere first, once:
+                    // the decode backend, counted above, was chosen and admitted.
+                    ctx.state.remove::<super::disaggregation::TransferSent>();
+                    self.transfer = None;
+                    if first_try && pool.transfer_check().is_some() {
+                        let body = self.upstream_source(ctx);
+                        let request_id = engine_request_id(ctx);
+                        let prefilled = super::disaggregation::prefill(
+                            sluice,
+                            session,
+                            ctx,
+                            &pool,
+                            &backend,
+                            &demand,
+                            &body,
+                            &request_id,
+                        )
+                        .await;
+                        match prefilled {
+                            Ok(transfer) => self.transfer = transfer,
+                            Err(attempt::Outcome::ClientGone(e)) => return Err(e),
+                            Err(_) => {}
+                        }
+                    }
                     let span = tries::span(ctx, &pool, backend.addr);
                     let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
@@ -653,14 +682,7 @@ impl AttemptLoop {
         backend: &Selected,
         in_flight: InFlight,
     ) -> Result<Prepared> {
-        // A first pool may get its own body (a draft asked for logprobs), and every pool
-        // the plugins'; whichever it is gets the pool's model name, and asks for a stream's
-        // usage when a plugin wants it. The client's body, which the cache keyed, stays.
-        let body = ctx
-            .escalation()
-            .and_then(|e| e.upstream_body.clone())
-            .or_else(|| ctx.upstream_body().cloned())
-            .unwrap_or_else(|| self.client_body.clone());
+        let body = self.upstream_source(ctx);
         // A family that names the model in the path gets the pool's name there, and its
         // body is left as it is.
         let path = pool
@@ -722,6 +744,17 @@ impl AttemptLoop {
         })
     }
 
+    /// The body an attempt starts from. A first pool may get its own body (a draft asked for
+    /// logprobs), and every pool the plugins'; whichever it is gets the pool's model name,
+    /// and asks for a stream's usage when a plugin wants it (see [`AttemptLoop::for_upstream`]).
+    /// The client's body, which the cache keyed, stays.
+    fn upstream_source(&self, ctx: &RequestCtx) -> Bytes {
+        ctx.escalation()
+            .and_then(|e| e.upstream_body.clone())
+            .or_else(|| ctx.upstream_body().cloned())
+            .unwrap_or_else(|| self.client_body.clone())
+    }
+
     /// `body` as `pool` gets it: with the pool's served model name when it is not the
     /// client's (and `model_in_body`), a stream's usage asked for when a plugin wants it, the
     /// tenant's `cache_salt` and the engine's controls reset as the pool's `client_fields`
@@ -740,6 +773,7 @@ impl AttemptLoop {
         let ask_usage = usage::usage_kept_from_client(ctx);
         let fields = pool.settings.client_fields;
         let request_id = fields.reset_engine_controls.then(|| engine_request_id(ctx));
+        let transfer = self.transfer.take();
         let edits = UpstreamEdits {
             model,
             ask_usage,
@@ -748,9 +782,18 @@ impl AttemptLoop {
                 .filter(|_| fields.tenant_cache_salt)
                 .map(|t| &*t.name),
             reset_engine_controls: request_id.as_deref(),
+            kv_transfer_params: transfer.as_ref().map(|t| &t.params[..]),
         };
         if !edits.any() {
             return body;
+        }
+        // A decode leg's body is its own: it is neither taken from nor kept for the others.
+        if transfer.is_some() {
+            let seen = ctx
+                .llm()
+                .filter(|call| same_buffer(&call.body, &body))
+                .map(|call| &call.request.seen);
+            return model_name::upstream_body(&body, seen, &edits).unwrap_or(body);
         }
         if let Some(last) = &self.sent_body {
             if same_buffer(&last.from, &body)
@@ -1013,7 +1056,7 @@ const ENGINE_FACING: [&str; 4] = [
 /// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
 /// HTTP/1.0 client may have sent none), without the [`ENGINE_FACING`] headers. Hop-by-hop
 /// headers go in [`forwarding`].
-fn upstream_header(
+pub(super) fn upstream_header(
     client: &RequestHeader,
     body_len: usize,
     backend: SocketAddr,

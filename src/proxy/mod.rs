@@ -36,6 +36,7 @@
 mod attempt;
 mod body;
 mod client;
+pub(crate) mod disaggregation;
 mod downstream;
 mod forwarding;
 mod llm_route;

@@ -67,6 +67,7 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
         if ctx.usage().is_none() && !ctx.answered_locally() {
             learn_prompt_scale(ctx, found);
             report_cached_tokens(ctx, cached);
+            super::disaggregation::judge(ctx, found.prompt_tokens, cached);
         }
         ctx.set_usage(found);
     }

@@ -124,6 +124,9 @@ pub struct UpstreamEdits<'a> {
     /// Reset [`ENGINE_CONTROLS`] to their defaults where the client set them, and a
     /// client's `request_id` to this.
     pub reset_engine_controls: Option<&'a str>,
+    /// A disaggregated request's `kv_transfer_params` (JSON text), in place of the client's:
+    /// the prefill answer's, for the decode leg.
+    pub kv_transfer_params: Option<&'a [u8]>,
 }
 
 impl UpstreamEdits<'_> {
@@ -133,6 +136,7 @@ impl UpstreamEdits<'_> {
             || self.ask_usage
             || self.salt_for_tenant.is_some()
             || self.reset_engine_controls.is_some()
+            || self.kv_transfer_params.is_some()
     }
 }
 
@@ -174,15 +178,77 @@ pub fn upstream_body(
         Some(spans) => spans,
         None => raw_json::object_spans(body, &EDITED_MEMBERS)?,
     };
+    let made = edits_of(body, &spans, edits);
+    finish(body, &spans, made)
+}
+
+/// The body of a disaggregated request's prefill leg, from the body its pool would get
+/// (`edits` as for that pool, but for a stream's usage): one output token for one choice,
+/// not streamed, with `kv_transfer_params` asking the engine to keep the prompt's blocks for
+/// a remote decode (vLLM's `NixlConnector`: `{"do_remote_decode": true}`). `min_tokens`
+/// goes back to 0, as vLLM's prefill engine takes no more than one token. The body is read
+/// again here for the members the leg changes: only a disaggregated request, whose prompt
+/// is long enough to be worth a second engine, pays for it. `None` when `body` is not one
+/// JSON object.
+pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>) -> Option<Bytes> {
+    const LEG_MEMBERS: [&str; 12] = [
+        "model",
+        "stream_options",
+        "cache_salt",
+        "priority",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "request_id",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "n",
+        "min_tokens",
+    ];
+    const ASK_REMOTE_DECODE: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+    let spans = raw_json::object_spans(body, &LEG_MEMBERS)?;
+    let leg = UpstreamEdits {
+        ask_usage: false,
+        kv_transfer_params: Some(ASK_REMOTE_DECODE),
+        ..*edits
+    };
+    let mut made = edits_of(body, &spans, &leg);
+    made.push(spans.set("max_tokens", b"1"));
+    made.push(spans.set("stream", b"false"));
+    // vLLM refuses `stream_options` without a stream.
+    if spans.value("stream_options").is_some() {
+        made.push(spans.set("stream_options", b"null"));
+    }
+    for (key, value) in [
+        ("max_completion_tokens", &b"1"[..]),
+        ("n", b"1"),
+        ("min_tokens", b"0"),
+    ] {
+        if spans.value(key).is_some() {
+            made.push(spans.set(key, value));
+        }
+    }
+    finish(body, &spans, made).or_else(|| Some(Bytes::copy_from_slice(body)))
+}
+
+/// The edits `edits` make of `body`, whose members are at `spans`.
+fn edits_of(body: &[u8], spans: &ObjectSpans<'_>, edits: &UpstreamEdits<'_>) -> Vec<Edit> {
     let mut made = Vec::with_capacity(4);
     if let Some(model) = edits.model {
         made.push(spans.set("model", model));
     }
     if edits.ask_usage {
-        made.extend(usage_edit(body, &spans));
+        made.extend(usage_edit(body, spans));
+    }
+    if let Some(params) = edits.kv_transfer_params {
+        made.push(spans.set("kv_transfer_params", params));
     }
     if let Some(request_id) = edits.reset_engine_controls {
         for (key, neutral) in ENGINE_CONTROLS {
+            // A disaggregated request's own parameters replace the client's (above).
+            if key == "kv_transfer_params" && edits.kv_transfer_params.is_some() {
+                continue;
+            }
             if spans
                 .value(key)
                 .is_some_and(|at| body.get(at) != Some(neutral))
@@ -200,6 +266,11 @@ pub fn upstream_body(
         let client = spans.value("cache_salt").and_then(|at| body.get(at));
         made.push(spans.set("cache_salt", &tenant_cache_salt(tenant, client)));
     }
+    made
+}
+
+/// `body` with the edits `made` at `spans`; `None` when there are none.
+fn finish(body: &[u8], spans: &ObjectSpans<'_>, mut made: Vec<Edit>) -> Option<Bytes> {
     if made.is_empty() {
         return None;
     }
@@ -546,6 +617,75 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_leg_asks_one_token_unstreamed_and_a_remote_decode() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":500,"n":3,"min_tokens":20,"kv_transfer_params":{"do_remote_prefill":true},"temperature":0.5}"#;
+        let edits = UpstreamEdits {
+            model: Some(br#""served""#),
+            ask_usage: true,
+            reset_engine_controls: Some("sluice-1"),
+            ..UpstreamEdits::default()
+        };
+        let leg = prefill_leg_body(body, &edits).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&leg).unwrap();
+        assert_eq!(v["model"], "served");
+        assert_eq!(v["stream"], false);
+        assert!(v["stream_options"].is_null(), "{v}");
+        assert_eq!(
+            (
+                v["max_tokens"].as_u64(),
+                v["max_completion_tokens"].as_u64()
+            ),
+            (Some(1), Some(1))
+        );
+        assert_eq!(
+            (v["n"].as_u64(), v["min_tokens"].as_u64()),
+            (Some(1), Some(0))
+        );
+        assert_eq!(
+            v["kv_transfer_params"]["do_remote_decode"], true,
+            "the client's replaced: {v}"
+        );
+        assert_eq!(v["kv_transfer_params"]["do_remote_prefill"], false);
+        assert_eq!(v["temperature"], 0.5, "the rest as sent");
+        // A body without the members gets them.
+        let leg =
+            prefill_leg_body(br#"{"model":"m","prompt":"x"}"#, &UpstreamEdits::default()).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&leg).unwrap();
+        assert_eq!(
+            (v["max_tokens"].as_u64(), v["stream"].as_bool()),
+            (Some(1), Some(false))
+        );
+        assert!(
+            v.get("n").is_none() && v.get("stream_options").is_none(),
+            "{v}"
+        );
+        assert!(prefill_leg_body(b"[1]", &UpstreamEdits::default()).is_none());
+    }
+
+    #[test]
+    fn a_decode_leg_gets_the_prefill_answer_s_parameters_in_place_of_the_client_s() {
+        let params = br#"{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[1]}"#;
+        let body = br#"{"model":"m","prompt":"x","stream":true,"kv_transfer_params":{"do_remote_decode":true}}"#;
+        let edits = UpstreamEdits {
+            reset_engine_controls: Some("id"),
+            kv_transfer_params: Some(params),
+            ..UpstreamEdits::default()
+        };
+        let sent = upstream_body(body, None, &edits).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(v["kv_transfer_params"]["remote_engine_id"], "e");
+        assert_eq!(v["stream"], true);
+        // Without a transfer, the client's are reset as before.
+        let reset = UpstreamEdits {
+            reset_engine_controls: Some("id"),
+            ..UpstreamEdits::default()
+        };
+        let sent = upstream_body(body, None, &reset).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+        assert!(v["kv_transfer_params"].is_null());
+    }
+
+    #[test]
     fn the_model_is_spliced_and_every_other_byte_kept() {
         let model = br#""big""#;
         let set = |body: &str, usage: bool| {
@@ -612,6 +752,7 @@ mod tests {
             ask_usage: true,
             salt_for_tenant: Some("a"),
             reset_engine_controls: None,
+            kv_transfer_params: None,
         };
         let sent = upstream_body(b"{}", None, &e).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
@@ -682,6 +823,7 @@ mod tests {
                 ask_usage: true,
                 salt_for_tenant: Some("t"),
                 reset_engine_controls: Some("id"),
+                kv_transfer_params: None,
             };
             assert_eq!(
                 upstream_body(body.as_bytes(), Some(&call.request.seen), &all),

@@ -12,6 +12,7 @@
 
 mod admission;
 mod catalogue;
+pub mod disaggregation;
 mod flow_control;
 pub mod select;
 mod sessions;
@@ -19,6 +20,7 @@ mod settings;
 mod waiting_room;
 
 pub use admission::{Admission, Pressure, Priority};
+pub use disaggregation::{Connector, PrefillRoute, RouteState, TransferCheck, TransferOutcome};
 pub use flow_control::{jain_index, Fairness, FlowControl, FlowId, Place, Room, WaitFor, Waited};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
@@ -101,6 +103,8 @@ pub struct Pool {
     successor: Mutex<std::sync::Weak<Pool>>,
     /// Where requests wait when the pool cannot take them now, and its flows' service.
     flow_control: Arc<FlowControl>,
+    /// The check of the transfers of a disaggregated route (`settings.prefill`).
+    transfers: Option<TransferCheck>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -148,8 +152,23 @@ impl Pool {
             waiting_room: ArcSwap::from_pointee(WaitingRoom::default()),
             successor: Mutex::new(std::sync::Weak::new()),
             flow_control: Arc::new(FlowControl::new(settings.fairness.clone())),
+            transfers: settings.prefill.clone().map(TransferCheck::new),
             settings,
         }
+    }
+
+    /// A member measured its prefill speed: the members that have measured none take it
+    /// (see [`BackendLive::adopt_prefill_speed`]).
+    pub fn share_prefill_speed(&self, tokens_per_second: f64) {
+        for member in self.members().iter() {
+            member.live.adopt_prefill_speed(tokens_per_second);
+        }
+    }
+
+    /// The route's check of its transfers, when the pool decodes for a prefill pool
+    /// (`prefill`).
+    pub fn transfer_check(&self) -> Option<&TransferCheck> {
+        self.transfers.as_ref()
     }
 
     /// The pool's tokenizer and exact prefix index (`tokenizer` and `kv_events`), if set.

@@ -290,6 +290,9 @@ pub struct PoolSettings {
     /// engine would queue; `None` (`fairness: off`): first come, first served, and nothing
     /// held for the engines.
     pub fairness: Option<super::Fairness>,
+    /// This pool decodes, and long prompts are prefilled on another pool first
+    /// (`prefill`); `None`: every request is served whole here.
+    pub prefill: Option<super::PrefillRoute>,
 }
 
 impl PoolSettings {
@@ -321,6 +324,7 @@ impl PoolSettings {
             prefix: None,
             no_backend_wait: DEFAULT_NO_BACKEND_WAIT,
             fairness: Some(super::Fairness::default()),
+            prefill: None,
         }
     }
 }

@@ -1,0 +1,296 @@
+//! Disaggregated prefill (`pools[].prefill`): the pool clients' requests are routed to
+//! decodes, and a long prompt is first prefilled on another pool whose engine hands its KV
+//! blocks over (vLLM's `NixlConnector`). This module holds the route's settings and its
+//! check: every decode leg's usage says how much of its prompt the engine got from the
+//! transfer, and a route whose decodes keep recomputing their prompts (P/D that silently
+//! does nothing: a 200 all the same) falls back to the decode pool alone until a probe shows
+//! the transfers work again.
+
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How the KV blocks move between the legs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connector {
+    /// vLLM's `NixlConnector`: the prefill answer's `kv_transfer_params` go into the decode leg.
+    Nixl,
+}
+
+impl Connector {
+    /// The name in config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Connector::Nixl => "nixl",
+        }
+    }
+}
+
+/// `pools[].prefill`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillRoute {
+    /// The pool that prefills.
+    pub pool: String,
+    /// How the blocks move.
+    pub connector: Connector,
+    /// The fewest prompt tokens the decode backend would compute (its prefix cache's hits
+    /// taken off) for which a prefill leg is sent; below, the decode backend does the
+    /// whole request.
+    pub min_prefill_tokens: u64,
+    /// Of the last [`WINDOW`] checked transfers, this many recomputed makes the route fall
+    /// back to the decode pool alone.
+    pub fail_after: u32,
+    /// How long the route stays fallen back before a request probes it again.
+    pub recover_after: Duration,
+}
+
+impl PrefillRoute {
+    /// `min_prefill_tokens` unless set.
+    pub const DEFAULT_MIN_PREFILL_TOKENS: u64 = 1024;
+    /// `fail_after` unless set.
+    pub const DEFAULT_FAIL_AFTER: u32 = 3;
+    /// `recover_after` unless set.
+    pub const DEFAULT_RECOVER_AFTER: Duration = Duration::from_secs(30);
+}
+
+/// The transfers a route's health is judged on: the last this many.
+pub const WINDOW: u32 = 10;
+
+/// What a decode leg's usage said of its transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferOutcome {
+    /// The engine counted most of the prompt as cached: the blocks came.
+    Transferred,
+    /// The engine computed most of the prompt again: the transfer did nothing.
+    Recomputed,
+    /// The answer did not say (no usage, or no `prompt_tokens_details`).
+    Unverified,
+}
+
+impl TransferOutcome {
+    /// Every outcome, for the metrics.
+    pub const ALL: [TransferOutcome; 3] = [
+        TransferOutcome::Transferred,
+        TransferOutcome::Recomputed,
+        TransferOutcome::Unverified,
+    ];
+
+    /// Its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferOutcome::Transferred => "transferred",
+            TransferOutcome::Recomputed => "recomputed",
+            TransferOutcome::Unverified => "unverified",
+        }
+    }
+
+    /// Judges a decode leg by its usage: `prompt_tokens` counted, `cached` of them served
+    /// without computing. More than half computed is a transfer that did nothing (the
+    /// engine recomputes one token at least, and a partial read leaves a tail).
+    pub fn judge(prompt_tokens: u64, cached: Option<u64>) -> TransferOutcome {
+        match cached {
+            None => TransferOutcome::Unverified,
+            Some(cached) if cached.saturating_mul(2) >= prompt_tokens => {
+                TransferOutcome::Transferred
+            }
+            Some(_) => TransferOutcome::Recomputed,
+        }
+    }
+}
+
+/// A route's state, as `/status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteState {
+    /// Long prompts are prefilled on the prefill pool.
+    Disaggregated,
+    /// Too many transfers did nothing: the decode pool does every request alone.
+    FallenBack,
+}
+
+impl RouteState {
+    /// Its name on `/status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteState::Disaggregated => "disaggregated",
+            RouteState::FallenBack => "fallen_back",
+        }
+    }
+}
+
+/// The route's recent transfers and whether it is fallen back. Lock-free on the request
+/// path but for a fall-back's start and end.
+#[derive(Debug)]
+pub struct TransferCheck {
+    route: PrefillRoute,
+    /// The last [`WINDOW`] checked transfers, newest in the lowest bit: 1 recomputed.
+    recent: AtomicU16,
+    /// Until when the route is fallen back; `None`: it is not.
+    fallen_back_until: Mutex<Option<Instant>>,
+    transferred: AtomicU64,
+    recomputed: AtomicU64,
+    unverified: AtomicU64,
+}
+
+impl TransferCheck {
+    /// A route with nothing checked yet.
+    pub fn new(route: PrefillRoute) -> Self {
+        TransferCheck {
+            route,
+            recent: AtomicU16::new(0),
+            fallen_back_until: Mutex::new(None),
+            transferred: AtomicU64::new(0),
+            recomputed: AtomicU64::new(0),
+            unverified: AtomicU64::new(0),
+        }
+    }
+
+    /// The route's settings.
+    pub fn route(&self) -> &PrefillRoute {
+        &self.route
+    }
+
+    fn fallen_back(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.fallen_back_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether a request may be disaggregated now: the route is not fallen back, or its
+    /// fall-back is over (that request probes it; the window starts afresh).
+    pub fn open(&self) -> bool {
+        let mut until = self.fallen_back();
+        match *until {
+            None => true,
+            Some(end) if Instant::now() >= end => {
+                *until = None;
+                self.recent.store(0, Relaxed);
+                true
+            }
+            Some(_) => false,
+        }
+    }
+
+    /// Whether the route is in use or fallen back, now.
+    pub fn state(&self) -> RouteState {
+        match *self.fallen_back() {
+            Some(end) if Instant::now() < end => RouteState::FallenBack,
+            _ => RouteState::Disaggregated,
+        }
+    }
+
+    /// Counts a decode leg's verdict; returns whether it made the route fall back.
+    pub fn record(&self, outcome: TransferOutcome) -> bool {
+        let counter = match outcome {
+            TransferOutcome::Transferred => &self.transferred,
+            TransferOutcome::Recomputed => &self.recomputed,
+            TransferOutcome::Unverified => &self.unverified,
+        };
+        counter.fetch_add(1, Relaxed);
+        if outcome == TransferOutcome::Unverified {
+            return false;
+        }
+        let mask = (1u16 << WINDOW) - 1;
+        let bit = u16::from(outcome == TransferOutcome::Recomputed);
+        let recent = self
+            .recent
+            .fetch_update(Relaxed, Relaxed, |r| Some(((r << 1) | bit) & mask))
+            .map_or(0, |previous| ((previous << 1) | bit) & mask);
+        if recent.count_ones() < self.route.fail_after {
+            return false;
+        }
+        let mut until = self.fallen_back();
+        if until.is_some_and(|end| Instant::now() < end) {
+            return false;
+        }
+        *until = Some(Instant::now() + self.route.recover_after);
+        true
+    }
+
+    /// Recomputed transfers among the last [`WINDOW`] checked.
+    pub fn recent_recomputed(&self) -> u32 {
+        self.recent.load(Relaxed).count_ones()
+    }
+
+    /// Transfers checked since the start: transferred, recomputed, unverified.
+    pub fn counts(&self) -> (u64, u64, u64) {
+        (
+            self.transferred.load(Relaxed),
+            self.recomputed.load(Relaxed),
+            self.unverified.load(Relaxed),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(fail_after: u32, recover_after: Duration) -> TransferCheck {
+        TransferCheck::new(PrefillRoute {
+            pool: "prefill".into(),
+            connector: Connector::Nixl,
+            min_prefill_tokens: 1024,
+            fail_after,
+            recover_after,
+        })
+    }
+
+    #[test]
+    fn a_decode_leg_is_judged_by_what_its_engine_counted_cached() {
+        assert_eq!(
+            TransferOutcome::judge(4000, Some(3999)),
+            TransferOutcome::Transferred
+        );
+        assert_eq!(
+            TransferOutcome::judge(4000, Some(0)),
+            TransferOutcome::Recomputed
+        );
+        // A prefix-cache hit of a third, the rest recomputed.
+        assert_eq!(
+            TransferOutcome::judge(4000, Some(1300)),
+            TransferOutcome::Recomputed
+        );
+        assert_eq!(
+            TransferOutcome::judge(4000, None),
+            TransferOutcome::Unverified
+        );
+    }
+
+    #[test]
+    fn recomputed_transfers_make_the_route_fall_back_until_a_probe() {
+        let c = check(3, Duration::ZERO);
+        // Half of them fail: the third failure among the last ten trips it.
+        let mut tripped_at = None;
+        for i in 1..=10 {
+            let outcome = if i % 2 == 0 {
+                TransferOutcome::Recomputed
+            } else {
+                TransferOutcome::Transferred
+            };
+            if c.record(outcome) {
+                tripped_at = Some(i);
+                break;
+            }
+        }
+        assert_eq!(tripped_at, Some(6));
+        assert_eq!(c.counts(), (3, 3, 0));
+        // Its fall-back is over at once here: the next request probes, on a fresh window.
+        assert!(c.open());
+        assert_eq!(c.recent_recomputed(), 0);
+        assert_eq!(c.state(), RouteState::Disaggregated);
+    }
+
+    #[test]
+    fn a_fallen_back_route_stays_so_for_its_time() {
+        let c = check(2, Duration::from_secs(3600));
+        assert!(!c.record(TransferOutcome::Recomputed));
+        assert!(!c.record(TransferOutcome::Unverified), "not counted");
+        assert!(c.record(TransferOutcome::Recomputed));
+        assert_eq!(c.state(), RouteState::FallenBack);
+        assert!(!c.open());
+        assert!(
+            !c.record(TransferOutcome::Recomputed),
+            "already fallen back"
+        );
+    }
+}

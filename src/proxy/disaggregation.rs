@@ -1,0 +1,268 @@
+//! Disaggregated prefill (`pools[].prefill`), the core's part: the prefill leg of a request
+//! to a pool that decodes for a prefill pool, and the check of its transfer.
+//!
+//! The decode backend is chosen first, as for any request (it holds the session's prefix
+//! and must admit the request). When the part of the prompt it would compute (its prefix
+//! cache's hits, as the exact index predicts them, taken off) is at least
+//! `min_prefill_tokens`, a prefill leg goes to the prefill pool: the request's body for one
+//! output token, not streamed, with `kv_transfer_params` asking for a remote decode
+//! (vLLM's `NixlConnector`). Its answer's `kv_transfer_params` go into the decode leg,
+//! which is the request's one attempt that the client sees. Nothing is queued between the
+//! legs: the decode leg is sent as soon as the prefill answer is read, well within the
+//! engine's lease on the blocks.
+//!
+//! Whatever goes wrong before the decode leg (no prefill backend, a failed or refused
+//! prefill leg, an answer without transfer parameters) leaves the decode backend doing the
+//! whole request, as if the route were not there: no byte has reached the client. A client
+//! that leaves during the prefill leg ends the request (the leg's connection is dropped, so
+//! the engine stops). The decode leg's usage then says whether its engine got the prompt
+//! from the transfer (its `cached_tokens`); decodes that keep recomputing their prompts make
+//! the route fall back to the decode pool alone (see `sluice_sdk::TransferCheck`).
+
+use super::attempt::{self, Attempt, Deadlines, Outcome};
+use super::forwarding;
+use super::state::Sluice;
+use bytes::Bytes;
+use pingora_http::RequestHeader;
+use pingora_proxy::Session;
+use sluice_sdk::model_name::{self, UpstreamEdits};
+use sluice_sdk::{
+    raw_json, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck, TransferOutcome,
+};
+use std::sync::Arc;
+use tokio::time::Instant;
+
+/// How a request to a disaggregated route was served (`sluice_pd_requests_total{path}`).
+pub const PATHS: [&str; 5] = [
+    "disaggregated",
+    "short",
+    "fallen_back",
+    "no_prefill_backend",
+    "prefill_failed",
+];
+
+/// A prefill leg's answer, for the decode leg.
+pub struct Transfer {
+    /// The prefill engine's `kv_transfer_params` (JSON text).
+    pub params: Bytes,
+}
+
+/// Kept in the request's state while its decode leg runs: its usage is judged against the
+/// transfer once read (see [`judge`]).
+#[derive(Debug)]
+pub struct TransferSent {
+    pool: Arc<Pool>,
+}
+
+/// The prefill leg of a request whose pool (`decode_pool`) decodes for a prefill pool, sent
+/// before the decode leg to `decode`: `Ok(Some)` with the transfer's parameters, `Ok(None)`
+/// when the decode backend is to do the whole request, `Err` when the client left.
+#[allow(clippy::too_many_arguments)]
+pub async fn prefill(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    decode_pool: &Arc<Pool>,
+    decode: &Selected,
+    demand: &Demand,
+    body: &Bytes,
+    request_id: &str,
+) -> Result<Option<Transfer>, Outcome> {
+    let (Some(route), Some(check)) = (
+        decode_pool.settings.prefill.as_ref(),
+        decode_pool.transfer_check(),
+    ) else {
+        return Ok(None);
+    };
+    let speaks_the_wire = ctx.llm().is_some_and(|call| {
+        matches!(
+            call.endpoint,
+            Endpoint::ChatCompletions | Endpoint::Completions
+        )
+    });
+    if !speaks_the_wire || ctx.escalation().is_some() {
+        return Ok(None);
+    }
+    let cached = decode
+        .predicted_cached
+        .or(decode.cached_tokens)
+        .unwrap_or(0);
+    let path =
+        |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
+    if demand.prompt_tokens.saturating_sub(cached) < route.min_prefill_tokens {
+        path("short");
+        return Ok(None);
+    }
+    let open = check.open();
+    publish(&decode_pool.name, check);
+    if !open {
+        path("fallen_back");
+        return Ok(None);
+    }
+    let Some(prefill_pool) = sluice.pools.get(&route.pool).cloned() else {
+        path("no_prefill_backend");
+        return Ok(None);
+    };
+    let Some(backend) = prefill_pool.select_prefixed(&[], demand, None, None) else {
+        path("no_prefill_backend");
+        return Ok(None);
+    };
+    let Some(leg_body) =
+        model_name::prefill_leg_body(body, &edits_for(ctx, &prefill_pool, request_id))
+    else {
+        path("prefill_failed");
+        return Ok(None);
+    };
+    let span = super::tries::span(ctx, &prefill_pool, backend.addr);
+    let Ok(mut header) = prefill_header(session, ctx, &prefill_pool, &backend, &leg_body, sluice)
+    else {
+        path("prefill_failed");
+        return Ok(None);
+    };
+    if crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).is_err() {
+        path("prefill_failed");
+        return Ok(None);
+    }
+    let computed = demand
+        .prompt_tokens
+        .saturating_sub(backend.cached_tokens.unwrap_or(0));
+    let in_flight = backend
+        .live
+        .begin_request(demand.prompt_tokens + 1, computed);
+    let now = Instant::now();
+    let timeouts = &prefill_pool.settings.timeouts;
+    let total = now + timeouts.total_for(Some(1));
+    let deadlines = Deadlines {
+        first_byte: (now + timeouts.first_byte).min(total),
+        total,
+    };
+    let attempt = Attempt {
+        peer: prefill_pool.peer(backend.addr),
+        header,
+        body: leg_body,
+        in_flight,
+    };
+    let answer = attempt::fetch(&sluice.upstreams(), session, attempt, deadlines, &span).await;
+    let params = match answer {
+        Ok((200, answer)) => transfer_params(&answer),
+        Ok((status, _)) => {
+            tracing::warn!(pool = &*decode_pool.name, prefill_pool = &*prefill_pool.name, backend = %backend.addr, status, "the prefill leg was refused: the decode backend serves the request whole");
+            None
+        }
+        Err(Outcome::ClientGone(e)) => return Err(Outcome::ClientGone(e)),
+        Err(outcome) => {
+            tracing::warn!(pool = &*decode_pool.name, prefill_pool = &*prefill_pool.name, backend = %backend.addr, error = %outcome_error(&outcome), "the prefill leg failed: the decode backend serves the request whole");
+            None
+        }
+    };
+    let Some(params) = params else {
+        path("prefill_failed");
+        return Ok(None);
+    };
+    path("disaggregated");
+    // The decode leg's usage says what the transfer did: a stream is asked for it.
+    ctx.want_usage();
+    ctx.state.insert(TransferSent {
+        pool: Arc::clone(decode_pool),
+    });
+    Ok(Some(Transfer { params }))
+}
+
+/// The edits the prefill pool's body gets, as for any attempt there (its model name, the
+/// tenant's cache salt, the engine's controls reset).
+fn edits_for<'a>(ctx: &'a RequestCtx, pool: &'a Pool, request_id: &'a str) -> UpstreamEdits<'a> {
+    let fields = pool.settings.client_fields;
+    UpstreamEdits {
+        model: pool
+            .served_model_for(ctx.model())
+            .filter(|served| served.changes(ctx.model()))
+            .map(|served| served.json()),
+        ask_usage: false,
+        salt_for_tenant: ctx
+            .tenant()
+            .filter(|_| fields.tenant_cache_salt)
+            .map(|t| &*t.name),
+        reset_engine_controls: fields.reset_engine_controls.then_some(request_id),
+        kv_transfer_params: None,
+    }
+}
+
+/// The prefill leg's request header: the client's, as the prefill pool's backends get it.
+fn prefill_header(
+    session: &Session,
+    ctx: &RequestCtx,
+    pool: &Pool,
+    backend: &Selected,
+    body: &Bytes,
+    sluice: &Sluice,
+) -> pingora_core::Result<RequestHeader> {
+    let mut header =
+        super::llm_route::upstream_header(session.req_header(), body.len(), backend.addr)?;
+    let peer = session
+        .client_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.ip());
+    forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
+    forwarding::to_pool(&mut header, pool, None, ctx.tenant().is_some())?;
+    Ok(header)
+}
+
+/// The `kv_transfer_params` of a prefill answer, when it has an object there.
+fn transfer_params(answer: &[u8]) -> Option<Bytes> {
+    let spans = raw_json::object_spans(answer, &["kv_transfer_params"])?;
+    let params = answer.get(spans.value("kv_transfer_params")?)?;
+    params
+        .starts_with(b"{")
+        .then(|| Bytes::copy_from_slice(params))
+}
+
+/// What ended a prefill leg, for its log line.
+fn outcome_error(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::NotStarted(e) | Outcome::Broken(e) | Outcome::ClientGone(e) => e.to_string(),
+        Outcome::Declined(header, _) => header.status.to_string(),
+        Outcome::Judged(why, _) => (*why).to_string(),
+        Outcome::Complete => "complete".to_string(),
+    }
+}
+
+/// Judges a disaggregated request's decode leg by its usage, once read: the engine's
+/// `prompt_tokens` and the `cached` of them it did not compute.
+pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, cached: Option<u64>) {
+    let Some(sent) = ctx.state.remove::<TransferSent>() else {
+        return;
+    };
+    let Some(check) = sent.pool.transfer_check() else {
+        return;
+    };
+    let outcome = TransferOutcome::judge(prompt_tokens, cached);
+    let pool = &*sent.pool.name;
+    crate::metrics::inc(&crate::metrics::PD_TRANSFERS, &[pool, outcome.as_str()]);
+    if outcome == TransferOutcome::Recomputed {
+        tracing::warn!(
+            pool,
+            prompt_tokens,
+            cached = cached.unwrap_or(0),
+            "a decode leg recomputed its prompt: the KV transfer did nothing"
+        );
+    }
+    if check.record(outcome) {
+        tracing::warn!(
+            pool,
+            recomputed = check.recent_recomputed(),
+            "the disaggregated route falls back to the decode pool alone for {:?}",
+            check.route().recover_after
+        );
+    }
+    publish(pool, check);
+}
+
+/// The route's state in its gauge.
+fn publish(pool: &str, check: &TransferCheck) {
+    let disaggregated = check.state() == sluice_sdk::RouteState::Disaggregated;
+    crate::metrics::set(
+        &crate::metrics::PD_ROUTE_DISAGGREGATED,
+        &[pool],
+        i64::from(disaggregated),
+    );
+}

@@ -1,0 +1,245 @@
+//! Disaggregated prefill through Sluice (`pools[].prefill`), between simulators that speak
+//! vLLM's `NixlConnector` wire: a long prompt's prefill leg on the prefill pool, its decode
+//! leg with the transfer, every transfer checked by the decode leg's usage, and each way it
+//! can fail leaving the client a whole answer.
+// Test code: a panic is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::{json, Value};
+use sluice_testkit::*;
+use std::time::Duration;
+use vllm_sim::{Faults, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
+
+const MODEL: &str = "llama";
+
+/// A V1 engine serving both legs (chunked prefill, prefix caching, usage details).
+async fn engine(policy: LoadFailurePolicy, per_token: Duration) -> vllm_sim::Sim {
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .v1_engine(8192)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                per_token,
+                Duration::from_millis(1),
+            ))
+            .with_answer_tokens(4, 4)
+            .with_kv_transfer(KvTransferConfig {
+                transfer_per_token: Duration::from_micros(1),
+                load_failure_policy: policy,
+                ..KvTransferConfig::default()
+            }),
+    )
+    .await
+    .expect("sim")
+}
+
+/// A proxy whose pool `decode` (first: the client's requests go there) decodes for the pool
+/// `prefill`, prompts of 500 tokens or more going through both.
+async fn proxy(decode: &vllm_sim::Sim, prefill: &vllm_sim::Sim, route: Value) -> Proxy {
+    let mut settings = json!({"pool": "prefill", "min_prefill_tokens": 500});
+    if let (Value::Object(s), Value::Object(more)) = (&mut settings, route) {
+        s.extend(more);
+    }
+    Proxy::start(json!({
+        "pools": [
+            pool("decode", &[MODEL], &[decode.addr()])
+                .with_fast_health_checks()
+                .with("prefill", settings),
+            pool("prefill", &[MODEL], &[prefill.addr()]).with_fast_health_checks(),
+        ],
+    }))
+    .await
+}
+
+/// A prompt of about `tokens` tokens (the simulator counts four bytes a token), its own.
+fn chat(tag: &str, tokens: usize, stream: bool) -> Value {
+    let text = format!("{tag}: {}", "word ".repeat(tokens * 4 / 5));
+    json!({"model": MODEL, "messages": [{"role": "user", "content": text}],
+           "max_tokens": 4, "stream": stream})
+}
+
+fn lent(sim: &vllm_sim::Sim) -> u64 {
+    sim.kv_transfer().expect("kv_transfer").lent
+}
+
+async fn path_count(proxy: &Proxy, path: &str) -> f64 {
+    proxy
+        .metric(&format!(
+            r#"sluice_pd_requests_total{{path="{path}",pool="decode"}}"#
+        ))
+        .await
+        .unwrap_or(0.0)
+}
+
+fn usage_of(a: &Answer) -> (u64, u64) {
+    let body: Value = serde_json::from_str(&a.body).expect("JSON answer");
+    let usage = &body["usage"];
+    (
+        usage["prompt_tokens"].as_u64().unwrap_or(0),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+#[tokio::test]
+async fn a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_with_its_transfer() {
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let proxy = proxy(&decode, &prefill, json!({})).await;
+    let a = proxy.ask(&chat("long", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (prompt, cached) = usage_of(&a);
+    assert_eq!(
+        cached,
+        prompt - 1,
+        "the decode engine read the prompt: {}",
+        a.body
+    );
+    assert_eq!(lent(&prefill), 1, "one prefill leg");
+    assert_eq!(
+        prefill.kv_transfer().unwrap().read,
+        1,
+        "read by the decode engine"
+    );
+    assert_eq!(path_count(&proxy, "disaggregated").await, 1.0);
+    let transferred = proxy
+        .metric_once(
+            r#"sluice_pd_transfers_total{outcome="transferred",pool="decode"}"#,
+            1.0,
+        )
+        .await;
+    assert_eq!(transferred, Some(1.0), "{}", proxy.metrics().await);
+
+    // A stream: its usage is asked for the check, and kept from a client that did not ask.
+    let a = proxy.ask(&chat("streamed", 2_000, true), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+    assert!(!a.body.contains("\"usage\":{"), "{}", a.body);
+    assert_eq!(lent(&prefill), 2);
+    let transferred = proxy
+        .metric_once(
+            r#"sluice_pd_transfers_total{outcome="transferred",pool="decode"}"#,
+            2.0,
+        )
+        .await;
+    assert_eq!(transferred, Some(2.0), "{}", proxy.metrics().await);
+    let status = proxy.status().await;
+    let route = &status["pools"][0]["prefill"];
+    assert_eq!(route["state"], "disaggregated", "{status}");
+    assert_eq!(route["connector"], "nixl");
+}
+
+#[tokio::test]
+async fn a_prompt_the_decode_backend_would_compute_little_of_is_decoded_whole() {
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let proxy = proxy(&decode, &prefill, json!({})).await;
+    let a = proxy.ask(&chat("short", 100, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(lent(&prefill), 0, "no prefill leg");
+    assert_eq!(path_count(&proxy, "short").await, 1.0);
+}
+
+#[tokio::test]
+async fn transfers_that_do_nothing_are_found_and_the_route_falls_back() {
+    // The prefill engine answers transfer parameters for blocks it did not keep; the decode
+    // engine recomputes, silently: a 200 all the same.
+    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    prefill.set_faults(Faults {
+        kv_transfer_lost: 1.0,
+        ..Faults::default()
+    });
+    let proxy = proxy(
+        &decode,
+        &prefill,
+        json!({"fail_after": 3, "recover_after": "1h"}),
+    )
+    .await;
+    for i in 0..6 {
+        let a = proxy
+            .ask(&chat(&format!("lost {i}"), 2_000, false), &[])
+            .await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+        let (_, cached) = usage_of(&a);
+        assert_eq!(cached, 0, "recomputed: {}", a.body);
+        // Each verdict is in before the next request is placed.
+        let judged = proxy
+            .metric_once(
+                r#"sluice_pd_transfers_total{outcome="recomputed",pool="decode"}"#,
+                f64::from((i + 1).min(3)),
+            )
+            .await;
+        assert_eq!(judged, Some(f64::from((i + 1).min(3))), "request {i}");
+    }
+    assert_eq!(lent(&prefill), 3, "no prefill leg once fallen back");
+    assert_eq!(path_count(&proxy, "fallen_back").await, 3.0);
+    let status = proxy.status().await;
+    let route = &status["pools"][0]["prefill"];
+    assert_eq!(route["state"], "fallen_back", "{status}");
+    assert_eq!(route["recent_recomputed"], 3);
+    assert_eq!(
+        proxy
+            .metric(r#"sluice_pd_route_disaggregated{pool="decode"}"#)
+            .await,
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn a_failed_prefill_leg_leaves_the_decode_backend_doing_the_whole_request() {
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    prefill.set_faults(Faults {
+        error_rate: 1.0,
+        error_status: 500,
+        ..Faults::default()
+    });
+    let proxy = proxy(&decode, &prefill, json!({})).await;
+    let a = proxy.ask(&chat("refused", 2_000, true), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+    assert!(!a.body.contains("\"error\""), "{}", a.body);
+    assert_eq!(path_count(&proxy, "prefill_failed").await, 1.0);
+    assert_eq!(lent(&prefill), 0);
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_during_the_prefill_leg_stops_it() {
+    // A prefill of 2,000 tokens at 2 ms a token: 4 s, which the client does not wait for.
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_millis(2)).await;
+    let proxy = proxy(&decode, &prefill, json!({})).await;
+    let url = proxy.url("/v1/chat/completions");
+    let body = chat("leaving", 2_000, false);
+    let client = tokio::spawn(async move { ask_url(&url, &body, &[]).await });
+    let started = wait_for(Duration::from_secs(10), || async {
+        prefill.stats().running == 1
+    })
+    .await;
+    assert!(
+        started.is_some(),
+        "the prefill leg never came: {:?}",
+        prefill.stats()
+    );
+    // The client leaves: its connection closes.
+    client.abort();
+    let _ = client.await;
+    // The prefill engine sees its own client (the leg) leave, and drops the request long
+    // before its prefill would have ended.
+    let dropped = wait_for(Duration::from_secs(10), || async {
+        prefill.stats().running == 0
+    })
+    .await;
+    assert!(dropped.is_some(), "{:?}", prefill.stats());
+    assert_eq!(prefill.stats().completed, 0, "aborted, not finished");
+    assert_eq!(lent(&prefill), 0);
+    assert_eq!(
+        decode.stats().count("/v1/chat/completions"),
+        0,
+        "the decode leg was never sent"
+    );
+}
