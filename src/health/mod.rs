@@ -301,7 +301,11 @@ impl Checker {
                 self.report_page(&read, name, host);
                 match read {
                     Ok(read) => {
+                        let taught = live.engine_speed_samples();
                         live.publish_load(read.load);
+                        if live.engine_speed_samples() > taught {
+                            pool.share_prefill_speed(live.prefill_speed());
+                        }
                         "ok"
                     }
                     Err(Unread::TooSlow) => "parse_timeout",

@@ -676,6 +676,18 @@ impl BackendLive {
         }
     }
 
+    /// Takes `tokens_per_second` as its prefill speed when it has learned none of its own
+    /// (no first token, no scrape has taught it): a pool's engines are alike, and a backend
+    /// left at the seed while another has measured itself would look slower than it is, so
+    /// that every request went to the one that measured.
+    pub fn adopt_prefill_speed(&self, tokens_per_second: f64) {
+        let unmeasured = self.speed_samples() == 0 && self.engine_speed_samples() == 0;
+        if unmeasured && tokens_per_second.is_finite() && tokens_per_second > 0.0 {
+            self.prefill_speed
+                .store(tokens_per_second.to_bits(), Relaxed);
+        }
+    }
+
     /// How many scrape intervals the engine's histograms taught the speed from.
     pub fn engine_speed_samples(&self) -> u64 {
         self.engine_speed_samples.load(Relaxed)
@@ -1587,6 +1599,28 @@ mod tests {
             ..interval
         }));
         assert_eq!(b.engine_speed_samples(), 30);
+    }
+
+    #[test]
+    fn a_backend_that_measured_nothing_takes_a_peers_speed() {
+        let measured = BackendLive::default();
+        measured.seed_prefill_speed(10_000.0);
+        measured.publish_load(Load {
+            engine: Some(EnginePhases {
+                requests: 4.0,
+                queue_seconds: 0.0,
+                prefill_seconds: 0.1,
+                computed_tokens: 4_000.0,
+            }),
+            ..load(0.1, None)
+        });
+        let peer = BackendLive::default();
+        peer.seed_prefill_speed(10_000.0);
+        peer.adopt_prefill_speed(measured.prefill_speed());
+        assert_eq!(peer.prefill_speed(), measured.prefill_speed());
+        // Its own measure is never replaced.
+        measured.adopt_prefill_speed(1_000.0);
+        assert!(measured.prefill_speed() > 10_000.0);
     }
 
     #[test]
