@@ -236,6 +236,12 @@ pub enum Contender {
     SluicePriorityOnly,
     /// Scenario 29: `fairness: on`.
     SluiceFair,
+    /// Scenario 30: one pool, every engine prefilling and decoding.
+    SluiceAggregated,
+    /// Scenario 30: two engines prefill, two decode (`pools[].prefill`).
+    SluiceDisaggregated,
+    /// Scenario 30: the split fleet losing half its transfers.
+    SluiceDisaggregatedLossy,
 }
 
 impl Contender {
@@ -305,6 +311,11 @@ impl Contender {
             Contender::SluiceFifo => "sluice (fairness: off, FIFO)",
             Contender::SluicePriorityOnly => "sluice (fairness: off, priority classes)",
             Contender::SluiceFair => "sluice (fairness: on)",
+            Contender::SluiceAggregated => "sluice (aggregated: 4 engines)",
+            Contender::SluiceDisaggregated => "sluice (disaggregated: 2 prefill + 2 decode)",
+            Contender::SluiceDisaggregatedLossy => {
+                "sluice (disaggregated, half the transfers lost)"
+            }
         }
     }
 

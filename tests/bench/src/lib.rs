@@ -8,6 +8,7 @@
 pub mod abuse;
 pub mod bare;
 pub mod contenders;
+pub mod disaggregation;
 pub mod discovery;
 pub mod fleet;
 pub mod flow_fairness;
@@ -171,6 +172,9 @@ pub struct Params {
     pub fair_window: Duration,
     pub fair_short_sessions: usize,
     pub fair_levels: Vec<usize>,
+    /// Scenario 30: how many long requests each row sends, one every so often.
+    pub pd_requests: usize,
+    pub pd_every: Duration,
 }
 
 impl Params {
@@ -253,6 +257,8 @@ impl Params {
             fair_window: Duration::from_secs(30),
             fair_short_sessions: 40,
             fair_levels: vec![4, 12, 24],
+            pd_requests: 120,
+            pd_every: Duration::from_millis(400),
         }
     }
 
@@ -337,6 +343,8 @@ impl Params {
             fair_window: Duration::from_secs(5),
             fair_short_sessions: 4,
             fair_levels: vec![2],
+            pd_requests: 6,
+            pd_every: Duration::from_millis(400),
         }
     }
 }

@@ -112,6 +112,10 @@ pub const ALL: &[(u8, &str)] = &[
         29,
         "Agent sessions at saturation: long agent sessions and short chats on engines that queue first come, first served, swept past capacity; FIFO, priority classes and fair flow control",
     ),
+    (
+        30,
+        "Prefill and decode on separate pools: long prompts with long answers on 4 engines aggregated and split 2 + 2, and the split fleet losing half its transfers",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -144,6 +148,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         27 => crate::trace_replay::trace_replay(ctx).await,
         28 => crate::scale_from_zero::scale_from_zero(ctx).await,
         29 => crate::flow_fairness::flow_fairness(ctx).await,
+        30 => crate::disaggregation::disaggregation(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -365,7 +370,10 @@ impl Stack {
                 | Contender::SluiceNoWait
                 | Contender::SluiceFifo
                 | Contender::SluicePriorityOnly
-                | Contender::SluiceFair => {
+                | Contender::SluiceFair
+                | Contender::SluiceAggregated
+                | Contender::SluiceDisaggregated
+                | Contender::SluiceDisaggregatedLossy => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
