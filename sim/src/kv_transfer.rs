@@ -133,6 +133,9 @@ pub struct RemoteBlocks {
     pub block_ids: Vec<u64>,
     pub host: String,
     pub port: u16,
+    /// What the prefill engine's prefix cache served of the prompt: vLLM 0.32 reports it as
+    /// the decode answer's `cached_tokens`.
+    pub prefill_cached: Option<u32>,
 }
 
 impl TransferAsk {
@@ -151,18 +154,33 @@ impl TransferAsk {
             Some(RemoteBlocks {
                 engine_id: text("remote_engine_id")?,
                 request_id: text("remote_request_id")?,
-                block_ids: params
-                    .get("remote_block_ids")?
-                    .as_array()?
-                    .iter()
-                    .map(Value::as_u64)
-                    .collect::<Option<Vec<_>>>()?,
+                block_ids: block_ids(params.get("remote_block_ids")?)?,
                 host: text("remote_host")?,
                 port: u16::try_from(params.get("remote_port")?.as_u64()?).ok()?,
+                prefill_cached: params
+                    .get("remote_prefill_cached_tokens")
+                    .and_then(Value::as_u64)
+                    .and_then(|n| u32::try_from(n).ok()),
             })
         })();
         Some(blocks.map_or(TransferAsk::Invalid, TransferAsk::RemotePrefill))
     }
+}
+
+/// `remote_block_ids`: one list per KV-cache group (vLLM 0.32: `[[1, 2, 3]]`), or one list.
+fn block_ids(value: &Value) -> Option<Vec<u64>> {
+    let mut ids = Vec::new();
+    for item in value.as_array()? {
+        match item {
+            Value::Array(group) => {
+                for id in group {
+                    ids.push(id.as_u64()?);
+                }
+            }
+            id => ids.push(id.as_u64()?),
+        }
+    }
+    Some(ids)
 }
 
 /// Why a read failed.
@@ -261,10 +279,18 @@ impl KvTransfer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Keeps the blocks of a prefilled prompt of `tokens` for a decode engine, and returns
-    /// the answer's `kv_transfer_params`. When `lost`, the parameters are answered but the
-    /// blocks are not kept.
-    pub fn lend(&self, request_id: &str, tokens: u32, block_size: u32, lost: bool) -> Value {
+    /// Keeps the blocks of a prefilled prompt of `tokens` (`cached` of them served by the
+    /// prefix cache) for a decode engine, and returns the answer's `kv_transfer_params`, as
+    /// vLLM 0.32 writes them. When `lost`, the parameters are answered but the blocks are not
+    /// kept.
+    pub fn lend(
+        &self,
+        request_id: &str,
+        tokens: u32,
+        cached: u32,
+        block_size: u32,
+        lost: bool,
+    ) -> Value {
         let blocks = u64::from(tokens.div_ceil(block_size.max(1)));
         let first = self.next_block.fetch_add(blocks, Ordering::Relaxed);
         let block_ids: Vec<u64> = (first..first + blocks).collect();
@@ -284,12 +310,18 @@ impl KvTransfer {
         json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
-            "remote_block_ids": block_ids,
+            "remote_block_ids": [block_ids],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.side_channel.ip().to_string(),
             "remote_port": self.side_channel.port(),
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": tokens,
+            "remote_blocks_expiry_time": null,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": cached,
         })
     }
 
@@ -444,7 +476,7 @@ mod tests {
             Some(TransferAsk::RemoteDecode)
         );
         let decode = json!({"do_remote_prefill": true, "do_remote_decode": false,
-                            "remote_block_ids": [1, 2], "remote_engine_id": "e",
+                            "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
                             "remote_request_id": "r", "remote_host": "127.0.0.1",
                             "remote_port": 5600, "tp_size": 1});
         assert!(matches!(
@@ -492,7 +524,7 @@ mod tests {
             Some(TransferAsk::RemotePrefill(remote)) => remote,
             other => panic!("{other:?}"),
         };
-        let first = remote(&prefill.lend("a", 100, 16, false));
+        let first = remote(&prefill.lend("a", 100, 0, 16, false));
         assert_eq!(first.block_ids.len(), 7);
         assert_eq!(decode.read(&first).await, Ok(100));
         assert!(matches!(
@@ -500,14 +532,14 @@ mod tests {
             Err(ReadFailure::Refused(_))
         ));
         // Not read within its lease: gone.
-        let late = remote(&prefill.lend("b", 32, 16, false));
+        let late = remote(&prefill.lend("b", 32, 0, 16, false));
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(matches!(
             decode.read(&late).await,
             Err(ReadFailure::Refused(_))
         ));
         // Answered, never kept.
-        let lost = remote(&prefill.lend("c", 32, 16, true));
+        let lost = remote(&prefill.lend("c", 32, 0, 16, true));
         assert!(matches!(
             decode.read(&lost).await,
             Err(ReadFailure::Refused(_))

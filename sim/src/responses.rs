@@ -42,6 +42,9 @@ pub struct Usage {
 #[derive(Serialize, Clone, Copy, Debug)]
 pub struct PromptTokensDetails {
     pub cached_tokens: u32,
+    /// vLLM 0.32: the prompt tokens computed into new cache blocks (whole blocks).
+    pub created_cache_tokens: u32,
+    pub multimodal_tokens: Option<()>,
 }
 
 /// The usage of a stream: on the last chunk, or on every chunk with `continuous_usage_stats`

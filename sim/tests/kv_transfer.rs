@@ -60,6 +60,13 @@ fn cached_tokens(answer: &Value) -> u64 {
         .unwrap_or(0)
 }
 
+/// What the engine computed into new cache blocks (vLLM 0.32's `created_cache_tokens`).
+fn created_tokens(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["created_cache_tokens"]
+        .as_u64()
+        .expect("created_cache_tokens")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_decode_leg_reads_the_prefill_legs_blocks_once() {
     let prefill = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
@@ -75,17 +82,23 @@ async fn the_decode_leg_reads_the_prefill_legs_blocks_once() {
     }
     assert!(params["remote_port"].is_u64());
     let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
-    // Blocks of 16 tokens, the last one part full.
-    let blocks = params["remote_block_ids"].as_array().unwrap().len() as u64;
+    // Blocks of 16 tokens, the last one part full, in one KV-cache group.
+    let blocks = params["remote_block_ids"][0].as_array().unwrap().len() as u64;
     assert_eq!(blocks, prompt.div_ceil(16), "{params}");
+    assert_eq!(params["remote_num_tokens"].as_u64(), Some(prompt));
+    assert_eq!(params["transfer_mode"], "pull");
+    assert_eq!(
+        created_tokens(&first),
+        prompt / 16 * 16,
+        "the prefill computed it"
+    );
 
     let (status, answer) = post(&decode, CHAT, &decode_leg(&body, params)).await;
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(
-        cached_tokens(&answer),
-        prompt - 1,
-        "all but the last token came from the prefill engine: {answer}"
-    );
+    // As vLLM 0.32 says it: nothing computed into new blocks here, and as cached what the
+    // prefill engine's cache served (nothing).
+    assert_eq!(created_tokens(&answer), 0, "read, not computed: {answer}");
+    assert_eq!(cached_tokens(&answer), 0, "{answer}");
     assert!(answer["kv_transfer_params"].is_null());
     let counts = get_json(&format!("{}/sim/kv_transfer", prefill.url())).await;
     assert_eq!(
@@ -117,7 +130,12 @@ async fn a_lost_transfer_is_recomputed_silently_under_the_recompute_policy() {
     // A 200 all the same, with nothing from the transfer: only the usage tells.
     let (status, answer) = post(&decode, CHAT, &decode_leg(&body, params)).await;
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(cached_tokens(&answer), 0, "{answer}");
+    let prompt = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        created_tokens(&answer),
+        prompt / 16 * 16,
+        "computed again: {answer}"
+    );
     let counts = get_json(&format!("{}/sim/kv_transfer", prefill.url())).await;
     assert_eq!(counts["refused"], 1, "{counts}");
 }
@@ -153,5 +171,28 @@ async fn parameters_without_what_a_read_needs_are_ignored() {
     );
     let (status, answer) = post(&decode, CHAT, &body).await;
     assert_eq!(status, 200, "prefilled here: {answer}");
-    assert_eq!(cached_tokens(&answer), 0);
+    assert!(created_tokens(&answer) > 0, "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_answer_carries_what_a_real_vllm_0_32_answers() {
+    let captured = json_fixture("vllm-0.32/pd-prefill-leg.json");
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_secs(30)).await;
+    let (_, answer) = post(&prefill, CHAT, &prefill_leg(&long_prompt())).await;
+    let keys = |v: &Value| {
+        let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        keys
+    };
+    let (ours, real) = (
+        &answer["kv_transfer_params"],
+        &captured["kv_transfer_params"],
+    );
+    assert_eq!(keys(ours), keys(real));
+    assert!(real["remote_block_ids"][0].is_array() && ours["remote_block_ids"][0].is_array());
+    assert_eq!(ours["transfer_mode"], real["transfer_mode"]);
+    assert_eq!(
+        keys(&answer["usage"]["prompt_tokens_details"]),
+        keys(&captured["usage"]["prompt_tokens_details"])
+    );
 }

@@ -24,6 +24,8 @@ pub struct Answer {
     fingerprint: Option<String>,
     /// Prompt tokens the prefix cache served, once the prefill began.
     cached_tokens: std::sync::atomic::AtomicU32,
+    /// Prompt tokens computed into new cache blocks, once the prefill is done.
+    created_tokens: std::sync::atomic::AtomicU32,
     /// `--enable-prompt-tokens-details`: usage tells them.
     prompt_details: bool,
     /// The API the answer is written in.
@@ -111,6 +113,7 @@ impl Answer {
             fingerprint: v0_32.then(|| shared.system_fingerprint()),
             request,
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
+            created_tokens: std::sync::atomic::AtomicU32::new(0),
             prompt_details: config.prompt_tokens_details,
             kv_transfer_params: None,
             wire: Wire::OpenAi,
@@ -118,6 +121,12 @@ impl Answer {
     }
 
     /// The prefix cache served `tokens` of the prompt.
+    /// The prompt tokens computed into new cache blocks (usage's `created_cache_tokens`).
+    pub fn set_created_tokens(&self, tokens: u32) {
+        self.created_tokens
+            .store(tokens, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn set_cached_tokens(&self, tokens: u32) {
         self.cached_tokens
             .store(tokens, std::sync::atomic::Ordering::Relaxed);
@@ -141,6 +150,10 @@ impl Answer {
             cached_tokens: self
                 .cached_tokens
                 .load(std::sync::atomic::Ordering::Relaxed),
+            created_cache_tokens: self
+                .created_tokens
+                .load(std::sync::atomic::Ordering::Relaxed),
+            multimodal_tokens: None,
         })
     }
 

@@ -143,7 +143,7 @@ impl Generation {
             answer.request.cache_salt.as_deref(),
             answer.request.lora.as_ref(),
         );
-        // What was read counts as cached, as vLLM counts it; the cache may hold more.
+        // What was read counts as computed here; the cache may hold more.
         let cached = lookup.cached_tokens.max(transferred);
         self.note_cached(answer, cached);
         self.scheduled = self
@@ -158,9 +158,19 @@ impl Generation {
         Ok(())
     }
 
-    /// Records `cached` prompt tokens as served without computing them.
+    /// Records `cached` prompt tokens as not computed here. The answer's usage says so
+    /// (`cached_tokens`), and how many it computed into new whole blocks
+    /// (`created_cache_tokens`); a decode leg's `cached_tokens` is what the prefill engine's
+    /// cache served instead (`remote_prefill_cached_tokens`), as vLLM 0.32 reports it.
     fn note_cached(&mut self, answer: &Answer, cached: u32) {
-        answer.set_cached_tokens(cached);
+        let block = self.shared.config.block_size.max(1);
+        let whole = |tokens: u32| tokens / block * block;
+        answer.set_created_tokens(whole(answer.prompt_tokens()).saturating_sub(whole(cached)));
+        let reported = match &answer.request.kv_transfer {
+            Some(TransferAsk::RemotePrefill(remote)) => remote.prefill_cached.unwrap_or(cached),
+            _ => cached,
+        };
+        answer.set_cached_tokens(reported);
         self.cached_tokens = cached;
         self.shared
             .metrics

@@ -34,6 +34,7 @@ pub async fn respond(
         answer.kv_transfer_params = Some(transfer.lend(
             &answer.id,
             answer.prompt_tokens(),
+            answer.cached_tokens(),
             shared.config.block_size,
             lost,
         ));
