@@ -73,14 +73,16 @@ async fn path_count(proxy: &Proxy, path: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The answer's prompt tokens, and those its engine computed into new cache blocks
+/// (vLLM 0.32's `created_cache_tokens`).
 fn usage_of(a: &Answer) -> (u64, u64) {
     let body: Value = serde_json::from_str(&a.body).expect("JSON answer");
     let usage = &body["usage"];
     (
         usage["prompt_tokens"].as_u64().unwrap_or(0),
-        usage["prompt_tokens_details"]["cached_tokens"]
+        usage["prompt_tokens_details"]["created_cache_tokens"]
             .as_u64()
-            .unwrap_or(0),
+            .expect("created_cache_tokens"),
     )
 }
 
@@ -91,13 +93,9 @@ async fn a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_with_its_tra
     let proxy = proxy(&decode, &prefill, json!({})).await;
     let a = proxy.ask(&chat("long", 2_000, false), &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    let (prompt, cached) = usage_of(&a);
-    assert_eq!(
-        cached,
-        prompt - 1,
-        "the decode engine read the prompt: {}",
-        a.body
-    );
+    let (prompt, computed) = usage_of(&a);
+    assert!(prompt > 1_000, "{}", a.body);
+    assert_eq!(computed, 0, "the decode engine read the prompt: {}", a.body);
     assert_eq!(lent(&prefill), 1, "one prefill leg");
     assert_eq!(
         prefill.kv_transfer().unwrap().read,
@@ -164,8 +162,8 @@ async fn transfers_that_do_nothing_are_found_and_the_route_falls_back() {
             .ask(&chat(&format!("lost {i}"), 2_000, false), &[])
             .await;
         assert_eq!(a.status, 200, "request {i}: {}", a.body);
-        let (_, cached) = usage_of(&a);
-        assert_eq!(cached, 0, "recomputed: {}", a.body);
+        let (prompt, computed) = usage_of(&a);
+        assert!(computed > prompt / 2, "recomputed: {}", a.body);
         // Each verdict is in before the next request is placed.
         let judged = proxy
             .metric_once(

@@ -1041,3 +1041,76 @@ async fn a_messages_prompt_is_cached_per_tenant() {
         "tenant b reads none of tenant a's blocks: {usage}"
     );
 }
+
+/// Disaggregated prefill between two real vLLM 0.32 servers (CPU build, `NixlConnector`,
+/// its UCX plugin moving the blocks over TCP on this host): Sluice sends a long prompt's
+/// prefill leg to one and the decode leg, with the prefill answer's `kv_transfer_params`, to
+/// the other. The decode engine's usage says it computed nothing into new blocks (what
+/// vLLM 0.32 reports of a transfer), and Sluice counts the transfer as done; a stream too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_and_decode_on_two_real_engines() {
+    let transfer =
+        r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}"#;
+    let (side_p, side_d) = (
+        reserve_port().release().to_string(),
+        reserve_port().release().to_string(),
+    );
+    let args: &[&str] = &[
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        transfer,
+    ];
+    let mut servers = RealVllm::start_all_with_env(&[
+        (
+            TinyModel::Target,
+            args,
+            &[("VLLM_NIXL_SIDE_CHANNEL_PORT", &side_p)],
+        ),
+        (
+            TinyModel::Target,
+            args,
+            &[("VLLM_NIXL_SIDE_CHANNEL_PORT", &side_d)],
+        ),
+    ]);
+    let (decode, prefill) = (servers.remove(1), servers.remove(0));
+    let proxy = Proxy::start(json!({
+        "pools": [
+            real_pool("decode", &decode)
+                .with("prefill", json!({"pool": "prefill", "min_prefill_tokens": 200})),
+            real_pool("prefill", &prefill),
+        ],
+    }))
+    .await;
+    let transferred = r#"sluice_pd_transfers_total{outcome="transferred",pool="decode"}"#;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        // About 600 tokens of its own: five of the engine's 128-token blocks.
+        let request = json!({"model": MODEL, "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user",
+                          "content": format!("{i}: {}", "def f(x):\n    return x * 2\n".repeat(60))}]});
+        let a = ask_patiently(&proxy.url("/v1/chat/completions"), &request, &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        if !stream {
+            let usage = &body(&a)["usage"];
+            assert!(usage["prompt_tokens"].as_u64().unwrap() > 500, "{usage}");
+            assert_eq!(
+                usage["prompt_tokens_details"]["created_cache_tokens"],
+                json!(0),
+                "the decode engine read the prompt's blocks: {usage}"
+            );
+        } else {
+            assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+        }
+        let counted = proxy.metric_once(transferred, (i + 1) as f64).await;
+        assert_eq!(
+            counted,
+            Some((i + 1) as f64),
+            "{}\n(the engines' logs: {:?}, {:?})",
+            proxy.metrics().await,
+            prefill.log_path(),
+            decode.log_path()
+        );
+    }
+    let status = proxy.status().await;
+    assert_eq!(status["pools"][0]["prefill"]["state"], "disaggregated");
+}

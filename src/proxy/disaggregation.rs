@@ -227,22 +227,24 @@ fn outcome_error(outcome: &Outcome) -> String {
 }
 
 /// Judges a disaggregated request's decode leg by its usage, once read: the engine's
-/// `prompt_tokens` and the `cached` of them it did not compute.
-pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, cached: Option<u64>) {
+/// `prompt_tokens`, the `created` of them it computed into new cache blocks, and the
+/// `cached` it says it did not compute.
+pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, created: Option<u64>, cached: Option<u64>) {
     let Some(sent) = ctx.state.remove::<TransferSent>() else {
         return;
     };
     let Some(check) = sent.pool.transfer_check() else {
         return;
     };
-    let outcome = TransferOutcome::judge(prompt_tokens, cached);
+    let outcome = TransferOutcome::judge(prompt_tokens, created, cached);
     let pool = &*sent.pool.name;
     crate::metrics::inc(&crate::metrics::PD_TRANSFERS, &[pool, outcome.as_str()]);
     if outcome == TransferOutcome::Recomputed {
         tracing::warn!(
             pool,
             prompt_tokens,
-            cached = cached.unwrap_or(0),
+            computed = ?created,
+            cached = ?cached,
             "a decode leg recomputed its prompt: the KV transfer did nothing"
         );
     }

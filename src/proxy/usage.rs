@@ -61,13 +61,17 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
     if let Some((events, family)) = watch.strip.as_mut() {
         drop_usage_chunk(*family, events, body, end);
     }
-    let (found, cached) = (watch.scanner.usage(), watch.scanner.cached_tokens());
+    let (found, cached, created) = (
+        watch.scanner.usage(),
+        watch.scanner.cached_tokens(),
+        watch.scanner.created_cache_tokens(),
+    );
     // A stream's running totals (`continuous_usage_stats`): the last one found is the answer's.
     if let Some(found) = found.filter(|u| ctx.usage() != Some(*u)) {
         if ctx.usage().is_none() && !ctx.answered_locally() {
             learn_prompt_scale(ctx, found);
             report_cached_tokens(ctx, cached);
-            super::disaggregation::judge(ctx, found.prompt_tokens, cached);
+            super::disaggregation::judge(ctx, found.prompt_tokens, created, cached);
         }
         ctx.set_usage(found);
     }

@@ -38,6 +38,9 @@ pub struct UsageNames {
     pub completion: &'static str,
     /// The path, from the usage object, of the prompt tokens the engine's prefix cache served.
     pub cached: &'static [&'static str],
+    /// The path of the prompt tokens the engine computed and wrote to its prefix cache
+    /// (vLLM 0.32's `created_cache_tokens`, in whole blocks).
+    pub created: &'static [&'static str],
 }
 
 impl UsageNames {
@@ -47,6 +50,7 @@ impl UsageNames {
         prompt: &["prompt_tokens"],
         completion: "completion_tokens",
         cached: &["prompt_tokens_details", "cached_tokens"],
+        created: &["prompt_tokens_details", "created_cache_tokens"],
     };
     /// OpenAI's Responses.
     pub const RESPONSES: UsageNames = UsageNames {
@@ -54,6 +58,7 @@ impl UsageNames {
         prompt: &["input_tokens"],
         completion: "output_tokens",
         cached: &["input_tokens_details", "cached_tokens"],
+        created: &["input_tokens_details", "created_cache_tokens"],
     };
     /// Anthropic's Messages: `input_tokens` leaves out what the cache served
     /// (`cache_read_input_tokens`) and what was written to it (`cache_creation_input_tokens`),
@@ -67,6 +72,7 @@ impl UsageNames {
         ],
         completion: "output_tokens",
         cached: &["cache_read_input_tokens"],
+        created: &["cache_creation_input_tokens"],
     };
 
     fn key(&self) -> &'static [u8] {
@@ -110,6 +116,8 @@ pub struct UsageScanner {
     prompt_parts: [Option<u64>; 4],
     /// The prompt tokens the engine's prefix cache served, when the found usage says.
     cached_tokens: Option<u64>,
+    /// The prompt tokens the engine computed into new cache blocks, when it says.
+    created_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -280,6 +288,12 @@ impl UsageScanner {
         self.cached_tokens
     }
 
+    /// The prompt tokens the engine computed and wrote to new prefix-cache blocks
+    /// (`prompt_tokens_details.created_cache_tokens`, vLLM 0.32), when it says.
+    pub fn created_cache_tokens(&self) -> Option<u64> {
+        self.created_tokens
+    }
+
     /// One byte, where only a key at the bounded depth counts: the nesting reader finds the
     /// key, the usual states read what follows it.
     fn feed_nested(&mut self, byte: u8) {
@@ -376,13 +390,18 @@ impl UsageScanner {
                     completion_tokens: completion.unwrap_or(0),
                 });
             }
-            let cached = names.cached.split_first().and_then(|(first, rest)| {
-                rest.iter()
-                    .try_fold(counts.get(*first)?, |at, name| at.get(name))?
-                    .as_u64()
-            });
-            if let Some(cached) = cached {
+            let at = |path: &[&str]| {
+                path.split_first().and_then(|(first, rest)| {
+                    rest.iter()
+                        .try_fold(counts.get(*first)?, |at, name| at.get(name))?
+                        .as_u64()
+                })
+            };
+            if let Some(cached) = at(names.cached) {
                 self.cached_tokens = Some(cached);
+            }
+            if let Some(created) = at(names.created) {
+                self.created_tokens = Some(created);
             }
         }
         self.object.clear();
@@ -709,12 +728,26 @@ mod tests {
     }
 
     #[test]
+    fn vllm_0_32s_created_cache_tokens_are_read() {
+        // A decode leg's answer from a real vLLM 0.32 (CPU) after a NIXL transfer.
+        let body = br#"{"usage":{"prompt_tokens":669,"total_tokens":677,"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":0,"created_cache_tokens":0,"multimodal_tokens":null},"completion_tokens_details":null}}"#;
+        let mut scanner = UsageScanner::new(UsageNames::OPENAI);
+        scanner.feed(body);
+        assert_eq!(scanner.cached_tokens(), Some(0));
+        assert_eq!(scanner.created_cache_tokens(), Some(0));
+        let mut scanner = UsageScanner::new(UsageNames::OPENAI);
+        scanner.feed(br#"{"usage":{"prompt_tokens":9,"completion_tokens":1}}"#);
+        assert_eq!(scanner.created_cache_tokens(), None);
+    }
+
+    #[test]
     fn a_familys_own_names_are_read() {
         const GEMINI: UsageNames = UsageNames {
             key: "\"usageMetadata\"",
             prompt: &["promptTokenCount"],
             completion: "candidatesTokenCount",
             cached: &["cachedContentTokenCount"],
+            created: &[],
         };
         let body = r#"{"candidates":[{"content":{"parts":[{"text":"usage"}]}}],"usageMetadata":{"promptTokenCount":7,"candidatesTokenCount":5,"cachedContentTokenCount":4}}"#;
         for names in [GEMINI] {

@@ -123,11 +123,16 @@ impl TinyModel {
     }
 }
 
+/// A server to start: its model, extra arguments and environment variables.
+pub type ServerSpec<'a> = (TinyModel, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
 /// One real vLLM server, killed on drop.
 pub struct RealVllm {
     model: TinyModel,
     addr: SocketAddr,
     extra: Vec<String>,
+    /// Environment variables of the server's own (`VLLM_NIXL_SIDE_CHANNEL_PORT`).
+    env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -140,11 +145,38 @@ impl RealVllm {
             model,
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
             child: None,
         };
         server.launch();
         server.wait_healthy();
         server
+    }
+
+    /// Starts several at once, each with its own arguments and environment variables.
+    pub fn start_all_with_env(models: &[ServerSpec<'_>]) -> Vec<RealVllm> {
+        let mut servers: Vec<RealVllm> = models
+            .iter()
+            .map(|(model, extra, env)| {
+                let port = reserve_port().release();
+                let mut server = RealVllm {
+                    model: *model,
+                    addr: SocketAddr::from(([127, 0, 0, 1], port)),
+                    extra: extra.iter().map(|s| s.to_string()).collect(),
+                    env: env
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    child: None,
+                };
+                server.launch();
+                server
+            })
+            .collect();
+        for server in &mut servers {
+            server.wait_healthy();
+        }
+        servers
     }
 
     /// Starts several at once (their start-up is mostly waiting), each waited for.
@@ -157,6 +189,7 @@ impl RealVllm {
                     model: *model,
                     addr: SocketAddr::from(([127, 0, 0, 1], port)),
                     extra: extra.iter().map(|s| s.to_string()).collect(),
+                    env: Vec::new(),
                     child: None,
                 };
                 server.launch();
@@ -196,6 +229,7 @@ impl RealVllm {
             ])
             .args(self.model.args())
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -156,6 +156,7 @@ impl ApiFamily for Gemini {
             prompt: &["promptTokenCount"],
             completion: "candidatesTokenCount",
             cached: &["cachedContentTokenCount"],
+            created: &[],
         }
     }
 

@@ -84,16 +84,22 @@ impl TransferOutcome {
         }
     }
 
-    /// Judges a decode leg by its usage: `prompt_tokens` counted, `cached` of them served
-    /// without computing. More than half computed is a transfer that did nothing (the
-    /// engine recomputes one token at least, and a partial read leaves a tail).
-    pub fn judge(prompt_tokens: u64, cached: Option<u64>) -> TransferOutcome {
-        match cached {
-            None => TransferOutcome::Unverified,
-            Some(cached) if cached.saturating_mul(2) >= prompt_tokens => {
-                TransferOutcome::Transferred
-            }
-            Some(_) => TransferOutcome::Recomputed,
+    /// Judges a decode leg by its usage: `prompt_tokens` counted, `created` of them
+    /// computed into new prefix-cache blocks (vLLM 0.32's `created_cache_tokens`), or else
+    /// `cached` of them served without computing. More than half computed is a transfer
+    /// that did nothing (the engine recomputes one token at least, and a partial read leaves
+    /// a tail). vLLM 0.32 reports in `cached_tokens` what the *prefill* engine's cache served
+    /// (`remote_prefill_cached_tokens`), as if one engine had served the request, so the
+    /// decode engine's own work is read from `created_cache_tokens` where the answer has it;
+    /// an engine that counts the transferred tokens as cached (newer vLLM) says it there.
+    pub fn judge(prompt_tokens: u64, created: Option<u64>, cached: Option<u64>) -> TransferOutcome {
+        let half = prompt_tokens.div_ceil(2);
+        match (created, cached) {
+            (Some(created), _) if created >= half => TransferOutcome::Recomputed,
+            (Some(_), _) => TransferOutcome::Transferred,
+            (None, Some(cached)) if cached >= half => TransferOutcome::Transferred,
+            (None, Some(_)) => TransferOutcome::Recomputed,
+            (None, None) => TransferOutcome::Unverified,
         }
     }
 }
@@ -236,22 +242,30 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_leg_is_judged_by_what_its_engine_counted_cached() {
+    fn a_decode_leg_is_judged_by_what_its_engine_computed() {
+        // vLLM 0.32, as captured: the transfer came, nothing computed into new blocks; the
+        // cached count is the prefill engine's.
         assert_eq!(
-            TransferOutcome::judge(4000, Some(3999)),
+            TransferOutcome::judge(669, Some(0), Some(0)),
             TransferOutcome::Transferred
         );
+        // The decode engine computed the prompt again (5 blocks of 128).
         assert_eq!(
-            TransferOutcome::judge(4000, Some(0)),
+            TransferOutcome::judge(669, Some(640), Some(0)),
             TransferOutcome::Recomputed
+        );
+        // An engine that counts what it read as cached, and says nothing of what it made.
+        assert_eq!(
+            TransferOutcome::judge(4000, None, Some(3999)),
+            TransferOutcome::Transferred
         );
         // A prefix-cache hit of a third, the rest recomputed.
         assert_eq!(
-            TransferOutcome::judge(4000, Some(1300)),
+            TransferOutcome::judge(4000, None, Some(1300)),
             TransferOutcome::Recomputed
         );
         assert_eq!(
-            TransferOutcome::judge(4000, None),
+            TransferOutcome::judge(4000, None, None),
             TransferOutcome::Unverified
         );
     }
