@@ -210,8 +210,9 @@ metric!(PD_REQUESTS: IntCounterVec = register_int_counter_vec!(
 metric!(PD_TRANSFERS: IntCounterVec = register_int_counter_vec!(
     "sluice_pd_transfers_total",
     "Decode legs of disaggregated requests, by what their usage said of the transfer: \
-     transferred (most of the prompt came cached), recomputed (the engine computed most of \
-     it again: the transfer did nothing), unverified (the answer did not say).",
+     transferred (the decode engine computed less than half of what the transfer was to \
+     bring), recomputed (half or more: the transfer did nothing), unverified (the answer did \
+     not say).",
     &["pool", "outcome"]
 ));
 

@@ -241,3 +241,33 @@ async fn a_client_that_leaves_during_the_prefill_leg_stops_it() {
         "the decode leg was never sent"
     );
 }
+
+#[tokio::test]
+async fn a_retried_decode_leg_is_served_whole_without_a_second_prefill_leg() {
+    // Every decode attempt answers 503: the pool retries twice.
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    decode.set_faults(Faults {
+        error_rate: 1.0,
+        error_status: 503,
+        ..Faults::default()
+    });
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("decode", &[MODEL], &[decode.addr()])
+                .with_fast_health_checks()
+                .with("retry", json!({"max_retries": 2, "backoff_base": "1ms", "backoff_max": "1ms"}))
+                .with("prefill", json!({"pool": "prefill", "min_prefill_tokens": 500})),
+            pool("prefill", &[MODEL], &[prefill.addr()]).with_fast_health_checks(),
+        ],
+    }))
+    .await;
+    let a = proxy.ask(&chat("retried", 2_000, false), &[]).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(
+        decode.stats().count("/v1/chat/completions"),
+        3,
+        "the decode leg and two retries"
+    );
+    assert_eq!(lent(&prefill), 1, "one prefill leg for the request");
+}

@@ -304,6 +304,16 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
             "names this pool: a pool cannot prefill for itself",
         ));
     }
+    if matches!(
+        p.client_fields.engine_controls,
+        file::EngineControlsFile::Pass
+    ) {
+        return Err(Invalid::new(
+            format!("{key}.pool"),
+            "a disaggregated pool's clients may not send `kv_transfer_params`: set \
+             `client_fields.engine_controls: reset` (the default)",
+        ));
+    }
     if route.min_prefill_tokens == 0 {
         return Err(Invalid::new(
             format!("{key}.min_prefill_tokens"),

@@ -2265,6 +2265,14 @@ fn a_prefill_route_names_another_pool_that_exists_with_a_known_connector() {
         "pools[0].prefill.surprise",
         "unknown field",
     );
+    refused(
+        &DISAGGREGATED.replace(
+            "    prefill: PREFILL",
+            "    prefill: {pool: prefill}\n    client_fields: {engine_controls: pass}",
+        ),
+        "pools[0].prefill.pool",
+        "engine_controls: reset",
+    );
     // A prefill pool that itself decodes for another.
     let chained = "
 pools:

@@ -27,7 +27,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 use sluice_sdk::model_name::{self, UpstreamEdits};
 use sluice_sdk::{
-    raw_json, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck, TransferOutcome,
+    raw_json, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck, TransferOutcome, Verdict,
 };
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -52,6 +52,9 @@ pub struct Transfer {
 #[derive(Debug)]
 pub struct TransferSent {
     pool: Arc<Pool>,
+    /// The prompt tokens the transfer was to bring: those the decode backend's prefix cache
+    /// was not predicted to hold.
+    expected: u64,
 }
 
 /// The prefill leg of a request whose pool (`decode_pool`) decodes for a prefill pool, sent
@@ -89,7 +92,8 @@ pub async fn prefill(
         .unwrap_or(0);
     let path =
         |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
-    if demand.prompt_tokens.saturating_sub(cached) < route.min_prefill_tokens {
+    let expected = demand.prompt_tokens.saturating_sub(cached);
+    if expected < route.min_prefill_tokens {
         path("short");
         return Ok(None);
     }
@@ -129,11 +133,16 @@ pub async fn prefill(
     let in_flight = backend
         .live
         .begin_request(demand.prompt_tokens + 1, computed);
+    // The client's first token comes after the leg: it has the decode pool's first-byte
+    // budget at most, and its own pool's.
     let now = Instant::now();
     let timeouts = &prefill_pool.settings.timeouts;
-    let total = now + timeouts.total_for(Some(1));
+    let budget = timeouts
+        .first_byte
+        .min(decode_pool.settings.timeouts.first_byte);
+    let total = now + timeouts.total_for(Some(1)).min(budget);
     let deadlines = Deadlines {
-        first_byte: (now + timeouts.first_byte).min(total),
+        first_byte: (now + budget).min(total),
         total,
     };
     let attempt = Attempt {
@@ -143,6 +152,16 @@ pub async fn prefill(
         in_flight,
     };
     let answer = attempt::fetch(&sluice.upstreams(), session, attempt, deadlines, &span).await;
+    // The prefill backend's passive health counts the leg as any attempt there.
+    let verdict = match &answer {
+        Ok((status, _)) if *status >= 500 => Some(Verdict::Failure),
+        Ok(_) => Some(Verdict::Success),
+        Err(Outcome::NotStarted(_)) => Some(Verdict::Failure),
+        Err(_) => None,
+    };
+    if let Some(verdict) = verdict {
+        super::tries::judge(&prefill_pool, backend.addr, &backend.live, verdict);
+    }
     let params = match answer {
         Ok((200, answer)) => transfer_params(&answer),
         Ok((status, _)) => {
@@ -157,6 +176,10 @@ pub async fn prefill(
     };
     let Some(params) = params else {
         path("prefill_failed");
+        if check.record_failed_leg() {
+            fell_back(&decode_pool.name, check);
+        }
+        publish(&decode_pool.name, check);
         return Ok(None);
     };
     path("disaggregated");
@@ -164,6 +187,7 @@ pub async fn prefill(
     ctx.want_usage();
     ctx.state.insert(TransferSent {
         pool: Arc::clone(decode_pool),
+        expected,
     });
     Ok(Some(Transfer { params }))
 }
@@ -236,7 +260,7 @@ pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, created: Option<u64>, cac
     let Some(check) = sent.pool.transfer_check() else {
         return;
     };
-    let outcome = TransferOutcome::judge(prompt_tokens, created, cached);
+    let outcome = TransferOutcome::judge(prompt_tokens, sent.expected, created, cached);
     let pool = &*sent.pool.name;
     crate::metrics::inc(&crate::metrics::PD_TRANSFERS, &[pool, outcome.as_str()]);
     if outcome == TransferOutcome::Recomputed {
@@ -249,14 +273,19 @@ pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, created: Option<u64>, cac
         );
     }
     if check.record(outcome) {
-        tracing::warn!(
-            pool,
-            recomputed = check.recent_recomputed(),
-            "the disaggregated route falls back to the decode pool alone for {:?}",
-            check.route().recover_after
-        );
+        fell_back(pool, check);
     }
     publish(pool, check);
+}
+
+/// Says that the route fell back.
+fn fell_back(pool: &str, check: &TransferCheck) {
+    tracing::warn!(
+        pool,
+        failed = check.recent_recomputed(),
+        "the disaggregated route falls back to the decode pool alone for {:?}",
+        check.route().recover_after
+    );
 }
 
 /// The route's state in its gauge.

@@ -225,6 +225,8 @@ struct AttemptLoop {
     /// The transfer of a disaggregated request's prefill leg, for its decode leg (the next
     /// attempt only: a retry is served whole).
     transfer: Option<super::disaggregation::Transfer>,
+    /// Its prefill leg was tried (once per request).
+    prefilled: bool,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -496,6 +498,7 @@ impl AttemptLoop {
             waited: false,
             held: false,
             transfer: None,
+            prefilled: false,
         })
     }
 
@@ -604,15 +607,15 @@ impl AttemptLoop {
                     }
                     meets_deadline(ctx, &pool, &backend)?;
                     // 2. prepare
-                    let first_try = self.tried.is_empty();
-                    let in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
-                    // Counted before the next waiter is let in.
-                    drop(held.take());
-                    // A disaggregated pool's long prompt is prefilled elsewhere first, once:
-                    // the decode backend, counted above, was chosen and admitted.
+                    // A disaggregated pool's long prompt is prefilled elsewhere first, once (a
+                    // retry is served whole): the decode backend was chosen and admitted above.
                     ctx.state.remove::<super::disaggregation::TransferSent>();
                     self.transfer = None;
-                    if first_try && pool.transfer_check().is_some() {
+                    let mut backend = backend;
+                    if !self.prefilled && pool.transfer_check().is_some() {
+                        self.prefilled = true;
+                        // The leg runs on another pool: the next waiter here need not wait.
+                        drop(held.take());
                         let body = self.upstream_source(ctx);
                         let request_id = engine_request_id(ctx);
                         let prefilled = super::disaggregation::prefill(
@@ -627,11 +630,24 @@ impl AttemptLoop {
                         )
                         .await;
                         match prefilled {
-                            Ok(transfer) => self.transfer = transfer,
+                            Ok(Some(transfer)) => {
+                                // The decode backend computes next to nothing of it.
+                                backend.cached_tokens =
+                                    Some(demand.prompt_tokens.saturating_sub(1));
+                                self.transfer = Some(transfer);
+                            }
+                            Ok(None) => {}
                             Err(attempt::Outcome::ClientGone(e)) => return Err(e),
                             Err(_) => {}
                         }
                     }
+                    let mut in_flight =
+                        tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
+                    if self.transfer.is_some() {
+                        in_flight.transferred();
+                    }
+                    // Counted before the next waiter is let in.
+                    drop(held.take());
                     let span = tries::span(ctx, &pool, backend.addr);
                     let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;

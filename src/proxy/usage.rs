@@ -71,9 +71,16 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
         if ctx.usage().is_none() && !ctx.answered_locally() {
             learn_prompt_scale(ctx, found);
             report_cached_tokens(ctx, cached);
-            super::disaggregation::judge(ctx, found.prompt_tokens, created, cached);
         }
         ctx.set_usage(found);
+    }
+    // A disaggregated request's transfer, judged by the usage that says what the decode
+    // engine computed (a stream's running usage, `continuous_usage_stats`, does not), or by
+    // the last one.
+    if let Some(usage) = ctx.usage().filter(|_| !ctx.answered_locally()) {
+        if created.is_some() || cached.is_some() || end {
+            super::disaggregation::judge(ctx, usage.prompt_tokens, created, cached);
+        }
     }
 }
 

@@ -228,7 +228,7 @@ pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>) -> Option<Bytes>
             made.push(spans.set(key, value));
         }
     }
-    finish(body, &spans, made).or_else(|| Some(Bytes::copy_from_slice(body)))
+    finish(body, &spans, made)
 }
 
 /// The edits `edits` make of `body`, whose members are at `spans`.

@@ -549,6 +549,7 @@ impl BackendLive {
             sent: Instant::now(),
             answered: false,
             alone: ahead == 0 && queue <= 0.0,
+            teaches: true,
             credit_known: true,
             speed_sample: None,
             predicted_ttft: None,
@@ -995,6 +996,9 @@ pub struct InFlight {
     /// Nothing was ahead of it there when it was sent (no prefill of this proxy's, no queue
     /// at the last scrape): its TTFT measures its own prefill, not a queue.
     alone: bool,
+    /// Its first token teaches the backend nothing (a disaggregated decode leg: its time is
+    /// the transfer's, not a prefill's or a queue's).
+    teaches: bool,
     /// The part of its prompt the backend's cache serves is known (the exact index's
     /// credit, or none credited): `prompt_tokens` is what the engine computes.
     credit_known: bool,
@@ -1059,6 +1063,12 @@ impl InFlight {
         self.speed_sample.take()
     }
 
+    /// The request's prompt came from another engine (a disaggregated decode leg): its first
+    /// token teaches the backend neither its speed, nor its wait, nor its prefill clock.
+    pub fn transferred(&mut self) {
+        self.teaches = false;
+    }
+
     /// The pool given to [`InFlight::predict`].
     pub fn pool(&self) -> Option<&str> {
         self.pool.as_deref()
@@ -1085,20 +1095,21 @@ impl InFlight {
             b.answered_since_scrape.fetch_add(1, Relaxed);
         }
         let observed = self.sent.elapsed().as_secs_f64();
-        if is_first_token {
+        if is_first_token && self.teaches {
             self.correct_clock(observed);
         }
         // With work ahead, the first token says how long the predicted wait really was
         // (its own prefill at the learned speed taken off); alone, how fast the backend is.
-        if let (true, false, true, Some(wait)) = (
+        if let (true, true, false, true, Some(wait)) = (
             is_first_token,
+            self.teaches,
             self.alone,
             self.credit_known,
             self.predicted_wait,
         ) {
             b.learn_wait(wait, self.prompt_tokens, observed);
         }
-        if is_first_token && self.alone {
+        if is_first_token && self.alone && self.teaches {
             self.speed_sample = Some(SpeedSample {
                 backend: Arc::clone(b),
                 seconds: observed,

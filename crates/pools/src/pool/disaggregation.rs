@@ -84,22 +84,32 @@ impl TransferOutcome {
         }
     }
 
-    /// Judges a decode leg by its usage: `prompt_tokens` counted, `created` of them
-    /// computed into new prefix-cache blocks (vLLM 0.32's `created_cache_tokens`), or else
-    /// `cached` of them served without computing. More than half computed is a transfer
-    /// that did nothing (the engine recomputes one token at least, and a partial read leaves
-    /// a tail). vLLM 0.32 reports in `cached_tokens` what the *prefill* engine's cache served
+    /// Judges a decode leg by its usage: `prompt_tokens` counted, `expected` of them to come
+    /// by the transfer (those the decode backend's prefix cache was not predicted to hold),
+    /// `created` of them computed into new prefix-cache blocks (vLLM 0.32's
+    /// `created_cache_tokens`), or else `cached` of them served without computing. Computing
+    /// half or more of what the transfer was to bring is a transfer that did nothing (the
+    /// engine recomputes one token at least, and a partial read leaves a tail). vLLM 0.32
+    /// reports in `cached_tokens` what the *prefill* engine's cache served
     /// (`remote_prefill_cached_tokens`), as if one engine had served the request, so the
     /// decode engine's own work is read from `created_cache_tokens` where the answer has it;
-    /// an engine that counts the transferred tokens as cached (newer vLLM) says it there.
-    pub fn judge(prompt_tokens: u64, created: Option<u64>, cached: Option<u64>) -> TransferOutcome {
-        let half = prompt_tokens.div_ceil(2);
-        match (created, cached) {
-            (Some(created), _) if created >= half => TransferOutcome::Recomputed,
-            (Some(_), _) => TransferOutcome::Transferred,
-            (None, Some(cached)) if cached >= half => TransferOutcome::Transferred,
-            (None, Some(_)) => TransferOutcome::Recomputed,
-            (None, None) => TransferOutcome::Unverified,
+    /// an engine that counts the transferred tokens as cached says it there.
+    pub fn judge(
+        prompt_tokens: u64,
+        expected: u64,
+        created: Option<u64>,
+        cached: Option<u64>,
+    ) -> TransferOutcome {
+        let half = expected.min(prompt_tokens).div_ceil(2).max(1);
+        let computed = match (created, cached) {
+            (Some(created), _) => created,
+            (None, Some(cached)) => prompt_tokens.saturating_sub(cached),
+            (None, None) => return TransferOutcome::Unverified,
+        };
+        if computed >= half {
+            TransferOutcome::Recomputed
+        } else {
+            TransferOutcome::Transferred
         }
     }
 }
@@ -162,17 +172,19 @@ impl TransferCheck {
     }
 
     /// Whether a request may be disaggregated now: the route is not fallen back, or its
-    /// fall-back is over (that request probes it; the window starts afresh).
+    /// fall-back is over (the route is in use again, judged on a fresh window).
     pub fn open(&self) -> bool {
         let mut until = self.fallen_back();
-        match *until {
-            None => true,
-            Some(end) if Instant::now() >= end => {
-                *until = None;
-                self.recent.store(0, Relaxed);
-                true
-            }
-            Some(_) => false,
+        self.end_fall_back_if_over(&mut until);
+        until.is_none()
+    }
+
+    /// Ends a fall-back whose time is over: the window starts afresh, so that no verdict
+    /// from before it counts again.
+    fn end_fall_back_if_over(&self, until: &mut Option<Instant>) {
+        if until.is_some_and(|end| Instant::now() >= end) {
+            *until = None;
+            self.recent.store(0, Relaxed);
         }
     }
 
@@ -195,8 +207,28 @@ impl TransferCheck {
         if outcome == TransferOutcome::Unverified {
             return false;
         }
+        self.push(outcome == TransferOutcome::Recomputed)
+    }
+
+    /// Counts a prefill leg that failed, was refused or answered no transfer parameters: a
+    /// transfer that did not happen, in the window (it has no outcome of its own to count).
+    pub fn record_failed_leg(&self) -> bool {
+        self.push(true)
+    }
+
+    /// Pushes one verdict into the window (`failed`: no transfer); returns whether it made
+    /// the route fall back.
+    fn push(&self, failed: bool) -> bool {
+        {
+            let mut until = self.fallen_back();
+            self.end_fall_back_if_over(&mut until);
+            // A verdict of a request sent before the fall-back counts for nothing now.
+            if until.is_some() {
+                return false;
+            }
+        }
         let mask = (1u16 << WINDOW) - 1;
-        let bit = u16::from(outcome == TransferOutcome::Recomputed);
+        let bit = u16::from(failed);
         let recent = self
             .recent
             .fetch_update(Relaxed, Relaxed, |r| Some(((r << 1) | bit) & mask))
@@ -205,7 +237,7 @@ impl TransferCheck {
             return false;
         }
         let mut until = self.fallen_back();
-        if until.is_some_and(|end| Instant::now() < end) {
+        if until.is_some() {
             return false;
         }
         *until = Some(Instant::now() + self.route.recover_after);
@@ -246,26 +278,32 @@ mod tests {
         // vLLM 0.32, as captured: the transfer came, nothing computed into new blocks; the
         // cached count is the prefill engine's.
         assert_eq!(
-            TransferOutcome::judge(669, Some(0), Some(0)),
+            TransferOutcome::judge(669, 669, Some(0), Some(0)),
             TransferOutcome::Transferred
         );
         // The decode engine computed the prompt again (5 blocks of 128).
         assert_eq!(
-            TransferOutcome::judge(669, Some(640), Some(0)),
+            TransferOutcome::judge(669, 669, Some(640), Some(0)),
+            TransferOutcome::Recomputed
+        );
+        // A session's turn: 8,000 of 10,000 tokens cached on the decode backend, the 2,000
+        // the transfer was to bring computed again.
+        assert_eq!(
+            TransferOutcome::judge(10_000, 2_000, Some(1_984), Some(0)),
             TransferOutcome::Recomputed
         );
         // An engine that counts what it read as cached, and says nothing of what it made.
         assert_eq!(
-            TransferOutcome::judge(4000, None, Some(3999)),
+            TransferOutcome::judge(4000, 4000, None, Some(3999)),
             TransferOutcome::Transferred
         );
         // A prefix-cache hit of a third, the rest recomputed.
         assert_eq!(
-            TransferOutcome::judge(4000, None, Some(1300)),
+            TransferOutcome::judge(4000, 4000, None, Some(1300)),
             TransferOutcome::Recomputed
         );
         assert_eq!(
-            TransferOutcome::judge(4000, None, None),
+            TransferOutcome::judge(4000, 4000, None, None),
             TransferOutcome::Unverified
         );
     }
