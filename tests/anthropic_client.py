@@ -21,7 +21,7 @@ def until_hit(ask):
 
 
 base_url, model, key, limited_key = sys.argv[1:5]
-client = anthropic.Anthropic(base_url=base_url, api_key=key, max_retries=0, timeout=30,
+client = anthropic.Anthropic(base_url=base_url, api_key=key, max_retries=0, timeout=120,
                              default_headers={"anthropic-beta": "sluice-test-2026"})
 question = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -12,7 +12,7 @@ import openai
 from openai import OpenAI
 
 base_url, model, chains = sys.argv[1], sys.argv[2], int(sys.argv[3])
-client = OpenAI(base_url=f"{base_url}/v1", api_key="sk-test", max_retries=0, timeout=30)
+client = OpenAI(base_url=f"{base_url}/v1", api_key="sk-test", max_retries=0, timeout=120)
 
 # JSON.
 # `ignore_eos` (vLLM's extension) where the test needs text: a sampled answer may otherwise end

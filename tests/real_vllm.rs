@@ -1061,14 +1061,15 @@ async fn prefill_and_decode_on_two_real_engines() {
         "--kv-transfer-config",
         transfer,
     ];
+    // The one-layer model: two more servers beside the shared ones, on two cores.
     let mut servers = RealVllm::start_all_with_env(&[
         (
-            TinyModel::Target,
+            TinyModel::Draft,
             args,
             &[("VLLM_NIXL_SIDE_CHANNEL_PORT", &side_p)],
         ),
         (
-            TinyModel::Target,
+            TinyModel::Draft,
             args,
             &[("VLLM_NIXL_SIDE_CHANNEL_PORT", &side_d)],
         ),
@@ -1084,7 +1085,7 @@ async fn prefill_and_decode_on_two_real_engines() {
     .await;
     let transferred = r#"sluice_pd_transfers_total{outcome="transferred",pool="decode"}"#;
     for (i, stream) in [false, true].into_iter().enumerate() {
-        // About 600 tokens of its own: five of the engine's 128-token blocks.
+        // About 600 tokens of its own: four whole blocks of the engine's 128 tokens, and a part.
         let request = json!({"model": MODEL, "max_tokens": 4, "stream": stream,
             "messages": [{"role": "user",
                           "content": format!("{i}: {}", "def f(x):\n    return x * 2\n".repeat(60))}]});
