@@ -227,44 +227,17 @@ pub async fn run(
     hold: &Hold,
     span: &tracing::Span,
 ) -> Outcome {
-    // A pooled connection first. Only when there is none is the connect future made, boxed:
-    // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
-    // which every open stream holds to its end and which is moved (copied) as it is boxed.
-    let connected = match upstreams.pool.take(&attempt.peer) {
-        Some(stream) => Watched::Done(Ok((
-            HttpSession::new_with_options(stream, &attempt.peer),
-            true,
-        ))),
-        None => {
-            let connecting = Box::pin(upstreams.connector.get_http_session(&attempt.peer));
-            watch(session, connecting, deadlines.first_byte).await
-        }
-    };
-    // Nothing was sent: a connect failure may be tried elsewhere (`llm`).
-    let connected = not_started(connected, "no connection in time", |mut e| {
-        e.retry.decide_reuse(false);
-        e.into_up()
-    });
-    let (http, reused) = match connected {
-        Ok(connected) => connected,
-        Err(outcome) => return outcome,
-    };
     let Attempt {
         peer,
         header,
         body,
         in_flight,
     } = attempt;
-    let sending = send(http, &peer, header, body);
-    let sent = watch(session, sending, deadlines.first_byte).await;
-    let http = match not_started(
-        sent,
-        "the request was not sent in time",
-        Upstream::failed_before_answer,
-    ) {
-        Ok(http) => http,
-        Err(outcome) => return outcome,
-    };
+    let (http, reused) =
+        match connect_and_send(upstreams, session, &peer, header, body, &deadlines).await {
+            Ok(sent) => sent,
+            Err(outcome) => return outcome,
+        };
     let upstream = Upstream {
         pool: upstreams.pool,
         peer: &peer,
@@ -289,37 +262,14 @@ pub async fn fetch(
     deadlines: Deadlines,
     span: &tracing::Span,
 ) -> Result<(u16, Bytes), Outcome> {
-    let connected = match upstreams.pool.take(&attempt.peer) {
-        Some(stream) => Watched::Done(Ok((
-            HttpSession::new_with_options(stream, &attempt.peer),
-            true,
-        ))),
-        None => {
-            let connecting = Box::pin(upstreams.connector.get_http_session(&attempt.peer));
-            watch(session, connecting, deadlines.first_byte).await
-        }
-    };
-    let (http, reused) = not_started(connected, "no connection in time", |mut e| {
-        e.retry.decide_reuse(false);
-        e.into_up()
-    })?;
     let Attempt {
         peer,
         header,
         body,
         in_flight,
     } = attempt;
-    let sent = watch(
-        session,
-        send(http, &peer, header, body),
-        deadlines.first_byte,
-    )
-    .await;
-    let http = not_started(
-        sent,
-        "the request was not sent in time",
-        Upstream::failed_before_answer,
-    )?;
+    let (http, reused) =
+        connect_and_send(upstreams, session, &peer, header, body, &deadlines).await?;
     let mut up = Upstream {
         pool: upstreams.pool,
         peer: &peer,
@@ -333,6 +283,45 @@ pub async fn fetch(
     let body = read_held(session, &mut up, &deadlines, upstreams.memory).await?;
     up.release().await;
     Ok((header.status.as_u16(), body))
+}
+
+/// Connects to `peer` (a pooled connection first) and sends the request, both within the
+/// first-byte deadline and while watching the client: the connection, and whether it was
+/// reused. Nothing was sent when it fails, so another attempt may be made (`llm`).
+async fn connect_and_send(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    peer: &HttpPeer,
+    header: RequestHeader,
+    body: Bytes,
+    deadlines: &Deadlines,
+) -> Result<(HttpSession, bool), Outcome> {
+    // A pooled connection first. Only when there is none is the connect future made, boxed:
+    // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
+    // which every open stream holds to its end and which is moved (copied) as it is boxed.
+    let connected = match upstreams.pool.take(peer) {
+        Some(stream) => Watched::Done(Ok((HttpSession::new_with_options(stream, peer), true))),
+        None => {
+            let connecting = Box::pin(upstreams.connector.get_http_session(peer));
+            watch(session, connecting, deadlines.first_byte).await
+        }
+    };
+    let (http, reused) = not_started(connected, "no connection in time", |mut e| {
+        e.retry.decide_reuse(false);
+        e.into_up()
+    })?;
+    let sent = watch(
+        session,
+        send(http, peer, header, body),
+        deadlines.first_byte,
+    )
+    .await;
+    let http = not_started(
+        sent,
+        "the request was not sent in time",
+        Upstream::failed_before_answer,
+    )?;
+    Ok((http, reused))
 }
 
 /// The largest body sent in one write with its header: a copy this size costs less than the

@@ -20,12 +20,11 @@
 //! the route fall back to the decode pool alone (see `sluice_sdk::TransferCheck`).
 
 use super::attempt::{self, Attempt, Deadlines, Outcome};
-use super::forwarding;
+use super::llm_route::{pool_edits, pool_header};
 use super::state::Sluice;
 use bytes::Bytes;
-use pingora_http::RequestHeader;
 use pingora_proxy::Session;
-use sluice_sdk::model_name::{self, UpstreamEdits};
+use sluice_sdk::model_name;
 use sluice_sdk::{
     raw_json, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck, TransferOutcome, Verdict,
 };
@@ -111,15 +110,22 @@ pub async fn prefill(
         path("no_prefill_backend");
         return Ok(None);
     };
-    let Some(leg_body) =
-        model_name::prefill_leg_body(body, &edits_for(ctx, &prefill_pool, request_id))
-    else {
+    let Some(leg_body) = model_name::prefill_leg_body(
+        body,
+        &pool_edits(ctx, &prefill_pool, true, Some(request_id)),
+    ) else {
         path("prefill_failed");
         return Ok(None);
     };
     let span = super::tries::span(ctx, &prefill_pool, backend.addr);
-    let Ok(mut header) = prefill_header(session, ctx, &prefill_pool, &backend, &leg_body, sluice)
-    else {
+    let Ok(mut header) = pool_header(
+        sluice,
+        session,
+        ctx,
+        &prefill_pool,
+        backend.addr,
+        leg_body.len(),
+    ) else {
         path("prefill_failed");
         return Ok(None);
     };
@@ -190,45 +196,6 @@ pub async fn prefill(
         expected,
     });
     Ok(Some(Transfer { params }))
-}
-
-/// The edits the prefill pool's body gets, as for any attempt there (its model name, the
-/// tenant's cache salt, the engine's controls reset).
-fn edits_for<'a>(ctx: &'a RequestCtx, pool: &'a Pool, request_id: &'a str) -> UpstreamEdits<'a> {
-    let fields = pool.settings.client_fields;
-    UpstreamEdits {
-        model: pool
-            .served_model_for(ctx.model())
-            .filter(|served| served.changes(ctx.model()))
-            .map(|served| served.json()),
-        ask_usage: false,
-        salt_for_tenant: ctx
-            .tenant()
-            .filter(|_| fields.tenant_cache_salt)
-            .map(|t| &*t.name),
-        reset_engine_controls: fields.reset_engine_controls.then_some(request_id),
-        kv_transfer_params: None,
-    }
-}
-
-/// The prefill leg's request header: the client's, as the prefill pool's backends get it.
-fn prefill_header(
-    session: &Session,
-    ctx: &RequestCtx,
-    pool: &Pool,
-    backend: &Selected,
-    body: &Bytes,
-    sluice: &Sluice,
-) -> pingora_core::Result<RequestHeader> {
-    let mut header =
-        super::llm_route::upstream_header(session.req_header(), body.len(), backend.addr)?;
-    let peer = session
-        .client_addr()
-        .and_then(|a| a.as_inet())
-        .map(|a| a.ip());
-    forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
-    forwarding::to_pool(&mut header, pool, None, ctx.tenant().is_some())?;
-    Ok(header)
 }
 
 /// The `kv_transfer_params` of a prefill answer, when it has an object there.

@@ -609,10 +609,13 @@ impl AttemptLoop {
                     // 2. prepare
                     // A disaggregated pool's long prompt is prefilled elsewhere first, once (a
                     // retry is served whole): the decode backend was chosen and admitted above.
-                    ctx.state.remove::<super::disaggregation::TransferSent>();
+                    let disaggregated = pool.transfer_check().is_some();
+                    if disaggregated {
+                        ctx.state.remove::<super::disaggregation::TransferSent>();
+                    }
                     self.transfer = None;
                     let mut backend = backend;
-                    if !self.prefilled && pool.transfer_check().is_some() {
+                    if !self.prefilled && disaggregated {
                         self.prefilled = true;
                         // The leg runs on another pool: the next waiter here need not wait.
                         drop(held.take());
@@ -709,16 +712,10 @@ impl AttemptLoop {
                 (call.endpoint.family()).path_with_model(&call.route, served.name())
             });
         let body = self.for_upstream(ctx, pool, body, path.is_none());
-        let mut header = upstream_header(session.req_header(), body.len(), backend.addr)?;
+        let mut header = pool_header(sluice, session, ctx, pool, backend.addr, body.len())?;
         if let Some(path) = path {
             with_path(&mut header, &path)?;
         }
-        let peer = session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .map(|a| a.ip());
-        forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
-        forwarding::to_pool(&mut header, pool, None, ctx.tenant().is_some())?;
         sluice.chain.upstream_request(&mut header, ctx)?;
 
         let escalation = ctx.escalation();
@@ -782,24 +779,16 @@ impl AttemptLoop {
         body: Bytes,
         model_in_body: bool,
     ) -> Bytes {
-        let model = pool
-            .served_model_for(ctx.model())
-            .filter(|served| model_in_body && served.changes(ctx.model()))
-            .map(ServedModel::json);
         let ask_usage = usage::usage_kept_from_client(ctx);
         let fields = pool.settings.client_fields;
         let request_id = fields.reset_engine_controls.then(|| engine_request_id(ctx));
         let transfer = self.transfer.take();
         let edits = UpstreamEdits {
-            model,
             ask_usage,
-            salt_for_tenant: ctx
-                .tenant()
-                .filter(|_| fields.tenant_cache_salt)
-                .map(|t| &*t.name),
-            reset_engine_controls: request_id.as_deref(),
             kv_transfer_params: transfer.as_ref().map(|t| &t.params[..]),
+            ..pool_edits(ctx, pool, model_in_body, request_id.as_deref())
         };
+        let model = edits.model;
         if !edits.any() {
             return body;
         }
@@ -1072,7 +1061,52 @@ const ENGINE_FACING: [&str; 4] = [
 /// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
 /// HTTP/1.0 client may have sent none), without the [`ENGINE_FACING`] headers. Hop-by-hop
 /// headers go in [`forwarding`].
-pub(super) fn upstream_header(
+/// The edits every body sent to `pool` gets: the pool's served model name when it is not the
+/// client's (and the body names the model, `model_in_body`), the tenant's `cache_salt`, and
+/// the engine's controls reset (with `request_id`, given when the pool resets them).
+pub(super) fn pool_edits<'a>(
+    ctx: &'a RequestCtx,
+    pool: &'a Pool,
+    model_in_body: bool,
+    request_id: Option<&'a str>,
+) -> UpstreamEdits<'a> {
+    let fields = pool.settings.client_fields;
+    UpstreamEdits {
+        model: pool
+            .served_model_for(ctx.model())
+            .filter(|served| model_in_body && served.changes(ctx.model()))
+            .map(ServedModel::json),
+        ask_usage: false,
+        salt_for_tenant: ctx
+            .tenant()
+            .filter(|_| fields.tenant_cache_salt)
+            .map(|t| &*t.name),
+        reset_engine_controls: request_id.filter(|_| fields.reset_engine_controls),
+        kv_transfer_params: None,
+    }
+}
+
+/// The client's request header as `pool`'s backend `addr` gets it, for a body of `body_len`
+/// bytes: forwarding headers set, the pool's header rules and credential applied.
+pub(super) fn pool_header(
+    sluice: &Sluice,
+    session: &Session,
+    ctx: &RequestCtx,
+    pool: &Pool,
+    addr: SocketAddr,
+    body_len: usize,
+) -> Result<RequestHeader> {
+    let mut header = upstream_header(session.req_header(), body_len, addr)?;
+    let peer = session
+        .client_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.ip());
+    forwarding::prepare_request(&mut header, peer, &sluice.limits.trusted_proxies)?;
+    forwarding::to_pool(&mut header, pool, None, ctx.tenant().is_some())?;
+    Ok(header)
+}
+
+fn upstream_header(
     client: &RequestHeader,
     body_len: usize,
     backend: SocketAddr,

@@ -77,7 +77,11 @@ pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
     // A disaggregated request's transfer, judged by the usage that says what the decode
     // engine computed (a stream's running usage, `continuous_usage_stats`, does not), or by
     // the last one.
-    if let Some(usage) = ctx.usage().filter(|_| !ctx.answered_locally()) {
+    let disaggregated = ctx.pool().is_some_and(|p| p.transfer_check().is_some());
+    if let Some(usage) = ctx
+        .usage()
+        .filter(|_| disaggregated && !ctx.answered_locally())
+    {
         if created.is_some() || cached.is_some() || end {
             super::disaggregation::judge(ctx, usage.prompt_tokens, created, cached);
         }

@@ -191,20 +191,16 @@ pub fn upstream_body(
 /// is long enough to be worth a second engine, pays for it. `None` when `body` is not one
 /// JSON object.
 pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>) -> Option<Bytes> {
-    const LEG_MEMBERS: [&str; 12] = [
-        "model",
-        "stream_options",
-        "cache_salt",
-        "priority",
-        "kv_transfer_params",
-        "vllm_xargs",
-        "request_id",
-        "max_tokens",
-        "max_completion_tokens",
-        "stream",
-        "n",
-        "min_tokens",
-    ];
+    const LEG_MEMBERS: [&str; 12] = crate::request::concat::<7, 5, 12>(
+        EDITED_MEMBERS,
+        [
+            "max_tokens",
+            "max_completion_tokens",
+            "stream",
+            "n",
+            "min_tokens",
+        ],
+    );
     const ASK_REMOTE_DECODE: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
     let spans = raw_json::object_spans(body, &LEG_MEMBERS)?;
     let leg = UpstreamEdits {

@@ -645,15 +645,18 @@ impl BackendLive {
         let observed = tokens as f64 / own;
         // Larger prompts teach more (a fixed overhead weighs less in them).
         let weight = SPEED_EWMA * (tokens as f64 / 1024.0).min(1.0);
-        let learned = self
-            .prefill_speed
+        if self.learn_speed(observed, weight) {
+            self.speed_samples.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Moves the prefill speed toward `observed` tokens per second by `weight`.
+    fn learn_speed(&self, observed: f64, weight: f64) -> bool {
+        self.prefill_speed
             .fetch_update(Relaxed, Relaxed, |bits| {
                 Some(next_speed(f64::from_bits(bits), observed, weight).to_bits())
             })
-            .is_ok();
-        if learned {
-            self.speed_samples.fetch_add(1, Relaxed);
-        }
+            .is_ok()
     }
 
     /// Learns the prefill speed from what the engine measured of the requests it finished
@@ -666,13 +669,7 @@ impl BackendLive {
             return;
         };
         let weight = SPEED_EWMA * (engine.computed_tokens / 1024.0).min(1.0);
-        let learned = self
-            .prefill_speed
-            .fetch_update(Relaxed, Relaxed, |bits| {
-                Some(next_speed(f64::from_bits(bits), observed, weight).to_bits())
-            })
-            .is_ok();
-        if learned {
+        if self.learn_speed(observed, weight) {
             self.engine_speed_samples.fetch_add(1, Relaxed);
         }
     }

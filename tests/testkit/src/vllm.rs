@@ -181,25 +181,11 @@ impl RealVllm {
 
     /// Starts several at once (their start-up is mostly waiting), each waited for.
     pub fn start_all(models: &[(TinyModel, &[&str])]) -> Vec<RealVllm> {
-        let mut servers: Vec<RealVllm> = models
+        let specs: Vec<ServerSpec<'_>> = models
             .iter()
-            .map(|(model, extra)| {
-                let port = reserve_port().release();
-                let mut server = RealVllm {
-                    model: *model,
-                    addr: SocketAddr::from(([127, 0, 0, 1], port)),
-                    extra: extra.iter().map(|s| s.to_string()).collect(),
-                    env: Vec::new(),
-                    child: None,
-                };
-                server.launch();
-                server
-            })
+            .map(|(model, extra)| (*model, *extra, &[][..]))
             .collect();
-        for server in &mut servers {
-            server.wait_healthy();
-        }
-        servers
+        Self::start_all_with_env(&specs)
     }
 
     /// Where the server's output goes: read it when a test fails.

@@ -69,7 +69,7 @@ pub const TEMPLATE_MEMBERS: [&str; 3] = [
 ];
 
 /// `a` then `b`; a wrong length `C` fails the build.
-const fn concat<const A: usize, const B: usize, const C: usize>(
+pub(crate) const fn concat<const A: usize, const B: usize, const C: usize>(
     a: [&'static str; A],
     b: [&'static str; B],
 ) -> [&'static str; C] {
