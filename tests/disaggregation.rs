@@ -14,6 +14,15 @@ const MODEL: &str = "llama";
 
 /// A V1 engine serving both legs (chunked prefill, prefix caching, usage details).
 async fn engine(policy: LoadFailurePolicy, per_token: Duration) -> vllm_sim::Sim {
+    engine_leasing(policy, per_token, KvTransferConfig::default().lease).await
+}
+
+/// [`engine`], keeping unread blocks for `lease`.
+async fn engine_leasing(
+    policy: LoadFailurePolicy,
+    per_token: Duration,
+    lease: Duration,
+) -> vllm_sim::Sim {
     vllm_sim::start(
         SimConfig::default()
             .with_model(MODEL)
@@ -28,6 +37,7 @@ async fn engine(policy: LoadFailurePolicy, per_token: Duration) -> vllm_sim::Sim
             .with_kv_transfer(KvTransferConfig {
                 transfer_per_token: Duration::from_micros(1),
                 load_failure_policy: policy,
+                lease,
                 ..KvTransferConfig::default()
             }),
     )
@@ -243,7 +253,7 @@ async fn a_client_that_leaves_during_the_prefill_leg_stops_it() {
 }
 
 #[tokio::test]
-async fn a_retried_decode_leg_is_served_whole_without_a_second_prefill_leg() {
+async fn a_retried_decode_leg_has_no_second_prefill_leg() {
     // Every decode attempt answers 503: the pool retries twice.
     let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
     let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
@@ -270,4 +280,106 @@ async fn a_retried_decode_leg_is_served_whole_without_a_second_prefill_leg() {
         "the decode leg and two retries"
     );
     assert_eq!(lent(&prefill), 1, "one prefill leg for the request");
+}
+
+/// A proxy whose decode pool has a backend that refuses every request with 503 (`refusing`)
+/// and one that serves (`serving`), one retry allowed after `backoff` or more.
+async fn proxy_with_a_refusing_decode(
+    refusing: &vllm_sim::Sim,
+    serving: &vllm_sim::Sim,
+    prefill: &vllm_sim::Sim,
+    backoff: &str,
+    route: Value,
+) -> Proxy {
+    refusing.set_faults(Faults {
+        error_rate: 1.0,
+        error_status: 503,
+        ..Faults::default()
+    });
+    let mut settings = json!({"pool": "prefill", "min_prefill_tokens": 500});
+    if let (Value::Object(s), Value::Object(more)) = (&mut settings, route) {
+        s.extend(more);
+    }
+    Proxy::start(json!({
+        "pools": [
+            pool("decode", &[MODEL], &[refusing.addr(), serving.addr()])
+                .with_fast_health_checks()
+                .with("balancing", json!({"strategy": "round_robin"}))
+                .with("retry", json!({"max_retries": 1, "backoff_base": backoff, "backoff_max": backoff}))
+                .with("prefill", settings),
+            pool("prefill", &[MODEL], &[prefill.addr()]).with_fast_health_checks(),
+        ],
+    }))
+    .await
+}
+
+/// Asks long prompts until one is first sent to `refusing` (round robin: the first or the
+/// second), and returns that request's answer.
+async fn ask_until_refused(proxy: &Proxy, refusing: &vllm_sim::Sim) -> Answer {
+    for i in 0..4 {
+        let a = proxy
+            .ask(&chat(&format!("refused {i}"), 2_000, false), &[])
+            .await;
+        if refusing.stats().count("/v1/chat/completions") > 0 {
+            return a;
+        }
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    panic!("the refusing backend was never chosen");
+}
+
+#[tokio::test]
+async fn a_refused_decode_leg_hands_its_transfer_to_the_retry() {
+    let refusing = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let serving = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let proxy = proxy_with_a_refusing_decode(&refusing, &serving, &prefill, "1ms", json!({})).await;
+    let a = ask_until_refused(&proxy, &refusing).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (prompt, computed) = usage_of(&a);
+    assert!(prompt > 1_000, "{}", a.body);
+    assert_eq!(
+        computed, 0,
+        "the retry read the blocks the refused leg was to read: {}",
+        a.body
+    );
+    let transfers = prefill.kv_transfer().unwrap();
+    assert_eq!(
+        (transfers.leases, transfers.read),
+        (0, transfers.lent),
+        "every prefill leg's blocks read, none stranded: {transfers:?}"
+    );
+    assert_eq!(transfers.refused, 0, "{transfers:?}");
+}
+
+#[tokio::test]
+async fn a_refused_decode_leg_s_retry_past_the_lease_is_served_whole() {
+    // The engines keep unread blocks for 200 ms; the retry waits 300 ms at least.
+    let lease = Duration::from_millis(200);
+    let refusing = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
+    let serving = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
+    let prefill = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
+    let proxy = proxy_with_a_refusing_decode(
+        &refusing,
+        &serving,
+        &prefill,
+        "600ms",
+        json!({"kv_lease_duration": "200ms"}),
+    )
+    .await;
+    let a = ask_until_refused(&proxy, &refusing).await;
+    // Sent with the expired transfer, the retry would fail (vLLM's `fail` policy: a 500).
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (prompt, computed) = usage_of(&a);
+    assert!(
+        computed > prompt / 2,
+        "the retry computed the prompt itself: {}",
+        a.body
+    );
+    assert_eq!(
+        prefill.kv_transfer().unwrap().refused,
+        0,
+        "no read of expired blocks was tried: {:?}",
+        prefill.kv_transfer()
+    );
 }

@@ -409,6 +409,9 @@ pub struct PrefillFile {
     /// How long a fallen-back route stays so.
     #[serde(default, deserialize_with = "optional_duration")]
     pub recover_after: Option<Duration>,
+    /// The prefill engines' `kv_lease_duration`.
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub kv_lease_duration: Option<Duration>,
 }
 
 /// `pools[].fairness`.

@@ -297,6 +297,9 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
         recover_after: given
             .recover_after
             .unwrap_or(PrefillRoute::DEFAULT_RECOVER_AFTER),
+        kv_lease_duration: given
+            .kv_lease_duration
+            .unwrap_or(PrefillRoute::DEFAULT_KV_LEASE_DURATION),
     };
     if route.pool == p.name {
         return Err(Invalid::new(
@@ -331,6 +334,13 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
         ));
     }
     at_most_a_day(route.recover_after, &format!("{key}.recover_after"))?;
+    at_most_a_day(route.kv_lease_duration, &format!("{key}.kv_lease_duration"))?;
+    if route.kv_lease_duration.is_zero() {
+        return Err(Invalid::new(
+            format!("{key}.kv_lease_duration"),
+            "must be more than 0 (vLLM's default is 30s)",
+        ));
+    }
     Ok(Some(route))
 }
 

@@ -2208,10 +2208,11 @@ fn a_pool_decodes_for_the_prefill_pool_it_names() {
         (route.fail_after, route.recover_after),
         (3, Duration::from_secs(30))
     );
+    assert_eq!(route.kv_lease_duration, Duration::from_secs(30));
     assert!(decode.transfer_check().is_some());
     assert!(c.pools.get("prefill").unwrap().transfer_check().is_none());
     let c = ok(&disaggregated(
-        "{pool: prefill, connector: nixl, min_prefill_tokens: 4096, fail_after: 5, recover_after: 2m}",
+        "{pool: prefill, connector: nixl, min_prefill_tokens: 4096, fail_after: 5, recover_after: 2m, kv_lease_duration: 2m}",
     ));
     let route = c
         .pools
@@ -2225,6 +2226,12 @@ fn a_pool_decodes_for_the_prefill_pool_it_names() {
     assert_eq!(
         (route.fail_after, route.recover_after),
         (5, Duration::from_secs(120))
+    );
+    assert_eq!(route.kv_lease_duration, Duration::from_secs(120));
+    refused(
+        &disaggregated("{pool: prefill, kv_lease_duration: 0s}"),
+        "pools[0].prefill.kv_lease_duration",
+        "must be more than 0",
     );
 }
 

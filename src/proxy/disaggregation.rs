@@ -15,7 +15,10 @@
 //! prefill leg, an answer without transfer parameters) leaves the decode backend doing the
 //! whole request, as if the route were not there: no byte has reached the client. A client
 //! that leaves during the prefill leg ends the request (the leg's connection is dropped, so
-//! the engine stops). The decode leg's usage then says whether its engine got the prompt
+//! the engine stops). A decode leg refused before its engine took it (a failed connection,
+//! a 429 or 503) hands the transfer to its retry while the prefill engine's lease holds, so
+//! another decode backend reads the blocks (and frees them) rather than stranding them; any
+//! other retry is served whole. The decode leg's usage then says whether its engine got the prompt
 //! from the transfer (its `cached_tokens`); decodes that keep recomputing their prompts make
 //! the route fall back to the decode pool alone (see `sluice_sdk::TransferCheck`).
 
@@ -23,6 +26,7 @@ use super::attempt::{self, Attempt, Deadlines, Outcome};
 use super::llm_route::{pool_edits, pool_header};
 use super::state::Sluice;
 use bytes::Bytes;
+use pingora_core::ErrorType;
 use pingora_proxy::Session;
 use sluice_sdk::model_name;
 use sluice_sdk::{
@@ -44,6 +48,40 @@ pub const PATHS: [&str; 5] = [
 pub struct Transfer {
     /// The prefill engine's `kv_transfer_params` (JSON text).
     pub params: Bytes,
+    /// When the prefill engine answered: its lease on the blocks runs from then.
+    received: Instant,
+}
+
+impl Transfer {
+    /// Whether a retry of a decode leg that `outcome` ended may still carry the transfer: the
+    /// decode engine never took the request (its connection failed, or it refused it with
+    /// 429 or 503 before scheduling it), so the blocks wait on the prefill engine, and the
+    /// lease still holds. Another decode backend then reads them, which frees them, instead
+    /// of leaving them stranded until the lease ends and computing the prompt again. A 500
+    /// (vLLM's answer to blocks it could not read) or a timed-out attempt is not retried
+    /// with them: the blocks may be gone.
+    pub fn may_carry(&self, pool: &Pool, outcome: &Outcome) -> bool {
+        let untouched = match outcome {
+            Outcome::NotStarted(e) => matches!(
+                e.etype,
+                ErrorType::ConnectTimedout
+                    | ErrorType::ConnectRefused
+                    | ErrorType::ConnectNoRoute
+                    | ErrorType::ConnectError
+            ),
+            Outcome::Declined(header, _) => matches!(header.status.as_u16(), 429 | 503),
+            _ => false,
+        };
+        untouched && self.lease_holds(pool)
+    }
+
+    /// Whether the prefill engine's lease on the blocks still leaves the decode engine time.
+    pub fn lease_holds(&self, pool: &Pool) -> bool {
+        pool.settings
+            .prefill
+            .as_ref()
+            .is_some_and(|route| route.lease_holds(self.received.into_std()))
+    }
 }
 
 /// Kept in the request's state while its decode leg runs: its usage is judged against the
@@ -195,7 +233,10 @@ pub async fn prefill(
         pool: Arc::clone(decode_pool),
         expected,
     });
-    Ok(Some(Transfer { params }))
+    Ok(Some(Transfer {
+        params,
+        received: Instant::now(),
+    }))
 }
 
 /// The `kv_transfer_params` of a prefill answer, when it has an object there.

@@ -222,8 +222,8 @@ struct AttemptLoop {
     waited: bool,
     /// It was held in its pool's fair order, or passed it (once).
     held: bool,
-    /// The transfer of a disaggregated request's prefill leg, for its decode leg (the next
-    /// attempt only: a retry is served whole).
+    /// The transfer of a disaggregated request's prefill leg, for its decode leg (and for
+    /// a retry of a decode leg its engine never took, while the lease holds).
     transfer: Option<super::disaggregation::Transfer>,
     /// Its prefill leg was tried (once per request).
     prefilled: bool,
@@ -610,11 +610,17 @@ impl AttemptLoop {
                     // A disaggregated pool's long prompt is prefilled elsewhere first, once (a
                     // retry is served whole): the decode backend was chosen and admitted above.
                     let disaggregated = pool.transfer_check().is_some();
-                    if disaggregated {
+                    let mut backend = backend;
+                    self.transfer = self
+                        .transfer
+                        .take()
+                        .filter(|transfer| disaggregated && transfer.lease_holds(&pool));
+                    if self.transfer.is_some() {
+                        // A refused decode leg's retry: the blocks wait for it.
+                        backend.cached_tokens = Some(demand.prompt_tokens.saturating_sub(1));
+                    } else if disaggregated {
                         ctx.state.remove::<super::disaggregation::TransferSent>();
                     }
-                    self.transfer = None;
-                    let mut backend = backend;
                     if !self.prefilled && disaggregated {
                         self.prefilled = true;
                         // The leg runs on another pool: the next waiter here need not wait.
@@ -675,6 +681,13 @@ impl AttemptLoop {
                     report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
                     // 4. decide; the attempt's span ends with the decision.
                     self.attempt_span = span;
+                    if self
+                        .transfer
+                        .as_ref()
+                        .is_some_and(|transfer| !transfer.may_carry(&pool, &outcome))
+                    {
+                        self.transfer = None;
+                    }
                     let then = self.decide(ctx, &pool, &backend, outcome).await;
                     self.attempt_span = tracing::Span::none();
                     then
@@ -782,10 +795,10 @@ impl AttemptLoop {
         let ask_usage = usage::usage_kept_from_client(ctx);
         let fields = pool.settings.client_fields;
         let request_id = fields.reset_engine_controls.then(|| engine_request_id(ctx));
-        let transfer = self.transfer.take();
+        let transfer = self.transfer.as_ref().map(|t| t.params.clone());
         let edits = UpstreamEdits {
             ask_usage,
-            kv_transfer_params: transfer.as_ref().map(|t| &t.params[..]),
+            kv_transfer_params: transfer.as_deref(),
             ..pool_edits(ctx, pool, model_in_body, request_id.as_deref())
         };
         let model = edits.model;

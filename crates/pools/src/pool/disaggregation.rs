@@ -42,6 +42,10 @@ pub struct PrefillRoute {
     pub fail_after: u32,
     /// How long the route stays fallen back before a request probes it again.
     pub recover_after: Duration,
+    /// How long the prefill engine keeps blocks no decode has read (vLLM's
+    /// `kv_connector_extra_config.kv_lease_duration`): a refused decode leg's transfer is
+    /// handed to its retry only within half of it.
+    pub kv_lease_duration: Duration,
 }
 
 impl PrefillRoute {
@@ -51,6 +55,14 @@ impl PrefillRoute {
     pub const DEFAULT_FAIL_AFTER: u32 = 3;
     /// `recover_after` unless set.
     pub const DEFAULT_RECOVER_AFTER: Duration = Duration::from_secs(30);
+    /// `kv_lease_duration` unless set: vLLM's own default.
+    pub const DEFAULT_KV_LEASE_DURATION: Duration = Duration::from_secs(30);
+
+    /// Whether a transfer answered `since` ago may still be read: within half the lease,
+    /// which leaves the decode engine the other half to take the request.
+    pub fn lease_holds(&self, since: Instant) -> bool {
+        since.elapsed() < self.kv_lease_duration / 2
+    }
 }
 
 /// The transfers a route's health is judged on: the last this many.
@@ -270,6 +282,7 @@ mod tests {
             min_prefill_tokens: 1024,
             fail_after,
             recover_after,
+            kv_lease_duration: PrefillRoute::DEFAULT_KV_LEASE_DURATION,
         })
     }
 
