@@ -470,6 +470,7 @@ pub fn describe_attempt(
     ctx: &sluice_sdk::RequestCtx,
     pool: &sluice_sdk::Pool,
     backend: std::net::SocketAddr,
+    prefill_leg: bool,
 ) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     if !ctx.traced() {
@@ -491,8 +492,21 @@ pub fn describe_attempt(
     span.set_attribute("gen_ai.operation.name", operation);
     span.set_attribute("gen_ai.provider.name", "vllm");
     span.set_attribute("gen_ai.request.model", capped(model));
-    if let Some(max) = call.request.max_output_tokens() {
+    if prefill_leg {
+        // A prefill leg asks for one token, whatever the client asked.
+        pd_leg(span, "prefill");
+        span.set_attribute("gen_ai.request.max_tokens", 1);
+    } else if let Some(max) = call.request.max_output_tokens() {
         span.set_attribute("gen_ai.request.max_tokens", i64::from(max));
+    }
+}
+
+/// Marks an attempt span as one leg of a disaggregated request: `decode`, or `prefill`
+/// (see [`describe_attempt`]).
+pub fn pd_leg(span: &tracing::Span, leg: &'static str) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if !span.is_none() {
+        span.set_attribute("sluice.pd.leg", leg);
     }
 }
 

@@ -34,6 +34,7 @@ async fn engine_leasing(
                 Duration::from_millis(1),
             ))
             .with_answer_tokens(4, 4)
+            .with_record_requests(4096)
             .with_kv_transfer(KvTransferConfig {
                 transfer_per_token: Duration::from_micros(1),
                 load_failure_policy: policy,
@@ -381,5 +382,84 @@ async fn a_refused_decode_leg_s_retry_past_the_lease_is_served_whole() {
         0,
         "no read of expired blocks was tried: {:?}",
         prefill.kv_transfer()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_legs_are_attempts_in_the_request_s_trace() {
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let receiver = OtlpReceiver::http().await;
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("decode", &[MODEL], &[decode.addr()])
+                .with_fast_health_checks()
+                .with("prefill", json!({"pool": "prefill", "min_prefill_tokens": 500})),
+            pool("prefill", &[MODEL], &[prefill.addr()]).with_fast_health_checks(),
+        ],
+        "telemetry": {"otlp": receiver.config(), "sampling": 1.0},
+    }))
+    .await;
+    let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
+    let a = proxy
+        .ask(
+            &chat("traced", 2_000, false),
+            &[("traceparent", traceparent.as_str())],
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let spans = receiver
+        .spans_when(Duration::from_secs(10), |spans| {
+            spans
+                .iter()
+                .filter(|s| s.trace_id() == TRACE && s.span.kind == 3)
+                .count()
+                == 2
+        })
+        .await;
+    let of: Vec<_> = spans.iter().filter(|s| s.trace_id() == TRACE).collect();
+    let server = of
+        .iter()
+        .find(|s| s.span.kind == 2)
+        .unwrap_or_else(|| panic!("no server span: {of:#?}"));
+    let leg = |name: &str| {
+        of.iter()
+            .find(|s| s.attribute("sluice.pd.leg").as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} leg: {of:#?}"))
+    };
+    let (prefill_leg, decode_leg) = (leg("prefill"), leg("decode"));
+    for (span, pool, outcome, sim) in [
+        (prefill_leg, "prefill", "prefilled", &prefill),
+        (decode_leg, "decode", "response", &decode),
+    ] {
+        assert_eq!(span.parent_id(), server.span_id(), "{span:#?}");
+        assert_eq!(span.attribute("sluice.pool").as_deref(), Some(pool));
+        assert_eq!(span.attribute("sluice.outcome").as_deref(), Some(outcome));
+        assert_eq!(
+            span.attribute("http.response.status_code").as_deref(),
+            Some("200")
+        );
+        assert_eq!(span.attribute("sluice.attempt").as_deref(), Some("1"));
+        // Each engine's own spans hang under its leg.
+        let sent = sim
+            .stats()
+            .recent
+            .iter()
+            .rev()
+            .find(|r| r.path == "/v1/chat/completions")
+            .cloned()
+            .expect("the leg reached its engine");
+        assert_eq!(
+            sent.header("traceparent"),
+            Some(format!("00-{TRACE}-{}-01", span.span_id()).as_str()),
+            "{pool}"
+        );
+    }
+    assert_eq!(
+        prefill_leg
+            .attribute("gen_ai.request.max_tokens")
+            .as_deref(),
+        Some("1")
     );
 }

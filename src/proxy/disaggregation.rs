@@ -155,7 +155,7 @@ pub async fn prefill(
         path("prefill_failed");
         return Ok(None);
     };
-    let span = super::tries::span(ctx, &prefill_pool, backend.addr);
+    let span = super::tries::prefill_span(ctx, &prefill_pool, backend.addr);
     let Ok(mut header) = pool_header(
         sluice,
         session,
@@ -206,8 +206,22 @@ pub async fn prefill(
     if let Some(verdict) = verdict {
         super::tries::judge(&prefill_pool, backend.addr, &backend.live, verdict);
     }
+    let status = answer.as_ref().ok().map(|(status, _)| *status);
+    let params = answer
+        .as_ref()
+        .ok()
+        .filter(|(status, _)| *status == 200)
+        .and_then(|(_, answer)| transfer_params(answer));
+    let label = match (&answer, &params) {
+        (_, Some(_)) => "prefilled",
+        (Ok((200, _)), None) => "no_transfer_params",
+        (Ok(_), None) => "declined",
+        (Err(Outcome::ClientGone(_)), None) => "client_gone",
+        (Err(_), None) => "failed",
+    };
+    super::tries::ended(&span, status, label);
     let params = match answer {
-        Ok((200, answer)) => transfer_params(&answer),
+        Ok((200, _)) => params,
         Ok((status, _)) => {
             tracing::warn!(pool = &*decode_pool.name, prefill_pool = &*prefill_pool.name, backend = %backend.addr, status, "the prefill leg was refused: the decode backend serves the request whole");
             None

@@ -658,6 +658,9 @@ impl AttemptLoop {
                     // Counted before the next waiter is let in.
                     drop(held.take());
                     let span = tries::span(ctx, &pool, backend.addr);
+                    if self.transfer.is_some() {
+                        crate::telemetry::pd_leg(&span, "decode");
+                    }
                     let mut prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
                     crate::telemetry::trace_upstream(

@@ -57,6 +57,18 @@ pub fn begin(
 /// request's span; none (no cost but a branch) when the request is not traced. Only traces
 /// see it: no log line is written inside an attempt's span.
 pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
+    leg_span(ctx, pool, backend, ctx.progress().attempts, false)
+}
+
+/// [`span`] of the `attempt`th attempt, or of the prefill leg before it (which comes before
+/// the attempt is counted).
+fn leg_span(
+    ctx: &RequestCtx,
+    pool: &Pool,
+    backend: SocketAddr,
+    attempt: u32,
+    prefill_leg: bool,
+) -> tracing::Span {
     if !ctx.traced() {
         return tracing::Span::none();
     }
@@ -65,15 +77,21 @@ pub fn span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span
             target: "sluice::attempt",
             parent: ctx.span(),
             "attempt",
-            sluice.attempt = ctx.progress().attempts,
+            sluice.attempt = attempt,
             http.response.status_code = tracing::field::Empty,
             sluice.outcome = tracing::field::Empty,
             otel.name = tracing::field::Empty,
             otel.kind = tracing::field::Empty,
         )
     });
-    crate::telemetry::describe_attempt(&span, ctx, pool, backend);
+    crate::telemetry::describe_attempt(&span, ctx, pool, backend, prefill_leg);
     span
+}
+
+/// The span of a disaggregated request's prefill leg, sent to `pool`'s `backend` before
+/// the request's next attempt.
+pub fn prefill_span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
+    leg_span(ctx, pool, backend, ctx.progress().attempts + 1, true)
 }
 
 /// Records how a try ended on its span.
