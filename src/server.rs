@@ -41,6 +41,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let grace = Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(0));
     let (grace_over, streams_end) = tokio::sync::watch::channel(false);
     let lasting = lasting(&config, streams_end, &upstream);
+    let probes = Arc::clone(&lasting.probes);
     // What the services keep of the config: the first generation takes the rest.
     let connection_limits = config.limits.connections.clone();
     let h2_streams = config.limits.h2_max_concurrent_streams;
@@ -67,10 +68,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     server.add_service(background_service("drain watcher", drain));
     server.add_service(background_service(
         "health checks",
-        HealthService::new(
-            pools_changes.clone(),
-            Arc::new(Connector::new(Some(upstream))),
-        ),
+        HealthService::new(pools_changes.clone(), Arc::clone(&probes)),
     ));
     server.add_service(background_service(
         "pool keeper",
@@ -115,6 +113,7 @@ fn lasting(
         ),
         streams_end,
         connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
+        probes: Arc::new(Connector::new(Some(upstream.clone()))),
         upstream_pool: crate::proxy::upstream_pool::UpstreamPool::new(upstream.keepalive_pool_size),
         response_homes: Arc::new(crate::proxy::stored_responses::ResponseHomes::new(
             &config.responses,

@@ -8,7 +8,7 @@
 use serde_json::{json, Value};
 use sluice_testkit::*;
 use std::time::Duration;
-use vllm_sim::{Faults, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
+use vllm_sim::{Faults, KvConnector, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
 
 const MODEL: &str = "llama";
 
@@ -23,6 +23,31 @@ async fn engine_leasing(
     per_token: Duration,
     lease: Duration,
 ) -> vllm_sim::Sim {
+    engine_with(
+        KvTransferConfig {
+            load_failure_policy: policy,
+            lease,
+            ..KvTransferConfig::default()
+        },
+        per_token,
+    )
+    .await
+}
+
+/// [`engine`], speaking vLLM's `MooncakeConnector` (its bootstrap server on a free port).
+async fn mooncake_engine() -> vllm_sim::Sim {
+    engine_with(
+        KvTransferConfig {
+            connector: KvConnector::Mooncake,
+            ..KvTransferConfig::default()
+        },
+        Duration::from_micros(50),
+    )
+    .await
+}
+
+/// An engine with its transfers as `transfer` says (1 µs a token moved).
+async fn engine_with(transfer: KvTransferConfig, per_token: Duration) -> vllm_sim::Sim {
     vllm_sim::start(
         SimConfig::default()
             .with_model(MODEL)
@@ -37,9 +62,7 @@ async fn engine_leasing(
             .with_record_requests(4096)
             .with_kv_transfer(KvTransferConfig {
                 transfer_per_token: Duration::from_micros(1),
-                load_failure_policy: policy,
-                lease,
-                ..KvTransferConfig::default()
+                ..transfer
             }),
     )
     .await
@@ -462,4 +485,107 @@ async fn both_legs_are_attempts_in_the_request_s_trace() {
             .as_deref(),
         Some("1")
     );
+}
+
+/// The port of a Mooncake engine's bootstrap server.
+fn bootstrap_port(sim: &vllm_sim::Sim) -> u16 {
+    let addr = sim
+        .kv_transfer()
+        .unwrap()
+        .bootstrap
+        .expect("a bootstrap server");
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The last chat request `sim` got.
+fn last_chat(sim: &vllm_sim::Sim) -> vllm_sim::RecordedRequest {
+    sim.stats()
+        .recent
+        .iter()
+        .rev()
+        .find(|r| r.path == "/v1/chat/completions")
+        .cloned()
+        .expect("a chat request")
+}
+
+#[tokio::test]
+async fn mooncake_legs_share_a_minted_transfer_id_and_name_the_prefill_engine() {
+    let decode = mooncake_engine().await;
+    let prefill = mooncake_engine().await;
+    let port = bootstrap_port(&prefill);
+    let proxy = proxy(
+        &decode,
+        &prefill,
+        json!({"connector": "mooncake", "bootstrap_port": port}),
+    )
+    .await;
+    let a = proxy.ask(&chat("mooncake", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (prompt, computed) = usage_of(&a);
+    assert!(prompt > 1_000, "{}", a.body);
+    assert_eq!(
+        computed, 0,
+        "the decode engine pulled the prompt: {}",
+        a.body
+    );
+    assert_eq!(prefill.kv_transfer().unwrap().read, 1);
+    let leg: Value = serde_json::from_slice(&last_chat(&prefill).body).unwrap();
+    let sent: Value = serde_json::from_slice(&last_chat(&decode).body).unwrap();
+    let transfer_id = leg["kv_transfer_params"]["transfer_id"].as_str().unwrap();
+    assert!(transfer_id.starts_with("xfer-"), "{leg}");
+    assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+    assert_eq!(
+        last_chat(&prefill).header("x-data-parallel-rank"),
+        Some("0")
+    );
+    let params = &sent["kv_transfer_params"];
+    assert_eq!(params["transfer_id"], transfer_id, "{sent}");
+    assert_eq!(params["do_remote_prefill"], true);
+    assert_eq!(
+        params["remote_engine_id"],
+        prefill.kv_transfer().unwrap().engine_id.as_str()
+    );
+    assert_eq!(
+        params["remote_bootstrap_addr"],
+        format!("http://127.0.0.1:{port}")
+    );
+    // Each request its own transfer id.
+    let a = proxy.ask(&chat("mooncake again", 2_000, true), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let again: Value = serde_json::from_slice(&last_chat(&prefill).body).unwrap();
+    assert_ne!(again["kv_transfer_params"]["transfer_id"], transfer_id);
+    assert_eq!(prefill.kv_transfer().unwrap().read, 2);
+    let transferred = proxy
+        .metric_once(
+            r#"sluice_pd_transfers_total{outcome="transferred",pool="decode"}"#,
+            2.0,
+        )
+        .await;
+    assert_eq!(transferred, Some(2.0), "{}", proxy.metrics().await);
+    assert_eq!(
+        proxy.status().await["pools"][0]["prefill"]["connector"],
+        "mooncake"
+    );
+}
+
+#[tokio::test]
+async fn a_mooncake_prefill_engine_whose_bootstrap_server_is_silent_is_not_used() {
+    let decode = mooncake_engine().await;
+    let prefill = mooncake_engine().await;
+    // Nothing listens there.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    drop(silent);
+    let proxy = proxy(
+        &decode,
+        &prefill,
+        json!({"connector": "mooncake", "bootstrap_port": port}),
+    )
+    .await;
+    let a = proxy.ask(&chat("no bootstrap", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (prompt, computed) = usage_of(&a);
+    assert!(computed > prompt / 2, "computed whole: {}", a.body);
+    assert_eq!(prefill.kv_transfer().unwrap().lent, 0, "no prefill leg");
+    assert_eq!(path_count(&proxy, "prefill_failed").await, 1.0);
 }

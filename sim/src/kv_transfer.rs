@@ -17,9 +17,14 @@
 //! the usage (`recompute`). The `kv_transfer_lost` fault makes a prefill engine answer
 //! parameters for blocks it did not keep: P/D that does nothing.
 //!
-//! The side channel stands in for NIXL's (a metadata handshake, then RDMA reads): one TCP
-//! connection per read, a JSON line each way. Written here: nothing to borrow for a wire
-//! that only this simulator speaks.
+//! `MooncakeConnector` is simulated too (see [`mooncake`]): there the router mints a
+//! `transfer_id` for both legs, the prefill answer carries no parameters, and the decode
+//! engine finds the prefill engine through its bootstrap server (`remote_bootstrap_addr`,
+//! `GET /query`), whose engine id per data-parallel rank the router reads as well.
+//!
+//! The side channel stands in for NIXL's and Mooncake's transfer engines (a metadata
+//! handshake, then RDMA reads): one TCP connection per read, a JSON line each way. Written
+//! here: nothing to borrow for a wire that only this simulator speaks.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -31,6 +36,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+
+pub mod mooncake;
+pub use mooncake::MooncakePull;
 
 /// How long a read may take before the decode engine gives up on it.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -49,9 +57,23 @@ pub enum LoadFailurePolicy {
     Recompute,
 }
 
+/// The connector an engine speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Connector {
+    /// vLLM's `NixlConnector`: the prefill answer says where its blocks are.
+    #[default]
+    Nixl,
+    /// vLLM's `MooncakeConnector`: a router-minted `transfer_id`, and a bootstrap server.
+    Mooncake,
+}
+
 /// `--kv-transfer-config`, as far as the simulator reads it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvTransferConfig {
+    pub connector: Connector,
+    /// Mooncake's bootstrap server port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`, 8998 in vLLM); 0
+    /// for a free one.
+    pub bootstrap_port: u16,
     /// The engine id its answers name (`remote_engine_id`); random when unset.
     pub engine_id: Option<String>,
     /// How long blocks a decode has not read are kept (`kv_lease_duration`).
@@ -64,6 +86,8 @@ pub struct KvTransferConfig {
 impl Default for KvTransferConfig {
     fn default() -> Self {
         KvTransferConfig {
+            connector: Connector::Nixl,
+            bootstrap_port: 0,
             engine_id: None,
             lease: Duration::from_secs(30),
             transfer_per_token: Duration::from_micros(1),
@@ -73,19 +97,27 @@ impl Default for KvTransferConfig {
 }
 
 impl KvTransferConfig {
-    /// Reads vLLM's `--kv-transfer-config` JSON: `kv_connector` must be `NixlConnector`;
+    /// Reads vLLM's `--kv-transfer-config` JSON: `kv_connector` must be `NixlConnector` or
+    /// `MooncakeConnector` (whose bootstrap port is left at 0: vLLM takes it from the
+    /// environment, and so does the simulator's command line);
     /// `engine_id`, `kv_load_failure_policy` and `kv_connector_extra_config.kv_lease_duration`
     /// (seconds) are read, and the simulator's own
     /// `kv_connector_extra_config.transfer_us_per_token`.
     pub fn from_vllm_json(text: &str) -> Result<Self, String> {
         let value: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
         let connector = value.get("kv_connector").and_then(Value::as_str);
-        if connector != Some("NixlConnector") {
-            return Err(format!(
-                "kv_connector {connector:?} is not simulated (NixlConnector is)"
-            ));
-        }
+        let connector = match connector {
+            Some("NixlConnector") => Connector::Nixl,
+            Some("MooncakeConnector") => Connector::Mooncake,
+            other => {
+                return Err(format!(
+                    "kv_connector {other:?} is not simulated (NixlConnector and \
+                     MooncakeConnector are)"
+                ))
+            }
+        };
         let mut config = KvTransferConfig {
+            connector,
             engine_id: value
                 .get("engine_id")
                 .and_then(Value::as_str)
@@ -117,10 +149,13 @@ impl KvTransferConfig {
 /// What a request's `kv_transfer_params` ask of this engine.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TransferAsk {
-    /// The prefill leg: prefill, keep the blocks, answer where they are.
-    RemoteDecode,
-    /// The decode leg: read the blocks from the prefill engine first.
+    /// The prefill leg: prefill, keep the blocks, answer where they are (NIXL), or keep them
+    /// under the router's `transfer_id` (Mooncake).
+    RemoteDecode { transfer_id: Option<String> },
+    /// The decode leg: read the blocks from the prefill engine first (NIXL).
     RemotePrefill(RemoteBlocks),
+    /// The decode leg: pull the blocks kept under a `transfer_id` (Mooncake).
+    Pull(MooncakePull),
     /// `do_remote_prefill` without the keys a read needs: ignored, as vLLM logs and ignores it.
     Invalid,
 }
@@ -143,13 +178,26 @@ impl TransferAsk {
     pub fn parse(params: Option<&Value>) -> Option<TransferAsk> {
         let params = params.filter(|p| !p.is_null())?;
         let flag = |key| params.get(key).and_then(Value::as_bool).unwrap_or(false);
+        let text = |key| params.get(key).and_then(Value::as_str).map(str::to_string);
         if flag("do_remote_decode") {
-            return Some(TransferAsk::RemoteDecode);
+            return Some(TransferAsk::RemoteDecode {
+                transfer_id: text("transfer_id"),
+            });
         }
         if !flag("do_remote_prefill") {
             return None;
         }
-        let text = |key| params.get(key).and_then(Value::as_str).map(str::to_string);
+        if let (Some(transfer_id), Some(bootstrap), Some(engine_id)) = (
+            text("transfer_id"),
+            text("remote_bootstrap_addr"),
+            text("remote_engine_id"),
+        ) {
+            return Some(TransferAsk::Pull(MooncakePull {
+                transfer_id,
+                bootstrap,
+                engine_id,
+            }));
+        }
         let blocks = (|| {
             Some(RemoteBlocks {
                 engine_id: text("remote_engine_id")?,
@@ -206,6 +254,8 @@ pub struct KvTransfer {
     config: KvTransferConfig,
     engine_id: String,
     side_channel: SocketAddr,
+    /// Mooncake's bootstrap server, when the engine speaks it.
+    bootstrap: Option<SocketAddr>,
     leases: Mutex<HashMap<String, Lease>>,
     next_block: AtomicU64,
     lent: AtomicU64,
@@ -214,7 +264,8 @@ pub struct KvTransfer {
     expired: AtomicU64,
 }
 
-/// A side-channel request: read these blocks.
+/// A side-channel request: read these blocks (all that are kept under `request_id` when
+/// none are named: Mooncake's pull by `transfer_id`).
 #[derive(Serialize, Deserialize)]
 struct ReadRequest {
     engine_id: String,
@@ -236,6 +287,8 @@ struct ReadAnswer {
 pub struct KvTransferJson {
     pub engine_id: String,
     pub side_channel: String,
+    /// Mooncake's bootstrap server, when the engine speaks it.
+    pub bootstrap: Option<String>,
     /// Leases kept now.
     pub leases: usize,
     /// Leases handed out, read, refused a read, and expired unread, since the start.
@@ -254,10 +307,22 @@ impl KvTransfer {
             .engine_id
             .clone()
             .unwrap_or_else(|| format!("sim-{:016x}", rand::random::<u64>()));
+        let bootstrap = match config.connector {
+            Connector::Mooncake => Some(
+                mooncake::serve_bootstrap(
+                    SocketAddr::new(ip, config.bootstrap_port),
+                    engine_id.clone(),
+                    side_channel,
+                )
+                .await?,
+            ),
+            Connector::Nixl => None,
+        };
         let transfer = Arc::new(KvTransfer {
             config,
             engine_id,
             side_channel,
+            bootstrap,
             leases: Mutex::new(HashMap::new()),
             next_block: AtomicU64::new(1),
             lent: AtomicU64::new(0),
@@ -291,22 +356,7 @@ impl KvTransfer {
         block_size: u32,
         lost: bool,
     ) -> Value {
-        let blocks = u64::from(tokens.div_ceil(block_size.max(1)));
-        let first = self.next_block.fetch_add(blocks, Ordering::Relaxed);
-        let block_ids: Vec<u64> = (first..first + blocks).collect();
-        if !lost {
-            let mut leases = self.lock();
-            self.expire(&mut leases);
-            leases.insert(
-                request_id.to_string(),
-                Lease {
-                    block_ids: block_ids.clone(),
-                    tokens,
-                    expires: Instant::now() + self.config.lease,
-                },
-            );
-        }
-        self.lent.fetch_add(1, Ordering::Relaxed);
+        let block_ids = self.keep(request_id, tokens, block_size, lost);
         json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
@@ -323,6 +373,33 @@ impl KvTransfer {
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": cached,
         })
+    }
+
+    /// Keeps a prefilled prompt's blocks under the router's `transfer_id` (Mooncake: the
+    /// answer says nothing of them). When `lost`, they are not kept.
+    pub fn keep_for_pull(&self, transfer_id: &str, tokens: u32, block_size: u32, lost: bool) {
+        self.keep(transfer_id, tokens, block_size, lost);
+    }
+
+    /// Leases a prompt's blocks under `key`, counting it; returns their ids.
+    fn keep(&self, key: &str, tokens: u32, block_size: u32, lost: bool) -> Vec<u64> {
+        let blocks = u64::from(tokens.div_ceil(block_size.max(1)));
+        let first = self.next_block.fetch_add(blocks, Ordering::Relaxed);
+        let block_ids: Vec<u64> = (first..first + blocks).collect();
+        if !lost {
+            let mut leases = self.lock();
+            self.expire(&mut leases);
+            leases.insert(
+                key.to_string(),
+                Lease {
+                    block_ids: block_ids.clone(),
+                    tokens,
+                    expires: Instant::now() + self.config.lease,
+                },
+            );
+        }
+        self.lent.fetch_add(1, Ordering::Relaxed);
+        block_ids
     }
 
     /// Drops the leases past their expiry, counting them.
@@ -350,7 +427,9 @@ impl KvTransfer {
         }
         match leases.get(&request.request_id) {
             None => refused("no blocks kept for this request (expired, read or never kept)"),
-            Some(lease) if lease.block_ids != request.block_ids => {
+            Some(lease)
+                if !request.block_ids.is_empty() && lease.block_ids != request.block_ids =>
+            {
                 refused("the blocks named are not this request's")
             }
             Some(_) => {
@@ -370,11 +449,26 @@ impl KvTransfer {
         let tokens = tokio::time::timeout(READ_TIMEOUT, read_remote(remote))
             .await
             .map_err(|_| ReadFailure::Unreachable("the side channel did not answer".into()))??;
+        self.wait_transfer(tokens).await;
+        Ok(tokens)
+    }
+
+    /// Pulls the blocks a Mooncake prefill engine keeps under `pull.transfer_id`: its side
+    /// channel found through its bootstrap server.
+    pub async fn pull(&self, pull: &MooncakePull) -> Result<u32, ReadFailure> {
+        let tokens = tokio::time::timeout(READ_TIMEOUT, mooncake::pull(pull))
+            .await
+            .map_err(|_| ReadFailure::Unreachable("the prefill engine did not answer".into()))??;
+        self.wait_transfer(tokens).await;
+        Ok(tokens)
+    }
+
+    /// The time moving `tokens` takes.
+    async fn wait_transfer(&self, tokens: u32) {
         let took = self.config.transfer_per_token.saturating_mul(tokens);
         if !took.is_zero() {
             tokio::time::sleep(took).await;
         }
-        Ok(tokens)
     }
 
     pub fn json(&self) -> KvTransferJson {
@@ -386,6 +480,7 @@ impl KvTransfer {
         KvTransferJson {
             engine_id: self.engine_id.clone(),
             side_channel: self.side_channel.to_string(),
+            bootstrap: self.bootstrap.map(|addr| addr.to_string()),
             leases,
             lent: self.lent.load(Ordering::Relaxed),
             read: self.read.load(Ordering::Relaxed),
@@ -396,7 +491,7 @@ impl KvTransfer {
 }
 
 /// One read over a prefill engine's side channel.
-async fn read_remote(remote: &RemoteBlocks) -> Result<u32, ReadFailure> {
+pub(crate) async fn read_remote(remote: &RemoteBlocks) -> Result<u32, ReadFailure> {
     let unreachable = |e: std::io::Error| ReadFailure::Unreachable(e.to_string());
     let stream = TcpStream::connect((remote.host.as_str(), remote.port))
         .await
@@ -473,7 +568,7 @@ mod tests {
                              "remote_engine_id": null, "remote_block_ids": null});
         assert_eq!(
             TransferAsk::parse(Some(&prefill)),
-            Some(TransferAsk::RemoteDecode)
+            Some(TransferAsk::RemoteDecode { transfer_id: None })
         );
         let decode = json!({"do_remote_prefill": true, "do_remote_decode": false,
                             "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
@@ -547,5 +642,40 @@ mod tests {
         let counts = prefill.json();
         assert_eq!((counts.lent, counts.read, counts.expired), (3, 1, 1));
         assert_eq!(counts.leases, 0);
+    }
+
+    #[tokio::test]
+    async fn a_mooncake_pull_finds_its_engine_through_the_bootstrap_server() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let mooncake = KvTransferConfig {
+            connector: Connector::Mooncake,
+            transfer_per_token: Duration::ZERO,
+            ..KvTransferConfig::default()
+        };
+        let prefill = KvTransfer::start(mooncake.clone(), ip).await.unwrap();
+        let decode = KvTransfer::start(mooncake, ip).await.unwrap();
+        let bootstrap = format!("http://{}", prefill.json().bootstrap.unwrap());
+        prefill.keep_for_pull("xfer-1", 100, 16, false);
+        let params = json!({"do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_bootstrap_addr": bootstrap,
+                            "remote_engine_id": prefill.json().engine_id,
+                            "transfer_id": "xfer-1"});
+        let Some(TransferAsk::Pull(pull)) = TransferAsk::parse(Some(&params)) else {
+            panic!("{params}");
+        };
+        assert_eq!(decode.pull(&pull).await, Ok(100));
+        assert!(matches!(
+            decode.pull(&pull).await,
+            Err(ReadFailure::Refused(_))
+        ));
+        let stranger = MooncakePull {
+            engine_id: "another".into(),
+            ..pull
+        };
+        assert!(matches!(
+            decode.pull(&stranger).await,
+            Err(ReadFailure::Refused(_))
+        ));
+        assert_eq!(prefill.json().read, 1);
     }
 }

@@ -65,7 +65,9 @@ pub use config::{
 };
 pub use engine::EngineSnapshot;
 pub use faults::Faults;
-pub use kv_transfer::{KvTransferConfig, KvTransferJson, LoadFailurePolicy};
+pub use kv_transfer::{
+    Connector as KvConnector, KvTransferConfig, KvTransferJson, LoadFailurePolicy,
+};
 pub use stats::{RecordedRequest, Stats};
 pub use text::{CONFIDENT_LOGPROB, LOW_CONFIDENCE_LOGPROB};
 

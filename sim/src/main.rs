@@ -263,7 +263,17 @@ fn config(args: &Args) -> Result<SimConfig, String> {
         }
     }
     if let Some(json) = &args.kv_transfer_config {
-        config.kv_transfer = Some(vllm_sim::KvTransferConfig::from_vllm_json(json)?);
+        let mut transfer = vllm_sim::KvTransferConfig::from_vllm_json(json)?;
+        if transfer.connector == vllm_sim::KvConnector::Mooncake {
+            // As vLLM: the bootstrap server's port from the environment, 8998 unless set.
+            transfer.bootstrap_port = match std::env::var("VLLM_MOONCAKE_BOOTSTRAP_PORT") {
+                Ok(port) => port
+                    .parse()
+                    .map_err(|e| format!("VLLM_MOONCAKE_BOOTSTRAP_PORT {port:?}: {e}"))?,
+                Err(_) => 8998,
+            };
+        }
+        config.kv_transfer = Some(transfer);
     }
     config.lora = lora(args)?;
     config.responses_store = args.responses_store;

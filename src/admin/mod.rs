@@ -234,6 +234,10 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
             json!({
                 "pool": route.pool,
                 "connector": route.connector.as_str(),
+                "bootstrap_port": match route.connector {
+                    sluice_sdk::Connector::Mooncake { bootstrap_port } => Some(bootstrap_port),
+                    sluice_sdk::Connector::Nixl => None,
+                },
                 "min_prefill_tokens": route.min_prefill_tokens,
                 "state": check.state().as_str(),
                 "recent_recomputed": check.recent_recomputed(),

@@ -412,6 +412,9 @@ pub struct PrefillFile {
     /// The prefill engines' `kv_lease_duration`.
     #[serde(default, deserialize_with = "optional_duration")]
     pub kv_lease_duration: Option<Duration>,
+    /// Mooncake: the prefill engines' bootstrap server port.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// `pools[].fairness`.

@@ -273,20 +273,30 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
     let key = format!("{key}.prefill");
     let connector = match given.connector.as_deref() {
         None | Some("nixl") => Connector::Nixl,
-        Some("mooncake") => {
-            return Err(Invalid::new(
-                format!("{key}.connector"),
-                "`mooncake` (a router-minted transfer_id, both legs at once) is not supported \
-                 yet: use `nixl` (vLLM's NixlConnector)",
-            ))
-        }
+        Some("mooncake") => Connector::Mooncake {
+            bootstrap_port: given
+                .bootstrap_port
+                .unwrap_or(Connector::DEFAULT_BOOTSTRAP_PORT),
+        },
         Some(other) => {
             return Err(Invalid::new(
                 format!("{key}.connector"),
-                format!("`{other}` is not a connector: `nixl`"),
+                format!("`{other}` is not a connector: `nixl` or `mooncake`"),
             ))
         }
     };
+    if given.bootstrap_port.is_some() && connector == Connector::Nixl {
+        return Err(Invalid::new(
+            format!("{key}.bootstrap_port"),
+            "is Mooncake's: set `connector: mooncake`, or leave it out",
+        ));
+    }
+    if given.bootstrap_port == Some(0) {
+        return Err(Invalid::new(
+            format!("{key}.bootstrap_port"),
+            "must be a port, 1 to 65535",
+        ));
+    }
     let route = PrefillRoute {
         pool: given.pool.clone(),
         connector,

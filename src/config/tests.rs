@@ -2228,6 +2228,22 @@ fn a_pool_decodes_for_the_prefill_pool_it_names() {
         (5, Duration::from_secs(120))
     );
     assert_eq!(route.kv_lease_duration, Duration::from_secs(120));
+    for (given, port) in [
+        ("{pool: prefill, connector: mooncake}", 8998),
+        (
+            "{pool: prefill, connector: mooncake, bootstrap_port: 9100}",
+            9100,
+        ),
+    ] {
+        let c = ok(&disaggregated(given));
+        let route = c.pools.get("decode").unwrap().settings.prefill.clone();
+        assert_eq!(
+            route.unwrap().connector,
+            sluice_sdk::Connector::Mooncake {
+                bootstrap_port: port
+            }
+        );
+    }
     refused(
         &disaggregated("{pool: prefill, kv_lease_duration: 0s}"),
         "pools[0].prefill.kv_lease_duration",
@@ -2248,9 +2264,14 @@ fn a_prefill_route_names_another_pool_that_exists_with_a_known_connector() {
         "cannot prefill for itself",
     );
     refused(
-        &disaggregated("{pool: prefill, connector: mooncake}"),
-        "pools[0].prefill.connector",
-        "not supported yet",
+        &disaggregated("{pool: prefill, bootstrap_port: 9000}"),
+        "pools[0].prefill.bootstrap_port",
+        "Mooncake's",
+    );
+    refused(
+        &disaggregated("{pool: prefill, connector: mooncake, bootstrap_port: 0}"),
+        "pools[0].prefill.bootstrap_port",
+        "must be a port",
     );
     refused(
         &disaggregated("{pool: prefill, connector: lmcache}"),

@@ -24,7 +24,7 @@
 
 pub mod exposition;
 pub mod kv_events;
-mod probe;
+pub mod probe;
 pub mod vllm;
 mod zmtp;
 

@@ -22,6 +22,8 @@
 //! from the transfer (its `cached_tokens`); decodes that keep recomputing their prompts make
 //! the route fall back to the decode pool alone (see `sluice_sdk::TransferCheck`).
 
+mod mooncake;
+
 use super::attempt::{self, Attempt, Deadlines, Outcome};
 use super::llm_route::{pool_edits, pool_header};
 use super::state::Sluice;
@@ -30,7 +32,8 @@ use pingora_core::ErrorType;
 use pingora_proxy::Session;
 use sluice_sdk::model_name;
 use sluice_sdk::{
-    raw_json, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck, TransferOutcome, Verdict,
+    raw_json, Connector, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck,
+    TransferOutcome, Verdict,
 };
 use std::sync::Arc;
 use tokio::time::Instant;
@@ -92,6 +95,8 @@ pub struct TransferSent {
     /// The prompt tokens the transfer was to bring: those the decode backend's prefix cache
     /// was not predicted to hold.
     expected: u64,
+    /// The prefill leg's backend.
+    prefill_backend: std::net::SocketAddr,
 }
 
 /// The prefill leg of a request whose pool (`decode_pool`) decodes for a prefill pool, sent
@@ -148,9 +153,32 @@ pub async fn prefill(
         path("no_prefill_backend");
         return Ok(None);
     };
+    // What the leg asks, and for Mooncake what the decode leg will say.
+    let mooncake = match route.connector {
+        Connector::Nixl => None,
+        Connector::Mooncake { bootstrap_port } => {
+            let legs = mooncake::legs(
+                &sluice.probes,
+                check,
+                &prefill_pool,
+                backend.addr,
+                bootstrap_port,
+                request_id,
+            )
+            .await;
+            if legs.is_none() {
+                return Ok(failed_leg(&decode_pool.name, check));
+            }
+            legs
+        }
+    };
+    let ask = mooncake
+        .as_ref()
+        .map_or(model_name::NIXL_REMOTE_DECODE, |legs| &legs.ask[..]);
     let Some(leg_body) = model_name::prefill_leg_body(
         body,
         &pool_edits(ctx, &prefill_pool, true, Some(request_id)),
+        ask,
     ) else {
         path("prefill_failed");
         return Ok(None);
@@ -170,6 +198,15 @@ pub async fn prefill(
     if crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).is_err() {
         path("prefill_failed");
         return Ok(None);
+    }
+    if let Some(legs) = &mooncake {
+        if header
+            .insert_header("x-data-parallel-rank", legs.rank.to_string())
+            .is_err()
+        {
+            path("prefill_failed");
+            return Ok(None);
+        }
     }
     let computed = demand
         .prompt_tokens
@@ -207,11 +244,15 @@ pub async fn prefill(
         super::tries::judge(&prefill_pool, backend.addr, &backend.live, verdict);
     }
     let status = answer.as_ref().ok().map(|(status, _)| *status);
+    // NIXL's answer says where the blocks are; Mooncake's says nothing, the router named them.
     let params = answer
         .as_ref()
         .ok()
         .filter(|(status, _)| *status == 200)
-        .and_then(|(_, answer)| transfer_params(answer));
+        .and_then(|(_, answer)| match &mooncake {
+            None => transfer_params(answer),
+            Some(legs) => Some(legs.decode.clone()),
+        });
     let label = match (&answer, &params) {
         (_, Some(_)) => "prefilled",
         (Ok((200, _)), None) => "no_transfer_params",
@@ -233,12 +274,7 @@ pub async fn prefill(
         }
     };
     let Some(params) = params else {
-        path("prefill_failed");
-        if check.record_failed_leg() {
-            fell_back(&decode_pool.name, check);
-        }
-        publish(&decode_pool.name, check);
-        return Ok(None);
+        return Ok(failed_leg(&decode_pool.name, check));
     };
     path("disaggregated");
     // The decode leg's usage says what the transfer did: a stream is asked for it.
@@ -246,11 +282,23 @@ pub async fn prefill(
     ctx.state.insert(TransferSent {
         pool: Arc::clone(decode_pool),
         expected,
+        prefill_backend: backend.addr,
     });
     Ok(Some(Transfer {
         params,
         received: Instant::now(),
     }))
+}
+
+/// A prefill leg that did not happen or brought no transfer: counted in the route's window,
+/// and the decode backend serves the request whole.
+fn failed_leg(pool: &str, check: &TransferCheck) -> Option<Transfer> {
+    crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[pool, "prefill_failed"]);
+    if check.record_failed_leg() {
+        fell_back(pool, check);
+    }
+    publish(pool, check);
+    None
 }
 
 /// The `kv_transfer_params` of a prefill answer, when it has an object there.
@@ -286,8 +334,11 @@ pub fn judge(ctx: &mut RequestCtx, prompt_tokens: u64, created: Option<u64>, cac
     let pool = &*sent.pool.name;
     crate::metrics::inc(&crate::metrics::PD_TRANSFERS, &[pool, outcome.as_str()]);
     if outcome == TransferOutcome::Recomputed {
+        // What its bootstrap server said may be stale (a restarted engine has a new id).
+        check.prefillers().forget(sent.prefill_backend);
         tracing::warn!(
             pool,
+            prefill_backend = %sent.prefill_backend,
             prompt_tokens,
             computed = ?created,
             cached = ?cached,

@@ -35,6 +35,8 @@ pub struct Sluice {
     pub connector: Arc<Connector>,
     /// The LLM attempts' idle connections. Shared by every generation.
     pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
+    /// Small `GET`s to backends (see [`Lasting::probes`]). Shared by every generation.
+    pub probes: Arc<pingora_core::connectors::http::Connector>,
     /// Which backend made each stored response (Responses API). Shared by every generation.
     pub response_homes: Arc<super::stored_responses::ResponseHomes>,
     /// The pools' sessions shared with the fleet in Redis (`sessions.store: redis`).
@@ -88,6 +90,9 @@ pub struct Lasting {
     pub streams_end: tokio::sync::watch::Receiver<bool>,
     /// The upstream connections' maker.
     pub connector: Arc<Connector>,
+    /// What the health checks and other small `GET`s to backends (a Mooncake prefill
+    /// engine's bootstrap server) connect with.
+    pub probes: Arc<pingora_core::connectors::http::Connector>,
     /// The LLM attempts' idle upstream connections.
     pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
     /// Which backend made each stored response.
@@ -129,6 +134,7 @@ impl Sluice {
             access_log: config.log.access_log,
             connector: Arc::clone(&lasting.connector),
             upstream_pool: Arc::clone(&lasting.upstream_pool),
+            probes: Arc::clone(&lasting.probes),
             response_homes: Arc::clone(&lasting.response_homes),
             shared_sessions: config
                 .shared_sessions

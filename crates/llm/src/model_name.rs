@@ -182,15 +182,20 @@ pub fn upstream_body(
     finish(body, &spans, made)
 }
 
+/// A prefill leg's `kv_transfer_params` for vLLM's `NixlConnector`, as its own proxy sends
+/// them.
+pub const NIXL_REMOTE_DECODE: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
 /// The body of a disaggregated request's prefill leg, from the body its pool would get
 /// (`edits` as for that pool, but for a stream's usage): one output token for one choice,
-/// not streamed, with `kv_transfer_params` asking the engine to keep the prompt's blocks for
-/// a remote decode (vLLM's `NixlConnector`: `{"do_remote_decode": true}`). `min_tokens`
+/// not streamed, with `kv_transfer_params` set to `ask`, which asks the engine to keep the
+/// prompt's blocks for a remote decode (vLLM's `NixlConnector`: [`NIXL_REMOTE_DECODE`]; its
+/// `MooncakeConnector` adds the router's `transfer_id`). `min_tokens`
 /// goes back to 0, as vLLM's prefill engine takes no more than one token. The body is read
 /// again here for the members the leg changes: only a disaggregated request, whose prompt
 /// is long enough to be worth a second engine, pays for it. `None` when `body` is not one
 /// JSON object.
-pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>) -> Option<Bytes> {
+pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>, ask: &[u8]) -> Option<Bytes> {
     const LEG_MEMBERS: [&str; 12] = crate::request::concat::<7, 5, 12>(
         EDITED_MEMBERS,
         [
@@ -201,11 +206,10 @@ pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>) -> Option<Bytes>
             "min_tokens",
         ],
     );
-    const ASK_REMOTE_DECODE: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
     let spans = raw_json::object_spans(body, &LEG_MEMBERS)?;
     let leg = UpstreamEdits {
         ask_usage: false,
-        kv_transfer_params: Some(ASK_REMOTE_DECODE),
+        kv_transfer_params: Some(ask),
         ..*edits
     };
     let mut made = edits_of(body, &spans, &leg);
@@ -621,7 +625,7 @@ mod tests {
             reset_engine_controls: Some("sluice-1"),
             ..UpstreamEdits::default()
         };
-        let leg = prefill_leg_body(body, &edits).unwrap();
+        let leg = prefill_leg_body(body, &edits, NIXL_REMOTE_DECODE).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&leg).unwrap();
         assert_eq!(v["model"], "served");
         assert_eq!(v["stream"], false);
@@ -644,8 +648,12 @@ mod tests {
         assert_eq!(v["kv_transfer_params"]["do_remote_prefill"], false);
         assert_eq!(v["temperature"], 0.5, "the rest as sent");
         // A body without the members gets them.
-        let leg =
-            prefill_leg_body(br#"{"model":"m","prompt":"x"}"#, &UpstreamEdits::default()).unwrap();
+        let leg = prefill_leg_body(
+            br#"{"model":"m","prompt":"x"}"#,
+            &UpstreamEdits::default(),
+            NIXL_REMOTE_DECODE,
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&leg).unwrap();
         assert_eq!(
             (v["max_tokens"].as_u64(), v["stream"].as_bool()),
@@ -655,7 +663,7 @@ mod tests {
             v.get("n").is_none() && v.get("stream_options").is_none(),
             "{v}"
         );
-        assert!(prefill_leg_body(b"[1]", &UpstreamEdits::default()).is_none());
+        assert!(prefill_leg_body(b"[1]", &UpstreamEdits::default(), NIXL_REMOTE_DECODE).is_none());
     }
 
     #[test]

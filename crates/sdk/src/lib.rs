@@ -74,8 +74,9 @@ pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
 pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
 pub use pool::{
     Admission, Balancing, Capabilities, ClientFields, Connector, Fairness, FlowControl, FlowId,
-    Place, Pool, PoolSettings, Pools, PrefillRoute, Pressure, Priority, Room, RouteState, Selected,
-    Timeouts, TokensPerSecond, TransferCheck, TransferOutcome, Unfit, WaitFor, Waited,
+    Place, Pool, PoolSettings, Pools, PrefillRoute, Prefillers, Pressure, Priority, Room,
+    RouteState, Selected, Timeouts, TokensPerSecond, TransferCheck, TransferOutcome, Unfit,
+    WaitFor, Waited,
 };
 pub use request::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest};
 pub use retry::{RetryBudget, RetryOn, RetryPolicy};

@@ -183,15 +183,20 @@ impl Generation {
     /// request, for parameters without what a read needs (ignored, as vLLM does), and for a
     /// failed read under `kv_load_failure_policy: recompute`.
     async fn read_transferred(&self, answer: &Answer) -> Result<u32, ApiError> {
-        let (Some(transfer), Some(TransferAsk::RemotePrefill(remote))) =
-            (&self.shared.kv_transfer, &answer.request.kv_transfer)
+        let (Some(transfer), Some(ask)) = (&self.shared.kv_transfer, &answer.request.kv_transfer)
         else {
-            if answer.request.kv_transfer == Some(TransferAsk::Invalid) {
-                tracing::warn!("kv_transfer_params without what a read needs: prefilled here");
-            }
             return Ok(0);
         };
-        match transfer.read(remote).await {
+        let read = match ask {
+            TransferAsk::RemotePrefill(remote) => transfer.read(remote).await,
+            TransferAsk::Pull(pull) => transfer.pull(pull).await,
+            TransferAsk::Invalid => {
+                tracing::warn!("kv_transfer_params without what a read needs: prefilled here");
+                return Ok(0);
+            }
+            TransferAsk::RemoteDecode { .. } => return Ok(0),
+        };
+        match read {
             Ok(tokens) => Ok(tokens.min(answer.prompt_tokens().saturating_sub(1))),
             Err(failure) => {
                 tracing::warn!(?failure, "the remote KV blocks could not be read");

@@ -8,7 +8,7 @@ use super::generation::Generation;
 use super::injected;
 use crate::engine::{Admission, Refusal, Ticket};
 use crate::faults::Faults;
-use crate::kv_transfer::TransferAsk;
+use crate::kv_transfer::{Connector, TransferAsk};
 use crate::openai::ApiError;
 use crate::server::{self, HttpResponse};
 
@@ -26,18 +26,32 @@ pub async fn respond(
         }
         Err(Failed::Error(error)) => return server::error(&shared, &error),
     };
-    // A prefill leg keeps its blocks for the decode leg, and says where.
-    if let (Some(transfer), Some(TransferAsk::RemoteDecode)) =
+    // A prefill leg keeps its blocks for the decode leg, and says where (NIXL), or keeps
+    // them under the router's transfer id (Mooncake; without one, vLLM keeps nothing).
+    if let (Some(transfer), Some(TransferAsk::RemoteDecode { transfer_id })) =
         (&shared.kv_transfer, &answer.request.kv_transfer)
     {
         let lost = faults.kv_transfer_lost > 0.0 && rand::random::<f64>() < faults.kv_transfer_lost;
-        answer.kv_transfer_params = Some(transfer.lend(
-            &answer.id,
-            answer.prompt_tokens(),
-            answer.cached_tokens(),
-            shared.config.block_size,
-            lost,
-        ));
+        match (transfer.config().connector, transfer_id) {
+            (Connector::Nixl, _) => {
+                answer.kv_transfer_params = Some(transfer.lend(
+                    &answer.id,
+                    answer.prompt_tokens(),
+                    answer.cached_tokens(),
+                    shared.config.block_size,
+                    lost,
+                ));
+            }
+            (Connector::Mooncake, Some(transfer_id)) => transfer.keep_for_pull(
+                transfer_id,
+                answer.prompt_tokens(),
+                shared.config.block_size,
+                lost,
+            ),
+            (Connector::Mooncake, None) => {
+                tracing::warn!("Missing transfer_id in kv_transfer_params from router!");
+            }
+        }
     }
     let body = match &answer.wire {
         Wire::OpenAi => answer.full_body(),

@@ -6,8 +6,10 @@
 //! does nothing: a 200 all the same) falls back to the decode pool alone until a probe shows
 //! the transfers work again.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How the KV blocks move between the legs.
@@ -15,14 +17,89 @@ use std::time::{Duration, Instant};
 pub enum Connector {
     /// vLLM's `NixlConnector`: the prefill answer's `kv_transfer_params` go into the decode leg.
     Nixl,
+    /// vLLM's `MooncakeConnector`: the router mints a `transfer_id` for both legs and names
+    /// the prefill engine to the decode leg (its bootstrap server, on `bootstrap_port` of
+    /// the prefill backend's host, and its engine id, learned there).
+    Mooncake {
+        /// The port of the prefill engines' bootstrap servers.
+        bootstrap_port: u16,
+    },
 }
 
 impl Connector {
+    /// `bootstrap_port` unless set: vLLM's `VLLM_MOONCAKE_BOOTSTRAP_PORT` default.
+    pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
     /// The name in config.
     pub fn as_str(self) -> &'static str {
         match self {
             Connector::Nixl => "nixl",
+            Connector::Mooncake { .. } => "mooncake",
         }
+    }
+}
+
+/// What the Mooncake prefill backends' bootstrap servers said: each backend's engine id per
+/// data-parallel rank, kept for [`Prefillers::FRESH_FOR`] (an engine that restarts takes a
+/// new id), and the rank the next leg goes to.
+#[derive(Debug, Default)]
+pub struct Prefillers {
+    known: Mutex<HashMap<SocketAddr, Learned>>,
+    next_rank: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Learned {
+    /// `(rank, engine id)`, by rank.
+    ranks: Arc<[(u32, String)]>,
+    at: Instant,
+}
+
+impl Prefillers {
+    /// How long what a bootstrap server said is used.
+    pub const FRESH_FOR: Duration = Duration::from_secs(60);
+
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Learned>> {
+        self.known
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The rank and engine id the next leg to `backend` goes to, the ranks taken in turn;
+    /// `None` when nothing fresh is known of it.
+    pub fn next(&self, backend: SocketAddr) -> Option<(u32, String)> {
+        let ranks = {
+            let known = self.known();
+            let learned = known.get(&backend)?;
+            if learned.at.elapsed() >= Self::FRESH_FOR {
+                return None;
+            }
+            Arc::clone(&learned.ranks)
+        };
+        let turn = self.next_rank.fetch_add(1, Relaxed);
+        let len = u64::try_from(ranks.len()).ok().filter(|&n| n > 0)?;
+        let index = usize::try_from(turn % len).ok()?;
+        ranks.get(index).cloned()
+    }
+
+    /// Keeps what `backend`'s bootstrap server said (ranks, by rank), and forgets what went
+    /// stale of the others (backends that left the pool).
+    pub fn learn(&self, backend: SocketAddr, mut ranks: Vec<(u32, String)>) {
+        ranks.sort();
+        let mut known = self.known();
+        known.retain(|_, learned| learned.at.elapsed() < Self::FRESH_FOR);
+        known.insert(
+            backend,
+            Learned {
+                ranks: ranks.into(),
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// Forgets `backend`'s engine ids: a transfer from it failed (it may have restarted).
+    pub fn forget(&self, backend: SocketAddr) {
+        self.known().remove(&backend);
     }
 }
 
@@ -157,6 +234,8 @@ pub struct TransferCheck {
     transferred: AtomicU64,
     recomputed: AtomicU64,
     unverified: AtomicU64,
+    /// The Mooncake prefill engines' ids (empty for NIXL).
+    prefillers: Prefillers,
 }
 
 impl TransferCheck {
@@ -169,7 +248,13 @@ impl TransferCheck {
             transferred: AtomicU64::new(0),
             recomputed: AtomicU64::new(0),
             unverified: AtomicU64::new(0),
+            prefillers: Prefillers::default(),
         }
+    }
+
+    /// What the route knows of its Mooncake prefill engines.
+    pub fn prefillers(&self) -> &Prefillers {
+        &self.prefillers
     }
 
     /// The route's settings.
@@ -357,5 +442,20 @@ mod tests {
             !c.record(TransferOutcome::Recomputed),
             "already fallen back"
         );
+    }
+
+    #[test]
+    fn a_prefill_backend_s_ranks_are_taken_in_turn_while_fresh() {
+        let p = Prefillers::default();
+        let backend: SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(p.next(backend), None);
+        p.learn(backend, vec![(1, "e1".into()), (0, "e0".into())]);
+        let turns: Vec<_> = (0..4).filter_map(|_| p.next(backend)).collect();
+        assert_eq!(
+            turns,
+            [(0, "e0"), (1, "e1"), (0, "e0"), (1, "e1")].map(|(r, e)| (r, e.to_string()))
+        );
+        p.forget(backend);
+        assert_eq!(p.next(backend), None);
     }
 }

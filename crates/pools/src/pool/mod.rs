@@ -20,7 +20,9 @@ mod settings;
 mod waiting_room;
 
 pub use admission::{Admission, Pressure, Priority};
-pub use disaggregation::{Connector, PrefillRoute, RouteState, TransferCheck, TransferOutcome};
+pub use disaggregation::{
+    Connector, PrefillRoute, Prefillers, RouteState, TransferCheck, TransferOutcome,
+};
 pub use flow_control::{jain_index, Fairness, FlowControl, FlowId, Place, Room, WaitFor, Waited};
 pub use select::{Selected, REFERENCE_PROMPT_TOKENS};
 pub use settings::{
