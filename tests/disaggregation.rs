@@ -422,6 +422,7 @@ async fn both_legs_are_attempts_in_the_request_s_trace() {
             pool("prefill", &[MODEL], &[prefill.addr()]).with_fast_health_checks(),
         ],
         "telemetry": {"otlp": receiver.config(), "sampling": 1.0},
+        "plugins": {"request_id": {"enabled": true}},
     }))
     .await;
     let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
@@ -476,6 +477,12 @@ async fn both_legs_are_attempts_in_the_request_s_trace() {
         assert_eq!(
             sent.header("traceparent"),
             Some(format!("00-{TRACE}-{}-01", span.span_id()).as_str()),
+            "{pool}"
+        );
+        // The plugins' headers go with both legs: the client's request id to both engines.
+        assert_eq!(
+            sent.header("x-request-id"),
+            a.headers.get("x-request-id").and_then(|v| v.to_str().ok()),
             "{pool}"
         );
     }
@@ -588,4 +595,78 @@ async fn a_mooncake_prefill_engine_whose_bootstrap_server_is_silent_is_not_used(
     assert!(computed > prompt / 2, "computed whole: {}", a.body);
     assert_eq!(prefill.kv_transfer().unwrap().lent, 0, "no prefill leg");
     assert_eq!(path_count(&proxy, "prefill_failed").await, 1.0);
+}
+
+/// A LoRA-serving engine of both legs whose adapters are `adapters`.
+async fn lora_engine(adapters: &[&str]) -> vllm_sim::Sim {
+    let mut lora = vllm_sim::LoraConfig::new(2);
+    for name in adapters {
+        lora = lora.with_module(*name, format!("/adapters/{name}"));
+    }
+    vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .v1_engine(8192)
+            .with_latency(Latency::new(
+                Duration::ZERO,
+                Duration::from_micros(50),
+                Duration::from_millis(1),
+            ))
+            .with_answer_tokens(4, 4)
+            .with_lora(lora)
+            .with_kv_transfer(KvTransferConfig::default()),
+    )
+    .await
+    .expect("sim")
+}
+
+#[tokio::test]
+async fn an_adapter_s_prefill_leg_goes_to_a_prefill_backend_that_serves_it() {
+    let decode = lora_engine(&["poet"]).await;
+    let without = lora_engine(&["sql"]).await;
+    let with = lora_engine(&["poet"]).await;
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("decode", &[], &[decode.addr()])
+                .with("models", "auto")
+                .with_fast_health_checks()
+                .with("prefill", json!({"pool": "prefill", "min_prefill_tokens": 500})),
+            pool("prefill", &[], &[without.addr(), with.addr()])
+                .with("models", "auto")
+                .with_fast_health_checks()
+                .with("balancing", json!({"strategy": "round_robin"})),
+        ],
+    }))
+    .await;
+    for addr in [without.addr(), with.addr()] {
+        wait_for(Duration::from_secs(10), || async {
+            proxy.backend_status("prefill", addr).await["lora"]["adapters"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty())
+        })
+        .await
+        .expect("the prefill pool learns its backends' adapters");
+    }
+    wait_for(Duration::from_secs(10), || async {
+        proxy.backend_status("decode", decode.addr()).await["lora"]["adapters"] == json!(["poet"])
+    })
+    .await
+    .expect("the decode pool learns its backend's adapter");
+    // Round robin would send every other leg where `poet` is not.
+    for i in 0..4 {
+        let mut body = chat(&format!("poem {i}"), 2_000, false);
+        body["model"] = json!("poet");
+        let a = proxy.ask(&body, &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let (_, computed) = usage_of(&a);
+        assert_eq!(
+            computed, 0,
+            "request {i} was prefilled elsewhere: {}",
+            a.body
+        );
+    }
+    assert_eq!(with.kv_transfer().unwrap().read, 4);
+    assert_eq!(without.stats().count("/v1/chat/completions"), 0);
+    assert_eq!(path_count(&proxy, "prefill_failed").await, 0.0);
 }

@@ -149,7 +149,9 @@ pub async fn prefill(
         path("no_prefill_backend");
         return Ok(None);
     };
-    let Some(backend) = prefill_pool.select_prefixed(&[], demand, None, None) else {
+    // A LoRA adapter's request goes to a prefill backend that serves the adapter.
+    let adapter = prefill_pool.adapter(ctx.model());
+    let Some(backend) = prefill_pool.select_prefixed(&[], demand, None, adapter) else {
         path("no_prefill_backend");
         return Ok(None);
     };
@@ -195,7 +197,11 @@ pub async fn prefill(
         path("prefill_failed");
         return Ok(None);
     };
-    if crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).is_err() {
+    // The leg is an upstream request as an attempt is: the plugins' headers too (the
+    // request id, for both engines' logs).
+    if sluice.chain.upstream_request(&mut header, ctx).is_err()
+        || crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).is_err()
+    {
         path("prefill_failed");
         return Ok(None);
     }
