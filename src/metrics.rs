@@ -179,6 +179,21 @@ pub fn waiting_rooms(pools: &sluice_sdk::pool::Pools) {
     }
 }
 
+/// Each disaggregated route's state, at scrape time: a fall-back whose time is over reads 1
+/// before the next long prompt comes.
+pub fn disaggregated_routes(pools: &sluice_sdk::pool::Pools) {
+    for pool in pools.iter() {
+        if let Some(check) = pool.transfer_check() {
+            let disaggregated = check.state() == sluice_sdk::RouteState::Disaggregated;
+            set(
+                &PD_ROUTE_DISAGGREGATED,
+                &[&pool.name],
+                i64::from(disaggregated),
+            );
+        }
+    }
+}
+
 metric!(QUEUE_DEPTH: IntGaugeVec = register_int_gauge_vec!(
     "sluice_admission_queue_depth",
     "Requests waiting in each pool's queue, by class: for KV-cache headroom (the breaker's \

@@ -219,6 +219,16 @@ async fn transfers_that_do_nothing_are_found_and_the_route_falls_back() {
             .await,
         Some(0.0)
     );
+    // A reload of the same route keeps what it found.
+    proxy.reload().await;
+    let status = proxy.status().await;
+    assert_eq!(
+        status["pools"][0]["prefill"]["state"], "fallen_back",
+        "{status}"
+    );
+    let a = proxy.ask(&chat("after reload", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(lent(&prefill), 3, "still no prefill leg");
 }
 
 #[tokio::test]
@@ -669,4 +679,41 @@ async fn an_adapter_s_prefill_leg_goes_to_a_prefill_backend_that_serves_it() {
     assert_eq!(with.kv_transfer().unwrap().read, 4);
     assert_eq!(without.stats().count("/v1/chat/completions"), 0);
     assert_eq!(path_count(&proxy, "prefill_failed").await, 0.0);
+}
+
+#[tokio::test]
+async fn a_fall_back_whose_time_is_over_reads_disaggregated_before_the_next_request() {
+    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    prefill.set_faults(Faults {
+        kv_transfer_lost: 1.0,
+        ..Faults::default()
+    });
+    let proxy = proxy(
+        &decode,
+        &prefill,
+        json!({"fail_after": 1, "recover_after": "2s"}),
+    )
+    .await;
+    let gauge = r#"sluice_pd_route_disaggregated{pool="decode"}"#;
+    let a = proxy.ask(&chat("lost", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let judged = proxy
+        .metric_once(
+            r#"sluice_pd_transfers_total{outcome="recomputed",pool="decode"}"#,
+            1.0,
+        )
+        .await;
+    assert_eq!(judged, Some(1.0), "the route fell back");
+    // No request comes (the fall-back set the gauge to 0, as a request saw it); the gauge
+    // reads the route's state when scraped.
+    let back = wait_for(Duration::from_secs(10), || async {
+        proxy.metric(gauge).await == Some(1.0)
+    })
+    .await;
+    assert!(back.is_some(), "{}", proxy.metrics().await);
+    assert_eq!(
+        proxy.status().await["pools"][0]["prefill"]["state"],
+        "disaggregated"
+    );
 }

@@ -56,6 +56,7 @@ impl ServeHttp for Admin {
             "/metrics" => {
                 crate::metrics::waiting_rooms(&self.current.load().pools);
                 crate::metrics::flow_control(&self.current.load().pools);
+                crate::metrics::disaggregated_routes(&self.current.load().pools);
                 respond(
                     StatusCode::OK,
                     "text/plain; version=0.0.4; charset=utf-8",

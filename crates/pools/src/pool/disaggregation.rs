@@ -97,6 +97,23 @@ impl Prefillers {
         );
     }
 
+    /// Takes `old`'s fresh knowledge (a reload).
+    fn copy_from(&self, old: &Prefillers) {
+        let theirs = old.known();
+        let mut mine = self.known();
+        for (backend, learned) in theirs.iter() {
+            if learned.at.elapsed() < Self::FRESH_FOR {
+                mine.insert(
+                    *backend,
+                    Learned {
+                        ranks: Arc::clone(&learned.ranks),
+                        at: learned.at,
+                    },
+                );
+            }
+        }
+    }
+
     /// Forgets `backend`'s engine ids: a transfer from it failed (it may have restarted).
     pub fn forget(&self, backend: SocketAddr) {
         self.known().remove(&backend);
@@ -250,6 +267,25 @@ impl TransferCheck {
             unverified: AtomicU64::new(0),
             prefillers: Prefillers::default(),
         }
+    }
+
+    /// Takes over what `old` (this route in the generation a reload replaces) found, when
+    /// the route is the same: its window, its fall-back, its counts and its prefill engines'
+    /// ids. A route that changed starts afresh.
+    pub fn inherit(&self, old: &TransferCheck) {
+        if self.route != old.route {
+            return;
+        }
+        self.recent.store(old.recent.load(Relaxed), Relaxed);
+        *self.fallen_back() = *old.fallen_back();
+        for (mine, theirs) in [
+            (&self.transferred, &old.transferred),
+            (&self.recomputed, &old.recomputed),
+            (&self.unverified, &old.unverified),
+        ] {
+            mine.store(theirs.load(Relaxed), Relaxed);
+        }
+        self.prefillers.copy_from(&old.prefillers);
     }
 
     /// What the route knows of its Mooncake prefill engines.
@@ -457,5 +493,22 @@ mod tests {
         );
         p.forget(backend);
         assert_eq!(p.next(backend), None);
+    }
+
+    #[test]
+    fn a_reload_keeps_a_fallen_back_route_fallen_back_unless_it_changed() {
+        let old = check(1, Duration::from_secs(3600));
+        assert!(old.record(TransferOutcome::Recomputed));
+        let backend: SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        old.prefillers().learn(backend, vec![(0, "e0".into())]);
+        let same = check(1, Duration::from_secs(3600));
+        same.inherit(&old);
+        assert_eq!(same.state(), RouteState::FallenBack);
+        assert_eq!(same.counts(), (0, 1, 0));
+        assert_eq!(same.prefillers().next(backend), Some((0, "e0".into())));
+        let changed = check(2, Duration::from_secs(3600));
+        changed.inherit(&old);
+        assert_eq!(changed.state(), RouteState::Disaggregated);
+        assert_eq!(changed.counts(), (0, 0, 0));
     }
 }

@@ -277,6 +277,9 @@ impl Pool {
             .store(old.prompt_scale.load(Relaxed), Relaxed);
         self.waiting_room.store(old.waiting_room.load_full());
         self.flow_control.inherit(&old.flow_control);
+        if let (Some(mine), Some(theirs)) = (&self.transfers, &old.transfers) {
+            mine.inherit(theirs);
+        }
         *old.successor.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(self);
         self.changes.send_modify(|n| *n += 1);
     }
