@@ -717,3 +717,50 @@ async fn a_fall_back_whose_time_is_over_reads_disaggregated_before_the_next_requ
         "disaggregated"
     );
 }
+
+#[tokio::test]
+async fn a_prefill_answer_without_transfer_parameters_leaves_the_decode_backend_the_request() {
+    // An engine started without `--kv-transfer-config` answers the leg's one token and no
+    // parameters: nothing to hand over.
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let plain = vllm_sim::start(
+        SimConfig::default()
+            .with_model(MODEL)
+            .with_served_model_names(vec![MODEL.into()])
+            .v1_engine(8192),
+    )
+    .await
+    .unwrap();
+    let proxy = proxy(
+        &decode,
+        &plain,
+        json!({"fail_after": 2, "recover_after": "1h"}),
+    )
+    .await;
+    for i in 0..2 {
+        let a = proxy
+            .ask(&chat(&format!("plain {i}"), 2_000, true), &[])
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert!(a.body.ends_with("data: [DONE]\n\n"), "{}", a.body);
+    }
+    assert_eq!(
+        plain.stats().count("/v1/chat/completions"),
+        2,
+        "two legs sent"
+    );
+    assert_eq!(path_count(&proxy, "prefill_failed").await, 2.0);
+    // Two legs that brought nothing: the route falls back.
+    let status = proxy.status().await;
+    assert_eq!(
+        status["pools"][0]["prefill"]["state"], "fallen_back",
+        "{status}"
+    );
+    let a = proxy.ask(&chat("plain 2", 2_000, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        plain.stats().count("/v1/chat/completions"),
+        2,
+        "no third leg"
+    );
+}
