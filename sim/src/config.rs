@@ -191,6 +191,21 @@ pub struct SimConfig {
     /// Keep the Responses API's responses (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`), in
     /// this instance's memory: see `handlers/responses_api.rs`.
     pub responses_store: bool,
+    /// What the model does (`--runner`): generate text, or, as an embedding model
+    /// (`pooling`), answer `POST /v1/embeddings` and nothing that generates.
+    pub runner: Runner,
+    /// The length of an embedding model's vectors (all-MiniLM-L6-v2's 384 unless set).
+    pub embedding_dimensions: u32,
+}
+
+/// vLLM's `--runner`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Runner {
+    /// A generative model: completions, chat, messages, responses.
+    #[default]
+    Generate,
+    /// An embedding model: `POST /v1/embeddings` (see `handlers/embeddings.rs`).
+    Pooling,
 }
 
 /// vLLM's LoRA serving, as far as a router sees it: `--max-loras` (adapters one batch may
@@ -299,6 +314,8 @@ impl SimConfig {
             prompt_tokens_details: false,
             lora: None,
             responses_store: false,
+            runner: Runner::Generate,
+            embedding_dimensions: 384,
         };
         match profile {
             Profile::Zero => base,
@@ -467,6 +484,13 @@ impl SimConfig {
         self.responses_store = store;
         self
     }
+    /// An embedding model (`--runner pooling`) whose vectors have `dimensions`.
+    pub fn embedding_model(mut self, dimensions: u32) -> Self {
+        self.runner = Runner::Pooling;
+        self.embedding_dimensions = dimensions.max(1);
+        self
+    }
+
     /// Serves LoRA adapters (`--enable-lora`).
     pub fn with_lora(mut self, lora: LoraConfig) -> Self {
         self.lora = Some(lora);

@@ -154,6 +154,13 @@ struct Args {
     /// `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     #[arg(long)]
     responses_store: bool,
+    /// `generate` (the default) or `pooling`: an embedding model, which answers
+    /// `POST /v1/embeddings` and nothing that generates.
+    #[arg(long, default_value = "generate")]
+    runner: String,
+    /// An embedding model's vector length (not a vLLM flag: the model's own).
+    #[arg(long, default_value_t = 384)]
+    embedding_dimensions: u32,
 }
 
 /// The LoRA serving of `--enable-lora` and the flags beside it.
@@ -277,6 +284,11 @@ fn config(args: &Args) -> Result<SimConfig, String> {
     }
     config.lora = lora(args)?;
     config.responses_store = args.responses_store;
+    match args.runner.as_str() {
+        "generate" | "auto" => {}
+        "pooling" => config = config.embedding_model(args.embedding_dimensions),
+        other => return Err(format!("--runner {other:?}: `generate` or `pooling`")),
+    }
     if let Some(faults) = &args.faults {
         config.faults =
             serde_json::from_str::<Faults>(faults).map_err(|error| format!("--faults: {error}"))?;

@@ -306,7 +306,18 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         .headers
         .get("x-request-id")
         .and_then(|value| value.to_str().ok());
+    // An embedding model serves embeddings and none of the routes that generate; a
+    // generative one answers `/v1/embeddings` with a 404, as vLLM 0.32 does.
+    let pooling = shared.config.runner == crate::config::Runner::Pooling;
+    let generates = matches!(
+        path,
+        "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses"
+    ) || path.starts_with("/v1/responses/");
+    if pooling && generates {
+        return not_found();
+    }
     match (&parts.method, path) {
+        (&Method::POST, "/v1/embeddings") if pooling => handlers::embeddings(&shared, &body).await,
         (&Method::POST, "/v1/chat/completions") => {
             handlers::completion(&shared, Kind::Chat, body, request_id).await
         }

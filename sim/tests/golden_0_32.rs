@@ -94,6 +94,9 @@ const ERRORS: &[&str] = &[
 /// Compared in `other_endpoints_match_the_captures`, `metrics_match_the_captures` and
 /// `a_stream_error_event_is_written_as_captured`.
 const OTHERS: &[&str] = &[
+    // `embeddings_match_the_captures`:
+    "embeddings",
+    "embeddings-too-long",
     "err-embeddings",
     "err-embeddings-get",
     "err-get-chat",
@@ -284,6 +287,11 @@ fn request_of(name: &str) -> Vec<u8> {
         "prompt-plus-max-tokens-2000-stream-false" => long_chat(2000, false, false),
         "prompt-plus-max-tokens-2000-stream-true" => long_chat(2000, true, false),
         "prompt-plus-max-tokens-2000-ignore-eos" => long_chat(2000, false, true),
+        // 257 tokens at the sim's four bytes a token: the capture's count.
+        "embeddings-too-long" => {
+            serde_json::to_vec(&json!({"model": "all-MiniLM-L6-v2", "input": "abcd".repeat(257)}))
+                .unwrap()
+        }
         // A prompt of 220,048 characters, the capture's count.
         "err-prompt-too-long-chars" => serde_json::to_vec(
             &json!({"model": "tiny-draft", "prompt": "a".repeat(220_048), "max_tokens": 4}),
@@ -1103,6 +1111,57 @@ async fn a_stream_error_event_is_written_as_captured() {
         }
     }
     check(differences);
+    sim.shutdown();
+}
+
+/// A simulator set up as the embedding capture's server: `all-MiniLM-L6-v2`, context 256.
+async fn embedding_sim() -> Sim {
+    sim(SimConfig::default()
+        .with_model("/models/all-MiniLM-L6-v2")
+        .with_served_model_names(vec!["all-MiniLM-L6-v2".into()])
+        .with_max_model_len(256)
+        .with_error_shape(vllm_sim::ErrorShape::V0_32)
+        .zero_latency()
+        .embedding_model(384))
+    .await
+}
+
+#[tokio::test]
+async fn embeddings_match_the_captures() {
+    let sim = embedding_sim().await;
+    let mut differences = Vec::new();
+    let capture = Capture::load("embeddings");
+    let answer = ask_at(&sim, "/v1/embeddings", "embeddings").await;
+    same_head(&capture, &answer, &mut differences);
+    let (vllm, ours) = (capture.json(), answer.json("embeddings"));
+    compare_shapes("embeddings", &vllm, &ours, &mut differences);
+    let name = "embeddings-too-long";
+    let capture = Capture::load(name);
+    let answer = ask_at(&sim, "/v1/embeddings", name).await;
+    same_head(&capture, &answer, &mut differences);
+    let (vllm_error, our_error) = (capture.json(), answer.json(name));
+    compare(
+        name,
+        &vllm_error["error"],
+        &our_error["error"],
+        &mut differences,
+    );
+    check(differences);
+    // 384 floats of unit length, and the ids as vLLM makes them.
+    let vector: Vec<f64> = ours["data"][0]["embedding"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(vector.len(), 384);
+    let norm = vector.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+    let id = ours["id"].as_str().unwrap();
+    assert!(id.starts_with("embd-") && id.len() == 21, "{id}");
+    // A generative route is not served by an embedding model.
+    let chat = ask_at(&sim, "/v1/chat/completions", "chat-nonstream").await;
+    assert_eq!(chat.status, 404);
     sim.shutdown();
 }
 

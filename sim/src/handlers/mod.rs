@@ -6,10 +6,12 @@
 //! - `generation`: the latency model and the per-request metrics;
 //! - `answer`: the planned answer and its rendering as JSON or SSE chunks;
 //! - `stream` and `non_stream`: the two ways of sending it;
-//! - `messages`: Anthropic's Messages API, run as a chat and answered in its own shape.
+//! - `messages`: Anthropic's Messages API, run as a chat and answered in its own shape;
+//! - `embeddings`: an embedding model's `POST /v1/embeddings`.
 
 mod admission;
 mod answer;
+mod embeddings;
 mod errors;
 mod generation;
 mod injected;
@@ -29,6 +31,7 @@ use crate::server::{self, HttpResponse};
 use crate::Shared;
 
 use answer::{Answer, Wire};
+pub use embeddings::embeddings;
 use generation::Generation;
 
 /// `GET /v1/models`: the served names, then the LoRA adapters (their base model as `parent`,
