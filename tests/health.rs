@@ -529,10 +529,12 @@ async fn junk_lines_are_skipped_and_counted_and_the_page_still_read() {
     let state = || async { proxy.backend_status("main", fake.addr).await };
     assert_eq!(proxy.metric(&skipped_lines(fake.addr)).await, Some(0.0));
 
-    // A syntax this parser does not know (an OpenMetrics exemplar), a bad escape, and the
-    // usage changed, so that only a page read after the change can show it.
+    // In series the scrape reads (the others are not parsed): a syntax this parser does not
+    // know (an OpenMetrics exemplar), a bad escape, and the usage changed, so that only a
+    // page read after the change can show it.
     let junky = good.replace("} 0.2346\n", "} 0.61\n")
-        + "vllm:new_series_total{engine=\"0\"} 7 # {trace_id=\"4bf92f35\"} 1.0\n"
+        + "vllm:num_requests_waiting{engine=\"1\"} 7 # {trace_id=\"4bf92f35\"} 1.0\n"
+        + "vllm:num_requests_running{path=\"C:\\temp\"} 1\n"
         + "sidecar_info{path=\"C:\\temp\"} 1\n";
     assert!(junky.contains("} 0.61\n"), "the usage line was changed");
     fake.set(MetricsAnswer::Page(junky));
@@ -642,10 +644,10 @@ async fn a_pool_whose_metrics_cannot_be_read_is_not_shed_by_the_breaker() {
     assert!(unparsable >= 4.0, "{unparsable}");
 }
 
-/// `m{l0="\\",l1="\\",…} 1`: one label line of nearly the largest body read (8 MiB), which
-/// costs a quadratic parser minutes.
+/// `vllm:num_requests_running{l0="\\",l1="\\",…} 1`: one label line, of a series the scrape
+/// reads, of nearly the largest body read (8 MiB), which costs a quadratic parser minutes.
 fn hostile_page() -> String {
-    let mut page = String::from("m{");
+    let mut page = String::from("vllm:num_requests_running{");
     let mut i = 0;
     while page.len() < (8 << 20) - 64 {
         page.push_str(&format!("l{i}=\"\\\\\","));

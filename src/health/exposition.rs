@@ -10,7 +10,8 @@
 //! number, never a silently different sample. A text is read in one of two ways:
 //!
 //! - [`parse`]: the first bad line is the error.
-//! - [`read_page`], what a scrape uses: a bad line is skipped and counted, so that one line in
+//! - [`read_page`], what a scrape uses: only the samples the scrape keeps are parsed (the
+//!   others are counted by their name), and a bad line is skipped and counted, so that one line in
 //!   a syntax this parser does not know (a new exporter version, a sidecar's line) does not
 //!   hide the rest of the page. The page as a whole is still an error when it cannot be
 //!   trusted: a body cut short (as the format requires, the last line must end with a line
@@ -212,6 +213,14 @@ pub fn read_page<'a>(
         if !terminated {
             return Err(PageError::CutShort { line: number });
         }
+        // A sample nobody reads is not parsed: most of a vLLM page is histogram buckets a
+        // scrape does not use, and its name, read from the bytes, says so. It still counts as
+        // one of the page's samples, so an error page is still told from a metrics page (its
+        // lines do not start with a metric name).
+        if sample_name(line).is_some_and(|name| !keep(name)) {
+            page.sample_lines += 1;
+            continue;
+        }
         match parse_line(line, limits) {
             Ok(Some(sample)) => {
                 page.sample_lines += 1;
@@ -266,6 +275,25 @@ fn lines(text: &[u8]) -> impl Iterator<Item = (usize, &[u8], bool)> {
             }
         })
     })
+}
+
+/// The metric name a sample line starts with (after blanks), when it starts with one
+/// followed by its labels or its value; `None` for anything else (a comment, a blank line,
+/// a line that is no sample), which [`parse_line`] then reads.
+fn sample_name(line: &[u8]) -> Option<&str> {
+    let start = line.iter().position(|&b| b != b' ' && b != b'\t')?;
+    let rest = line.get(start..)?;
+    let first = *rest.first()?;
+    if !(first.is_ascii_alphabetic() || first == b'_' || first == b':') {
+        return None;
+    }
+    let end = rest
+        .iter()
+        .position(|&b| !(b.is_ascii_alphanumeric() || b == b'_' || b == b':'))?;
+    if !matches!(rest.get(end), Some(b'{' | b' ' | b'\t')) {
+        return None;
+    }
+    std::str::from_utf8(rest.get(..end)?).ok()
 }
 
 /// One line, without its line feed: a sample, or `None` for a blank or comment line.
@@ -1046,10 +1074,34 @@ mod tests {
         })
         .unwrap();
         assert_eq!(page.samples.len(), 1);
+        assert_eq!(page.sample_lines, 139, "the others are still counted");
+        // A sample nobody reads is not parsed, so a bad one costs nothing; a bad one that is
+        // read is a bad line.
+        let text = format!("{V1}unread{{a=\"b\"}} not-a-number\nread{{a=\"b\"}} not-a-number\n");
+        let page = read_page(text.as_bytes(), &Limits::default(), |name| name == "read").unwrap();
+        assert_eq!((page.sample_lines, page.skipped), (140, 1));
         assert_eq!(
-            page.sample_lines, 139,
-            "the others are still checked and counted"
+            page.first_skipped.map(|e| e.line),
+            Some(text.lines().count())
         );
+    }
+
+    #[test]
+    fn a_sample_s_name_is_read_from_its_bytes() {
+        assert_eq!(sample_name(b"vllm:x{a=\"1\"} 2"), Some("vllm:x"));
+        assert_eq!(sample_name(b"  m 1"), Some("m"));
+        assert_eq!(sample_name(b"m\t1"), Some("m"));
+        for not_a_sample in [
+            &b"# HELP m x"[..],
+            b"",
+            b"   ",
+            b"<html>",
+            b"9m 1",
+            b"m",
+            b"m-x 1",
+        ] {
+            assert_eq!(sample_name(not_a_sample), None, "{not_a_sample:?}");
+        }
     }
 
     #[test]

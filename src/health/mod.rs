@@ -30,7 +30,7 @@ mod zmtp;
 
 use crate::metrics;
 use async_trait::async_trait;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use exposition::{Limits, PageError, ParseError};
 use pingora_core::connectors::http::Connector;
 use pingora_core::server::ShutdownWatch;
@@ -114,6 +114,7 @@ async fn follow(pool: Arc<Pool>, connector: Arc<Connector>) {
                 phases: None,
                 page: PageState::Clean,
                 models_due: 0,
+                page_buffer: BytesMut::new(),
             };
             let label = endpoint.spec.address.clone();
             if let Some(routing) = pool.prefix() {
@@ -192,7 +193,13 @@ struct Checker {
     page: PageState,
     /// Checks until `/v1/models` is asked again; 0: now.
     models_due: u32,
+    /// The last `/metrics` page's buffer, for the next (see `probe::get_into`).
+    page_buffer: BytesMut,
 }
+
+/// The largest `/metrics` buffer a checker keeps between scrapes: vLLM's page is about
+/// 100 KiB with its histograms.
+const KEPT_PAGE_BUFFER: usize = 1 << 20;
 
 /// How often a backend is asked for its models, in checks: every 10 s at the default
 /// interval, when its pool has `models: auto` or it reports LoRA use; every backend is asked
@@ -264,8 +271,17 @@ impl Checker {
             endpoint.spec.address.as_str(),
         );
         let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
+        let buffer = std::mem::take(&mut self.page_buffer);
+        let scrape = probe::get_into(
+            &self.connector,
+            &self.peer,
+            host,
+            &policy.metrics_path,
+            policy.timeout,
+            buffer,
+        );
         live.scrape_started();
-        let (health, scrape) = tokio::join!(get(&policy.health_path), get(&policy.metrics_path));
+        let (health, scrape) = tokio::join!(get(&policy.health_path), scrape);
 
         let alive = matches!(&health, Ok(answer) if answer.status == 200);
         metrics::inc(
@@ -315,6 +331,12 @@ impl Checker {
             other => probe::result_label(other, false),
         };
         metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
+        // Kept while it is the size of a page; a huge one is not held between scrapes.
+        if let Some(buffer) = scrape.ok().and_then(probe::Answer::into_buffer) {
+            if buffer.capacity() <= KEPT_PAGE_BUFFER {
+                self.page_buffer = buffer;
+            }
+        }
     }
 
     /// Asks the backend's `/v1/models` when it is due, and records the names it lists (and

@@ -48,6 +48,34 @@ pub async fn get(
     get_with(connector, peer, host, path, deadline, None).await
 }
 
+/// [`get`], its body read into `buffer` (emptied first): a checker that scrapes the same page
+/// every 250 ms keeps one buffer, rather than having fresh pages of memory zeroed for each
+/// page it reads (see [`Answer::into_buffer`]).
+pub async fn get_into(
+    connector: &Connector,
+    peer: &HttpPeer,
+    host: &str,
+    path: &str,
+    deadline: Duration,
+    buffer: BytesMut,
+) -> Result<Answer, Failure> {
+    let exchange = exchange(connector, peer, host, path, None, buffer);
+    match tokio::time::timeout(deadline, exchange).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(Failure::Error(e)),
+        Err(_) => Err(Failure::Timeout),
+    }
+}
+
+impl Answer {
+    /// The body's buffer back, empty, when nothing else holds it.
+    pub fn into_buffer(self) -> Option<BytesMut> {
+        let mut buffer = self.body.try_into_mut().ok()?;
+        buffer.clear();
+        Some(buffer)
+    }
+}
+
 /// [`get`] with the pool's upstream credential, for what vLLM's `--api-key` guards
 /// (`/v1/models`; `/health` and `/metrics` are open).
 pub async fn get_with(
@@ -58,7 +86,8 @@ pub async fn get_with(
     deadline: Duration,
     auth: Option<&UpstreamAuth>,
 ) -> Result<Answer, Failure> {
-    match tokio::time::timeout(deadline, exchange(connector, peer, host, path, auth)).await {
+    let exchange = exchange(connector, peer, host, path, auth, BytesMut::new());
+    match tokio::time::timeout(deadline, exchange).await {
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(Failure::Error(e)),
         Err(_) => Err(Failure::Timeout),
@@ -71,6 +100,7 @@ async fn exchange(
     host: &str,
     path: &str,
     auth: Option<&UpstreamAuth>,
+    mut body: BytesMut,
 ) -> Result<Answer, Box<Error>> {
     let (mut session, _reused) = connector.get_http_session(peer).await?;
     let mut request = RequestHeader::build("GET", path.as_bytes(), None)?;
@@ -83,7 +113,16 @@ async fn exchange(
     session.finish_request_body().await?;
     session.read_response_header().await?;
     let status = session.response_header().map_or(0, |h| h.status.as_u16());
-    let mut body = BytesMut::new();
+    // Sized once by the answer's length when it says (a metrics page is tens of KB: grown
+    // from nothing, it would be copied a few times over).
+    let length = session
+        .response_header()
+        .and_then(|h| h.headers.get(http::header::CONTENT_LENGTH))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    body.clear();
+    body.reserve(length.min(MAX_BODY));
     while let Some(chunk) = session.read_response_body().await? {
         if body.len() + chunk.len() > MAX_BODY {
             return Err(Error::explain(
