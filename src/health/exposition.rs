@@ -221,6 +221,10 @@ pub fn read_page<'a>(
             page.sample_lines += 1;
             continue;
         }
+        // The same for the `# HELP` and `# TYPE` lines of the families nobody reads by name.
+        if comment_family(line).is_some_and(|name| !keep(name)) {
+            continue;
+        }
         match parse_line(line, limits) {
             Ok(Some(sample)) => {
                 page.sample_lines += 1;
@@ -262,7 +266,7 @@ fn lines(text: &[u8]) -> impl Iterator<Item = (usize, &[u8], bool)> {
             return None;
         }
         number += 1;
-        Some(match rest.iter().position(|&byte| byte == b'\n') {
+        Some(match memchr::memchr(b'\n', rest) {
             Some(end) => {
                 let (line, tail) = rest.split_at(end);
                 rest = tail.get(1..).unwrap_or_default();
@@ -294,6 +298,18 @@ fn sample_name(line: &[u8]) -> Option<&str> {
         return None;
     }
     std::str::from_utf8(rest.get(..end)?).ok()
+}
+
+/// The family a `# HELP name …` or `# TYPE name …` line describes, read from its bytes;
+/// `None` for any other line. (A histogram's family is named without the `_sum` or `_count`
+/// of the samples a reader keeps, so its comments go unchecked too: nothing in a comment is
+/// used.)
+fn comment_family(line: &[u8]) -> Option<&str> {
+    let rest = line.strip_prefix(b"# ")?;
+    let rest = rest
+        .strip_prefix(b"HELP ")
+        .or_else(|| rest.strip_prefix(b"TYPE "))?;
+    sample_name(rest)
 }
 
 /// One line, without its line feed: a sample, or `None` for a blank or comment line.
@@ -1084,6 +1100,21 @@ mod tests {
             page.first_skipped.map(|e| e.line),
             Some(text.lines().count())
         );
+    }
+
+    #[test]
+    fn the_comments_of_families_nobody_reads_are_not_checked() {
+        let text =
+            "# TYPE unread histogram extra words\n# HELP read x\n# TYPE read gauge gauge\nread 1\n";
+        let page = read_page(text.as_bytes(), &Limits::default(), |name| name == "read").unwrap();
+        assert_eq!(
+            (page.sample_lines, page.skipped),
+            (1, 1),
+            "only `read`'s bad TYPE"
+        );
+        assert_eq!(comment_family(b"# HELP vllm:x Help."), Some("vllm:x"));
+        assert_eq!(comment_family(b"# TYPE m gauge"), Some("m"));
+        assert_eq!(comment_family(b"# other m"), None);
     }
 
     #[test]
