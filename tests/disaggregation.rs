@@ -87,6 +87,20 @@ async fn proxy(decode: &vllm_sim::Sim, prefill: &vllm_sim::Sim, route: Value) ->
     .await
 }
 
+/// A route whose transfers all do nothing: the prefill engine answers transfer parameters
+/// for blocks it did not keep, and the decode engine recomputes, silently (a 200 all the
+/// same). The decode engine, the prefill engine and the proxy.
+async fn lossy_route(route: Value) -> (vllm_sim::Sim, vllm_sim::Sim, Proxy) {
+    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    prefill.set_faults(Faults {
+        kv_transfer_lost: 1.0,
+        ..Faults::default()
+    });
+    let proxy = proxy(&decode, &prefill, route).await;
+    (decode, prefill, proxy)
+}
+
 /// A prompt of about `tokens` tokens (the simulator counts four bytes a token), its own.
 fn chat(tag: &str, tokens: usize, stream: bool) -> Value {
     let text = format!("{tag}: {}", "word ".repeat(tokens * 4 / 5));
@@ -177,20 +191,8 @@ async fn a_prompt_the_decode_backend_would_compute_little_of_is_decoded_whole() 
 
 #[tokio::test]
 async fn transfers_that_do_nothing_are_found_and_the_route_falls_back() {
-    // The prefill engine answers transfer parameters for blocks it did not keep; the decode
-    // engine recomputes, silently: a 200 all the same.
-    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    prefill.set_faults(Faults {
-        kv_transfer_lost: 1.0,
-        ..Faults::default()
-    });
-    let proxy = proxy(
-        &decode,
-        &prefill,
-        json!({"fail_after": 3, "recover_after": "1h"}),
-    )
-    .await;
+    let (_decode, prefill, proxy) =
+        lossy_route(json!({"fail_after": 3, "recover_after": "1h"})).await;
     for i in 0..6 {
         let a = proxy
             .ask(&chat(&format!("lost {i}"), 2_000, false), &[])
@@ -476,14 +478,7 @@ async fn both_legs_are_attempts_in_the_request_s_trace() {
         );
         assert_eq!(span.attribute("sluice.attempt").as_deref(), Some("1"));
         // Each engine's own spans hang under its leg.
-        let sent = sim
-            .stats()
-            .recent
-            .iter()
-            .rev()
-            .find(|r| r.path == "/v1/chat/completions")
-            .cloned()
-            .expect("the leg reached its engine");
+        let sent = last_chat(sim);
         assert_eq!(
             sent.header("traceparent"),
             Some(format!("00-{TRACE}-{}-01", span.span_id()).as_str()),
@@ -663,6 +658,12 @@ async fn an_adapter_s_prefill_leg_goes_to_a_prefill_backend_that_serves_it() {
     })
     .await
     .expect("the decode pool learns its backend's adapter");
+    wait_for(Duration::from_secs(10), || async {
+        let models = reqwest::get(proxy.url("/v1/models")).await.unwrap();
+        models.text().await.unwrap().contains("\"poet\"")
+    })
+    .await
+    .expect("the proxy serves the adapter");
     // Round robin would send every other leg where `poet` is not.
     for i in 0..4 {
         let mut body = chat(&format!("poem {i}"), 2_000, false);
@@ -683,18 +684,8 @@ async fn an_adapter_s_prefill_leg_goes_to_a_prefill_backend_that_serves_it() {
 
 #[tokio::test]
 async fn a_fall_back_whose_time_is_over_reads_disaggregated_before_the_next_request() {
-    let decode = engine(LoadFailurePolicy::Recompute, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    prefill.set_faults(Faults {
-        kv_transfer_lost: 1.0,
-        ..Faults::default()
-    });
-    let proxy = proxy(
-        &decode,
-        &prefill,
-        json!({"fail_after": 1, "recover_after": "2s"}),
-    )
-    .await;
+    let (_decode, _prefill, proxy) =
+        lossy_route(json!({"fail_after": 1, "recover_after": "2s"})).await;
     let gauge = r#"sluice_pd_route_disaggregated{pool="decode"}"#;
     let a = proxy.ask(&chat("lost", 2_000, false), &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
