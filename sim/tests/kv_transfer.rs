@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! Disaggregated prefill on vLLM's `NixlConnector` wire, between two simulators: a prefill
 //! leg that keeps its blocks and says where, a decode leg that reads them, and what happens
-//! when the read fails (the engine's `kv_load_failure_policy`).
+//! when the read fails (the engine's `kv_load_failure_policy`); and on its
+//! `MooncakeConnector` wire, where the router names the blocks.
 
 mod common;
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
-use vllm_sim::{Faults, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
+use vllm_sim::{Faults, KvConnector, KvTransferConfig, Latency, LoadFailurePolicy, SimConfig};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -195,4 +196,39 @@ async fn a_prefill_answer_carries_what_a_real_vllm_0_32_answers() {
         keys(&answer["usage"]["prompt_tokens_details"]),
         keys(&captured["usage"]["prompt_tokens_details"])
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mooncake_legs_hand_over_by_the_router_s_transfer_id() {
+    let mooncake = || {
+        sim(SimConfig::default()
+            .with_answer_tokens(4, 4)
+            .v1_engine(8192)
+            .with_kv_transfer(KvTransferConfig {
+                connector: KvConnector::Mooncake,
+                transfer_per_token: Duration::ZERO,
+                ..KvTransferConfig::default()
+            }))
+    };
+    let (prefill, decode) = (mooncake().await, mooncake().await);
+    let transfer = prefill.kv_transfer().unwrap();
+    let body = long_prompt();
+    let mut leg = body.clone();
+    leg["max_tokens"] = json!(1);
+    leg["kv_transfer_params"] =
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": "xfer-1"});
+    let (status, answer) = post(&prefill, CHAT, &leg).await;
+    assert_eq!(status, 200, "{answer}");
+    // As a real vLLM 0.32 answers a Mooncake prefill leg: no parameters.
+    let captured = json_fixture("vllm-0.32/pd-mooncake-prefill-leg.json");
+    assert!(captured["kv_transfer_params"].is_null());
+    assert_eq!(answer["kv_transfer_params"], captured["kv_transfer_params"]);
+    let params = json!({"do_remote_decode": false, "do_remote_prefill": true,
+        "remote_engine_id": transfer.engine_id,
+        "remote_bootstrap_addr": format!("http://{}", transfer.bootstrap.unwrap()),
+        "transfer_id": "xfer-1"});
+    let (status, answer) = post(&decode, CHAT, &decode_leg(&body, &params)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(created_tokens(&answer), 0, "pulled, not computed: {answer}");
+    assert_eq!(prefill.kv_transfer().unwrap().read, 1);
 }
