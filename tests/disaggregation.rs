@@ -17,6 +17,13 @@ async fn engine(policy: LoadFailurePolicy, per_token: Duration) -> vllm_sim::Sim
     engine_leasing(policy, per_token, KvTransferConfig::default().lease).await
 }
 
+/// A decode and a prefill [`engine`], both failing a read they cannot make.
+async fn engines() -> (vllm_sim::Sim, vllm_sim::Sim) {
+    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    (decode, prefill)
+}
+
 /// [`engine`], keeping unread blocks for `lease`.
 async fn engine_leasing(
     policy: LoadFailurePolicy,
@@ -136,8 +143,7 @@ fn usage_of(a: &Answer) -> (u64, u64) {
 
 #[tokio::test]
 async fn a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_with_its_transfer() {
-    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let (decode, prefill) = engines().await;
     let proxy = proxy(&decode, &prefill, json!({})).await;
     let a = proxy.ask(&chat("long", 2_000, false), &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
@@ -180,8 +186,7 @@ async fn a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_with_its_tra
 
 #[tokio::test]
 async fn a_prompt_the_decode_backend_would_compute_little_of_is_decoded_whole() {
-    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let (decode, prefill) = engines().await;
     let proxy = proxy(&decode, &prefill, json!({})).await;
     let a = proxy.ask(&chat("short", 100, false), &[]).await;
     assert_eq!(a.status, 200, "{}", a.body);
@@ -235,8 +240,7 @@ async fn transfers_that_do_nothing_are_found_and_the_route_falls_back() {
 
 #[tokio::test]
 async fn a_failed_prefill_leg_leaves_the_decode_backend_doing_the_whole_request() {
-    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let (decode, prefill) = engines().await;
     prefill.set_faults(Faults {
         error_rate: 1.0,
         error_status: 500,
@@ -291,8 +295,7 @@ async fn a_client_that_leaves_during_the_prefill_leg_stops_it() {
 #[tokio::test]
 async fn a_retried_decode_leg_has_no_second_prefill_leg() {
     // Every decode attempt answers 503: the pool retries twice.
-    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let (decode, prefill) = engines().await;
     decode.set_faults(Faults {
         error_rate: 1.0,
         error_status: 503,
@@ -390,8 +393,9 @@ async fn a_refused_decode_leg_hands_its_transfer_to_the_retry() {
 
 #[tokio::test]
 async fn a_refused_decode_leg_s_retry_past_the_lease_is_served_whole() {
-    // The engines keep unread blocks for 200 ms; the retry waits 300 ms at least.
-    let lease = Duration::from_millis(200);
+    // The engines keep unread blocks for 1 s (room enough for a loaded machine's first
+    // decode leg); the retry waits 1.5 s at least, past the half that Sluice allows.
+    let lease = Duration::from_secs(1);
     let refusing = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
     let serving = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
     let prefill = engine_leasing(LoadFailurePolicy::Fail, Duration::from_micros(50), lease).await;
@@ -399,8 +403,8 @@ async fn a_refused_decode_leg_s_retry_past_the_lease_is_served_whole() {
         &refusing,
         &serving,
         &prefill,
-        "600ms",
-        json!({"kv_lease_duration": "200ms"}),
+        "3s",
+        json!({"kv_lease_duration": "1s"}),
     )
     .await;
     let a = ask_until_refused(&proxy, &refusing).await;
@@ -424,8 +428,7 @@ async fn a_refused_decode_leg_s_retry_past_the_lease_is_served_whole() {
 async fn both_legs_are_attempts_in_the_request_s_trace() {
     const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
     let receiver = OtlpReceiver::http().await;
-    let decode = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
-    let prefill = engine(LoadFailurePolicy::Fail, Duration::from_micros(50)).await;
+    let (decode, prefill) = engines().await;
     let proxy = Proxy::start(json!({
         "pools": [
             pool("decode", &[MODEL], &[decode.addr()])

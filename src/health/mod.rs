@@ -270,7 +270,13 @@ impl Checker {
             &*pool.name,
             endpoint.spec.address.as_str(),
         );
-        let get = |path| probe::get(&self.connector, &self.peer, host, path, policy.timeout);
+        let probe = probe::get(
+            &self.connector,
+            &self.peer,
+            host,
+            &policy.health_path,
+            policy.timeout,
+        );
         let buffer = std::mem::take(&mut self.page_buffer);
         let scrape = probe::get_into(
             &self.connector,
@@ -281,7 +287,7 @@ impl Checker {
             buffer,
         );
         live.scrape_started();
-        let (health, scrape) = tokio::join!(get(&policy.health_path), scrape);
+        let (health, scrape) = tokio::join!(probe, scrape);
 
         let alive = matches!(&health, Ok(answer) if answer.status == 200);
         metrics::inc(

@@ -27,13 +27,16 @@ pub enum Failure {
 
 /// The peer for health checks: the pool's TLS settings, the check's timeout.
 pub fn peer(pool: &Pool, backend: SocketAddr) -> HttpPeer {
-    let mut peer = pool.peer(backend);
-    let timeout = Some(pool.settings.health.timeout);
+    with_timeout(pool.peer(backend), pool.settings.health.timeout)
+}
+
+/// `peer` with `timeout` on its connect, reads and writes.
+pub fn with_timeout(mut peer: HttpPeer, timeout: Duration) -> HttpPeer {
     let o = &mut peer.options;
-    o.connection_timeout = timeout;
-    o.total_connection_timeout = timeout;
-    o.read_timeout = timeout;
-    o.write_timeout = timeout;
+    o.connection_timeout = Some(timeout);
+    o.total_connection_timeout = Some(timeout);
+    o.read_timeout = Some(timeout);
+    o.write_timeout = Some(timeout);
     peer
 }
 
@@ -59,12 +62,11 @@ pub async fn get_into(
     deadline: Duration,
     buffer: BytesMut,
 ) -> Result<Answer, Failure> {
-    let exchange = exchange(connector, peer, host, path, None, buffer);
-    match tokio::time::timeout(deadline, exchange).await {
-        Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(e)) => Err(Failure::Error(e)),
-        Err(_) => Err(Failure::Timeout),
-    }
+    within(
+        deadline,
+        exchange(connector, peer, host, path, None, buffer),
+    )
+    .await
 }
 
 impl Answer {
@@ -86,7 +88,18 @@ pub async fn get_with(
     deadline: Duration,
     auth: Option<&UpstreamAuth>,
 ) -> Result<Answer, Failure> {
-    let exchange = exchange(connector, peer, host, path, auth, BytesMut::new());
+    within(
+        deadline,
+        exchange(connector, peer, host, path, auth, BytesMut::new()),
+    )
+    .await
+}
+
+/// An exchange's answer, or why there is none, within `deadline`.
+async fn within(
+    deadline: Duration,
+    exchange: impl std::future::Future<Output = Result<Answer, Box<Error>>>,
+) -> Result<Answer, Failure> {
     match tokio::time::timeout(deadline, exchange).await {
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(Failure::Error(e)),

@@ -29,6 +29,7 @@ use super::llm_route::{pool_edits, pool_header};
 use super::state::Sluice;
 use bytes::Bytes;
 use pingora_core::ErrorType;
+use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 use sluice_sdk::model_name;
 use sluice_sdk::{
@@ -174,111 +175,19 @@ pub async fn prefill(
             legs
         }
     };
-    let ask = mooncake
-        .as_ref()
-        .map_or(model_name::NIXL_REMOTE_DECODE, |legs| &legs.ask[..]);
-    let Some(leg_body) = model_name::prefill_leg_body(
-        body,
-        &pool_edits(ctx, &prefill_pool, true, Some(request_id)),
-        ask,
-    ) else {
+    let leg = Leg {
+        decode_pool,
+        prefill_pool: &prefill_pool,
+        backend: &backend,
+        mooncake: mooncake.as_ref(),
+    };
+    let Some((header, leg_body, span)) = leg.request(sluice, session, ctx, body, request_id) else {
         path("prefill_failed");
         return Ok(None);
     };
-    let span = super::tries::prefill_span(ctx, &prefill_pool, backend.addr);
-    let Ok(mut header) = pool_header(
-        sluice,
-        session,
-        ctx,
-        &prefill_pool,
-        backend.addr,
-        leg_body.len(),
-    ) else {
-        path("prefill_failed");
-        return Ok(None);
-    };
-    // The leg is an upstream request as an attempt is: the plugins' headers too (the
-    // request id, for both engines' logs).
-    if sluice.chain.upstream_request(&mut header, ctx).is_err()
-        || crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).is_err()
-    {
-        path("prefill_failed");
-        return Ok(None);
-    }
-    if let Some(legs) = &mooncake {
-        if header
-            .insert_header("x-data-parallel-rank", legs.rank.to_string())
-            .is_err()
-        {
-            path("prefill_failed");
-            return Ok(None);
-        }
-    }
-    let computed = demand
-        .prompt_tokens
-        .saturating_sub(backend.cached_tokens.unwrap_or(0));
-    let in_flight = backend
-        .live
-        .begin_request(demand.prompt_tokens + 1, computed);
-    // The client's first token comes after the leg: it has the decode pool's first-byte
-    // budget at most, and its own pool's.
-    let now = Instant::now();
-    let timeouts = &prefill_pool.settings.timeouts;
-    let budget = timeouts
-        .first_byte
-        .min(decode_pool.settings.timeouts.first_byte);
-    let total = now + timeouts.total_for(Some(1)).min(budget);
-    let deadlines = Deadlines {
-        first_byte: (now + budget).min(total),
-        total,
-    };
-    let attempt = Attempt {
-        peer: prefill_pool.peer(backend.addr),
-        header,
-        body: leg_body,
-        in_flight,
-    };
-    let answer = attempt::fetch(&sluice.upstreams(), session, attempt, deadlines, &span).await;
-    // The prefill backend's passive health counts the leg as any attempt there.
-    let verdict = match &answer {
-        Ok((status, _)) if *status >= 500 => Some(Verdict::Failure),
-        Ok(_) => Some(Verdict::Success),
-        Err(Outcome::NotStarted(_)) => Some(Verdict::Failure),
-        Err(_) => None,
-    };
-    if let Some(verdict) = verdict {
-        super::tries::judge(&prefill_pool, backend.addr, &backend.live, verdict);
-    }
-    let status = answer.as_ref().ok().map(|(status, _)| *status);
-    // NIXL's answer says where the blocks are; Mooncake's says nothing, the router named them.
-    let params = answer
-        .as_ref()
-        .ok()
-        .filter(|(status, _)| *status == 200)
-        .and_then(|(_, answer)| match &mooncake {
-            None => transfer_params(answer),
-            Some(legs) => Some(legs.decode.clone()),
-        });
-    let label = match (&answer, &params) {
-        (_, Some(_)) => "prefilled",
-        (Ok((200, _)), None) => "no_transfer_params",
-        (Ok(_), None) => "declined",
-        (Err(Outcome::ClientGone(_)), None) => "client_gone",
-        (Err(_), None) => "failed",
-    };
-    super::tries::ended(&span, status, label);
-    let params = match answer {
-        Ok((200, _)) => params,
-        Ok((status, _)) => {
-            tracing::warn!(pool = &*decode_pool.name, prefill_pool = &*prefill_pool.name, backend = %backend.addr, status, "the prefill leg was refused: the decode backend serves the request whole");
-            None
-        }
-        Err(Outcome::ClientGone(e)) => return Err(Outcome::ClientGone(e)),
-        Err(outcome) => {
-            tracing::warn!(pool = &*decode_pool.name, prefill_pool = &*prefill_pool.name, backend = %backend.addr, error = %outcome_error(&outcome), "the prefill leg failed: the decode backend serves the request whole");
-            None
-        }
-    };
+    let params = leg
+        .send(sluice, session, demand, header, leg_body, &span)
+        .await?;
     let Some(params) = params else {
         return Ok(failed_leg(&decode_pool.name, check));
     };
@@ -294,6 +203,129 @@ pub async fn prefill(
         params,
         received: Instant::now(),
     }))
+}
+
+/// A prefill leg about to be sent: the pools, the prefill backend chosen, and Mooncake's
+/// parameters when the route speaks it.
+struct Leg<'a> {
+    decode_pool: &'a Pool,
+    prefill_pool: &'a Arc<Pool>,
+    backend: &'a Selected,
+    mooncake: Option<&'a mooncake::Legs>,
+}
+
+impl Leg<'_> {
+    /// The leg's request header, body and span: the request's body for one output token
+    /// with the connector's ask, and the header an attempt to the prefill pool would get;
+    /// `None` when either cannot be made.
+    fn request(
+        &self,
+        sluice: &Sluice,
+        session: &Session,
+        ctx: &mut RequestCtx,
+        body: &Bytes,
+        request_id: &str,
+    ) -> Option<(RequestHeader, Bytes, tracing::Span)> {
+        let (pool, addr) = (self.prefill_pool, self.backend.addr);
+        let ask = self
+            .mooncake
+            .map_or(model_name::NIXL_REMOTE_DECODE, |legs| &legs.ask[..]);
+        let edits = pool_edits(ctx, pool, true, Some(request_id));
+        let leg_body = model_name::prefill_leg_body(body, &edits, ask)?;
+        let span = super::tries::prefill_span(ctx, pool, addr);
+        let mut header = pool_header(sluice, session, ctx, pool, addr, leg_body.len()).ok()?;
+        // The leg is an upstream request as an attempt is: the plugins' headers too (the
+        // request id, for both engines' logs).
+        sluice.chain.upstream_request(&mut header, ctx).ok()?;
+        crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).ok()?;
+        if let Some(legs) = self.mooncake {
+            header
+                .insert_header("x-data-parallel-rank", legs.rank.to_string())
+                .ok()?;
+        }
+        Some((header, leg_body, span))
+    }
+
+    /// Sends the leg and reads its answer whole, within the decode pool's first-byte budget
+    /// (the client's first token comes after it): the decode leg's transfer parameters, or
+    /// `None` (logged) when the leg was refused, failed or brought none; `Err` when the
+    /// client left.
+    async fn send(
+        &self,
+        sluice: &Sluice,
+        session: &mut Session,
+        demand: &Demand,
+        header: RequestHeader,
+        leg_body: Bytes,
+        span: &tracing::Span,
+    ) -> Result<Option<Bytes>, Outcome> {
+        let (pool, backend) = (self.prefill_pool, self.backend);
+        let computed = demand
+            .prompt_tokens
+            .saturating_sub(backend.cached_tokens.unwrap_or(0));
+        let in_flight = backend
+            .live
+            .begin_request(demand.prompt_tokens + 1, computed);
+        let now = Instant::now();
+        let timeouts = &pool.settings.timeouts;
+        let budget = timeouts
+            .first_byte
+            .min(self.decode_pool.settings.timeouts.first_byte);
+        let total = now + timeouts.total_for(Some(1)).min(budget);
+        let deadlines = Deadlines {
+            first_byte: (now + budget).min(total),
+            total,
+        };
+        let attempt = Attempt {
+            peer: pool.peer(backend.addr),
+            header,
+            body: leg_body,
+            in_flight,
+        };
+        let answer = attempt::fetch(&sluice.upstreams(), session, attempt, deadlines, span).await;
+        // The prefill backend's passive health counts the leg as any attempt there.
+        let verdict = match &answer {
+            Ok((status, _)) if *status >= 500 => Some(Verdict::Failure),
+            Ok(_) => Some(Verdict::Success),
+            Err(Outcome::NotStarted(_)) => Some(Verdict::Failure),
+            Err(_) => None,
+        };
+        if let Some(verdict) = verdict {
+            super::tries::judge(pool, backend.addr, &backend.live, verdict);
+        }
+        let status = answer.as_ref().ok().map(|(status, _)| *status);
+        // NIXL's answer says where the blocks are; Mooncake's says nothing, the router named
+        // them.
+        let params = answer
+            .as_ref()
+            .ok()
+            .filter(|(status, _)| *status == 200)
+            .and_then(|(_, answer)| match self.mooncake {
+                None => transfer_params(answer),
+                Some(legs) => Some(legs.decode.clone()),
+            });
+        let label = match (&answer, &params) {
+            (_, Some(_)) => "prefilled",
+            (Ok((200, _)), None) => "no_transfer_params",
+            (Ok(_), None) => "declined",
+            (Err(Outcome::ClientGone(_)), None) => "client_gone",
+            (Err(_), None) => "failed",
+        };
+        super::tries::ended(span, status, label);
+        let (decode_pool, prefill_pool) = (&*self.decode_pool.name, &*pool.name);
+        match answer {
+            Ok((200, _)) => Ok(params),
+            Ok((status, _)) => {
+                tracing::warn!(pool = decode_pool, prefill_pool, backend = %backend.addr, status, "the prefill leg was refused: the decode backend serves the request whole");
+                Ok(None)
+            }
+            Err(Outcome::ClientGone(e)) => Err(Outcome::ClientGone(e)),
+            Err(outcome) => {
+                tracing::warn!(pool = decode_pool, prefill_pool, backend = %backend.addr, error = %outcome_error(&outcome), "the prefill leg failed: the decode backend serves the request whole");
+                Ok(None)
+            }
+        }
+    }
 }
 
 /// A prefill leg that did not happen or brought no transfer: counted in the route's window,

@@ -607,18 +607,16 @@ impl AttemptLoop {
                     }
                     meets_deadline(ctx, &pool, &backend)?;
                     // 2. prepare
-                    // A disaggregated pool's long prompt is prefilled elsewhere first, once (a
-                    // retry is served whole): the decode backend was chosen and admitted above.
+                    // A disaggregated pool's long prompt is prefilled elsewhere first, once:
+                    // the decode backend was chosen and admitted above. A retry of a decode leg
+                    // its engine never took keeps the transfer while the lease holds (see
+                    // `Transfer::may_carry`); any other retry is served whole.
                     let disaggregated = pool.transfer_check().is_some();
-                    let mut backend = backend;
                     self.transfer = self
                         .transfer
                         .take()
                         .filter(|transfer| disaggregated && transfer.lease_holds(&pool));
-                    if self.transfer.is_some() {
-                        // A refused decode leg's retry: the blocks wait for it.
-                        backend.cached_tokens = Some(demand.prompt_tokens.saturating_sub(1));
-                    } else if disaggregated {
+                    if self.transfer.is_none() && disaggregated {
                         ctx.state.remove::<super::disaggregation::TransferSent>();
                     }
                     if !self.prefilled && disaggregated {
@@ -639,16 +637,17 @@ impl AttemptLoop {
                         )
                         .await;
                         match prefilled {
-                            Ok(Some(transfer)) => {
-                                // The decode backend computes next to nothing of it.
-                                backend.cached_tokens =
-                                    Some(demand.prompt_tokens.saturating_sub(1));
-                                self.transfer = Some(transfer);
-                            }
+                            Ok(Some(transfer)) => self.transfer = Some(transfer),
                             Ok(None) => {}
                             Err(attempt::Outcome::ClientGone(e)) => return Err(e),
                             Err(_) => {}
                         }
+                    }
+                    let mut backend = backend;
+                    if self.transfer.is_some() {
+                        // The prompt's blocks come by the transfer: the decode backend computes
+                        // next to nothing of it.
+                        backend.cached_tokens = Some(demand.prompt_tokens.saturating_sub(1));
                     }
                     let mut in_flight =
                         tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
@@ -1073,10 +1072,6 @@ const ENGINE_FACING: [&str; 4] = [
     "x-data-parallel-rank",
 ];
 
-/// The request header an upstream gets: the client's, framed anew (the body by its exact
-/// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
-/// HTTP/1.0 client may have sent none), without the [`ENGINE_FACING`] headers. Hop-by-hop
-/// headers go in [`forwarding`].
 /// The edits every body sent to `pool` gets: the pool's served model name when it is not the
 /// client's (and the body names the model, `model_in_body`), the tenant's `cache_salt`, and
 /// the engine's controls reset (with `request_id`, given when the pool resets them).
@@ -1122,6 +1117,10 @@ pub(super) fn pool_header(
     Ok(header)
 }
 
+/// The request header an upstream gets: the client's, framed anew (the body by its exact
+/// length, the `Expect` handshake done here), and sent as HTTP/1.1, which needs a `Host` (an
+/// HTTP/1.0 client may have sent none), without the [`ENGINE_FACING`] headers. Hop-by-hop
+/// headers go in [`forwarding`].
 fn upstream_header(
     client: &RequestHeader,
     body_len: usize,

@@ -89,12 +89,8 @@ async fn query(
     probes: &pingora_core::connectors::http::Connector,
     bootstrap: SocketAddr,
 ) -> Result<Vec<(u32, String)>, String> {
-    let mut peer = HttpPeer::new(bootstrap, false, String::new());
-    let o = &mut peer.options;
-    o.connection_timeout = Some(QUERY_WITHIN);
-    o.total_connection_timeout = Some(QUERY_WITHIN);
-    o.read_timeout = Some(QUERY_WITHIN);
-    o.write_timeout = Some(QUERY_WITHIN);
+    // The bootstrap server speaks plain HTTP, whatever the engine's API does.
+    let peer = probe::with_timeout(HttpPeer::new(bootstrap, false, String::new()), QUERY_WITHIN);
     let answer = probe::get(
         probes,
         &peer,
