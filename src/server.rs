@@ -42,6 +42,7 @@ pub fn build(mut config: Config, opt: Opt) -> Result<Server, String> {
     let (grace_over, streams_end) = tokio::sync::watch::channel(false);
     let lasting = lasting(&config, streams_end, &upstream);
     let probes = Arc::clone(&lasting.probes);
+    crate::proxy::pool_calls::use_connector(Arc::clone(&probes));
     // What the services keep of the config: the first generation takes the rest.
     let connection_limits = config.limits.connections.clone();
     let h2_streams = config.limits.h2_max_concurrent_streams;

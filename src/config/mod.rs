@@ -225,6 +225,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     let host = Host {
         pools: Arc::clone(&pools),
         memory: MemoryBudget::new(limits.max_buffered_bytes),
+        calls: Arc::new(crate::proxy::pool_calls::CoreCalls),
     };
     let plugins = crate::chain::resolve(raw.plugins, &host)?;
     let responses = responses(&raw.responses)?;

@@ -96,7 +96,7 @@ pub async fn get_with(
 }
 
 /// An exchange's answer, or why there is none, within `deadline`.
-async fn within(
+pub async fn within(
     deadline: Duration,
     exchange: impl std::future::Future<Output = Result<Answer, Box<Error>>>,
 ) -> Result<Answer, Failure> {
@@ -113,16 +113,33 @@ async fn exchange(
     host: &str,
     path: &str,
     auth: Option<&UpstreamAuth>,
-    mut body: BytesMut,
+    body: BytesMut,
 ) -> Result<Answer, Box<Error>> {
-    let (mut session, _reused) = connector.get_http_session(peer).await?;
     let mut request = RequestHeader::build("GET", path.as_bytes(), None)?;
     request.insert_header(http::header::HOST, host)?;
     request.insert_header(http::header::USER_AGENT, "sluice-health")?;
     if let Some(auth) = auth {
         request.insert_header(auth.header.clone(), auth.value.clone())?;
     }
+    send(connector, peer, request, None, body, MAX_BODY).await
+}
+
+/// Sends `request` (with `payload`, when it has one) and reads the whole answer into
+/// `body` (emptied first), at most `max_body` bytes of it: a larger answer is an error, and
+/// its connection is not reused. Without a deadline of its own: see [`within`].
+pub async fn send(
+    connector: &Connector,
+    peer: &HttpPeer,
+    request: RequestHeader,
+    payload: Option<Bytes>,
+    mut body: BytesMut,
+    max_body: usize,
+) -> Result<Answer, Box<Error>> {
+    let (mut session, _reused) = connector.get_http_session(peer).await?;
     session.write_request_header(Box::new(request)).await?;
+    if let Some(payload) = payload {
+        session.write_request_body(payload, true).await?;
+    }
     session.finish_request_body().await?;
     session.read_response_header().await?;
     let status = session.response_header().map_or(0, |h| h.status.as_u16());
@@ -135,12 +152,12 @@ async fn exchange(
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(0);
     body.clear();
-    body.reserve(length.min(MAX_BODY));
+    body.reserve(length.min(max_body));
     while let Some(chunk) = session.read_response_body().await? {
-        if body.len() + chunk.len() > MAX_BODY {
+        if body.len() + chunk.len() > max_body {
             return Err(Error::explain(
-                ErrorType::InvalidHTTPHeader,
-                "the answer is larger than a metrics page can be",
+                ErrorType::Custom(TOO_LARGE),
+                "the answer is too large",
             ));
         }
         body.extend_from_slice(&chunk);
@@ -154,6 +171,9 @@ async fn exchange(
         body: body.freeze(),
     })
 }
+
+/// The error type of an answer larger than its reader allows (see [`send`]).
+pub const TOO_LARGE: &str = "AnswerTooLarge";
 
 /// The `result` label of `sluice_health_checks_total`.
 pub fn result_label(outcome: &Result<Answer, Failure>, good: bool) -> &'static str {

@@ -41,6 +41,7 @@ mod downstream;
 mod forwarding;
 mod llm_route;
 mod plain_route;
+pub(crate) mod pool_calls;
 mod reply;
 pub(crate) mod shared_sessions;
 mod state;

@@ -20,6 +20,7 @@
 //! - [`PluginBuilder`] / [`ConfigError`]: how a plugin is made from its config section.
 //! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
 //! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
+//! - [`calls`]: requests of a plugin's own to a pool (embeddings), sent by the core.
 //! - [`client`]: waiting on something while watching the client, which may leave.
 //! - [`redis`]: the way to Redis (single node or Cluster) with timeouts and a cool-down, for
 //!   plugins that share state through it.
@@ -31,6 +32,7 @@
 //! A plugin crate owns its config type (serde, `deny_unknown_fields`, with an `enabled` key),
 //! its builder, its metrics and its tests; plugins know each other only through this crate.
 
+pub mod calls;
 pub mod client;
 pub mod config;
 pub mod cpu;
@@ -50,6 +52,7 @@ pub use sluice_llm::{context, family, model_name, raw_json, request, sse, usage}
 pub use sluice_pools::{header_rules, health, members, pool, prefix, prefix_index, ratio, retry};
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
+pub use calls::{Call, CallFailed, PoolCalls};
 pub use config::ConfigError;
 
 /// The `tracing` target under which a plugin's event becomes an event of the trace span it

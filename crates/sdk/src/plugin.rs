@@ -49,6 +49,7 @@ use pingora_proxy::Session;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
 
+use crate::calls::PoolCalls;
 use crate::config::ConfigError;
 use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
@@ -87,6 +88,8 @@ pub struct Host {
     pub pools: Arc<Pools>,
     /// The budget of bytes held in memory for requests (see [`crate::memory`]).
     pub memory: Arc<MemoryBudget>,
+    /// Requests of the plugin's own to a pool, sent by the core (see [`crate::calls`]).
+    pub calls: Arc<dyn PoolCalls>,
 }
 
 /// How a plugin is made from its config section. The core's chain is a table of these, one

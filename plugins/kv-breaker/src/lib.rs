@@ -575,6 +575,7 @@ mod tests {
         let host = Host {
             pools: Arc::new(Pools::new(vec![Arc::clone(&pool)])),
             memory: sluice_sdk::MemoryBudget::new(1 << 20),
+            calls: Arc::new(sluice_sdk::calls::NoPools),
         };
         let builder = KvBreakerBuilder::resolve(config, &host).unwrap().unwrap();
         (builder.build(), pool)

@@ -201,6 +201,7 @@ mod tests {
         let host = Host {
             pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
             memory: sluice_sdk::MemoryBudget::new(1 << 20),
+            calls: Arc::new(sluice_sdk::calls::NoPools),
         };
         let e = RequestIdBuilder::resolve(bad, &host).err().unwrap();
         assert_eq!(e.key, "header");

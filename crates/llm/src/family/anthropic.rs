@@ -35,6 +35,14 @@ pub static MESSAGES: Anthropic = Anthropic {
 pub static COUNT_TOKENS: Anthropic = Anthropic { count_tokens: true };
 
 impl ApiFamily for Anthropic {
+    /// `count_tokens` asks nothing of a model.
+    fn question(&self, body: &[u8]) -> Option<super::question::Question> {
+        if self.count_tokens {
+            return None;
+        }
+        super::question::read(body, super::question::Turns::List("messages"))
+    }
+
     /// A stream's usage is in `message_start`'s `message` (the input; output 0) and in
     /// `message_delta` (the output, and vLLM's input again); a whole answer's is its own.
     /// Never deeper: a tool call's `input` is an object the model writes.

@@ -16,6 +16,7 @@
 pub mod anthropic;
 pub mod logprobs;
 pub mod openai;
+pub mod question;
 pub mod responses;
 #[cfg(test)]
 mod test_gemini;
@@ -349,6 +350,11 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     /// Whose rate-limit headers its answers carry.
     fn rate_limit_headers(&self) -> RateLimitHeaders {
         RateLimitHeaders::OpenAi
+    }
+    /// What a semantic cache compares of `body` (see [`question`]); `None` (the default)
+    /// when the family's requests ask no question in words (a tokenizer, a pooling model).
+    fn question(&self, _body: &[u8]) -> Option<question::Question> {
+        None
     }
     /// The operation its requests are in the GenAI semantic conventions
     /// (`gen_ai.operation.name`): `chat`, `text_completion`, `embeddings`, ...

@@ -67,6 +67,17 @@ pub static COMPLETIONS: OpenAi = OpenAi {
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
 impl ApiFamily for OpenAi {
+    fn question(&self, body: &[u8]) -> Option<super::question::Question> {
+        use super::question::{read, Turns};
+        read(
+            body,
+            match self.kind {
+                Kind::Chat => Turns::List("messages"),
+                Kind::Completion => Turns::Prompt,
+            },
+        )
+    }
+
     fn name(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat",

@@ -33,6 +33,10 @@ pub static RESPONSES: Responses = Responses;
 const WHOLE: [&str; 2] = ["completed", "incomplete"];
 
 impl ApiFamily for Responses {
+    fn question(&self, body: &[u8]) -> Option<super::question::Question> {
+        super::question::read(body, super::question::Turns::ListOrString("input"))
+    }
+
     fn name(&self) -> &'static str {
         "responses"
     }
