@@ -196,6 +196,10 @@ pub struct SimConfig {
     pub runner: Runner,
     /// The length of an embedding model's vectors (all-MiniLM-L6-v2's 384 unless set).
     pub embedding_dimensions: u32,
+    /// Answer by the prompt's words (lowercased letters and digits), not its bytes: a model
+    /// that gives one question the same answer whatever its case, spacing and punctuation,
+    /// as the semantic cache's tests need (see `openai::words_hash`).
+    pub answers_by_words: bool,
 }
 
 /// vLLM's `--runner`.
@@ -316,6 +320,7 @@ impl SimConfig {
             responses_store: false,
             runner: Runner::Generate,
             embedding_dimensions: 384,
+            answers_by_words: false,
         };
         match profile {
             Profile::Zero => base,
@@ -488,6 +493,12 @@ impl SimConfig {
     pub fn embedding_model(mut self, dimensions: u32) -> Self {
         self.runner = Runner::Pooling;
         self.embedding_dimensions = dimensions.max(1);
+        self
+    }
+
+    /// Answers by the prompt's words (see [`SimConfig::answers_by_words`]).
+    pub fn answering_by_words(mut self) -> Self {
+        self.answers_by_words = true;
         self
     }
 

@@ -100,6 +100,9 @@ struct Args {
     /// Share of prompts giving low-confidence logprobs (0..1).
     #[arg(long)]
     low_confidence_share: Option<f64>,
+    /// Answer by the prompt's words, whatever their case, spacing and punctuation.
+    #[arg(long)]
+    answers_by_words: bool,
     /// Temperature when a request gives none.
     #[arg(long)]
     default_temperature: Option<f64>,
@@ -336,6 +339,7 @@ fn apply_answers(args: &Args, config: &mut SimConfig) {
             acceptance_rate: args.spec_acceptance.clamp(0.0, 1.0),
         });
     }
+    config.answers_by_words = args.answers_by_words;
     if let Some(share) = args.low_confidence_share {
         config.low_confidence_share = share.clamp(0.0, 1.0);
     }

@@ -1002,9 +1002,66 @@ fn python_json_error(text: &str, error: &serde_json::Error) -> (usize, &'static 
     (offset, python_message)
 }
 
+/// The hash of a request's words (its messages' text and its prompt; letters and digits,
+/// lowercased, one space between words): what a model that answers by meaning alone would
+/// see (see `SimConfig::answers_by_words`).
+pub fn words_hash(body: &[u8]) -> u64 {
+    fn text_of(value: &Value, into: &mut String) {
+        match value {
+            Value::String(text) => {
+                into.push(' ');
+                into.push_str(text);
+            }
+            Value::Array(items) => items.iter().for_each(|item| text_of(item, into)),
+            Value::Object(fields) => {
+                for key in ["content", "text"] {
+                    if let Some(inner) = fields.get(key) {
+                        text_of(inner, into);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut text = String::new();
+    if let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) {
+        for key in ["messages", "prompt"] {
+            if let Some(value) = fields.get(key) {
+                text_of(value, &mut text);
+            }
+        }
+    }
+    let mut hasher = Hasher::default();
+    for word in text
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+    {
+        hasher.bytes(word.to_lowercase().as_bytes());
+        hasher.separator();
+    }
+    hasher.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn words_hash_reads_the_words_alone() {
+        let a = words_hash(
+            br#"{"messages":[{"role":"user","content":"What is the capital of France?"}]}"#,
+        );
+        let b = words_hash(br#"{"messages":[{"role":"user","content":[{"type":"text","text":"WHAT  is the capital of france"}]}]}"#);
+        let c = words_hash(
+            br#"{"messages":[{"role":"user","content":"What is the capital of Spain?"}]}"#,
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(
+            words_hash(br#"{"prompt":"Once, upon"}"#),
+            words_hash(br#"{"prompt":"once upon"}"#)
+        );
+    }
 
     fn chat(body: &[u8], shape: ErrorShape) -> Result<CompletionRequest, ApiError> {
         parse(Kind::Chat, body, 1.0, shape)

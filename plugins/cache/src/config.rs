@@ -45,6 +45,112 @@ pub struct CacheConfig {
     pub max_entry_bytes: usize,
     #[serde(default)]
     pub coalesce: CoalesceConfig,
+    /// Near-duplicate questions answered from the cache (see [`crate::semantic`]); off when
+    /// absent.
+    #[serde(default)]
+    pub semantic: Option<SemanticConfig>,
+}
+
+/// `semantic`: on an exact miss, the question is embedded by `pool` and compared with the
+/// stored answers' questions; a neighbour's answer is served only within `max_error_rate`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SemanticConfig {
+    /// The pool serving the embedding model (a vLLM with `--runner pooling`).
+    pub pool: String,
+    /// The most often a semantic hit may be wrong (its answer not the one the model would
+    /// have given), as a fraction.
+    #[serde(default = "default_max_error_rate")]
+    pub max_error_rate: f64,
+    /// The model name sent to the pool; by default the first the pool serves.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Questions less similar than this (cosine) are not neighbours: never served, never
+    /// compared.
+    #[serde(default = "default_min_similarity")]
+    pub min_similarity: f32,
+    /// The share of hits within the bound that go upstream anyway, their answer compared
+    /// with the neighbour's, so that the bound keeps being checked.
+    #[serde(default = "default_verify_rate")]
+    pub verify_rate: f64,
+    /// How sure the learned bound must be (one-sided).
+    #[serde(default = "default_confidence")]
+    pub confidence: f64,
+    /// The embedding call's deadline; past it the request goes on as an exact miss.
+    #[serde(
+        default = "default_semantic_timeout",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub timeout: Duration,
+    /// Tool-calling and agent requests (tools defined, tool calls or results in the turns,
+    /// a stored conversation continued) take part too. Off: their answers depend on more
+    /// than the question's words.
+    #[serde(default)]
+    pub agent_requests: bool,
+    /// The most questions indexed; the oldest go first.
+    #[serde(default = "default_max_entries")]
+    pub max_entries: usize,
+}
+
+fn default_max_error_rate() -> f64 {
+    0.02
+}
+
+fn default_min_similarity() -> f32 {
+    0.75
+}
+
+fn default_verify_rate() -> f64 {
+    0.05
+}
+
+fn default_confidence() -> f64 {
+    0.95
+}
+
+fn default_semantic_timeout() -> Duration {
+    Duration::from_secs(1)
+}
+
+fn default_max_entries() -> usize {
+    100_000
+}
+
+impl SemanticConfig {
+    /// Checks what serde cannot; keys are relative to the `semantic` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.max_error_rate > 0.0 && self.max_error_rate < 0.5) {
+            return Err(ConfigError::new(
+                "max_error_rate",
+                "must be more than 0 and less than 0.5",
+            ));
+        }
+        if !(self.min_similarity > 0.0 && self.min_similarity < 1.0) {
+            return Err(ConfigError::new(
+                "min_similarity",
+                "must be more than 0 and less than 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.verify_rate) {
+            return Err(ConfigError::new("verify_rate", "must be from 0 to 1"));
+        }
+        if !(self.confidence >= 0.5 && self.confidence < 1.0) {
+            return Err(ConfigError::new(
+                "confidence",
+                "must be at least 0.5 and less than 1",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::new("timeout", "must be longer than 0"));
+        }
+        if self.max_entries == 0 {
+            return Err(ConfigError::new(
+                "max_entries",
+                "must be at least 1 (to turn the semantic cache off, remove the section)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for CacheConfig {
@@ -63,6 +169,7 @@ impl Default for CacheConfig {
             ttl_by_endpoint: BTreeMap::new(),
             max_entry_bytes: default_max_entry_bytes(),
             coalesce: CoalesceConfig::default(),
+            semantic: None,
         }
     }
 }
@@ -218,6 +325,9 @@ impl CacheConfig {
                 "coalesce.max_followers",
                 "must be at least 1 (to coalesce nothing, set coalesce.enabled: false)",
             ));
+        }
+        if let Some(semantic) = &self.semantic {
+            semantic.validate().map_err(|e| e.under("semantic"))?;
         }
         Ok(())
     }

@@ -39,6 +39,7 @@ pub mod key;
 pub mod live;
 mod metrics;
 pub mod policy;
+pub mod semantic;
 pub mod store;
 
 pub use config::CacheConfig;
@@ -49,11 +50,14 @@ use entry::{not_stored_label, Entry, NotStored};
 use http::{HeaderName, HeaderValue};
 use live::{Live, Reader, Readiness, Writer};
 use policy::Use;
+use semantic::{Decision, Neighbour, Semantic};
+use sluice_sdk::calls::PoolCalls;
 use sluice_sdk::client::{watch, while_connected, Watched};
 use sluice_sdk::config::header_name;
 use sluice_sdk::cpu::body_work;
 use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
+use sluice_sdk::Pool;
 use sluice_sdk::{
     async_trait, AnswerText, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall,
     LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
@@ -72,6 +76,8 @@ pub struct CacheBuilder {
     /// What queued Redis writes take their bytes from.
     memory: Arc<MemoryBudget>,
     key_headers: Vec<HeaderName>,
+    /// The semantic part's pool and the core's way to it, when configured.
+    semantic: Option<(Arc<Pool>, Arc<dyn PoolCalls>)>,
 }
 
 impl PluginBuilder for CacheBuilder {
@@ -90,10 +96,23 @@ impl PluginBuilder for CacheBuilder {
             .enumerate()
             .map(|(i, h)| header_name(&format!("key_headers[{i}]"), h))
             .collect::<std::result::Result<_, _>>()?;
+        let semantic = match &config.semantic {
+            None => None,
+            Some(semantic) => {
+                let pool = host.pools.get(&semantic.pool).ok_or_else(|| {
+                    ConfigError::new(
+                        "semantic.pool",
+                        format!("no pool is named `{}`", semantic.pool),
+                    )
+                })?;
+                Some((Arc::clone(pool), Arc::clone(&host.calls)))
+            }
+        };
         Ok(Some(Self {
             config,
             memory: Arc::clone(&host.memory),
             key_headers,
+            semantic,
         }))
     }
 
@@ -108,6 +127,8 @@ pub struct Cache {
     store: Arc<dyn Store>,
     inflight: Arc<Inflight>,
     key_headers: Vec<HeaderName>,
+    /// Near-duplicate questions' answers, when configured.
+    semantic: Option<Semantic>,
     /// Fresh ids for answers served from the cache: `<nonce><counter>`.
     id_nonce: u64,
     id_counter: AtomicU64,
@@ -133,6 +154,9 @@ struct State {
     /// The tokens the client allowed (`sluice_sdk::context::output_budget`): an answer that
     /// stopped for `length` short of it was cut by a model's context, and is not stored.
     output_budget: u64,
+    /// A semantic lookup that sent the request upstream: its answer is compared with the
+    /// neighbour's and its question indexed.
+    asked: Option<semantic::Asked>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,7 +185,11 @@ impl Cache {
             config,
             memory,
             key_headers,
+            semantic,
         } = ready;
+        let semantic = semantic
+            .zip(config.semantic.clone())
+            .map(|((pool, calls), settings)| Semantic::new(pool, calls, settings));
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => {
                 // Queued writes are optional: a quarter of the budget at most, so that a slow
@@ -179,6 +207,7 @@ impl Cache {
                 config.coalesce.max_wait,
             )),
             key_headers,
+            semantic,
             id_nonce: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
@@ -230,16 +259,15 @@ impl Cache {
         })
     }
 
-    /// The request's key: hashed off the workers when the body is large (see
-    /// [`sluice_sdk::cpu`]).
-    /// `None` when the request may not use the cache: it has no identity and anonymous
-    /// requests bypass.
-    async fn key_for(
+    /// What the request's key is made of besides its body: its partition (the tenant) and
+    /// the extra parts. `None` when the request may not use the cache: it has no identity
+    /// and anonymous requests bypass.
+    fn key_parts(
         &self,
         session: &Session,
         tenant: Option<&Tenant>,
         call: &LlmCall,
-    ) -> Option<CacheKey> {
+    ) -> Option<KeyParts> {
         let headers = &session.req_header().headers;
         let tenant = key::partition(
             headers,
@@ -268,15 +296,17 @@ impl Cache {
         if let Some(model) = &call.route.model {
             extra.push(("path model".to_string(), model.as_bytes().to_vec()));
         }
-        let (endpoint, body) = (call.endpoint, call.body.clone());
-        let digest = body_work(body.len(), move || {
-            let extra: Vec<(&str, &[u8])> = extra
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_slice()))
-                .collect();
-            key::digest(&tenant, endpoint, &extra, &body)
+        Some(KeyParts {
+            tenant: Arc::from(tenant),
+            extra: Arc::new(extra),
         })
-        .await??;
+    }
+
+    /// The request's key: hashed off the workers when the body is large (see
+    /// [`sluice_sdk::cpu`]). `None` when its body cannot be keyed.
+    async fn key_for(&self, parts: &KeyParts, call: &LlmCall) -> Option<CacheKey> {
+        let (endpoint, body, parts) = (call.endpoint, call.body.clone(), parts.clone());
+        let digest = body_work(body.len(), move || parts.digest(endpoint, &body)).await??;
         Some(CacheKey::new(&self.config.key_prefix, digest))
     }
 
@@ -312,21 +342,35 @@ impl Plugin for Cache {
         };
         let use_ = policy::decide(&self.config, call, &session.req_header().headers);
         // The key (a second parse of the body, and a hash) only when the cache takes part.
-        let key = match use_ {
+        let parts = match use_ {
             Use::Bypass => None,
-            _ => {
-                self.key_for(session, ctx.tenant().map(|t| &**t), call)
-                    .await
-            }
+            _ => self.key_parts(session, ctx.tenant().map(|t| &**t), call),
         };
-        let Some(key) = key else {
+        let key = match &parts {
+            Some(parts) => self.key_for(parts, call).await,
+            None => None,
+        };
+        let (Some(key), Some(parts)) = (key, parts) else {
             metrics::request(metrics::Outcome::Bypass);
             ctx.state.insert(Bypassed);
             return Ok(Flow::Continue);
         };
         let mut state = self.state(key, call);
         if use_ == Use::LookupAndStore {
-            match self.find(session, call, &state.key).await? {
+            match self.find(session, call, &state.key, &parts).await? {
+                Found::Semantic(neighbour) => {
+                    let mut response = self.answer(&neighbour.entry, call)?;
+                    response.header.insert_header(
+                        semantic::SIMILARITY_HEADER,
+                        format!("{:.4}", neighbour.similarity),
+                    )?;
+                    metrics::request(metrics::Outcome::Hit);
+                    return Ok(answered_locally(ctx, state, Lookup::Hit, response));
+                }
+                Found::Asked(asked, leader) => {
+                    state.asked = Some(asked);
+                    state.leader = leader;
+                }
                 Found::Entry(entry, result) => {
                     let response = self.answer(&entry, call)?;
                     metrics::request(match result {
@@ -471,6 +515,7 @@ impl Plugin for Cache {
             // leaves the in-flight list before any later identical request can join it.
             write_back(
                 self.store.as_ref(),
+                self.semantic.as_ref(),
                 state,
                 tee,
                 streamed,
@@ -502,15 +547,95 @@ impl Cache {
             followed_live: false,
             behind_leader: false,
             output_budget: sluice_sdk::context::output_budget(call),
+            asked: None,
         }
     }
 
-    /// The stored answer to `key`; on a miss, with coalescing on, what the identical requests
-    /// in flight give this one.
-    async fn find(&self, session: &mut Session, call: &LlmCall, key: &CacheKey) -> Result<Found> {
+    /// The stored answer to `key`; on a miss, a near-duplicate question's answer when the
+    /// semantic part may serve it; then, with coalescing on, what the identical requests in
+    /// flight give this one.
+    async fn find(
+        &self,
+        session: &mut Session,
+        call: &LlmCall,
+        key: &CacheKey,
+        parts: &KeyParts,
+    ) -> Result<Found> {
         if let Some(entry) = self.lookup(key).await {
             return Ok(Found::Entry(entry, Lookup::Hit));
         }
+        let asked = match &self.semantic {
+            None => None,
+            Some(semantic) => match self.by_meaning(semantic, session, call, parts).await? {
+                Decision::Serve(neighbour) => return Ok(Found::Semantic(neighbour)),
+                Decision::Upstream(asked) => Some(asked),
+                Decision::Skip => None,
+            },
+        };
+        let found = self.find_inflight(session, call, key).await?;
+        Ok(match (asked, found) {
+            (Some(asked), Found::Upstream(leader)) => Found::Asked(asked, leader),
+            (_, found) => found,
+        })
+    }
+
+    /// A semantic lookup for the request (see [`semantic`]): `Err` when the client left
+    /// while its question was embedded.
+    async fn by_meaning(
+        &self,
+        semantic: &Semantic,
+        session: &mut Session,
+        call: &LlmCall,
+        parts: &KeyParts,
+    ) -> Result<Decision> {
+        let (endpoint, body, key_parts) = (call.endpoint, call.body.clone(), parts.clone());
+        let read = body_work(body.len(), move || {
+            let question = endpoint.family().question(&body)?;
+            let group = key_parts.digest(endpoint, &question.rest)?;
+            Some((question.text, question.agentic, group))
+        })
+        .await
+        .flatten();
+        let Some((text, agentic, group)) = read else {
+            semantic::note_skip("no_question");
+            return Ok(Decision::Skip);
+        };
+        if agentic && !semantic.takes_agents() {
+            semantic::note_skip("agent");
+            return Ok(Decision::Skip);
+        }
+        let vector = match while_connected(session, semantic.embed(&text)).await {
+            Ok(Some(vector)) => vector,
+            Ok(None) => return Ok(Decision::Skip),
+            Err(gone) => return Err(client_left(gone)),
+        };
+        let neighbour = match semantic.nearest(&group, &vector) {
+            None => None,
+            Some(near) => {
+                let key = CacheKey::new(&self.config.key_prefix, near.slot.entry);
+                match self.lookup(&key).await {
+                    Some(entry) => Some(Neighbour {
+                        slot: near.slot,
+                        similarity: near.similarity,
+                        entry,
+                    }),
+                    None => {
+                        semantic.forget(&group, &near.slot.entry);
+                        None
+                    }
+                }
+            }
+        };
+        Ok(semantic.decide(group, vector, neighbour))
+    }
+
+    /// On a miss, with coalescing on, what the identical requests in flight give this one.
+    async fn find_inflight(
+        &self,
+        session: &mut Session,
+        call: &LlmCall,
+        key: &CacheKey,
+    ) -> Result<Found> {
         // A stream whose family cannot be relayed live is not made to wait for a whole answer.
         let waits_whole = call.request.is_stream() && !call.endpoint.family().relays_live();
         if !self.config.coalesce.enabled || waits_whole {
@@ -606,6 +731,11 @@ async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
 
 /// What a request that may be answered from the cache gets before going upstream.
 enum Found {
+    /// A near-duplicate question's answer, within the error bound.
+    Semantic(Neighbour),
+    /// Nothing: the request goes upstream (leading the identical ones when it holds the
+    /// lead), and its answer is compared with a semantic neighbour's and indexed.
+    Asked(semantic::Asked, Option<Leader>),
     /// A stored answer (`Hit`), or the one an identical request published (`Coalesced`).
     Entry(Arc<Entry>, Lookup),
     /// An identical request's stream, followed live, its first bytes already there.
@@ -634,11 +764,32 @@ fn answered_locally(
 /// Marks a request the cache stays out of (`x-cache: BYPASS`).
 struct Bypassed;
 
+/// What a request's key is made of besides its body and endpoint (see
+/// [`Cache::key_parts`]): shared by the exact key and the semantic group.
+#[derive(Clone)]
+struct KeyParts {
+    tenant: Arc<str>,
+    extra: Arc<Vec<(String, Vec<u8>)>>,
+}
+
+impl KeyParts {
+    /// The digest of `body` sent to `endpoint` with these parts.
+    fn digest(&self, endpoint: Endpoint, body: &[u8]) -> Option<[u8; 32]> {
+        let extra: Vec<(&str, &[u8])> = self
+            .extra
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        key::digest(&self.tenant, endpoint, &extra, body)
+    }
+}
+
 /// Stores a complete answer (never waiting on the network) and hands it to the requests that
 /// waited for it: a stream's, added up as it passed (`streamed`), or the tee's JSON.
 fn write_back(
     store: &dyn Store,
-    state: State,
+    semantic: Option<&Semantic>,
+    mut state: State,
     tee: Tee,
     streamed: Option<Result<AnswerText, NotStored>>,
     pool: &str,
@@ -672,10 +823,16 @@ fn write_back(
         answer,
         source_bytes: tee.bytes,
     });
-    metrics::write(match store.put(&state.key, entry.clone(), state.ttl) {
+    let stored = store.put(&state.key, entry.clone(), state.ttl);
+    metrics::write(match stored {
         WriteOutcome::Accepted => "stored",
         WriteOutcome::Dropped => "dropped",
     });
+    if let (Some(semantic), Some(asked)) = (semantic, state.asked.take()) {
+        let expires = Instant::now() + state.ttl;
+        let stored = stored == WriteOutcome::Accepted;
+        semantic.answered(asked, &entry.answer, state.key.digest, stored, expires);
+    }
     if let Some(leader) = leader {
         leader.publish(entry);
     }

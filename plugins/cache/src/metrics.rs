@@ -2,7 +2,7 @@
 //! dashboards use; the rest are `sluice_cache_*`.
 
 use sluice_sdk::metric;
-use sluice_sdk::metrics::{inc, observe, set_gauge, touch};
+use sluice_sdk::metrics::{inc, observe, set, set_gauge, touch};
 use sluice_sdk::ratio::RatioWindow;
 use std::sync::LazyLock;
 
@@ -57,6 +57,60 @@ metric!(MEMORY_BYTES: IntGauge = register_int_gauge!(
     "Bytes held by the memory store (entries weighed in KiB)."
 ));
 
+metric!(SEMANTIC_LOOKUPS: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_semantic_lookups_total",
+    format!(
+        "Semantic lookups after an exact miss, by result: {}.",
+        SEMANTIC_RESULTS.join(", ")
+    ),
+    &["result"]
+));
+
+metric!(SEMANTIC_VERIFIED: IntCounterVec = register_int_counter_vec!(
+    "sluice_cache_semantic_verifications_total",
+    "Upstream answers compared with a semantic neighbour's, by embeddings pool and result: \
+     right (the same answer) or wrong (a hit would have been a wrong answer).",
+    &["pool", "result"]
+));
+
+metric!(SEMANTIC_ERROR_RATE: GaugeVec = register_gauge_vec!(
+    "sluice_cache_semantic_error_rate",
+    "The learned upper bound on the error of a semantic hit at the similarity from which \
+     entries without examples of their own are served (1 while none is), by embeddings pool.",
+    &["pool"]
+));
+
+metric!(SEMANTIC_THRESHOLD: GaugeVec = register_gauge_vec!(
+    "sluice_cache_semantic_threshold",
+    "The similarity from which entries without examples of their own are served (1 while \
+     none is), by embeddings pool; entries with examples have thresholds of their own.",
+    &["pool"]
+));
+
+metric!(SEMANTIC_EMBED: HistogramVec = register_histogram_vec!(
+    "sluice_cache_semantic_embed_seconds",
+    "Time of the embedding calls of semantic lookups, by embeddings pool.",
+    &["pool"],
+    vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+));
+
+metric!(SEMANTIC_ENTRIES: IntGauge = register_int_gauge!(
+    "sluice_cache_semantic_entries",
+    "Questions held by the semantic index."
+));
+
+/// Every result `semantic_lookup` is called with.
+pub const SEMANTIC_RESULTS: [&str; 8] = [
+    "hit",
+    "verify",
+    "explore",
+    "miss",
+    "no_question",
+    "agent",
+    "unavailable",
+    "bad_answer",
+];
+
 /// Every outcome `write` is called with.
 const WRITE_OUTCOMES: [&str; 5] = ["stored", "too_big", "incomplete", "not_ok", "dropped"];
 
@@ -73,6 +127,7 @@ pub fn init(store: &str) {
         touch(&COALESCED_FIRST_BYTE, &[via]);
     }
     let _ = (
+        &*SEMANTIC_ENTRIES,
         &*HIT_RATIO,
         &*STORE_ERRORS,
         &*MEMORY_ENTRIES,
@@ -125,4 +180,42 @@ pub fn write(outcome: &str) {
 pub fn memory_usage(entries: i64, bytes: i64) {
     set_gauge(&MEMORY_ENTRIES, entries);
     set_gauge(&MEMORY_BYTES, bytes);
+}
+
+/// The semantic series at zero (and the bound at 1) from start-up, for embeddings `pool`.
+pub fn init_semantic(pool: &str) {
+    for result in SEMANTIC_RESULTS {
+        touch(&SEMANTIC_LOOKUPS, &[result]);
+    }
+    for result in ["right", "wrong"] {
+        touch(&SEMANTIC_VERIFIED, &[pool, result]);
+    }
+    touch(&SEMANTIC_EMBED, &[pool]);
+    semantic_bound(pool, None);
+}
+
+pub fn semantic_lookup(result: &str) {
+    inc(&SEMANTIC_LOOKUPS, &[result]);
+}
+
+pub fn semantic_embed(pool: &str, seconds: f64) {
+    observe(&SEMANTIC_EMBED, &[pool], seconds);
+}
+
+pub fn semantic_verified(pool: &str, right: bool) {
+    inc(
+        &SEMANTIC_VERIFIED,
+        &[pool, if right { "right" } else { "wrong" }],
+    );
+}
+
+/// The serving threshold and the error bound there, `None` while there is none.
+pub fn semantic_bound(pool: &str, bound: Option<(f32, f64)>) {
+    let (threshold, error) = bound.map_or((1.0, 1.0), |(t, e)| (f64::from(t), e));
+    set(&SEMANTIC_THRESHOLD, &[pool], threshold);
+    set(&SEMANTIC_ERROR_RATE, &[pool], error);
+}
+
+pub fn semantic_entries(entries: usize) {
+    set_gauge(&SEMANTIC_ENTRIES, entries as i64);
 }

@@ -45,10 +45,14 @@ async fn embed(shared: &Shared, body: &[u8]) -> Result<Vec<u8>, ApiError> {
         }
     }
     let inputs = inputs(request.get("input"))?;
-    let truncate = request
+    // vLLM's -1: keep as much as the model's context holds.
+    let truncate = match request
         .get("truncate_prompt_tokens")
-        .and_then(Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok());
+        .and_then(Value::as_i64)
+    {
+        Some(-1) => Some(config.max_model_len),
+        other => other.and_then(|n| u32::try_from(n).ok()),
+    };
     let base64 = match request.get("encoding_format").and_then(Value::as_str) {
         None | Some("float") => false,
         Some("base64") => true,

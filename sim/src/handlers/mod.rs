@@ -287,6 +287,9 @@ fn validate(
     if shared.config.bytes_per_token != 4.0 {
         request.prompt.count_at(shared.config.bytes_per_token);
     }
+    if shared.config.answers_by_words {
+        request.prompt.hash = openai::words_hash(body);
+    }
     tokenize(shared, kind, body, &mut request)?;
     if let Some(model) = &request.model {
         if !shared.served_names.iter().any(|served| served == model) {
