@@ -588,6 +588,7 @@ impl Cache {
         call: &LlmCall,
         parts: &KeyParts,
     ) -> Result<Decision> {
+        let started = Instant::now();
         let (endpoint, body, key_parts) = (call.endpoint, call.body.clone(), parts.clone());
         let read = body_work(body.len(), move || {
             let question = endpoint.family().question(&body)?;
@@ -604,8 +605,8 @@ impl Cache {
             semantic::note_skip("agent");
             return Ok(Decision::Skip);
         }
-        let vector = match while_connected(session, semantic.embed(&text)).await {
-            Ok(Some(vector)) => vector,
+        let (vector, embedding) = match while_connected(session, semantic.embed(&text)).await {
+            Ok(Some(embedded)) => embedded,
             Ok(None) => return Ok(Decision::Skip),
             Err(gone) => return Err(client_left(gone)),
         };
@@ -626,7 +627,9 @@ impl Cache {
                 }
             }
         };
-        Ok(semantic.decide(group, vector, neighbour))
+        let decision = semantic.decide(group, vector, neighbour);
+        semantic.took(started.elapsed().saturating_sub(embedding));
+        Ok(decision)
     }
 
     /// On a miss, with coalescing on, what the identical requests in flight give this one.

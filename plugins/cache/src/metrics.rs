@@ -94,6 +94,18 @@ metric!(SEMANTIC_EMBED: HistogramVec = register_histogram_vec!(
     vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ));
 
+metric!(SEMANTIC_OVERHEAD: HistogramVec = register_histogram_vec!(
+    "sluice_cache_semantic_lookup_overhead_seconds",
+    "What a semantic lookup added to its request besides the embedding call (reading the \
+     question, the group's digest, the index's scan, the neighbour's entry), by embeddings \
+     pool.",
+    &["pool"],
+    vec![
+        0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025,
+        0.005, 0.01, 0.025
+    ]
+));
+
 metric!(SEMANTIC_ENTRIES: IntGauge = register_int_gauge!(
     "sluice_cache_semantic_entries",
     "Questions held by the semantic index."
@@ -191,6 +203,7 @@ pub fn init_semantic(pool: &str) {
         touch(&SEMANTIC_VERIFIED, &[pool, result]);
     }
     touch(&SEMANTIC_EMBED, &[pool]);
+    touch(&SEMANTIC_OVERHEAD, &[pool]);
     semantic_bound(pool, None);
 }
 
@@ -200,6 +213,10 @@ pub fn semantic_lookup(result: &str) {
 
 pub fn semantic_embed(pool: &str, seconds: f64) {
     observe(&SEMANTIC_EMBED, &[pool], seconds);
+}
+
+pub fn semantic_overhead(pool: &str, seconds: f64) {
+    observe(&SEMANTIC_OVERHEAD, &[pool], seconds);
 }
 
 pub fn semantic_verified(pool: &str, right: bool) {

@@ -242,6 +242,8 @@ pub enum Contender {
     SluiceDisaggregated,
     /// Scenario 30: the split fleet losing half its transfers.
     SluiceDisaggregatedLossy,
+    /// Scenario 31: the cache with its semantic part, on labelled question pairs.
+    SluiceSemanticCache,
 }
 
 impl Contender {
@@ -316,6 +318,7 @@ impl Contender {
             Contender::SluiceDisaggregatedLossy => {
                 "sluice (disaggregated, half the transfers lost)"
             }
+            Contender::SluiceSemanticCache => "sluice (semantic cache)",
         }
     }
 

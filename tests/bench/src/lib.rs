@@ -23,6 +23,7 @@ pub mod report;
 pub mod resilience;
 pub mod scale_from_zero;
 pub mod scenarios;
+pub mod semantic;
 pub mod soak;
 pub mod sse;
 pub mod tenants;
@@ -161,6 +162,9 @@ pub struct Params {
     /// of them), and how much faster.
     pub trace_window: Duration,
     pub trace_speedup: f64,
+    /// Scenario 31: made-up question pairs and the simulator's embedding model (the smoke
+    /// run), not STS-B and the real one.
+    pub semantic_made_up: bool,
     pub trace_smoke_requests: usize,
     /// Scenario 28: when the pool's first backend joins, how long the requests keep coming
     /// after that, and at what rate (per second).
@@ -251,6 +255,7 @@ impl Params {
             trace_window: Duration::from_secs(600),
             trace_speedup: 4.0,
             trace_smoke_requests: 0,
+            semantic_made_up: false,
             zero_join_after: Duration::from_secs(20),
             zero_after_join: Duration::from_secs(10),
             zero_rate: 5.0,
@@ -337,6 +342,7 @@ impl Params {
             trace_window: Duration::ZERO,
             trace_speedup: 1.0,
             trace_smoke_requests: 12,
+            semantic_made_up: true,
             zero_join_after: Duration::from_secs(2),
             zero_after_join: Duration::from_secs(1),
             zero_rate: 5.0,

@@ -116,6 +116,10 @@ pub const ALL: &[(u8, &str)] = &[
         30,
         "Prefill and decode on separate pools: long prompts with long answers on 4 engines aggregated and split 2 + 2, and the split fleet losing half its transfers",
     ),
+    (
+        31,
+        "The semantic cache on labelled question pairs (STS-B) with a real embedding model: wrong hits and hits under a 2 % bound beside a fixed threshold at the same measured error, and what a semantic miss adds",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -149,6 +153,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         28 => crate::scale_from_zero::scale_from_zero(ctx).await,
         29 => crate::flow_fairness::flow_fairness(ctx).await,
         30 => crate::disaggregation::disaggregation(ctx).await,
+        31 => crate::semantic::semantic_cache(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -373,7 +378,8 @@ impl Stack {
                 | Contender::SluiceFair
                 | Contender::SluiceAggregated
                 | Contender::SluiceDisaggregated
-                | Contender::SluiceDisaggregatedLossy => {
+                | Contender::SluiceDisaggregatedLossy
+                | Contender::SluiceSemanticCache => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }

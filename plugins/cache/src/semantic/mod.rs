@@ -111,8 +111,9 @@ impl Semantic {
         self.config.agent_requests
     }
 
-    /// The embedding of `question`, timed; `None` (counted) when there is none.
-    pub async fn embed(&self, question: &str) -> Option<Vec<f32>> {
+    /// The embedding of `question`, and how long it took; `None` (counted) when there is
+    /// none.
+    pub async fn embed(&self, question: &str) -> Option<(Vec<f32>, Duration)> {
         let started = Instant::now();
         let models = self.pool.models();
         let model = self
@@ -129,9 +130,10 @@ impl Semantic {
             self.config.timeout,
         )
         .await;
-        metrics::semantic_embed(&self.pool.name, started.elapsed().as_secs_f64());
+        let took = started.elapsed();
+        metrics::semantic_embed(&self.pool.name, took.as_secs_f64());
         match vector {
-            Ok(vector) => Some(vector),
+            Ok(vector) => Some((vector, took)),
             Err(failed) => {
                 metrics::semantic_lookup(match failed {
                     EmbedFailed::Unavailable => "unavailable",
@@ -142,9 +144,9 @@ impl Semantic {
         }
     }
 
-    /// The embedding call's deadline.
-    pub fn timeout(&self) -> Duration {
-        self.config.timeout
+    /// Counts what a lookup added to its request besides the embedding call.
+    pub fn took(&self, beyond_embedding: Duration) {
+        metrics::semantic_overhead(&self.pool.name, beyond_embedding.as_secs_f64());
     }
 
     /// The group's nearest question to `vector`, if it is a neighbour.
