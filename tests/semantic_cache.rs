@@ -196,6 +196,16 @@ async fn a_reworded_question_is_served_once_enough_answers_agreed() {
     )
     .await;
     assert!(bound > 0.0 && bound <= BOUND, "{bound}");
+    // What it learned, in /status.
+    let status = f.proxy.status().await;
+    let semantic = &status["plugin_status"]["cache"]["semantic"];
+    assert_eq!(semantic["pool"], "embed");
+    assert_eq!(semantic["verified"], EXAMPLES_TO_SERVE as u64);
+    assert_eq!(semantic["verified_wrong"], 0);
+    assert_eq!(semantic["questions"], 1 + EXAMPLES_TO_SERVE as u64);
+    // Every example was at 1.0: the examples within 0.02 above a similarity speak for it.
+    let threshold = semantic["threshold"].as_f64().unwrap();
+    assert!((0.975..=1.0).contains(&threshold), "{threshold}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2319,3 +2319,39 @@ pools:
         "decodes for a prefill pool itself",
     );
 }
+
+#[test]
+fn the_semantic_cache_needs_an_existing_pool_and_sane_bounds() {
+    let cache = |semantic: &str| {
+        with(&format!(
+            "plugins:\n  cache:\n    enabled: true\n    semantic: {semantic}"
+        ))
+    };
+    let config = ok(&cache("{pool: a}"));
+    assert!(config.plugins.names().contains(&"cache"));
+    refused(
+        &cache("{pool: nope}"),
+        "plugins.cache.semantic.pool",
+        "no pool is named `nope`",
+    );
+    refused(
+        &cache("{pool: a, max_error_rate: 0}"),
+        "plugins.cache.semantic.max_error_rate",
+        "more than 0",
+    );
+    refused(
+        &cache("{pool: a, verify_rate: 2}"),
+        "plugins.cache.semantic.verify_rate",
+        "from 0 to 1",
+    );
+    refused(
+        &cache("{pool: a, max_bytes: 10}"),
+        "plugins.cache.semantic.max_bytes",
+        "at least 65536",
+    );
+    refused(
+        &cache("{pool: a, threshold: 0.9}"),
+        "plugins.cache.semantic.threshold",
+        "unknown field `threshold`",
+    );
+}

@@ -87,9 +87,10 @@ pub struct SemanticConfig {
     /// than the question's words.
     #[serde(default)]
     pub agent_requests: bool,
-    /// The most questions indexed; the oldest go first.
-    #[serde(default = "default_max_entries")]
-    pub max_entries: usize,
+    /// The most the index holds, in bytes (its vectors and their slots); the oldest
+    /// questions go first.
+    #[serde(default = "default_semantic_max_bytes")]
+    pub max_bytes: usize,
 }
 
 fn default_max_error_rate() -> f64 {
@@ -112,8 +113,8 @@ fn default_semantic_timeout() -> Duration {
     Duration::from_secs(1)
 }
 
-fn default_max_entries() -> usize {
-    100_000
+fn default_semantic_max_bytes() -> usize {
+    64 * 1024 * 1024
 }
 
 impl SemanticConfig {
@@ -143,10 +144,10 @@ impl SemanticConfig {
         if self.timeout.is_zero() {
             return Err(ConfigError::new("timeout", "must be longer than 0"));
         }
-        if self.max_entries == 0 {
+        if self.max_bytes < 65536 {
             return Err(ConfigError::new(
-                "max_entries",
-                "must be at least 1 (to turn the semantic cache off, remove the section)",
+                "max_bytes",
+                "must be at least 65536 (to turn the semantic cache off, remove the section)",
             ));
         }
         Ok(())

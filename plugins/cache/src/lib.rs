@@ -527,6 +527,12 @@ impl Plugin for Cache {
         metrics::write(outcome);
     }
 
+    /// The semantic part's index and what it learned, when it is on.
+    fn status(&self) -> Option<serde_json::Value> {
+        let semantic = self.semantic.as_ref()?;
+        Some(serde_json::json!({"semantic": semantic.status()}))
+    }
+
     /// The server is stopping: queued writes get their bounded chance to reach the store.
     async fn stop(&self, within: Duration) {
         self.store.flush(within).await;

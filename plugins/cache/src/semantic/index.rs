@@ -8,7 +8,8 @@
 //! thousand dot products are ~0.1 ms on one core). Groups are what keeps the scan short: one
 //! system prompt and sampling setup per application, one tenant each.
 //!
-//! Bounded by `max_entries` over all groups: the oldest vector goes first. A vector lives as
+//! Bounded by `max_bytes` over all groups (each question weighs its vector and
+//! [`SLOT_BYTES`]): the oldest question goes first. A vector lives as
 //! long as its answer's entry (the exact cache's TTL); an expired one is dropped when its
 //! group is next searched, and a vector whose entry the exact store no longer has is removed
 //! when a search finds it.
@@ -17,6 +18,10 @@ use super::learn::EntryExamples;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
+
+/// What an indexed question holds besides its vector: its slot, its place in the eviction
+/// order, its examples' allocation.
+pub const SLOT_BYTES: usize = 192;
 
 /// A group's id: a digest of the tenant and the request's fingerprint.
 pub type GroupId = [u8; 32];
@@ -67,7 +72,7 @@ impl Group {
 pub struct Index {
     dim: RwLock<Option<usize>>,
     groups: RwLock<Groups>,
-    max_entries: usize,
+    max_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -79,12 +84,24 @@ struct Groups {
 }
 
 impl Index {
-    pub fn new(max_entries: usize) -> Self {
+    pub fn new(max_bytes: usize) -> Self {
         Self {
             dim: RwLock::new(None),
             groups: RwLock::new(Groups::default()),
-            max_entries,
+            max_bytes,
         }
+    }
+
+    /// How many questions of `dim` floats fit in `max_bytes`.
+    fn capacity(&self, dim: usize) -> usize {
+        self.max_bytes / (dim * std::mem::size_of::<f32>() + SLOT_BYTES)
+    }
+
+    /// The bytes the index holds now.
+    pub fn bytes(&self) -> usize {
+        self.dim().map_or(0, |d| {
+            self.questions() * (d * std::mem::size_of::<f32>() + SLOT_BYTES)
+        })
     }
 
     /// The vectors' dimension, once the first was added: a query of another one (the
@@ -133,7 +150,8 @@ impl Index {
     /// Adds `vector` (unit length) as the question of `entry` in `group`, replacing the
     /// entry's earlier one; the oldest questions go when the index is full.
     pub fn insert(&self, group: GroupId, vector: Vec<f32>, entry: [u8; 32], expires: Instant) {
-        if self.max_entries == 0 {
+        let capacity = self.capacity(vector.len());
+        if capacity == 0 {
             return;
         }
         {
@@ -170,14 +188,14 @@ impl Index {
         });
         groups.len += 1;
         groups.order.push_back((group, entry));
-        while groups.len > self.max_entries {
+        while groups.len > capacity {
             let Some((old_group, old_entry)) = groups.order.pop_front() else {
                 break;
             };
             remove_from(groups, &old_group, &old_entry, dim);
         }
         // The order keeps replaced and expired ones too: trimmed when it grows past twice.
-        if groups.order.len() > 2 * self.max_entries.max(groups.len) {
+        if groups.order.len() > 2 * capacity.max(groups.len) {
             let by_id = &groups.by_id;
             groups.order.retain(|(g, e)| {
                 by_id
@@ -275,7 +293,7 @@ mod tests {
 
     #[test]
     fn the_nearest_question_of_the_group_is_found_and_other_groups_are_not_searched() {
-        let index = Index::new(100);
+        let index = Index::new(1 << 20);
         index.insert([1; 32], unit(&[1.0, 0.0, 0.0]), [10; 32], later());
         index.insert([1; 32], unit(&[0.0, 1.0, 0.0]), [11; 32], later());
         index.insert([2; 32], unit(&[0.9, 0.1, 0.0]), [20; 32], later());
@@ -295,7 +313,8 @@ mod tests {
 
     #[test]
     fn the_oldest_question_goes_when_full_and_an_entry_has_one_question() {
-        let index = Index::new(2);
+        // Room for two questions of two floats.
+        let index = Index::new(2 * (8 + SLOT_BYTES));
         index.insert([1; 32], unit(&[1.0, 0.0]), [10; 32], later());
         index.insert([1; 32], unit(&[0.0, 1.0]), [11; 32], later());
         index.insert([1; 32], unit(&[0.0, 1.0]), [11; 32], later());
@@ -309,7 +328,7 @@ mod tests {
 
     #[test]
     fn an_expired_question_is_not_found_and_is_dropped() {
-        let index = Index::new(10);
+        let index = Index::new(1 << 20);
         index.insert([1; 32], unit(&[1.0, 0.0]), [10; 32], Instant::now());
         assert!(index.nearest(&[1; 32], &unit(&[1.0, 0.0]), 0.0).is_none());
         assert_eq!(index.questions(), 0);
@@ -317,7 +336,7 @@ mod tests {
 
     #[test]
     fn a_query_of_another_dimension_finds_nothing_and_a_new_dimension_starts_afresh() {
-        let index = Index::new(10);
+        let index = Index::new(1 << 20);
         index.insert([1; 32], unit(&[1.0, 0.0]), [10; 32], later());
         assert!(index
             .nearest(&[1; 32], &unit(&[1.0, 0.0, 0.0]), 0.0)

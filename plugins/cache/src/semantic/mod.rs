@@ -93,7 +93,7 @@ impl Semantic {
     pub fn new(pool: Arc<Pool>, calls: Arc<dyn PoolCalls>, config: SemanticConfig) -> Self {
         metrics::init_semantic(&pool.name);
         Self {
-            index: Index::new(config.max_entries),
+            index: Index::new(config.max_bytes),
             table: Table::new(
                 config.min_similarity,
                 config.max_error_rate,
@@ -142,6 +142,23 @@ impl Semantic {
                 None
             }
         }
+    }
+
+    /// What `/status` shows of it: the index's size, the verified examples, the learned
+    /// threshold and the bound there.
+    pub fn status(&self) -> serde_json::Value {
+        let (examples, wrong) = self.table.totals();
+        let bound = self.table.threshold();
+        serde_json::json!({
+            "pool": &*self.pool.name,
+            "max_error_rate": self.config.max_error_rate,
+            "questions": self.index.questions(),
+            "bytes": self.index.bytes(),
+            "verified": examples,
+            "verified_wrong": wrong,
+            "threshold": bound.map(|(t, _)| t),
+            "error_bound": bound.map(|(_, e)| e),
+        })
     }
 
     /// Counts what a lookup added to its request besides the embedding call.
