@@ -4,7 +4,8 @@
 //! the call is in flight there while it runs, its end is judged for passive health (a
 //! connection that fails, a timeout or a 5xx count against the backend), and it is counted
 //! in `sluice_upstream_attempts_total` under the pool's name. It carries the pool's
-//! credential and header rules, as every request to the pool does.
+//! credential and header rules, as every request to the pool does. It is not queued by the
+//! pool's admission control (a call waits for nothing but its deadline).
 //!
 //! Calls are small exchanges read whole, so they go through the connector the health
 //! checks use (kept idle between calls), not the LLM attempts' streaming pipe.
@@ -132,7 +133,6 @@ fn connect_failed(e: &pingora_error::Error) -> bool {
             | ErrorType::ConnectNoRoute
             | ErrorType::ConnectError
             | ErrorType::TLSHandshakeFailure
-            | ErrorType::SocketError
             | ErrorType::BindError
     )
 }

@@ -607,6 +607,10 @@ impl Cache {
             semantic::note_skip("no_question");
             return Ok(Decision::Skip);
         };
+        if text.len() > semantic::MAX_QUESTION_BYTES {
+            semantic::note_skip("too_long");
+            return Ok(Decision::Skip);
+        }
         if agentic && !semantic.takes_agents() {
             semantic::note_skip("agent");
             return Ok(Decision::Skip);
@@ -837,13 +841,14 @@ fn write_back(
         WriteOutcome::Accepted => "stored",
         WriteOutcome::Dropped => "dropped",
     });
+    // The waiting requests first: the comparison below reads two whole answers.
+    if let Some(leader) = leader {
+        leader.publish(Arc::clone(&entry));
+    }
     if let (Some(semantic), Some(asked)) = (semantic, state.asked.take()) {
         let expires = Instant::now() + state.ttl;
         let stored = stored == WriteOutcome::Accepted;
         semantic.answered(asked, &entry.answer, state.key.digest, stored, expires);
-    }
-    if let Some(leader) = leader {
-        leader.publish(entry);
     }
 }
 

@@ -112,12 +112,13 @@ metric!(SEMANTIC_ENTRIES: IntGauge = register_int_gauge!(
 ));
 
 /// Every result `semantic_lookup` is called with.
-pub const SEMANTIC_RESULTS: [&str; 8] = [
+pub const SEMANTIC_RESULTS: [&str; 9] = [
     "hit",
     "verify",
     "explore",
     "miss",
     "no_question",
+    "too_long",
     "agent",
     "unavailable",
     "bad_answer",

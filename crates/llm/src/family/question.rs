@@ -156,8 +156,8 @@ fn is_empty(value: &Value) -> bool {
 }
 
 /// The words of an answer in a family's kept form: the strings of its `text`, `content`,
-/// `refusal` and `arguments` members in order, whatever the family: what two answers are
-/// compared by (their ids, times and usage differ always).
+/// `refusal`, `name` (a tool call's function) and `arguments` members in order, whatever the
+/// family: what two answers are compared by (their ids, times and usage differ always).
 pub fn answer_words(answer: &str) -> String {
     let mut words = String::new();
     if let Ok(value) = serde_json::from_str::<Value>(answer) {
@@ -172,7 +172,10 @@ fn collect(value: &Value, into: &mut String) {
             for (key, member) in members {
                 match member {
                     Value::String(text)
-                        if matches!(key.as_str(), "text" | "content" | "refusal" | "arguments") =>
+                        if matches!(
+                            key.as_str(),
+                            "text" | "content" | "refusal" | "name" | "arguments"
+                        ) =>
                     {
                         if !into.is_empty() {
                             into.push('\n');
@@ -268,5 +271,15 @@ mod tests {
         assert_eq!(answer_words(messages), "Paris\nis it");
         let completion = r#"{"choices":[{"text":" upon a time"}]}"#;
         assert_eq!(answer_words(completion), " upon a time");
+        // Two tools called with the same arguments are two answers.
+        let call = |name: &str| {
+            format!(
+                r#"{{"choices":[{{"message":{{"tool_calls":[{{"function":{{"name":"{name}","arguments":"{{}}"}}}}]}}}}]}}"#
+            )
+        };
+        assert_ne!(
+            answer_words(&call("weather")),
+            answer_words(&call("stocks"))
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! A question's embedding, asked of the embeddings pool through the core
-//! ([`sluice_sdk::calls`]): `POST /v1/embeddings` as vLLM serves it for a pooling model,
-//! the question cut to the model's context (`truncate_prompt_tokens: -1`) rather than
-//! refused.
+//! ([`sluice_sdk::calls`]): `POST /v1/embeddings` as vLLM serves it for a pooling model.
+//! Never with `truncate_prompt_tokens`: vLLM keeps a cut input's last tokens, so two long
+//! questions that differ only in their beginning would embed the same; one too long for the
+//! model is refused (400), and goes on as an exact miss.
 
 use bytes::Bytes;
 use serde::Deserialize;
@@ -38,7 +39,6 @@ pub async fn embed(
         "model": model,
         "input": [text],
         "encoding_format": "float",
-        "truncate_prompt_tokens": -1,
     });
     let body = serde_json::to_vec(&body).map_err(|_| EmbedFailed::BadAnswer)?;
     let call = Call {

@@ -34,6 +34,8 @@ pub struct Slot {
     pub expires: Instant,
     /// Its verified examples.
     pub examples: Arc<EntryExamples>,
+    /// When it was added, in the index's own count: its eviction record names it.
+    seq: u64,
 }
 
 /// A group's nearest question to a query.
@@ -70,23 +72,49 @@ impl Group {
 /// The index (see the module's header).
 #[derive(Debug)]
 pub struct Index {
-    dim: RwLock<Option<usize>>,
     groups: RwLock<Groups>,
     max_bytes: usize,
 }
 
+/// Everything under the one lock: the vectors' dimension with the vectors it describes.
 #[derive(Debug, Default)]
 struct Groups {
+    /// The vectors' dimension, once the first was added: a query of another one (the
+    /// pool's model changed) finds nothing.
+    dim: Option<usize>,
     by_id: HashMap<GroupId, Group>,
-    /// Insertion order, for eviction: (group, entry).
-    order: VecDeque<(GroupId, [u8; 32])>,
+    /// Insertion order, for eviction: (group, entry, the slot's `seq`). A record whose slot
+    /// was replaced or removed since is skipped.
+    order: VecDeque<(GroupId, [u8; 32], u64)>,
     len: usize,
+    next_seq: u64,
+}
+
+impl Groups {
+    /// Removes `entry`'s question from `group`, when it is the one added as `seq` (any,
+    /// when `None`).
+    fn remove(&mut self, group: &GroupId, entry: &[u8; 32], seq: Option<u64>) {
+        let Some(dim) = self.dim else {
+            return;
+        };
+        let Some(g) = self.by_id.get_mut(group) else {
+            return;
+        };
+        if let Some(at) = g.position(entry) {
+            if seq.is_none_or(|seq| g.slots[at].seq == seq) {
+                g.remove(at, dim);
+                self.len -= 1;
+            }
+        }
+        if g.slots.is_empty() {
+            self.by_id.remove(group);
+        }
+    }
 }
 
 impl Index {
     pub fn new(max_bytes: usize) -> Self {
         Self {
-            dim: RwLock::new(None),
             groups: RwLock::new(Groups::default()),
             max_bytes,
         }
@@ -97,37 +125,37 @@ impl Index {
         self.max_bytes / (dim * std::mem::size_of::<f32>() + SLOT_BYTES)
     }
 
-    /// The bytes the index holds now.
-    pub fn bytes(&self) -> usize {
-        self.dim().map_or(0, |d| {
-            self.questions() * (d * std::mem::size_of::<f32>() + SLOT_BYTES)
-        })
-    }
-
-    /// The vectors' dimension, once the first was added: a query of another one (the
-    /// pool's model changed) finds nothing.
-    fn dim(&self) -> Option<usize> {
-        self.dim.read().ok().and_then(|d| *d)
-    }
-
     /// How many questions are indexed.
     pub fn questions(&self) -> usize {
         self.groups.read().map_or(0, |g| g.len)
     }
 
+    /// The bytes the index holds now.
+    pub fn bytes(&self) -> usize {
+        self.groups.read().map_or(0, |g| {
+            g.dim
+                .map_or(0, |d| g.len * (d * std::mem::size_of::<f32>() + SLOT_BYTES))
+        })
+    }
+
     /// The nearest unexpired question of `group` to `query`, at least `floor` similar.
     pub fn nearest(&self, group: &GroupId, query: &[f32], floor: f32) -> Option<Nearest> {
-        if self.dim() != Some(query.len()) {
-            return None;
-        }
         let now = Instant::now();
         let mut expired = false;
         let found = {
             let groups = self.groups.read().ok()?;
+            if groups.dim != Some(query.len()) {
+                return None;
+            }
             let g = groups.by_id.get(group)?;
             let mut best: Option<(usize, f32)> = None;
-            for (i, vector) in g.vectors.chunks_exact(query.len()).enumerate() {
-                if g.slots[i].expires <= now {
+            for (i, (vector, slot)) in g
+                .vectors
+                .chunks_exact(query.len())
+                .zip(&g.slots)
+                .enumerate()
+            {
+                if slot.expires <= now {
                     expired = true;
                     continue;
                 }
@@ -136,9 +164,11 @@ impl Index {
                     best = Some((i, similarity));
                 }
             }
-            best.map(|(i, similarity)| Nearest {
-                slot: g.slots[i].clone(),
-                similarity,
+            best.and_then(|(i, similarity)| {
+                Some(Nearest {
+                    slot: g.slots.get(i)?.clone(),
+                    similarity,
+                })
             })
         };
         if expired {
@@ -150,79 +180,69 @@ impl Index {
     /// Adds `vector` (unit length) as the question of `entry` in `group`, replacing the
     /// entry's earlier one; the oldest questions go when the index is full.
     pub fn insert(&self, group: GroupId, vector: Vec<f32>, entry: [u8; 32], expires: Instant) {
-        let capacity = self.capacity(vector.len());
+        let dim = vector.len();
+        let capacity = self.capacity(dim);
         if capacity == 0 {
             return;
         }
-        {
-            let Ok(mut dim) = self.dim.write() else {
-                return;
-            };
-            match *dim {
-                Some(d) if d != vector.len() => {
-                    // The model's dimension changed: the old vectors mean nothing now.
-                    if let Ok(mut groups) = self.groups.write() {
-                        *groups = Groups::default();
-                    }
-                    *dim = Some(vector.len());
-                }
-                Some(_) => {}
-                None => *dim = Some(vector.len()),
-            }
-        }
-        let dim = vector.len();
         let Ok(mut groups) = self.groups.write() else {
             return;
         };
         let groups = &mut *groups;
-        let g = groups.by_id.entry(group).or_default();
-        if let Some(at) = g.position(&entry) {
-            g.remove(at, dim);
-            groups.len -= 1;
+        if groups.dim != Some(dim) {
+            // The model's dimension changed: the old vectors mean nothing now.
+            *groups = Groups {
+                dim: Some(dim),
+                next_seq: groups.next_seq,
+                ..Groups::default()
+            };
         }
+        groups.remove(&group, &entry, None);
+        let seq = groups.next_seq;
+        groups.next_seq += 1;
+        let g = groups.by_id.entry(group).or_default();
         g.vectors.extend_from_slice(&vector);
         g.slots.push(Slot {
             entry,
             expires,
             examples: Arc::default(),
+            seq,
         });
         groups.len += 1;
-        groups.order.push_back((group, entry));
+        groups.order.push_back((group, entry, seq));
         while groups.len > capacity {
-            let Some((old_group, old_entry)) = groups.order.pop_front() else {
+            let Some((old_group, old_entry, old_seq)) = groups.order.pop_front() else {
                 break;
             };
-            remove_from(groups, &old_group, &old_entry, dim);
+            groups.remove(&old_group, &old_entry, Some(old_seq));
         }
-        // The order keeps replaced and expired ones too: trimmed when it grows past twice.
+        // The order keeps the records of replaced and expired questions too: dropped when it
+        // grows past twice the questions, in one pass over the groups.
         if groups.order.len() > 2 * capacity.max(groups.len) {
-            let by_id = &groups.by_id;
-            groups.order.retain(|(g, e)| {
-                by_id
-                    .get(g)
-                    .is_some_and(|group| group.position(e).is_some())
-            });
+            let live: std::collections::HashSet<u64> = groups
+                .by_id
+                .values()
+                .flat_map(|g| g.slots.iter().map(|s| s.seq))
+                .collect();
+            groups.order.retain(|(_, _, seq)| live.contains(seq));
         }
     }
 
     /// Forgets `entry`'s question in `group` (its answer is gone from the exact store).
     pub fn remove(&self, group: &GroupId, entry: &[u8; 32]) {
-        let Some(dim) = self.dim() else {
-            return;
-        };
         if let Ok(mut groups) = self.groups.write() {
-            remove_from(&mut groups, group, entry, dim);
+            groups.remove(group, entry, None);
         }
     }
 
     fn drop_expired(&self, group: &GroupId, now: Instant) {
-        let Some(dim) = self.dim() else {
-            return;
-        };
         let Ok(mut groups) = self.groups.write() else {
             return;
         };
         let groups = &mut *groups;
+        let Some(dim) = groups.dim else {
+            return;
+        };
         let Some(g) = groups.by_id.get_mut(group) else {
             return;
         };
@@ -238,19 +258,6 @@ impl Index {
         if g.slots.is_empty() {
             groups.by_id.remove(group);
         }
-    }
-}
-
-fn remove_from(groups: &mut Groups, group: &GroupId, entry: &[u8; 32], dim: usize) {
-    let Some(g) = groups.by_id.get_mut(group) else {
-        return;
-    };
-    if let Some(at) = g.position(entry) {
-        g.remove(at, dim);
-        groups.len -= 1;
-    }
-    if g.slots.is_empty() {
-        groups.by_id.remove(group);
     }
 }
 
@@ -343,6 +350,21 @@ mod tests {
             .is_none());
         index.insert([1; 32], unit(&[1.0, 0.0, 0.0]), [11; 32], later());
         assert_eq!(index.questions(), 1);
+    }
+
+    #[test]
+    fn a_replaced_question_is_not_evicted_by_its_old_record() {
+        // Room for two questions of two floats.
+        let index = Index::new(2 * (8 + SLOT_BYTES));
+        index.insert([1; 32], unit(&[1.0, 0.0]), [10; 32], later());
+        index.insert([1; 32], unit(&[0.0, 1.0]), [11; 32], later());
+        // [10] asked again: its question is the newest now.
+        index.insert([1; 32], unit(&[1.0, 0.1]), [10; 32], later());
+        index.insert([2; 32], unit(&[1.0, 1.0]), [20; 32], later());
+        // [11] was the oldest; [10]'s first record is stale and evicts nothing.
+        assert!(index.nearest(&[1; 32], &unit(&[0.0, 1.0]), 0.99).is_none());
+        assert!(index.nearest(&[1; 32], &unit(&[1.0, 0.1]), 0.99).is_some());
+        assert_eq!(index.questions(), 2);
     }
 
     #[test]

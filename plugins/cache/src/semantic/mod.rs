@@ -47,6 +47,12 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The longest question embedded: a longer one goes on as an exact miss. Embedding models'
+/// contexts are 256 to 8,192 tokens; a question past its model's is refused by the pool
+/// (vLLM's 400) and goes on the same way. It is never cut to fit: two long questions that
+/// differ only in the part cut off would look the same.
+pub const MAX_QUESTION_BYTES: usize = 32 * 1024;
+
 /// The header a semantic hit carries: how similar its question was to the one answered.
 pub const SIMILARITY_HEADER: &str = "x-cache-similarity";
 
@@ -116,12 +122,16 @@ impl Semantic {
     pub async fn embed(&self, question: &str) -> Option<(Vec<f32>, Duration)> {
         let started = Instant::now();
         let models = self.pool.models();
-        let model = self
+        // No model to name yet (a pool that learns its models has not): no embedding.
+        let Some(model) = self
             .config
             .model
             .as_deref()
             .or(models.first().map(String::as_str))
-            .unwrap_or_default();
+        else {
+            metrics::semantic_lookup("unavailable");
+            return None;
+        };
         let vector = embed::embed(
             self.calls.as_ref(),
             &self.pool,
