@@ -28,7 +28,6 @@ use super::attempt::{self, Attempt, Deadlines, Outcome};
 use super::llm_route::{pool_edits, pool_header};
 use super::state::Sluice;
 use bytes::Bytes;
-use pingora_core::ErrorType;
 use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 use sluice_sdk::model_name;
@@ -66,13 +65,7 @@ impl Transfer {
     /// with them: the blocks may be gone.
     pub fn may_carry(&self, pool: &Pool, outcome: &Outcome) -> bool {
         let untouched = match outcome {
-            Outcome::NotStarted(e) => matches!(
-                e.etype,
-                ErrorType::ConnectTimedout
-                    | ErrorType::ConnectRefused
-                    | ErrorType::ConnectNoRoute
-                    | ErrorType::ConnectError
-            ),
+            Outcome::NotStarted(e) => super::attempt::is_connect_failure(e),
             Outcome::Declined(header, _) => matches!(header.status.as_u16(), 429 | 503),
             _ => false,
         };

@@ -62,38 +62,62 @@ impl PoolCalls for CoreCalls {
             let in_flight = backend.live.begin(0);
             let sent = probe::within(left, exchange(pool, backend.addr, &call)).await;
             drop(in_flight);
-            let (verdict, outcome) = match &sent {
-                Ok(answer) if answer.status >= 500 => (Verdict::Failure, AttemptOutcome::Response),
-                Ok(_) => (Verdict::Success, AttemptOutcome::Response),
-                Err(probe::Failure::Timeout) => (Verdict::Failure, AttemptOutcome::Timeout),
-                Err(probe::Failure::Error(e)) if too_large(e) => {
-                    (Verdict::Success, AttemptOutcome::Error)
-                }
-                Err(probe::Failure::Error(e)) if connect_failed(e) => {
-                    (Verdict::Failure, AttemptOutcome::ConnectError)
-                }
-                Err(probe::Failure::Error(_)) => (Verdict::Failure, AttemptOutcome::Error),
-            };
+            let (verdict, outcome, step) = judged(sent);
             metrics::attempt(&pool.name, outcome);
             super::tries::judge(pool, backend.addr, &backend.live, verdict);
-            match sent {
-                Ok(answer) => {
-                    return Ok(Answer {
-                        status: answer.status,
-                        body: answer.body,
-                    })
-                }
-                Err(probe::Failure::Timeout) => return Err(CallFailed::Timeout),
-                Err(probe::Failure::Error(e)) if too_large(&e) => return Err(CallFailed::TooLarge),
-                // Only a call that never reached its backend is sent again: an answer
-                // that broke may have been worked on.
-                Err(probe::Failure::Error(e)) if connect_failed(&e) => {
-                    failed = CallFailed::Failed(e.to_string());
-                }
-                Err(probe::Failure::Error(e)) => return Err(CallFailed::Failed(e.to_string())),
+            match step {
+                Step::Done(answer) => return answer,
+                Step::Next(why) => failed = why,
             }
         }
         Err(failed)
+    }
+}
+
+/// What follows a try: its result, or another backend (the call never reached this one).
+enum Step {
+    Done(Result<Answer, CallFailed>),
+    Next(CallFailed),
+}
+
+/// A try's verdict for passive health, its `sluice_upstream_attempts_total` outcome, and
+/// what follows it. Only a call that never reached its backend is sent again: an answer that
+/// broke may have been worked on. An answer too large is the caller's limit, not the
+/// backend's fault.
+fn judged(sent: Result<probe::Answer, probe::Failure>) -> (Verdict, AttemptOutcome, Step) {
+    match sent {
+        Ok(answer) => {
+            let verdict = if answer.status >= 500 {
+                Verdict::Failure
+            } else {
+                Verdict::Success
+            };
+            let answer = Answer {
+                status: answer.status,
+                body: answer.body,
+            };
+            (verdict, AttemptOutcome::Response, Step::Done(Ok(answer)))
+        }
+        Err(probe::Failure::Timeout) => (
+            Verdict::Failure,
+            AttemptOutcome::Timeout,
+            Step::Done(Err(CallFailed::Timeout)),
+        ),
+        Err(probe::Failure::Error(e)) if e.etype() == &ErrorType::Custom(probe::TOO_LARGE) => (
+            Verdict::Success,
+            AttemptOutcome::Error,
+            Step::Done(Err(CallFailed::TooLarge)),
+        ),
+        Err(probe::Failure::Error(e)) if connect_failed(&e) => (
+            Verdict::Failure,
+            AttemptOutcome::ConnectError,
+            Step::Next(CallFailed::Failed(e.to_string())),
+        ),
+        Err(probe::Failure::Error(e)) => (
+            Verdict::Failure,
+            AttemptOutcome::Error,
+            Step::Done(Err(CallFailed::Failed(e.to_string()))),
+        ),
     }
 }
 
@@ -121,18 +145,12 @@ async fn exchange(
     .await
 }
 
-fn too_large(e: &pingora_error::Error) -> bool {
-    e.etype() == &ErrorType::Custom(probe::TOO_LARGE)
-}
-
+/// Nothing reached the backend: [`super::attempt::is_connect_failure`], or a TLS handshake
+/// or a local bind that failed.
 fn connect_failed(e: &pingora_error::Error) -> bool {
-    matches!(
-        e.etype(),
-        ErrorType::ConnectTimedout
-            | ErrorType::ConnectRefused
-            | ErrorType::ConnectNoRoute
-            | ErrorType::ConnectError
-            | ErrorType::TLSHandshakeFailure
-            | ErrorType::BindError
-    )
+    super::attempt::is_connect_failure(e)
+        || matches!(
+            e.etype(),
+            ErrorType::TLSHandshakeFailure | ErrorType::BindError
+        )
 }

@@ -43,6 +43,7 @@ pub mod semantic;
 pub mod store;
 
 pub use config::CacheConfig;
+use config::SemanticConfig;
 
 use bytes::Bytes;
 use coalesce::{Follower, Inflight, Leader, Role, Waited};
@@ -76,8 +77,8 @@ pub struct CacheBuilder {
     /// What queued Redis writes take their bytes from.
     memory: Arc<MemoryBudget>,
     key_headers: Vec<HeaderName>,
-    /// The semantic part's pool and the core's way to it, when configured.
-    semantic: Option<(Arc<Pool>, Arc<dyn PoolCalls>)>,
+    /// The semantic part's settings, its pool and the core's way to it, when configured.
+    semantic: Option<(SemanticConfig, Arc<Pool>, Arc<dyn PoolCalls>)>,
 }
 
 impl PluginBuilder for CacheBuilder {
@@ -105,7 +106,7 @@ impl PluginBuilder for CacheBuilder {
                         format!("no pool is named `{}`", semantic.pool),
                     )
                 })?;
-                Some((Arc::clone(pool), Arc::clone(&host.calls)))
+                Some((semantic.clone(), Arc::clone(pool), Arc::clone(&host.calls)))
             }
         };
         Ok(Some(Self {
@@ -187,9 +188,7 @@ impl Cache {
             key_headers,
             semantic,
         } = ready;
-        let semantic = semantic
-            .zip(config.semantic.clone())
-            .map(|((pool, calls), settings)| Semantic::new(pool, calls, settings));
+        let semantic = semantic.map(|(settings, pool, calls)| Semantic::new(pool, calls, settings));
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => {
                 // Queued writes are optional: a quarter of the budget at most, so that a slow

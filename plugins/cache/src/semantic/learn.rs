@@ -27,6 +27,7 @@
 //!
 //! The counts are atomics: deciding takes no lock (one per entry's examples, when recorded).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -53,13 +54,15 @@ pub struct Table {
     /// The one-sided normal quantile of the confidence (1.645 for 95 %).
     z: f64,
     max_error_rate: f64,
+    /// How many bins [`NEARBY`] spans.
+    nearby_bins: usize,
     seen: [AtomicU32; BINS],
     wrong: [AtomicU32; BINS],
 }
 
 /// One entry's own examples.
 #[derive(Debug, Default)]
-pub struct EntryExamples(Mutex<Vec<(f32, bool)>>);
+pub struct EntryExamples(Mutex<VecDeque<(f32, bool)>>);
 
 /// What the table says of serving an entry at a similarity.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,6 +81,7 @@ impl Table {
             floor,
             z: normal_quantile(confidence),
             max_error_rate,
+            nearby_bins: ((NEARBY / ((1.0 - floor) / BINS as f32)).ceil() as usize).max(1),
             seen: std::array::from_fn(|_| AtomicU32::new(0)),
             wrong: std::array::from_fn(|_| AtomicU32::new(0)),
         }
@@ -98,9 +102,9 @@ impl Table {
         }
         if let Ok(mut examples) = entry.0.lock() {
             if examples.len() == ENTRY_EXAMPLES {
-                examples.remove(0);
+                examples.pop_front();
             }
-            examples.push((similarity, right));
+            examples.push_back((similarity, right));
         }
     }
 
@@ -111,17 +115,21 @@ impl Table {
 
     /// [`Table::prior`] of the similarities of bin `from`.
     fn prior_from(&self, from: usize) -> f64 {
-        let width = (1.0 - self.floor) / BINS as f32;
-        let nearby_end = from + ((NEARBY / width).ceil() as usize).max(1);
         let (mut seen, mut wrong, mut nearby) = (0u64, 0u64, 0u64);
         for bin in from..BINS {
             let n = u64::from(self.seen[bin].load(Relaxed));
             seen += n;
             wrong += u64::from(self.wrong[bin].load(Relaxed));
-            if bin < nearby_end {
+            if bin < from + self.nearby_bins {
                 nearby += n;
             }
         }
+        self.bound(seen, wrong, nearby)
+    }
+
+    /// The bound on `wrong` of `seen` examples, `nearby` of them near enough to speak for
+    /// the similarity judged: 1 with too few near it.
+    fn bound(&self, seen: u64, wrong: u64, nearby: u64) -> f64 {
         if nearby < MIN_NEARBY {
             return 1.0;
         }
@@ -153,9 +161,16 @@ impl Table {
     /// The lowest similarity at which an entry with no examples of its own is served, and
     /// the cache-wide error bound there; `None` while no similarity qualifies.
     pub fn threshold(&self) -> Option<(f32, f64)> {
+        // The counts from each bin up, in one pass from the top.
+        let (mut seen, mut wrong) = ([0u64; BINS + 1], [0u64; BINS + 1]);
+        for bin in (0..BINS).rev() {
+            seen[bin] = seen[bin + 1] + u64::from(self.seen[bin].load(Relaxed));
+            wrong[bin] = wrong[bin + 1] + u64::from(self.wrong[bin].load(Relaxed));
+        }
         (0..BINS).find_map(|bin| {
+            let nearby = seen[bin] - seen[(bin + self.nearby_bins).min(BINS)];
+            let prior = self.bound(seen[bin], wrong[bin], nearby);
             let at = self.floor + (1.0 - self.floor) * bin as f32 / BINS as f32;
-            let prior = self.prior_from(bin);
             (prior <= self.max_error_rate).then_some((at, prior))
         })
     }

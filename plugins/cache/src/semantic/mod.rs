@@ -63,8 +63,10 @@ pub struct Semantic {
     config: SemanticConfig,
     index: Index,
     table: Table,
-    /// Counts the hits within the bound, to send every `1 / verify_rate`th upstream.
+    /// Counts the hits within the bound, to send every `verify_every`th upstream.
     within_bound: AtomicU64,
+    /// `1 / verify_rate`, rounded; 0: none is verified.
+    verify_every: u64,
 }
 
 /// What a lookup found for a request that goes upstream: kept until its answer is whole.
@@ -106,6 +108,11 @@ impl Semantic {
                 config.confidence,
             ),
             within_bound: AtomicU64::new(0),
+            verify_every: if config.verify_rate > 0.0 {
+                (1.0 / config.verify_rate).round().max(1.0) as u64
+            } else {
+                0
+            },
             pool,
             calls,
             config,
@@ -224,14 +231,11 @@ impl Semantic {
 
     /// Whether this hit within the bound is one of the `verify_rate` sent upstream.
     fn sampled(&self) -> bool {
-        let rate = self.config.verify_rate;
-        if rate <= 0.0 {
-            return false;
-        }
-        let every = (1.0 / rate).round().max(1.0) as u64;
-        self.within_bound
-            .fetch_add(1, Relaxed)
-            .is_multiple_of(every)
+        self.verify_every > 0
+            && self
+                .within_bound
+                .fetch_add(1, Relaxed)
+                .is_multiple_of(self.verify_every)
     }
 
     /// The upstream's whole answer to an asked request: compared with its neighbour's (one
