@@ -23,9 +23,13 @@ fn real_pool(name: &str, server: &RealVllm) -> Pool {
     pool(name, &[MODEL, server.model().name()], &[server.addr()])
         .with("served_model", server.model().name())
         .with("max_model_len", server.model().max_model_len())
+        // Four engines' processes on two loaded cores: an API server computing a prefill can
+        // leave `/health` unanswered for seconds (CI saw two 2 s timeouts in a row take the
+        // prefill engine out mid-test), which is not what these tests are about.
         .with(
             "health",
-            json!({"interval": "200ms", "timeout": "2s", "stale_after": "3s"}),
+            json!({"interval": "200ms", "timeout": "10s", "unhealthy_after": 3,
+                   "stale_after": "12s"}),
         )
         // A test process on two loaded cores can stall for seconds, while Pingora's connect
         // timer runs on a thread of its own: the default 2 s would fail a sound connect.
