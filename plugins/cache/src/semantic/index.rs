@@ -4,15 +4,24 @@
 //! exact cache's entry that holds the answer.
 //!
 //! A group is searched by a scan of its vectors, kept in one contiguous array: exact, and
-//! within a group of a few thousand 384-dimension vectors faster than a graph's hops (a
-//! thousand dot products are ~0.1 ms on one core). Groups are what keeps the scan short: one
-//! system prompt and sampling setup per application, one tenant each.
+//! within a group of a few thousand 384-dimension vectors about as fast as a graph's hops (a
+//! thousand dot products are ~0.1 ms on one core). Groups are what keeps most scans short:
+//! one system prompt and sampling setup per application, one tenant each.
+//!
+//! A group of [`GRAPH_FROM`] questions or more (one application's traffic, all under one
+//! system prompt) gets a graph as well: an HNSW index (`usearch`), built on a thread of its
+//! own from a copy of the group's vectors, so neither lookups nor stores wait for it. The
+//! graph is never changed once built (usearch cannot grow an index while it is searched):
+//! questions added since are scanned exactly, questions removed since are filtered out of
+//! its answers, and it is built again when either grows past a quarter or a half of it.
+//! Its few best candidates are re-scored against the group's own vectors, so a similarity is
+//! always exact; only which question is the nearest may be missed, as with any ANN.
 //!
 //! Bounded by `max_bytes` over all groups (each question weighs its vector and
-//! [`SLOT_BYTES`]): the oldest question goes first. A vector lives as
-//! long as its answer's entry (the exact cache's TTL); an expired one is dropped when its
-//! group is next searched, and a vector whose entry the exact store no longer has is removed
-//! when a search finds it.
+//! [`SLOT_BYTES`], a graph [`graph_bytes`] per question in it): the oldest question goes
+//! first. A vector lives as long as its answer's entry (the exact cache's TTL); an expired one
+//! is dropped when its group is next searched, and a vector whose entry the exact store no
+//! longer has is removed when a search finds it.
 
 use super::learn::EntryExamples;
 use std::collections::{HashMap, VecDeque};
@@ -20,8 +29,27 @@ use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 /// What an indexed question holds besides its vector: its slot, its place in the eviction
-/// order, its examples' allocation.
-pub const SLOT_BYTES: usize = 192;
+/// order and the group's maps, its examples' allocation.
+pub const SLOT_BYTES: usize = 256;
+
+/// The size from which a group gets a graph: below it a scan is as fast.
+pub const GRAPH_FROM: usize = 4096;
+
+/// A group's graph is dropped when the group shrinks below this.
+const GRAPH_UNTIL: usize = GRAPH_FROM / 2;
+
+/// The graph's neighbours per node (HNSW's `M`; the base layer has twice as many).
+const CONNECTIVITY: usize = 16;
+
+/// How many of the graph's nearest candidates are re-scored exactly.
+const CANDIDATES: usize = 8;
+
+/// The bytes a graph holds per question of `dim` floats: its own copy of the vector and its
+/// base layer's neighbour list, with the node's header (measured as resident memory; usearch's
+/// own count includes the address space it reserves).
+pub const fn graph_bytes(dim: usize) -> usize {
+    dim * std::mem::size_of::<f32>() + 2 * CONNECTIVITY * 4 + 64
+}
 
 /// A group's id: a digest of the tenant and the request's fingerprint.
 pub type GroupId = [u8; 32];
@@ -34,7 +62,8 @@ pub struct Slot {
     pub expires: Instant,
     /// Its verified examples.
     pub examples: Arc<EntryExamples>,
-    /// When it was added, in the index's own count: its eviction record names it.
+    /// When it was added, in the index's own count: its eviction record and the graph name
+    /// it.
     seq: u64,
 }
 
@@ -46,34 +75,168 @@ pub struct Nearest {
     pub similarity: f32,
 }
 
+/// A built graph over a group's questions.
+struct Graph {
+    hnsw: usearch::Index,
+    /// The questions added up to this `seq` are in it (those still in the group); later
+    /// ones are scanned.
+    through: u64,
+    /// How many it holds.
+    questions: usize,
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graph")
+            .field("through", &self.through)
+            .field("questions", &self.questions)
+            .finish()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Group {
     /// The vectors, one after another, `dim` floats each.
     vectors: Vec<f32>,
     slots: Vec<Slot>,
+    /// Each question's place in `slots`, by its entry and by its `seq`.
+    by_entry: HashMap<[u8; 32], usize>,
+    by_seq: HashMap<u64, usize>,
+    graph: Option<Arc<Graph>>,
+    /// A thread builds a new graph over the questions up to this `seq`; the old one serves
+    /// meanwhile.
+    building: Option<u64>,
 }
 
 impl Group {
+    fn push(&mut self, vector: &[f32], slot: Slot) {
+        self.by_entry.insert(slot.entry, self.slots.len());
+        self.by_seq.insert(slot.seq, self.slots.len());
+        self.vectors.extend_from_slice(vector);
+        self.slots.push(slot);
+    }
+
     fn remove(&mut self, at: usize, dim: usize) {
         let last = self.slots.len() - 1;
-        self.slots.swap_remove(at);
+        let gone = self.slots.swap_remove(at);
+        self.by_entry.remove(&gone.entry);
+        self.by_seq.remove(&gone.seq);
         if at != last {
             let (head, tail) = self.vectors.split_at_mut(last * dim);
             head[at * dim..(at + 1) * dim].copy_from_slice(&tail[..dim]);
+            let moved = &self.slots[at];
+            self.by_entry.insert(moved.entry, at);
+            self.by_seq.insert(moved.seq, at);
         }
         self.vectors.truncate(last * dim);
+        if self.slots.len() < GRAPH_UNTIL {
+            self.graph = None;
+            self.building = None;
+        }
     }
 
-    fn position(&self, entry: &[u8; 32]) -> Option<usize> {
-        self.slots.iter().position(|s| &s.entry == entry)
+    fn graph(&self) -> Option<&Graph> {
+        self.graph.as_deref()
+    }
+
+    /// The bytes its graph holds.
+    fn graph_bytes(&self, dim: usize) -> usize {
+        self.graph().map_or(0, |g| g.questions * graph_bytes(dim))
+    }
+
+    /// Whether a graph should be built now: the group is large and has none, or its graph
+    /// misses too many of its questions or holds too many gone ones.
+    fn wants_graph(&self) -> bool {
+        if self.building.is_some() {
+            return false;
+        }
+        match self.graph() {
+            None => self.slots.len() >= GRAPH_FROM,
+            Some(graph) => {
+                let after = self.slots.iter().filter(|s| s.seq > graph.through).count();
+                let gone = graph.questions.saturating_sub(self.slots.len() - after);
+                after > graph.questions / 4 || gone > graph.questions / 2
+            }
+        }
+    }
+
+    /// The best question at `i` in `slots` at least `floor` similar, among those `consider`
+    /// admits, and whether an expired one was seen.
+    fn scan(
+        &self,
+        query: &[f32],
+        floor: f32,
+        now: Instant,
+        consider: impl Fn(&Slot) -> bool,
+    ) -> (Option<(usize, f32)>, bool) {
+        let mut best: Option<(usize, f32)> = None;
+        let mut expired = false;
+        for (i, (vector, slot)) in self
+            .vectors
+            .chunks_exact(query.len())
+            .zip(&self.slots)
+            .enumerate()
+        {
+            if !consider(slot) {
+                continue;
+            }
+            if slot.expires <= now {
+                expired = true;
+                continue;
+            }
+            let similarity = dot(vector, query);
+            if similarity >= floor && best.is_none_or(|(_, b)| similarity > b) {
+                best = Some((i, similarity));
+            }
+        }
+        (best, expired)
+    }
+
+    /// The graph's best live question at least `floor` similar, re-scored exactly.
+    fn search_graph(
+        &self,
+        graph: &Graph,
+        query: &[f32],
+        floor: f32,
+        now: Instant,
+    ) -> Option<(usize, f32)> {
+        let live = |seq: u64| {
+            self.by_seq
+                .get(&seq)
+                .and_then(|&at| self.slots.get(at))
+                .is_some_and(|slot| slot.expires > now)
+        };
+        let found = graph
+            .hnsw
+            .filtered_search(query, CANDIDATES, live)
+            .inspect_err(|e| tracing::warn!(error = %e, "semantic graph search failed"))
+            .ok()?;
+        found
+            .keys
+            .iter()
+            .filter_map(|seq| self.by_seq.get(seq).copied())
+            .filter_map(|at| {
+                let vector = self.vectors.get(at * query.len()..(at + 1) * query.len())?;
+                Some((at, dot(vector, query)))
+            })
+            .filter(|&(_, similarity)| similarity >= floor)
+            .max_by(|a, b| a.1.total_cmp(&b.1))
     }
 }
 
 /// The index (see the module's header).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Index {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
     groups: RwLock<Groups>,
     max_bytes: usize,
+    /// The graph builds started, for tests to wait on.
+    #[cfg(test)]
+    builds: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// Everything under the one lock: the vectors' dimension with the vectors it describes.
@@ -88,6 +251,8 @@ struct Groups {
     order: VecDeque<(GroupId, [u8; 32], u64)>,
     len: usize,
     next_seq: u64,
+    /// The bytes the groups' graphs hold.
+    graph_bytes: usize,
 }
 
 impl Groups {
@@ -100,9 +265,11 @@ impl Groups {
         let Some(g) = self.by_id.get_mut(group) else {
             return;
         };
-        if let Some(at) = g.position(entry) {
+        if let Some(&at) = g.by_entry.get(entry) {
             if seq.is_none_or(|seq| g.slots[at].seq == seq) {
+                self.graph_bytes -= g.graph_bytes(dim);
                 g.remove(at, dim);
+                self.graph_bytes += g.graph_bytes(dim);
                 self.len -= 1;
             }
         }
@@ -110,69 +277,92 @@ impl Groups {
             self.by_id.remove(group);
         }
     }
+
+    /// The bytes held: the questions, their slots and the graphs.
+    fn bytes(&self) -> usize {
+        self.dim.map_or(0, |d| {
+            self.len * (d * std::mem::size_of::<f32>() + SLOT_BYTES) + self.graph_bytes
+        })
+    }
+
+    /// Removes the oldest questions until at most `max_bytes` are held.
+    fn evict(&mut self, max_bytes: usize) {
+        while self.bytes() > max_bytes {
+            let Some((old_group, old_entry, old_seq)) = self.order.pop_front() else {
+                break;
+            };
+            self.remove(&old_group, &old_entry, Some(old_seq));
+        }
+    }
 }
 
 impl Index {
     pub fn new(max_bytes: usize) -> Self {
         Self {
-            groups: RwLock::new(Groups::default()),
-            max_bytes,
+            shared: Arc::new(Shared {
+                groups: RwLock::new(Groups::default()),
+                max_bytes,
+                #[cfg(test)]
+                builds: std::sync::Mutex::default(),
+            }),
         }
-    }
-
-    /// How many questions of `dim` floats fit in `max_bytes`.
-    fn capacity(&self, dim: usize) -> usize {
-        self.max_bytes / (dim * std::mem::size_of::<f32>() + SLOT_BYTES)
     }
 
     /// How many questions are indexed.
     pub fn questions(&self) -> usize {
-        self.groups.read().map_or(0, |g| g.len)
+        self.shared.groups.read().map_or(0, |g| g.len)
     }
 
     /// The bytes the index holds now.
     pub fn bytes(&self) -> usize {
-        self.groups.read().map_or(0, |g| {
-            g.dim
-                .map_or(0, |d| g.len * (d * std::mem::size_of::<f32>() + SLOT_BYTES))
+        self.shared.groups.read().map_or(0, |g| g.bytes())
+    }
+
+    /// How many questions the groups' graphs hold.
+    pub fn graphed(&self) -> usize {
+        self.shared.groups.read().map_or(0, |g| {
+            g.by_id
+                .values()
+                .filter_map(|g| g.graph().map(|g| g.questions))
+                .sum()
         })
     }
 
     /// The nearest unexpired question of `group` to `query`, at least `floor` similar.
     pub fn nearest(&self, group: &GroupId, query: &[f32], floor: f32) -> Option<Nearest> {
         let now = Instant::now();
-        let mut expired = false;
-        let found = {
-            let groups = self.groups.read().ok()?;
+        let (found, expired, wants_graph) = {
+            let groups = self.shared.groups.read().ok()?;
             if groups.dim != Some(query.len()) {
                 return None;
             }
             let g = groups.by_id.get(group)?;
-            let mut best: Option<(usize, f32)> = None;
-            for (i, (vector, slot)) in g
-                .vectors
-                .chunks_exact(query.len())
-                .zip(&g.slots)
-                .enumerate()
-            {
-                if slot.expires <= now {
-                    expired = true;
-                    continue;
+            let (found, expired) = match g.graph() {
+                None => g.scan(query, floor, now, |_| true),
+                Some(graph) => {
+                    let (after, expired) =
+                        g.scan(query, floor, now, |slot| slot.seq > graph.through);
+                    let within = g.search_graph(graph, query, floor, now);
+                    let best = [after, within]
+                        .into_iter()
+                        .flatten()
+                        .max_by(|a, b| a.1.total_cmp(&b.1));
+                    (best, expired)
                 }
-                let similarity = dot(vector, query);
-                if similarity >= floor && best.is_none_or(|(_, b)| similarity > b) {
-                    best = Some((i, similarity));
-                }
-            }
-            best.and_then(|(i, similarity)| {
+            };
+            let found = found.and_then(|(i, similarity)| {
                 Some(Nearest {
                     slot: g.slots.get(i)?.clone(),
                     similarity,
                 })
-            })
+            });
+            (found, expired, g.wants_graph())
         };
         if expired {
             self.drop_expired(group, now);
+        }
+        if wants_graph {
+            self.build_graph(*group);
         }
         found
     }
@@ -181,82 +371,205 @@ impl Index {
     /// entry's earlier one; the oldest questions go when the index is full.
     pub fn insert(&self, group: GroupId, vector: Vec<f32>, entry: [u8; 32], expires: Instant) {
         let dim = vector.len();
-        let capacity = self.capacity(dim);
-        if capacity == 0 {
+        if dim * std::mem::size_of::<f32>() + SLOT_BYTES > self.shared.max_bytes {
             return;
         }
-        let Ok(mut groups) = self.groups.write() else {
-            return;
+        let wants_graph = {
+            let Ok(mut groups) = self.shared.groups.write() else {
+                return;
+            };
+            let groups = &mut *groups;
+            if groups.dim != Some(dim) {
+                // The model's dimension changed: the old vectors mean nothing now.
+                *groups = Groups {
+                    dim: Some(dim),
+                    next_seq: groups.next_seq,
+                    ..Groups::default()
+                };
+            }
+            groups.remove(&group, &entry, None);
+            let seq = groups.next_seq;
+            groups.next_seq += 1;
+            groups.by_id.entry(group).or_default().push(
+                &vector,
+                Slot {
+                    entry,
+                    expires,
+                    examples: Arc::default(),
+                    seq,
+                },
+            );
+            groups.len += 1;
+            groups.order.push_back((group, entry, seq));
+            groups.evict(self.shared.max_bytes);
+            // The order keeps the records of replaced and expired questions too: dropped
+            // when it grows past twice the questions, in one pass over the groups.
+            if groups.order.len() > 2 * groups.len.max(1024) {
+                let live: std::collections::HashSet<u64> = groups
+                    .by_id
+                    .values()
+                    .flat_map(|g| g.slots.iter().map(|s| s.seq))
+                    .collect();
+                groups.order.retain(|(_, _, seq)| live.contains(seq));
+            }
+            groups.by_id.get(&group).is_some_and(Group::wants_graph)
         };
-        let groups = &mut *groups;
-        if groups.dim != Some(dim) {
-            // The model's dimension changed: the old vectors mean nothing now.
-            *groups = Groups {
-                dim: Some(dim),
-                next_seq: groups.next_seq,
-                ..Groups::default()
-            };
-        }
-        groups.remove(&group, &entry, None);
-        let seq = groups.next_seq;
-        groups.next_seq += 1;
-        let g = groups.by_id.entry(group).or_default();
-        g.vectors.extend_from_slice(&vector);
-        g.slots.push(Slot {
-            entry,
-            expires,
-            examples: Arc::default(),
-            seq,
-        });
-        groups.len += 1;
-        groups.order.push_back((group, entry, seq));
-        while groups.len > capacity {
-            let Some((old_group, old_entry, old_seq)) = groups.order.pop_front() else {
-                break;
-            };
-            groups.remove(&old_group, &old_entry, Some(old_seq));
-        }
-        // The order keeps the records of replaced and expired questions too: dropped when it
-        // grows past twice the questions, in one pass over the groups.
-        if groups.order.len() > 2 * capacity.max(groups.len) {
-            let live: std::collections::HashSet<u64> = groups
-                .by_id
-                .values()
-                .flat_map(|g| g.slots.iter().map(|s| s.seq))
-                .collect();
-            groups.order.retain(|(_, _, seq)| live.contains(seq));
+        if wants_graph {
+            self.build_graph(group);
         }
     }
 
     /// Forgets `entry`'s question in `group` (its answer is gone from the exact store).
     pub fn remove(&self, group: &GroupId, entry: &[u8; 32]) {
-        if let Ok(mut groups) = self.groups.write() {
+        if let Ok(mut groups) = self.shared.groups.write() {
             groups.remove(group, entry, None);
         }
     }
 
     fn drop_expired(&self, group: &GroupId, now: Instant) {
+        let Ok(mut groups) = self.shared.groups.write() else {
+            return;
+        };
+        let groups = &mut *groups;
+        let Some(g) = groups.by_id.get(group) else {
+            return;
+        };
+        let expired: Vec<([u8; 32], u64)> = g
+            .slots
+            .iter()
+            .filter(|s| s.expires <= now)
+            .map(|s| (s.entry, s.seq))
+            .collect();
+        for (entry, seq) in expired {
+            groups.remove(group, &entry, Some(seq));
+        }
+    }
+
+    /// Starts building `group`'s graph on a thread, unless one is being built.
+    fn build_graph(&self, group: GroupId) {
+        let snapshot = {
+            let Ok(mut groups) = self.shared.groups.write() else {
+                return;
+            };
+            let (Some(dim), through) = (groups.dim, groups.next_seq.saturating_sub(1)) else {
+                return;
+            };
+            let Some(g) = groups.by_id.get_mut(&group) else {
+                return;
+            };
+            if !g.wants_graph() {
+                return;
+            }
+            g.building = Some(through);
+            let seqs: Vec<u64> = g.slots.iter().map(|s| s.seq).collect();
+            (dim, through, seqs, g.vectors.clone())
+        };
+        let through = snapshot.1;
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("sluice-semantic-graph".into())
+            .spawn(move || shared.build(group, snapshot));
+        match spawned {
+            #[cfg(test)]
+            Ok(handle) => {
+                if let Ok(mut builds) = self.shared.builds.lock() {
+                    builds.push(handle);
+                }
+            }
+            #[cfg(not(test))]
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "could not start a semantic graph build");
+                self.shared.abandon(&group, through);
+            }
+        }
+    }
+
+    /// Waits for the graph builds started so far.
+    #[cfg(test)]
+    fn wait_for_graphs(&self) {
+        let builds = std::mem::take(&mut *self.shared.builds.lock().unwrap());
+        for build in builds {
+            build.join().unwrap();
+        }
+    }
+}
+
+/// A usearch error, as words.
+fn failed(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Shared {
+    /// Builds a graph over a copy of a group's questions, with no lock held, and installs
+    /// it unless the group changed too much meanwhile (its dimension changed, it was
+    /// emptied, or its build was abandoned).
+    fn build(
+        &self,
+        group: GroupId,
+        (dim, through, seqs, vectors): (usize, u64, Vec<u64>, Vec<f32>),
+    ) {
+        let started = Instant::now();
+        let built = (|| -> Result<usearch::Index, String> {
+            let hnsw = usearch::Index::new(&usearch::IndexOptions {
+                dimensions: dim,
+                metric: usearch::MetricKind::IP,
+                quantization: usearch::ScalarKind::F32,
+                connectivity: CONNECTIVITY,
+                expansion_add: 64,
+                expansion_search: 64,
+                multi: false,
+            })
+            .map_err(failed)?;
+            hnsw.reserve(seqs.len()).map_err(failed)?;
+            for (seq, vector) in seqs.iter().zip(vectors.chunks_exact(dim)) {
+                hnsw.add(*seq, vector).map_err(failed)?;
+            }
+            Ok(hnsw)
+        })();
         let Ok(mut groups) = self.groups.write() else {
             return;
         };
         let groups = &mut *groups;
-        let Some(dim) = groups.dim else {
+        let same_dim = groups.dim == Some(dim);
+        let Some(g) = groups.by_id.get_mut(&group) else {
             return;
         };
-        let Some(g) = groups.by_id.get_mut(group) else {
+        if !same_dim || g.building != Some(through) {
             return;
-        };
-        let mut i = 0;
-        while i < g.slots.len() {
-            if g.slots[i].expires <= now {
-                g.remove(i, dim);
-                groups.len -= 1;
-            } else {
-                i += 1;
+        }
+        g.building = None;
+        match built {
+            Ok(hnsw) => {
+                tracing::debug!(
+                    questions = seqs.len(),
+                    took_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "semantic graph built"
+                );
+                groups.graph_bytes -= g.graph_bytes(dim);
+                g.graph = Some(Arc::new(Graph {
+                    hnsw,
+                    through,
+                    questions: seqs.len(),
+                }));
+                groups.graph_bytes += g.graph_bytes(dim);
+                groups.evict(self.max_bytes);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a semantic graph build failed; the group is scanned");
             }
         }
-        if g.slots.is_empty() {
-            groups.by_id.remove(group);
+    }
+
+    /// Marks a build that never started as not running.
+    fn abandon(&self, group: &GroupId, through: u64) {
+        let Ok(mut groups) = self.groups.write() else {
+            return;
+        };
+        if let Some(g) = groups.by_id.get_mut(group) {
+            if g.building == Some(through) {
+                g.building = None;
+            }
         }
     }
 }
@@ -365,6 +678,105 @@ mod tests {
         assert!(index.nearest(&[1; 32], &unit(&[0.0, 1.0]), 0.99).is_none());
         assert!(index.nearest(&[1; 32], &unit(&[1.0, 0.1]), 0.99).is_some());
         assert_eq!(index.questions(), 2);
+    }
+
+    /// `n` random unit vectors of `dim` floats (xorshift: the same every run).
+    fn random_vectors(n: usize, dim: usize) -> Vec<Vec<f32>> {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 2001) as f32 / 1000.0 - 1.0
+        };
+        (0..n)
+            .map(|_| unit(&(0..dim).map(|_| next()).collect::<Vec<_>>()))
+            .collect()
+    }
+
+    fn entry(i: usize) -> [u8; 32] {
+        let mut e = [0; 32];
+        e[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        e
+    }
+
+    #[test]
+    fn a_large_group_is_searched_through_its_graph_and_finds_what_a_scan_finds() {
+        let dim = 32;
+        let vectors = random_vectors(GRAPH_FROM + 200, dim);
+        let index = Index::new(1 << 30);
+        for (i, v) in vectors.iter().enumerate().take(GRAPH_FROM) {
+            index.insert([1; 32], v.clone(), entry(i), later());
+        }
+        index.wait_for_graphs();
+        assert_eq!(index.graphed(), GRAPH_FROM, "the group's graph was built");
+        assert!(index.bytes() >= GRAPH_FROM * (dim * 4 + SLOT_BYTES + graph_bytes(dim)));
+        // Added after the build: found by the scan beside the graph.
+        for (i, v) in vectors.iter().enumerate().skip(GRAPH_FROM) {
+            index.insert([1; 32], v.clone(), entry(i), later());
+        }
+        assert_eq!(
+            index.graphed(),
+            GRAPH_FROM,
+            "too few new ones for a rebuild"
+        );
+        let mut found = 0;
+        for (i, v) in vectors.iter().enumerate().step_by(41) {
+            let nearest = index.nearest(&[1; 32], v, 0.99).unwrap();
+            assert!(nearest.similarity > 0.999, "{}", nearest.similarity);
+            found += usize::from(nearest.slot.entry == entry(i));
+        }
+        // Each of them is its own nearest; the graph may miss one in a hundred.
+        let asked = vectors.len().div_ceil(41);
+        assert!(found * 100 >= asked * 99, "{found} of {asked}");
+        // A removed question is not answered from the graph.
+        index.remove(&[1; 32], &entry(0));
+        assert!(index.nearest(&[1; 32], &vectors[0], 0.99).is_none());
+    }
+
+    #[test]
+    fn a_graph_is_rebuilt_when_its_group_moved_on_and_dropped_when_it_shrank() {
+        let dim = 16;
+        let vectors = random_vectors(2 * GRAPH_FROM, dim);
+        let index = Index::new(1 << 30);
+        for (i, v) in vectors.iter().enumerate().take(GRAPH_FROM) {
+            index.insert([1; 32], v.clone(), entry(i), later());
+        }
+        index.wait_for_graphs();
+        assert_eq!(index.graphed(), GRAPH_FROM);
+        // A quarter more and one: the next insert starts a build over all of them.
+        for (i, v) in vectors
+            .iter()
+            .enumerate()
+            .skip(GRAPH_FROM)
+            .take(GRAPH_FROM / 4 + 1)
+        {
+            index.insert([1; 32], v.clone(), entry(i), later());
+        }
+        index.wait_for_graphs();
+        assert_eq!(index.graphed(), GRAPH_FROM + GRAPH_FROM / 4 + 1);
+        // Below half the size, the group is only scanned.
+        for i in 0..=(GRAPH_FROM / 2 + GRAPH_FROM / 4 + 1) {
+            index.remove(&[1; 32], &entry(i));
+        }
+        assert_eq!(index.graphed(), 0);
+        let last = GRAPH_FROM + GRAPH_FROM / 4;
+        let nearest = index.nearest(&[1; 32], &vectors[last], 0.99).unwrap();
+        assert_eq!(nearest.slot.entry, entry(last));
+    }
+
+    #[test]
+    fn a_graph_counts_in_the_bound_and_eviction_makes_room_for_it() {
+        let dim = 16;
+        let per_question = dim * 4 + SLOT_BYTES;
+        // Room for the group's questions and not for their graph as well.
+        let index = Index::new(GRAPH_FROM * per_question + 100 * graph_bytes(dim));
+        for (i, v) in random_vectors(GRAPH_FROM, dim).into_iter().enumerate() {
+            index.insert([1; 32], v, entry(i), later());
+        }
+        index.wait_for_graphs();
+        assert!(index.bytes() <= GRAPH_FROM * per_question + 100 * graph_bytes(dim));
+        assert!(index.questions() < GRAPH_FROM);
     }
 
     #[test]

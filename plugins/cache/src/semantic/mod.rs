@@ -170,6 +170,7 @@ impl Semantic {
             "pool": &*self.pool.name,
             "max_error_rate": self.config.max_error_rate,
             "questions": self.index.questions(),
+            "graphed": self.index.graphed(),
             "bytes": self.index.bytes(),
             "verified": examples,
             "verified_wrong": wrong,
