@@ -8,6 +8,7 @@
 use serde_json::{json, Value};
 use sluice_testkit::*;
 use std::net::SocketAddr;
+use std::time::Duration;
 use vllm_sim::SimConfig;
 
 const MODEL: &str = "test-model";
@@ -202,7 +203,8 @@ async fn a_reworded_question_is_served_once_enough_answers_agreed() {
     assert_eq!(semantic["pool"], "embed");
     assert_eq!(semantic["verified"], EXAMPLES_TO_SERVE as u64);
     assert_eq!(semantic["verified_wrong"], 0);
-    assert_eq!(semantic["questions"], 1 + EXAMPLES_TO_SERVE as u64);
+    assert_eq!(semantic["index"]["store"], "memory");
+    assert_eq!(semantic["index"]["questions"], 1 + EXAMPLES_TO_SERVE as u64);
     // Every example was at 1.0: the examples within 0.02 above a similarity speak for it.
     let threshold = semantic["threshold"].as_f64().unwrap();
     assert!((0.975..=1.0).contains(&threshold), "{threshold}");
@@ -304,4 +306,93 @@ async fn with_the_embeddings_pool_down_requests_go_upstream_as_if_it_were_off() 
         .await;
     assert_eq!(again.x_cache, "HIT");
     assert!(!again.headers.contains_key("x-cache-similarity"));
+}
+
+/// Two replicas sharing a Redis with vector search (`index: redis`): a question one of them
+/// stored is the other's neighbour at once, within its group only; each learns apart, and
+/// the second serves a hit once its own examples agree. Redis gone, requests go upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_their_questions_through_redis() {
+    let mut redis = RedisServer::start_with_search();
+    let (model, embedder) = (chat_model().await, embedder().await);
+    let replica = || async {
+        Proxy::start(json!({
+            "pools": [
+                pool("main", &[MODEL], &[model.addr()]),
+                pool("embed", &[EMBEDDER], &[embedder.addr()]),
+            ],
+            "plugins": {"cache": {
+                "enabled": true,
+                "tenant": {"anonymous": "share"},
+                "store": "redis",
+                // A loaded test machine can stall a lookup past the 25 ms default.
+                "redis": {"url": redis.url(), "lookup_timeout": "2s"},
+                "semantic": {"pool": "embed", "max_error_rate": BOUND, "verify_rate": 0,
+                             "index": "redis"},
+            }},
+        }))
+        .await
+    };
+    let (a, b) = (replica().await, replica().await);
+    let questions_in_redis = |n: usize| {
+        let port = redis.port();
+        move || async move {
+            redis_cli(port, &["KEYS", "llm:cache:sem:384:*"])
+                .lines()
+                .count()
+                == n
+        }
+    };
+    let question = "What is the capital of France";
+    let first = a.ask(&chat(MODEL, question, false), &[]).await;
+    assert_eq!((first.status, first.x_cache.as_str()), (200, "MISS"));
+    assert!(
+        wait_for(Duration::from_secs(30), questions_in_redis(1))
+            .await
+            .is_some(),
+        "the question was indexed in Redis: {}",
+        a.logs()
+    );
+    // B never saw it, and compares its reworded question with A's answer.
+    let reworded = b.ask(&chat(MODEL, &variant(question, 1), false), &[]).await;
+    assert_eq!(reworded.x_cache, "MISS");
+    assert_eq!(lookups(&b, "explore").await, 1.0, "{}", b.logs());
+    assert_eq!(lookups(&b, "miss").await, 0.0);
+    wait_for_verified(&b, "right", 1).await;
+    // Another system prompt is another group: no neighbour, though the question is the same.
+    let other_group = json!({"model": MODEL, "max_tokens": 16, "temperature": 0, "messages": [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": variant(question, 2)}]});
+    let alone = b.ask(&other_group, &[]).await;
+    assert_eq!(alone.x_cache, "MISS");
+    assert_eq!(lookups(&b, "miss").await, 1.0);
+    // B learns from its own examples (replicas learn apart), then serves.
+    for i in 3..=EXAMPLES_TO_SERVE + 1 {
+        let answer = b.ask(&chat(MODEL, &variant(question, i), false), &[]).await;
+        assert_eq!(answer.x_cache, "MISS", "variant {i}");
+    }
+    wait_for_verified(&b, "right", EXAMPLES_TO_SERVE).await;
+    let hit = b
+        .ask(&chat(MODEL, &variant(question, 40), false), &[])
+        .await;
+    assert_eq!(
+        (hit.status, hit.x_cache.as_str()),
+        (200, "HIT"),
+        "{}",
+        b.logs()
+    );
+    assert_eq!(hit.headers["x-cache-similarity"], "1.0000");
+    assert_eq!(
+        b.status().await["plugin_status"]["cache"]["semantic"]["index"]["store"],
+        "redis"
+    );
+
+    // Redis gone: the lookup fails fast and the request is answered upstream.
+    redis.stop();
+    let without = b
+        .ask(&chat(MODEL, &variant(question, 41), false), &[])
+        .await;
+    assert_eq!(without.status, 200);
+    assert_eq!(without.x_cache, "MISS");
+    assert!(lookups(&b, "index_failed").await >= 1.0);
 }

@@ -2349,6 +2349,22 @@ fn the_semantic_cache_needs_an_existing_pool_and_sane_bounds() {
         "plugins.cache.semantic.max_bytes",
         "at least 65536",
     );
+    // A shared index points at shared entries, on one node.
+    refused(
+        &cache("{pool: a, index: redis}"),
+        "plugins.cache.semantic.index",
+        "store: redis with redis.url",
+    );
+    refused(
+        &with(
+            "plugins:\n  cache:\n    enabled: true\n    store: redis\n    redis: {cluster_nodes: [\"redis://127.0.0.1:1\"]}\n    semantic: {pool: a, index: redis}",
+        ),
+        "plugins.cache.semantic.index",
+        "does not search across a cluster",
+    );
+    ok(&with(
+        "plugins:\n  cache:\n    enabled: true\n    store: redis\n    redis: {url: \"redis://127.0.0.1:1\"}\n    semantic: {pool: a, index: redis}",
+    ));
     refused(
         &cache("{pool: a, threshold: 0.9}"),
         "plugins.cache.semantic.threshold",

@@ -91,6 +91,19 @@ pub struct SemanticConfig {
     /// questions go first.
     #[serde(default = "default_semantic_max_bytes")]
     pub max_bytes: usize,
+    /// Where the questions are indexed: in this process (`memory`), or in the Redis store
+    /// beside the exact entries, shared by the replicas (`redis`: Redis with vector search).
+    #[serde(default)]
+    pub index: IndexKind,
+}
+
+/// `semantic.index`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexKind {
+    #[default]
+    Memory,
+    Redis,
 }
 
 fn default_max_error_rate() -> f64 {
@@ -329,6 +342,18 @@ impl CacheConfig {
         }
         if let Some(semantic) = &self.semantic {
             semantic.validate().map_err(|e| e.under("semantic"))?;
+            if semantic.index == IndexKind::Redis {
+                let single_node = self.redis.as_ref().is_some_and(|r| r.url.is_some());
+                if self.store != StoreKind::Redis || !single_node {
+                    return Err(ConfigError::new(
+                        "semantic.index",
+                        "redis needs the exact store in Redis on one node (store: redis with \
+                         redis.url): its questions point at the shared entries, and \
+                         RediSearch's open-source build does not search across a cluster's \
+                         shards",
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -188,7 +188,17 @@ impl Cache {
             key_headers,
             semantic,
         } = ready;
-        let semantic = semantic.map(|(settings, pool, calls)| Semantic::new(pool, calls, settings));
+        let semantic = semantic.map(|(settings, pool, calls)| {
+            // Validated: `index: redis` comes with a single-node Redis store.
+            let shared = match (settings.index, &config.redis) {
+                (config::IndexKind::Redis, Some(redis)) => Some(semantic::shared::RedisIndex::new(
+                    &redis.settings(),
+                    &config.key_prefix,
+                )),
+                _ => None,
+            };
+            Semantic::new(pool, calls, settings, shared)
+        });
         let store: Arc<dyn Store> = match (&config.store, &config.redis) {
             (config::StoreKind::Redis, Some(redis)) => {
                 // Queued writes are optional: a quarter of the budget at most, so that a slow
@@ -619,9 +629,10 @@ impl Cache {
             Ok(None) => return Ok(Decision::Skip),
             Err(gone) => return Err(client_left(gone)),
         };
-        let neighbour = match semantic.nearest(&group, &vector) {
-            None => None,
-            Some(near) => {
+        let neighbour = match semantic.nearest(&group, &vector).await {
+            Err(_) => return Ok(Decision::Skip),
+            Ok(None) => None,
+            Ok(Some(near)) => {
                 let key = CacheKey::new(&self.config.key_prefix, near.slot.entry);
                 match self.lookup(&key).await {
                     Some(entry) => Some(Neighbour {
@@ -630,7 +641,7 @@ impl Cache {
                         entry,
                     }),
                     None => {
-                        semantic.forget(&group, &near.slot.entry);
+                        semantic.forget(&group, &near.slot.entry, vector.len());
                         None
                     }
                 }

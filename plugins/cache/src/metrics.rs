@@ -112,7 +112,7 @@ metric!(SEMANTIC_ENTRIES: IntGauge = register_int_gauge!(
 ));
 
 /// Every result `semantic_lookup` is called with.
-pub const SEMANTIC_RESULTS: [&str; 9] = [
+pub const SEMANTIC_RESULTS: [&str; 10] = [
     "hit",
     "verify",
     "explore",
@@ -122,6 +122,7 @@ pub const SEMANTIC_RESULTS: [&str; 9] = [
     "agent",
     "unavailable",
     "bad_answer",
+    "index_failed",
 ];
 
 /// Every outcome `write` is called with.

@@ -67,10 +67,10 @@ fn wait_until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
-fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Child {
-    require("redis-server");
+fn spawn_server(binary: &str, port: u16, dir: &Path, extra: &[String]) -> Child {
+    require(binary);
     let log = std::fs::File::create(dir.join(format!("redis-{port}.log"))).ok();
-    let mut cmd = Command::new("redis-server");
+    let mut cmd = Command::new(binary);
     cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         .arg("--dir")
@@ -86,7 +86,11 @@ fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Child {
 /// Starts a server and waits until it listens on `port` itself and answers `PING`; `None`
 /// when it exited first (the port was taken in between).
 fn start_node(port: u16, dir: &Path, extra: &[String]) -> Option<Child> {
-    let mut child = Some(spawn_server(port, dir, extra));
+    start_binary("redis-server", port, dir, extra)
+}
+
+fn start_binary(binary: &str, port: u16, dir: &Path, extra: &[String]) -> Option<Child> {
+    let mut child = Some(spawn_server(binary, port, dir, extra));
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let running = child.as_mut().expect("spawned");
@@ -102,39 +106,62 @@ fn start_node(port: u16, dir: &Path, extra: &[String]) -> Option<Child> {
     panic!("redis-server on port {port} did not answer PING within 10s");
 }
 
+/// The Redis with vector search that `scripts/install-redis-stack` installs.
+fn search_server() -> String {
+    let dir =
+        std::env::var("SLUICE_REDIS_STACK").unwrap_or_else(|_| "/opt/sluice-redis-stack".into());
+    let wrapper = format!("{dir}/bin/redis-search-server");
+    assert!(
+        Path::new(&wrapper).exists(),
+        "{wrapper} not found: `scripts/bootstrap --test` installs it (scripts/install-redis-stack)"
+    );
+    wrapper
+}
+
 /// A single-node Redis.
 pub struct RedisServer {
     port: u16,
     dir: TempDir,
     child: Option<Child>,
+    binary: String,
 }
 
 impl RedisServer {
     /// On a free port.
     pub fn start() -> RedisServer {
+        Self::start_binary("redis-server".into())
+    }
+
+    /// A Redis with vector search (RediSearch loaded), on a free port.
+    pub fn start_with_search() -> RedisServer {
+        Self::start_binary(search_server())
+    }
+
+    fn start_binary(binary: String) -> RedisServer {
         for _ in 0..START_ATTEMPTS {
-            if let Some(server) = Self::try_start_on(reserve_port()) {
+            if let Some(server) = Self::try_start_on(reserve_port(), &binary) {
                 return server;
             }
         }
-        panic!("redis-server would not start ({START_ATTEMPTS} ports tried)");
+        panic!("{binary} would not start ({START_ATTEMPTS} ports tried)");
     }
 
     /// On `port`, reserved until now: e.g. one a store was pointed at before Redis existed.
     pub fn start_on(port: ReservedPort) -> RedisServer {
         let number = port.port();
-        Self::try_start_on(port)
+        Self::try_start_on(port, "redis-server")
             .unwrap_or_else(|| panic!("redis-server exited at start on port {number}"))
     }
 
-    fn try_start_on(port: ReservedPort) -> Option<RedisServer> {
+    fn try_start_on(port: ReservedPort, binary: &str) -> Option<RedisServer> {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("temp dir: {e}"));
         let port = port.release();
-        let child = start_node(port, dir.path(), &[])?;
+        let child = start_binary(binary, port, dir.path(), &[])?;
         Some(RedisServer {
             port,
             dir,
             child: Some(child),
+            binary: binary.to_string(),
         })
     }
 
@@ -156,7 +183,7 @@ impl RedisServer {
         self.stop();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Some(child) = start_node(self.port, self.dir.path(), &[]) {
+            if let Some(child) = start_binary(&self.binary, self.port, self.dir.path(), &[]) {
                 self.child = Some(child);
                 return;
             }

@@ -67,6 +67,18 @@ pub struct Slot {
     seq: u64,
 }
 
+impl Slot {
+    /// A question of the shared index: no place in this process's order.
+    pub fn shared(entry: [u8; 32], examples: Arc<EntryExamples>) -> Self {
+        Self {
+            entry,
+            expires: Instant::now(),
+            examples,
+            seq: 0,
+        }
+    }
+}
+
 /// A group's nearest question to a query.
 #[derive(Debug, Clone)]
 pub struct Nearest {

@@ -28,11 +28,14 @@
 //!
 //! Tool-calling and agent requests stay exact-only unless `agent_requests` is set.
 //!
-//! The index and the learned examples are the process's own: replicas learn apart.
+//! The index is the process's own ([`index`]) or, with `index: redis`, shared in Redis with
+//! the exact entries ([`shared`]). The learned examples are the process's own: replicas learn
+//! apart.
 
 pub mod embed;
 pub mod index;
 pub mod learn;
+pub mod shared;
 
 use crate::config::SemanticConfig;
 use crate::entry::Entry;
@@ -40,6 +43,7 @@ use crate::metrics;
 use embed::EmbedFailed;
 use index::{GroupId, Index, Slot};
 use learn::Table;
+use shared::{IndexFailed, RedisIndex};
 use sluice_sdk::calls::PoolCalls;
 use sluice_sdk::family::question::answer_words;
 use sluice_sdk::{AnswerText, Pool};
@@ -61,12 +65,18 @@ pub struct Semantic {
     pool: Arc<Pool>,
     calls: Arc<dyn PoolCalls>,
     config: SemanticConfig,
-    index: Index,
+    index: Vectors,
     table: Table,
     /// Counts the hits within the bound, to send every `verify_every`th upstream.
     within_bound: AtomicU64,
     /// `1 / verify_rate`, rounded; 0: none is verified.
     verify_every: u64,
+}
+
+/// Where the questions are indexed.
+enum Vectors {
+    Memory(Index),
+    Redis(RedisIndex),
 }
 
 /// What a lookup found for a request that goes upstream: kept until its answer is whole.
@@ -98,10 +108,19 @@ pub enum Decision {
 }
 
 impl Semantic {
-    pub fn new(pool: Arc<Pool>, calls: Arc<dyn PoolCalls>, config: SemanticConfig) -> Self {
+    /// With `shared`, the questions are indexed there instead of in this process.
+    pub fn new(
+        pool: Arc<Pool>,
+        calls: Arc<dyn PoolCalls>,
+        config: SemanticConfig,
+        shared: Option<RedisIndex>,
+    ) -> Self {
         metrics::init_semantic(&pool.name);
         Self {
-            index: Index::new(config.max_bytes),
+            index: match shared {
+                Some(shared) => Vectors::Redis(shared),
+                None => Vectors::Memory(Index::new(config.max_bytes)),
+            },
             table: Table::new(
                 config.min_similarity,
                 config.max_error_rate,
@@ -166,12 +185,19 @@ impl Semantic {
     pub fn status(&self) -> serde_json::Value {
         let (examples, wrong) = self.table.totals();
         let bound = self.table.threshold();
+        let index = match &self.index {
+            Vectors::Memory(index) => serde_json::json!({
+                "store": "memory",
+                "questions": index.questions(),
+                "graphed": index.graphed(),
+                "bytes": index.bytes(),
+            }),
+            Vectors::Redis(_) => serde_json::json!({"store": "redis"}),
+        };
         serde_json::json!({
             "pool": &*self.pool.name,
             "max_error_rate": self.config.max_error_rate,
-            "questions": self.index.questions(),
-            "graphed": self.index.graphed(),
-            "bytes": self.index.bytes(),
+            "index": index,
             "verified": examples,
             "verified_wrong": wrong,
             "threshold": bound.map(|(t, _)| t),
@@ -184,16 +210,32 @@ impl Semantic {
         metrics::semantic_overhead(&self.pool.name, beyond_embedding.as_secs_f64());
     }
 
-    /// The group's nearest question to `vector`, if it is a neighbour.
-    pub fn nearest(&self, group: &GroupId, vector: &[f32]) -> Option<index::Nearest> {
-        self.index
-            .nearest(group, vector, self.config.min_similarity)
+    /// The group's nearest question to `vector`, if it is a neighbour; `Err` (counted)
+    /// when the shared index did not answer.
+    pub async fn nearest(
+        &self,
+        group: &GroupId,
+        vector: &[f32],
+    ) -> Result<Option<index::Nearest>, IndexFailed> {
+        let floor = self.config.min_similarity;
+        match &self.index {
+            Vectors::Memory(index) => Ok(index.nearest(group, vector, floor)),
+            Vectors::Redis(index) => index
+                .nearest(group, vector, floor)
+                .await
+                .inspect_err(|_| metrics::semantic_lookup("index_failed")),
+        }
     }
 
-    /// Forgets a neighbour whose answer the exact store no longer has.
-    pub fn forget(&self, group: &GroupId, entry: &[u8; 32]) {
-        self.index.remove(group, entry);
-        metrics::semantic_entries(self.index.questions());
+    /// Forgets a neighbour (of `dim` floats) whose answer the exact store no longer has.
+    pub fn forget(&self, group: &GroupId, entry: &[u8; 32], dim: usize) {
+        match &self.index {
+            Vectors::Memory(index) => {
+                index.remove(group, entry);
+                metrics::semantic_entries(index.questions());
+            }
+            Vectors::Redis(index) => index.remove(dim, entry),
+        }
     }
 
     /// Serve `neighbour`'s answer, or send the request upstream to learn from it.
@@ -265,8 +307,13 @@ impl Semantic {
             }
         }
         if stored {
-            self.index.insert(asked.group, asked.vector, entry, expires);
-            metrics::semantic_entries(self.index.questions());
+            match &self.index {
+                Vectors::Memory(index) => {
+                    index.insert(asked.group, asked.vector, entry, expires);
+                    metrics::semantic_entries(index.questions());
+                }
+                Vectors::Redis(index) => index.insert(asked.group, asked.vector, entry, expires),
+            }
         }
     }
 }

@@ -93,7 +93,7 @@ impl RedisConfig {
     }
 
     /// The keys every plugin's Redis section shares, `lookup_timeout` as the request timeout.
-    fn settings(&self) -> RedisSettings {
+    pub fn settings(&self) -> RedisSettings {
         RedisSettings {
             url: self.url.clone(),
             cluster_nodes: self.cluster_nodes.clone(),
@@ -145,6 +145,16 @@ fn count_error(op: Op, kind: Kind) {
 
 fn count_dropped() {
     metrics::inc(&WRITES_DROPPED, &["redis"]);
+}
+
+/// Counts a write of the semantic index's in Redis that failed (`dropped`: never sent, too
+/// many on their way).
+pub(crate) fn count_semantic_write(dropped: bool) {
+    if dropped {
+        metrics::inc(&WRITES_DROPPED, &["redis_semantic"]);
+    } else {
+        metrics::inc(&STORE_ERRORS, &["redis_semantic", "set", "error"]);
+    }
 }
 
 struct Shared {
