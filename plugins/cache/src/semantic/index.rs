@@ -204,26 +204,33 @@ impl Group {
         (best, expired)
     }
 
-    /// The graph's best live question at least `floor` similar, re-scored exactly.
+    /// The graph's best live question at least `floor` similar, re-scored exactly, and
+    /// whether it passed an expired one. (The filter runs inside usearch's C++: it must not
+    /// panic, and does not.)
     fn search_graph(
         &self,
         graph: &Graph,
         query: &[f32],
         floor: f32,
         now: Instant,
-    ) -> Option<(usize, f32)> {
-        let live = |seq: u64| {
-            self.by_seq
-                .get(&seq)
-                .and_then(|&at| self.slots.get(at))
-                .is_some_and(|slot| slot.expires > now)
+    ) -> (Option<(usize, f32)>, bool) {
+        let expired = std::cell::Cell::new(false);
+        let live = |seq: u64| match self.by_seq.get(&seq).and_then(|&at| self.slots.get(at)) {
+            Some(slot) if slot.expires > now => true,
+            Some(_) => {
+                expired.set(true);
+                false
+            }
+            None => false,
         };
-        let found = graph
-            .hnsw
-            .filtered_search(query, CANDIDATES, live)
-            .inspect_err(|e| tracing::warn!(error = %e, "semantic graph search failed"))
-            .ok()?;
-        found
+        let found = match graph.hnsw.filtered_search(query, CANDIDATES, live) {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "semantic graph search failed");
+                return (None, expired.get());
+            }
+        };
+        let best = found
             .keys
             .iter()
             .filter_map(|seq| self.by_seq.get(seq).copied())
@@ -232,7 +239,8 @@ impl Group {
                 Some((at, dot(vector, query)))
             })
             .filter(|&(_, similarity)| similarity >= floor)
-            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        (best, expired.get())
     }
 }
 
@@ -352,14 +360,14 @@ impl Index {
             let (found, expired) = match g.graph() {
                 None => g.scan(query, floor, now, |_| true),
                 Some(graph) => {
-                    let (after, expired) =
+                    let (after, expired_after) =
                         g.scan(query, floor, now, |slot| slot.seq > graph.through);
-                    let within = g.search_graph(graph, query, floor, now);
+                    let (within, expired_within) = g.search_graph(graph, query, floor, now);
                     let best = [after, within]
                         .into_iter()
                         .flatten()
                         .max_by(|a, b| a.1.total_cmp(&b.1));
-                    (best, expired)
+                    (best, expired_after || expired_within)
                 }
             };
             let found = found.and_then(|(i, similarity)| {
