@@ -279,11 +279,28 @@ async fn tool_calling_requests_stay_exact_unless_configured() {
     assert_eq!(lookups(&f.proxy, "agent").await, 1.0);
     assert_eq!(lookups(&f.proxy, "miss").await, 0.0, "no embedding asked");
 
-    let g = fleet(json!({"agent_requests": true})).await;
+    // A route that asks: the chat route's agents take part, the Messages route's do not.
+    let g = fleet(json!({"agent_requests": ["chat"]})).await;
     g.proxy.ask(&with_tools("Weather in Paris"), &[]).await;
     assert_eq!(lookups(&g.proxy, "agent").await, 0.0);
     assert_eq!(lookups(&g.proxy, "miss").await, 1.0);
     wait_for_entries(&g.proxy, 1).await;
+    let message = json!({"model": MODEL, "max_tokens": 16, "temperature": 0,
+        "tools": [{"name": "weather", "input_schema": {"type": "object", "properties": {}}}],
+        "messages": [{"role": "user", "content": "Weather in Paris"}]});
+    let answer = ask_url(
+        &g.proxy.url("/v1/messages"),
+        &message,
+        &[("anthropic-version", "2023-06-01")],
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(lookups(&g.proxy, "agent").await, 1.0);
+
+    let h = fleet(json!({"agent_requests": true})).await;
+    h.proxy.ask(&with_tools("Weather in Paris"), &[]).await;
+    assert_eq!(lookups(&h.proxy, "agent").await, 0.0);
+    assert_eq!(lookups(&h.proxy, "miss").await, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2349,6 +2349,12 @@ fn the_semantic_cache_needs_an_existing_pool_and_sane_bounds() {
         "plugins.cache.semantic.max_bytes",
         "at least 65536",
     );
+    ok(&cache("{pool: a, agent_requests: [chat, responses]}"));
+    refused(
+        &cache("{pool: a, agent_requests: [chats]}"),
+        "plugins.cache.semantic.agent_requests[0]",
+        "no LLM route is named `chats`",
+    );
     // A shared index points at shared entries, on one node.
     refused(
         &cache("{pool: a, index: redis}"),

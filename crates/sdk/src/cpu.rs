@@ -63,18 +63,22 @@ fn nice_pool(name: &'static str, threads: usize) -> Option<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(move |i| format!("{name}-{i}"))
-        .start_handler(|_| {
-            // Raising a nice value needs no privilege; if it fails, the work still runs.
-            let nice = rustix::process::getpriority_process(None).unwrap_or(0);
-            if let Err(e) = rustix::process::setpriority_process(None, (nice + BODY_NICE).min(19)) {
-                tracing::debug!("the body pool's thread keeps its priority: {e}");
-            }
-        })
+        .start_handler(|_| be_nicer())
         // A panic in the work drops its sender: the caller gets `None`, the thread lives.
         .panic_handler(|_| {})
         .build()
         .map_err(|e| tracing::warn!("no {name} pool ({e}); its work uses Tokio's"))
         .ok()
+}
+
+/// Makes the calling thread [`BODY_NICE`] nicer than it is (on Linux, the thread's alone):
+/// for the threads of work that may wait while requests are served.
+pub fn be_nicer() {
+    // Raising a nice value needs no privilege; if it fails, the work still runs.
+    let nice = rustix::process::getpriority_process(None).unwrap_or(0);
+    if let Err(e) = rustix::process::setpriority_process(None, (nice + BODY_NICE).min(19)) {
+        tracing::debug!("a background thread keeps its priority: {e}");
+    }
 }
 
 /// Runs `work`, which the caller can do without, off the workers on a pool of its own (see

@@ -85,8 +85,9 @@ pub struct SemanticConfig {
     /// Tool-calling and agent requests (tools defined, tool calls or results in the turns,
     /// a stored conversation continued) take part too. Off: their answers depend on more
     /// than the question's words.
+    /// `true` for every route, or the LLM routes (`chat`, `messages`, ...) that ask for it.
     #[serde(default)]
-    pub agent_requests: bool,
+    pub agent_requests: AgentRequests,
     /// The most the index holds, in bytes (its vectors and their slots); the oldest
     /// questions go first.
     #[serde(default = "default_semantic_max_bytes")]
@@ -95,6 +96,30 @@ pub struct SemanticConfig {
     /// beside the exact entries, shared by the replicas (`redis`: Redis with vector search).
     #[serde(default)]
     pub index: IndexKind,
+}
+
+/// `semantic.agent_requests`: `true`/`false`, or a list of LLM routes by label.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum AgentRequests {
+    All(bool),
+    Routes(Vec<String>),
+}
+
+impl Default for AgentRequests {
+    fn default() -> Self {
+        Self::All(false)
+    }
+}
+
+impl AgentRequests {
+    /// Whether an agent's request on `endpoint` takes part.
+    pub fn takes(&self, endpoint: Endpoint) -> bool {
+        match self {
+            Self::All(all) => *all,
+            Self::Routes(routes) => routes.iter().any(|r| r == endpoint.label()),
+        }
+    }
 }
 
 /// `semantic.index`.
@@ -156,6 +181,17 @@ impl SemanticConfig {
         }
         if self.timeout.is_zero() {
             return Err(ConfigError::new("timeout", "must be longer than 0"));
+        }
+        if let AgentRequests::Routes(routes) = &self.agent_requests {
+            for (i, route) in routes.iter().enumerate() {
+                if !Endpoint::ALL.iter().any(|e| e.label() == route) {
+                    let names: Vec<&str> = Endpoint::ALL.iter().map(|e| e.label()).collect();
+                    return Err(ConfigError::new(
+                        format!("agent_requests[{i}]"),
+                        format!("no LLM route is named `{route}` ({})", names.join(", ")),
+                    ));
+                }
+            }
         }
         if self.max_bytes < 65536 {
             return Err(ConfigError::new(

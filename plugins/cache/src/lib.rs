@@ -620,7 +620,7 @@ impl Cache {
             semantic::note_skip("too_long");
             return Ok(Decision::Skip);
         }
-        if agentic && !semantic.takes_agents() {
+        if agentic && !semantic.takes_agents(call.endpoint) {
             semantic::note_skip("agent");
             return Ok(Decision::Skip);
         }

@@ -26,7 +26,8 @@
 //! makes the cache more careful, while a false "same" would break the bound, so the
 //! comparison never calls two answers the same when they are not.
 //!
-//! Tool-calling and agent requests stay exact-only unless `agent_requests` is set.
+//! Tool-calling and agent requests stay exact-only unless `agent_requests` names their route
+//! (or is `true`).
 //!
 //! The index is the process's own ([`index`]) or, with `index: redis`, shared in Redis with
 //! the exact entries ([`shared`]). The learned examples are the process's own: replicas learn
@@ -138,9 +139,9 @@ impl Semantic {
         }
     }
 
-    /// Whether a request whose question is an agent's turn takes part.
-    pub fn takes_agents(&self) -> bool {
-        self.config.agent_requests
+    /// Whether a request on `endpoint` whose question is an agent's turn takes part.
+    pub fn takes_agents(&self, endpoint: sluice_sdk::Endpoint) -> bool {
+        self.config.agent_requests.takes(endpoint)
     }
 
     /// The embedding of `question`, and how long it took; `None` (counted) when there is
@@ -190,6 +191,7 @@ impl Semantic {
                 "store": "memory",
                 "questions": index.questions(),
                 "graphed": index.graphed(),
+                "graph_builds_running": index.building(),
                 "bytes": index.bytes(),
             }),
             Vectors::Redis(_) => serde_json::json!({"store": "redis"}),
