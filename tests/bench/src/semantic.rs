@@ -341,7 +341,7 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let meanings = Arc::new(meanings(&pairs));
     let upstream = oracle(Arc::clone(&meanings)).await?;
     // The embedder: the real model, or the simulator's (kept alive to the end).
-    let (embedder, embed_model, _real, _sim) = if ctx.p.semantic_made_up {
+    let (embedder, embed_model, real_vllm, _sim) = if ctx.p.semantic_made_up {
         let sim = vllm_sim::start(
             vllm_sim::SimConfig::default()
                 .with_model("sim-embed")
@@ -358,7 +358,7 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
         (real.addr(), TinyModel::MiniLm.name(), Some(real), None)
     };
 
-    let start = |name: &'static str, cache_extra: String| {
+    let start = |name: &'static str, cache_extra: String, embedder: SocketAddr| {
         let (bin, root) = (ctx.sluice_bin.clone(), ctx.root.path().to_path_buf());
         async move {
             let (listen, admin) = (free_addr()?, free_addr()?);
@@ -385,7 +385,7 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
             anyhow::Ok((sluice, dir, listen, admin))
         }
     };
-    let (_sluice, _dir, listen, admin) = start("semantic", String::new()).await?;
+    let (replaying, _dir, listen, _admin) = start("semantic", String::new(), embedder).await?;
     let url = format!("http://{listen}/v1/chat/completions");
 
     // The replay, in a fixed shuffled order of pairs.
@@ -474,28 +474,40 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
     // What a semantic miss adds: one conversation filled, then fresh sentences through
     // Sluice, and each embedded and answered directly. Three ways: the group scanned (2,000
     // questions), the group past the graph's size (20,000: searched through its graph), and
-    // the index shared in Redis with vector search.
+    // the index shared in Redis with vector search. The embeddings are the model's, replayed
+    // (vLLM's CPU engine, once stopped, no longer spins on both cores, which made Sluice's
+    // own clock measure the wait for a core).
     let (fill, large, fresh_count) = if ctx.p.semantic_made_up {
         (6, 5_000, 6)
     } else {
         (2_000, 20_000, 300)
     };
+    drop(replaying);
+    drop(real_vllm);
+    let replayed: HashMap<String, Vec<f32>> = vectors
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), v.clone()))
+        .collect();
+    let embedder = replayed_embedder(Arc::new(replayed)).await?;
     let endpoints = Endpoints {
         embedder,
         embed_model,
         upstream,
     };
-    let scanned = miss_cost(
-        &url,
-        admin,
-        &endpoints,
-        &unique,
-        pairs.len(),
-        fill,
-        fresh_count,
-        false,
-    )
-    .await?;
+    let scanned = {
+        let (_sluice, _dir, listen, admin) =
+            start("semantic-scan", String::new(), embedder).await?;
+        miss_cost(
+            &format!("http://{listen}/v1/chat/completions"),
+            admin,
+            &endpoints,
+            &unique,
+            fill,
+            fresh_count,
+            false,
+        )
+        .await?
+    };
     let redis = tokio::task::spawn_blocking(|| {
         std::panic::catch_unwind(sluice_testkit::RedisServer::start_with_search)
     })
@@ -510,6 +522,7 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 "    store: redis\n    redis: {{url: \"{}\", lookup_timeout: 50ms}}\n",
                 redis.url()
             ),
+            embedder,
         )
         .await?;
         miss_cost(
@@ -517,7 +530,6 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
             admin,
             &endpoints,
             &unique,
-            pairs.len(),
             fill,
             fresh_count,
             false,
@@ -526,17 +538,20 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
     };
     drop(redis);
     // Last: its graph builds take a core's spare time for a while.
-    let graphed = miss_cost(
-        &url,
-        admin,
-        &endpoints,
-        &unique,
-        pairs.len() + 1,
-        large,
-        fresh_count,
-        true,
-    )
-    .await?;
+    let graphed = {
+        let (_sluice, _dir, listen, admin) =
+            start("semantic-graph", String::new(), embedder).await?;
+        miss_cost(
+            &format!("http://{listen}/v1/chat/completions"),
+            admin,
+            &endpoints,
+            &unique,
+            large,
+            fresh_count,
+            true,
+        )
+        .await?
+    };
     for cost in [&scanned, &graphed, &shared] {
         errors += cost.errors;
         if first_error.is_none() {
@@ -656,11 +671,16 @@ pub async fn semantic_cache(ctx: &mut Ctx) -> Result<ScenarioReport> {
             inside_p99.map(|v| v <= 0.001),
         ));
     }
-    let graph_status = status_of(admin).await.unwrap_or_default();
-    report.notes.push(format!(
-        "the index after the run (/status): {}",
-        graph_status["plugin_status"]["cache"]["semantic"]["index"]
-    ));
+    for (what, cost) in [
+        ("scanned", &scanned),
+        ("redis", &shared),
+        ("graphed", &graphed),
+    ] {
+        report.notes.push(format!(
+            "the {what} run's index at its end (/status): {}",
+            cost.index
+        ));
+    }
     report.notes.push(format!(
         "{source}: {} pairs ({} paraphrases), replayed in {:.0} s; the miss cost measured \
          with {fill} sentences in the conversation",
@@ -698,11 +718,13 @@ struct MissCost {
     /// The misses' `sluice_cache_semantic_lookup_overhead_seconds` buckets.
     inside: Vec<(f64, u64)>,
     filled: usize,
+    /// `/status`'s `plugin_status.cache.semantic.index` at the end.
+    index: Value,
     errors: u64,
     first_error: Option<String>,
 }
 
-/// Fills conversation `group` with `fill` questions (four at a time; numbered past the
+/// Fills one conversation with `fill` questions (four at a time; numbered past the
 /// sentences when it needs more), then asks `fresh` new ones through Sluice and directly.
 /// With `settled`, the fresh ones wait until no graph is being built (a build is background
 /// work: what is measured is a lookup's cost in a group whose graph is up to date).
@@ -712,12 +734,12 @@ async fn miss_cost(
     admin: SocketAddr,
     to: &Endpoints,
     sentences: &[&str],
-    group: usize,
     fill: usize,
     fresh: usize,
     settled: bool,
 ) -> Result<MissCost> {
     let (mut errors, mut first_error) = (0u64, None);
+    let group = usize::MAX;
     let question = |i: usize| {
         let sentence = sentences[i % sentences.len()];
         if i < sentences.len() {
@@ -803,13 +825,138 @@ async fn miss_cost(
             (*le, n.saturating_sub(was))
         })
         .collect();
+    let index = status_of(admin).await?["plugin_status"]["cache"]["semantic"]["index"].clone();
     Ok(MissCost {
         added,
         inside,
         filled: fill,
+        index,
         errors,
         first_error,
     })
+}
+
+/// An embeddings endpoint answering from the vectors the real model gave `sentences`
+/// (embedded before): a sentence numbered past them (`… [2]`, `… (17)`) gets its sentence's
+/// vector moved a little, by a direction its whole text picks, so that numbered copies are
+/// near their sentence (cosine about 0.998) and distinct from each other.
+async fn replayed_embedder(sentences: Arc<HashMap<String, Vec<f32>>>) -> Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let sentences = Arc::clone(&sentences);
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let sentences = Arc::clone(&sentences);
+                        async move { Ok::<_, hyper::Error>(replay(req, &sentences).await) }
+                    });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+async fn replay(
+    req: Request<hyper::body::Incoming>,
+    sentences: &HashMap<String, Vec<f32>>,
+) -> Response<Full<Bytes>> {
+    let reply = |status: u16, body: String| {
+        Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => return reply(200, String::new()),
+        (&Method::GET, "/metrics") => {
+            return reply(
+                200,
+                "vllm:num_requests_running{model_name=\"replay\"} 0\n".into(),
+            )
+        }
+        (&Method::POST, "/v1/embeddings") => {}
+        _ => return reply(404, "{}".into()),
+    }
+    let Ok(body) = req.into_body().collect().await else {
+        return reply(400, "{}".into());
+    };
+    let request: Value = serde_json::from_slice(&body.to_bytes()).unwrap_or(Value::Null);
+    let inputs: Vec<String> = match &request["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|i| i.as_str().map(String::from))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let mut data = Vec::new();
+    for (i, text) in inputs.iter().enumerate() {
+        let Some(vector) = replayed_vector(sentences, text) else {
+            return reply(
+                400,
+                json!({"error": {"message": format!("not replayed: {text}")}}).to_string(),
+            );
+        };
+        data.push(json!({"object": "embedding", "index": i, "embedding": vector}));
+    }
+    reply(
+        200,
+        json!({"object": "list", "data": data, "model": "replay",
+                      "usage": {"prompt_tokens": 8, "total_tokens": 8}})
+        .to_string(),
+    )
+}
+
+/// `text`'s replayed vector (see [`replayed_embedder`]).
+fn replayed_vector(sentences: &HashMap<String, Vec<f32>>, text: &str) -> Option<Vec<f32>> {
+    if let Some(v) = sentences.get(text) {
+        return Some(v.clone());
+    }
+    let mut base = text;
+    loop {
+        let trimmed = base
+            .strip_suffix(')')
+            .and_then(|b| b.rsplit_once(" (").map(|(b, _)| b))
+            .or_else(|| {
+                base.strip_suffix(']')
+                    .and_then(|b| b.rsplit_once(" [").map(|(b, _)| b))
+            });
+        match trimmed {
+            Some(b) => base = b,
+            None => break,
+        }
+        if sentences.contains_key(base) {
+            break;
+        }
+    }
+    let v = sentences.get(base)?;
+    // xorshift seeded by the text: the same text, the same vector.
+    let mut state = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    }) | 1;
+    let moved: Vec<f32> = v
+        .iter()
+        .map(|x| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            x + 0.006 * ((state % 2001) as f32 / 1000.0 - 1.0)
+        })
+        .collect();
+    let norm = moved
+        .iter()
+        .map(|x| x * x)
+        .sum::<f32>()
+        .sqrt()
+        .max(f32::EPSILON);
+    Some(moved.into_iter().map(|x| x / norm).collect())
 }
 
 /// The admin's `/status`.
