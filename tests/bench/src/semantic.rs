@@ -184,16 +184,28 @@ fn answer_of(meanings: &HashMap<String, usize>, sentence: &str) -> String {
 /// The upstream: `POST /v1/chat/completions` answered with the last message's meaning, as
 /// a vLLM chat answer; `/health` and a one-line `/metrics` for Sluice's checks.
 async fn oracle(meanings: Arc<HashMap<String, usize>>) -> Result<SocketAddr> {
+    serve(meanings, answer).await
+}
+
+/// An HTTP/1.1 server on a free port answering each request with `handle(request, &state)`.
+async fn serve<S, F>(
+    state: Arc<S>,
+    handle: fn(Request<hyper::body::Incoming>, Arc<S>) -> F,
+) -> Result<SocketAddr>
+where
+    S: Send + Sync + 'static,
+    F: std::future::Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let meanings = Arc::clone(&meanings);
+            let state = Arc::clone(&state);
             tokio::spawn(async move {
                 let service =
                     hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let meanings = Arc::clone(&meanings);
-                        async move { Ok::<_, hyper::Error>(answer(req, &meanings).await) }
+                        let answered = handle(req, Arc::clone(&state));
+                        async move { Ok::<_, hyper::Error>(answered.await) }
                     });
                 let io = hyper_util::rt::TokioIo::new(stream);
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -205,17 +217,19 @@ async fn oracle(meanings: Arc<HashMap<String, usize>>) -> Result<SocketAddr> {
     Ok(addr)
 }
 
+/// A JSON answer.
+fn reply(status: u16, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_default()
+}
+
 async fn answer(
     req: Request<hyper::body::Incoming>,
-    meanings: &HashMap<String, usize>,
+    meanings: Arc<HashMap<String, usize>>,
 ) -> Response<Full<Bytes>> {
-    let reply = |status: u16, body: String| {
-        Response::builder()
-            .status(status)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap_or_default()
-    };
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => return reply(200, String::new()),
         (&Method::GET, "/metrics") => {
@@ -236,7 +250,7 @@ async fn answer(
         .and_then(|m| m.last())
         .and_then(|m| m["content"].as_str())
         .unwrap_or_default();
-    let content = answer_of(meanings, text);
+    let content = answer_of(&meanings, text);
     let answer = json!({
         "id": "chatcmpl-oracle", "object": "chat.completion", "created": 1, "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -841,38 +855,13 @@ async fn miss_cost(
 /// vector moved a little, by a direction its whole text picks, so that numbered copies are
 /// near their sentence (cosine about 0.998) and distinct from each other.
 async fn replayed_embedder(sentences: Arc<HashMap<String, Vec<f32>>>) -> Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let sentences = Arc::clone(&sentences);
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let sentences = Arc::clone(&sentences);
-                        async move { Ok::<_, hyper::Error>(replay(req, &sentences).await) }
-                    });
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await;
-            });
-        }
-    });
-    Ok(addr)
+    serve(sentences, replay).await
 }
 
 async fn replay(
     req: Request<hyper::body::Incoming>,
-    sentences: &HashMap<String, Vec<f32>>,
+    sentences: Arc<HashMap<String, Vec<f32>>>,
 ) -> Response<Full<Bytes>> {
-    let reply = |status: u16, body: String| {
-        Response::builder()
-            .status(status)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap_or_default()
-    };
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => return reply(200, String::new()),
         (&Method::GET, "/metrics") => {
@@ -898,7 +887,7 @@ async fn replay(
     };
     let mut data = Vec::new();
     for (i, text) in inputs.iter().enumerate() {
-        let Some(vector) = replayed_vector(sentences, text) else {
+        let Some(vector) = replayed_vector(&sentences, text) else {
             return reply(
                 400,
                 json!({"error": {"message": format!("not replayed: {text}")}}).to_string(),
