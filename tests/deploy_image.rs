@@ -32,9 +32,11 @@ fn root() -> &'static Path {
 
 /// The shared libraries of gcr.io/distroless/cc-debian12 (its `cc` flavour: Debian 12's libc6,
 /// libgcc-s1, libgomp1, libstdc++6, and libssl3 from `base`), by soname, with the loaders.
+/// (libmvec, glibc's vector math, is libc6's too: usearch's C++ links it.)
 const DISTROLESS_CC_LIBS: &[&str] = &[
     "libc.so.6",
     "libm.so.6",
+    "libmvec.so.1",
     "libdl.so.2",
     "libpthread.so.0",
     "librt.so.1",
