@@ -226,25 +226,38 @@ fn reply(status: u16, body: String) -> Response<Full<Bytes>> {
         .unwrap_or_default()
 }
 
+/// The body of a POST to `path`, as JSON (`Null` when it is not); Sluice's health checks
+/// (`/health`, a one-line `/metrics` naming `model`) and anything else answered here.
+async fn posted(
+    req: Request<hyper::body::Incoming>,
+    path: &str,
+    model: &str,
+) -> std::result::Result<Value, Response<Full<Bytes>>> {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => return Err(reply(200, String::new())),
+        (&Method::GET, "/metrics") => {
+            return Err(reply(
+                200,
+                format!("vllm:num_requests_running{{model_name=\"{model}\"}} 0\n"),
+            ))
+        }
+        (&Method::POST, p) if p == path => {}
+        _ => return Err(reply(404, "{}".into())),
+    }
+    let Ok(body) = req.into_body().collect().await else {
+        return Err(reply(400, "{}".into()));
+    };
+    Ok(serde_json::from_slice(&body.to_bytes()).unwrap_or(Value::Null))
+}
+
 async fn answer(
     req: Request<hyper::body::Incoming>,
     meanings: Arc<HashMap<String, usize>>,
 ) -> Response<Full<Bytes>> {
-    match (req.method(), req.uri().path()) {
-        (&Method::GET, "/health") => return reply(200, String::new()),
-        (&Method::GET, "/metrics") => {
-            return reply(
-                200,
-                "vllm:num_requests_running{model_name=\"oracle\"} 0\n".into(),
-            )
-        }
-        (&Method::POST, "/v1/chat/completions") => {}
-        _ => return reply(404, "{}".into()),
-    }
-    let Ok(body) = req.into_body().collect().await else {
-        return reply(400, "{}".into());
+    let request = match posted(req, "/v1/chat/completions", "oracle").await {
+        Ok(request) => request,
+        Err(answered) => return answered,
     };
-    let request: Value = serde_json::from_slice(&body.to_bytes()).unwrap_or(Value::Null);
     let text = request["messages"]
         .as_array()
         .and_then(|m| m.last())
@@ -862,21 +875,10 @@ async fn replay(
     req: Request<hyper::body::Incoming>,
     sentences: Arc<HashMap<String, Vec<f32>>>,
 ) -> Response<Full<Bytes>> {
-    match (req.method(), req.uri().path()) {
-        (&Method::GET, "/health") => return reply(200, String::new()),
-        (&Method::GET, "/metrics") => {
-            return reply(
-                200,
-                "vllm:num_requests_running{model_name=\"replay\"} 0\n".into(),
-            )
-        }
-        (&Method::POST, "/v1/embeddings") => {}
-        _ => return reply(404, "{}".into()),
-    }
-    let Ok(body) = req.into_body().collect().await else {
-        return reply(400, "{}".into());
+    let request = match posted(req, "/v1/embeddings", "replay").await {
+        Ok(request) => request,
+        Err(answered) => return answered,
     };
-    let request: Value = serde_json::from_slice(&body.to_bytes()).unwrap_or(Value::Null);
     let inputs: Vec<String> = match &request["input"] {
         Value::String(s) => vec![s.clone()],
         Value::Array(items) => items

@@ -121,10 +121,15 @@ struct Group {
     /// A thread builds a new graph (the build of this number); the old one serves
     /// meanwhile.
     building: Option<u64>,
+    /// Its questions newer than its graph (0 without one): kept as they come and go, so
+    /// that deciding on a rebuild is not a pass over the group.
+    newer: usize,
 }
 
 impl Group {
     fn push(&mut self, vector: &[f32], slot: Slot) {
+        // A new question's `seq` is past every graph's.
+        self.newer += usize::from(self.graph.is_some());
         self.by_entry.insert(slot.entry, self.slots.len());
         self.by_seq.insert(slot.seq, self.slots.len());
         self.vectors.extend_from_slice(vector);
@@ -134,6 +139,9 @@ impl Group {
     fn remove(&mut self, at: usize, dim: usize) {
         let last = self.slots.len() - 1;
         let gone = self.slots.swap_remove(at);
+        if self.graph.as_ref().is_some_and(|g| gone.seq > g.through) {
+            self.newer -= 1;
+        }
         self.by_entry.remove(&gone.entry);
         self.by_seq.remove(&gone.seq);
         if at != last {
@@ -147,6 +155,7 @@ impl Group {
         if self.slots.len() < GRAPH_UNTIL {
             self.graph = None;
             self.building = None;
+            self.newer = 0;
         }
     }
 
@@ -168,9 +177,10 @@ impl Group {
         match self.graph() {
             None => self.slots.len() >= GRAPH_FROM,
             Some(graph) => {
-                let after = self.slots.iter().filter(|s| s.seq > graph.through).count();
-                let gone = graph.questions.saturating_sub(self.slots.len() - after);
-                after > graph.questions / 8 || gone > graph.questions / 2
+                let gone = graph
+                    .questions
+                    .saturating_sub(self.slots.len() - self.newer);
+                self.newer > graph.questions / 8 || gone > graph.questions / 2
             }
         }
     }
@@ -593,9 +603,11 @@ impl Shared {
                     "semantic graph built"
                 );
                 groups.graph_bytes -= g.graph_bytes(dim);
+                let through = seqs.iter().copied().max().unwrap_or(0);
+                g.newer = g.slots.iter().filter(|s| s.seq > through).count();
                 g.graph = Some(Arc::new(Graph {
                     hnsw,
-                    through: seqs.iter().copied().max().unwrap_or(0),
+                    through,
                     questions: seqs.len(),
                 }));
                 groups.graph_bytes += g.graph_bytes(dim);
