@@ -677,6 +677,17 @@ async fn admin_endpoints() {
     ] {
         assert!(metrics.contains(series), "missing {series} in\n{metrics}");
     }
+    // Sluice's own time: the request's, once; its answer's chunks, at least one.
+    let count = |phase: &str| {
+        let line = format!("sluice_added_seconds_count{{phase=\"{phase}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(count("request"), 1, "{metrics}");
+    assert!(count("chunk") >= 1, "{metrics}");
     check_prometheus_format(&metrics);
 }
 

@@ -57,6 +57,9 @@ pub struct Attempt {
     /// The attempt's load on its backend: ends as soon as the backend has sent its whole
     /// answer, even while the client is still being written to.
     pub in_flight: InFlight,
+    /// When the request's body was read whole, on a request's first attempt: once the
+    /// request is written, Sluice's own time in between is recorded (`metrics::ADDED`).
+    pub received: Option<std::time::Instant>,
 }
 
 /// How an attempt ended.
@@ -232,12 +235,16 @@ pub async fn run(
         header,
         body,
         in_flight,
+        received,
     } = attempt;
     let (http, reused) =
         match connect_and_send(upstreams, session, &peer, header, body, &deadlines).await {
             Ok(sent) => sent,
             Err(outcome) => return outcome,
         };
+    if let Some(received) = received {
+        crate::metrics::added_request(received);
+    }
     let upstream = Upstream {
         pool: upstreams.pool,
         peer: &peer,
@@ -267,6 +274,7 @@ pub async fn fetch(
         header,
         body,
         in_flight,
+        received: _,
     } = attempt;
     let (http, reused) =
         connect_and_send(upstreams, session, &peer, header, body, &deadlines).await?;
@@ -519,15 +527,19 @@ async fn stream(
     loop {
         match next(session, &mut up, deadlines.total).await {
             Next::Chunk(data) => {
+                let read = std::time::Instant::now();
                 // The chunk that completes the body ends the response at once: the client may
                 // send its next request meanwhile, which the client watch in `next` would read.
                 if up.http.is_body_done() {
-                    return complete(upstreams, session, ctx, up, Some(data)).await;
+                    let outcome = complete(upstreams, session, ctx, up, Some(data)).await;
+                    crate::metrics::added_chunk(read);
+                    return outcome;
                 }
                 if let Err(e) = forward(upstreams.chain, session, ctx, Some(data), false).await {
                     ctx.progress_mut().response_incomplete = true;
                     return Outcome::ClientGone(e);
                 }
+                crate::metrics::added_chunk(read);
             }
             Next::End => return complete(upstreams, session, ctx, up, None).await,
             Next::Failed(e) => return broken(upstreams, session, ctx, is_sse, e).await,

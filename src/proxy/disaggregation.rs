@@ -274,6 +274,8 @@ impl Leg<'_> {
             header,
             body: leg_body,
             in_flight,
+            // The leg is Sluice's own request: its time is in the decode attempt's.
+            received: None,
         };
         let answer = attempt::fetch(&sluice.upstreams(), session, attempt, deadlines, span).await;
         // The prefill backend's passive health counts the leg as any attempt there.

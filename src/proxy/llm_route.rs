@@ -51,6 +51,7 @@ pub async fn serve(
 ) -> Result<()> {
     // The body's memory is held until the request has been served.
     let (body, _held) = body::read_whole(session, &sluice.limits, &sluice.memory).await?;
+    let received = std::time::Instant::now();
     let call = body_work(body.len(), move || {
         LlmCall::parse_routed(endpoint, found, body)
     })
@@ -105,6 +106,7 @@ pub async fn serve(
     let mut attempts = AttemptLoop::new(ctx)?;
     attempts.pinned = home.map(|(_, backend, _)| backend);
     attempts.shared_session = shared_session;
+    attempts.received = Some(received);
     attempts.run(sluice, session, ctx).await
 }
 
@@ -227,6 +229,9 @@ struct AttemptLoop {
     transfer: Option<super::disaggregation::Transfer>,
     /// Its prefill leg was tried (once per request).
     prefilled: bool,
+    /// When the request's body was read whole; taken by the first attempt, which records
+    /// Sluice's own time until the request is written (`metrics::ADDED`).
+    received: Option<std::time::Instant>,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -499,6 +504,7 @@ impl AttemptLoop {
             held: false,
             transfer: None,
             prefilled: false,
+            received: None,
         })
     }
 
@@ -766,6 +772,8 @@ impl AttemptLoop {
                 header,
                 body,
                 in_flight,
+                // Only the first attempt's: a retry's time is the failed attempt's.
+                received: self.received.take(),
             },
             deadlines,
             hold,
