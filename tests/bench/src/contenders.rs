@@ -244,6 +244,14 @@ pub enum Contender {
     SluiceDisaggregatedLossy,
     /// Scenario 31: the cache with its semantic part, on labelled question pairs.
     SluiceSemanticCache,
+    /// Scenario 32: the exact prefix index alone, every prompt's text new to its tokenizer.
+    SluiceIndexNewText,
+    /// Scenario 32: the same, every prompt's long text seen before (only its question new).
+    SluiceIndexSeenText,
+    /// Scenario 32: traces at sampling 1.0, every plugin off.
+    SluiceTracedOnly,
+    /// Scenario 32: the cache, tenants, the exact index, traces, request ids, the KV breaker.
+    SluiceEveryFeature,
 }
 
 impl Contender {
@@ -319,6 +327,10 @@ impl Contender {
                 "sluice (disaggregated, half the transfers lost)"
             }
             Contender::SluiceSemanticCache => "sluice (semantic cache)",
+            Contender::SluiceIndexNewText => "sluice (exact index only, new text)",
+            Contender::SluiceIndexSeenText => "sluice (exact index only, text seen before)",
+            Contender::SluiceTracedOnly => "sluice (traces only, sampling 1.0)",
+            Contender::SluiceEveryFeature => "sluice (every feature on)",
         }
     }
 

@@ -8,12 +8,14 @@
 pub mod abuse;
 pub mod bare;
 pub mod contenders;
+pub mod cost_curves;
 pub mod disaggregation;
 pub mod discovery;
 pub mod fleet;
 pub mod flow_fairness;
 pub mod h2_streams;
 pub mod loadgen;
+pub mod own_clock;
 pub mod phased;
 pub mod plugin_cost;
 pub mod prefix_fleet;
@@ -165,6 +167,10 @@ pub struct Params {
     /// Scenario 31: made-up question pairs and the simulator's embedding model (the smoke
     /// run), not STS-B and the real one.
     pub semantic_made_up: bool,
+    /// Scenario 32: the prompt sizes measured (bytes) and the requests per size and contender
+    /// in each round.
+    pub curve_sizes: Vec<usize>,
+    pub curve_requests: usize,
     pub trace_smoke_requests: usize,
     /// Scenario 28: when the pool's first backend joins, how long the requests keep coming
     /// after that, and at what rate (per second).
@@ -256,6 +262,8 @@ impl Params {
             trace_speedup: 4.0,
             trace_smoke_requests: 0,
             semantic_made_up: false,
+            curve_sizes: vec![1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20],
+            curve_requests: 16,
             zero_join_after: Duration::from_secs(20),
             zero_after_join: Duration::from_secs(10),
             zero_rate: 5.0,
@@ -343,6 +351,8 @@ impl Params {
             trace_speedup: 1.0,
             trace_smoke_requests: 12,
             semantic_made_up: true,
+            curve_sizes: vec![1 << 10, 16 << 10],
+            curve_requests: 2,
             zero_join_after: Duration::from_secs(2),
             zero_after_join: Duration::from_secs(1),
             zero_rate: 5.0,

@@ -11,10 +11,11 @@ use anyhow::Result;
 
 use crate::contenders::{Contender, SimSpec};
 use crate::loadgen::{closed_loop, open_loop, LoadResult};
+use crate::own_clock::{OwnClock, Phase};
 use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::scenarios::{
     chat_body, each_round, errors_cell, errors_cell_sse, proxy_pids, rss_sum, series,
-    stream_rounds, target_for, title, RssSampler, Stack, CHAT,
+    stream_rounds, target_for, title, RssSampler, Stack, Tally, CHAT,
 };
 use crate::sse::{SseLoad, SseResult};
 use crate::Ctx;
@@ -58,10 +59,15 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
     stack.note_down(&mut report);
     let body = chat_body("Hello! Say something short.", false, 16);
     let p = ctx.p.clone();
-    let runs = each_round(p.rounds, &stack, &mut report, |up| {
-        closed_loop(target_for(up, CHAT, &body), 1, p.warmup, p.duration)
+    let timed = each_round(p.rounds, &stack, &mut report, |up| {
+        let load = closed_loop(target_for(up, CHAT, &body), 1, p.warmup, p.duration);
+        with_own_clock(up.admin, load)
     })
     .await?;
+    let runs: BTreeMap<Contender, Vec<LoadResult>> = timed
+        .iter()
+        .map(|(c, rounds)| (*c, rounds.iter().map(|t| t.result.clone()).collect()))
+        .collect();
     report.header = [
         "contender",
         "req/s",
@@ -71,13 +77,38 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "added p99 ms",
         "added p99 × nginx's",
         "added p99 × bare Pingora's",
+        "own p50 / p99 µs: request",
+        "own p50 / p99 µs: answer",
+        "own p99 µs: both",
         "errors",
     ]
     .map(String::from)
     .to_vec();
     let p = |q: f64| move |r: &LoadResult| r.ms(q);
+    let own = |c: Contender, phase: Option<Phase>, q: f64| {
+        series(timed.get(&c), |t: &Timed| {
+            t.own.as_ref().map_or(f64::NAN, |o| match phase {
+                Some(phase) => o.quantile_us(phase, q),
+                None => o.quantile_us(Phase::Request, q) + o.quantile_us(Phase::Chunk, q),
+            })
+        })
+    };
     for (c, results) in &runs {
         let c = *c;
+        let sluice = timed
+            .get(&c)
+            .is_some_and(|t| t.iter().any(|t| t.own.is_some()));
+        let own_cell = |phase| {
+            if sluice {
+                format!(
+                    "{} / {}",
+                    own(c, Some(phase), 0.5).show(0),
+                    own(c, Some(phase), 0.99).show(0)
+                )
+            } else {
+                "–".into()
+            }
+        };
         report.rows.push(vec![
             c.label().to_string(),
             series(Some(results), LoadResult::rps).show(0),
@@ -87,15 +118,68 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
             added(&runs, c, Contender::Direct, p(99.0)).show(3),
             added_ratio(&runs, c, Contender::Nginx, p(99.0)).show(2),
             added_ratio(&runs, c, Contender::BarePingora, p(99.0)).show(2),
+            own_cell(Phase::Request),
+            own_cell(Phase::Chunk),
+            if sluice {
+                own(c, None, 0.99).show(0)
+            } else {
+                "–".into()
+            },
             errors_cell(results),
         ]);
     }
     report.notes.push(format!(
         "One connection, one request at a time (closed loop), {:?} per contender per round after \
-         {:?} of warm-up; zero-latency simulator. \"Added\" is over direct in the same round.",
+         {:?} of warm-up; zero-latency simulator. \"Added\" is over direct in the same round. \
+         \"Own\": Sluice's clocks (`sluice_added_seconds`, interpolated within its 10 µs \
+         buckets): \"request\" from the body read whole to the request written upstream, \
+         \"answer\" from the answer's chunk read to its write to the client returning; \
+         \"both\" adds the two p99s, an upper estimate of a request's p99. The targets are \
+         judged on every round of \"both\": SPLIT when the rounds fall on both sides.",
         ctx.p.duration, ctx.p.warmup
     ));
+    for (c, bound) in [(Contender::SluiceOff, 110.0), (Contender::SluiceOn, 150.0)] {
+        report.checks.push(Check::at_most_rounds(
+            &format!(
+                "{}: own time p99 at concurrency 1 (request + answer)",
+                c.label()
+            ),
+            &own(c, None, 0.99),
+            bound,
+            "µs",
+        ));
+    }
     Ok(report)
+}
+
+/// A round's load and what Sluice's own clocks counted over it (`None` for the other
+/// contenders).
+struct Timed {
+    result: LoadResult,
+    own: Option<OwnClock>,
+}
+
+impl Tally for Timed {
+    fn tally(&self) -> (u64, u64, Option<String>) {
+        self.result.tally()
+    }
+}
+
+/// Runs `load`, reading Sluice's clocks at `admin` (when it has one) before and after.
+async fn with_own_clock(
+    admin: Option<std::net::SocketAddr>,
+    load: impl std::future::Future<Output = Result<LoadResult>>,
+) -> Result<Timed> {
+    let before = match admin {
+        Some(admin) => Some(OwnClock::read(admin).await?),
+        None => None,
+    };
+    let result = load.await?;
+    let own = match (admin, before) {
+        (Some(admin), Some(before)) => Some(OwnClock::read(admin).await?.since(&before)),
+        _ => None,
+    };
+    Ok(Timed { result, own })
 }
 
 /// One step of the rate search.

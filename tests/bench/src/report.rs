@@ -75,8 +75,11 @@ pub struct Check {
     pub what: String,
     pub target: String,
     pub actual: String,
-    /// `None` when it could not be judged (a contender was unavailable).
+    /// `None` when it could not be judged (a contender was unavailable, or its rounds fell
+    /// on both sides of the bound: see [`Check::at_most_rounds`]).
     pub pass: Option<bool>,
+    /// The rounds fell on both sides of the bound: the machine's noise decides, not Sluice.
+    pub split: bool,
 }
 
 impl Check {
@@ -86,7 +89,24 @@ impl Check {
             target: target.into(),
             actual,
             pass,
+            split: false,
         }
+    }
+
+    /// Every round of `rounds` against an upper bound: PASS when every round is within it,
+    /// MISS when every round is over it, SPLIT (no verdict) when the rounds fall on both
+    /// sides. A verdict on the median alone flips with the machine's noise.
+    pub fn at_most_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
+        let (min, max) = (rounds.min(), rounds.max());
+        let judged = min.is_finite() && max.is_finite();
+        let mut check = Check::new(
+            what,
+            &format!("≤ {bound} {unit}, every round"),
+            format!("{} {unit}", rounds.show(3)),
+            (judged && (max <= bound || min > bound)).then_some(max <= bound),
+        );
+        check.split = judged && min <= bound && max > bound;
+        check
     }
 
     /// `value` against an upper bound.
@@ -113,6 +133,7 @@ impl Check {
         match self.pass {
             Some(true) => "PASS",
             Some(false) => "MISS",
+            None if self.split => "SPLIT",
             None => "n/a",
         }
     }
@@ -344,6 +365,12 @@ mod tests {
     #[test]
     fn checks() {
         assert_eq!(Check::at_most("x", 0.1, 0.15, "ms").verdict(), "PASS");
+        let rounds = |v: &[f64]| Series(v.to_vec());
+        let judged = |v: &[f64]| Check::at_most_rounds("x", &rounds(v), 0.15, "ms").verdict();
+        assert_eq!(judged(&[0.1, 0.12, 0.15]), "PASS");
+        assert_eq!(judged(&[0.16, 0.2, 0.3]), "MISS");
+        assert_eq!(judged(&[0.1, 0.2, 0.3]), "SPLIT");
+        assert_eq!(judged(&[]), "n/a");
         assert_eq!(Check::at_least("x", 0.8, 1.0, "×").verdict(), "MISS");
         assert_eq!(Check::at_least("x", f64::NAN, 1.0, "×").verdict(), "n/a");
     }

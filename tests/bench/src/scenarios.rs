@@ -120,6 +120,10 @@ pub const ALL: &[(u8, &str)] = &[
         31,
         "The semantic cache on labelled question pairs (STS-B) with a real embedding model: wrong hits and hits under a 2 % bound beside a fixed threshold at the same measured error, and what a semantic miss adds",
     ),
+    (
+        32,
+        "Where each feature's cost goes as the prompt grows: Sluice's CPU per request against the prompt's size, plugins off, each feature alone and every feature on, with each curve's slope",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -154,6 +158,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         29 => crate::flow_fairness::flow_fairness(ctx).await,
         30 => crate::disaggregation::disaggregation(ctx).await,
         31 => crate::semantic::semantic_cache(ctx).await,
+        32 => crate::cost_curves::cost_curves(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -262,9 +267,13 @@ impl Stack {
                         Contender::SluiceOnlyKvBreaker => Setup::Only("kv_breaker"),
                         _ => Setup::MemoryHits,
                     };
-                    let (proc, addr) =
-                        start_sluice(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits).await?;
-                    up.push(Up::plain(c, addr, Some(proc)));
+                    let (proc, addr, admin) =
+                        start_sluice_admin(&ctx.sluice_bin, dir.path(), sim.addr, &setup, limits)
+                            .await?;
+                    up.push(Up {
+                        admin: Some(admin),
+                        ..Up::plain(c, addr, Some(proc))
+                    });
                 }
                 Contender::SluiceTraced01 | Contender::SluiceTraced10 => {
                     let receiver = sluice_testkit::OtlpReceiver::http().await;
@@ -379,7 +388,11 @@ impl Stack {
                 | Contender::SluiceAggregated
                 | Contender::SluiceDisaggregated
                 | Contender::SluiceDisaggregatedLossy
-                | Contender::SluiceSemanticCache => {
+                | Contender::SluiceSemanticCache
+                | Contender::SluiceIndexNewText
+                | Contender::SluiceIndexSeenText
+                | Contender::SluiceTracedOnly
+                | Contender::SluiceEveryFeature => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
