@@ -465,6 +465,9 @@ async fn answer_held(
         Ok(body) => body,
         Err(outcome) => return outcome,
     };
+    // Sluice's own time for the answer counts from here (`metrics::ADDED`): the judging
+    // and the write.
+    let read = std::time::Instant::now();
     up.release().await;
     if held.declined {
         return Outcome::Declined(header, body);
@@ -474,7 +477,9 @@ async fn answer_held(
             // A refusal: nothing was generated.
             return Outcome::Judged(reason::PROMPT_TOO_LONG, None);
         }
-        return send_answer(upstreams, session, ctx, header, Some(body)).await;
+        let outcome = send_answer(upstreams, session, ctx, header, Some(body)).await;
+        crate::metrics::added_chunk(read);
+        return outcome;
     }
     let cut = hold
         .context_budget
@@ -494,7 +499,9 @@ async fn answer_held(
         }
         Some(Judgement::Keep(None)) | None => body,
     };
-    send_answer(upstreams, session, ctx, header, Some(body)).await
+    let outcome = send_answer(upstreams, session, ctx, header, Some(body)).await;
+    crate::metrics::added_chunk(read);
+    outcome
 }
 
 /// The rest of a started answer, chunk by chunk as it comes: a kept window first; the end,

@@ -155,7 +155,7 @@ fn yaml(
          limits:\n  max_request_body_bytes: 8388608\n\
          log:\n  level: warn\n  access_log: true\n\
          pools:\n  - name: sim\n    models: [\"{MODEL}\"]\n    \
-         health: {{interval: 5s, timeout: 2s}}\n{index}    backends:\n      - address: {upstream}\n\
+         health: {{interval: 5s, timeout: 2s, stale_after: 15s}}\n{index}    backends:\n      - address: {upstream}\n\
          {telemetry}plugins:\n  request_id:\n    enabled: {all}\n{cache}  speculative:\n    \
          enabled: false\n  kv_breaker:\n    enabled: {all}\n{tenants}",
         pid = dir.join(format!("{name}.pid")).display(),
