@@ -71,6 +71,76 @@ pub struct PromptTokenizer {
     specials: Vec<(&'static str, String)>,
     /// A hash of the files it was read from: two tokenizers with the same make the same ids.
     fingerprint: u64,
+    /// Whether a text between added tokens may be encoded in parts cut before a word's
+    /// space (see [`cuts_at_words`]).
+    cuts_at_words: bool,
+}
+
+/// The longest part of a long text encoded at once (see [`cuts_at_words`]).
+const PART_BYTES: usize = 16 * 1024;
+
+/// Whether `tokenizer.json` (its JSON) encodes a text the same whole and cut into parts at
+/// any "letter, space, letter" point, the space starting the second part: so a long text
+/// is encoded in parts of about [`PART_BYTES`]. `tokenizers` keeps two offsets per byte of
+/// the text it encodes and grows its vectors by copying: a 256 KiB piece held 4 MiB of
+/// offsets, and two thirds of its CPU went to fresh pages and copies (a profile of scenario
+/// 32 of `sluice-bench`), where parts reuse the same memory.
+///
+/// Exact only where the pre-tokenizer splits there itself and nothing else spans the cut:
+/// GPT-2's byte-level regex (` ?\p{L}+`: a space joins the letters after it, and a letter run
+/// ends before a space), no normalizer or NFC (which never composes across a space), and a
+/// model that encodes each pre-token on its own (BPE, as every byte-level tokenizer is). Any
+/// other tokenizer is encoded whole.
+fn cuts_at_words(tokenizer_json: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Parts {
+        normalizer: Option<serde_json::Value>,
+        pre_tokenizer: Option<serde_json::Value>,
+        model: Option<serde_json::Value>,
+    }
+    let Ok(parts) = serde_json::from_slice::<Parts>(tokenizer_json) else {
+        return false;
+    };
+    let normalizer_ok = match &parts.normalizer {
+        None | Some(serde_json::Value::Null) => true,
+        Some(n) => n["type"] == "NFC",
+    };
+    let pre = parts.pre_tokenizer.unwrap_or_default();
+    let byte_level =
+        pre["type"] == "ByteLevel" && pre["add_prefix_space"] == false && pre["use_regex"] != false;
+    let bpe = parts.model.is_some_and(|m| m["type"] == "BPE");
+    normalizer_ok && byte_level && bpe
+}
+
+/// Where a long `text` is cut into parts: past [`PART_BYTES`] from the last cut, at the first
+/// space with an ASCII letter on each side (the space starts the next part).
+fn word_cuts(text: &str) -> impl Iterator<Item = &str> {
+    let bytes = text.as_bytes();
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        if from >= bytes.len() {
+            return None;
+        }
+        let start = from;
+        let mut at = start + PART_BYTES;
+        while at + 1 < bytes.len() {
+            if bytes[at] == b' '
+                && bytes[at - 1].is_ascii_alphabetic()
+                && bytes[at + 1].is_ascii_alphabetic()
+            {
+                break;
+            }
+            at += 1;
+        }
+        let end = if at + 1 < bytes.len() {
+            at
+        } else {
+            bytes.len()
+        };
+        from = end;
+        // Cut at an ASCII space: always a character boundary.
+        text.get(start..end)
+    })
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -274,6 +344,7 @@ impl PromptTokenizer {
         .collect();
         Ok(PromptTokenizer {
             pieces: pieces::Pieces::of(&tokenizer),
+            cuts_at_words: cuts_at_words(&tokenizer_bytes),
             tokenizer,
             env,
             has_template,
@@ -361,9 +432,22 @@ impl PromptTokenizer {
     pub fn chat_ids(&self, parts: ChatParts<'_>) -> Result<Vec<u32>, Error> {
         let text = self.render(parts)?;
         match &self.pieces {
-            Some(pieces) => pieces.encode(&text, |piece| self.encode(piece, false)),
+            Some(pieces) => pieces.encode(&text, |piece| self.encode_piece(piece)),
             None => self.encode(&text, false),
         }
+    }
+
+    /// A text between added tokens, without special tokens: in parts when it is long and
+    /// the tokenizer allows (see [`cuts_at_words`]).
+    fn encode_piece(&self, piece: &str) -> Result<Vec<u32>, Error> {
+        if !self.cuts_at_words || piece.len() <= PART_BYTES {
+            return self.encode(piece, false);
+        }
+        let mut ids = Vec::with_capacity(piece.len() / 3);
+        for part in word_cuts(piece) {
+            ids.extend(self.encode(part, false)?);
+        }
+        Ok(ids)
     }
 
     /// The token ids of a text completion request (`/v1/completions` body): its prompt, or
@@ -728,6 +812,79 @@ mod tests {
             pieces.remembered() >= 2,
             "the system prompt and the long turns are remembered"
         );
+    }
+
+    /// A long text between added tokens is encoded in parts (a byte-level BPE), and its ids
+    /// are those of the text encoded whole: words, runs of spaces, newlines, numbers,
+    /// punctuation, contractions and accented letters at and around every cut.
+    #[test]
+    fn a_long_piece_cut_at_words_gives_the_ids_of_the_whole() {
+        let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
+        assert!(tokenizer.cuts_at_words, "the fixture is a byte-level BPE");
+        let mut seed = 7u64;
+        let mut word = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            [
+                "the ",
+                "cache ",
+                "éé ",
+                "don't ",
+                "  ",
+                "\n",
+                "x",
+                ".",
+                "12345 ",
+                "A ",
+                "b\t",
+                " ",
+                "end. ",
+                "(it's) ",
+                "ünïcödé ",
+            ][(seed >> 33) as usize % 15]
+        };
+        let text: String = (0..40_000).map(|_| word()).collect();
+        assert!(text.len() > 4 * PART_BYTES);
+        let parts: Vec<&str> = word_cuts(&text).collect();
+        assert!(parts.len() >= 4, "cut into {} parts", parts.len());
+        assert_eq!(parts.concat(), text);
+        assert!(parts[1..].iter().all(|p| p.starts_with(' ')));
+        assert_eq!(
+            tokenizer.encode_piece(&text).unwrap(),
+            tokenizer.encode(&text, false).unwrap()
+        );
+        // A text with no cut in it is one part.
+        let unbroken = "x".repeat(3 * PART_BYTES);
+        assert_eq!(word_cuts(&unbroken).count(), 1);
+    }
+
+    #[test]
+    fn only_byte_level_bpe_tokenizers_are_cut() {
+        let json = |normalizer: &str, pre: &str, model: &str| {
+            format!(
+                r#"{{"normalizer": {normalizer}, "pre_tokenizer": {pre}, "model": {{"type": "{model}"}}}}"#
+            )
+        };
+        let byte_level = r#"{"type": "ByteLevel", "add_prefix_space": false, "use_regex": true}"#;
+        assert!(cuts_at_words(json("null", byte_level, "BPE").as_bytes()));
+        assert!(cuts_at_words(
+            json(r#"{"type": "NFC"}"#, byte_level, "BPE").as_bytes()
+        ));
+        // A prefix space, a lowercasing normalizer, a custom split, SentencePiece's
+        // Metaspace, WordPiece: encoded whole.
+        let prefixed = r#"{"type": "ByteLevel", "add_prefix_space": true, "use_regex": true}"#;
+        assert!(!cuts_at_words(json("null", prefixed, "BPE").as_bytes()));
+        assert!(!cuts_at_words(
+            json(r#"{"type": "Lowercase"}"#, byte_level, "BPE").as_bytes()
+        ));
+        let no_regex = r#"{"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}"#;
+        assert!(!cuts_at_words(json("null", no_regex, "BPE").as_bytes()));
+        let metaspace = r#"{"type": "Metaspace", "replacement": "▁"}"#;
+        assert!(!cuts_at_words(json("null", metaspace, "BPE").as_bytes()));
+        assert!(!cuts_at_words(
+            json("null", byte_level, "WordPiece").as_bytes()
+        ));
     }
 
     #[test]
