@@ -19,7 +19,13 @@
 //!   contenders one after the other, the rounds one after the other), so a slow minute
 //!   weighs on every contender alike; each cell is the median of the rounds with their range.
 //!   Before each measured batch, one request of its kind is sent unmeasured (a "seen" text is
-//!   then seen, connections are open).
+//!   then seen, connections are open). Every Sluice with the exact index follows the same
+//!   engine's events, whoever's requests caused them, and applies them after the answers: so
+//!   each batch starts with every index idle (then its unmeasured request), and a batch with
+//!   the index ends when its Sluice is idle again. Its CPU counts the events its own requests
+//!   caused (a real cost of the index) and none of another contender's (but the unmeasured
+//!   request's, being taken by the others meanwhile); an idle Sluice's background work in the
+//!   50 ms that tell it is idle counts too, a few µs a request.
 //! - **The curve**: a least-squares line through each contender's medians: its slope (µs of
 //!   CPU per KiB of prompt) and its value at 0 KiB (what a request costs whatever its size).
 //!   The line is fitted to the sizes measured; its slope is what a larger prompt adds.
@@ -27,8 +33,9 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http::header::{HeaderValue, AUTHORIZATION};
 use serde_json::{json, Value};
@@ -267,18 +274,32 @@ pub async fn cost_curves(ctx: &mut Ctx) -> Result<ScenarioReport> {
         });
     }
 
+    // Every Sluice with the index follows the one engine's events, whoever's requests made
+    // them: each cell starts and ends with every index caught up, so that a cell's CPU holds
+    // the events of its own requests and no others'.
+    let indexes: Vec<u32> = running
+        .iter()
+        .filter(|r| features(r.contender).index)
+        .filter_map(|r| r.proc.pid())
+        .collect();
     // (contender, size) → CPU µs per request, one per round.
     let mut cpu: BTreeMap<(Contender, usize), Series> = BTreeMap::new();
     for _ in 0..p.rounds {
         for &bytes in &p.curve_sizes {
             for r in &running {
                 let target = target(r, bytes, &auth);
+                let pid = r.proc.pid().context("Sluice's pid")?;
+                // The last cell's events taken by every index first; then the measured
+                // Sluice is not left idle before its batch: with a wait for its own idleness
+                // first, a 1 KiB request with plugins off measured 1,183 µs where back to
+                // back it measured 238 (likely the allocator handing its pages back while
+                // idle, and the batch faulting them in again; not profiled).
+                idle(&indexes).await?;
                 let mut conn = None;
                 // Unmeasured: opens the connection, and makes a "seen" text seen.
                 send_one(&mut conn, &target).await.with_context(|| {
                     format!("{} at {bytes} bytes: {}", r.contender, r.proc.log_tail())
                 })?;
-                let pid = r.proc.pid().context("Sluice's pid")?;
                 let before = tree_usage(pid)?.cpu;
                 let mut errors = 0u64;
                 let mut first_error = None;
@@ -287,6 +308,10 @@ pub async fn cost_curves(ctx: &mut Ctx) -> Result<ScenarioReport> {
                         errors += 1;
                         first_error.get_or_insert_with(|| format!("{e:#}"));
                     }
+                }
+                // Its own events in, before the reading; the others' wait for the next cell.
+                if features(r.contender).index {
+                    idle(&[pid]).await?;
                 }
                 let spent = tree_usage(pid)?.cpu.saturating_sub(before);
                 let done = p.curve_requests as u64 - errors;
@@ -382,6 +407,26 @@ pub async fn cost_curves(ctx: &mut Ctx) -> Result<ScenarioReport> {
         p.rounds, p.curve_requests
     ));
     Ok(report)
+}
+
+/// Waits until every process of `pids` is idle: under 1 ms of CPU in 50 ms. A Sluice with
+/// the exact index applies the engine's events after the answers that caused them; read from
+/// its own CPU, not asked of its admin (a metrics page would be work counted in the cell).
+async fn idle(pids: &[u32]) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for &pid in pids {
+        loop {
+            let before = tree_usage(pid)?.cpu;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if tree_usage(pid)?.cpu.saturating_sub(before) < Duration::from_millis(1) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("Sluice (pid {pid}) was still busy after 60 s");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The least-squares line through `points` (x, y): its slope and its value at x = 0. NaN when
