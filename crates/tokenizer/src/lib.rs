@@ -768,6 +768,17 @@ mod tests {
         }
     }
 
+    /// A picker of `list`'s words in a fixed pseudo-random order (an LCG from a fixed seed).
+    fn words<'a>(list: &'a [&'a str]) -> impl FnMut() -> &'a str {
+        let mut seed = 7u64;
+        move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            list[(seed >> 33) as usize % list.len()]
+        }
+    }
+
     /// Piece by piece, remembered or not, the ids are the whole text's.
     #[test]
     fn pieces_make_the_same_ids_as_the_whole_text() {
@@ -776,24 +787,18 @@ mod tests {
             .pieces
             .as_ref()
             .expect("ChatML's added tokens are plain");
-        let mut seed = 7u64;
-        let mut word = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            [
-                "the ",
-                "cache ",
-                "éé ",
-                "<|im",
-                "_end|>",
-                "\n",
-                "  ",
-                "def f(x):\n",
-                "x",
-                ".",
-            ][(seed >> 33) as usize % 10]
-        };
+        let mut word = words(&[
+            "the ",
+            "cache ",
+            "éé ",
+            "<|im",
+            "_end|>",
+            "\n",
+            "  ",
+            "def f(x):\n",
+            "x",
+            ".",
+        ]);
         let mut history = vec![
             serde_json::json!({"role": "system", "content": (0..400).map(|_| word()).collect::<String>()}),
         ];
@@ -821,29 +826,23 @@ mod tests {
     fn a_long_piece_cut_at_words_gives_the_ids_of_the_whole() {
         let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
         assert!(tokenizer.cuts_at_words, "the fixture is a byte-level BPE");
-        let mut seed = 7u64;
-        let mut word = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            [
-                "the ",
-                "cache ",
-                "éé ",
-                "don't ",
-                "  ",
-                "\n",
-                "x",
-                ".",
-                "12345 ",
-                "A ",
-                "b\t",
-                " ",
-                "end. ",
-                "(it's) ",
-                "ünïcödé ",
-            ][(seed >> 33) as usize % 15]
-        };
+        let mut word = words(&[
+            "the ",
+            "cache ",
+            "éé ",
+            "don't ",
+            "  ",
+            "\n",
+            "x",
+            ".",
+            "12345 ",
+            "A ",
+            "b\t",
+            " ",
+            "end. ",
+            "(it's) ",
+            "ünïcödé ",
+        ]);
         let text: String = (0..40_000).map(|_| word()).collect();
         assert!(text.len() > 4 * PART_BYTES);
         let parts: Vec<&str> = word_cuts(&text).collect();

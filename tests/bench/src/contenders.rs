@@ -101,7 +101,7 @@ pub fn hash_key(sluice_bin: &Path, key: &str) -> Result<String> {
 
 /// The `tenants` section of scenario 12's contenders (every other plugin is off): one tenant
 /// with the key `digest` and [`TENANT_LIMITS`], counted in this process or in Redis at `redis`.
-fn tenants_section(digest: &str, redis: Option<&str>) -> String {
+pub(crate) fn tenants_section(digest: &str, redis: Option<&str>) -> String {
     let store = match redis {
         None => "{kind: local}".to_string(),
         Some(url) => format!("{{kind: redis, on_redis_error: allow, redis: {{url: \"{url}\"}}}}"),

@@ -29,34 +29,10 @@ impl OwnClock {
     }
 
     fn parse(page: &str) -> OwnClock {
-        let mut clock = OwnClock::default();
-        for line in page.lines() {
-            let Some(rest) = line.strip_prefix("sluice_added_seconds_bucket{") else {
-                continue;
-            };
-            let phase = if rest.contains("phase=\"request\"") {
-                &mut clock.request
-            } else if rest.contains("phase=\"chunk\"") {
-                &mut clock.chunk
-            } else {
-                continue;
-            };
-            let Some((_, after)) = rest.split_once("le=\"") else {
-                continue;
-            };
-            let Some((le, count)) = after.split_once('"') else {
-                continue;
-            };
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().unwrap_or(f64::INFINITY)
-            };
-            if let Some(count) = count.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok()) {
-                phase.push((le, count as u64));
-            }
+        OwnClock {
+            request: buckets(page, "sluice_added_seconds", Some("phase=\"request\"")),
+            chunk: buckets(page, "sluice_added_seconds", Some("phase=\"chunk\"")),
         }
-        clock
     }
 
     /// What was counted since `before`, bucket by bucket.
@@ -112,6 +88,37 @@ impl OwnClock {
         };
         buckets.last().map_or(0, |(_, n)| *n)
     }
+}
+
+/// The cumulative buckets of histogram `name` on a metrics page, of its series whose labels
+/// hold `label` (every series of it without): (upper bound in seconds, count), `+Inf` last.
+pub(crate) fn buckets(page: &str, name: &str, label: Option<&str>) -> Vec<(f64, u64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut out = Vec::new();
+    for line in page.lines() {
+        let Some(rest) = line.strip_prefix(prefix.as_str()) else {
+            continue;
+        };
+        if label.is_some_and(|label| !rest.contains(label)) {
+            continue;
+        }
+        // The labels come sorted, `le` last: `{phase="chunk",le="0.001"} 12`.
+        let Some((_, after)) = rest.split_once("le=\"") else {
+            continue;
+        };
+        let Some((le, count)) = after.split_once('"') else {
+            continue;
+        };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().unwrap_or(f64::INFINITY)
+        };
+        if let Some(count) = count.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok()) {
+            out.push((le, count as u64));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -964,29 +964,11 @@ async fn status_of(admin: SocketAddr) -> Result<Value> {
 /// bound in seconds, count), `+Inf` last.
 async fn overhead_buckets(admin: SocketAddr) -> Result<Vec<(f64, u64)>> {
     let page = crate::fleet::page_of(admin).await?;
-    let mut buckets = Vec::new();
-    for line in page.lines() {
-        if !line.starts_with("sluice_cache_semantic_lookup_overhead_seconds_bucket{") {
-            continue;
-        }
-        // The labels come sorted, `le` last: `{pool="embed",le="0.001"} 12`.
-        let Some((_, rest)) = line.split_once("le=\"") else {
-            continue;
-        };
-        let Some((le, rest)) = rest.split_once('"') else {
-            continue;
-        };
-        let count = rest.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok());
-        let le = if le == "+Inf" {
-            f64::INFINITY
-        } else {
-            le.parse().unwrap_or(f64::INFINITY)
-        };
-        if let Some(count) = count {
-            buckets.push((le, count as u64));
-        }
-    }
-    Ok(buckets)
+    Ok(crate::own_clock::buckets(
+        &page,
+        "sluice_cache_semantic_lookup_overhead_seconds",
+        None,
+    ))
 }
 
 /// The upper bound of the bucket holding quantile `q` of cumulative `buckets`.
