@@ -130,8 +130,22 @@ metric!(LOG_LINES_DROPPED: IntCounterVec = register_int_counter_vec!(
 metric!(UNANSWERED_RETRIES: IntCounterVec = register_int_counter_vec!(
     "sluice_upstream_unanswered_retries_total",
     "Requests sent again on another backend because their connection failed before any byte \
-     of answer (a pooled one the backend had closed, or a backend that died), by pool.",
+     of answer (a backend that died, or dropped the request unanswered), by pool.",
     &["pool"]
+));
+
+/// Counts one request sent again on a new connection (see [`STALE_CONNECTIONS`]).
+pub fn stale_connection() {
+    if let Some(counter) = STALE_CONNECTIONS.as_ref() {
+        counter.inc();
+    }
+}
+
+metric!(STALE_CONNECTIONS: IntCounter = register_int_counter!(
+    "sluice_upstream_stale_connections_total",
+    "Requests sent again on a new connection to the same backend because the pooled \
+     connection they went out on was closed before any byte of answer (the backend's \
+     keep-alive timeout crossing the request)."
 ));
 
 metric!(EJECTIONS: IntCounterVec = register_int_counter_vec!(
@@ -556,6 +570,7 @@ pub fn init(pools: &Pools) {
         &*REQUESTS,
         &*ADDED_REQUEST,
         &*ADDED_CHUNK,
+        &*STALE_CONNECTIONS,
     );
     for result in ["ok", "refused"] {
         touch(&RELOADS, &[result]);

@@ -194,10 +194,8 @@ impl Upstream<'_> {
 
     /// An error of this connection once the answer has started, made final: the model is
     /// generating, so the request is not sent again on another connection.
-    fn failed(&self, mut e: Box<Error>) -> Box<Error> {
-        e.retry.decide_reuse(self.reused);
-        e.set_retry(false);
-        e.into_up()
+    fn failed(&self, e: Box<Error>) -> Box<Error> {
+        final_error(e, self.reused)
     }
 
     /// An error of this connection before any byte of the answer came: the backend closed
@@ -214,6 +212,13 @@ impl Upstream<'_> {
         e.set_retry(!timed_out);
         e.into_up()
     }
+}
+
+/// An upstream error made final: not sent again (see [`Upstream::failed`]).
+fn final_error(mut e: Box<Error>, reused: bool) -> Box<Error> {
+    e.retry.decide_reuse(reused);
+    e.set_retry(false);
+    e.into_up()
 }
 
 /// Sends `attempt` and pipes the answer to the client.
@@ -237,14 +242,14 @@ pub async fn run(
         in_flight,
         received,
     } = attempt;
-    let (http, reused) =
-        match connect_and_send(upstreams, session, &peer, header, body, &deadlines).await {
-            Ok(sent) => sent,
-            Err(outcome) => return outcome,
-        };
-    if let Some(received) = received {
-        crate::metrics::added_request(received);
-    }
+    let (http, reused, header) = match exchange(
+        upstreams, session, &peer, &header, body, &deadlines, received,
+    )
+    .await
+    {
+        Ok(exchanged) => exchanged,
+        Err(outcome) => return outcome,
+    };
     let upstream = Upstream {
         pool: upstreams.pool,
         peer: &peer,
@@ -254,7 +259,7 @@ pub async fn run(
         streams_end: upstreams.streams_end.clone(),
         span,
     };
-    pipe(upstreams, session, ctx, upstream, deadlines, hold).await
+    pipe(upstreams, session, ctx, upstream, header, deadlines, hold).await
 }
 
 /// Sends a request no client sees (a disaggregated request's prefill leg) and reads its
@@ -276,8 +281,8 @@ pub async fn fetch(
         in_flight,
         received: _,
     } = attempt;
-    let (http, reused) =
-        connect_and_send(upstreams, session, &peer, header, body, &deadlines).await?;
+    let (http, reused, header) =
+        exchange(upstreams, session, &peer, &header, body, &deadlines, None).await?;
     let mut up = Upstream {
         pool: upstreams.pool,
         peer: &peer,
@@ -287,54 +292,120 @@ pub async fn fetch(
         streams_end: upstreams.streams_end.clone(),
         span,
     };
-    let header = read_header(session, &mut up, deadlines.first_byte).await?;
     let body = read_held(session, &mut up, &deadlines, upstreams.memory).await?;
     up.release().await;
     Ok((header.status.as_u16(), body))
 }
 
-/// Connects to `peer` (a pooled connection first) and sends the request, both within the
-/// first-byte deadline and while watching the client: the connection, and whether it was
-/// reused. Nothing was sent when it fails, so another attempt may be made (`llm`).
-async fn connect_and_send(
+/// Sends the request to `peer` and reads the answer's header, both within the first-byte
+/// deadline and while watching the client: the connection, whether it was reused, and the
+/// header. Nothing reached the client when it fails, so another attempt may be made (`llm`).
+///
+/// A pooled connection is tried first. When it fails before any byte of the answer (the
+/// backend closed it as the request went out: uvicorn closes a connection idle for 5 s, and a
+/// loaded server does it late), the request is sent once more on a new connection to the
+/// same backend, which never read it: as Pingora (`RetryType::ReusedOnly`) and nginx (a
+/// cached connection's failure is not counted as a try) do. Without it, a pool of one
+/// backend answered 502.
+async fn exchange(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     peer: &HttpPeer,
-    header: RequestHeader,
+    header: &RequestHeader,
     body: Bytes,
     deadlines: &Deadlines,
-) -> Result<(HttpSession, bool), Outcome> {
-    // A pooled connection first. Only when there is none is the connect future made, boxed:
-    // with its TLS handshake it is 18 KB. Inline, it would size the request's whole future,
-    // which every open stream holds to its end and which is moved (copied) as it is boxed.
-    let connected = match upstreams.pool.take(peer) {
-        Some(stream) => Watched::Done(Ok((HttpSession::new_with_options(stream, peer), true))),
-        None => {
-            let connecting = Box::pin(upstreams.connector.get_http_session(peer));
-            watch(session, connecting, deadlines.first_byte).await
-        }
+    received: Option<std::time::Instant>,
+) -> Result<(HttpSession, bool, Box<ResponseHeader>), Outcome> {
+    let Some(request) = Wire::new(header, body) else {
+        let e = Error::explain(
+            ErrorType::InvalidHTTPHeader,
+            "the request line holds a forbidden byte",
+        );
+        return Err(Outcome::NotStarted(e.into_up()));
     };
-    let (http, reused) = not_started(connected, "no connection in time", |mut e| {
+    let mut pooled = upstreams.pool.take(peer);
+    let mut received = received;
+    loop {
+        let reused = pooled.is_some();
+        let http = match pooled.take() {
+            Some(stream) => HttpSession::new_with_options(stream, peer),
+            None => connect(upstreams, session, peer, deadlines).await?,
+        };
+        let sent = watch(session, send(http, peer, &request), deadlines.first_byte).await;
+        let sent = not_started(
+            sent,
+            "the request was not sent in time",
+            Upstream::failed_before_answer,
+        );
+        let read = match sent {
+            Ok(mut http) => {
+                if let Some(received) = received.take() {
+                    crate::metrics::added_request(received);
+                }
+                read_header(session, &mut http, reused, deadlines.first_byte)
+                    .await
+                    .map(|header| (http, reused, header))
+            }
+            Err(outcome) => Err(outcome),
+        };
+        match read {
+            Err(Outcome::NotStarted(e)) if reused && e.retry() => {
+                tracing::debug!("a pooled connection was closed under the request: {e}");
+                crate::metrics::stale_connection();
+            }
+            read => return read,
+        }
+    }
+}
+
+/// A new connection to `peer`, within the first-byte deadline and while watching the client.
+async fn connect(
+    upstreams: &Upstreams<'_>,
+    session: &mut Session,
+    peer: &HttpPeer,
+    deadlines: &Deadlines,
+) -> Result<HttpSession, Outcome> {
+    // Boxed: with its TLS handshake the connect future is 18 KB. Inline, it would size the
+    // request's whole future, which every open stream holds to its end and which is moved
+    // (copied) as it is boxed.
+    let connecting = Box::pin(upstreams.connector.get_http_session(peer));
+    let connected = watch(session, connecting, deadlines.first_byte).await;
+    let (http, _) = not_started(connected, "no connection in time", |mut e| {
         e.retry.decide_reuse(false);
         e.into_up()
     })?;
-    let sent = watch(
-        session,
-        send(http, peer, header, body),
-        deadlines.first_byte,
-    )
-    .await;
-    let http = not_started(
-        sent,
-        "the request was not sent in time",
-        Upstream::failed_before_answer,
-    )?;
-    Ok((http, reused))
+    Ok(http)
 }
 
 /// The largest body sent in one write with its header: a copy this size costs less than the
 /// second system call it saves; a larger body is written on its own.
 const ONE_WRITE_BODY: usize = 64 * 1024;
+
+/// A request as it goes on the wire, made once and written as often as it is sent: its
+/// header's bytes (with the body after them when the body is small), and the body when it
+/// is written on its own.
+struct Wire {
+    head: Bytes,
+    body: Bytes,
+}
+
+impl Wire {
+    /// `None` when the request line holds a byte HTTP/1 forbids.
+    fn new(header: &RequestHeader, body: Bytes) -> Option<Wire> {
+        let mut head = http_req_header_to_wire(header)?;
+        if body.len() > ONE_WRITE_BODY {
+            return Some(Wire {
+                head: head.freeze(),
+                body,
+            });
+        }
+        head.extend_from_slice(&body);
+        Some(Wire {
+            head: head.freeze(),
+            body: Bytes::new(),
+        })
+    }
+}
 
 /// Writes the whole request (its header frames the body by its length). Pingora's session
 /// writes and flushes the header, then writes the body: two system calls and two packets for
@@ -343,30 +414,16 @@ const ONE_WRITE_BODY: usize = 64 * 1024;
 /// connection, as the connector makes one at each reuse. The new session keeps no copy of the
 /// request, which Pingora reads only for `HEAD`, upgrades and `Connection: close`: an LLM
 /// request is none of them (a `POST`, its hop-by-hop headers removed).
-async fn send(
-    mut http: HttpSession,
-    peer: &HttpPeer,
-    header: RequestHeader,
-    body: Bytes,
-) -> Result<HttpSession> {
-    if body.len() > ONE_WRITE_BODY {
-        http.write_request_header(Box::new(header)).await?;
-        http.write_body(&body).await?;
-        http.finish_body().await?;
-        return Ok(http);
-    }
-    let Some(mut wire) = http_req_header_to_wire(&header) else {
-        return Error::e_explain(
-            ErrorType::InvalidHTTPHeader,
-            "the request line holds a forbidden byte",
-        );
-    };
-    wire.extend_from_slice(&body);
+async fn send(http: HttpSession, peer: &HttpPeer, request: &Wire) -> Result<HttpSession> {
     let mut stream = http.into_inner();
-    stream
-        .write_all(&wire)
-        .await
-        .or_err(ErrorType::WriteError, "while writing the request")?;
+    for part in [&request.head, &request.body] {
+        if !part.is_empty() {
+            stream
+                .write_all(part)
+                .await
+                .or_err(ErrorType::WriteError, "while writing the request")?;
+        }
+    }
     stream
         .flush()
         .await
@@ -374,7 +431,7 @@ async fn send(
     Ok(HttpSession::new_with_options(stream, peer))
 }
 
-/// The answer of a sent request: its header read, then held whole (an error that may be
+/// The answer of a sent request, its header read: held whole (an error that may be
 /// declined, an answer to judge), or streamed to the client (after a hold-back window when
 /// one is asked for).
 async fn pipe(
@@ -382,14 +439,10 @@ async fn pipe(
     session: &mut Session,
     ctx: &mut RequestCtx,
     mut up: Upstream<'_>,
+    header: Box<ResponseHeader>,
     deadlines: Deadlines,
     hold: &Hold,
 ) -> Outcome {
-    // Until the response header: nothing has reached the client, so failures are retryable.
-    let header = match read_header(session, &mut up, deadlines.first_byte).await {
-        Ok(header) => header,
-        Err(outcome) => return outcome,
-    };
     tries::honour_back_pressure(ctx, up.in_flight.backend(), &header);
     let is_sse = is_event_stream(&header);
     let status = header.status.as_u16();
@@ -565,22 +618,23 @@ async fn stream(
 /// Reads the response header, past any informational (1xx) ones, before `deadline`.
 async fn read_header(
     session: &mut Session,
-    up: &mut Upstream<'_>,
+    http: &mut HttpSession,
+    reused: bool,
     deadline: Instant,
 ) -> Result<Box<ResponseHeader>, Outcome> {
     loop {
-        let read = watch(session, up.http.read_response(), deadline).await;
+        let read = watch(session, http.read_response(), deadline).await;
         not_started(
             read,
             "no response header before the first-byte timeout",
             Upstream::failed_before_answer,
         )?;
-        match up.http.resp_header() {
+        match http.resp_header() {
             Some(header) if header.status.is_informational() => continue,
             Some(header) => return Ok(Box::new(header.clone())),
             None => {
                 let e = Error::explain(ErrorType::InvalidHTTPHeader, "no response header");
-                return Err(Outcome::NotStarted(up.failed(e)));
+                return Err(Outcome::NotStarted(final_error(e, reused)));
             }
         }
     }
