@@ -8,7 +8,8 @@
 //!   change (discovery, re-resolved names): joined, drained, warmed up.
 //! - [`health`]: each backend's live state ([`BackendLive`]) and the requests in flight on it.
 //! - [`retry`]: retries within a pool and their budget.
-//! - [`prefix_index`]: which backends hold which prompt blocks, from vLLM's KV cache events.
+//! - [`prefix_index`]: which backends hold which prompt blocks, from vLLM's KV cache events
+//!   (read in place by [`msgpack`]).
 //! - [`ratio`]: a windowed ratio, for acceptance and hit rates.
 //! - [`header_rules`]: the headers a pool sets, adds and hides, and its upstream credential.
 //!
@@ -19,6 +20,7 @@
 pub mod header_rules;
 pub mod health;
 pub mod members;
+pub mod msgpack;
 pub mod pool;
 pub mod prefix;
 pub mod prefix_index;

@@ -23,6 +23,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::RwLock;
 
+use crate::msgpack::Cursor;
+
 /// The most blocks the index keeps for one backend (about 25 MB of index at most): enough
 /// for the prefix cache of an engine with 4M tokens of KV cache at vLLM's 16-token blocks.
 pub const MAX_BLOCKS_PER_BACKEND: usize = 262_144;
@@ -100,102 +102,173 @@ impl KvEventBatch {
     /// Decodes a msgpack `KVEventBatch` as vLLM sends it: msgspec's `array_like` form (`[ts,
     /// events, rank?]`, each event `[tag, fields...]`) or the map form (`{"ts", "events",
     /// "data_parallel_rank"}`, each event `{"type": tag, field: value...}`). Unknown event
-    /// kinds are counted and skipped; unknown fields are ignored.
-    pub fn decode(mut bytes: &[u8]) -> Result<Self, DecodeError> {
-        let value = rmpv::decode::read_value(&mut bytes)
-            .map_err(|e| DecodeError(format!("msgpack: {e}")))?;
-        let (ts, events, rank) = match &value {
-            rmpv::Value::Array(items) => (items.first(), items.get(1), items.get(2)),
-            rmpv::Value::Map(_) => (
-                field(&value, "ts"),
-                field(&value, "events"),
-                field(&value, "data_parallel_rank"),
-            ),
-            _ => return Err(DecodeError("neither an array nor a map".to_string())),
-        };
-        let ts = ts.and_then(rmpv::Value::as_f64).unwrap_or(0.0);
-        let events = events
-            .and_then(rmpv::Value::as_array)
-            .ok_or_else(|| DecodeError("no event list".to_string()))?;
+    /// kinds are counted and skipped; unknown fields are ignored; a nil field is one left out.
+    /// Read in place ([`crate::msgpack`]): no value is made but the events themselves.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut cursor = Cursor::new(bytes);
         let mut batch = KvEventBatch {
-            ts,
-            events: Vec::with_capacity(events.len()),
-            data_parallel_rank: rank.and_then(rmpv::Value::as_i64),
+            ts: 0.0,
+            events: Vec::new(),
+            data_parallel_rank: None,
             unknown: 0,
         };
-        for event in events {
-            match decode_event(event)? {
-                Some(event) => batch.events.push(event),
-                None => batch.unknown += 1,
+        let mut has_events = false;
+        if let Some(items) = cursor.array() {
+            for position in 0..items {
+                let mut item = whole(&mut cursor)?;
+                match position {
+                    0 => batch.ts = item.float().unwrap_or(0.0),
+                    1 => has_events = batch.read_events(item)?,
+                    2 => batch.data_parallel_rank = item.signed(),
+                    _ => {}
+                }
             }
+        } else if let Some(pairs) = cursor.map() {
+            // A name's first occurrence only; a nil value is none.
+            let (mut ts, mut events, mut rank) = (None, false, None);
+            for _ in 0..pairs {
+                let key = whole(&mut cursor)?.str();
+                let mut value = whole(&mut cursor)?;
+                match key {
+                    Some("ts") if ts.is_none() => ts = Some(value.float()),
+                    Some("events") if !events => {
+                        events = true;
+                        has_events = batch.read_events(value)?;
+                    }
+                    Some("data_parallel_rank") if rank.is_none() => rank = Some(value.signed()),
+                    _ => {}
+                }
+            }
+            batch.ts = ts.flatten().unwrap_or(0.0);
+            batch.data_parallel_rank = rank.flatten();
+        } else if cursor.peek().is_none() {
+            return Err(DecodeError("msgpack: an empty message".to_string()));
+        } else {
+            return Err(DecodeError("neither an array nor a map".to_string()));
+        }
+        if !has_events {
+            return Err(DecodeError("no event list".to_string()));
         }
         Ok(batch)
     }
-}
 
-fn field<'v>(map: &'v rmpv::Value, name: &str) -> Option<&'v rmpv::Value> {
-    map.as_map()?
-        .iter()
-        .find(|(key, _)| key.as_str() == Some(name))
-        .map(|(_, value)| value)
-        .filter(|value| !value.is_nil())
-}
-
-/// The fields of one event, by name, whichever form it came in.
-struct Fields<'v> {
-    tag: &'v str,
-    array: Option<&'v [rmpv::Value]>,
-    map: Option<&'v rmpv::Value>,
-}
-
-impl<'v> Fields<'v> {
-    /// Field `name`, the `position`th after the tag in the array form.
-    fn get(&self, position: usize, name: &str) -> Option<&'v rmpv::Value> {
-        match (self.array, self.map) {
-            (Some(items), _) => items.get(position + 1).filter(|v| !v.is_nil()),
-            (None, Some(map)) => field(map, name),
-            (None, None) => None,
+    /// Reads the event list at `list` into the batch: `false` when it is no list.
+    fn read_events(&mut self, mut list: Cursor<'_>) -> Result<bool, DecodeError> {
+        let Some(count) = list.array() else {
+            return Ok(false);
+        };
+        // Every event is at least a byte: a count the message cannot hold reserves nothing.
+        self.events.reserve(count.min(list.rest().len()));
+        for _ in 0..count {
+            match decode_event(whole(&mut list)?)? {
+                Some(event) => self.events.push(event),
+                None => self.unknown += 1,
+            }
         }
+        Ok(true)
     }
 }
 
-fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
-    let fields = match value {
-        rmpv::Value::Array(items) => Fields {
-            tag: items.first().and_then(rmpv::Value::as_str).unwrap_or(""),
-            array: Some(items),
-            map: None,
-        },
-        rmpv::Value::Map(_) => Fields {
-            tag: field(value, "type")
-                .and_then(rmpv::Value::as_str)
-                .unwrap_or(""),
-            array: None,
-            map: Some(value),
-        },
-        _ => {
+/// The next value, whole, as a cursor of its own; an error when the message ends inside it.
+fn whole<'a>(cursor: &mut Cursor<'a>) -> Result<Cursor<'a>, DecodeError> {
+    cursor
+        .value()
+        .map(Cursor::new)
+        .ok_or_else(|| DecodeError("msgpack: the message ends inside a value".to_string()))
+}
+
+/// The fields of one event that the index reads, whichever form it came in: each one's
+/// value, `None` when absent or nil.
+#[derive(Default)]
+struct Fields<'v> {
+    tag: &'v str,
+    block_hashes: Option<Cursor<'v>>,
+    parent_block_hash: Option<Cursor<'v>>,
+    token_ids: Option<Cursor<'v>>,
+    block_size: Option<Cursor<'v>>,
+    extra_keys: Option<Cursor<'v>>,
+    /// The fields already given a value (by their position below), so that a name said
+    /// twice in the map form keeps its first value, as a nil one counts.
+    seen: u8,
+}
+
+/// The fields the index reads: their names, and their positions after the tag in the array
+/// form.
+const FIELDS: [(&str, usize); 5] = [
+    ("block_hashes", 0),
+    ("parent_block_hash", 1),
+    ("token_ids", 2),
+    ("block_size", 3),
+    ("extra_keys", 7),
+];
+
+impl<'v> Fields<'v> {
+    /// Gives field `which` (of [`FIELDS`]) its value, unless it has one.
+    fn set(&mut self, which: usize, value: Cursor<'v>) {
+        if self.seen & (1 << which) != 0 {
+            return;
+        }
+        self.seen |= 1 << which;
+        let value = Some(value).filter(|v| !v.is_nil());
+        match which {
+            0 => self.block_hashes = value,
+            1 => self.parent_block_hash = value,
+            2 => self.token_ids = value,
+            3 => self.block_size = value,
+            _ => self.extra_keys = value,
+        }
+    }
+
+    fn read(mut event: Cursor<'v>) -> Result<Self, DecodeError> {
+        let mut fields = Fields::default();
+        if let Some(items) = event.array() {
+            for position in 0..items {
+                let mut value = whole(&mut event)?;
+                if position == 0 {
+                    fields.tag = value.str().unwrap_or("");
+                } else if let Some(which) = FIELDS.iter().position(|f| f.1 == position - 1) {
+                    fields.set(which, value);
+                }
+            }
+        } else if let Some(pairs) = event.map() {
+            let mut tagged = false;
+            for _ in 0..pairs {
+                let key = whole(&mut event)?.str().unwrap_or("");
+                let mut value = whole(&mut event)?;
+                if key == "type" {
+                    if !tagged {
+                        tagged = true;
+                        fields.tag = value.str().unwrap_or("");
+                    }
+                } else if let Some(which) = FIELDS.iter().position(|f| f.0 == key) {
+                    fields.set(which, value);
+                }
+            }
+        } else {
             return Err(DecodeError(
                 "an event is neither an array nor a map".to_string(),
-            ))
+            ));
         }
-    };
+        Ok(fields)
+    }
+}
+
+fn decode_event(event: Cursor<'_>) -> Result<Option<KvEvent>, DecodeError> {
+    let fields = Fields::read(event)?;
     let bad = |what: &str| DecodeError(format!("{}: {what}", fields.tag));
     Ok(Some(match fields.tag {
         "BlockStored" => {
-            let hashes =
-                engine_hashes(fields.get(0, "block_hashes")).ok_or_else(|| bad("block_hashes"))?;
-            let parent = fields.get(1, "parent_block_hash").and_then(engine_hash);
+            let hashes = engine_hashes(fields.block_hashes).ok_or_else(|| bad("block_hashes"))?;
+            let parent = fields
+                .parent_block_hash
+                .and_then(|mut v| engine_hash(&mut v));
             let token_ids = fields
-                .get(2, "token_ids")
-                .and_then(rmpv::Value::as_array)
-                .ok_or_else(|| bad("token_ids"))?
-                .iter()
-                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
-                .collect::<Option<Vec<u32>>>()
+                .token_ids
+                .and_then(token_ids)
                 .ok_or_else(|| bad("token_ids"))?;
             let block_size = fields
-                .get(3, "block_size")
-                .and_then(rmpv::Value::as_u64)
+                .block_size
+                .and_then(|mut v| v.unsigned())
                 .and_then(|n| usize::try_from(n).ok())
                 .filter(|n| *n > 0)
                 .ok_or_else(|| bad("block_size"))?;
@@ -209,12 +282,9 @@ fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
             }
             // Per block, its extra keys (`[lora_name?, cache_salt?]`) or nil; the field is
             // left out when no block has any.
-            let extra = match fields.get(7, "extra_keys").and_then(rmpv::Value::as_array) {
-                Some(list) => list
-                    .iter()
-                    .map(|keys| keys.as_array().map(|keys| extra_hash(keys)))
-                    .collect(),
-                None => Vec::new(),
+            let extra = match fields.extra_keys.map(extra_hashes) {
+                Some(Some(list)) => list,
+                _ => Vec::new(),
             };
             KvEvent::Stored {
                 hashes,
@@ -225,26 +295,59 @@ fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
             }
         }
         "BlockRemoved" => KvEvent::Removed {
-            hashes: engine_hashes(fields.get(0, "block_hashes"))
-                .ok_or_else(|| bad("block_hashes"))?,
+            hashes: engine_hashes(fields.block_hashes).ok_or_else(|| bad("block_hashes"))?,
         },
         "AllBlocksCleared" => KvEvent::AllCleared,
         _ => return Ok(None),
     }))
 }
 
-fn engine_hashes(value: Option<&rmpv::Value>) -> Option<Vec<EngineHash>> {
-    value?.as_array()?.iter().map(engine_hash).collect()
+/// A list of token ids, each one that fits in 32 bits.
+fn token_ids(mut list: Cursor<'_>) -> Option<Vec<u32>> {
+    let count = list.array()?;
+    let mut ids = Vec::with_capacity(count.min(list.rest().len()));
+    for _ in 0..count {
+        ids.push(u32::try_from(list.unsigned()?).ok()?);
+    }
+    Some(ids)
+}
+
+fn engine_hashes(list: Option<Cursor<'_>>) -> Option<Vec<EngineHash>> {
+    let mut list = list?;
+    let count = list.array()?;
+    let mut hashes = Vec::with_capacity(count.min(list.rest().len()));
+    for _ in 0..count {
+        let mut value = whole(&mut list).ok()?;
+        hashes.push(engine_hash(&mut value)?);
+    }
+    Some(hashes)
 }
 
 /// An engine's block hash: an integer (negative ones as their two's complement), or bytes.
-fn engine_hash(value: &rmpv::Value) -> Option<EngineHash> {
-    match value {
-        rmpv::Value::Integer(n) => n.as_u64().or_else(|| n.as_i64().map(|n| n as u64)),
-        rmpv::Value::Binary(bytes) => Some(fold(bytes)),
-        rmpv::Value::String(text) => Some(fold(text.as_bytes())),
-        _ => None,
+fn engine_hash(value: &mut Cursor<'_>) -> Option<EngineHash> {
+    value.bits().or_else(|| value.bytes().map(fold))
+}
+
+/// Each block's extra keys, hashed: `None` for a block whose keys are no list.
+fn extra_hashes(mut list: Cursor<'_>) -> Option<Vec<Option<u64>>> {
+    let count = list.array()?;
+    let mut hashes = Vec::with_capacity(count.min(list.rest().len()));
+    for _ in 0..count {
+        let keys = whole(&mut list).ok()?;
+        // Rare (a LoRA adapter, a salted first block): read as values, to hash them exactly
+        // as a request's keys are hashed (`extra_hash`, over their msgpack encoding).
+        let hash = match keys.peek() {
+            Some(rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32) => {
+                match rmpv::decode::read_value(&mut keys.rest()) {
+                    Ok(rmpv::Value::Array(keys)) => Some(extra_hash(&keys)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        hashes.push(hash);
     }
+    Some(hashes)
 }
 
 /// A block's extra keys, hashed as the index keys them: their msgpack encoding, folded.
@@ -668,6 +771,157 @@ mod tests {
     use super::*;
     use rmpv::Value;
 
+    /// The decoder as it was, building a tree of `rmpv::Value`s: the reference the in-place
+    /// reader must agree with.
+    mod tree {
+        use super::super::{extra_hash, fold, DecodeError, EngineHash, KvEvent, KvEventBatch};
+
+        pub(super) fn decode(mut bytes: &[u8]) -> Result<KvEventBatch, DecodeError> {
+            let value = rmpv::decode::read_value(&mut bytes)
+                .map_err(|e| DecodeError(format!("msgpack: {e}")))?;
+            let (ts, events, rank) = match &value {
+                rmpv::Value::Array(items) => (items.first(), items.get(1), items.get(2)),
+                rmpv::Value::Map(_) => (
+                    field(&value, "ts"),
+                    field(&value, "events"),
+                    field(&value, "data_parallel_rank"),
+                ),
+                _ => return Err(DecodeError("neither an array nor a map".to_string())),
+            };
+            let ts = ts.and_then(rmpv::Value::as_f64).unwrap_or(0.0);
+            let events = events
+                .and_then(rmpv::Value::as_array)
+                .ok_or_else(|| DecodeError("no event list".to_string()))?;
+            let mut batch = KvEventBatch {
+                ts,
+                events: Vec::with_capacity(events.len()),
+                data_parallel_rank: rank.and_then(rmpv::Value::as_i64),
+                unknown: 0,
+            };
+            for event in events {
+                match decode_event(event)? {
+                    Some(event) => batch.events.push(event),
+                    None => batch.unknown += 1,
+                }
+            }
+            Ok(batch)
+        }
+
+        fn field<'v>(map: &'v rmpv::Value, name: &str) -> Option<&'v rmpv::Value> {
+            map.as_map()?
+                .iter()
+                .find(|(key, _)| key.as_str() == Some(name))
+                .map(|(_, value)| value)
+                .filter(|value| !value.is_nil())
+        }
+
+        /// The fields of one event, by name, whichever form it came in.
+        struct Fields<'v> {
+            tag: &'v str,
+            array: Option<&'v [rmpv::Value]>,
+            map: Option<&'v rmpv::Value>,
+        }
+
+        impl<'v> Fields<'v> {
+            /// Field `name`, the `position`th after the tag in the array form.
+            fn get(&self, position: usize, name: &str) -> Option<&'v rmpv::Value> {
+                match (self.array, self.map) {
+                    (Some(items), _) => items.get(position + 1).filter(|v| !v.is_nil()),
+                    (None, Some(map)) => field(map, name),
+                    (None, None) => None,
+                }
+            }
+        }
+
+        fn decode_event(value: &rmpv::Value) -> Result<Option<KvEvent>, DecodeError> {
+            let fields = match value {
+                rmpv::Value::Array(items) => Fields {
+                    tag: items.first().and_then(rmpv::Value::as_str).unwrap_or(""),
+                    array: Some(items),
+                    map: None,
+                },
+                rmpv::Value::Map(_) => Fields {
+                    tag: field(value, "type")
+                        .and_then(rmpv::Value::as_str)
+                        .unwrap_or(""),
+                    array: None,
+                    map: Some(value),
+                },
+                _ => {
+                    return Err(DecodeError(
+                        "an event is neither an array nor a map".to_string(),
+                    ))
+                }
+            };
+            let bad = |what: &str| DecodeError(format!("{}: {what}", fields.tag));
+            Ok(Some(match fields.tag {
+                "BlockStored" => {
+                    let hashes = engine_hashes(fields.get(0, "block_hashes"))
+                        .ok_or_else(|| bad("block_hashes"))?;
+                    let parent = fields.get(1, "parent_block_hash").and_then(engine_hash);
+                    let token_ids = fields
+                        .get(2, "token_ids")
+                        .and_then(rmpv::Value::as_array)
+                        .ok_or_else(|| bad("token_ids"))?
+                        .iter()
+                        .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                        .ok_or_else(|| bad("token_ids"))?;
+                    let block_size = fields
+                        .get(3, "block_size")
+                        .and_then(rmpv::Value::as_u64)
+                        .and_then(|n| usize::try_from(n).ok())
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| bad("block_size"))?;
+                    // A size of 2^40 would overflow the product: checked, never wrapped.
+                    if hashes
+                        .len()
+                        .checked_mul(block_size)
+                        .is_none_or(|needed| token_ids.len() < needed)
+                    {
+                        return Err(bad("fewer token ids than blocks"));
+                    }
+                    // Per block, its extra keys (`[lora_name?, cache_salt?]`) or nil; the field is
+                    // left out when no block has any.
+                    let extra = match fields.get(7, "extra_keys").and_then(rmpv::Value::as_array) {
+                        Some(list) => list
+                            .iter()
+                            .map(|keys| keys.as_array().map(|keys| extra_hash(keys)))
+                            .collect(),
+                        None => Vec::new(),
+                    };
+                    KvEvent::Stored {
+                        hashes,
+                        parent,
+                        token_ids,
+                        block_size,
+                        extra,
+                    }
+                }
+                "BlockRemoved" => KvEvent::Removed {
+                    hashes: engine_hashes(fields.get(0, "block_hashes"))
+                        .ok_or_else(|| bad("block_hashes"))?,
+                },
+                "AllBlocksCleared" => KvEvent::AllCleared,
+                _ => return Ok(None),
+            }))
+        }
+
+        fn engine_hashes(value: Option<&rmpv::Value>) -> Option<Vec<EngineHash>> {
+            value?.as_array()?.iter().map(engine_hash).collect()
+        }
+
+        /// An engine's block hash: an integer (negative ones as their two's complement), or bytes.
+        fn engine_hash(value: &rmpv::Value) -> Option<EngineHash> {
+            match value {
+                rmpv::Value::Integer(n) => n.as_u64().or_else(|| n.as_i64().map(|n| n as u64)),
+                rmpv::Value::Binary(bytes) => Some(fold(bytes)),
+                rmpv::Value::String(text) => Some(fold(text.as_bytes())),
+                _ => None,
+            }
+        }
+    }
+
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([10, 0, 0, 1], port))
     }
@@ -796,6 +1050,166 @@ mod tests {
                 KvEvent::AllCleared,
             ]
         );
+    }
+
+    /// A random value of the kinds a publisher might put anywhere.
+    fn any_value(rng: &mut fastrand::Rng) -> Value {
+        match rng.u8(0..12) {
+            0 => Value::Nil,
+            1 => Value::from(rng.bool()),
+            2 => Value::from(rng.u64(..) >> rng.u32(0..64)),
+            3 => Value::from(-(rng.i64(0..i64::MAX) >> rng.u32(0..63)) - 1),
+            4 => Value::F64(f64::from(rng.i32(-100..100)) / 4.0),
+            5 => Value::F32(rng.u8(..) as f32),
+            6 => Value::from(["GPU", "salt", "", "BlockStored"][rng.usize(0..4)]),
+            7 => Value::Binary((0..rng.usize(0..12)).map(|_| rng.u8(..)).collect()),
+            8 => Value::Ext(rng.i8(..), vec![1; rng.usize(0..20)]),
+            9 => Value::Array(
+                (0..rng.usize(0..4))
+                    .map(|_| Value::from(rng.u8(..)))
+                    .collect(),
+            ),
+            10 => Value::Map(vec![(Value::from("k"), Value::Nil)]),
+            _ => Value::from(rng.u32(..)),
+        }
+    }
+
+    /// Mostly the values a field should hold, sometimes any value.
+    fn field_value(rng: &mut fastrand::Rng, position: usize) -> Value {
+        if rng.u8(0..10) == 0 {
+            return any_value(rng);
+        }
+        let hash = |rng: &mut fastrand::Rng| match rng.u8(0..4) {
+            0 => Value::from(rng.u64(..)),
+            1 => Value::from(-rng.i64(1..i64::MAX)),
+            2 => Value::Binary((0..32).map(|_| rng.u8(..)).collect()),
+            _ => Value::from(rng.u16(..)),
+        };
+        match position {
+            0 => Value::Array((0..rng.usize(0..4)).map(|_| hash(rng)).collect()),
+            1 => hash(rng),
+            2 => Value::Array(
+                (0..rng.usize(0..40))
+                    .map(|_| match rng.u8(0..50) {
+                        0 => Value::from(u64::from(u32::MAX) + 1),
+                        1 => Value::from(-1),
+                        _ => Value::from(rng.u32(0..200_000)),
+                    })
+                    .collect(),
+            ),
+            3 => Value::from(rng.u64(0..9)),
+            7 => Value::Array(
+                (0..rng.usize(0..4))
+                    .map(|_| match rng.u8(0..3) {
+                        0 => Value::Nil,
+                        1 => Value::Array(vec!["adapter".into(), Value::from(rng.u8(..))]),
+                        _ => Value::Array(vec![Value::from("salt")]),
+                    })
+                    .collect(),
+            ),
+            _ => any_value(rng),
+        }
+    }
+
+    const NAMES: [&str; 9] = [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ];
+
+    fn any_event(rng: &mut fastrand::Rng) -> Value {
+        let tag: Value = match rng.u8(0..8) {
+            0..=2 => "BlockStored".into(),
+            3..=4 => "BlockRemoved".into(),
+            5 => "AllBlocksCleared".into(),
+            6 => "SomethingNew".into(),
+            _ => any_value(rng),
+        };
+        // Mostly every field, as vLLM writes them; sometimes fewer.
+        let fields = match rng.u8(0..4) {
+            0 => rng.usize(0..=NAMES.len()),
+            _ => rng.usize(NAMES.len() - 1..=NAMES.len()),
+        };
+        if rng.bool() {
+            let mut items = vec![tag];
+            items.extend((0..fields).map(|position| field_value(rng, position)));
+            return Value::Array(items);
+        }
+        let mut pairs = vec![(Value::from("type"), tag)];
+        for (position, name) in NAMES.iter().enumerate().take(fields) {
+            pairs.push((Value::from(*name), field_value(rng, position)));
+        }
+        // A name said twice, an unknown one, the order shuffled.
+        if rng.u8(0..8) == 0 {
+            let position = rng.usize(0..NAMES.len());
+            pairs.push((Value::from(NAMES[position]), field_value(rng, position)));
+        }
+        if rng.bool() {
+            pairs.push((Value::from("from_a_newer_vllm"), any_value(rng)));
+        }
+        rng.shuffle(&mut pairs);
+        Value::Map(pairs)
+    }
+
+    fn any_batch(rng: &mut fastrand::Rng) -> Value {
+        let events = Value::Array((0..rng.usize(0..6)).map(|_| any_event(rng)).collect());
+        let ts = || Value::F64(1.5);
+        if rng.bool() {
+            let mut items = vec![ts(), events, Value::from(rng.u8(0..4))];
+            items.truncate(rng.usize(0..=4));
+            return Value::Array(items);
+        }
+        let mut pairs = vec![
+            (Value::from("ts"), ts()),
+            (Value::from("events"), events),
+            (Value::from("data_parallel_rank"), Value::from(rng.u8(0..4))),
+            (Value::from("other"), Value::Nil),
+        ];
+        pairs.truncate(rng.usize(1..=4));
+        rng.shuffle(&mut pairs);
+        Value::Map(pairs)
+    }
+
+    /// The in-place reader reads every batch as the tree of values did, in either form,
+    /// whole, cut anywhere, or with a byte changed: the same events, or an error for both.
+    #[test]
+    fn the_in_place_reader_agrees_with_the_tree_of_values() {
+        let mut rng = fastrand::Rng::with_seed(56);
+        let same = |bytes: &[u8]| match (KvEventBatch::decode(bytes), tree::decode(bytes)) {
+            (Ok(read), Ok(reference)) => assert_eq!(read, reference, "{bytes:?}"),
+            (Err(_), Err(_)) => {}
+            (read, reference) => panic!("{read:?} where the tree gave {reference:?}: {bytes:?}"),
+        };
+        let (mut decoded, mut stored) = (0, 0);
+        for round in 0..20_000 {
+            let bytes = encode(&any_batch(&mut rng));
+            if let Ok(batch) = KvEventBatch::decode(&bytes) {
+                decoded += 1;
+                stored += batch
+                    .events
+                    .iter()
+                    .filter(|e| matches!(e, KvEvent::Stored { .. }))
+                    .count();
+            }
+            same(&bytes);
+            if round % 10 == 0 {
+                same(&bytes[..rng.usize(0..=bytes.len())]);
+                let mut changed = bytes.clone();
+                if !changed.is_empty() {
+                    let at = rng.usize(0..changed.len());
+                    changed[at] = rng.u8(..);
+                }
+                same(&changed);
+            }
+        }
+        // The batches are not all refused: the comparison covers real events.
+        assert!(decoded > 5_000 && stored > 1_000, "{decoded} {stored}");
     }
 
     #[test]
