@@ -68,6 +68,7 @@ pub use faults::Faults;
 pub use kv_transfer::{
     Connector as KvConnector, KvTransferConfig, KvTransferJson, LoadFailurePolicy,
 };
+pub use prefix_cache::KvEvent;
 pub use stats::{RecordedRequest, Stats};
 pub use text::{CONFIDENT_LOGPROB, LOW_CONFIDENCE_LOGPROB};
 
@@ -382,6 +383,15 @@ impl Sim {
             .kv_events
             .as_ref()
             .map(|e| (e.publisher.clone(), e.replay.clone()))
+    }
+    /// Publishes `events` on the KV event publisher as if the engine had made them, in the
+    /// publisher's next batch: what a loaded engine would send, without its load (the
+    /// benchmark's fleet at scale). `false` when events are off.
+    pub fn publish_kv_events(&self, events: impl IntoIterator<Item = KvEvent>) -> bool {
+        self.shared
+            .prefix_cache
+            .as_ref()
+            .is_some_and(|cache| cache.publish(events))
     }
     /// What `GET /metrics` returns.
     pub fn metrics_text(&self) -> String {

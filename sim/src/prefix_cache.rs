@@ -90,6 +90,14 @@ pub struct Lookup {
 }
 
 impl PrefixCache {
+    /// Publishes `events` as they are, beside the cache's own: `false` when events are off.
+    pub fn publish(&self, events: impl IntoIterator<Item = KvEvent>) -> bool {
+        let Some(sink) = &self.events else {
+            return false;
+        };
+        events.into_iter().all(|event| sink.send(event).is_ok())
+    }
+
     pub fn new(block_size: u32, events: Option<EventSink>) -> Self {
         PrefixCache {
             block_size: block_size.max(1) as usize,

@@ -252,6 +252,8 @@ pub enum Contender {
     SluiceTracedOnly,
     /// Scenario 32: the cache, tenants, the exact index, traces, request ids, the KV breaker.
     SluiceEveryFeature,
+    /// Scenario 33: one replica following a fleet's health and KV events.
+    SluiceFleetFollower,
 }
 
 impl Contender {
@@ -331,6 +333,7 @@ impl Contender {
             Contender::SluiceIndexSeenText => "sluice (exact index only, text seen before)",
             Contender::SluiceTracedOnly => "sluice (traces only, sampling 1.0)",
             Contender::SluiceEveryFeature => "sluice (every feature on)",
+            Contender::SluiceFleetFollower => "sluice (following the fleet)",
         }
     }
 

@@ -12,6 +12,7 @@ pub mod cost_curves;
 pub mod disaggregation;
 pub mod discovery;
 pub mod fleet;
+pub mod fleet_scale;
 pub mod flow_fairness;
 pub mod h2_streams;
 pub mod loadgen;
@@ -171,6 +172,11 @@ pub struct Params {
     /// in each round.
     pub curve_sizes: Vec<usize>,
     pub curve_requests: usize,
+    /// Scenario 33: the engines followed, the blocks their caches hold in all, and how long
+    /// each measured window lasts.
+    pub scale_engines: usize,
+    pub scale_blocks: usize,
+    pub scale_window: Duration,
     pub trace_smoke_requests: usize,
     /// Scenario 28: when the pool's first backend joins, how long the requests keep coming
     /// after that, and at what rate (per second).
@@ -264,6 +270,9 @@ impl Params {
             semantic_made_up: false,
             curve_sizes: vec![1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20],
             curve_requests: 16,
+            scale_engines: 50,
+            scale_blocks: 1_000_000,
+            scale_window: Duration::from_secs(5),
             zero_join_after: Duration::from_secs(20),
             zero_after_join: Duration::from_secs(10),
             zero_rate: 5.0,
@@ -353,6 +362,9 @@ impl Params {
             semantic_made_up: true,
             curve_sizes: vec![1 << 10, 16 << 10],
             curve_requests: 2,
+            scale_engines: 4,
+            scale_blocks: 8_000,
+            scale_window: Duration::from_secs(1),
             zero_join_after: Duration::from_secs(2),
             zero_after_join: Duration::from_secs(1),
             zero_rate: 5.0,

@@ -124,6 +124,10 @@ pub const ALL: &[(u8, &str)] = &[
         32,
         "Where each feature's cost goes as the prompt grows: Sluice's CPU per request against the prompt's size, plugins off, each feature alone and every feature on, with each curve's slope",
     ),
+    (
+        33,
+        "The fleet at scale: what one replica pays per backend it follows (health checks and scrapes, KV events at an engine's rate) and per million indexed blocks",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -159,6 +163,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         30 => crate::disaggregation::disaggregation(ctx).await,
         31 => crate::semantic::semantic_cache(ctx).await,
         32 => crate::cost_curves::cost_curves(ctx).await,
+        33 => crate::fleet_scale::fleet_scale(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -392,7 +397,8 @@ impl Stack {
                 | Contender::SluiceIndexNewText
                 | Contender::SluiceIndexSeenText
                 | Contender::SluiceTracedOnly
-                | Contender::SluiceEveryFeature => {
+                | Contender::SluiceEveryFeature
+                | Contender::SluiceFleetFollower => {
                     bail!("{c} runs only in the scenario that starts it itself")
                 }
             }
