@@ -118,11 +118,92 @@ impl Window {
     }
 }
 
-/// 33. The fleet at scale.
+/// What one fleet size measured: a column of the table, and what the checks and notes use.
+struct Followed {
+    /// Each measure's name and value, in the table's order.
+    column: Vec<(String, String)>,
+    gaps: f64,
+    block_events: u64,
+    checks_failed: f64,
+    prompts_each: usize,
+}
+
+/// 33. The fleet at scale, at each fleet size.
 pub async fn fleet_scale(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let mut report = ScenarioReport::new(ID, title(ID));
     let p = ctx.p.clone();
-    let n = p.scale_engines.max(1);
+    let mut columns = Vec::new();
+    let (mut gaps, mut block_events, mut checks_failed) = (0.0, 0, 0.0);
+    let mut filled = Vec::new();
+    for &n in &p.scale_engines {
+        let followed = follow(ctx, n.max(1)).await?;
+        gaps += followed.gaps;
+        block_events += followed.block_events;
+        checks_failed += followed.checks_failed;
+        filled.push(format!(
+            "{} prompts an engine at {n} engines",
+            followed.prompts_each
+        ));
+        columns.push(followed.column);
+    }
+    report.measured(
+        Contender::SluiceFleetFollower,
+        block_events,
+        checks_failed as u64,
+        (checks_failed > 0.0).then(|| format!("{checks_failed} health checks failed")),
+    );
+    report.header = std::iter::once("measure".to_string())
+        .chain(
+            p.scale_engines
+                .iter()
+                .map(|n| format!("{n} engines (median of rounds; range)")),
+        )
+        .collect();
+    let names: Vec<String> = columns
+        .first()
+        .map(|c| c.iter().map(|(name, _)| name.clone()).collect())
+        .unwrap_or_default();
+    report.rows = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, name)| {
+            std::iter::once(name)
+                .chain(
+                    columns
+                        .iter()
+                        .map(|c| c.get(i).map(|(_, v)| v.clone()).unwrap_or_default()),
+                )
+                .collect()
+        })
+        .collect();
+    report.checks.push(Check::new(
+        "KV event batches missed at an engine's steady rate",
+        "0",
+        format!("{gaps:.0}"),
+        Some(gaps == 0.0),
+    ));
+    report.notes.push(format!(
+        "Simulated engines (in the harness's process) in one pool of one Sluice (threads 2), \
+         fresh for each fleet size: health checks and scrapes every 250 ms (vLLM 0.32's page), \
+         `balancing: ttft` with the pool's tokenizer and `kv_events: auto`, the cache, request \
+         ids and the KV breaker on; no requests. Memory: the caches filled with prompts of \
+         {PROMPT_BLOCKS} blocks ({}), Sluice's RSS before and after over the blocks its index \
+         holds (MB per million blocks = bytes per block). Windows of {:?}, {} rounds, quiet \
+         (checks only) and publishing alternating: each engine's step ({STEPS_PER_SECOND} a \
+         second) stores one new prompt of {PROMPT_BLOCKS} blocks and evicts its oldest, {} \
+         block events a second an engine. CPU: Sluice's threads' run time; per block event, \
+         over the quiet windows' median.",
+        filled.join(", "),
+        p.scale_window,
+        p.rounds,
+        2 * PROMPT_BLOCKS as u32 * STEPS_PER_SECOND,
+    ));
+    Ok(report)
+}
+
+/// One Sluice following `n` engines.
+async fn follow(ctx: &Ctx, n: usize) -> Result<Followed> {
+    let p = &ctx.p;
     let window = p.scale_window;
     let fleet = Fleet::of_configs((0..n).map(|_| engine()).collect())?;
     let dir = tempfile::Builder::new()
@@ -178,16 +259,10 @@ pub async fn fleet_scale(ctx: &mut Ctx) -> Result<ScenarioReport> {
     }
     let checks_failed = failed_checks(admin).await?;
     let still_indexed = metric_sum(&page_of(admin).await?, "sluice_prefix_index_blocks");
+    drop(proc);
     let taken: f64 = publishing.iter().map(|w| w.batches_taken).sum();
     let gaps: f64 = publishing.iter().map(|w| w.gaps).sum();
     let block_events: u64 = publishing.iter().map(|w| w.block_events).sum();
-    report.measured(
-        Contender::SluiceFleetFollower,
-        block_events,
-        checks_failed as u64,
-        (checks_failed > 0.0).then(|| format!("{checks_failed} health checks failed")),
-    );
-
     let quiet_share = Series(quiet.iter().map(Window::share).collect());
     let quiet_median = quiet_share.median();
     let per_backend = Series(quiet.iter().map(|w| w.share() * 1e6 / n as f64).collect());
@@ -213,12 +288,9 @@ pub async fn fleet_scale(ctx: &mut Ctx) -> Result<ScenarioReport> {
             .map(|w| w.block_events as f64 / w.published.max(f64::EPSILON))
             .collect(),
     );
-    report.header = ["measure", "value (median of rounds; range)"]
-        .map(String::from)
-        .to_vec();
-    let row = |what: &str, value: String| vec![what.to_string(), value];
+    let row = |what: &str, value: String| (what.to_string(), value);
     let percent = |s: &Series| Series(s.0.iter().map(|x| x * 100.0).collect()).show(2);
-    report.rows = vec![
+    let column = vec![
         row("engines followed", n.to_string()),
         row(
             "blocks indexed (of those published), fill time",
@@ -244,7 +316,10 @@ pub async fn fleet_scale(ctx: &mut Ctx) -> Result<ScenarioReport> {
             "CPU per backend followed, checks only (µs per second)",
             per_backend.show(1),
         ),
-        row("CPU per check (µs)", per_check.show(1)),
+        row(
+            "CPU per check (µs; Sluice's idle floor included)",
+            per_check.show(1),
+        ),
         row(
             "CPU, checks and KV events, until every batch is taken (% of a core)",
             percent(&publishing_share),
@@ -262,28 +337,13 @@ pub async fn fleet_scale(ctx: &mut Ctx) -> Result<ScenarioReport> {
             format!("{taken:.0}; {gaps:.0}; {still_indexed:.0}"),
         ),
     ];
-    report.checks.push(Check::new(
-        "KV event batches missed at an engine's steady rate",
-        "0",
-        format!("{gaps:.0}"),
-        Some(gaps == 0.0),
-    ));
-    report.notes.push(format!(
-        "{n} simulated engines (in the harness's process) in one pool of one Sluice (threads 2): \
-         health checks and scrapes every 250 ms (vLLM 0.32's page), `balancing: ttft` with the \
-         pool's tokenizer and `kv_events: auto`, the cache, request ids and the KV breaker on; \
-         no requests. Memory: the caches filled with {prompts_each} prompts of {PROMPT_BLOCKS} \
-         blocks each per engine, Sluice's RSS before and after over the blocks its index holds \
-         (MB per million blocks = bytes per block). Windows of {window:?}, {} rounds, quiet \
-         (checks only) and publishing alternating: each engine's step ({STEPS_PER_SECOND} a \
-         second) stores one new prompt of {PROMPT_BLOCKS} blocks and evicts its oldest, \
-         {} block events a second an engine. CPU: Sluice's threads' run time; per block \
-         event, over the quiet windows' median.",
-        p.rounds,
-        2 * PROMPT_BLOCKS as u32 * STEPS_PER_SECOND,
-    ));
-    drop(proc);
-    Ok(report)
+    Ok(Followed {
+        column,
+        gaps,
+        block_events,
+        checks_failed,
+        prompts_each,
+    })
 }
 
 /// An engine of the fleet: vLLM 0.32's pages, the pool's tokenizer, KV events.

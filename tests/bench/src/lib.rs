@@ -172,9 +172,9 @@ pub struct Params {
     /// in each round.
     pub curve_sizes: Vec<usize>,
     pub curve_requests: usize,
-    /// Scenario 33: the engines followed, the blocks their caches hold in all, and how long
+    /// Scenario 33: the fleet sizes (engines followed), the blocks their caches hold in all, and how long
     /// each measured window lasts.
-    pub scale_engines: usize,
+    pub scale_engines: Vec<usize>,
     pub scale_blocks: usize,
     pub scale_window: Duration,
     pub trace_smoke_requests: usize,
@@ -270,7 +270,7 @@ impl Params {
             semantic_made_up: false,
             curve_sizes: vec![1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20],
             curve_requests: 16,
-            scale_engines: 50,
+            scale_engines: vec![50, 200],
             scale_blocks: 1_000_000,
             scale_window: Duration::from_secs(5),
             zero_join_after: Duration::from_secs(20),
@@ -362,7 +362,7 @@ impl Params {
             semantic_made_up: true,
             curve_sizes: vec![1 << 10, 16 << 10],
             curve_requests: 2,
-            scale_engines: 4,
+            scale_engines: vec![4],
             scale_blocks: 8_000,
             scale_window: Duration::from_secs(1),
             zero_join_after: Duration::from_secs(2),
