@@ -191,7 +191,12 @@ proptest! {
     #[test]
     fn a_metrics_page_never_panics_the_parsers(text in "\\PC{0,400}") {
         let _ = exposition::parse(&text);
-        let _ = exposition::read_page(text.as_bytes(), &exposition::Limits::default(), |_| true);
+        let _ = exposition::read_page(
+            text.as_bytes(),
+            &exposition::Limits::default(),
+            |_| true,
+            |_| true,
+        );
     }
 
     #[test]

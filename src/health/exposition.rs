@@ -195,10 +195,17 @@ pub fn parse(text: &str) -> Result<Vec<Sample<'_>>, ParseError> {
 /// Reads a scraped page: each line as strictly as [`parse`] does, but a bad line is skipped
 /// and counted instead of failing the page. Only samples whose name `keep` accepts are
 /// returned, so that a page of a million foreign samples costs no memory.
+///
+/// `keep_family` says whether a family may hold a kept sample: it must accept a family `f`
+/// when `keep` accepts `f` or any `f_…` (a histogram's `_sum`, a counter's `_total`). The
+/// lines after the comments of a family it refuses are passed over by their first bytes,
+/// without being named, for as long as they are that family's samples: most of a vLLM page
+/// is the buckets of histograms nobody reads.
 pub fn read_page<'a>(
     text: &'a [u8],
     limits: &Limits,
     keep: impl Fn(&str) -> bool,
+    keep_family: impl Fn(&str) -> bool,
 ) -> Result<Page<'a>, PageError> {
     let mut page = Page {
         samples: Vec::new(),
@@ -206,12 +213,22 @@ pub fn read_page<'a>(
         skipped: 0,
         first_skipped: None,
     };
+    // The family whose samples are being passed over.
+    let mut passing: Option<&[u8]> = None;
     for (number, line, terminated) in lines(text) {
         if number % DEADLINE_EVERY == 0 && limits.deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(PageError::OutOfTime { line: number });
         }
         if !terminated {
             return Err(PageError::CutShort { line: number });
+        }
+        // A sample of the family being passed over: counted, not named.
+        if let Some(family) = passing {
+            if is_sample_of(line, family) {
+                page.sample_lines += 1;
+                continue;
+            }
+            passing = None;
         }
         // A sample nobody reads is not parsed: most of a vLLM page is histogram buckets a
         // scrape does not use, and its name, read from the bytes, says so. It still counts as
@@ -221,8 +238,12 @@ pub fn read_page<'a>(
             page.sample_lines += 1;
             continue;
         }
-        // The same for the `# HELP` and `# TYPE` lines of the families nobody reads by name.
-        if comment_family(line).is_some_and(|name| !keep(name)) {
+        // The same for the `# HELP` and `# TYPE` lines of the families nobody reads by name;
+        // the samples that follow are passed over when none of them can be read.
+        if let Some(family) = comment_family(line).filter(|name| !keep(name)) {
+            if !keep_family(family) {
+                passing = Some(family.as_bytes());
+            }
             continue;
         }
         match parse_line(line, limits) {
@@ -298,6 +319,14 @@ fn sample_name(line: &[u8]) -> Option<&str> {
         return None;
     }
     std::str::from_utf8(rest.get(..end)?).ok()
+}
+
+/// Whether `line` is a sample of `family`: its name is the family's or the family's and a
+/// suffix (`_bucket`, `_sum`, …), followed by its labels or its value.
+fn is_sample_of(line: &[u8], family: &[u8]) -> bool {
+    line.strip_prefix(family)
+        .and_then(|rest| rest.first())
+        .is_some_and(|next| matches!(next, b'_' | b'{' | b' ' | b'\t'))
 }
 
 /// The family a `# HELP name …` or `# TYPE name …` line describes, read from its bytes;
@@ -1036,14 +1065,14 @@ mod tests {
     }
 
     fn read_ok(text: &[u8]) -> Page<'_> {
-        match read_page(text, &Limits::default(), |_| true) {
+        match read_page(text, &Limits::default(), |_| true, |_| true) {
             Ok(page) => page,
             Err(error) => panic!("{:?} should read: {error}", String::from_utf8_lossy(text)),
         }
     }
 
     fn read_err(text: &[u8]) -> PageError {
-        match read_page(text, &Limits::default(), |_| true) {
+        match read_page(text, &Limits::default(), |_| true, |_| true) {
             Ok(page) => panic!(
                 "{:?} should not read: {page:?}",
                 String::from_utf8_lossy(text)
@@ -1085,16 +1114,15 @@ mod tests {
 
     #[test]
     fn a_page_keeps_only_the_samples_asked_for() {
-        let page = read_page(V1.as_bytes(), &Limits::default(), |name| {
-            name == "vllm:num_requests_running"
-        })
-        .unwrap();
+        let running = |name: &str| name == "vllm:num_requests_running";
+        let page = read_page(V1.as_bytes(), &Limits::default(), running, running).unwrap();
         assert_eq!(page.samples.len(), 1);
         assert_eq!(page.sample_lines, 139, "the others are still counted");
         // A sample nobody reads is not parsed, so a bad one costs nothing; a bad one that is
         // read is a bad line.
         let text = format!("{V1}unread{{a=\"b\"}} not-a-number\nread{{a=\"b\"}} not-a-number\n");
-        let page = read_page(text.as_bytes(), &Limits::default(), |name| name == "read").unwrap();
+        let read = |name: &str| name == "read";
+        let page = read_page(text.as_bytes(), &Limits::default(), read, read).unwrap();
         assert_eq!((page.sample_lines, page.skipped), (140, 1));
         assert_eq!(
             page.first_skipped.map(|e| e.line),
@@ -1103,10 +1131,29 @@ mod tests {
     }
 
     #[test]
+    fn a_read_sample_after_a_passed_over_family_is_read() {
+        // `read` has no comments of its own: it follows `unread`'s samples directly.
+        let text = "# HELP unread x\n# TYPE unread histogram\nunread_bucket{le=\"1\"} 1\n\
+                    unread_sum 2\nunread_count 1\nread{a=\"b\"} 7\nunread_other 1\n";
+        let read = |name: &str| name == "read";
+        let page = read_page(text.as_bytes(), &Limits::default(), read, read).unwrap();
+        assert_eq!(page.samples.len(), 1);
+        assert_eq!(page.samples[0].value, 7.0);
+        assert_eq!(page.sample_lines, 5);
+        // A page cut inside a family passed over is still a page cut short.
+        let cut = &text.as_bytes()[..text.find("unread_sum 2").unwrap() + 8];
+        assert!(matches!(
+            read_page(cut, &Limits::default(), read, read),
+            Err(PageError::CutShort { .. })
+        ));
+    }
+
+    #[test]
     fn the_comments_of_families_nobody_reads_are_not_checked() {
         let text =
             "# TYPE unread histogram extra words\n# HELP read x\n# TYPE read gauge gauge\nread 1\n";
-        let page = read_page(text.as_bytes(), &Limits::default(), |name| name == "read").unwrap();
+        let read = |name: &str| name == "read";
+        let page = read_page(text.as_bytes(), &Limits::default(), read, read).unwrap();
         assert_eq!(
             (page.sample_lines, page.skipped),
             (1, 1),
@@ -1276,7 +1323,7 @@ mod tests {
         };
         let text = "m 1\n".repeat(1000);
         assert_eq!(
-            read_page(text.as_bytes(), &limits, |_| true),
+            read_page(text.as_bytes(), &limits, |_| true, |_| true),
             Err(PageError::OutOfTime {
                 line: DEADLINE_EVERY
             })
@@ -1286,7 +1333,7 @@ mod tests {
             ..Limits::default()
         };
         assert_eq!(
-            read_page(text.as_bytes(), &later, |_| true).map(|p| p.sample_lines),
+            read_page(text.as_bytes(), &later, |_| true, |_| true).map(|p| p.sample_lines),
             Ok(1000)
         );
     }

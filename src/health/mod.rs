@@ -561,6 +561,6 @@ fn read_page(
     body: &[u8],
     limits: &Limits,
 ) -> Result<(vllm::VllmMetrics, usize, Option<ParseError>), PageError> {
-    let page = exposition::read_page(body, limits, vllm::wanted)?;
+    let page = exposition::read_page(body, limits, vllm::wanted, vllm::wanted_family)?;
     Ok((vllm::read(&page.samples), page.skipped, page.first_skipped))
 }

@@ -3,6 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 use pingora_core::connectors::http::Connector;
+use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType};
 use pingora_http::RequestHeader;
@@ -135,7 +136,9 @@ pub async fn send(
     mut body: BytesMut,
     max_body: usize,
 ) -> Result<Answer, Box<Error>> {
-    let (mut session, _reused) = connector.get_http_session(peer).await?;
+    // Boxed: with its TLS handshake the connect future is about 18 KB. Inline, it would size
+    // every check's future, which is moved (copied) as it is made, joined and timed.
+    let (mut session, _reused) = Box::pin(connector.get_http_session(peer)).await?;
     session.write_request_header(Box::new(request)).await?;
     if let Some(payload) = payload {
         session.write_request_body(payload, true).await?;
@@ -153,14 +156,20 @@ pub async fn send(
         .unwrap_or(0);
     body.clear();
     body.reserve(length.min(max_body));
-    while let Some(chunk) = session.read_response_body().await? {
-        if body.len() + chunk.len() > max_body {
-            return Err(Error::explain(
-                ErrorType::Custom(TOO_LARGE),
-                "the answer is too large",
-            ));
+    // HTTP/1's body is read from the session's own buffer into `body`: its
+    // `read_response_body` copies each chunk into a `Bytes` first, a second copy of every
+    // page scraped.
+    loop {
+        let ended = match &mut session {
+            HttpSession::H1(h1) => append(&mut body, h1.read_body_ref().await?, max_body)?,
+            other => {
+                let chunk = other.read_response_body().await?;
+                append(&mut body, chunk.as_deref(), max_body)?
+            }
+        };
+        if ended {
+            break;
         }
-        body.extend_from_slice(&chunk);
     }
     // Whole answers only: a connection cut mid-body fails above, and is not reused.
     connector
@@ -170,6 +179,22 @@ pub async fn send(
         status,
         body: body.freeze(),
     })
+}
+
+/// Adds `chunk` to `body`, unless the body would pass `max_body`: whether the body had
+/// ended (no chunk).
+fn append(body: &mut BytesMut, chunk: Option<&[u8]>, max_body: usize) -> Result<bool, Box<Error>> {
+    let Some(chunk) = chunk else {
+        return Ok(true);
+    };
+    if body.len() + chunk.len() > max_body {
+        return Err(Error::explain(
+            ErrorType::Custom(TOO_LARGE),
+            "the answer is too large",
+        ));
+    }
+    body.extend_from_slice(chunk);
+    Ok(false)
 }
 
 /// The error type of an answer larger than its reader allows (see [`send`]).

@@ -110,24 +110,36 @@ impl VllmMetrics {
 
 /// Whether [`read`] uses the series `name`: a page reader keeps only those.
 pub fn wanted(name: &str) -> bool {
-    matches!(
-        name,
-        KV_USAGE_V1
-            | KV_USAGE_V0
-            | RUNNING
-            | WAITING
-            | CACHE_CONFIG
-            | SPEC_ACCEPTED
-            | SPEC_DRAFT
-            | PREFIX_QUERIES
-            | PREFIX_HITS
-            | LORA_INFO
-            | QUEUE_SECONDS
-            | QUEUED
-            | PREFILL_SECONDS
-            | PREFILLED
-            | PREFILL_COMPUTED
-    )
+    WANTED.contains(&name)
+}
+
+/// The names of the samples a scrape reads.
+const WANTED: [&str; 15] = [
+    KV_USAGE_V1,
+    KV_USAGE_V0,
+    RUNNING,
+    WAITING,
+    CACHE_CONFIG,
+    SPEC_ACCEPTED,
+    SPEC_DRAFT,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    LORA_INFO,
+    QUEUE_SECONDS,
+    QUEUED,
+    PREFILL_SECONDS,
+    PREFILLED,
+    PREFILL_COMPUTED,
+];
+
+/// Whether the family `family` may hold a sample a scrape reads: one named `family` or
+/// `family_…` (a histogram's `_sum`, a counter's `_total`). The others' samples are passed
+/// over unread (see `exposition::read_page`).
+pub fn wanted_family(family: &str) -> bool {
+    WANTED.iter().any(|name| {
+        name.strip_prefix(family)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
+    })
 }
 
 /// Reads the series Sluice uses from the samples of one scrape.
@@ -572,6 +584,38 @@ vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_cpu_blocks=\"None\",nu
             accepted_tokens,
             draft_tokens,
         }
+    }
+
+    /// Passing over the families nobody reads changes nothing read, on every page captured.
+    #[test]
+    fn passing_over_unread_families_reads_the_same_samples() {
+        let pages = [
+            V0,
+            V1,
+            include_str!("../../tests/fixtures/vllm-0.32/metrics-idle.http"),
+            include_str!("../../tests/fixtures/vllm-0.32/metrics-after.http"),
+            include_str!("../../tests/fixtures/vllm-0.32/metrics-target-lora-enabled.http"),
+        ];
+        for capture in pages {
+            let body = capture
+                .split_once("\r\n\r\n")
+                .map_or(capture, |(_, body)| body)
+                .as_bytes();
+            let limits = crate::health::exposition::Limits::default();
+            let passing =
+                crate::health::exposition::read_page(body, &limits, wanted, wanted_family).unwrap();
+            let naming =
+                crate::health::exposition::read_page(body, &limits, wanted, |_| true).unwrap();
+            assert!(!passing.samples.is_empty());
+            assert_eq!(passing.samples, naming.samples);
+            assert_eq!(passing.sample_lines, naming.sample_lines);
+            assert_eq!(passing.skipped, naming.skipped);
+        }
+        assert!(wanted_family("vllm:request_queue_time_seconds"));
+        assert!(wanted_family("vllm:prefix_cache_queries"));
+        assert!(wanted_family(KV_USAGE_V1));
+        assert!(!wanted_family("vllm:e2e_request_latency_seconds"));
+        assert!(!wanted_family("vllm:time_to_first_token_seconds"));
     }
 
     #[test]
