@@ -154,9 +154,10 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
 
 /// A round's load and what Sluice's own clocks counted over it (`None` for the other
 /// contenders).
-struct Timed {
-    result: LoadResult,
-    own: Option<OwnClock>,
+pub(crate) struct Timed {
+    pub(crate) result: LoadResult,
+    /// Sluice's own clocks over the load, when it has an admin listener.
+    pub(crate) own: Option<OwnClock>,
 }
 
 impl Tally for Timed {
@@ -166,7 +167,7 @@ impl Tally for Timed {
 }
 
 /// Runs `load`, reading Sluice's clocks at `admin` (when it has one) before and after.
-async fn with_own_clock(
+pub(crate) async fn with_own_clock(
     admin: Option<std::net::SocketAddr>,
     load: impl std::future::Future<Output = Result<LoadResult>>,
 ) -> Result<Timed> {
