@@ -168,9 +168,9 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
          kv_breaker), without tenants.",
         p.plugin_rate, p.open_conns, p.warmup, p.duration
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "all plugins on (cache miss): CPU per request vs plugins off",
-        per_round(&runs, Contender::SluiceOn, off, cpu, |a, b| a / b).median(),
+        &per_round(&runs, Contender::SluiceOn, off, cpu, |a, b| a / b),
         1.15,
         "×",
     ));
@@ -246,9 +246,9 @@ pub async fn tracing_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
         (Contender::SluiceTraced01, 1.02),
         (Contender::SluiceTraced10, 1.10),
     ] {
-        report.checks.push(Check::at_most(
+        report.checks.push(Check::at_most_rounds(
             &format!("{}: CPU per stream × traces off", c.label()),
-            per_round(&runs, c, off, cpu, |a, b| a / b).median(),
+            &per_round(&runs, c, off, cpu, |a, b| a / b),
             target,
             "×",
         ));
@@ -314,9 +314,9 @@ pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         p.long_prompt_concurrency,
         body.len()
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "plugins on: added TTFT p99 with 220 KB prompts",
-        per_round(&runs, Contender::SluiceOn, direct, ttft(99.0), |a, b| a - b).median(),
+        &per_round(&runs, Contender::SluiceOn, direct, ttft(99.0), |a, b| a - b),
         5.0,
         "ms",
     ));

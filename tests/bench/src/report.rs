@@ -109,6 +109,21 @@ impl Check {
         check
     }
 
+    /// Every round of `rounds` against a lower bound, as [`Check::at_most_rounds`] judges an
+    /// upper one.
+    pub fn at_least_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
+        let (min, max) = (rounds.min(), rounds.max());
+        let judged = min.is_finite() && max.is_finite();
+        let mut check = Check::new(
+            what,
+            &format!("≥ {bound} {unit}, every round"),
+            format!("{} {unit}", rounds.show(3)),
+            (judged && (min >= bound || max < bound)).then_some(min >= bound),
+        );
+        check.split = judged && max >= bound && min < bound;
+        check
+    }
+
     /// `value` against an upper bound.
     pub fn at_most(what: &str, value: f64, bound: f64, unit: &str) -> Check {
         Check::new(
@@ -372,6 +387,11 @@ mod tests {
         assert_eq!(judged(&[0.1, 0.2, 0.3]), "SPLIT");
         assert_eq!(judged(&[]), "n/a");
         assert_eq!(Check::at_least("x", 0.8, 1.0, "×").verdict(), "MISS");
+        let at_least = |v: &[f64]| Check::at_least_rounds("x", &rounds(v), 1.0, "×").verdict();
+        assert_eq!(at_least(&[1.0, 1.2]), "PASS");
+        assert_eq!(at_least(&[0.8, 0.9]), "MISS");
+        assert_eq!(at_least(&[0.9, 1.1]), at_least(&[1.1, 0.9]));
+        assert!(Check::at_least_rounds("x", &rounds(&[0.9, 1.1]), 1.0, "×").split);
         assert_eq!(Check::at_least("x", f64::NAN, 1.0, "×").verdict(), "n/a");
     }
 }

@@ -18,9 +18,9 @@ use crate::contenders::{
     Contender, EdgeLimits, Proc, RunningSim, Setup, SimMode, SimSpec, MODEL, TENANT_KEY,
 };
 use crate::loadgen::{closed_loop, fetch, open_loop, send_one, LoadResult, Target};
-use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::own_clock::{OwnClock, Phase};
 use crate::public::{with_own_clock, Timed};
+use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::sse::{self, SseLoad};
 use crate::Ctx;
 
@@ -657,16 +657,16 @@ async fn throughput(ctx: &mut Ctx) -> Result<ScenarioReport> {
          simulator in zero-latency mode.",
         ctx.p.conns, ctx.p.duration, ctx.p.warmup
     ));
-    let vs_nginx = |c| ratio(runs, c, Contender::Nginx).median();
-    report.checks.push(Check::at_least(
+    let vs_nginx = |c| ratio(runs, c, Contender::Nginx);
+    report.checks.push(Check::at_least_rounds(
         "plugins off: throughput vs nginx",
-        vs_nginx(Contender::SluiceOff),
+        &vs_nginx(Contender::SluiceOff),
         1.0,
         "×",
     ));
-    report.checks.push(Check::at_least(
+    report.checks.push(Check::at_least_rounds(
         "plugins on (cache miss): throughput vs nginx",
-        vs_nginx(Contender::SluiceOn),
+        &vs_nginx(Contender::SluiceOn),
         0.9,
         "×",
     ));
@@ -816,15 +816,15 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
          each request's intended send time (coordinated omission corrected, as wrk2).",
         ctx.p.open_conns
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "plugins off: added p50 over direct",
-        added(Contender::SluiceOff, 50.0).median(),
+        &added(Contender::SluiceOff, 50.0),
         0.15,
         "ms",
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "plugins off: added p99 over direct",
-        added(Contender::SluiceOff, 99.0).median(),
+        &added(Contender::SluiceOff, 99.0),
         1.0,
         "ms",
     ));
@@ -894,15 +894,15 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         } else {
             "plugins on"
         };
-        report.checks.push(Check::at_most(
+        report.checks.push(Check::at_most_rounds(
             &format!("{name}: added TTFT p99"),
-            added(ttft99(c), ttft99(Contender::Direct)).median(),
+            &added(ttft99(c), ttft99(Contender::Direct)),
             1.0,
             "ms",
         ));
-        report.checks.push(Check::at_most(
+        report.checks.push(Check::at_most_rounds(
             &format!("{name}: added inter-chunk gap, median"),
-            added(gap50(c), gap50(Contender::Direct)).median(),
+            &added(gap50(c), gap50(Contender::Direct)),
             0.1,
             "ms",
         ));
@@ -1259,21 +1259,21 @@ async fn cache_hits(ctx: &mut Ctx) -> Result<ScenarioReport> {
         answer.len(),
         ctx.p.conns
     ));
-    report.checks.push(Check::at_least(
+    report.checks.push(Check::at_least_rounds(
         "memory-store hits: throughput vs pass-through",
-        ratio(&closed, Contender::SluiceMemoryHit, Contender::SluiceOff).median(),
+        &ratio(&closed, Contender::SluiceMemoryHit, Contender::SluiceOff),
         1.5,
         "×",
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "memory-store hits: p99 at half load",
-        pct(Contender::SluiceMemoryHit, 99.0).median(),
+        &pct(Contender::SluiceMemoryHit, 99.0),
         0.5,
         "ms",
     ));
-    report.checks.push(Check::at_most(
+    report.checks.push(Check::at_most_rounds(
         "Redis-store hits: p99 at half load",
-        pct(Contender::SluiceRedisHit, 99.0).median(),
+        &pct(Contender::SluiceRedisHit, 99.0),
         2.0,
         "ms",
     ));
@@ -1303,9 +1303,9 @@ async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         } else {
             "plugins on"
         };
-        report.checks.push(Check::at_least(
+        report.checks.push(Check::at_least_rounds(
             &format!("{name}: 1 MiB prompts, throughput vs nginx"),
-            ratio(runs, c, Contender::Nginx).median(),
+            &ratio(runs, c, Contender::Nginx),
             0.8,
             "×",
         ));

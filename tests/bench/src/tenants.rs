@@ -292,9 +292,9 @@ pub async fn tenants_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
             .to_string(),
     );
 
-    report.checks.push(Check::at_least(
+    report.checks.push(Check::at_least_rounds(
         "tenants, local limits: throughput vs plugins off",
-        ratio(runs, Contender::SluiceTenantsLocal, Contender::SluiceOff).median(),
+        &ratio(runs, Contender::SluiceTenantsLocal, Contender::SluiceOff),
         0.95,
         "×",
     ));
