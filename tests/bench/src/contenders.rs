@@ -135,7 +135,7 @@ pub enum Setup {
 }
 
 impl Setup {
-    fn name(&self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Setup::Off => "sluice-off",
             Setup::On => "sluice-on",
@@ -949,28 +949,7 @@ pub async fn start_bare_pingora(
     knobs: Knobs,
 ) -> Result<(Proc, SocketAddr)> {
     let listen = free_addr()?;
-    // Each variant its own pid file, socket and log.
-    let name = format!(
-        "bare-pingora-t{}-ws{}-l{}",
-        knobs.threads, knobs.work_stealing as u8, knobs.listener_tasks_per_fd
-    );
-    let mut cmd = Command::new(exe);
-    cmd.arg("bare-pingora")
-        .arg("--listen")
-        .arg(listen.to_string())
-        .arg("--upstream")
-        .arg(upstream.to_string())
-        .arg("--dir")
-        .arg(dir)
-        .arg("--name")
-        .arg(&name)
-        .arg("--threads")
-        .arg(knobs.threads.to_string())
-        .arg("--listener-tasks")
-        .arg(knobs.listener_tasks_per_fd.to_string());
-    if !knobs.work_stealing {
-        cmd.arg("--no-work-stealing");
-    }
+    let (cmd, name) = bare_pingora_command(exe, dir, listen, upstream, knobs);
     let mut proc = Proc::spawn(&name, cmd, &dir.join(format!("{name}.log")), false)?;
     proc.wait_ready(&[listen]).await?;
     Ok((proc, listen))
@@ -1002,6 +981,39 @@ pub async fn start_sluice_admin(
     let yaml = sluice_config(dir, name, listen, admin, upstream, setup, limits);
     let proc = start_sluice_with(bin, dir, name, &yaml, &[listen, admin]).await?;
     Ok((proc, listen, admin))
+}
+
+/// The bare Pingora proxy's command (run by the bench binary `exe`) listening on `listen`,
+/// and its name (each variant its own pid file, socket and log).
+pub fn bare_pingora_command(
+    exe: &Path,
+    dir: &Path,
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    knobs: Knobs,
+) -> (Command, String) {
+    let name = format!(
+        "bare-pingora-t{}-ws{}-l{}",
+        knobs.threads, knobs.work_stealing as u8, knobs.listener_tasks_per_fd
+    );
+    let mut cmd = Command::new(exe);
+    cmd.arg("bare-pingora")
+        .arg("--listen")
+        .arg(listen.to_string())
+        .arg("--upstream")
+        .arg(upstream.to_string())
+        .arg("--dir")
+        .arg(dir)
+        .arg("--name")
+        .arg(&name)
+        .arg("--threads")
+        .arg(knobs.threads.to_string())
+        .arg("--listener-tasks")
+        .arg(knobs.listener_tasks_per_fd.to_string());
+    if !knobs.work_stealing {
+        cmd.arg("--no-work-stealing");
+    }
+    (cmd, name)
 }
 
 /// Starts Sluice with `yaml` as `dir/NAME.yaml`, once it listens on `addrs`.

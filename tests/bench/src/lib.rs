@@ -15,6 +15,7 @@ pub mod fleet;
 pub mod fleet_scale;
 pub mod flow_fairness;
 pub mod h2_streams;
+pub mod instructions;
 pub mod loadgen;
 pub mod own_clock;
 pub mod phased;
@@ -177,6 +178,8 @@ pub struct Params {
     pub scale_engines: Vec<usize>,
     pub scale_blocks: usize,
     pub scale_window: Duration,
+    /// Scenario 34: the requests counted per contender and round under callgrind.
+    pub instr_requests: usize,
     pub trace_smoke_requests: usize,
     /// Scenario 28: when the pool's first backend joins, how long the requests keep coming
     /// after that, and at what rate (per second).
@@ -273,6 +276,7 @@ impl Params {
             scale_engines: vec![50, 200],
             scale_blocks: 1_000_000,
             scale_window: Duration::from_secs(5),
+            instr_requests: 200,
             zero_join_after: Duration::from_secs(20),
             zero_after_join: Duration::from_secs(10),
             zero_rate: 5.0,
@@ -365,6 +369,7 @@ impl Params {
             scale_engines: vec![4],
             scale_blocks: 8_000,
             scale_window: Duration::from_secs(1),
+            instr_requests: 5,
             zero_join_after: Duration::from_secs(2),
             zero_after_join: Duration::from_secs(1),
             zero_rate: 5.0,

@@ -130,6 +130,10 @@ pub const ALL: &[(u8, &str)] = &[
         33,
         "The fleet at scale: what one replica pays per backend it follows (health checks and scrapes, KV events at an engine's rate) and per million indexed blocks",
     ),
+    (
+        34,
+        "Instructions per request under callgrind: bare Pingora, plugins off and plugins on, counted rather than timed",
+    ),
 ];
 
 pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
@@ -166,6 +170,7 @@ pub async fn run(id: u8, ctx: &mut Ctx) -> Result<ScenarioReport> {
         31 => crate::semantic::semantic_cache(ctx).await,
         32 => crate::cost_curves::cost_curves(ctx).await,
         33 => crate::fleet_scale::fleet_scale(ctx).await,
+        34 => crate::instructions::instructions(ctx).await,
         _ => bail!("no scenario {id}"),
     }
 }
@@ -191,7 +196,7 @@ pub struct Up {
 
 impl Up {
     /// A contender with nothing but an address and maybe a process.
-    fn plain(contender: Contender, addr: SocketAddr, proc: Option<Proc>) -> Up {
+    pub(crate) fn plain(contender: Contender, addr: SocketAddr, proc: Option<Proc>) -> Up {
         Up {
             contender,
             addr,
