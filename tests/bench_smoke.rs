@@ -40,15 +40,16 @@ async fn bench_harness_smoke_run() {
         // strategies, 18 its plugins one by one, 20 its HTTP/2 streams against its own
         // HTTP/1.1 ones, 22 its backend discovery, 23 its own soak under faults, 24 its
         // prefix routing, 26 its traces, 28 its waiting room, 29 its flow control, 30 its
-        // disaggregated prefill, 31 its semantic cache, 32 its features' costs and 33 what
-        // following a fleet costs it: nginx has none of them.
+        // disaggregated prefill, 31 its semantic cache, 32 its features' costs, 33 what
+        // following a fleet costs it and 34 its instructions under callgrind: nginx has none
+        // of them.
         let nginx = sc
             .measured
             .iter()
             .any(|m| m.contender == sluice_bench::Contender::Nginx);
         assert!(
             nginx
-                || [7, 10, 11, 12, 13, 18, 20, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33,]
+                || [7, 10, 11, 12, 13, 18, 20, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34,]
                     .contains(&sc.id),
             "scenario {}: nginx did not run",
             sc.id
