@@ -215,6 +215,65 @@ async fn a_request_on_a_dead_reused_connection_is_sent_again_on_a_new_one() {
     assert_eq!(elsewhere, Some(0.0), "the same backend took each again");
 }
 
+/// An upstream that answers the first request of each connection (keeping it alive), and
+/// reads a second one on it without ever answering: a backend busy with it. Counts the
+/// requests it got, all connections together.
+async fn silent_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let got = Arc::new(AtomicUsize::new(0));
+    let count = got.clone();
+    let answer = fixture("vllm-chat-completion.json");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (count, answer) = (count.clone(), answer.clone());
+            tokio::spawn(async move {
+                if read_request(&mut s).await.is_none() {
+                    return;
+                }
+                count.fetch_add(1, Ordering::Relaxed);
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    answer.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(&answer).await;
+                if read_request(&mut s).await.is_some() {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    // Held open, unanswered, until the proxy lets go.
+                    let mut rest = [0u8; 1];
+                    let _ = s.read(&mut rest).await;
+                }
+            });
+        }
+    });
+    (addr, got)
+}
+
+/// A request on a pooled connection whose backend takes it and stays silent is not sent
+/// again when the first-byte timeout ends it: only a connection found closed is (the backend
+/// may still be generating the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_on_a_pooled_connection_is_not_sent_again() {
+    let (silent, got) = silent_on_reuse().await;
+    let proxy = Proxy::start(json!({"pools": [
+        pool("main", &[MODEL], &[silent])
+            .without_health_checks()
+            .with("timeouts", json!({"first_byte": "1s"})),
+    ]}))
+    .await;
+    let first = proxy.ask(&chat(MODEL, "first", false), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    // The connection is kept; the next request goes out on it and meets silence.
+    let second = proxy.ask(&chat(MODEL, "second", false), &[]).await;
+    assert_eq!(second.status, 504, "{}", second.body);
+    assert_eq!(got.load(Ordering::Relaxed), 2, "the second was sent once");
+    let resent = proxy
+        .metric_once("sluice_upstream_stale_connections_total", 0.0)
+        .await;
+    assert_eq!(resent, Some(0.0));
+}
+
 /// An upstream that reads each request whole and closes the connection without a byte of
 /// answer, as a backend killed mid-request does; counts them.
 async fn closes_unanswered() -> (SocketAddr, Arc<AtomicUsize>) {

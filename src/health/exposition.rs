@@ -199,8 +199,9 @@ pub fn parse(text: &str) -> Result<Vec<Sample<'_>>, ParseError> {
 /// `keep_family` says whether a family may hold a kept sample: it must accept a family `f`
 /// when `keep` accepts `f` or any `f_…` (a histogram's `_sum`, a counter's `_total`). The
 /// lines after the comments of a family it refuses are passed over by their first bytes,
-/// without being named, for as long as they are that family's samples: most of a vLLM page
-/// is the buckets of histograms nobody reads.
+/// without being named or checked, for as long as they start as that family's samples: most
+/// of a vLLM page is the buckets of histograms nobody reads. (A broken line among them counts
+/// as a sample, not as a skipped line: nothing of it is used.)
 pub fn read_page<'a>(
     text: &'a [u8],
     limits: &Limits,

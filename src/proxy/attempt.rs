@@ -23,7 +23,7 @@ use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
 use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
 use pingora_core::upstreams::peer::{HttpPeer, Peer};
-use pingora_error::{Error, ErrorType, OrErr, Result};
+use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::client::{watch, Watched};
@@ -301,12 +301,12 @@ pub async fn fetch(
 /// deadline and while watching the client: the connection, whether it was reused, and the
 /// header. Nothing reached the client when it fails, so another attempt may be made (`llm`).
 ///
-/// A pooled connection is tried first. When it fails before any byte of the answer (the
-/// backend closed it as the request went out: uvicorn closes a connection idle for 5 s, and a
-/// loaded server does it late), the request is sent once more on a new connection to the
-/// same backend, which never read it: as Pingora (`RetryType::ReusedOnly`) and nginx (a
+/// A pooled connection is tried first. When it is found closed before any byte of the answer
+/// (the backend closed it as the request went out: uvicorn closes a connection idle for 5 s,
+/// and a loaded server does it late), the request is sent once more on a new connection to
+/// the same backend, which never read it: as Pingora (`RetryType::ReusedOnly`) and nginx (a
 /// cached connection's failure is not counted as a try) do. Without it, a pool of one
-/// backend answered 502.
+/// backend answered 502. A timeout, a malformed answer or a TLS error is not sent again here.
 async fn exchange(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
@@ -332,6 +332,7 @@ async fn exchange(
             None => connect(upstreams, session, peer, deadlines).await?,
         };
         let sent = watch(session, send(http, peer, &request), deadlines.first_byte).await;
+        let closed = matches!(&sent, Watched::Done(Err(e)) if closed_under_request(e));
         let sent = not_started(
             sent,
             "the request was not sent in time",
@@ -346,16 +347,23 @@ async fn exchange(
                     .await
                     .map(|header| (http, reused, header))
             }
-            Err(outcome) => Err(outcome),
+            Err(outcome) => Err((outcome, closed)),
         };
         match read {
-            Err(Outcome::NotStarted(e)) if reused && e.retry() => {
+            Err((Outcome::NotStarted(e), true)) if reused => {
                 tracing::debug!("a pooled connection was closed under the request: {e}");
                 crate::metrics::stale_connection();
             }
-            read => return read,
+            read => return read.map_err(|(outcome, _)| outcome),
         }
     }
+}
+
+/// Whether an error before any byte of the answer is a connection found closed under the
+/// request: closed or reset by the backend as it was read (Pingora marks those
+/// `ReusedOnly`), or as it was written. Not an answer that came malformed, nor a timeout.
+fn closed_under_request(e: &Error) -> bool {
+    matches!(e.retry, RetryType::ReusedOnly) || e.etype() == &ErrorType::WriteError
 }
 
 /// A new connection to `peer`, within the first-byte deadline and while watching the client.
@@ -615,26 +623,32 @@ async fn stream(
     }
 }
 
-/// Reads the response header, past any informational (1xx) ones, before `deadline`.
+/// Reads the response header, past any informational (1xx) ones, before `deadline`. When it
+/// fails: its outcome, and whether the connection was found closed before any byte of it
+/// (see [`closed_under_request`]).
 async fn read_header(
     session: &mut Session,
     http: &mut HttpSession,
     reused: bool,
     deadline: Instant,
-) -> Result<Box<ResponseHeader>, Outcome> {
+) -> Result<Box<ResponseHeader>, (Outcome, bool)> {
+    let mut first = true;
     loop {
         let read = watch(session, http.read_response(), deadline).await;
+        let closed = first && matches!(&read, Watched::Done(Err(e)) if closed_under_request(e));
+        first = false;
         not_started(
             read,
             "no response header before the first-byte timeout",
             Upstream::failed_before_answer,
-        )?;
+        )
+        .map_err(|outcome| (outcome, closed))?;
         match http.resp_header() {
             Some(header) if header.status.is_informational() => continue,
             Some(header) => return Ok(Box::new(header.clone())),
             None => {
                 let e = Error::explain(ErrorType::InvalidHTTPHeader, "no response header");
-                return Err(Outcome::NotStarted(final_error(e, reused)));
+                return Err((Outcome::NotStarted(final_error(e, reused)), false));
             }
         }
     }

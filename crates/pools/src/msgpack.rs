@@ -7,7 +7,9 @@
 //! value, which the two wire forms need (an event's fields are found by position or by name,
 //! and fields this version does not know are passed over). A skip is a loop over a count of
 //! values still to pass, never a recursion, so no nesting a publisher sends can exhaust the
-//! stack.
+//! stack. (So a value nested deeper than `rmpv`'s limit, about 500 levels, is passed over
+//! here where `rmpv` refused the message: in a field the index does not read, a batch is now
+//! taken.)
 
 use rmp::Marker;
 
@@ -217,9 +219,9 @@ impl<'a> Cursor<'a> {
                 Marker::FixExt4 => 5,
                 Marker::FixExt8 => 9,
                 Marker::FixExt16 => 17,
-                Marker::Ext8 => self.be(1)? as usize + 1,
-                Marker::Ext16 => self.be(2)? as usize + 1,
-                Marker::Ext32 => self.be(4)? as usize + 1,
+                Marker::Ext8 => (self.be(1)? as usize).checked_add(1)?,
+                Marker::Ext16 => (self.be(2)? as usize).checked_add(1)?,
+                Marker::Ext32 => (self.be(4)? as usize).checked_add(1)?,
                 Marker::FixArray(n) => {
                     pending += u64::from(n);
                     0

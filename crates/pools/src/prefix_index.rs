@@ -157,8 +157,9 @@ impl KvEventBatch {
         let Some(count) = list.array() else {
             return Ok(false);
         };
-        // Every event is at least a byte: a count the message cannot hold reserves nothing.
-        self.events.reserve(count.min(list.rest().len()));
+        // Reserved for at most a batch's worth: a count the message cannot hold, or events
+        // of kinds not kept, reserve nothing beyond it.
+        self.events.reserve(count.min(RESERVED_EVENTS));
         for _ in 0..count {
             match decode_event(whole(&mut list)?)? {
                 Some(event) => self.events.push(event),
@@ -168,6 +169,10 @@ impl KvEventBatch {
         Ok(true)
     }
 }
+
+/// The most events reserved for at once while a batch is read (an engine step's batch holds
+/// a few; more grow the list as they are read).
+const RESERVED_EVENTS: usize = 64;
 
 /// The next value, whole, as a cursor of its own; an error when the message ends inside it.
 fn whole<'a>(cursor: &mut Cursor<'a>) -> Result<Cursor<'a>, DecodeError> {

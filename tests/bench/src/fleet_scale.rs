@@ -29,7 +29,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::contenders::{free_addr, start_sluice_with, tree_usage, Contender, Usage, MODEL};
 use crate::fleet::page_of;
@@ -234,7 +234,9 @@ async fn follow(ctx: &Ctx, n: usize) -> Result<Followed> {
     while sent < prompts_each {
         let now = (prompts_each - sent).min(4);
         for (sim, cache) in fleet.sims.iter().zip(&mut caches) {
-            sim.publish_kv_events((0..now).map(|_| cache.store()));
+            if !sim.publish_kv_events((0..now).map(|_| cache.store())) {
+                bail!("the simulator at {} publishes no KV events", sim.addr());
+            }
         }
         sent += now;
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -404,7 +406,9 @@ async fn measure(
                     let stored = cache.store();
                     let evicted = cache.evict();
                     block_events += 2 * PROMPT_BLOCKS as u64;
-                    sim.publish_kv_events(std::iter::once(stored).chain(evicted));
+                    if !sim.publish_kv_events(std::iter::once(stored).chain(evicted)) {
+                        bail!("the simulator at {} publishes no KV events", sim.addr());
+                    }
                 }
             }
             published = started.elapsed().as_secs_f64();

@@ -107,11 +107,11 @@ pub async fn instructions(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 }
             }
             let took = started.elapsed();
-            let batch = dump(pid, &c.out)?;
+            let batch = dump(pid, &c.out).await?;
             // The same time with nothing to do: the checks' and timers' share.
             control(pid, "--zero")?;
             tokio::time::sleep(took).await;
-            let idle = dump(pid, &c.out)?;
+            let idle = dump(pid, &c.out).await?;
             report.measured(c.contender, p.instr_requests as u64 - errors, errors, None);
             let done = (p.instr_requests as u64 - errors).max(1) as f64;
             series.push(batch.saturating_sub(idle) as f64 / done);
@@ -227,7 +227,7 @@ fn control(pid: u32, arg: &str) -> Result<()> {
 
 /// Dumps the counters of `pid` and reads the instructions counted since they were zeroed:
 /// the `totals:` line of the newest dump (`summary:` when it has none).
-fn dump(pid: u32, out: &Path) -> Result<u64> {
+async fn dump(pid: u32, out: &Path) -> Result<u64> {
     let before = newest(out);
     control(pid, "--dump")?;
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -248,7 +248,7 @@ fn dump(pid: u32, out: &Path) -> Result<u64> {
         if Instant::now() > deadline {
             bail!("no callgrind dump of {pid} in {:?}", out.parent());
         }
-        std::thread::sleep(Duration::from_millis(50));
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

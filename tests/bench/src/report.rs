@@ -28,6 +28,12 @@ impl Series {
         }
     }
 
+    /// Whether there are rounds and every one of them is a number: a round that measured
+    /// nothing (NaN, or a ratio over zero) leaves a check on every round without a verdict.
+    pub fn all_finite(&self) -> bool {
+        !self.0.is_empty() && self.0.iter().all(|x| x.is_finite())
+    }
+
     pub fn min(&self) -> f64 {
         self.sorted().first().copied().unwrap_or(f64::NAN)
     }
@@ -98,7 +104,7 @@ impl Check {
     /// sides. A verdict on the median alone flips with the machine's noise.
     pub fn at_most_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
         let (min, max) = (rounds.min(), rounds.max());
-        let judged = min.is_finite() && max.is_finite();
+        let judged = rounds.all_finite();
         let mut check = Check::new(
             what,
             &format!("≤ {bound} {unit}, every round"),
@@ -113,7 +119,7 @@ impl Check {
     /// upper one.
     pub fn at_least_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
         let (min, max) = (rounds.min(), rounds.max());
-        let judged = min.is_finite() && max.is_finite();
+        let judged = rounds.all_finite();
         let mut check = Check::new(
             what,
             &format!("≥ {bound} {unit}, every round"),
@@ -392,6 +398,11 @@ mod tests {
         assert_eq!(at_least(&[0.8, 0.9]), "MISS");
         assert_eq!(at_least(&[0.9, 1.1]), at_least(&[1.1, 0.9]));
         assert!(Check::at_least_rounds("x", &rounds(&[0.9, 1.1]), 1.0, "×").split);
+        assert_eq!(
+            judged(&[0.1, f64::NAN]),
+            "n/a",
+            "a round that measured nothing"
+        );
         assert_eq!(Check::at_least("x", f64::NAN, 1.0, "×").verdict(), "n/a");
     }
 }

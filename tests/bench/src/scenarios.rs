@@ -1665,7 +1665,7 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
         "attacked p99 ms",
         "attacked errors",
         "p99 attacked ÷ quiet",
-        "own p99 µs quiet → attacked (request + answer)",
+        "own p99 µs quiet → attacked (request p99 + answer p99)",
         "RSS MB before → peak",
         "stalled streams (stalling)",
         "slowloris cut / opened",
@@ -1852,7 +1852,7 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
             .unwrap_or_default(),
     );
     report.checks.push(Check::at_most_rounds(
-        "plugins on: Sluice's own p99 (request + answer) under attack over quiet",
+        "plugins on: Sluice's own time under attack over quiet (request p99 + answer p99)",
         &own_ratio,
         2.0,
         "×",
@@ -1866,7 +1866,8 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
     Ok(report)
 }
 
-/// Sluice's own p99 in µs over a load: its request phase's and its answer's, added.
+/// Sluice's own time in µs over a load: its request phase's p99 and its answer's p99, added
+/// (an upper bound of the two phases' p99 together, as scenario 15 shows it).
 fn own_p99(own: &Option<OwnClock>) -> f64 {
     own.as_ref().map_or(f64::NAN, |o| {
         o.quantile_us(Phase::Request, 0.99) + o.quantile_us(Phase::Chunk, 0.99)
