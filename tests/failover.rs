@@ -12,38 +12,56 @@ use vllm_sim::SimConfig;
 
 const MODEL: &str = "test-model";
 
+/// What [`answers_once_per_connection`] does with the second request on a connection.
+#[derive(Clone, Copy, PartialEq)]
+enum Second {
+    /// Closes the connection without a byte of answer: what a backend that died, or closed an
+    /// idle connection, looks like to the next request sent on it.
+    Dropped,
+    /// Keeps the connection open and never answers: a backend busy with it.
+    Held,
+}
+
 /// An upstream that answers the first request of each connection (keeping it alive), and
-/// closes the connection when a second request comes on it, without a byte of answer: what a
-/// backend that died, or closed an idle connection, looks like to the next request sent on it.
-/// Counts the requests it dropped so.
-async fn dies_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
+/// reads a second one on it without a byte of answer, as `second` says. Counts the requests it
+/// got, and of those the second ones, all connections together.
+async fn answers_once_per_connection(
+    second: Second,
+) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let dropped = Arc::new(AtomicUsize::new(0));
-    let count = dropped.clone();
+    let (got, seconds) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let counts = (got.clone(), seconds.clone());
     let answer = fixture("vllm-chat-completion.json");
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
-            let (count, answer) = (count.clone(), answer.clone());
+            let ((got, seconds), answer) = (counts.clone(), answer.clone());
             tokio::spawn(async move {
                 // The first request, whole (head and body), is answered.
                 if read_request(&mut s).await.is_none() {
                     return;
                 }
+                got.fetch_add(1, Ordering::Relaxed);
                 let head = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                     answer.len()
                 );
                 let _ = s.write_all(head.as_bytes()).await;
                 let _ = s.write_all(&answer).await;
-                // The second one on the same connection is dropped unanswered.
+                // The second one on the same connection is never answered.
                 if read_request(&mut s).await.is_some() {
-                    count.fetch_add(1, Ordering::Relaxed);
+                    got.fetch_add(1, Ordering::Relaxed);
+                    seconds.fetch_add(1, Ordering::Relaxed);
+                    if second == Second::Held {
+                        // Held open until the proxy lets go.
+                        let mut rest = [0u8; 1];
+                        let _ = s.read(&mut rest).await;
+                    }
                 }
             });
         }
     });
-    (addr, dropped)
+    (addr, got, seconds)
 }
 
 /// Reads one request, head and `content-length` body; its head, lower-cased, or `None` when
@@ -185,7 +203,7 @@ async fn back_pressure_pauses_at_most_the_share_ejections_may_take() {
 /// 502s when its uvicorn closed an idle connection as the decode leg went out).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_on_a_dead_reused_connection_is_sent_again_on_a_new_one() {
-    let (dying, dropped) = dies_on_reuse().await;
+    let (dying, _, dropped) = answers_once_per_connection(Second::Dropped).await;
     let proxy = Proxy::start(json!({"pools": [
         pool("main", &[MODEL], &[dying])
             .without_health_checks()
@@ -215,47 +233,12 @@ async fn a_request_on_a_dead_reused_connection_is_sent_again_on_a_new_one() {
     assert_eq!(elsewhere, Some(0.0), "the same backend took each again");
 }
 
-/// An upstream that answers the first request of each connection (keeping it alive), and
-/// reads a second one on it without ever answering: a backend busy with it. Counts the
-/// requests it got, all connections together.
-async fn silent_on_reuse() -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let got = Arc::new(AtomicUsize::new(0));
-    let count = got.clone();
-    let answer = fixture("vllm-chat-completion.json");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let (count, answer) = (count.clone(), answer.clone());
-            tokio::spawn(async move {
-                if read_request(&mut s).await.is_none() {
-                    return;
-                }
-                count.fetch_add(1, Ordering::Relaxed);
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                    answer.len()
-                );
-                let _ = s.write_all(head.as_bytes()).await;
-                let _ = s.write_all(&answer).await;
-                if read_request(&mut s).await.is_some() {
-                    count.fetch_add(1, Ordering::Relaxed);
-                    // Held open, unanswered, until the proxy lets go.
-                    let mut rest = [0u8; 1];
-                    let _ = s.read(&mut rest).await;
-                }
-            });
-        }
-    });
-    (addr, got)
-}
-
 /// A request on a pooled connection whose backend takes it and stays silent is not sent
 /// again when the first-byte timeout ends it: only a connection found closed is (the backend
 /// may still be generating the first).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_on_a_pooled_connection_is_not_sent_again() {
-    let (silent, got) = silent_on_reuse().await;
+    let (silent, got, _) = answers_once_per_connection(Second::Held).await;
     let proxy = Proxy::start(json!({"pools": [
         pool("main", &[MODEL], &[silent])
             .without_health_checks()

@@ -314,7 +314,7 @@ async fn exchange(
     header: &RequestHeader,
     body: Bytes,
     deadlines: &Deadlines,
-    received: Option<std::time::Instant>,
+    mut received: Option<std::time::Instant>,
 ) -> Result<(HttpSession, bool, Box<ResponseHeader>), Outcome> {
     let Some(request) = Wire::new(header, body) else {
         let e = Error::explain(
@@ -324,7 +324,6 @@ async fn exchange(
         return Err(Outcome::NotStarted(e.into_up()));
     };
     let mut pooled = upstreams.pool.take(peer);
-    let mut received = received;
     loop {
         let reused = pooled.is_some();
         let http = match pooled.take() {

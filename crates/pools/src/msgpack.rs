@@ -62,26 +62,32 @@ impl<'a> Cursor<'a> {
     /// The length of the array that starts here, moved past its header; `None` (not moved)
     /// when the next value is no array.
     pub fn array(&mut self) -> Option<usize> {
-        let mut probe = *self;
-        let len = match probe.marker()? {
-            Marker::FixArray(n) => usize::from(n),
-            Marker::Array16 => probe.be(2)? as usize,
-            Marker::Array32 => probe.be(4)? as usize,
-            _ => return None,
-        };
-        *self = probe;
-        Some(len)
+        self.sized(|marker| match marker {
+            Marker::FixArray(n) => Some(Length::Inline(n)),
+            Marker::Array16 => Some(Length::Next(2)),
+            Marker::Array32 => Some(Length::Next(4)),
+            _ => None,
+        })
     }
 
     /// The number of pairs of the map that starts here, moved past its header; `None` (not
     /// moved) when the next value is no map.
     pub fn map(&mut self) -> Option<usize> {
+        self.sized(|marker| match marker {
+            Marker::FixMap(n) => Some(Length::Inline(n)),
+            Marker::Map16 => Some(Length::Next(2)),
+            Marker::Map32 => Some(Length::Next(4)),
+            _ => None,
+        })
+    }
+
+    /// The length the next marker gives, when `kind` says it is one: moved past the marker
+    /// and the length, or not moved at all.
+    fn sized(&mut self, kind: impl Fn(Marker) -> Option<Length>) -> Option<usize> {
         let mut probe = *self;
-        let len = match probe.marker()? {
-            Marker::FixMap(n) => usize::from(n),
-            Marker::Map16 => probe.be(2)? as usize,
-            Marker::Map32 => probe.be(4)? as usize,
-            _ => return None,
+        let len = match kind(probe.marker()?)? {
+            Length::Inline(n) => usize::from(n),
+            Length::Next(bytes) => probe.be(bytes)? as usize,
         };
         *self = probe;
         Some(len)
@@ -162,13 +168,13 @@ impl<'a> Cursor<'a> {
     /// The bytes of a string or a binary; `None` (not moved) for anything else.
     pub fn bytes(&mut self) -> Option<&'a [u8]> {
         let mut probe = *self;
-        let len = match probe.marker()? {
-            Marker::FixStr(n) => usize::from(n),
-            Marker::Str8 | Marker::Bin8 => probe.be(1)? as usize,
-            Marker::Str16 | Marker::Bin16 => probe.be(2)? as usize,
-            Marker::Str32 | Marker::Bin32 => probe.be(4)? as usize,
-            _ => return None,
-        };
+        let len = probe.sized(|marker| match marker {
+            Marker::FixStr(n) => Some(Length::Inline(n)),
+            Marker::Str8 | Marker::Bin8 => Some(Length::Next(1)),
+            Marker::Str16 | Marker::Bin16 => Some(Length::Next(2)),
+            Marker::Str32 | Marker::Bin32 => Some(Length::Next(4)),
+            _ => None,
+        })?;
         let bytes = probe.take(len)?;
         *self = probe;
         Some(bytes)
@@ -256,6 +262,12 @@ impl<'a> Cursor<'a> {
     pub fn rest(&self) -> &'a [u8] {
         self.rest
     }
+}
+
+/// Where a marker's length is: in the marker itself, or in the next so many bytes.
+enum Length {
+    Inline(u8),
+    Next(usize),
 }
 
 fn signed(n: i64) -> (u64, bool) {

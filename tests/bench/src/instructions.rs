@@ -27,7 +27,7 @@ use crate::contenders::{
     SimSpec,
 };
 use crate::loadgen::send_one;
-use crate::report::{Check, ScenarioReport, Series};
+use crate::report::{pairwise, Check, ScenarioReport, Series};
 use crate::scenarios::{chat_body, title, Up, CHAT};
 use crate::Ctx;
 
@@ -120,7 +120,7 @@ pub async fn instructions(ctx: &mut Ctx) -> Result<ScenarioReport> {
 
     let of = |c: Contender| per_request.iter().find(|(x, _)| *x == c).map(|(_, s)| s);
     let ratio = |a: Contender, b: Contender| match (of(a), of(b)) {
-        (Some(a), Some(b)) => Series(a.0.iter().zip(&b.0).map(|(a, b)| a / b).collect()),
+        (Some(a), Some(b)) => pairwise(a, b, |a, b| a / b),
         _ => Series::default(),
     };
     report.header = [

@@ -103,30 +103,36 @@ impl Check {
     /// MISS when every round is over it, SPLIT (no verdict) when the rounds fall on both
     /// sides. A verdict on the median alone flips with the machine's noise.
     pub fn at_most_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
-        let (min, max) = (rounds.min(), rounds.max());
-        let judged = rounds.all_finite();
-        let mut check = Check::new(
-            what,
-            &format!("≤ {bound} {unit}, every round"),
-            format!("{} {unit}", rounds.show(3)),
-            (judged && (max <= bound || min > bound)).then_some(max <= bound),
-        );
-        check.split = judged && min <= bound && max > bound;
-        check
+        let wanted = format!("≤ {bound} {unit}, every round");
+        Check::every_round(what, rounds, wanted, unit, |x| x <= bound)
     }
 
     /// Every round of `rounds` against a lower bound, as [`Check::at_most_rounds`] judges an
     /// upper one.
     pub fn at_least_rounds(what: &str, rounds: &Series, bound: f64, unit: &str) -> Check {
-        let (min, max) = (rounds.min(), rounds.max());
+        let wanted = format!("≥ {bound} {unit}, every round");
+        Check::every_round(what, rounds, wanted, unit, |x| x >= bound)
+    }
+
+    /// PASS when `within` holds for every round, MISS when for none, SPLIT otherwise; no
+    /// verdict when a round measured nothing.
+    fn every_round(
+        what: &str,
+        rounds: &Series,
+        wanted: String,
+        unit: &str,
+        within: impl Fn(f64) -> bool,
+    ) -> Check {
         let judged = rounds.all_finite();
+        let passed = rounds.0.iter().filter(|x| within(**x)).count();
+        let (all, none) = (passed == rounds.0.len(), passed == 0);
         let mut check = Check::new(
             what,
-            &format!("≥ {bound} {unit}, every round"),
+            &wanted,
             format!("{} {unit}", rounds.show(3)),
-            (judged && (min >= bound || max < bound)).then_some(min >= bound),
+            (judged && (all || none)).then_some(all),
         );
-        check.split = judged && max >= bound && min < bound;
+        check.split = judged && !all && !none;
         check
     }
 
