@@ -697,7 +697,13 @@ impl BackendLive {
     /// its `max_num_seqs` or its KV cache is full) with fewer first tokens since than it held.
     pub fn queues(&self, hold_above_tokens: u64, policy: &HealthPolicy) -> bool {
         let own = self.accounting();
-        let ahead = self.prefill_ahead_seconds(own.prefilling) * self.prefill_speed();
+        // A request let in now reaches the engine's queue only after the fixed part of a
+        // time to first token (its upload, the engine's front end): what is ahead must outlast
+        // that too, or the engine runs dry between the two. An engine that prefills in no
+        // time (all of its TTFT fixed) would otherwise take one request at a time.
+        let lead = self.base_ttft();
+        let ahead_seconds = (self.prefill_ahead_seconds(own.prefilling) - lead).max(0.0);
+        let ahead = ahead_seconds * self.prefill_speed();
         if ahead.min(own.prefill_tokens as f64) >= hold_above_tokens as f64 {
             return true;
         }
@@ -1736,6 +1742,29 @@ mod tests {
         // Nothing of ours left prefilling: nothing ahead, whatever the clock says.
         drop((first, _second));
         assert_eq!(b.wait_tokens(b.wait_ahead(0, &policy)), 0.0);
+        set_clock(0);
+    }
+
+    #[test]
+    fn the_next_request_is_let_in_while_the_last_one_is_still_on_its_way() {
+        let policy = HealthPolicy::default();
+        let b = Arc::new(BackendLive::default());
+        // An engine that takes about 18 ms whatever the prompt (the upload, its front end),
+        // then 10,000 tokens a second.
+        b.seed_prefill_speed(10_000.0);
+        for _ in 0..400 {
+            b.learn_prefill(16, 0.020);
+        }
+        let lead = b.base_ttft();
+        assert!((lead - 0.0184).abs() < 0.001, "{lead}");
+        set_clock(1_000_000);
+        let _sent = b.begin_request(600, 300); // 30 ms of prefill
+                                               // Just sent: 30 ms ahead, 12 ms of it beyond the lead, 116 tokens at the speed.
+        assert!(b.queues(100, &policy));
+        // 15 ms later, 15 ms are ahead (150 tokens): less than a request let in now takes
+        // to get there, so it is let in, and the engine does not run dry between the two.
+        set_clock(1_015_000);
+        assert!(!b.queues(100, &policy));
         set_clock(0);
     }
 
