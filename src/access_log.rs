@@ -1,5 +1,5 @@
 //! What the end of every request records: the request metrics (`conf/README.md` lists them)
-//! and one access-log line.
+//! and one access-log line, each by a core observer of its own (`crate::observers`).
 
 use crate::metrics::{self, status_class};
 use pingora_error::Error;
@@ -20,8 +20,8 @@ pub fn truncated(text: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// Records a finished client request. `access_log` turns the log line on.
-pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
+/// Counts a finished client request in the request metrics.
+pub fn count(ctx: &RequestCtx) {
     let elapsed = ctx.started().elapsed();
     let progress = ctx.progress();
     let status = progress.status.unwrap_or(0);
@@ -59,32 +59,37 @@ pub fn record(access_log: bool, ctx: &RequestCtx, error: Option<&Error>) {
             elapsed.as_secs_f64(),
         );
     }
+}
 
-    if access_log {
-        let placement = progress.placement;
-        tracing::info!(
-            target: "sluice::access",
-            request_id = ctx.request_id().unwrap_or("-"),
-            route = ctx.route().label(),
-            model = %truncated(ctx.model().unwrap_or("-")),
-            pool,
-            backend = %progress.backend.map_or_else(|| "-".to_string(), |b| b.to_string()),
-            attempts = progress.attempts,
-            status,
-            upstream_status = progress.upstream_status.unwrap_or(0),
-            bytes = progress.response_bytes,
-            duration_ms = %Millis(Some(elapsed)),
-            ttfb_ms = %Millis(progress.first_byte),
-            ttft_predicted_ms = %SecondsAsMillis(placement.map(|p| p.predicted_ttft)),
-            ttft_runner_up_ms = %SecondsAsMillis(placement.and_then(|p| p.runner_up).map(|(_, t)| t)),
-            session_moved = placement.is_some_and(|p| p.session_moved),
-            cache_hit = ctx.answered_locally(),
-            incomplete = progress.response_incomplete,
-            trace_id = %crate::telemetry::trace_id(ctx).unwrap_or_else(|| "-".into()),
-            error = %error.map_or_else(String::new, |e| truncated(&e.to_string()).into_owned()),
-            "request"
-        );
-    }
+/// Writes a finished client request's access-log line.
+pub fn write(ctx: &RequestCtx, error: Option<&Error>) {
+    let elapsed = ctx.started().elapsed();
+    let progress = ctx.progress();
+    let status = progress.status.unwrap_or(0);
+    let pool = ctx.pool_name();
+    let placement = progress.placement;
+    tracing::info!(
+        target: "sluice::access",
+        request_id = ctx.request_id().unwrap_or("-"),
+        route = ctx.route().label(),
+        model = %truncated(ctx.model().unwrap_or("-")),
+        pool,
+        backend = %progress.backend.map_or_else(|| "-".to_string(), |b| b.to_string()),
+        attempts = progress.attempts,
+        status,
+        upstream_status = progress.upstream_status.unwrap_or(0),
+        bytes = progress.response_bytes,
+        duration_ms = %Millis(Some(elapsed)),
+        ttfb_ms = %Millis(progress.first_byte),
+        ttft_predicted_ms = %SecondsAsMillis(placement.map(|p| p.predicted_ttft)),
+        ttft_runner_up_ms = %SecondsAsMillis(placement.and_then(|p| p.runner_up).map(|(_, t)| t)),
+        session_moved = placement.is_some_and(|p| p.session_moved),
+        cache_hit = ctx.answered_locally(),
+        incomplete = progress.response_incomplete,
+        trace_id = %crate::telemetry::trace_id(ctx).unwrap_or_else(|| "-".into()),
+        error = %error.map_or_else(String::new, |e| truncated(&e.to_string()).into_owned()),
+        "request"
+    );
 }
 
 /// Milliseconds with three decimals in the log; `-` when unknown.

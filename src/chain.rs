@@ -17,14 +17,20 @@
 //! Response hooks run in the reverse order, as Envoy runs its encoder filters: the plugin
 //! nearest the upstream sees its answer first, so the cache stores the answer exactly as the
 //! client gets it, after the selector removed what it had asked for on the client's behalf.
+//!
+//! The core observes requests through the same hooks (`crate::observers`: attempt metrics,
+//! traces, the access log), registered only when on. Its observers hear of an attempt's end
+//! before the plugins (the attempt's span carries its outcome when they read it), and shape
+//! the upstream request and hear of a request's end after them (the trace context a plugin
+//! cannot overwrite; the log line has what the plugins recorded).
 
 use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use sluice_sdk::{
-    AttemptReport, ConfigError, ErrorReply, Flow, Host, LocalResponse, Plugin, PluginBuilder,
-    RequestCtx,
+    AttemptReport, AttemptStart, ConfigError, ErrorReply, Flow, Host, LocalResponse, Plugin,
+    PluginBuilder, RequestCtx,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -144,18 +150,23 @@ pub fn resolve(mut sections: Sections, host: &Host) -> Result<ResolvedPlugins, C
 
 pub struct Chain {
     plugins: Vec<Arc<dyn Plugin>>,
+    /// The core's own observers (see the module's header): they use `upstream_request`,
+    /// `attempt_end` and `logging` only.
+    observers: Vec<Arc<dyn Plugin>>,
     /// The sum of the plugins' [`Plugin::response_headers_added`].
     response_headers_added: usize,
 }
 
 impl Chain {
-    /// Starts the resolved plugins: their metrics, stores and background work.
-    pub fn start(resolved: ResolvedPlugins) -> Self {
+    /// Starts the resolved plugins (their metrics, stores and background work) after the
+    /// core's `observers`.
+    pub fn start(resolved: ResolvedPlugins, observers: Vec<Arc<dyn Plugin>>) -> Self {
         let plugins: Vec<Arc<dyn Plugin>> =
             resolved.0.into_iter().map(|r| r.ready.start()).collect();
         let response_headers_added = plugins.iter().map(|p| p.response_headers_added()).sum();
         Self {
             plugins,
+            observers,
             response_headers_added,
         }
     }
@@ -200,14 +211,17 @@ impl Chain {
         self.plugins.iter().try_for_each(|p| p.upstream_select(ctx))
     }
 
+    /// The plugins' headers, then the core's (the trace context).
     pub fn upstream_request(
         &self,
         request: &mut RequestHeader,
+        attempt: &AttemptStart<'_>,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         self.plugins
             .iter()
-            .try_for_each(|p| p.upstream_request(request, ctx))
+            .chain(&self.observers)
+            .try_for_each(|p| p.upstream_request(request, attempt, ctx))
     }
 
     pub fn response_header(
@@ -233,11 +247,12 @@ impl Chain {
             .try_for_each(|p| p.response_body(body, end_of_stream, ctx))
     }
 
-    /// An upstream attempt ended; reverse order, as the response hooks.
+    /// An upstream attempt ended: the core's observers first, then the plugins in reverse
+    /// order, as the response hooks.
     pub fn attempt_end(&self, attempt: &AttemptReport, ctx: &mut RequestCtx) {
-        self.plugins
+        self.observers
             .iter()
-            .rev()
+            .chain(self.plugins.iter().rev())
             .for_each(|p| p.attempt_end(attempt, ctx));
     }
 
@@ -245,18 +260,23 @@ impl Chain {
         self.plugins.iter().for_each(|p| p.error(reply, ctx));
     }
 
+    /// The request ended: the plugins, then the core's observers.
     pub fn logging(&self, error: Option<&Error>, ctx: &mut RequestCtx) {
-        self.plugins.iter().for_each(|p| p.logging(error, ctx));
+        self.plugins
+            .iter()
+            .chain(&self.observers)
+            .for_each(|p| p.logging(error, ctx));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_sdk::AttemptOutcome;
     use std::sync::Mutex;
 
     /// Who heard of which attempt, and how it ended.
-    type Heard = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
+    type Heard = Arc<Mutex<Vec<(&'static str, u32, AttemptOutcome)>>>;
 
     /// Records the attempts it is told of, under its name.
     struct Observer {
@@ -275,10 +295,28 @@ mod tests {
                 .unwrap()
                 .push((self.name, attempt.number, attempt.outcome));
         }
+
+        fn upstream_request(
+            &self,
+            request: &mut RequestHeader,
+            attempt: &AttemptStart<'_>,
+            _ctx: &mut RequestCtx,
+        ) -> Result<()> {
+            let heard = format!("{}:{}", self.name, attempt.number);
+            request.append_header("x-heard", heard)?;
+            Ok(())
+        }
+
+        fn logging(&self, _error: Option<&Error>, _ctx: &mut RequestCtx) {
+            self.seen
+                .lock()
+                .unwrap()
+                .push((self.name, 0, AttemptOutcome::Response));
+        }
     }
 
     #[test]
-    fn every_plugin_hears_of_each_attempt_nearest_the_upstream_first() {
+    fn the_core_hears_of_an_attempt_first_then_each_plugin_nearest_the_upstream_first() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let observer = |name| -> Arc<dyn Plugin> {
             Arc::new(Observer {
@@ -288,10 +326,31 @@ mod tests {
         };
         let chain = Chain {
             plugins: vec![observer("first"), observer("second")],
+            observers: vec![observer("core")],
             response_headers_added: 0,
         };
         let mut ctx = RequestCtx::new();
-        for (number, outcome) in [(1, "timeout"), (2, "response")] {
+        // The upstream request: the plugins' headers, then the core's.
+        let mut request = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
+        let span = tracing::Span::none();
+        let start = AttemptStart {
+            number: 1,
+            pool: "draft",
+            backend: ([127, 0, 0, 1], 8000).into(),
+            span: &span,
+            prefill_leg: false,
+        };
+        chain
+            .upstream_request(&mut request, &start, &mut ctx)
+            .unwrap();
+        let heard: Vec<_> = request
+            .headers
+            .get_all("x-heard")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(heard, ["first:1", "second:1", "core:1"]);
+        for (number, outcome) in [(1, AttemptOutcome::Timeout), (2, AttemptOutcome::Response)] {
             let attempt = AttemptReport {
                 number,
                 pool: "draft".into(),
@@ -304,13 +363,21 @@ mod tests {
             };
             chain.attempt_end(&attempt, &mut ctx);
         }
+        chain.logging(None, &mut ctx);
+        use AttemptOutcome::{Response, Timeout};
         assert_eq!(
             *seen.lock().unwrap(),
             [
-                ("second", 1, "timeout"),
-                ("first", 1, "timeout"),
-                ("second", 2, "response"),
-                ("first", 2, "response"),
+                ("core", 1, Timeout),
+                ("second", 1, Timeout),
+                ("first", 1, Timeout),
+                ("core", 2, Response),
+                ("second", 2, Response),
+                ("first", 2, Response),
+                // The request's end: the plugins, then the core.
+                ("first", 0, Response),
+                ("second", 0, Response),
+                ("core", 0, Response),
             ]
         );
     }

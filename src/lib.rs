@@ -26,6 +26,7 @@ pub mod keeper;
 pub mod logging;
 pub mod metrics;
 pub mod models;
+pub mod observers;
 pub mod proxy;
 pub mod reload;
 pub mod router;

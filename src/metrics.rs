@@ -481,62 +481,23 @@ metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
     "sluice_upstream_attempts_total",
     format!(
         "Upstream attempts by pool and outcome ({}).",
-        AttemptOutcome::ALL.map(AttemptOutcome::as_str).join(", ")
+        AttemptOutcome::COUNTED.map(AttemptOutcome::as_str).join(", ")
     ),
     &["pool", "outcome"]
 ));
 
-/// How an upstream attempt ended, for `sluice_upstream_attempts_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttemptOutcome {
-    /// The upstream's answer went to the client.
-    Response,
-    /// No connection could be made.
-    ConnectError,
-    /// No answer in time, before anything reached the client.
-    Timeout,
-    /// Another failure before anything reached the client.
-    Error,
-    /// An error status (5xx, 429) held back for another attempt.
-    Declined,
-    /// A held answer the escalation check rejected.
-    RejectedAnswer,
-    /// The answer started, then failed.
-    Broken,
-}
+pub use sluice_sdk::AttemptOutcome;
 
-impl AttemptOutcome {
-    pub const ALL: [AttemptOutcome; 7] = [
-        AttemptOutcome::Response,
-        AttemptOutcome::ConnectError,
-        AttemptOutcome::Timeout,
-        AttemptOutcome::Error,
-        AttemptOutcome::Declined,
-        AttemptOutcome::RejectedAnswer,
-        AttemptOutcome::Broken,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptOutcome::Response => "response",
-            AttemptOutcome::ConnectError => "connect_error",
-            AttemptOutcome::Timeout => "timeout",
-            AttemptOutcome::Error => "error",
-            AttemptOutcome::Declined => "declined",
-            AttemptOutcome::RejectedAnswer => "rejected_answer",
-            AttemptOutcome::Broken => "broken",
-        }
-    }
-}
-
-/// Counts one upstream attempt of `pool`.
 /// Counts a `SIGHUP` reload, done or refused.
 pub fn reload(done: bool) {
     inc(&RELOADS, &[if done { "ok" } else { "refused" }]);
 }
 
+/// Counts one upstream attempt of `pool`; one the client left is not counted.
 pub fn attempt(pool: &str, outcome: AttemptOutcome) {
-    inc(&UPSTREAM_ATTEMPTS, &[pool, outcome.as_str()]);
+    if outcome != AttemptOutcome::ClientGone {
+        inc(&UPSTREAM_ATTEMPTS, &[pool, outcome.as_str()]);
+    }
 }
 
 /// Counts how far a streamed request's TTFT (`observed`) was from the one `predicted`, both
@@ -591,7 +552,7 @@ pub fn init(pools: &Pools) {
                 touch(&METRIC_LINES_SKIPPED, &[&pool.name, &endpoint.spec.address]);
             }
         }
-        for outcome in AttemptOutcome::ALL {
+        for outcome in AttemptOutcome::COUNTED {
             touch(&UPSTREAM_ATTEMPTS, &[&pool.name, outcome.as_str()]);
         }
         for kind in ["prompt", "completion"] {

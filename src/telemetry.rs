@@ -105,6 +105,11 @@ fn get() -> Option<&'static Tracing> {
     TRACING.get()
 }
 
+/// Whether traces are on in this process (`telemetry` in the config it started with).
+pub fn enabled() -> bool {
+    get().is_some()
+}
+
 /// Starts the exporter and returns the layer that makes Sluice's request and attempt spans
 /// OpenTelemetry spans, for the logging set-up to add. Once per process (a reload cannot
 /// change `telemetry`).
@@ -510,15 +515,32 @@ pub fn pd_leg(span: &tracing::Span, leg: &'static str) {
     }
 }
 
-/// What an attempt came to, on its span: the model that answered and the tokens used, when
-/// the answer said (a stream's too: its usage is read as it passes).
-pub fn attempt_ended(span: &tracing::Span, ctx: &sluice_sdk::RequestCtx, pool: &sluice_sdk::Pool) {
+/// Records how a try (or a prefill leg) ended on its span: the backend's status and
+/// `outcome`.
+pub fn try_ended(span: &tracing::Span, status: Option<u16>, outcome: &str) {
+    if let Some(status) = status {
+        span.record("http.response.status_code", status);
+    }
+    span.record("sluice.outcome", outcome);
+}
+
+/// What an attempt came to, on its span: how it ended, and on LLM routes the model that
+/// answered and the tokens used, when the answer said (a stream's too: its usage is read as
+/// it passes).
+pub fn attempt_ended(attempt: &sluice_sdk::AttemptReport, ctx: &sluice_sdk::RequestCtx) {
     use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let span = &attempt.span;
+    try_ended(span, attempt.status, attempt.outcome.as_str());
     if ctx.llm().is_none() || !ctx.traced() {
         return;
     }
     let requested = ctx.model();
-    let answered = match pool.served_model_for(requested) {
+    // The pool the attempt went to (the request's until the core decides what follows).
+    let served = ctx
+        .pool()
+        .filter(|pool| pool.name == attempt.pool)
+        .and_then(|pool| pool.served_model_for(requested));
+    let answered = match served {
         Some(served) => served.name().to_string(),
         None => requested.unwrap_or("").to_string(),
     };

@@ -3,7 +3,9 @@
 //! gRPC; a client's `traceparent` is continued (or not, when told), the engine gets a
 //! `traceparent` naming the attempt's span, an escalated request shows its two attempts, a
 //! shed request its shed event, and a collector that is down costs no request anything while
-//! its dropped spans are counted; a proxy that stops sends the spans it still holds.
+//! its dropped spans are counted; a proxy that stops sends the spans it still holds. A plain
+//! route's tries are spans and attempts too, its upstream given the answering try's trace
+//! context when the request is traced and the client's headers when it is not.
 // Test code: a panic is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -480,4 +482,119 @@ async fn a_clients_request_stays_small_on_its_span_and_its_trace_headers_stay_be
     for (name, _) in all {
         assert_eq!(sent.header(name), None, "{name} reached the engine");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_routes_tries_are_traced_and_counted_each() {
+    let receiver = OtlpReceiver::http().await;
+    let upstream = sim().await;
+    let dead = reserve_port();
+    // Round robin over a refused port and the engine: of every two requests, at least one
+    // tries the refused port first, then the engine.
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[dead.addr(), upstream.addr()])
+            .without_health_checks()
+            .with("balancing", json!({"strategy": "round_robin"}))],
+        "routes": [{"path_prefix": "/version", "pool": "main"}],
+        "plugins": {"request_id": {"enabled": true}},
+        "telemetry": {"otlp": receiver.config(), "sampling": 1.0},
+    }))
+    .await;
+    let client = client();
+    const REQUESTS: usize = 4;
+    let mut traces = Vec::new();
+    for i in 0..REQUESTS {
+        // A trace of its own each: the client's trace id, its last digit the request's.
+        let traceparent = format!("00-{}{i}-{CLIENT_SPAN}-01", &CLIENT_TRACE[..31]);
+        let answer = client
+            .get(proxy.url(&format!("/version?try={i}")))
+            .header("traceparent", &traceparent)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        traces.push(traceparent[3..35].to_string());
+    }
+    // Each trace: the request's span and one span per try; the upstream got the trace
+    // context of the try that reached it, not the client's.
+    let mut outcomes = Vec::new();
+    for (i, trace) in traces.iter().enumerate() {
+        let spans = receiver
+            .spans_when(Duration::from_secs(10), |spans| {
+                let of = spans_of(spans, trace);
+                of.iter().any(|s| s.span.kind == 2)
+                    && of
+                        .iter()
+                        .filter(|s| s.span.kind == 3)
+                        .any(|s| s.attribute("sluice.outcome").as_deref() == Some("response"))
+            })
+            .await;
+        let tries: Vec<&ReceivedSpan> = spans_of(&spans, trace)
+            .into_iter()
+            .filter(|s| s.span.kind == 3)
+            .collect();
+        let answered = tries
+            .iter()
+            .find(|s| s.attribute("sluice.outcome").as_deref() == Some("response"))
+            .unwrap();
+        assert_eq!(
+            answered.attribute("http.response.status_code").as_deref(),
+            Some("200")
+        );
+        let sent = upstream
+            .stats()
+            .recent
+            .iter()
+            .rev()
+            .find(|r| r.path == format!("/version?try={i}"))
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            sent.header("traceparent"),
+            Some(format!("00-{trace}-{}-01", answered.span_id()).as_str())
+        );
+        outcomes.extend(tries.iter().map(|s| s.attribute("sluice.outcome").unwrap()));
+    }
+    let count = |outcome: &str| outcomes.iter().filter(|o| *o == outcome).count();
+    let refused = count("connect_error");
+    assert_eq!(count("response"), REQUESTS, "{outcomes:?}");
+    assert!(refused >= REQUESTS / 2, "{outcomes:?}");
+    assert_eq!(refused + REQUESTS, outcomes.len(), "{outcomes:?}");
+    // Each try is counted as it ended, the refused ones too.
+    for (outcome, want) in [("connect_error", refused), ("response", REQUESTS)] {
+        let series =
+            format!(r#"sluice_upstream_attempts_total{{outcome="{outcome}",pool="main"}}"#);
+        assert_eq!(proxy.metric(&series).await, Some(want as f64), "{series}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_plain_request_keeps_the_clients_trace_headers() {
+    let receiver = OtlpReceiver::http().await;
+    let upstream = sim().await;
+    let proxy = Proxy::start(json!({
+        "pools": [pool("main", &[MODEL], &[upstream.addr()]).without_health_checks()],
+        "routes": [{"path_prefix": "/version", "pool": "main"}],
+        "telemetry": {"otlp": receiver.config(), "sampling": 0.0},
+    }))
+    .await;
+    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    let answer = client()
+        .get(proxy.url("/version?unsampled"))
+        .header("traceparent", &traceparent)
+        .header("tracestate", "vendor=x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let sent = upstream
+        .stats()
+        .recent
+        .iter()
+        .rev()
+        .find(|r| r.path == "/version?unsampled")
+        .cloned()
+        .unwrap();
+    assert_eq!(sent.header("traceparent"), Some(traceparent.as_str()));
+    assert_eq!(sent.header("tracestate"), Some("vendor=x"));
 }

@@ -18,7 +18,6 @@ use super::downstream::{forward, frame_by_length, prepare_upstream_header, write
 use super::upstream_pool::UpstreamPool;
 use super::{tries, usage};
 use crate::chain::Chain;
-use crate::metrics::AttemptOutcome;
 use bytes::Bytes;
 use pingora_core::connectors::http::v1::Connector;
 use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
@@ -30,6 +29,7 @@ use sluice_sdk::client::{watch, Watched};
 use sluice_sdk::context;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
+use sluice_sdk::AttemptOutcome;
 use sluice_sdk::{
     AnswerCheck, Endpoint, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
     StreamCheck, StreamJudge, Usage, Verdict,
@@ -106,9 +106,9 @@ impl Outcome {
         }
     }
 
-    /// The attempt's label in `sluice_upstream_attempts_total`; none when the client left.
-    pub fn label(&self) -> Option<AttemptOutcome> {
-        Some(match self {
+    /// How the attempt ended, as its observers are told.
+    pub fn outcome(&self) -> AttemptOutcome {
+        match self {
             Outcome::Complete => AttemptOutcome::Response,
             Outcome::NotStarted(e) if is_timeout(e) => AttemptOutcome::Timeout,
             Outcome::NotStarted(e) if is_connect_failure(e) => AttemptOutcome::ConnectError,
@@ -116,8 +116,8 @@ impl Outcome {
             Outcome::Declined(..) => AttemptOutcome::Declined,
             Outcome::Judged(..) => AttemptOutcome::RejectedAnswer,
             Outcome::Broken(_) => AttemptOutcome::Broken,
-            Outcome::ClientGone(_) => return None,
-        })
+            Outcome::ClientGone(_) => AttemptOutcome::ClientGone,
+        }
     }
 }
 

@@ -228,9 +228,15 @@ impl Leg<'_> {
         let span = super::tries::prefill_span(ctx, pool, addr);
         let mut header = pool_header(sluice, session, ctx, pool, addr, leg_body.len()).ok()?;
         // The leg is an upstream request as an attempt is: the plugins' headers too (the
-        // request id, for both engines' logs).
-        sluice.chain.upstream_request(&mut header, ctx).ok()?;
-        crate::telemetry::trace_upstream(&mut header, &span, ctx.traced()).ok()?;
+        // request id, for both engines' logs), and the trace context under the leg's span.
+        let leg = sluice_sdk::AttemptStart {
+            number: ctx.progress().attempts + 1,
+            pool: &pool.name,
+            backend: addr,
+            span: &span,
+            prefill_leg: true,
+        };
+        sluice.chain.upstream_request(&mut header, &leg, ctx).ok()?;
         if let Some(legs) = self.mooncake {
             header
                 .insert_header("x-data-parallel-rank", legs.rank.to_string())
@@ -306,7 +312,7 @@ impl Leg<'_> {
             (Err(Outcome::ClientGone(_)), None) => "client_gone",
             (Err(_), None) => "failed",
         };
-        super::tries::ended(span, status, label);
+        crate::telemetry::try_ended(span, status, label);
         let (decode_pool, prefill_pool) = (&*self.decode_pool.name, &*pool.name);
         match answer {
             Ok((200, _)) => Ok(params),

@@ -33,8 +33,8 @@ use sluice_sdk::model_name::{self, ServedModel, UpstreamEdits};
 use sluice_sdk::prefix::{Predicted, PrefixKeys, PrefixRouting};
 use sluice_sdk::Waited;
 use sluice_sdk::{
-    AttemptReport, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall, Placement, Pool,
-    Pools, RequestCtx, RetryOn, RouteMatch, Selected,
+    AttemptReport, AttemptStart, ClientFields, Demand, Endpoint, ErrorReply, InFlight, LlmCall,
+    Placement, Pool, Pools, RequestCtx, RetryOn, RouteMatch, Selected,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -423,6 +423,8 @@ struct Prepared {
     attempt: Attempt,
     deadlines: Deadlines,
     hold: Hold,
+    /// The attempt's span (see `tries::span`).
+    span: tracing::Span,
 }
 
 impl AttemptLoop {
@@ -662,17 +664,8 @@ impl AttemptLoop {
                     }
                     // Counted before the next waiter is let in.
                     drop(held.take());
-                    let span = tries::span(ctx, &pool, backend.addr);
-                    if self.transfer.is_some() {
-                        crate::telemetry::pd_leg(&span, "decode");
-                    }
-                    let mut prepared =
+                    let prepared =
                         self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
-                    crate::telemetry::trace_upstream(
-                        &mut prepared.attempt.header,
-                        &span,
-                        ctx.traced(),
-                    )?;
                     // 3. run: the attempt's load on the backend ends with it (or as soon as
                     // the backend's answer has come whole), never with a retry's backoff or
                     // a held answer sent later.
@@ -680,6 +673,7 @@ impl AttemptLoop {
                         attempt,
                         deadlines,
                         hold,
+                        span,
                     } = prepared;
                     let started = std::time::Instant::now();
                     let upstreams = sluice.upstreams();
@@ -712,7 +706,7 @@ impl AttemptLoop {
         }
     }
 
-    /// The request header, body, deadlines and hold of an attempt on `backend`.
+    /// The request header, body, deadlines, hold and span of an attempt on `backend`.
     fn prepare(
         &mut self,
         sluice: &Sluice,
@@ -722,6 +716,10 @@ impl AttemptLoop {
         backend: &Selected,
         in_flight: InFlight,
     ) -> Result<Prepared> {
+        let span = tries::span(ctx, pool, backend.addr);
+        if self.transfer.is_some() {
+            crate::telemetry::pd_leg(&span, "decode");
+        }
         let body = self.upstream_source(ctx);
         // A family that names the model in the path gets the pool's name there, and its
         // body is left as it is.
@@ -737,7 +735,14 @@ impl AttemptLoop {
         if let Some(path) = path {
             with_path(&mut header, &path)?;
         }
-        sluice.chain.upstream_request(&mut header, ctx)?;
+        let attempt = AttemptStart {
+            number: ctx.progress().attempts,
+            pool: &pool.name,
+            backend: backend.addr,
+            span: &span,
+            prefill_leg: false,
+        };
+        sluice.chain.upstream_request(&mut header, &attempt, ctx)?;
 
         let escalation = ctx.escalation();
         let now = Instant::now();
@@ -777,6 +782,7 @@ impl AttemptLoop {
             },
             deadlines,
             hold,
+            span,
         })
     }
 
@@ -869,9 +875,6 @@ impl AttemptLoop {
             .filter(|_| !cut_by_budget);
         if let Some(verdict) = verdict {
             tries::judge(pool, backend.addr, &backend.live, verdict);
-        }
-        if let Some(label) = outcome.label() {
-            metrics::attempt(&pool.name, label);
         }
         match outcome {
             Outcome::Complete => Then::Finished(Ok(())),
@@ -1041,7 +1044,8 @@ impl AttemptLoop {
     }
 }
 
-/// Hands the attempt that just ended to the plugins' `attempt_end` hooks.
+/// Hands the attempt that just ended to the observers' `attempt_end` hooks: the core's
+/// (attempt metrics, traces), then the plugins'.
 fn report_attempt(
     sluice: &Sluice,
     ctx: &mut RequestCtx,
@@ -1051,20 +1055,14 @@ fn report_attempt(
     outcome: &Outcome,
     span: &tracing::Span,
 ) {
-    let status = ctx.progress().upstream_status;
-    let label = outcome
-        .label()
-        .map_or("client_gone", |label| label.as_str());
-    tries::ended(span, status, label);
-    crate::telemetry::attempt_ended(span, ctx, pool);
     let report = AttemptReport {
         number: ctx.progress().attempts,
         pool: Arc::clone(&pool.name),
         backend: backend.addr,
         started,
         elapsed: started.elapsed(),
-        status,
-        outcome: label,
+        status: ctx.progress().upstream_status,
+        outcome: outcome.outcome(),
         span: span.clone(),
     };
     sluice.chain.attempt_end(&report, ctx);

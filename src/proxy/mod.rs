@@ -25,13 +25,18 @@
 //!         │                ├─ no route, wrong method ─ Err ─► fail_to_proxy                    │
 //!         │                └─ plain route ─ chain.request, then Pingora's loop:                │
 //! upstream_peer ─ chain.upstream_select, plain_route: next backend                             │
-//! fail_to_connect, error_while_proxy ─ plain_route: judge the try, retry or not                │
-//! upstream_request_filter ─ forwarding (pool, route), chain.upstream_request                  │
+//! fail_to_connect, error_while_proxy ─ plain_route: judge the try, retry or not;             │
+//!                                       a refused one: chain.attempt_end                       │
+//! upstream_request_filter ─ forwarding (pool, route), chain.upstream_request (the try)        │
 //! response_filter ─ downstream::prepare_upstream_header ─ chain.response_header               │
 //! response_body_filter ─ chain.response_body ──────────────────────────────────────────────────┤
 //! fail_to_proxy ─ reply::error ─ chain.error, chain.response_header, chain.response_body ──────┤
-//! logging ─ chain.logging, access_log::record ◄────────────────────────────────────────────────┘
+//! logging ─ plain: chain.attempt_end (the last try); chain.logging ◄──────────────────────────┘
 //! ```
+//!
+//! The core's own metrics, traces and access log are observers in the chain
+//! (`crate::observers`): they hear `upstream_request`, `attempt_end` and `logging` as
+//! plugins do.
 
 mod attempt;
 mod body;
@@ -53,7 +58,6 @@ mod usage;
 pub use state::{Lasting, Sluice, HANDED_OVER};
 
 use crate::caps::Slot;
-use crate::metrics::{self, AttemptOutcome};
 use crate::router::Decision;
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -63,7 +67,7 @@ use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use plain_route::PlainTries;
-use sluice_sdk::{ErrorReply, HeaderRules, Reason, RequestCtx, Verdict};
+use sluice_sdk::{AttemptStart, ErrorReply, HeaderRules, Reason, RequestCtx, Verdict};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
@@ -236,8 +240,12 @@ impl ProxyHttp for Proxy {
         ctx: &mut ProxyCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        metrics::attempt(ctx.req.pool_name(), AttemptOutcome::ConnectError);
         ctx.plain.judge(&ctx.req, Verdict::Failure);
+        if let Some(attempt) = ctx.plain.refused(&ctx.req) {
+            Arc::clone(&ctx.sluice)
+                .chain
+                .attempt_end(&attempt, &mut ctx.req);
+        }
         // Nothing was sent, so another backend of the pool is safe to try.
         e.set_retry(ctx.plain.backends_left(&ctx.req));
         e
@@ -280,16 +288,28 @@ impl ProxyHttp for Proxy {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         forwarding::prepare_request(upstream_request, peer, &this.limits.trusted_proxies)?;
-        if let Some(pool) = ctx.req.pool() {
-            let tenant_key = ctx.req.tenant().is_some();
-            forwarding::to_pool(
-                upstream_request,
-                pool,
-                ctx.route_headers.as_deref(),
-                tenant_key,
-            )?;
-        }
-        this.chain.upstream_request(upstream_request, &mut ctx.req)
+        let Some(pool) = ctx.req.pool().cloned() else {
+            return Err(ErrorReply::internal("No pool chosen.").into_error());
+        };
+        let tenant_key = ctx.req.tenant().is_some();
+        forwarding::to_pool(
+            upstream_request,
+            &pool,
+            ctx.route_headers.as_deref(),
+            tenant_key,
+        )?;
+        let Some(backend) = ctx.req.progress().backend else {
+            return Err(ErrorReply::internal("No backend chosen.").into_error());
+        };
+        let attempt = AttemptStart {
+            number: ctx.req.progress().attempts,
+            pool: &pool.name,
+            backend,
+            span: ctx.plain.span(),
+            prefill_leg: false,
+        };
+        this.chain
+            .upstream_request(upstream_request, &attempt, &mut ctx.req)
     }
 
     async fn response_filter(
@@ -299,7 +319,6 @@ impl ProxyHttp for Proxy {
         ctx: &mut ProxyCtx,
     ) -> Result<()> {
         let this = Arc::clone(&ctx.sluice);
-        metrics::attempt(ctx.req.pool_name(), AttemptOutcome::Response);
         ctx.plain.honour_back_pressure(&ctx.req, response);
         // A 5xx fails the try now; a success is known only once the body has come whole
         // (`logging`), since the upstream may still break it.
@@ -383,16 +402,9 @@ impl ProxyHttp for Proxy {
         if let Some(attempt) = ctx.plain.last_attempt(&ctx.req, e) {
             this.chain.attempt_end(&attempt, &mut ctx.req);
         }
+        // The plugins, then the core's observers: metrics, traces, the access log.
         this.chain.logging(e, &mut ctx.req);
-        // An engine's answer (not a cache hit): its tokens and their cost, counted once.
-        if let (Some(usage), Some(pool), false) =
-            (ctx.req.usage(), ctx.req.pool(), ctx.req.answered_locally())
-        {
-            crate::metrics::answered_usage(pool, usage);
-        }
         charge_output(&ctx.req);
-        crate::telemetry::request_ended(&ctx.req);
-        crate::access_log::record(this.access_log, &ctx.req, e);
     }
 }
 

@@ -4,16 +4,14 @@
 
 use super::attempt::{is_connect_failure, is_timeout};
 use super::tries::{self, no_backend};
-use crate::metrics::AttemptOutcome;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, Result};
 use pingora_http::ResponseHeader;
 use sluice_sdk::error::ErrorReply;
-use sluice_sdk::{AttemptReport, Demand, InFlight, RequestCtx, Verdict};
+use sluice_sdk::{AttemptOutcome, AttemptReport, Demand, InFlight, RequestCtx, Verdict};
 use std::net::SocketAddr;
 
 /// The tries of one plain-route request.
-#[derive(Default)]
 pub struct PlainTries {
     /// The backends already tried, for connect-failure retries.
     tried: Vec<SocketAddr>,
@@ -23,12 +21,29 @@ pub struct PlainTries {
     judged: bool,
     /// When the current try started.
     started: Option<std::time::Instant>,
-    /// The current try's span (see `tries::span`); `None` before the first try.
-    span: Option<tracing::Span>,
+    /// The current try's span (see `tries::span`); none before the first try.
+    span: tracing::Span,
+    /// The current try's end was told to the observers already (a refused connection).
+    reported: bool,
     /// The one backend the request may go to (the one that holds its state), if so.
     pinned: Option<SocketAddr>,
     /// It waited for its pool to have a usable backend (once is all it waits).
     waited: bool,
+}
+
+impl Default for PlainTries {
+    fn default() -> Self {
+        Self {
+            tried: Vec::new(),
+            in_flight: None,
+            judged: false,
+            started: None,
+            span: tracing::Span::none(),
+            reported: false,
+            pinned: None,
+            waited: false,
+        }
+    }
 }
 
 impl PlainTries {
@@ -56,8 +71,9 @@ impl PlainTries {
         }
         .ok_or_else(|| no_backend(&pool))?;
         self.in_flight = Some(tries::begin(ctx, &mut self.tried, &backend, 0));
-        self.span = Some(tries::span(ctx, &pool, backend.addr));
+        self.span = tries::span(ctx, &pool, backend.addr);
         self.judged = false;
+        self.reported = false;
         self.started = Some(std::time::Instant::now());
         Ok(Box::new(pool.peer(backend.addr)))
     }
@@ -95,34 +111,52 @@ impl PlainTries {
         }
     }
 
+    /// The current try's span (see `tries::span`): the upstream request's trace context.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// The current try, refused its connection, for the observers' `attempt_end` (then
+    /// another backend may be tried); `None` when no try was made.
+    pub fn refused(&mut self, ctx: &RequestCtx) -> Option<AttemptReport> {
+        let report = self.report(ctx, AttemptOutcome::ConnectError)?;
+        self.reported = true;
+        Some(report)
+    }
+
     /// The last try, as it ended with the request (`error`, if it failed), for the
-    /// plugins' `attempt_end`; `None` when no try was made.
+    /// observers' `attempt_end`; `None` when no try was made or its end was told already.
     pub fn last_attempt(&self, ctx: &RequestCtx, error: Option<&Error>) -> Option<AttemptReport> {
+        if self.reported {
+            return None;
+        }
+        let status = ctx.progress().upstream_status;
+        let outcome = match error {
+            None => AttemptOutcome::Response,
+            Some(e) if e.esource() == &ErrorSource::Downstream => AttemptOutcome::ClientGone,
+            Some(_) if status.is_some() => AttemptOutcome::Broken,
+            Some(e) if is_connect_failure(e) => AttemptOutcome::ConnectError,
+            Some(e) if is_timeout(e) => AttemptOutcome::Timeout,
+            Some(_) => AttemptOutcome::Error,
+        };
+        self.report(ctx, outcome)
+    }
+
+    fn report(&self, ctx: &RequestCtx, outcome: AttemptOutcome) -> Option<AttemptReport> {
         let (Some(started), Some(pool), Some(backend)) =
             (self.started, ctx.pool(), ctx.progress().backend)
         else {
             return None;
         };
-        let status = ctx.progress().upstream_status;
-        let outcome = match error {
-            None => AttemptOutcome::Response.as_str(),
-            Some(e) if e.esource() == &ErrorSource::Downstream => "client_gone",
-            Some(_) if status.is_some() => AttemptOutcome::Broken.as_str(),
-            Some(e) if is_connect_failure(e) => AttemptOutcome::ConnectError.as_str(),
-            Some(e) if is_timeout(e) => AttemptOutcome::Timeout.as_str(),
-            Some(_) => AttemptOutcome::Error.as_str(),
-        };
-        let span = self.span.clone().unwrap_or_else(tracing::Span::none);
-        tries::ended(&span, status, outcome);
         Some(AttemptReport {
             number: ctx.progress().attempts,
             pool: std::sync::Arc::clone(&pool.name),
             backend,
             started,
             elapsed: started.elapsed(),
-            status,
+            status: ctx.progress().upstream_status,
             outcome,
-            span,
+            span: self.span.clone(),
         })
     }
 }

@@ -29,7 +29,6 @@ pub struct Sluice {
     pub models: Bytes,
     pub router: Router,
     pub chain: Chain,
-    pub access_log: bool,
     /// What makes the LLM attempts' connections to backends: HTTP/1.1, as vLLM serves.
     /// Shared by every generation.
     pub connector: Arc<Connector>,
@@ -105,7 +104,10 @@ impl Sluice {
     /// shares.
     pub fn new(config: Config, lasting: &Lasting) -> Sluice {
         let pools = config.pools;
-        let chain = Chain::start(config.plugins);
+        let chain = Chain::start(
+            config.plugins,
+            crate::observers::enabled(config.log.access_log),
+        );
         let names = chain.names();
         tracing::info!(
             "plugin chain: [{}]{}",
@@ -131,7 +133,6 @@ impl Sluice {
             pools,
             router: Router::new(config.routes),
             chain,
-            access_log: config.log.access_log,
             connector: Arc::clone(&lasting.connector),
             upstream_pool: Arc::clone(&lasting.upstream_pool),
             probes: Arc::clone(&lasting.probes),

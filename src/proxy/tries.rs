@@ -1,7 +1,8 @@
 //! One try of one backend, for both paths: counted against the backend while it runs (the
 //! balancer and the breaker see it before the next scrape does), and judged once it ends
 //! (passive health: failures in a row eject the backend for a while). Each try has a span,
-//! a child of the request's: [`span`] opens it, [`ended`] records how it ended.
+//! a child of the request's: [`span`] opens it, and the core's trace observer records how it
+//! ended (`crate::observers`).
 //!
 //! ```text
 //! request span    early_request hooks done ─────────────────────────── logging: status, pool… ┐
@@ -92,14 +93,6 @@ fn leg_span(
 /// the request's next attempt.
 pub fn prefill_span(ctx: &RequestCtx, pool: &Pool, backend: SocketAddr) -> tracing::Span {
     leg_span(ctx, pool, backend, ctx.progress().attempts + 1, true)
-}
-
-/// Records how a try ended on its span.
-pub fn ended(span: &tracing::Span, status: Option<u16>, outcome: &str) {
-    if let Some(status) = status {
-        span.record("http.response.status_code", status);
-    }
-    span.record("sluice.outcome", outcome);
 }
 
 /// The attempt's first answer byte came (`header` is the upstream's response header): the

@@ -74,7 +74,9 @@ pub use health::{
 pub use members::{BackendSpec, Change, Member, Members, Membership, Wanted};
 pub use memory::{Held, MemoryBudget};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel};
-pub use plugin::{AttemptReport, Flow, Host, LocalResponse, Plugin, PluginBuilder};
+pub use plugin::{
+    AttemptOutcome, AttemptReport, AttemptStart, Flow, Host, LocalResponse, Plugin, PluginBuilder,
+};
 pub use pool::{
     Admission, Balancing, Capabilities, ClientFields, Connector, Fairness, FlowControl, FlowId,
     Place, Pool, PoolSettings, Pools, PrefillRoute, Prefillers, Pressure, Priority, Room,

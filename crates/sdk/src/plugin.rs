@@ -35,6 +35,9 @@
 //! intents (where the request goes, a local answer) are made in `request`. A `request` hook
 //! never reads a fact that a later plugin's `request` hook decides.
 //!
+//! The core observes requests through the same hooks: its attempt metrics, traces and access
+//! log are observers of `upstream_request`, `attempt_end` and `logging`, beside the plugins.
+//!
 //! Sluice's own answers (an error it makes, a plugin's local answer such as a cache hit,
 //! `/v1/models`) run `response_header`, `response_body` and `logging` too, so every answer
 //! carries the request id and the cache status; `error` runs for every error answer.
@@ -56,8 +59,76 @@ use crate::error::ErrorReply;
 use crate::memory::MemoryBudget;
 use crate::pool::Pools;
 
-/// One upstream attempt as it ended: the fact [`Plugin::attempt_end`] hands each plugin, so
-/// that tracing, accounting and metrics per attempt hang off one place.
+/// How an upstream attempt ended: derived once, where the attempt ends, and read by every
+/// observer (the `sluice_upstream_attempts_total` label, the attempt span's `outcome`, the
+/// plugins' [`Plugin::attempt_end`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The upstream's answer went to the client.
+    Response,
+    /// No connection could be made.
+    ConnectError,
+    /// No answer in time, before anything reached the client.
+    Timeout,
+    /// Another failure before anything reached the client.
+    Error,
+    /// An error status (5xx, 429) held back for another attempt.
+    Declined,
+    /// A held answer the escalation check rejected.
+    RejectedAnswer,
+    /// The answer started, then failed.
+    Broken,
+    /// The client went away first: not the backend's doing, and not counted as an attempt's
+    /// outcome in the metrics.
+    ClientGone,
+}
+
+impl AttemptOutcome {
+    /// The outcomes `sluice_upstream_attempts_total` counts (all but [`Self::ClientGone`]).
+    pub const COUNTED: [AttemptOutcome; 7] = [
+        AttemptOutcome::Response,
+        AttemptOutcome::ConnectError,
+        AttemptOutcome::Timeout,
+        AttemptOutcome::Error,
+        AttemptOutcome::Declined,
+        AttemptOutcome::RejectedAnswer,
+        AttemptOutcome::Broken,
+    ];
+
+    /// Its name in metrics, spans and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Response => "response",
+            AttemptOutcome::ConnectError => "connect_error",
+            AttemptOutcome::Timeout => "timeout",
+            AttemptOutcome::Error => "error",
+            AttemptOutcome::Declined => "declined",
+            AttemptOutcome::RejectedAnswer => "rejected_answer",
+            AttemptOutcome::Broken => "broken",
+            AttemptOutcome::ClientGone => "client_gone",
+        }
+    }
+}
+
+/// An upstream attempt about to be sent: what [`Plugin::upstream_request`] is told of it.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptStart<'a> {
+    /// Its number among the request's attempts, from 1 (a prefill leg: the number of the
+    /// attempt it prefills for).
+    pub number: u32,
+    /// The pool it goes to.
+    pub pool: &'a str,
+    /// The backend it goes to.
+    pub backend: std::net::SocketAddr,
+    /// Its span, a child of the request's: the one an upstream's own trace nests under.
+    pub span: &'a tracing::Span,
+    /// It is a disaggregated request's prefill leg, not an attempt of its own.
+    pub prefill_leg: bool,
+}
+
+/// One upstream attempt as it ended: the fact [`Plugin::attempt_end`] hands each observer
+/// (the core's own first: its attempt metrics and traces), so that tracing, accounting and
+/// metrics per attempt hang off one place.
 #[derive(Debug, Clone)]
 pub struct AttemptReport {
     /// Its number among the request's attempts, from 1.
@@ -72,12 +143,11 @@ pub struct AttemptReport {
     pub elapsed: std::time::Duration,
     /// The status the backend answered with, if it answered.
     pub status: Option<u16>,
-    /// How it ended, as `sluice_upstream_attempts_total` labels it (`response`,
-    /// `connect_error`, `timeout`, `error`, `declined`, `rejected_answer`, `broken`), or
-    /// `client_gone`.
-    pub outcome: &'static str,
-    /// The attempt's span, a child of the request's (see [`crate::RequestCtx::span`]), with
-    /// `status` and `outcome` recorded; it closes once the core and every plugin drop it.
+    /// How it ended.
+    pub outcome: AttemptOutcome,
+    /// The attempt's span, a child of the request's (see [`crate::RequestCtx::span`]); the
+    /// core's trace observer records `status` and `outcome` on it before any plugin hears of
+    /// the attempt. It closes once the core and every plugin drop it.
     pub span: tracing::Span,
 }
 
@@ -203,16 +273,23 @@ pub trait Plugin: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Runs on the request header about to be sent upstream, for each attempt: to add or
-    /// remove headers. `Err` fails the request with that error's answer; nothing was sent.
-    fn upstream_request(&self, _request: &mut RequestHeader, _ctx: &mut RequestCtx) -> Result<()> {
+    /// Runs on the request header about to be sent upstream, for each attempt (and for a
+    /// disaggregated request's prefill leg), with the attempt it starts: to add or remove
+    /// headers. `Err` fails the request with that error's answer; nothing was sent.
+    fn upstream_request(
+        &self,
+        _request: &mut RequestHeader,
+        _attempt: &AttemptStart<'_>,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
         Ok(())
     }
 
     /// Runs when an upstream attempt has ended, however it ended (see [`AttemptReport`]):
     /// on LLM routes after each attempt of the request (a retry, an escalation), before the
-    /// core decides what follows; on plain routes once, when the request ends. Observe only
-    /// (count, trace, account per attempt); the request goes on as the core decides.
+    /// core decides what follows; on plain routes after each try, a refused connection's as
+    /// it is refused, the last when the request ends. Observe only (count, trace, account per
+    /// attempt); the request goes on as the core decides.
     fn attempt_end(&self, _attempt: &AttemptReport, _ctx: &mut RequestCtx) {}
 
     /// Runs on the response header before it is sent to the client. `Err` fails the request

@@ -16,8 +16,8 @@ use serde::Deserialize;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
 use sluice_sdk::{
-    async_trait, headers, Bytes, ConfigError, Host, Plugin, PluginBuilder, RequestCtx,
-    RequestHeader, ResponseHeader, Result, Session,
+    async_trait, headers, AttemptStart, Bytes, ConfigError, Host, Plugin, PluginBuilder,
+    RequestCtx, RequestHeader, ResponseHeader, Result, Session,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -131,7 +131,12 @@ impl Plugin for RequestId {
         Ok(())
     }
 
-    fn upstream_request(&self, request: &mut RequestHeader, ctx: &mut RequestCtx) -> Result<()> {
+    fn upstream_request(
+        &self,
+        request: &mut RequestHeader,
+        _attempt: &AttemptStart<'_>,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
         if let Some(value) = ctx.request_id_value() {
             request
                 .insert_header(self.case_name.clone(), value.clone())
@@ -185,7 +190,15 @@ mod tests {
         let mut ctx = RequestCtx::new();
         ctx.set_request_id(HeaderValue::from_static("rid-1"));
         let mut req = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
-        p.upstream_request(&mut req, &mut ctx).unwrap();
+        let span = tracing::Span::none();
+        let attempt = AttemptStart {
+            number: 1,
+            pool: "main",
+            backend: ([127, 0, 0, 1], 8000).into(),
+            span: &span,
+            prefill_leg: false,
+        };
+        p.upstream_request(&mut req, &attempt, &mut ctx).unwrap();
         assert_eq!(req.headers.get("x-request-id").unwrap(), "rid-1");
         let mut resp = ResponseHeader::build(200, None).unwrap();
         p.response_header(&mut resp, &mut ctx).unwrap();
