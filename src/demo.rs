@@ -51,7 +51,9 @@ pub fn run(opt: Opt, args: DemoArgs) -> Result<(), String> {
 
     let proxy = point_at_simulators(&mut yaml, &draft, &target, &args)?;
     let text = serde_yaml_ng::to_string(&yaml).map_err(|e| e.to_string())?;
-    let config = Config::parse(&text, &path).map_err(|e| e.to_string())?;
+    let calls: std::sync::Arc<dyn sluice_sdk::calls::PoolCalls> =
+        std::sync::Arc::new(crate::proxy::CoreCalls);
+    let config = Config::parse(&text, &path, &calls).map_err(|e| e.to_string())?;
     crate::logging::init(&config.log, config.telemetry.as_ref());
 
     let server_opt = Opt {

@@ -3,8 +3,10 @@
 use clap::{Parser, Subcommand};
 use pingora_core::server::configuration::Opt;
 use sluice::config::Config;
+use sluice_sdk::calls::PoolCalls;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -111,7 +113,8 @@ fn main() -> ExitCode {
             .clone()
             .unwrap_or_else(|| DEFAULT_CONFIG.into()),
     );
-    let config = match Config::load(&path) {
+    let calls: Arc<dyn PoolCalls> = Arc::new(sluice::proxy::CoreCalls);
+    let config = match Config::load(&path, &calls) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("sluice: invalid config: {e}");

@@ -267,6 +267,15 @@ metric!(HOLD_SECONDS: HistogramVec = register_histogram_vec!(
     vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 ));
 
+/// How a request to a disaggregated route was served: [`PD_REQUESTS`]' `path` label.
+pub const PD_PATHS: [&str; 5] = [
+    "disaggregated",
+    "short",
+    "fallen_back",
+    "no_prefill_backend",
+    "prefill_failed",
+];
+
 metric!(PD_REQUESTS: IntCounterVec = register_int_counter_vec!(
     "sluice_pd_requests_total",
     "Requests to a pool that decodes for a prefill pool (pools[].prefill), by how they were \
@@ -559,7 +568,7 @@ pub fn init(pools: &Pools) {
             touch(&TOKENS, &[&pool.name, kind]);
         }
         if pool.transfer_check().is_some() {
-            for path in crate::proxy::disaggregation::PATHS {
+            for path in PD_PATHS {
                 touch(&PD_REQUESTS, &[&pool.name, path]);
             }
             for outcome in sluice_sdk::TransferOutcome::ALL {

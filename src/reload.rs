@@ -25,6 +25,7 @@ use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::server::{ExecutionPhase, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
+use sluice_sdk::calls::PoolCalls;
 use sluice_sdk::Pools;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
@@ -175,7 +176,8 @@ impl Reload {
         // Loading blocks (files, tokenizers, backends' host names): on a thread for it, not
         // on this runtime's.
         let path = source.to_path_buf();
-        let loaded = tokio::task::spawn_blocking(move || Config::load(&path))
+        let calls: Arc<dyn PoolCalls> = Arc::new(crate::proxy::CoreCalls);
+        let loaded = tokio::task::spawn_blocking(move || Config::load(&path, &calls))
             .await
             .map_err(|e| format!("the load did not finish: {e}"));
         let mut config = match loaded.and_then(|r| r.map_err(|e| e.to_string())) {

@@ -13,6 +13,7 @@ use crate::discovery::PoolDiscovery;
 use crate::edge::ConnectionLimits;
 use ipnet::IpNet;
 use pingora_core::server::configuration::ServerConf;
+use sluice_sdk::calls::PoolCalls;
 use sluice_sdk::ConfigError as Invalid;
 use sluice_sdk::{HeaderRules, Host, MemoryBudget, Pool, Pools};
 use std::fmt;
@@ -168,19 +169,21 @@ pub struct RouteRule {
 const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 impl Config {
-    /// Reads and validates the file at `path`.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+    /// Reads and validates the file at `path`. `calls` is how the plugins will send requests
+    /// of their own to pools (the core's, `proxy::pool_calls`): handed in, so that the config
+    /// knows nothing of the proxy.
+    pub fn load(path: &Path, calls: &Arc<dyn PoolCalls>) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             file: path.to_path_buf(),
             path: String::new(),
             message: format!("cannot read the file: {e}"),
         })?;
-        Self::parse(&text, path)
+        Self::parse(&text, path, calls)
     }
 
     /// Validates `text` as if it were the file at `path` (relative paths inside the config,
     /// like TLS certificates, are resolved against that file's folder).
-    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+    pub fn parse(text: &str, path: &Path, calls: &Arc<dyn PoolCalls>) -> Result<Self, ConfigError> {
         let at = |key: &str, message: String| ConfigError {
             file: path.to_path_buf(),
             path: key.to_string(),
@@ -207,12 +210,12 @@ impl Config {
             };
             at(&key, message)
         })?;
-        validate(raw, path).map_err(|e| at(&e.key, e.message))
+        validate(raw, path, calls).map_err(|e| at(&e.key, e.message))
     }
 }
 
 /// Checks the file section by section, in this order: the first rule broken is the error.
-fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
+fn validate(raw: FileConfig, path: &Path, calls: &Arc<dyn PoolCalls>) -> Result<Config, Invalid> {
     let base = path.parent().unwrap_or(Path::new("."));
     let server = server_conf(&raw)?;
     let listeners = listeners::listeners(&raw.listeners, base)?;
@@ -225,7 +228,7 @@ fn validate(raw: FileConfig, path: &Path) -> Result<Config, Invalid> {
     let host = Host {
         pools: Arc::clone(&pools),
         memory: MemoryBudget::new(limits.max_buffered_bytes),
-        calls: Arc::new(crate::proxy::pool_calls::CoreCalls),
+        calls: Arc::clone(calls),
     };
     let plugins = crate::chain::resolve(raw.plugins, &host)?;
     let responses = responses(&raw.responses)?;

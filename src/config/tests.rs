@@ -13,8 +13,13 @@ pools:
       - address: 127.0.0.1:9
 ";
 
+/// The core's pool calls, as the server hands them in.
+fn calls() -> std::sync::Arc<dyn sluice_sdk::calls::PoolCalls> {
+    std::sync::Arc::new(crate::proxy::pool_calls::CoreCalls)
+}
+
 fn parse(text: &str) -> Result<Config, ConfigError> {
-    Config::parse(text, Path::new("/tmp/test.yaml"))
+    Config::parse(text, Path::new("/tmp/test.yaml"), &calls())
 }
 
 fn ok(text: &str) -> Config {
@@ -65,7 +70,7 @@ fn examples() -> Vec<PathBuf> {
 
 #[test]
 fn the_shipped_config_loads() {
-    let c = Config::load(&root().join("conf/sluice.yaml")).unwrap();
+    let c = Config::load(&root().join("conf/sluice.yaml"), &calls()).unwrap();
     let names: Vec<&str> = c.pools.iter().map(|p| &*p.name).collect();
     assert_eq!(names, ["draft", "target"]);
     assert!(c.plugins.names().contains(&"request_id"));
@@ -76,7 +81,7 @@ fn every_example_loads() {
     let files = examples();
     assert!(files.len() >= 3, "examples: {files:?}");
     for file in files {
-        if let Err(e) = Config::load(&file) {
+        if let Err(e) = Config::load(&file, &calls()) {
             panic!("{e}");
         }
     }
@@ -85,7 +90,7 @@ fn every_example_loads() {
 #[test]
 fn the_tls_example_has_a_tls_and_a_plain_listener() {
     let dir = root().join("conf/examples");
-    let c = Config::load(&dir.join("tls.yaml")).unwrap();
+    let c = Config::load(&dir.join("tls.yaml"), &calls()).unwrap();
     let tls: Vec<_> = c.listeners.iter().filter_map(|l| l.tls.as_ref()).collect();
     assert_eq!(tls.len(), 1);
     assert_eq!(c.listeners.len(), 2);
@@ -96,7 +101,7 @@ fn the_tls_example_has_a_tls_and_a_plain_listener() {
 
 #[test]
 fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
-    let c = Config::load(&root().join("conf/examples/multi-pool.yaml")).unwrap();
+    let c = Config::load(&root().join("conf/examples/multi-pool.yaml"), &calls()).unwrap();
     assert!(c.pools.iter().count() >= 3);
     assert!(c
         .pools
@@ -126,13 +131,13 @@ fn the_multi_pool_example_has_weights_a_catch_all_and_a_host_route() {
 
 #[test]
 fn the_upstream_tls_example_sets_sni_on_every_pool() {
-    let c = Config::load(&root().join("conf/examples/upstream-tls.yaml")).unwrap();
+    let c = Config::load(&root().join("conf/examples/upstream-tls.yaml"), &calls()).unwrap();
     assert!(c.pools.iter().all(|p| p.settings.tls_sni.is_some()));
 }
 
 #[test]
 fn a_missing_file_is_an_error_on_the_whole_file() {
-    let e = Config::load(Path::new("/nonexistent/sluice.yaml")).unwrap_err();
+    let e = Config::load(Path::new("/nonexistent/sluice.yaml"), &calls()).unwrap_err();
     assert_eq!(e.path, "");
     assert!(e.message.contains("cannot read the file"), "{e}");
 }
@@ -663,7 +668,7 @@ fn first_byte_must_not_be_longer_than_total() {
     // The whole line, as `sluice -t` prints it. Durations are shown by humantime, so 90s reads
     // `1m 30s` (the example in the module docs of config/mod.rs says `90s > 60s`).
     let text = with_timeouts("{ first_byte: 90s, total: 60s }");
-    let e = Config::parse(&text, Path::new("conf/sluice.yaml")).unwrap_err();
+    let e = Config::parse(&text, Path::new("conf/sluice.yaml"), &calls()).unwrap_err();
     assert_eq!(
         e.to_string(),
         "conf/sluice.yaml: pools[0].timeouts.first_byte: must not be longer than pools[0].timeouts.total (1m 30s > 1m)"

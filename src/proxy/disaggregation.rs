@@ -38,15 +38,6 @@ use sluice_sdk::{
 use std::sync::Arc;
 use tokio::time::Instant;
 
-/// How a request to a disaggregated route was served (`sluice_pd_requests_total{path}`).
-pub const PATHS: [&str; 5] = [
-    "disaggregated",
-    "short",
-    "fallen_back",
-    "no_prefill_backend",
-    "prefill_failed",
-];
-
 /// A prefill leg's answer, for the decode leg.
 pub struct Transfer {
     /// The prefill engine's `kv_transfer_params` (JSON text).

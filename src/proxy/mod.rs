@@ -55,6 +55,7 @@ mod tries;
 pub(crate) mod upstream_pool;
 mod usage;
 
+pub use pool_calls::CoreCalls;
 pub use state::{Lasting, Sluice, HANDED_OVER};
 
 use crate::caps::Slot;
