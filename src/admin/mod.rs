@@ -9,7 +9,8 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 use serde_json::json;
-use sluice_sdk::{Pool, Priority};
+use sluice_sdk::prefix::PrefixRouting;
+use sluice_sdk::{Member, Pool, Priority, TransferCheck};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -161,94 +162,16 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
     let members = pool.members();
     let backends: Vec<_> = members
         .iter()
-        .map(|endpoint| {
-            let (spec, live) = (&endpoint.spec, &endpoint.live);
-            let load = live.load();
-            let own = live.accounting();
-            json!({
-                "address": spec.address,
-                "resolved": spec.resolved.to_string(),
-                "weight": spec.weight,
-                "membership": endpoint.discovery_state(),
-                "health": live.state(&pool.settings.health).as_str(),
-                "kv_cache_usage": load.as_ref().and_then(|l| l.kv_usage),
-                "projected_kv_cache_usage": live.projected_kv(&pool.settings.health),
-                "running": load.as_ref().map(|l| l.running),
-                "waiting": load.as_ref().map(|l| l.waiting),
-                "kv_capacity_tokens": load.as_ref().and_then(|l| l.kv_capacity_tokens),
-                "spec_decode_acceptance": load.as_ref().and_then(|l| l.spec_acceptance),
-                "scraped_seconds_ago": load.as_ref().map(|l| l.scraped_at.elapsed().as_secs_f64()),
-                "in_flight": live.in_flight(),
-                "prefilling": own.prefilling,
-                "outstanding_prefill_tokens": own.prefill_tokens,
-                "decoding": own.decoding,
-                "decode_tokens": own.decode_tokens,
-                "prefill_tokens_per_second": live.prefill_speed(),
-                "prefill_speed_samples": live.speed_samples(),
-                "engine_prefill_samples": live.engine_speed_samples(),
-                "base_ttft_seconds": live.base_ttft(),
-                "predicted_ttft_seconds": pool.reference_ttft(live),
-                "predicted_queue_seconds": pool.predicted_queue(live),
-                "engine_queue_seconds": load.as_ref().and_then(|l| l.engine).map(|e| e.queue_seconds),
-                "engine_prefill_tokens_per_second": load
-                    .as_ref()
-                    .and_then(|l| l.engine)
-                    .and_then(|e| e.prefill_speed()),
-                "wait_scale": live.wait_scale(),
-                "wait_scale_samples": live.wait_samples(),
-                "prefix_index": pool.prefix().map(|routing| json!({
-                    "blocks": routing.index.blocks_of(spec.resolved),
-                    "event_lag_seconds": routing.index.lag_of(spec.resolved),
-                })),
-                "lora": lora_status(live, load.as_deref()),
-            })
-        })
+        .map(|endpoint| backend_status(pool, endpoint))
         .collect();
-    let prefix = pool.prefix().map(|routing| {
-        use std::sync::atomic::Ordering::Relaxed;
-        json!({
-            "kv_events": match routing.kv_events {
-                sluice_sdk::prefix::KvEventSource::Auto => json!("auto"),
-                sluice_sdk::prefix::KvEventSource::Port(port) => json!({"port": port}),
-            },
-            "block_size": routing.index.block_size(),
-            "looked_up_tokens": routing.looked_up_tokens.load(Relaxed),
-            "predicted_cached_tokens": routing.predicted_tokens.load(Relaxed),
-            "reported_cached_tokens": routing.reported_tokens.load(Relaxed),
-            "unreadable_prompts": routing.unreadable.load(Relaxed),
-            "too_long_prompts": routing.too_long.load(Relaxed),
-            "passed_over_prompts": routing.passed_over.load(Relaxed),
-            "orphan_blocks": routing.index.orphans.load(Relaxed),
-            "overflowed_blocks": routing.index.overflowed.load(Relaxed),
-            "refused_events": routing.index.refused.load(Relaxed),
-        })
-    });
+    let prefix = pool.prefix().map(|routing| prefix_status(&routing));
     json!({
         "name": &*pool.name,
         "fairness": pool.flow_control().fairness().is_some(),
         "fairness_index": pool.fairness_index(),
         "flows": flow_shares(pool),
         "queued": pool.flow_control().held(),
-        "prefill": pool.transfer_check().map(|check| {
-            let route = check.route();
-            let (transferred, recomputed, unverified) = check.counts();
-            json!({
-                "pool": route.pool,
-                "connector": route.connector.as_str(),
-                "bootstrap_port": match route.connector {
-                    sluice_sdk::Connector::Mooncake { bootstrap_port } => Some(bootstrap_port),
-                    sluice_sdk::Connector::Nixl => None,
-                },
-                "min_prefill_tokens": route.min_prefill_tokens,
-                "state": check.state().as_str(),
-                "recent_recomputed": check.recent_recomputed(),
-                "transfers": {
-                    "transferred": transferred,
-                    "recomputed": recomputed,
-                    "unverified": unverified,
-                },
-            })
-        }),
+        "prefill": pool.transfer_check().map(prefill_status),
         "models": *pool.models(),
         "models_auto": pool.settings.auto_models,
         "max_model_len": pool.settings.max_model_len,
@@ -265,6 +188,93 @@ fn pool_status(pool: &Pool) -> serde_json::Value {
             "shedding": shedding,
         },
         "backends": backends,
+    })
+}
+
+/// One backend's line in `/status`: its membership, health, load and what was learned of it.
+fn backend_status(pool: &Pool, endpoint: &Member) -> serde_json::Value {
+    let (spec, live) = (&endpoint.spec, &endpoint.live);
+    let load = live.load();
+    let own = live.accounting();
+    json!({
+        "address": spec.address,
+        "resolved": spec.resolved.to_string(),
+        "weight": spec.weight,
+        "membership": endpoint.discovery_state(),
+        "health": live.state(&pool.settings.health).as_str(),
+        "kv_cache_usage": load.as_ref().and_then(|l| l.kv_usage),
+        "projected_kv_cache_usage": live.projected_kv(&pool.settings.health),
+        "running": load.as_ref().map(|l| l.running),
+        "waiting": load.as_ref().map(|l| l.waiting),
+        "kv_capacity_tokens": load.as_ref().and_then(|l| l.kv_capacity_tokens),
+        "spec_decode_acceptance": load.as_ref().and_then(|l| l.spec_acceptance),
+        "scraped_seconds_ago": load.as_ref().map(|l| l.scraped_at.elapsed().as_secs_f64()),
+        "in_flight": live.in_flight(),
+        "prefilling": own.prefilling,
+        "outstanding_prefill_tokens": own.prefill_tokens,
+        "decoding": own.decoding,
+        "decode_tokens": own.decode_tokens,
+        "prefill_tokens_per_second": live.prefill_speed(),
+        "prefill_speed_samples": live.speed_samples(),
+        "engine_prefill_samples": live.engine_speed_samples(),
+        "base_ttft_seconds": live.base_ttft(),
+        "predicted_ttft_seconds": pool.reference_ttft(live),
+        "predicted_queue_seconds": pool.predicted_queue(live),
+        "engine_queue_seconds": load.as_ref().and_then(|l| l.engine).map(|e| e.queue_seconds),
+        "engine_prefill_tokens_per_second": load
+            .as_ref()
+            .and_then(|l| l.engine)
+            .and_then(|e| e.prefill_speed()),
+        "wait_scale": live.wait_scale(),
+        "wait_scale_samples": live.wait_samples(),
+        "prefix_index": pool.prefix().map(|routing| json!({
+            "blocks": routing.index.blocks_of(spec.resolved),
+            "event_lag_seconds": routing.index.lag_of(spec.resolved),
+        })),
+        "lora": lora_status(live, load.as_deref()),
+    })
+}
+
+/// The exact prefix index's counters, when the pool has one.
+fn prefix_status(routing: &PrefixRouting) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    json!({
+        "kv_events": match routing.kv_events {
+            sluice_sdk::prefix::KvEventSource::Auto => json!("auto"),
+            sluice_sdk::prefix::KvEventSource::Port(port) => json!({"port": port}),
+        },
+        "block_size": routing.index.block_size(),
+        "looked_up_tokens": routing.looked_up_tokens.load(Relaxed),
+        "predicted_cached_tokens": routing.predicted_tokens.load(Relaxed),
+        "reported_cached_tokens": routing.reported_tokens.load(Relaxed),
+        "unreadable_prompts": routing.unreadable.load(Relaxed),
+        "too_long_prompts": routing.too_long.load(Relaxed),
+        "passed_over_prompts": routing.passed_over.load(Relaxed),
+        "orphan_blocks": routing.index.orphans.load(Relaxed),
+        "overflowed_blocks": routing.index.overflowed.load(Relaxed),
+        "refused_events": routing.index.refused.load(Relaxed),
+    })
+}
+
+/// A decode pool's prefill route and what its transfers came to.
+fn prefill_status(check: &TransferCheck) -> serde_json::Value {
+    let route = check.route();
+    let (transferred, recomputed, unverified) = check.counts();
+    json!({
+        "pool": route.pool,
+        "connector": route.connector.as_str(),
+        "bootstrap_port": match route.connector {
+            sluice_sdk::Connector::Mooncake { bootstrap_port } => Some(bootstrap_port),
+            sluice_sdk::Connector::Nixl => None,
+        },
+        "min_prefill_tokens": route.min_prefill_tokens,
+        "state": check.state().as_str(),
+        "recent_recomputed": check.recent_recomputed(),
+        "transfers": {
+            "transferred": transferred,
+            "recomputed": recomputed,
+            "unverified": unverified,
+        },
     })
 }
 

@@ -271,32 +271,7 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
         return Ok(None);
     };
     let key = format!("{key}.prefill");
-    let connector = match given.connector.as_deref() {
-        None | Some("nixl") => Connector::Nixl,
-        Some("mooncake") => Connector::Mooncake {
-            bootstrap_port: given
-                .bootstrap_port
-                .unwrap_or(Connector::DEFAULT_BOOTSTRAP_PORT),
-        },
-        Some(other) => {
-            return Err(Invalid::new(
-                format!("{key}.connector"),
-                format!("`{other}` is not a connector: `nixl` or `mooncake`"),
-            ))
-        }
-    };
-    if given.bootstrap_port.is_some() && connector == Connector::Nixl {
-        return Err(Invalid::new(
-            format!("{key}.bootstrap_port"),
-            "is Mooncake's: set `connector: mooncake`, or leave it out",
-        ));
-    }
-    if given.bootstrap_port == Some(0) {
-        return Err(Invalid::new(
-            format!("{key}.bootstrap_port"),
-            "must be a port, 1 to 65535",
-        ));
-    }
+    let connector = prefill_connector(given, &key)?;
     let route = PrefillRoute {
         pool: given.pool.clone(),
         connector,
@@ -352,6 +327,37 @@ fn prefill_route(p: &file::PoolFile, key: &str) -> Result<Option<PrefillRoute>, 
         ));
     }
     Ok(Some(route))
+}
+
+/// `pools[].prefill`'s connector (`key` is the section's) and Mooncake's bootstrap port.
+fn prefill_connector(given: &file::PrefillFile, key: &str) -> Result<Connector, Invalid> {
+    let connector = match given.connector.as_deref() {
+        None | Some("nixl") => Connector::Nixl,
+        Some("mooncake") => Connector::Mooncake {
+            bootstrap_port: given
+                .bootstrap_port
+                .unwrap_or(Connector::DEFAULT_BOOTSTRAP_PORT),
+        },
+        Some(other) => {
+            return Err(Invalid::new(
+                format!("{key}.connector"),
+                format!("`{other}` is not a connector: `nixl` or `mooncake`"),
+            ))
+        }
+    };
+    if given.bootstrap_port.is_some() && connector == Connector::Nixl {
+        return Err(Invalid::new(
+            format!("{key}.bootstrap_port"),
+            "is Mooncake's: set `connector: mooncake`, or leave it out",
+        ));
+    }
+    if given.bootstrap_port == Some(0) {
+        return Err(Invalid::new(
+            format!("{key}.bootstrap_port"),
+            "must be a port, 1 to 65535",
+        ));
+    }
+    Ok(connector)
 }
 
 /// Every `pools[].prefill` names another pool that exists and does not itself decode for a

@@ -14,8 +14,8 @@
 //! in v1. A stalled API server is bounded by the client's read timeout (75 s: past a watch's
 //! end), not by the EndpointSlice source's shorter list bound.
 
-use super::kubernetes::{client, WATCH_SECONDS};
-use super::{apply, report_error, report_recovery};
+use super::kubernetes::{made_client, WATCH_SECONDS};
+use super::{apply, report_error, report_recovery, Listed};
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -24,11 +24,13 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use sluice_sdk::{Pool, Wanted};
-use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The source's name in logs and metrics.
+const KIND: &str = "inference_pool";
 
 /// `pools[].discovery.inference_pool`.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,30 +159,9 @@ where
 
 /// Follows `source` for `pool`, for ever (until the service aborts it).
 pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
-    const KIND: &str = "inference_pool";
     let mut streak = None;
-    let mut retry = Duration::from_secs(1);
-    let client: Client = loop {
-        match client(source.kubeconfig.as_deref()).await {
-            Ok(client) => break client,
-            Err(e) => {
-                report_error(&pool, KIND, &e, &mut streak);
-                tokio::time::sleep(retry).await;
-                retry = (retry * 2).min(Duration::from_secs(30));
-            }
-        }
-    };
-    let resource = inference_pools();
-    let (pools, pods): (Api<DynamicObject>, Api<Pod>) = match &source.namespace {
-        Some(ns) => (
-            Api::namespaced_with(client.clone(), ns, &resource),
-            Api::namespaced(client, ns),
-        ),
-        None => (
-            Api::default_namespaced_with(client.clone(), &resource),
-            Api::default_namespaced(client),
-        ),
-    };
+    let client = made_client(&pool, KIND, source.kubeconfig.as_deref(), &mut streak).await;
+    let (pools, pods) = apis(client, source.namespace.as_deref());
     let by_name = watcher::Config::default().fields(&format!("metadata.name={}", source.name));
     let mut pool_events = watcher::watcher(pools, by_name.timeout(WATCH_SECONDS))
         .default_backoff()
@@ -189,11 +170,9 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
     // Whether a list of the pool object (the watcher's start, or a relist) found it.
     let mut pool_listed = false;
     let mut pod_events: Option<BoxStream<'static, watcher::Result<Event<Pod>>>> = None;
-    // The pods as last seen, by name; a relist builds the next set aside until it is whole.
-    let mut listed: BTreeMap<String, Vec<Wanted>> = BTreeMap::new();
-    let mut relisting: Option<BTreeMap<String, Vec<Wanted>>> = None;
-    let mut apply_at: Option<tokio::time::Instant> = None;
+    let mut pods_seen = Listed::default();
     loop {
+        let apply_at = pods_seen.apply_at;
         let debounce_end = async {
             match apply_at {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -208,43 +187,14 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
         };
         tokio::select! {
             () = debounce_end => {
-                apply_at = None;
-                let wanted: Vec<Wanted> = listed.values().flatten().cloned().collect();
-                apply(&pool, KIND, &wanted);
+                apply(&pool, KIND, &pods_seen.take_wanted());
             }
             event = pool_events.next() => {
                 let Some(event) = event else { return };
-                let object = match event {
-                    Ok(Event::Init) => {
-                        pool_listed = false;
-                        continue;
-                    }
-                    Ok(Event::InitApply(o)) => {
-                        pool_listed = true;
-                        Some(o)
-                    }
-                    Ok(Event::Apply(o)) => Some(o),
-                    Ok(Event::Delete(_)) => None,
-                    // A relist without it: deleted while the watch was away.
-                    Ok(Event::InitDone) if !pool_listed => None,
-                    Ok(Event::InitDone) => continue,
-                    Err(e) => {
-                        report_error(&pool, KIND, &e.to_string(), &mut streak);
-                        continue;
-                    }
-                };
-                report_recovery(&pool, KIND, &mut streak);
-                let next = match object {
-                    Some(o) => match spec_of(&serde_json::json!({"spec": o.data.get("spec")})) {
-                        Ok(next) => Some(next),
-                        Err(e) => {
-                            let e = format!("the InferencePool `{}`: {e}", source.name);
-                            report_error(&pool, KIND, &e, &mut streak);
-                            // What it had is kept: a bad edit does not empty the pool.
-                            continue;
-                        }
-                    },
-                    None => None,
+                let Some(next) =
+                    spec_event(event, &mut pool_listed, &pool, &source.name, &mut streak)
+                else {
+                    continue;
                 };
                 if next == spec {
                     continue;
@@ -253,13 +203,12 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
                 // Its pods change with its selector or ports: watch them anew. What it had
                 // stays until the new list is whole (a list that fails empties nothing); the
                 // object gone, its backends go.
-                relisting = None;
+                pods_seen.abandon_relist();
                 pod_events = spec.as_ref().map(|s| {
                     watch_of(&pods, watcher::Config::default().labels(&s.selector))
                 });
                 if spec.is_none() {
-                    listed.clear();
-                    apply_at.get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
+                    pods_seen.clear(source.debounce);
                 }
             }
             event = next_pod => {
@@ -267,43 +216,87 @@ pub async fn follow(pool: Arc<Pool>, source: InferencePoolSource) {
                     pod_events = None;
                     continue;
                 };
-                let ports = spec.as_ref().map(|s| s.ports.clone()).unwrap_or_default();
                 match event {
                     Ok(event) => {
                         report_recovery(&pool, KIND, &mut streak);
-                        match event {
-                            Event::Init => relisting = Some(BTreeMap::new()),
-                            Event::InitApply(pod) => {
-                                if let Some(next) = relisting.as_mut() {
-                                    next.insert(name_of(&pod), pod_backends(&pod, &ports));
-                                }
-                            }
-                            Event::InitDone => {
-                                if let Some(next) = relisting.take() {
-                                    listed = next;
-                                    apply_at.get_or_insert_with(|| {
-                                        tokio::time::Instant::now() + source.debounce
-                                    });
-                                }
-                            }
-                            Event::Apply(pod) => {
-                                listed.insert(name_of(&pod), pod_backends(&pod, &ports));
-                                apply_at.get_or_insert_with(|| {
-                                    tokio::time::Instant::now() + source.debounce
-                                });
-                            }
-                            Event::Delete(pod) => {
-                                listed.remove(&name_of(&pod));
-                                apply_at.get_or_insert_with(|| {
-                                    tokio::time::Instant::now() + source.debounce
-                                });
-                            }
-                        }
+                        let ports = spec.as_ref().map_or(&[][..], |s| &s.ports[..]);
+                        take_pod_event(event, &mut pods_seen, ports, source.debounce);
                     }
                     Err(e) => report_error(&pool, KIND, &e.to_string(), &mut streak),
                 }
             }
         }
+    }
+}
+
+/// What an event of the InferencePool object's watch says of its spec: `Some(None)`, it is
+/// gone; `Some(Some(spec))`, its spec now; `None`, nothing new (a list's start, an error, or
+/// a spec that cannot be read: what the pool had is kept, so a bad edit empties nothing).
+/// `listed` is whether the list under way found the object.
+fn spec_event(
+    event: watcher::Result<Event<DynamicObject>>,
+    listed: &mut bool,
+    pool: &Pool,
+    name: &str,
+    streak: &mut Option<String>,
+) -> Option<Option<PoolSpec>> {
+    let object = match event {
+        Ok(Event::Init) => {
+            *listed = false;
+            return None;
+        }
+        Ok(Event::InitApply(o)) => {
+            *listed = true;
+            Some(o)
+        }
+        Ok(Event::Apply(o)) => Some(o),
+        Ok(Event::Delete(_)) => None,
+        // A relist without it: deleted while the watch was away.
+        Ok(Event::InitDone) if !*listed => None,
+        Ok(Event::InitDone) => return None,
+        Err(e) => {
+            report_error(pool, KIND, &e.to_string(), streak);
+            return None;
+        }
+    };
+    report_recovery(pool, KIND, streak);
+    let Some(o) = object else {
+        return Some(None);
+    };
+    match spec_of(&serde_json::json!({"spec": o.data.get("spec")})) {
+        Ok(spec) => Some(Some(spec)),
+        Err(e) => {
+            let e = format!("the InferencePool `{name}`: {e}");
+            report_error(pool, KIND, &e, streak);
+            None
+        }
+    }
+}
+
+/// The InferencePools' and the pods' APIs, in `namespace` (else the client's default).
+fn apis(client: Client, namespace: Option<&str>) -> (Api<DynamicObject>, Api<Pod>) {
+    let resource = inference_pools();
+    match namespace {
+        Some(ns) => (
+            Api::namespaced_with(client.clone(), ns, &resource),
+            Api::namespaced(client, ns),
+        ),
+        None => (
+            Api::default_namespaced_with(client.clone(), &resource),
+            Api::default_namespaced(client),
+        ),
+    }
+}
+
+/// Takes one event of the pool's pods' watch into `pods_seen`; `ports` are the pool's
+/// target ports.
+fn take_pod_event(event: Event<Pod>, pods_seen: &mut Listed, ports: &[u16], debounce: Duration) {
+    match event {
+        Event::Init => pods_seen.relist(),
+        Event::InitApply(pod) => pods_seen.listed(name_of(&pod), pod_backends(&pod, ports)),
+        Event::InitDone => pods_seen.relisted(debounce),
+        Event::Apply(pod) => pods_seen.insert(name_of(&pod), pod_backends(&pod, ports), debounce),
+        Event::Delete(pod) => pods_seen.remove(&name_of(&pod), debounce),
     }
 }
 

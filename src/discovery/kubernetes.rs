@@ -15,14 +15,13 @@
 //! server waits longer than that, and the client's read timeout ([`READ_TIMEOUT`]) ends one
 //! that does: a watch whose start is never answered among them.
 
-use super::{apply, report_error, report_recovery};
+use super::{apply, report_error, report_recovery, Listed};
 use futures_util::StreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use sluice_sdk::{Pool, Wanted};
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -91,17 +90,13 @@ pub(super) async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Clien
 /// Follows `source` for `pool`, for ever (until the service aborts it).
 pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
     let mut streak = None;
-    let mut retry = Duration::from_secs(1);
-    let client = loop {
-        match client(source.kubeconfig.as_deref()).await {
-            Ok(client) => break client,
-            Err(e) => {
-                report_error(&pool, "kubernetes", &e, &mut streak);
-                tokio::time::sleep(retry).await;
-                retry = (retry * 2).min(CLIENT_RETRY_MAX);
-            }
-        }
-    };
+    let client = made_client(
+        &pool,
+        "kubernetes",
+        source.kubeconfig.as_deref(),
+        &mut streak,
+    )
+    .await;
     let api: Api<EndpointSlice> = match &source.namespace {
         Some(namespace) => Api::namespaced(client, namespace),
         None => Api::default_namespaced(client),
@@ -118,20 +113,15 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
     let mut events = watch();
     // Whether a list is under way (the watcher's start, or a relist): it is bounded.
     let mut listing = true;
-    // The slices as last seen, by name; a relist builds the next set aside until it is whole.
-    let mut slices: BTreeMap<String, Vec<Wanted>> = BTreeMap::new();
-    let mut relisting: Option<BTreeMap<String, Vec<Wanted>>> = None;
-    // When the changes seen since the last update are applied: a debounce window that
-    // starts with the first of them (a steady trickle of events cannot hold it off).
-    let mut apply_at: Option<tokio::time::Instant> = None;
+    // The slices as last seen, and when they are next applied.
+    let mut slices = Listed::default();
     let mut list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
     loop {
         // The nearest of the debounce's end and the list's bound.
-        let wake = match (apply_at, listing) {
+        let wake = match (slices.apply_at, listing) {
             (Some(at), true) => Some(at.min(list_deadline)),
-            (Some(at), false) => Some(at),
+            (at, false) => at,
             (None, true) => Some(list_deadline),
-            (None, false) => None,
         };
         let next = match wake {
             Some(at) => match tokio::time::timeout_at(at, events.next()).await {
@@ -141,14 +131,12 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
                         format!("the API server did not answer the list within {LIST_TIMEOUT:?}");
                     report_error(&pool, "kubernetes", &e, &mut streak);
                     events = watch();
-                    relisting = None;
+                    slices.abandon_relist();
                     list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
                     continue;
                 }
                 Err(_) => {
-                    apply_at = None;
-                    let wanted: Vec<Wanted> = slices.values().flatten().cloned().collect();
-                    apply(&pool, "kubernetes", &wanted);
+                    apply(&pool, "kubernetes", &slices.take_wanted());
                     continue;
                 }
             },
@@ -160,35 +148,10 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
         match event {
             Ok(event) => {
                 report_recovery(&pool, "kubernetes", &mut streak);
-                match event {
-                    Event::Init => {
-                        relisting = Some(BTreeMap::new());
-                        listing = true;
+                if let Some(listing_now) = take_slice_event(event, &mut slices, &pool, &source) {
+                    listing = listing_now;
+                    if listing {
                         list_deadline = tokio::time::Instant::now() + LIST_TIMEOUT;
-                    }
-                    Event::InitApply(slice) => {
-                        if let Some(next) = relisting.as_mut() {
-                            next.insert(slice_name(&slice), wanted(&pool, &source, &slice));
-                        }
-                    }
-                    Event::InitDone => {
-                        listing = false;
-                        if let Some(next) = relisting.take() {
-                            slices = next;
-                            apply_at.get_or_insert_with(|| {
-                                tokio::time::Instant::now() + source.debounce
-                            });
-                        }
-                    }
-                    Event::Apply(slice) => {
-                        slices.insert(slice_name(&slice), wanted(&pool, &source, &slice));
-                        apply_at
-                            .get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
-                    }
-                    Event::Delete(slice) => {
-                        slices.remove(&slice_name(&slice));
-                        apply_at
-                            .get_or_insert_with(|| tokio::time::Instant::now() + source.debounce);
                     }
                 }
             }
@@ -200,6 +163,57 @@ pub async fn follow(pool: Arc<Pool>, source: KubernetesSource) {
                     list_deadline =
                         tokio::time::Instant::now() + LIST_TIMEOUT + Duration::from_secs(30);
                 }
+            }
+        }
+    }
+}
+
+/// Takes one event of the EndpointSlices' watch into `slices`; whether a list is under way
+/// from now, when the event says (its start or its end).
+fn take_slice_event(
+    event: Event<EndpointSlice>,
+    slices: &mut Listed,
+    pool: &Pool,
+    source: &KubernetesSource,
+) -> Option<bool> {
+    match event {
+        Event::Init => {
+            slices.relist();
+            return Some(true);
+        }
+        Event::InitApply(slice) => {
+            slices.listed(slice_name(&slice), wanted(pool, source, &slice));
+        }
+        Event::InitDone => {
+            slices.relisted(source.debounce);
+            return Some(false);
+        }
+        Event::Apply(slice) => slices.insert(
+            slice_name(&slice),
+            wanted(pool, source, &slice),
+            source.debounce,
+        ),
+        Event::Delete(slice) => slices.remove(&slice_name(&slice), source.debounce),
+    }
+    None
+}
+
+/// A client (see [`client`]), tried again with a growing pause, the errors reported under
+/// `kind`, until one is made.
+pub(super) async fn made_client(
+    pool: &Pool,
+    kind: &'static str,
+    kubeconfig: Option<&std::path::Path>,
+    streak: &mut Option<String>,
+) -> Client {
+    let mut retry = Duration::from_secs(1);
+    loop {
+        match client(kubeconfig).await {
+            Ok(client) => return client,
+            Err(e) => {
+                report_error(pool, kind, &e, streak);
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(CLIENT_RETRY_MAX);
             }
         }
     }

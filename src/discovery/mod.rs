@@ -123,6 +123,75 @@ impl BackgroundService for DiscoveryService {
     }
 }
 
+/// What a Kubernetes watch has listed (EndpointSlices, or an InferencePool's pods): each
+/// object's backends by its name, and when they are next applied to the pool. A burst of
+/// changes is applied once, `debounce` after its first (a steady trickle of events cannot
+/// hold it off); a relist builds the next set aside until it is whole, so a list that fails
+/// part way empties nothing.
+#[derive(Default)]
+pub(crate) struct Listed {
+    by_name: std::collections::BTreeMap<String, Vec<Wanted>>,
+    relisting: Option<std::collections::BTreeMap<String, Vec<Wanted>>>,
+    /// When the changes not yet applied are.
+    pub(crate) apply_at: Option<tokio::time::Instant>,
+}
+
+impl Listed {
+    /// A list begins (the watch's start, or a relist).
+    pub(crate) fn relist(&mut self) {
+        self.relisting = Some(std::collections::BTreeMap::new());
+    }
+
+    /// The list under way is given up (it is started again).
+    pub(crate) fn abandon_relist(&mut self) {
+        self.relisting = None;
+    }
+
+    /// One object of the list under way.
+    pub(crate) fn listed(&mut self, name: String, backends: Vec<Wanted>) {
+        if let Some(next) = self.relisting.as_mut() {
+            next.insert(name, backends);
+        }
+    }
+
+    /// The list is whole: it replaces what was seen.
+    pub(crate) fn relisted(&mut self, debounce: Duration) {
+        if let Some(next) = self.relisting.take() {
+            self.by_name = next;
+            self.changed(debounce);
+        }
+    }
+
+    /// An object was added or changed.
+    pub(crate) fn insert(&mut self, name: String, backends: Vec<Wanted>, debounce: Duration) {
+        self.by_name.insert(name, backends);
+        self.changed(debounce);
+    }
+
+    /// An object was deleted.
+    pub(crate) fn remove(&mut self, name: &str, debounce: Duration) {
+        self.by_name.remove(name);
+        self.changed(debounce);
+    }
+
+    /// Everything is gone (the object that selects them).
+    pub(crate) fn clear(&mut self, debounce: Duration) {
+        self.by_name.clear();
+        self.changed(debounce);
+    }
+
+    /// The backends to apply now, the debounce over.
+    pub(crate) fn take_wanted(&mut self) -> Vec<Wanted> {
+        self.apply_at = None;
+        self.by_name.values().flatten().cloned().collect()
+    }
+
+    fn changed(&mut self, debounce: Duration) {
+        self.apply_at
+            .get_or_insert_with(|| tokio::time::Instant::now() + debounce);
+    }
+}
+
 /// Applies what a source now lists to its pool, and says so: one log line per change, and
 /// the discovery metrics.
 ///

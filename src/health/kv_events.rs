@@ -281,38 +281,7 @@ async fn follow(
                     },
                     Err(error) => Some(error),
                 };
-                let reason = match &error {
-                    None => "silent",
-                    Some(zmtp::Error::TooLarge(_)) => "too_large",
-                    Some(zmtp::Error::Protocol(_)) => "protocol",
-                    Some(_) => "closed",
-                };
-                if error.is_none() {
-                    // What it published may have been evicted since: forgotten, not trusted
-                    // (before the drop is counted, so that whoever sees the count sees it).
-                    routing.index.clear(addr);
-                    publish_blocks(&routing, pool, &label, addr);
-                }
-                metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, &label, reason]);
-                if error.is_none() {
-                    tracing::warn!(
-                        pool,
-                        backend = &label,
-                        endpoint = &source.endpoint,
-                        "the KV event publisher sent nothing for {SILENT_AFTER:?} while its \
-                         engine computed prompt tokens: its blocks are forgotten and it is \
-                         followed again"
-                    );
-                } else if reason != "closed" {
-                    let error = error.map(|e| e.to_string()).unwrap_or_default();
-                    tracing::warn!(
-                        pool,
-                        backend = &label,
-                        endpoint = &source.endpoint,
-                        %error,
-                        "dropped the KV event publisher's connection"
-                    );
-                }
+                connection_ended(&routing, pool, &label, addr, &source, error);
                 if next.load(Relaxed) != before {
                     pause = RECONNECT;
                 }
@@ -335,6 +304,50 @@ async fn follow(
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RETRY);
+    }
+}
+
+/// A followed connection ended: `error`, or `None` when its publisher fell silent (then
+/// the blocks it published are forgotten); counted and, unless it merely closed, logged.
+fn connection_ended(
+    routing: &PrefixRouting,
+    pool: &str,
+    label: &str,
+    addr: SocketAddr,
+    source: &Source,
+    error: Option<zmtp::Error>,
+) {
+    let reason = match &error {
+        None => "silent",
+        Some(zmtp::Error::TooLarge(_)) => "too_large",
+        Some(zmtp::Error::Protocol(_)) => "protocol",
+        Some(_) => "closed",
+    };
+    if error.is_none() {
+        // What it published may have been evicted since: forgotten, not trusted
+        // (before the drop is counted, so that whoever sees the count sees it).
+        routing.index.clear(addr);
+        publish_blocks(routing, pool, label, addr);
+    }
+    metrics::inc(&metrics::KV_EVENT_ERRORS, &[pool, label, reason]);
+    if error.is_none() {
+        tracing::warn!(
+            pool,
+            backend = label,
+            endpoint = &source.endpoint,
+            "the KV event publisher sent nothing for {SILENT_AFTER:?} while its \
+             engine computed prompt tokens: its blocks are forgotten and it is \
+             followed again"
+        );
+    } else if reason != "closed" {
+        let error = error.map(|e| e.to_string()).unwrap_or_default();
+        tracing::warn!(
+            pool,
+            backend = label,
+            endpoint = &source.endpoint,
+            %error,
+            "dropped the KV event publisher's connection"
+        );
     }
 }
 

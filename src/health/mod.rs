@@ -317,31 +317,42 @@ impl Checker {
             self.ask_models().await;
         }
 
-        let result = match &scrape {
-            Ok(answer) if answer.status == 200 => {
-                let read = self.read_metrics(answer.body.clone()).await;
-                self.report_page(&read, name, host);
-                match read {
-                    Ok(read) => {
-                        let taught = live.engine_speed_samples();
-                        live.publish_load(read.load);
-                        if live.engine_speed_samples() > taught {
-                            pool.share_prefill_speed(live.prefill_speed());
-                        }
-                        "ok"
-                    }
-                    Err(Unread::TooSlow) => "parse_timeout",
-                    Err(Unread::Unparsable(_)) => "unparsable",
-                }
-            }
-            other => probe::result_label(other, false),
-        };
+        let result = self.take_scrape(&scrape, name, host).await;
         metrics::inc(&metrics::HEALTH_CHECKS, &[name, "metrics", result]);
         // Kept while it is the size of a page; a huge one is not held between scrapes.
         if let Some(buffer) = scrape.ok().and_then(probe::Answer::into_buffer) {
             if buffer.capacity() <= KEPT_PAGE_BUFFER {
                 self.page_buffer = buffer;
             }
+        }
+    }
+
+    /// Reads a `/metrics` answer into the backend's load (and shares what it taught of the
+    /// prefill speed with the pool); the check's result label.
+    async fn take_scrape(
+        &mut self,
+        scrape: &Result<probe::Answer, probe::Failure>,
+        name: &str,
+        host: &str,
+    ) -> &'static str {
+        let answer = match scrape {
+            Ok(answer) if answer.status == 200 => answer,
+            other => return probe::result_label(other, false),
+        };
+        let read = self.read_metrics(answer.body.clone()).await;
+        self.report_page(&read, name, host);
+        match read {
+            Ok(read) => {
+                let live = &self.endpoint.live;
+                let taught = live.engine_speed_samples();
+                live.publish_load(read.load);
+                if live.engine_speed_samples() > taught {
+                    self.pool.share_prefill_speed(live.prefill_speed());
+                }
+                "ok"
+            }
+            Err(Unread::TooSlow) => "parse_timeout",
+            Err(Unread::Unparsable(_)) => "unparsable",
         }
     }
 

@@ -201,44 +201,52 @@ pub fn read(samples: &[Sample<'_>]) -> VllmMetrics {
     let kv_usage = v1_usage
         .mean(&engine_blocks)
         .or_else(|| v0_usage.mean(&engine_blocks));
-    let num_gpu_blocks = if engine_blocks.is_empty() {
-        None
-    } else {
-        engine_blocks
-            .iter()
-            .try_fold(0u32, |total, (_, blocks)| total.checked_add(*blocks))
-    };
-    let spec = match (accepted, drafted) {
-        (Some(accepted_tokens), Some(draft_tokens)) => Some(SpecCounters {
+    let spec = accepted
+        .zip(drafted)
+        .map(|(accepted_tokens, draft_tokens)| SpecCounters {
             accepted_tokens,
             draft_tokens,
-        }),
-        _ => None,
-    };
-
+        });
     VllmMetrics {
         generation,
         kv_usage,
         running,
         waiting,
         block_size,
-        num_gpu_blocks,
+        num_gpu_blocks: total_blocks(&engine_blocks),
         spec,
         computed_prompt_tokens: queried.map(|q| (q - hits.unwrap_or(0.0)).max(0.0)),
         lora: lora.map(lora_slots),
-        phases: match phases {
-            [Some(queue_seconds), Some(queued), Some(prefill_seconds), Some(prefilled), Some(computed_tokens)] => {
-                Some(PhaseCounters {
-                    queue_seconds,
-                    queued,
-                    prefill_seconds,
-                    prefilled,
-                    computed_tokens,
-                })
-            }
-            _ => None,
-        },
+        phases: phase_counters(phases),
     }
+}
+
+/// The KV-cache blocks of every engine the page names (`None` when it names none, or on
+/// overflow).
+fn total_blocks(engine_blocks: &[(Option<&str>, u32)]) -> Option<u32> {
+    if engine_blocks.is_empty() {
+        return None;
+    }
+    engine_blocks
+        .iter()
+        .try_fold(0u32, |total, (_, blocks)| total.checked_add(*blocks))
+}
+
+/// The engine's phase counters, when the page had all five (`QUEUE_SECONDS`, `QUEUED`,
+/// `PREFILL_SECONDS`, `PREFILLED`, `PREFILL_COMPUTED`, in that order).
+fn phase_counters(phases: [Option<f64>; 5]) -> Option<PhaseCounters> {
+    let [Some(queue_seconds), Some(queued), Some(prefill_seconds), Some(prefilled), Some(computed_tokens)] =
+        phases
+    else {
+        return None;
+    };
+    Some(PhaseCounters {
+        queue_seconds,
+        queued,
+        prefill_seconds,
+        prefilled,
+        computed_tokens,
+    })
 }
 
 /// The adapters a `vllm:lora_requests_info` sample names: vLLM 0.32 lists every adapter with

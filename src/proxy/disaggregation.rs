@@ -32,7 +32,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 use sluice_sdk::model_name;
 use sluice_sdk::{
-    raw_json, Connector, Demand, Endpoint, Pool, RequestCtx, Selected, TransferCheck,
+    raw_json, Connector, Demand, Endpoint, Pool, PrefillRoute, RequestCtx, Selected, TransferCheck,
     TransferOutcome, Verdict,
 };
 use std::sync::Arc;
@@ -104,42 +104,13 @@ pub async fn prefill(
     ) else {
         return Ok(None);
     };
-    let speaks_the_wire = ctx.llm().is_some_and(|call| {
-        matches!(
-            call.endpoint,
-            Endpoint::ChatCompletions | Endpoint::Completions
-        )
-    });
-    if !speaks_the_wire || ctx.escalation().is_some() {
+    let Some((prefill_pool, backend, expected)) =
+        leg_target(sluice, ctx, decode_pool, decode, demand, route, check)
+    else {
         return Ok(None);
-    }
-    let cached = decode
-        .predicted_cached
-        .or(decode.cached_tokens)
-        .unwrap_or(0);
+    };
     let path =
         |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
-    let expected = demand.prompt_tokens.saturating_sub(cached);
-    if expected < route.min_prefill_tokens {
-        path("short");
-        return Ok(None);
-    }
-    let open = check.open();
-    publish(&decode_pool.name, check);
-    if !open {
-        path("fallen_back");
-        return Ok(None);
-    }
-    let Some(prefill_pool) = sluice.pools.get(&route.pool).cloned() else {
-        path("no_prefill_backend");
-        return Ok(None);
-    };
-    // A LoRA adapter's request goes to a prefill backend that serves the adapter.
-    let adapter = prefill_pool.adapter(ctx.model());
-    let Some(backend) = prefill_pool.select_prefixed(&[], demand, None, adapter) else {
-        path("no_prefill_backend");
-        return Ok(None);
-    };
     // What the leg asks, and for Mooncake what the decode leg will say.
     let mooncake = match route.connector {
         Connector::Nixl => None,
@@ -187,6 +158,57 @@ pub async fn prefill(
         params,
         received: Instant::now(),
     }))
+}
+
+/// Where a request's prefill leg goes: the prefill pool, its backend, and the prompt tokens
+/// the leg is expected to compute; `None` (counted under its `sluice_pd_requests_total`
+/// path when it was a choice) when the decode backend serves the request whole.
+fn leg_target(
+    sluice: &Sluice,
+    ctx: &RequestCtx,
+    decode_pool: &Pool,
+    decode: &Selected,
+    demand: &Demand,
+    route: &PrefillRoute,
+    check: &TransferCheck,
+) -> Option<(Arc<Pool>, Selected, u64)> {
+    let speaks_the_wire = ctx.llm().is_some_and(|call| {
+        matches!(
+            call.endpoint,
+            Endpoint::ChatCompletions | Endpoint::Completions
+        )
+    });
+    if !speaks_the_wire || ctx.escalation().is_some() {
+        return None;
+    }
+    let cached = decode
+        .predicted_cached
+        .or(decode.cached_tokens)
+        .unwrap_or(0);
+    let path =
+        |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
+    let expected = demand.prompt_tokens.saturating_sub(cached);
+    if expected < route.min_prefill_tokens {
+        path("short");
+        return None;
+    }
+    let open = check.open();
+    publish(&decode_pool.name, check);
+    if !open {
+        path("fallen_back");
+        return None;
+    }
+    let Some(prefill_pool) = sluice.pools.get(&route.pool).cloned() else {
+        path("no_prefill_backend");
+        return None;
+    };
+    // A LoRA adapter's request goes to a prefill backend that serves the adapter.
+    let adapter = prefill_pool.adapter(ctx.model());
+    let Some(backend) = prefill_pool.select_prefixed(&[], demand, None, adapter) else {
+        path("no_prefill_backend");
+        return None;
+    };
+    Some((prefill_pool, backend, expected))
 }
 
 /// A prefill leg about to be sent: the pools, the prefill backend chosen, and Mooncake's

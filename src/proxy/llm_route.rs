@@ -261,6 +261,25 @@ fn engine_request_id(ctx: &RequestCtx) -> String {
     }
 }
 
+/// How a hold ended: `waited` is the wait's end (`Err`: the client left), and a sheddable
+/// request's objective falls due at `sheds_at_deadline`.
+fn hold_end(
+    waited: &Result<Waited, Box<pingora_error::Error>>,
+    sheds_at_deadline: Option<std::time::Instant>,
+) -> HoldEnd {
+    match waited {
+        Ok(Waited::LetIn) => HoldEnd::Sent,
+        Ok(Waited::NoBackend) => HoldEnd::NoBackend,
+        Ok(Waited::Deadline)
+            if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) =>
+        {
+            HoldEnd::Deadline
+        }
+        Ok(Waited::Deadline) => HoldEnd::MaxHold,
+        Err(_) => HoldEnd::ClientGone,
+    }
+}
+
 /// Holds the request in `pool`'s fair order while every engine of the pool would queue it
 /// (see `sluice_pools::pool::flow_control`), up to the pool's `fairness.max_hold` and within
 /// its total timeout; a sheddable request with a TTFT objective only until that is due, then
@@ -335,17 +354,7 @@ async fn hold(
     )
     .await;
     let seconds = started.elapsed().as_secs_f64();
-    let end = match &waited {
-        Ok(Waited::LetIn) => HoldEnd::Sent,
-        Ok(Waited::NoBackend) => HoldEnd::NoBackend,
-        Ok(Waited::Deadline)
-            if sheds_at_deadline.is_some_and(|due| std::time::Instant::now() >= due) =>
-        {
-            HoldEnd::Deadline
-        }
-        Ok(Waited::Deadline) => HoldEnd::MaxHold,
-        Err(_) => HoldEnd::ClientGone,
-    };
+    let end = hold_end(&waited, sheds_at_deadline);
     crate::metrics::held(&pool.name, end, seconds);
     match end {
         HoldEnd::Sent => Ok(Some(Held {
@@ -529,6 +538,8 @@ impl AttemptLoop {
         Some(key)
     }
 
+    /// The attempt loop: a backend chosen, an attempt on it, and what follows, until the
+    /// request is answered or fails.
     async fn run(
         mut self,
         sluice: &Sluice,
@@ -536,164 +547,10 @@ impl AttemptLoop {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         loop {
-            // 1. select
-            sluice.chain.upstream_select(ctx)?;
-            let pool = ctx
-                .pool()
-                .cloned()
-                .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
-            // `ttft` learns each backend's prefill speed from what the engine says it
-            // computed: the answer's usage, asked of a stream whose client did not.
-            // A traced attempt's span carries the tokens used (`gen_ai.usage.*`), a stream's too.
-            if matches!(pool.settings.balancing, sluice_sdk::Balancing::Ttft(_)) || ctx.traced() {
-                ctx.want_usage();
-            }
-            let demand = ctx
-                .llm()
-                .map_or_else(Demand::default, |call| pool.demand_for(call));
-            let prefix = self.prefix_keys(session, ctx, &pool).await?;
-            let adapter = upstream_adapter(ctx, &pool);
-            let shared_key = self.shared_session_key(sluice, ctx, &pool, &demand).await;
-            let pinned = self.pinned;
-            let select = |tried: &[SocketAddr]| match pinned {
-                Some(addr) => pool.select_backend(addr, tried),
-                None => pool.select_prefixed(tried, &demand, prefix.as_deref(), adapter),
-            };
-            // Held in the pool's fair order while every engine would queue it: once, before
-            // the first attempt. The place is kept until the attempt starts.
-            let mut held = if self.tried.is_empty() && !self.held {
-                self.held = true;
-                hold(session, ctx, &pool, self.pinned).await?
-            } else {
-                None
-            };
-            // Let in with no backend of its own, it goes where an engine has room.
-            let queueing = match &held {
-                Some(Held { bound: false, .. }) => pool.queueing_backends(),
-                _ => Vec::new(),
-            };
-            let mut selected = if queueing.is_empty() {
-                select(&self.tried)
-            } else {
-                let avoid = [self.tried.as_slice(), &queueing].concat();
-                select(&avoid).or_else(|| select(&self.tried))
-            };
-            // A pool with no ready backend at all (scaled to zero, starting) is waited for,
-            // once, unless the request has somewhere else to go.
-            if selected.is_none()
-                && self.tried.is_empty()
-                && !self.waited
-                && ctx.escalation().is_none()
-                && !pool.has_ready_member()
-            {
-                self.waited = true;
-                drop(held.take());
-                let newest = tries::wait_for_backend(Some(session), &pool).await?;
-                if let Some(newest) = newest.filter(|newest| !Arc::ptr_eq(newest, &pool)) {
-                    // A reload came while it waited: the new generation sends it.
-                    ctx.send_to(newest);
-                    continue;
-                }
-                selected = select(&self.tried);
-            }
-            let then = match selected {
-                None => {
-                    drop(held.take());
-                    self.pool_exhausted(ctx, &pool)
-                }
-                Some(backend) => {
-                    if let Some(tokens) = backend.predicted_cached {
-                        ctx.state.insert(Predicted { tokens });
-                    }
-                    explain_placement(ctx, &pool, &backend);
-                    if let (Some(shared), Some(key), true) = (
-                        sluice.shared_sessions.as_ref(),
-                        shared_key,
-                        backend.session_rebound,
-                    ) {
-                        shared.publish(&pool, key, backend.addr, demand.prompt_tokens);
-                    }
-                    meets_deadline(ctx, &pool, &backend)?;
-                    // 2. prepare
-                    // A disaggregated pool's long prompt is prefilled elsewhere first, once:
-                    // the decode backend was chosen and admitted above. A retry of a decode leg
-                    // its engine never took keeps the transfer while the lease holds (see
-                    // `Transfer::may_carry`); any other retry is served whole.
-                    let disaggregated = pool.transfer_check().is_some();
-                    self.transfer = self
-                        .transfer
-                        .take()
-                        .filter(|transfer| disaggregated && transfer.lease_holds(&pool));
-                    if self.transfer.is_none() && disaggregated {
-                        ctx.state.remove::<super::disaggregation::TransferSent>();
-                    }
-                    if !self.prefilled && disaggregated {
-                        self.prefilled = true;
-                        // The leg runs on another pool: the next waiter here need not wait.
-                        drop(held.take());
-                        let body = self.upstream_source(ctx);
-                        let request_id = engine_request_id(ctx);
-                        let prefilled = super::disaggregation::prefill(
-                            sluice,
-                            session,
-                            ctx,
-                            &pool,
-                            &backend,
-                            &demand,
-                            &body,
-                            &request_id,
-                        )
-                        .await;
-                        match prefilled {
-                            Ok(Some(transfer)) => self.transfer = Some(transfer),
-                            Ok(None) => {}
-                            Err(attempt::Outcome::ClientGone(e)) => return Err(e),
-                            Err(_) => {}
-                        }
-                    }
-                    let mut backend = backend;
-                    if self.transfer.is_some() {
-                        // The prompt's blocks come by the transfer: the decode backend computes
-                        // next to nothing of it.
-                        backend.cached_tokens = Some(demand.prompt_tokens.saturating_sub(1));
-                    }
-                    let mut in_flight =
-                        tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
-                    if self.transfer.is_some() {
-                        in_flight.transferred();
-                    }
-                    // Counted before the next waiter is let in.
-                    drop(held.take());
-                    let prepared =
-                        self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
-                    // 3. run: the attempt's load on the backend ends with it (or as soon as
-                    // the backend's answer has come whole), never with a retry's backoff or
-                    // a held answer sent later.
-                    let Prepared {
-                        attempt,
-                        deadlines,
-                        hold,
-                        span,
-                    } = prepared;
-                    let started = std::time::Instant::now();
-                    let upstreams = sluice.upstreams();
-                    let outcome =
-                        attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold, &span)
-                            .await;
-                    report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
-                    // 4. decide; the attempt's span ends with the decision.
-                    self.attempt_span = span;
-                    if self
-                        .transfer
-                        .as_ref()
-                        .is_some_and(|transfer| !transfer.may_carry(&pool, &outcome))
-                    {
-                        self.transfer = None;
-                    }
-                    let then = self.decide(ctx, &pool, &backend, outcome).await;
-                    self.attempt_span = tracing::Span::none();
-                    then
-                }
+            let then = match self.choose(sluice, session, ctx).await? {
+                Step::Again => continue,
+                Step::Done(then) => then,
+                Step::Chosen(chosen) => self.attempt_on(sluice, session, ctx, chosen).await?,
             };
             match then {
                 Then::TryAgain => continue,
@@ -704,6 +561,194 @@ impl AttemptLoop {
                 }
             }
         }
+    }
+
+    /// Step 1, select: the plugins' `upstream_select`, then a backend of the request's pool,
+    /// the request held in the pool's fair order first (once) and, when the pool has no ready
+    /// backend at all, waited for (once).
+    async fn choose(
+        &mut self,
+        sluice: &Sluice,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Step> {
+        sluice.chain.upstream_select(ctx)?;
+        let pool = ctx
+            .pool()
+            .cloned()
+            .ok_or_else(|| ErrorReply::internal("No pool chosen.").into_error())?;
+        // `ttft` learns each backend's prefill speed from what the engine says it
+        // computed: the answer's usage, asked of a stream whose client did not.
+        // A traced attempt's span carries the tokens used (`gen_ai.usage.*`), a stream's too.
+        if matches!(pool.settings.balancing, sluice_sdk::Balancing::Ttft(_)) || ctx.traced() {
+            ctx.want_usage();
+        }
+        let demand = ctx
+            .llm()
+            .map_or_else(Demand::default, |call| pool.demand_for(call));
+        let prefix = self.prefix_keys(session, ctx, &pool).await?;
+        let adapter = upstream_adapter(ctx, &pool);
+        let shared_key = self.shared_session_key(sluice, ctx, &pool, &demand).await;
+        let pinned = self.pinned;
+        let select = |tried: &[SocketAddr]| match pinned {
+            Some(addr) => pool.select_backend(addr, tried),
+            None => pool.select_prefixed(tried, &demand, prefix.as_deref(), adapter),
+        };
+        // Held in the pool's fair order while every engine would queue it: once, before
+        // the first attempt. The place is kept until the attempt starts.
+        let mut held = if self.tried.is_empty() && !self.held {
+            self.held = true;
+            hold(session, ctx, &pool, self.pinned).await?
+        } else {
+            None
+        };
+        // Let in with no backend of its own, it goes where an engine has room.
+        let queueing = match &held {
+            Some(Held { bound: false, .. }) => pool.queueing_backends(),
+            _ => Vec::new(),
+        };
+        let mut selected = if queueing.is_empty() {
+            select(&self.tried)
+        } else {
+            let avoid = [self.tried.as_slice(), &queueing].concat();
+            select(&avoid).or_else(|| select(&self.tried))
+        };
+        // A pool with no ready backend at all (scaled to zero, starting) is waited for,
+        // once, unless the request has somewhere else to go.
+        if selected.is_none()
+            && self.tried.is_empty()
+            && !self.waited
+            && ctx.escalation().is_none()
+            && !pool.has_ready_member()
+        {
+            self.waited = true;
+            drop(held.take());
+            let newest = tries::wait_for_backend(Some(session), &pool).await?;
+            if let Some(newest) = newest.filter(|newest| !Arc::ptr_eq(newest, &pool)) {
+                // A reload came while it waited: the new generation sends it.
+                ctx.send_to(newest);
+                return Ok(Step::Again);
+            }
+            selected = select(&self.tried);
+        }
+        let Some(backend) = selected else {
+            drop(held.take());
+            return Ok(Step::Done(self.pool_exhausted(ctx, &pool)));
+        };
+        placed(sluice, ctx, &pool, &backend, &demand, shared_key)?;
+        Ok(Step::Chosen(Box::new(Chosen {
+            pool,
+            backend,
+            demand,
+            held,
+        })))
+    }
+
+    /// Steps 2 to 4: prepare, run and decide an attempt on the backend chosen.
+    async fn attempt_on(
+        &mut self,
+        sluice: &Sluice,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        chosen: Box<Chosen>,
+    ) -> Result<Then> {
+        let Chosen {
+            pool,
+            mut backend,
+            demand,
+            mut held,
+        } = *chosen;
+        // The leg runs on another pool: the next waiter here need not wait.
+        if !self.prefilled && pool.transfer_check().is_some() {
+            drop(held.take());
+        }
+        self.prefill_elsewhere(sluice, session, ctx, &pool, &backend, &demand)
+            .await?;
+        if self.transfer.is_some() {
+            // The prompt's blocks come by the transfer: the decode backend computes
+            // next to nothing of it.
+            backend.cached_tokens = Some(demand.prompt_tokens.saturating_sub(1));
+        }
+        let mut in_flight = tries::begin(ctx, &mut self.tried, &backend, demand.tokens());
+        if self.transfer.is_some() {
+            in_flight.transferred();
+        }
+        // Counted before the next waiter is let in.
+        drop(held.take());
+        let prepared = self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
+        // 3. run: the attempt's load on the backend ends with it (or as soon as the
+        // backend's answer has come whole), never with a retry's backoff or a held answer
+        // sent later.
+        let Prepared {
+            attempt,
+            deadlines,
+            hold,
+            span,
+        } = prepared;
+        let started = std::time::Instant::now();
+        let upstreams = sluice.upstreams();
+        let outcome =
+            attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold, &span).await;
+        report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
+        // 4. decide; the attempt's span ends with the decision.
+        self.attempt_span = span;
+        if self
+            .transfer
+            .as_ref()
+            .is_some_and(|transfer| !transfer.may_carry(&pool, &outcome))
+        {
+            self.transfer = None;
+        }
+        let then = self.decide(ctx, &pool, &backend, outcome).await;
+        self.attempt_span = tracing::Span::none();
+        Ok(then)
+    }
+
+    /// Part of step 2: a disaggregated pool's long prompt is prefilled elsewhere first, once:
+    /// the decode backend was chosen and admitted. A retry of a decode leg its engine never
+    /// took keeps the transfer while the lease holds (see `Transfer::may_carry`); any other
+    /// retry is served whole. `Err`: the client left during the leg.
+    async fn prefill_elsewhere(
+        &mut self,
+        sluice: &Sluice,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        pool: &Arc<Pool>,
+        backend: &Selected,
+        demand: &Demand,
+    ) -> Result<()> {
+        let disaggregated = pool.transfer_check().is_some();
+        self.transfer = self
+            .transfer
+            .take()
+            .filter(|transfer| disaggregated && transfer.lease_holds(pool));
+        if self.transfer.is_none() && disaggregated {
+            ctx.state.remove::<super::disaggregation::TransferSent>();
+        }
+        if self.prefilled || !disaggregated {
+            return Ok(());
+        }
+        self.prefilled = true;
+        let body = self.upstream_source(ctx);
+        let request_id = engine_request_id(ctx);
+        let prefilled = super::disaggregation::prefill(
+            sluice,
+            session,
+            ctx,
+            pool,
+            backend,
+            demand,
+            &body,
+            &request_id,
+        )
+        .await;
+        match prefilled {
+            Ok(Some(transfer)) => self.transfer = Some(transfer),
+            Ok(None) => {}
+            Err(attempt::Outcome::ClientGone(e)) => return Err(e),
+            Err(_) => {}
+        }
+        Ok(())
     }
 
     /// The request header, body, deadlines, hold and span of an attempt on `backend`.
@@ -1066,6 +1111,50 @@ fn report_attempt(
         span: span.clone(),
     };
     sluice.chain.attempt_end(&report, ctx);
+}
+
+/// What choosing `backend` leaves behind: the index's prediction kept for the answer's
+/// check, the placement explained, a shared session's new home published (`shared_key`), and
+/// the request's TTFT objective checked against the prediction.
+fn placed(
+    sluice: &Sluice,
+    ctx: &mut RequestCtx,
+    pool: &Pool,
+    backend: &Selected,
+    demand: &Demand,
+    shared_key: Option<String>,
+) -> Result<()> {
+    if let Some(tokens) = backend.predicted_cached {
+        ctx.state.insert(Predicted { tokens });
+    }
+    explain_placement(ctx, pool, backend);
+    if let (Some(shared), Some(key), true) = (
+        sluice.shared_sessions.as_ref(),
+        shared_key,
+        backend.session_rebound,
+    ) {
+        shared.publish(pool, key, backend.addr, demand.prompt_tokens);
+    }
+    meets_deadline(ctx, pool, backend)
+}
+
+/// What choosing a backend for the next attempt came to.
+enum Step {
+    /// A backend: the attempt goes there.
+    Chosen(Box<Chosen>),
+    /// No attempt: what follows instead (the pool had no backend left).
+    Done(Then),
+    /// Choose again (a reload came while the request waited for a backend).
+    Again,
+}
+
+/// A backend chosen for an attempt, with what choosing it found.
+struct Chosen {
+    pool: Arc<Pool>,
+    backend: Selected,
+    demand: Demand,
+    /// The request's place in the pool's fair order, kept until the attempt starts.
+    held: Option<Held>,
 }
 
 /// What a client may not tell an engine: its trace context (whether vLLM traces a request is

@@ -622,21 +622,25 @@ impl PrefixIndex {
                         }
                     }
                 }
-                KvEvent::Removed { hashes } => {
-                    for slice in hashes.chunks(BLOCKS_PER_HOLD) {
-                        let mut index = self.write();
-                        for hash in slice {
-                            let key = index
-                                .backends
-                                .get_mut(&id)
-                                .and_then(|holdings| holdings.keys.remove(hash));
-                            if let Some(key) = key {
-                                index.forget_block(key, id);
-                            }
-                        }
-                    }
-                }
+                KvEvent::Removed { hashes } => self.evict(id, hashes),
                 KvEvent::AllCleared => forget_all(&mut self.write(), id),
+            }
+        }
+    }
+
+    /// Backend `id` evicted the blocks of `hashes`; the lock is let go every
+    /// [`BLOCKS_PER_HOLD`] blocks, as for stored ones.
+    fn evict(&self, id: u32, hashes: &[EngineHash]) {
+        for slice in hashes.chunks(BLOCKS_PER_HOLD) {
+            let mut index = self.write();
+            for hash in slice {
+                let key = index
+                    .backends
+                    .get_mut(&id)
+                    .and_then(|holdings| holdings.keys.remove(hash));
+                if let Some(key) = key {
+                    index.forget_block(key, id);
+                }
             }
         }
     }

@@ -205,13 +205,7 @@ impl Pool {
             session: None,
         };
         if let Some(adapter) = adapter {
-            let best = m
-                .candidates()
-                .filter_map(|i| members.get(i))
-                .map(|e| adapter_readiness(&e.live, adapter))
-                .min()
-                .unwrap_or(AdapterReadiness::Lacks);
-            m.adapter = Some((adapter, best.min(AdapterReadiness::Waits)));
+            m.adapter = Some((adapter, adapter_aim(&m, adapter)));
         }
         let credit = self.credit(demand, prefix);
         let session = demand.session.zip(self.session_table.as_ref());
@@ -221,14 +215,8 @@ impl Pool {
         });
         // A strategy that weighs sessions sees the session's backend and what its last
         // turn left cached there; else the session stays while the pool's rule allows.
-        let weighs = self.strategy.weighs_sessions()
-            && self
-                .settings
-                .sessions
-                .as_ref()
-                .is_some_and(|s| s.mode == super::SessionMode::Soft);
         let kept = match bound {
-            Some((index, tokens)) if weighs => {
+            Some((index, tokens)) if self.weighs_sessions() => {
                 m.session = Some(SessionHome {
                     index,
                     last_prompt_tokens: u64::from(tokens),
@@ -240,25 +228,7 @@ impl Pool {
         };
         let pick = match kept {
             Some(index) => Pick::only(index),
-            // Endpoints warming up at their share are left out, unless nothing else is left.
-            None => self
-                .strategy
-                .choose(self, &m, demand, &credit)
-                .or_else(|| {
-                    m.warm_only
-                        .then(|| {
-                            self.strategy.choose(
-                                self,
-                                &Choice {
-                                    warm_only: false,
-                                    ..m
-                                },
-                                demand,
-                                &credit,
-                            )
-                        })
-                        .flatten()
-                })?,
+            None => self.pick(&m, demand, &credit)?,
         };
         let index = pick.index;
         let endpoint = members.get(index)?;
@@ -281,17 +251,7 @@ impl Pool {
             .and_then(|(i, cost)| Some((members.get(i)?.spec.resolved, cost)));
         let session_moved = bound.is_some_and(|(home, _)| home != index);
         let session_rebound = session.is_some() && (bound.is_none() || session_moved);
-        // The index's prediction, in the prompt's own tokens, to be set beside what the
-        // engine reports it served.
-        let predicted_cached = match (self.prefix.load().as_ref(), prefix, &credit) {
-            (Some(routing), Some(keys), Credit::Exact { matches, .. }) => {
-                routing
-                    .looked_up_tokens
-                    .fetch_add(keys.tokens as u64, Relaxed);
-                Some(matches.served_tokens(endpoint.spec.resolved, keys.tokens as u64))
-            }
-            _ => None,
-        };
+        let predicted_cached = self.predicted_cached(prefix, &credit, endpoint.spec.resolved);
         Some(Selected {
             addr: endpoint.spec.resolved,
             live: Arc::clone(&endpoint.live),
@@ -303,6 +263,50 @@ impl Pool {
             session_moved,
             session_rebound,
         })
+    }
+
+    /// Whether the pool's strategy weighs a session's backend against the others (soft
+    /// sessions, a strategy that prices them).
+    fn weighs_sessions(&self) -> bool {
+        self.strategy.weighs_sessions()
+            && self
+                .settings
+                .sessions
+                .as_ref()
+                .is_some_and(|s| s.mode == super::SessionMode::Soft)
+    }
+
+    /// The strategy's pick. Endpoints warming up at their share are left out, unless nothing
+    /// else is left.
+    fn pick(&self, m: &Choice<'_>, demand: &Demand, credit: &Credit) -> Option<Pick> {
+        self.strategy.choose(self, m, demand, credit).or_else(|| {
+            let all = Choice {
+                warm_only: false,
+                ..*m
+            };
+            m.warm_only
+                .then(|| self.strategy.choose(self, &all, demand, credit))
+                .flatten()
+        })
+    }
+
+    /// The exact index's prediction of the prompt tokens `addr` has cached, in the prompt's
+    /// own tokens, to be set beside what the engine reports it served.
+    fn predicted_cached(
+        &self,
+        prefix: Option<&PrefixKeys>,
+        credit: &Credit,
+        addr: SocketAddr,
+    ) -> Option<u64> {
+        match (self.prefix.load().as_ref(), prefix, credit) {
+            (Some(routing), Some(keys), Credit::Exact { matches, .. }) => {
+                routing
+                    .looked_up_tokens
+                    .fetch_add(keys.tokens as u64, Relaxed);
+                Some(matches.served_tokens(addr, keys.tokens as u64))
+            }
+            _ => None,
+        }
     }
 
     /// What this selection credits the backends' prefix caches with: the exact index when
@@ -386,6 +390,17 @@ impl Pool {
             .max(demand.prompt_tokens / 2)
             .min(demand.prompt_tokens)
     }
+}
+
+/// The readiness for `adapter` a backend needs: the best any candidate of `m` has, at worst
+/// [`AdapterReadiness::Waits`].
+fn adapter_aim(m: &Choice<'_>, adapter: &str) -> AdapterReadiness {
+    m.candidates()
+        .filter_map(|i| m.members.get(i))
+        .map(|e| adapter_readiness(&e.live, adapter))
+        .min()
+        .unwrap_or(AdapterReadiness::Lacks)
+        .min(AdapterReadiness::Waits)
 }
 
 /// One choice of a backend: the set it is made from, the backends already tried, and whether
