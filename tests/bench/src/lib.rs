@@ -56,6 +56,9 @@ pub struct Options {
     pub require_nginx: bool,
     /// Scenario 23's length instead of [`Params::soak`] (`--soak-minutes`).
     pub soak: Option<Duration>,
+    /// Where the report so far is written after each scenario, so that a run stopped part
+    /// way (a full run takes hours) keeps what it measured.
+    pub progress: Option<PathBuf>,
 }
 
 /// How hard and how long each scenario pushes.
@@ -406,6 +409,7 @@ pub async fn smoke(sluice_bin: PathBuf) -> Result<Report> {
         scenarios: Vec::new(),
         require_nginx: true,
         soak: None,
+        progress: None,
     })
     .await
 }
@@ -459,6 +463,18 @@ pub async fn run(opts: Options) -> Result<Report> {
             }
         };
         out.push(report);
+        if let Some(path) = &opts.progress {
+            let so_far = Report {
+                smoke: opts.smoke,
+                context: context(&ctx, &opts),
+                scenarios: std::mem::take(&mut out),
+                elapsed_secs: started.elapsed().as_secs_f64(),
+            };
+            if let Err(e) = std::fs::write(path, so_far.markdown()) {
+                eprintln!("sluice-bench: cannot write the report so far to {path:?}: {e}");
+            }
+            out = so_far.scenarios;
+        }
     }
     Ok(Report {
         smoke: opts.smoke,

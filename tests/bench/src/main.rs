@@ -27,7 +27,8 @@ struct Args {
     #[arg(long)]
     sluice: Option<PathBuf>,
     /// Where to write the Markdown (default: tests/bench/RESULTS.md; the smoke run and
-    /// single scenarios write nothing unless given).
+    /// single scenarios write nothing unless given). While the run goes on, the report so far
+    /// is in the same name with `.partial` added, removed at the end.
     #[arg(long)]
     out: Option<PathBuf>,
     /// Scenario 23 (the soak) runs this many minutes instead of 30 (fractions allowed; also
@@ -184,6 +185,16 @@ async fn harness(args: Args) -> Result<()> {
         .clone()
         .unwrap_or_else(|| target_dir().join("release/sluice"));
     let exe = std::env::current_exe().context("finding this executable")?;
+    let out = args.out.clone().or_else(|| {
+        (!args.smoke && args.scenarios.is_empty())
+            .then(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/RESULTS.md")))
+    });
+    // The report so far, beside the file the run writes at its end.
+    let progress = out.as_ref().map(|out| {
+        let mut name = out.file_name().unwrap_or_default().to_os_string();
+        name.push(".partial");
+        out.with_file_name(name)
+    });
     let opts = Options {
         sluice_bin,
         sim: SimMode::Process(exe),
@@ -191,6 +202,7 @@ async fn harness(args: Args) -> Result<()> {
         scenarios: args.scenarios.clone(),
         require_nginx: false,
         soak,
+        progress: progress.clone(),
     };
     // Ctrl-C drops the run, and with it every process it started.
     let report = tokio::select! {
@@ -199,13 +211,12 @@ async fn harness(args: Args) -> Result<()> {
     };
     let text = report.markdown();
     println!("{text}");
-    let out = args.out.clone().or_else(|| {
-        (!args.smoke && args.scenarios.is_empty())
-            .then(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/RESULTS.md")))
-    });
     if let Some(out) = out {
         std::fs::write(&out, &text).with_context(|| format!("writing {out:?}"))?;
         eprintln!("sluice-bench: wrote {}", out.display());
+    }
+    if let Some(progress) = progress {
+        let _ = std::fs::remove_file(progress);
     }
     Ok(())
 }
