@@ -6,10 +6,23 @@
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_harness_smoke_run() {
-    let report = sluice_bench::smoke(env!("CARGO_BIN_EXE_sluice").into())
+    let dir = tempfile::tempdir().unwrap();
+    let progress = dir.path().join("report.md.partial");
+    let report = sluice_bench::smoke(env!("CARGO_BIN_EXE_sluice").into(), Some(progress.clone()))
         .await
         .expect("the smoke run");
     assert_eq!(report.scenarios.len(), sluice_bench::scenarios::ALL.len());
+    // The report so far, rewritten after each scenario, holds every scenario by the end: a
+    // run stopped part way keeps what it measured.
+    let so_far = std::fs::read_to_string(&progress).expect("the report so far");
+    for sc in &report.scenarios {
+        let heading = format!("\n### {}. ", sc.id);
+        assert!(
+            so_far.contains(&heading),
+            "scenario {} is not in {so_far}",
+            sc.id
+        );
+    }
     for sc in &report.scenarios {
         match &sc.outcome {
             sluice_bench::Outcome::Pending(_) => continue,

@@ -400,8 +400,8 @@ pub struct Ctx {
 }
 
 /// The CI smoke run: every scenario for a few seconds, the simulator in-process, nginx
-/// required.
-pub async fn smoke(sluice_bin: PathBuf) -> Result<Report> {
+/// required; the report so far written to `progress` after each scenario.
+pub async fn smoke(sluice_bin: PathBuf, progress: Option<PathBuf>) -> Result<Report> {
     run(Options {
         sluice_bin,
         sim: SimMode::InProcess,
@@ -409,7 +409,7 @@ pub async fn smoke(sluice_bin: PathBuf) -> Result<Report> {
         scenarios: Vec::new(),
         require_nginx: true,
         soak: None,
-        progress: None,
+        progress,
     })
     .await
 }
