@@ -8,7 +8,7 @@
 use prometheus::{Encoder, TextEncoder};
 use sluice_sdk::metric;
 use sluice_sdk::metrics::{inc_by, touch};
-use sluice_sdk::{Pools, Reason};
+use sluice_sdk::{AttemptOutcome, Pools, Reason};
 
 pub use sluice_sdk::metrics::{inc, observe, set, set_gauge};
 
@@ -494,8 +494,6 @@ metric!(UPSTREAM_ATTEMPTS: IntCounterVec = register_int_counter_vec!(
     ),
     &["pool", "outcome"]
 ));
-
-pub use sluice_sdk::AttemptOutcome;
 
 /// Counts a `SIGHUP` reload, done or refused.
 pub fn reload(done: bool) {

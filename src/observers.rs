@@ -1,6 +1,7 @@
 //! The core's own observers of a request, on the plugins' hooks (see `crate::chain` for when
-//! they are called): what Sluice records of its requests goes through the seam a plugin
-//! uses, and none of it is called from the request path itself.
+//! they are called): what Sluice records of its requests and attempts goes through the seam a
+//! plugin uses, not through calls from the request path (its timing of its own work,
+//! `sluice_added_seconds`, aside).
 //!
 //! - [`AttemptMetrics`]: `sluice_upstream_attempts_total`, from each attempt's end.
 //! - [`RequestMetrics`]: the request counters and durations, and an engine's answer's tokens
@@ -78,10 +79,10 @@ impl Plugin for Traces {
         attempt: &AttemptStart<'_>,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        match ctx.route() {
-            Route::Llm(_) => telemetry::trace_upstream(request, attempt.span, ctx.traced()),
-            _ if ctx.traced() => telemetry::trace_upstream(request, attempt.span, true),
-            _ => Ok(()),
+        if ctx.traced() || matches!(ctx.route(), Route::Llm(_)) {
+            telemetry::trace_upstream(request, attempt.span, ctx.traced())
+        } else {
+            Ok(())
         }
     }
 

@@ -109,8 +109,7 @@ pub async fn prefill(
     else {
         return Ok(None);
     };
-    let path =
-        |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
+    let path = |path: &str| served_as(&decode_pool.name, path);
     // What the leg asks, and for Mooncake what the decode leg will say.
     let mooncake = match route.connector {
         Connector::Nixl => None,
@@ -185,8 +184,7 @@ fn leg_target(
         .predicted_cached
         .or(decode.cached_tokens)
         .unwrap_or(0);
-    let path =
-        |path: &str| crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[&decode_pool.name, path]);
+    let path = |path: &str| served_as(&decode_pool.name, path);
     let expected = demand.prompt_tokens.saturating_sub(cached);
     if expected < route.min_prefill_tokens {
         path("short");
@@ -209,6 +207,12 @@ fn leg_target(
         return None;
     };
     Some((prefill_pool, backend, expected))
+}
+
+/// Counts a request of the decode pool `pool` under how it was served (one of
+/// `metrics::PD_PATHS`).
+fn served_as(pool: &str, path: &str) {
+    crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[pool, path]);
 }
 
 /// A prefill leg about to be sent: the pools, the prefill backend chosen, and Mooncake's
@@ -345,7 +349,7 @@ impl Leg<'_> {
 /// A prefill leg that did not happen or brought no transfer: counted in the route's window,
 /// and the decode backend serves the request whole.
 fn failed_leg(pool: &str, check: &TransferCheck) -> Option<Transfer> {
-    crate::metrics::inc(&crate::metrics::PD_REQUESTS, &[pool, "prefill_failed"]);
+    served_as(pool, "prefill_failed");
     if check.record_failed_leg() {
         fell_back(pool, check);
     }

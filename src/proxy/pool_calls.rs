@@ -11,14 +11,14 @@
 //! checks use (kept idle between calls), not the LLM attempts' streaming pipe.
 
 use crate::health::probe;
-use crate::metrics::{self, AttemptOutcome};
+use crate::metrics;
 use async_trait::async_trait;
 use bytes::BytesMut;
 use pingora_core::connectors::http::Connector;
 use pingora_error::ErrorType;
 use pingora_http::RequestHeader;
 use sluice_sdk::calls::{Answer, Call, CallFailed, PoolCalls};
-use sluice_sdk::{Demand, Pool, Verdict};
+use sluice_sdk::{AttemptOutcome, Demand, Pool, Verdict};
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 

@@ -1758,8 +1758,9 @@ mod tests {
         let lead = b.base_ttft();
         assert!((lead - 0.0184).abs() < 0.001, "{lead}");
         set_clock(1_000_000);
-        let _sent = b.begin_request(600, 300); // 30 ms of prefill
-                                               // Just sent: 30 ms ahead, 12 ms of it beyond the lead, 116 tokens at the speed.
+        // 30 ms of prefill. Just sent: 30 ms ahead, 12 ms of it beyond the lead, 116 tokens
+        // at the speed.
+        let _sent = b.begin_request(600, 300);
         assert!(b.queues(100, &policy));
         // 15 ms later, 15 ms are ahead (150 tokens): less than a request let in now takes
         // to get there, so it is let in, and the engine does not run dry between the two.

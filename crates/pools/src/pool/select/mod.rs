@@ -291,7 +291,8 @@ impl Pool {
     }
 
     /// The exact index's prediction of the prompt tokens `addr` has cached, in the prompt's
-    /// own tokens, to be set beside what the engine reports it served.
+    /// own tokens, to be set beside what the engine reports it served; the prompt's tokens
+    /// are counted as looked up (`looked_up_tokens`).
     fn predicted_cached(
         &self,
         prefix: Option<&PrefixKeys>,
