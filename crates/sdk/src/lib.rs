@@ -21,7 +21,8 @@
 //! - [`Admission`]: a pool's admission control, asked of the pool (`pool.admits(class)`).
 //! - [`headers`], [`metrics`]: the header names and the one way to declare a series.
 //! - [`calls`]: requests of a plugin's own to a pool (embeddings), sent by the core.
-//! - [`client`]: waiting on something while watching the client, which may leave.
+//! - [`client`]: the [`Client`] a request hook sees (not Pingora's session), and waiting on
+//!   something while watching it, since it may leave.
 //! - [`redis`]: the way to Redis (single node or Cluster) with timeouts and a cool-down, for
 //!   plugins that share state through it.
 //! - [`usage`], [`sse`]: an answer's token usage (which the core finds for every plugin: see
@@ -53,6 +54,7 @@ pub use sluice_pools::{header_rules, health, members, pool, prefix, prefix_index
 
 pub use crate::redis::{redacted, RedisFailure, RedisLink, RedisSettings};
 pub use calls::{Call, CallFailed, PoolCalls};
+pub use client::Client;
 pub use config::ConfigError;
 
 /// The `tracing` target under which a plugin's event becomes an event of the trace span it
@@ -93,4 +95,3 @@ pub use async_trait::async_trait;
 pub use bytes::Bytes;
 pub use pingora_error::{Error, ErrorType, Result};
 pub use pingora_http::{RequestHeader, ResponseHeader};
-pub use pingora_proxy::Session;

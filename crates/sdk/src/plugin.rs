@@ -30,6 +30,11 @@
 //! Body hooks run per chunk and must be incremental: anything slow or async (a Redis write)
 //! is spawned, or done from `logging`.
 //!
+//! The request hooks see the client as a narrow [`Client`]: its request header, its peer's
+//! address, and a future that ends when it leaves (waits go through
+//! [`crate::client::while_connected`]). They never touch Pingora's session, so each has
+//! unit tests against the testkit's fake client.
+//!
 //! Facts about a request (who is calling, its priority class) are decided in
 //! `early_request`, by the plugin that owns them, so that every `request` hook can read them;
 //! intents (where the request goes, a local answer) are made in `request`. A `request` hook
@@ -47,12 +52,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use pingora_error::{Error, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
-use pingora_proxy::Session;
 
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
 
 use crate::calls::PoolCalls;
+use crate::client::Client;
 use crate::config::ConfigError;
 use crate::ctx::RequestCtx;
 use crate::error::ErrorReply;
@@ -252,7 +257,7 @@ pub trait Plugin: Send + Sync + 'static {
     /// Runs first, for every request on the proxy listener, before routing and before any
     /// body is read: for what every answer needs, errors included (a request id).
     /// `Err(e)` fails the request.
-    async fn early_request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<()> {
+    async fn early_request(&self, _client: &mut dyn Client, _ctx: &mut RequestCtx) -> Result<()> {
         Ok(())
     }
 
@@ -263,7 +268,7 @@ pub trait Plugin: Send + Sync + 'static {
     /// - `Ok(Flow::Respond(r))`: answer with `r` (a cache hit); the chain stops, no upstream
     ///   is contacted, and the core sends `r` through every plugin's response hooks.
     /// - `Err(e)`: the request fails; `ErrorReply::...into_error()` chooses the answer.
-    async fn request(&self, _session: &mut Session, _ctx: &mut RequestCtx) -> Result<Flow> {
+    async fn request(&self, _client: &mut dyn Client, _ctx: &mut RequestCtx) -> Result<Flow> {
         Ok(Flow::Continue)
     }
 

@@ -302,6 +302,12 @@ impl Inflight {
     fn followers(&self, digest: Digest) -> usize {
         self.slots().get(&digest).map_or(0, |s| s.queue.len())
     }
+
+    /// Followers waiting now, for every key.
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.slots().values().map(|s| s.queue.len()).sum()
+    }
 }
 
 /// The leader's duty: publish the answer, or leave (on drop) so that one follower leads.

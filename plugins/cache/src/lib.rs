@@ -60,8 +60,8 @@ use sluice_sdk::headers::{self, is_event_stream};
 use sluice_sdk::MemoryBudget;
 use sluice_sdk::Pool;
 use sluice_sdk::{
-    async_trait, AnswerText, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall,
-    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Session, Tenant,
+    async_trait, AnswerText, Client, ConfigError, Endpoint, Error, ErrorReply, Flow, Host, LlmCall,
+    LocalResponse, Plugin, PluginBuilder, RequestCtx, ResponseHeader, Result, Tenant,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -273,11 +273,11 @@ impl Cache {
     /// and anonymous requests bypass.
     fn key_parts(
         &self,
-        session: &Session,
+        client: &dyn Client,
         tenant: Option<&Tenant>,
         call: &LlmCall,
     ) -> Option<KeyParts> {
-        let headers = &session.req_header().headers;
+        let headers = &client.request_header().headers;
         let tenant = key::partition(
             headers,
             tenant,
@@ -345,15 +345,15 @@ impl Plugin for Cache {
         CacheBuilder::NAME
     }
 
-    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+    async fn request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<Flow> {
         let Some(call) = ctx.llm() else {
             return Ok(Flow::Continue);
         };
-        let use_ = policy::decide(&self.config, call, &session.req_header().headers);
+        let use_ = policy::decide(&self.config, call, &client.request_header().headers);
         // The key (a second parse of the body, and a hash) only when the cache takes part.
         let parts = match use_ {
             Use::Bypass => None,
-            _ => self.key_parts(session, ctx.tenant().map(|t| &**t), call),
+            _ => self.key_parts(client, ctx.tenant().map(|t| &**t), call),
         };
         let key = match &parts {
             Some(parts) => self.key_for(parts, call).await,
@@ -366,7 +366,7 @@ impl Plugin for Cache {
         };
         let mut state = self.state(key, call);
         if use_ == Use::LookupAndStore {
-            match self.find(session, call, &state.key, &parts).await? {
+            match self.find(client, call, &state.key, &parts).await? {
                 Found::Semantic(neighbour) => {
                     let mut response = self.answer(&neighbour.entry, call)?;
                     response.header.insert_header(
@@ -571,7 +571,7 @@ impl Cache {
     /// flight give this one.
     async fn find(
         &self,
-        session: &mut Session,
+        client: &mut dyn Client,
         call: &LlmCall,
         key: &CacheKey,
         parts: &KeyParts,
@@ -581,13 +581,13 @@ impl Cache {
         }
         let asked = match &self.semantic {
             None => None,
-            Some(semantic) => match self.by_meaning(semantic, session, call, parts).await? {
+            Some(semantic) => match self.by_meaning(semantic, client, call, parts).await? {
                 Decision::Serve(neighbour) => return Ok(Found::Semantic(neighbour)),
                 Decision::Upstream(asked) => Some(asked),
                 Decision::Skip => None,
             },
         };
-        let found = self.find_inflight(session, call, key).await?;
+        let found = self.find_inflight(client, call, key).await?;
         Ok(match (asked, found) {
             (Some(asked), Found::Upstream(leader)) => Found::Asked(asked, leader),
             (_, found) => found,
@@ -599,7 +599,7 @@ impl Cache {
     async fn by_meaning(
         &self,
         semantic: &Semantic,
-        session: &mut Session,
+        client: &mut dyn Client,
         call: &LlmCall,
         parts: &KeyParts,
     ) -> Result<Decision> {
@@ -624,7 +624,7 @@ impl Cache {
             semantic::note_skip("agent");
             return Ok(Decision::Skip);
         }
-        let (vector, embedding) = match while_connected(session, semantic.embed(&text)).await {
+        let (vector, embedding) = match while_connected(client, semantic.embed(&text)).await {
             Ok(Some(embedded)) => embedded,
             Ok(None) => return Ok(Decision::Skip),
             Err(gone) => return Err(client_left(gone)),
@@ -655,7 +655,7 @@ impl Cache {
     /// On a miss, with coalescing on, what the identical requests in flight give this one.
     async fn find_inflight(
         &self,
-        session: &mut Session,
+        client: &mut dyn Client,
         call: &LlmCall,
         key: &CacheKey,
     ) -> Result<Found> {
@@ -664,14 +664,14 @@ impl Cache {
         if !self.config.coalesce.enabled || waits_whole {
             return Ok(Found::Upstream(None));
         }
-        self.coalesce(session, call, key).await
+        self.coalesce(client, call, key).await
     }
 
     /// Joins the identical requests in flight: waits for their answer, follows their stream
     /// live, leads them upstream, or goes upstream uncoalesced ([`Role::Alone`]).
     async fn coalesce(
         &self,
-        session: &mut Session,
+        client: &mut dyn Client,
         call: &LlmCall,
         key: &CacheKey,
     ) -> Result<Found> {
@@ -681,7 +681,7 @@ impl Cache {
             let ticket = match role {
                 Role::Leader(leader) => return Ok(Found::Upstream(Some(leader))),
                 Role::Alone => return Ok(Found::BehindLeader),
-                Role::Follower(follower) => match follow(session, follower).await? {
+                Role::Follower(follower) => match follow(client, follower).await? {
                     Waited::Answer(entry) => return Ok(Found::Entry(entry, Lookup::Coalesced)),
                     Waited::Lead(leader) => return Ok(Found::Upstream(Some(leader))),
                     Waited::Live(ticket) => ticket,
@@ -694,7 +694,7 @@ impl Cache {
                 unix_now(),
                 call.request.include_usage(),
             );
-            match self.first_bytes(session, reader).await? {
+            match self.first_bytes(client, reader).await? {
                 Some(reader) => return Ok(Found::Live(reader)),
                 // The leader failed before this follower wrote anything: it coalesces
                 // again, as a follower of a failed leader would.
@@ -708,7 +708,7 @@ impl Cache {
     /// anything.
     async fn first_bytes(
         &self,
-        session: &mut Session,
+        client: &mut dyn Client,
         mut reader: Reader,
     ) -> Result<Option<Reader>> {
         let deadline = tokio::time::Instant::now() + self.config.coalesce.max_wait;
@@ -718,7 +718,7 @@ impl Cache {
                 Readiness::Failed => return Ok(None),
                 Readiness::Waiting => {}
             }
-            match watch(session, reader.changed(), deadline).await {
+            match watch(client, reader.changed(), deadline).await {
                 Watched::Done(()) => {}
                 Watched::Deadline => return Err(timed_out()),
                 Watched::ClientGone(e) => return Err(client_left(e)),
@@ -744,10 +744,10 @@ fn client_left(gone: Box<Error>) -> Box<Error> {
 
 /// Waits as a follower while watching the client: `Err` when the client left (its place in
 /// the queue, and any lead it was handed, pass on).
-async fn follow(session: &mut Session, follower: Follower) -> Result<Waited> {
+async fn follow(client: &mut dyn Client, follower: Follower) -> Result<Waited> {
     // On the request's trace span, when traces are on.
     tracing::info!(target: sluice_sdk::SPAN_EVENTS, "coalesced_follower");
-    while_connected(session, follower.wait())
+    while_connected(client, follower.wait())
         .await
         .map_err(client_left)
 }
@@ -866,4 +866,115 @@ fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// The request hook against fake clients: coalesced followers, without sockets.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_sdk::Route;
+    use sluice_testkit::FakeClient;
+
+    const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}"#;
+
+    fn cache() -> Cache {
+        let config: CacheConfig =
+            serde_json::from_value(serde_json::json!({"enabled": true})).unwrap();
+        let host = Host {
+            pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+            calls: Arc::new(sluice_sdk::calls::NoPools),
+        };
+        Cache::new(CacheBuilder::resolve(config, &host).unwrap().unwrap())
+    }
+
+    /// One client of the key `sk-1` asking the same question.
+    fn asking() -> (FakeClient, RequestCtx) {
+        let client =
+            FakeClient::post("/v1/chat/completions").with_header("authorization", "Bearer sk-1");
+        let mut ctx = RequestCtx::new();
+        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
+        // Deterministic, so cached by default.
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"The capital of France?"}],"temperature":0}"#;
+        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
+        (client, ctx)
+    }
+
+    /// The leader's upstream answers `200` with [`ANSWER`], which passes to its client whole.
+    fn answer_as_leader(cache: &Cache, ctx: &mut RequestCtx) {
+        ctx.progress_mut().upstream_status = Some(200);
+        let mut header = ResponseHeader::build(200, None).unwrap();
+        header
+            .insert_header("content-type", HeaderValue::from_static("application/json"))
+            .unwrap();
+        cache.response_header(&mut header, ctx).unwrap();
+        let mut body = Some(Bytes::from_static(ANSWER.as_bytes()));
+        cache.response_body(&mut body, true, ctx).unwrap();
+        cache.logging(None, ctx);
+    }
+
+    /// Until `done()` holds, checking as the runtime gets to it.
+    async fn until(done: impl Fn() -> bool) {
+        while !done() {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_follower_waits_for_the_leaders_answer_and_is_answered_with_it() {
+        let cache = cache();
+        let (mut first, mut leading) = asking();
+        assert!(matches!(
+            cache.request(&mut first, &mut leading).await,
+            Ok(Flow::Continue)
+        ));
+        let (mut second, mut following) = asking();
+        let followed = {
+            let asked = cache.request(&mut second, &mut following);
+            tokio::pin!(asked);
+            tokio::select! {
+                _ = &mut asked => panic!("the follower did not wait for its leader"),
+                () = until(|| cache.inflight.waiting() == 1) => {}
+            }
+            answer_as_leader(&cache, &mut leading);
+            asked.await
+        };
+        let Ok(Flow::Respond(answer)) = followed else {
+            panic!("the follower was not answered locally");
+        };
+        assert_eq!(answer.header.status.as_u16(), 200);
+        let body: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        assert_eq!(body["choices"][0]["message"]["content"], "Paris.");
+        assert_eq!(cache.inflight.waiting(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_follower_whose_client_leaves_stops_waiting_and_the_leader_goes_on() {
+        let cache = cache();
+        let (mut first, mut leading) = asking();
+        cache.request(&mut first, &mut leading).await.unwrap();
+        let (mut second, mut following) = asking();
+        let leave = second.leaving();
+        let followed = {
+            let asked = cache.request(&mut second, &mut following);
+            tokio::pin!(asked);
+            tokio::select! {
+                _ = &mut asked => panic!("the follower did not wait for its leader"),
+                () = until(|| cache.inflight.waiting() == 1) => {}
+            }
+            leave.now();
+            asked.await
+        };
+        let e = followed.err().unwrap();
+        assert_eq!(e.etype(), &sluice_sdk::ErrorType::ConnectionClosed);
+        assert_eq!(cache.inflight.waiting(), 0);
+        // The leader's answer is stored all the same: the next identical request hits it.
+        answer_as_leader(&cache, &mut leading);
+        let (mut third, mut later) = asking();
+        let hit = cache.request(&mut third, &mut later).await;
+        assert!(
+            matches!(hit, Ok(Flow::Respond(_))),
+            "the stored answer is served"
+        );
+    }
 }

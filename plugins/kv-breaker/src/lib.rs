@@ -64,8 +64,8 @@ use metrics::WaitResult;
 use sluice_sdk::client::while_connected;
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    Admission, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Place, Plugin, PluginBuilder,
-    Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, Session, StaleAs, WaitFor,
+    Admission, Client, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Place, Plugin,
+    PluginBuilder, Pool, Pools, Pressure, Priority, Reason, RequestCtx, Result, StaleAs, WaitFor,
 };
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
@@ -291,11 +291,11 @@ fn report_change(
 impl KvBreaker {
     /// The request's class: the header, else the tenant's default, else the default; capped
     /// by the tenant's highest class, else by `priority.max`.
-    fn priority(&self, session: &Session, ctx: &RequestCtx) -> Priority {
+    fn priority(&self, client: &dyn Client, ctx: &RequestCtx) -> Priority {
         let p = &self.priority;
         let tenant = ctx.tenant();
-        let asked = session
-            .req_header()
+        let asked = client
+            .request_header()
             .headers
             .get(&self.priority_header)
             .and_then(|v| v.to_str().ok())
@@ -371,14 +371,14 @@ impl Plugin for KvBreaker {
 
     /// The class is a fact about the request: decided here, before any plugin's `request`
     /// hook (the selector's among them) reads it. The tenant is known by now.
-    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
-        let priority = self.priority(session, ctx);
+    async fn early_request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<()> {
+        let priority = self.priority(client, ctx);
         ctx.set_priority(priority);
         Ok(())
     }
 
-    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
-        let flow = self.admit(session, ctx).await?;
+    async fn request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<Flow> {
+        let flow = self.admit(client, ctx).await?;
         if let Some(pool) = ctx.pool().cloned() {
             ctx.state.insert(AdmittedTo(pool));
         }
@@ -414,7 +414,7 @@ impl Plugin for KvBreaker {
 impl KvBreaker {
     /// Admits the request to its pool, moves it to another that admits it, waits in the
     /// pool's queue, or refuses it.
-    async fn admit(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+    async fn admit(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<Flow> {
         let priority = ctx.priority().unwrap_or(self.priority.default);
         let (Some(pool), Some(call)) = (ctx.pool().cloned(), ctx.llm()) else {
             return Ok(Flow::Continue);
@@ -460,15 +460,15 @@ impl KvBreaker {
         let started = tokio::time::Instant::now();
         let deadline = started + max_wait;
         let admits = || pool.admits(priority, tokens);
-        let (result, answer) =
-            match while_connected(session, place.wait_for(deadline, admits)).await {
-                Ok(true) => (WaitResult::Admitted, Ok(())),
-                Ok(false) => (
-                    WaitResult::Timeout,
-                    Err(self.refusal(&pool, priority, Reason::QueueTimeout)),
-                ),
-                Err(gone) => (WaitResult::ClientGone, Err(gone)),
-            };
+        let (result, answer) = match while_connected(client, place.wait_for(deadline, admits)).await
+        {
+            Ok(true) => (WaitResult::Admitted, Ok(())),
+            Ok(false) => (
+                WaitResult::Timeout,
+                Err(self.refusal(&pool, priority, Reason::QueueTimeout)),
+            ),
+            Err(gone) => (WaitResult::ClientGone, Err(gone)),
+        };
         metrics::waited(&pool.name, result, started.elapsed().as_secs_f64());
         answer?;
         admitted_on_span(ctx, &pool, started.elapsed());
@@ -546,6 +546,7 @@ mod tests {
     use super::*;
     use sluice_sdk::Load;
     use sluice_sdk::{BackendSpec, PoolSettings};
+    use sluice_testkit::FakeClient;
 
     fn breaker() -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
         breaker_with(KvBreakerConfig {
@@ -689,5 +690,115 @@ mod tests {
         assert!(!pool.sheds(Priority::Standard));
         assert!(pool.admits(Priority::Standard, 10));
         assert!(0.1 < thresholds.of(Priority::Sheddable).resume_below);
+    }
+
+    /// A chat request for the pool's model, routed to the pool, as the core leaves it
+    /// before `request`.
+    fn routed_to(pool: &Arc<Pool>) -> RequestCtx {
+        let mut ctx = RequestCtx::new();
+        ctx.set_route(sluice_sdk::Route::Llm(
+            sluice_sdk::Endpoint::ChatCompletions,
+        ));
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":8}"#;
+        let call = LlmCall::parse(sluice_sdk::Endpoint::ChatCompletions, body.into()).unwrap();
+        ctx.set_llm(call);
+        ctx.send_to(Arc::clone(pool));
+        ctx
+    }
+
+    /// A breaker whose standard requests wait up to a minute in the pool's queue.
+    fn queueing() -> (Arc<dyn Plugin>, Arc<Pool>) {
+        let mut config = KvBreakerConfig {
+            enabled: true,
+            ..KvBreakerConfig::default()
+        };
+        config.queue.max_wait.standard = std::time::Duration::from_secs(60);
+        let (breaker, pool, _) = breaker_with(config);
+        (breaker, pool)
+    }
+
+    /// Until `done()` holds, checking as the runtime gets to it.
+    async fn until(done: impl Fn() -> bool) {
+        while !done() {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_waits_in_the_queue_until_the_pool_has_room() {
+        let (breaker, pool) = queueing();
+        set_usage(&pool, 0.99);
+        let mut client = FakeClient::post("/v1/chat/completions");
+        let mut ctx = routed_to(&pool);
+        breaker.early_request(&mut client, &mut ctx).await.unwrap();
+        {
+            let asked = breaker.request(&mut client, &mut ctx);
+            tokio::pin!(asked);
+            tokio::select! {
+                done = &mut asked => panic!("let in past the line: {:?}", done.map(|_| ())),
+                () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
+            }
+            set_usage(&pool, 0.1);
+            assert!(matches!(asked.await, Ok(Flow::Continue)));
+        }
+        assert!(
+            ctx.state.get::<Admitted>().is_some(),
+            "its place is held until it is sent"
+        );
+        breaker.upstream_select(&mut ctx).unwrap();
+        assert_eq!(pool.flow_control().depth(Priority::Standard), 0);
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_the_queue_is_let_go_and_its_place_freed() {
+        let (breaker, pool) = queueing();
+        set_usage(&pool, 0.99);
+        let mut client = FakeClient::post("/v1/chat/completions");
+        let leave = client.leaving();
+        let mut ctx = routed_to(&pool);
+        let asked = breaker.request(&mut client, &mut ctx);
+        tokio::pin!(asked);
+        tokio::select! {
+            done = &mut asked => panic!("not queued: {:?}", done.map(|_| ())),
+            () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
+        }
+        leave.now();
+        let e = asked.await.unwrap_err();
+        assert_eq!(e.etype(), &sluice_sdk::ErrorType::ConnectionClosed);
+        assert!(
+            ErrorReply::carried_by(&e).is_none(),
+            "nobody is left to answer"
+        );
+        assert_eq!(pool.flow_control().depth(Priority::Standard), 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_the_full_queue_cannot_take_is_refused_at_once() {
+        let mut config = KvBreakerConfig {
+            enabled: true,
+            ..KvBreakerConfig::default()
+        };
+        config.queue.max_queued = 1;
+        config.queue.max_wait.standard = std::time::Duration::from_secs(60);
+        let (breaker, pool, _) = breaker_with(config);
+        set_usage(&pool, 0.99);
+        let mut first = FakeClient::post("/v1/chat/completions");
+        let mut first_ctx = routed_to(&pool);
+        let queued = breaker.request(&mut first, &mut first_ctx);
+        tokio::pin!(queued);
+        tokio::select! {
+            done = &mut queued => panic!("not queued: {:?}", done.map(|_| ())),
+            () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
+        }
+        // The one place is taken: even a critical request is not made to wait.
+        let mut client =
+            FakeClient::post("/v1/chat/completions").with_header("x-sluice-priority", "critical");
+        let mut ctx = routed_to(&pool);
+        breaker.early_request(&mut client, &mut ctx).await.unwrap();
+        assert_eq!(ctx.priority(), Some(Priority::Critical));
+        let e = breaker.request(&mut client, &mut ctx).await.unwrap_err();
+        let reply = ErrorReply::carried_by(&e).unwrap();
+        assert_eq!((reply.status, reply.reason), (503, Reason::QueueFull));
+        assert!(reply.retry_after.is_some());
     }
 }

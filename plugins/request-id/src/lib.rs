@@ -16,8 +16,8 @@ use serde::Deserialize;
 use sluice_sdk::config::header_name;
 use sluice_sdk::error::internal;
 use sluice_sdk::{
-    async_trait, headers, AttemptStart, Bytes, ConfigError, Host, Plugin, PluginBuilder,
-    RequestCtx, RequestHeader, ResponseHeader, Result, Session,
+    async_trait, headers, AttemptStart, Bytes, Client, ConfigError, Host, Plugin, PluginBuilder,
+    RequestCtx, RequestHeader, ResponseHeader, Result,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -120,9 +120,9 @@ impl Plugin for RequestId {
         "request_id"
     }
 
-    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
-        let from_client = session
-            .req_header()
+    async fn early_request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<()> {
+        let from_client = client
+            .request_header()
             .headers
             .get(&self.header)
             .filter(|v| is_acceptable(v.as_bytes()))
@@ -161,6 +161,7 @@ impl Plugin for RequestId {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_testkit::FakeClient;
 
     #[test]
     fn generated_ids_are_unique_hex() {
@@ -174,6 +175,32 @@ mod tests {
         assert_eq!(a.as_bytes()[..16], b.as_bytes()[..16]);
         assert_eq!(&a.as_bytes()[16..], b"0000000000000000");
         assert_eq!(&b.as_bytes()[16..], b"0000000000000001");
+    }
+
+    #[tokio::test]
+    async fn the_clients_sane_id_is_kept_and_any_other_replaced_by_a_fresh_one() {
+        let p = RequestId::new(headers::REQUEST_ID);
+        let id_of = |client: FakeClient| {
+            let p = &p;
+            async move {
+                let mut client = client;
+                let mut ctx = RequestCtx::new();
+                p.early_request(&mut client, &mut ctx).await.unwrap();
+                ctx.request_id().unwrap().to_owned()
+            }
+        };
+        let asked = || FakeClient::post("/v1/chat/completions");
+        assert_eq!(
+            id_of(asked().with_header("x-request-id", "abc-123")).await,
+            "abc-123"
+        );
+        for made in [
+            id_of(asked()).await,
+            id_of(asked().with_header("x-request-id", "has space")).await,
+        ] {
+            assert_eq!(made.len(), 32, "{made}");
+            assert!(made.bytes().all(|c| c.is_ascii_hexdigit()), "{made}");
+        }
     }
 
     #[test]

@@ -64,8 +64,8 @@ use sluice_sdk::config::header_name;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::request::{Content, Prompt};
 use sluice_sdk::{
-    AnswerCheck, ConfigError, Endpoint, Error, Escalation, Flow, Host, LlmCall, LlmRequest, Plugin,
-    PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, Session, StreamCheck, Unfit,
+    AnswerCheck, Client, ConfigError, Endpoint, Error, Escalation, Flow, Host, LlmCall, LlmRequest,
+    Plugin, PluginBuilder, Pool, Pools, Priority, RequestCtx, Result, StreamCheck, Unfit,
 };
 use sse::StreamFilter;
 use std::sync::Arc;
@@ -281,7 +281,7 @@ impl Plugin for Speculative {
         SpeculativeBuilder::NAME
     }
 
-    async fn request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+    async fn request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<Flow> {
         let Some(index) = ctx.model().and_then(|m| self.model_for(m)) else {
             return Ok(Flow::Continue);
         };
@@ -296,8 +296,8 @@ impl Plugin for Speculative {
         // Forcing the 9×-pricier pool is the operator's to allow, and then the tenant's.
         let may_force = self.config.allow_forced_target
             && ctx.tenant().is_none_or(|tenant| tenant.may_force_target);
-        let tier = session
-            .req_header()
+        let tier = client
+            .request_header()
             .headers
             .get(&self.tier_header)
             .and_then(|v| v.to_str().ok())
@@ -431,5 +431,92 @@ fn looks_like_code(r: &LlmRequest) -> bool {
         Some(Prompt::Text(t)) => classify::looks_like_code(&t.to_str()),
         Some(Prompt::Texts(ts)) => ts.iter().any(|t| classify::looks_like_code(&t.to_str())),
         _ => false,
+    }
+}
+
+/// The request hook against a fake client: where a request goes first, without sockets.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_sdk::{BackendSpec, PoolSettings, Route, Tenant};
+    use sluice_testkit::FakeClient;
+
+    /// A healthy pool of one backend serving `m`.
+    fn pool(name: &str, port: u16) -> Arc<Pool> {
+        let address = format!("127.0.0.1:{port}");
+        let backend = BackendSpec {
+            resolved: address.parse().unwrap(),
+            address,
+            weight: 1,
+        };
+        let pool = Arc::new(Pool::new(PoolSettings::new(
+            name,
+            vec!["m".into()],
+            vec![backend],
+        )));
+        let live = pool.live_at(0).unwrap();
+        for _ in 0..pool.settings.health.healthy_after {
+            live.record_probe(true, &pool.settings.health);
+        }
+        pool
+    }
+
+    /// The selector for `m`: the pool `draft` first, `target` when it must.
+    fn selector() -> Arc<dyn Plugin> {
+        let config: SpeculativeConfig = serde_json::from_value(serde_json::json!({
+            "enabled": true,
+            "models": [{"model": "m", "drafts": [{"pool": "draft"}], "target": "target"}],
+        }))
+        .unwrap();
+        let host = Host {
+            pools: Arc::new(Pools::new(vec![pool("draft", 9), pool("target", 10)])),
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+            calls: Arc::new(sluice_sdk::calls::NoPools),
+        };
+        SpeculativeBuilder::resolve(config, &host)
+            .unwrap()
+            .unwrap()
+            .start()
+    }
+
+    fn routed(tenant_may_force: Option<bool>) -> RequestCtx {
+        let mut ctx = RequestCtx::new();
+        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"Say hi."}]}"#;
+        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
+        if let Some(may_force_target) = tenant_may_force {
+            ctx.set_tenant(Arc::new(Tenant {
+                name: "acme".into(),
+                identified: true,
+                default_priority: None,
+                max_priority: None,
+                may_force_target,
+                ttft_slo: None,
+            }));
+        }
+        ctx
+    }
+
+    #[tokio::test]
+    async fn a_request_goes_to_the_draft_first_unless_the_target_is_forced_by_one_who_may() {
+        let selector = selector();
+        let plain = || FakeClient::post("/v1/chat/completions");
+        let forcing = || plain().with_header("x-sluice-tier", "target");
+        for (mut client, tenant_may_force, first, escalated) in [
+            (plain(), None, "draft", None),
+            (forcing(), None, "target", Some(reason::FORCED)),
+            (forcing(), Some(true), "target", Some(reason::FORCED)),
+            (forcing(), Some(false), "draft", None),
+        ] {
+            let mut ctx = routed(tenant_may_force);
+            let flow = selector.request(&mut client, &mut ctx).await.unwrap();
+            assert!(matches!(flow, Flow::Continue));
+            assert_eq!(ctx.pool_name(), first, "{tenant_may_force:?}");
+            assert_eq!(ctx.escalated(), escalated, "{tenant_may_force:?}");
+            // A draft's attempt carries the way to the target.
+            let escalation = ctx.escalation().map(|e| e.target.name.to_string());
+            let expected = (first == "draft").then(|| "target".to_string());
+            assert_eq!(escalation, expected);
+        }
     }
 }

@@ -57,8 +57,8 @@ use ipnet::IpNet;
 use limits::{anthropic_header, Admitted, Limiter, TenantLimits, Usage, Want};
 use sluice_sdk::config::header_name;
 use sluice_sdk::{
-    api_key, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder, Reason,
-    RequestCtx, ResponseHeader, Result, Route, Session, Tenant,
+    api_key, Client, ConfigError, Error, ErrorReply, Flow, Host, LlmCall, Plugin, PluginBuilder,
+    Reason, RequestCtx, ResponseHeader, Result, Route, Tenant,
 };
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -203,15 +203,15 @@ struct Caller {
 
 impl Tenants {
     /// The tenant of a request, or the 401 it gets.
-    async fn identify(&self, session: &Session) -> std::result::Result<EntryId, ErrorReply> {
-        let headers = &session.req_header().headers;
+    async fn identify(&self, client: &dyn Client) -> std::result::Result<EntryId, ErrorReply> {
+        let headers = &client.request_header().headers;
         if let Some(header) = self
             .tenant_header
             .as_ref()
             .filter(|h| headers.contains_key(*h))
         {
             // From anyone but a trusted proxy, the header means nothing.
-            if self.peer_is_trusted_proxy(session) {
+            if self.peer_is_trusted_proxy(client) {
                 // A gateway that appends rather than replaces would let the client's own
                 // value stand first: several values name no one.
                 let mut values = headers.get_all(header).iter();
@@ -249,14 +249,11 @@ impl Tenants {
         self.entries.get(id.0)
     }
 
-    fn peer_is_trusted_proxy(&self, session: &Session) -> bool {
-        session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .is_some_and(|peer| {
-                let ip = peer.ip().to_canonical();
-                self.trusted_proxies.iter().any(|net| net.contains(&ip))
-            })
+    fn peer_is_trusted_proxy(&self, client: &dyn Client) -> bool {
+        client.peer().is_some_and(|peer| {
+            let ip = peer.ip().to_canonical();
+            self.trusted_proxies.iter().any(|net| net.contains(&ip))
+        })
     }
 
     /// What the tenant may not ask for: a model outside its list (403), more output tokens
@@ -319,9 +316,9 @@ impl Plugin for Tenants {
         TenantsBuilder::NAME
     }
 
-    async fn early_request(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+    async fn early_request(&self, client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<()> {
         let id = self
-            .identify(session)
+            .identify(client)
             .await
             .map_err(ErrorReply::into_error)?;
         // Every id the directory gives is one of the entries; were it not, the request
@@ -337,7 +334,7 @@ impl Plugin for Tenants {
         Ok(())
     }
 
-    async fn request(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Flow> {
+    async fn request(&self, _client: &mut dyn Client, ctx: &mut RequestCtx) -> Result<Flow> {
         let Some(caller) = ctx.state.get::<Caller>() else {
             return Ok(Flow::Continue);
         };
@@ -504,4 +501,125 @@ fn used(ctx: &RequestCtx) -> Usage {
 /// clients read those), not OpenAI's.
 fn anthropic_headers(call: &LlmCall) -> bool {
     call.endpoint.family().rate_limit_headers() == sluice_sdk::family::RateLimitHeaders::Anthropic
+}
+
+/// The request hooks against a fake client: no socket, no proxy.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_sdk::Endpoint;
+    use sluice_testkit::{key_digest, FakeClient};
+
+    fn tenants(config: serde_json::Value) -> Arc<dyn Plugin> {
+        let config: TenantsConfig = serde_json::from_value(config).unwrap();
+        let host = Host {
+            pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
+            memory: sluice_sdk::MemoryBudget::new(1 << 20),
+            calls: Arc::new(sluice_sdk::calls::NoPools),
+        };
+        TenantsBuilder::resolve(config, &host)
+            .unwrap()
+            .unwrap()
+            .start()
+    }
+
+    /// The answer a refused hook gives.
+    fn refusal(e: &Error) -> ErrorReply {
+        ErrorReply::carried_by(e).unwrap_or_else(|| panic!("no answer carried by {e}"))
+    }
+
+    fn chat() -> FakeClient {
+        FakeClient::post("/v1/chat/completions").with_header("content-type", "application/json")
+    }
+
+    /// A context routed to chat with `model` asked for, as the core leaves it before
+    /// `request`.
+    fn routed(model: &str) -> RequestCtx {
+        let mut ctx = RequestCtx::new();
+        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
+        let body =
+            format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#);
+        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
+        ctx
+    }
+
+    /// `acme`'s request for `model`, from its start to its end.
+    async fn asking(plugin: &dyn Plugin, model: &str) -> Result<Flow> {
+        let mut client = chat().with_header("authorization", "Bearer sk-acme");
+        let mut ctx = routed(model);
+        plugin.early_request(&mut client, &mut ctx).await?;
+        let asked = plugin.request(&mut client, &mut ctx).await;
+        plugin.logging(None, &mut ctx);
+        asked
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_known_key_is_refused_with_401() {
+        let plugin = tenants(serde_json::json!({
+            "enabled": true,
+            "tenants": {"acme": {"keys": [key_digest("sk-acme")]}},
+        }));
+        for client in [
+            chat(),
+            chat().with_header("authorization", "Bearer sk-someone-else"),
+        ] {
+            let mut client = client;
+            let mut ctx = RequestCtx::new();
+            let e = plugin
+                .early_request(&mut client, &mut ctx)
+                .await
+                .unwrap_err();
+            assert_eq!(refusal(&e).status, 401);
+            assert!(ctx.tenant().is_none());
+        }
+        let mut client = chat().with_header("authorization", "Bearer sk-acme");
+        let mut ctx = RequestCtx::new();
+        plugin.early_request(&mut client, &mut ctx).await.unwrap();
+        assert_eq!(&*ctx.tenant().unwrap().name, "acme");
+    }
+
+    #[tokio::test]
+    async fn the_tenant_header_names_the_tenant_only_from_a_trusted_proxy() {
+        let plugin = tenants(serde_json::json!({
+            "enabled": true,
+            "tenants": {"acme": {}},
+            "trusted_proxies": ["10.0.0.0/8"],
+            "tenant_header": "x-tenant",
+        }));
+        let named = || chat().with_header("x-tenant", "acme");
+        let mut gateway = named().from_peer("10.1.2.3:5000".parse().unwrap());
+        let mut ctx = RequestCtx::new();
+        plugin.early_request(&mut gateway, &mut ctx).await.unwrap();
+        assert_eq!(&*ctx.tenant().unwrap().name, "acme");
+
+        // The same header straight from a client means nothing: no key, no tenant.
+        let mut stranger = named().from_peer("192.0.2.7:5000".parse().unwrap());
+        let mut ctx = RequestCtx::new();
+        let e = plugin
+            .early_request(&mut stranger, &mut ctx)
+            .await
+            .unwrap_err();
+        assert_eq!(refusal(&e).status, 401);
+    }
+
+    #[tokio::test]
+    async fn a_model_not_the_tenants_is_403_and_a_request_over_its_rate_is_429() {
+        let plugin = tenants(serde_json::json!({
+            "enabled": true,
+            "tenants": {"acme": {
+                "keys": [key_digest("sk-acme")],
+                "models": ["m"],
+                "limits": {"requests_per_minute": 1},
+            }},
+        }));
+        let e = asking(&*plugin, "other").await.unwrap_err();
+        let reply = refusal(&e);
+        assert_eq!((reply.status, reply.param.as_deref()), (403, Some("model")));
+
+        assert!(matches!(asking(&*plugin, "m").await, Ok(Flow::Continue)));
+        let e = asking(&*plugin, "m").await.unwrap_err();
+        let reply = refusal(&e);
+        assert_eq!(reply.status, 429);
+        assert!(reply.retry_after.is_some_and(|s| s > 0), "{reply:?}");
+    }
 }

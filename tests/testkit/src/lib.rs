@@ -1,5 +1,6 @@
 //! What Sluice's end-to-end tests share: the real `sluice` binary on free ports, real
-//! upstreams, real Redis. Dev-only; never part of the product.
+//! upstreams, real Redis; and the plugins' unit tests, a fake client. Dev-only; never part
+//! of the product.
 //!
 //! - [`Proxy`]: runs the binary with a config built from JSON values (see [`Proxy::start`]),
 //!   and kills it on drop; its admin endpoints ([`Proxy::status`], [`Proxy::metric`]) and the
@@ -22,12 +23,14 @@
 //!   loopback addresses ([`sims_on_loopbacks`]), for pools discovered through DNS.
 //! - [`kube_api::FakeKubeApi`]: a fake Kubernetes API server speaking the list and watch
 //!   protocol for EndpointSlices, scripted by the test ([`kube_api::endpoint_slice`] builds one).
+//! - [`FakeClient`]: a plugin's client without a socket, for unit tests of request hooks.
 //! - Simulated vLLM backends come from `vllm_sim` directly; [`streaming_sim`] is a common one.
 // Test code: a panic here is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod config;
 pub mod dns;
+mod fake_client;
 pub mod kube_api;
 mod llm;
 pub mod otlp;
@@ -41,6 +44,7 @@ mod vllm;
 
 pub use config::{key_digest, pool, Pool};
 pub use dns::{sims_on_loopbacks, BadDns, DnsServer, Misbehaviour};
+pub use fake_client::{FakeClient, Leave};
 pub use llm::{
     answer_confidence, ask_url, ask_url_with, assert_ends_with_error_event, chat, client,
     client_within, content, sim_serving, sse_data, sse_events, streaming_sim, upstream_calls,
