@@ -14,7 +14,7 @@
 //! An earlier version ran each attempt as a Pingora subrequest; that ran a second request
 //! pipeline (and held a third session) per request, which cost a third of the throughput.
 
-use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole};
+use super::downstream::{forward, frame_by_length, prepare_upstream_header, write_whole, Answer};
 use super::upstream_pool::UpstreamPool;
 use super::{tries, usage};
 use crate::chain::Chain;
@@ -25,7 +25,8 @@ use pingora_core::upstreams::peer::{HttpPeer, Peer};
 use pingora_error::{Error, ErrorType, OrErr, Result, RetryType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use sluice_sdk::client::{watch, Watched};
+use sluice_sdk::client::session::watch;
+use sluice_sdk::client::Watched;
 use sluice_sdk::context;
 use sluice_sdk::escalation::reason;
 use sluice_sdk::headers::is_event_stream;
@@ -226,10 +227,12 @@ fn final_error(mut e: Box<Error>, reused: bool) -> Box<Error> {
 /// `span` is the attempt's: its events (`first_token`) name it as their parent. The
 /// attempt's future is not instrumented with it: entering and leaving a span at each poll of
 /// a stream cost more than the rest of its tracing.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     attempt: Attempt,
     deadlines: Deadlines,
     hold: &Hold,
@@ -259,7 +262,10 @@ pub async fn run(
         streams_end: upstreams.streams_end.clone(),
         span,
     };
-    pipe(upstreams, session, ctx, upstream, header, deadlines, hold).await
+    pipe(
+        upstreams, session, ctx, answer, upstream, header, deadlines, hold,
+    )
+    .await
 }
 
 /// Sends a request no client sees (a disaggregated request's prefill leg) and reads its
@@ -441,10 +447,12 @@ async fn send(http: HttpSession, peer: &HttpPeer, request: &Wire) -> Result<Http
 /// The answer of a sent request, its header read: held whole (an error that may be
 /// declined, an answer to judge), or streamed to the client (after a hold-back window when
 /// one is asked for).
+#[allow(clippy::too_many_arguments)]
 async fn pipe(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut up: Upstream<'_>,
     header: Box<ResponseHeader>,
     deadlines: Deadlines,
@@ -459,7 +467,10 @@ async fn pipe(
         judged: status == 200 && !is_sse && (hold.check.is_some() || hold.context_budget.is_some()),
     };
     if held.declined || held.judged || held.refused_for_context {
-        return answer_held(upstreams, session, ctx, up, header, &deadlines, hold, held).await;
+        return answer_held(
+            upstreams, session, ctx, answer, up, header, &deadlines, hold, held,
+        )
+        .await;
     }
     // The hold-back window: the stream's start is kept until it is judged, so that a
     // rejected draft can still give way to the target.
@@ -491,10 +502,13 @@ async fn pipe(
             Err(outcome) => return outcome,
         };
     }
-    if let Err(outcome) = start_answer(upstreams, session, ctx, header).await {
+    if let Err(outcome) = start_answer(upstreams, session, ctx, answer, header).await {
         return outcome;
     }
-    stream(upstreams, session, ctx, up, window, &deadlines, is_sse).await
+    stream(
+        upstreams, session, ctx, answer, up, window, &deadlines, is_sse,
+    )
+    .await
 }
 
 /// Why an answer is read whole before the client sees any of it.
@@ -515,6 +529,7 @@ async fn answer_held(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut up: Upstream<'_>,
     mut header: Box<ResponseHeader>,
     deadlines: &Deadlines,
@@ -537,7 +552,7 @@ async fn answer_held(
             // A refusal: nothing was generated.
             return Outcome::Judged(reason::PROMPT_TOO_LONG, None);
         }
-        let outcome = send_answer(upstreams, session, ctx, header, Some(body)).await;
+        let outcome = send_answer(upstreams, session, ctx, answer, header, Some(body)).await;
         crate::metrics::added_chunk(read);
         return outcome;
     }
@@ -559,17 +574,19 @@ async fn answer_held(
         }
         Some(Judgement::Keep(None)) | None => body,
     };
-    let outcome = send_answer(upstreams, session, ctx, header, Some(body)).await;
+    let outcome = send_answer(upstreams, session, ctx, answer, header, Some(body)).await;
     crate::metrics::added_chunk(read);
     outcome
 }
 
 /// The rest of a started answer, chunk by chunk as it comes: a kept window first; the end,
 /// a failure (an SSE error event ends a stream) or the total deadline.
+#[allow(clippy::too_many_arguments)]
 async fn stream(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut up: Upstream<'_>,
     window: Window,
     deadlines: &Deadlines,
@@ -583,13 +600,13 @@ async fn stream(
         ..
     } = window;
     for chunk in chunks {
-        if let Err(e) = forward(upstreams.chain, session, ctx, Some(chunk), false).await {
+        if let Err(e) = forward(upstreams.chain, session, ctx, answer, Some(chunk), false).await {
             return Outcome::ClientGone(e);
         }
     }
     drop(held);
     if ended {
-        return complete(upstreams, session, ctx, up, None).await;
+        return complete(upstreams, session, ctx, answer, up, None).await;
     }
     loop {
         match next(session, &mut up, deadlines.total).await {
@@ -598,21 +615,23 @@ async fn stream(
                 // The chunk that completes the body ends the response at once: the client may
                 // send its next request meanwhile, which the client watch in `next` would read.
                 if up.http.is_body_done() {
-                    let outcome = complete(upstreams, session, ctx, up, Some(data)).await;
+                    let outcome = complete(upstreams, session, ctx, answer, up, Some(data)).await;
                     crate::metrics::added_chunk(read);
                     return outcome;
                 }
-                if let Err(e) = forward(upstreams.chain, session, ctx, Some(data), false).await {
+                if let Err(e) =
+                    forward(upstreams.chain, session, ctx, answer, Some(data), false).await
+                {
                     ctx.progress_mut().response_incomplete = true;
                     return Outcome::ClientGone(e);
                 }
                 crate::metrics::added_chunk(read);
             }
-            Next::End => return complete(upstreams, session, ctx, up, None).await,
-            Next::Failed(e) => return broken(upstreams, session, ctx, is_sse, e).await,
+            Next::End => return complete(upstreams, session, ctx, answer, up, None).await,
+            Next::Failed(e) => return broken(upstreams, session, ctx, answer, is_sse, e).await,
             Next::Deadline => {
                 let e = timed_out("the total timeout ran out mid-response");
-                return broken(upstreams, session, ctx, is_sse, e).await;
+                return broken(upstreams, session, ctx, answer, is_sse, e).await;
             }
             Next::ClientGone(e) => {
                 ctx.progress_mut().response_incomplete = true;
@@ -658,9 +677,10 @@ async fn start_answer(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut header: Box<ResponseHeader>,
 ) -> Result<(), Outcome> {
-    if let Err(e) = prepare_upstream_header(upstreams.chain, &mut header, ctx, None) {
+    if let Err(e) = prepare_upstream_header(upstreams.chain, &mut header, ctx, None, Some(answer)) {
         return Err(Outcome::NotStarted(e));
     }
     session
@@ -674,13 +694,14 @@ async fn send_answer(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     header: Box<ResponseHeader>,
     body: Option<Bytes>,
 ) -> Outcome {
-    if let Err(outcome) = start_answer(upstreams, session, ctx, header).await {
+    if let Err(outcome) = start_answer(upstreams, session, ctx, answer, header).await {
         return outcome;
     }
-    finish(upstreams, session, ctx, body).await
+    finish(upstreams, session, ctx, answer, body).await
 }
 
 /// Ends a streamed attempt whose answer came whole, `last` its last chunk: the connection
@@ -691,14 +712,15 @@ async fn complete(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut up: Upstream<'_>,
     last: Option<Bytes>,
 ) -> Outcome {
     let sample = up.in_flight.take_speed_sample();
     up.release().await;
-    let outcome = finish(upstreams, session, ctx, last).await;
+    let outcome = finish(upstreams, session, ctx, answer, last).await;
     if let Some(sample) = sample {
-        sample.learn(usage::engine_computed(ctx));
+        sample.learn(usage::engine_computed(ctx, answer.usage()));
     }
     outcome
 }
@@ -708,9 +730,10 @@ async fn finish(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     last: Option<Bytes>,
 ) -> Outcome {
-    match forward(upstreams.chain, session, ctx, last, true).await {
+    match forward(upstreams.chain, session, ctx, answer, last, true).await {
         Ok(()) => Outcome::Complete,
         Err(e) => Outcome::ClientGone(e),
     }
@@ -916,12 +939,13 @@ pub async fn send_held(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut header: Box<ResponseHeader>,
     body: Bytes,
 ) -> Result<()> {
     frame_by_length(&mut header, body.len())?;
-    prepare_upstream_header(upstreams.chain, &mut header, ctx, None)?;
-    write_whole(upstreams.chain, session, ctx, header, body).await
+    prepare_upstream_header(upstreams.chain, &mut header, ctx, None, Some(&mut *answer))?;
+    write_whole(upstreams.chain, session, ctx, answer, header, body).await
 }
 
 /// The response started and then failed. An event stream ends with an error event and
@@ -931,6 +955,7 @@ async fn broken(
     upstreams: &Upstreams<'_>,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     is_sse: bool,
     error: Box<Error>,
 ) -> Outcome {
@@ -942,7 +967,7 @@ async fn broken(
             .llm()
             .map_or(Endpoint::ChatCompletions, |call| call.endpoint);
         let event = Some(reply.sse_event_for(endpoint));
-        if let Err(e) = forward(upstreams.chain, session, ctx, event, true).await {
+        if let Err(e) = forward(upstreams.chain, session, ctx, answer, event, true).await {
             return Outcome::ClientGone(e);
         }
     }

@@ -18,6 +18,7 @@
 //! final: a model may already be generating.
 
 use super::attempt::{self, is_connect_failure, is_timeout, Attempt, Deadlines, Hold, Outcome};
+use super::downstream::Answer;
 use super::shared_sessions::SharedSessions;
 use super::tries::{self, no_backend};
 use super::{body, forwarding, reply, usage, Sluice};
@@ -97,13 +98,12 @@ pub async fn serve(
     ctx.set_llm(call);
     ctx.send_to(pool);
     // Before the request hooks: a cache hit's usage is read as well as an upstream's.
-    usage::watch_usage(ctx);
-    note_home_of_answer(sluice, ctx);
+    let mut answer = Answer::for_llm(ctx, &sluice.response_homes);
 
-    if let Some(answer) = sluice.chain.request(session, ctx).await? {
-        return reply::local(&sluice.chain, session, ctx, answer).await;
+    if let Some(local) = sluice.chain.request(session, ctx).await? {
+        return reply::local(&sluice.chain, session, ctx, &mut answer, local).await;
     }
-    let mut attempts = AttemptLoop::new(ctx)?;
+    let mut attempts = AttemptLoop::new(ctx, answer)?;
     attempts.pinned = home.map(|(_, backend, _)| backend);
     attempts.shared_session = shared_session;
     attempts.received = Some(received);
@@ -155,20 +155,6 @@ pub async fn home_of(
         }
         .into_error()
     })
-}
-
-/// A response the engine keeps (Responses API, `store` not false): its id is noted with the
-/// backend that made it as its answer passes (see `super::stored_responses`).
-fn note_home_of_answer(sluice: &Sluice, ctx: &mut RequestCtx) {
-    let stores = ctx
-        .llm()
-        .is_some_and(|call| call.endpoint.family().stores_answer(&call.request));
-    if stores {
-        ctx.state
-            .insert(super::stored_responses::NoteHome::new(Arc::clone(
-                &sluice.response_homes,
-            )));
-    }
 }
 
 /// The pool serving `model`: the first that lists it, else one that lists no models (a
@@ -232,6 +218,9 @@ struct AttemptLoop {
     /// When the request's body was read whole; taken by the first attempt, which records
     /// Sluice's own time until the request is written (`metrics::ADDED`).
     received: Option<std::time::Instant>,
+    /// The core's stages the answer passes on its way to the client, whichever attempt's
+    /// answer it is.
+    answer: Answer,
 }
 
 /// A body as an attempt sends it: `from` with the pool's `model` (when it changes) and the
@@ -348,7 +337,7 @@ async fn hold(
         place.aim_at(addr);
     }
     let engines = Arc::clone(pool);
-    let waited = sluice_sdk::client::while_connected(
+    let waited = sluice_sdk::client::session::while_connected(
         session,
         place.wait_for_room(until, move || engines.room()),
     )
@@ -477,7 +466,7 @@ impl AttemptLoop {
                     routing.keys(&call, adapter.as_deref(), salt_for_tenant.as_deref())
                 })
             };
-            let tokenized = sluice_sdk::client::while_connected(session, work).await;
+            let tokenized = sluice_sdk::client::session::while_connected(session, work).await;
             if !matches!(tokenized, Ok(Some(_))) {
                 routing
                     .passed_over
@@ -490,7 +479,7 @@ impl AttemptLoop {
         Ok(keys)
     }
 
-    fn new(ctx: &RequestCtx) -> Result<Self> {
+    fn new(ctx: &RequestCtx, answer: Answer) -> Result<Self> {
         let call = ctx
             .llm()
             .ok_or_else(|| ErrorReply::internal("No parsed request.").into_error())?;
@@ -516,6 +505,7 @@ impl AttemptLoop {
             transfer: None,
             prefilled: false,
             received: None,
+            answer,
         })
     }
 
@@ -556,8 +546,10 @@ impl AttemptLoop {
                 Then::TryAgain => continue,
                 Then::Finished(result) => return result,
                 Then::SendDeclined(header, body) => {
-                    return attempt::send_held(&sluice.upstreams(), session, ctx, header, body)
-                        .await
+                    let upstreams = sluice.upstreams();
+                    let answer = &mut self.answer;
+                    return attempt::send_held(&upstreams, session, ctx, answer, header, body)
+                        .await;
                 }
             }
         }
@@ -687,8 +679,11 @@ impl AttemptLoop {
         } = prepared;
         let started = std::time::Instant::now();
         let upstreams = sluice.upstreams();
-        let outcome =
-            attempt::run(&upstreams, session, ctx, attempt, deadlines, &hold, &span).await;
+        let answer = &mut self.answer;
+        let outcome = attempt::run(
+            &upstreams, session, ctx, answer, attempt, deadlines, &hold, &span,
+        )
+        .await;
         report_attempt(sluice, ctx, &pool, &backend, started, &outcome, &span);
         // 4. decide; the attempt's span ends with the decision.
         self.attempt_span = span;

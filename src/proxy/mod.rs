@@ -327,7 +327,7 @@ impl ProxyHttp for Proxy {
             ctx.plain.judge(&ctx.req, Verdict::Failure);
         }
         let route = ctx.route_headers.as_deref();
-        downstream::prepare_upstream_header(&this.chain, response, &mut ctx.req, route)
+        downstream::prepare_upstream_header(&this.chain, response, &mut ctx.req, route, None)
     }
 
     fn response_body_filter(
@@ -437,7 +437,9 @@ impl Sluice {
     ) -> Result<bool> {
         match self.chain.request(session, ctx).await? {
             Some(answer) => {
-                reply::local(&self.chain, session, ctx, answer).await?;
+                // Not an LLM route's: no stage of an LLM answer applies to it.
+                let stages = &mut downstream::Answer::default();
+                reply::local(&self.chain, session, ctx, stages, answer).await?;
                 Ok(true)
             }
             None => Ok(false),

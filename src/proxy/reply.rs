@@ -1,7 +1,7 @@
 //! Answers that Sluice writes itself: its JSON documents, plugins' local answers, and its
 //! errors. Error statuses, bodies and `retry-after` are decided here and only here.
 
-use super::downstream::{forward, write_whole};
+use super::downstream::{forward, write_whole, Answer};
 use crate::chain::Chain;
 use crate::metrics;
 use bytes::Bytes;
@@ -19,15 +19,17 @@ pub async fn send(
     body: Bytes,
 ) -> Result<()> {
     let header = header(200, content_type, body.len())?;
-    write(chain, session, ctx, header, body).await
+    write(chain, session, ctx, &mut Answer::default(), header, body).await
 }
 
 /// Sends an answer a plugin made (a cache hit), whole or, when its body is still being
-/// made (a coalesced follower of a stream in flight), chunk by chunk as it comes.
+/// made (a coalesced follower of a stream in flight), chunk by chunk as it comes, through
+/// the request's `answer` stages.
 pub async fn local(
     chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     response: Box<LocalResponse>,
 ) -> Result<()> {
     let LocalResponse {
@@ -38,21 +40,21 @@ pub async fn local(
     // A cache hit stands for its pool's answer: the pool's response rules apply to it too.
     super::forwarding::from_pool(&mut header, ctx.pool().map(|p| &**p), None)?;
     let Some(mut stream) = stream else {
-        return write(chain, session, ctx, Box::new(header), body).await;
+        return write(chain, session, ctx, answer, Box::new(header), body).await;
     };
     let mut header = Box::new(header);
     chain.response_header(&mut header, ctx)?;
     ctx.progress_mut().status = Some(header.status.as_u16());
     session.write_response_header(header, false).await?;
     if !body.is_empty() {
-        forward(chain, session, ctx, Some(body), false).await?;
+        forward(chain, session, ctx, answer, Some(body), false).await?;
     }
     // Each write is bounded by the client's send timeout: a client that stops reading is
     // cut, and only its own answer waits for it.
     while let Some(chunk) = stream.next_chunk().await {
-        forward(chain, session, ctx, Some(chunk), false).await?;
+        forward(chain, session, ctx, answer, Some(chunk), false).await?;
     }
-    forward(chain, session, ctx, None, true).await
+    forward(chain, session, ctx, answer, None, true).await
 }
 
 /// How long an answer given before the request's body was read (a 413 for a declared size,
@@ -106,7 +108,8 @@ pub async fn error(
     };
     let body = reply.body_for(endpoint);
     let written = match error_header(&reply, body.len()) {
-        Ok(h) => write(chain, session, ctx, h, body).await,
+        // Sluice's own error: no stage of an answer applies to it.
+        Ok(h) => write(chain, session, ctx, &mut Answer::default(), h, body).await,
         Err(e) => Err(e),
     };
     if let Err(e) = written {
@@ -145,10 +148,11 @@ async fn write(
     chain: &Chain,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    answer: &mut Answer,
     mut header: Box<ResponseHeader>,
     body: Bytes,
 ) -> Result<()> {
     // Plugins decorate Sluice's own answers too (request id, cache status).
     chain.response_header(&mut header, ctx)?;
-    write_whole(chain, session, ctx, header, body).await
+    write_whole(chain, session, ctx, answer, header, body).await
 }

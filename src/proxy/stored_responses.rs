@@ -28,7 +28,8 @@
 //! upgrade writes it after the new one started).
 
 use crate::config::ResponsesSettings;
-use sluice_sdk::RedisLink;
+use bytes::Bytes;
+use sluice_sdk::{RedisLink, RequestCtx};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -389,8 +390,8 @@ fn note_in(notes: &mut Notes, id: &str, home: Home, at: Instant) {
     }
 }
 
-/// In a request's state while its answer may carry a stored response's id: the scanner, and
-/// where to note the id.
+/// A stage of a request's answer (`super::downstream::Answer`) while it may carry a stored
+/// response's id: the scanner, and where to note the id.
 #[derive(Debug)]
 pub struct NoteHome {
     scanner: IdScanner,
@@ -411,27 +412,45 @@ impl NoteHome {
         }
     }
 
-    /// The answer ended with `usage`: the conversation's size goes in its note.
-    pub fn ended(&mut self, usage: Option<sluice_sdk::Usage>) {
+    /// A chunk of the request's answer passes: an upstream's answer (not a local one) is
+    /// read for its id until it is found.
+    pub fn passed(&mut self, ctx: &RequestCtx, chunk: Option<&Bytes>) {
+        let (Some(chunk), false, true) = (chunk, ctx.answered_locally(), self.looking()) else {
+            return;
+        };
+        let home = match (ctx.pool(), ctx.progress().backend) {
+            (Some(pool), Some(backend)) => Some(Home {
+                pool: Arc::clone(&pool.name),
+                backend,
+                tenant: ctx.tenant().map(|t| Arc::clone(&t.name)),
+                tokens: 0,
+            }),
+            _ => None,
+        };
+        self.feed(chunk, ctx.progress().upstream_status, home);
+    }
+
+    /// The answer ended with `usage`: the note is shared before the answer's end reaches the
+    /// client (a follow-up sent at once finds it), and learns the conversation's size after
+    /// it is written, never before.
+    pub async fn answer_ended(&mut self, usage: Option<sluice_sdk::Usage>) {
+        if let Some(sharing) = self.sharing.take() {
+            let _ = sharing.await;
+        }
         if let (Some(id), Some(usage)) = (self.noted.take(), usage) {
             let tokens = usage.prompt_tokens.saturating_add(usage.completion_tokens);
             self.homes.note_tokens(&id, tokens);
         }
     }
 
-    /// The note's write to Redis, if one is under way: for the answer's end to wait for.
-    pub fn take_sharing(&mut self) -> Option<tokio::task::JoinHandle<()>> {
-        self.sharing.take()
-    }
-
     /// Whether the id is still being looked for.
-    pub fn looking(&self) -> bool {
+    fn looking(&self) -> bool {
         !self.scanner.done
     }
 
     /// Reads a chunk of an upstream's answer (`home` made it, with status `status`); notes
     /// the id once it is found in a successful answer.
-    pub fn feed(&mut self, chunk: &[u8], status: Option<u16>, home: Option<Home>) {
+    fn feed(&mut self, chunk: &[u8], status: Option<u16>, home: Option<Home>) {
         if status != Some(200) {
             return;
         }

@@ -158,7 +158,9 @@ pub async fn wait_for_backend(
     };
     let deadline = tokio::time::Instant::now() + wait;
     let waited = match session {
-        Some(session) => sluice_sdk::client::watch(session, pool.usable_backend(), deadline).await,
+        Some(session) => {
+            sluice_sdk::client::session::watch(session, pool.usable_backend(), deadline).await
+        }
         None => match tokio::time::timeout_at(deadline, pool.usable_backend()).await {
             Ok(newest) => Watched::Done(newest),
             Err(_) => Watched::Deadline,

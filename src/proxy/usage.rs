@@ -2,8 +2,8 @@
 //! chunk the client gets passes one [`UsageScanner`] before the body hooks, and the usage
 //! chunk of a stream whose client did not ask for it (the upstream was asked on a plugin's
 //! behalf, see [`usage_kept_from_client`]) is removed before any hook sees it. The request's
-//! preparation asks here whether to ask upstream; the writer (`super::downstream`) asks here
-//! what to do with each chunk.
+//! preparation asks here whether to ask upstream; the answer's stages
+//! (`super::downstream::Answer`) ask here what to do with each chunk.
 
 use bytes::{Bytes, BytesMut};
 use sluice_sdk::raw_json;
@@ -12,8 +12,8 @@ use sluice_sdk::usage::UsageScanner;
 use sluice_sdk::{ApiFamily, RequestCtx};
 
 /// What the core reads of an LLM answer as it passes: its usage, and on a stream whose usage
-/// is kept from the client, where its events are. Kept in the request's state under this
-/// type of the core's, as a plugin keeps its own.
+/// is kept from the client, where its events are. A stage of the request's answer
+/// (`super::downstream::Answer`).
 #[derive(Debug, Default)]
 pub struct AnswerUsage {
     scanner: UsageScanner,
@@ -22,22 +22,23 @@ pub struct AnswerUsage {
     strip: Option<(SseEvents, &'static dyn ApiFamily)>,
 }
 
-/// From here on, every answer to the request (an upstream's, a cache hit, an error) is
-/// scanned for its usage as it is written.
-pub fn watch_usage(ctx: &mut RequestCtx) {
-    // The request's family knows where its answers carry their usage.
-    let scanner = ctx
-        .llm()
-        .map(|call| {
-            call.endpoint
-                .family()
-                .usage_scanner(call.request.is_stream())
-        })
-        .unwrap_or_default();
-    ctx.state.insert(AnswerUsage {
-        scanner,
-        strip: None,
-    });
+impl AnswerUsage {
+    /// The scanner of the request's answers (an upstream's, a cache hit's): its family knows
+    /// where they carry their usage.
+    pub fn of(ctx: &RequestCtx) -> Self {
+        let scanner = ctx
+            .llm()
+            .map(|call| {
+                call.endpoint
+                    .family()
+                    .usage_scanner(call.request.is_stream())
+            })
+            .unwrap_or_default();
+        AnswerUsage {
+            scanner,
+            strip: None,
+        }
+    }
 }
 
 /// A plugin wants the usage of a stream whose client did not ask for it: the upstream is
@@ -51,10 +52,12 @@ pub fn usage_kept_from_client(ctx: &RequestCtx) -> bool {
 
 /// Scans a chunk for the answer's usage, records it, and removes the usage chunk when it is
 /// kept from the client.
-pub fn read_usage(ctx: &mut RequestCtx, body: &mut Option<Bytes>, end: bool) {
-    let Some(watch) = ctx.state.get_mut::<AnswerUsage>() else {
-        return;
-    };
+pub fn read_usage(
+    ctx: &mut RequestCtx,
+    watch: &mut AnswerUsage,
+    body: &mut Option<Bytes>,
+    end: bool,
+) {
     if let Some(chunk) = body.as_ref() {
         watch.scanner.feed(chunk);
     }
@@ -105,8 +108,8 @@ fn learn_prompt_scale(ctx: &RequestCtx, usage: sluice_sdk::Usage) {
 
 /// The prompt tokens the engine counted and those its prefix cache served, when the answer's
 /// usage says both (vLLM's `--enable-prompt-tokens-details`).
-pub fn engine_computed(ctx: &RequestCtx) -> Option<(u64, u64)> {
-    let cached = ctx.state.get::<AnswerUsage>()?.scanner.cached_tokens()?;
+pub fn engine_computed(ctx: &RequestCtx, usage: Option<&AnswerUsage>) -> Option<(u64, u64)> {
+    let cached = usage?.scanner.cached_tokens()?;
     Some((ctx.usage()?.prompt_tokens, cached))
 }
 
@@ -173,11 +176,9 @@ fn drop_usage_chunk(
 }
 
 /// Whether the stream now answered has its usage chunk removed before the client sees it.
-pub fn strip_usage_chunk(ctx: &mut RequestCtx, strip: bool) {
+pub fn strip_usage_chunk(ctx: &RequestCtx, watch: &mut AnswerUsage, strip: bool) {
     let family = ctx.llm().map(|call| call.endpoint.family());
-    if let Some(watch) = ctx.state.get_mut::<AnswerUsage>() {
-        watch.strip = family.filter(|_| strip).map(|f| (SseEvents::default(), f));
-    }
+    watch.strip = family.filter(|_| strip).map(|f| (SseEvents::default(), f));
 }
 
 #[cfg(test)]
