@@ -872,19 +872,14 @@ fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_sdk::Route;
-    use sluice_testkit::FakeClient;
+    use sluice_testkit::{plugin_host, routed_chat, run_until_waiting, FakeClient};
 
     const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Paris."},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}"#;
 
     fn cache() -> Cache {
         let config: CacheConfig =
             serde_json::from_value(serde_json::json!({"enabled": true})).unwrap();
-        let host = Host {
-            pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
-            memory: sluice_sdk::MemoryBudget::new(1 << 20),
-            calls: Arc::new(sluice_sdk::calls::NoPools),
-        };
+        let host = plugin_host(Vec::new());
         Cache::new(CacheBuilder::resolve(config, &host).unwrap().unwrap())
     }
 
@@ -892,12 +887,9 @@ mod tests {
     fn asking() -> (FakeClient, RequestCtx) {
         let client =
             FakeClient::post("/v1/chat/completions").with_header("authorization", "Bearer sk-1");
-        let mut ctx = RequestCtx::new();
-        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
         // Deterministic, so cached by default.
         let body = r#"{"model":"m","messages":[{"role":"user","content":"The capital of France?"}],"temperature":0}"#;
-        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
-        (client, ctx)
+        (client, routed_chat(body))
     }
 
     /// The leader's upstream answers `200` with [`ANSWER`], which passes to its client whole.
@@ -913,13 +905,6 @@ mod tests {
         cache.logging(None, ctx);
     }
 
-    /// Until `done()` holds, checking as the runtime gets to it.
-    async fn until(done: impl Fn() -> bool) {
-        while !done() {
-            tokio::task::yield_now().await;
-        }
-    }
-
     #[tokio::test]
     async fn a_follower_waits_for_the_leaders_answer_and_is_answered_with_it() {
         let cache = cache();
@@ -932,10 +917,7 @@ mod tests {
         let followed = {
             let asked = cache.request(&mut second, &mut following);
             tokio::pin!(asked);
-            tokio::select! {
-                _ = &mut asked => panic!("the follower did not wait for its leader"),
-                () = until(|| cache.inflight.waiting() == 1) => {}
-            }
+            run_until_waiting(&mut asked, || cache.inflight.waiting() == 1).await;
             answer_as_leader(&cache, &mut leading);
             asked.await
         };
@@ -958,10 +940,7 @@ mod tests {
         let followed = {
             let asked = cache.request(&mut second, &mut following);
             tokio::pin!(asked);
-            tokio::select! {
-                _ = &mut asked => panic!("the follower did not wait for its leader"),
-                () = until(|| cache.inflight.waiting() == 1) => {}
-            }
+            run_until_waiting(&mut asked, || cache.inflight.waiting() == 1).await;
             leave.now();
             asked.await
         };

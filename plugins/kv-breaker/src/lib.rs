@@ -546,7 +546,7 @@ mod tests {
     use super::*;
     use sluice_sdk::Load;
     use sluice_sdk::{BackendSpec, PoolSettings};
-    use sluice_testkit::FakeClient;
+    use sluice_testkit::{routed_chat, run_until_waiting, FakeClient};
 
     fn breaker() -> (Arc<dyn Plugin>, Arc<Pool>, Thresholds) {
         breaker_with(KvBreakerConfig {
@@ -695,13 +695,8 @@ mod tests {
     /// A chat request for the pool's model, routed to the pool, as the core leaves it
     /// before `request`.
     fn routed_to(pool: &Arc<Pool>) -> RequestCtx {
-        let mut ctx = RequestCtx::new();
-        ctx.set_route(sluice_sdk::Route::Llm(
-            sluice_sdk::Endpoint::ChatCompletions,
-        ));
         let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":8}"#;
-        let call = LlmCall::parse(sluice_sdk::Endpoint::ChatCompletions, body.into()).unwrap();
-        ctx.set_llm(call);
+        let mut ctx = routed_chat(body);
         ctx.send_to(Arc::clone(pool));
         ctx
     }
@@ -717,13 +712,6 @@ mod tests {
         (breaker, pool)
     }
 
-    /// Until `done()` holds, checking as the runtime gets to it.
-    async fn until(done: impl Fn() -> bool) {
-        while !done() {
-            tokio::task::yield_now().await;
-        }
-    }
-
     #[tokio::test]
     async fn a_request_waits_in_the_queue_until_the_pool_has_room() {
         let (breaker, pool) = queueing();
@@ -734,10 +722,10 @@ mod tests {
         {
             let asked = breaker.request(&mut client, &mut ctx);
             tokio::pin!(asked);
-            tokio::select! {
-                done = &mut asked => panic!("let in past the line: {:?}", done.map(|_| ())),
-                () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
-            }
+            run_until_waiting(&mut asked, || {
+                pool.flow_control().depth(Priority::Standard) == 1
+            })
+            .await;
             set_usage(&pool, 0.1);
             assert!(matches!(asked.await, Ok(Flow::Continue)));
         }
@@ -758,10 +746,10 @@ mod tests {
         let mut ctx = routed_to(&pool);
         let asked = breaker.request(&mut client, &mut ctx);
         tokio::pin!(asked);
-        tokio::select! {
-            done = &mut asked => panic!("not queued: {:?}", done.map(|_| ())),
-            () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
-        }
+        run_until_waiting(&mut asked, || {
+            pool.flow_control().depth(Priority::Standard) == 1
+        })
+        .await;
         leave.now();
         let e = asked.await.unwrap_err();
         assert_eq!(e.etype(), &sluice_sdk::ErrorType::ConnectionClosed);
@@ -786,10 +774,10 @@ mod tests {
         let mut first_ctx = routed_to(&pool);
         let queued = breaker.request(&mut first, &mut first_ctx);
         tokio::pin!(queued);
-        tokio::select! {
-            done = &mut queued => panic!("not queued: {:?}", done.map(|_| ())),
-            () = until(|| pool.flow_control().depth(Priority::Standard) == 1) => {}
-        }
+        run_until_waiting(&mut queued, || {
+            pool.flow_control().depth(Priority::Standard) == 1
+        })
+        .await;
         // The one place is taken: even a critical request is not made to wait.
         let mut client =
             FakeClient::post("/v1/chat/completions").with_header("x-sluice-priority", "critical");

@@ -438,8 +438,8 @@ fn looks_like_code(r: &LlmRequest) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_sdk::{BackendSpec, PoolSettings, Route, Tenant};
-    use sluice_testkit::FakeClient;
+    use sluice_sdk::{BackendSpec, PoolSettings, Tenant};
+    use sluice_testkit::{plugin_host, routed_chat, FakeClient};
 
     /// A healthy pool of one backend serving `m`.
     fn pool(name: &str, port: u16) -> Arc<Pool> {
@@ -468,11 +468,7 @@ mod tests {
             "models": [{"model": "m", "drafts": [{"pool": "draft"}], "target": "target"}],
         }))
         .unwrap();
-        let host = Host {
-            pools: Arc::new(Pools::new(vec![pool("draft", 9), pool("target", 10)])),
-            memory: sluice_sdk::MemoryBudget::new(1 << 20),
-            calls: Arc::new(sluice_sdk::calls::NoPools),
-        };
+        let host = plugin_host(vec![pool("draft", 9), pool("target", 10)]);
         SpeculativeBuilder::resolve(config, &host)
             .unwrap()
             .unwrap()
@@ -480,10 +476,8 @@ mod tests {
     }
 
     fn routed(tenant_may_force: Option<bool>) -> RequestCtx {
-        let mut ctx = RequestCtx::new();
-        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
-        let body = r#"{"model":"m","messages":[{"role":"user","content":"Say hi."}]}"#;
-        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
+        let mut ctx =
+            routed_chat(r#"{"model":"m","messages":[{"role":"user","content":"Say hi."}]}"#);
         if let Some(may_force_target) = tenant_may_force {
             ctx.set_tenant(Arc::new(Tenant {
                 name: "acme".into(),

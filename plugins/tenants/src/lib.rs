@@ -507,16 +507,11 @@ fn anthropic_headers(call: &LlmCall) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_sdk::Endpoint;
-    use sluice_testkit::{key_digest, FakeClient};
+    use sluice_testkit::{key_digest, plugin_host, routed_chat, FakeClient};
 
     fn tenants(config: serde_json::Value) -> Arc<dyn Plugin> {
         let config: TenantsConfig = serde_json::from_value(config).unwrap();
-        let host = Host {
-            pools: Arc::new(sluice_sdk::Pools::new(Vec::new())),
-            memory: sluice_sdk::MemoryBudget::new(1 << 20),
-            calls: Arc::new(sluice_sdk::calls::NoPools),
-        };
+        let host = plugin_host(Vec::new());
         TenantsBuilder::resolve(config, &host)
             .unwrap()
             .unwrap()
@@ -535,12 +530,16 @@ mod tests {
     /// A context routed to chat with `model` asked for, as the core leaves it before
     /// `request`.
     fn routed(model: &str) -> RequestCtx {
+        routed_chat(&format!(
+            r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#
+        ))
+    }
+
+    /// The `early_request` hook on `client`'s request: its result, and the context after it.
+    async fn identified(plugin: &dyn Plugin, mut client: FakeClient) -> (Result<()>, RequestCtx) {
         let mut ctx = RequestCtx::new();
-        ctx.set_route(Route::Llm(Endpoint::ChatCompletions));
-        let body =
-            format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#);
-        ctx.set_llm(LlmCall::parse(Endpoint::ChatCompletions, body.into()).unwrap());
-        ctx
+        let early = plugin.early_request(&mut client, &mut ctx).await;
+        (early, ctx)
     }
 
     /// `acme`'s request for `model`, from its start to its end.
@@ -563,18 +562,13 @@ mod tests {
             chat(),
             chat().with_header("authorization", "Bearer sk-someone-else"),
         ] {
-            let mut client = client;
-            let mut ctx = RequestCtx::new();
-            let e = plugin
-                .early_request(&mut client, &mut ctx)
-                .await
-                .unwrap_err();
-            assert_eq!(refusal(&e).status, 401);
+            let (early, ctx) = identified(&*plugin, client).await;
+            assert_eq!(refusal(&early.unwrap_err()).status, 401);
             assert!(ctx.tenant().is_none());
         }
-        let mut client = chat().with_header("authorization", "Bearer sk-acme");
-        let mut ctx = RequestCtx::new();
-        plugin.early_request(&mut client, &mut ctx).await.unwrap();
+        let acme = chat().with_header("authorization", "Bearer sk-acme");
+        let (early, ctx) = identified(&*plugin, acme).await;
+        early.unwrap();
         assert_eq!(&*ctx.tenant().unwrap().name, "acme");
     }
 
@@ -587,19 +581,15 @@ mod tests {
             "tenant_header": "x-tenant",
         }));
         let named = || chat().with_header("x-tenant", "acme");
-        let mut gateway = named().from_peer("10.1.2.3:5000".parse().unwrap());
-        let mut ctx = RequestCtx::new();
-        plugin.early_request(&mut gateway, &mut ctx).await.unwrap();
+        let gateway = named().from_peer("10.1.2.3:5000".parse().unwrap());
+        let (early, ctx) = identified(&*plugin, gateway).await;
+        early.unwrap();
         assert_eq!(&*ctx.tenant().unwrap().name, "acme");
 
         // The same header straight from a client means nothing: no key, no tenant.
-        let mut stranger = named().from_peer("192.0.2.7:5000".parse().unwrap());
-        let mut ctx = RequestCtx::new();
-        let e = plugin
-            .early_request(&mut stranger, &mut ctx)
-            .await
-            .unwrap_err();
-        assert_eq!(refusal(&e).status, 401);
+        let stranger = named().from_peer("192.0.2.7:5000".parse().unwrap());
+        let (early, _) = identified(&*plugin, stranger).await;
+        assert_eq!(refusal(&early.unwrap_err()).status, 401);
     }
 
     #[tokio::test]

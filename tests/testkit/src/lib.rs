@@ -44,7 +44,7 @@ mod vllm;
 
 pub use config::{key_digest, pool, Pool};
 pub use dns::{sims_on_loopbacks, BadDns, DnsServer, Misbehaviour};
-pub use fake_client::{FakeClient, Leave};
+pub use fake_client::{plugin_host, routed_chat, run_until_waiting, FakeClient, Leave};
 pub use llm::{
     answer_confidence, ask_url, ask_url_with, assert_ends_with_error_event, chat, client,
     client_within, content, sim_serving, sse_data, sse_events, streaming_sim, upstream_calls,
