@@ -119,7 +119,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         let slot = match self.open.admit(client) {
             Ok(slot) => slot,
             Err(over) => {
-                refuse(over, &mut stream).await;
+                // Boxed: a refusal's future holds its drain buffer, and inline it would
+                // make every connection's future, refused or not, 4 KiB larger.
+                Box::pin(refuse(over, &mut stream)).await;
                 return None;
             }
         };

@@ -35,6 +35,7 @@ use sluice_sdk::{
     AnswerCheck, Endpoint, ErrorReply, Held, InFlight, Judgement, MemoryBudget, Reason, RequestCtx,
     StreamCheck, StreamJudge, Usage, Verdict,
 };
+use std::future::Future;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
@@ -180,16 +181,27 @@ struct Upstream<'a> {
     span: &'a tracing::Span,
 }
 
-impl Upstream<'_> {
+impl<'a> Upstream<'a> {
     /// Gives a connection whose response was read whole back to the pool, and ends the
     /// attempt's load on the backend. Every other end of an attempt drops it instead, which
     /// closes it: a backend that is still generating sees its client leave and stops.
-    async fn release(mut self) {
-        drop(self.in_flight);
-        self.http.respect_keepalive();
-        if let Some(stream) = self.http.reuse().await {
-            let idle = self.peer.options.idle_timeout;
-            self.pool.keep(self.peer.reuse_hash(), stream, idle);
+    /// The load ends at the call; the future holds only the connection's reuse (see
+    /// [`run`] for why these are not `async fn`s).
+    fn release(self) -> impl Future<Output = ()> + 'a {
+        let Upstream {
+            pool,
+            peer,
+            mut http,
+            in_flight,
+            ..
+        } = self;
+        drop(in_flight);
+        http.respect_keepalive();
+        let reusing = http.reuse();
+        async move {
+            if let Some(stream) = reusing.await {
+                pool.keep(peer.reuse_hash(), stream, peer.options.idle_timeout);
+            }
         }
     }
 
@@ -227,17 +239,23 @@ fn final_error(mut e: Box<Error>, reused: bool) -> Box<Error> {
 /// `span` is the attempt's: its events (`first_token`) name it as their parent. The
 /// attempt's future is not instrumented with it: entering and leaving a span at each poll of
 /// a stream cost more than the rest of its tracing.
+///
+/// This and the steps a stream stays in to its end (`pipe`, `stream`, `complete`,
+/// `Upstream::release`) are plain functions returning an `async move` block, not `async
+/// fn`s: an `async fn` keeps each argument it takes by value twice in its future
+/// (rust-lang/rust#62958), and these futures, nested, live inside every open stream's task
+/// for as long as it streams (bench scenario 4, memory per open stream).
 #[allow(clippy::too_many_arguments)]
-pub async fn run(
-    upstreams: &Upstreams<'_>,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    answer: &mut Answer,
+pub fn run<'a>(
+    upstreams: &'a Upstreams<'a>,
+    session: &'a mut Session,
+    ctx: &'a mut RequestCtx,
+    answer: &'a mut Answer,
     attempt: Attempt,
     deadlines: Deadlines,
-    hold: &Hold,
-    span: &tracing::Span,
-) -> Outcome {
+    hold: &'a Hold,
+    span: &'a tracing::Span,
+) -> impl Future<Output = Outcome> + 'a {
     let Attempt {
         peer,
         header,
@@ -245,27 +263,29 @@ pub async fn run(
         in_flight,
         received,
     } = attempt;
-    let (http, reused, header) = match exchange(
-        upstreams, session, &peer, &header, body, &deadlines, received,
-    )
-    .await
-    {
-        Ok(exchanged) => exchanged,
-        Err(outcome) => return outcome,
-    };
-    let upstream = Upstream {
-        pool: upstreams.pool,
-        peer: &peer,
-        http,
-        reused,
-        in_flight,
-        streams_end: upstreams.streams_end.clone(),
-        span,
-    };
-    pipe(
-        upstreams, session, ctx, answer, upstream, header, deadlines, hold,
-    )
-    .await
+    async move {
+        let (http, reused, header) = match exchange(
+            upstreams, session, &peer, &header, body, &deadlines, received,
+        )
+        .await
+        {
+            Ok(exchanged) => exchanged,
+            Err(outcome) => return outcome,
+        };
+        let upstream = Upstream {
+            pool: upstreams.pool,
+            peer: &peer,
+            http,
+            reused,
+            in_flight,
+            streams_end: upstreams.streams_end.clone(),
+            span,
+        };
+        pipe(
+            upstreams, session, ctx, answer, upstream, header, deadlines, hold,
+        )
+        .await
+    }
 }
 
 /// Sends a request no client sees (a disaggregated request's prefill leg) and reads its
@@ -447,68 +467,75 @@ async fn send(http: HttpSession, peer: &HttpPeer, request: &Wire) -> Result<Http
 /// The answer of a sent request, its header read: held whole (an error that may be
 /// declined, an answer to judge), or streamed to the client (after a hold-back window when
 /// one is asked for).
-#[allow(clippy::too_many_arguments)]
-async fn pipe(
-    upstreams: &Upstreams<'_>,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    answer: &mut Answer,
-    mut up: Upstream<'_>,
+// Not an `async fn`: see `run`.
+#[allow(clippy::too_many_arguments, clippy::manual_async_fn)]
+fn pipe<'a>(
+    upstreams: &'a Upstreams<'a>,
+    session: &'a mut Session,
+    ctx: &'a mut RequestCtx,
+    answer: &'a mut Answer,
+    mut up: Upstream<'a>,
     header: Box<ResponseHeader>,
     deadlines: Deadlines,
-    hold: &Hold,
-) -> Outcome {
-    tries::honour_back_pressure(ctx, up.in_flight.backend(), &header);
-    let is_sse = is_event_stream(&header);
-    let status = header.status.as_u16();
-    let held = HeldFor {
-        declined: hold.error_statuses && (status >= 500 || status == 429),
-        refused_for_context: status == 400 && hold.context_budget.is_some(),
-        judged: status == 200 && !is_sse && (hold.check.is_some() || hold.context_budget.is_some()),
-    };
-    if held.declined || held.judged || held.refused_for_context {
-        return answer_held(
-            upstreams, session, ctx, answer, up, header, &deadlines, hold, held,
-        )
-        .await;
-    }
-    // The hold-back window: the stream's start is kept until it is judged, so that a
-    // rejected draft can still give way to the target.
-    let mut window = Window {
-        chunks: Vec::new(),
-        ended: false,
-        held: upstreams.memory.none(),
-    };
-    if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
-        window = match hold_back(
-            session,
-            &mut up,
-            &deadlines,
-            check.start(),
-            upstreams.memory,
+    hold: &'a Hold,
+) -> impl Future<Output = Outcome> + 'a {
+    async move {
+        tries::honour_back_pressure(ctx, up.in_flight.backend(), &header);
+        let is_sse = is_event_stream(&header);
+        let status = header.status.as_u16();
+        let held = HeldFor {
+            declined: hold.error_statuses && (status >= 500 || status == 429),
+            refused_for_context: status == 400 && hold.context_budget.is_some(),
+            judged: status == 200
+                && !is_sse
+                && (hold.check.is_some() || hold.context_budget.is_some()),
+        };
+        if held.declined || held.judged || held.refused_for_context {
+            // Boxed: rare (an error status, an answer judged whole), and inline its future
+            // would make every stream's larger.
+            return Box::pin(answer_held(
+                upstreams, session, ctx, answer, up, header, &deadlines, hold, held,
+            ))
+            .await;
+        }
+        // The hold-back window: the stream's start is kept until it is judged, so that a
+        // rejected draft can still give way to the target.
+        let mut window = Window {
+            chunks: Vec::new(),
+            ended: false,
+            held: upstreams.memory.none(),
+        };
+        if let (true, 200, Some(check)) = (is_sse, status, hold.stream_check.as_ref()) {
+            window = match hold_back(
+                session,
+                &mut up,
+                &deadlines,
+                check.start(),
+                upstreams.memory,
+            )
+            .await
+            {
+                Ok(window) => window,
+                // The window's events were generated: one token each, after the whole prompt.
+                Err(Outcome::Judged(why, Some(seen))) => {
+                    let prompt_tokens = ctx.llm().map_or(0, |call| call.demand.prompt_tokens);
+                    let used = Usage {
+                        prompt_tokens,
+                        ..seen
+                    };
+                    return Outcome::Judged(why, Some(used));
+                }
+                Err(outcome) => return outcome,
+            };
+        }
+        if let Err(outcome) = start_answer(upstreams, session, ctx, answer, header).await {
+            return outcome;
+        }
+        stream(
+            upstreams, session, ctx, answer, up, window, &deadlines, is_sse,
         )
         .await
-        {
-            Ok(window) => window,
-            // The window's events were generated: one token each, after the whole prompt.
-            Err(Outcome::Judged(why, Some(seen))) => {
-                let prompt_tokens = ctx.llm().map_or(0, |call| call.demand.prompt_tokens);
-                let used = Usage {
-                    prompt_tokens,
-                    ..seen
-                };
-                return Outcome::Judged(why, Some(used));
-            }
-            Err(outcome) => return outcome,
-        };
     }
-    if let Err(outcome) = start_answer(upstreams, session, ctx, answer, header).await {
-        return outcome;
-    }
-    stream(
-        upstreams, session, ctx, answer, up, window, &deadlines, is_sse,
-    )
-    .await
 }
 
 /// Why an answer is read whole before the client sees any of it.
@@ -581,61 +608,66 @@ async fn answer_held(
 
 /// The rest of a started answer, chunk by chunk as it comes: a kept window first; the end,
 /// a failure (an SSE error event ends a stream) or the total deadline.
-#[allow(clippy::too_many_arguments)]
-async fn stream(
-    upstreams: &Upstreams<'_>,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    answer: &mut Answer,
-    mut up: Upstream<'_>,
+// Not an `async fn`: see `run`.
+#[allow(clippy::too_many_arguments, clippy::manual_async_fn)]
+fn stream<'a>(
+    upstreams: &'a Upstreams<'a>,
+    session: &'a mut Session,
+    ctx: &'a mut RequestCtx,
+    answer: &'a mut Answer,
+    mut up: Upstream<'a>,
     window: Window,
-    deadlines: &Deadlines,
+    deadlines: &'a Deadlines,
     is_sse: bool,
-) -> Outcome {
-    // A kept window goes first; a stream that ended within it ends here.
-    let Window {
-        chunks,
-        ended,
-        held,
-        ..
-    } = window;
-    for chunk in chunks {
-        if let Err(e) = forward(upstreams.chain, session, ctx, answer, Some(chunk), false).await {
-            return Outcome::ClientGone(e);
+) -> impl Future<Output = Outcome> + 'a {
+    async move {
+        // A kept window goes first; a stream that ended within it ends here.
+        let Window {
+            chunks,
+            ended,
+            held,
+            ..
+        } = window;
+        for chunk in chunks {
+            if let Err(e) = forward(upstreams.chain, session, ctx, answer, Some(chunk), false).await
+            {
+                return Outcome::ClientGone(e);
+            }
         }
-    }
-    drop(held);
-    if ended {
-        return complete(upstreams, session, ctx, answer, up, None).await;
-    }
-    loop {
-        match next(session, &mut up, deadlines.total).await {
-            Next::Chunk(data) => {
-                let read = std::time::Instant::now();
-                // The chunk that completes the body ends the response at once: the client may
-                // send its next request meanwhile, which the client watch in `next` would read.
-                if up.http.is_body_done() {
-                    let outcome = complete(upstreams, session, ctx, answer, up, Some(data)).await;
+        drop(held);
+        if ended {
+            return complete(upstreams, session, ctx, answer, up, None).await;
+        }
+        loop {
+            match next(session, &mut up, deadlines.total).await {
+                Next::Chunk(data) => {
+                    let read = std::time::Instant::now();
+                    // The chunk that completes the body ends the response at once: the client may
+                    // send its next request meanwhile, which the client watch in `next` would read.
+                    if up.http.is_body_done() {
+                        let outcome =
+                            complete(upstreams, session, ctx, answer, up, Some(data)).await;
+                        crate::metrics::added_chunk(read);
+                        return outcome;
+                    }
+                    if let Err(e) =
+                        forward(upstreams.chain, session, ctx, answer, Some(data), false).await
+                    {
+                        ctx.progress_mut().response_incomplete = true;
+                        return Outcome::ClientGone(e);
+                    }
                     crate::metrics::added_chunk(read);
-                    return outcome;
                 }
-                if let Err(e) =
-                    forward(upstreams.chain, session, ctx, answer, Some(data), false).await
-                {
+                Next::End => return complete(upstreams, session, ctx, answer, up, None).await,
+                Next::Failed(e) => return broken(upstreams, session, ctx, answer, is_sse, e).await,
+                Next::Deadline => {
+                    let e = timed_out("the total timeout ran out mid-response");
+                    return broken(upstreams, session, ctx, answer, is_sse, e).await;
+                }
+                Next::ClientGone(e) => {
                     ctx.progress_mut().response_incomplete = true;
                     return Outcome::ClientGone(e);
                 }
-                crate::metrics::added_chunk(read);
-            }
-            Next::End => return complete(upstreams, session, ctx, answer, up, None).await,
-            Next::Failed(e) => return broken(upstreams, session, ctx, answer, is_sse, e).await,
-            Next::Deadline => {
-                let e = timed_out("the total timeout ran out mid-response");
-                return broken(upstreams, session, ctx, answer, is_sse, e).await;
-            }
-            Next::ClientGone(e) => {
-                ctx.progress_mut().response_incomplete = true;
-                return Outcome::ClientGone(e);
             }
         }
     }
@@ -708,21 +740,24 @@ async fn send_answer(
 /// goes back to the pool at once, then the rest reaches the client. The first token's time
 /// then teaches the backend's prefill speed with what the engine says it computed (its
 /// usage, read as the answer passed).
-async fn complete(
-    upstreams: &Upstreams<'_>,
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    answer: &mut Answer,
-    mut up: Upstream<'_>,
+fn complete<'a>(
+    upstreams: &'a Upstreams<'a>,
+    session: &'a mut Session,
+    ctx: &'a mut RequestCtx,
+    answer: &'a mut Answer,
+    mut up: Upstream<'a>,
     last: Option<Bytes>,
-) -> Outcome {
+) -> impl Future<Output = Outcome> + 'a {
     let sample = up.in_flight.take_speed_sample();
-    up.release().await;
-    let outcome = finish(upstreams, session, ctx, answer, last).await;
-    if let Some(sample) = sample {
-        sample.learn(usage::engine_computed(ctx, answer.usage()));
+    let release = up.release();
+    async move {
+        release.await;
+        let outcome = finish(upstreams, session, ctx, answer, last).await;
+        if let Some(sample) = sample {
+            sample.learn(usage::engine_computed(ctx, answer.usage()));
+        }
+        outcome
     }
-    outcome
 }
 
 /// Writes the last chunk of an answer, if any, and ends it.

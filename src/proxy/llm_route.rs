@@ -53,7 +53,40 @@ pub async fn serve(
     // The body's memory is held until the request has been served.
     let (body, _held) = body::read_whole(session, &sluice.limits, &sluice.memory).await?;
     let received = std::time::Instant::now();
-    let call = body_work(body.len(), move || {
+    let routed = route_call(sluice, session, ctx, endpoint, found, body).await?;
+    // Before the request hooks: a cache hit's usage is read as well as an upstream's.
+    let mut answer = Answer::for_llm(ctx, &sluice.response_homes);
+
+    if let Some(local) = sluice.chain.request(session, ctx).await? {
+        return reply::local(&sluice.chain, session, ctx, &mut answer, local).await;
+    }
+    let mut attempts = AttemptLoop::new(ctx, answer)?;
+    attempts.pinned = routed.pinned;
+    attempts.shared_session = routed.shared_session;
+    attempts.received = Some(received);
+    attempts.run(sluice, session, ctx).await
+}
+
+/// What routing a call leaves for its attempts, beside what it puts in the context.
+struct Routed {
+    /// The backend that made the stored response a follow-up continues.
+    pinned: Option<SocketAddr>,
+    /// The session's id, when the fleet shares sessions in Redis.
+    shared_session: Option<Vec<u8>>,
+}
+
+/// Parses the call, finds its pool (a stored response's follow-up: the response's), its
+/// session and flow, and puts them in the context. Its own function so that the parsed
+/// call's locals are gone from `serve`'s future before the answer streams.
+async fn route_call(
+    sluice: &Sluice,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    endpoint: Endpoint,
+    found: RouteMatch,
+    body: Bytes,
+) -> Result<Routed> {
+    let mut call = body_work(body.len(), move || {
         LlmCall::parse_routed(endpoint, found, body)
     })
     .await
@@ -72,7 +105,6 @@ pub async fn serve(
         Some((pool, _, _)) => Arc::clone(pool),
         None => pool_for(&sluice.pools, call.request.model.as_deref())?,
     };
-    let mut call = call;
     // The engine prefills the stored conversation with the new input: the follow-up is
     // admitted, balanced and charged as that, not as its few new tokens.
     // The conversation's count is the engine's; the estimate is in the pool's estimated
@@ -97,17 +129,10 @@ pub async fn serve(
     }
     ctx.set_llm(call);
     ctx.send_to(pool);
-    // Before the request hooks: a cache hit's usage is read as well as an upstream's.
-    let mut answer = Answer::for_llm(ctx, &sluice.response_homes);
-
-    if let Some(local) = sluice.chain.request(session, ctx).await? {
-        return reply::local(&sluice.chain, session, ctx, &mut answer, local).await;
-    }
-    let mut attempts = AttemptLoop::new(ctx, answer)?;
-    attempts.pinned = home.map(|(_, backend, _)| backend);
-    attempts.shared_session = shared_session;
-    attempts.received = Some(received);
-    attempts.run(sluice, session, ctx).await
+    Ok(Routed {
+        pinned: home.map(|(_, backend, _)| backend),
+        shared_session,
+    })
 }
 
 /// The most a TTFT objective may be: beyond it, it says nothing a timeout does not.
@@ -531,7 +556,7 @@ impl AttemptLoop {
     /// The attempt loop: a backend chosen, an attempt on it, and what follows, until the
     /// request is answered or fails.
     async fn run(
-        mut self,
+        &mut self,
         sluice: &Sluice,
         session: &mut Session,
         ctx: &mut RequestCtx,
@@ -654,8 +679,12 @@ impl AttemptLoop {
         if !self.prefilled && pool.transfer_check().is_some() {
             drop(held.take());
         }
-        self.prefill_elsewhere(sluice, session, ctx, &pool, &backend, &demand)
-            .await?;
+        if self.prefill_due(ctx, &pool) {
+            // Boxed: the leg's future is large and only a disaggregated pool's requests
+            // take it; inline, every stream's future would carry its size to the end.
+            Box::pin(self.prefill_elsewhere(sluice, session, ctx, &pool, &backend, &demand))
+                .await?;
+        }
         if self.transfer.is_some() {
             // The prompt's blocks come by the transfer: the decode backend computes
             // next to nothing of it.
@@ -667,16 +696,16 @@ impl AttemptLoop {
         }
         // Counted before the next waiter is let in.
         drop(held.take());
-        let prepared = self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
         // 3. run: the attempt's load on the backend ends with it (or as soon as the
         // backend's answer has come whole), never with a retry's backoff or a held answer
-        // sent later.
+        // sent later. (Taken apart where it is made: a `Prepared` kept whole would stay in
+        // this future beside its parts, for as long as the answer streams.)
         let Prepared {
             attempt,
             deadlines,
             hold,
             span,
-        } = prepared;
+        } = self.prepare(sluice, session, ctx, &pool, &backend, in_flight)?;
         let started = std::time::Instant::now();
         let upstreams = sluice.upstreams();
         let answer = &mut self.answer;
@@ -699,10 +728,24 @@ impl AttemptLoop {
         Ok(then)
     }
 
-    /// Part of step 2: a disaggregated pool's long prompt is prefilled elsewhere first, once:
-    /// the decode backend was chosen and admitted. A retry of a decode leg its engine never
-    /// took keeps the transfer while the lease holds (see `Transfer::may_carry`); any other
-    /// retry is served whole. `Err`: the client left during the leg.
+    /// Part of step 2: whether a disaggregated pool's long prompt is to be prefilled
+    /// elsewhere first ([`Self::prefill_elsewhere`]): once, on the first attempt. A retry of
+    /// a decode leg its engine never took keeps the transfer while the lease holds (see
+    /// `Transfer::may_carry`); any other retry is served whole.
+    fn prefill_due(&mut self, ctx: &mut RequestCtx, pool: &Pool) -> bool {
+        let disaggregated = pool.transfer_check().is_some();
+        self.transfer = self
+            .transfer
+            .take()
+            .filter(|transfer| disaggregated && transfer.lease_holds(pool));
+        if self.transfer.is_none() && disaggregated {
+            ctx.state.remove::<super::disaggregation::TransferSent>();
+        }
+        disaggregated && !self.prefilled
+    }
+
+    /// Part of step 2: the prefill leg, once the decode backend was chosen and admitted.
+    /// `Err`: the client left during the leg.
     async fn prefill_elsewhere(
         &mut self,
         sluice: &Sluice,
@@ -712,17 +755,6 @@ impl AttemptLoop {
         backend: &Selected,
         demand: &Demand,
     ) -> Result<()> {
-        let disaggregated = pool.transfer_check().is_some();
-        self.transfer = self
-            .transfer
-            .take()
-            .filter(|transfer| disaggregated && transfer.lease_holds(pool));
-        if self.transfer.is_none() && disaggregated {
-            ctx.state.remove::<super::disaggregation::TransferSent>();
-        }
-        if self.prefilled || !disaggregated {
-            return Ok(());
-        }
         self.prefilled = true;
         let body = self.upstream_source(ctx);
         let request_id = engine_request_id(ctx);
