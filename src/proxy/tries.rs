@@ -45,9 +45,6 @@ pub fn begin(
         pool.flow_control().charge(flow, computed);
     }
     let mut in_flight = backend.live.begin_request(tokens, computed);
-    if let Some(pool) = ctx.pool() {
-        in_flight.tell_on_room(Arc::clone(pool.flow_control()));
-    }
     if backend.cached_tokens.is_none() {
         in_flight.without_learning();
     }

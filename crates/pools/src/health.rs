@@ -555,7 +555,6 @@ impl BackendLive {
             predicted_ttft: None,
             predicted_wait: None,
             pool: None,
-            queue: None,
             answered_in_scrape: None,
             sent_us,
             own_us,
@@ -1013,9 +1012,6 @@ pub struct InFlight {
     /// its first token.
     predicted_wait: Option<Wait>,
     pool: Option<Arc<str>>,
-    /// Its pool's queue, told when its first byte comes and when it ends: the room it
-    /// leaves may let the first waiter in.
-    queue: Option<Arc<crate::FlowControl>>,
     /// The scrape during which a request with a prompt was answered (see
     /// [`BackendLive::finished_tokens`]).
     answered_in_scrape: Option<u64>,
@@ -1040,12 +1036,6 @@ impl InFlight {
     /// The backend the request is on.
     pub fn backend(&self) -> &BackendLive {
         &self.backend
-    }
-
-    /// Tells `queue` (the request's pool's) when the request's first byte comes and when it
-    /// ends, so that its first waiter is let in as soon as there is room for it.
-    pub fn tell_on_room(&mut self, queue: Arc<crate::FlowControl>) {
-        self.queue = Some(queue);
     }
 
     /// Records what was predicted of the request's TTFT (seconds) and of the wait ahead of
@@ -1128,9 +1118,6 @@ impl InFlight {
                 seconds: observed,
                 estimated_computed: self.credit_known.then_some(self.prompt_tokens),
             });
-        }
-        if let Some(queue) = &self.queue {
-            queue.room_freed();
         }
         Some(FirstByte {
             observed,
@@ -1293,9 +1280,6 @@ impl Drop for InFlight {
                     .answered_since_scrape
                     .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
             }
-        }
-        if let Some(queue) = &self.queue {
-            queue.room_freed();
         }
     }
 }

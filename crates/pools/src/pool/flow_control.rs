@@ -37,8 +37,7 @@ use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant};
 
 /// How often the first waiter asks its pool again. Capacity frees up when a request gets
-/// its first token or ends, which wakes the first waiters at once ([`FlowControl::room_freed`]),
-/// or when a scrape comes, which this poll notices.
+/// its first token or ends (the pool sees it at once) or when a scrape comes.
 pub const POLL: Duration = Duration::from_millis(5);
 /// How often a waiter behind the first asks (a smaller request may fit where the first
 /// does not).
@@ -414,22 +413,6 @@ impl FlowControl {
         if let Some(fairness) = &self.fairness {
             let weighted = (tokens as f64 * fairness.output_weight).round() as u64;
             self.charge(flow, weighted);
-        }
-    }
-
-    /// Room may have freed up in the pool (one of its requests got its first token or
-    /// ended): the first waiters ask again now rather than at their next poll. Three atomic
-    /// loads and nothing else when no request waits.
-    pub fn room_freed(&self) {
-        if self.depth.iter().all(|d| d.load(Relaxed) == 0) {
-            return;
-        }
-        let mut state = self.lock();
-        for first in state.firsts().into_iter().flatten() {
-            if let Some(waiter) = state.waiters.get(&first) {
-                // A permit is kept if the waiter is not listening yet.
-                waiter.turn.notify_one();
-            }
         }
     }
 
@@ -993,49 +976,6 @@ mod tests {
             !big.wait_for(deadline, || false).await,
             "the first timed out"
         );
-    }
-
-    /// A request's first token and its end wake the first waiter at once: the clock is
-    /// paused, so a waiter woken by its poll instead would find `POLL` gone by.
-    #[tokio::test(start_paused = true)]
-    async fn a_first_token_or_an_end_lets_the_first_waiter_in_at_once() {
-        for ends in [false, true] {
-            let q = control(None);
-            let backend = Arc::new(crate::BackendLive::default());
-            let mut running = backend.begin_request(100, 50);
-            running.tell_on_room(Arc::clone(&q));
-            let (open, asked) = (
-                Arc::new(AtomicBool::new(false)),
-                Arc::new(AtomicUsize::new(0)),
-            );
-            let mut waiter = join(&q, Priority::Standard, None);
-            let deadline = Instant::now() + Duration::from_secs(2);
-            let fits = {
-                let (open, asked) = (Arc::clone(&open), Arc::clone(&asked));
-                move || {
-                    asked.fetch_add(1, Relaxed);
-                    open.load(Relaxed)
-                }
-            };
-            let waiting = tokio::spawn(async move { waiter.wait_for(deadline, fits).await });
-            // Until it has asked once and found no room.
-            while asked.load(Relaxed) == 0 {
-                tokio::task::yield_now().await;
-            }
-            let freed = Instant::now();
-            open.store(true, Relaxed);
-            if ends {
-                drop(running);
-            } else {
-                assert!(running.first_byte(true).is_some());
-            }
-            assert!(waiting.await.unwrap());
-            assert!(
-                freed.elapsed() < POLL,
-                "woken by its poll, {:?} later (ends: {ends})",
-                freed.elapsed()
-            );
-        }
     }
 
     #[tokio::test(start_paused = true)]
