@@ -28,5 +28,5 @@ pub mod usage;
 
 pub use family::{AnswerError, AnswerText, ApiFamily, Logprobs, RouteMatch, WireError};
 pub use model_name::{AnswerModel, ModelRewriter, ServedModel, UpstreamEdits};
-pub use request::{Demand, Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
+pub use request::{Demand, Endpoint, InvalidRequest, LlmCall, LlmRequest, Member, Slot};
 pub use usage::Usage;

@@ -196,7 +196,7 @@ pub const NIXL_REMOTE_DECODE: &[u8] = br#"{"do_remote_decode":true,"do_remote_pr
 /// is long enough to be worth a second engine, pays for it. `None` when `body` is not one
 /// JSON object.
 pub fn prefill_leg_body(body: &[u8], edits: &UpstreamEdits<'_>, ask: &[u8]) -> Option<Bytes> {
-    const LEG_MEMBERS: [&str; 12] = crate::request::concat::<7, 5, 12>(
+    const LEG_MEMBERS: [&str; 12] = crate::request::concat::<_, 7, 5, 12>(
         EDITED_MEMBERS,
         [
             "max_tokens",

@@ -331,33 +331,42 @@ impl<'de> Visitor<'de> for SpansVisitor<'_, '_> {
     }
 }
 
+/// The keys a [`KeyIndex`] looks for: a key's index among them, if one.
+pub(crate) trait Keys {
+    fn index_of(&self, key: &str) -> Option<usize>;
+}
+
+impl Keys for [&str] {
+    fn index_of(&self, key: &str) -> Option<usize> {
+        self.iter().position(|k| *k == key)
+    }
+}
+
 /// A member's key, read by serde: its index among the keys looked for (`None`: another
 /// key) and, when `whole` is given and the key was read in place (it has no escapes), where
 /// its text ends in `whole` (for [`value_after_key`]).
-pub(crate) struct KeyIndex<'a, 'k> {
-    keys: &'a [&'k str],
+pub(crate) struct KeyIndex<'a, K: ?Sized> {
+    keys: &'a K,
     whole: Option<&'a [u8]>,
 }
 
-impl<'a, 'k> KeyIndex<'a, 'k> {
+impl<'a, 'k> KeyIndex<'a, [&'k str]> {
     pub(crate) fn new(keys: &'a [&'k str]) -> Self {
         KeyIndex { keys, whole: None }
     }
+}
 
+impl<'a, K: Keys + ?Sized> KeyIndex<'a, K> {
     /// Also says where the key ends in `whole`, the text being parsed.
-    pub(crate) fn located(keys: &'a [&'k str], whole: &'a [u8]) -> Self {
+    pub(crate) fn located(keys: &'a K, whole: &'a [u8]) -> Self {
         KeyIndex {
             keys,
             whole: Some(whole),
         }
     }
-
-    fn index(&self, key: &str) -> Option<usize> {
-        self.keys.iter().position(|k| *k == key)
-    }
 }
 
-impl<'de> DeserializeSeed<'de> for KeyIndex<'_, '_> {
+impl<'de, K: Keys + ?Sized> DeserializeSeed<'de> for KeyIndex<'_, K> {
     type Value = (Option<usize>, Option<usize>);
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
@@ -365,7 +374,7 @@ impl<'de> DeserializeSeed<'de> for KeyIndex<'_, '_> {
     }
 }
 
-impl<'de> Visitor<'de> for KeyIndex<'_, '_> {
+impl<'de, K: Keys + ?Sized> Visitor<'de> for KeyIndex<'_, K> {
     type Value = (Option<usize>, Option<usize>);
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -377,11 +386,11 @@ impl<'de> Visitor<'de> for KeyIndex<'_, '_> {
             .whole
             .and_then(|whole| position(whole, key.as_bytes()))
             .map(|range| range.end);
-        Ok((self.index(key), end))
+        Ok((self.keys.index_of(key), end))
     }
 
     fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
-        Ok((self.index(key), None))
+        Ok((self.keys.index_of(key), None))
     }
 }
 
@@ -666,7 +675,7 @@ mod tests {
     fn a_key_read_in_place_says_where_it_ends_and_an_escaped_one_does_not() {
         let key = |text: &str| {
             let mut de = serde_json::Deserializer::from_str(text);
-            KeyIndex::located(&["model", "messages"], text.as_bytes())
+            KeyIndex::located(&["model", "messages"][..], text.as_bytes())
                 .deserialize(&mut de)
                 .unwrap()
         };

@@ -16,7 +16,8 @@
 
 use super::openai::{is_error_event, AnswerText};
 use super::{AnswerError, ApiFamily, RateLimitHeaders, RouteMatch, WireError};
-use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, StreamOptions};
+use crate::request::{concat, member, Endpoint, InvalidRequest, LlmCall, Member, Slot};
+use crate::request::{StreamOptions, OPENAI_MEMBERS};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -33,6 +34,18 @@ pub static MESSAGES: Anthropic = Anthropic {
 };
 /// `POST /v1/messages/count_tokens`.
 pub static COUNT_TOKENS: Anthropic = Anthropic { count_tokens: true };
+
+/// What a Messages request (and a token count's) is read for: the members it shares with
+/// OpenAI's, `max_tokens`, the `system` prompt (a text or text blocks) and
+/// `stop_sequences` for the stop.
+static MESSAGES_MEMBERS: [Member; 20] = concat(
+    OPENAI_MEMBERS,
+    [
+        member("max_tokens", Slot::MaxTokens),
+        member("system", Slot::System),
+        member("stop_sequences", Slot::Stop),
+    ],
+);
 
 impl ApiFamily for Anthropic {
     /// `count_tokens` asks nothing of a model.
@@ -70,17 +83,17 @@ impl ApiFamily for Anthropic {
         }
     }
 
+    fn members(&self) -> &'static [Member] {
+        &MESSAGES_MEMBERS
+    }
+
     fn parse(
         &self,
         endpoint: Endpoint,
         route: RouteMatch,
         body: Bytes,
     ) -> Result<LlmCall, InvalidRequest> {
-        let dialect = Dialect {
-            anthropic: true,
-            ..Dialect::default()
-        };
-        let mut call = LlmCall::read_request(endpoint, route, body, dialect, None)?;
+        let mut call = LlmCall::read_request(endpoint, route, body, self.members(), None)?;
         call.request.require("messages")?;
         if !self.count_tokens {
             // Anthropic's API has no default budget: vLLM refuses a request without one.

@@ -1,10 +1,11 @@
 //! The API families: each wire format of LLM requests and answers that Sluice serves as an LLM
 //! route (OpenAI's chat completions, text completions and Responses, Anthropic's Messages, and
-//! the routes that generate nothing: tokenize, embeddings, rerank, ...) owns, behind [`ApiFamily`], all
-//! that is particular to it: its route (the path, and the model and stream flag where a
-//! format puts them in it), its request parse and demand estimate, where the served model
-//! name goes upstream, its output
-//! default, where its answers carry token log-probabilities and usage, how a whole answer is
+//! the routes that generate nothing: tokenize, embeddings, rerank, ...) owns, behind
+//! [`ApiFamily`], all that is particular to it: its route (the path, and the model and stream
+//! flag where a format puts them in it), its member table (each top-level key it reads and
+//! the request model's field it fills) and checks, its demand estimate, where the served
+//! model name goes upstream, its output default, where its answers carry token
+//! log-probabilities and usage, how a whole answer is
 //! assembled from its stream and replayed in either form, and the shape of its errors. The
 //! core, the cache and the selector ask the request's family; none of them matches on a
 //! format.
@@ -22,7 +23,7 @@ pub mod responses;
 mod test_gemini;
 pub mod utility;
 
-use crate::request::{InvalidRequest, LlmCall, LlmRequest, Prompt};
+use crate::request::{InvalidRequest, LlmCall, LlmRequest, Member, Prompt};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::Value;
@@ -202,6 +203,13 @@ pub trait ApiFamily: Send + Sync + std::fmt::Debug {
     /// the request. By default the path is matched exactly, as vLLM's router does.
     fn route(&self, path: &str) -> Option<RouteMatch> {
         (path == self.path()).then(RouteMatch::default)
+    }
+    /// Its member table: the top-level members of its requests that it reads, each with the
+    /// field of the request model it fills, for the shared reader
+    /// ([`LlmCall::read_request`]). Empty (the default) for a family that reads its body
+    /// itself.
+    fn members(&self) -> &'static [Member] {
+        &[]
     }
     /// Reads and checks a request body, with its demand estimate; `route` is what the path
     /// said.
@@ -529,6 +537,60 @@ mod tests {
             assert_eq!(endpoint.label(), family.name());
         }
         assert_eq!(Endpoint::from_path("/v1/chat/completions/"), None);
+    }
+
+    #[test]
+    fn every_member_table_names_each_key_once_and_fits_the_repeat_check() {
+        let mut read_by_table = 0;
+        for &endpoint in Endpoint::ALL {
+            let members = endpoint.family().members();
+            let mut keys = std::collections::HashSet::new();
+            for member in members {
+                assert!(
+                    keys.insert(member.key),
+                    "{endpoint:?}: {} twice",
+                    member.key
+                );
+            }
+            // One bit per key for the repeat check, the placed members' included.
+            assert!(
+                members.len() + crate::request::PLACED_MEMBERS.len() <= 64,
+                "{endpoint:?}"
+            );
+            read_by_table += usize::from(!members.is_empty());
+        }
+        // Every shipped family is read by its table; the test family reads its own body.
+        assert_eq!(read_by_table, Endpoint::ALL.len() - 1);
+    }
+
+    #[test]
+    fn a_family_reads_only_its_own_members() {
+        // `system` is Messages' own: a chat request's is passed over as unknown, and a
+        // Messages request reads it.
+        let body =
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":3,"system":"be brief"}"#;
+        let chat = LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body)).unwrap();
+        assert!(chat.request.system.is_none());
+        let messages = LlmCall::parse(Endpoint::Messages, Bytes::from(body)).unwrap();
+        assert!(messages.request.system.is_some());
+        // A member of another family's, of a type its own would refuse, is the engine's to
+        // judge: Responses reads `max_output_tokens`, not `max_tokens`.
+        let body = r#"{"input":"x","max_tokens":"many","max_output_tokens":7}"#;
+        let responses = LlmCall::parse(Endpoint::Responses, Bytes::from(body)).unwrap();
+        assert_eq!(responses.request.max_tokens, Some(7));
+        // Only chat reads `max_completion_tokens` (vLLM's completions ignore it).
+        let body = r#"{"prompt":"x","max_completion_tokens":900}"#;
+        let completion = LlmCall::parse(Endpoint::Completions, Bytes::from(body)).unwrap();
+        assert_eq!(completion.request.max_output_tokens(), None);
+        // A member the core places is refused when repeated in any family (the engine would
+        // take the last, an edit the first), though no family reads it.
+        let body = r#"{"messages":[{"role":"user","content":"x"}],"priority":1,"priority":2}"#;
+        let e = LlmCall::parse(Endpoint::ChatCompletions, Bytes::from(body)).unwrap_err();
+        assert!(
+            e.message.contains("duplicate field `priority`"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

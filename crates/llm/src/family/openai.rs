@@ -1,7 +1,8 @@
 //! The OpenAI families, as vLLM serves them: chat completions (`/v1/chat/completions`) and
 //! text completions (`/v1/completions`). Their request model is [`crate::request::LlmRequest`];
-//! here is the rest of what is theirs: the output default, the log-probabilities' place, the
-//! usage-only stream event, the error shape, and the answer codec.
+//! here is the rest of what is theirs: their member tables, the output default, the
+//! log-probabilities' place, the usage-only stream event, the error shape, and the answer
+//! codec.
 //!
 //! The answer codec: a kept answer is the non-stream form (a `chat.completion` or
 //! `text_completion` object), whatever form filled it: a JSON answer is kept as sent; a
@@ -17,7 +18,8 @@ use super::{
     WireError,
 };
 use crate::raw_json::is_space;
-use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall};
+use crate::request::OPENAI_MEMBERS;
+use crate::request::{concat, member, Endpoint, InvalidRequest, LlmCall, Member, Slot};
 use crate::sse;
 use crate::usage::Usage;
 use bytes::Bytes;
@@ -63,6 +65,20 @@ pub static COMPLETIONS: OpenAi = OpenAi {
     kind: Kind::Completion,
 };
 
+/// What a chat request is read for: OpenAI's shared members, and its budget in either name
+/// (`max_completion_tokens` wins; vLLM reads it for chat only).
+static CHAT_MEMBERS: [Member; 19] = concat(
+    OPENAI_MEMBERS,
+    [
+        member("max_tokens", Slot::MaxTokens),
+        member("max_completion_tokens", Slot::MaxCompletionTokens),
+    ],
+);
+
+/// What a text completion is read for: OpenAI's shared members and `max_tokens`.
+static COMPLETIONS_MEMBERS: [Member; 18] =
+    concat(OPENAI_MEMBERS, [member("max_tokens", Slot::MaxTokens)]);
+
 /// vLLM's `max_tokens` for a text completion that sets none.
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
@@ -92,18 +108,21 @@ impl ApiFamily for OpenAi {
         }
     }
 
+    fn members(&self) -> &'static [Member] {
+        match self.kind {
+            Kind::Chat => &CHAT_MEMBERS,
+            Kind::Completion => &COMPLETIONS_MEMBERS,
+        }
+    }
+
     fn parse(
         &self,
         endpoint: Endpoint,
         route: RouteMatch,
         body: Bytes,
     ) -> Result<LlmCall, InvalidRequest> {
-        let dialect = Dialect {
-            max_completion_tokens: self.kind == Kind::Chat,
-            ..Dialect::default()
-        };
-        let call =
-            LlmCall::read_request(endpoint, route, body, dialect, self.default_max_tokens())?;
+        let (members, default) = (self.members(), self.default_max_tokens());
+        let call = LlmCall::read_request(endpoint, route, body, members, default)?;
         call.request.require(match self.kind {
             Kind::Chat => "messages",
             Kind::Completion => "prompt",

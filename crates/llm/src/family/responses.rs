@@ -17,7 +17,8 @@
 
 use super::openai::{error_body, AnswerText};
 use super::{AnswerError, ApiFamily, CacheUse, RouteMatch, WireError};
-use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest, StreamOptions};
+use crate::request::{concat, member, Endpoint, InvalidRequest, LlmCall, LlmRequest, Member};
+use crate::request::{Slot, StreamOptions, OPENAI_MEMBERS};
 use crate::usage::Usage;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -28,6 +29,21 @@ pub struct Responses;
 
 /// `POST /v1/responses`.
 pub static RESPONSES: Responses = Responses;
+
+/// What a Responses request is read for: the members it shares with OpenAI's others, its
+/// `input` items and `instructions`, `max_output_tokens` for the budget (its `max_tokens`
+/// is not one), and the stored responses' `previous_response_id`, `store`, `background`.
+static RESPONSES_MEMBERS: [Member; 23] = concat(
+    OPENAI_MEMBERS,
+    [
+        member("input", Slot::Input),
+        member("instructions", Slot::Instructions),
+        member("max_output_tokens", Slot::MaxTokens),
+        member("previous_response_id", Slot::PreviousResponseId),
+        member("store", Slot::Store),
+        member("background", Slot::Background),
+    ],
+);
 
 /// The statuses of a response that is a whole answer: done, or cut by its budget.
 const WHOLE: [&str; 2] = ["completed", "incomplete"];
@@ -45,17 +61,17 @@ impl ApiFamily for Responses {
         "/v1/responses"
     }
 
+    fn members(&self) -> &'static [Member] {
+        &RESPONSES_MEMBERS
+    }
+
     fn parse(
         &self,
         endpoint: Endpoint,
         route: RouteMatch,
         body: Bytes,
     ) -> Result<LlmCall, InvalidRequest> {
-        let dialect = Dialect {
-            responses: true,
-            ..Dialect::default()
-        };
-        let mut call = LlmCall::read_request(endpoint, route, body, dialect, None)?;
+        let mut call = LlmCall::read_request(endpoint, route, body, self.members(), None)?;
         call.request.require("input")?;
         call.request.check_sampling()?;
         // The engine answers a background request at once and generates detached from it:

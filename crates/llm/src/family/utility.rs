@@ -8,7 +8,8 @@
 use super::openai::{error_body, splice_identity, AnswerText};
 use super::RouteMatch;
 use super::{AnswerError, ApiFamily, CacheUse, WireError};
-use crate::request::{Dialect, Endpoint, InvalidRequest, LlmCall, LlmRequest};
+use crate::request::{concat, member, Endpoint, InvalidRequest, LlmCall, LlmRequest, Member};
+use crate::request::{Slot, OPENAI_MEMBERS};
 use crate::usage::Usage;
 use bytes::Bytes;
 
@@ -19,55 +20,51 @@ pub struct Utility {
     path: &'static str,
     /// Its answers may be kept (embeddings).
     kept: bool,
-    /// The members it reads (embeddings: `input`); the engine checks the rest.
-    dialect: Dialect,
+    /// The members it reads (embeddings: `input` too); the engine checks the rest.
+    members: &'static [Member],
 }
 
-/// The common members alone: a utility route is read for its model.
-const NO_MEMBERS: Dialect = Dialect {
-    anthropic: false,
-    responses: false,
-    embeddings_input: false,
-    max_completion_tokens: false,
-};
+/// What a utility route is read for: its model, and the prompt's size (OpenAI's shared
+/// members, with `max_tokens`, as any OpenAI-shaped request).
+static MEMBERS: [Member; 18] = concat(OPENAI_MEMBERS, [member("max_tokens", Slot::MaxTokens)]);
+
+/// An embeddings request's: those and `input`, what to embed.
+static EMBEDDINGS_MEMBERS: [Member; 19] = concat(MEMBERS, [member("input", Slot::Input)]);
 
 /// `POST /tokenize`.
 pub static TOKENIZE: Utility = Utility {
     name: "tokenize",
     path: "/tokenize",
     kept: false,
-    dialect: NO_MEMBERS,
+    members: &MEMBERS,
 };
 /// `POST /detokenize`.
 pub static DETOKENIZE: Utility = Utility {
     name: "detokenize",
     path: "/detokenize",
     kept: false,
-    dialect: NO_MEMBERS,
+    members: &MEMBERS,
 };
 /// `POST /v1/embeddings`.
 pub static EMBEDDINGS: Utility = Utility {
     name: "embeddings",
     path: "/v1/embeddings",
     kept: true,
-    dialect: Dialect {
-        embeddings_input: true,
-        ..NO_MEMBERS
-    },
+    members: &EMBEDDINGS_MEMBERS,
 };
 /// `POST /v1/rerank`.
 pub static RERANK: Utility = Utility {
     name: "rerank",
     path: "/v1/rerank",
     kept: false,
-    dialect: NO_MEMBERS,
+    members: &MEMBERS,
 };
 /// `POST /v1/score`.
 pub static SCORE: Utility = Utility {
     name: "score",
     path: "/v1/score",
     kept: false,
-    dialect: NO_MEMBERS,
+    members: &MEMBERS,
 };
 
 /// About four characters a token, as the other estimates.
@@ -82,6 +79,10 @@ impl ApiFamily for Utility {
         self.path
     }
 
+    fn members(&self) -> &'static [Member] {
+        self.members
+    }
+
     fn parse(
         &self,
         endpoint: Endpoint,
@@ -89,7 +90,7 @@ impl ApiFamily for Utility {
         body: Bytes,
     ) -> Result<LlmCall, InvalidRequest> {
         // Read for the model (and the demand) only: the engine checks the rest.
-        let mut call = LlmCall::read_request(endpoint, route, body, self.dialect, None)?;
+        let mut call = LlmCall::read_request(endpoint, route, body, self.members(), None)?;
         call.demand.output_tokens = 0;
         call.demand.sequences = 1;
         if call.demand.prompt_tokens == 0 {

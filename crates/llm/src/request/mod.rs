@@ -18,13 +18,15 @@
 
 //!
 //! The parts: `text.rs` holds the building blocks any family reads its members into (slices
-//! of the body: [`Text`], [`Messages`], [`JsonArray`], [`Tokens`], ...), `read.rs` the one
-//! reader of OpenAI-shaped members that the shipped families share (in their [`Dialect`]),
+//! of the body: [`Text`], [`Messages`], [`JsonArray`], [`Tokens`], ...), `read.rs` the
+//! reader of a request's members by its family's member table ([`Member`]; each shipped
+//! family's is in its module),
 //! `demand.rs` the size estimate the balancer, the breaker and the selector read.
 
 mod demand;
 mod read;
 use read::RequestSeed;
+pub use read::{member, Member, Slot, OPENAI_MEMBERS};
 mod text;
 
 pub use demand::{Demand, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_OUTPUT_TOKENS};
@@ -46,7 +48,7 @@ pub use crate::family::Endpoint;
 /// a chat template reads besides `messages` and `tools`, for a pool that tokenizes prompts
 /// as its engines do, and those a client may name its session in ([`SESSION_MEMBERS`]).
 pub const PLACED_MEMBERS: [&str; 14] = concat(
-    concat::<7, 3, 10>(crate::model_name::EDITED_MEMBERS, TEMPLATE_MEMBERS),
+    concat::<_, 7, 3, 10>(crate::model_name::EDITED_MEMBERS, TEMPLATE_MEMBERS),
     SESSION_MEMBERS,
 );
 
@@ -68,12 +70,14 @@ pub const TEMPLATE_MEMBERS: [&str; 3] = [
     "chat_template_kwargs",
 ];
 
-/// `a` then `b`; a wrong length `C` fails the build.
-pub(crate) const fn concat<const A: usize, const B: usize, const C: usize>(
-    a: [&'static str; A],
-    b: [&'static str; B],
-) -> [&'static str; C] {
-    let mut out = [""; C];
+/// `a` then `b` (a member table from shared rows and a family's own); a wrong length `C`
+/// fails the build.
+pub const fn concat<T: Copy, const A: usize, const B: usize, const C: usize>(
+    a: [T; A],
+    b: [T; B],
+) -> [T; C] {
+    assert!(A + B == C && C > 0, "C must be A + B");
+    let mut out = [if A > 0 { a[0] } else { b[0] }; C];
     let mut i = 0;
     while i < A {
         out[i] = a[i];
@@ -83,7 +87,6 @@ pub(crate) const fn concat<const A: usize, const B: usize, const C: usize>(
         out[i] = b[i - A];
         i += 1;
     }
-    assert!(i == C, "C must be A + B");
     out
 }
 
@@ -129,18 +132,17 @@ impl LlmCall {
         endpoint.family().parse(endpoint, route, body)
     }
 
-    /// A family's parse through the shared reader of OpenAI-shaped members
-    /// ([`LlmRequest::read`] in `dialect`, whose checks are the family's): the request
-    /// model, and the demand with the family's output default (`default_max_tokens`) for a
-    /// request that sets no limit.
-    pub(crate) fn read_request(
+    /// A family's parse by its member table (`members`, see [`LlmRequest::read`]; the
+    /// checks are the family's): the request model, and the demand with the family's output
+    /// default (`default_max_tokens`) for a request that sets no limit.
+    pub fn read_request(
         endpoint: Endpoint,
         route: RouteMatch,
         body: Bytes,
-        dialect: Dialect,
+        members: &'static [Member],
         default_max_tokens: Option<u32>,
     ) -> Result<Self, InvalidRequest> {
-        let request = LlmRequest::read(&body, dialect)?;
+        let request = LlmRequest::read(&body, members)?;
         Ok(Self::from_parts(
             endpoint,
             route,
@@ -325,23 +327,6 @@ const TOKENS_PER_MESSAGE: usize = 4;
 /// The most choices (`n`, `best_of`) one request may ask for, as OpenAI's API allows.
 pub const MAX_CHOICES: u32 = 128;
 
-/// Which members of the OpenAI-shaped reader ([`LlmRequest::read`]) a family reads besides
-/// the common ones (`model`, `messages`, `prompt`, `stream`, the sampling parameters, ...);
-/// another family's members are passed over as unknown ones are.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Dialect {
-    /// Anthropic's Messages: `system` and `stop_sequences`.
-    pub anthropic: bool,
-    /// OpenAI's Responses: `input`, `instructions`, `max_output_tokens` (for `max_tokens`),
-    /// `previous_response_id`, `store` and `background`.
-    pub responses: bool,
-    /// `input`, as what to embed.
-    pub embeddings_input: bool,
-    /// `max_completion_tokens` stands for the budget: only chat reads it (elsewhere vLLM
-    /// ignores it, so it must not stand for a ceiling or an estimate either).
-    pub max_completion_tokens: bool,
-}
-
 impl LlmRequest {
     /// Parses a body for `endpoint` as its family does (with an empty route). Errors name
     /// the parameter, as OpenAI's `param` does.
@@ -350,11 +335,11 @@ impl LlmRequest {
         LlmCall::parse(endpoint, Bytes::copy_from_slice(body)).map(|call| call.request)
     }
 
-    /// Reads a body's OpenAI-shaped members, as `dialect` says, keeping slices of `body`
-    /// (reference counts) for its texts, messages, prompts and other JSON. Checks only the
+    /// Reads a body's members by a family's member table (`members`), keeping slices of
+    /// `body` (reference counts) for its texts, messages, prompts and other JSON. Checks only the
     /// members' types: each family checks what it requires ([`LlmRequest::require`],
     /// [`LlmRequest::check_sampling`]). Errors name the parameter, as OpenAI's `param` does.
-    pub fn read(body: &Bytes, dialect: Dialect) -> Result<Self, InvalidRequest> {
+    pub fn read(body: &Bytes, members: &'static [Member]) -> Result<Self, InvalidRequest> {
         let Ok(text) = std::str::from_utf8(body) else {
             return Err(invalid("The request body is not valid UTF-8.", None));
         };
@@ -367,7 +352,7 @@ impl LlmRequest {
         let mut track = serde_path_to_error::Track::new();
         let parsed = RequestSeed {
             shared: body,
-            dialect,
+            members,
         }
         .deserialize(serde_path_to_error::Deserializer::new(&mut de, &mut track));
         let (mut request, messages) = parsed.map_err(|inner| {
@@ -387,9 +372,6 @@ impl LlmRequest {
         de.end()
             .map_err(|e| invalid(format!("The request body is not valid JSON: {e}"), None))?;
         request.messages = messages.map(|counted| counted.into_messages(body));
-        if !dialect.max_completion_tokens {
-            request.max_completion_tokens = None;
-        }
         Ok(request)
     }
 

@@ -1,9 +1,11 @@
-//! The one reader of OpenAI-shaped request members, shared by the shipped families, each in
-//! its [`super::Dialect`]: one pass over the body with serde, no tree, every text kept as a
-//! slice of it, and a type error named by its member's path (as OpenAI's `param`).
+//! The reader of request members by a family's member table ([`Member`]: each key and the
+//! field of [`LlmRequest`] it fills): one pass over the body with serde, no tree, every text
+//! kept as a slice of it, and a type error named by its member's path (as OpenAI's `param`).
+//! The shipped families' tables are in their modules; the readers of each kind of value
+//! (a content, a prompt, a stop, ...) are here for any family's own parse as well.
 
 use super::text::*;
-use super::{Dialect, Input, LlmRequest, PLACED_MEMBERS};
+use super::{Input, LlmRequest, PLACED_MEMBERS};
 use super::{CHARS_PER_TOKEN, TOKENS_PER_MESSAGE};
 use crate::raw_json::{self, KeyIndex};
 use bytes::Bytes;
@@ -318,65 +320,140 @@ impl<'de> Visitor<'de> for ItemSeed {
     }
 }
 
-/// The fields of a request that Sluice reads, by name.
-pub(super) const FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "prompt",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-    "best_of",
-    "use_beam_search",
-    "temperature",
-    "top_p",
-    "seed",
-    "stop",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    // Messages.
-    "system",
-    "stop_sequences",
-    // Responses (and embeddings' `input`).
-    "input",
-    "instructions",
-    "max_output_tokens",
-    "previous_response_id",
-    "store",
-    "background",
-    // Not read, only placed, for the edits of `model_name::upstream_body` (and, as every
-    // field here, refused when repeated: the engine would take the last, an edit the first).
-    "cache_salt",
-    "priority",
-    "kv_transfer_params",
-    "vllm_xargs",
-    "request_id",
-    // Only placed, for a chat template (`PLACED_MEMBERS`).
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template_kwargs",
-    // Only placed, for a session's key (`SESSION_MEMBERS`).
-    "prompt_cache_key",
-    "promptCacheKey",
-    "litellm_session_id",
-    "metadata",
+/// What a top-level member of a request is read into: a field of [`LlmRequest`], read and
+/// type-checked as that field needs. A family's member table ([`Member`]) says which of its
+/// keys fill which.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// [`LlmRequest::model`].
+    Model,
+    /// [`LlmRequest::messages`]: chat messages, counted and placed.
+    Messages,
+    /// [`LlmRequest::prompt`].
+    Prompt,
+    /// [`LlmRequest::stream`].
+    Stream,
+    /// [`LlmRequest::stream_options`].
+    StreamOptions,
+    /// [`LlmRequest::max_tokens`]: the output budget, whatever the family calls it.
+    MaxTokens,
+    /// [`LlmRequest::max_completion_tokens`].
+    MaxCompletionTokens,
+    /// [`LlmRequest::n`].
+    N,
+    /// [`LlmRequest::best_of`].
+    BestOf,
+    /// [`LlmRequest::use_beam_search`].
+    UseBeamSearch,
+    /// [`LlmRequest::temperature`].
+    Temperature,
+    /// [`LlmRequest::top_p`].
+    TopP,
+    /// [`LlmRequest::seed`].
+    Seed,
+    /// [`LlmRequest::stop`]: a sequence or a list of them.
+    Stop,
+    /// [`LlmRequest::tools`].
+    Tools,
+    /// [`LlmRequest::tool_choice`], as JSON.
+    ToolChoice,
+    /// [`LlmRequest::response_format`], as JSON.
+    ResponseFormat,
+    /// [`LlmRequest::logprobs`].
+    Logprobs,
+    /// [`LlmRequest::top_logprobs`].
+    TopLogprobs,
+    /// [`LlmRequest::system`]: a text or a list of text blocks.
+    System,
+    /// [`LlmRequest::input`]: a text or a list of items.
+    Input,
+    /// [`LlmRequest::instructions`].
+    Instructions,
+    /// [`LlmRequest::previous_response_id`].
+    PreviousResponseId,
+    /// [`LlmRequest::store`].
+    Store,
+    /// [`LlmRequest::background`].
+    Background,
+}
+
+/// One row of a family's member table: a top-level key of its requests and the field it is
+/// read into. A family's table is every member it reads; any other key is passed over as
+/// unknown (the engine checks it), unless it is one the core places ([`PLACED_MEMBERS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Member {
+    /// The key, as the client sends it.
+    pub key: &'static str,
+    /// What it is read into.
+    pub slot: Slot,
+}
+
+/// A member table's row.
+pub const fn member(key: &'static str, slot: Slot) -> Member {
+    Member { key, slot }
+}
+
+/// The members OpenAI's formats share, and the shipped families read alike (each adds its
+/// own budget member and what else is its own).
+pub const OPENAI_MEMBERS: [Member; 17] = [
+    member("model", Slot::Model),
+    member("messages", Slot::Messages),
+    member("prompt", Slot::Prompt),
+    member("stream", Slot::Stream),
+    member("stream_options", Slot::StreamOptions),
+    member("n", Slot::N),
+    member("best_of", Slot::BestOf),
+    member("use_beam_search", Slot::UseBeamSearch),
+    member("temperature", Slot::Temperature),
+    member("top_p", Slot::TopP),
+    member("seed", Slot::Seed),
+    member("stop", Slot::Stop),
+    member("tools", Slot::Tools),
+    member("tool_choice", Slot::ToolChoice),
+    member("response_format", Slot::ResponseFormat),
+    member("logprobs", Slot::Logprobs),
+    member("top_logprobs", Slot::TopLogprobs),
 ];
 
-/// Marks field `index` as seen; a repeated field is refused, as serde's derive does.
+/// The top-level keys the reader looks for: a family's members, then the members the core
+/// places ([`PLACED_MEMBERS`]: an upstream body's edit, a chat template, a session's key
+/// read them again later) that the family does not read. Each is refused when repeated: the
+/// engine would take the last, an edit the first.
+struct TopLevel(&'static [Member]);
+
+impl TopLevel {
+    fn key(&self, index: usize) -> &'static str {
+        match self.0.get(index) {
+            Some(member) => member.key,
+            None => index
+                .checked_sub(self.0.len())
+                .and_then(|i| PLACED_MEMBERS.get(i))
+                .copied()
+                .unwrap_or_default(),
+        }
+    }
+}
+
+impl raw_json::Keys for TopLevel {
+    fn index_of(&self, key: &str) -> Option<usize> {
+        let members = self.0;
+        members.iter().position(|m| m.key == key).or_else(|| {
+            let placed = PLACED_MEMBERS.iter().position(|k| *k == key)?;
+            Some(members.len() + placed)
+        })
+    }
+}
+
+/// Marks the member at `index` as seen; a repeated member is refused, as serde's derive
+/// does. Tables are short enough for one bit each (`family`'s tests check the shipped ones).
 pub(super) fn first_time<E: de::Error>(
     seen: &mut u64,
     index: usize,
-    names: &'static [&'static str],
+    key: &'static str,
 ) -> Result<(), E> {
     let bit = 1u64.checked_shl(index as u32).unwrap_or(0);
     if *seen & bit != 0 {
-        let name = names.get(index).copied().unwrap_or("?");
-        return Err(E::duplicate_field(name));
+        return Err(E::duplicate_field(key));
     }
     *seen |= bit;
     Ok(())
@@ -386,8 +463,8 @@ pub(super) fn first_time<E: de::Error>(
 /// said so), its count and its token estimate.
 pub(super) struct RequestSeed<'b> {
     pub(super) shared: &'b Bytes,
-    /// Whose fields are read: another family's are passed over as unknown ones are.
-    pub(super) dialect: Dialect,
+    /// The family's member table: what it reads, and into what.
+    pub(super) members: &'static [Member],
 }
 
 impl<'de> DeserializeSeed<'de> for RequestSeed<'_> {
@@ -413,72 +490,61 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         };
         let mut messages = None;
         let mut seen = 0u64;
-        let (messages_api, responses_api) = (self.dialect.anthropic, self.dialect.responses);
-        while let Some((field, key_end)) = map.next_key_seed(KeyIndex::located(FIELDS, shared))? {
-            let name = field
-                .and_then(|i| FIELDS.get(i))
-                .copied()
-                .unwrap_or_default();
-            r.seen.saw(name, || {
+        let keys = TopLevel(self.members);
+        while let Some((found, key_end)) = map.next_key_seed(KeyIndex::located(&keys, shared))? {
+            let key = found.map(|i| keys.key(i)).unwrap_or_default();
+            r.seen.saw(key, || {
                 key_end.and_then(|end| raw_json::value_after_key(shared, end))
             });
-            let Some(index) = field else {
+            let Some(index) = found else {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             };
-            first_time(&mut seen, index, FIELDS)?;
-            match name {
-                "model" => r.model = map.next_value()?,
-                "messages" => {
+            first_time(&mut seen, index, key)?;
+            let Some(slot) = self.members.get(index).map(|m| m.slot) else {
+                // Placed only: the core reads it again where it needs it.
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            match slot {
+                Slot::Model => r.model = map.next_value()?,
+                Slot::Messages => {
                     let start = key_end.and_then(|end| raw_json::value_after_key(shared, end));
                     messages = map.next_value_seed(NullableMessages { shared, start })?
                 }
-                "prompt" => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
-                "stream" => r.stream = map.next_value()?,
-                "stream_options" => r.stream_options = map.next_value()?,
-                "max_tokens" if !responses_api => r.max_tokens = map.next_value()?,
-                "max_completion_tokens" => r.max_completion_tokens = map.next_value()?,
-                "n" => r.n = map.next_value()?,
-                "best_of" => r.best_of = map.next_value()?,
-                "use_beam_search" => r.use_beam_search = map.next_value()?,
-                "temperature" => r.temperature = map.next_value()?,
-                "top_p" => r.top_p = map.next_value()?,
-                "seed" => r.seed = map.next_value()?,
-                "stop" => r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?,
-                "tools" => r.tools = map.next_value_seed(nullable(|v| array(shared, v)))?,
-                "tool_choice" => {
+                Slot::Prompt => r.prompt = map.next_value_seed(nullable(|v| prompt(shared, v)))?,
+                Slot::Stream => r.stream = map.next_value()?,
+                Slot::StreamOptions => r.stream_options = map.next_value()?,
+                Slot::MaxTokens => r.max_tokens = map.next_value()?,
+                Slot::MaxCompletionTokens => r.max_completion_tokens = map.next_value()?,
+                Slot::N => r.n = map.next_value()?,
+                Slot::BestOf => r.best_of = map.next_value()?,
+                Slot::UseBeamSearch => r.use_beam_search = map.next_value()?,
+                Slot::Temperature => r.temperature = map.next_value()?,
+                Slot::TopP => r.top_p = map.next_value()?,
+                Slot::Seed => r.seed = map.next_value()?,
+                Slot::Stop => r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?,
+                Slot::Tools => r.tools = map.next_value_seed(nullable(|v| array(shared, v)))?,
+                Slot::ToolChoice => {
                     r.tool_choice = map
                         .next_value::<Option<&RawValue>>()?
                         .map(|v| raw(shared, v))
                 }
-                "response_format" => {
+                Slot::ResponseFormat => {
                     r.response_format = map
                         .next_value::<Option<&RawValue>>()?
                         .map(|v| raw(shared, v))
                 }
-                "logprobs" => r.logprobs = map.next_value()?,
-                "top_logprobs" => r.top_logprobs = map.next_value()?,
-                "system" if messages_api => {
-                    r.system = map.next_value_seed(nullable(|v| content(shared, v)))?
-                }
-                "stop_sequences" if messages_api => {
-                    r.stop = map.next_value_seed(nullable(|v| stop(shared, v)))?
-                }
-                "input" if responses_api || self.dialect.embeddings_input => {
-                    r.input = map.next_value_seed(nullable(|v| input(shared, v)))?
-                }
-                "instructions" if responses_api => {
+                Slot::Logprobs => r.logprobs = map.next_value()?,
+                Slot::TopLogprobs => r.top_logprobs = map.next_value()?,
+                Slot::System => r.system = map.next_value_seed(nullable(|v| content(shared, v)))?,
+                Slot::Input => r.input = map.next_value_seed(nullable(|v| input(shared, v)))?,
+                Slot::Instructions => {
                     r.instructions = map.next_value_seed(nullable(|v| text(shared, v)))?
                 }
-                "max_output_tokens" if responses_api => r.max_tokens = map.next_value()?,
-                "previous_response_id" if responses_api => {
-                    r.previous_response_id = map.next_value()?
-                }
-                "store" if responses_api => r.store = map.next_value()?,
-                "background" if responses_api => r.background = map.next_value()?,
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
+                Slot::PreviousResponseId => r.previous_response_id = map.next_value()?,
+                Slot::Store => r.store = map.next_value()?,
+                Slot::Background => r.background = map.next_value()?,
             }
         }
         Ok((r, messages))
@@ -628,8 +694,9 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             };
-            first_time(&mut seen, index, MESSAGE_FIELDS)?;
-            match MESSAGE_FIELDS.get(index).copied().unwrap_or_default() {
+            let key = MESSAGE_FIELDS.get(index).copied().unwrap_or_default();
+            first_time(&mut seen, index, key)?;
+            match key {
                 "role" => {
                     role = map.next_value_seed(Checked {
                         nullable: false,
