@@ -51,6 +51,32 @@ pub struct Upstreams<'a> {
     pub chain: &'a Chain,
 }
 
+impl<'a> Upstreams<'a> {
+    /// An attempt's connection, once its request is sent: `reused` when it came from the
+    /// connection pool; `in_flight` its load on the backend.
+    fn connection<'p>(
+        &self,
+        peer: &'p HttpPeer,
+        http: HttpSession,
+        reused: bool,
+        in_flight: InFlight,
+        span: &'p tracing::Span,
+    ) -> Upstream<'p>
+    where
+        'a: 'p,
+    {
+        Upstream {
+            pool: self.pool,
+            peer,
+            http,
+            reused,
+            in_flight,
+            streams_end: self.streams_end.clone(),
+            span,
+        }
+    }
+}
+
 /// What an attempt sends: where to connect, and the exact request.
 pub struct Attempt {
     pub peer: HttpPeer,
@@ -272,15 +298,7 @@ pub fn run<'a>(
             Ok(exchanged) => exchanged,
             Err(outcome) => return outcome,
         };
-        let upstream = Upstream {
-            pool: upstreams.pool,
-            peer: &peer,
-            http,
-            reused,
-            in_flight,
-            streams_end: upstreams.streams_end.clone(),
-            span,
-        };
+        let upstream = upstreams.connection(&peer, http, reused, in_flight, span);
         pipe(
             upstreams, session, ctx, answer, upstream, header, deadlines, hold,
         )
@@ -309,15 +327,7 @@ pub async fn fetch(
     } = attempt;
     let (http, reused, header) =
         exchange(upstreams, session, &peer, &header, body, &deadlines, None).await?;
-    let mut up = Upstream {
-        pool: upstreams.pool,
-        peer: &peer,
-        http,
-        reused,
-        in_flight,
-        streams_end: upstreams.streams_end.clone(),
-        span,
-    };
+    let mut up = upstreams.connection(&peer, http, reused, in_flight, span);
     let body = read_held(session, &mut up, &deadlines, upstreams.memory).await?;
     up.release().await;
     Ok((header.status.as_u16(), body))
