@@ -301,6 +301,12 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
     if path.starts_with("/v1") && !authorized(&shared, &parts) {
         return json(401, &br#"{"error":"Unauthorized"}"#[..]);
     }
+    dispatch(&shared, &parts, body).await
+}
+
+/// Answers a read, authorized request by its method and path, as vLLM's router does.
+async fn dispatch(shared: &Arc<Shared>, parts: &Parts, body: Bytes) -> HttpResponse {
+    let path = parts.uri.path();
     // vLLM makes the client's X-Request-Id the answer's id (and does not echo the header).
     let request_id = parts
         .headers
@@ -317,51 +323,33 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         return not_found();
     }
     match (&parts.method, path) {
-        (&Method::POST, "/v1/embeddings") if pooling => handlers::embeddings(&shared, &body).await,
+        (&Method::POST, "/v1/embeddings") if pooling => handlers::embeddings(shared, &body).await,
         (&Method::POST, "/v1/chat/completions") => {
-            handlers::completion(&shared, Kind::Chat, body, request_id).await
+            handlers::completion(shared, Kind::Chat, body, request_id).await
         }
         (&Method::POST, "/v1/completions") => {
-            handlers::completion(&shared, Kind::Completion, body, request_id).await
+            handlers::completion(shared, Kind::Completion, body, request_id).await
         }
-        (&Method::GET, "/v1/models") => handlers::models(&shared),
-        (&Method::POST, "/v1/messages") => handlers::messages(&shared, body, request_id).await,
-        (&Method::POST, "/v1/responses") => handlers::responses(&shared, body, request_id).await,
+        (&Method::GET, "/v1/models") => handlers::models(shared),
+        (&Method::POST, "/v1/messages") => handlers::messages(shared, body, request_id).await,
+        (&Method::POST, "/v1/responses") => handlers::responses(shared, body, request_id).await,
         (&Method::GET, _) if path.starts_with("/v1/responses/") => {
             let id = path.trim_start_matches("/v1/responses/");
-            handlers::stored_response(&shared, id, false)
+            handlers::stored_response(shared, id, false)
         }
         (&Method::POST, _) if path.starts_with("/v1/responses/") && path.ends_with("/cancel") => {
             let id = path
                 .trim_start_matches("/v1/responses/")
                 .trim_end_matches("/cancel");
-            handlers::stored_response(&shared, id, true)
+            handlers::stored_response(shared, id, true)
         }
-        (&Method::POST, "/v1/messages/count_tokens") => handlers::count_tokens(&shared, &body),
-        (&Method::POST, "/tokenize") => handlers::tokenize_route(&shared, &body),
-        (&Method::POST, "/detokenize") => handlers::detokenize_route(&shared, &body),
-        // vLLM serves them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
+        (&Method::POST, "/v1/messages/count_tokens") => handlers::count_tokens(shared, &body),
+        (&Method::POST, "/tokenize") => handlers::tokenize_route(shared, &body),
+        (&Method::POST, "/detokenize") => handlers::detokenize_route(shared, &body),
         (&Method::POST, "/v1/load_lora_adapter" | "/v1/unload_lora_adapter") => {
-            let Some(adapters) = &shared.lora else {
-                return not_found();
-            };
-            let answer = if path == "/v1/load_lora_adapter" {
-                adapters.load(&body, &shared.served_names)
-            } else {
-                adapters.unload(&body)
-            };
-            match answer {
-                Ok(text) => full(200, "text/plain; charset=utf-8", Bytes::from(text)),
-                Err(failure) => error(&shared, &failure),
-            }
+            lora_adapter(shared, path, &body)
         }
-        // vLLM serves it with VLLM_SERVER_DEV_MODE=1.
-        (&Method::POST, "/reset_prefix_cache") => {
-            if let Some(cache) = &shared.prefix_cache {
-                cache.clear();
-            }
-            full(200, "application/json", Bytes::new())
-        }
+        (&Method::POST, "/reset_prefix_cache") => reset_prefix_cache(shared),
         (&Method::GET, "/kv_event_sources") => json(
             200,
             match &shared.config.kv_event_sources {
@@ -369,20 +357,13 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
                 None => crate::kv_events::sources_body(shared.kv_events.as_ref()),
             },
         ),
-        (&Method::GET, "/health") => health(&shared),
+        (&Method::GET, "/health") => health(shared),
         (&Method::GET, "/metrics") => full(
             200,
             metrics_content_type(shared.config.metrics),
             shared.metrics_text(),
         ),
-        (&Method::GET, "/version") => {
-            let version = if shared.config.error_shape.is_v0_32() {
-                crate::VLLM_0_32
-            } else {
-                "0.11.0"
-            };
-            json(200, format!("{{\"version\":\"{version}\"}}"))
-        }
+        (&Method::GET, "/version") => version(shared),
         (
             _,
             "/v1/chat/completions"
@@ -397,6 +378,41 @@ async fn route(shared: Arc<Shared>, request: Request<Incoming>, admin: bool) -> 
         }
         _ => not_found(),
     }
+}
+
+/// Loads or unloads a LoRA adapter: vLLM serves these with
+/// VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and answers 404 without it.
+fn lora_adapter(shared: &Shared, path: &str, body: &Bytes) -> HttpResponse {
+    let Some(adapters) = &shared.lora else {
+        return not_found();
+    };
+    let answer = if path == "/v1/load_lora_adapter" {
+        adapters.load(body, &shared.served_names)
+    } else {
+        adapters.unload(body)
+    };
+    match answer {
+        Ok(text) => full(200, "text/plain; charset=utf-8", Bytes::from(text)),
+        Err(failure) => error(shared, &failure),
+    }
+}
+
+/// Empties the prefix cache: vLLM serves this with VLLM_SERVER_DEV_MODE=1.
+fn reset_prefix_cache(shared: &Shared) -> HttpResponse {
+    if let Some(cache) = &shared.prefix_cache {
+        cache.clear();
+    }
+    full(200, "application/json", Bytes::new())
+}
+
+/// `GET /version`: the vLLM version the simulator answers as.
+fn version(shared: &Shared) -> HttpResponse {
+    let version = if shared.config.error_shape.is_v0_32() {
+        crate::VLLM_0_32
+    } else {
+        "0.11.0"
+    };
+    json(200, format!("{{\"version\":\"{version}\"}}"))
 }
 
 /// vLLM 0.32's prometheus_client writes exposition format 1.0.0; the V0 generation 0.0.4.

@@ -45,50 +45,13 @@ async fn embed(shared: &Shared, body: &[u8]) -> Result<Vec<u8>, ApiError> {
         }
     }
     let inputs = inputs(request.get("input"))?;
-    // vLLM's -1: keep as much as the model's context holds.
-    let truncate = match request
-        .get("truncate_prompt_tokens")
-        .and_then(Value::as_i64)
-    {
-        Some(-1) => Some(config.max_model_len),
-        other => other.and_then(|n| u32::try_from(n).ok()),
-    };
-    let base64 = match request.get("encoding_format").and_then(Value::as_str) {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "encoding_format {other:?} is not one of 'float', 'base64', 'bytes'"
-            )))
-        }
-    };
+    let options = Options::of(&request, config.max_model_len)?;
     let mut data = Vec::with_capacity(inputs.len());
     let mut prompt_tokens = 0u32;
     for (index, input) in inputs.iter().enumerate() {
-        let mut tokens = match input {
-            Input::Text(text) => count_tokens(shared, text),
-            Input::Ids(ids) => u32::try_from(ids.len()).unwrap_or(u32::MAX),
-        };
-        if let Some(keep) = truncate {
-            tokens = tokens.min(keep);
-        }
-        if tokens > config.max_model_len {
-            return Err(errors::context_length(
-                config.error_shape,
-                config.max_model_len,
-                tokens,
-                None,
-            ));
-        }
+        let (tokens, item) = embedding(shared, index, input, &options)?;
         prompt_tokens = prompt_tokens.saturating_add(tokens);
-        let vector = vector(input, config.embedding_dimensions);
-        let embedding = if base64 {
-            let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
-            Value::from(base64::engine::general_purpose::STANDARD.encode(bytes))
-        } else {
-            Value::from(vector)
-        };
-        data.push(json!({"index": index, "object": "embedding", "embedding": embedding}));
+        data.push(item);
     }
     // A pooling model's request is one prefill of its tokens.
     let latency = &config.latency;
@@ -111,6 +74,71 @@ async fn embed(shared: &Shared, body: &[u8]) -> Result<Vec<u8>, ApiError> {
         },
     });
     serde_json::to_vec(&answer).map_err(|e| ApiError::new(500, e.to_string()))
+}
+
+/// What a request asks of each vector besides its input.
+struct Options {
+    /// `truncate_prompt_tokens`: the tokens kept of each input.
+    truncate: Option<u32>,
+    /// `encoding_format: "base64"`.
+    base64: bool,
+}
+
+impl Options {
+    fn of(request: &Value, max_model_len: u32) -> Result<Self, ApiError> {
+        // vLLM's -1: keep as much as the model's context holds.
+        let truncate = match request
+            .get("truncate_prompt_tokens")
+            .and_then(Value::as_i64)
+        {
+            Some(-1) => Some(max_model_len),
+            other => other.and_then(|n| u32::try_from(n).ok()),
+        };
+        let base64 = match request.get("encoding_format").and_then(Value::as_str) {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "encoding_format {other:?} is not one of 'float', 'base64', 'bytes'"
+                )))
+            }
+        };
+        Ok(Self { truncate, base64 })
+    }
+}
+
+/// One input's tokens and its item of `data`, or the context-length error vLLM gives it.
+fn embedding(
+    shared: &Shared,
+    index: usize,
+    input: &Input,
+    options: &Options,
+) -> Result<(u32, Value), ApiError> {
+    let config = &shared.config;
+    let mut tokens = match input {
+        Input::Text(text) => count_tokens(shared, text),
+        Input::Ids(ids) => u32::try_from(ids.len()).unwrap_or(u32::MAX),
+    };
+    if let Some(keep) = options.truncate {
+        tokens = tokens.min(keep);
+    }
+    if tokens > config.max_model_len {
+        return Err(errors::context_length(
+            config.error_shape,
+            config.max_model_len,
+            tokens,
+            None,
+        ));
+    }
+    let vector = vector(input, config.embedding_dimensions);
+    let embedding = if options.base64 {
+        let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Value::from(base64::engine::general_purpose::STANDARD.encode(bytes))
+    } else {
+        Value::from(vector)
+    };
+    let item = json!({"index": index, "object": "embedding", "embedding": embedding});
+    Ok((tokens, item))
 }
 
 /// One input: a text, or token ids.
