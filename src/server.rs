@@ -11,7 +11,7 @@ use crate::proxy::{Proxy, Sluice};
 use crate::reload::{Frozen, Reload};
 use arc_swap::ArcSwap;
 use pingora_core::apps::HttpServerOptions;
-use pingora_core::connectors::http::{v1 as http1, Connector};
+use pingora_core::connectors::http::v1 as http1;
 use pingora_core::connectors::ConnectorOptions;
 use pingora_core::listeners::tls::TlsSettings;
 use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
@@ -114,7 +114,7 @@ fn lasting(
         ),
         streams_end,
         connector: Arc::new(http1::Connector::new(Some(upstream.clone()))),
-        probes: Arc::new(Connector::new(Some(upstream.clone()))),
+        probes: Arc::new(http1::Connector::new(Some(upstream.clone()))),
         upstream_pool: crate::proxy::upstream_pool::UpstreamPool::new(upstream.keepalive_pool_size),
         response_homes: Arc::new(crate::proxy::stored_responses::ResponseHomes::new(
             &config.responses,

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::http::v1::Connector;
 use pingora_core::upstreams::peer::HttpPeer;
 use sluice_sdk::prefix::{KvEventSource, PrefixRouting};
 use sluice_sdk::prefix_index::KvEventBatch;

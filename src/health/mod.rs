@@ -32,7 +32,7 @@ use crate::metrics;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use exposition::{Limits, PageError, ParseError};
-use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::http::v1::Connector;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_core::upstreams::peer::HttpPeer;

@@ -1,13 +1,16 @@
 //! One health-check request: `GET path` to a backend, with a deadline over the whole
-//! exchange, through Pingora's connector so that connections are reused between checks.
+//! exchange, through Pingora's HTTP/1 connector (vLLM serves HTTP/1.1) so that connections are reused
+//! between checks.
 
 use bytes::{Bytes, BytesMut};
-use pingora_core::connectors::http::Connector;
+use futures_util::FutureExt;
+use pingora_core::connectors::http::v1::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType};
 use pingora_http::RequestHeader;
 use sluice_sdk::{Pool, UpstreamAuth};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -41,33 +44,36 @@ pub fn with_timeout(mut peer: HttpPeer, timeout: Duration) -> HttpPeer {
     peer
 }
 
+// The functions below return their futures rather than being `async fn`s: each layer of
+// `async fn` would keep the exchange's future inside its own and copy it in when first
+// polled, and a checker makes two exchanges every check.
+
 /// `GET path` with `deadline` over connect, request and the whole body.
-pub async fn get(
-    connector: &Connector,
-    peer: &HttpPeer,
-    host: &str,
-    path: &str,
+pub fn get<'a>(
+    connector: &'a Connector,
+    peer: &'a HttpPeer,
+    host: &'a str,
+    path: &'a str,
     deadline: Duration,
-) -> Result<Answer, Failure> {
-    get_with(connector, peer, host, path, deadline, None).await
+) -> impl Future<Output = Result<Answer, Failure>> + 'a {
+    get_with(connector, peer, host, path, deadline, None)
 }
 
 /// [`get`], its body read into `buffer` (emptied first): a checker that scrapes the same page
 /// every 250 ms keeps one buffer, rather than having fresh pages of memory zeroed for each
 /// page it reads (see [`Answer::into_buffer`]).
-pub async fn get_into(
-    connector: &Connector,
-    peer: &HttpPeer,
-    host: &str,
-    path: &str,
+pub fn get_into<'a>(
+    connector: &'a Connector,
+    peer: &'a HttpPeer,
+    host: &'a str,
+    path: &'a str,
     deadline: Duration,
     buffer: BytesMut,
-) -> Result<Answer, Failure> {
+) -> impl Future<Output = Result<Answer, Failure>> + 'a {
     within(
         deadline,
         exchange(connector, peer, host, path, None, buffer),
     )
-    .await
 }
 
 impl Answer {
@@ -81,31 +87,30 @@ impl Answer {
 
 /// [`get`] with the pool's upstream credential, for what vLLM's `--api-key` guards
 /// (`/v1/models`; `/health` and `/metrics` are open).
-pub async fn get_with(
-    connector: &Connector,
-    peer: &HttpPeer,
-    host: &str,
-    path: &str,
+pub fn get_with<'a>(
+    connector: &'a Connector,
+    peer: &'a HttpPeer,
+    host: &'a str,
+    path: &'a str,
     deadline: Duration,
-    auth: Option<&UpstreamAuth>,
-) -> Result<Answer, Failure> {
+    auth: Option<&'a UpstreamAuth>,
+) -> impl Future<Output = Result<Answer, Failure>> + 'a {
     within(
         deadline,
         exchange(connector, peer, host, path, auth, BytesMut::new()),
     )
-    .await
 }
 
 /// An exchange's answer, or why there is none, within `deadline`.
-pub async fn within(
-    deadline: Duration,
-    exchange: impl std::future::Future<Output = Result<Answer, Box<Error>>>,
-) -> Result<Answer, Failure> {
-    match tokio::time::timeout(deadline, exchange).await {
+pub fn within<F>(deadline: Duration, exchange: F) -> impl Future<Output = Result<Answer, Failure>>
+where
+    F: Future<Output = Result<Answer, Box<Error>>>,
+{
+    tokio::time::timeout(deadline, exchange).map(|timed| match timed {
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(Failure::Error(e)),
         Err(_) => Err(Failure::Timeout),
-    }
+    })
 }
 
 async fn exchange(
@@ -136,9 +141,15 @@ pub async fn send(
     mut body: BytesMut,
     max_body: usize,
 ) -> Result<Answer, Box<Error>> {
-    // Boxed: with its TLS handshake the connect future is about 18 KB. Inline, it would size
-    // every check's future, which is moved (copied) as it is made, joined and timed.
-    let (mut session, _reused) = Box::pin(connector.get_http_session(peer)).await?;
+    // An idle connection is taken first, by a small future. Only without one is the connect
+    // future made: with its TLS handshake it is about 18 KB, built and copied into its box at
+    // every check when it was asked first (boxed: inline, it would size every check's
+    // future, which is moved as it is made, joined and timed).
+    let h1 = match connector.reused_http_session(peer).await {
+        Some(idle) => idle,
+        None => Box::pin(connector.get_http_session(peer)).await?.0,
+    };
+    let mut session: HttpSession = HttpSession::H1(h1);
     session.write_request_header(Box::new(request)).await?;
     if let Some(payload) = payload {
         session.write_request_body(payload, true).await?;
@@ -172,9 +183,11 @@ pub async fn send(
         }
     }
     // Whole answers only: a connection cut mid-body fails above, and is not reused.
-    connector
-        .release_http_session(session, peer, peer.options.idle_timeout)
-        .await;
+    if let HttpSession::H1(h1) = session {
+        connector
+            .release_http_session(h1, peer, peer.options.idle_timeout)
+            .await;
+    }
     Ok(Answer {
         status,
         body: body.freeze(),

@@ -14,7 +14,7 @@ use crate::health::probe;
 use crate::metrics;
 use async_trait::async_trait;
 use bytes::BytesMut;
-use pingora_core::connectors::http::Connector;
+use pingora_core::connectors::http::v1::Connector;
 use pingora_error::ErrorType;
 use pingora_http::RequestHeader;
 use sluice_sdk::calls::{Answer, Call, CallFailed, PoolCalls};

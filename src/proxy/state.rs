@@ -35,7 +35,7 @@ pub struct Sluice {
     /// The LLM attempts' idle connections. Shared by every generation.
     pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
     /// Small `GET`s to backends (see [`Lasting::probes`]). Shared by every generation.
-    pub probes: Arc<pingora_core::connectors::http::Connector>,
+    pub probes: Arc<pingora_core::connectors::http::v1::Connector>,
     /// Which backend made each stored response (Responses API). Shared by every generation.
     pub response_homes: Arc<super::stored_responses::ResponseHomes>,
     /// The pools' sessions shared with the fleet in Redis (`sessions.store: redis`).
@@ -91,7 +91,7 @@ pub struct Lasting {
     pub connector: Arc<Connector>,
     /// What the health checks and other small `GET`s to backends (a Mooncake prefill
     /// engine's bootstrap server) connect with.
-    pub probes: Arc<pingora_core::connectors::http::Connector>,
+    pub probes: Arc<pingora_core::connectors::http::v1::Connector>,
     /// The LLM attempts' idle upstream connections.
     pub upstream_pool: Arc<super::upstream_pool::UpstreamPool>,
     /// Which backend made each stored response.

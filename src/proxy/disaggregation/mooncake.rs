@@ -41,7 +41,7 @@ pub struct Legs {
 /// listens on `port` of the same host; `None` (logged) when that server cannot say which
 /// engine it is.
 pub async fn legs(
-    probes: &pingora_core::connectors::http::Connector,
+    probes: &pingora_core::connectors::http::v1::Connector,
     check: &TransferCheck,
     pool: &Pool,
     backend: SocketAddr,
@@ -86,7 +86,7 @@ pub async fn legs(
 
 /// `GET /query` of the bootstrap server at `bootstrap`: its engine ids by rank.
 async fn query(
-    probes: &pingora_core::connectors::http::Connector,
+    probes: &pingora_core::connectors::http::v1::Connector,
     bootstrap: SocketAddr,
 ) -> Result<Vec<(u32, String)>, String> {
     // The bootstrap server speaks plain HTTP, whatever the engine's API does.
