@@ -201,7 +201,8 @@ pub fn parse(text: &str) -> Result<Vec<Sample<'_>>, ParseError> {
 /// lines after the comments of a family it refuses are passed over by their first bytes,
 /// without being named or checked, for as long as they start as that family's samples: most
 /// of a vLLM page is the buckets of histograms nobody reads. (A broken line among them counts
-/// as a sample, not as a skipped line: nothing of it is used.)
+/// as a sample, not as a skipped line: nothing of it is used.) `# HELP` and `# TYPE` lines
+/// are not checked either, unlike [`parse`]'s: no comment is used.
 pub fn read_page<'a>(
     text: &'a [u8],
     limits: &Limits,
@@ -243,10 +244,10 @@ pub fn read_page<'a>(
             page.sample_lines += 1;
             continue;
         }
-        // The same for the `# HELP` and `# TYPE` lines of the families nobody reads by name;
-        // the samples that follow are passed over when none of them can be read.
-        if let Some(family) = comment_family(line).filter(|name| !keep(name)) {
-            if !keep_family(family) {
+        // A `# HELP` or `# TYPE` line is named and not checked: nothing in a comment is used.
+        // The samples that follow a family none of whose samples is read are passed over.
+        if let Some(family) = comment_family(line) {
+            if !keep(family) && !keep_family(family) {
                 passing = Some(family.as_bytes());
             }
             continue;
@@ -1176,15 +1177,15 @@ mod tests {
     }
 
     #[test]
-    fn the_comments_of_families_nobody_reads_are_not_checked() {
-        let text =
-            "# TYPE unread histogram extra words\n# HELP read x\n# TYPE read gauge gauge\nread 1\n";
+    fn comments_are_not_checked_when_they_name_a_family() {
+        let text = "# TYPE unread histogram extra words\n# HELP read x\n# TYPE read gauge gauge\n\
+                    read 1\n# TYPE 9bad gauge\n";
         let read = |name: &str| name == "read";
         let page = read_page(text.as_bytes(), &Limits::default(), read, read).unwrap();
         assert_eq!(
             (page.sample_lines, page.skipped),
             (1, 1),
-            "only `read`'s bad TYPE"
+            "only the comment that names no family"
         );
         assert_eq!(comment_family(b"# HELP vllm:x Help."), Some("vllm:x"));
         assert_eq!(comment_family(b"# TYPE m gauge"), Some("m"));
