@@ -267,6 +267,28 @@ impl UsageScanner {
                 }
                 continue;
             }
+            // Inside the usage object, the bytes up to the next one that can change the
+            // state (a quote or a backslash in a string; a quote or a brace outside one) are
+            // copied at once, as the byte-by-byte copy would have copied them.
+            if let State::InObject {
+                in_string,
+                escaped: false,
+                ..
+            } = self.state
+            {
+                let plain = if in_string {
+                    memchr::memchr2(b'"', b'\\', rest)
+                } else {
+                    memchr::memchr3(b'"', b'{', b'}', rest)
+                }
+                .unwrap_or(rest.len());
+                if plain > 0 && self.object.len() + plain < MAX_OBJECT {
+                    let (copied, tail) = rest.split_at(plain);
+                    self.object.extend_from_slice(copied);
+                    rest = tail;
+                    continue;
+                }
+            }
             let Some((&byte, tail)) = rest.split_first() else {
                 return;
             };
