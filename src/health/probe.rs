@@ -5,7 +5,6 @@
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use pingora_core::connectors::http::v1::Connector;
-use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType};
 use pingora_http::RequestHeader;
@@ -145,61 +144,43 @@ pub async fn send(
     // future made: with its TLS handshake it is about 18 KB, built and copied into its box at
     // every check when it was asked first (boxed: inline, it would size every check's
     // future, which is moved as it is made, joined and timed).
-    let h1 = match connector.reused_http_session(peer).await {
+    let mut session = match connector.reused_http_session(peer).await {
         Some(idle) => idle,
         None => Box::pin(connector.get_http_session(peer)).await?.0,
     };
-    let mut session: HttpSession = HttpSession::H1(h1);
     session.write_request_header(Box::new(request)).await?;
     if let Some(payload) = payload {
-        session.write_request_body(payload, true).await?;
+        session.write_body(&payload).await?;
     }
-    session.finish_request_body().await?;
-    session.read_response_header().await?;
-    let status = session.response_header().map_or(0, |h| h.status.as_u16());
+    session.finish_body().await?;
+    session.read_response().await?;
+    let status = session.get_status().map_or(0, |s| s.as_u16());
     // Sized once by the answer's length when it says (a metrics page is tens of KB: grown
     // from nothing, it would be copied a few times over).
     let length = session
-        .response_header()
-        .and_then(|h| h.headers.get(http::header::CONTENT_LENGTH))
+        .get_header(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(0);
     body.clear();
     body.reserve(length.min(max_body));
-    // HTTP/1's body is read from the session's own buffer into `body`: its
-    // `read_response_body` copies each chunk into a `Bytes` first, a second copy of every
-    // page scraped.
-    loop {
-        let ended = match &mut session {
-            HttpSession::H1(h1) => append(&mut body, h1.read_body_ref().await?, max_body)?,
-            other => {
-                let chunk = other.read_response_body().await?;
-                append(&mut body, chunk.as_deref(), max_body)?
-            }
-        };
-        if ended {
-            break;
-        }
+    // The body is read from the session's own buffer into `body`: `read_body_bytes` would
+    // copy each chunk into a `Bytes` first, a second copy of every page scraped.
+    while let Some(chunk) = session.read_body_ref().await? {
+        append(&mut body, chunk, max_body)?;
     }
     // Whole answers only: a connection cut mid-body fails above, and is not reused.
-    if let HttpSession::H1(h1) = session {
-        connector
-            .release_http_session(h1, peer, peer.options.idle_timeout)
-            .await;
-    }
+    connector
+        .release_http_session(session, peer, peer.options.idle_timeout)
+        .await;
     Ok(Answer {
         status,
         body: body.freeze(),
     })
 }
 
-/// Adds `chunk` to `body`, unless the body would pass `max_body`: whether the body had
-/// ended (no chunk).
-fn append(body: &mut BytesMut, chunk: Option<&[u8]>, max_body: usize) -> Result<bool, Box<Error>> {
-    let Some(chunk) = chunk else {
-        return Ok(true);
-    };
+/// Adds `chunk` to `body`, unless the body would pass `max_body`.
+fn append(body: &mut BytesMut, chunk: &[u8], max_body: usize) -> Result<(), Box<Error>> {
     if body.len() + chunk.len() > max_body {
         return Err(Error::explain(
             ErrorType::Custom(TOO_LARGE),
@@ -207,7 +188,7 @@ fn append(body: &mut BytesMut, chunk: Option<&[u8]>, max_body: usize) -> Result<
         ));
     }
     body.extend_from_slice(chunk);
-    Ok(false)
+    Ok(())
 }
 
 /// The error type of an answer larger than its reader allows (see [`send`]).
