@@ -1,6 +1,6 @@
 //! One health-check request: `GET path` to a backend, with a deadline over the whole
-//! exchange, through Pingora's HTTP/1 connector (vLLM serves HTTP/1.1) so that connections are reused
-//! between checks.
+//! exchange, through Pingora's HTTP/1 connector (vLLM serves HTTP/1.1) so that connections
+//! are reused between checks.
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
