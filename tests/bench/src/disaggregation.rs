@@ -25,7 +25,7 @@ use tokio::sync::Mutex;
 use crate::contenders::{free_addr, start_sluice_with, Contender};
 use crate::phased::{checkout, Idle};
 use crate::prefix_fleet::{pct, Fleet};
-use crate::report::{Check, ScenarioReport};
+use crate::report::{Check, Noise, ScenarioReport};
 use crate::resilience::labelled_sum;
 use crate::scenarios::title;
 use crate::Ctx;
@@ -322,12 +322,14 @@ pub async fn disaggregation(ctx: &mut Ctx) -> Result<ScenarioReport> {
         pct(&split.itl, 0.99) / pct(&aggregated.itl, 0.99),
         1.0,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most(
         "TTFT p99, disaggregated over aggregated",
         pct(&split.ttft, 0.99) / pct(&aggregated.ttft, 0.99),
         1.1,
         "×",
+        Noise::Tail,
     ));
     let (fell_back_at, errors, sent) = lossy(ctx, 30).await?;
     report.rows.push(vec![
@@ -348,12 +350,14 @@ pub async fn disaggregation(ctx: &mut Ctx) -> Result<ScenarioReport> {
         fell_back_at.map_or(f64::INFINITY, |n| n as f64),
         10.0,
         "",
+        Noise::Exact,
     ));
     report.checks.push(Check::at_most(
         "half the transfers lost: client errors",
         errors as f64,
         0.0,
         "",
+        Noise::Exact,
     ));
     report.notes.push(format!(
         "{} requests of {PROMPT_TOKENS} prompt tokens (each its own) and {ANSWER_TOKENS} \

@@ -35,7 +35,7 @@ use crate::contenders::{
 };
 use crate::loadgen::{fetch, Target};
 use crate::phased::{self, percentile_ms, Answer, Phase, Sent};
-use crate::report::{Check, ScenarioReport, Series, Table};
+use crate::report::{Check, Noise, ScenarioReport, Series, Table};
 use crate::resilience::{first_answer, metric_sum, unix_secs};
 use crate::scenarios::{chat_body, title, CHAT};
 use crate::{Ctx, Params};
@@ -814,13 +814,19 @@ async fn scaling(
     let shares = Series(rounds.iter().map(|r| r.shares()[0].0 * 100.0).collect());
     let fair = first.map_or(0.5, ScaleRound::fair) * 100.0;
     let wanted = SHARE_FLOOR * fair;
-    let share = shares.median();
-    report.checks.push(Check::new(
-        "new backends' share of the draft pool in the 2 s after they are ready",
-        &format!("≥ {SHARE_FLOOR} × fair ({wanted:.0} %)"),
-        format!("{} % (fair {fair:.0} %)", shares.show(1)),
-        share.is_finite().then_some(share >= wanted),
-    ));
+    report.checks.push(
+        Check::at_least_rounds(
+            &format!(
+                "new backends' share of the draft pool in the 2 s after they are ready \
+                 (≥ {SHARE_FLOOR} × fair)"
+            ),
+            &shares,
+            wanted,
+            "%",
+            Noise::Share,
+        )
+        .showing(format!("{} % (fair {fair:.0} %)", shares.show(1))),
+    );
     let (draining, draining_failed) = rounds.iter().fold((0, 0), |(n, f), r| {
         let (a, b) = r.on_draining();
         (n + a, f + b)

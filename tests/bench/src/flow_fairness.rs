@@ -25,7 +25,7 @@ use tokio::sync::Mutex;
 use crate::contenders::{free_addr, start_sluice_with, Contender};
 use crate::phased::Idle;
 use crate::prefix_fleet::{exchange, pct, Fleet, Got};
-use crate::report::{Check, ScenarioReport};
+use crate::report::{Check, Noise, ScenarioReport};
 use crate::resilience::{labelled_sum, metric_sum};
 use crate::scenarios::title;
 use crate::Ctx;
@@ -353,12 +353,14 @@ pub async fn flow_fairness(ctx: &mut Ctx) -> Result<ScenarioReport> {
         ratio(top, |v| v.0),
         2.0,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_least(
         &format!("{top} long sessions: turns answered / s, fair over FIFO"),
         1.0 / ratio(top, |v| v.1),
         0.95,
         "×",
+        Noise::Share,
     ));
     report.notes.push(format!(
         "Below saturation ({bottom} long sessions) the fair row's short-session TTFT p99 is \

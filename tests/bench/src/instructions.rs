@@ -27,7 +27,7 @@ use crate::contenders::{
     SimSpec,
 };
 use crate::loadgen::send_one;
-use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::report::{pairwise, Check, Noise, ScenarioReport, Series};
 use crate::scenarios::{chat_body, title, Up, CHAT};
 use crate::Ctx;
 
@@ -143,6 +143,7 @@ pub async fn instructions(ctx: &mut Ctx) -> Result<ScenarioReport> {
             &ratio(Contender::SluiceOff, Contender::BarePingora),
             1.05,
             "×",
+            Noise::Count,
         ));
     }
     report.checks.push(Check::at_most_rounds(
@@ -150,6 +151,7 @@ pub async fn instructions(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &ratio(Contender::SluiceOn, Contender::SluiceOff),
         1.15,
         "×",
+        Noise::Count,
     ));
     report.notes.push(format!(
         "Each contender under `valgrind --tool=callgrind` (user-space instructions of the whole \

@@ -123,6 +123,8 @@ pub struct Params {
     pub fleet_calm: Duration,
     pub fleet_burst: Duration,
     pub fleet_time_scale: f64,
+    /// Scenarios 13 and 25: how many schedules (seeds) each strategy replays, one a round.
+    pub fleet_rounds: usize,
     /// Scenario 16: the rate search's first step (req/s), its doubling steps' cap, the
     /// bisections after the first failing step, each step's measured time, and connections.
     pub public_rate_start: f64,
@@ -245,6 +247,7 @@ impl Params {
             fleet_calm: Duration::from_secs(6),
             fleet_burst: Duration::from_secs(2),
             fleet_time_scale: 1.0,
+            fleet_rounds: 3,
             public_rate_start: 250.0,
             public_rate_max: 32_000.0,
             public_bisections: 3,
@@ -338,6 +341,7 @@ impl Params {
             fleet_calm: Duration::from_millis(400),
             fleet_burst: Duration::from_millis(200),
             fleet_time_scale: 0.05,
+            fleet_rounds: 1,
             public_rate_start: 50.0,
             public_rate_max: 100.0,
             public_bisections: 0,

@@ -14,7 +14,7 @@ use http::header::{HeaderValue, AUTHORIZATION};
 
 use crate::contenders::{tree_usage, Contender, SimSpec, TENANT_KEY};
 use crate::loadgen::{open_loop, LoadResult, Target};
-use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::report::{pairwise, Check, Noise, ScenarioReport, Series};
 use crate::scenarios::{
     chat_body, each_round, errors_cell, errors_cell_sse, series, target_for, title, Stack, Tally,
     CHAT,
@@ -173,6 +173,7 @@ pub async fn each_plugin(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &per_round(&runs, Contender::SluiceOn, off, cpu, |a, b| a / b),
         1.15,
         "×",
+        Noise::Share,
     ));
     Ok(report)
 }
@@ -251,6 +252,7 @@ pub async fn tracing_cost(ctx: &mut Ctx) -> Result<ScenarioReport> {
             &per_round(&runs, c, off, cpu, |a, b| a / b),
             target,
             "×",
+            Noise::Share,
         ));
     }
     Ok(report)
@@ -319,6 +321,7 @@ pub async fn long_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &per_round(&runs, Contender::SluiceOn, direct, ttft(99.0), |a, b| a - b),
         5.0,
         "ms",
+        Noise::Tail,
     ));
     Ok(report)
 }

@@ -40,7 +40,7 @@ use crate::phased::{checkout, read_answer, Idle};
 use crate::reference_policy::{
     limit_engine_tokens, send_direct, EngineTokens, Reference, ENGINE_BLOCK,
 };
-use crate::report::{Check, ScenarioReport, Table};
+use crate::report::{Check, Noise, ScenarioReport, Table};
 use crate::resilience::{labelled_sum, metric_sum};
 use crate::scenarios::{title, CHAT};
 use crate::Ctx;
@@ -1143,24 +1143,28 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
         get(&p99_later, "round_robin") / exact,
         2.0,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_least(
         "turns ≥ 2, TTFT p99: approximate affinity ÷ exact index",
         get(&p99_later, "ttft, approximate") / exact,
         1.5,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most(
         "turns ≥ 2, TTFT p99: exact index ÷ oracle",
         exact / get(&p99_later, "oracle (session)"),
         1.1,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most(
         "prompt tokens computed: exact index ÷ oracle",
         get(&computed, "ttft, exact index") / get(&computed, "oracle (session)"),
         1.0,
         "×",
+        Noise::Share,
     ));
     report.checks.push(Check::at_most(
         "errors: exact index − round_robin",
@@ -1171,6 +1175,7 @@ pub async fn prefix_fleet(ctx: &mut Ctx) -> Result<ScenarioReport> {
             - errors.get("round_robin").copied().unwrap_or(0) as f64,
         0.0,
         "",
+        Noise::Exact,
     ));
     report.notes.push(format!(
         "{} sessions ({requests} requests) starting over {:?}, the same schedule for every strategy, each on a fresh fleet: 4 `small` engines (50k prompt tokens/s, 8 ms a token, 4,096 blocks) and 4 `big` (13.3k tokens/s, 30 ms, 8,192 blocks), chunked prefill of 8,192 tokens a step, prefix caching, KV events; Sluice's pools balance as the row says. The reference cost policy is the harness's own (no proxy): each turn goes where its uncached tokens (by the engines' tokenizer, against the blocks the policy sent to each engine, LRU at its capacity) plus the uncached tokens sent there and not yet at their first token are least. The limit: the prompt tokens an infinite cache shared by every engine computes for the bodies the reference sent (answers differ a little between runs, so the limit is that run's).",

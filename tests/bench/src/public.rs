@@ -12,7 +12,7 @@ use anyhow::Result;
 use crate::contenders::{Contender, SimSpec};
 use crate::loadgen::{closed_loop, open_loop, LoadResult};
 use crate::own_clock::{OwnClock, Phase};
-use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::report::{pairwise, Check, Noise, ScenarioReport, Series};
 use crate::scenarios::{
     chat_body, each_round, errors_cell, errors_cell_sse, proxy_pids, rss_sum, series,
     stream_rounds, target_for, title, RssSampler, Stack, Tally, CHAT,
@@ -147,6 +147,7 @@ pub async fn concurrency_one(ctx: &mut Ctx) -> Result<ScenarioReport> {
             &own(c, None, 0.99),
             bound,
             "µs",
+            Noise::Tail,
         ));
     }
     Ok(report)
@@ -377,6 +378,7 @@ pub async fn max_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
         after_vs_before,
         1.10,
         "×",
+        Noise::Share,
     ));
     Ok(report)
 }
@@ -436,6 +438,7 @@ pub async fn public_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &added(&runs, Contender::SluiceOn, Contender::Direct, ttft(99.0)),
         1.0,
         "ms",
+        Noise::Tail,
     ));
     Ok(report)
 }

@@ -22,7 +22,7 @@ use sluice_testkit::{sims_on_loopbacks, DnsServer};
 use crate::contenders::{free_addr, start_sluice_with, Contender, MODEL};
 use crate::loadgen::{fetch, Target};
 use crate::prefix_fleet::pct;
-use crate::report::{Check, ScenarioReport};
+use crate::report::{Check, Noise, ScenarioReport};
 use crate::resilience::labelled_sum;
 use crate::scenarios::{chat_body, title, CHAT};
 use crate::Ctx;
@@ -77,6 +77,7 @@ pub async fn scale_from_zero(ctx: &mut Ctx) -> Result<ScenarioReport> {
             failed_early.unwrap_or(f64::NAN),
             0.0,
             "",
+            Noise::Exact,
         ));
         report.notes.push(format!(
             "{:.0} chat requests a second for {:?}; the pool's DNS name ({NAME}, dnsmasq, TTL \

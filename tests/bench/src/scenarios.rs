@@ -20,7 +20,7 @@ use crate::contenders::{
 use crate::loadgen::{closed_loop, fetch, open_loop, send_one, LoadResult, Target};
 use crate::own_clock::{OwnClock, Phase};
 use crate::public::{with_own_clock, Timed};
-use crate::report::{pairwise, Check, ScenarioReport, Series};
+use crate::report::{pairwise, Check, Noise, ScenarioReport, Series};
 use crate::sse::{self, SseLoad};
 use crate::Ctx;
 
@@ -668,12 +668,14 @@ async fn throughput(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &vs_nginx(Contender::SluiceOff),
         1.0,
         "×",
+        Noise::Share,
     ));
     report.checks.push(Check::at_least_rounds(
         "plugins on (cache miss): throughput vs nginx",
         &vs_nginx(Contender::SluiceOn),
         0.9,
         "×",
+        Noise::Share,
     ));
     ctx.max_rps = runs
         .iter()
@@ -826,12 +828,14 @@ async fn fixed_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &added(Contender::SluiceOff, 50.0),
         0.15,
         "ms",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most_rounds(
         "plugins off: added p99 over direct",
         &added(Contender::SluiceOff, 99.0),
         1.0,
         "ms",
+        Noise::Tail,
     ));
     Ok(report)
 }
@@ -904,12 +908,14 @@ async fn streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             &added(ttft99(c), ttft99(Contender::Direct)),
             1.0,
             "ms",
+            Noise::Tail,
         ));
         report.checks.push(Check::at_most_rounds(
             &format!("{name}: added inter-chunk gap, median"),
             &added(gap50(c), gap50(Contender::Direct)),
             0.1,
             "ms",
+            Noise::Tail,
         ));
         let chunks = |k| s(k, &|r| r.chunks_per_stream()).median();
         let (mine, direct) = (chunks(c), chunks(Contender::Direct));
@@ -1066,6 +1072,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         fresh(Contender::SluiceOn) / fresh(Contender::BarePingora),
         1.5,
         "×",
+        Noise::Share,
     ));
     let median = |c: Contender, f: fn(&OpenRound) -> f64| {
         runs.get(&c)
@@ -1076,12 +1083,16 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         median(Contender::SluiceOn, |r| r.rss_peak_mb),
         median(Contender::BarePingora, |r| r.rss_peak_mb),
     );
-    report.checks.push(Check::new(
-        &format!("plugins on: RSS with {n} open streams vs bare Pingora's"),
-        "≤ bare Pingora's",
-        format!("{on_peak:.1} vs {bare_peak:.1} MB"),
-        (on_peak.is_finite() && bare_peak.is_finite()).then_some(on_peak <= bare_peak),
-    ));
+    report.checks.push(
+        Check::at_most(
+            &format!("plugins on: RSS with {n} open streams over bare Pingora's"),
+            on_peak / bare_peak,
+            1.0,
+            "×",
+            Noise::Share,
+        )
+        .showing(format!("{on_peak:.1} vs {bare_peak:.1} MB")),
+    );
     report.checks.push(Check::at_most(
         "plugins on: RSS after the streams over RSS before",
         median(Contender::SluiceOn, |r| {
@@ -1089,6 +1100,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
         }),
         1.10,
         "×",
+        Noise::Share,
     ));
     for c in [Contender::SluiceOff, Contender::SluiceOn] {
         let name = if c == Contender::SluiceOff {
@@ -1105,6 +1117,7 @@ async fn open_streams(ctx: &mut Ctx) -> Result<ScenarioReport> {
             peak,
             150.0,
             "MB",
+            Noise::Share,
         ));
     }
     Ok(report)
@@ -1269,18 +1282,21 @@ async fn cache_hits(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &ratio(&closed, Contender::SluiceMemoryHit, Contender::SluiceOff),
         1.5,
         "×",
+        Noise::Share,
     ));
     report.checks.push(Check::at_most_rounds(
         "memory-store hits: p99 at half load",
         &pct(Contender::SluiceMemoryHit, 99.0),
         0.5,
         "ms",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most_rounds(
         "Redis-store hits: p99 at half load",
         &pct(Contender::SluiceRedisHit, 99.0),
         2.0,
         "ms",
+        Noise::Tail,
     ));
     Ok(report)
 }
@@ -1313,6 +1329,7 @@ async fn big_prompts(ctx: &mut Ctx) -> Result<ScenarioReport> {
             &ratio(runs, c, Contender::Nginx),
             0.8,
             "×",
+            Noise::Share,
         ));
     }
     Ok(report)
@@ -1856,12 +1873,14 @@ async fn abuse(ctx: &mut Ctx) -> Result<ScenarioReport> {
         &own_ratio,
         2.0,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most_rounds(
         "plugins on: normal p99 under attack over quiet p99 (end to end)",
         &sluice.map(|r| p99_ratio(r)).unwrap_or_default(),
         2.0,
         "×",
+        Noise::Tail,
     ));
     Ok(report)
 }
@@ -2118,6 +2137,7 @@ async fn large_bodies(ctx: &mut Ctx) -> Result<ScenarioReport> {
                 rise,
                 80.0,
                 "MB",
+                Noise::Share,
             ));
         }
     }

@@ -67,7 +67,7 @@ use crate::contenders::{
     Proc, RunningSim, SimMode, SimSpec, MODEL, TENANT_KEY, TENANT_LIMITS, TENANT_NAME,
 };
 use crate::loadgen::{connect, fetch, Target};
-use crate::report::{Check, ScenarioReport, Table};
+use crate::report::{Check, Noise, ScenarioReport, Table};
 use crate::resilience::{labelled_sum, metric_sum};
 use crate::scenarios::{sized_chat_body, title, CHAT};
 use crate::sse::count_events;
@@ -1664,12 +1664,16 @@ pub async fn soak(ctx: &mut Ctx) -> Result<ScenarioReport> {
             .notes
             .push(format!("A fault could not be applied: {e}"));
     }
-    report.checks.push(Check::new(
-        "soak: RSS growth from the warm-up's end to the end",
-        &format!("< {GROWTH_LIMIT} %"),
-        format!("{growth:+.2} %"),
-        growth.is_finite().then_some(growth < GROWTH_LIMIT),
-    ));
+    report.checks.push(
+        Check::at_most(
+            "soak: RSS growth from the warm-up's end to the end",
+            growth,
+            GROWTH_LIMIT,
+            "%",
+            Noise::Share,
+        )
+        .showing(format!("{growth:+.2} %")),
+    );
     report.checks.push(Check::new(
         "soak: lost requests (failures no backend kill explains)",
         "= 0",

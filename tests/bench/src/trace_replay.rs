@@ -46,7 +46,7 @@ use crate::prefix_fleet::{
     Got,
 };
 use crate::reference_policy::{limit_engine_tokens, send_direct, Reference};
-use crate::report::{Check, ScenarioReport};
+use crate::report::{Check, Noise, ScenarioReport};
 use crate::scenarios::title;
 use crate::Ctx;
 
@@ -674,24 +674,28 @@ pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
         get(&p99, "ttft, exact index") / get(&p99, "conversation-keeping"),
         1.1,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most(
         "TTFT p99: exact index ÷ the reference policy",
         get(&p99, "ttft, exact index") / get(&p99, "reference"),
         0.9,
         "×",
+        Noise::Tail,
     ));
     report.checks.push(Check::at_most(
         "prompt tokens computed: exact index ÷ the limit",
         get(&computed, "ttft, exact index") / limit,
         1.05,
         "×",
+        Noise::Share,
     ));
     report.checks.push(Check::at_least(
         "predicted TTFT within ±25 % of the measured: exact index",
         accuracy.map_or(f64::NAN, |share| 100.0 * share),
         90.0,
         "%",
+        Noise::Share,
     ));
     report.checks.push(Check::at_most(
         "errors: exact index",
@@ -701,6 +705,7 @@ pub async fn trace_replay(ctx: &mut Ctx) -> Result<ScenarioReport> {
             .unwrap_or(usize::MAX) as f64,
         0.0,
         "",
+        Noise::Exact,
     ));
     report.notes.push(format!(
         "{} requests of {conversations} conversations from {source}, replayed {}× faster; \
