@@ -88,8 +88,10 @@ pub enum Noise {
     /// CPU per request, throughput and memory: 3 to 10 % between full runs (bare Pingora's CPU
     /// per request 45.9 µs in one run, 48.9 µs in the next, on the same machine).
     Share,
-    /// Latency tails and their ratios (p99s, a few ms added): a factor of 2 to 3 between runs
-    /// (scenario 3's added TTFT p99 1.2 ms in one run, 3.0 ms in one round of the next).
+    /// Latency tails and their ratios (p99s, a few ms added): a factor of 2 to 4 between full
+    /// runs (scenario 3's added TTFT p99 3.2 ms in one run and 1.2 ms in the next, scenario
+    /// 13's follower lag 10.0 and 2.7 ms, scenario 17's 2.3 and 0.8 ms). With 3×, no target of
+    /// the three full runs of 2026-11-28 and -30 is PASS in one and MISS in the next.
     Tail,
 }
 
@@ -100,7 +102,7 @@ impl Noise {
             Noise::Exact => 1.0,
             Noise::Count => 1.02,
             Noise::Share => 1.10,
-            Noise::Tail => 2.0,
+            Noise::Tail => 3.0,
         }
     }
 
@@ -110,7 +112,7 @@ impl Noise {
             Noise::Exact => "",
             Noise::Count => ", clear by 2 %",
             Noise::Share => ", clear by 10 %",
-            Noise::Tail => ", clear by 2×",
+            Noise::Tail => ", clear by 3×",
         }
     }
 }
@@ -483,7 +485,7 @@ impl Report {
              are for context: the load generator, the simulator and the proxy share the machine. \
              A target is PASS when every round meets it and the median clears it by the margin its \
              kind of figure moves between full runs (\"clear by\": 2 % for instructions, 10 % for \
-             CPU, throughput and memory, 2× for latency tails), MISS when every round misses it \
+             CPU, throughput and memory, 3× for latency tails), MISS when every round misses it \
              and the median is past it by that margin, and SPLIT (no verdict) between: the \
              machine's noise, not Sluice, would decide it.\n\n",
         );
@@ -580,13 +582,13 @@ mod tests {
     #[test]
     fn a_figure_within_its_noise_of_the_bound_is_split() {
         let rounds = |v: &[f64]| Series(v.to_vec());
-        // Every round over 1 ms, but the median within 2× of it: another run could pass.
+        // Every round over 1 ms, but the median within 3× of it: another run could pass.
         let tail = |v: &[f64]| Check::at_most_rounds("x", &rounds(v), 1.0, "ms", Noise::Tail);
-        assert_eq!(tail(&[1.2, 1.5, 1.9]).verdict(), "SPLIT");
-        assert!(tail(&[1.2, 1.5, 1.9]).split);
-        assert_eq!(tail(&[2.5, 3.0, 1.1]).verdict(), "MISS");
-        assert_eq!(tail(&[0.3, 0.4, 0.9]).verdict(), "PASS");
-        assert_eq!(tail(&[0.6, 0.7, 0.9]).verdict(), "SPLIT");
+        assert_eq!(tail(&[1.2, 2.5, 2.9]).verdict(), "SPLIT");
+        assert!(tail(&[1.2, 2.5, 2.9]).split);
+        assert_eq!(tail(&[3.5, 4.0, 1.1]).verdict(), "MISS");
+        assert_eq!(tail(&[0.2, 0.3, 0.9]).verdict(), "PASS");
+        assert_eq!(tail(&[0.4, 0.5, 0.9]).verdict(), "SPLIT");
         // CPU ratios: a margin of 10 %, on either side and in either direction.
         let share = |v: f64| Check::at_most("x", v, 1.15, "×", Noise::Share).verdict();
         assert_eq!(
@@ -612,16 +614,16 @@ mod tests {
     #[test]
     fn a_bucket_is_judged_by_both_its_edges() {
         let bucket = |lo, hi| Check::at_most_in("x", (lo, hi), 1.0, "ms", Noise::Tail).verdict();
-        assert_eq!(bucket(0.25, 0.5), "PASS");
-        assert_eq!(bucket(0.5, 0.75), "SPLIT");
+        assert_eq!(bucket(0.1, 0.25), "PASS");
+        assert_eq!(bucket(0.25, 0.5), "SPLIT");
         assert_eq!(
-            bucket(1.5, 2.5),
+            bucket(2.5, 5.0),
             "SPLIT",
-            "the p99 may be 1.6 ms, within 2× of 1 ms"
+            "the p99 may be 2.6 ms, within 3× of 1 ms"
         );
-        assert_eq!(bucket(2.5, 5.0), "MISS");
+        assert_eq!(bucket(5.0, 10.0), "MISS");
         assert_eq!(
-            bucket(2.5, f64::INFINITY),
+            bucket(5.0, f64::INFINITY),
             "MISS",
             "the last bucket has no upper edge"
         );
