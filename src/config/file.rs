@@ -674,7 +674,7 @@ pub struct BalancingFile {
     pub prefix_affinity_bytes: Option<usize>,
     /// ttft only: the prefill speed backends start from, tokens per second.
     pub prefill_tokens_per_second: Option<f64>,
-    /// ttft only: the share of requests sent to a random backend.
+    /// ttft only: the share of requests sent to a random backend with nothing ahead.
     pub exploration: Option<f64>,
     /// Session affinity: off, soft (default) or hard.
     pub session_affinity: SessionModeFile,

@@ -539,7 +539,7 @@ impl BackendLive {
         // ours, and no queue of anyone's at the last scrape. Otherwise it measures the queue.
         let ahead = self.prefilling.fetch_add(1, Relaxed);
         self.prefill_tokens.fetch_add(prompt_tokens, Relaxed);
-        let queue = self.load.load().as_ref().map_or(0.0, |l| l.waiting);
+        let queue_was_empty = self.queue_was_empty();
         let (sent_us, own_us, prefill_done_at_us, clock_shift_us) =
             self.queue_prefill(ahead, prompt_tokens);
         InFlight {
@@ -548,7 +548,7 @@ impl BackendLive {
             prompt_tokens,
             sent: Instant::now(),
             answered: false,
-            alone: ahead == 0 && queue <= 0.0,
+            alone: ahead == 0 && queue_was_empty,
             teaches: true,
             credit_known: true,
             speed_sample: None,
@@ -561,6 +561,18 @@ impl BackendLive {
             prefill_done_at_us,
             clock_shift_us,
         }
+    }
+
+    /// Whether a request sent here now would find nothing ahead of it: no prefill of ours,
+    /// and no queue at the last scrape. Only then does its first token teach the backend's
+    /// prefill speed.
+    pub fn nothing_ahead(&self) -> bool {
+        self.prefilling.load(Relaxed) == 0 && self.queue_was_empty()
+    }
+
+    /// Whether the engine's queue was empty at the last scrape (or nothing was scraped).
+    fn queue_was_empty(&self) -> bool {
+        self.load.load().as_ref().is_none_or(|l| l.waiting <= 0.0)
     }
 
     /// Puts `prompt_tokens` of prefill on the backend's clock, behind the prefill still ahead

@@ -165,8 +165,9 @@ pub struct TtftBalancing {
     /// The prefill speed each backend starts from, in prompt tokens per second, until its
     /// own TTFTs teach it better.
     pub prefill_tokens_per_second: f64,
-    /// The share of requests (0..=1) sent to a random usable backend instead of the best,
-    /// so that every backend's speed keeps being learned.
+    /// The share of requests (0..=1) sent to a random usable backend with nothing ahead of
+    /// them (no prefill of ours, no queue at the last scrape) instead of the best, so that
+    /// every backend's speed keeps being learned.
     pub exploration: f64,
 }
 

@@ -392,22 +392,39 @@ fn ttft_avoids_a_backend_busy_prefilling() {
 }
 
 #[test]
-fn ttft_explores_a_share_of_requests() {
+fn ttft_explores_a_share_of_requests_only_where_nothing_is_ahead() {
     let pool = pool(
-        vec![spec(1, 1), spec(2, 1)],
+        vec![spec(1, 1), spec(2, 1), spec(3, 1)],
         Balancing::Ttft(TtftBalancing {
             exploration: 0.5,
             ..TtftBalancing::default()
         }),
     );
-    let _busy = pool.live_at(1).unwrap().begin_request(200_000, 100_000);
-    let to_busy = (0..200)
-        .filter(|_| pool.select(&[], &prompt(100, None)).unwrap().addr.port() == 2)
-        .count();
-    // Half the requests explore, and half of those draw the busy backend.
-    assert!((20..=90).contains(&to_busy), "{to_busy}");
-    let none = pool.live_at(0).unwrap().speed_samples();
-    assert_eq!(none, 0);
+    // 1 is idle but predicted slower than 2 (many sequences decoding share its steps); 3
+    // has just taken a long prompt, which a request explored there would wait behind.
+    pool.live_at(0).unwrap().publish_load(Load {
+        running: 200.0,
+        ..load(0.1, 0.0)
+    });
+    let long = pool.live_at(2).unwrap().begin_request(200_000, 100_000);
+    let picks: Vec<u16> = (0..400)
+        .map(|_| pool.select(&[], &prompt(100, None)).unwrap().addr.port())
+        .collect();
+    let to = |port: u16| picks.iter().filter(|&&p| p == port).count();
+    // Half the requests explore, half of those the slower idle backend; none goes behind
+    // the long prefill.
+    assert!((50..=150).contains(&to(1)), "{picks:?}");
+    assert_eq!(to(3), 0, "explored behind a long prefill");
+    assert_eq!(pool.live_at(0).unwrap().speed_samples(), 0);
+    // With something ahead everywhere, nothing is explored: each request goes where it is
+    // predicted to start first (2: 1,000 tokens ahead, against 1's 100 and 200 decodes).
+    let small = pool.live_at(0).unwrap().begin_request(200, 100);
+    let medium = pool.live_at(1).unwrap().begin_request(2_000, 1_000);
+    for _ in 0..100 {
+        let picked = pool.select(&[], &prompt(100, None)).unwrap().addr.port();
+        assert_eq!(picked, 2, "explored with nothing idle");
+    }
+    drop((long, small, medium));
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Balancing by predicted time to first token: the candidate whose prefill backlog, plus this
 //! prompt less what its prefix cache holds, takes the least time at its learned prefill
-//! speed; a random candidate for an `exploration` share of requests, so that every backend's
-//! speed keeps being learned.
+//! speed; for an `exploration` share of requests, a random candidate with nothing ahead of
+//! the request, so that every backend's speed keeps being learned.
 
 use super::{Choice, Pick, Strategy, ADAPTER_LOAD};
 use crate::health::BackendLive;
@@ -38,12 +38,25 @@ impl Strategy for Ttft {
         if count == 0 {
             return None;
         }
-        // Exploring costs nothing when no backend holds the prompt (it is prefilled whole
-        // wherever it goes); when one does, it would throw the cache away.
+        // Exploring costs little when no backend holds the prompt (it is prefilled whole
+        // wherever it goes); when one does, it would throw the cache away. It goes only
+        // where nothing is ahead of the request: only there does a first token teach the
+        // speed, and a short request explored onto a backend that has just taken a long
+        // prompt would wait for that whole prefill (the tail it is the selector's job to
+        // avoid).
         let explores =
             count > 1 && ttft.exploration > 0.0 && !credit.any_exact() && m.session.is_none();
         if explores && fastrand::f64() < ttft.exploration {
-            return m.candidates().nth(fastrand::usize(..count)).map(Pick::only);
+            let idle = m
+                .candidates()
+                .filter(|&i| m.members.get(i).is_some_and(|e| e.live.nothing_ahead()));
+            let idle_count = idle.clone().count();
+            if idle_count > 0 {
+                return idle
+                    .clone()
+                    .nth(fastrand::usize(..idle_count))
+                    .map(Pick::only);
+            }
         }
         let home = pool.prefix_home(m, demand);
         // From a random start, so that ties rotate rather than pile onto the first backend.
