@@ -12,8 +12,10 @@
 //! router controls (queueing behind other prefills, plus the fixed overhead).
 //!
 //! Scenario 25 replays the same schedule on the fleet vLLM V1 makes by default: chunked
-//! prefill (8,192-token steps shared by the decodes and the prefills, a long prefill taking at
-//! most a quarter of a step while others wait) and prefix caching, with 4 targets.
+//! prefill (8,192-token steps shared by the decodes and the prefills, the prompts queued taking
+//! them in arrival order, as with vLLM's default `long_prefill_token_threshold`: a short prompt
+//! behind a long one waits for the step where the long one ends) and prefix caching, with 4
+//! targets.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -819,8 +821,9 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
         "Schedules: {rounds} rounds, round k's seeded {SEED:#x} + k − 1, the same for every \
          strategy within the round (the strategies take turns, round by round), open loop: each \
          request sent when due on an idle kept-alive connection or a new one, times from the due \
-         time. Round 1's: {n} requests over {dur:?}, {originals} first copies and {repeats} exact repeats; first \
-         copies arrive as a Poisson process at {rate}/s, {bf}× that in bursts ({burst:?} of \
+         time. Round 1's: {n} requests over {dur:?}, {originals} first copies and {repeats} \
+         exact repeats; first copies arrive as a Poisson process at {rate}/s, {bf}× that in \
+         bursts ({burst:?} of \
          every {cycle:?}; {bursts} requests due in bursts). {long} requests ({lp:.0} %) carry a \
          RAG-sized prompt (20 to 60 KB, 5k to 15k tokens), the rest 256 B to 4 KB; {streams} \
          are streams, {forced} ask for the target (`x-sluice-tier: target`), {too_long} are too \
@@ -843,8 +846,9 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
          the simulator's Draft and Target profiles' speeds{scaled}: draft {do} ms + {dp} µs per \
          prompt token to the first token, then {di} ms per token, {dk} KV blocks; target {to} \
          ms + {tp} µs per token, {ti} ms per token, {tk} KV blocks; no jitter; {engine}; \
-         vLLM's OOM answer when a request's KV does not fit; {MAX_TOKENS}-token answers. Sluice: pools `draft` (`max_model_len: \
-         {DRAFT_MAX_MODEL_LEN}`) and `target`, both serving `{MODEL}`, `balancing.strategy` \
+         vLLM's OOM answer when a request's KV does not fit; {MAX_TOKENS}-token answers. \
+         Sluice: pools `draft` (`max_model_len: {DRAFT_MAX_MODEL_LEN}`) and `target`, both \
+         serving `{MODEL}`, `balancing.strategy` \
          set on both; for `ttft`, `prefill_tokens_per_second` seeded to the simulators' speed \
          ({dtps:.0} draft, {ttps:.0} target); `speculative` on (draft first), `cache` on \
          (memory, `tenant: {{anonymous: share}}`, coalescing at its defaults), `kv_breaker` on \
@@ -854,8 +858,10 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
             None => "one prefill at a time per instance (`serial_prefill`)".to_string(),
             Some(budget) => format!(
                 "vLLM V1's engine (`v1_engine({budget})`): chunked prefill in steps of \
-                 {budget} tokens shared by the decodes and the prefills, a prefill taking at \
-                 most a quarter of a step while others wait, a step lasting its decode or its \
+                 {budget} tokens shared by the decodes and the prefills, taken by the prompts \
+                 queued in arrival order (vLLM's default: no `long_prefill_token_threshold`, \
+                 so a short prompt behind a long one waits for the step where the long one \
+                 ends), a step lasting its decode or its \
                  prefill tokens' time, whichever is longer; prefix caching (the prompts' token \
                  ids made up from their bytes)"
             ),
@@ -967,18 +973,21 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
                 .collect(),
         )
     };
-    for (strategy, _) in STRATEGIES {
-        let lag = per_round(strategy, &|d| pct(&d.follower_lag, 99.0));
-        let followers: usize = runs
-            .iter()
+    let total = |strategy: &str, f: &dyn Fn(&StrategyRun, &Derived) -> f64| -> f64 {
+        runs.iter()
             .zip(&derived)
             .filter(|(r, _)| r.strategy == strategy)
-            .map(|(_, d)| d.follower_ttft.len())
-            .sum();
+            .map(|(r, d)| f(r, d))
+            .sum()
+    };
+    for (strategy, _) in STRATEGIES {
+        let lag = per_round(strategy, &|d| pct(&d.follower_lag, 99.0));
+        let followers = total(strategy, &|_, d| d.follower_ttft.len() as f64);
         report.checks.push(
             Check::at_most_rounds(
                 &format!(
-                    "{strategy}: a coalesced stream follower's first chunk within 10 ms of its leader's (p99 of the lag)"
+                    "{strategy}: a coalesced stream follower's first chunk within 10 ms of its \
+                     leader's (p99 of the lag)"
                 ),
                 &lag,
                 10.0,
@@ -986,7 +995,7 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
                 Noise::Tail,
             )
             .showing(format!(
-                "{} ms (followers' TTFT p99 {} ms, their leaders' {} ms; {followers} followers)",
+                "{} ms (followers' TTFT p99 {} ms, their leaders' {} ms; {followers:.0} followers)",
                 lag.show(1),
                 per_round(strategy, &|d| pct(&d.follower_ttft, 99.0)).show(0),
                 per_round(strategy, &|d| pct(&d.leader_ttft, 99.0)).show(0),
@@ -1022,13 +1031,6 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
     report.checks.extend(short);
     let wait = ratio_checks("p99 wait", &|d| pct(&d.wait, 99.0));
     report.checks.extend(wait);
-    let total = |strategy: &str, f: &dyn Fn(&StrategyRun, &Derived) -> f64| -> f64 {
-        runs.iter()
-            .zip(&derived)
-            .filter(|(r, _)| r.strategy == strategy)
-            .map(|(r, d)| f(r, d))
-            .sum()
-    };
     let errs = |s: &str| total(s, &|_, d| d.errors as f64);
     report.checks.push(Check::new(
         "ttft: errors no more than round_robin's and kv_aware's (all rounds)",

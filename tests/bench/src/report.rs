@@ -97,7 +97,7 @@ pub enum Noise {
 
 impl Noise {
     /// The factor a median must clear its bound by.
-    pub fn factor(self) -> f64 {
+    fn factor(self) -> f64 {
         match self {
             Noise::Exact => 1.0,
             Noise::Count => 1.02,
