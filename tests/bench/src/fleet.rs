@@ -13,7 +13,7 @@
 //!
 //! Scenario 25 replays the same schedule on the fleet vLLM V1 makes by default: chunked
 //! prefill (8,192-token steps shared by the decodes and the prefills, the prompts queued taking
-//! them in arrival order, as with vLLM's default `long_prefill_token_threshold`: a short prompt
+//! them in arrival order, as vLLM does without a `long_prefill_token_threshold`: a short prompt
 //! behind a long one waits for the step where the long one ends) and prefix caching, with 4
 //! targets.
 
@@ -823,11 +823,11 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
          request sent when due on an idle kept-alive connection or a new one, times from the due \
          time. Round 1's: {n} requests over {dur:?}, {originals} first copies and {repeats} \
          exact repeats; first copies arrive as a Poisson process at {rate}/s, {bf}× that in \
-         bursts ({burst:?} of \
-         every {cycle:?}; {bursts} requests due in bursts). {long} requests ({lp:.0} %) carry a \
-         RAG-sized prompt (20 to 60 KB, 5k to 15k tokens), the rest 256 B to 4 KB; {streams} \
-         are streams, {forced} ask for the target (`x-sluice-tier: target`), {too_long} are too \
-         long for the draft pool's `max_model_len: {DRAFT_MAX_MODEL_LEN}` (`prompt-too-long`). \
+         bursts ({burst:?} of every {cycle:?}; {bursts} requests due in bursts). {long} \
+         requests ({lp:.0} %) carry a RAG-sized prompt (20 to 60 KB, 5k to 15k tokens), the \
+         rest 256 B to 4 KB; {streams} are streams, {forced} ask for the target \
+         (`x-sluice-tier: target`), {too_long} are too long for the draft pool's \
+         `max_model_len: {DRAFT_MAX_MODEL_LEN}` (`prompt-too-long`). \
          A first copy gets 0, 1 or 2 repeats (1/2, 1/3, 1/6), each due 5 to 60 % of its \
          unloaded duration after it, so while it is still generating. Every request: chat, \
          `temperature: 0`, `max_tokens: {MAX_TOKENS}`.",
@@ -848,11 +848,11 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
          ms + {tp} µs per token, {ti} ms per token, {tk} KV blocks; no jitter; {engine}; \
          vLLM's OOM answer when a request's KV does not fit; {MAX_TOKENS}-token answers. \
          Sluice: pools `draft` (`max_model_len: {DRAFT_MAX_MODEL_LEN}`) and `target`, both \
-         serving `{MODEL}`, `balancing.strategy` \
-         set on both; for `ttft`, `prefill_tokens_per_second` seeded to the simulators' speed \
-         ({dtps:.0} draft, {ttps:.0} target); `speculative` on (draft first), `cache` on \
-         (memory, `tenant: {{anonymous: share}}`, coalescing at its defaults), `kv_breaker` on \
-         at its defaults, health checks at their defaults.",
+         serving `{MODEL}`, `balancing.strategy` set on both; for `ttft`, \
+         `prefill_tokens_per_second` seeded to the simulators' speed ({dtps:.0} draft, \
+         {ttps:.0} target); `speculative` on (draft first), `cache` on (memory, \
+         `tenant: {{anonymous: share}}`, coalescing at its defaults), `kv_breaker` on at its \
+         defaults, health checks at their defaults.",
         targets = shape.targets,
         engine = match shape.v1_budget {
             None => "one prefill at a time per instance (`serial_prefill`)".to_string(),
@@ -861,9 +861,8 @@ async fn fleet_of(ctx: &mut Ctx, shape: Shape) -> Result<ScenarioReport> {
                  {budget} tokens shared by the decodes and the prefills, taken by the prompts \
                  queued in arrival order (vLLM's default: no `long_prefill_token_threshold`, \
                  so a short prompt behind a long one waits for the step where the long one \
-                 ends), a step lasting its decode or its \
-                 prefill tokens' time, whichever is longer; prefix caching (the prompts' token \
-                 ids made up from their bytes)"
+                 ends), a step lasting its decode or its prefill tokens' time, whichever is \
+                 longer; prefix caching (the prompts' token ids made up from their bytes)"
             ),
         },
         where_ = match ctx.sim {

@@ -47,15 +47,12 @@ impl Strategy for Ttft {
         let explores =
             count > 1 && ttft.exploration > 0.0 && !credit.any_exact() && m.session.is_none();
         if explores && fastrand::f64() < ttft.exploration {
-            let idle = m
+            let mut idle = m
                 .candidates()
                 .filter(|&i| m.members.get(i).is_some_and(|e| e.live.nothing_ahead()));
             let idle_count = idle.clone().count();
             if idle_count > 0 {
-                return idle
-                    .clone()
-                    .nth(fastrand::usize(..idle_count))
-                    .map(Pick::only);
+                return idle.nth(fastrand::usize(..idle_count)).map(Pick::only);
             }
         }
         let home = pool.prefix_home(m, demand);
