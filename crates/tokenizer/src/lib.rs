@@ -87,10 +87,16 @@ const PART_BYTES: usize = 16 * 1024;
 /// 32 of `sluice-bench`), where parts reuse the same memory.
 ///
 /// Exact only where the pre-tokenizer splits there itself and nothing else spans the cut:
-/// GPT-2's byte-level regex (` ?\p{L}+`: a space joins the letters after it, and a letter run
-/// ends before a space), no normalizer or NFC (which never composes across a space), and a
-/// model that encodes each pre-token on its own (BPE, as every byte-level tokenizer is). Any
-/// other tokenizer is encoded whole.
+/// no normalizer or NFC (which never composes across a space), a model that encodes each
+/// pre-token on its own (BPE, as every byte-level tokenizer is), and a split whose pre-tokens
+/// end a run of letters before a space and start the next at the space:
+/// - GPT-2's byte-level regex (` ?\p{L}+`);
+/// - Llama 3's and Qwen 2's split (the Qwen 2.5 and Qwen 3 families' too) before a
+///   byte-level step without a regex of its own ([`SPLITS_AT_WORDS`]): each alternative that
+///   takes a letter stops at a space (a letter run, or a contraction within one), and at a
+///   space before a letter only `[^\r\n\p{L}\p{N}]?\p{L}+` matches, the space and the run.
+///
+/// Any other tokenizer is encoded whole.
 fn cuts_at_words(tokenizer_json: &[u8]) -> bool {
     #[derive(Deserialize)]
     struct Parts {
@@ -106,11 +112,43 @@ fn cuts_at_words(tokenizer_json: &[u8]) -> bool {
         Some(n) => n["type"] == "NFC",
     };
     let pre = parts.pre_tokenizer.unwrap_or_default();
-    let byte_level =
-        pre["type"] == "ByteLevel" && pre["add_prefix_space"] == false && pre["use_regex"] != false;
+    let byte_level = |step: &serde_json::Value, regex: bool| {
+        step["type"] == "ByteLevel"
+            && step["add_prefix_space"] == false
+            && if regex {
+                step["use_regex"] != false
+            } else {
+                step["use_regex"] == false
+            }
+    };
+    let split_at_words = |step: &serde_json::Value| {
+        step["type"] == "Split"
+            && step["behavior"] == "Isolated"
+            && step["invert"] == false
+            && step["pattern"]["Regex"]
+                .as_str()
+                .is_some_and(|r| SPLITS_AT_WORDS.contains(&r))
+    };
+    let split_then_bytes = |steps: &Vec<serde_json::Value>| match steps.as_slice() {
+        [split, bytes] => split_at_words(split) && byte_level(bytes, false),
+        _ => false,
+    };
+    let pre_ok = byte_level(&pre, true)
+        || (pre["type"] == "Sequence"
+            && pre["pretokenizers"]
+                .as_array()
+                .is_some_and(split_then_bytes));
     let bpe = parts.model.is_some_and(|m| m["type"] == "BPE");
-    normalizer_ok && byte_level && bpe
+    normalizer_ok && pre_ok && bpe
 }
+
+/// The split regexes of `tokenizer.json`s a long text may be cut at words under, as
+/// Hugging Face's files write them: Llama 3's (numbers in threes) and Qwen 2's (digit by
+/// digit), which Qwen 2.5 and Qwen 3 keep.
+const SPLITS_AT_WORDS: [&str; 2] = [
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
 
 /// Where a long `text` is cut into parts: past [`PART_BYTES`] from the last cut, at the first
 /// space with an ASCII letter on each side (the space starts the next part).
@@ -820,19 +858,82 @@ mod tests {
     }
 
     /// A long text between added tokens is encoded in parts (a byte-level BPE), and its ids
-    /// are those of the text encoded whole: words, runs of spaces, newlines, numbers,
-    /// punctuation, contractions and accented letters at and around every cut.
+    /// are those of the text encoded whole.
     #[test]
     fn a_long_piece_cut_at_words_gives_the_ids_of_the_whole() {
         let tokenizer = PromptTokenizer::load(&fixture()).unwrap();
         assert!(tokenizer.cuts_at_words, "the fixture is a byte-level BPE");
+        assert_cut_ids_are_the_whole_text_s(&tokenizer);
+        // A text with no cut in it is one part.
+        let unbroken = "x".repeat(3 * PART_BYTES);
+        assert_eq!(word_cuts(&unbroken).count(), 1);
+    }
+
+    /// Llama 3's and Qwen 2's pre-tokenizers (a split, then bytes) cut long texts too, with
+    /// the ids of the whole: the fixture's vocabulary under each one's `pre_tokenizer` (and
+    /// Qwen's NFC normalizer), as their `tokenizer.json`s write them.
+    #[test]
+    fn llama_3_and_qwen_2_splits_cut_at_words_with_the_ids_of_the_whole() {
+        let fixture_json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixture().join("tokenizer.json")).unwrap())
+                .unwrap();
+        for (family, regex, normalizer) in [
+            ("llama 3", SPLITS_AT_WORDS[0], serde_json::Value::Null),
+            (
+                "qwen 2",
+                SPLITS_AT_WORDS[1],
+                serde_json::json!({"type": "NFC"}),
+            ),
+        ] {
+            let mut json = fixture_json.clone();
+            json["normalizer"] = normalizer;
+            json["pre_tokenizer"] = serde_json::json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+                ],
+            });
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(
+                dir.path().join("tokenizer.json"),
+                serde_json::to_vec(&json).unwrap(),
+            )
+            .unwrap();
+            let tokenizer = PromptTokenizer::load(dir.path()).unwrap();
+            assert!(tokenizer.cuts_at_words, "{family}");
+            // The split is the one in force: digits in threes (Llama 3) or one by one (Qwen 2),
+            // where GPT-2's regex keeps them together.
+            let mut digits = tokenizers::PreTokenizedString::from("12345");
+            tokenizers::PreTokenizer::pre_tokenize(
+                tokenizer.tokenizer.get_pre_tokenizer().unwrap(),
+                &mut digits,
+            )
+            .unwrap();
+            let splits = digits
+                .get_splits(
+                    tokenizers::OffsetReferential::Original,
+                    tokenizers::OffsetType::Byte,
+                )
+                .len();
+            assert_eq!(splits, if family == "llama 3" { 2 } else { 5 }, "{family}");
+            assert_cut_ids_are_the_whole_text_s(&tokenizer);
+        }
+    }
+
+    /// A long text of words, runs of spaces, newlines, numbers, punctuation, contractions and
+    /// accented letters at and around every cut: cut into parts, each after the first
+    /// starting with its space, and encoded in parts with the ids of the text encoded whole.
+    fn assert_cut_ids_are_the_whole_text_s(tokenizer: &PromptTokenizer) {
         let mut word = words(&[
             "the ",
             "cache ",
             "éé ",
             "don't ",
+            "'really ",
             "  ",
             "\n",
+            "\r\n",
             "x",
             ".",
             "12345 ",
@@ -853,9 +954,6 @@ mod tests {
             tokenizer.encode_piece(&text).unwrap(),
             tokenizer.encode(&text, false).unwrap()
         );
-        // A text with no cut in it is one part.
-        let unbroken = "x".repeat(3 * PART_BYTES);
-        assert_eq!(word_cuts(&unbroken).count(), 1);
     }
 
     #[test]
@@ -884,6 +982,30 @@ mod tests {
         assert!(!cuts_at_words(
             json("null", byte_level, "WordPiece").as_bytes()
         ));
+        // A split then bytes: Llama 3's regex is cut; another regex, a split that drops what
+        // it matches, or bytes with a regex of their own after it are not.
+        let split = |regex: &str, behavior: &str, use_regex: bool| {
+            serde_json::json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": behavior, "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "use_regex": use_regex},
+            ]})
+            .to_string()
+        };
+        let llama = SPLITS_AT_WORDS[0];
+        assert!(cuts_at_words(
+            json("null", &split(llama, "Isolated", false), "BPE").as_bytes()
+        ));
+        let digits_first = r"\p{N}{1,3}|[^\r\n\p{L}\p{N}]?\p{L}+";
+        for pre in [
+            split(digits_first, "Isolated", false),
+            split(llama, "Removed", false),
+            split(llama, "Isolated", true),
+        ] {
+            assert!(
+                !cuts_at_words(json("null", &pre, "BPE").as_bytes()),
+                "{pre}"
+            );
+        }
     }
 
     #[test]
