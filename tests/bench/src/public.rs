@@ -228,6 +228,19 @@ pub async fn max_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
     let stack = Stack::start(ctx, &spec, &PUBLIC).await?;
     stack.note_down(&mut report);
     let body = chat_body("Hello! Say something short.", false, 16);
+    // The cache on, every request its own prompt: the memory store grows to its bound over
+    // the first search, by how many requests this machine sends in it. Filled first, so that
+    // "RSS after ÷ before" is what a load leaves behind, not how far the cache got.
+    let mut filled = None;
+    for up in stack
+        .up
+        .iter()
+        .filter(|u| u.contender == Contender::SluiceOn)
+    {
+        if let Some(admin) = up.admin {
+            filled = Some(fill_cache(admin, target_for(up, CHAT, &body), &p).await?);
+        }
+    }
     let mut found: BTreeMap<Contender, Vec<Search>> = BTreeMap::new();
     for _ in 0..p.rounds {
         for up in &stack.up {
@@ -369,18 +382,74 @@ pub async fn max_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
          client's. Compare contenders within the run, not with published numbers."
             .to_string(),
     );
+    if let Some(fill) = filled {
+        report.notes.push(format!(
+            "Plugins on: before its first search, its memory store was {} by {} requests of \
+             their own ({:.1} MB held, as `sluice_cache_memory_bytes` weighs entries), so that \
+             every round's RSS before holds a full cache and \"after ÷ before\" counts what \
+             the load left behind. Without it the first round's after held however much of the \
+             cache that machine's search had filled (from 1.02× to 2.27× in the last five full runs).",
+            if fill.at_bound {
+                "filled to its bound (until it stopped growing)"
+            } else {
+                "filled as far as the time allowed, still growing,"
+            },
+            fill.requests,
+            fill.bytes / 1e6
+        ));
+    }
     let after_vs_before = series(found.get(&Contender::SluiceOn), |s| {
         s.rss_after as f64 / (s.rss_before as f64).max(1.0)
-    })
-    .median();
-    report.checks.push(Check::at_most(
-        "plugins on: RSS after the load over RSS before",
-        after_vs_before,
+    });
+    report.checks.push(Check::at_most_rounds(
+        "plugins on (cache full): RSS after the load over RSS before",
+        &after_vs_before,
         1.10,
         "×",
         Noise::Share,
     ));
     Ok(report)
+}
+
+/// How far [`fill_cache`] filled a memory store.
+struct Fill {
+    requests: u64,
+    /// What `sluice_cache_memory_bytes` said at the end.
+    bytes: f64,
+    /// It stopped growing: the store is at its bound.
+    at_bound: bool,
+}
+
+/// Sends requests of their own to a Sluice whose cache stores each answer until its memory
+/// store stops growing (it is at its bound), or 60 batches of `public_step` have gone.
+async fn fill_cache(
+    admin: std::net::SocketAddr,
+    target: std::sync::Arc<crate::loadgen::Target>,
+    p: &crate::Params,
+) -> Result<Fill> {
+    let held = || async {
+        let page = crate::fleet::page_of(admin).await?;
+        Ok::<_, anyhow::Error>(crate::resilience::metric_sum(
+            &page,
+            "sluice_cache_memory_bytes",
+        ))
+    };
+    let mut fill = Fill {
+        requests: 0,
+        bytes: held().await?,
+        at_bound: false,
+    };
+    for _ in 0..60 {
+        let batch = closed_loop(target.clone(), 256, Duration::ZERO, p.public_step).await?;
+        fill.requests += batch.ok;
+        let now = held().await?;
+        fill.at_bound = batch.ok > 0 && now <= fill.bytes * 1.001;
+        fill.bytes = now;
+        if fill.at_bound {
+            break;
+        }
+    }
+    Ok(fill)
 }
 
 /// 17. Streams of 64 deltas 20 ms apart: added TTFT and inter-frame gaps over direct.
