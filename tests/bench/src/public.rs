@@ -5,20 +5,22 @@
 //! inter-frame gaps. Contenders: direct, nginx, bare Pingora, Sluice plugins off and on.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
 
 use crate::contenders::{Contender, SimSpec};
-use crate::loadgen::{closed_loop, open_loop, LoadResult};
+use crate::loadgen::{closed_loop, open_loop, LoadResult, Target};
 use crate::own_clock::{OwnClock, Phase};
 use crate::report::{pairwise, Check, Noise, ScenarioReport, Series};
 use crate::scenarios::{
     chat_body, each_round, errors_cell, errors_cell_sse, proxy_pids, rss_sum, series,
-    stream_rounds, target_for, title, RssSampler, Stack, Tally, CHAT,
+    stream_rounds, target_for, title, RssSampler, Stack, Tally, Up, CHAT,
 };
 use crate::sse::{SseLoad, SseResult};
-use crate::Ctx;
+use crate::{Ctx, Params};
 
 /// The public method's contenders.
 const PUBLIC: [Contender; 5] = Contender::WITH_BARE_PINGORA;
@@ -231,16 +233,14 @@ pub async fn max_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
     // The cache on, every request its own prompt: the memory store grows to its bound over
     // the first search, by how many requests this machine sends in it. Filled first, so that
     // "RSS after ÷ before" is what a load leaves behind, not how far the cache got.
-    let mut filled = None;
-    for up in stack
-        .up
-        .iter()
-        .filter(|u| u.contender == Contender::SluiceOn)
-    {
-        if let Some(admin) = up.admin {
-            filled = Some(fill_cache(admin, target_for(up, CHAT, &body), &p).await?);
-        }
-    }
+    let filled = match stack.up.iter().find(|u| u.contender == Contender::SluiceOn) {
+        Some(
+            up @ Up {
+                admin: Some(admin), ..
+            },
+        ) => Some(fill_cache(*admin, target_for(up, CHAT, &body), &p).await?),
+        _ => None,
+    };
     let mut found: BTreeMap<Contender, Vec<Search>> = BTreeMap::new();
     for _ in 0..p.rounds {
         for up in &stack.up {
@@ -388,7 +388,8 @@ pub async fn max_rate(ctx: &mut Ctx) -> Result<ScenarioReport> {
              their own ({:.1} MB held, as `sluice_cache_memory_bytes` weighs entries), so that \
              every round's RSS before holds a full cache and \"after ÷ before\" counts what \
              the load left behind. Without it the first round's after held however much of the \
-             cache that machine's search had filled (from 1.02× to 2.27× in the last five full runs).",
+             cache that machine's search had filled (from 1.02× to 2.27× in the last five full \
+             runs).",
             if fill.at_bound {
                 "filled to its bound (until it stopped growing)"
             } else {
@@ -422,11 +423,7 @@ struct Fill {
 
 /// Sends requests of their own to a Sluice whose cache stores each answer until its memory
 /// store stops growing (it is at its bound), or 60 batches of `public_step` have gone.
-async fn fill_cache(
-    admin: std::net::SocketAddr,
-    target: std::sync::Arc<crate::loadgen::Target>,
-    p: &crate::Params,
-) -> Result<Fill> {
+async fn fill_cache(admin: SocketAddr, target: Arc<Target>, p: &Params) -> Result<Fill> {
     let held = || async {
         let page = crate::fleet::page_of(admin).await?;
         Ok::<_, anyhow::Error>(crate::resilience::metric_sum(
